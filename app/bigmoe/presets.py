@@ -1,0 +1,129 @@
+"""Model presets: plain data read from the TOML files shipped in `bigmoe.presets`."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+
+class PresetError(ValueError):
+    """A preset is unknown or malformed; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Architecture numbers the planner needs."""
+
+    moe_layers: int
+    """MoE layers (each with its own experts)."""
+    experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Experts each token is routed to per layer."""
+    shared_experts: int
+    """Always-on shared experts per layer (counted in dense_bytes)."""
+    hidden: int
+    """Model hidden size."""
+    moe_intermediate: int
+    """Intermediate size of one routed expert."""
+    vocab: int
+    """Vocabulary size."""
+    expert_bytes_fp8: int
+    """Bytes of one routed expert in FP8 with its block scales."""
+    expert_bytes_bf16: int
+    """Bytes of one routed expert in bf16."""
+    dense_bytes: int
+    """Bytes of every non-routed weight (embeddings, attention, shared experts, head)."""
+    ngram_table_bytes: int
+    """Bytes of the n-gram (PLE) table, 0 when the model has none."""
+    kv_bytes_per_token: int
+    """KV-cache bytes one token of context needs."""
+    max_context: int
+    """Longest context the model supports (tokens)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One model bigmoe knows how to run."""
+
+    name: str
+    """Name used on the command line."""
+    hub_id: str
+    """Hugging Face repository, empty for a model made locally."""
+    revision: str
+    """Hub revision to fetch."""
+    architecture: str
+    """The `architectures[0]` its config.json must name."""
+    description: str
+    """One line for listings."""
+    synthetic: bool
+    """Made locally by scripts/make_tiny_moe.py instead of downloaded."""
+    dtype_cpu: str
+    """Expert dtype to run with on a CPU (bf16 where the CPU has no FP8 MoE)."""
+    dtype_gpu: str
+    """Expert dtype to run with on a GPU."""
+    arch: Arch
+    """Architecture numbers."""
+    vllm_args: tuple[str, ...] = ()
+    """Flags `vllm serve` needs for this model."""
+    vllm_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables vLLM needs for this model."""
+    source: str = ""
+    """File the preset was read from."""
+
+    def expert_bytes(self, dtype: str) -> int:
+        return self.arch.expert_bytes_fp8 if dtype == "fp8" else self.arch.expert_bytes_bf16
+
+    def total_expert_bytes(self, dtype: str) -> int:
+        return self.expert_bytes(dtype) * self.arch.experts * self.arch.moe_layers
+
+
+def names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in _files() if p.name.endswith(".toml"))
+
+
+def load(name_or_path: str) -> Preset:
+    """A preset by name, or from a TOML file path."""
+    path = Path(name_or_path)
+    if name_or_path.endswith(".toml") and path.exists():
+        return parse(path.read_text(), str(path))
+    for item in _files():
+        if item.name == f"{name_or_path}.toml":
+            return parse(item.read_text(), f"preset {name_or_path}")
+    raise PresetError(f"unknown model {name_or_path!r}; known: {', '.join(names())}")
+
+
+def parse(text: str, source: str) -> Preset:
+    try:
+        data = tomllib.loads(text)
+        model, arch, vllm = data["model"], data["arch"], data.get("vllm", {})
+        preset = Preset(
+            name=str(model["name"]),
+            hub_id=str(model.get("hub_id", "")),
+            revision=str(model.get("revision", "main")),
+            architecture=str(model["architecture"]),
+            description=str(model.get("description", "")),
+            synthetic=bool(model.get("synthetic", False)),
+            dtype_cpu=str(model.get("dtype_cpu", "bf16")),
+            dtype_gpu=str(model.get("dtype_gpu", "fp8")),
+            arch=Arch(**{k: int(arch[k]) for k in Arch.__dataclass_fields__}),
+            vllm_args=tuple(str(a) for a in vllm.get("args", [])),
+            vllm_env={str(k): str(v) for k, v in vllm.get("env", {}).items()},
+            source=source,
+        )
+    except tomllib.TOMLDecodeError as e:
+        raise PresetError(f"{source} is not valid TOML: {e}") from None
+    except KeyError as e:
+        raise PresetError(f"{source} lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise PresetError(f"{source} has a bad value: {e}") from None
+    for dtype in (preset.dtype_cpu, preset.dtype_gpu):
+        if dtype not in ("fp8", "bf16"):
+            raise PresetError(f"{source}: dtype {dtype!r} must be fp8 or bf16")
+    return preset
+
+
+def _files():
+    return list(resources.files("bigmoe.presets").iterdir())

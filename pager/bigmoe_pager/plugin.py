@@ -1,0 +1,64 @@
+"""vLLM `general_plugins` entry points.
+
+vLLM calls these in every process it starts (API server, engine core, workers),
+so each is idempotent, imports vLLM lazily and does nothing unless the bigmoe
+settings enable it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bigmoe_pager.settings import PagerSettings
+
+log = logging.getLogger("bigmoe_pager")
+
+SUPPORTED_VLLM = ("0.25", "0.32", "0.33")
+
+_done: set[str] = set()
+
+
+class UnsupportedVllm(RuntimeError):
+    """The installed vLLM is not one the plugin was built and tested for."""
+
+
+def check_vllm_version(version: str) -> None:
+    if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
+        raise UnsupportedVllm(
+            f"bigmoe: vLLM {version} is not supported; the pager supports vLLM "
+            + ", ".join(f"{v}.x" for v in SUPPORTED_VLLM)
+        )
+
+
+def _installed_vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def register_experts() -> None:
+    """Entry point `bigmoe_experts`: swap vLLM's RoutedExperts for the paged one."""
+    if "experts" in _done:
+        return
+    settings = PagerSettings.from_env()
+    if not settings.enabled:
+        return
+    check_vllm_version(_installed_vllm_version())
+    from bigmoe_pager.adapters import vllm_experts
+
+    vllm_experts.install(settings)
+    _done.add("experts")
+
+
+def register_ngram() -> None:
+    """Entry point `bigmoe_ngram`: serve the Qwen4Exp n-gram table from SSD."""
+    if "ngram" in _done:
+        return
+    settings = PagerSettings.from_env()
+    if not settings.ngram:
+        return
+    check_vllm_version(_installed_vllm_version())
+    from bigmoe_pager.adapters import vllm_ngram
+
+    vllm_ngram.install(settings)
+    _done.add("ngram")

@@ -1,0 +1,190 @@
+"""The one contract between the app and the plugins: `BIGMOE_*` settings.
+
+The app writes these variables (or a TOML file that `BIGMOE_SETTINGS` points
+to); every vLLM process the plugins load in reads them with `PagerSettings.from_env()`.
+A variable beats the same key in the file. Bad values raise `SettingsError` with
+one line that names the variable and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+COMPRESS_CHOICES = ("on", "off", "auto")
+
+
+class SettingsError(ValueError):
+    """A setting has a value the pager cannot use; the message is one line."""
+
+
+@dataclass(frozen=True)
+class PagerSettings:
+    """What the expert and n-gram pagers do in a vLLM process."""
+
+    enabled: bool = False
+    """BIGMOE_PAGER: 1 pages MoE experts across VRAM, RAM and SSD; 0 leaves vLLM alone."""
+    vram_slots: tuple[int, ...] = ()
+    """BIGMOE_VRAM_SLOTS: expert slots in device memory per MoE layer: one integer, or one per layer (comma list); empty = every expert."""
+    ram_slots: tuple[int, ...] = ()
+    """BIGMOE_RAM_SLOTS: pinned host-RAM slots per MoE layer, like vram_slots; empty = every expert (no SSD tier)."""
+    paging_file: Path | None = None
+    """BIGMOE_PAGING_FILE: paging file the SSD tier reads; unset = read the checkpoint's safetensors in place."""
+    compress: str = "auto"
+    """BIGMOE_COMPRESS: on / off / auto: lossless FP8 codec for RAM and SSD records (auto = on when a paging file is used)."""
+    work_slots: int = 0
+    """BIGMOE_WORK_SLOTS: slots of the working buffer that streams prefill chunks; 0 = same as the layer's VRAM slots."""
+    io_workers: int = 4
+    """BIGMOE_IO_WORKERS: host threads reading experts from SSD."""
+    read_timeout_s: float = 10.0
+    """BIGMOE_READ_TIMEOUT_S: seconds one SSD read may take before it is retried."""
+    read_retries: int = 2
+    """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
+    prefetch: bool = False
+    """BIGMOE_PREFETCH: 1 predicts the next layer's experts and copies them on a side stream."""
+    hot_profile: Path | None = None
+    """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
+    trace_path: Path | None = None
+    """BIGMOE_TRACE_PATH: record routing (topk_ids int32 [tokens, layers, k]) to this .npz at shutdown."""
+    route_replay: Path | None = None
+    """BIGMOE_ROUTE_REPLAY: benchmark only: replace the router's top-k ids with this trace's, in order."""
+    ngram: bool = False
+    """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
+    ngram_cache_rows: int = 0
+    """BIGMOE_NGRAM_CACHE_ROWS: rows of the n-gram RAM row cache; 0 = rely on the OS page cache."""
+    stats_dir: Path | None = None
+    """PROMETHEUS_MULTIPROC_DIR: where pager counters are written for vLLM's /metrics; unset = not exported."""
+
+    # ---- reading -------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "PagerSettings":
+        env = os.environ if env is None else env
+        values: dict[str, str] = {}
+        file = env.get("BIGMOE_SETTINGS")
+        if file:
+            values.update(_read_file(Path(file)))
+        for f in dataclasses.fields(cls):
+            var = _var(f)
+            if var in env and env[var] != "":
+                values[f.name] = env[var]
+        return cls(**{name: _parse(cls, name, raw) for name, raw in values.items()})
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that make `from_env` return these settings (defaults left out)."""
+        out: dict[str, str] = {}
+        default = PagerSettings()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == getattr(default, f.name):
+                continue
+            out[_var(f)] = _format(value)
+        return out
+
+    # ---- per-layer numbers --------------------------------------------------------
+
+    def slots_for(self, layer: int, num_layers: int, num_experts: int) -> tuple[int, int]:
+        """(VRAM slots, RAM slots) for MoE layer `layer` of `num_layers`, each clamped to experts."""
+        vram = _per_layer(self.vram_slots, layer, num_layers, num_experts, "BIGMOE_VRAM_SLOTS")
+        ram = _per_layer(self.ram_slots, layer, num_layers, num_experts, "BIGMOE_RAM_SLOTS")
+        if vram < 1:
+            raise SettingsError(f"BIGMOE_VRAM_SLOTS: layer {layer} has {vram} slots; each layer needs at least 1")
+        if ram < vram:
+            raise SettingsError(
+                f"BIGMOE_RAM_SLOTS: layer {layer} has {ram} RAM slots, fewer than its {vram} VRAM slots; "
+                "RAM slots must be >= VRAM slots"
+            )
+        return vram, ram
+
+    def use_codec(self) -> bool:
+        """Whether expert records are compressed (auto: only where a paging file exists)."""
+        if self.compress == "auto":
+            return self.paging_file is not None
+        return self.compress == "on"
+
+
+def _var(f: dataclasses.Field) -> str:
+    return "PROMETHEUS_MULTIPROC_DIR" if f.name == "stats_dir" else "BIGMOE_" + f.name.upper()
+
+
+def _read_file(path: Path) -> dict[str, str]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise SettingsError(f"BIGMOE_SETTINGS: cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"BIGMOE_SETTINGS: {path} is not valid TOML: {e}") from None
+    names = {f.name for f in dataclasses.fields(PagerSettings)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise SettingsError(f"BIGMOE_SETTINGS: {path} has unknown keys {unknown}; known: {sorted(names)}")
+    return {k: _format(v) if not isinstance(v, str) else v for k, v in data.items()}
+
+
+def _format(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _parse(cls: type, name: str, raw: str) -> object:
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    var = _var(f)
+    kind = f.type
+    raw = raw.strip()
+    try:
+        if kind == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "tuple[int, ...]":
+            items = tuple(int(x) for x in raw.split(",") if x.strip())
+            if any(x < 0 for x in items):
+                raise ValueError
+            return items
+        if kind == "int":
+            value = int(raw)
+            if value < 0:
+                raise ValueError
+            return value
+        if kind == "float":
+            value = float(raw)
+            if not value > 0:
+                raise ValueError
+            return value
+        if kind == "Path | None":
+            return Path(raw).expanduser()
+        if name == "compress":
+            if raw not in COMPRESS_CHOICES:
+                raise ValueError
+            return raw
+    except ValueError:
+        raise SettingsError(f"{var}={raw!r} is not valid; expected {_expected(kind, name)}") from None
+    return raw
+
+
+def _expected(kind: str, name: str) -> str:
+    return {
+        "bool": "1 or 0",
+        "tuple[int, ...]": "a non-negative integer or a comma list of them, one per MoE layer",
+        "int": "a non-negative integer",
+        "float": "a positive number",
+    }.get(kind, " / ".join(COMPRESS_CHOICES) if name == "compress" else "a path")
+
+
+def _per_layer(values: tuple[int, ...], layer: int, num_layers: int, experts: int, var: str) -> int:
+    if not values:
+        return experts
+    if len(values) == 1:
+        return min(values[0], experts)
+    if len(values) != num_layers:
+        raise SettingsError(f"{var} lists {len(values)} values but the model has {num_layers} MoE layers; give one value or one per layer")
+    return min(values[layer], experts)
