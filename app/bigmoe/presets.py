@@ -126,4 +126,4 @@ def parse(text: str, source: str) -> Preset:
 
 
 def _files():
-    return list(resources.files("bigmoe.presets").iterdir())
+    return list(resources.files("bigmoe.preset_files").iterdir())

@@ -1,0 +1,1 @@
+"""Model presets: the TOML files beside this one (data only)."""
