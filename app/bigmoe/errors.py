@@ -1,0 +1,7 @@
+"""The app's error base: anything raised as BigmoeError is shown as one line, exit code 1."""
+
+
+class BigmoeError(Exception):
+    """An error the user can act on; its message is one line."""
+
+    exit_code = 1

@@ -1,0 +1,32 @@
+"""Where bigmoe keeps its files: models it makes, logs, runfiles (all under one cache root)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """BIGMOE_HOME, else $XDG_CACHE_HOME/bigmoe, else ~/.cache/bigmoe."""
+    if os.environ.get("BIGMOE_HOME"):
+        return Path(os.environ["BIGMOE_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "bigmoe"
+
+
+def _dir(*parts: str) -> Path:
+    path = cache_root().joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_dir() -> Path:
+    return _dir("run")
+
+
+def log_dir() -> Path:
+    return _dir("logs")
+
+
+def models_dir() -> Path:
+    return _dir("models")
