@@ -1,0 +1,116 @@
+"""The steps of `bigmoe run`, shared by the TUI and the headless shell:
+probe -> plan -> obtain the model -> prepare -> launch (-> watch).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from bigmoe import launch, presets
+from bigmoe.errors import BigmoeError
+from bigmoe.paths import log_dir
+
+Progress = Callable[[str, dict], None]
+"""Called with (event, fields) as a step advances; the shells render it."""
+
+
+@dataclass
+class RunOptions:
+    """What the person asked `bigmoe run` for."""
+
+    model: str
+    """Preset name (or a preset TOML path)."""
+    prompt: str | None = None
+    """One chat request to send once the server is ready; then stop."""
+    max_tokens: int = 64
+    """Tokens to generate for the prompt."""
+    host: str = "127.0.0.1"
+    """Address the server binds."""
+    port: int = 8000
+    """Port of the OpenAI-compatible API."""
+    api_key: str | None = None
+    """API key vLLM requires, if any."""
+    model_dir: str | None = None
+    """Checkpoint directory to serve instead of fetching or making one."""
+    vram_slots: int | None = None
+    """VRAM expert slots per layer, beating the plan."""
+    ram_slots: int | None = None
+    """RAM expert slots per layer, beating the plan."""
+    compress: str | None = None
+    """Codec on/off/auto, beating the plan."""
+    context: int | None = None
+    """Context length, beating the plan."""
+    force: bool = False
+    """Launch a plan the estimator refused."""
+    start_timeout: float = 900.0
+    """Seconds to wait for /health."""
+
+
+class VllmMissing(BigmoeError):
+    """vLLM is not importable in this environment."""
+
+
+def load_preset(opts: RunOptions) -> presets.Preset:
+    return presets.load(opts.model)
+
+
+def probe_machine():
+    from bigmoe.probe import probe
+
+    return probe()
+
+
+def make_plan(hardware, preset: presets.Preset, opts: RunOptions):
+    from bigmoe.plan import Overrides, plan
+
+    overrides = Overrides(
+        vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
+        context=opts.context, force=opts.force,
+    )
+    return plan(hardware, preset, overrides)
+
+
+def obtain_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: Progress) -> Path:
+    """The checkpoint directory to serve: given, made locally (synthetic presets), or fetched."""
+    if opts.model_dir:
+        path = Path(opts.model_dir).expanduser()
+        if not (path / "config.json").is_file() or not os.access(path / "config.json", os.R_OK):
+            raise BigmoeError(f"--model-dir {path}: no readable config.json there")
+        return path
+    if preset.synthetic:
+        from bigmoe.synthetic import ensure_tiny_model
+
+        progress("model", {"state": "making", "name": preset.name, "dtype": the_plan.expert_dtype})
+        path = ensure_tiny_model(preset, the_plan.expert_dtype)
+        progress("model", {"state": "ready", "path": str(path)})
+        return path
+    from bigmoe import fetch
+
+    fetch_plan = fetch.dry_run(preset.hub_id, preset.revision)
+    progress("fetch", {"state": "planned", "bytes": fetch_plan.bytes_to_download, "files": len(fetch_plan.files)})
+    return fetch.fetch(fetch_plan, lambda p: progress("fetch", p.__dict__ if hasattr(p, "__dict__") else {"progress": str(p)}))
+
+
+def require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmMissing("vLLM is not installed in this Python environment; run installer/install.sh (or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')")
+
+
+def start_server(preset: presets.Preset, the_plan, model_path: Path, opts: RunOptions) -> launch.Server:
+    require_vllm()
+    port = opts.port
+    extra = list(the_plan.vllm_args(opts.context))
+    if opts.api_key:
+        extra += ["--api-key", opts.api_key]
+    argv = launch.serve_argv(launch.python_executable(), model_path, preset.name, opts.host, port, extra)
+    info = launch.RunInfo(
+        name=preset.name, pid=0, host=opts.host, port=port,
+        log=str(log_dir() / f"{preset.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"),
+        model_path=str(model_path), served_name=preset.name, started=time.time(),
+    )
+    return launch.start(argv, the_plan.vllm_env(), info)
