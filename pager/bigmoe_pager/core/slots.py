@@ -1,0 +1,189 @@
+"""Slot tables: which expert sits in which slot of one tier of one layer.
+
+The table lives on the device that runs the model (the GPU, or the CPU for the
+CPU build) and is updated there with fixed-shape tensor ops only: no `.item()`,
+no `nonzero`, no data-dependent shapes. So `acquire` can be captured in a CUDA
+graph and replayed with new routing written into the same input tensor.
+
+Policy (LRU, deterministic so a plain-Python model can check it):
+- every expert a step needs is kept or brought in, never evicted by that step;
+- a miss takes an empty slot first, then the unneeded slot with the smallest
+  (last-use step, expert id);
+- misses are assigned slots in ascending expert id;
+- when a step needs more distinct experts than there are slots (overflow), the
+  lowest-id misses get the free and unneeded slots, the rest stay out and their
+  ids remap to -1; the caller must then stream the step in chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
+
+
+class SlotTableError(ValueError):
+    """A slot table was built or called with sizes it cannot work with."""
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """What one `acquire` decided; every field is a device tensor, nothing was synced."""
+
+    remapped: torch.Tensor
+    """Input shape and dtype: slot of each id; -1 for -1 ids, invalid ids and overflowed experts."""
+    miss_experts: torch.Tensor
+    """int64 [M]: experts to bring in this step, ascending, -1 padded (M = min(ids, slots))."""
+    miss_slots: torch.Tensor
+    """int64 [M]: slot each of miss_experts goes to, -1 padded."""
+    evicted: torch.Tensor
+    """int64 [M]: expert that slot held before (-1 if it was empty or unused)."""
+    lookups: torch.Tensor
+    """int64 []: distinct valid experts the step needs."""
+    hits: torch.Tensor
+    """int64 []: of those, already resident."""
+    misses: torch.Tensor
+    """int64 []: of those, not resident (loaded or, on overflow, left out)."""
+    loaded: torch.Tensor
+    """int64 []: misses that got a slot (entries of miss_slots that are >= 0)."""
+    overflow: torch.Tensor
+    """int64 []: distinct needed experts beyond the slot count (0 when the step fits)."""
+    invalid: torch.Tensor
+    """int64 []: ids outside [-1, experts): bad routing, remapped to -1."""
+
+
+class SlotTable:
+    """Expert <-> slot maps and last-use stamps for one tier of one layer."""
+
+    def __init__(self, num_experts: int, num_slots: int, device: torch.device | str = "cpu") -> None:
+        if num_experts < 1 or num_slots < 1:
+            raise SlotTableError(f"slot table needs >= 1 expert and >= 1 slot, got {num_experts} experts, {num_slots} slots")
+        if num_slots > num_experts:
+            raise SlotTableError(f"{num_slots} slots for {num_experts} experts: slots must not exceed experts")
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        e, s = num_experts, num_slots
+        # One extra entry at the end of each map is a write sink: scatters aim
+        # padding there instead of branching, which keeps every shape fixed.
+        self._expert_slot = torch.full((e + 1,), -1, dtype=torch.int64, device=self.device)
+        self._slot_expert = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
+        self._last_use = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
+        self.step = torch.zeros((), dtype=torch.int64, device=self.device)
+        """Acquire calls so far; the stamp of the current call."""
+        self._arange_e = torch.arange(e, dtype=torch.int64, device=self.device)
+
+    # ---- views -----------------------------------------------------------------------
+
+    @property
+    def expert_slot(self) -> torch.Tensor:
+        """int64 [experts]: slot of each expert, -1 when not resident."""
+        return self._expert_slot[: self.num_experts]
+
+    @property
+    def slot_expert(self) -> torch.Tensor:
+        """int64 [slots]: expert in each slot, -1 when empty."""
+        return self._slot_expert[: self.num_slots]
+
+    @property
+    def last_use(self) -> torch.Tensor:
+        """int64 [slots]: step that last needed each slot's expert, -1 when empty."""
+        return self._last_use[: self.num_slots]
+
+    def miss_capacity(self, num_ids: int) -> int:
+        """Length M of the miss list for an input of `num_ids` ids (fixed by shapes)."""
+        return max(1, min(num_ids, self.num_slots))
+
+    # ---- the decision ------------------------------------------------------------------
+
+    def acquire(self, ids: torch.Tensor) -> Acquired:
+        """Make every needed expert resident; return slots for `ids` and what to load."""
+        e, s = self.num_experts, self.num_slots
+        flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        m = self.miss_capacity(flat.numel())
+        self.step.add_(1)
+
+        valid = (flat >= 0) & (flat < e)
+        invalid = ((flat < -1) | (flat >= e)).sum()
+        idx = torch.where(valid, flat, e)
+        need = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+        need.index_fill_(0, idx, True)
+        need[e:].fill_(False)
+
+        resident = self._expert_slot[:e] >= 0
+        hit_mask = need[:e] & resident
+        miss_mask = need[:e] & ~resident
+        lookups = need.sum()
+        hits = hit_mask.sum()
+        misses = miss_mask.sum()
+
+        miss_experts = self._compact(miss_mask, m)
+        miss_slots, evicted, take = self._choose_slots(need, miss_experts, m)
+        miss_experts = torch.where(take, miss_experts, -1)
+        self._install(miss_experts, miss_slots, evicted, take)
+        self._stamp(need)
+
+        remapped = self._expert_slot[idx].reshape(ids.shape).to(ids.dtype)
+        overflow = (lookups - s).clamp(min=0)
+        return Acquired(remapped, miss_experts, miss_slots, evicted, lookups, hits, misses, take.sum(), overflow, invalid)
+
+    def _compact(self, mask: torch.Tensor, m: int) -> torch.Tensor:
+        """Expert ids where `mask` is set, ascending, in a -1 padded [m] tensor."""
+        pos = torch.cumsum(mask, 0) - 1
+        target = torch.where(mask & (pos < m), pos, m)
+        out = torch.full((m + 1,), -1, dtype=torch.int64, device=self.device)
+        out.scatter_(0, target, torch.where(mask, self._arange_e, -1))
+        return out[:m]
+
+    def _choose_slots(self, need: torch.Tensor, miss_experts: torch.Tensor, m: int):
+        """Slots for the misses: empty first, then least recently used unneeded ones."""
+        e, s = self.num_experts, self.num_slots
+        held = self._slot_expert[:s]
+        occupied = held >= 0
+        slot_needed = need[torch.where(occupied, held, e)]
+        key = torch.where(occupied, self._last_use[:s] * (e + 1) + held, -1)
+        key = torch.where(slot_needed, _NEEDED, key)
+        order = torch.sort(key, stable=True).indices[:m]
+        take = (miss_experts >= 0) & (key[order] != _NEEDED)
+        miss_slots = torch.where(take, order, -1)
+        evicted = torch.where(take, held[order], -1)
+        return miss_slots, evicted, take
+
+    def _install(self, experts: torch.Tensor, slots: torch.Tensor, evicted: torch.Tensor, take: torch.Tensor) -> None:
+        e, s = self.num_experts, self.num_slots
+        self._expert_slot.index_fill_(0, torch.where(evicted >= 0, evicted, e), -1)
+        self._expert_slot.index_put_((torch.where(take, experts, e),), torch.where(take, slots, -1))
+        self._slot_expert.index_put_((torch.where(take, slots, s),), torch.where(take, experts, -1))
+        self._expert_slot[e:].fill_(-1)
+        self._slot_expert[s:].fill_(-1)
+
+    def _stamp(self, need: torch.Tensor) -> None:
+        slot = self._expert_slot[: self.num_experts]
+        target = torch.where(need[: self.num_experts] & (slot >= 0), slot, self.num_slots)
+        self._last_use.index_put_((target,), self.step)
+
+    # ---- direct placement (warm start, tests) ------------------------------------------
+
+    def place(self, experts: torch.Tensor) -> torch.Tensor:
+        """Put `experts` (distinct, at most slots) into slots 0.. in order on an empty table; returns their slots.
+
+        For warming a tier at start; runs with host checks since it is not on the step path.
+        """
+        experts = experts.reshape(-1).to(device=self.device, dtype=torch.int64)
+        n = experts.numel()
+        if n > self.num_slots:
+            raise SlotTableError(f"cannot place {n} experts in {self.num_slots} slots")
+        if n and (int(experts.min()) < 0 or int(experts.max()) >= self.num_experts):
+            raise SlotTableError(f"expert ids must lie in [0, {self.num_experts}) to be placed")
+        if int(torch.unique(experts).numel()) != n:
+            raise SlotTableError("experts to place must be distinct")
+        if bool((self.slot_expert >= 0).any()):
+            raise SlotTableError("place() warms an empty table; this one already holds experts")
+        slots = torch.arange(n, dtype=torch.int64, device=self.device)
+        self._slot_expert[:n] = experts
+        self._expert_slot[experts] = slots
+        # Stamp 0 (< any acquire step): warm experts are the first eviction candidates, hottest last.
+        self._last_use[:n] = 0
+        return slots

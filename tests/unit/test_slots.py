@@ -1,0 +1,173 @@
+"""SlotTable.acquire against a plain-Python LRU, step by step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bigmoe_pager.core.slots import SlotTable, SlotTableError
+
+
+class PyLru:
+    """The policy in plain Python: dict expert -> last-use step, evict min (step, expert)."""
+
+    def __init__(self, experts: int, slots: int) -> None:
+        self.experts, self.slots = experts, slots
+        self.last: dict[int, int] = {}
+        self.step = 0
+
+    def acquire(self, ids: list[int]) -> tuple[int, int, set[int], int]:
+        self.step += 1
+        need = sorted({i for i in ids if 0 <= i < self.experts})
+        hits = [e for e in need if e in self.last]
+        misses = [e for e in need if e not in self.last]
+        free = self.slots - len(self.last)
+        victims = sorted((self.last[e], e) for e in self.last if e not in need)
+        loaded = 0
+        for e in misses:
+            if free > 0:
+                free -= 1
+            elif victims:
+                _, old = victims.pop(0)
+                del self.last[old]
+            else:
+                continue
+            self.last[e] = 0
+            loaded += 1
+        for e in need:
+            if e in self.last:
+                self.last[e] = self.step
+        return len(hits), len(misses), set(self.last), loaded
+
+
+def _check_consistent(table: SlotTable) -> None:
+    es, se = table.expert_slot.tolist(), table.slot_expert.tolist()
+    for slot, expert in enumerate(se):
+        if expert >= 0:
+            assert es[expert] == slot
+    for expert, slot in enumerate(es):
+        if slot >= 0:
+            assert se[slot] == expert
+
+
+def _random_step(rng: random.Random, experts: int, tokens: int, k: int, hot: list[int]) -> list[list[int]]:
+    rows = []
+    for _ in range(tokens):
+        pool = hot if rng.random() < 0.7 else list(range(experts))
+        row = rng.sample(pool, min(k, len(pool)))
+        row += [-1] * (k - len(row))
+        if rng.random() < 0.1:
+            row[rng.randrange(k)] = -1
+        if rng.random() < 0.1 and k > 1:
+            row[0] = row[1]  # duplicate inside a token
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "experts,slots,k,tokens",
+    [(16, 4, 4, 1), (16, 4, 4, 3), (64, 16, 8, 1), (64, 8, 8, 1), (256, 32, 8, 1), (32, 12, 4, 3), (40, 10, 6, 4), (8, 8, 2, 2)],
+)
+def test_acquire_matches_python_lru(experts, slots, k, tokens):
+    rng = random.Random(experts * 1000 + slots * 10 + k)
+    table, ref = SlotTable(experts, slots), PyLru(experts, slots)
+    hot = rng.sample(range(experts), max(k, experts // 4))
+    for _ in range(1500):
+        rows = _random_step(rng, experts, tokens, k, hot)
+        ids = torch.tensor(rows, dtype=torch.int32)
+        got = table.acquire(ids)
+        hits, misses, contents, loaded = ref.acquire([i for r in rows for i in r])
+        assert (int(got.hits), int(got.misses), int(got.loaded)) == (hits, misses, loaded)
+        assert {e for e in table.slot_expert.tolist() if e >= 0} == contents
+        _check_remap(table, ids, got.remapped)
+    _check_consistent(table)
+
+
+def _check_remap(table: SlotTable, ids: torch.Tensor, remapped: torch.Tensor) -> None:
+    assert remapped.shape == ids.shape and remapped.dtype == ids.dtype
+    held = table.slot_expert
+    for i, r in zip(ids.reshape(-1).tolist(), remapped.reshape(-1).tolist()):
+        if i < 0 or i >= table.num_experts:
+            assert r == -1
+        elif r >= 0:
+            assert int(held[r]) == i
+        else:
+            assert int(table.expert_slot[i]) == -1  # only an overflowed expert may stay out
+
+
+def test_slots_equal_top_k_loads_exactly_the_step():
+    table = SlotTable(32, 4)
+    for step in range(50):
+        ids = torch.tensor([[(step * 4 + j) % 32 for j in range(4)]])
+        got = table.acquire(ids)
+        assert int(got.overflow) == 0
+        assert sorted(table.slot_expert.tolist()) == sorted(ids[0].tolist())
+        _check_remap(table, ids, got.remapped)
+
+
+def test_miss_list_names_slots_and_evictions():
+    table = SlotTable(10, 3)
+    table.acquire(torch.tensor([0, 1, 2]))
+    table.acquire(torch.tensor([1, 2, -1]))
+    got = table.acquire(torch.tensor([5, 2, 7]))
+    assert int(got.misses) == 2 and int(got.hits) == 1 and int(got.overflow) == 0
+    # 0 is least recently used, then 1: misses 5 and 7 take their slots in that order.
+    assert got.miss_experts.tolist() == [5, 7, -1]
+    assert got.evicted.tolist() == [0, 1, -1]
+    assert got.miss_slots.tolist()[:2] == [0, 1]
+    assert got.remapped.tolist() == [0, 2, 1]
+
+
+def test_duplicates_and_minus_one_are_single_lookups():
+    table = SlotTable(8, 4)
+    got = table.acquire(torch.tensor([[3, 3, -1], [3, -1, -1]]))
+    assert (int(got.lookups), int(got.misses), int(got.loaded)) == (1, 1, 1)
+    slot = int(table.expert_slot[3])
+    assert got.remapped.tolist() == [[slot, slot, -1], [slot, -1, -1]]
+
+
+def test_all_minus_one_changes_nothing_but_the_step():
+    table = SlotTable(8, 4)
+    table.acquire(torch.tensor([1, 2]))
+    before = table.slot_expert.clone(), table.last_use.clone()
+    got = table.acquire(torch.full((3, 2), -1))
+    assert (int(got.lookups), int(got.loaded)) == (0, 0)
+    assert (got.miss_experts == -1).all() and (got.remapped == -1).all()
+    assert torch.equal(table.slot_expert, before[0]) and torch.equal(table.last_use, before[1])
+
+
+def test_overflow_is_reported_and_fills_what_fits():
+    table = SlotTable(16, 4)
+    table.acquire(torch.tensor([9, 10]))
+    got = table.acquire(torch.tensor([[0, 1, 2], [3, 9, 4]]))
+    assert int(got.lookups) == 6 and int(got.overflow) == 2
+    assert int(got.hits) == 1 and int(got.misses) == 5 and int(got.loaded) == 3
+    # Needed 9 stays; 10 is evicted; the lowest misses 0, 1, 2 fill the three other slots.
+    assert sorted(table.slot_expert.tolist()) == [0, 1, 2, 9]
+    assert got.remapped[1, 0] == -1 and got.remapped[1, 2] == -1
+    _check_remap(table, torch.tensor([[0, 1, 2], [3, 9, 4]]), got.remapped)
+
+
+def test_invalid_ids_are_counted_and_never_mapped():
+    table = SlotTable(8, 4)
+    got = table.acquire(torch.tensor([2, 8, -5, 100]))
+    assert int(got.invalid) == 3 and int(got.lookups) == 1
+    assert got.remapped.tolist()[1:] == [-1, -1, -1]
+
+
+def test_place_warms_an_empty_table():
+    table = SlotTable(8, 4)
+    slots = table.place(torch.tensor([5, 1]))
+    assert slots.tolist() == [0, 1] and table.expert_slot[5] == 0 and table.expert_slot[1] == 1
+    got = table.acquire(torch.tensor([1, 6, 7, 0]))
+    assert int(got.hits) == 1 and int(got.loaded) == 3
+    with pytest.raises(SlotTableError):
+        table.place(torch.tensor([2]))
+
+
+@pytest.mark.parametrize("experts,slots", [(0, 1), (4, 0), (4, 5)])
+def test_bad_sizes_are_refused(experts, slots):
+    with pytest.raises(SlotTableError):
+        SlotTable(experts, slots)
