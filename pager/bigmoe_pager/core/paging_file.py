@@ -1,0 +1,283 @@
+"""The paging file: every expert record of a model in one file, for the SSD tier.
+
+Used when records are compressed (the checkpoint cannot be read in place then).
+Records are opaque bytes tagged with a codec name and version ("raw" = plain
+layout bytes); decoding is the codec's job. On disk:
+
+    [header, padded to ALIGN]  magic, format version, JSON metadata, index place, crc32 of JSON + index
+    [index, padded to ALIGN]   per (layer, expert): offset u64, length u64, crc32 u32
+    [records]                  each starts on an ALIGN boundary, zero padded, length <= layout pitch
+    [trailer, ALIGN bytes]     end magic, file size, header crc32: present only in a finished file
+
+The writer fills a temporary file next to the target, fsyncs it and renames it
+into place, so a half-written file never carries the target's name; the trailer
+check on open catches a file cut short anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import numpy as np
+
+from .expert_store import ExpertStore
+from .layout import ExpertLayout
+from .odirect import ALIGN, DirectFile, SystemFileIO, aligned_empty, as_byte_array
+from .read_stats import ReadCounters
+
+MAGIC = b"BIGMOEPF"
+END_MAGIC = b"BIGMOEOK"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<8sIIQQI")  # magic, version, json bytes, index offset, index entries, crc32 of json + index
+_ENTRY = struct.Struct("<QQI4x")  # offset, length, crc32 (24 bytes)
+_TRAILER = struct.Struct("<8sQI")  # end magic, file size, header crc32
+
+
+class PagingFileError(RuntimeError):
+    """A paging file cannot be used or written; the message is one line naming the file and what to do."""
+
+
+class DiskFullError(PagingFileError):
+    """The disk filled while writing a paging file; the partial file was removed."""
+
+
+class ChecksumError(RuntimeError):
+    """A record's bytes do not match its stored crc32; the bytes must not be used."""
+
+
+@dataclass(frozen=True)
+class PagingFileMeta:
+    """What a paging file was made for; a file is used only when all of it matches."""
+
+    model_id: str
+    """Hub id of the model, e.g. Qwen/Qwen3.6-35B-A3B-FP8."""
+    revision: str
+    """Model revision (commit hash) the records were read from."""
+    layout_signature: str
+    """ExpertLayout.signature() of the records."""
+    num_layers: int
+    """MoE layers."""
+    num_experts: int
+    """Experts per MoE layer."""
+    codec: str = "raw"
+    """Codec of the record bytes; "raw" = plain layout records."""
+    codec_version: int = 0
+    """Codec format version; bumping it invalidates old files."""
+
+
+class PagingFileWriter:
+    """Writes a paging file; use as a context manager, `add` every record once, then `commit`."""
+
+    def __init__(self, path: str | os.PathLike, meta: PagingFileMeta, pitch: int,
+                 opener: Callable[[Path], BinaryIO] | None = None):
+        self.path = Path(path)
+        self.meta = meta
+        self.pitch = pitch
+        self.tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        self._json = json.dumps(dataclasses.asdict(meta), sort_keys=True).encode()
+        self._entries = np.zeros((meta.num_layers * meta.num_experts, 3), dtype=np.uint64)
+        self._written = np.zeros(meta.num_layers * meta.num_experts, dtype=bool)
+        self._index_offset = _round_up(_FIXED.size + len(self._json), ALIGN)
+        self._pos = self._index_offset + _round_up(len(self._entries) * _ENTRY.size, ALIGN)
+        self._file: BinaryIO | None = None
+        self._file = self._guard(lambda: (opener or _open_for_write)(self.tmp))
+        self._guard(lambda: self._file.seek(self._pos))
+
+    def __enter__(self) -> "PagingFileWriter":
+        return self
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is not None or self._file is not None:
+            self.abort()
+
+    def add(self, layer: int, expert: int, record: object) -> None:
+        """Append one record (bytes-like or uint8 tensor, <= pitch bytes) for (layer, expert)."""
+        data = as_byte_array(record) if not isinstance(record, (bytes, bytearray)) else np.frombuffer(record, np.uint8)
+        key = layer * self.meta.num_experts + expert
+        if not (0 <= layer < self.meta.num_layers and 0 <= expert < self.meta.num_experts):
+            raise PagingFileError(f"{self.path}: record ({layer}, {expert}) outside {self.meta.num_layers} x {self.meta.num_experts}")
+        if self._written[key]:
+            raise PagingFileError(f"{self.path}: record ({layer}, {expert}) added twice")
+        if data.nbytes > self.pitch:
+            raise PagingFileError(f"{self.path}: record ({layer}, {expert}) is {data.nbytes} bytes, more than a RAM slot's {self.pitch}")
+        padded = _round_up(data.nbytes, ALIGN)
+        self._guard(lambda: self._file.write(data.tobytes() + bytes(padded - data.nbytes)))
+        self._entries[key] = (self._pos, data.nbytes, zlib.crc32(data))
+        self._written[key] = True
+        self._pos += padded
+
+    def commit(self) -> Path:
+        """Write index, header and trailer, fsync, rename into place; returns the final path."""
+        if not self._written.all():
+            key = int(np.flatnonzero(~self._written)[0])
+            raise PagingFileError(
+                f"{self.path}: {int((~self._written).sum())} records never added, first ({key // self.meta.num_experts}, {key % self.meta.num_experts})"
+            )
+        index = b"".join(_ENTRY.pack(*map(int, row)) for row in self._entries)
+        crc = zlib.crc32(self._json + index)
+        fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(self._json), self._index_offset, len(self._entries), crc)
+        size = self._pos + ALIGN
+        trailer = _TRAILER.pack(END_MAGIC, size, crc)
+
+        def finish() -> None:
+            self._file.write(trailer + bytes(ALIGN - len(trailer)))
+            self._file.seek(0)
+            self._file.write(fixed + self._json)
+            self._file.seek(self._index_offset)
+            self._file.write(index)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+        self._guard(finish)
+        self._file.close()
+        self._file = None
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the partial file (safe to call twice)."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass  # a close after ENOSPC can fail again; the file is removed below anyway
+            self._file = None
+        self.tmp.unlink(missing_ok=True)
+
+    def _guard(self, step: Callable[[], object]) -> object:
+        """Run one write step; on any OS error remove the partial file and raise a one-line error."""
+        try:
+            return step()
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"disk full while writing {self.path} ({self._pos} bytes written so far); "
+                    "free space or put the paging file on another disk (BIGMOE_PAGING_FILE)"
+                ) from None
+            raise PagingFileError(f"cannot write {self.path}: {e.strerror or e}") from None
+
+
+def write_paging_file(path: str | os.PathLike, meta: PagingFileMeta, source: ExpertStore,
+                      encode: Callable[[np.ndarray], object] | None = None,
+                      opener: Callable[[Path], BinaryIO] | None = None) -> Path:
+    """Copy every record of `source` (optionally through `encode`) into a new paging file at path."""
+    buf = aligned_empty(source.layout.pitch).numpy()
+    with PagingFileWriter(path, meta, source.layout.pitch, opener=opener) as writer:
+        for layer in range(meta.num_layers):
+            for expert in range(meta.num_experts):
+                n = source.read(layer, expert, buf)
+                writer.add(layer, expert, encode(buf[:n]) if encode else buf[:n])
+        return writer.commit()
+
+
+class PagingFileStore:
+    """ExpertStore over a finished paging file; every read is checked against its crc32."""
+
+    def __init__(self, path: str | os.PathLike, layout: ExpertLayout, expect: PagingFileMeta, *, retries: int = 2,
+                 io: SystemFileIO | None = None, counters: ReadCounters | None = None):
+        self.path = Path(path)
+        self.layout = layout
+        self.counters = counters if counters is not None else ReadCounters()
+        if expect.layout_signature != layout.signature():
+            raise ValueError("expect.layout_signature differs from layout.signature(); pass the layout the records use")
+        self.meta, self._index = _open_index(self.path, expect, layout.pitch)
+        self.num_layers, self.num_experts, self.codec = self.meta.num_layers, self.meta.num_experts, self.meta.codec
+        self._file = DirectFile(self.path, retries=retries, io=io, counters=self.counters)
+
+    def read(self, layer: int, expert: int, dst: object) -> int:
+        """Record bytes into dst[:length] (dst >= pitch bytes); ChecksumError if they do not match."""
+        offset, length, crc = self._entry(layer, expert)
+        out = as_byte_array(dst)
+        span = _round_up(length, ALIGN)
+        if out.nbytes < span:
+            raise ValueError(f"destination holds {out.nbytes} bytes; record ({layer}, {expert}) needs {span}")
+        self._file.read_into(offset, out[:span])
+        if zlib.crc32(out[:length]) != crc:
+            self.counters.add_error()
+            raise ChecksumError(f"{self.path}: record ({layer}, {expert}) at offset {offset} fails its crc32 check")
+        return length
+
+    def describe(self, layer: int, expert: int) -> str:
+        offset, length, _ = self._entry(layer, expert)
+        return f"paging file {self.path} (layer {layer}, expert {expert} @{offset}+{length})"
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _entry(self, layer: int, expert: int) -> tuple[int, int, int]:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise IndexError(f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts} experts")
+        offset, length, crc = self._index[layer * self.num_experts + expert]
+        return int(offset), int(length), int(crc)
+
+
+def _open_index(path: Path, expect: PagingFileMeta, pitch: int) -> tuple[PagingFileMeta, np.ndarray]:
+    """Validate header, trailer and index of a paging file; returns its metadata and index rows."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            fixed = f.read(_FIXED.size)
+            if len(fixed) < _FIXED.size or fixed[:8] != MAGIC:
+                raise PagingFileError(f"{path}: not a bigmoe paging file (bad magic); delete it and run prepare again")
+            _, version, json_len, index_offset, entries, crc = _FIXED.unpack(fixed)
+            if version != FORMAT_VERSION:
+                raise PagingFileError(f"{path}: paging file format {version}, this bigmoe reads {FORMAT_VERSION}; run prepare again")
+            meta_bytes = f.read(json_len)
+            f.seek(index_offset)
+            index_bytes = f.read(entries * _ENTRY.size)
+            f.seek(max(size - ALIGN, 0))
+            trailer = f.read(_TRAILER.size)
+    except OSError as e:
+        raise PagingFileError(f"{path}: cannot read paging file: {e.strerror or e}") from None
+    if len(trailer) < _TRAILER.size or _TRAILER.unpack(trailer) != (END_MAGIC, size, crc):
+        raise PagingFileError(f"{path}: paging file is incomplete or truncated (no valid trailer); delete it and run prepare again")
+    if zlib.crc32(meta_bytes + index_bytes) != crc:
+        raise PagingFileError(f"{path}: paging file header is corrupt (crc32 mismatch); delete it and run prepare again")
+    meta = PagingFileMeta(**json.loads(meta_bytes))
+    _check_meta(path, meta, expect)
+    index = np.frombuffer(index_bytes, dtype=np.dtype([("o", "<u8"), ("n", "<u8"), ("c", "<u4"), ("p", "V4")]))
+    table = np.stack([index["o"], index["n"], index["c"].astype(np.uint64)], axis=1)
+    if (table[:, 0] % ALIGN).any() or (table[:, 1] > pitch).any() or (table[:, 0] + table[:, 1] > size - ALIGN).any():
+        raise PagingFileError(f"{path}: paging file index points outside its records; delete it and run prepare again")
+    return meta, table
+
+
+def _check_meta(path: Path, got: PagingFileMeta, want: PagingFileMeta) -> None:
+    for field in dataclasses.fields(PagingFileMeta):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        if a != b:
+            raise PagingFileError(
+                f"{path}: paging file was made for {field.name}={_short(a)}, this run needs {_short(b)}; "
+                "delete it or run prepare again"
+            )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _open_for_write(path: Path) -> BinaryIO:
+    return open(path, "wb")
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
