@@ -11,7 +11,7 @@ import logging
 
 from bigmoe_pager.settings import PagerSettings
 
-log = logging.getLogger("bigmoe_pager")
+log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
 
 SUPPORTED_VLLM = ("0.25", "0.32", "0.33")
 

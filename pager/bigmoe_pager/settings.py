@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -107,8 +107,11 @@ class PagerSettings:
         return self.compress == "on"
 
 
+_VARIABLES = {"enabled": "BIGMOE_PAGER", "stats_dir": "PROMETHEUS_MULTIPROC_DIR"}
+
+
 def _var(f: dataclasses.Field) -> str:
-    return "PROMETHEUS_MULTIPROC_DIR" if f.name == "stats_dir" else "BIGMOE_" + f.name.upper()
+    return _VARIABLES.get(f.name, "BIGMOE_" + f.name.upper())
 
 
 def _read_file(path: Path) -> dict[str, str]:

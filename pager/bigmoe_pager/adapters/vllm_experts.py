@@ -1,0 +1,141 @@
+"""The expert pager inside vLLM: a RoutedExperts whose weights are slot buffers.
+
+vLLM builds every MoE layer's `RoutedExperts`; `install()` registers
+`PagedRoutedExperts` in its place (PluggableLayer.register_oot). The paged layer
+creates its parameters for S slots instead of E experts, so vLLM's own MoE
+kernel runs on the slot buffers with ids remapped to slots; the experts
+themselves go to the RAM tier (or stay on SSD) while vLLM loads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import torch
+
+from bigmoe_pager.adapters import vllm_glue
+from bigmoe_pager.core.host_pager import HostPager, TierSizes
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.settings import PagerSettings, SettingsError
+
+log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
+
+
+def install(settings: PagerSettings) -> None:
+    """Register the paged RoutedExperts once per process."""
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    if "RoutedExperts" in op_registry_oot:
+        return
+    PluggableLayer.register_oot(paged_class(settings), name="RoutedExperts")
+    log.warning("bigmoe: expert pager enabled (%s)", vllm_glue.describe(settings))
+
+
+def paged_class(settings: PagerSettings) -> type:
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    class PagedRoutedExperts(RoutedExperts):
+        """RoutedExperts over S slots; a HostPager keeps the right experts in them."""
+
+        def __init__(self, layer_name, params_dtype, moe_config, quant_config, expert_map_manager, **kwargs):
+            vllm_config = get_current_vllm_config()
+            num_experts = moe_config.num_experts
+            self._moe_index = vllm_glue.next_moe_index()
+            num_moe_layers = vllm_glue.moe_layer_count(vllm_config.model_config.hf_text_config)
+            vram, ram = settings.slots_for(self._moe_index, num_moe_layers, num_experts)
+            slot_config = dataclasses.replace(moe_config, num_experts=vram, num_local_experts=vram, num_logical_experts=vram)
+            super().__init__(layer_name, params_dtype, slot_config, quant_config, expert_map_manager, **kwargs)
+            # Ids from the router are expert ids in [0, num_experts); the kernel sees slot ids in [0, vram).
+            self._num_experts = num_experts
+            self._full_moe_config = moe_config
+            self._decoder_layer = _decoder_layer_index(layer_name)
+            self._layout = _layout_of(self)
+            self.pager = HostPager(
+                layout=self._layout,
+                sizes=TierSizes(experts=num_experts, vram=vram, ram=ram),
+                source=vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram),
+                pin=torch.cuda.is_available(),
+                warm_order=vllm_glue.warm_order(settings, self._moe_index),
+            )
+            self._ram_param_cache: dict[str, torch.nn.Parameter] = {}
+            self._install_slot = None
+            vllm_glue.register_layer(self)
+
+        def get_expert_mapping(self, *args, **kwargs):
+            """Checkpoint names -> params for every expert of the model, not just S of them."""
+            slot_config, self.moe_config = self.moe_config, self._full_moe_config
+            try:
+                return super().get_expert_mapping(*args, **kwargs)
+            finally:
+                self.moe_config = slot_config
+
+        # ---- loading: experts go to the RAM tier (or stay on SSD), never to the slots ----
+
+        def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+            name = _param_name(self, param)
+            if name is None or expert_id is None or not 0 <= int(expert_id) < self._num_experts:
+                return super().weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+            ram_slot = self.pager.ram_slot_for_load(int(expert_id))
+            if ram_slot is not None:
+                ram_param = self._ram_param(name, param)
+                super().weight_loader(ram_param, loaded_weight, weight_name, shard_id, ram_slot, True)
+                self.pager.mark_loaded(int(expert_id), name)
+            return True if return_success else None
+
+        def _ram_param(self, name: str, like: torch.nn.Parameter) -> torch.nn.Parameter:
+            if name not in self._ram_param_cache:
+                view = self.pager.ram_views()[name]
+                ram_param = torch.nn.Parameter(view, requires_grad=False)
+                for key, value in vars(like).items():
+                    if not key.startswith("_"):
+                        setattr(ram_param, key, value)
+                self._ram_param_cache[name] = ram_param
+            return self._ram_param_cache[name]
+
+        # ---- forward: page in, remap, run vLLM's kernel on the slots -----------------
+
+        def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+            topk_ids = vllm_glue.routing_hook(self._moe_index, topk_ids)
+            if self._install_slot is None:
+                self._install_slot = vllm_glue.slot_installer(self)
+            chunks = self.pager.token_chunks(topk_ids)
+            if len(chunks) == 1:
+                slots = self.pager.prepare(topk_ids, self._install_slot)
+                vllm_glue.export_stats(self)
+                return super().forward_modular(x, topk_weights, slots.to(topk_ids.dtype), shared_experts, shared_experts_input)
+            outs = []
+            for rows in chunks:
+                slots = self.pager.prepare(topk_ids[rows], self._install_slot)
+                shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
+                outs.append(super().forward_modular(x[rows], topk_weights[rows], slots.to(topk_ids.dtype), shared_experts, shared_in))
+            vllm_glue.export_stats(self)
+            return vllm_glue.concat_outputs(outs)
+
+    return PagedRoutedExperts
+
+
+def _param_name(layer, param) -> str | None:
+    for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
+        if getattr(layer, name, None) is param:
+            return name
+    return None
+
+
+def _layout_of(layer) -> ExpertLayout:
+    """The RAM/SSD record layout: the layer's expert parameters as vLLM creates them, per expert."""
+    parts = []
+    for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
+        p = getattr(layer, name, None)
+        if p is not None:
+            parts.append((name, tuple(p.shape[1:]), p.dtype))
+    return ExpertLayout.build(parts)
+
+
+def _decoder_layer_index(layer_name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", layer_name)
+    if not match:
+        raise SettingsError(f"bigmoe: cannot tell the decoder layer of MoE layer {layer_name!r}")
+    return int(match.group(1))

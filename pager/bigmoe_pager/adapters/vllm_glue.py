@@ -1,0 +1,239 @@
+"""What the paged RoutedExperts needs from around it: layer numbering, the SSD
+source, the kernel's slot layout, routing trace/replay, and Prometheus export.
+Imports vLLM only inside functions that run in an engine process."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bigmoe_pager.core.host_pager import InstallSlot
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.settings import PagerSettings, SettingsError
+
+log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
+
+_lock = threading.Lock()
+_layers: list = []
+_trace: dict[int, list[np.ndarray]] = {}
+_replay: dict[str, object] = {}
+_counters: dict[str, object] = {}
+
+
+def describe(settings: PagerSettings) -> str:
+    vram = ",".join(map(str, settings.vram_slots)) or "all"
+    ram = ",".join(map(str, settings.ram_slots)) or "all"
+    source = str(settings.paging_file) if settings.paging_file else "checkpoint"
+    return f"VRAM slots {vram}, RAM slots {ram}, SSD source {source}, codec {'on' if settings.use_codec() else 'off'}"
+
+
+def next_moe_index() -> int:
+    """MoE layers are built in order; the n-th built is MoE layer n."""
+    with _lock:
+        return len(_layers)
+
+
+def register_layer(layer) -> None:
+    with _lock:
+        _layers.append(layer)
+
+
+def moe_layer_count(hf_config) -> int:
+    layers = int(hf_config.num_hidden_layers)
+    mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    return sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+
+
+# ---- the SSD tier -------------------------------------------------------------------
+
+
+def open_source(settings: PagerSettings, vllm_config, layout: ExpertLayout, decoder_layer: int, experts: int, ram: int):
+    """The SSD source for one layer, or None when every expert has a RAM record."""
+    if ram >= experts:
+        return None
+    from bigmoe_pager.adapters.ssd_source import checkpoint_source, paging_file_source
+
+    if settings.paging_file is not None:
+        return paging_file_source(settings.paging_file, layout, decoder_layer)
+    return checkpoint_source(Path(vllm_config.model_config.model), layout, decoder_layer)
+
+
+def warm_order(settings: PagerSettings, moe_index: int) -> list[int] | None:
+    """Experts in order of heat from a saved profile (hottest first), to fill RAM at load."""
+    if settings.hot_profile is None:
+        return None
+    try:
+        counts = np.load(settings.hot_profile)["counts"]
+    except (OSError, KeyError, ValueError) as e:
+        raise SettingsError(f"BIGMOE_HOT_PROFILE: cannot read {settings.hot_profile}: {e}") from None
+    return [int(e) for e in np.argsort(-counts[moe_index], kind="stable")]
+
+
+# ---- kernel slots -----------------------------------------------------------------------
+
+
+def slot_installer(layer) -> InstallSlot:
+    """Writes one expert's raw record into kernel slot s, in the layout the kernel expects.
+
+    vLLM's CPU kernel prepacks weights after loading; one expert prepacked alone
+    gives exactly that expert's slice of the prepacked tensor, so page-in
+    prepacks the expert. Other kernels read the raw layout.
+    """
+    prepack = _cpu_prepack(layer)
+    params = {name: getattr(layer, name) for name in layer._layout._by_name}
+
+    def install(slot: int, views: dict[str, torch.Tensor]) -> None:
+        for name, param in params.items():
+            src = views[name]
+            if prepack is not None and name in ("w13_weight", "w2_weight"):
+                src = prepack(name, src)
+            param.data[slot].copy_(src, non_blocking=False)
+
+    return install
+
+
+def _cpu_prepack(layer):
+    kernel = getattr(layer.quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return None
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        return None
+    isa = experts.isa
+    padded = layer.w13_weight.shape[1] // 2
+
+    def prepack(name: str, weight: torch.Tensor) -> torch.Tensor:
+        w = weight.unsqueeze(0)
+        inter = w.shape[1] // 2 if name == "w13_weight" else w.shape[2]
+        if inter != padded:
+            w = _pad_intermediate(name, w, inter, padded)
+        return cpu_prepack_moe_weight(w.contiguous(), isa)[0]
+
+    return prepack
+
+
+def _pad_intermediate(name: str, w: torch.Tensor, inter: int, padded: int) -> torch.Tensor:
+    if name == "w13_weight":
+        out = w.new_zeros(1, 2 * padded, w.shape[2])
+        out[:, :inter] = w[:, :inter]
+        out[:, padded : padded + inter] = w[:, inter:]
+        return out
+    out = w.new_zeros(1, w.shape[1], padded)
+    out[:, :, :inter] = w
+    return out
+
+
+def concat_outputs(outs: list):
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs, dim=0)
+    if isinstance(first, tuple):
+        return tuple(None if parts[0] is None else torch.cat(parts, dim=0) for parts in zip(*outs))
+    raise RuntimeError(f"bigmoe: cannot split a batch whose MoE output is {type(first).__name__}; raise BIGMOE_VRAM_SLOTS")
+
+
+# ---- routing trace and replay -----------------------------------------------------------
+
+
+def routing_hook(moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    settings = _settings()
+    if settings.route_replay is not None:
+        topk_ids = _replayed(settings.route_replay, moe_index, topk_ids)
+    if settings.trace_path is not None:
+        with _lock:
+            first = not _trace
+            _trace.setdefault(moe_index, []).append(topk_ids.detach().to("cpu", torch.int32).numpy().copy())
+        if first:
+            atexit.register(save_trace, settings.trace_path)
+    return topk_ids
+
+
+def save_trace(path: Path) -> None:
+    """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format)."""
+    with _lock:
+        if not _trace:
+            return
+        layers = sorted(_trace)
+        per_layer = [np.concatenate(_trace[l], axis=0) for l in layers]
+    tokens = min(a.shape[0] for a in per_layer)
+    ids = np.stack([a[:tokens] for a in per_layer], axis=1).astype(np.int32)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, topk_ids=ids)
+    tmp.replace(path)
+    log.warning("bigmoe: wrote routing trace of %d tokens x %d layers to %s", ids.shape[0], ids.shape[1], path)
+
+
+def _replayed(path: Path, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Benchmark only: the next rows of a recorded trace stand in for the router's choice."""
+    with _lock:
+        if "ids" not in _replay:
+            try:
+                _replay["ids"] = np.load(path)["topk_ids"]
+            except (OSError, KeyError, ValueError) as e:
+                raise SettingsError(f"BIGMOE_ROUTE_REPLAY: cannot read {path}: {e}") from None
+            _replay["cursor"] = {}
+        ids = _replay["ids"]
+        cursor = _replay["cursor"]
+        tokens, layers, k = ids.shape
+        if k != topk_ids.shape[1]:
+            raise SettingsError(f"BIGMOE_ROUTE_REPLAY: trace has top-{k}, the model routes top-{topk_ids.shape[1]}")
+        start = cursor.get(moe_index, 0)
+        rows = (np.arange(topk_ids.shape[0]) + start) % tokens
+        cursor[moe_index] = start + topk_ids.shape[0]
+    return torch.from_numpy(ids[rows, moe_index % layers]).to(topk_ids.device, topk_ids.dtype)
+
+
+def _settings() -> PagerSettings:
+    if "settings" not in _replay:
+        _replay["settings"] = PagerSettings.from_env()
+    return _replay["settings"]
+
+
+# ---- Prometheus export ------------------------------------------------------------------
+
+
+def export_stats(layer) -> None:
+    """Add this layer's counter deltas to the pager's Prometheus series (multiprocess mode)."""
+    counters = _prometheus()
+    if counters is None:
+        return
+    last = getattr(layer, "_exported", None)
+    if last is None:
+        last = layer._exported = {}
+    label = str(layer._moe_index)
+    for tier, c in layer.pager.stats.items():
+        now = (c.lookups, c.hits, c.bytes_moved, c.read_seconds, c.errors)
+        before = last.get(tier, (0, 0, 0, 0.0, 0))
+        for series, new, old in zip(("lookups", "hits", "bytes", "read_seconds", "errors"), now, before):
+            if new != old:
+                counters[series].labels(layer=label, tier=tier).inc(new - old)
+        last[tier] = now
+
+
+def _prometheus():
+    if "ready" in _counters:
+        return _counters.get("series")
+    _counters["ready"] = True
+    try:
+        from prometheus_client import Counter
+    except ImportError:
+        return None
+    labels = ["layer", "tier"]
+    _counters["series"] = {
+        "lookups": Counter("bigmoe_expert_lookups", "Experts looked up in a tier", labels),
+        "hits": Counter("bigmoe_expert_hits", "Experts found in a tier", labels),
+        "bytes": Counter("bigmoe_expert_bytes", "Bytes moved out of a tier into the one above", labels),
+        "read_seconds": Counter("bigmoe_expert_read_seconds", "Seconds spent reading from a tier", labels),
+        "errors": Counter("bigmoe_expert_errors", "Failed reads from a tier", labels),
+    }
+    return _counters["series"]
