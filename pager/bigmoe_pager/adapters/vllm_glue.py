@@ -28,8 +28,10 @@ _counters: dict[str, object] = {}
 def describe(settings: PagerSettings) -> str:
     vram = ",".join(map(str, settings.vram_slots)) or "all"
     ram = ",".join(map(str, settings.ram_slots)) or "all"
-    source = str(settings.paging_file) if settings.paging_file else "checkpoint"
-    return f"VRAM slots {vram}, RAM slots {ram}, SSD source {source}, codec {'on' if settings.use_codec() else 'off'}"
+    if not settings.ram_slots:
+        return f"VRAM slots {vram}, every expert in RAM (no SSD tier)"
+    source = str(settings.paging_file) if settings.paging_file else "the checkpoint in place"
+    return f"VRAM slots {vram}, RAM slots {ram}, SSD tier reads {source}, codec {'on' if settings.use_codec() else 'off'}"
 
 
 def next_moe_index() -> int:
@@ -59,9 +61,11 @@ def open_source(settings: PagerSettings, vllm_config, layout: ExpertLayout, deco
         return None
     from bigmoe_pager.adapters.ssd_source import checkpoint_source, paging_file_source
 
+    model_dir = Path(vllm_config.model_config.model)
     if settings.paging_file is not None:
-        return paging_file_source(settings.paging_file, layout, decoder_layer)
-    return checkpoint_source(Path(vllm_config.model_config.model), layout, decoder_layer)
+        num_layers = moe_layer_count(vllm_config.model_config.hf_text_config)
+        return paging_file_source(settings.paging_file, model_dir, layout, decoder_layer, num_layers, experts, settings.use_codec())
+    return checkpoint_source(model_dir, layout, decoder_layer)
 
 
 def warm_order(settings: PagerSettings, moe_index: int) -> list[int] | None:

@@ -1,0 +1,77 @@
+"""The SSD tier for the paged layers: one store per process (the checkpoint or a
+paging file), seen by each layer as a RecordSource for its own experts."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.paging_build import checkpoint_meta
+from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore
+from bigmoe_pager.settings import SettingsError
+
+_stores: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+class LayerSource:
+    """One MoE layer's view of a store: read_record(expert, dst) fills dst with the raw record."""
+
+    def __init__(self, store, layer: int, layout: ExpertLayout, decode=None):
+        self.store, self.layer, self.layout, self.decode = store, layer, layout, decode
+        self._scratch = np.empty(layout.pitch, dtype=np.uint8) if decode else None
+
+    def read_record(self, expert: int, dst: torch.Tensor) -> None:
+        if self.decode is None:
+            self.store.read(self.layer, expert, dst)
+            return
+        n = self.store.read(self.layer, expert, self._scratch)
+        raw = self.decode(self._scratch[:n].tobytes(), self.layout)
+        dst[: self.layout.record_bytes].copy_(torch.from_numpy(np.asarray(raw, dtype=np.uint8)[: self.layout.record_bytes]))
+
+
+def checkpoint_source(model_dir: Path, layout: ExpertLayout, decoder_layer: int) -> LayerSource:
+    key = ("checkpoint", str(model_dir), layout.signature())
+    with _lock:
+        if key not in _stores:
+            _stores[key] = CheckpointStore(model_dir, layout)
+    store = _stores[key]
+    return LayerSource(store, _moe_layer(store.model_layers, decoder_layer), layout)
+
+
+def paging_file_source(path: Path, model_dir: Path, layout: ExpertLayout, decoder_layer: int,
+                       num_moe_layers: int, num_experts: int, compressed: bool) -> LayerSource:
+    key = ("paging", str(path), layout.signature(), compressed)
+    with _lock:
+        if key not in _stores:
+            _stores[key] = _open_paging_file(path, model_dir, layout, num_moe_layers, num_experts, compressed)
+    store, decode, model_layers = _stores[key]
+    return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout, decode)
+
+
+def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int,
+                      compressed: bool):
+    codec, version, decode = "raw", 0, None
+    if compressed:
+        from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, decode_record
+
+        codec, version, decode = CODEC_NAME, CODEC_VERSION, decode_record
+    expect = checkpoint_meta(model_dir, layout, num_layers, num_experts, codec, version)
+    try:
+        store = PagingFileStore(path, layout, expect)
+    except PagingFileError as e:
+        raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
+    model_layers = CheckpointStore(model_dir, layout).model_layers
+    return store, decode, model_layers
+
+
+def _moe_layer(model_layers: list[int], decoder_layer: int) -> int:
+    try:
+        return model_layers.index(decoder_layer)
+    except ValueError:
+        raise SettingsError(f"the checkpoint has no experts for decoder layer {decoder_layer}") from None

@@ -1,0 +1,100 @@
+"""What a paging file is bound to, and how one is built from a checkpoint.
+
+The app's prepare step builds the file; the plugin opens it with the same
+`checkpoint_meta`, so a file made for another model, layout or codec is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.paging_file import PagingFileMeta, write_paging_file
+from bigmoe_pager.core.safetensors_index import CheckpointError
+
+
+def checkpoint_fingerprint(model_dir: Path) -> str:
+    """Identity of a checkpoint's contents: its config and every shard's safetensors header."""
+    digest = hashlib.sha256()
+    digest.update((model_dir / "config.json").read_bytes())
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            digest.update(shard.name.encode() + f.read(size))
+    return digest.hexdigest()[:32]
+
+
+def layout_for_checkpoint(model_dir: Path) -> ExpertLayout:
+    """The record layout vLLM's paged layer will use for this checkpoint's experts."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    hidden, inter = int(text["hidden_size"]), int(text["moe_intermediate_size"])
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8" and quant.get("weight_block_size"):
+        block = int(quant["weight_block_size"][0])
+        return ExpertLayout.for_moe(hidden, inter, torch.float8_e4m3fn, block)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")]
+    return ExpertLayout.for_moe(hidden, inter, dtype)
+
+
+def checkpoint_meta(model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int,
+                    codec: str = "raw", codec_version: int = 0) -> PagingFileMeta:
+    return PagingFileMeta(
+        model_id=str(model_dir.resolve().name),
+        revision=checkpoint_fingerprint(model_dir),
+        layout_signature=layout.signature(),
+        num_layers=num_layers,
+        num_experts=num_experts,
+        codec=codec,
+        codec_version=codec_version,
+    )
+
+
+def build_paging_file(model_dir: Path, out: Path, compress: bool,
+                      progress: Callable[[int, int], None] = lambda done, total: None) -> Path:
+    """Write every expert of the checkpoint into a paging file at `out` (atomically)."""
+    layout = layout_for_checkpoint(model_dir)
+    store = CheckpointStore(model_dir, layout)
+    encode, codec, version = None, "raw", 0
+    if compress:
+        from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, encode_record
+
+        codec, version = CODEC_NAME, CODEC_VERSION
+        encode = lambda raw: encode_record(np.asarray(raw), layout)  # noqa: E731
+    meta = checkpoint_meta(model_dir, layout, store.num_layers, store.num_experts, codec, version)
+    total = store.num_layers * store.num_experts
+    counted = _Counting(store, progress, total)
+    try:
+        return write_paging_file(out, meta, counted, encode=encode)
+    finally:
+        store.close()
+
+
+class _Counting:
+    """An ExpertStore that reports progress as records are read."""
+
+    def __init__(self, store: CheckpointStore, progress: Callable[[int, int], None], total: int):
+        self.store, self.progress, self.total, self.done = store, progress, total, 0
+        self.layout, self.num_layers, self.num_experts, self.codec = store.layout, store.num_layers, store.num_experts, store.codec
+
+    def read(self, layer: int, expert: int, dst: object) -> int:
+        n = self.store.read(layer, expert, dst)
+        self.done += 1
+        self.progress(self.done, self.total)
+        return n
+
+    def describe(self, layer: int, expert: int) -> str:
+        return self.store.describe(layer, expert)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+__all__ = ["CheckpointError", "build_paging_file", "checkpoint_fingerprint", "checkpoint_meta", "layout_for_checkpoint"]
