@@ -1,0 +1,182 @@
+"""Copy expert records into slot tensors, from a work list held in device memory.
+
+The work list (record index, destination slot; -1 = nothing) is read by the
+kernel itself, so a CUDA graph that captured the launch copies whatever the
+current step decided when it is replayed (a captured memcpy would repeat the
+addresses it saw at capture). The records may sit in pinned host memory: the
+GPU dereferences those pointers directly over PCIe (UVA), and many programs
+each move a block of one component so enough reads are in flight to fill the
+link.
+
+On CPU tensors (the CPU build, where "VRAM" slots are host tensors) the same
+copy runs as torch `index_copy_`; both give the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.triton_launch import kernel_for
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build may run without Triton; the torch path needs none
+    triton = tl = None
+
+MAX_COMPONENTS = 4  # destination tensors one launch writes; larger layouts launch in groups
+BLOCK_BYTES = 8192  # bytes per program: small enough for thousands of programs in flight per expert
+
+
+class CopyError(ValueError):
+    """A copy was asked with buffers that do not match the layout."""
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """How a layout's components map to machine words for the copy."""
+
+    word: torch.dtype
+    """Largest integer type (8, 4, 2 or 1 bytes) dividing every offset, size and the pitch."""
+    word_bytes: int
+    """Its size in bytes."""
+    offsets: tuple[int, ...]
+    """Start of each component in the record, in words."""
+    sizes: tuple[int, ...]
+    """Length of each component, in words."""
+    pitch_words: int
+    """Record pitch in words."""
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+@lru_cache(maxsize=None)
+def copy_plan(layout: ExpertLayout) -> CopyPlan:
+    numbers = [layout.pitch] + [c.offset for c in layout.components] + [c.nbytes for c in layout.components]
+    size, word = next((b, w) for b, w in _WORDS if all(n % b == 0 for n in numbers))
+    return CopyPlan(
+        word=word,
+        word_bytes=size,
+        offsets=tuple(c.offset // size for c in layout.components),
+        sizes=tuple(c.nbytes // size for c in layout.components),
+        pitch_words=layout.pitch // size,
+    )
+
+
+def copy_records(
+    records: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    layout: ExpertLayout,
+    buffers: dict[str, torch.Tensor],
+    block_bytes: int = BLOCK_BYTES,
+) -> None:
+    """For each i with src[i] >= 0 and dst[i] >= 0: record src[i] -> slot dst[i] of every component buffer.
+
+    records: uint8 [R, pitch] (pinned host memory when the buffers are on a GPU);
+    src, dst: integer [M] on the buffers' device; buffers: layout.slot_buffers(...).
+    """
+    _check(records, src, dst, layout, buffers)
+    device = next(iter(buffers.values())).device
+    if device.type == "cpu":
+        copy_records_torch(records, src, dst, layout, buffers)
+    else:
+        copy_records_triton(records, src, dst, layout, buffers, block_bytes)
+
+
+def copy_records_torch(records, src, dst, layout: ExpertLayout, buffers: dict[str, torch.Tensor]) -> None:
+    """The CPU path: index_copy_ of each component's bytes (data-dependent shapes are fine on CPU)."""
+    valid = (src >= 0) & (dst >= 0)
+    s, d = src[valid].long(), dst[valid].long()
+    rows = records[s]
+    for c in layout.components:
+        flat = _flat_bytes(buffers[c.name])
+        flat.index_copy_(0, d, rows[:, c.offset : c.offset + c.nbytes])
+
+
+def copy_records_triton(records, src, dst, layout: ExpertLayout, buffers: dict[str, torch.Tensor], block_bytes: int = BLOCK_BYTES) -> None:
+    """The kernel path (GPU; on CPU tensors, Triton's interpreter runs the same kernel)."""
+    plan = copy_plan(layout)
+    block = max(1, block_bytes // plan.word_bytes)
+    rec_words = records.view(torch.uint8).view(records.shape[0], -1).view(plan.word)
+    comps = list(layout.components)
+    for start in range(0, len(comps), MAX_COMPONENTS):
+        group = list(range(start, min(start + MAX_COMPONENTS, len(comps))))
+        outs = [_flat_bytes(buffers[comps[i].name]).view(plan.word) for i in group]
+        offs = [plan.offsets[i] for i in group]
+        sizes = [plan.sizes[i] for i in group]
+        nblocks = [-(-n // block) for n in sizes]
+        while len(outs) < MAX_COMPONENTS:  # unused inputs: zero blocks, never touched
+            outs.append(outs[0])
+            offs.append(0)
+            sizes.append(0)
+            nblocks.append(0)
+        grid = (src.numel(), sum(nblocks))
+        kernel_for(_copy_kernel, src.device)[grid](
+            rec_words, src, dst, plan.pitch_words, *outs,
+            *offs, *sizes, *nblocks, BLOCK=block, num_warps=4,
+        )
+
+
+def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
+    """[S, *shape] -> uint8 [S, nbytes] view of the same memory."""
+    return buf.view(buf.shape[0], -1).view(torch.uint8)
+
+
+def _check(records, src, dst, layout: ExpertLayout, buffers) -> None:
+    if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != layout.pitch:
+        raise CopyError(f"records must be uint8 [R, {layout.pitch}], got {records.dtype} {tuple(records.shape)}")
+    if src.shape != dst.shape or src.dim() != 1:
+        raise CopyError(f"src and dst must be 1-D of one length, got {tuple(src.shape)} and {tuple(dst.shape)}")
+    slots = None
+    for c in layout.components:
+        buf = buffers.get(c.name)
+        if buf is None or tuple(buf.shape[1:]) != c.shape or buf.dtype != c.dtype or not buf.is_contiguous():
+            got = "missing" if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
+            raise CopyError(f"buffer {c.name} must be a contiguous [S, {', '.join(map(str, c.shape))}] {c.dtype}, got {got}")
+        if slots is not None and buf.shape[0] != slots:
+            raise CopyError(f"buffer {c.name} has {buf.shape[0]} slots, others have {slots}")
+        slots = buf.shape[0]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_kernel(
+        rec_ptr, src_ptr, dst_ptr, pitch_words,
+        out0, out1, out2, out3,
+        OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
+        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
+        NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Program (m, b): work item m, block b of the components laid end to end.
+        # (Written out per component: the interpreter cannot call nested jit helpers.)
+        m = tl.program_id(0)
+        b = tl.program_id(1)
+        s = tl.load(src_ptr + m).to(tl.int64)
+        d = tl.load(dst_ptr + m).to(tl.int64)
+        lane = tl.arange(0, BLOCK)
+        if (s >= 0) & (d >= 0):
+            base = rec_ptr + s * pitch_words
+            if b < NB0:
+                offs = b * BLOCK + lane
+                mask = offs < N0
+                tl.store(out0 + d * N0 + offs, tl.load(base + OFF0 + offs, mask=mask), mask=mask)
+            elif b < NB0 + NB1:
+                offs = (b - NB0) * BLOCK + lane
+                mask = offs < N1
+                tl.store(out1 + d * N1 + offs, tl.load(base + OFF1 + offs, mask=mask), mask=mask)
+            elif b < NB0 + NB1 + NB2:
+                offs = (b - NB0 - NB1) * BLOCK + lane
+                mask = offs < N2
+                tl.store(out2 + d * N2 + offs, tl.load(base + OFF2 + offs, mask=mask), mask=mask)
+            else:
+                offs = (b - NB0 - NB1 - NB2) * BLOCK + lane
+                mask = offs < N3
+                tl.store(out3 + d * N3 + offs, tl.load(base + OFF3 + offs, mask=mask), mask=mask)

@@ -1,0 +1,203 @@
+"""The expert pager of one MoE layer: VRAM slots fed from the RAM tier (and SSD).
+
+Per step the engine's adapter calls, for each paged layer:
+
+    remapped = pager.prepare(topk_ids)     # every needed expert now sits in a VRAM slot
+    out = moe_kernel(x, pager.buffers, topk_weights, remapped)
+
+when the step can need more distinct experts than slots (`pager.fits(topk_ids)`
+is False: prefill, large batches) it streams them instead:
+
+    pairs = None
+    for chunk in pager.chunks(topk_ids):
+        y = per_pair_moe(x, pager.buffers, chunk.remapped)   # [T, K, H], zero where remapped == -1
+        pairs = chunk.merge(pairs, y)
+    out = combine(pairs, topk_weights)                       # the same reduction as unchunked
+
+Each chunk's experts are brought in just before the caller computes it, so at
+most the chunk's experts must be resident at once. Because every (token, k)
+output is computed by the same kernel on the same bytes, and merged by
+selection rather than addition, the result is bit-identical to one unchunked
+per-pair run followed by the same combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from bigmoe_pager.core.copy_kernel import copy_records
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.ram_tier import ExpertReader, RamTier, RamTierError
+from bigmoe_pager.core.slots import Acquired, SlotTable
+from bigmoe_pager.core.stats import PagerStats
+
+
+class PagerError(ValueError):
+    """A pager was built with sizes or buffers it cannot serve."""
+
+
+__all__ = ["Chunk", "ExpertPager", "PagerError", "RamTierError"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pass of a streamed step: the pairs whose experts this chunk made resident."""
+
+    index: int
+    """Position in the stream, from 0."""
+    remapped: torch.Tensor
+    """topk_ids' shape: VRAM slot for the pairs of this chunk, -1 for every other pair."""
+    mask: torch.Tensor
+    """topk_ids' shape, bool: the pairs this chunk serves."""
+
+    def merge(self, acc: torch.Tensor | None, pair_out: torch.Tensor) -> torch.Tensor:
+        """Take this chunk's pairs from pair_out ([*topk shape, H]) into acc; selection, never addition."""
+        mask = self.mask.unsqueeze(-1)
+        if acc is None:
+            return torch.where(mask, pair_out, torch.zeros((), dtype=pair_out.dtype, device=pair_out.device))
+        return torch.where(mask, pair_out, acc)
+
+
+class ExpertPager:
+    """VRAM slots of one layer, the RAM tier behind them, and the decisions that move experts."""
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        num_experts: int,
+        vram_slots: int,
+        ram: RamTier,
+        *,
+        device: torch.device | str = "cpu",
+        layer: int = 0,
+        stats: PagerStats | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
+        work_slots: int = 0,
+    ) -> None:
+        if not 1 <= vram_slots <= num_experts:
+            raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
+        if ram.num_slots < vram_slots:
+            raise PagerError(f"layer {layer}: {ram.num_slots} RAM slots < {vram_slots} VRAM slots; RAM must hold at least the VRAM slots")
+        if ram.num_experts != num_experts or ram.layout != layout:
+            raise PagerError(f"layer {layer}: RAM tier was built for another layout or expert count")
+        ram.check_ready()
+        if work_slots > vram_slots:
+            raise PagerError(f"layer {layer}: {work_slots} working slots exceed the {vram_slots} VRAM slots they stream through")
+        self.layout = layout
+        self.num_experts = num_experts
+        self.num_slots = vram_slots
+        self.device = torch.device(device)
+        self.layer = layer
+        self.ram = ram
+        self.vram = SlotTable(num_experts, vram_slots, self.device)
+        self.buffers = buffers if buffers is not None else layout.slot_buffers(vram_slots, self.device)
+        _check_buffers(layout, vram_slots, self.buffers, self.device)
+        self.work_slots = work_slots or vram_slots
+        """Distinct experts per chunk when a step is streamed."""
+        self._stats = stats
+        self._counters = None if stats is None else {t: stats.tier(layer, t) for t in ("vram", "ram", "ssd")}
+
+    # ---- one step --------------------------------------------------------------------
+
+    def fits(self, topk_ids: torch.Tensor) -> bool:
+        """True when no step of this shape can need more distinct experts than slots (decided by shape alone)."""
+        return topk_ids.numel() <= self.num_slots
+
+    def prepare(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Bring every expert of `topk_ids` into VRAM; returns the ids remapped to slots (-1 stays -1).
+
+        No host sync; capturable in a CUDA graph. If the step needs more distinct
+        experts than slots, the lowest-id misses that do not fit remap to -1 and
+        `acquire(...).overflow` says so: use `chunks()` for such shapes.
+        """
+        return self.acquire(topk_ids).remapped
+
+    def acquire(self, topk_ids: torch.Tensor) -> Acquired:
+        """`prepare` with the full decision (miss list, counts, overflow) returned."""
+        got = self.vram.acquire(topk_ids)
+        counters = self._counters or {}
+        src = self.ram.locate(got.miss_experts, counters.get("ram"), counters.get("ssd"))
+        copy_records(self.ram.records, src, got.miss_slots, self.layout, self.buffers)
+        if self._counters is not None:
+            self._counters["vram"].add(
+                lookups=got.lookups, hits=got.hits, misses=got.misses,
+                bytes=got.loaded * self.layout.record_bytes, errors=got.invalid,
+            )
+        return got
+
+    # ---- streamed steps ----------------------------------------------------------------
+
+    def chunk_count(self, topk_ids: torch.Tensor, sync: bool = False) -> int:
+        """Chunks `chunks()` yields: a bound from shapes alone, or (sync=True) the exact count, reading one number."""
+        w = self.work_slots
+        if sync:
+            distinct = int(self._need(topk_ids.reshape(-1).long())[0][: self.num_experts].sum())
+            return max(1, -(-distinct // w))
+        return max(1, -(-min(self.num_experts, topk_ids.numel()) // w))
+
+    def chunks(self, topk_ids: torch.Tensor, sync: bool | None = None) -> Iterator[Chunk]:
+        """Stream a step's experts through the VRAM slots, at most `work_slots` distinct experts per chunk.
+
+        Chunk c's experts are loaded when the caller asks for chunk c, so compute
+        chunk c before advancing. Experts already resident come first (they cost
+        nothing), then the rest in ascending id. sync=None syncs once to skip empty
+        chunks unless a CUDA graph is being captured.
+        """
+        if sync is None:
+            sync = not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        shape = topk_ids.shape
+        flat = topk_ids.reshape(-1).long()
+        pair_chunk = self._pair_chunks(flat)
+        for c in range(self.chunk_count(topk_ids, sync)):
+            mask = pair_chunk == c
+            ids = torch.where(mask, flat, -1).reshape(shape).to(topk_ids.dtype)
+            yield Chunk(c, self.prepare(ids), mask.reshape(shape))
+
+    def _need(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.num_experts
+        idx = torch.where((flat >= 0) & (flat < e), flat, e).to(self.device)
+        need = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+        need.index_fill_(0, idx, True)
+        need[e:].fill_(False)
+        return need, idx
+
+    def _pair_chunks(self, flat: torch.Tensor) -> torch.Tensor:
+        """Chunk index of every (token, k) pair; -1 for ids that need no expert."""
+        e = self.num_experts
+        need, idx = self._need(flat)
+        resident = self.vram.expert_slot >= 0
+        first = need[:e] & resident
+        later = need[:e] & ~resident
+        rank = torch.where(first, torch.cumsum(first, 0) - 1, torch.cumsum(later, 0) - 1 + first.sum())
+        chunk_of = torch.full((e + 1,), -1, dtype=torch.int64, device=self.device)
+        chunk_of[:e] = torch.where(need[:e], rank // self.work_slots, -1)
+        return chunk_of[idx]
+
+    # ---- start-up ----------------------------------------------------------------------
+
+    def warm(self, experts: torch.Tensor, read: ExpertReader | None = None) -> None:
+        """Warm the tiers with experts hottest first: the first VRAM-slots of them into VRAM, the first RAM-slots into RAM.
+
+        A partial RAM tier reads its share with `read`; VRAM is copied from RAM.
+        """
+        experts = experts.reshape(-1).long()
+        if not self.ram.full:
+            if read is None:
+                raise PagerError("warming a partial RAM tier needs a reader for the experts it loads")
+            self.ram.warm(experts, read)
+        top = experts[: self.num_slots].to(self.device)
+        slots = self.vram.place(top)
+        src = top if self.ram.full else self.ram.table.expert_slot[top]
+        copy_records(self.ram.records, src, slots, self.layout, self.buffers)
+
+
+def _check_buffers(layout: ExpertLayout, slots: int, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+    for c in layout.components:
+        buf = buffers.get(c.name)
+        want = (slots, *c.shape)
+        if buf is None or tuple(buf.shape) != want or buf.dtype != c.dtype or buf.device.type != device.type:
+            got = "missing" if buf is None else f"{tuple(buf.shape)} {buf.dtype} on {buf.device}"
+            raise PagerError(f"slot buffer {c.name} must be {want} {c.dtype} on {device}, got {got}")

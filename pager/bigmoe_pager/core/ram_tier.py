@@ -1,0 +1,125 @@
+"""The RAM tier of one layer: expert records in pinned host memory.
+
+Records are rows of a uint8 [R, pitch] buffer, pinned when the model runs on a
+GPU so the copy kernel reads them over PCIe directly. When R equals the number
+of experts the tier holds every expert at row = expert id and needs no table;
+otherwise a SlotTable on the model's device decides which experts stay, and
+the SSD tier fills the rows it misses.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.slots import SlotTable
+from bigmoe_pager.core.stats import TierCounters
+
+
+class RamTierError(ValueError):
+    """The RAM tier was built or filled in a way it cannot serve."""
+
+
+class SsdFetch(Protocol):
+    """What the RAM tier needs from the SSD tier (the SSD helper's service implements it)."""
+
+    def fetch(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        """On the current stream: read every expert >= 0 into RAM record `slots[i]`.
+
+        experts, slots: int64 [M] on the model's device, -1 padded. Later work on the
+        stream sees the bytes; a read that fails or times out raises (bounded), never
+        leaves stale bytes to compute with.
+        """
+
+
+ExpertReader = Callable[[int, torch.Tensor], None]
+"""read(expert, dst): fill dst (uint8 [pitch]) with the expert's record."""
+
+
+class RamTier:
+    """Pinned host records of one layer and (when partial) their slot table."""
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        num_experts: int,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        *,
+        ssd: SsdFetch | None = None,
+        pin: bool | None = None,
+    ) -> None:
+        if not 1 <= num_slots <= num_experts:
+            raise RamTierError(f"RAM slots must be in [1, {num_experts}], got {num_slots}")
+        self.layout = layout
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.ssd = ssd
+        pin = self.device.type == "cuda" if pin is None else pin
+        # Not zeroed (tens of GiB at start): a full tier refuses steps until fill_all() ran,
+        # and a partial tier only points at rows its SSD tier or warm() has written.
+        self.records = torch.empty((num_slots, layout.pitch), dtype=torch.uint8, pin_memory=pin)
+        self.table = None if self.full else SlotTable(num_experts, num_slots, self.device)
+        self._filled = not self.full
+
+    def attach_ssd(self, ssd: SsdFetch) -> None:
+        """Set the SSD tier that fills this tier's misses (it usually needs `records` to be built)."""
+        self.ssd = ssd
+
+    def check_ready(self) -> None:
+        """Raise RamTierError unless a step can be served: a partial tier needs an SSD tier below it."""
+        if not self.full and self.ssd is None:
+            raise RamTierError(
+                f"{self.num_slots} RAM slots for {self.num_experts} experts need an SSD tier to fill misses; "
+                "attach an SSD service or give as many RAM slots as experts"
+            )
+
+    @property
+    def full(self) -> bool:
+        """Every expert has its own row (row = expert id); no SSD tier below."""
+        return self.num_slots == self.num_experts
+
+    # ---- filling ----------------------------------------------------------------------
+
+    def fill_all(self, read: ExpertReader) -> None:
+        """Load every expert of a full tier (at start)."""
+        if not self.full:
+            raise RamTierError("fill_all() loads a full tier; a partial tier is filled by the SSD tier or warm()")
+        for expert in range(self.num_experts):
+            read(expert, self.records[expert])
+        self._filled = True
+
+    def warm(self, experts: torch.Tensor, read: ExpertReader) -> None:
+        """Place the given experts (hottest first, at most R) in an empty partial tier and read them."""
+        if self.full:
+            raise RamTierError("a full RAM tier already holds every expert; warm() is for partial tiers")
+        slots = self.table.place(experts[: self.num_slots]).tolist()
+        for expert, slot in zip(experts[: self.num_slots].tolist(), slots):
+            read(int(expert), self.records[slot])
+
+    # ---- the step path -----------------------------------------------------------------
+
+    def locate(self, experts: torch.Tensor, counters: TierCounters | None = None, ssd_counters: TierCounters | None = None) -> torch.Tensor:
+        """Record rows holding `experts` (int64 [M], -1 padded), reading misses from SSD first.
+
+        No host sync: the RAM decision runs on the model's device, and the SSD
+        service waits on the stream (bounded) for the rows it fills.
+        """
+        if not self._filled:
+            raise RamTierError("the full RAM tier was never filled; call fill_all() before the first step")
+        if self.full:
+            if counters is not None:
+                n = (experts >= 0).sum()
+                counters.add(lookups=n, hits=n)
+            return experts
+        self.check_ready()
+        got = self.table.acquire(experts)
+        self.ssd.fetch(got.miss_experts, got.miss_slots)
+        if counters is not None:
+            counters.add(lookups=got.lookups, hits=got.hits, misses=got.misses, bytes=got.loaded * self.layout.record_bytes)
+        if ssd_counters is not None:
+            ssd_counters.add(lookups=got.loaded, hits=got.loaded)
+        return got.remapped
