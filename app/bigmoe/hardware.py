@@ -93,6 +93,8 @@ class Hardware:
     """Host memory in bytes."""
     ram_available_bytes: int | Unknown
     """Host memory available to a new process without swapping, in bytes."""
+    ram_stated: bool
+    """True when the RAM size was given on the command line instead of probed."""
     cpu_cores: int | Unknown
     """Logical CPUs."""
     cpu_amx: bool | Unknown

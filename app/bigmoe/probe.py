@@ -42,6 +42,7 @@ def probe(
         gpus=probe_gpus(nvml, live, root),
         ram_total_bytes=total,
         ram_available_bytes=available,
+        ram_stated=False,
         cpu_cores=cores,
         cpu_amx=amx,
         wsl2=wsl2,

@@ -1,0 +1,532 @@
+"""plan: the one estimator. (Hardware, Preset, Overrides) -> Plan: where every expert lives
+(VRAM slots, pinned RAM slots, SSD), whether records are compressed, where the SSD tier reads
+from, the exact vLLM argv and environment, a memory table, an expected TPOT range, a reason for
+every choice, and refusals (each overridable with --force, which the plan then records).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bigmoe.errors import BigmoeError
+from bigmoe.hardware import DISK_KINDS, Disk, Gpu, Hardware, Unknown, known
+from bigmoe.plan_memory import (
+    CUDA_CONTEXT_BYTES, DISK_HEADROOM_BYTES, GIB, MIB, NGRAM_PAGE_CACHE_BYTES, RAM_HEADROOM, VLLM_HOST_BYTES,
+    VRAM_MARGIN, WSL2_DESKTOP_VRAM_BYTES, MemoryRow, MemoryTable, activation_bytes, activation_reason,
+    default_context, gib, kv_cache_bytes, kv_reason, os_reserve_bytes,
+)
+from bigmoe.plan_disks import disk_tables, ssd_disk_kind
+from bigmoe.plan_launch import launch_argv, launch_env, max_seqs_of, pager_settings
+from bigmoe.plan_speed import Estimate, estimate, gpu_spec, speeds_for
+from bigmoe.presets import Preset
+from bigmoe_pager.settings import COMPRESS_CHOICES, PagerSettings
+
+CODEC_RATIO = 0.86
+"""Compressed / raw bytes of an FP8 expert record (the codec's expected ratio until measured)."""
+MIN_COMPUTE_CAPABILITY_FP8 = 8.0
+"""vLLM runs FP8 checkpoints from Ampere (8.0) on: weight-only Marlin below 8.9, FP8 tensor cores from 8.9."""
+
+
+class PlanError(BigmoeError):
+    """An override makes no sense for this model or machine; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the person stated; each field beats the probe or the estimator when set."""
+
+    vram_gib: float | None = None
+    """Plan for a GPU with this much VRAM (GiB) instead of the probed one."""
+    ram_gib: float | None = None
+    """Plan for this much RAM (GiB) instead of the probed amount."""
+    disk: str | None = None
+    """Plan for one disk of this kind (nvme/sata/hdd/virtual) instead of the probed disks."""
+    disk_gib: float | None = None
+    """Free space (GiB) of the stated disk."""
+    gpu: str | None = None
+    """Name of the stated GPU (its VRAM is looked up when --vram-gib is not given)."""
+    wsl2: bool | None = None
+    """Plan for a WSL2 machine."""
+    context: int | None = None
+    """Context length in tokens."""
+    vram_slots: int | None = None
+    """VRAM expert slots per MoE layer."""
+    ram_slots: int | None = None
+    """Pinned RAM expert slots per MoE layer."""
+    compress: str | None = None
+    """on / off / auto for the lossless FP8 codec."""
+    paging_dir: str | None = None
+    """Directory of the paging file."""
+    model_dir: str | None = None
+    """Directory the checkpoint is (or will be) stored under."""
+    model_path: str | None = None
+    """Checkpoint directory vLLM serves; None = the hub id (vLLM resolves it from the cache) or the synthetic model's path."""
+    model_on_disk: bool = False
+    """The checkpoint is already stored, so its bytes need no new space."""
+    host: str = "127.0.0.1"
+    """Address vLLM binds."""
+    port: int = 8000
+    """Port of the OpenAI-compatible API."""
+    force: bool = False
+    """Keep a refused plan runnable; the refusal stays recorded."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `bigmoe run` needs to start vLLM for one model on one machine."""
+
+    model: str
+    """Preset name."""
+    model_path: str
+    """What vLLM serves: a checkpoint directory or a hub id."""
+    device: str
+    """"cuda" or "cpu"."""
+    expert_dtype: str
+    """"fp8" or "bf16"."""
+    context: int
+    """--max-model-len in tokens."""
+    kv_cache_bytes: int
+    """--kv-cache-memory-bytes."""
+    pager: bool
+    """Whether the expert pager runs (False when every expert stays resident)."""
+    layers: int
+    """MoE layers."""
+    experts: int
+    """Routed experts per layer."""
+    top_k: int
+    """Experts per token per layer."""
+    vram_slots: int
+    """Device expert slots per layer (= experts when all are resident)."""
+    ram_slots: int
+    """Pinned RAM slots per layer (= experts when RAM holds them all; 0 when the pager is off)."""
+    compress: bool
+    """Expert records in RAM and on SSD are compressed."""
+    ssd_source: str
+    """"none", "checkpoint" or "paging file": what the SSD tier reads."""
+    paging_file: str | None
+    """Path of the paging file (when compressed)."""
+    ngram: bool
+    """The n-gram pager serves the model's n-gram table from SSD."""
+    settings: PagerSettings
+    """What the plugins read (their environment is settings.to_env())."""
+    argv: tuple[str, ...]
+    """`vllm serve ...` exactly."""
+    env: dict[str, str]
+    """Environment variables to add for vLLM."""
+    memory: tuple[MemoryTable, ...]
+    """VRAM, RAM and disk tables."""
+    estimate: Estimate
+    """Expected TPOT range and tier hit rates."""
+    assumptions: tuple[str, ...]
+    """Assumed numbers behind the estimate and the tables."""
+    reasons: dict[str, str]
+    """Choice -> why, one line each."""
+    notes: tuple[str, ...]
+    """Warnings that do not stop the plan."""
+    refusals: tuple[str, ...]
+    """Why the plan is unsafe; empty when it is safe."""
+    forced: bool
+    """--force was given: the plan runs despite its refusals."""
+    hardware: Hardware
+    """The machine planned for (probe plus stated values)."""
+
+    @property
+    def refusal(self) -> str:
+        """All refusals in one line ("" when none)."""
+        return "; ".join(self.refusals)
+
+    @property
+    def runnable(self) -> bool:
+        return not self.refusals or self.forced
+
+    def vllm_args(self, context: int | None = None) -> list[str]:
+        """The argv after `vllm serve MODEL --host H --port P --served-model-name NAME`."""
+        if context is not None and context != self.context:
+            raise PlanError(f"this plan was made for a context of {self.context} tokens, not {context}; plan again")
+        return list(self.argv[self.argv.index("--served-model-name") + 2:])
+
+    def vllm_env(self) -> dict[str, str]:
+        return dict(self.env)
+
+    def summary(self) -> dict[str, str]:
+        """Short strings for a progress line."""
+        return {
+            "device": self.device, "dtype": self.expert_dtype, "context": str(self.context),
+            "vram_slots": str(self.vram_slots), "ram_slots": str(self.ram_slots),
+            "compress": "on" if self.compress else "off", "ssd": self.ssd_source,
+            "tpot_ms": f"{self.estimate.tpot_ms[0]:.0f}-{self.estimate.tpot_ms[1]:.0f}",
+            "refused": self.refusal or "no",
+        }
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(
+            settings={k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self.settings).items()},
+            argv=list(self.argv), memory=[t.to_dict() for t in self.memory],
+            estimate=dataclasses.asdict(self.estimate), assumptions=list(self.assumptions),
+            notes=list(self.notes), refusals=list(self.refusals), hardware=self.hardware.to_dict(),
+            refusal=self.refusal, runnable=self.runnable,
+        )
+        return out
+
+
+def plan(hw: Hardware, preset: Preset, overrides: Overrides = Overrides()) -> Plan:
+    """The plan for `preset` on `hw` with `overrides`; PlanError for overrides that make no sense."""
+    check_overrides(preset, overrides)
+    draft = _Draft(stated_machine(hw, overrides), preset, overrides)
+    draft.choose_device()
+    if draft.device == "cuda":
+        draft.size_vram()
+    draft.size_ram()
+    draft.size_disks()
+    return draft.finish()
+
+
+# ---- overrides ----------------------------------------------------------------------------
+
+
+def check_overrides(preset: Preset, ov: Overrides) -> None:
+    arch = preset.arch
+    for name in ("vram_gib", "ram_gib", "disk_gib"):
+        value = getattr(ov, name)
+        if value is not None and not value > 0:
+            raise PlanError(f"--{name.replace('_', '-')} {value} must be a positive number of GiB")
+    if ov.disk is not None and ov.disk not in DISK_KINDS:
+        raise PlanError(f"--disk {ov.disk!r} is not one of {', '.join(DISK_KINDS)}")
+    if ov.compress is not None and ov.compress not in COMPRESS_CHOICES:
+        raise PlanError(f"--compress {ov.compress!r} is not one of {', '.join(COMPRESS_CHOICES)}")
+    if ov.gpu is not None and ov.vram_gib is None and gpu_spec(ov.gpu) is None:
+        raise PlanError(f"--gpu {ov.gpu!r} is not a GPU bigmoe knows the VRAM of; add --vram-gib")
+    if ov.context is not None and not 1 <= ov.context <= arch.max_context:
+        raise PlanError(f"--context {ov.context} is outside 1..{arch.max_context}, the limit of {preset.name}")
+    for name in ("vram_slots", "ram_slots"):
+        value = getattr(ov, name)
+        if value is not None and not arch.top_k <= value <= arch.experts:
+            raise PlanError(f"--{name.replace('_', '-')} {value} must be between top-k {arch.top_k} "
+                            f"(one token's experts) and the {arch.experts} experts per layer")
+    if ov.vram_slots is not None and ov.ram_slots is not None and ov.ram_slots < ov.vram_slots:
+        raise PlanError(f"--ram-slots {ov.ram_slots} is below --vram-slots {ov.vram_slots}; RAM slots must be >= VRAM slots")
+
+
+def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
+    """The probed machine with the stated parts put in place of the probed ones."""
+    changes: dict = {}
+    if ov.vram_gib is not None or ov.gpu is not None:
+        vram = int((ov.vram_gib if ov.vram_gib is not None else gpu_spec(ov.gpu)[0]) * GIB)
+        name = ov.gpu or f"GPU with {vram / GIB:g} GiB"
+        not_probed = Unknown("the GPU was stated on the command line, not probed")
+        changes["gpus"] = (Gpu(0, name, vram, vram, not_probed, not_probed, not_probed, stated=True),)
+    if ov.ram_gib is not None:
+        ram = int(ov.ram_gib * GIB)
+        changes.update(ram_total_bytes=ram, ram_available_bytes=ram, ram_stated=True)
+    if ov.disk is not None or ov.disk_gib is not None:
+        stated = Unknown("the disk was stated on the command line, not probed")
+        changes["disks"] = (Disk(
+            path="/", device=stated, kind=ov.disk or Unknown("--disk-gib was given without --disk"),
+            kind_basis="stated with --disk", mount_point=stated, filesystem=stated, windows_drive=False,
+            free_bytes=int(ov.disk_gib * GIB) if ov.disk_gib is not None else Unknown("no --disk-gib was given"),
+            o_direct=stated, o_direct_basis="not tested on a stated disk", stated=True,
+        ),)
+    if ov.wsl2 is not None:
+        changes.update(wsl2=ov.wsl2, wsl2_basis="stated with --wsl2")
+    return dataclasses.replace(hw, **changes)
+
+
+def default_dirs(preset: Preset) -> tuple[str, str]:
+    """(model directory, paging directory) when not given: the Hugging Face cache for hub
+    models, bigmoe's cache for synthetic ones; paging files under bigmoe's cache."""
+    from bigmoe.paths import cache_root
+
+    if preset.synthetic:
+        model_dir = str(cache_root() / "models")
+    else:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        model_dir = str(HF_HUB_CACHE)
+    return model_dir, str(cache_root() / "paging")
+
+
+# ---- the estimator ------------------------------------------------------------------------
+
+
+@dataclass
+class _Draft:
+    """A plan being made: the steps fill it in order."""
+
+    hw: Hardware
+    preset: Preset
+    ov: Overrides
+    reasons: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    memory: list[MemoryTable] = field(default_factory=list)
+    device: str = "cpu"
+    dtype: str = "bf16"
+    vram_slots: int = 0
+    ram_slots: int = 0
+    compress: bool = False
+
+    def __post_init__(self) -> None:
+        arch = self.preset.arch
+        self.context = self.ov.context or default_context(arch)
+        self.reasons["context"] = ("set by --context" if self.ov.context else
+                                   f"default {self.context} tokens (the model allows {arch.max_context})")
+        self.kv = kv_cache_bytes(arch, self.context)
+        self.reasons["kv_cache"] = kv_reason(arch, self.context)
+        self.ngram = arch.ngram_table_bytes > 0
+        self.reasons["ngram"] = (
+            f"the {gib(arch.ngram_table_bytes)} n-gram table is never loaded: each token's rows are read from the "
+            "checkpoint on SSD, with the OS page cache as its RAM tier" if self.ngram else "the model has no n-gram table")
+
+    @property
+    def eb(self) -> int:
+        """Bytes of one expert as the kernel reads it."""
+        return self.preset.expert_bytes(self.dtype)
+
+    @property
+    def pager(self) -> bool:
+        return self.vram_slots < self.preset.arch.experts
+
+    def choose_device(self) -> None:
+        gpu = self.hw.gpu()
+        if gpu is None:
+            self._choose_cpu()
+            return
+        self.device, self.dtype = "cuda", self.preset.dtype_gpu
+        self.reasons["device"] = f"GPU 0: {gpu.name}" + (" (stated)" if gpu.stated else "")
+        self.reasons["dtype"] = f"{self.dtype} experts: the preset's GPU dtype"
+        cc = gpu.compute_capability
+        if self.dtype == "fp8" and isinstance(cc, str):
+            if float(cc) < MIN_COMPUTE_CAPABILITY_FP8:
+                self.refusals.append(f"{gpu.name} has compute capability {cc}; vLLM runs FP8 checkpoints from 8.0 (Ampere) on")
+            elif float(cc) < 8.9:
+                self.notes.append(f"compute capability {cc} has no FP8 tensor cores: vLLM uses weight-only FP8 (Marlin) kernels")
+
+    def _choose_cpu(self) -> None:
+        why = str(self.hw.gpus) if isinstance(self.hw.gpus, Unknown) else "NVML sees no GPU"
+        self.device, self.dtype = "cpu", self.preset.dtype_cpu
+        self.reasons["device"] = f"cpu: no NVIDIA GPU ({why}), so vLLM's CPU build runs the model"
+        amx = {True: "this CPU has AMX", False: "this CPU has no AMX"}.get(self.hw.cpu_amx, "AMX unknown")  # type: ignore[arg-type]
+        self.reasons["dtype"] = (f"{self.dtype} experts on CPU, as the preset says: vLLM's CPU build runs FP8 MoE "
+                                 f"only with Intel AMX, bf16 everywhere ({amx})")
+        if not self.preset.synthetic:
+            total = self.preset.total_expert_bytes("fp8")
+            self.refusals.append(f"no GPU ({why}): {self.preset.name}'s {gib(total)} of FP8 experts need an NVIDIA GPU; "
+                                 "plan for one with --vram-gib")
+
+    def size_vram(self) -> None:
+        arch, gpu = self.preset.arch, self.hw.gpu()
+        assert gpu is not None
+        total = gpu.vram_total_bytes if isinstance(gpu.vram_total_bytes, int) else 0
+        if not total:
+            self.refusals.append(f"VRAM size unknown ({gpu.vram_total_bytes}); state it with --vram-gib")
+        rows = [self._vram_others(gpu, total),
+                MemoryRow("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context and library workspaces (assumed)"),
+                MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, shared experts, head (preset)"),
+                MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
+                MemoryRow("activations", activation_bytes(arch, "cuda", self._max_seqs()), activation_reason("cuda", self._max_seqs())),
+                MemoryRow("safety margin", int(total * VRAM_MARGIN), f"{VRAM_MARGIN:.0%} of VRAM for fragmentation")]
+        left = total - sum(r.bytes for r in rows)
+        per_slot = arch.moe_layers * self.eb
+        fit = max(0, min(arch.experts, left // per_slot))
+        self.vram_slots, why = self._pick(fit, self.ov.vram_slots, "--vram-slots", left, "VRAM")
+        if self.ov.vram_slots is None and self.ov.ram_slots is not None and self.ov.ram_slots < self.vram_slots:
+            self.vram_slots, why = self.ov.ram_slots, f"lowered to --ram-slots {self.ov.ram_slots} (RAM slots must be >= VRAM slots)"
+        self.reasons["vram_slots"] = why
+        if total and left < 0:
+            self.refusals.append(f"too little VRAM for the dense weights: {gib(arch.dense_bytes)} of them plus KV cache, "
+                                 f"activations and reserves need {gib(total - left)}, the GPU has {gib(total)}")
+        elif total and left < arch.top_k * per_slot:
+            self.refusals.append(f"too little VRAM for expert slots: {gib(left)} is left after the dense weights, KV cache "
+                                 f"and reserves; {arch.top_k} slots per layer (one token's experts) need {gib(arch.top_k * per_slot)}")
+        elif self.vram_slots * per_slot > left:
+            self.refusals.append(f"out of VRAM: {self.vram_slots} slots per layer need {gib(self.vram_slots * per_slot)}, "
+                                 f"{gib(left)} is left after dense weights, KV cache and reserves")
+        rows.append(MemoryRow("expert slots", self.vram_slots * per_slot,
+                              f"{self.vram_slots} slots x {arch.moe_layers} layers x {self.eb / MIB:.2f} MiB"))
+        self.memory.append(MemoryTable("VRAM", total, tuple(rows)))
+
+    def _vram_others(self, gpu: Gpu, total: int) -> MemoryRow:
+        if not gpu.stated and isinstance(gpu.vram_free_bytes, int):
+            return MemoryRow("other processes", max(0, total - gpu.vram_free_bytes), "VRAM in use at probe time")
+        if self.hw.wsl2 is True:
+            return MemoryRow("Windows desktop", WSL2_DESKTOP_VRAM_BYTES, "the Windows desktop keeps VRAM on a WSL2 machine (assumed)")
+        return MemoryRow("other processes", 0, "a stated GPU is planned as unused by others")
+
+    def _pick(self, fit: int, override: int | None, flag: str, left: int, tier: str) -> tuple[int, str]:
+        arch = self.preset.arch
+        if override is not None:
+            return override, f"set by {flag}"
+        if fit >= arch.experts:
+            return arch.experts, f"{tier} holds all {arch.experts} experts of every layer ({gib(left)} left for experts)"
+        if fit < arch.top_k:
+            return arch.top_k, f"{tier} fits only {fit} slots per layer; planned at top-k {arch.top_k}, the least a token needs"
+        return fit, f"{gib(left)} of {tier} left for experts holds {fit} slots per layer"
+
+    def _max_seqs(self) -> int:
+        return max_seqs_of(self.preset)
+
+    def size_ram(self) -> None:
+        arch, hw = self.preset.arch, self.hw
+        total = hw.ram_total_bytes if isinstance(hw.ram_total_bytes, int) else 0
+        if not total:
+            self.refusals.append(f"RAM size unknown ({hw.ram_total_bytes}); state it with --ram-gib")
+        if not hw.ram_stated and isinstance(hw.ram_available_bytes, int):
+            rows = [MemoryRow("OS and other programs", max(0, total - hw.ram_available_bytes), "RAM in use at probe time")]
+        else:
+            rows = [MemoryRow("OS and other programs", os_reserve_bytes(total), "planned share of a stated machine's RAM (assumed)")]
+        rows.append(MemoryRow("vLLM processes", VLLM_HOST_BYTES[self.device], "API server, engine and worker processes (assumed)"))
+        if self.device == "cpu":
+            self._cpu_device_rows(rows)
+        if self.ngram:
+            rows.append(MemoryRow("n-gram page cache", min(arch.ngram_table_bytes, NGRAM_PAGE_CACHE_BYTES),
+                                  "OS page cache for the n-gram table's hot rows (assumed hot set)"))
+        rows.append(MemoryRow("headroom", int(total * RAM_HEADROOM), f"{RAM_HEADROOM:.0%} of RAM kept free"))
+        left = total - sum(r.bytes for r in rows)
+        if self.pager:
+            self._size_ram_tier(rows, left)
+        else:
+            self.ram_slots = 0 if self.device == "cuda" else arch.experts
+            self.reasons["ram_slots"] = "no RAM tier: every expert is resident on the device"
+            self.reasons["compress"] = "off: every expert is resident, nothing is paged"
+            if left < 0:
+                self.refusals.append(f"out of memory: RAM needs {gib(total - left)}, the machine has {gib(total)}")
+        self.memory.append(MemoryTable("RAM", total, tuple(rows)))
+
+    def _cpu_device_rows(self, rows: list[MemoryRow]) -> None:
+        arch = self.preset.arch
+        if not self.ov.vram_slots:
+            self.vram_slots = arch.experts
+            self.reasons["vram_slots"] = "every expert is resident in RAM: the expert pager is off"
+        else:
+            self.vram_slots = self.ov.vram_slots
+            self.reasons["vram_slots"] = "set by --vram-slots (device slots live in RAM on a CPU)"
+        rows += [MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, head (preset)"),
+                 MemoryRow("expert slots" if self.pager else "experts", self.vram_slots * arch.moe_layers * self.eb,
+                           f"{self.vram_slots} x {arch.moe_layers} layers x {self.eb / MIB:.2f} MiB ({self.dtype})"),
+                 MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
+                 MemoryRow("activations", activation_bytes(arch, "cpu", self._max_seqs()), activation_reason("cpu", self._max_seqs()))]
+
+    def _size_ram_tier(self, rows: list[MemoryRow], left: int) -> None:
+        arch = self.preset.arch
+        raw_fit = max(0, min(arch.experts, left // (arch.moe_layers * self.eb)))
+        self.compress, self.reasons["compress"] = self._choose_compress(raw_fit)
+        stored = self.stored_bytes
+        fit = max(0, min(arch.experts, left // (arch.moe_layers * stored)))
+        self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
+        if self.ov.ram_slots is None and self.ram_slots < self.vram_slots:
+            self.ram_slots = self.vram_slots
+            self.refusals.append(f"out of memory: RAM holds {fit} expert slots per layer, fewer than the {self.vram_slots} VRAM slots")
+        elif self.ram_slots * arch.moe_layers * stored > left:
+            self.refusals.append(f"out of memory: {self.ram_slots} RAM slots per layer need "
+                                 f"{gib(self.ram_slots * arch.moe_layers * stored)}, {gib(max(left, 0))} is left")
+        self.reasons["ram_slots"] = why + (" (pinned)" if self.device == "cuda" else "")
+        pinned = self.ram_slots * arch.moe_layers * stored
+        rows.append(MemoryRow("expert RAM slots", pinned, f"{self.ram_slots} x {arch.moe_layers} layers x "
+                              f"{stored / MIB:.2f} MiB" + (" compressed" if self.compress else "")))
+        limit = self.hw.memlock_bytes
+        if self.device == "cuda" and isinstance(limit, int) and limit < pinned:
+            self.notes.append(f"ulimit -l is {limit // 1024} KiB, below the {gib(pinned)} pinned RAM tier: CUDA pins through "
+                              "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails")
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of one expert as RAM and SSD hold it."""
+        return math.ceil(self.eb * CODEC_RATIO) if self.compress else self.eb
+
+    def _choose_compress(self, raw_fit: int) -> tuple[bool, str]:
+        arch = self.preset.arch
+        if self.ov.compress in ("on", "off"):
+            return self.ov.compress == "on", f"set by --compress {self.ov.compress}"
+        if self.dtype != "fp8":
+            return False, "off: the codec compresses FP8 experts only"
+        if raw_fit >= arch.experts:
+            return False, "off: RAM holds every expert uncompressed, so nothing is read from SSD"
+        paging = self.paging_disk()
+        need = self.paging_bytes + (0 if self.same_disk(paging, self.model_disk()) is False else self._checkpoint_new_bytes())
+        if paging is not None and isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
+            return False, f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; the SSD tier reads the checkpoint"
+        if paging is not None and (paging.windows_drive is True or paging.kind == "hdd"):
+            return False, f"off: the paging directory is on {'a Windows drive' if paging.windows_drive is True else 'an HDD'}"
+        return True, (f"on: RAM holds {raw_fit} of {arch.experts} experts per layer uncompressed, more compressed "
+                      f"(ratio {CODEC_RATIO}, assumed), and SSD reads shrink by {1 - CODEC_RATIO:.0%}")
+
+    @property
+    def paging_bytes(self) -> int:
+        arch = self.preset.arch
+        return math.ceil(arch.experts * arch.moe_layers * self.eb * CODEC_RATIO)
+
+    def dirs(self) -> tuple[str, str]:
+        model_dir, paging_dir = (self.ov.model_dir, self.ov.paging_dir)
+        if model_dir is None or paging_dir is None:
+            default_model, default_paging = default_dirs(self.preset)
+            model_dir, paging_dir = model_dir or default_model, paging_dir or default_paging
+        return model_dir, paging_dir
+
+    def model_disk(self) -> Disk | None:
+        return self.hw.disk_for(self.dirs()[0])
+
+    def paging_disk(self) -> Disk | None:
+        return self.hw.disk_for(self.dirs()[1])
+
+    @staticmethod
+    def same_disk(a: Disk | None, b: Disk | None) -> bool | None:
+        if a is None or b is None:
+            return None
+        return a is b or (known(a.mount_point) and a.mount_point == b.mount_point and a.device == b.device)
+
+    def _checkpoint_new_bytes(self) -> int:
+        return 0 if self.ov.model_on_disk else self.checkpoint_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        arch = self.preset.arch
+        return arch.dense_bytes + self.preset.total_expert_bytes(self.dtype) + arch.ngram_table_bytes
+
+    @property
+    def ssd_source(self) -> str:
+        if not self.pager or self.ram_slots >= self.preset.arch.experts:
+            return "none"
+        return "paging file" if self.compress else "checkpoint"
+
+    def size_disks(self) -> None:
+        disk_tables(self)
+
+    def finish(self) -> Plan:
+        arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
+        paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.compress else None
+        model_path = self.ov.model_path or self._default_model_path()
+        settings = pager_settings(self.pager, self.vram_slots, self.ram_slots, arch.experts, paging_file, self.compress, self.ngram)
+        speeds = speeds_for(gpu, ssd_disk_kind(self))
+        expected = estimate(
+            speeds, self.device, layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
+            resident_bytes=arch.dense_bytes + arch.moe_layers * arch.top_k * self.eb, stored_bytes=self.stored_bytes,
+            vram_slots=self.vram_slots, ram_slots=self.ram_slots if self.pager else arch.experts,
+        )
+        wsl2 = self.device == "cuda" and self.hw.wsl2 is True
+        self.reasons["ssd_source"] = {
+            "none": "no SSD tier: the device and RAM hold every expert",
+            "checkpoint": "the SSD tier reads the checkpoint's safetensors in place (uncompressed, no second copy)",
+            "paging file": f"the SSD tier reads compressed records from the paging file {paging_file}",
+        }[self.ssd_source]
+        self.reasons["env"] = ("VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"
+                               + ("; VLLM_WSL2_ENABLE_PIN_MEMORY=1 because WSL2 disables pinned memory otherwise" if wsl2 else ""))
+        self.reasons["argv"] = "vllm serve with the preset's flags, the planned context, KV-cache bytes and batch size"
+        return Plan(
+            model=self.preset.name, model_path=model_path, device=self.device, expert_dtype=self.dtype,
+            context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,
+            experts=arch.experts, top_k=arch.top_k, vram_slots=self.vram_slots, ram_slots=self.ram_slots,
+            compress=self.compress, ssd_source=self.ssd_source, paging_file=paging_file, ngram=self.ngram,
+            settings=settings, argv=tuple(launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv)),
+            env=launch_env(settings, self.preset, wsl2), memory=tuple(self.memory), estimate=expected,
+            assumptions=speeds.assumptions, reasons=dict(self.reasons), notes=tuple(self.notes),
+            refusals=tuple(self.refusals), forced=self.ov.force, hardware=self.hw,
+        )
+
+    def _default_model_path(self) -> str:
+        if self.preset.synthetic:
+            return str(Path(self.dirs()[0]) / f"{self.preset.name}-{self.dtype}")
+        return self.preset.hub_id

@@ -1,0 +1,73 @@
+"""plan_launch: the exact `vllm serve` argv and environment a plan starts vLLM with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bigmoe.plan_memory import BATCH_TOKENS, DEFAULT_MAX_SEQS
+from bigmoe.presets import Preset
+from bigmoe_pager.settings import PagerSettings
+
+PLUGINS = ("bigmoe_experts", "bigmoe_ngram")
+"""bigmoe's vllm.general_plugins entry points; each does nothing when its setting is off."""
+PLANNED_FLAGS = (
+    "--model", "--host", "--port", "--served-model-name",
+    "--max-model-len", "--kv-cache-memory-bytes", "--max-num-batched-tokens",
+)
+"""Flags the plan sets itself; a preset's own value for one of them is dropped."""
+
+
+def launch_argv(preset: Preset, model_path: str, host: str, port: int, context: int, kv_bytes: int) -> list[str]:
+    return [
+        "vllm", "serve", model_path, "--host", host, "--port", str(port), "--served-model-name", preset.name,
+        *preset_args(preset),
+        "--max-model-len", str(context),
+        "--kv-cache-memory-bytes", str(kv_bytes),
+        "--max-num-batched-tokens", str(BATCH_TOKENS),
+    ]
+
+
+def preset_args(preset: Preset) -> list[str]:
+    """The preset's vLLM flags without those the plan sets (flag and value, or flag=value)."""
+    out: list[str] = []
+    args = list(preset.vllm_args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in PLANNED_FLAGS:
+            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
+            continue
+        if arg.split("=", 1)[0] not in PLANNED_FLAGS:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def max_seqs_of(preset: Preset) -> int:
+    """--max-num-seqs from the preset's flags, else vLLM's default."""
+    args = list(preset.vllm_args)
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--max-num-seqs" and i + 1 < len(args) else arg.partition("--max-num-seqs=")[2]
+        if value.isdigit():
+            return int(value)
+    return DEFAULT_MAX_SEQS
+
+
+def pager_settings(
+    pager: bool, vram_slots: int, ram_slots: int, experts: int, paging_file: str | None, compress: bool, ngram: bool,
+) -> PagerSettings:
+    return PagerSettings(
+        enabled=pager,
+        vram_slots=(vram_slots,) if pager else (),
+        ram_slots=(ram_slots,) if pager and ram_slots < experts else (),
+        paging_file=Path(paging_file) if paging_file else None,
+        compress="on" if compress else "off",
+        ngram=ngram,
+    )
+
+
+def launch_env(settings: PagerSettings, preset: Preset, wsl2: bool) -> dict[str, str]:
+    env = {"VLLM_PLUGINS": ",".join(PLUGINS), **settings.to_env(), **preset.vllm_env}
+    if wsl2:
+        env["VLLM_WSL2_ENABLE_PIN_MEMORY"] = "1"
+    return env

@@ -1,0 +1,140 @@
+"""plan_speed: the link speeds and hit rates behind a plan's expected TPOT, and the estimate.
+
+Every number here is either a specification (PCIe per-lane rates) or an assumption that
+the plan names as such; measured link speeds replace them once a benchmark has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigmoe.hardware import Gpu, Unknown
+
+GB = 1e9
+MS_PER_S = 1000.0
+
+PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+"""GB/s per lane and direction after line coding, from the PCIe specifications."""
+PCIE_EFFICIENCY = 0.8
+"""Assumed share of the link a pinned host-to-device copy reaches."""
+ASSUMED_PCIE = (4, 16)
+"""(generation, lanes) assumed when NVML cannot say."""
+DISK_GBPS = {"nvme": 3.0, "sata": 0.5, "hdd": 0.15, "virtual": 1.0}
+"""Assumed read speed (GB/s) of multi-MiB O_DIRECT reads at a few in flight, per disk kind."""
+UNKNOWN_DISK_GBPS = 0.5
+"""Assumed read speed (GB/s) of a disk whose kind is unknown."""
+KNOWN_GPUS = {
+    "H200": (140, 4800), "H100": (80, 3350), "A100": (80, 2039), "L40S": (48, 864),
+    "5090": (32, 1792), "4090": (24, 1008), "4080": (16, 717), "4070": (12, 504), "4060": (8, 272),
+    "3090": (24, 936), "3080": (10, 760), "3070": (8, 448), "3060": (12, 360),
+}
+"""Name fragment -> (VRAM GiB, memory bandwidth GB/s), from the vendors' data sheets."""
+ASSUMED_GPU_GBPS = 500.0
+"""Memory bandwidth (GB/s) assumed for a GPU not in KNOWN_GPUS."""
+CPU_GBPS = 20.0
+"""Assumed memory bandwidth (GB/s) one CPU decode step reaches."""
+DECODE_EFFICIENCY = 0.6
+"""Assumed share of memory bandwidth a decode step reaches on resident weights."""
+STEP_OVERHEAD_MS = {"cuda": 2.0, "cpu": 5.0}
+"""Assumed per-token cost outside weight reads (scheduler, sampling, launches), in ms."""
+HIT_EXPONENTS = (0.3, 0.6)
+"""Assumed LRU hit rate of a tier holding fraction f of a layer's experts: f**a, for an
+optimistic and a pessimistic a (decode reuses experts across neighbouring tokens)."""
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """The rates one estimate uses."""
+
+    pcie_gbps: float
+    """Host-to-device copy rate, GB/s (0 on a CPU run)."""
+    disk_gbps: float
+    """SSD-tier read rate, GB/s."""
+    memory_gbps: float
+    """Device memory bandwidth reached by a decode step, GB/s."""
+    assumptions: tuple[str, ...]
+    """Which of the numbers are assumptions, one line each."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Expected decode speed of a plan."""
+
+    tpot_ms: tuple[float, float]
+    """(optimistic, pessimistic) time per output token, ms."""
+    vram_hit: tuple[float, float]
+    """(optimistic, pessimistic) share of expert lookups found in VRAM."""
+    ram_hit: tuple[float, float]
+    """(optimistic, pessimistic) share found in VRAM or RAM (the rest is read from SSD)."""
+    pcie_mib_per_token: tuple[float, float]
+    """(optimistic, pessimistic) MiB copied host-to-device per token."""
+    ssd_mib_per_token: tuple[float, float]
+    """(optimistic, pessimistic) MiB read from the SSD tier per token."""
+
+
+def gpu_spec(name: str) -> tuple[int, float] | None:
+    """(VRAM GiB, bandwidth GB/s) of a known GPU whose name contains a KNOWN_GPUS key."""
+    for fragment, spec in KNOWN_GPUS.items():
+        if fragment.lower() in name.lower():
+            return spec
+    return None
+
+
+def speeds_for(gpu: Gpu | None, disk_kind: str | Unknown) -> Speeds:
+    notes: list[str] = []
+    if gpu is None:
+        pcie, memory = 0.0, CPU_GBPS
+        notes.append(f"CPU memory bandwidth {CPU_GBPS:g} GB/s per decode step (assumed)")
+    else:
+        gen, width = gpu.pcie_gen, gpu.pcie_width
+        if not isinstance(gen, int) or not isinstance(width, int) or gen not in PCIE_GBPS_PER_LANE:
+            gen, width = ASSUMED_PCIE
+            notes.append(f"PCIe Gen{gen} x{width} (assumed: the GPU's link was not probed)")
+        pcie = PCIE_GBPS_PER_LANE[gen] * width * PCIE_EFFICIENCY
+        notes.append(f"pinned host-to-device copies reach {PCIE_EFFICIENCY:.0%} of PCIe Gen{gen} x{width}: {pcie:.1f} GB/s (assumed share)")
+        spec = gpu_spec(gpu.name) if isinstance(gpu.name, str) else None
+        bandwidth = spec[1] if spec else ASSUMED_GPU_GBPS
+        if spec is None:
+            notes.append(f"GPU memory bandwidth {ASSUMED_GPU_GBPS:g} GB/s (assumed: {gpu.name} is not in the table)")
+        memory = bandwidth * DECODE_EFFICIENCY
+        notes.append(f"decode reaches {DECODE_EFFICIENCY:.0%} of {bandwidth:g} GB/s GPU memory bandwidth (assumed share)")
+    disk = DISK_GBPS.get(disk_kind, UNKNOWN_DISK_GBPS) if isinstance(disk_kind, str) else UNKNOWN_DISK_GBPS
+    notes.append(f"SSD tier reads at {disk:g} GB/s for a {disk_kind if isinstance(disk_kind, str) else 'disk of unknown kind'} (assumed until measured)")
+    notes.append(f"tier hit rate = (slots / experts) ** a with a from {HIT_EXPONENTS[0]} to {HIT_EXPONENTS[1]} (assumed LRU locality)")
+    return Speeds(pcie, disk, memory, tuple(notes))
+
+
+def estimate(
+    speeds: Speeds, device: str, *, layers: int, experts: int, top_k: int, resident_bytes: int,
+    stored_bytes: int, vram_slots: int, ram_slots: int,
+) -> Estimate:
+    """Expected TPOT: resident reads at memory bandwidth, plus VRAM misses over PCIe, plus
+    RAM misses from the SSD (the pessimistic end adds them; the optimistic end overlaps them).
+    `resident_bytes` are the weights one token reads when every expert is resident;
+    `stored_bytes` one expert as RAM and SSD hold it (compressed or not)."""
+    base_ms = resident_bytes / (speeds.memory_gbps * GB) * MS_PER_S + STEP_OVERHEAD_MS[device]
+    lookups = layers * top_k
+    results = []
+    for exponent in HIT_EXPONENTS:
+        vram_hit = _hit(vram_slots, experts, exponent)
+        ram_hit = max(vram_hit, _hit(ram_slots, experts, exponent))
+        pcie_bytes = lookups * (1 - vram_hit) * stored_bytes if vram_slots < experts else 0.0
+        ssd_bytes = lookups * (1 - ram_hit) * stored_bytes
+        pcie_ms = pcie_bytes / (speeds.pcie_gbps * GB) * MS_PER_S if pcie_bytes else 0.0
+        ssd_ms = ssd_bytes / (speeds.disk_gbps * GB) * MS_PER_S if ssd_bytes else 0.0
+        results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, pcie_ms, ssd_ms))
+    (v0, r0, p0, s0, pm0, sm0), (v1, r1, p1, s1, pm1, sm1) = results
+    mib = float(1 << 20)
+    return Estimate(
+        tpot_ms=(round(base_ms + max(pm0, sm0), 2), round(base_ms + pm1 + sm1, 2)),
+        vram_hit=(round(v0, 3), round(v1, 3)),
+        ram_hit=(round(r0, 3), round(r1, 3)),
+        pcie_mib_per_token=(round(p0 / mib, 1), round(p1 / mib, 1)),
+        ssd_mib_per_token=(round(s0 / mib, 1), round(s1 / mib, 1)),
+    )
+
+
+def _hit(slots: int, experts: int, exponent: float) -> float:
+    if slots >= experts:
+        return 1.0
+    return (max(slots, 0) / experts) ** exponent
