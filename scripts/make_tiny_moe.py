@@ -246,9 +246,16 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     d = TinyShape()
-    p = argparse.ArgumentParser(prog="make_tiny_moe.py", description="Make a synthetic Qwen3-MoE checkpoint (random weights).")
+    p = _OneLineParser(prog="make_tiny_moe.py", description="Make a synthetic Qwen3-MoE checkpoint (random weights).")
     p.add_argument("out", type=Path, metavar="OUT", help="checkpoint directory to create")
     p.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers, all MoE (default {d.layers})")
     p.add_argument("--experts", type=int, default=d.experts, help=f"routed experts per layer (default {d.experts})")

@@ -42,7 +42,7 @@ def quantize_blocks(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float
     rows, cols = weight.shape
     check_blocks(rows, cols)
     blocks = weight.float().reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))
+    amax = blocks.abs().amax(dim=3).amax(dim=1)  # last dim first: contiguous, much faster on CPU
     # An all-zero block keeps scale 1 so dividing by it stays finite.
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(scale_dtype)
     scaled = blocks / scale.float()[:, None, :, None]

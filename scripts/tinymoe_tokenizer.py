@@ -7,6 +7,7 @@ tokens sit at the top of the tokenizer's ids, as in Qwen's tokenizers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -121,10 +122,15 @@ def tokenizer_config(vocab: int, max_length: int) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=8)
+def trained_json(vocab: int, seed: int) -> str:
+    """tokenizer.json text; training is deterministic, so one process trains each (vocab, seed) once."""
+    return train(vocab, seed).to_str(pretty=True)
+
+
 def write(directory: Path, vocab: int, seed: int, max_length: int) -> list[Path]:
     """Train the tokenizer and write tokenizer.json and tokenizer_config.json into `directory`."""
-    tokenizer = train(vocab, seed)
     paths = [directory / "tokenizer.json", directory / "tokenizer_config.json"]
-    paths[0].write_text(tokenizer.to_str(pretty=True))
+    paths[0].write_text(trained_json(vocab, seed))
     paths[1].write_text(json.dumps(tokenizer_config(vocab, max_length), indent=2) + "\n")
     return paths
