@@ -154,7 +154,8 @@ class _Listener:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, name=f"fakehub-{role}", daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
+                                       name=f"fakehub-{role}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -250,6 +251,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path.startswith(f"/{repo}/resolve/"):
             rev, _, file = path[len(f"/{repo}/resolve/"):].partition("/")
             return self._resolve(rev, file, body)
+        if path == "/api/agent-harnesses":  # huggingface_hub's agent registry: absent here, so it caches nothing
+            return self._error(404, None, "not served by the fake hub")
         if path.startswith("/api/models/") or path.startswith(f"/{repo.split('/')[0]}/"):
             return self._error(404, "RepoNotFound", "Repository not found")
         return self._error(404, None, "no such route in the fake hub", unknown=True)
