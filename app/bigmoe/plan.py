@@ -310,8 +310,13 @@ class _Draft:
         self.device, self.dtype = "cpu", self.preset.dtype_cpu
         self.reasons["device"] = f"cpu: no NVIDIA GPU ({why}), so vLLM's CPU build runs the model"
         amx = {True: "this CPU has AMX", False: "this CPU has no AMX"}.get(self.hw.cpu_amx, "AMX unknown")  # type: ignore[arg-type]
-        self.reasons["dtype"] = (f"{self.dtype} experts on CPU, as the preset says: vLLM's CPU build runs FP8 MoE "
-                                 f"only with Intel AMX, bf16 everywhere ({amx})")
+        if self.dtype == "bf16":
+            self.reasons["dtype"] = (f"bf16 experts on CPU, as the preset says: vLLM's CPU build runs FP8 MoE only with "
+                                     f"Intel AMX, bf16 on every CPU ({amx})")
+        else:
+            self.reasons["dtype"] = f"fp8 experts on CPU, as the preset says ({amx})"
+            if self.hw.cpu_amx is False:
+                self.refusals.append("vLLM's CPU build runs FP8 MoE only with Intel AMX, and this CPU has none")
         if not self.preset.synthetic:
             total = self.preset.total_expert_bytes("fp8")
             self.refusals.append(f"no GPU ({why}): {self.preset.name}'s {gib(total)} of FP8 experts need an NVIDIA GPU; "

@@ -248,7 +248,8 @@ def _direct_read(path: Path, expected: bytes | None) -> tuple[bool | Unknown, st
 def _readable_sample(directory: Path) -> Path | None:
     try:
         for entry in sorted(directory.iterdir())[:64]:
-            if entry.is_file() and entry.stat().st_size >= 2 * DIRECT_BLOCK and os.access(entry, os.R_OK):
+            # a symlink may lead to another filesystem, so only plain files of this directory count
+            if not entry.is_symlink() and entry.is_file() and entry.stat().st_size >= 2 * DIRECT_BLOCK and os.access(entry, os.R_OK):
                 return entry
     except OSError:
         return None
