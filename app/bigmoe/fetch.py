@@ -235,7 +235,8 @@ def fetch(plan: FetchPlan, progress: ProgressFn | None = None, *, cancel: thread
     """Download what the plan lacks, check every file, mark the model ready; return its directory.
 
     `progress` is called on the caller's thread. Setting `cancel` (from any thread) stops
-    the download within one 10 MiB chunk and raises FetchCancelled; so does Ctrl-C.
+    the download within one 10 MiB chunk and raises FetchCancelled. Ctrl-C, or an exception
+    raised by `progress`, stops the download the same way and then propagates.
     """
     emit = progress or (lambda p: None)
     cache = RepoCache(plan.cache_dir, plan.repo_id)
@@ -469,8 +470,8 @@ def _run_with_progress(work: Callable[[], object], phase: str, files: list[Remot
 
     worker = threading.Thread(target=target, name=f"bigmoe-fetch-{phase}", daemon=True)
     total = sum(f.size for f in files)
-    samples: collections.deque[tuple[float, int]] = collections.deque()
     started = time.monotonic()
+    samples = collections.deque([(started, measure()[1])])  # (seconds, bytes): the speed window
     worker.start()
     try:
         while True:
@@ -478,7 +479,7 @@ def _run_with_progress(work: Callable[[], object], phase: str, files: list[Remot
             files_done, bytes_done = measure()
             now = time.monotonic()
             samples.append((now, bytes_done))
-            while now - samples[0][0] > SPEED_WINDOW_S:
+            while len(samples) > 2 and now - samples[0][0] > SPEED_WINDOW_S:
                 samples.popleft()
             span = now - samples[0][0]
             speed = (bytes_done - samples[0][1]) / span if span > 0 else 0.0

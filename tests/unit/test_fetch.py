@@ -106,6 +106,8 @@ def test_full_download_is_exact_and_ready(hub, served, cache, model):
     assert phases == sorted(phases, key=["download", "verify", "ready"].index)
     download = [e.bytes_done for e in events if e.phase == "download"]
     assert download == sorted(download) and download[-1] == plan.bytes_total
+    finished = [e for e in events if e.phase == "download"][-1]
+    assert finished.speed_bps > 0 and finished.eta_s == 0 and finished.files_done == len(plan.files)
     verify = [e for e in events if e.phase == "verify"][-1]
     assert (verify.files_done, verify.bytes_done) == (len(plan.files), plan.bytes_total)
     assert all(hub.content_gets(name) for name in sizes)
