@@ -33,6 +33,8 @@ class ExpertStore(Protocol):
     num_experts: int
     codec: str
     """"raw" when records are plain layout bytes; otherwise the codec that decodes them."""
+    counters: ReadCounters
+    """File-level read counters (reads, bytes, time, retries after EIO/short reads, errors)."""
 
     def read(self, layer: int, expert: int, dst: object) -> int:
         """Write the record into dst (uint8 memory of >= layout.pitch bytes); return its length in bytes."""
@@ -103,6 +105,12 @@ class CheckpointStore:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+    def __enter__(self) -> "CheckpointStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _key(self, layer: int, expert: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):

@@ -196,7 +196,7 @@ class PagingFileStore:
 
     def read(self, layer: int, expert: int, dst: object) -> int:
         """Record bytes into dst[:length] (dst >= pitch bytes); ChecksumError if they do not match."""
-        offset, length, crc = self._entry(layer, expert)
+        offset, length, crc = self.entry(layer, expert)
         out = as_byte_array(dst)
         span = _round_up(length, ALIGN)
         if out.nbytes < span:
@@ -208,13 +208,20 @@ class PagingFileStore:
         return length
 
     def describe(self, layer: int, expert: int) -> str:
-        offset, length, _ = self._entry(layer, expert)
+        offset, length, _ = self.entry(layer, expert)
         return f"paging file {self.path} (layer {layer}, expert {expert} @{offset}+{length})"
 
     def close(self) -> None:
         self._file.close()
 
-    def _entry(self, layer: int, expert: int) -> tuple[int, int, int]:
+    def __enter__(self) -> "PagingFileStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def entry(self, layer: int, expert: int) -> tuple[int, int, int]:
+        """The index entry of one record: (file offset, length in bytes, crc32)."""
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
             raise IndexError(f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts} experts")
         offset, length, crc = self._index[layer * self.num_experts + expert]

@@ -1,0 +1,327 @@
+"""Host I/O workers that fill pinned RAM slots with experts read from SSD.
+
+Two ways in, one machinery (a thread pool of `io_workers` readers):
+
+- `request(layer, experts, slots)` with device tensors (CUDA, or the Triton
+  interpreter): enqueues ssd_mailbox.request_kernel on the current stream, so it
+  is capturable in a CUDA graph and replays with whatever ids the tensors hold.
+  The kernel publishes the requests in the pinned mailbox and spins until the
+  host marks each done; a poller thread here picks them up. Errors do not raise
+  on the GPU: the kernel sets a flag and returns. **Contract: after a step that
+  contains a request, the caller syncs (it does anyway to read sampled tokens)
+  and calls `check()`, which raises `SsdError` if any read failed or the GPU gave
+  up waiting; that step's outputs must then be thrown away.** Once failed, the
+  service stays failed: later kernels return at once and `check()` keeps raising.
+- `load(layer, experts, slots)` (host-driven, outside CUDA graphs): reads now,
+  in parallel, and returns when every slot holds its expert, raising `SsdError`
+  on failure. On CUDA the caller must have synchronized so that no kernel reads
+  those slots meanwhile. Without CUDA, `request` is this.
+
+Every read lands first in a worker-owned staging buffer and is checked (paging
+file: crc32) before it is copied into the slot, under a per-request lock: a late
+read that completes after its retry (or after the request was given up) is
+discarded, so it can never overwrite a slot that now holds another expert.
+
+Late reads: an attempt not answered within `read_timeout_s` is issued again on
+another worker (at most `read_retries` times); failed attempts are retried when
+they may be transient (checksum mismatch); ReadError (already retried at file
+level) and bad requests fail at once. The GPU's own deadline is longer than the
+host's, so normally the host reports first, with the file and expert named.
+
+The GIL is never on the GPU's wait path: the kernel waits only on mailbox
+words. The host threads do need the GIL to answer, so the thread that launches
+work must not block in a call that holds the GIL (Triton's launcher and torch's
+synchronize/graph replay release it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import ssd_mailbox as mb
+from .expert_store import ExpertStore
+from .odirect import aligned_empty, as_byte_array
+from .paging_file import ChecksumError
+from .read_stats import ReadCounters
+
+IDLE_SLEEP_S = (20e-6, 1e-3)  # seconds between mailbox polls: right after work, and at most when idle
+ACTIVE_WINDOW_S = 0.02  # seconds after the last request during which the poller polls at the fast rate
+
+
+class SsdError(RuntimeError):
+    """An expert could not be brought from SSD into its RAM slot; the step that needed it is invalid."""
+
+
+@dataclass
+class _Job:
+    """One expert read into one RAM slot, with its attempts."""
+
+    layer: int
+    """MoE layer."""
+    expert: int
+    """Expert id."""
+    slot: int
+    """RAM slot row in the layer's buffer."""
+    entry: int = -1
+    """Mailbox entry it came from (-1: host-driven load)."""
+    seq: int = 0
+    """Mailbox sequence number to write back as done (0 for host-driven loads)."""
+    attempts: int = 0
+    """Attempts issued so far."""
+    issued_at: float = 0.0
+    """time.monotonic() of the latest attempt's issue, in seconds."""
+    state: str = "pending"
+    """pending, done or failed."""
+    error: str = ""
+    """Why it failed."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Serializes completing the job against late attempts."""
+    finished: threading.Event = field(default_factory=threading.Event, repr=False)
+    """Set when the job is done or failed."""
+
+
+class SsdService:
+    """Reads experts from an ExpertStore into per-layer pinned RAM slot buffers, on request."""
+
+    def __init__(self, store: ExpertStore, ram_slots: Sequence[torch.Tensor], *, io_workers: int = 4,
+                 read_timeout_s: float = 10.0, read_retries: int = 2, max_requests: int = 256,
+                 mailbox: bool | None = None, wait_timeout_s: float | None = None):
+        self.store = store
+        self.read_timeout_s = read_timeout_s
+        self.read_retries = read_retries
+        self.max_requests = max_requests
+        self.wait_timeout_s = wait_timeout_s or (read_retries + 1) * read_timeout_s + 1.0
+        self._rows = [_slot_rows(buf, store.layout.pitch, layer) for layer, buf in enumerate(ram_slots)]
+        if len(self._rows) != store.num_layers:
+            raise ValueError(f"{len(self._rows)} RAM slot buffers for a store of {store.num_layers} MoE layers")
+        self.counters = [ReadCounters() for _ in range(store.num_layers)]
+        """Per MoE layer: expert reads into RAM slots (retries and errors at this level)."""
+        self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="bigmoe-ssd")
+        self._staging = threading.local()
+        self._inflight: set[_Job] = set()
+        self._inflight_lock = threading.Lock()
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self.box: torch.Tensor | None = None
+        if mailbox if mailbox is not None else torch.cuda.is_available():
+            self._open_mailbox()
+
+    # ---- the GPU-driven path ---------------------------------------------------------
+
+    def request(self, layer: int, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        """Bring experts[i] into RAM slot slots[i] of `layer` (-1 entries skipped).
+
+        With a mailbox: enqueues the request kernel on the current stream (capturable;
+        errors are reported by `check()` after the caller's sync). Without: `load`.
+        """
+        if self.box is None:
+            self.load(layer, experts, slots)
+            return
+        mb.launch_request(self.box, self._seq, experts, slots, layer, self.max_requests, self.wait_timeout_s)
+
+    def check(self) -> None:
+        """Raise SsdError if any read failed or the GPU gave up waiting (call after syncing the step)."""
+        if self.box is not None:
+            gpu = int(self._box[mb.GPU_ERROR])
+            if gpu == mb.GPU_TIMED_OUT and self._error is None:
+                self._fail_service(f"the GPU waited {self.wait_timeout_s:.1f} s and SSD reads did not finish "
+                                   f"(batch {int(self._box[mb.GPU_ERROR_SEQ])}); host I/O workers are stuck or gone")
+        if self._error is not None:
+            raise SsdError(self._error)
+
+    @property
+    def failed(self) -> bool:
+        """Whether the service has failed for good (check() would raise)."""
+        return self._error is not None or (self.box is not None and int(self._box[mb.GPU_ERROR]) != 0)
+
+    # ---- the host-driven path (outside CUDA graphs) ------------------------------------
+
+    def load(self, layer: int, experts: object, slots: object) -> None:
+        """Read experts into RAM slots now, in parallel; returns when all are there, or raises SsdError."""
+        pairs = [(int(e), int(s)) for e, s in zip(_ints(experts), _ints(slots)) if int(e) >= 0]
+        if len({s for _, s in pairs}) != len(pairs):
+            raise SsdError(f"layer {layer}: one RAM slot requested twice in one load: {pairs}")
+        self.check()
+        jobs = [_Job(layer, e, s) for e, s in pairs]
+        for job in jobs:
+            self._start(job)
+        for job in jobs:
+            while not job.finished.wait(0.005):
+                self._watch_late()
+        self.check()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the poller and the workers (reads in progress finish on their own)."""
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "SsdService":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, object]:
+        """Counters: per layer (expert reads into slots) and for the store's files (file-level retries)."""
+        return {"layers": [c.snapshot() for c in self.counters], "files": self.store.counters.snapshot()}
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _open_mailbox(self) -> None:
+        pin = torch.cuda.is_available()
+        self.box = torch.zeros(mb.mailbox_words(self.max_requests), dtype=torch.int64, pin_memory=pin)
+        self._box = self.box.numpy()
+        device = "cuda" if pin and not mb.interpreting() else "cpu"
+        self._seq = torch.zeros(1, dtype=torch.int64, device=device)
+        self._handled = np.zeros(self.max_requests, dtype=np.int64)
+        self._poller = threading.Thread(target=self._poll, name="bigmoe-ssd-poller", daemon=True)
+        self._poller.start()
+
+    def _poll(self) -> None:
+        """Pick up requests the GPU published; keep an eye on late reads."""
+        req = self._box[mb.REQ : mb.REQ + mb.WORDS_PER_REQUEST * self.max_requests].reshape(self.max_requests, 4)
+        last_work = time.monotonic()
+        sleep = IDLE_SLEEP_S[0]
+        while not self._stop.is_set():
+            seqs = req[:, 0].copy()  # the seq words first: each was written after its payload
+            fresh = np.flatnonzero(seqs > self._handled)
+            for i in fresh:
+                layer, expert, slot = (int(x) for x in req[i, 1:4])
+                self._handled[i] = seqs[i]
+                self._start(_Job(layer, expert, slot, entry=int(i), seq=int(seqs[i])))
+            self._watch_late()
+            now = time.monotonic()
+            if fresh.size:
+                last_work, sleep = now, IDLE_SLEEP_S[0]
+            elif now - last_work > ACTIVE_WINDOW_S:
+                sleep = min(sleep * 2, IDLE_SLEEP_S[1])
+            time.sleep(sleep)
+
+    def _start(self, job: _Job) -> None:
+        why = self._invalid(job)
+        if why:
+            self._finish_failed(job, f"bad request: {why}")
+            return
+        if self._error is not None:
+            self._finish_failed(job, "the SSD tier already failed")
+            return
+        with self._inflight_lock:
+            self._inflight.add(job)
+        self._issue(job)
+
+    def _issue(self, job: _Job) -> None:
+        job.attempts += 1
+        job.issued_at = time.monotonic()
+        if job.attempts > 1:
+            self.counters[job.layer].add_retry()
+        self._pool.submit(self._attempt, job)
+
+    def _attempt(self, job: _Job) -> None:
+        """One read of job's expert into this worker's staging buffer, then into the slot if still wanted."""
+        staging = self._staging_buffer()
+        t0 = time.perf_counter_ns()
+        try:
+            length = self.store.read(job.layer, job.expert, staging)
+        except ChecksumError as e:
+            self._attempt_failed(job, str(e), retry=True)
+            return
+        except Exception as e:  # ReadError, ODirectError, a store bug: all end the job with their message
+            self._attempt_failed(job, f"{e.__class__.__name__}: {e}", retry=False)
+            return
+        with job.lock:
+            if job.state != "pending":
+                return  # a late duplicate: the job was answered or given up meanwhile
+            self._rows[job.layer][job.slot][:length] = staging[:length]
+            job.state = "done"
+        self.counters[job.layer].add_read(length, time.perf_counter_ns() - t0)
+        self._finish(job)
+
+    def _attempt_failed(self, job: _Job, why: str, retry: bool) -> None:
+        with job.lock:
+            if job.state != "pending":
+                return
+            if retry and job.attempts <= self.read_retries:
+                self._issue(job)
+                return
+            job.state = "failed"
+        self._finish_failed(job, f"{why} (after {job.attempts} attempts)")
+
+    def _watch_late(self) -> None:
+        """Re-issue attempts older than read_timeout_s; give up on jobs out of attempts."""
+        now = time.monotonic()
+        with self._inflight_lock:
+            late = [j for j in self._inflight if now - j.issued_at > self.read_timeout_s]
+        for job in late:
+            with job.lock:
+                if job.state != "pending" or now - job.issued_at <= self.read_timeout_s:
+                    continue
+                if job.attempts <= self.read_retries:
+                    self._issue(job)
+                    continue
+                job.state = "failed"
+            self._finish_failed(job, f"no answer within {self.read_timeout_s} s, {job.attempts} attempts")
+
+    def _finish(self, job: _Job) -> None:
+        with self._inflight_lock:
+            self._inflight.discard(job)
+        if job.entry >= 0:
+            self._box[mb.done_base(self.max_requests) + job.entry] = job.seq  # after the slot bytes (x86 keeps store order)
+        job.finished.set()
+
+    def _finish_failed(self, job: _Job, why: str) -> None:
+        job.state, job.error = "failed", why
+        if 0 <= job.layer < len(self.counters):
+            self.counters[job.layer].add_error()
+        where = self.store.describe(job.layer, job.expert) if not why.startswith("bad request") else "the mailbox"
+        self._fail_service(f"SSD read of layer {job.layer} expert {job.expert} into RAM slot {job.slot} failed: {why}; source: {where}")
+        if job.entry >= 0:
+            self._box[mb.HOST_ERROR] = job.seq
+        with self._inflight_lock:
+            self._inflight.discard(job)
+        job.finished.set()
+
+    def _fail_service(self, message: str) -> None:
+        if self._error is None:
+            self._error = message
+
+    def _invalid(self, job: _Job) -> str:
+        if not 0 <= job.layer < self.store.num_layers:
+            return f"layer {job.layer} outside 0..{self.store.num_layers - 1}"
+        if not 0 <= job.expert < self.store.num_experts:
+            return f"expert {job.expert} outside 0..{self.store.num_experts - 1}"
+        if not 0 <= job.slot < len(self._rows[job.layer]):
+            return f"RAM slot {job.slot} outside 0..{len(self._rows[job.layer]) - 1} of layer {job.layer}"
+        return ""
+
+    def _staging_buffer(self) -> np.ndarray:
+        buf = getattr(self._staging, "buf", None)
+        if buf is None:
+            buf = self._staging.buf = aligned_empty(self.store.layout.pitch).numpy()
+        return buf
+
+
+def _slot_rows(buf: torch.Tensor, pitch: int, layer: int) -> np.ndarray:
+    """A writable numpy view [R, pitch] of one layer's RAM slot buffer."""
+    if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise ValueError(f"layer {layer}: RAM slots must be a contiguous uint8 CPU tensor [R, pitch], got {buf.dtype}{list(buf.shape)} on {buf.device}")
+    if buf.shape[1] < pitch:
+        raise ValueError(f"layer {layer}: RAM slot rows are {buf.shape[1]} bytes; records need {pitch}")
+    return as_byte_array(buf).reshape(buf.shape)
+
+
+def _ints(values: object) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().reshape(-1).tolist()
+    return [int(v) for v in values]

@@ -1,0 +1,146 @@
+"""Shared pieces of the SSD-tier tests: tiny synthetic checkpoints and fakes for faults.
+
+The fakes stand in for faults a real disk cannot be made to produce on demand
+(EIO, short reads, a filesystem refusing O_DIRECT, a disk filling mid-write);
+each is named Fake* and wraps the real system calls otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+
+import synth_experts  # noqa: E402  (scripts/ is not a package)
+
+from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
+from bigmoe_pager.core.layout import ExpertLayout  # noqa: E402
+from bigmoe_pager.core.odirect import SystemFileIO  # noqa: E402
+from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
+
+SHAPES = {
+    "fp8": dict(hidden=256, intermediate=128, fp8=True),
+    "bf16": dict(hidden=128, intermediate=64, fp8=False),
+}
+
+
+@dataclass
+class Checkpoint:
+    """A synthetic expert checkpoint on disk and how to check reads from it."""
+
+    root: Path
+    """Directory holding the shards."""
+    layout: ExpertLayout
+    """Record layout of its experts."""
+    num_layers: int
+    """MoE layers in it."""
+    num_experts: int
+    """Experts per layer."""
+    first_layer: int
+    """Model layer number of MoE layer 0."""
+
+    def reference(self, layer: int, expert: int) -> torch.Tensor:
+        """The record bytes (up to record_bytes) a correct read of MoE layer `layer` returns."""
+        rec = synth_experts.reference_record(self.root, self.layout, self.first_layer + layer, expert)
+        return rec[: self.layout.record_bytes]
+
+    def meta(self, **change: object) -> PagingFileMeta:
+        base = dict(model_id="test/tiny", revision="abc123", layout_signature=self.layout.signature(),
+                    num_layers=self.num_layers, num_experts=self.num_experts)
+        return PagingFileMeta(**{**base, **change})
+
+    def store(self, **kw: object) -> CheckpointStore:
+        return CheckpointStore(self.root, self.layout, **kw)
+
+    def paging_file(self, path: Path, **kw: object) -> PagingFileStore:
+        with self.store() as src:
+            write_paging_file(path, self.meta(), src)
+        return PagingFileStore(path, self.layout, self.meta(), **kw)
+
+
+def make_checkpoint(root: Path, kind: str = "fp8", num_layers: int = 2, num_experts: int = 6,
+                    first_layer: int = 1, shards: int = 2) -> Checkpoint:
+    shape = SHAPES[kind]
+    synth_experts.write_checkpoint(root, shape["hidden"], shape["intermediate"], num_layers, num_experts,
+                                   fp8=shape["fp8"], shards=shards, first_layer=first_layer)
+    layout = synth_experts.make_layout(shape["hidden"], shape["intermediate"], shape["fp8"])
+    return Checkpoint(root, layout, num_layers, num_experts, first_layer)
+
+
+class FakeFaultyIO(SystemFileIO):
+    """Fake file I/O: the real calls, except that preadv calls follow a script of injected faults.
+
+    Script items, consumed one per preadv call (then "ok" forever, or `then` if given):
+    "ok", "eio", "short" (a real read reported as 8 bytes long), "einval",
+    "slow" (sleeps `delay_s` first), "corrupt" (flips one byte after a real read).
+    """
+
+    def __init__(self, script: tuple[str, ...] = (), then: str = "ok", delay_s: float = 0.0, refuse_open: bool = False):
+        self.script = list(script)
+        self.then = then
+        self.delay_s = delay_s
+        self.refuse_open = refuse_open
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def open(self, path: str, flags: int) -> int:
+        if self.refuse_open:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return super().open(path, flags)
+
+    def preadv(self, fd: int, buf: np.ndarray, offset: int) -> int:
+        with self._lock:
+            self.calls += 1
+            action = self.script.pop(0) if self.script else self.then
+        if action == "eio":
+            raise OSError(errno.EIO, "Input/output error")
+        if action == "einval":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        if action == "slow":
+            time.sleep(self.delay_s)
+        got = super().preadv(fd, buf, offset)
+        if action == "short":
+            return min(got, 8)
+        if action == "corrupt":
+            buf[0] ^= 0xFF
+        return got
+
+
+class FakeFullDiskFile:
+    """Fake writable file: passes writes to a real file until `capacity` bytes, then fails with ENOSPC."""
+
+    def __init__(self, path: Path, capacity: int):
+        self._f = open(path, "wb")
+        self.capacity = capacity
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        if self.written + len(data) > self.capacity:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.written += len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+
+def mount_small_tmpfs(where: Path, size: str = "1m") -> str:
+    """Mount a tmpfs of `size` at where (needs root); returns "" or why it could not."""
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True)
+    return "" if r.returncode == 0 else (r.stderr.strip() or f"mount exited {r.returncode}")
+
+
+def unmount(where: Path) -> None:
+    subprocess.run(["umount", str(where)], check=True)
