@@ -6,6 +6,7 @@ whether the pager is on and how it is set up.
 usage: python greedy_tokens.py MODEL_DIR MAX_TOKENS PROMPT [PROMPT ...]
 """
 
+import gc
 import json
 import os
 import sys
@@ -27,6 +28,16 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+    print("RSS_ANON_KB " + str(rss_anon_kb()), flush=True)
+
+
+def rss_anon_kb() -> int:
+    """Anonymous resident memory of this process (kB): weights we hold, not file pages mapped."""
+    gc.collect()
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    return -1
 
 
 if __name__ == "__main__":
