@@ -29,6 +29,7 @@ import hashlib
 import json
 import re
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -148,11 +149,19 @@ class HubServer:
         self._cdn.stop()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return  # the client hung up mid-request (cancelled downloads): not a server fault
+        super().handle_error(request, client_address)
+
+
 class _Listener:
     def __init__(self, state: _State, role: str):
         handler = type(f"{role.title()}Handler", (_Handler,), {"state": state, "role": role})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
                                        name=f"fakehub-{role}", daemon=True)
