@@ -16,7 +16,7 @@ from bigmoe.hardware import DISK_KINDS, Disk, Gpu, Hardware, Unknown, known
 from bigmoe.plan_memory import (
     CUDA_CONTEXT_BYTES, DISK_HEADROOM_BYTES, GIB, MIB, NGRAM_PAGE_CACHE_BYTES, RAM_HEADROOM, VLLM_HOST_BYTES,
     VRAM_MARGIN, WSL2_DESKTOP_VRAM_BYTES, MemoryRow, MemoryTable, activation_bytes, activation_reason,
-    default_context, gib, kv_cache_bytes, kv_reason, os_reserve_bytes,
+    batch_tokens, default_context, gib, kv_cache_bytes, kv_reason, os_reserve_bytes,
 )
 from bigmoe.plan_disks import disk_tables, ssd_disk_kind
 from bigmoe.plan_launch import launch_argv, launch_env, max_seqs_of, pager_settings
@@ -332,7 +332,7 @@ class _Draft:
                 MemoryRow("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context and library workspaces (assumed)"),
                 MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, shared experts, head (preset)"),
                 MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
-                MemoryRow("activations", activation_bytes(arch, "cuda", self._max_seqs()), activation_reason("cuda", self._max_seqs())),
+                self._activations("cuda"),
                 MemoryRow("safety margin", int(total * VRAM_MARGIN), f"{VRAM_MARGIN:.0%} of VRAM for fragmentation")]
         left = total - sum(r.bytes for r in rows)
         per_slot = arch.moe_layers * self.eb
@@ -371,8 +371,10 @@ class _Draft:
             return arch.top_k, f"{tier} fits only {fit} slots per layer; planned at top-k {arch.top_k}, the least a token needs"
         return fit, f"{gib(left)} of {tier} left for experts holds {fit} slots per layer"
 
-    def _max_seqs(self) -> int:
-        return max_seqs_of(self.preset)
+    def _activations(self, device: str) -> MemoryRow:
+        seqs = max_seqs_of(self.preset)
+        batch = batch_tokens(seqs, self.context)
+        return MemoryRow("activations", activation_bytes(self.preset.arch, device, seqs, batch), activation_reason(device, seqs, batch))
 
     def size_ram(self) -> None:
         arch, hw = self.preset.arch, self.hw
@@ -395,7 +397,8 @@ class _Draft:
             self._size_ram_tier(rows, left)
         else:
             self.ram_slots = 0 if self.device == "cuda" else arch.experts
-            self.reasons["ram_slots"] = "no RAM tier: every expert is resident on the device"
+            self.reasons["ram_slots"] = ("no RAM tier: every expert is resident in VRAM" if self.device == "cuda"
+                                         else "every expert is resident in RAM, the CPU's device memory")
             self.reasons["compress"] = "off: every expert is resident, nothing is paged"
             if left < 0:
                 self.refusals.append(f"out of memory: RAM needs {gib(total - left)}, the machine has {gib(total)}")
@@ -413,7 +416,7 @@ class _Draft:
                  MemoryRow("expert slots" if self.pager else "experts", self.vram_slots * arch.moe_layers * self.eb,
                            f"{self.vram_slots} x {arch.moe_layers} layers x {self.eb / MIB:.2f} MiB ({self.dtype})"),
                  MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
-                 MemoryRow("activations", activation_bytes(arch, "cpu", self._max_seqs()), activation_reason("cpu", self._max_seqs()))]
+                 self._activations("cpu")]
 
     def _size_ram_tier(self, rows: list[MemoryRow], left: int) -> None:
         arch = self.preset.arch
@@ -525,7 +528,8 @@ class _Draft:
             context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,
             experts=arch.experts, top_k=arch.top_k, vram_slots=self.vram_slots, ram_slots=self.ram_slots,
             compress=self.compress, ssd_source=self.ssd_source, paging_file=paging_file, ngram=self.ngram,
-            settings=settings, argv=tuple(launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv)),
+            settings=settings, argv=tuple(launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
+                                   batch_tokens(max_seqs_of(self.preset), self.context))),
             env=launch_env(settings, self.preset, wsl2), memory=tuple(self.memory), estimate=expected,
             assumptions=speeds.assumptions, reasons=dict(self.reasons), notes=tuple(self.notes),
             refusals=tuple(self.refusals), forced=self.ov.force, hardware=self.hw,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bigmoe.plan_memory import BATCH_TOKENS, DEFAULT_MAX_SEQS
+from bigmoe.plan_memory import DEFAULT_MAX_SEQS
 from bigmoe.presets import Preset
 from bigmoe_pager.settings import PagerSettings
 
@@ -17,13 +17,13 @@ PLANNED_FLAGS = (
 """Flags the plan sets itself; a preset's own value for one of them is dropped."""
 
 
-def launch_argv(preset: Preset, model_path: str, host: str, port: int, context: int, kv_bytes: int) -> list[str]:
+def launch_argv(preset: Preset, model_path: str, host: str, port: int, context: int, kv_bytes: int, batch: int) -> list[str]:
     return [
         "vllm", "serve", model_path, "--host", host, "--port", str(port), "--served-model-name", preset.name,
         *preset_args(preset),
         "--max-model-len", str(context),
         "--kv-cache-memory-bytes", str(kv_bytes),
-        "--max-num-batched-tokens", str(BATCH_TOKENS),
+        "--max-num-batched-tokens", str(batch),
     ]
 
 

@@ -17,7 +17,7 @@ KV_SLACK = 1.25
 KV_FIXED_BYTES = 256 * MIB
 """KV-cache bytes on top, for linear-attention state and one spare block per layer (assumed)."""
 BATCH_TOKENS = 2048
-"""Tokens per scheduler step (vLLM's --max-num-batched-tokens, passed so it holds)."""
+"""Most tokens per scheduler step (vLLM's --max-num-batched-tokens, passed so it holds)."""
 DEFAULT_MAX_SEQS = 256
 """vLLM's default --max-num-seqs, used when the preset does not set it."""
 ACT_HIDDEN_COPIES = 24
@@ -95,17 +95,23 @@ def kv_reason(arch: Arch, context: int) -> str:
             f"{KV_FIXED_BYTES // MIB} MiB for linear-attention state and spare blocks (assumed)")
 
 
-def activation_bytes(arch: Arch, device: str, max_seqs: int) -> int:
+def batch_tokens(max_seqs: int, context: int) -> int:
+    """--max-num-batched-tokens: BATCH_TOKENS, but at least one per sequence (vLLM requires it)
+    and no more than every sequence's whole context (vLLM warns beyond that)."""
+    return max(max_seqs, min(BATCH_TOKENS, max_seqs * context))
+
+
+def activation_bytes(arch: Arch, device: str, max_seqs: int, batch: int) -> int:
     """Activation peak of one step: batched hidden states and expert intermediates (bf16),
     fp32 logits of every running sequence, and on a GPU the CUDA-graph pool."""
     per_token = arch.hidden * 2 * ACT_HIDDEN_COPIES + arch.top_k * 2 * arch.moe_intermediate * 2 * 2
     logits = max_seqs * arch.vocab * 4
-    return BATCH_TOKENS * per_token + logits + (GRAPH_POOL_BYTES if device == "cuda" else 0)
+    return batch * per_token + logits + (GRAPH_POOL_BYTES if device == "cuda" else 0)
 
 
-def activation_reason(device: str, max_seqs: int) -> str:
+def activation_reason(device: str, max_seqs: int, batch: int) -> str:
     pool = f" + {GRAPH_POOL_BYTES // MIB} MiB CUDA-graph pool" if device == "cuda" else ""
-    return (f"{BATCH_TOKENS} batched tokens x ({ACT_HIDDEN_COPIES} hidden-size buffers + expert intermediates) "
+    return (f"{batch} batched tokens x ({ACT_HIDDEN_COPIES} hidden-size buffers + expert intermediates) "
             f"+ logits of {max_seqs} sequences{pool} (assumed)")
 
 

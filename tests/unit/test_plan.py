@@ -1,0 +1,282 @@
+"""plan: the estimator over hardware fixtures x presets (including plans it must refuse),
+overrides, refusal and --force, and the `bigmoe plan` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from bigmoe import presets
+from bigmoe.cli_plan import EXIT_REFUSED, plan as plan_command
+from bigmoe.hardware import Hardware
+from bigmoe.plan import Overrides, PlanError, plan
+from bigmoe.plan_speed import PCIE_GBPS_PER_LANE, PCIE_EFFICIENCY, speeds_for
+from bigmoe_pager.settings import PagerSettings
+
+HARDWARE = Path(__file__).resolve().parents[1] / "fixtures" / "hardware"
+GIB = 1 << 30
+REASON_KEYS = ("device", "dtype", "context", "kv_cache", "vram_slots", "ram_slots", "compress", "ssd_source", "ngram", "env", "argv")
+DIRS = {"rtx3060-32g": ("/data/hf", "/home/me/paging"), "h200": ("/srv/models", "/srv/paging")}
+
+
+def machine(name: str) -> Hardware:
+    return Hardware.from_dict(json.loads((HARDWARE / f"{name}.json").read_text()))
+
+
+def dirs(name: str, **more) -> Overrides:
+    model_dir, paging_dir = DIRS.get(name, ("/home/me/models", "/home/me/paging"))
+    return Overrides(model_dir=model_dir, paging_dir=paging_dir, **more)
+
+
+# (machine, preset) -> (refusal text or None, device, pager on, SSD tier source, compressed)
+EXPECTED = {
+    ("rtx4090-wsl2", "tiny-moe"): (None, "cuda", False, "none", False),
+    ("rtx4090-wsl2", "qwen3.6-35b-a3b"): (None, "cuda", True, "none", False),
+    ("rtx4090-wsl2", "qwen3.8-flash-next"): (None, "cuda", True, "paging file", True),
+    ("rtx3060-32g", "tiny-moe"): (None, "cuda", False, "none", False),
+    ("rtx3060-32g", "qwen3.6-35b-a3b"): (None, "cuda", True, "paging file", True),
+    ("rtx3060-32g", "qwen3.8-flash-next"): ("too little VRAM for the dense weights", "cuda", True, None, None),
+    ("h200", "tiny-moe"): (None, "cuda", False, "none", False),
+    ("h200", "qwen3.6-35b-a3b"): (None, "cuda", False, "none", False),
+    ("h200", "qwen3.8-flash-next"): (None, "cuda", False, "none", False),
+    ("hdd-only", "tiny-moe"): (None, "cuda", False, "none", False),
+    ("hdd-only", "qwen3.6-35b-a3b"): (None, "cuda", True, "none", False),
+    ("hdd-only", "qwen3.8-flash-next"): ("from an HDD", "cuda", True, "checkpoint", False),
+    ("cpu-laptop", "tiny-moe"): (None, "cpu", False, "none", False),
+    ("cpu-laptop", "qwen3.6-35b-a3b"): ("no GPU", "cpu", None, None, None),
+    ("cpu-laptop", "qwen3.8-flash-next"): ("no GPU", "cpu", None, None, None),
+}
+
+
+@pytest.mark.parametrize("machine_name, preset_name", sorted(EXPECTED), ids=lambda v: v)
+def test_plan_per_machine_and_preset(machine_name, preset_name):
+    refusal, device, pager, source, compress = EXPECTED[(machine_name, preset_name)]
+    p = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name))
+    assert p.device == device
+    if refusal is None:
+        assert p.refusals == () and p.runnable
+    else:
+        assert refusal in p.refusal and not p.runnable
+    for actual, wanted in ((p.pager, pager), (p.ssd_source, source), (p.compress, compress)):
+        if wanted is not None:
+            assert actual == wanted
+    check_invariants(p)
+
+
+def check_invariants(p) -> None:
+    for key in REASON_KEYS:
+        assert isinstance(p.reasons.get(key), str) and len(p.reasons[key]) > 10, key
+    if not p.refusals:
+        for table in p.memory:
+            assert table.fits is True, (table.tier, table.used_bytes, table.capacity_bytes)
+    assert {t.tier for t in p.memory} >= ({"VRAM", "RAM"} if p.device == "cuda" else {"RAM"})
+    assert any(t.tier.startswith("disk ") for t in p.memory)
+    assert list(p.argv[:3]) == ["vllm", "serve", p.model_path]
+    assert p.argv[p.argv.index("--host") + 1] == "127.0.0.1"
+    assert p.argv.count("--max-model-len") == 1 and p.argv[p.argv.index("--max-model-len") + 1] == str(p.context)
+    assert p.argv[p.argv.index("--kv-cache-memory-bytes") + 1] == str(p.kv_cache_bytes)
+    assert p.env["VLLM_PLUGINS"] == "bigmoe_experts,bigmoe_ngram"
+    assert PagerSettings.from_env(p.env) == p.settings
+    if p.pager:
+        for layer in (0, p.layers - 1):
+            vram, ram = p.settings.slots_for(layer, p.layers, p.experts)
+            assert p.top_k <= vram == p.vram_slots <= ram
+    low, high = p.estimate.tpot_ms
+    assert 0 < low <= high
+    assert json.loads(json.dumps(p.to_dict()))["refusal"] == p.refusal
+
+
+def test_the_reference_job_on_a_4090_under_wsl2():
+    p = plan(machine("rtx4090-wsl2"), presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))
+    assert p.top_k < p.vram_slots < p.ram_slots < p.experts
+    assert p.env["VLLM_WSL2_ENABLE_PIN_MEMORY"] == "1"
+    assert p.env["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1" and "--language-model-only" in p.argv
+    assert p.settings.ngram and p.settings.use_codec() and p.paging_file.startswith("/home/me/paging/")
+    vram = next(t for t in p.memory if t.tier == "VRAM")
+    assert vram.capacity_bytes - vram.used_bytes < p.layers * presets.load("qwen3.8-flash-next").arch.expert_bytes_fp8
+    assert any("assumed" in a for a in p.assumptions)
+
+
+def test_only_wsl2_gets_the_pinned_memory_variable():
+    p = plan(machine("rtx3060-32g"), presets.load("qwen3.6-35b-a3b"), dirs("rtx3060-32g"))
+    assert "VLLM_WSL2_ENABLE_PIN_MEMORY" not in p.env
+
+
+def test_tiny_moe_without_a_gpu_plans_a_cpu_run_and_says_why():
+    p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop"))
+    assert (p.device, p.expert_dtype, p.pager) == ("cpu", "bf16", False)
+    assert "no NVIDIA GPU" in p.reasons["device"] and "AMX" in p.reasons["dtype"]
+    assert p.settings == PagerSettings(compress="off")
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+def with_disk(hw: Hardware, path: str, **changes) -> Hardware:
+    return dataclasses.replace(hw, disks=tuple(dataclasses.replace(d, **changes) if d.path == path else d for d in hw.disks))
+
+
+REFUSALS = [
+    pytest.param("rtx4090-wsl2", Overrides(model_dir="/mnt/c/models", paging_dir="/home/me/paging"), "Windows drive", id="mnt-c"),
+    pytest.param("rtx4090-wsl2", dirs("rtx4090-wsl2", disk="nvme", disk_gib=150), "disk full", id="disk-full"),
+    pytest.param("rtx4090-wsl2", dirs("rtx4090-wsl2", ram_slots=512), "out of memory", id="ram-oom"),
+    pytest.param("rtx4090-wsl2", dirs("rtx4090-wsl2", vram_slots=200), "out of VRAM", id="vram-oom"),
+    pytest.param("rtx3060-32g", dirs("rtx3060-32g"), "too little VRAM for the dense weights", id="dense-too-big"),
+    pytest.param("cpu-laptop", dirs("cpu-laptop"), "no GPU", id="no-gpu"),
+    pytest.param("h200", dirs("h200", disk="hdd", vram_gib=24), "HDD", id="stated-hdd"),
+]
+
+
+@pytest.mark.parametrize("machine_name, overrides, reason", REFUSALS)
+def test_unsafe_plans_are_refused_and_force_records_it(machine_name, overrides, reason):
+    preset = presets.load("qwen3.8-flash-next")
+    p = plan(machine(machine_name), preset, overrides)
+    assert reason in p.refusal and not p.runnable and not p.forced
+    forced = plan(machine(machine_name), preset, dataclasses.replace(overrides, force=True))
+    assert forced.forced and forced.runnable and forced.refusals == p.refusals
+
+
+def test_no_o_direct_on_the_ssd_tier_is_refused():
+    hw = with_disk(machine("rtx4090-wsl2"), "/home/me/paging", o_direct=False, o_direct_basis="open(x, O_DIRECT) failed: Invalid argument")
+    p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))
+    assert p.ssd_source == "paging file" and "O_DIRECT reads do not work" in p.refusal
+
+
+def test_no_room_for_a_paging_file_reads_the_checkpoint_instead():
+    hw = with_disk(machine("rtx3060-32g"), "/home/me/paging", free_bytes=20 * GIB)
+    p = plan(hw, presets.load("qwen3.6-35b-a3b"), dirs("rtx3060-32g"))
+    assert (p.compress, p.ssd_source, p.paging_file) == (False, "checkpoint", None)
+    assert "no room" in p.reasons["compress"] and p.refusals == ()
+
+
+def test_a_missing_hdd_tier_is_fine_when_ram_holds_every_expert():
+    p = plan(machine("hdd-only"), presets.load("qwen3.6-35b-a3b"), dirs("hdd-only"))
+    assert p.ram_slots == p.experts and p.ssd_source == "none" and p.refusals == ()
+
+
+# ---- overrides ------------------------------------------------------------------------------
+
+
+def test_explicit_overrides_beat_the_estimator():
+    ov = dirs("rtx4090-wsl2", vram_slots=20, ram_slots=100, compress="off", context=8192)
+    p = plan(machine("rtx4090-wsl2"), presets.load("qwen3.8-flash-next"), ov)
+    assert (p.vram_slots, p.ram_slots, p.compress, p.context) == (20, 100, False, 8192)
+    assert p.ssd_source == "checkpoint" and p.paging_file is None
+    for key, flag in (("vram_slots", "--vram-slots"), ("ram_slots", "--ram-slots"), ("compress", "--compress"), ("context", "--context")):
+        assert flag in p.reasons[key]
+    assert p.env["BIGMOE_VRAM_SLOTS"] == "20" and p.env["BIGMOE_RAM_SLOTS"] == "100"
+
+
+def test_ram_slots_alone_lower_the_vram_slots():
+    p = plan(machine("rtx4090-wsl2"), presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2", ram_slots=12))
+    assert p.vram_slots == p.ram_slots == 12 and "--ram-slots" in p.reasons["vram_slots"]
+
+
+def test_a_stated_machine_replaces_the_probed_one():
+    p = plan(machine("cpu-laptop"), presets.load("qwen3.8-flash-next"), dirs("cpu-laptop", gpu="RTX 4090", ram_gib=64, disk="nvme"))
+    assert p.device == "cuda" and p.refusals == ()
+    assert p.hardware.gpu().stated and p.hardware.gpu().vram_total_bytes == 24 * GIB
+    assert p.hardware.ram_total_bytes == 64 * GIB and p.hardware.disks[0].stated
+
+
+def test_more_vram_means_more_slots_and_a_faster_token():
+    results = [plan(machine("cpu-laptop"), presets.load("qwen3.8-flash-next"), dirs("cpu-laptop", vram_gib=v, ram_gib=64, disk="nvme"))
+               for v in (16, 24, 32, 48)]
+    slots = [p.vram_slots for p in results]
+    slow = [p.estimate.tpot_ms[1] for p in results]
+    assert slots == sorted(slots) and len(set(slots)) == 4
+    assert slow == sorted(slow, reverse=True)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (Overrides(context=10**7), "--context"),
+    (Overrides(vram_slots=3), "top-k"),
+    (Overrides(vram_slots=600), "experts per layer"),
+    (Overrides(vram_slots=64, ram_slots=32), "RAM slots must be >= VRAM slots"),
+    (Overrides(disk="floppy"), "--disk"),
+    (Overrides(gpu="Voodoo 3"), "--vram-gib"),
+    (Overrides(ram_gib=-4), "--ram-gib"),
+    (Overrides(compress="maybe"), "--compress"),
+])
+def test_overrides_that_make_no_sense_raise_one_line(overrides, message):
+    with pytest.raises(PlanError, match=message) as info:
+        plan(machine("rtx4090-wsl2"), presets.load("qwen3.8-flash-next"), overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_preset_flags_the_plan_owns_are_replaced():
+    p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop", context=1024))
+    assert p.argv.count("--max-model-len") == 1 and p.argv[p.argv.index("--max-model-len") + 1] == "1024"
+    assert "--max-num-seqs" in p.argv
+    assert p.vllm_args() == list(p.argv[p.argv.index("--served-model-name") + 2:])
+    with pytest.raises(PlanError, match="1024"):
+        p.vllm_args(2048)
+
+
+def test_pcie_speed_follows_the_link():
+    gpu = machine("h200").gpu()
+    assert speeds_for(gpu, "nvme").pcie_gbps == pytest.approx(PCIE_GBPS_PER_LANE[5] * 16 * PCIE_EFFICIENCY)
+    slow = dataclasses.replace(gpu, pcie_gen=3, pcie_width=8)
+    assert speeds_for(slow, "nvme").pcie_gbps == pytest.approx(PCIE_GBPS_PER_LANE[3] * 8 * PCIE_EFFICIENCY)
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def run_plan(*args: str):
+    return CliRunner().invoke(plan_command, list(args))
+
+
+def test_plan_command_for_the_reference_job():
+    result = run_plan("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    tables = {t["tier"].split()[0]: t for t in data["memory"]}
+    assert tables["VRAM"]["capacity_bytes"] == 24 * GIB and tables["VRAM"]["fits"] is True
+    assert tables["RAM"]["capacity_bytes"] == 64 * GIB and tables["RAM"]["fits"] is True
+    for table in data["memory"]:
+        assert table["used_bytes"] == sum(r["bytes"] for r in table["rows"])
+        assert all(r["reason"] for r in table["rows"])
+    disk = tables["disk"]
+    assert disk["capacity_bytes"] is None and any("--disk-gib" in n for n in data["notes"])
+    assert all(data["reasons"][k] for k in REASON_KEYS)
+    assert data["refusals"] == [] and data["argv"][:2] == ["vllm", "serve"]
+
+
+def test_plan_command_checks_a_stated_disk():
+    ok = run_plan("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "400", "--json")
+    assert ok.exit_code == 0 and all(t["fits"] for t in json.loads(ok.stdout)["memory"])
+    full = run_plan("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "100", "--json")
+    assert full.exit_code == EXIT_REFUSED
+    assert "disk full" in json.loads(full.stdout)["refusal"] and "--force" in full.stderr
+    forced = run_plan("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "100", "--force")
+    assert forced.exit_code == 0 and "forced despite: disk full" in forced.stdout
+
+
+def test_plan_command_text_names_every_choice():
+    result = run_plan("qwen3.6-35b-a3b", "--gpu", "RTX 3060", "--ram-gib", "32", "--disk", "sata", "--disk-gib", "500")
+    assert result.exit_code == 0, result.output
+    for label in ("VRAM slots", "RAM slots", "compression", "SSD tier", "TPOT", "vLLM: vllm serve", "assumed:"):
+        assert label in result.stdout
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["no-such-model"], 1, "unknown model"),
+    (["tiny-moe", "--disk", "floppy"], 2, "floppy"),
+    (["tiny-moe", "--vram-gib", "-3"], 2, "--vram-gib"),
+    (["qwen3.8-flash-next", "--vram-gib", "24", "--vram-slots", "2"], 1, "top-k"),
+])
+def test_plan_command_bad_input_is_one_line(args, code, text):
+    result = run_plan(*args)
+    assert result.exit_code == code
+    assert text in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("context, batch", [(2048, 2048), (128, 1024), (1, 8)])
+def test_batched_tokens_stay_within_what_vllm_accepts(context, batch):
+    p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop", context=context))
+    assert p.argv[p.argv.index("--max-num-batched-tokens") + 1] == str(batch)  # tiny-moe runs 8 sequences
