@@ -59,7 +59,7 @@ class SsdError(RuntimeError):
     """An expert could not be brought from SSD into its RAM slot; the step that needed it is invalid."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs live in a set while in flight
 class _Job:
     """One expert read into one RAM slot, with its attempts."""
 
