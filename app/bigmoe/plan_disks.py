@@ -9,10 +9,10 @@ from bigmoe.hardware import Disk, Unknown
 from bigmoe.plan_memory import DISK_HEADROOM_BYTES, MIB, MemoryRow, MemoryTable, gib
 
 if TYPE_CHECKING:
-    from bigmoe.plan import _Draft
+    from bigmoe.plan_draft import Draft
 
 
-def disk_tables(d: "_Draft") -> None:
+def disk_tables(d: "Draft") -> None:
     """Add one memory table per disk the plan writes to, and the refusals and notes they imply."""
     model_dir, paging_dir = d.dirs()
     model_disk, paging_disk = d.model_disk(), d.paging_disk()
@@ -36,7 +36,7 @@ def disk_tables(d: "_Draft") -> None:
     _check_safety(d, model_disk, paging_disk)
 
 
-def ssd_disk(d: "_Draft") -> Disk | None:
+def ssd_disk(d: "Draft") -> Disk | None:
     """The disk the SSD tier reads, None when there is no SSD tier or it was not probed."""
     source = d.ssd_source
     if source == "paging file":
@@ -46,12 +46,12 @@ def ssd_disk(d: "_Draft") -> Disk | None:
     return None
 
 
-def ssd_disk_kind(d: "_Draft") -> str | Unknown:
+def ssd_disk_kind(d: "Draft") -> str | Unknown:
     disk = ssd_disk(d) or d.model_disk()
     return disk.kind if disk is not None else Unknown("the model's disk was not probed")
 
 
-def _checkpoint_reason(d: "_Draft") -> str:
+def _checkpoint_reason(d: "Draft") -> str:
     if d.ov.model_on_disk:
         return "already on disk"
     if d.preset.synthetic:
@@ -59,7 +59,7 @@ def _checkpoint_reason(d: "_Draft") -> str:
     return f"downloaded from {d.preset.hub_id}: dense weights, FP8 experts, n-gram table"
 
 
-def _capacity(d: "_Draft", disk: Disk | None, path: str, holds_checkpoint: bool) -> int | None:
+def _capacity(d: "Draft", disk: Disk | None, path: str, holds_checkpoint: bool) -> int | None:
     if disk is None:
         d.notes.append(f"the disk of {path} was not probed: its free space is not checked")
         return None
@@ -70,7 +70,7 @@ def _capacity(d: "_Draft", disk: Disk | None, path: str, holds_checkpoint: bool)
     return disk.free_bytes + present
 
 
-def _check_safety(d: "_Draft", model_disk: Disk | None, paging_disk: Disk | None) -> None:
+def _check_safety(d: "Draft", model_disk: Disk | None, paging_disk: Disk | None) -> None:
     model_dir, paging_dir = d.dirs()
     for disk, path, what in ((model_disk, model_dir, "model"), (paging_disk if d.compress else None, paging_dir, "paging")):
         if disk is not None and disk.windows_drive is True:

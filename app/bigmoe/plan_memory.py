@@ -10,6 +10,8 @@ from bigmoe.presets import Arch
 GIB = 1 << 30
 MIB = 1 << 20
 
+CODEC_RATIO = 0.86
+"""Compressed / raw bytes of an FP8 expert record (the codec's expected ratio until measured)."""
 DEFAULT_CONTEXT = 32768
 """Tokens of context planned when --context is not given (clamped to the model's limit)."""
 KV_SLACK = 1.25

@@ -1,0 +1,315 @@
+"""plan_draft: the estimator's steps. A Draft is a plan being made: choose the device and
+dtype, size VRAM (slots after dense weights, KV cache, activations and reserves), size RAM
+(pinned slots after OS, vLLM, n-gram page cache and headroom; the codec when RAM cannot hold
+every expert), then the disks; each step records its reasons, notes and refusals."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bigmoe.hardware import Disk, Gpu, Hardware, Unknown, known
+from bigmoe.plan_disks import disk_tables, ssd_disk_kind
+from bigmoe.plan_inputs import Overrides, default_dirs
+from bigmoe.plan_launch import launch_argv, launch_env, max_seqs_of, pager_settings
+from bigmoe.plan_memory import (
+    CODEC_RATIO, CUDA_CONTEXT_BYTES, DISK_HEADROOM_BYTES, MIB, NGRAM_PAGE_CACHE_BYTES, RAM_HEADROOM, VLLM_HOST_BYTES,
+    VRAM_MARGIN, WSL2_DESKTOP_VRAM_BYTES, MemoryRow, MemoryTable, activation_bytes, activation_reason,
+    batch_tokens, default_context, gib, kv_cache_bytes, kv_reason, os_reserve_bytes,
+)
+from bigmoe.plan_speed import estimate, speeds_for
+from bigmoe.presets import Preset
+
+MIN_COMPUTE_CAPABILITY_FP8 = 8.0
+"""vLLM runs FP8 checkpoints from Ampere (8.0) on: weight-only Marlin below 8.9, FP8 tensor cores from 8.9."""
+
+
+@dataclass
+class Draft:
+    """A plan being made: the steps fill it in order."""
+
+    hw: Hardware
+    preset: Preset
+    ov: Overrides
+    reasons: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    memory: list[MemoryTable] = field(default_factory=list)
+    device: str = "cpu"
+    dtype: str = "bf16"
+    vram_slots: int = 0
+    ram_slots: int = 0
+    compress: bool = False
+
+    def __post_init__(self) -> None:
+        arch = self.preset.arch
+        self.context = self.ov.context or default_context(arch)
+        self.reasons["context"] = ("set by --context" if self.ov.context else
+                                   f"default {self.context} tokens (the model allows {arch.max_context})")
+        self.kv = kv_cache_bytes(arch, self.context)
+        self.reasons["kv_cache"] = kv_reason(arch, self.context)
+        self.ngram = arch.ngram_table_bytes > 0
+        self.reasons["ngram"] = (
+            f"the {gib(arch.ngram_table_bytes)} n-gram table is never loaded: each token's rows are read from the "
+            "checkpoint on SSD, with the OS page cache as its RAM tier" if self.ngram else "the model has no n-gram table")
+
+    @property
+    def eb(self) -> int:
+        """Bytes of one expert as the kernel reads it."""
+        return self.preset.expert_bytes(self.dtype)
+
+    @property
+    def pager(self) -> bool:
+        return self.vram_slots < self.preset.arch.experts
+
+    def choose_device(self) -> None:
+        gpu = self.hw.gpu()
+        if gpu is None:
+            self._choose_cpu()
+            return
+        self.device, self.dtype = "cuda", self.preset.dtype_gpu
+        self.reasons["device"] = f"GPU 0: {gpu.name}" + (" (stated)" if gpu.stated else "")
+        self.reasons["dtype"] = f"{self.dtype} experts: the preset's GPU dtype"
+        cc = gpu.compute_capability
+        if self.dtype == "fp8" and isinstance(cc, str):
+            if float(cc) < MIN_COMPUTE_CAPABILITY_FP8:
+                self.refusals.append(f"{gpu.name} has compute capability {cc}; vLLM runs FP8 checkpoints from 8.0 (Ampere) on")
+            elif float(cc) < 8.9:
+                self.notes.append(f"compute capability {cc} has no FP8 tensor cores: vLLM uses weight-only FP8 (Marlin) kernels")
+
+    def _choose_cpu(self) -> None:
+        why = str(self.hw.gpus) if isinstance(self.hw.gpus, Unknown) else "NVML sees no GPU"
+        self.device, self.dtype = "cpu", self.preset.dtype_cpu
+        self.reasons["device"] = f"cpu: no NVIDIA GPU ({why}), so vLLM's CPU build runs the model"
+        amx = {True: "this CPU has AMX", False: "this CPU has no AMX"}.get(self.hw.cpu_amx, "AMX unknown")  # type: ignore[arg-type]
+        if self.dtype == "bf16":
+            self.reasons["dtype"] = (f"bf16 experts on CPU, as the preset says: vLLM's CPU build runs FP8 MoE only with "
+                                     f"Intel AMX, bf16 on every CPU ({amx})")
+        else:
+            self.reasons["dtype"] = f"fp8 experts on CPU, as the preset says ({amx})"
+            if self.hw.cpu_amx is False:
+                self.refusals.append("vLLM's CPU build runs FP8 MoE only with Intel AMX, and this CPU has none")
+        if not self.preset.synthetic:
+            total = self.preset.total_expert_bytes("fp8")
+            self.refusals.append(f"no GPU ({why}): {self.preset.name}'s {gib(total)} of FP8 experts need an NVIDIA GPU; "
+                                 "plan for one with --vram-gib")
+
+    def size_vram(self) -> None:
+        arch, gpu = self.preset.arch, self.hw.gpu()
+        assert gpu is not None
+        total = gpu.vram_total_bytes if isinstance(gpu.vram_total_bytes, int) else 0
+        if not total:
+            self.refusals.append(f"VRAM size unknown ({gpu.vram_total_bytes}); state it with --vram-gib")
+        rows = [self._vram_others(gpu, total),
+                MemoryRow("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context and library workspaces (assumed)"),
+                MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, shared experts, head (preset)"),
+                MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
+                self._activations("cuda"),
+                MemoryRow("safety margin", int(total * VRAM_MARGIN), f"{VRAM_MARGIN:.0%} of VRAM for fragmentation")]
+        left = total - sum(r.bytes for r in rows)
+        per_slot = arch.moe_layers * self.eb
+        fit = max(0, min(arch.experts, left // per_slot))
+        self.vram_slots, why = self._pick(fit, self.ov.vram_slots, "--vram-slots", left, "VRAM")
+        if self.ov.vram_slots is None and self.ov.ram_slots is not None and self.ov.ram_slots < self.vram_slots:
+            self.vram_slots, why = self.ov.ram_slots, f"lowered to --ram-slots {self.ov.ram_slots} (RAM slots must be >= VRAM slots)"
+        self.reasons["vram_slots"] = why
+        if total and left < 0:
+            self.refusals.append(f"too little VRAM for the dense weights: {gib(arch.dense_bytes)} of them plus KV cache, "
+                                 f"activations and reserves need {gib(total - left)}, the GPU has {gib(total)}")
+        elif total and left < arch.top_k * per_slot:
+            self.refusals.append(f"too little VRAM for expert slots: {gib(left)} is left after the dense weights, KV cache "
+                                 f"and reserves; {arch.top_k} slots per layer (one token's experts) need {gib(arch.top_k * per_slot)}")
+        elif self.vram_slots * per_slot > left:
+            self.refusals.append(f"out of VRAM: {self.vram_slots} slots per layer need {gib(self.vram_slots * per_slot)}, "
+                                 f"{gib(left)} is left after dense weights, KV cache and reserves")
+        rows.append(MemoryRow("expert slots", self.vram_slots * per_slot,
+                              f"{self.vram_slots} slots x {arch.moe_layers} layers x {self.eb / MIB:.2f} MiB"))
+        self.memory.append(MemoryTable("VRAM", total, tuple(rows)))
+
+    def _vram_others(self, gpu: Gpu, total: int) -> MemoryRow:
+        if not gpu.stated and isinstance(gpu.vram_free_bytes, int):
+            return MemoryRow("other processes", max(0, total - gpu.vram_free_bytes), "VRAM in use at probe time")
+        if self.hw.wsl2 is True:
+            return MemoryRow("Windows desktop", WSL2_DESKTOP_VRAM_BYTES, "the Windows desktop keeps VRAM on a WSL2 machine (assumed)")
+        return MemoryRow("other processes", 0, "a stated GPU is planned as unused by others")
+
+    def _pick(self, fit: int, override: int | None, flag: str, left: int, tier: str) -> tuple[int, str]:
+        arch = self.preset.arch
+        if override is not None:
+            return override, f"set by {flag}"
+        if fit >= arch.experts:
+            return arch.experts, f"{tier} holds all {arch.experts} experts of every layer ({gib(left)} left for experts)"
+        if fit < arch.top_k:
+            return arch.top_k, f"{tier} fits only {fit} slots per layer; planned at top-k {arch.top_k}, the least a token needs"
+        return fit, f"{gib(left)} of {tier} left for experts holds {fit} slots per layer"
+
+    def _activations(self, device: str) -> MemoryRow:
+        seqs = max_seqs_of(self.preset)
+        batch = batch_tokens(seqs, self.context)
+        return MemoryRow("activations", activation_bytes(self.preset.arch, device, seqs, batch), activation_reason(device, seqs, batch))
+
+    def size_ram(self) -> None:
+        arch, hw = self.preset.arch, self.hw
+        total = hw.ram_total_bytes if isinstance(hw.ram_total_bytes, int) else 0
+        if not total:
+            self.refusals.append(f"RAM size unknown ({hw.ram_total_bytes}); state it with --ram-gib")
+        if not hw.ram_stated and isinstance(hw.ram_available_bytes, int):
+            rows = [MemoryRow("OS and other programs", max(0, total - hw.ram_available_bytes), "RAM in use at probe time")]
+        else:
+            rows = [MemoryRow("OS and other programs", os_reserve_bytes(total), "planned share of a stated machine's RAM (assumed)")]
+        rows.append(MemoryRow("vLLM processes", VLLM_HOST_BYTES[self.device], "API server, engine and worker processes (assumed)"))
+        if self.device == "cpu":
+            self._cpu_device_rows(rows)
+        if self.ngram:
+            rows.append(MemoryRow("n-gram page cache", min(arch.ngram_table_bytes, NGRAM_PAGE_CACHE_BYTES),
+                                  "OS page cache for the n-gram table's hot rows (assumed hot set)"))
+        rows.append(MemoryRow("headroom", int(total * RAM_HEADROOM), f"{RAM_HEADROOM:.0%} of RAM kept free"))
+        left = total - sum(r.bytes for r in rows)
+        if self.pager:
+            self._size_ram_tier(rows, left)
+        else:
+            self.ram_slots = 0 if self.device == "cuda" else arch.experts
+            self.reasons["ram_slots"] = ("no RAM tier: every expert is resident in VRAM" if self.device == "cuda"
+                                         else "every expert is resident in RAM, the CPU's device memory")
+            self.reasons["compress"] = "off: every expert is resident, nothing is paged"
+            if left < 0:
+                self.refusals.append(f"out of memory: RAM needs {gib(total - left)}, the machine has {gib(total)}")
+        self.memory.append(MemoryTable("RAM", total, tuple(rows)))
+
+    def _cpu_device_rows(self, rows: list[MemoryRow]) -> None:
+        arch = self.preset.arch
+        if not self.ov.vram_slots:
+            self.vram_slots = arch.experts
+            self.reasons["vram_slots"] = "every expert is resident in RAM: the expert pager is off"
+        else:
+            self.vram_slots = self.ov.vram_slots
+            self.reasons["vram_slots"] = "set by --vram-slots (device slots live in RAM on a CPU)"
+        rows += [MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, head (preset)"),
+                 MemoryRow("expert slots" if self.pager else "experts", self.vram_slots * arch.moe_layers * self.eb,
+                           f"{self.vram_slots} x {arch.moe_layers} layers x {self.eb / MIB:.2f} MiB ({self.dtype})"),
+                 MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
+                 self._activations("cpu")]
+
+    def _size_ram_tier(self, rows: list[MemoryRow], left: int) -> None:
+        arch = self.preset.arch
+        raw_fit = max(0, min(arch.experts, left // (arch.moe_layers * self.eb)))
+        self.compress, self.reasons["compress"] = self._choose_compress(raw_fit)
+        stored = self.stored_bytes
+        fit = max(0, min(arch.experts, left // (arch.moe_layers * stored)))
+        self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
+        if self.ov.ram_slots is None and self.ram_slots < self.vram_slots:
+            self.ram_slots = self.vram_slots
+            self.refusals.append(f"out of memory: RAM holds {fit} expert slots per layer, fewer than the {self.vram_slots} VRAM slots")
+        elif self.ram_slots * arch.moe_layers * stored > left:
+            self.refusals.append(f"out of memory: {self.ram_slots} RAM slots per layer need "
+                                 f"{gib(self.ram_slots * arch.moe_layers * stored)}, {gib(max(left, 0))} is left")
+        self.reasons["ram_slots"] = why + (" (pinned)" if self.device == "cuda" else "")
+        pinned = self.ram_slots * arch.moe_layers * stored
+        rows.append(MemoryRow("expert RAM slots", pinned, f"{self.ram_slots} x {arch.moe_layers} layers x "
+                              f"{stored / MIB:.2f} MiB" + (" compressed" if self.compress else "")))
+        limit = self.hw.memlock_bytes
+        if self.device == "cuda" and isinstance(limit, int) and limit < pinned:
+            self.notes.append(f"ulimit -l is {limit // 1024} KiB, below the {gib(pinned)} pinned RAM tier: CUDA pins through "
+                              "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails")
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of one expert as RAM and SSD hold it."""
+        return math.ceil(self.eb * CODEC_RATIO) if self.compress else self.eb
+
+    def _choose_compress(self, raw_fit: int) -> tuple[bool, str]:
+        arch = self.preset.arch
+        if self.ov.compress in ("on", "off"):
+            return self.ov.compress == "on", f"set by --compress {self.ov.compress}"
+        if self.dtype != "fp8":
+            return False, "off: the codec compresses FP8 experts only"
+        if raw_fit >= arch.experts:
+            return False, "off: RAM holds every expert uncompressed, so nothing is read from SSD"
+        paging = self.paging_disk()
+        need = self.paging_bytes + (0 if self.same_disk(paging, self.model_disk()) is False else self._checkpoint_new_bytes())
+        if paging is not None and isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
+            return False, f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; the SSD tier reads the checkpoint"
+        if paging is not None and (paging.windows_drive is True or paging.kind == "hdd"):
+            return False, f"off: the paging directory is on {'a Windows drive' if paging.windows_drive is True else 'an HDD'}"
+        return True, (f"on: RAM holds {raw_fit} of {arch.experts} experts per layer uncompressed, more compressed "
+                      f"(ratio {CODEC_RATIO}, assumed), and SSD reads shrink by {1 - CODEC_RATIO:.0%}")
+
+    @property
+    def paging_bytes(self) -> int:
+        arch = self.preset.arch
+        return math.ceil(arch.experts * arch.moe_layers * self.eb * CODEC_RATIO)
+
+    def dirs(self) -> tuple[str, str]:
+        model_dir, paging_dir = (self.ov.model_dir, self.ov.paging_dir)
+        if model_dir is None or paging_dir is None:
+            default_model, default_paging = default_dirs(self.preset)
+            model_dir, paging_dir = model_dir or default_model, paging_dir or default_paging
+        return model_dir, paging_dir
+
+    def model_disk(self) -> Disk | None:
+        return self.hw.disk_for(self.dirs()[0])
+
+    def paging_disk(self) -> Disk | None:
+        return self.hw.disk_for(self.dirs()[1])
+
+    @staticmethod
+    def same_disk(a: Disk | None, b: Disk | None) -> bool | None:
+        if a is None or b is None:
+            return None
+        return a is b or (known(a.mount_point) and a.mount_point == b.mount_point and a.device == b.device)
+
+    def _checkpoint_new_bytes(self) -> int:
+        return 0 if self.ov.model_on_disk else self.checkpoint_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        arch = self.preset.arch
+        return arch.dense_bytes + self.preset.total_expert_bytes(self.dtype) + arch.ngram_table_bytes
+
+    @property
+    def ssd_source(self) -> str:
+        if not self.pager or self.ram_slots >= self.preset.arch.experts:
+            return "none"
+        return "paging file" if self.compress else "checkpoint"
+
+    def size_disks(self) -> None:
+        disk_tables(self)
+
+    def finish(self) -> dict:
+        """The fields of the finished Plan."""
+        arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
+        paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.compress else None
+        model_path = self.ov.model_path or self._default_model_path()
+        settings = pager_settings(self.pager, self.vram_slots, self.ram_slots, arch.experts, paging_file, self.compress, self.ngram)
+        speeds = speeds_for(gpu, ssd_disk_kind(self))
+        expected = estimate(
+            speeds, self.device, layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
+            resident_bytes=arch.dense_bytes + arch.moe_layers * arch.top_k * self.eb, stored_bytes=self.stored_bytes,
+            vram_slots=self.vram_slots, ram_slots=self.ram_slots if self.pager else arch.experts,
+        )
+        wsl2 = self.device == "cuda" and self.hw.wsl2 is True
+        self.reasons["ssd_source"] = {
+            "none": "no SSD tier: the device and RAM hold every expert",
+            "checkpoint": "the SSD tier reads the checkpoint's safetensors in place (uncompressed, no second copy)",
+            "paging file": f"the SSD tier reads compressed records from the paging file {paging_file}",
+        }[self.ssd_source]
+        self.reasons["env"] = ("VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"
+                               + ("; VLLM_WSL2_ENABLE_PIN_MEMORY=1 because WSL2 disables pinned memory otherwise" if wsl2 else ""))
+        self.reasons["argv"] = "vllm serve with the preset's flags, the planned context, KV-cache bytes and batch size"
+        return dict(
+            model=self.preset.name, model_path=model_path, device=self.device, expert_dtype=self.dtype,
+            context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,
+            experts=arch.experts, top_k=arch.top_k, vram_slots=self.vram_slots, ram_slots=self.ram_slots,
+            compress=self.compress, ssd_source=self.ssd_source, paging_file=paging_file, ngram=self.ngram,
+            settings=settings, argv=tuple(launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
+                                   batch_tokens(max_seqs_of(self.preset), self.context))),
+            env=launch_env(settings, self.preset, wsl2), memory=tuple(self.memory), estimate=expected,
+            assumptions=speeds.assumptions, reasons=dict(self.reasons), notes=tuple(self.notes),
+            refusals=tuple(self.refusals), forced=self.ov.force, hardware=self.hw,
+        )
+
+    def _default_model_path(self) -> str:
+        if self.preset.synthetic:
+            return str(Path(self.dirs()[0]) / f"{self.preset.name}-{self.dtype}")
+        return self.preset.hub_id

@@ -1,0 +1,119 @@
+"""plan_inputs: what a person may state to the planner (Overrides), their checks, and the
+machine they describe (the probed one with the stated parts put in)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from bigmoe.errors import BigmoeError
+from bigmoe.hardware import DISK_KINDS, Disk, Gpu, Hardware, Unknown
+from bigmoe.plan_memory import GIB
+from bigmoe.plan_speed import gpu_spec
+from bigmoe.presets import Preset
+from bigmoe_pager.settings import COMPRESS_CHOICES
+
+
+class PlanError(BigmoeError):
+    """An override makes no sense for this model or machine; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the person stated; each field beats the probe or the estimator when set."""
+
+    vram_gib: float | None = None
+    """Plan for a GPU with this much VRAM (GiB) instead of the probed one."""
+    ram_gib: float | None = None
+    """Plan for this much RAM (GiB) instead of the probed amount."""
+    disk: str | None = None
+    """Plan for one disk of this kind (nvme/sata/hdd/virtual) instead of the probed disks."""
+    disk_gib: float | None = None
+    """Free space (GiB) of the stated disk."""
+    gpu: str | None = None
+    """Name of the stated GPU (its VRAM is looked up when --vram-gib is not given)."""
+    wsl2: bool | None = None
+    """Plan for a WSL2 machine."""
+    context: int | None = None
+    """Context length in tokens."""
+    vram_slots: int | None = None
+    """VRAM expert slots per MoE layer."""
+    ram_slots: int | None = None
+    """Pinned RAM expert slots per MoE layer."""
+    compress: str | None = None
+    """on / off / auto for the lossless FP8 codec."""
+    paging_dir: str | None = None
+    """Directory of the paging file."""
+    model_dir: str | None = None
+    """Directory the checkpoint is (or will be) stored under."""
+    model_path: str | None = None
+    """Checkpoint directory vLLM serves; None = the hub id (vLLM resolves it from the cache) or the synthetic model's path."""
+    model_on_disk: bool = False
+    """The checkpoint is already stored, so its bytes need no new space."""
+    host: str = "127.0.0.1"
+    """Address vLLM binds."""
+    port: int = 8000
+    """Port of the OpenAI-compatible API."""
+    force: bool = False
+    """Keep a refused plan runnable; the refusal stays recorded."""
+
+
+def check_overrides(preset: Preset, ov: Overrides) -> None:
+    arch = preset.arch
+    for name in ("vram_gib", "ram_gib", "disk_gib"):
+        value = getattr(ov, name)
+        if value is not None and not value > 0:
+            raise PlanError(f"--{name.replace('_', '-')} {value} must be a positive number of GiB")
+    if ov.disk is not None and ov.disk not in DISK_KINDS:
+        raise PlanError(f"--disk {ov.disk!r} is not one of {', '.join(DISK_KINDS)}")
+    if ov.compress is not None and ov.compress not in COMPRESS_CHOICES:
+        raise PlanError(f"--compress {ov.compress!r} is not one of {', '.join(COMPRESS_CHOICES)}")
+    if ov.gpu is not None and ov.vram_gib is None and gpu_spec(ov.gpu) is None:
+        raise PlanError(f"--gpu {ov.gpu!r} is not a GPU bigmoe knows the VRAM of; add --vram-gib")
+    if ov.context is not None and not 1 <= ov.context <= arch.max_context:
+        raise PlanError(f"--context {ov.context} is outside 1..{arch.max_context}, the limit of {preset.name}")
+    for name in ("vram_slots", "ram_slots"):
+        value = getattr(ov, name)
+        if value is not None and not arch.top_k <= value <= arch.experts:
+            raise PlanError(f"--{name.replace('_', '-')} {value} must be between top-k {arch.top_k} "
+                            f"(one token's experts) and the {arch.experts} experts per layer")
+    if ov.vram_slots is not None and ov.ram_slots is not None and ov.ram_slots < ov.vram_slots:
+        raise PlanError(f"--ram-slots {ov.ram_slots} is below --vram-slots {ov.vram_slots}; RAM slots must be >= VRAM slots")
+
+
+def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
+    """The probed machine with the stated parts put in place of the probed ones."""
+    changes: dict = {}
+    if ov.vram_gib is not None or ov.gpu is not None:
+        vram = int((ov.vram_gib if ov.vram_gib is not None else gpu_spec(ov.gpu)[0]) * GIB)
+        name = ov.gpu or f"GPU with {vram / GIB:g} GiB"
+        not_probed = Unknown("the GPU was stated on the command line, not probed")
+        changes["gpus"] = (Gpu(0, name, vram, vram, not_probed, not_probed, not_probed, stated=True),)
+    if ov.ram_gib is not None:
+        ram = int(ov.ram_gib * GIB)
+        changes.update(ram_total_bytes=ram, ram_available_bytes=ram, ram_stated=True)
+    if ov.disk is not None or ov.disk_gib is not None:
+        stated = Unknown("the disk was stated on the command line, not probed")
+        changes["disks"] = (Disk(
+            path="/", device=stated, kind=ov.disk or Unknown("--disk-gib was given without --disk"),
+            kind_basis="stated with --disk", mount_point=stated, filesystem=stated, windows_drive=False,
+            free_bytes=int(ov.disk_gib * GIB) if ov.disk_gib is not None else Unknown("no --disk-gib was given"),
+            o_direct=stated, o_direct_basis="not tested on a stated disk", stated=True,
+        ),)
+    if ov.wsl2 is not None:
+        changes.update(wsl2=ov.wsl2, wsl2_basis="stated with --wsl2")
+    return dataclasses.replace(hw, **changes)
+
+
+def default_dirs(preset: Preset) -> tuple[str, str]:
+    """(model directory, paging directory) when not given: the Hugging Face cache for hub
+    models, bigmoe's cache for synthetic ones; paging files under bigmoe's cache."""
+    from bigmoe.paths import cache_root
+
+    if preset.synthetic:
+        model_dir = str(cache_root() / "models")
+    else:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        model_dir = str(HF_HUB_CACHE)
+    return model_dir, str(cache_root() / "paging")
