@@ -68,13 +68,13 @@ def _random_step(rng: random.Random, experts: int, tokens: int, k: int, hot: lis
 
 @pytest.mark.parametrize(
     "experts,slots,k,tokens",
-    [(16, 4, 4, 1), (16, 4, 4, 3), (64, 16, 8, 1), (64, 8, 8, 1), (256, 32, 8, 1), (32, 12, 4, 3), (40, 10, 6, 4), (8, 8, 2, 2)],
+    [(16, 4, 4, 1), (16, 4, 4, 3), (64, 8, 8, 1), (256, 32, 8, 1), (40, 10, 6, 4), (8, 8, 2, 2)],
 )
 def test_acquire_matches_python_lru(experts, slots, k, tokens):
     rng = random.Random(experts * 1000 + slots * 10 + k)
     table, ref = SlotTable(experts, slots), PyLru(experts, slots)
     hot = rng.sample(range(experts), max(k, experts // 4))
-    for _ in range(1500):
+    for _ in range(1000):
         rows = _random_step(rng, experts, tokens, k, hot)
         ids = torch.tensor(rows, dtype=torch.int32)
         got = table.acquire(ids)
@@ -171,3 +171,26 @@ def test_place_warms_an_empty_table():
 def test_bad_sizes_are_refused(experts, slots):
     with pytest.raises(SlotTableError):
         SlotTable(experts, slots)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+@pytest.mark.parametrize("experts,slots,k,tokens,steps", [(16, 4, 4, 3, 40), (40, 10, 6, 2, 30), (300, 24, 8, 1, 15)])
+def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps):
+    """The one-program Triton acquire (run by Triton's interpreter here) equals the torch ops, output and state."""
+    rng = random.Random(experts + slots)
+    ref = SlotTable(experts, slots, use_kernel=False)
+    ker = SlotTable(experts, slots, use_kernel=True)
+    rows = {name: torch.zeros(7, dtype=torch.int64) for name in ("ref", "ker", "ref_aux", "ker_aux")}
+    hot = rng.sample(range(experts), max(k, experts // 4))
+    for _ in range(steps):
+        ids = torch.tensor(_random_step(rng, experts, tokens, k, hot), dtype=torch.int64)
+        if rng.random() < 0.1:
+            ids[0, 0] = experts + 3  # an invalid id
+        a = ref.acquire(ids, rows["ref"], rows["ref_aux"], record_bytes=100)
+        b = ker.acquire(ids, rows["ker"], rows["ker_aux"], record_bytes=100)
+        for field in ("remapped", "miss_experts", "miss_slots", "evicted", "lookups", "hits", "misses", "loaded", "overflow", "invalid"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        for state in ("expert_slot", "slot_expert", "last_use", "step"):
+            assert torch.equal(getattr(ref, state), getattr(ker, state)), state
+    assert torch.equal(rows["ref"], rows["ker"]) and torch.equal(rows["ref_aux"], rows["ker_aux"])
+    assert int(rows["ref"][0]) > 0

@@ -97,8 +97,7 @@ class ExpertPager:
         _check_buffers(layout, vram_slots, self.buffers, self.device)
         self.work_slots = work_slots or vram_slots
         """Distinct experts per chunk when a step is streamed."""
-        self._stats = stats
-        self._counters = None if stats is None else {t: stats.tier(layer, t) for t in ("vram", "ram", "ssd")}
+        self._rows = {t: None if stats is None else stats.row(layer, t) for t in ("vram", "ram", "ssd")}
 
     # ---- one step --------------------------------------------------------------------
 
@@ -117,15 +116,11 @@ class ExpertPager:
 
     def acquire(self, topk_ids: torch.Tensor) -> Acquired:
         """`prepare` with the full decision (miss list, counts, overflow) returned."""
-        got = self.vram.acquire(topk_ids)
-        counters = self._counters or {}
-        src = self.ram.locate(got.miss_experts, counters.get("ram"), counters.get("ssd"))
+        rows = self._rows
+        below = rows["ram"] if self.ram.full else None  # a full RAM tier hits every expert VRAM loads
+        got = self.vram.acquire(topk_ids, rows["vram"], below, self.layout.record_bytes)
+        src = self.ram.locate(got.miss_experts, rows["ram"], rows["ssd"])
         copy_records(self.ram.records, src, got.miss_slots, self.layout, self.buffers)
-        if self._counters is not None:
-            self._counters["vram"].add(
-                lookups=got.lookups, hits=got.hits, misses=got.misses,
-                bytes=got.loaded * self.layout.record_bytes, errors=got.invalid,
-            )
         return got
 
     # ---- streamed steps ----------------------------------------------------------------

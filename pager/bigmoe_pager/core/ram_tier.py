@@ -15,7 +15,6 @@ import torch
 
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.slots import SlotTable
-from bigmoe_pager.core.stats import TierCounters
 
 
 class RamTierError(ValueError):
@@ -102,24 +101,18 @@ class RamTier:
 
     # ---- the step path -----------------------------------------------------------------
 
-    def locate(self, experts: torch.Tensor, counters: TierCounters | None = None, ssd_counters: TierCounters | None = None) -> torch.Tensor:
+    def locate(self, experts: torch.Tensor, stats_row: torch.Tensor | None = None, ssd_row: torch.Tensor | None = None) -> torch.Tensor:
         """Record rows holding `experts` (int64 [M], -1 padded), reading misses from SSD first.
 
         No host sync: the RAM decision runs on the model's device, and the SSD
-        service waits on the stream (bounded) for the rows it fills.
+        service waits on the stream (bounded) for the rows it fills. A full tier
+        is the identity (its counters are kept by the VRAM decision).
         """
         if not self._filled:
             raise RamTierError("the full RAM tier was never filled; call fill_all() before the first step")
         if self.full:
-            if counters is not None:
-                n = (experts >= 0).sum()
-                counters.add(lookups=n, hits=n)
             return experts
         self.check_ready()
-        got = self.table.acquire(experts)
+        got = self.table.acquire(experts, stats_row, ssd_row, self.layout.record_bytes)
         self.ssd.fetch(got.miss_experts, got.miss_slots)
-        if counters is not None:
-            counters.add(lookups=got.lookups, hits=got.hits, misses=got.misses, bytes=got.loaded * self.layout.record_bytes)
-        if ssd_counters is not None:
-            ssd_counters.add(lookups=got.loaded, hits=got.loaded)
         return got.remapped

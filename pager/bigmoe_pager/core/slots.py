@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bigmoe_pager.core import acquire_kernel, triton_launch
+
 _NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
 
 
@@ -57,7 +59,9 @@ class Acquired:
 class SlotTable:
     """Expert <-> slot maps and last-use stamps for one tier of one layer."""
 
-    def __init__(self, num_experts: int, num_slots: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, num_experts: int, num_slots: int, device: torch.device | str = "cpu", use_kernel: bool | None = None
+    ) -> None:
         if num_experts < 1 or num_slots < 1:
             raise SlotTableError(f"slot table needs >= 1 expert and >= 1 slot, got {num_experts} experts, {num_slots} slots")
         if num_slots > num_experts:
@@ -74,6 +78,12 @@ class SlotTable:
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)
         """Acquire calls so far; the stamp of the current call."""
         self._arange_e = torch.arange(e, dtype=torch.int64, device=self.device)
+        self._need_scratch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
+        if use_kernel is None:
+            use_kernel = self.device.type == "cuda" and triton_launch.available()
+        self.use_kernel = use_kernel
+        """Decide with the one-program Triton kernel (GPU default) instead of torch ops (CPU default)."""
+        self._stat_index = torch.tensor([0, 1, 2, 3, 6], dtype=torch.int64, device=self.device)
 
     # ---- views -----------------------------------------------------------------------
 
@@ -98,8 +108,47 @@ class SlotTable:
 
     # ---- the decision ------------------------------------------------------------------
 
-    def acquire(self, ids: torch.Tensor) -> Acquired:
-        """Make every needed expert resident; return slots for `ids` and what to load."""
+    def acquire(
+        self,
+        ids: torch.Tensor,
+        stats_row: torch.Tensor | None = None,
+        aux_row: torch.Tensor | None = None,
+        record_bytes: int = 0,
+    ) -> Acquired:
+        """Make every needed expert resident; return slots for `ids` and what to load.
+
+        stats_row (int64 [7], see stats.COUNTERS) gets lookups, hits, misses,
+        loaded * record_bytes as bytes, and invalid ids as errors; aux_row (the
+        tier below when it always hits) gets loaded as lookups and hits.
+        """
+        if self.use_kernel:
+            return self._acquire_kernel(ids, stats_row, aux_row, record_bytes)
+        got = self._acquire_torch(ids)
+        if stats_row is not None:
+            parts = [got.lookups, got.hits, got.misses, got.loaded * record_bytes, got.invalid]
+            stats_row.index_add_(0, self._stat_index, torch.stack(parts))
+        if aux_row is not None:
+            aux_row[:2] += got.loaded
+        return got
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {
+            "expert_slot": self._expert_slot, "slot_expert": self._slot_expert, "last_use": self._last_use,
+            "step": self.step, "need": self._need_scratch,
+        }
+
+    def _acquire_kernel(self, ids, stats_row, aux_row, record_bytes) -> Acquired:
+        ids = ids.to(self.device)
+        m = self.miss_capacity(ids.numel())
+        out = acquire_kernel.launch_acquire(
+            self._state(), ids, self.num_experts, self.num_slots, m, stats_row, aux_row, record_bytes
+        )
+        c = out["counts"]
+        return Acquired(
+            out["remapped"], out["miss_experts"], out["miss_slots"], out["evicted"], c[0], c[1], c[2], c[3], c[4], c[5]
+        )
+
+    def _acquire_torch(self, ids: torch.Tensor) -> Acquired:
         e, s = self.num_experts, self.num_slots
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         m = self.miss_capacity(flat.numel())

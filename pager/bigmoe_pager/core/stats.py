@@ -90,6 +90,10 @@ class PagerStats:
     def tier(self, layer: int, tier: str) -> TierCounters:
         return self._views[layer][_tier(tier)]
 
+    def row(self, layer: int, tier: str) -> torch.Tensor:
+        """int64 [counters] device view that step-path kernels add to directly."""
+        return self.device_counts[layer, _tier(tier)]
+
     def read(self) -> np.ndarray:
         """int64 [layers, tiers, counters]: device and host counters summed (one sync)."""
         device = self.device_counts.cpu().numpy()

@@ -1,14 +1,12 @@
 """Pick how a Triton kernel runs for the tensors at hand.
 
-CUDA tensors get the compiled kernel. CPU tensors get Triton's interpreter,
-which runs the same kernel source on the CPU (as TRITON_INTERPRET=1 does, but
-chosen per call), so kernels are tested here without a GPU and the CPU build
-can still call them.
+CUDA tensors get the compiled kernel. CPU tensors can only run a kernel in
+Triton's interpreter, which is chosen when kernels are decorated: the process
+must start with TRITON_INTERPRET=1 (the unit tests do). The pager's CPU paths
+use torch ops instead and never need this.
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 
@@ -19,7 +17,7 @@ except ImportError:  # the torch paths work without Triton
 
 
 class TritonMissing(RuntimeError):
-    """A Triton kernel was asked for but Triton is not installed."""
+    """A Triton kernel was asked for where it cannot run."""
 
 
 def available() -> bool:
@@ -30,15 +28,12 @@ def kernel_for(kernel, device: torch.device):
     """The launchable form of a @triton.jit kernel for tensors on `device`."""
     if triton is None:
         raise TritonMissing("this path needs Triton (pip install triton); the GPU build of vLLM ships it")
-    if device.type == "cpu":
-        return _interpreted(kernel)
+    if device.type == "cpu" and not _interpreted(kernel):
+        raise TritonMissing("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)")
     return kernel
 
 
-@lru_cache(maxsize=None)
-def _interpreted(kernel):
+def _interpreted(kernel) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
-    if isinstance(kernel, InterpretedFunction):
-        return kernel
-    return InterpretedFunction(kernel.fn)
+    return isinstance(kernel, InterpretedFunction)

@@ -1,0 +1,170 @@
+"""SlotTable.acquire as one Triton program.
+
+The torch formulation of `acquire` is ~40 tiny kernels; replayed per layer per
+decode step that costs more than the copies it decides. This kernel does the
+same decision (same policy, same outputs, same table state: the unit tests run
+both side by side) in a single program of one CTA, with block barriers between
+phases and two small scratch areas in global memory for the scatters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bigmoe_pager.core.triton_launch import kernel_for
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+NEEDED_KEY = 1 << 52  # sort key of a slot the step needs; real keys (step * (E+1) + expert) stay below it
+IDS_BLOCK = 256  # ids read per loop iteration
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def launch_acquire(
+    table_state: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    num_experts: int,
+    num_slots: int,
+    m: int,
+    stats_row: torch.Tensor | None = None,
+    aux_row: torch.Tensor | None = None,
+    record_bytes: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Run the decision; returns remapped (ids' shape/dtype), miss_experts, miss_slots, evicted ([m] int64) and counts.
+
+    counts: int64 [6] = lookups, hits, misses, loaded, overflow, invalid.
+    stats_row: int64 [7] counters (lookups, hits, misses, bytes, ..., errors) to add to;
+    aux_row: counters of a full RAM tier, whose lookups and hits grow by the experts loaded.
+    """
+    device = ids.device
+    flat = ids.reshape(-1)
+    remapped = torch.empty_like(flat)
+    miss_experts = torch.empty(m, dtype=torch.int64, device=device)
+    miss_slots = torch.empty(m, dtype=torch.int64, device=device)
+    evicted = torch.empty(m, dtype=torch.int64, device=device)
+    counts = torch.empty(6, dtype=torch.int64, device=device)
+    dummy = counts  # pointer for absent stats rows (never touched: HAS_* is False)
+    kernel_for(_acquire_kernel, device)[(1,)](
+        flat, flat.numel(),
+        table_state["expert_slot"], table_state["slot_expert"], table_state["last_use"],
+        table_state["step"], table_state["need"],
+        remapped, miss_experts, miss_slots, evicted, counts, m,
+        stats_row if stats_row is not None else dummy,
+        aux_row if aux_row is not None else dummy,
+        record_bytes,
+        E=num_experts, S=num_slots, NEEDED=NEEDED_KEY,
+        BLOCK_E=next_pow2(num_experts), BLOCK_S=next_pow2(num_slots), BLOCK_N=IDS_BLOCK,
+        HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None,
+        num_warps=4,
+    )
+    return {
+        "remapped": remapped.reshape(ids.shape),
+        "miss_experts": miss_experts,
+        "miss_slots": miss_slots,
+        "evicted": evicted,
+        "counts": counts,
+    }
+
+
+if triton is not None:
+
+    @triton.jit
+    def _acquire_kernel(
+        ids_ptr, n_ids,
+        expert_slot_ptr, slot_expert_ptr, last_use_ptr, step_ptr, need_ptr,
+        remapped_ptr, miss_exp_ptr, miss_slot_ptr, evicted_ptr, counts_ptr, m,
+        stats_ptr, aux_ptr, record_bytes,
+        E: tl.constexpr, S: tl.constexpr, NEEDED: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_STATS: tl.constexpr, HAS_AUX: tl.constexpr,
+    ):
+        step = tl.load(step_ptr) + 1
+        tl.store(step_ptr, step)
+        e_ar = tl.arange(0, BLOCK_E)
+        s_ar = tl.arange(0, BLOCK_S)  # also indexes the miss list (m <= S)
+        e_in = e_ar < E
+        s_in = s_ar < S
+        m_in = s_ar < m
+
+        # Phase 1: the set of needed experts, scattered into scratch.
+        tl.store(need_ptr + e_ar, 0, mask=e_in)
+        tl.store(miss_exp_ptr + s_ar, -1, mask=m_in)
+        tl.debug_barrier()
+        bad = tl.zeros([BLOCK_N], dtype=tl.int64)
+        for n0 in range(0, n_ids, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            ids = tl.load(ids_ptr + offs, mask=offs < n_ids, other=-1).to(tl.int64)
+            ok = (ids >= 0) & (ids < E)
+            bad += ((ids < -1) | (ids >= E)).to(tl.int64)
+            tl.store(need_ptr + ids, 1, mask=ok)
+        tl.debug_barrier()
+        need = tl.load(need_ptr + e_ar, mask=e_in, other=0) != 0
+        where_now = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
+        hit = need & (where_now >= 0)
+        miss = need & (where_now < 0)
+        lookups = tl.sum(need.to(tl.int64), 0)
+        hits = tl.sum(hit.to(tl.int64), 0)
+        misses = tl.sum(miss.to(tl.int64), 0)
+
+        # Phase 2: misses in ascending id; candidate slots by (empty, last use, expert, slot).
+        pos = tl.cumsum(miss.to(tl.int32), 0) - 1
+        tl.store(miss_exp_ptr + pos, e_ar.to(tl.int64), mask=miss & (pos < m))
+        held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
+        last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
+        occupied = held >= 0
+        held_needed = tl.load(need_ptr + held, mask=occupied, other=0) != 0
+        key = tl.where(occupied, last * (E + 1) + held, -1)
+        key = tl.where(held_needed | (s_ar >= S), NEEDED, key)
+        ordered = tl.sort((key + 1) * BLOCK_S + s_ar)
+        cand_slot = ordered % BLOCK_S
+        cand_ok = (ordered // BLOCK_S) != NEEDED + 1
+        tl.debug_barrier()
+        mexp = tl.load(miss_exp_ptr + s_ar, mask=m_in, other=-1)
+        take = (mexp >= 0) & cand_ok & m_in
+        old = tl.load(slot_expert_ptr + cand_slot, mask=take, other=-1)
+        tl.debug_barrier()
+
+        # Phase 3: install the misses and stamp every needed slot.
+        tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
+        tl.store(expert_slot_ptr + mexp, cand_slot.to(tl.int64), mask=take)
+        tl.store(slot_expert_ptr + cand_slot, mexp, mask=take)
+        tl.store(last_use_ptr + where_now, step, mask=hit)
+        tl.store(last_use_ptr + cand_slot, step, mask=take)
+        tl.store(miss_exp_ptr + s_ar, tl.where(take, mexp, -1), mask=m_in)
+        tl.store(miss_slot_ptr + s_ar, tl.where(take, cand_slot.to(tl.int64), -1), mask=m_in)
+        tl.store(evicted_ptr + s_ar, tl.where(take, old, -1), mask=m_in)
+        tl.debug_barrier()
+
+        # Phase 4: remap the ids to their slots.
+        for n0 in range(0, n_ids, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            ids = tl.load(ids_ptr + offs, mask=offs < n_ids, other=-1).to(tl.int64)
+            ok = (ids >= 0) & (ids < E)
+            slot = tl.load(expert_slot_ptr + ids, mask=ok, other=-1)
+            tl.store(remapped_ptr + offs, slot, mask=offs < n_ids)
+
+        loaded = tl.sum(take.to(tl.int64), 0)
+        invalid = tl.sum(bad, 0)
+        overflow = tl.maximum(lookups - S, 0)
+        tl.store(counts_ptr + 0, lookups)
+        tl.store(counts_ptr + 1, hits)
+        tl.store(counts_ptr + 2, misses)
+        tl.store(counts_ptr + 3, loaded)
+        tl.store(counts_ptr + 4, overflow)
+        tl.store(counts_ptr + 5, invalid)
+        if HAS_STATS:
+            tl.atomic_add(stats_ptr + 0, lookups)
+            tl.atomic_add(stats_ptr + 1, hits)
+            tl.atomic_add(stats_ptr + 2, misses)
+            tl.atomic_add(stats_ptr + 3, loaded * record_bytes)
+            tl.atomic_add(stats_ptr + 6, invalid)
+        if HAS_AUX:
+            tl.atomic_add(aux_ptr + 0, loaded)
+            tl.atomic_add(aux_ptr + 1, loaded)
