@@ -33,7 +33,7 @@ class RowCache:
         return self.sets * self.ways
 
     def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For distinct ids: (hit mask, slot of each hit); hits become the most recently used."""
+        """For distinct ids in the table (>= 0): (hit mask, slot of each hit); hits become the most recently used."""
         self._clock += 1
         s = ids % self.sets
         match = self.tags[s] == ids[:, None]
@@ -43,12 +43,17 @@ class RowCache:
         return hit, s[hit] * self.ways + way[hit]
 
     def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Store rows (uint8 [n, row_bytes]) of distinct ids not in the cache; at most one per set per call."""
+        """Store rows (uint8 [n, row_bytes]) of distinct ids not in the cache, up to `ways` per set per call.
+
+        The k-th new id of a set takes the set's k-th least recently used slot.
+        """
         s = ids % self.sets
-        _, last = np.unique(s[::-1], return_index=True)
-        keep = ids.size - 1 - last  # the last id asked for in each set wins its LRU slot
-        s, keep_ids = s[keep], ids[keep]
-        way = self.stamps[s].argmin(axis=1)
-        self.tags[s, way] = keep_ids
-        self.stamps[s, way] = self._clock
-        self.data[s * self.ways + way] = rows[keep]
+        order = np.argsort(s, kind="stable")
+        s_sorted = s[order]
+        rank = np.arange(s.size) - np.searchsorted(s_sorted, s_sorted, side="left")
+        keep = rank < self.ways
+        order, s_sorted, rank = order[keep], s_sorted[keep], rank[keep]
+        way = np.argsort(self.stamps[s_sorted], axis=1, kind="stable")[np.arange(rank.size), rank]
+        self.tags[s_sorted, way] = ids[order]
+        self.stamps[s_sorted, way] = self._clock
+        self.data[s_sorted * self.ways + way] = rows[order]

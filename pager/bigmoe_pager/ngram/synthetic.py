@@ -1,7 +1,7 @@
 """Synthetic n-gram tables in the checkpoint's layout, for tests and the benchmark.
 
 Row r holds a fixed pseudo-random 160-byte pattern (pattern[r % PATTERN_ROWS])
-with its first 8 bytes replaced by r (little-endian), so any gathered row can
+with its first 8 bytes (fewer in shorter rows) replaced by r (little-endian), so any gathered row can
 be checked against `expected_rows(ids)` without keeping the table in memory.
 Pattern bytes avoid FP8 E4M3 NaN codes; the id bytes may hit them.
 
@@ -31,7 +31,8 @@ CHUNK_ROWS = 1 << 18  # rows generated and written per step (40 MiB of 160-byte 
 def expected_rows(ids: np.ndarray, row_bytes: int, seed: int = 0) -> np.ndarray:
     """The content of rows `ids` (flat int64) as uint8 [n, row_bytes]."""
     rows = _pattern(row_bytes, seed)[ids % PATTERN_ROWS]
-    rows[:, :8] = ids.astype("<u8").view(np.uint8).reshape(-1, 8)
+    k = min(8, row_bytes)
+    rows[:, :k] = ids.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :k]
     return rows
 
 

@@ -74,6 +74,8 @@ class NgramTable:
         if flat.size == 0:
             return rows_out.reshape(*ids.shape, self.row_bytes)
         distinct, inverse = np.unique(flat, return_inverse=True)
+        if distinct[0] < 0 or distinct[-1] >= self.rows:
+            self.shards.locate(distinct)  # raises NgramRangeError naming the first bad id
         rows = np.empty((distinct.size, self.row_bytes), np.uint8)
         hits = self._from_cache(distinct, rows)
         miss = np.flatnonzero(~hits) if hits is not None else None
