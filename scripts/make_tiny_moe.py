@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.monotonic()
     try:
-        existed = args.out.exists() and not args.force
+        existed = is_complete(args.out) and not args.force
         out = make_tiny_moe(
             args.out, shape, args.dtype, args.seed, args.device, shard_bytes=args.shard_size,
             scale_dtype=args.scale_dtype, with_tokenizer=not args.no_tokenizer, force=args.force,
