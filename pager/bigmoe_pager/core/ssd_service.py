@@ -132,7 +132,7 @@ class SsdService:
         if self.box is not None:
             gpu = int(self._box[mb.GPU_ERROR])
             if gpu == mb.GPU_TIMED_OUT and self._error is None:
-                self._fail_service(f"the GPU waited {self.wait_timeout_s:.1f} s and SSD reads did not finish "
+                self._fail_service(f"the GPU waited {self.wait_timeout_s:g} s and SSD reads did not finish "
                                    f"(batch {int(self._box[mb.GPU_ERROR_SEQ])}); host I/O workers are stuck or gone")
         if self._error is not None:
             raise SsdError(self._error)
