@@ -10,6 +10,7 @@ import click
 from bigmoe import presets
 from bigmoe.hardware import DISK_KINDS, Hardware, Unknown
 from bigmoe.plan import Overrides, Plan, PlanError, default_dirs, plan as make_plan
+from bigmoe.plan_inputs import default_model_dir, default_paging_dir
 from bigmoe.plan_memory import gib
 from bigmoe.probe import probe as probe_machine
 
@@ -73,14 +74,7 @@ def plan(model: str, as_json: bool, root: str, **options) -> None:
 
 
 def _default_probe_paths() -> list[str]:
-    out: list[str] = []
-    for name in ("tiny-moe", "qwen3.8-flash-next"):  # a synthetic and a hub preset cover both model dirs
-        try:
-            dirs = default_dirs(presets.load(name))
-        except presets.PresetError:
-            continue
-        out += [d for d in dirs if d not in out]
-    return out
+    return [default_model_dir(synthetic=True), default_model_dir(synthetic=False), default_paging_dir()]
 
 
 # ---- text rendering -------------------------------------------------------------------------

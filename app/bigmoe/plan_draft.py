@@ -182,6 +182,8 @@ class Draft:
         if not self.ov.vram_slots:
             self.vram_slots = arch.experts
             self.reasons["vram_slots"] = "every expert is resident in RAM: the expert pager is off"
+            if self.ov.ram_slots is not None:
+                self.notes.append("--ram-slots has no effect on a CPU run unless --vram-slots turns the pager on")
         else:
             self.vram_slots = self.ov.vram_slots
             self.reasons["vram_slots"] = "set by --vram-slots (device slots live in RAM on a CPU)"

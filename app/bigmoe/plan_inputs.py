@@ -106,14 +106,22 @@ def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
 
 
 def default_dirs(preset: Preset) -> tuple[str, str]:
-    """(model directory, paging directory) when not given: the Hugging Face cache for hub
-    models, bigmoe's cache for synthetic ones; paging files under bigmoe's cache."""
+    """(model directory, paging directory) when not given."""
+    return default_model_dir(preset.synthetic), default_paging_dir()
+
+
+def default_model_dir(synthetic: bool) -> str:
+    """bigmoe's cache for models it makes; the Hugging Face hub cache for downloaded ones."""
+    if synthetic:
+        from bigmoe.paths import cache_root
+
+        return str(cache_root() / "models")
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return str(HF_HUB_CACHE)
+
+
+def default_paging_dir() -> str:
     from bigmoe.paths import cache_root
 
-    if preset.synthetic:
-        model_dir = str(cache_root() / "models")
-    else:
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        model_dir = str(HF_HUB_CACHE)
-    return model_dir, str(cache_root() / "paging")
+    return str(cache_root() / "paging")

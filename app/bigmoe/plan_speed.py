@@ -47,7 +47,7 @@ class Speeds:
     """The rates one estimate uses."""
 
     pcie_gbps: float
-    """Host-to-device copy rate, GB/s (0 on a CPU run)."""
+    """Host-to-device copy rate, GB/s (on a CPU run: RAM-tier-to-slot copy rate)."""
     disk_gbps: float
     """SSD-tier read rate, GB/s."""
     memory_gbps: float
@@ -83,8 +83,9 @@ def gpu_spec(name: str) -> tuple[int, float] | None:
 def speeds_for(gpu: Gpu | None, disk_kind: str | Unknown) -> Speeds:
     notes: list[str] = []
     if gpu is None:
-        pcie, memory = 0.0, CPU_GBPS
-        notes.append(f"CPU memory bandwidth {CPU_GBPS:g} GB/s per decode step (assumed)")
+        pcie, memory = CPU_GBPS / 2, CPU_GBPS
+        notes.append(f"CPU memory bandwidth {CPU_GBPS:g} GB/s per decode step (assumed); copies into expert "
+                     "slots run at half of it (read and write)")
     else:
         gen, width = gpu.pcie_gen, gpu.pcie_width
         if not isinstance(gen, int) or not isinstance(width, int) or gen not in PCIE_GBPS_PER_LANE:

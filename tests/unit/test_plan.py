@@ -280,3 +280,13 @@ def test_plan_command_bad_input_is_one_line(args, code, text):
 def test_batched_tokens_stay_within_what_vllm_accepts(context, batch):
     p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop", context=context))
     assert p.argv[p.argv.index("--max-num-batched-tokens") + 1] == str(batch)  # tiny-moe runs 8 sequences
+
+
+def test_a_cpu_run_can_page_when_asked():
+    p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop", vram_slots=8))
+    assert (p.device, p.pager, p.vram_slots, p.ram_slots, p.ssd_source) == ("cpu", True, 8, 16, "none")
+    assert p.env["BIGMOE_PAGER"] == "1" and p.env["BIGMOE_VRAM_SLOTS"] == "8" and "BIGMOE_RAM_SLOTS" not in p.env
+    assert 0 < p.estimate.tpot_ms[0] <= p.estimate.tpot_ms[1] and p.estimate.pcie_mib_per_token[1] > 0
+    check_invariants(p)
+    ignored = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop", ram_slots=8))
+    assert not ignored.pager and any("--ram-slots has no effect" in n for n in ignored.notes)
