@@ -160,3 +160,21 @@ def test_ram_buffers_must_fit_records(ckpt, open_store):
         SsdService(open_store(), [torch.zeros(2, 4096, dtype=torch.uint8)] * ckpt.num_layers, mailbox=False)
     with pytest.raises(ValueError, match="1 RAM slot buffers for a store of 2"):
         SsdService(open_store(), [torch.zeros(2, ckpt.layout.pitch, dtype=torch.uint8)], mailbox=False)
+
+
+def test_feeds_the_ram_tier_as_its_ssd_fetch(ckpt, open_store):
+    """RamTier.locate() over random steps: every row it returns holds the right expert's bytes."""
+    from bigmoe_pager.core.ram_tier import RamTier
+
+    tiers = [RamTier(ckpt.layout, ckpt.num_experts, RAM_SLOTS, "cpu") for _ in range(ckpt.num_layers)]
+    svc = SsdService(open_store(), [t.records for t in tiers], mailbox=False, io_workers=3)
+    gen = torch.Generator().manual_seed(3)
+    with svc:
+        for tier_layer, tier in enumerate(tiers):
+            tier.attach_ssd(svc.fetcher(tier_layer))
+        for step in range(12):
+            layer = step % ckpt.num_layers
+            experts = torch.randperm(ckpt.num_experts, generator=gen)[:3]
+            rows = tiers[layer].locate(experts)
+            for e, r in zip(experts.tolist(), rows.tolist()):
+                assert torch.equal(tiers[layer].records[r, : ckpt.layout.record_bytes], ckpt.reference(layer, e)), (step, e, r)

@@ -137,6 +137,10 @@ class SsdService:
         if self._error is not None:
             raise SsdError(self._error)
 
+    def fetcher(self, layer: int) -> "LayerFetch":
+        """One layer's view for the RAM tier (its SsdFetch): fetch(experts, slots) = request(layer, ...)."""
+        return LayerFetch(self, layer)
+
     @property
     def failed(self) -> bool:
         """Whether the service has failed for good (check() would raise)."""
@@ -310,6 +314,17 @@ class SsdService:
         if buf is None:
             buf = self._staging.buf = aligned_empty(self.store.layout.pitch).numpy()
         return buf
+
+
+class LayerFetch:
+    """The SSD tier as one layer's RAM tier sees it."""
+
+    def __init__(self, service: SsdService, layer: int):
+        self.service, self.layer = service, layer
+
+    def fetch(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        """Read experts[i] into RAM slot slots[i] (-1 skipped): on the stream with a mailbox, else now."""
+        self.service.request(self.layer, experts, slots)
 
 
 def _slot_rows(buf: torch.Tensor, pitch: int, layer: int) -> np.ndarray:
