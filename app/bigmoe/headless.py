@@ -36,7 +36,7 @@ class Printer:
 def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
     say = Printer(as_json)
     preset = pipeline.load_preset(opts)
-    hardware = pipeline.probe_machine()
+    hardware = pipeline.probe_machine(preset, opts)
     say("probe", hardware.summary())
     the_plan = pipeline.make_plan(hardware, preset, opts)
     say("plan", the_plan.summary())

@@ -59,18 +59,29 @@ def load_preset(opts: RunOptions) -> presets.Preset:
     return presets.load(opts.model)
 
 
-def probe_machine():
+def probe_machine(preset: presets.Preset, opts: RunOptions):
+    """The machine, with the disks that will hold the model and the paging file judged."""
+    from bigmoe.plan import default_dirs
     from bigmoe.probe import probe
 
-    return probe()
+    model_dir, paging_dir = default_dirs(preset)
+    dirs = [Path(opts.model_dir).expanduser() if opts.model_dir else Path(model_dir), Path(paging_dir)]
+    return probe(paths=[_nearest_existing(d) for d in dirs])
 
 
-def make_plan(hardware, preset: presets.Preset, opts: RunOptions):
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk: bool = False):
     from bigmoe.plan import Overrides, plan
 
     overrides = Overrides(
         vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
-        context=opts.context, force=opts.force,
+        context=opts.context, force=opts.force, host=opts.host, port=opts.port,
+        model_path=opts.model_dir, model_on_disk=model_on_disk or bool(opts.model_dir),
     )
     return plan(hardware, preset, overrides)
 
