@@ -1,0 +1,210 @@
+"""SSD tier throughput: O_DIRECT expert reads with N I/O workers, from a checkpoint and from a paging file.
+
+Writes a synthetic expert checkpoint of a preset's real expert shape (FP8 with
+128x128 scales) under --dir, builds a raw paging file from it, then reads every
+expert in random order, for each worker count:
+
+- `store`: N threads calling store.read() into their own aligned buffers (the disk's ceiling);
+- `load`: SsdService.load() into RAM slots (staging buffer, checks, slot copy): the host-driven path;
+- `gpu`: (CUDA only) SsdService.request() from device tensors through the pinned mailbox, synced per batch.
+
+    PYTHONPATH=pager:app python scripts/bench_ssd.py --dir /tmp --gb 1.5 --out $OUT/bench_ssd.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import synth_experts  # noqa: E402
+
+from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
+from bigmoe_pager.core.odirect import aligned_empty, odirect_works  # noqa: E402
+from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
+from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
+
+SHAPES = {"qwen3.6-35b-a3b": (2048, 512), "qwen3.8-flash-next": (2560, 640)}  # (hidden, moe intermediate)
+BATCH = 64  # experts per load/request call: about one decode step's SSD misses over a few layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="/tmp",
+                   help="where the test files go (on the disk to measure); a comma list tries each until O_DIRECT works")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-35b-a3b")
+    p.add_argument("--gb", type=float, default=1.5, help="size of the synthetic expert checkpoint, GB")
+    p.add_argument("--workers", default="1,2,4,8,16", help="comma list of I/O worker counts")
+    p.add_argument("--modes", default="store,load,gpu", help="comma list of store, load, gpu")
+    p.add_argument("--keep", action="store_true", help="keep the test files (DIR/bigmoe-bench-ssd) for the next run")
+    p.add_argument("--out", type=Path, help="write results as JSON here")
+    a = p.parse_args(argv)
+
+    a.dir, why, refused = _pick_dir(a.dir.split(","))
+    if a.dir is None:
+        print(f"O_DIRECT works in none of the directories: {'; '.join(refused)}", file=sys.stderr)
+        return 2
+    print(f"measuring in {a.dir} ({_fstype(a.dir)}); {why}")
+    hidden, inter = SHAPES[a.shape]
+    layout = synth_experts.make_layout(hidden, inter, True)
+    experts = 256
+    layers = max(1, round(a.gb * 1e9 / (experts * layout.record_bytes)))
+    work = a.dir / "bigmoe-bench-ssd"  # the only thing this script creates and removes
+    ckpt_dir, pf_path = work / "ckpt", work / "experts.bmpf"
+    t0 = time.perf_counter()
+    _prepare(ckpt_dir, pf_path, layout, hidden, inter, layers, experts)
+    prep_s = time.perf_counter() - t0
+
+    modes = [m for m in a.modes.split(",") if m != "gpu" or torch.cuda.is_available()]
+    results = []
+    for source in ("checkpoint", "paging-file"):
+        for workers in (int(w) for w in a.workers.split(",")):
+            for mode in modes:
+                store = _open(source, ckpt_dir, pf_path, layout, layers, experts)
+                with store:
+                    results.append(_measure(mode, source, store, workers))
+                r = results[-1]
+                print(f"{source:12s} {mode:6s} workers={workers:3d}  {r['gbps']:6.2f} GB/s  ({r['experts']} experts, {r['seconds']:.2f} s)")
+
+    report = {
+        "script": "scripts/bench_ssd.py", "argv": sys.argv[1:], "machine": platform.node(), "dir": str(a.dir),
+        "filesystem": _fstype(a.dir), "odirect_probe": why, "dirs_refused": refused, "shape": a.shape, "record_bytes": layout.record_bytes, "pitch": layout.pitch,
+        "layers": layers, "experts_per_layer": experts, "data_gb": layers * experts * layout.record_bytes / 1e9,
+        "prepare_s": prep_s, "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "results": results,
+    }
+    _table(results)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _pick_dir(candidates: list[str]) -> tuple[Path | None, str, list[str]]:
+    """The first candidate directory where an aligned O_DIRECT read works, its probe note, and the refusals."""
+    refused = []
+    for c in candidates:
+        d = Path(c)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            refused.append(f"{d}: {e.strerror}")
+            continue
+        ok, why = odirect_works(d)
+        if ok:
+            return d, why, refused
+        refused.append(why)
+    return None, "", refused
+
+
+def _fstype(path: Path) -> str:
+    """Filesystem type and device of the mount holding path, from /proc/mounts ("unknown" elsewhere)."""
+    best, kind = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, fs = line.split()[:3]
+            if str(path.resolve()).startswith(mnt.rstrip("/") + "/") or str(path.resolve()) == mnt:
+                if len(mnt) >= len(best):
+                    best, kind = mnt, f"{fs} on {dev} at {mnt}"
+    except OSError:
+        pass
+    return kind
+
+
+def _prepare(ckpt_dir: Path, pf_path: Path, layout, hidden: int, inter: int, layers: int, experts: int) -> None:
+    """Synthetic checkpoint and paging file, reused when a previous run left them (--keep)."""
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    if not ckpt_dir.exists():
+        tmp = ckpt_dir.with_name(ckpt_dir.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        synth_experts.write_checkpoint(tmp, hidden, inter, layers, experts, fp8=True, shards=max(1, layers))
+        tmp.rename(ckpt_dir)
+    if not pf_path.exists():
+        with CheckpointStore(ckpt_dir, layout) as src:
+            write_paging_file(pf_path, _meta(layout, layers, experts), src)
+    os.sync()  # O_DIRECT reads of dirty pages would wait for writeback inside the timed region
+
+
+def _meta(layout, layers: int, experts: int) -> PagingFileMeta:
+    return PagingFileMeta("bench/synthetic", "0", layout.signature(), layers, experts)
+
+
+def _open(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int):
+    if source == "checkpoint":
+        return CheckpointStore(ckpt_dir, layout)
+    return PagingFileStore(pf_path, layout, _meta(layout, layers, experts))
+
+
+def _keys(store, seed: int = 0) -> list[tuple[int, int]]:
+    order = torch.randperm(store.num_layers * store.num_experts, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [(k // store.num_experts, k % store.num_experts) for k in order]
+
+
+def _measure(mode: str, source: str, store, workers: int) -> dict:
+    keys = _keys(store)
+    t0 = time.perf_counter()
+    if mode == "store":
+        _store_reads(store, keys, workers)
+    else:
+        _service_reads(store, keys, workers, gpu=mode == "gpu")
+    seconds = time.perf_counter() - t0
+    nbytes = len(keys) * store.layout.record_bytes
+    return {"source": source, "mode": mode, "workers": workers, "experts": len(keys), "bytes": nbytes,
+            "seconds": seconds, "gbps": nbytes / seconds / 1e9}
+
+
+def _store_reads(store, keys: list[tuple[int, int]], workers: int) -> None:
+    def run(part: list[tuple[int, int]]) -> None:
+        buf = aligned_empty(store.layout.pitch)
+        for layer, expert in part:
+            store.read(layer, expert, buf)
+
+    threads = [threading.Thread(target=run, args=(keys[i::workers],)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _service_reads(store, keys: list[tuple[int, int]], workers: int, gpu: bool) -> None:
+    pin = torch.cuda.is_available()
+    bufs = [torch.empty(BATCH, store.layout.pitch, dtype=torch.uint8, pin_memory=pin) for _ in range(store.num_layers)]
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in keys:
+        by_layer.setdefault(layer, []).append(expert)
+    with SsdService(store, bufs, io_workers=workers, mailbox=gpu, max_requests=BATCH) as svc:
+        for layer, experts in by_layer.items():
+            for i in range(0, len(experts), BATCH):
+                chunk = experts[i : i + BATCH]
+                if gpu:
+                    ex = torch.tensor(chunk, dtype=torch.int64, device="cuda")
+                    svc.request(layer, ex, torch.arange(len(chunk), device="cuda"))
+                    torch.cuda.synchronize()
+                    svc.check()
+                else:
+                    svc.load(layer, chunk, list(range(len(chunk))))
+
+
+def _table(results: list[dict]) -> None:
+    workers = sorted({r["workers"] for r in results})
+    rows = sorted({(r["source"], r["mode"]) for r in results})
+    print("\nGB/s by I/O workers")
+    print(f"{'source':12s} {'mode':6s} " + " ".join(f"{w:>6d}" for w in workers))
+    for source, mode in rows:
+        cells = {r["workers"]: r["gbps"] for r in results if (r["source"], r["mode"]) == (source, mode)}
+        print(f"{source:12s} {mode:6s} " + " ".join(f"{cells.get(w, float('nan')):6.2f}" for w in workers))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
