@@ -100,7 +100,15 @@ def find_shards(paths: list[Path], table: str | None = None, spec: TableSpec | N
         _check_spec(table, entries, dtype, row_elems, spec)
     shards = _order(table, entries, files, row_elems * ITEM_BYTES[dtype])
     rows = sum(s.rows for s in shards)
+    if spec is not None and rows != spec.rows:
+        raise NgramLayoutError(f"shards of {table} hold {rows} rows; the model config needs {spec.rows}")
     return ShardMap(table, tuple(files), shards, rows, row_elems * ITEM_BYTES[dtype], dtype, _scale(headers, table))
+
+
+def list_tables(paths: list[Path]) -> dict[str, list[Path]]:
+    """Every n-gram table in `paths` (name -> files holding its shards), from the headers alone."""
+    tables = _tables_by_file({Path(p): _header(Path(p)) for p in paths})
+    return {name: sorted(files) for name, files in tables.items()}
 
 
 def _tables_by_file(headers: dict[Path, dict]) -> dict[str, set[Path]]:
@@ -155,6 +163,8 @@ def _check_spec(table: str, entries: dict[int, TensorEntry], dtype: str, row_ele
         raise NgramLayoutError(f"shards of {table} are {dtype} but the model config says {spec.dtype}")
     if row_elems != spec.row_elems:
         raise NgramLayoutError(f"shards of {table} have rows of {row_elems} elements but the model config says {spec.row_elems}")
+    if spec.parts is None:
+        return  # the split is the checkpoint's; find_shards still checks the total
     extra = sorted(i for i in entries if i >= spec.parts)
     if extra:
         raise NgramLayoutError(f"{table}.shard_{extra[0]}.weight exceeds split_ngram_parts={spec.parts}")

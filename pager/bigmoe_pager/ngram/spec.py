@@ -35,15 +35,15 @@ class TableSpec:
     """Elements per row (ple_embed_dim / heads)."""
     dtype: str
     """Safetensors dtype name of the stored rows, e.g. F8_E4M3."""
-    parts: int
-    """Checkpoint shards the table is split into (split_ngram_parts)."""
+    parts: int | None
+    """Checkpoint shards the table is split into (split_ngram_parts); None = take the checkpoint's split."""
     heads: int = 1
     """Rows gathered per token ((ngram_size - 1) * heads_per_ngram)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEM_BYTES:
             raise NgramLayoutError(f"n-gram table dtype {self.dtype} is not one of {sorted(ITEM_BYTES)}")
-        if min(self.rows, self.row_elems, self.parts, self.heads) <= 0:
+        if min(self.rows, self.row_elems, self.parts or 1, self.heads) <= 0:
             raise NgramLayoutError(f"n-gram table spec needs positive rows/row_elems/parts/heads, got {self}")
 
     @property
@@ -57,6 +57,8 @@ class TableSpec:
     @property
     def shard_rows(self) -> int:
         """Rows of every full shard: ceil(rows / parts)."""
+        if self.parts is None:
+            raise ValueError("this TableSpec leaves the split to the checkpoint; it has no shard size")
         return -(-self.rows // self.parts)
 
     def rows_in_shard(self, index: int) -> int:
