@@ -32,13 +32,13 @@ from typing import Callable
 
 import torch
 
-import tinymoe_tensors as tensors
-import tinymoe_tokenizer as tokenizer
-from tinymoe_fp8 import SCALE_DTYPES
-from tinymoe_safetensors import INDEX_NAME, ShardWriter, assign_shards, index
-from tinymoe_shape import DTYPES, ShapeError, TinyShape, generation_config, hf_config, validate
+from . import tensors
+from . import tokenizer
+from .fp8 import SCALE_DTYPES
+from .safetensors_io import INDEX_NAME, ShardWriter, assign_shards, index
+from .shape import DTYPES, ShapeError, TinyShape, generation_config, hf_config, validate
 
-__all__ = ["TinyShape", "ShapeError", "CheckpointExistsError", "make_tiny_moe", "is_complete", "MANIFEST"]
+__all__ = ["TinyShape", "ShapeError", "CheckpointExistsError", "DeviceError", "make_tiny_moe", "is_complete", "MANIFEST", "tensors"]
 
 MANIFEST = "tiny_moe.json"
 """Written last: what was asked for and the size of every file, the mark of a complete checkpoint."""

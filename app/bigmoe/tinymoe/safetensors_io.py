@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tinymoe_tensors import Param, Stored
+from .tensors import Param, Stored
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
 """safetensors dtype tag of each dtype a checkpoint holds."""

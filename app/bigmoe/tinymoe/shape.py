@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tinymoe_fp8 import BLOCK, SCALE_DTYPES
+from .fp8 import BLOCK, SCALE_DTYPES
 
 DTYPES = ("bf16", "fp8")
 """Checkpoint flavours: all bf16, or FP8 block-quantized Linears like Qwen's -FP8 repos."""

@@ -21,8 +21,8 @@ from typing import Iterator
 
 import torch
 
-from tinymoe_fp8 import quantize_blocks, scale_shape
-from tinymoe_shape import TinyShape
+from .fp8 import quantize_blocks, scale_shape
+from .shape import TinyShape
 
 EMBED_STD = 1.0
 """Standard deviation of the token embedding."""
