@@ -28,6 +28,7 @@ from .read_stats import ReadCounters
 
 ALIGN = 4096  # bytes; >= the logical block size of NVMe/SATA devices, and the page size
 _RETRYABLE = (errno.EIO, errno.EINTR, errno.EAGAIN)
+_bounce = threading.local()  # one bounce buffer per thread, shared by all files (a model has many shards)
 
 
 class ODirectError(RuntimeError):
@@ -86,7 +87,6 @@ class DirectFile:
         self.retries = retries
         self.io = io or SystemFileIO()
         self.counters = counters if counters is not None else ReadCounters()
-        self._bounce = threading.local()
         try:
             self.fd = self.io.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError as e:
@@ -121,7 +121,7 @@ class DirectFile:
     def read_view(self, offset: int, length: int) -> np.ndarray:
         """The file's bytes [offset, offset+length) as a view of this thread's bounce buffer.
 
-        Valid until this thread's next read_view or unaligned read_into on this file.
+        Valid until this thread's next read_view or unaligned read_into (on any file).
         """
         self._check_range(offset, length)
         start = offset - offset % ALIGN
@@ -161,11 +161,12 @@ class DirectFile:
         self.counters.add_error()
         raise ReadError(self.path, offset, length, f"{why} after {self.retries} retries")
 
-    def _bounce_buffer(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._bounce, "buf", None)
+    @staticmethod
+    def _bounce_buffer(nbytes: int) -> np.ndarray:
+        buf = getattr(_bounce, "buf", None)
         if buf is None or buf.nbytes < nbytes:
             buf = aligned_empty(_round_up(nbytes, ALIGN)).numpy()
-            self._bounce.buf = buf
+            _bounce.buf = buf
         return buf[:nbytes]
 
 
