@@ -178,3 +178,22 @@ def test_feeds_the_ram_tier_as_its_ssd_fetch(ckpt, open_store):
             rows = tiers[layer].locate(experts)
             for e, r in zip(experts.tolist(), rows.tolist()):
                 assert torch.equal(tiers[layer].records[r, : ckpt.layout.record_bytes], ckpt.reference(layer, e)), (step, e, r)
+
+
+def test_settings_and_pager_stats_are_honoured(ckpt, paging_path):
+    """from_settings takes workers/timeouts from PagerSettings; retries and read time reach PagerStats' ssd tier."""
+    from bigmoe_pager.core.paging_file import PagingFileStore
+    from bigmoe_pager.core.stats import PagerStats
+    from bigmoe_pager.settings import PagerSettings
+
+    settings = PagerSettings.from_env({"BIGMOE_IO_WORKERS": "3", "BIGMOE_READ_TIMEOUT_S": "2.5", "BIGMOE_READ_RETRIES": "1"})
+    stats = PagerStats(ckpt.num_layers)
+    store = PagingFileStore(paging_path, ckpt.layout, ckpt.meta(), io=FakeFaultyIO(("corrupt",)))
+    bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
+    svc = SsdService.from_settings(store, bufs, settings, mailbox=False,
+                                   sinks=[stats.tier(layer, "ssd") for layer in range(ckpt.num_layers)])
+    with svc:
+        assert (svc.io_workers, svc.read_timeout_s, svc.read_retries) == (3, 2.5, 1)
+        svc.load(1, [0, 1], [0, 1])
+    snap = stats.snapshot(1)["ssd"]
+    assert snap.retries == 1 and snap.errors == 0 and snap.read_ns > 0

@@ -40,7 +40,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +53,12 @@ from .read_stats import ReadCounters
 
 IDLE_SLEEP_S = (20e-6, 1e-3)  # seconds between mailbox polls: right after work, and at most when idle
 ACTIVE_WINDOW_S = 0.02  # seconds after the last request during which the poller polls at the fast rate
+
+
+class HostCounterSink(Protocol):
+    """Where else per-layer SSD counters go (stats.TierCounters of the "ssd" tier fits)."""
+
+    def add_host(self, **values: int) -> None: ...
 
 
 class SsdError(RuntimeError):
@@ -92,8 +98,10 @@ class SsdService:
 
     def __init__(self, store: ExpertStore, ram_slots: Sequence[torch.Tensor], *, io_workers: int = 4,
                  read_timeout_s: float = 10.0, read_retries: int = 2, max_requests: int = 256,
-                 mailbox: bool | None = None, wait_timeout_s: float | None = None):
+                 mailbox: bool | None = None, wait_timeout_s: float | None = None,
+                 sinks: Sequence[HostCounterSink] | None = None):
         self.store = store
+        self.io_workers = io_workers
         self.read_timeout_s = read_timeout_s
         self.read_retries = read_retries
         self.max_requests = max_requests
@@ -103,6 +111,7 @@ class SsdService:
             raise ValueError(f"{len(self._rows)} RAM slot buffers for a store of {store.num_layers} MoE layers")
         self.counters = [ReadCounters() for _ in range(store.num_layers)]
         """Per MoE layer: expert reads into RAM slots (retries and errors at this level)."""
+        self._sinks = list(sinks) if sinks is not None else None
         self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="bigmoe-ssd")
         self._staging = threading.local()
         self._inflight: set[_Job] = set()
@@ -113,6 +122,12 @@ class SsdService:
         self.box: torch.Tensor | None = None
         if mailbox if mailbox is not None else torch.cuda.is_available():
             self._open_mailbox()
+
+    @classmethod
+    def from_settings(cls, store: ExpertStore, ram_slots: Sequence[torch.Tensor], settings, **kw) -> "SsdService":
+        """A service with io_workers, read_timeout_s and read_retries from a PagerSettings."""
+        return cls(store, ram_slots, io_workers=settings.io_workers, read_timeout_s=settings.read_timeout_s,
+                   read_retries=settings.read_retries, **kw)
 
     # ---- the GPU-driven path ---------------------------------------------------------
 
@@ -230,6 +245,7 @@ class SsdService:
         job.issued_at = time.monotonic()
         if job.attempts > 1:
             self.counters[job.layer].add_retry()
+            self._sink(job.layer, retries=1)
         self._pool.submit(self._attempt, job)
 
     def _attempt(self, job: _Job) -> None:
@@ -249,7 +265,9 @@ class SsdService:
                 return  # a late duplicate: the job was answered or given up meanwhile
             self._rows[job.layer][job.slot][:length] = staging[:length]
             job.state = "done"
-        self.counters[job.layer].add_read(length, time.perf_counter_ns() - t0)
+        ns = time.perf_counter_ns() - t0
+        self.counters[job.layer].add_read(length, ns)
+        self._sink(job.layer, read_ns=ns)
         self._finish(job)
 
     def _attempt_failed(self, job: _Job, why: str, retry: bool) -> None:
@@ -288,6 +306,7 @@ class SsdService:
         job.state, job.error = "failed", why
         if 0 <= job.layer < len(self.counters):
             self.counters[job.layer].add_error()
+            self._sink(job.layer, errors=1)
         where = self.store.describe(job.layer, job.expert) if not why.startswith("bad request") else "the mailbox"
         self._fail_service(f"SSD read of layer {job.layer} expert {job.expert} into RAM slot {job.slot} failed: {why}; source: {where}")
         if job.entry >= 0:
@@ -295,6 +314,10 @@ class SsdService:
         with self._inflight_lock:
             self._inflight.discard(job)
         job.finished.set()
+
+    def _sink(self, layer: int, **values: int) -> None:
+        if self._sinks is not None:
+            self._sinks[layer].add_host(**values)
 
     def _fail_service(self, message: str) -> None:
         if self._error is None:
