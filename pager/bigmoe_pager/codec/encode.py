@@ -196,10 +196,10 @@ def _pack_bits(code: np.ndarray, length: np.ndarray, lane_bits: np.ndarray, word
     window = np.left_shift(code.reshape(-1).astype(np.uint64), shift.astype(np.uint64))
     word = pos >> 5
     # Steps never share bits, so summing their parts of a word is OR-ing them (exact in float64).
-    acc = np.bincount(word, weights=window >> np.uint64(32), minlength=words + 1)
+    acc = np.bincount(word, weights=window >> np.uint64(32), minlength=words + 2)
     window &= np.uint64(0xFFFFFFFF)
     word += 1
-    acc += np.bincount(word, weights=window, minlength=words + 1)
+    acc += np.bincount(word, weights=window, minlength=words + 2)
     return acc[:words].astype(np.uint32)
 
 

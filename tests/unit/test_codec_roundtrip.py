@@ -1,0 +1,150 @@
+"""Codec round trips through the CPU encoder and the reference decoder, on fuzzed records."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bigmoe_pager.codec import format as F
+from bigmoe_pager.codec.encode import encode_component, encode_many, encode_record
+from bigmoe_pager.codec.huffman import build_table, verbatim_table
+from bigmoe_pager.codec.reference import decode_record
+from bigmoe_pager.codec.tables import choose_tables
+from bigmoe_pager.core.layout import ExpertLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import codec_samples as S  # noqa: E402
+
+LAYOUTS = {
+    "moe_small": S.moe_layout(256, 128),
+    # Odd lengths: partial chunks, an odd byte count, components smaller than a chunk.
+    "odd": ExpertLayout.build([
+        ("a", (3, 1001), torch.float8_e4m3fn),
+        ("a_scale", (7,), torch.float32),
+        ("b", (5, 7), torch.float8_e4m3fn),
+        ("c", (1,), torch.float8_e4m3fn),
+    ]),
+}
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def layout(request) -> ExpertLayout:
+    return LAYOUTS[request.param]
+
+
+@pytest.mark.parametrize("pattern", S.PATTERNS)
+def test_round_trip_is_bit_exact(layout, pattern):
+    raw = S.pattern_record(layout, pattern, np.random.default_rng(S.PATTERNS.index(pattern)))
+    data = encode_record(raw, layout)
+    assert len(data) <= F.max_record_bytes(layout)
+    assert np.array_equal(decode_record(data, layout), raw)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixed_chunks_round_trip(seed):
+    """Chunks of different kinds side by side in one component (tables chosen per chunk)."""
+    rng = np.random.default_rng(seed)
+    layout = ExpertLayout.build([("w", (6 * F.CHUNK_SYMBOLS - 5,), torch.float8_e4m3fn)])
+    kinds = rng.choice(S.PATTERNS, 6)
+    data = np.concatenate([S.pattern_bytes(k, F.CHUNK_SYMBOLS, rng) for k in kinds])[: layout.record_bytes]
+    assert np.array_equal(decode_record(encode_record(data, layout), layout), data)
+
+
+@pytest.mark.parametrize("pattern,most", [("constant", 0.52), ("skewed", 0.66), ("student_t", 0.87), ("random", 1.02), ("uniform_exp", 1.02)])
+def test_sizes_follow_the_exponent_entropy(pattern, most):
+    layout = ExpertLayout.build([("w", (4 * F.CHUNK_SYMBOLS,), torch.float8_e4m3fn)])
+    raw = S.pattern_record(layout, pattern, np.random.default_rng(3))
+    assert len(encode_record(raw, layout)) / layout.record_bytes <= most
+
+
+@pytest.mark.parametrize("pattern", ["random", "uniform_exp"])
+def test_rows_that_would_not_shrink_are_flagged_verbatim(pattern):
+    data = S.pattern_bytes(pattern, 3 * F.CHUNK_SYMBOLS, np.random.default_rng(5))
+    coded = encode_component(data)
+    headers = np.frombuffer(coded.chunks, F.CHUNK_DTYPE)
+    assert coded.verbatim_chunks == 3
+    assert (headers["flags"] == F.FLAG_VERBATIM).all()
+    assert coded.stream.size == 3 * F.CHUNK_SYMBOLS * F.VERBATIM_BITS // 32
+
+
+def test_real_expert_reaches_the_ratio_target():
+    """qwen3.6-35b-a3b expert, Student-t(5) weights: <= 0.86 of raw, within 1.5% of the per-row bound."""
+    layout = S.moe_layout(*S.SHAPES["qwen3.6-35b-a3b"])
+    raw = S.expert_record(layout, "student_t", np.random.default_rng(0))
+    data = encode_record(raw, layout)
+    ratio = len(data) / layout.record_bytes
+    bound = S.exponent_entropy_bound(raw, layout)
+    assert ratio <= 0.86
+    assert ratio <= bound * 1.015
+    assert np.array_equal(decode_record(data, layout), raw)
+
+
+def test_encode_accepts_a_zero_padded_pitch_and_rejects_other_input():
+    layout = LAYOUTS["moe_small"]
+    raw = S.pattern_record(layout, "gaussian", np.random.default_rng(1))
+    padded = np.zeros(layout.pitch, np.uint8)
+    padded[: raw.size] = raw
+    assert encode_record(padded, layout) == encode_record(raw, layout)
+    padded[-1] = 1
+    with pytest.raises(F.CodecError, match="padding"):
+        encode_record(padded, layout)
+    with pytest.raises(F.CodecError, match="bytes"):
+        encode_record(raw[:-1], layout)
+    with pytest.raises(F.CodecError, match="uint8"):
+        encode_record(raw.view(np.int8), layout)
+
+
+def test_encode_many_keeps_order_across_processes():
+    layout = LAYOUTS["moe_small"]
+    rng = np.random.default_rng(2)
+    raws = [S.pattern_record(layout, p, rng) for p in ("gaussian", "random", "constant")]
+    out = list(encode_many(iter(raws), layout, workers=2))
+    assert out == [encode_record(r, layout) for r in raws]
+
+
+def test_pitch_covers_the_largest_record():
+    assert F.record_pitch([100, 4097, 17]) == 4112
+    with pytest.raises(ValueError):
+        F.record_pitch([])
+
+
+@pytest.mark.parametrize("counts", [
+    [5, 0, 0, 1, 100, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2],
+    [1] * 16,
+    [2 ** i for i in range(16)],  # would want 15-bit codes unlimited
+    [0] * 7 + [9] + [0] * 8,
+])
+def test_huffman_tables_are_complete_prefix_codes_of_at_most_8_bits(counts):
+    t = build_table(np.array(counts))
+    present = np.array(counts) > 0
+    assert ((t.lengths >= 0) == present).all()
+    assert t.lengths.max() <= F.MAX_CODE_BITS
+    if present.sum() > 1:
+        assert sum(2.0 ** -int(n) for n in t.lengths[present]) == 1.0  # Kraft equality: no wasted code space
+    lut = t.lut
+    for s in np.flatnonzero(present):  # decoding each code through the LUT gives the symbol and length back
+        n = int(t.lengths[s])
+        entry = lut[int(t.codes[s]) << (F.MAX_CODE_BITS - n)]
+        assert (entry & 0xF, entry >> 4) == (s, n)
+
+
+def test_verbatim_table_is_the_identity():
+    lut = verbatim_table().lut
+    assert (lut & 0xF == np.arange(256) >> 4).all() and (lut >> 4 == 4).all()
+
+
+def test_table_choice_separates_different_chunk_statistics():
+    """Chunks drawn from two very different exponent laws get two tables and each costs less than one table."""
+    rng = np.random.default_rng(4)
+    low = rng.multinomial(8192, [0.5, 0.3, 0.1, 0.1] + [0] * 12, size=20)
+    high = rng.multinomial(8192, [0] * 12 + [0.1, 0.1, 0.3, 0.5], size=20)
+    hist = np.concatenate([low, high])
+    tables, assign, bits = choose_tables(hist)
+    assert len(tables) == 2
+    assert len(set(assign[:20])) == 1 and len(set(assign[20:])) == 1 and assign[0] != assign[20]
+    one = build_table(hist.sum(axis=0)).cost_bits(hist)
+    assert (bits < one).all()
