@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 import torch
 
 from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.slots import SlotTable
 
 
@@ -31,6 +32,17 @@ class SsdFetch(Protocol):
         stream sees the bytes; a read that fails or times out raises (bounded), never
         leaves stale bytes to compute with.
         """
+
+
+class ServiceFetch:
+    """SsdFetch for one layer of an SSD service that serves every layer (`request(layer, experts, slots)`)."""
+
+    def __init__(self, service, layer: int) -> None:
+        self.service = service
+        self.layer = layer
+
+    def fetch(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        self.service.request(self.layer, experts, slots)
 
 
 ExpertReader = Callable[[int, torch.Tensor], None]
@@ -60,7 +72,7 @@ class RamTier:
         pin = self.device.type == "cuda" if pin is None else pin
         # Not zeroed (tens of GiB at start): a full tier refuses steps until fill_all() ran,
         # and a partial tier only points at rows its SSD tier or warm() has written.
-        self.records = torch.empty((num_slots, layout.pitch), dtype=torch.uint8, pin_memory=pin)
+        self.records = pinned_empty((num_slots, layout.pitch), torch.uint8, pin=pin)
         self.table = None if self.full else SlotTable(num_experts, num_slots, self.device)
         self._filled = not self.full
 
@@ -89,6 +101,15 @@ class RamTier:
             raise RamTierError("fill_all() loads a full tier; a partial tier is filled by the SSD tier or warm()")
         for expert in range(self.num_experts):
             read(expert, self.records[expert])
+        self._filled = True
+
+    def load_all(self, records: torch.Tensor) -> None:
+        """Fill a full tier from a uint8 [experts, pitch] tensor (any device) in one copy."""
+        if not self.full:
+            raise RamTierError("load_all() fills a full tier; a partial tier is filled by the SSD tier or warm()")
+        if tuple(records.shape) != tuple(self.records.shape) or records.dtype != torch.uint8:
+            raise RamTierError(f"load_all() needs uint8 {tuple(self.records.shape)}, got {records.dtype} {tuple(records.shape)}")
+        self.records.copy_(records)
         self._filled = True
 
     def warm(self, experts: torch.Tensor, read: ExpertReader) -> None:
