@@ -103,7 +103,7 @@ def test_graph_replay_with_changing_ids_fills_ram_and_vram_slots_exactly(ckpt, r
                     flat = torch.cat([want[c.offset : c.offset + c.nbytes] for c in ckpt.layout.components])
                     assert torch.equal(got, flat), ("vram", replay, layer, e, s)
         reads = sum(c["reads"] for c in svc.stats()["layers"])
-        assert reads > 60 and int(svc.box[mb.GPU_ERROR]) == 0
+        assert reads > 60 and int(svc.box[mb.GPU_ERROR]) == 0 == int(svc.error_flag[0])
 
 
 def test_injected_read_failure_is_flagged_without_hang(ckpt):
@@ -125,7 +125,7 @@ def test_injected_read_failure_is_flagged_without_hang(ckpt):
         graph.replay()
         torch.cuda.synchronize()
         assert time.monotonic() - t0 < 5.0  # the host error ends the wait, not the GPU's deadline
-        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_SAW_HOST_ERROR
+        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_SAW_HOST_ERROR == int(svc.error_flag[0])
         with pytest.raises(SsdError, match=r"layer 0 expert [567] into RAM slot [234] failed: ReadError.*EIO"):
             svc.check()
         t0 = time.monotonic()
@@ -149,7 +149,7 @@ def test_gpu_deadline_when_host_never_answers(ckpt):
         torch.cuda.synchronize()
         waited = time.monotonic() - t0
         assert 0.15 < waited < 1.5, waited
-        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_TIMED_OUT
+        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_TIMED_OUT == int(svc.error_flag[0])
         with pytest.raises(SsdError, match="the GPU waited 0.2 s"):
             svc.check()
 

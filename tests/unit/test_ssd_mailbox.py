@@ -53,7 +53,7 @@ def test_requests_through_the_mailbox_fill_slots_over_changing_ids(ckpt):
             for e, s in zip(ex, sl):
                 if e >= 0:
                     assert torch.equal(bufs[layer][s, : ckpt.layout.record_bytes], ckpt.reference(layer, e)), (layer, e, s)
-        assert int(svc.box[mb.GPU_ERROR]) == 0
+        assert int(svc.box[mb.GPU_ERROR]) == 0 == int(svc.error_flag[0])
         assert sum(c["reads"] for c in svc.stats()["layers"]) == 3 + 2 + 4
 
 
@@ -63,7 +63,7 @@ def test_failed_read_is_flagged_to_the_gpu_and_raised_by_check(ckpt):
         t0 = time.monotonic()
         svc.request(1, torch.tensor([3, 4], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
         assert time.monotonic() - t0 < 10  # the host error ends the GPU's wait, not its timeout
-        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_SAW_HOST_ERROR
+        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_SAW_HOST_ERROR == int(svc.error_flag[0])
         with pytest.raises(SsdError, match=r"layer 1 expert [34] into RAM slot [01] failed: ReadError.*EIO"):
             svc.check()
         t0 = time.monotonic()
@@ -77,7 +77,7 @@ def test_gpu_gives_up_when_the_host_does_not_answer(ckpt):
     svc, bufs = _service(ckpt, io=FakeFaultyIO(then="slow", delay_s=1.0), wait_timeout_s=0.05)
     with svc:
         svc.request(0, torch.tensor([2], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
-        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_TIMED_OUT
+        assert int(svc.box[mb.GPU_ERROR]) == mb.GPU_TIMED_OUT == int(svc.error_flag[0])
         with pytest.raises(SsdError, match="the GPU waited 0.05 s and SSD reads did not finish"):
             svc.check()
         time.sleep(1.1)  # the slow read lands meanwhile; the tier stays failed
@@ -107,7 +107,7 @@ def test_request_kernel_compiles_for_hopper_with_system_scope_ordering():
         "from triton.compiler import ASTSource\n"
         "import triton\n"
         "from bigmoe_pager.core import ssd_mailbox as mb\n"
-        "sig = {'box': '*i64', 'seq_ptr': '*i64', 'experts_ptr': '*i32', 'slots_ptr': '*i32', 'layer': 'i32', 'n': 'i32',"
+        "sig = {'box': '*i64', 'seq_ptr': '*i64', 'flag_ptr': '*i64', 'experts_ptr': '*i32', 'slots_ptr': '*i32', 'layer': 'i32', 'n': 'i32',"
         " 'timeout_ns': 'i64', 'max_spins': 'i32', 'DONE': 'constexpr', 'BLOCK': 'constexpr', 'ON_GPU': 'constexpr'}\n"
         "src = ASTSource(mb.request_kernel, sig, constexprs={'DONE': mb.done_base(64), 'BLOCK': 64, 'ON_GPU': True})\n"
         "k = triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 1})\n"

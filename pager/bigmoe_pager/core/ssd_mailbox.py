@@ -14,7 +14,8 @@ its request list from device tensors (-1 padded), bumps a device-side sequence
 counter, publishes the requests, then spins on the done words with acquire
 loads and a deadline from the GPU's global timer. It never waits on a Python
 call: only on these memory words. On a timeout or a host error it sets
-GPU_ERROR and returns; later launches see the flag and return at once.
+GPU_ERROR (and the same code in a device-memory flag) and returns; later
+launches see the flag and return at once.
 
 The same code runs in Triton's CPU interpreter (ON_GPU=False): plain volatile
 loads and stores, and a spin count instead of the timer.
@@ -90,7 +91,7 @@ def _now(like, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def request_kernel(box, seq_ptr, experts_ptr, slots_ptr, layer, n, timeout_ns, max_spins,
+def request_kernel(box, seq_ptr, flag_ptr, experts_ptr, slots_ptr, layer, n, timeout_ns, max_spins,
                    DONE: tl.constexpr, BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     zero = offs.to(tl.int64) * 0
@@ -130,12 +131,13 @@ def request_kernel(box, seq_ptr, experts_ptr, slots_ptr, layer, n, timeout_ns, m
     code = tl.where(host_err != 0, _SAW_HOST_ERROR, tl.where(npending > 0, _TIMED_OUT, 0)).to(tl.int64)
     flag = (gpu_err == 0) & (code != 0)
     first = offs == 0
+    tl.store(flag_ptr + zero, zero + code, mask=first & (code != 0))  # device copy, for on-device reactions
     tl.store(box + _GPU_ERROR_SEQ + zero, zero + seq, mask=first & flag)
     tl.debug_barrier()
     _store_release(tl.where(first & flag, box + _GPU_ERROR + zero, sink), zero + code, ON_GPU)
 
 
-def launch_request(box: torch.Tensor, seq: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, layer: int,
+def launch_request(box: torch.Tensor, seq: torch.Tensor, flag: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, layer: int,
                    capacity: int, timeout_s: float) -> None:
     """Enqueue request_kernel on the current stream (capturable): publish experts -> slots, wait, flag errors."""
     n = experts.numel()
@@ -145,6 +147,6 @@ def launch_request(box: torch.Tensor, seq: torch.Tensor, experts: torch.Tensor, 
         raise ValueError(f"{n} requests exceed the mailbox's {capacity}; raise max_requests")
     on_gpu = not interpreting()
     max_spins = 2**31 - 1 if on_gpu else max(1, int(timeout_s / INTERPRETER_SPIN_S))
-    request_kernel[(1,)](box, seq, experts, slots, layer, n, int(timeout_s * 1e9), max_spins,
+    request_kernel[(1,)](box, seq, flag, experts, slots, layer, n, int(timeout_s * 1e9), max_spins,
                          DONE=done_base(capacity), BLOCK=max(16, triton.next_power_of_2(n)), ON_GPU=on_gpu,
                          num_warps=1)

@@ -140,7 +140,7 @@ class SsdService:
         if self.box is None:
             self.load(layer, experts, slots)
             return
-        mb.launch_request(self.box, self._seq, experts, slots, layer, self.max_requests, self.wait_timeout_s)
+        mb.launch_request(self.box, self._seq, self.error_flag, experts, slots, layer, self.max_requests, self.wait_timeout_s)
 
     def check(self) -> None:
         """Raise SsdError if any read failed or the GPU gave up waiting (call after syncing the step)."""
@@ -204,6 +204,8 @@ class SsdService:
         self._box = self.box.numpy()
         device = "cuda" if pin and not mb.interpreting() else "cpu"
         self._seq = torch.zeros(1, dtype=torch.int64, device=device)
+        self.error_flag = torch.zeros(1, dtype=torch.int64, device=device)
+        """Device copy of the GPU's error code (0 = fine), for on-device reactions; sticky."""
         self._handled = np.zeros(self.max_requests, dtype=np.int64)
         self._poller = threading.Thread(target=self._poll, name="bigmoe-ssd-poller", daemon=True)
         self._poller.start()
