@@ -1,0 +1,120 @@
+"""Corrupt or malformed records are reported with CodecError, never decoded into weights."""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bigmoe_pager.codec import format as F
+from bigmoe_pager.codec.encode import encode_record
+from bigmoe_pager.codec.reference import decode_record, verify_record
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import codec_samples as S  # noqa: E402
+
+LAYOUT = S.moe_layout(256, 128)
+
+
+@pytest.fixture(scope="module")
+def record() -> bytes:
+    raw = S.expert_record(LAYOUT, "student_t", np.random.default_rng(0))
+    return encode_record(raw, LAYOUT)
+
+
+def reseal(data: bytearray) -> bytes:
+    """The record with its payload crc32 recomputed: only the structural checks can catch what follows."""
+    struct.pack_into("<I", data, 20, zlib.crc32(data[F.HEADER.size :]))
+    return bytes(data)
+
+
+def chunk_header_offset(data: bytes, component: int, chunk: int) -> int:
+    return F.unpack_dir(data, component).chunks_offset + chunk * F.CHUNK_HEADER_BYTES
+
+
+@pytest.mark.parametrize("where", [0.05, 0.3, 0.6, 0.99])
+def test_a_flipped_payload_byte_fails_the_checksum(record, where):
+    data = bytearray(record)
+    i = F.HEADER.size + int(where * (len(data) - F.HEADER.size - 1))
+    data[i] ^= 0x10
+    with pytest.raises(F.CodecError, match="checksum"):
+        decode_record(bytes(data), LAYOUT)
+
+
+@pytest.mark.parametrize("cut", [-1, 8, -100])
+def test_a_record_cut_short_or_padded_is_refused(record, cut):
+    data = record[:cut] if cut < 0 else record + bytes(cut)
+    with pytest.raises(F.CodecError, match="bytes"):
+        verify_record(data, LAYOUT)
+
+
+def test_a_record_of_another_layout_is_refused(record):
+    with pytest.raises(F.CodecError, match="another expert layout"):
+        decode_record(record, S.moe_layout(128, 128))
+
+
+@pytest.mark.parametrize("offset,value,message", [
+    (0, b"XXXX", "not a"),
+    (4, struct.pack("<H", F.CODEC_VERSION + 1), "version"),
+    (24, struct.pack("<H", 4096), "geometry"),
+])
+def test_header_fields_are_checked(record, offset, value, message):
+    data = bytearray(record)
+    data[offset : offset + len(value)] = value
+    with pytest.raises(F.CodecError, match=message):
+        decode_record(reseal(data), LAYOUT)
+
+
+def test_a_short_buffer_is_not_a_record():
+    with pytest.raises(F.CodecError, match="shorter"):
+        verify_record(b"BXF8", LAYOUT)
+
+
+def _set_table(data: bytearray, value: int) -> None:
+    data[chunk_header_offset(data, 0, 1) + 4] = value
+
+
+def _shift_lane(data: bytearray, value: int) -> None:
+    """Move a bit from one lane's length to another's: the chunk total stays, the split is wrong."""
+    at = chunk_header_offset(data, 0, 0) + F.CHUNK_HEADER.size
+    deltas = list(data[at : at + F.LANES])
+    give = next(i for i, d in enumerate(deltas) if d > 0)
+    take = next(i for i, d in enumerate(deltas) if d < 255 and i != give)
+    data[at + give] -= 1
+    data[at + take] += 1
+
+
+def _move_chunk(data: bytearray, value: int) -> None:
+    at = chunk_header_offset(data, 1, 2)
+    struct.pack_into("<I", data, at, struct.unpack_from("<I", data, at)[0] + 1)
+
+
+def _flag_verbatim(data: bytearray, value: int) -> None:
+    data[chunk_header_offset(data, 0, 0) + 5] = F.FLAG_VERBATIM
+
+
+def _section_outside(data: bytearray, value: int) -> None:
+    struct.pack_into("<I", data, F.directory_offset(1) + 16, len(data) - 8)
+
+
+def _wrong_kind(data: bytearray, value: int) -> None:
+    data[F.directory_offset(2)] = F.KIND_FP8
+
+
+@pytest.mark.parametrize("tamper,message", [
+    (_set_table, "table"),
+    (_shift_lane, "malformed stream"),
+    (_move_chunk, "partition"),
+    (_flag_verbatim, "identity|verbatim"),
+    (_section_outside, "outside"),
+    (_wrong_kind, "kind"),
+])
+def test_structural_damage_with_a_valid_checksum_is_detected(record, tamper, message):
+    data = bytearray(record)
+    tamper(data, 200)
+    with pytest.raises(F.CodecError, match=message):
+        decode_record(reseal(data), LAYOUT)
