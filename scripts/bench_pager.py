@@ -66,7 +66,8 @@ def _parse(argv):
     ap.add_argument("--tokens", type=int, default=0, help="timed tokens (default 256, smoke 12)")
     ap.add_argument("--warmup", type=int, default=0, help="warm-up tokens before timing (default 64, smoke 6)")
     ap.add_argument("--trace", type=Path, help="recorded routing .npz (topk_ids int32 [tokens, layers, k])")
-    ap.add_argument("--configs", default="resident,static,bigmoe,bigmoe+ssd")
+    ap.add_argument("--configs", default="resident,static,bigmoe,bigmoe-lfu,bigmoe+ssd",
+                    help="comma list; resident always runs (every floor needs it)")
     ap.add_argument("--ssd-layers", type=int, default=4, help="layers the SSD-tier run uses (disk and time)")
     ap.add_argument("--ssd-dir", type=Path, default=None, help="where the SSD run writes its paging file")
     ap.add_argument("--seed", type=int, default=0)
@@ -114,6 +115,9 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
             _free(device)
         if "bigmoe" in wanted:
             measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k), rams, trace_dev)
+            _free(device)
+        if "bigmoe-lfu" in wanted:
+            measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k, policy="lfu"), rams, trace_dev)
             _free(device)
     if "bigmoe+ssd" in wanted:
         _ssd_run(shape, args, device, layout, rams, profile, trace_dev, measure, report)
@@ -291,14 +295,17 @@ def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.nd
     def pick(config: str, frac: float) -> dict | None:
         return next((r for r in runs if r["config"] == config and abs(r["vram_frac"] - frac) < 0.05), None)
 
-    big, static = pick("bigmoe", 0.4), pick("static", 0.4)
     summary = {"lru_hit_rate_at_12.5pct": round(traces.lru_hit_rate(window, round(0.125 * shape.experts)), 4),
                "lru_hit_rate_at_40pct": round(traces.lru_hit_rate(window, round(0.4 * shape.experts)), 4)}
-    if big and static:
-        summary["speedup_vs_static_at_40pct"] = round(static["ms_per_token"] / big["ms_per_token"], 3)
+    static = pick("static", 0.4)
+    for config, suffix in (("bigmoe", ""), ("bigmoe-lfu", "_lfu")):
+        big = pick(config, 0.4)
+        if not (big and static):
+            continue
+        summary["speedup_vs_static_at_40pct" + suffix] = round(static["ms_per_token"] / big["ms_per_token"], 3)
         if big["floor_ms_per_token"]:
-            summary["speedup_vs_static_floor_at_40pct"] = round(static["floor_ms_per_token"] / big["ms_per_token"], 3)
-            summary["floor_ratio_at_40pct"] = round(big["ms_per_token"] / big["floor_ms_per_token"], 3)
+            summary["speedup_vs_static_floor_at_40pct" + suffix] = round(static["floor_ms_per_token"] / big["ms_per_token"], 3)
+            summary["floor_ratio_at_40pct" + suffix] = round(big["ms_per_token"] / big["floor_ms_per_token"], 3)
     report["models"][shape.name] = summary
 
 

@@ -164,8 +164,9 @@ class Bigmoe:
 
     def __init__(self, rams: list[RamTier], layout: ExpertLayout, device: torch.device, vram_frac: float,
                  profile: HotProfile | None = None, top_k: int = 1, ram_frac: float = 1.0,
-                 ssd=None, store=None) -> None:
+                 ssd=None, store=None, policy: str = "lru") -> None:
         self.vram_frac, self.ram_frac = vram_frac, ram_frac
+        self.name = "bigmoe" if policy == "lru" else f"bigmoe-{policy}"
         experts = rams[0].num_experts
         slots = max(top_k, round(vram_frac * experts))
         self.stats = PagerStats(len(rams), device)
@@ -173,7 +174,7 @@ class Bigmoe:
         for layer, ram in enumerate(rams):
             if ssd is not None:
                 ram.attach_ssd(ServiceFetch(ssd, layer))
-            pager = ExpertPager(layout, experts, slots, ram, device=device, layer=layer, stats=self.stats)
+            pager = ExpertPager(layout, experts, slots, ram, device=device, layer=layer, stats=self.stats, policy=policy)
             if profile is not None:
                 hot = torch.from_numpy(profile.hottest(layer))
                 read = None if store is None else (lambda e, dst, layer=layer: store.read(layer, e, dst))
@@ -186,9 +187,10 @@ class Bigmoe:
         return moe(x, remapped, w, self.weights[layer])
 
 
-def partial_ram_tiers(layout: ExpertLayout, experts: int, layers: int, ram_frac: float, device: torch.device) -> list[RamTier]:
+def partial_ram_tiers(layout: ExpertLayout, experts: int, layers: int, ram_frac: float, device: torch.device,
+                      policy: str = "lru") -> list[RamTier]:
     slots = round(ram_frac * experts)
-    return [RamTier(layout, experts, slots, device) for _ in range(layers)]
+    return [RamTier(layout, experts, slots, device, policy=policy) for _ in range(layers)]
 
 
 def write_paging_file(path: Path, layout: ExpertLayout, rams: list[RamTier]):

@@ -10,7 +10,7 @@ import torch
 from bigmoe_pager.core import moe_ref
 from bigmoe_pager.core.copy_kernel import copy_records, copy_records_torch
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.moe_decode import ExpertWeights, moe_decode
+from bigmoe_pager.core.moe_decode import ExpertWeights, moe_combine, moe_decode, moe_pairs
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.ram_tier import RamTier
@@ -168,6 +168,28 @@ def test_graph_replay_leaves_exact_bytes_in_every_slot():
     snap = stats.snapshot()["vram"]
     assert (snap.lookups, snap.hits) == (totals["lookups"], totals["hits"])
     assert snap.bytes == snap.misses * layout.record_bytes and 0 < snap.hits < snap.lookups
+
+
+@pytest.mark.parametrize("work", [0, 5])
+def test_streamed_prefill_is_bit_identical_on_gpu(work):
+    """A 64-token step needing ~all 64 experts through 12 slots equals the all-resident run, bit for bit."""
+    layout = fp8_layout()
+    experts = 64
+    host = random_records(layout, experts, seed=7)
+    ram = RamTier(layout, experts, experts, "cuda")
+    ram.load_all(host)
+    pager = ExpertPager(layout, experts, 12, ram, device="cuda", work_slots=work)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:6] for _ in range(64)])
+    ids[3, 2] = -1
+    x = torch.randn((64, 256), device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand((64, 6), device="cuda", generator=g)
+    everything = ExpertWeights.from_records(host.cuda(), layout, 128)
+    want = moe_decode(x, ids, w, everything)
+    slots = ExpertWeights.from_slots(pager.buffers, 128)
+    pairs = pager.stream_pairs(ids, lambda remapped: moe_pairs(x, remapped, slots))
+    assert pager.chunk_count(ids) > 1
+    assert torch.equal(moe_combine(pairs, w), want)
 
 
 def test_copy_bandwidth_from_pinned_ram():

@@ -129,6 +129,8 @@ def test_chunked_step_is_bit_identical_to_unchunked(fp8, experts, vram, work, to
     assert torch.equal(seen, ids >= 0)
     got = moe_ref.combine(pairs, weights)
     assert torch.equal(got, want)
+    again = pager.stream_pairs(ids, lambda remapped: moe_ref.pair_outputs(x, remapped, pager.buffers, block))
+    assert torch.equal(moe_ref.combine(again, weights), want)
 
 
 def test_chunk_count_bound_and_exact():

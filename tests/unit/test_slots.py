@@ -10,27 +10,39 @@ import torch
 from bigmoe_pager.core.slots import SlotTable, SlotTableError
 
 
-class PyLru:
-    """The policy in plain Python: dict expert -> last-use step, evict min (step, expert)."""
+class PyPolicy:
+    """The policies in plain Python: dict expert -> last-use step; evict min (step, expert) under
+    lru, min (use count, step, expert) under lfu, counts halved every `decay` steps."""
 
-    def __init__(self, experts: int, slots: int) -> None:
-        self.experts, self.slots = experts, slots
+    def __init__(self, experts: int, slots: int, policy: str = "lru", decay: int = 0) -> None:
+        self.experts, self.slots, self.policy, self.decay = experts, slots, policy, decay
         self.last: dict[int, int] = {}
+        self.count = [0] * experts
         self.step = 0
+
+    def rank(self, e: int) -> tuple[int, ...]:
+        if self.policy == "lfu":
+            return (min(self.count[e], 1023), self.last[e], e)
+        return (self.last[e], e)
 
     def acquire(self, ids: list[int]) -> tuple[int, int, set[int], int]:
         self.step += 1
         need = sorted({i for i in ids if 0 <= i < self.experts})
+        if self.policy == "lfu":
+            if self.decay and self.step % self.decay == 0:
+                self.count = [c >> 1 for c in self.count]
+            for e in need:
+                self.count[e] += 1
         hits = [e for e in need if e in self.last]
         misses = [e for e in need if e not in self.last]
         free = self.slots - len(self.last)
-        victims = sorted((self.last[e], e) for e in self.last if e not in need)
+        victims = sorted((*self.rank(e)[:-1], e) for e in self.last if e not in need)
         loaded = 0
         for e in misses:
             if free > 0:
                 free -= 1
             elif victims:
-                _, old = victims.pop(0)
+                old = victims.pop(0)[-1]
                 del self.last[old]
             else:
                 continue
@@ -67,12 +79,15 @@ def _random_step(rng: random.Random, experts: int, tokens: int, k: int, hot: lis
 
 
 @pytest.mark.parametrize(
-    "experts,slots,k,tokens",
-    [(16, 4, 4, 1), (16, 4, 4, 3), (64, 8, 8, 1), (256, 32, 8, 1), (40, 10, 6, 4), (8, 8, 2, 2)],
+    "experts,slots,k,tokens,policy",
+    [(16, 4, 4, 1, "lru"), (16, 4, 4, 3, "lru"), (64, 8, 8, 1, "lru"), (256, 32, 8, 1, "lru"), (40, 10, 6, 4, "lru"),
+     (8, 8, 2, 2, "lru"), (64, 8, 8, 1, "lfu"), (40, 10, 6, 4, "lfu"), (16, 4, 4, 3, "lfu")],
 )
-def test_acquire_matches_python_lru(experts, slots, k, tokens):
+def test_acquire_matches_python_policy(experts, slots, k, tokens, policy):
     rng = random.Random(experts * 1000 + slots * 10 + k)
-    table, ref = SlotTable(experts, slots), PyLru(experts, slots)
+    decay = 16 if policy == "lfu" else 0
+    table = SlotTable(experts, slots, policy=policy, decay=decay)
+    ref = PyPolicy(experts, slots, policy, decay)
     hot = rng.sample(range(experts), max(k, experts // 4))
     for _ in range(1000):
         rows = _random_step(rng, experts, tokens, k, hot)
@@ -167,19 +182,33 @@ def test_place_warms_an_empty_table():
         table.place(torch.tensor([2]))
 
 
-@pytest.mark.parametrize("experts,slots", [(0, 1), (4, 0), (4, 5)])
-def test_bad_sizes_are_refused(experts, slots):
+def test_lfu_keeps_the_frequent_expert_that_lru_drops():
+    steps = [[0, 1], [0, 2], [0, 3], [4, 5], [6, 7]]
+    kept = {}
+    for policy in ("lru", "lfu"):
+        table = SlotTable(16, 3, policy=policy)
+        for ids in steps:
+            table.acquire(torch.tensor(ids))
+        kept[policy] = set(table.slot_expert.tolist())
+    assert 0 not in kept["lru"] and 0 in kept["lfu"]
+
+
+@pytest.mark.parametrize("experts,slots,policy", [(0, 1, "lru"), (4, 0, "lru"), (4, 5, "lru"), (8, 4, "mru"), (2000, 4, "lfu")])
+def test_bad_sizes_are_refused(experts, slots, policy):
     with pytest.raises(SlotTableError):
-        SlotTable(experts, slots)
+        SlotTable(experts, slots, policy=policy)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
-@pytest.mark.parametrize("experts,slots,k,tokens,steps", [(16, 4, 4, 3, 40), (40, 10, 6, 2, 30), (300, 24, 8, 1, 15)])
-def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps):
+@pytest.mark.parametrize(
+    "experts,slots,k,tokens,steps,policy",
+    [(16, 4, 4, 3, 40, "lru"), (40, 10, 6, 2, 30, "lru"), (300, 24, 8, 1, 15, "lru"), (40, 10, 6, 2, 30, "lfu")],
+)
+def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps, policy):
     """The one-program Triton acquire (run by Triton's interpreter here) equals the torch ops, output and state."""
     rng = random.Random(experts + slots)
-    ref = SlotTable(experts, slots, use_kernel=False)
-    ker = SlotTable(experts, slots, use_kernel=True)
+    ref = SlotTable(experts, slots, use_kernel=False, policy=policy, decay=8)
+    ker = SlotTable(experts, slots, use_kernel=True, policy=policy, decay=8)
     rows = {name: torch.zeros(7, dtype=torch.int64) for name in ("ref", "ker", "ref_aux", "ker_aux")}
     hot = rng.sample(range(experts), max(k, experts // 4))
     for _ in range(steps):
@@ -190,7 +219,7 @@ def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps):
         b = ker.acquire(ids, rows["ker"], rows["ker_aux"], record_bytes=100)
         for field in ("remapped", "miss_experts", "miss_slots", "evicted", "lookups", "hits", "misses", "loaded", "overflow", "invalid"):
             assert torch.equal(getattr(a, field), getattr(b, field)), field
-        for state in ("expert_slot", "slot_expert", "last_use", "step"):
+        for state in ("expert_slot", "slot_expert", "last_use", "step", "use_count"):
             assert torch.equal(getattr(ref, state), getattr(ker, state)), state
     assert torch.equal(rows["ref"], rows["ker"]) and torch.equal(rows["ref_aux"], rows["ker_aux"])
     assert int(rows["ref"][0]) > 0

@@ -36,12 +36,15 @@ def launch_acquire(
     stats_row: torch.Tensor | None = None,
     aux_row: torch.Tensor | None = None,
     record_bytes: int = 0,
+    lfu: bool = False,
+    decay: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Run the decision; returns remapped (ids' shape/dtype), miss_experts, miss_slots, evicted ([m] int64) and counts.
 
     counts: int64 [6] = lookups, hits, misses, loaded, overflow, invalid.
     stats_row: int64 [7] counters (lookups, hits, misses, bytes, ..., errors) to add to;
     aux_row: counters of a full RAM tier, whose lookups and hits grow by the experts loaded.
+    lfu: rank eviction candidates by (use count, last use, expert) with counts halved every `decay` steps.
     """
     device = ids.device
     flat = ids.reshape(-1)
@@ -54,14 +57,14 @@ def launch_acquire(
     kernel_for(_acquire_kernel, device)[(1,)](
         flat, flat.numel(),
         table_state["expert_slot"], table_state["slot_expert"], table_state["last_use"],
-        table_state["step"], table_state["need"],
+        table_state["step"], table_state["need"], table_state["freq"],
         remapped, miss_experts, miss_slots, evicted, counts, m,
         stats_row if stats_row is not None else dummy,
         aux_row if aux_row is not None else dummy,
         record_bytes,
         E=num_experts, S=num_slots, NEEDED=NEEDED_KEY,
         BLOCK_E=next_pow2(num_experts), BLOCK_S=next_pow2(num_slots), BLOCK_N=IDS_BLOCK,
-        HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None,
+        HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None, LFU=lfu, DECAY=decay,
         num_warps=4,
     )
     return {
@@ -78,12 +81,12 @@ if triton is not None:
     @triton.jit
     def _acquire_kernel(
         ids_ptr, n_ids,
-        expert_slot_ptr, slot_expert_ptr, last_use_ptr, step_ptr, need_ptr,
+        expert_slot_ptr, slot_expert_ptr, last_use_ptr, step_ptr, need_ptr, freq_ptr,
         remapped_ptr, miss_exp_ptr, miss_slot_ptr, evicted_ptr, counts_ptr, m,
         stats_ptr, aux_ptr, record_bytes,
         E: tl.constexpr, S: tl.constexpr, NEEDED: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_STATS: tl.constexpr, HAS_AUX: tl.constexpr,
+        HAS_STATS: tl.constexpr, HAS_AUX: tl.constexpr, LFU: tl.constexpr, DECAY: tl.constexpr,
     ):
         step = tl.load(step_ptr) + 1
         tl.store(step_ptr, step)
@@ -112,6 +115,12 @@ if triton is not None:
         lookups = tl.sum(need.to(tl.int64), 0)
         hits = tl.sum(hit.to(tl.int64), 0)
         misses = tl.sum(miss.to(tl.int64), 0)
+        if LFU:
+            uses = tl.load(freq_ptr + e_ar, mask=e_in, other=0)
+            if DECAY > 0:
+                uses = tl.where(step % DECAY == 0, uses >> 1, uses)
+            tl.store(freq_ptr + e_ar, uses + need.to(tl.int64), mask=e_in)
+            tl.debug_barrier()
 
         # Phase 2: misses in ascending id; candidate slots by (empty, last use, expert, slot).
         pos = tl.cumsum(miss.to(tl.int32), 0) - 1
@@ -120,7 +129,12 @@ if triton is not None:
         last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
         occupied = held >= 0
         held_needed = tl.load(need_ptr + held, mask=occupied, other=0) != 0
-        key = tl.where(occupied, last * (E + 1) + held, -1)
+        if LFU:
+            count = tl.minimum(tl.load(freq_ptr + held, mask=occupied, other=0), 1023)
+            rank = (count << 42) | (last << 10) | held
+        else:
+            rank = last * (E + 1) + held
+        key = tl.where(occupied, rank, -1)
         key = tl.where(held_needed | (s_ar >= S), NEEDED, key)
         ordered = tl.sort((key + 1) * BLOCK_S + s_ar)
         cand_slot = ordered % BLOCK_S

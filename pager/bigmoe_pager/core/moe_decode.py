@@ -67,6 +67,15 @@ class ExpertWeights:
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
     """fp32 [T, H]: sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); ids are rows of `experts`, -1 = none."""
+    return moe_combine(moe_pairs(x, ids, experts), weights)
+
+
+def moe_pairs(x: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+    """fp32 [T, K, H]: each (token, k) pair's expert output, zeros where ids == -1.
+
+    A pair's output depends only on x[t] and its expert's bytes, so streamed
+    chunks merged by selection reproduce it exactly (see pager.Chunk.merge).
+    """
     t, k = ids.shape
     n2i, h = experts.w13.shape[1:]
     inter = n2i // 2
@@ -81,8 +90,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     ids = ids.contiguous()
     pairs = t * k
     hbuf = torch.empty((pairs, inter), dtype=torch.float32, device=device)
-    ybuf = torch.empty((pairs, h), dtype=torch.float32, device=device)
-    out = torch.empty((t, h), dtype=torch.float32, device=device)
+    ybuf = torch.empty((t, k, h), dtype=torch.float32, device=device)
     kernel_for(_up_kernel, device)[(pairs, -(-inter // UP_ROWS))](
         x.contiguous(), ids, experts.w13, s13, hbuf,
         experts.w13.stride(0), s13.stride(0) if scaled else 0,
@@ -93,8 +101,15 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
         experts.w2.stride(0), s2.stride(0) if scaled else 0,
         H=h, I=inter, SB=sb, SC=-(-inter // sb) if scaled else 1, BN=DOWN_ROWS, BK=bk, num_warps=4,
     )
-    kernel_for(_combine_kernel, device)[(t, -(-h // COMBINE_COLS))](
-        ybuf, weights.contiguous(), out, K=k, H=h, BH=COMBINE_COLS, num_warps=4,
+    return ybuf
+
+
+def moe_combine(pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, H]: sum over k in order 0..K-1 of weights[t, k] * pairs[t, k]."""
+    t, k, h = pairs.shape
+    out = torch.empty((t, h), dtype=torch.float32, device=pairs.device)
+    kernel_for(_combine_kernel, pairs.device)[(t, -(-h // COMBINE_COLS))](
+        pairs.contiguous(), weights.contiguous(), out, K=k, H=h, BH=COMBINE_COLS, num_warps=4,
     )
     return out
 

@@ -14,6 +14,8 @@ is False: prefill, large batches) it streams them instead:
         pairs = chunk.merge(pairs, y)
     out = combine(pairs, topk_weights)                       # the same reduction as unchunked
 
+(`pager.stream_pairs(topk_ids, lambda remapped: per_pair_moe(...))` is that loop.)
+
 Each chunk's experts are brought in just before the caller computes it, so at
 most the chunk's experts must be resident at once. Because every (token, k)
 output is computed by the same kernel on the same bytes, and merged by
@@ -76,6 +78,8 @@ class ExpertPager:
         stats: PagerStats | None = None,
         buffers: dict[str, torch.Tensor] | None = None,
         work_slots: int = 0,
+        policy: str = "lru",
+        decay: int = 256,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -92,7 +96,7 @@ class ExpertPager:
         self.device = torch.device(device)
         self.layer = layer
         self.ram = ram
-        self.vram = SlotTable(num_experts, vram_slots, self.device)
+        self.vram = SlotTable(num_experts, vram_slots, self.device, policy=policy, decay=decay)
         self.buffers = buffers if buffers is not None else layout.slot_buffers(vram_slots, self.device)
         _check_buffers(layout, vram_slots, self.buffers, self.device)
         self.work_slots = work_slots or vram_slots
@@ -150,6 +154,17 @@ class ExpertPager:
             mask = pair_chunk == c
             ids = torch.where(mask, flat, -1).reshape(shape).to(topk_ids.dtype)
             yield Chunk(c, self.prepare(ids), mask.reshape(shape))
+
+    def stream_pairs(self, topk_ids: torch.Tensor, pair_fn, sync: bool | None = None) -> torch.Tensor:
+        """Per-pair outputs of a whole step, streamed chunk by chunk: [*topk shape, H].
+
+        pair_fn(remapped) must return the per-(token, k) outputs for slot ids `remapped`
+        (zeros where -1), computed from the slot buffers as they are at the call.
+        """
+        pairs = None
+        for chunk in self.chunks(topk_ids, sync):
+            pairs = chunk.merge(pairs, pair_fn(chunk.remapped))
+        return pairs
 
     def _need(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.num_experts

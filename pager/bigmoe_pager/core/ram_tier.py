@@ -61,6 +61,8 @@ class RamTier:
         *,
         ssd: SsdFetch | None = None,
         pin: bool | None = None,
+        policy: str = "lru",
+        decay: int = 256,
     ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise RamTierError(f"RAM slots must be in [1, {num_experts}], got {num_slots}")
@@ -73,7 +75,7 @@ class RamTier:
         # Not zeroed (tens of GiB at start): a full tier refuses steps until fill_all() ran,
         # and a partial tier only points at rows its SSD tier or warm() has written.
         self.records = pinned_empty((num_slots, layout.pitch), torch.uint8, pin=pin)
-        self.table = None if self.full else SlotTable(num_experts, num_slots, self.device)
+        self.table = None if self.full else SlotTable(num_experts, num_slots, self.device, policy=policy, decay=decay)
         self._filled = not self.full
 
     def attach_ssd(self, ssd: SsdFetch) -> None:
