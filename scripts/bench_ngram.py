@@ -256,7 +256,13 @@ def table_md(doc: dict) -> str:
             lines.append(f"| {label} | {m['machine']['disk']} | {m['table']['gib']} GiB | {source} | "
                          f"{d:.3f} / {p90:.3f} | {m['prefill_2048_ms'][source]:.1f} |")
     lines.append(f"\nTargets from SSD: decode <= {TARGETS['decode_ms_per_token_ssd']} ms/token, "
-                 f"prefill <= {TARGETS['prefill_2048_ms_ssd']:.0f} ms.")
+                 f"prefill <= {TARGETS['prefill_2048_ms_ssd']:.0f} ms. page_cache = table resident in the OS page cache; "
+                 "ssd = O_DIRECT through kernel AIO (no page cache); ssd_buffered = mmap reader after evicting the table.\n")
+    for label, m in doc.get("machines", {}).items():
+        mach = m["machine"]
+        lines.append(f"- {label}: {mach['cpus']} CPUs, {mach['ram_gib']} GiB RAM, disk {mach['disk']} "
+                     f"({mach.get('disk_model') or 'model unknown'}), kernel {mach['kernel']}; "
+                     f"device: {json.dumps(m['device']) if m['device'] else 'no CUDA'}; command: `{m['command']}`")
     return "\n".join(lines)
 
 

@@ -159,8 +159,8 @@ def open_table(settings: PagerSettings, files: list[Path], prefix: str, spec: Ta
     """The table of vLLM layer `prefix` in `files`, validated against `spec`, with the reader the settings pick."""
     table = match_table(prefix, list_tables(files))
     opened = NgramTable.open(files, table=table, spec=spec, direct=settings.ngram_cache_rows > 0,
-                             cache_rows=settings.ngram_cache_rows, threads=max(4, settings.io_workers),
-                             timeout_s=settings.read_timeout_s, retries=settings.read_retries)
+                             cache_rows=settings.ngram_cache_rows, timeout_s=settings.read_timeout_s,
+                             retries=settings.read_retries)
     log.warning("bigmoe: n-gram table %s: %d shards in %d files, %.1f GiB, %s", table, len(opened.shards.shards),
                 len(opened.shards.files), spec.nbytes / 2**30, describe(settings))
     return opened

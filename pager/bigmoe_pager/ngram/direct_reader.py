@@ -108,7 +108,9 @@ class DirectReader:
                 took = self._aio.submit((base + 64 * batch).astype(np.uint64))
                 top -= took
                 inflight += took
-            done = self._aio.wait(1 if inflight else 0, self.timeout_s)
+            # All queued: one wake-up for the lot. Still queuing: refill once a quarter of the depth is back.
+            want = inflight if top == 0 else min(inflight, max(1, self._aio.depth // 4))
+            done = self._aio.wait(want, self.timeout_s)
             if inflight and done.size == 0:
                 self._broken = f"{inflight} reads did not finish within {self.timeout_s} s"
                 raise NgramReadError(f"n-gram rows: {self._broken} (device stalled?)")

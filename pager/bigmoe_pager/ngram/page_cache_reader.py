@@ -28,13 +28,15 @@ from .errors import NgramFileError
 from .stats import ReadTotals
 
 WILLNEED_ROWS = 1024  # rows; up to this many, prefetch hints beat thread fan-out (a decode step is 16)
+PREFILL_THREADS = 32  # threads whose page faults overlap on a cold prefill: the device queue depth it sees
 ROW_LOOP_ROWS = 256  # rows; up to this many, copying row by row beats grouping rows by file (~20 us a group)
 
 
 class PageCacheReader:
     """Gathers rows at given (file, byte offset) pairs from memory-mapped files; thread-safe."""
 
-    def __init__(self, files: list[Path], row_bytes: int, *, threads: int = 8, totals: ReadTotals | None = None):
+    def __init__(self, files: list[Path], row_bytes: int, *, threads: int = PREFILL_THREADS,
+                 totals: ReadTotals | None = None):
         self.files = [Path(f) for f in files]
         self.row_bytes = row_bytes
         self.totals = totals if totals is not None else ReadTotals()

@@ -22,7 +22,7 @@ import numpy as np
 
 from .direct_reader import DirectReader
 from .errors import NgramFileError, NgramRangeError
-from .page_cache_reader import PageCacheReader
+from .page_cache_reader import PREFILL_THREADS, PageCacheReader
 from .row_cache import RowCache
 from .shards import ShardMap, find_shards
 from .spec import TableSpec
@@ -43,7 +43,7 @@ class NgramTable:
 
     @classmethod
     def open(cls, files: list[str | os.PathLike], *, table: str | None = None, spec: TableSpec | None = None,
-             direct: bool = False, cache_rows: int = 0, threads: int = 8, depth: int = 256,
+             direct: bool = False, cache_rows: int = 0, threads: int = PREFILL_THREADS, depth: int = 256,
              timeout_s: float = 10.0, retries: int = 2) -> "NgramTable":
         """Index `table` (default: the only one) in `files`, check it against `spec`, and open the reader."""
         shards = find_shards([Path(f) for f in files], table=table, spec=spec)

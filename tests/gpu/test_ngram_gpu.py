@@ -1,0 +1,74 @@
+"""The n-gram prefetcher on a real GPU: ids down, rows read from the files, rows up, dequantized on the device.
+
+Run on the H200 from the repo root: PYTHONPATH=pager:app python -m pytest tests/gpu/test_ngram_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bigmoe_pager.ngram import NgramRangeError, NgramTable
+from bigmoe_pager.ngram.dequant import dequantize_rows
+from bigmoe_pager.ngram.prefetch import RowPrefetcher
+from bigmoe_pager.ngram.synthetic import expected_rows, write_table
+
+pytestmark = pytest.mark.gpu
+ROWS, HEADS, ROW = 20011, 16, 160
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_table(tmp_path_factory.mktemp("ngram"), rows=ROWS, row_elems=ROW, parts=7, scale=0.375, decoy_bytes=24)
+
+
+@pytest.fixture(params=["page-cache", "direct+rows"])
+def table(request, files):
+    with NgramTable.open(files, direct=request.param != "page-cache", cache_rows=512 if request.param != "page-cache" else 0) as t:
+        yield t
+
+
+def test_consecutive_steps_get_their_own_rows(table):
+    """Each step's finish() copies asynchronously; the next start() must not overwrite rows still in flight."""
+    pf = RowPrefetcher(table, max_ids=2048 * HEADS, device="cuda")
+    rng = np.random.default_rng(0)
+    try:
+        outs, ids_all = [], []
+        for tokens in (2048, 1, 7, 2048, 1):
+            ids = torch.from_numpy(rng.integers(0, ROWS, (tokens, HEADS))).cuda()
+            torch.cuda._sleep(2_000_000)  # keep the stream busy so copies really overlap the next step
+            out = torch.empty(tokens, HEADS * ROW, dtype=torch.uint8, device="cuda")
+            pf.start(ids)
+            pf.finish(out)
+            outs.append(out)
+            ids_all.append(ids)
+        torch.cuda.synchronize()
+        for out, ids in zip(outs, ids_all):
+            np.testing.assert_array_equal(out.cpu().numpy().reshape(-1, ROW), expected_rows(ids.cpu().numpy().reshape(-1), ROW))
+    finally:
+        pf.close()
+
+
+def test_device_dequant_equals_cpu_dequant(table):
+    ids = np.random.default_rng(1).integers(0, ROWS, (64, HEADS))
+    host = torch.from_numpy(table.gather(ids))
+    want = dequantize_rows(host, "F8_E4M3", table.scale, torch.bfloat16)
+    got = dequantize_rows(host.cuda(), "F8_E4M3", table.scale, torch.bfloat16).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_failed_gather_raises_at_finish_on_the_caller(table):
+    pf = RowPrefetcher(table, max_ids=64, device="cuda")
+    try:
+        pf.start(torch.tensor([[0, ROWS]], device="cuda"))
+        with pytest.raises(NgramRangeError):
+            pf.finish(torch.empty(1, 2 * ROW, dtype=torch.uint8, device="cuda"))
+    finally:
+        pf.close()
