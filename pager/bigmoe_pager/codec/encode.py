@@ -7,6 +7,7 @@ model's paging file.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import zlib
 from concurrent.futures import ProcessPoolExecutor
@@ -120,13 +121,16 @@ def encode_component(data: np.ndarray) -> CodedComponent:
 
 
 def encode_many(raws: Iterable[np.ndarray], layout: ExpertLayout, workers: int | None = None) -> Iterator[bytes]:
-    """encode_record over many records, in order, on `workers` processes (default: every CPU)."""
+    """encode_record over many records, in order, on `workers` processes (default: every CPU).
+
+    Workers are spawned, not forked: the caller may hold threads or a CUDA context.
+    """
     workers = workers or os.cpu_count() or 1
     if workers == 1:
         for raw in raws:
             yield encode_record(raw, layout)
         return
-    with ProcessPoolExecutor(workers) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         yield from pool.map(encode_record, raws, _repeat(layout), chunksize=1)
 
 

@@ -1,0 +1,203 @@
+"""Benchmark the FP8 codec: size against the per-row exponent entropy bound, CPU encode speed, GPU decode speed.
+
+For each preset's expert shape and each weight law (Student-t with 5 degrees of
+freedom, Gaussian; 128x128 blocks scaled to 448) it reports compressed/raw, the
+per-row exponent entropy bound and the gap; single-process and multi-process
+encode GB/s with the projected time to prepare a 112.5 GiB model; and on a CUDA
+GPU: decode GB/s of decoded output (a batch of records, several kernel shapes),
+and the time to copy+expand one expert from pinned RAM against copying it raw.
+
+    PYTHONPATH=pager:app python scripts/bench_codec.py --out docs/bench/codec.json
+    PYTHONPATH=pager:app python scripts/bench_codec.py --cpu-only --out docs/bench/codec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import codec_samples as S  # noqa: E402
+
+from bigmoe_pager.codec import format as F  # noqa: E402
+from bigmoe_pager.codec.encode import encode_record  # noqa: E402
+from bigmoe_pager.codec.reference import decode_record  # noqa: E402
+
+MODEL_BYTES = 112.5 * 2**30  # FP8 experts of qwen3.8-flash-next
+DISTS = ("student_t", "gaussian")
+SWEEP = ((4, 2), (4, 4), (8, 4), (8, 8), (16, 4), (16, 8))  # (chunks per program, warps)
+
+
+def cpu_part(layout, dist: str, experts: int, workers: int, rng: np.random.Generator) -> tuple[dict, list, list]:
+    raws = [S.expert_record(layout, dist, rng) for _ in range(experts)]
+    encode_record(raws[0], layout)  # warm caches
+    times, records = [], []
+    for raw in raws:
+        t0 = time.perf_counter()
+        records.append(encode_record(raw, layout))
+        times.append(time.perf_counter() - t0)
+    if not np.array_equal(decode_record(records[0], layout), raws[0]):
+        raise SystemExit("round trip failed: the reference decoder did not give the record back")
+    ratio = float(np.mean([len(r) for r in records]) / layout.record_bytes)
+    bound = float(np.mean([S.exponent_entropy_bound(r, layout) for r in raws]))
+    single = layout.record_bytes / float(np.median(times)) / 1e9
+    out = {
+        "ratio": round(ratio, 5),
+        "entropy_bound_ratio": round(bound, 5),
+        "gap_pct": round((ratio / bound - 1) * 100, 3),
+        "max_record_ratio": round(F.max_record_bytes(layout) / layout.record_bytes, 5),
+        "encode_GBps": round(single, 4),
+    }
+    if workers > 1:
+        out["encode_GBps_parallel"] = round(_parallel_GBps(layout, raws, workers), 4)
+        out["encode_workers"] = workers
+    best = max(out["encode_GBps"], out.get("encode_GBps_parallel", 0.0))
+    out["prepare_112GiB_min"] = round(MODEL_BYTES / (best * 1e9) / 60, 2)
+    return out, raws, records
+
+
+def _parallel_GBps(layout, raws: list, workers: int) -> float:
+    """encode_record on a warm pool of spawned workers (what encode_many runs), start-up excluded."""
+    batch = raws * max(2, (4 * workers) // len(raws))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(encode_record, raws[:1] * workers, [layout] * workers))
+        t0 = time.perf_counter()
+        list(pool.map(encode_record, batch, [layout] * len(batch)))
+        return len(batch) * layout.record_bytes / (time.perf_counter() - t0) / 1e9
+
+
+def gpu_part(layout, raws: list, records: list, batch: int, reps: int) -> dict:
+    from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
+
+    dev = torch.device("cuda")
+    picks = [records[i % len(records)] for i in range(batch)]
+    offsets, blob = [], bytearray()
+    for r in picks:
+        offsets.append(len(blob))
+        blob += r + bytes(F.align(len(r), F.STAGING_ALIGN) - len(r))
+    staging = torch.frombuffer(blob, dtype=torch.uint8).to(dev)
+    work = torch.tensor([[o, i] for i, o in enumerate(offsets)], dtype=torch.int64, device=dev)
+    slots = layout.slot_buffers(batch, dev)
+    errors = new_errors(work)
+    sweep = []
+    for cpp, warps in SWEEP:
+        run = lambda: decode_into_slots(staging, work, slots, layout, errors, chunks_per_program=cpp, num_warps=warps)  # noqa: E731
+        ms = _time_ms(run, reps)
+        sweep.append({"chunks_per_program": cpp, "num_warps": warps, "ms": round(ms, 4),
+                      "decode_GBps": round(batch * layout.record_bytes / ms / 1e6, 1)})
+    torch.cuda.synchronize()
+    if errors.sum().item():
+        raise SystemExit(f"decode reported errors: {errors.tolist()}")
+    for i in range(min(batch, len(raws))):
+        got = np.zeros(layout.record_bytes, np.uint8)
+        for c in layout.components:
+            got[c.offset : c.offset + c.nbytes] = slots[c.name][i].reshape(-1).view(torch.uint8).cpu().numpy()
+        if not np.array_equal(got, raws[i]):
+            raise SystemExit("GPU decode differs from the original record")
+    best = max(sweep, key=lambda s: s["decode_GBps"])
+    return {"decode_GBps": best["decode_GBps"], "decode_batch": batch, "decode_best": best, "decode_sweep": sweep,
+            **_one_expert(layout, records[0], best, reps)}
+
+
+def _one_expert(layout, record: bytes, best: dict, reps: int) -> dict:
+    """Copy one compressed record from pinned RAM and expand it, against copying the raw record."""
+    from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
+
+    dev = torch.device("cuda")
+    host_c = torch.frombuffer(bytearray(record), dtype=torch.uint8).pin_memory()
+    host_r = torch.zeros(layout.record_bytes, dtype=torch.uint8).pin_memory()
+    staging = torch.empty(F.max_record_bytes(layout), dtype=torch.uint8, device=dev)
+    raw_dst = torch.empty(layout.record_bytes, dtype=torch.uint8, device=dev)
+    work = torch.tensor([[0, 0]], dtype=torch.int64, device=dev)
+    slots = layout.slot_buffers(1, dev)
+    errors = new_errors(work)
+    n = host_c.numel()
+
+    def copy_expand():
+        staging[:n].copy_(host_c, non_blocking=True)
+        decode_into_slots(staging, work, slots, layout, errors, chunks_per_program=best["chunks_per_program"], num_warps=best["num_warps"])
+
+    def expand_only():
+        decode_into_slots(staging, work, slots, layout, errors, chunks_per_program=best["chunks_per_program"], num_warps=best["num_warps"])
+
+    ce = _time_ms(copy_expand, reps)
+    ex = _time_ms(expand_only, reps)
+    raw = _time_ms(lambda: raw_dst.copy_(host_r, non_blocking=True), reps)
+    cc = _time_ms(lambda: staging[:n].copy_(host_c, non_blocking=True), reps)
+    return {"copy_expand_us": round(ce * 1e3, 1), "expand_us": round(ex * 1e3, 1), "copy_compressed_us": round(cc * 1e3, 1),
+            "copy_raw_us": round(raw * 1e3, 1), "h2d_GBps": round(layout.record_bytes / raw / 1e6, 1)}
+
+
+def _time_ms(fn, reps: int) -> float:
+    """Median milliseconds of fn() on the current stream (CUDA events), after a warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="write the results here as JSON")
+    p.add_argument("--experts", type=int, default=4, help="distinct experts encoded per shape and law")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes for the parallel encode")
+    p.add_argument("--batch", type=int, default=64, help="records decoded per GPU launch")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--cpu-only", action="store_true", help="skip the GPU part even when CUDA is there")
+    a = p.parse_args(argv)
+    gpu = torch.cuda.is_available() and not a.cpu_only
+    result = {
+        "codec": F.CODEC_NAME, "codec_version": F.CODEC_VERSION,
+        "command": "PYTHONPATH=pager:app python scripts/bench_codec.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "scope": "CPU and GPU" if gpu else "CPU only (ratio and encode speed; no decode numbers)",
+        "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs",
+        "gpu": torch.cuda.get_device_name() if gpu else None,
+        "model_bytes_for_projection": MODEL_BYTES,
+        "shapes": {},
+    }
+    rng = np.random.default_rng(0)
+    print(f"{'shape':20s} {'law':10s} {'ratio':>7s} {'bound':>7s} {'gap%':>6s} {'enc GB/s':>9s} {'par GB/s':>9s} {'112GiB min':>10s} {'dec GB/s':>9s} {'cp+exp us':>9s} {'raw cp us':>9s}")
+    for name, (hidden, inter) in S.SHAPES.items():
+        layout = S.moe_layout(hidden, inter)
+        entry = {"hidden": hidden, "moe_intermediate": inter, "record_bytes": layout.record_bytes, "laws": {}}
+        for dist in DISTS:
+            cpu, raws, records = cpu_part(layout, dist, a.experts, a.workers, rng)
+            law = dict(cpu)
+            if gpu:
+                law.update(gpu_part(layout, raws, records, a.batch, a.reps))
+            entry["laws"][dist] = law
+            print(f"{name:20s} {dist:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
+                  f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} {law['prepare_112GiB_min']:10.1f} "
+                  f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}")
+        head = entry["laws"]["student_t"]  # the headline numbers: Student-t(5) weights
+        for key in ("ratio", "entropy_bound_ratio", "gap_pct", "encode_GBps", "decode_GBps"):
+            if key in head:
+                entry[key] = head[key]
+        result["shapes"][name] = entry
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
