@@ -35,7 +35,7 @@ acq = {"ids_ptr": "*i32", "n_ids": "i32", "expert_slot_ptr": "*i64", "slot_exper
        "miss_slot_ptr": "*i64", "evicted_ptr": "*i64", "counts_ptr": "*i64", "m": "i32", "stats_ptr": "*i64",
        "aux_ptr": "*i64", "record_bytes": "i32"}
 for lfu in (False, True):
-    k = build(ak._acquire_kernel, acq, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "BLOCK_E": 512, "BLOCK_S": 256,
+    k = build(ak._acquire_kernel, acq, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
               "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu, "DECAY": 256})
     out[f"acquire_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]

@@ -19,7 +19,9 @@ try:
 except ImportError:
     triton = tl = None
 
-NEEDED_KEY = 1 << 52  # sort key of a slot the step needs; real keys (step * (E+1) + expert) stay below it
+NEEDED_KEY = 1 << 52  # key of a slot the step needs; real keys (step * (E+1) + expert) stay below it
+PACKED_MAX = 1 << 62  # above every (key + 1) * BLOCK_S + slot while BLOCK_S <= 1024
+MAX_SLOTS = 1024
 IDS_BLOCK = 256  # ids read per loop iteration
 
 
@@ -46,6 +48,8 @@ def launch_acquire(
     aux_row: counters of a full RAM tier, whose lookups and hits grow by the experts loaded.
     lfu: rank eviction candidates by (use count, last use, expert) with counts halved every `decay` steps.
     """
+    if num_slots > MAX_SLOTS:
+        raise ValueError(f"the acquire kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
     device = ids.device
     flat = ids.reshape(-1)
     remapped = torch.empty_like(flat)
@@ -62,7 +66,7 @@ def launch_acquire(
         stats_row if stats_row is not None else dummy,
         aux_row if aux_row is not None else dummy,
         record_bytes,
-        E=num_experts, S=num_slots, NEEDED=NEEDED_KEY,
+        E=num_experts, S=num_slots, NEEDED=NEEDED_KEY, PACKED_MAX=PACKED_MAX,
         BLOCK_E=next_pow2(num_experts), BLOCK_S=next_pow2(num_slots), BLOCK_N=IDS_BLOCK,
         HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None, LFU=lfu, DECAY=decay,
         num_warps=4,
@@ -84,7 +88,7 @@ if triton is not None:
         expert_slot_ptr, slot_expert_ptr, last_use_ptr, step_ptr, need_ptr, freq_ptr,
         remapped_ptr, miss_exp_ptr, miss_slot_ptr, evicted_ptr, counts_ptr, m,
         stats_ptr, aux_ptr, record_bytes,
-        E: tl.constexpr, S: tl.constexpr, NEEDED: tl.constexpr,
+        E: tl.constexpr, S: tl.constexpr, NEEDED: tl.constexpr, PACKED_MAX: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_STATS: tl.constexpr, HAS_AUX: tl.constexpr, LFU: tl.constexpr, DECAY: tl.constexpr,
     ):
@@ -122,7 +126,7 @@ if triton is not None:
             tl.store(freq_ptr + e_ar, uses + need.to(tl.int64), mask=e_in)
             tl.debug_barrier()
 
-        # Phase 2: misses in ascending id; candidate slots by (empty, last use, expert, slot).
+        # Phase 2: misses in ascending id; candidate slots by (empty, policy key, slot).
         pos = tl.cumsum(miss.to(tl.int32), 0) - 1
         tl.store(miss_exp_ptr + pos, e_ar.to(tl.int64), mask=miss & (pos < m))
         held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
@@ -136,12 +140,19 @@ if triton is not None:
             rank = last * (E + 1) + held
         key = tl.where(occupied, rank, -1)
         key = tl.where(held_needed | (s_ar >= S), NEEDED, key)
-        ordered = tl.sort((key + 1) * BLOCK_S + s_ar)
-        cand_slot = ordered % BLOCK_S
-        cand_ok = (ordered // BLOCK_S) != NEEDED + 1
+        avail = key != NEEDED
+        n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
+        packed = tl.where(avail, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
+        # The n_take smallest keys, one block-wide min each: a decode step misses a few experts at
+        # most, so this beats sorting every slot. Candidate i goes to scratch (miss_slot_ptr) row i.
+        for i in range(0, n_take):
+            best = tl.min(packed, 0)
+            tl.store(miss_slot_ptr + i, best % BLOCK_S)
+            packed = tl.where(packed == best, PACKED_MAX, packed)
         tl.debug_barrier()
         mexp = tl.load(miss_exp_ptr + s_ar, mask=m_in, other=-1)
-        take = (mexp >= 0) & cand_ok & m_in
+        take = s_ar < n_take
+        cand_slot = tl.load(miss_slot_ptr + s_ar, mask=take, other=0)
         old = tl.load(slot_expert_ptr + cand_slot, mask=take, other=-1)
         tl.debug_barrier()
 
