@@ -130,6 +130,19 @@ def test_paged_table_takes_no_memory(paged):
     assert not table.supports_prefetch  # CPU: vLLM calls forward(), the synchronous lookup
 
 
+def test_graph_capture_run_reads_nothing(paged, monkeypatch):
+    """While a breakable graph is captured, the eager segments see ids that were never computed."""
+    from vllm.compilation import breakable_cudagraph
+
+    table = paged.ngram_embedding
+    # Stand-in for a capture in progress: capturing needs CUDA; the hook only asks whether one is active.
+    monkeypatch.setattr(breakable_cudagraph.BreakableCUDAGraphCapture._tls, "active", object(), raising=False)
+    table.start_prefetch(torch.full((4, HEADS), 10**12))  # ids far out of range: reading them would raise
+    out = torch.ones(4, HEADS * ROW, dtype=torch.uint8)
+    table._finish(out)
+    assert table._pager is None and not out.any()
+
+
 def test_loader_skips_the_row_shards(paged, checkpoint):
     names = [name for name, _ in weight_utils.safetensors_weights_iterator([str(p) for p in checkpoint], False)]
     assert f"{CKPT_PREFIX}.ngram_embedding.weight_scale" in names

@@ -16,6 +16,9 @@ gather on a worker thread; `finalize_prefetch` waits for it and copies the rows
 up. Both are eager breaks, so the step works with breakable CUDA graphs in
 PIECEWISE mode or with --enforce-eager; any mode that captures full graphs
 would freeze one step's rows into the graph, so it is refused at start-up.
+While a breakable graph is being captured, its eager segments run once with ids
+the (recorded, not run) kernels never computed: that run reads nothing and
+yields zeros; every replay reads for real.
 Dequantization stays vLLM's own (FP8 rows x the table's global scale).
 """
 
@@ -80,7 +83,7 @@ def describe(settings: PagerSettings) -> str:
 
 def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None = None) -> type:
     """PagedPLEEmbedding built on this vLLM's Qwen4ExpPLEEmbedding."""
-    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture, eager_break_during_capture
     from vllm.config import get_current_vllm_config
 
     fp8_method = module.Qwen4ExpPLEFp8EmbeddingMethod
@@ -128,6 +131,10 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
 
         @eager_break_during_capture
         def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+            # While a graph is being captured its kernels are recorded, not run: these ids were never
+            # computed. Replays call this segment again with real ids.
+            if BreakableCUDAGraphCapture.current() is not None:
+                return
             self._rows(ngram_ids.device).start(ngram_ids)
 
         def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
@@ -138,6 +145,9 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
 
         @eager_break_during_capture
         def _finish(self, output: torch.Tensor) -> None:
+            if BreakableCUDAGraphCapture.current() is not None:
+                output.zero_()  # capture-time output is never used; replays fill it
+                return
             self._rows().finish(output)
 
         def _rows(self, device: torch.device | None = None) -> RowPrefetcher:

@@ -101,26 +101,38 @@ class DirectReader:
         pending = np.arange(n, dtype=np.int64)[::-1].copy()  # a stack: pop from the end, push retries
         tries = np.zeros(n, np.int32)
         top, inflight = n, 0
-        while top or inflight:
-            room = min(self._aio.depth - inflight, top)
-            if room:
-                batch = pending[top - room:top][::-1]
-                took = self._aio.submit((base + 64 * batch).astype(np.uint64))
-                top -= took
-                inflight += took
-            # All queued: one wake-up for the lot. Still queuing: refill once a quarter of the depth is back.
-            want = inflight if top == 0 else min(inflight, max(1, self._aio.depth // 4))
-            done = self._aio.wait(want, self.timeout_s)
-            if inflight and done.size == 0:
-                self._broken = f"{inflight} reads did not finish within {self.timeout_s} s"
-                raise NgramReadError(f"n-gram rows: {self._broken} (device stalled?)")
+        try:
+            while top or inflight:
+                room = min(self._aio.depth - inflight, top)
+                if room:
+                    batch = pending[top - room:top][::-1]
+                    took = self._aio.submit((base + 64 * batch).astype(np.uint64))
+                    top -= took
+                    inflight += took
+                # All queued: one wake-up for the lot. Still queuing: refill once a quarter of the depth is back.
+                want = inflight if top == 0 else min(inflight, max(1, self._aio.depth // 4))
+                done = self._aio.wait(want, self.timeout_s)
+                if inflight and done.size == 0:
+                    self._broken = f"{inflight} reads did not finish within {self.timeout_s} s"
+                    raise NgramReadError(f"n-gram rows: {self._broken} (device stalled?)")
+                inflight -= done.size
+                idx = done["data"].astype(np.int64)
+                bad = idx[done["res"] < need[idx]]
+                if bad.size:
+                    self._retry_or_raise(bad, done, tries)
+                    pending[top:top + bad.size] = bad
+                    top += bad.size
+        except NgramReadError:
+            self._drain(inflight)
+            raise
+
+    def _drain(self, inflight: int) -> None:
+        """Reap reads still in flight after a failure, so the next gather never sees their completions."""
+        while inflight and not self._broken:
+            done = self._aio.wait(inflight, self.timeout_s)
+            if done.size == 0:
+                self._broken = f"{inflight} reads of a failed gather did not finish within {self.timeout_s} s"
             inflight -= done.size
-            idx = done["data"].astype(np.int64)
-            bad = idx[done["res"] < need[idx]]
-            if bad.size:
-                self._retry_or_raise(bad, done, tries)
-                pending[top:top + bad.size] = bad
-                top += bad.size
 
     def _retry_or_raise(self, bad: np.ndarray, done: np.ndarray, tries: np.ndarray) -> None:
         tries[bad] += 1
