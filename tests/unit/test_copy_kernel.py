@@ -29,7 +29,7 @@ def _bytes(bufs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_kernel_equals_torch_on_random_bytes(name, seed):
     layout = LAYOUTS[name]
     g = torch.Generator().manual_seed(seed)
