@@ -110,8 +110,14 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             self._max_ids = max(1, max_total_tokens) * num_ngram_heads
             self._vllm_config = vllm_config
             self._pager: RowPrefetcher | None = None
+            cuda = torch.cuda.is_available()
+            self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             mode = graph_mode(vllm_config)
-            self.supports_prefetch = torch.cuda.is_available()
+            if mode.startswith("breakable") and not hasattr(type(self).start_prefetch, "__wrapped__"):
+                # vLLM 0.32 decides at class definition (plugin load) whether eager breaks exist.
+                raise NgramHookError("bigmoe n-gram pager: set VLLM_USE_BREAKABLE_CUDAGRAPH=1 in the environment before "
+                                     "vLLM starts (this vLLM reads it when the plugin loads)")
+            self.supports_prefetch = cuda
             log.warning("bigmoe: PLE table %s (%d rows x %d B) stays on SSD; %s", prefix, self._spec.rows,
                         self._spec.row_bytes, mode)
 
@@ -135,11 +141,11 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             # computed. Replays call this segment again with real ids.
             if BreakableCUDAGraphCapture.current() is not None:
                 return
-            self._rows(ngram_ids.device).start(ngram_ids)
+            self._rows().start(ngram_ids)
 
         def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
             output = torch.empty((total_tokens, self._heads * self.embedding_dim), dtype=STORED[self._stored],
-                                 device=self._rows().device)
+                                 device=self._device)
             self._finish(output)
             return output
 
@@ -150,13 +156,13 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
                 return
             self._rows().finish(output)
 
-        def _rows(self, device: torch.device | None = None) -> RowPrefetcher:
+        def _rows(self) -> RowPrefetcher:
+            """The table and its staging buffers, opened on first use (vLLM's eager profile run, before any capture)."""
             if self._pager is None:
                 files = checkpoint if checkpoint is not None else model_checkpoint(self._vllm_config)
                 table = open_table(settings, files, self.prefix, self._spec)
-                device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
                 timeout = settings.read_timeout_s * (settings.read_retries + 1) + 5.0  # s; the reader's own timeouts fire first
-                self._pager = RowPrefetcher(table, self._max_ids, device, timeout_s=timeout)
+                self._pager = RowPrefetcher(table, self._max_ids, self._device, timeout_s=timeout)
             return self._pager
 
     return PagedPLEEmbedding
