@@ -35,7 +35,7 @@ from bigmoe_pager.codec.reference import decode_record  # noqa: E402
 
 MODEL_BYTES = 112.5 * 2**30  # FP8 experts of qwen3.8-flash-next
 DISTS = ("student_t", "gaussian")
-SWEEP = ((4, 2), (4, 4), (8, 4), (8, 8), (16, 4), (16, 8))  # (chunks per program, warps)
+SWEEP = ((4, 2), (8, 4), (16, 4), (16, 8), (32, 8))  # (chunks per program, warps): 16 lanes per chunk, >= 1 lane per thread
 
 
 def cpu_part(layout, dist: str, experts: int, workers: int, rng: np.random.Generator) -> tuple[dict, list, list]:
@@ -76,10 +76,9 @@ def _parallel_GBps(layout, raws: list, workers: int) -> float:
         return len(batch) * layout.record_bytes / (time.perf_counter() - t0) / 1e9
 
 
-def gpu_part(layout, raws: list, records: list, batch: int, reps: int) -> dict:
+def gpu_part(layout, raws: list, records: list, batch: int, reps: int, dev: torch.device) -> dict:
     from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
 
-    dev = torch.device("cuda")
     picks = [records[i % len(records)] for i in range(batch)]
     offsets, blob = [], bytearray()
     for r in picks:
@@ -92,10 +91,9 @@ def gpu_part(layout, raws: list, records: list, batch: int, reps: int) -> dict:
     sweep = []
     for cpp, warps in SWEEP:
         run = lambda: decode_into_slots(staging, work, slots, layout, errors, chunks_per_program=cpp, num_warps=warps)  # noqa: E731
-        ms = _time_ms(run, reps)
+        ms = _time_ms(run, reps, dev)
         sweep.append({"chunks_per_program": cpp, "num_warps": warps, "ms": round(ms, 4),
                       "decode_GBps": round(batch * layout.record_bytes / ms / 1e6, 1)})
-    torch.cuda.synchronize()
     if errors.sum().item():
         raise SystemExit(f"decode reported errors: {errors.tolist()}")
     for i in range(min(batch, len(raws))):
@@ -106,16 +104,18 @@ def gpu_part(layout, raws: list, records: list, batch: int, reps: int) -> dict:
             raise SystemExit("GPU decode differs from the original record")
     best = max(sweep, key=lambda s: s["decode_GBps"])
     return {"decode_GBps": best["decode_GBps"], "decode_batch": batch, "decode_best": best, "decode_sweep": sweep,
-            **_one_expert(layout, records[0], best, reps)}
+            **_one_expert(layout, records[0], best, reps, dev)}
 
 
-def _one_expert(layout, record: bytes, best: dict, reps: int) -> dict:
+def _one_expert(layout, record: bytes, best: dict, reps: int, dev: torch.device) -> dict:
     """Copy one compressed record from pinned RAM and expand it, against copying the raw record."""
     from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
 
-    dev = torch.device("cuda")
-    host_c = torch.frombuffer(bytearray(record), dtype=torch.uint8).pin_memory()
-    host_r = torch.zeros(layout.record_bytes, dtype=torch.uint8).pin_memory()
+    pin = dev.type == "cuda"
+    host_c = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+    host_r = torch.zeros(layout.record_bytes, dtype=torch.uint8)
+    if pin:
+        host_c, host_r = host_c.pin_memory(), host_r.pin_memory()
     staging = torch.empty(F.max_record_bytes(layout), dtype=torch.uint8, device=dev)
     raw_dst = torch.empty(layout.record_bytes, dtype=torch.uint8, device=dev)
     work = torch.tensor([[0, 0]], dtype=torch.int64, device=dev)
@@ -130,16 +130,20 @@ def _one_expert(layout, record: bytes, best: dict, reps: int) -> dict:
     def expand_only():
         decode_into_slots(staging, work, slots, layout, errors, chunks_per_program=best["chunks_per_program"], num_warps=best["num_warps"])
 
-    ce = _time_ms(copy_expand, reps)
-    ex = _time_ms(expand_only, reps)
-    raw = _time_ms(lambda: raw_dst.copy_(host_r, non_blocking=True), reps)
-    cc = _time_ms(lambda: staging[:n].copy_(host_c, non_blocking=True), reps)
+    ce = _time_ms(copy_expand, reps, dev)
+    ex = _time_ms(expand_only, reps, dev)
+    raw = _time_ms(lambda: raw_dst.copy_(host_r, non_blocking=True), reps, dev)
+    cc = _time_ms(lambda: staging[:n].copy_(host_c, non_blocking=True), reps, dev)
     return {"copy_expand_us": round(ce * 1e3, 1), "expand_us": round(ex * 1e3, 1), "copy_compressed_us": round(cc * 1e3, 1),
             "copy_raw_us": round(raw * 1e3, 1), "h2d_GBps": round(layout.record_bytes / raw / 1e6, 1)}
 
 
-def _time_ms(fn, reps: int) -> float:
-    """Median milliseconds of fn() on the current stream (CUDA events), after a warm-up."""
+def _time_ms(fn, reps: int, dev: torch.device) -> float:
+    """Median milliseconds of fn(): CUDA events on the current stream after a warm-up (wall time on CPU)."""
+    if dev.type != "cuda":  # the interpreter smoke run: correctness of the path, not speed
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -162,27 +166,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="records decoded per GPU launch")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--cpu-only", action="store_true", help="skip the GPU part even when CUDA is there")
+    p.add_argument("--shape", action="append", metavar="HIDDENxINTER",
+                   help="benchmark this expert shape instead of the presets' (repeatable), e.g. 256x128")
+    p.add_argument("--interpret", action="store_true",
+                   help="smoke test: run the decode part on CPU tensors (needs TRITON_INTERPRET=1; tiny shapes)")
     a = p.parse_args(argv)
-    gpu = torch.cuda.is_available() and not a.cpu_only
+    gpu = (torch.cuda.is_available() or a.interpret) and not a.cpu_only
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.interpret else "cpu")
+    shapes = S.SHAPES if not a.shape else {s: tuple(int(x) for x in s.split("x")) for s in a.shape}
     result = {
         "codec": F.CODEC_NAME, "codec_version": F.CODEC_VERSION,
         "command": "PYTHONPATH=pager:app python scripts/bench_codec.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "scope": "CPU and GPU" if gpu else "CPU only (ratio and encode speed; no decode numbers)",
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs",
-        "gpu": torch.cuda.get_device_name() if gpu else None,
+        "gpu": torch.cuda.get_device_name() if gpu and dev.type == "cuda" else None,
         "model_bytes_for_projection": MODEL_BYTES,
         "shapes": {},
     }
     rng = np.random.default_rng(0)
     print(f"{'shape':20s} {'law':10s} {'ratio':>7s} {'bound':>7s} {'gap%':>6s} {'enc GB/s':>9s} {'par GB/s':>9s} {'112GiB min':>10s} {'dec GB/s':>9s} {'cp+exp us':>9s} {'raw cp us':>9s}")
-    for name, (hidden, inter) in S.SHAPES.items():
+    for name, (hidden, inter) in shapes.items():
         layout = S.moe_layout(hidden, inter)
         entry = {"hidden": hidden, "moe_intermediate": inter, "record_bytes": layout.record_bytes, "laws": {}}
         for dist in DISTS:
             cpu, raws, records = cpu_part(layout, dist, a.experts, a.workers, rng)
             law = dict(cpu)
             if gpu:
-                law.update(gpu_part(layout, raws, records, a.batch, a.reps))
+                law.update(gpu_part(layout, raws, records, a.batch, a.reps, dev))
             entry["laws"][dist] = law
             print(f"{name:20s} {dist:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
                   f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} {law['prepare_112GiB_min']:10.1f} "
