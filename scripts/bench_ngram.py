@@ -64,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--md", default=None, help="also write the markdown table here")
     p.add_argument("--merge", default=None, help="merge the machines of this JSON into --out; no benchmark")
     p.add_argument("--keep", action="store_true", help="keep the table afterwards")
+    p.add_argument("--note", default="", help="a remark stored with this machine's results (e.g. other load)")
     return p.parse_args()
 
 
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> dict:
             "table": {"gib": round(rows * ROW_BYTES / 2**30, 2), "rows": rows, "shards": args.shards,
                       "write_gb_per_s": round(rows * ROW_BYTES / write_s / 1e9, 2)},
             "command": "PYTHONPATH=pager python " + " ".join(sys.argv),
+            "note": args.note,
         }
         result.update(measure(files, rows, args))
         return result
@@ -262,7 +264,8 @@ def table_md(doc: dict) -> str:
         mach = m["machine"]
         lines.append(f"- {label}: {mach['cpus']} CPUs, {mach['ram_gib']} GiB RAM, disk {mach['disk']} "
                      f"({mach.get('disk_model') or 'model unknown'}), kernel {mach['kernel']}; "
-                     f"device: {json.dumps(m['device']) if m['device'] else 'no CUDA'}; command: `{m['command']}`")
+                     f"device: {json.dumps(m['device']) if m['device'] else 'no CUDA'}; command: `{m['command']}`"
+                     + (f"; note: {m['note']}" if m.get("note") else ""))
     return "\n".join(lines)
 
 
