@@ -18,7 +18,6 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import numpy as np
 import torch
 
 from .errors import NgramReadError
