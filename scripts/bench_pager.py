@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(_markdown(report))
+        print(f"wrote {args.markdown}")
     return 0
 
 
@@ -71,7 +75,8 @@ def _parse(argv):
     ap.add_argument("--ssd-layers", type=int, default=4, help="layers the SSD-tier run uses (disk and time)")
     ap.add_argument("--ssd-dir", type=Path, default=None, help="where the SSD run writes its paging file")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="write the results as JSON")
+    ap.add_argument("--markdown", type=Path, help="also write the table as Markdown (for docs/benchmarks.md)")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (12 if args.smoke else 256)
     args.warmup = args.warmup or (6 if args.smoke else 64)
@@ -321,6 +326,31 @@ def _print_table(report: dict) -> None:
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in m.items()))
     for note in report["notes"]:
         print(f"note: {note}")
+
+
+def _markdown(report: dict) -> str:
+    fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    lines = [
+        f"Device: {report['device']}; pinned H2D {fmt(report['h2d_gbps'], 1)} GB/s, "
+        f"UVA copy kernel {fmt(report['uva_copy_gbps'], 1)} GB/s.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| model | config | VRAM | RAM | layers | ms/token | floor ms/token | vs resident | hit VRAM | hit RAM | GB PCIe/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        h = r["hit_rate"]
+        lines.append(
+            f"| {r['model']} | {r['config']} | {r['vram_frac']:.3f} | {r['ram_frac']:.2f} | {r['layers']}/{r['layers_total']} "
+            f"| {r['ms_per_token']:.3f} | {fmt(r.get('floor_ms_per_token'))} | {fmt(r.get('ratio_vs_resident'), 2)} "
+            f"| {fmt(h['vram'])} | {fmt(h['ram'])} | {r['pcie_gb_per_token']:.4f} |"
+        )
+    lines.append("")
+    for name, m in report["models"].items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} = {v}" for k, v in m.items()))
+    lines += [f"- note: {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
 
 
 def _device_name(device: torch.device) -> str:

@@ -52,7 +52,7 @@ MODELS = {
     "qwen3.6-35b-a3b": ModelShape("qwen3.6-35b-a3b", 40, 256, 8, 2048, 512, bench_layers=40),
     "qwen3.8-flash-next": ModelShape("qwen3.8-flash-next", 48, 512, 10, 2560, 640, bench_layers=12),
 }
-SMOKE = ModelShape("smoke", 3, 32, 4, 256, 128, bench_layers=3)
+SMOKE = ModelShape("smoke", 3, 32, 4, 128, 64, bench_layers=3)
 
 
 def make_layout(shape: ModelShape) -> ExpertLayout:

@@ -185,3 +185,14 @@ def test_bad_sizes_are_refused(vram, ram_slots, work):
     ram.attach_ssd(FakeSsdService(torch.zeros((16, layout.pitch), dtype=torch.uint8), ram))
     with pytest.raises(PagerError):
         ExpertPager(layout, 16, vram, ram, work_slots=work)
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 4096 + 64), torch.uint8), ((5, 7), torch.float32), ((0, 4), torch.uint8)])
+def test_ram_records_are_page_aligned_and_exact(shape, dtype):
+    from bigmoe_pager.core.pinned import PAGE, pinned_empty
+
+    t = pinned_empty(shape, dtype)
+    assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous()
+    assert t.numel() == 0 or t.data_ptr() % PAGE == 0
+    t.fill_(3)  # writable, the whole extent
+    assert t.numel() == 0 or int(t.sum()) == 3 * t.numel()

@@ -9,6 +9,7 @@ before it is freed, when the last tensor viewing it goes away.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import numpy as np
@@ -18,7 +19,7 @@ PAGE = 4096  # bytes; rows start page-aligned, as O_DIRECT reads into them need
 
 
 class PinError(RuntimeError):
-    """CUDA refused to page-lock host memory (RLIMIT_MEMLOCK, or not enough RAM)."""
+    """CUDA refused to page-lock host memory, and so did torch's own pinned allocator."""
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8, pin: bool = True) -> torch.Tensor:
@@ -30,18 +31,27 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8, pin: 
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     skip = (-raw.ctypes.data) % PAGE
     arr = raw[skip : skip + nbytes]
-    if pin and torch.cuda.is_available() and nbytes:
-        _register(raw, arr.ctypes.data, nbytes)
+    if pin and torch.cuda.is_available() and nbytes and not _register(raw, arr.ctypes.data, nbytes):
+        return _torch_pinned(nbytes).view(dtype).view(shape)
     return torch.from_numpy(arr).view(dtype).view(shape)
 
 
-def _register(owner: np.ndarray, ptr: int, nbytes: int) -> None:
+def _register(owner: np.ndarray, ptr: int, nbytes: int) -> bool:
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
-        raise PinError(
-            f"cannot page-lock {nbytes / 2**30:.1f} GiB of host memory (CUDA error {int(err)}); "
-            "lower the RAM slots or raise the locked-memory limit (ulimit -l)"
-        )
+    err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+    if err != 0:
+        warnings.warn(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {err}); "
+                      "using torch's pinned allocator, which rounds the block up to a power of two")
+        return False
     # Runs when the array is deallocated, before its memory is released.
     weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+    return True
+
+
+def _torch_pinned(nbytes: int) -> torch.Tensor:
+    try:
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as e:
+        raise PinError(f"cannot page-lock {nbytes / 2**30:.2f} GiB of host memory ({e}); lower the RAM slots") from None
+    skip = (-raw.data_ptr()) % PAGE
+    return raw[skip : skip + nbytes]
