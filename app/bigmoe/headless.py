@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
+from pathlib import Path
+
+import httpx
 
 from bigmoe import launch, pipeline
 from bigmoe.client import chat
@@ -56,11 +60,12 @@ def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
         say("ready", {"endpoint": server.endpoint, "model": preset.name, "curl": curl_line(server.endpoint, preset.name, opts.api_key)})
         if opts.prompt is not None:
             result = chat(server.endpoint, preset.name, opts.prompt, opts.max_tokens, api_key=opts.api_key)
-            say("answer", {"text": result.text, "tokens": result.tokens,
-                           "ttft_ms": round(result.ttft_ms, 2), "tpot_ms": round(result.tpot_ms, 3)})
-            if not as_json:
+            timing = {"tokens": result.tokens, "ttft_ms": round(result.ttft_ms, 2), "tpot_ms": round(result.tpot_ms, 3)}
+            if as_json:
+                say("answer", {"text": result.text, **timing})
+            else:
                 print(result.text)
-                print(f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms ({result.tokens} tokens)")
+                print(f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms ({result.tokens} tokens)", flush=True)
             return EXIT_OK
         serve_until_interrupted(server, say)
         return EXIT_OK
@@ -70,16 +75,31 @@ def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
 
 
 def serve_until_interrupted(server: launch.Server, say: Printer, every_s: float = 10.0) -> None:
+    """Print windowed stats until Ctrl-C, SIGTERM, or `bigmoe stop` from another shell."""
     from bigmoe.watch import Watcher
 
     watcher = Watcher(server.endpoint)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        while server.proc is None or server.proc.poll() is None:
+        while server.proc.poll() is None:
             time.sleep(every_s)
-            say("stats", watcher.poll().summary())
-        raise launch.LaunchError(f"vLLM exited with code {server.proc.returncode}: {launch.error_line(__import__('pathlib').Path(server.info.log))}")
+            if server.proc.poll() is None:
+                try:
+                    say("stats", watcher.poll().summary())
+                except httpx.HTTPError as e:
+                    say("stats", {"error": f"/metrics did not answer: {e}"})
+        if not server.runfile.exists():
+            say("stopped", {"by": "bigmoe stop"})
+            return
+        raise launch.LaunchError(f"vLLM exited with code {server.proc.returncode}: {launch.error_line(Path(server.info.log))}")
     except KeyboardInterrupt:
         say("interrupted", {})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def curl_line(endpoint: str, model: str, api_key: str | None) -> str:

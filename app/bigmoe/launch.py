@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ STAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("weights", re.compile(r"Loading weights|Loading safetensors|Starting to load model")),
     ("paging tier", re.compile(r"bigmoe.*(pager|paging|tier)", re.I)),
     ("KV cache", re.compile(r"KV cache|GPU KV cache size|CPU KV cache", re.I)),
-    ("CUDA graphs", re.compile(r"Capturing CUDA graph|cudagraph|Graph capturing", re.I)),
+    ("CUDA graphs", re.compile(r"Capturing CUDA graphs|Graph capturing finished")),
     ("serving", re.compile(r"Application startup complete|Uvicorn running|Starting vLLM API server")),
 )
 
@@ -59,6 +60,8 @@ class RunInfo:
     """Model name the API expects in requests."""
     started: float
     """Unix time of the start."""
+    metrics_dir: str = ""
+    """PROMETHEUS_MULTIPROC_DIR of this run (every vLLM process, the pager's too, writes its series there)."""
 
     @property
     def endpoint(self) -> str:
@@ -107,9 +110,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start(argv: list[str], env: dict[str, str], info: RunInfo) -> Server:
-    """Start the server in its own session; return at once (see wait_ready)."""
+    """Start the server in its own session; return at once (see wait_ready).
+
+    Prometheus multiprocess mode gets a fresh directory, so the pager's series from
+    the engine's worker processes appear in the API server's /metrics."""
     if not port_free(info.host, info.port):
         raise LaunchError(f"port {info.port} on {info.host} is in use; pick another with --port")
+    metrics = Path(info.log).with_suffix(".metrics")
+    shutil.rmtree(metrics, ignore_errors=True)
+    metrics.mkdir(parents=True)
+    info.metrics_dir = str(metrics)
+    env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
     log_path = Path(info.log)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -157,7 +168,8 @@ def stages_in(log: Path) -> list[str]:
         text = log.read_text(errors="replace")
     except OSError:
         return []
-    return [name for name, pattern in STAGES if pattern.search(text)]
+    found = [(m.start(), name) for name, pattern in STAGES if (m := pattern.search(text))]
+    return [name for _, name in sorted(found)]
 
 
 def error_line(log: Path) -> str:
@@ -173,9 +185,11 @@ def error_line(log: Path) -> str:
 
 
 def stop(server: Server, grace_s: float = 15.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL after grace_s; removes the runfile."""
+    """SIGTERM to the server's process group, SIGKILL after grace_s; removes the runfile and metrics files."""
     terminate_group(server.info.pid, grace_s, server.proc)
     server.runfile.unlink(missing_ok=True)
+    if server.info.metrics_dir:
+        shutil.rmtree(server.info.metrics_dir, ignore_errors=True)
 
 
 def terminate_group(pid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:

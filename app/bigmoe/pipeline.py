@@ -108,7 +108,11 @@ def obtain_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: P
 
 
 def require_vllm() -> None:
-    if importlib.util.find_spec("vllm") is None:
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
         raise VllmMissing("vLLM is not installed in this Python environment; run installer/install.sh (or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')")
 
 

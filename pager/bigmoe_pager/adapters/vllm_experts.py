@@ -29,6 +29,7 @@ def install(settings: PagerSettings) -> None:
 
     if "RoutedExperts" in op_registry_oot:
         return
+    _register_paged_op()
     PluggableLayer.register_oot(paged_class(settings), name="RoutedExperts")
     log.warning("bigmoe: expert pager enabled (%s)", vllm_glue.describe(settings))
 
@@ -98,23 +99,39 @@ def paged_class(settings: PagerSettings) -> type:
         # ---- forward: page in, remap, run vLLM's kernel on the slots -----------------
 
         def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+            if shared_experts is None:
+                # An opaque op: torch.compile must not trace the host-side paging (vLLM's CPU build compiles the MoE call).
+                return torch.ops.bigmoe.paged_experts(x, topk_weights, topk_ids, self._moe_index)
+            return self.paged_forward(x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+
+        def paged_forward(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+            """Page in the step's experts (in token chunks that fit the slots) and run vLLM's kernel on the slots."""
             topk_ids = vllm_glue.routing_hook(self._moe_index, topk_ids)
             if self._install_slot is None:
                 self._install_slot = vllm_glue.slot_installer(self)
-            chunks = self.pager.token_chunks(topk_ids)
-            if len(chunks) == 1:
-                slots = self.pager.prepare(topk_ids, self._install_slot)
-                vllm_glue.export_stats(self)
-                return super().forward_modular(x, topk_weights, slots.to(topk_ids.dtype), shared_experts, shared_experts_input)
             outs = []
-            for rows in chunks:
-                slots = self.pager.prepare(topk_ids[rows], self._install_slot)
+            for rows in self.pager.token_chunks(topk_ids):
+                slots = self.pager.prepare(topk_ids[rows], self._install_slot).to(topk_ids.dtype)
                 shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
-                outs.append(super().forward_modular(x[rows], topk_weights[rows], slots.to(topk_ids.dtype), shared_experts, shared_in))
+                outs.append(super().forward_modular(x[rows], topk_weights[rows], slots, shared_experts, shared_in))
             vllm_glue.export_stats(self)
-            return vllm_glue.concat_outputs(outs)
+            return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 
     return PagedRoutedExperts
+
+
+def _register_paged_op() -> None:
+    if hasattr(torch.ops, "bigmoe") and hasattr(torch.ops.bigmoe, "paged_experts"):
+        return
+
+    @torch.library.custom_op("bigmoe::paged_experts", mutates_args=())
+    def paged_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+        out = vllm_glue.layer(layer).paged_forward(x, topk_weights, topk_ids)
+        return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+    @paged_experts.register_fake
+    def _(x, topk_weights, topk_ids, layer):
+        return torch.empty_like(x)
 
 
 def _param_name(layer, param) -> str | None:

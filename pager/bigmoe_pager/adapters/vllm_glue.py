@@ -45,6 +45,10 @@ def register_layer(layer) -> None:
         _layers.append(layer)
 
 
+def layer(moe_index: int):
+    return _layers[moe_index]
+
+
 def moe_layer_count(hf_config) -> int:
     layers = int(hf_config.num_hidden_layers)
     mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])

@@ -1,0 +1,156 @@
+"""`bigmoe run` end to end against real vLLM (CPU build) with the tiny model:
+one prompt headless; a served model watched, listed, logged and stopped from
+another process; bad input answered with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bigmoe import launch
+from bigmoe.client import chat
+from bigmoe.watch import Watcher
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed for e2e tests")
+
+BIGMOE = [sys.executable, "-m", "bigmoe.cli"]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A BIGMOE_HOME of its own, so models, logs and runfiles do not touch the user's."""
+    return tmp_path_factory.mktemp("bigmoe-home")
+
+
+def env_for(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
+    env["BIGMOE_HOME"] = str(home)
+    return env
+
+
+def bigmoe(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*BIGMOE, *args], env=env_for(home), capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_with_a_prompt_answers_and_reports_tpot(home):
+    port = launch.free_port()
+    proc = bigmoe(home, "run", "tiny-moe", "--yes", "--json", "--port", str(port),
+                  "--prompt", "Tell me about the sea.", "--max-tokens", "24", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    answer = next(e for e in events if e["event"] == "answer")
+    assert answer["text"].strip()
+    assert answer["tpot_ms"] > 0 and answer["ttft_ms"] > 0
+    assert [e["event"] for e in events][-1] == "stopped"
+    assert not launch.port_free("127.0.0.1", port) is False or launch.port_free("127.0.0.1", port)
+    assert launch.port_free("127.0.0.1", port), "the server must be gone after the answer"
+
+
+def test_served_model_is_watched_listed_logged_and_stopped(home):
+    port = launch.free_port()
+    runner = subprocess.Popen(
+        [*BIGMOE, "run", "tiny-moe", "--yes", "--json", "--port", str(port), "--vram-slots", "6", "--ram-slots", "10"],
+        env=env_for(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready = _wait_for_event(runner, "ready", timeout=600)
+        endpoint = ready["endpoint"]
+        ps = bigmoe(home, "ps")
+        assert "tiny-moe" in ps.stdout and str(port) in ps.stdout
+        pid = int(ps.stdout.split("pid ")[1].split()[0])
+
+        watcher = Watcher(endpoint)
+        watcher.poll()
+        answer = chat(endpoint, "tiny-moe", "Say something about rivers.", max_tokens=16)
+        assert answer.text.strip()
+        window = watcher.poll()
+        assert window.tpot_ms is not None and window.tpot_ms > 0
+        assert window.tokens_per_s > 0
+        sample = watcher.scrape()
+        for key, lookups in sample.lookups.items():
+            hits = sample.hits.get(key, 0.0)
+            assert 0 <= hits <= lookups
+        vram = [(k, v) for k, v in sample.lookups.items() if k[1] == "vram"]
+        assert vram and sum(v for _, v in vram) > 0, "the pager's series must be in /metrics"
+        assert 0 < window.hit_rate["vram"] <= 1
+        metrics = httpx.get(endpoint + "/metrics").text
+        assert "bigmoe_expert_bytes_total" in metrics
+
+        logs = bigmoe(home, "logs", "-n", "5")
+        assert logs.returncode == 0 and logs.stdout.strip()
+
+        stop = bigmoe(home, "stop", "tiny-moe", timeout=120)
+        assert stop.returncode == 0, stop.stderr
+        assert runner.wait(timeout=120) == 0
+        assert _group_gone(pid)
+        assert "no bigmoe server is running" in bigmoe(home, "ps").stdout
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("args,message,code", [
+    (["run", "no-such-model", "--yes"], "unknown model 'no-such-model'", 1),
+    (["run", "tiny-moe", "--yes", "--port", "0"], "Invalid value for '--port'", 2),
+    (["run", "tiny-moe", "--yes", "--model-dir", "/nonexistent/ckpt"], "no readable config.json", 1),
+    (["stop", "tiny-moe"], "no bigmoe server is running for tiny-moe", 1),
+])
+def test_bad_input_gets_one_line_and_a_nonzero_exit(home, args, message, code):
+    proc = bigmoe(home, *args, timeout=120)
+    assert proc.returncode == code
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_vllm_gets_one_line(home):
+    """A fake of a missing vLLM: the module is blocked in sys.modules before the CLI runs."""
+    code = ("import sys; sys.modules['vllm'] = None; from bigmoe.cli import main; "
+            "main(['run', 'tiny-moe', '--yes', '--prompt', 'hi'])")
+    proc = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "bigmoe: vLLM is not installed in this Python environment; run installer/install.sh "
+        "(or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"]
+
+
+def test_port_in_use_is_refused_before_anything_starts(home):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        proc = bigmoe(home, "run", "tiny-moe", "--yes", "--port", str(port), timeout=300)
+    assert proc.returncode == 1
+    assert f"port {port} on 127.0.0.1 is in use" in proc.stderr
+    assert "no bigmoe server is running" in bigmoe(home, "ps").stdout
+
+
+def _wait_for_event(proc: subprocess.Popen, name: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"bigmoe run ended before '{name}': {proc.stderr.read()[-2000:]}")
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event["event"] == name:
+                return event
+    raise AssertionError(f"no '{name}' event within {timeout} s")
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
