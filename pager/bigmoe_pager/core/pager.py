@@ -32,16 +32,13 @@ import torch
 
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.ram_tier import ExpertReader, RamTier, RamTierError
+from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
 from bigmoe_pager.core.slots import Acquired, SlotTable
 from bigmoe_pager.core.stats import PagerStats
 
 
 class PagerError(ValueError):
     """A pager was built with sizes or buffers it cannot serve."""
-
-
-__all__ = ["Chunk", "ExpertPager", "PagerError", "RamTierError"]
 
 
 @dataclass(frozen=True)
