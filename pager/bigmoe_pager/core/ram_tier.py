@@ -29,8 +29,9 @@ class SsdFetch(Protocol):
         """On the current stream: read every expert >= 0 into RAM record `slots[i]`.
 
         experts, slots: int64 [M] on the model's device, -1 padded. Later work on the
-        stream sees the bytes; a read that fails or times out raises (bounded), never
-        leaves stale bytes to compute with.
+        stream sees the bytes. The wait is bounded; a failed or late read must be
+        reported (SsdService: check() after the step's sync raises SsdError and the
+        step's outputs are discarded), never silently computed with.
         """
 
 
