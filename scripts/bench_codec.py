@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -161,6 +162,8 @@ def _time_ms(fn, reps: int, dev: torch.device) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="write the results here as JSON")
+    p.add_argument("--md", type=Path, help="write a markdown table of the results here")
+    p.add_argument("--note", default="", help="free text stored with the results (machine load, ...)")
     p.add_argument("--experts", type=int, default=4, help="distinct experts encoded per shape and law")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes for the parallel encode")
     p.add_argument("--batch", type=int, default=64, help="records decoded per GPU launch")
@@ -176,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = S.SHAPES if not a.shape else {s: tuple(int(x) for x in s.split("x")) for s in a.shape}
     result = {
         "codec": F.CODEC_NAME, "codec_version": F.CODEC_VERSION,
-        "command": "PYTHONPATH=pager:app python scripts/bench_codec.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "PYTHONPATH=pager:app python scripts/bench_codec.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "scope": "CPU and GPU" if gpu else "CPU only (ratio and encode speed; no decode numbers)",
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs",
         "gpu": torch.cuda.get_device_name() if gpu and dev.type == "cuda" else None,
         "model_bytes_for_projection": MODEL_BYTES,
+        "note": a.note,
         "shapes": {},
     }
     rng = np.random.default_rng(0)
@@ -206,7 +210,33 @@ def main(argv: list[str] | None = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {a.out}")
+    if a.md:
+        a.md.parent.mkdir(parents=True, exist_ok=True)
+        a.md.write_text(markdown(result))
+        print(f"wrote {a.md}")
     return 0
+
+
+def markdown(result: dict) -> str:
+    """A table of every shape and law, then how it was measured."""
+    cols = [("ratio", "ratio", "{:.4f}"), ("entropy_bound_ratio", "per-row bound", "{:.4f}"), ("gap_pct", "gap %", "{:.2f}"),
+            ("encode_GBps", "encode GB/s (1 proc)", "{:.3f}"), ("encode_GBps_parallel", "encode GB/s (pool)", "{:.3f}"),
+            ("prepare_112GiB_min", "112.5 GiB prepare min", "{:.1f}"), ("decode_GBps", "decode GB/s", "{:.0f}"),
+            ("copy_expand_us", "copy+expand 1 expert us", "{:.1f}"), ("copy_raw_us", "raw copy 1 expert us", "{:.1f}")]
+    lines = ["| shape | law | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for name, entry in result["shapes"].items():
+        for law, v in entry["laws"].items():
+            cells = [fmt.format(v[key]) if key in v else "-" for key, _, fmt in cols]
+            lines.append(f"| {name} | {law} | " + " | ".join(cells) + " |")
+    lines += ["", f"Scope: {result['scope']}. CPU: {result['cpu']}. GPU: {result['gpu'] or 'none'}.",
+              f"Command: `{result['command']}`."]
+    if result.get("note"):
+        lines.append(f"Note: {result['note']}")
+    lines += ["", "ratio = compressed record / raw record (headers, tables and raw block scales included); per-row bound = "
+              "sign+mantissa raw plus each row's empirical exponent entropy; decode GB/s = decoded output bytes per second "
+              "for a batch of records, best kernel shape; copy+expand = pinned RAM -> VRAM copy of one compressed record "
+              "and its expansion, against the raw copy."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
