@@ -62,7 +62,16 @@ def test_sizes_follow_the_exponent_entropy(pattern, most):
 
 
 @pytest.mark.parametrize("pattern", ["random", "uniform_exp"])
-def test_rows_that_would_not_shrink_are_flagged_verbatim(pattern):
+def test_components_that_would_not_shrink_are_stored_raw(layout, pattern):
+    raw = S.pattern_record(layout, pattern, np.random.default_rng(6))
+    data = encode_record(raw, layout)
+    kinds = [F.unpack_dir(data, i).kind for i in range(len(layout.components))]
+    assert kinds == [F.KIND_RAW] * len(layout.components)
+    assert len(data) <= F.max_record_bytes(layout) <= layout.record_bytes + 64 + 32 * len(layout.components)
+
+
+@pytest.mark.parametrize("pattern", ["random", "uniform_exp"])
+def test_chunks_that_would_not_shrink_are_flagged_verbatim(pattern):
     data = S.pattern_bytes(pattern, 3 * F.CHUNK_SYMBOLS, np.random.default_rng(5))
     coded = encode_component(data)
     headers = np.frombuffer(coded.chunks, F.CHUNK_DTYPE)

@@ -29,6 +29,7 @@ LAYOUT = ExpertLayout.build([
     ("a", (5, 8191), torch.float8_e4m3fn),  # 5 chunks, the last one partial; odd length
     ("a_scale", (3, 5), torch.float32),
     ("b", (4, 2048), torch.float8_e4m3fn),  # one whole chunk
+    ("c", (3000,), torch.float8_e4m3fn),  # random bytes: stored raw, copied by the FP8 kernel
 ])
 MOSAIC = ("random", "constant", "student_t", "nan", "skewed")
 FILL = 0xA5  # slot bytes before decoding
@@ -39,6 +40,8 @@ def mosaic_record(rng: np.random.Generator) -> np.ndarray:
     a = LAYOUT["a"]
     parts = np.concatenate([S.pattern_bytes(p, F.CHUNK_SYMBOLS, rng) for p in MOSAIC])
     raw[a.offset : a.offset + a.nbytes] = parts[: a.nbytes]
+    c = LAYOUT["c"]
+    raw[c.offset : c.offset + c.nbytes] = rng.integers(0, 256, c.nbytes, dtype=np.uint8)
     return raw
 
 
@@ -100,6 +103,15 @@ def test_kernel_output_equals_the_original_bytes(decoded):
     raw, slots, errors = decoded
     assert errors[0] == 0
     assert np.array_equal(slot_record(slots, 2), raw)
+
+
+def test_the_mosaic_covers_every_storage_kind():
+    data = encode_record(mosaic_record(np.random.default_rng(7)), LAYOUT)
+    kinds = [F.unpack_dir(data, i).kind for i in range(len(LAYOUT.components))]
+    assert kinds == [F.KIND_FP8, F.KIND_RAW, F.KIND_FP8, F.KIND_RAW]
+    a = F.unpack_dir(data, 0)
+    headers = np.frombuffer(data[a.chunks_offset : a.chunks_offset + 5 * F.CHUNK_HEADER_BYTES], F.CHUNK_DTYPE)
+    assert headers["flags"][0] == F.FLAG_VERBATIM and a.tables >= 2
 
 
 def test_skipped_entries_leave_their_slot_untouched(decoded):

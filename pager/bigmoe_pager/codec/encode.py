@@ -40,6 +40,12 @@ class CodedComponent:
     verbatim_chunks: int
     """Chunks stored with the 4-bit identity code because coding would not shrink them."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the sections take in a record, alignment and stream padding included."""
+        stream = 4 * (self.stream.size + F.STREAM_PAD_WORDS)
+        return F.align(len(self.chunks)) + len(self.luts) + F.align(len(self.nibbles)) + F.align(stream)
+
 
 def encode_record(raw: np.ndarray, layout: ExpertLayout) -> bytes:
     """Compress one expert record (uint8, layout.record_bytes long, or a whole pitch with zero padding)."""
@@ -49,11 +55,11 @@ def encode_record(raw: np.ndarray, layout: ExpertLayout) -> bytes:
     for comp in layout.components:
         data = raw[comp.offset : comp.offset + comp.nbytes]
         offset = F.align(offset)
-        if not F.is_coded(comp):
+        coded = encode_component(data) if F.is_coded(comp) else None
+        if coded is None or coded.nbytes >= F.align(comp.nbytes):  # not FP8, or coding would not shrink it
             sections.append((F.DirEntry(F.KIND_RAW, 0, offset, 0, 0, 0, 0), [data.tobytes()]))
             offset += F.align(comp.nbytes)
             continue
-        coded = encode_component(data)
         chunks_off = offset
         luts_off = chunks_off + F.align(len(coded.chunks))
         nib_off = luts_off + len(coded.luts)

@@ -15,6 +15,7 @@ All integers are little-endian. Offsets are bytes from the start of the record.
     directory  DIR_ENTRY (24 B) per layout component, in layout order
     sections   per coded component: chunk headers, LUTs, nibbles, word stream;
                per raw component: its bytes. Every section starts on SECTION_ALIGN.
+               An FP8 component that coding would not shrink is stored raw (KIND_RAW).
 
 A chunk header is CHUNK_HEADER followed by LANES u8 length deltas: lane j holds
 base_bits + delta[j] bits. The stream is a sequence of u32 words whose bits are
@@ -140,17 +141,11 @@ def directory_offset(index: int) -> int:
 
 
 def max_record_bytes(layout: ExpertLayout) -> int:
-    """The largest record any input can encode to (every chunk verbatim, every table used)."""
+    """The largest record any input can encode to: every component raw (a coded one is stored raw when
+    coding would not make it smaller)."""
     total = directory_offset(len(layout.components))
     for comp in layout.components:
-        if is_coded(comp):
-            chunks = chunks_of(comp.nbytes)
-            total = align(total) + align(chunks * CHUNK_HEADER_BYTES)
-            total += MAX_TABLES * LUT_ENTRIES + nibble_bytes(comp.nbytes)
-            stream_words = chunks * CHUNK_SYMBOLS * VERBATIM_BITS // 32
-            total += align(4 * (stream_words + STREAM_PAD_WORDS))
-        else:
-            total = align(total) + align(comp.nbytes)
+        total = align(total) + align(comp.nbytes)
     return align(total)
 
 

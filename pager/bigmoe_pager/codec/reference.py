@@ -40,10 +40,10 @@ def decode_record(data: bytes | memoryview | np.ndarray, layout: ExpertLayout) -
     out = np.zeros(layout.record_bytes, np.uint8)
     for i, comp in enumerate(layout.components):
         entry = F.unpack_dir(buf, i)
-        want = F.KIND_FP8 if F.is_coded(comp) else F.KIND_RAW
-        if entry.kind != want:
-            raise F.CodecError(f"component {comp.name}: directory kind {entry.kind}, layout needs {want}")
-        if want == F.KIND_RAW:
+        allowed = (F.KIND_FP8, F.KIND_RAW) if F.is_coded(comp) else (F.KIND_RAW,)
+        if entry.kind not in allowed:
+            raise F.CodecError(f"component {comp.name}: directory kind {entry.kind}, layout allows {allowed}")
+        if entry.kind == F.KIND_RAW:
             out[comp.offset : comp.offset + comp.nbytes] = _section(buf, entry.chunks_offset, comp.nbytes, comp.name)
         else:
             out[comp.offset : comp.offset + comp.nbytes] = decode_component(buf, entry, comp.nbytes, comp.name)

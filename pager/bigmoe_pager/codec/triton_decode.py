@@ -136,7 +136,7 @@ def decode_into_slots(
             plan.max_record, plan.layout_crc, plan.header_word1, plan.raw_bytes,
             CODED=comp.coded, ALIGNED=aligned, BLOCK=block, LANES=F.LANES, STEPS=F.LANE_STEPS, CHUNK=F.CHUNK_SYMBOLS,
             HDR=F.CHUNK_HEADER_BYTES, MAX_TABLES=F.MAX_TABLES, PAD_WORDS=F.STREAM_PAD_WORDS,
-            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN,
+            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=RAW_BLOCK,
             num_warps=num_warps,
         )
 
@@ -168,7 +168,7 @@ if triton is not None:
         dir_off, n_bytes, n_chunks, max_record, layout_crc, header_word1, raw_bytes,
         CODED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr,
         CHUNK: tl.constexpr, HDR: tl.constexpr, MAX_TABLES: tl.constexpr, PAD_WORDS: tl.constexpr,
-        MAGIC: tl.constexpr, GEOMETRY: tl.constexpr, ALIGN: tl.constexpr,
+        MAGIC: tl.constexpr, GEOMETRY: tl.constexpr, ALIGN: tl.constexpr, RAW_STEP: tl.constexpr,
     ):
         # Program (m, g): work item m, group g of chunks (coded) or bytes (raw).
         # Written as one body: the interpreter cannot call nested jit helpers.
@@ -199,79 +199,89 @@ if triton is not None:
             strm = tl.load(ent + 4, mask=ok, other=0).to(tl.int64)
             words = tl.load(ent + 5, mask=ok, other=0).to(tl.int64)
             tables = (kind_tables >> 8) & 0xFF
+            kind = kind_tables & 0xFF
+            raw_ok = (kind == 0) & (first + n_bytes <= total)
             if CODED:
                 nib_bytes = ((n_bytes + 1) // 2 + 7) // 8 * 8
-                ok = ok & ((kind_tables & 0xFF) == 1) & (tables >= 1) & (tables <= MAX_TABLES)
-                ok = ok & (first % 4 == 0) & (first + n_chunks * HDR <= total)
-                ok = ok & (luts + tables * 256 <= total) & (nibs % 2 == 0) & (nibs + nib_bytes <= total)
-                ok = ok & (strm % 4 == 0) & (strm + 4 * (words + PAD_WORDS) <= total) & (words < (1 << 26))
+                coded_ok = (kind == 1) & (tables >= 1) & (tables <= MAX_TABLES)
+                coded_ok = coded_ok & (first % 4 == 0) & (first + n_chunks * HDR <= total)
+                coded_ok = coded_ok & (luts + tables * 256 <= total) & (nibs % 2 == 0) & (nibs + nib_bytes <= total)
+                coded_ok = coded_ok & (strm % 4 == 0) & (strm + 4 * (words + PAD_WORDS) <= total) & (words < (1 << 26))
+                ok = ok & (coded_ok | raw_ok)
             else:
-                ok = ok & ((kind_tables & 0xFF) == 0) & (first + n_bytes <= total)
+                ok = ok & raw_ok
             bad = tl.where(ok, 0, 1)
             out = dst + slot * n_bytes
             if ok:
                 if CODED:
-                    # Chunk headers: word offset u32, table u8, flags u8, base bits u16, LANES u8 deltas.
-                    c = g * BLOCK + tl.arange(0, BLOCK)
-                    live = c < n_chunks
-                    hp = base + first + c * HDR
-                    word_off = tl.load(hp.to(u32), mask=live, other=0).to(tl.int64)
-                    table = tl.load(hp + 4, mask=live, other=0).to(tl.int32)
-                    lane_base = tl.load((hp + 6).to(tl.pointer_type(tl.uint16)), mask=live, other=0).to(tl.int32)
-                    lane = tl.arange(0, LANES)
-                    delta = tl.load(hp[:, None] + 8 + lane[None, :], mask=live[:, None], other=0).to(tl.int32)
-                    lens = lane_base[:, None] + delta
-                    sane = live & (word_off <= words) & (table < tables)
-                    bit = tl.where(sane, word_off, 0).to(tl.int32)[:, None] * 32 + tl.cumsum(lens, axis=1) - lens
-                    good = sane[:, None] & (bit + lens <= (words * 32).to(tl.int32))
-                    bad += tl.sum((live[:, None] & ~good).to(tl.int32))
-                    # A lane's state: a 64-bit buffer whose top `have` bits are the next stream bits.
-                    sp = (base + strm).to(u32)
-                    wi = bit >> 5
-                    skip = bit & 31
-                    w0 = tl.load(sp + wi, mask=good, other=0).to(tl.uint64)
-                    w1 = tl.load(sp + wi + 1, mask=good, other=0).to(tl.uint64)
-                    buf = ((w0 << 32) | w1) << skip.to(tl.uint64)
-                    have = 64 - skip
-                    nxt = wi + 2
-                    limit = (words + PAD_WORDS).to(tl.int32)
-                    # Every lane's LUT lies inside the record (bad tables fall back to table 0), so LUT reads need no mask.
-                    lut = base + luts + tl.where(sane, table, 0)[:, None] * 256
-                    nib16 = (base + nibs).to(tl.pointer_type(tl.uint16))
-                    out32 = out.to(u32)
-                    pos = c[:, None] * CHUNK + lane[None, :] * 4
-                    for k in range(STEPS):
-                        need = have < 32
-                        wv = tl.load(sp + nxt, mask=need & good & (nxt < limit), other=0).to(tl.uint64)
-                        buf = buf | (wv << tl.where(need, 32 - have, 0).to(tl.uint64))
-                        have = tl.where(need, have + 32, have)
-                        nxt = tl.where(need, nxt + 1, nxt)
-                        e0 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                        buf = buf << (e0 >> 4).to(tl.uint64)
-                        e1 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                        buf = buf << (e1 >> 4).to(tl.uint64)
-                        e2 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                        buf = buf << (e2 >> 4).to(tl.uint64)
-                        e3 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                        buf = buf << (e3 >> 4).to(tl.uint64)
-                        have = have - ((e0 >> 4) + (e1 >> 4) + (e2 >> 4) + (e3 >> 4))
-                        p = pos + k * (LANES * 4)
-                        wm = good & (p < n_bytes)
-                        # Nibbles (sign << 3 | mantissa) of bytes p..p+3, byte p lowest, spread one per byte.
-                        nb = tl.load(nib16 + (p >> 2), mask=wm, other=0).to(tl.uint32)
-                        nb = (nb & 0xFF) | ((nb >> 8) << 16)
-                        nb = (nb | (nb << 4)) & 0x0F0F0F0F
-                        exps = (e0 & 15) | ((e1 & 15) << 8) | ((e2 & 15) << 16) | ((e3 & 15) << 24)
-                        word = ((nb & 0x08080808) << 4) | (nb & 0x07070707) | (exps.to(tl.uint32) << 3)
-                        if ALIGNED:
-                            tl.store(out32 + (p >> 2), word, mask=wm)
-                        else:
-                            tl.store(out + p, word.to(tl.uint8), mask=wm)
-                            tl.store(out + p + 1, (word >> 8).to(tl.uint8), mask=good & (p + 1 < n_bytes))
-                            tl.store(out + p + 2, (word >> 16).to(tl.uint8), mask=good & (p + 2 < n_bytes))
-                            tl.store(out + p + 3, (word >> 24).to(tl.uint8), mask=good & (p + 3 < n_bytes))
-                    consumed = (nxt - wi) * 32 - skip - have
-                    bad += tl.sum((good & (consumed != lens)).to(tl.int32))
+                    if kind == 0:
+                        # An FP8 component stored raw (coding would not shrink it): copy this program's chunks.
+                        for i in range(BLOCK * CHUNK // RAW_STEP):
+                            offs = g * (BLOCK * CHUNK) + i * RAW_STEP + tl.arange(0, RAW_STEP)
+                            mask = offs < n_bytes
+                            tl.store(out + offs, tl.load(base + first + offs, mask=mask, other=0), mask=mask)
+                    else:
+                        # Chunk headers: word offset u32, table u8, flags u8, base bits u16, LANES u8 deltas.
+                        c = g * BLOCK + tl.arange(0, BLOCK)
+                        live = c < n_chunks
+                        hp = base + first + c * HDR
+                        word_off = tl.load(hp.to(u32), mask=live, other=0).to(tl.int64)
+                        table = tl.load(hp + 4, mask=live, other=0).to(tl.int32)
+                        lane_base = tl.load((hp + 6).to(tl.pointer_type(tl.uint16)), mask=live, other=0).to(tl.int32)
+                        lane = tl.arange(0, LANES)
+                        delta = tl.load(hp[:, None] + 8 + lane[None, :], mask=live[:, None], other=0).to(tl.int32)
+                        lens = lane_base[:, None] + delta
+                        sane = live & (word_off <= words) & (table < tables)
+                        bit = tl.where(sane, word_off, 0).to(tl.int32)[:, None] * 32 + tl.cumsum(lens, axis=1) - lens
+                        good = sane[:, None] & (bit + lens <= (words * 32).to(tl.int32))
+                        bad += tl.sum((live[:, None] & ~good).to(tl.int32))
+                        # A lane's state: a 64-bit buffer whose top `have` bits are the next stream bits.
+                        sp = (base + strm).to(u32)
+                        wi = bit >> 5
+                        skip = bit & 31
+                        w0 = tl.load(sp + wi, mask=good, other=0).to(tl.uint64)
+                        w1 = tl.load(sp + wi + 1, mask=good, other=0).to(tl.uint64)
+                        buf = ((w0 << 32) | w1) << skip.to(tl.uint64)
+                        have = 64 - skip
+                        nxt = wi + 2
+                        limit = (words + PAD_WORDS).to(tl.int32)
+                        # Every lane's LUT lies inside the record (bad tables fall back to table 0), so LUT reads need no mask.
+                        lut = base + luts + tl.where(sane, table, 0)[:, None] * 256
+                        nib16 = (base + nibs).to(tl.pointer_type(tl.uint16))
+                        out32 = out.to(u32)
+                        pos = c[:, None] * CHUNK + lane[None, :] * 4
+                        for k in range(STEPS):
+                            need = have < 32
+                            wv = tl.load(sp + nxt, mask=need & good & (nxt < limit), other=0).to(tl.uint64)
+                            buf = buf | (wv << tl.where(need, 32 - have, 0).to(tl.uint64))
+                            have = tl.where(need, have + 32, have)
+                            nxt = tl.where(need, nxt + 1, nxt)
+                            e0 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                            buf = buf << (e0 >> 4).to(tl.uint64)
+                            e1 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                            buf = buf << (e1 >> 4).to(tl.uint64)
+                            e2 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                            buf = buf << (e2 >> 4).to(tl.uint64)
+                            e3 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                            buf = buf << (e3 >> 4).to(tl.uint64)
+                            have = have - ((e0 >> 4) + (e1 >> 4) + (e2 >> 4) + (e3 >> 4))
+                            p = pos + k * (LANES * 4)
+                            wm = good & (p < n_bytes)
+                            # Nibbles (sign << 3 | mantissa) of bytes p..p+3, byte p lowest, spread one per byte.
+                            nb = tl.load(nib16 + (p >> 2), mask=wm, other=0).to(tl.uint32)
+                            nb = (nb & 0xFF) | ((nb >> 8) << 16)
+                            nb = (nb | (nb << 4)) & 0x0F0F0F0F
+                            exps = (e0 & 15) | ((e1 & 15) << 8) | ((e2 & 15) << 16) | ((e3 & 15) << 24)
+                            word = ((nb & 0x08080808) << 4) | (nb & 0x07070707) | (exps.to(tl.uint32) << 3)
+                            if ALIGNED:
+                                tl.store(out32 + (p >> 2), word, mask=wm)
+                            else:
+                                tl.store(out + p, word.to(tl.uint8), mask=wm)
+                                tl.store(out + p + 1, (word >> 8).to(tl.uint8), mask=good & (p + 1 < n_bytes))
+                                tl.store(out + p + 2, (word >> 16).to(tl.uint8), mask=good & (p + 2 < n_bytes))
+                                tl.store(out + p + 3, (word >> 24).to(tl.uint8), mask=good & (p + 3 < n_bytes))
+                        consumed = (nxt - wi) * 32 - skip - have
+                        bad += tl.sum((good & (consumed != lens)).to(tl.int32))
                 else:
                     offs = g * BLOCK + tl.arange(0, BLOCK)
                     mask = offs < n_bytes
