@@ -44,6 +44,7 @@ except ImportError:  # the CPU build may run without Triton; decode_record is th
 CHUNKS_PER_PROGRAM = 8  # chunks (x LANES lanes) one program decodes
 NUM_WARPS = 4
 RAW_BLOCK = 1024  # bytes per program for raw components
+FALLBACK_STEP = 256  # bytes per iteration when the FP8 kernel copies a component stored raw (more costs registers)
 
 _MAGIC_U32 = int.from_bytes(F.MAGIC, "little")
 _GEOMETRY_U32 = F.CHUNK_SYMBOLS | F.LANES << 16 | F.MAX_CODE_BITS << 24
@@ -136,7 +137,7 @@ def decode_into_slots(
             plan.max_record, plan.layout_crc, plan.header_word1, plan.raw_bytes,
             CODED=comp.coded, ALIGNED=aligned, BLOCK=block, LANES=F.LANES, STEPS=F.LANE_STEPS, CHUNK=F.CHUNK_SYMBOLS,
             HDR=F.CHUNK_HEADER_BYTES, MAX_TABLES=F.MAX_TABLES, PAD_WORDS=F.STREAM_PAD_WORDS,
-            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=RAW_BLOCK,
+            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=FALLBACK_STEP,
             num_warps=num_warps,
         )
 
