@@ -47,6 +47,9 @@ def paged_class(settings: PagerSettings) -> type:
             self._moe_index = vllm_glue.next_moe_index()
             num_moe_layers = vllm_glue.moe_layer_count(vllm_config.model_config.hf_text_config)
             vram, ram = settings.slots_for(self._moe_index, num_moe_layers, num_experts)
+            if vram < moe_config.experts_per_token:
+                raise SettingsError(f"BIGMOE_VRAM_SLOTS: layer {self._moe_index} has {vram} slots but each token uses "
+                                    f"{moe_config.experts_per_token} experts; give at least {moe_config.experts_per_token}")
             slot_config = dataclasses.replace(moe_config, num_experts=vram, num_local_experts=vram, num_logical_experts=vram)
             super().__init__(layer_name, params_dtype, slot_config, quant_config, expert_map_manager, **kwargs)
             # Ids from the router are expert ids in [0, num_experts); the kernel sees slot ids in [0, vram).

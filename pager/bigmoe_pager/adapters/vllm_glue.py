@@ -111,9 +111,12 @@ def _cpu_prepack(layer):
     experts = getattr(kernel, "fused_experts", None)
     try:
         from vllm._custom_ops import cpu_prepack_moe_weight
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8, CPUUnquantizedExperts
     except ImportError:
         return None
+    if isinstance(experts, CPUExpertsFp8):
+        # FP8 on CPU (AMX): VNNI-packed per expert; the block scales stay as loaded.
+        return lambda name, weight: torch.ops._C.convert_weight_packed(weight.unsqueeze(0).contiguous())[0]
     if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
         return None
     isa = experts.isa

@@ -2,16 +2,18 @@
 
 The pager copies compressed records into `staging` (a uint8 CUDA tensor), writes
 a work list `work` (int64 [M, 2]: byte offset of a record in staging, destination
-slot; slot -1 = nothing to do) and calls `decode_into_slots`. The kernels read
+slot; slot -1 = nothing to do) and calls `decode_into_slots`. The kernel reads
 the work list from device memory, so a CUDA graph that captured the call decodes
 whatever the current step wrote there when it is replayed.
 
-One launch per layout component. For a coded component, a program decodes
-CHUNKS chunks of one record: LANES lanes per chunk each hold a 64-bit bit buffer,
-refill 32 bits when fewer than 32 remain, then decode 4 exponents through the
-chunk's 256-entry LUT (codes are <= 8 bits, so 4 always fit) and join them with
-the sign/mantissa nibbles; the lanes of a chunk write one contiguous 64-byte run
-per step. Raw components (block scales) are copied.
+One launch covers up to four layout components (all of a MoE layout). Program
+(m, g) works on record m; its group g picks a component and a range of it. In a
+coded component a program decodes CHUNKS chunks: LANES lanes per chunk each hold
+a 64-bit bit buffer, refill 32 bits when fewer than 32 remain, then decode 4
+exponents through the chunk's 256-entry LUT (codes are <= 8 bits, so 4 always
+fit) and join them with the sign/mantissa nibbles; the lanes of a chunk write
+one contiguous 64-byte run per step. Raw components (block scales, or FP8 that
+would not shrink) are copied.
 
 Checks on the device (no host sync): header magic, version, layout crc, sizes
 and every section bound are checked before any byte is read from a record, and
@@ -20,7 +22,7 @@ check adds to `errors[m]` (int32 [M]); the slot of such a record holds garbage
 and must not be used. The crc32 of a record is checked on the host when it
 enters RAM (reference.verify_record, or the paging file's own crc).
 
-On CPU tensors the same kernels run under Triton's interpreter (tests).
+On CPU tensors the same kernel runs under Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ except ImportError:  # the CPU build may run without Triton; decode_record is th
 
 CHUNKS_PER_PROGRAM = 8  # chunks (x LANES lanes) one program decodes
 NUM_WARPS = 4
-RAW_BLOCK = 1024  # bytes per program for raw components
-FALLBACK_STEP = 256  # bytes per iteration when the FP8 kernel copies a component stored raw (more costs registers)
+RAW_STEP = 256  # bytes per iteration of a raw copy (wider costs registers the decode loop would then lack)
+MAX_COMPONENTS = 4  # components one launch covers; larger layouts launch in groups
 
 _MAGIC_U32 = int.from_bytes(F.MAGIC, "little")
 _GEOMETRY_U32 = F.CHUNK_SYMBOLS | F.LANES << 16 | F.MAX_CODE_BITS << 24
@@ -65,9 +67,7 @@ class ComponentPlan:
     nbytes: int
     """Bytes of one expert's slice."""
     coded: bool
-    """Exponent-coded FP8 (else copied raw)."""
-    chunks: int
-    """Chunks of CHUNK_SYMBOLS bytes (coded components)."""
+    """FP8: exponent-coded unless the record stores it raw (else always copied raw)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class DecodePlan:
 @lru_cache(maxsize=None)
 def decode_plan(layout: ExpertLayout) -> DecodePlan:
     comps = tuple(
-        ComponentPlan(c.name, F.directory_offset(i), c.nbytes, F.is_coded(c), F.chunks_of(c.nbytes))
+        ComponentPlan(c.name, F.directory_offset(i), c.nbytes, F.is_coded(c))
         for i, c in enumerate(layout.components)
     )
     return DecodePlan(comps, F.layout_crc(layout), F.CODEC_VERSION | len(comps) << 16, layout.record_bytes,
@@ -121,25 +121,35 @@ def decode_into_slots(
     _check(staging, work, slot_buffers, layout, errors)
     plan = decode_plan(layout)
     launch = kernel_for(_expand_kernel, staging.device)
-    for comp in plan.components:
-        dst = slot_buffers[comp.name]
-        dst = dst.view(dst.shape[0], -1).view(torch.uint8)
-        aligned = comp.nbytes % 4 == 0 and dst.data_ptr() % 4 == 0  # whole u32 stores
-        if comp.coded:
-            grid = (work.shape[0], triton.cdiv(comp.chunks, chunks_per_program))
-            block = chunks_per_program
-        else:
-            grid = (work.shape[0], triton.cdiv(comp.nbytes, RAW_BLOCK))
-            block = RAW_BLOCK
-        launch[grid](
-            staging, staging.numel(), work, dst, errors,
-            comp.dir_offset, comp.nbytes, comp.chunks,
+    span = chunks_per_program * F.CHUNK_SYMBOLS  # bytes of a component one program covers
+    comps = list(plan.components)
+    for start in range(0, len(comps), MAX_COMPONENTS):
+        group = comps[start : start + MAX_COMPONENTS]
+        dsts = [_flat_bytes(slot_buffers[c.name]) for c in group]
+        groups = [-(-c.nbytes // span) for c in group]
+        firsts = [sum(groups[:i]) for i in range(1, MAX_COMPONENTS)]  # first program group of components 1..3
+        coded = [c.coded for c in group]
+        aligned = [c.nbytes % 4 == 0 and d.data_ptr() % 4 == 0 for c, d in zip(group, dsts)]  # whole u32 stores
+        while len(dsts) < MAX_COMPONENTS:  # unused places: no program group reaches them
+            dsts.append(dsts[0])
+            group.append(group[0])
+            coded.append(False)
+            aligned.append(False)
+        launch[(work.shape[0], sum(groups))](
+            staging, staging.numel(), work, errors,
+            *dsts, *(c.dir_offset for c in group), *(c.nbytes for c in group), *firsts,
             plan.max_record, plan.layout_crc, plan.header_word1, plan.raw_bytes,
-            CODED=comp.coded, ALIGNED=aligned, BLOCK=block, LANES=F.LANES, STEPS=F.LANE_STEPS, CHUNK=F.CHUNK_SYMBOLS,
+            *coded, *aligned,
+            BLOCK=chunks_per_program, LANES=F.LANES, STEPS=F.LANE_STEPS, CHUNK=F.CHUNK_SYMBOLS,
             HDR=F.CHUNK_HEADER_BYTES, MAX_TABLES=F.MAX_TABLES, PAD_WORDS=F.STREAM_PAD_WORDS,
-            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=FALLBACK_STEP,
+            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=RAW_STEP,
             num_warps=num_warps,
         )
+
+
+def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
+    """[S, *shape] -> uint8 [S, nbytes] view of the same memory."""
+    return buf.view(buf.shape[0], -1).view(torch.uint8)
 
 
 def _check(staging, work, slot_buffers, layout: ExpertLayout, errors) -> None:
@@ -165,16 +175,27 @@ if triton is not None:
 
     @triton.jit
     def _expand_kernel(
-        staging, staging_bytes, work, dst, errors,
-        dir_off, n_bytes, n_chunks, max_record, layout_crc, header_word1, raw_bytes,
-        CODED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr,
-        CHUNK: tl.constexpr, HDR: tl.constexpr, MAX_TABLES: tl.constexpr, PAD_WORDS: tl.constexpr,
-        MAGIC: tl.constexpr, GEOMETRY: tl.constexpr, ALIGN: tl.constexpr, RAW_STEP: tl.constexpr,
+        staging, staging_bytes, work, errors,
+        dst0, dst1, dst2, dst3, dir0, dir1, dir2, dir3, n0, n1, n2, n3, g1, g2, g3,
+        max_record, layout_crc, header_word1, raw_bytes,
+        CODED0: tl.constexpr, CODED1: tl.constexpr, CODED2: tl.constexpr, CODED3: tl.constexpr,
+        ALIGNED0: tl.constexpr, ALIGNED1: tl.constexpr, ALIGNED2: tl.constexpr, ALIGNED3: tl.constexpr,
+        BLOCK: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr, CHUNK: tl.constexpr, HDR: tl.constexpr,
+        MAX_TABLES: tl.constexpr, PAD_WORDS: tl.constexpr, MAGIC: tl.constexpr, GEOMETRY: tl.constexpr,
+        ALIGN: tl.constexpr, RAW_STEP: tl.constexpr,
     ):
-        # Program (m, g): work item m, group g of chunks (coded) or bytes (raw).
+        # Program (m, g): record m; group g is part of component 0 below g1, 1 below g2, 2 below g3, else 3.
         # Written as one body: the interpreter cannot call nested jit helpers.
         m = tl.program_id(0)
         g = tl.program_id(1)
+        in1, in2, in3 = g >= g1, g >= g2, g >= g3
+        dst = tl.where(in3, dst3, tl.where(in2, dst2, tl.where(in1, dst1, dst0)))
+        dir_off = tl.where(in3, dir3, tl.where(in2, dir2, tl.where(in1, dir1, dir0)))
+        n_bytes = tl.where(in3, n3, tl.where(in2, n2, tl.where(in1, n1, n0)))
+        gl = g - tl.where(in3, g3, tl.where(in2, g2, tl.where(in1, g1, 0)))  # group within the component
+        coded = tl.where(in3, CODED3, tl.where(in2, CODED2, tl.where(in1, CODED1, CODED0)))
+        aligned = tl.where(in3, ALIGNED3, tl.where(in2, ALIGNED2, tl.where(in1, ALIGNED1, ALIGNED0)))
+        n_chunks = (n_bytes + CHUNK - 1) // CHUNK
         rec = tl.load(work + 2 * m)
         slot = tl.load(work + 2 * m + 1)
         if slot >= 0:
@@ -202,89 +223,81 @@ if triton is not None:
             tables = (kind_tables >> 8) & 0xFF
             kind = kind_tables & 0xFF
             raw_ok = (kind == 0) & (first + n_bytes <= total)
-            if CODED:
-                nib_bytes = ((n_bytes + 1) // 2 + 7) // 8 * 8
-                coded_ok = (kind == 1) & (tables >= 1) & (tables <= MAX_TABLES)
-                coded_ok = coded_ok & (first % 4 == 0) & (first + n_chunks * HDR <= total)
-                coded_ok = coded_ok & (luts + tables * 256 <= total) & (nibs % 2 == 0) & (nibs + nib_bytes <= total)
-                coded_ok = coded_ok & (strm % 4 == 0) & (strm + 4 * (words + PAD_WORDS) <= total) & (words < (1 << 26))
-                ok = ok & (coded_ok | raw_ok)
-            else:
-                ok = ok & raw_ok
+            nib_bytes = ((n_bytes + 1) // 2 + 7) // 8 * 8
+            coded_ok = coded & (kind == 1) & (tables >= 1) & (tables <= MAX_TABLES)
+            coded_ok = coded_ok & (first % 4 == 0) & (first + n_chunks * HDR <= total)
+            coded_ok = coded_ok & (luts + tables * 256 <= total) & (nibs % 2 == 0) & (nibs + nib_bytes <= total)
+            coded_ok = coded_ok & (strm % 4 == 0) & (strm + 4 * (words + PAD_WORDS) <= total) & (words < (1 << 26))
+            ok = ok & (raw_ok | coded_ok)
             bad = tl.where(ok, 0, 1)
             out = dst + slot * n_bytes
             if ok:
-                if CODED:
-                    if kind == 0:
-                        # An FP8 component stored raw (coding would not shrink it): copy this program's chunks.
-                        for i in range(BLOCK * CHUNK // RAW_STEP):
-                            offs = g * (BLOCK * CHUNK) + i * RAW_STEP + tl.arange(0, RAW_STEP)
-                            mask = offs < n_bytes
-                            tl.store(out + offs, tl.load(base + first + offs, mask=mask, other=0), mask=mask)
-                    else:
-                        # Chunk headers: word offset u32, table u8, flags u8, base bits u16, LANES u8 deltas.
-                        c = g * BLOCK + tl.arange(0, BLOCK)
-                        live = c < n_chunks
-                        hp = base + first + c * HDR
-                        word_off = tl.load(hp.to(u32), mask=live, other=0).to(tl.int64)
-                        table = tl.load(hp + 4, mask=live, other=0).to(tl.int32)
-                        lane_base = tl.load((hp + 6).to(tl.pointer_type(tl.uint16)), mask=live, other=0).to(tl.int32)
-                        lane = tl.arange(0, LANES)
-                        delta = tl.load(hp[:, None] + 8 + lane[None, :], mask=live[:, None], other=0).to(tl.int32)
-                        lens = lane_base[:, None] + delta
-                        sane = live & (word_off <= words) & (table < tables)
-                        bit = tl.where(sane, word_off, 0).to(tl.int32)[:, None] * 32 + tl.cumsum(lens, axis=1) - lens
-                        good = sane[:, None] & (bit + lens <= (words * 32).to(tl.int32))
-                        bad += tl.sum((live[:, None] & ~good).to(tl.int32))
-                        # A lane's state: a 64-bit buffer whose top `have` bits are the next stream bits.
-                        sp = (base + strm).to(u32)
-                        wi = bit >> 5
-                        skip = bit & 31
-                        w0 = tl.load(sp + wi, mask=good, other=0).to(tl.uint64)
-                        w1 = tl.load(sp + wi + 1, mask=good, other=0).to(tl.uint64)
-                        buf = ((w0 << 32) | w1) << skip.to(tl.uint64)
-                        have = 64 - skip
-                        nxt = wi + 2
-                        limit = (words + PAD_WORDS).to(tl.int32)
-                        # Every lane's LUT lies inside the record (bad tables fall back to table 0), so LUT reads need no mask.
-                        lut = base + luts + tl.where(sane, table, 0)[:, None] * 256
-                        nib16 = (base + nibs).to(tl.pointer_type(tl.uint16))
-                        out32 = out.to(u32)
-                        pos = c[:, None] * CHUNK + lane[None, :] * 4
-                        for k in range(STEPS):
-                            need = have < 32
-                            wv = tl.load(sp + nxt, mask=need & good & (nxt < limit), other=0).to(tl.uint64)
-                            buf = buf | (wv << tl.where(need, 32 - have, 0).to(tl.uint64))
-                            have = tl.where(need, have + 32, have)
-                            nxt = tl.where(need, nxt + 1, nxt)
-                            e0 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                            buf = buf << (e0 >> 4).to(tl.uint64)
-                            e1 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                            buf = buf << (e1 >> 4).to(tl.uint64)
-                            e2 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                            buf = buf << (e2 >> 4).to(tl.uint64)
-                            e3 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
-                            buf = buf << (e3 >> 4).to(tl.uint64)
-                            have = have - ((e0 >> 4) + (e1 >> 4) + (e2 >> 4) + (e3 >> 4))
-                            p = pos + k * (LANES * 4)
-                            wm = good & (p < n_bytes)
-                            # Nibbles (sign << 3 | mantissa) of bytes p..p+3, byte p lowest, spread one per byte.
-                            nb = tl.load(nib16 + (p >> 2), mask=wm, other=0).to(tl.uint32)
-                            nb = (nb & 0xFF) | ((nb >> 8) << 16)
-                            nb = (nb | (nb << 4)) & 0x0F0F0F0F
-                            exps = (e0 & 15) | ((e1 & 15) << 8) | ((e2 & 15) << 16) | ((e3 & 15) << 24)
-                            word = ((nb & 0x08080808) << 4) | (nb & 0x07070707) | (exps.to(tl.uint32) << 3)
-                            if ALIGNED:
-                                tl.store(out32 + (p >> 2), word, mask=wm)
-                            else:
-                                tl.store(out + p, word.to(tl.uint8), mask=wm)
-                                tl.store(out + p + 1, (word >> 8).to(tl.uint8), mask=good & (p + 1 < n_bytes))
-                                tl.store(out + p + 2, (word >> 16).to(tl.uint8), mask=good & (p + 2 < n_bytes))
-                                tl.store(out + p + 3, (word >> 24).to(tl.uint8), mask=good & (p + 3 < n_bytes))
-                        consumed = (nxt - wi) * 32 - skip - have
-                        bad += tl.sum((good & (consumed != lens)).to(tl.int32))
+                if kind == 0:
+                    # Raw bytes (block scales, or FP8 that coding would not shrink): copy this program's span.
+                    for i in range(BLOCK * CHUNK // RAW_STEP):
+                        offs = gl * (BLOCK * CHUNK) + i * RAW_STEP + tl.arange(0, RAW_STEP)
+                        mask = offs < n_bytes
+                        tl.store(out + offs, tl.load(base + first + offs, mask=mask, other=0), mask=mask)
                 else:
-                    offs = g * BLOCK + tl.arange(0, BLOCK)
-                    mask = offs < n_bytes
-                    tl.store(out + offs, tl.load(base + first + offs, mask=mask, other=0), mask=mask)
+                    # Chunk headers: word offset u32, table u8, flags u8, base bits u16, LANES u8 deltas.
+                    c = gl * BLOCK + tl.arange(0, BLOCK)
+                    live = c < n_chunks
+                    hp = base + first + c * HDR
+                    word_off = tl.load(hp.to(u32), mask=live, other=0).to(tl.int64)
+                    table = tl.load(hp + 4, mask=live, other=0).to(tl.int32)
+                    lane_base = tl.load((hp + 6).to(tl.pointer_type(tl.uint16)), mask=live, other=0).to(tl.int32)
+                    lane = tl.arange(0, LANES)
+                    delta = tl.load(hp[:, None] + 8 + lane[None, :], mask=live[:, None], other=0).to(tl.int32)
+                    lens = lane_base[:, None] + delta
+                    sane = live & (word_off <= words) & (table < tables)
+                    bit = tl.where(sane, word_off, 0).to(tl.int32)[:, None] * 32 + tl.cumsum(lens, axis=1) - lens
+                    good = sane[:, None] & (bit + lens <= (words * 32).to(tl.int32))
+                    bad += tl.sum((live[:, None] & ~good).to(tl.int32))
+                    # A lane's state: a 64-bit buffer whose top `have` bits are the next stream bits.
+                    sp = (base + strm).to(u32)
+                    wi = bit >> 5
+                    skip = bit & 31
+                    w0 = tl.load(sp + wi, mask=good, other=0).to(tl.uint64)
+                    w1 = tl.load(sp + wi + 1, mask=good, other=0).to(tl.uint64)
+                    buf = ((w0 << 32) | w1) << skip.to(tl.uint64)
+                    have = 64 - skip
+                    nxt = wi + 2
+                    limit = (words + PAD_WORDS).to(tl.int32)
+                    # Every lane's LUT lies inside the record (bad tables fall back to table 0): no mask needed.
+                    lut = base + luts + tl.where(sane, table, 0)[:, None] * 256
+                    nib16 = (base + nibs).to(tl.pointer_type(tl.uint16))
+                    out32 = out.to(u32)
+                    pos = c[:, None] * CHUNK + lane[None, :] * 4
+                    for k in range(STEPS):
+                        need = have < 32
+                        wv = tl.load(sp + nxt, mask=need & good & (nxt < limit), other=0).to(tl.uint64)
+                        buf = buf | (wv << tl.where(need, 32 - have, 0).to(tl.uint64))
+                        have = tl.where(need, have + 32, have)
+                        nxt = tl.where(need, nxt + 1, nxt)
+                        e0 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                        buf = buf << (e0 >> 4).to(tl.uint64)
+                        e1 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                        buf = buf << (e1 >> 4).to(tl.uint64)
+                        e2 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                        buf = buf << (e2 >> 4).to(tl.uint64)
+                        e3 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
+                        buf = buf << (e3 >> 4).to(tl.uint64)
+                        have = have - ((e0 >> 4) + (e1 >> 4) + (e2 >> 4) + (e3 >> 4))
+                        p = pos + k * (LANES * 4)
+                        wm = good & (p < n_bytes)
+                        # Nibbles (sign << 3 | mantissa) of bytes p..p+3, byte p lowest, spread one per byte.
+                        nb = tl.load(nib16 + (p >> 2), mask=wm, other=0).to(tl.uint32)
+                        nb = (nb & 0xFF) | ((nb >> 8) << 16)
+                        nb = (nb | (nb << 4)) & 0x0F0F0F0F
+                        exps = (e0 & 15) | ((e1 & 15) << 8) | ((e2 & 15) << 16) | ((e3 & 15) << 24)
+                        word = ((nb & 0x08080808) << 4) | (nb & 0x07070707) | (exps.to(tl.uint32) << 3)
+                        if aligned:
+                            tl.store(out32 + (p >> 2), word, mask=wm)
+                        else:
+                            tl.store(out + p, word.to(tl.uint8), mask=wm)
+                            tl.store(out + p + 1, (word >> 8).to(tl.uint8), mask=good & (p + 1 < n_bytes))
+                            tl.store(out + p + 2, (word >> 16).to(tl.uint8), mask=good & (p + 2 < n_bytes))
+                            tl.store(out + p + 3, (word >> 24).to(tl.uint8), mask=good & (p + 3 < n_bytes))
+                    consumed = (nxt - wi) * 32 - skip - have
+                    bad += tl.sum((good & (consumed != lens)).to(tl.int32))
             tl.atomic_add(errors + m, bad, mask=bad > 0)
