@@ -70,7 +70,8 @@ CHUNK_DTYPE = [("word_offset", "<u4"), ("table", "u1"), ("flags", "u1"), ("base_
 
 
 class CodecError(ValueError):
-    """A record is corrupt, malformed, or was made for another layout or codec; never decode it into weights."""
+    """A record is corrupt, malformed, or made for another layout or codec (never decode it into weights), or an
+    encoder input does not fit its layout."""
 
 
 @dataclass(frozen=True)
