@@ -151,12 +151,18 @@ def _check_raw(raw: np.ndarray, layout: ExpertLayout) -> np.ndarray:
         raise F.CodecError(f"encode_record wants a 1-D uint8 record, got {raw.dtype} with shape {raw.shape}")
     if raw.size not in (layout.record_bytes, layout.pitch):
         raise F.CodecError(f"record is {raw.size} bytes; layout wants {layout.record_bytes} (or its pitch {layout.pitch})")
-    covered = np.zeros(raw.size, bool)
-    for c in layout.components:
-        covered[c.offset : c.offset + c.nbytes] = True
-    if raw[~covered].any():
+    if any(raw[start:end].any() for start, end in _gaps(layout, raw.size)):
         raise F.CodecError("record has non-zero bytes in the padding between components; only component bytes are kept")
     return raw
+
+
+def _gaps(layout: ExpertLayout, size: int) -> list[tuple[int, int]]:
+    """Byte ranges of a record of `size` bytes that no component covers."""
+    spans, end = [], 0
+    for c in sorted(layout.components, key=lambda c: c.offset):
+        spans.append((end, c.offset))
+        end = c.offset + c.nbytes
+    return spans + [(end, size)]
 
 
 def _pairs(exps: np.ndarray) -> np.ndarray:
