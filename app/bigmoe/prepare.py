@@ -48,7 +48,10 @@ def paging_file_matches(path: Path, model_path: Path, compressed: bool) -> bool:
         layers, experts = probe.num_layers, probe.num_experts
         probe.close()
         codec, version = _codec(compressed)
-        PagingFileStore(path, layout, checkpoint_meta(model_path, layout, layers, experts, codec, version)).close()
+        from bigmoe_pager.core.paging_build import compressed_pitch
+
+        pitch = compressed_pitch(layout) if compressed else None
+        PagingFileStore(path, layout, checkpoint_meta(model_path, layout, layers, experts, codec, version), pitch=pitch).close()
         return True
     except (PagingFileError, CheckpointError, OSError, ValueError):
         return False

@@ -45,16 +45,17 @@ def test_bad_slot_settings_fail_startup_with_one_clear_line(models, env, message
     assert "TOKENS" not in proc.stdout
 
 
-def test_paging_file_serves_the_same_tokens_and_refuses_another_model(models, tmp_path):
+@pytest.mark.parametrize("compress", ["off", "on"])
+def test_paging_file_serves_the_same_tokens_and_refuses_another_model(models, tmp_path, compress):
     model, other = models
-    paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=False)
+    paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=compress == "on")
     plain = run(model, {})
     paged = run(model, {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "5", "BIGMOE_RAM_SLOTS": "8",
-                        "BIGMOE_PAGING_FILE": str(paging), "BIGMOE_COMPRESS": "off"})
+                        "BIGMOE_PAGING_FILE": str(paging), "BIGMOE_COMPRESS": compress})
     assert paged.returncode == 0, paged.stderr[-2000:]
     assert [l for l in paged.stdout.splitlines() if l.startswith("TOKENS")] == \
            [l for l in plain.stdout.splitlines() if l.startswith("TOKENS")]
     foreign = run(other, {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_RAM_SLOTS": "8",
-                          "BIGMOE_PAGING_FILE": str(paging), "BIGMOE_COMPRESS": "off"})
+                          "BIGMOE_PAGING_FILE": str(paging), "BIGMOE_COMPRESS": compress})
     assert foreign.returncode != 0
     assert "BIGMOE_PAGING_FILE" in foreign.stderr

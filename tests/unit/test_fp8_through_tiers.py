@@ -17,7 +17,8 @@ from bigmoe.tinymoe.fp8 import dequantize_blocks
 from bigmoe.tinymoe.shape import TinyShape
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.host_pager import HostPager, TierSizes
-from bigmoe_pager.core.paging_build import layout_for_checkpoint
+from bigmoe_pager.adapters.ssd_source import paging_file_source
+from bigmoe_pager.core.paging_build import build_paging_file, layout_for_checkpoint
 from bigmoe_pager.core.safetensors_index import index_files, shard_paths
 
 SHAPES = [TinyShape(layers=2, experts=8, top_k=2, hidden=256, moe_intermediate=128, vocab=512),
@@ -42,13 +43,21 @@ def checkpoint_expert(model_dir, layer: int, expert: int) -> dict[str, torch.Ten
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["256x128", "128x256"])
 @pytest.mark.parametrize("vram,ram", [(3, 4), (4, 6)])
-def test_fp8_slots_hold_the_checkpoint_bytes_and_dequantize_exactly(tiny_checkpoint, shape, vram, ram):
+@pytest.mark.parametrize("ssd", ["checkpoint", "compressed paging file"])
+def test_fp8_slots_hold_the_checkpoint_bytes_and_dequantize_exactly(tiny_checkpoint, tmp_path, shape, vram, ram, ssd):
     model = tiny_checkpoint(shape, "fp8", seed=11, with_tokenizer=False)
     layout = layout_for_checkpoint(model)
     assert layout["w13_weight"].dtype == torch.float8_e4m3fn
     store = CheckpointStore(model, layout)
+    if ssd != "checkpoint":
+        paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=True)
+        raw_records = shape.layers * shape.experts * layout.record_bytes
+        assert paging.stat().st_size < 0.95 * raw_records, "the codec must shrink FP8 experts on SSD"
     for layer in range(shape.layers):
-        source = type("Src", (), {"read_record": lambda self, e, dst, l=layer: store.read(l, e, dst)})()
+        if ssd == "checkpoint":
+            source = type("Src", (), {"read_record": lambda self, e, dst, l=layer: store.read(l, e, dst)})()
+        else:
+            source = paging_file_source(paging, model, layout, layer, shape.layers, shape.experts, compressed=True)
         pager = HostPager(layout, TierSizes(shape.experts, vram, ram), source)
         for e in range(shape.experts):
             r = pager.ram_slot_for_load(e)

@@ -11,7 +11,7 @@ import torch
 
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.paging_build import checkpoint_meta
+from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore
 from bigmoe_pager.settings import SettingsError
 
@@ -24,7 +24,7 @@ class LayerSource:
 
     def __init__(self, store, layer: int, layout: ExpertLayout, decode=None):
         self.store, self.layer, self.layout, self.decode = store, layer, layout, decode
-        self._scratch = np.empty(layout.pitch, dtype=np.uint8) if decode else None
+        self._scratch = np.empty(getattr(store, "pitch", layout.pitch), dtype=np.uint8) if decode else None
 
     def read_record(self, expert: int, dst: torch.Tensor) -> None:
         if self.decode is None:
@@ -63,7 +63,7 @@ def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_lay
         codec, version, decode = CODEC_NAME, CODEC_VERSION, decode_record
     expect = checkpoint_meta(model_dir, layout, num_layers, num_experts, codec, version)
     try:
-        store = PagingFileStore(path, layout, expect)
+        store = PagingFileStore(path, layout, expect, pitch=compressed_pitch(layout) if compressed else None)
     except PagingFileError as e:
         raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
     model_layers = CheckpointStore(model_dir, layout).model_layers

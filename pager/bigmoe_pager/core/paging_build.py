@@ -44,6 +44,13 @@ def layout_for_checkpoint(model_dir: Path) -> ExpertLayout:
     return ExpertLayout.for_moe(hidden, inter, dtype)
 
 
+def compressed_pitch(layout: ExpertLayout) -> int:
+    """Bytes a compressed record may take: the codec's worst case (raw plus its header), block aligned."""
+    from bigmoe_pager.codec import max_record_bytes
+
+    return -(-max_record_bytes(layout) // 4096) * 4096
+
+
 def checkpoint_meta(model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int,
                     codec: str = "raw", codec_version: int = 0) -> PagingFileMeta:
     return PagingFileMeta(
@@ -62,17 +69,17 @@ def build_paging_file(model_dir: Path, out: Path, compress: bool,
     """Write every expert of the checkpoint into a paging file at `out` (atomically)."""
     layout = layout_for_checkpoint(model_dir)
     store = CheckpointStore(model_dir, layout)
-    encode, codec, version = None, "raw", 0
+    encode, codec, version, pitch = None, "raw", 0, None
     if compress:
         from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, encode_record
 
-        codec, version = CODEC_NAME, CODEC_VERSION
+        codec, version, pitch = CODEC_NAME, CODEC_VERSION, compressed_pitch(layout)
         encode = lambda raw: encode_record(np.asarray(raw), layout)  # noqa: E731
     meta = checkpoint_meta(model_dir, layout, store.num_layers, store.num_experts, codec, version)
     total = store.num_layers * store.num_experts
     counted = _Counting(store, progress, total)
     try:
-        return write_paging_file(out, meta, counted, encode=encode)
+        return write_paging_file(out, meta, counted, encode=encode, pitch=pitch)
     finally:
         store.close()
 

@@ -169,10 +169,11 @@ class PagingFileWriter:
 
 def write_paging_file(path: str | os.PathLike, meta: PagingFileMeta, source: ExpertStore,
                       encode: Callable[[np.ndarray], object] | None = None,
-                      opener: Callable[[Path], BinaryIO] | None = None) -> Path:
-    """Copy every record of `source` (optionally through `encode`) into a new paging file at path."""
+                      opener: Callable[[Path], BinaryIO] | None = None, pitch: int | None = None) -> Path:
+    """Copy every record of `source` (optionally through `encode`) into a new paging file at path.
+    `pitch` bounds a record (default: the layout's; an encoder's worst case can be a little larger)."""
     buf = aligned_empty(source.layout.pitch).numpy()
-    with PagingFileWriter(path, meta, source.layout.pitch, opener=opener) as writer:
+    with PagingFileWriter(path, meta, pitch or source.layout.pitch, opener=opener) as writer:
         for layer in range(meta.num_layers):
             for expert in range(meta.num_experts):
                 n = source.read(layer, expert, buf)
@@ -184,13 +185,14 @@ class PagingFileStore:
     """ExpertStore over a finished paging file; every read is checked against its crc32."""
 
     def __init__(self, path: str | os.PathLike, layout: ExpertLayout, expect: PagingFileMeta, *, retries: int = 2,
-                 io: SystemFileIO | None = None, counters: ReadCounters | None = None):
+                 io: SystemFileIO | None = None, counters: ReadCounters | None = None, pitch: int | None = None):
         self.path = Path(path)
         self.layout = layout
         self.counters = counters if counters is not None else ReadCounters()
         if expect.layout_signature != layout.signature():
             raise ValueError("expect.layout_signature differs from layout.signature(); pass the layout the records use")
-        self.meta, self._index = _open_index(self.path, expect, layout.pitch)
+        self.pitch = pitch or layout.pitch
+        self.meta, self._index = _open_index(self.path, expect, self.pitch)
         self.num_layers, self.num_experts, self.codec = self.meta.num_layers, self.meta.num_experts, self.meta.codec
         self._file = DirectFile(self.path, retries=retries, io=io, counters=self.counters)
 
