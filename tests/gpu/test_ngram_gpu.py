@@ -56,12 +56,18 @@ def test_consecutive_steps_get_their_own_rows(table):
         pf.close()
 
 
-def test_device_dequant_equals_cpu_dequant(table):
+def test_device_dequant_is_vllms_arithmetic_on_the_device(table):
+    """On the GPU, dequantized rows equal vLLM's formula (fp8 -> bf16, times the bf16 scale) run on the GPU,
+    and stay within one bf16 rounding of the exact product. CPU and GPU bf16 multiplies may round
+    differently (seen on the H200), so the CPU result is not the reference here."""
     ids = np.random.default_rng(1).integers(0, ROWS, (64, HEADS))
     host = torch.from_numpy(table.gather(ids))
-    want = dequantize_rows(host, "F8_E4M3", table.scale, torch.bfloat16)
-    got = dequantize_rows(host.cuda(), "F8_E4M3", table.scale, torch.bfloat16).cpu()
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    got = dequantize_rows(host.cuda(), "F8_E4M3", table.scale, torch.bfloat16)
+    fp8 = host.cuda().view(torch.float8_e4m3fn)
+    vllm_formula = fp8.to(torch.bfloat16) * torch.tensor(table.scale, device="cuda").to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), vllm_formula.view(torch.int16))
+    exact = fp8.double() * float(torch.tensor(table.scale).to(torch.bfloat16))
+    assert torch.allclose(got.double(), exact, rtol=2 ** -8, atol=0)
 
 
 def test_failed_gather_raises_at_finish_on_the_caller(table):
