@@ -37,6 +37,8 @@ class RunOptions:
     """API key vLLM requires, if any."""
     model_dir: str | None = None
     """Checkpoint directory to serve instead of fetching or making one."""
+    paging_dir: str | None = None
+    """Directory of the paging file (None = bigmoe's cache)."""
     vram_slots: int | None = None
     """VRAM expert slots per layer, beating the plan."""
     ram_slots: int | None = None
@@ -65,7 +67,8 @@ def probe_machine(preset: presets.Preset, opts: RunOptions):
     from bigmoe.probe import probe
 
     model_dir, paging_dir = default_dirs(preset)
-    dirs = [Path(opts.model_dir).expanduser() if opts.model_dir else Path(model_dir), Path(paging_dir)]
+    dirs = [Path(opts.model_dir).expanduser() if opts.model_dir else Path(model_dir),
+            Path(opts.paging_dir).expanduser() if opts.paging_dir else Path(paging_dir)]
     return probe(paths=[_nearest_existing(d) for d in dirs])
 
 
@@ -82,6 +85,7 @@ def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk:
         vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
         context=opts.context, force=opts.force, host=opts.host, port=opts.port,
         model_path=opts.model_dir, model_on_disk=model_on_disk or bool(opts.model_dir),
+        paging_dir=str(Path(opts.paging_dir).expanduser()) if opts.paging_dir else None,
     )
     return plan(hardware, preset, overrides)
 
