@@ -20,9 +20,9 @@ HOME = "/home/user/.cache/bigmoe"
 """BIGMOE_HOME the tests plan with (never created: the fakes write under tmp_path)."""
 
 
-def fixed_disk(path: str = "/home") -> Disk:
+def fixed_disk(path: str = "/") -> Disk:
     return Disk(path=path, device="nvme0n1", kind="nvme", kind_basis="sysfs: rotational 0, nvme transport",
-                mount_point="/home", filesystem="ext4", windows_drive=False, free_bytes=900 * GIB,
+                mount_point="/", filesystem="ext4", windows_drive=False, free_bytes=900 * GIB,
                 o_direct=True, o_direct_basis="an aligned 4 KiB read returned the file's bytes")
 
 
@@ -54,11 +54,11 @@ WINDOWS = [window(None, 0.0, 0.5, 0.8)] + [window(9.0 + (i % 5), 80.0 + 7 * (i %
 
 
 class FakeWatcher:
-    """A fake of watch.Watcher: hands out WINDOWS in order, then idle windows."""
+    """A fake of watch.Watcher: hands out WINDOWS in order, then the busy ones again and again."""
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
-        self.windows = itertools.chain(WINDOWS, itertools.repeat(window(None, 0.0, 0.0, 0.0)))
+        self.windows = itertools.chain(WINDOWS, itertools.cycle(WINDOWS[1:]))
 
     def poll(self) -> Window:
         return next(self.windows)

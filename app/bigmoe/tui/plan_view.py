@@ -43,7 +43,7 @@ def choices_table(plan: Plan) -> Table:
     table = Table(title="Plan", title_justify="left", expand=True, show_edge=False, pad_edge=False)
     table.add_column("choice", style="bold", no_wrap=True)
     table.add_column("value", style="cyan", no_wrap=True)
-    table.add_column("reason", ratio=1)
+    table.add_column("reason", ratio=1, overflow="fold")
     values = choice_values(plan)
     keys = [k for k in CHOICE_ORDER if k in plan.reasons] + [k for k in plan.reasons if k not in CHOICE_ORDER]
     for key in keys:
@@ -73,7 +73,7 @@ def memory_tables(plan: Plan) -> list[Table]:
                       title_style="bold red" if mem.fits is False else "bold", expand=True, show_edge=False, pad_edge=False)
         table.add_column("item", no_wrap=True)
         table.add_column("size", style="cyan", justify="right", no_wrap=True)
-        table.add_column("reason", ratio=1)
+        table.add_column("reason", ratio=1, overflow="fold")
         for row in mem.rows:
             table.add_row(row.item, gib(row.bytes), row.reason)
         out.append(table)
