@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.odirect import ODirectError, odirect_works
+from bigmoe_pager.core.safetensors_index import CheckpointError
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore
@@ -35,27 +37,32 @@ class LayerSource:
         dst[: self.layout.record_bytes].copy_(torch.from_numpy(np.asarray(raw, dtype=np.uint8)[: self.layout.record_bytes]))
 
 
-def checkpoint_source(model_dir: Path, layout: ExpertLayout, decoder_layer: int) -> LayerSource:
+def checkpoint_source(model_dir: Path, layout: ExpertLayout, decoder_layer: int, io=None) -> LayerSource:
+    """The SSD tier reading the checkpoint's own byte ranges (io: a file-I/O fake for tests)."""
     key = ("checkpoint", str(model_dir), layout.signature())
     with _lock:
         if key not in _stores:
-            _stores[key] = CheckpointStore(model_dir, layout)
+            try:
+                _stores[key] = CheckpointStore(model_dir, layout, io=io)
+                odirect_ok(sorted(model_dir.glob("*.safetensors"))[0], io)
+            except (CheckpointError, ODirectError) as e:
+                raise SettingsError(f"the SSD tier cannot read the checkpoint in place: {e}") from None
     store = _stores[key]
     return LayerSource(store, _moe_layer(store.model_layers, decoder_layer), layout)
 
 
 def paging_file_source(path: Path, model_dir: Path, layout: ExpertLayout, decoder_layer: int,
-                       num_moe_layers: int, num_experts: int, compressed: bool) -> LayerSource:
+                       num_moe_layers: int, num_experts: int, compressed: bool, io=None) -> LayerSource:
     key = ("paging", str(path), layout.signature(), compressed)
     with _lock:
         if key not in _stores:
-            _stores[key] = _open_paging_file(path, model_dir, layout, num_moe_layers, num_experts, compressed)
+            _stores[key] = _open_paging_file(path, model_dir, layout, num_moe_layers, num_experts, compressed, io)
     store, decode, model_layers = _stores[key]
     return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout, decode)
 
 
 def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int,
-                      compressed: bool):
+                      compressed: bool, io=None):
     codec, version, decode = "raw", 0, None
     if compressed:
         from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, decode_record
@@ -63,11 +70,19 @@ def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_lay
         codec, version, decode = CODEC_NAME, CODEC_VERSION, decode_record
     expect = checkpoint_meta(model_dir, layout, num_layers, num_experts, codec, version)
     try:
-        store = PagingFileStore(path, layout, expect, pitch=compressed_pitch(layout) if compressed else None)
-    except PagingFileError as e:
+        store = PagingFileStore(path, layout, expect, pitch=compressed_pitch(layout) if compressed else None, io=io)
+        odirect_ok(path, io)
+    except (PagingFileError, ODirectError) as e:
         raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
     model_layers = CheckpointStore(model_dir, layout).model_layers
     return store, decode, model_layers
+
+
+def odirect_ok(file: Path, io=None) -> None:
+    """Refuse a tier whose file cannot be read with O_DIRECT (a real aligned read; io: a fake for tests)."""
+    ok, why = odirect_works(file, io)
+    if not ok:
+        raise ODirectError(f"O_DIRECT reads fail on {file} ({why}); put it on a local SSD filesystem")
 
 
 def _moe_layer(model_layers: list[int], decoder_layer: int) -> int:

@@ -1,0 +1,62 @@
+"""The plugin's SSD tier refuses, at start-up and in one line, sources it cannot use."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigmoe_pager.adapters import ssd_source
+from bigmoe_pager.core.paging_build import build_paging_file, layout_for_checkpoint
+from bigmoe_pager.settings import SettingsError
+from ssd_testkit import FakeFaultyIO
+
+
+@pytest.fixture
+def model(tiny_checkpoint):
+    from bigmoe.tinymoe.shape import TinyShape
+
+    return tiny_checkpoint(TinyShape(layers=2, experts=4, top_k=2, hidden=128, moe_intermediate=128, vocab=512), "bf16",
+                           seed=1, with_tokenizer=False)
+
+
+@pytest.fixture(autouse=True)
+def fresh_stores():
+    ssd_source._stores.clear()
+    yield
+    ssd_source._stores.clear()
+
+
+def test_filesystem_without_odirect_is_refused_for_the_checkpoint(model):
+    """FakeFaultyIO stands in for a filesystem that refuses O_DIRECT (this machine's all accept it)."""
+    layout = layout_for_checkpoint(model)
+    with pytest.raises(SettingsError, match="O_DIRECT"):
+        ssd_source.checkpoint_source(model, layout, 0, io=FakeFaultyIO(refuse_open=True))
+
+
+def test_filesystem_without_odirect_is_refused_for_a_paging_file(model, tmp_path):
+    layout = layout_for_checkpoint(model)
+    paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=False)
+    with pytest.raises(SettingsError, match="BIGMOE_PAGING_FILE: .*O_DIRECT"):
+        ssd_source.paging_file_source(paging, model, layout, 0, 2, 4, compressed=False, io=FakeFaultyIO(refuse_open=True))
+
+
+@pytest.mark.parametrize("built_compressed,asked_compressed", [(False, True), (True, False)])
+def test_codec_mismatch_is_refused(model, tmp_path, built_compressed, asked_compressed):
+    layout = layout_for_checkpoint(model)
+    paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=built_compressed)
+    with pytest.raises(SettingsError, match="BIGMOE_PAGING_FILE"):
+        ssd_source.paging_file_source(paging, model, layout, 0, 2, 4, compressed=asked_compressed)
+
+
+def test_layers_read_exact_records(model, tmp_path):
+    import torch
+
+    layout = layout_for_checkpoint(model)
+    paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=True)
+    direct = ssd_source.checkpoint_source(model, layout, 1)
+    paged = ssd_source.paging_file_source(paging, model, layout, 1, 2, 4, compressed=True)
+    for expert in range(4):
+        a = torch.zeros(layout.pitch, dtype=torch.uint8)
+        b = torch.ones(layout.pitch, dtype=torch.uint8)
+        direct.read_record(expert, a)
+        paged.read_record(expert, b)
+        assert torch.equal(a[: layout.record_bytes], b[: layout.record_bytes])

@@ -1,0 +1,55 @@
+"""Windowed TPOT, TTFT, tok/s and tier hit rates from two /metrics scrapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigmoe.watch import parse, window
+
+
+def scrape(tpot_sum, tpot_n, ttft_sum, ttft_n, tokens, vram_lookups, vram_hits, ram_lookups, ram_hits) -> str:
+    return f"""# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {tpot_n}
+vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {tpot_n}
+vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {tpot_sum}
+# HELP vllm:request_time_per_output_token_seconds Histogram of time_per_output_token_seconds per request.
+# TYPE vllm:request_time_per_output_token_seconds histogram
+vllm:request_time_per_output_token_seconds_count{{engine="0",model_name="m"}} 999
+vllm:request_time_per_output_token_seconds_sum{{engine="0",model_name="m"}} 999
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} {ttft_n}
+vllm:time_to_first_token_seconds_sum{{engine="0",model_name="m"}} {ttft_sum}
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {tokens}
+# HELP bigmoe_expert_lookups_total Experts looked up in a tier
+# TYPE bigmoe_expert_lookups_total counter
+bigmoe_expert_lookups_total{{layer="0",tier="vram"}} {vram_lookups / 2}
+bigmoe_expert_lookups_total{{layer="1",tier="vram"}} {vram_lookups / 2}
+bigmoe_expert_lookups_total{{layer="0",tier="ram"}} {ram_lookups}
+# HELP bigmoe_expert_hits_total Experts found in a tier
+# TYPE bigmoe_expert_hits_total counter
+bigmoe_expert_hits_total{{layer="0",tier="vram"}} {vram_hits / 2}
+bigmoe_expert_hits_total{{layer="1",tier="vram"}} {vram_hits / 2}
+bigmoe_expert_hits_total{{layer="0",tier="ram"}} {ram_hits}
+"""
+
+
+def test_window_from_deltas():
+    old = parse(scrape(1.0, 100, 0.5, 10, 1000, 400, 300, 100, 60), now=10.0)
+    new = parse(scrape(1.5, 200, 0.9, 12, 1100, 800, 700, 100, 60), now=15.0)
+    w = window(old, new)
+    assert w.tpot_ms == pytest.approx(5.0)  # 0.5 s over 100 tokens, from the first TPOT series only
+    assert w.ttft_ms == pytest.approx(200.0)
+    assert w.tokens_per_s == pytest.approx(20.0)
+    assert w.hit_rate == {"vram": pytest.approx(1.0)}  # ram tier saw no lookups in the window
+    assert w.layer_hit_rate["vram"] == {"0": pytest.approx(1.0), "1": pytest.approx(1.0)}
+
+
+def test_idle_window_has_no_latency():
+    a = parse(scrape(1.0, 100, 0.5, 10, 1000, 400, 300, 100, 60), now=1.0)
+    w = window(a, parse(scrape(1.0, 100, 0.5, 10, 1000, 400, 300, 100, 60), now=2.0))
+    assert w.tpot_ms is None and w.ttft_ms is None and w.tokens_per_s == 0 and w.hit_rate == {}
+    assert w.summary()["tpot_ms"] is None
