@@ -13,6 +13,7 @@ import httpx
 from bigmoe import launch, pipeline
 from bigmoe.client import chat
 from bigmoe.errors import BigmoeError
+from bigmoe.prepare import prepare
 
 EXIT_OK = 0
 EXIT_REFUSED = 3  # the plan was refused (rerun with --force to override)
@@ -49,6 +50,7 @@ def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
             raise PlanRefused(f"plan refused: {the_plan.refusal} (rerun with --force to launch anyway)")
         say("plan", {"forced": True, "refusal": the_plan.refusal})
     model_path = pipeline.obtain_model(preset, the_plan, opts, say)
+    prepare(the_plan, model_path, say)
     server = pipeline.start_server(preset, the_plan, model_path, opts)
     say("launch", {"pid": server.info.pid, "log": server.info.log})
     try:
