@@ -107,7 +107,10 @@ def run_tui(opts: RunOptions, steps: Steps | None = None) -> int:
     steps = steps or Steps()
     preset = steps.load_preset(opts)
     app = BigmoeApp(preset, opts, steps)
-    code = app.run()
+    try:
+        code = app.run()
+    finally:
+        app.session.stop()  # a no-op after q; stops the server if the app ended any other way
     if app.exit_message:
         print(f"bigmoe: {app.exit_message}", file=sys.stderr)
     return code if isinstance(code, int) else app.return_code or EXIT_OK

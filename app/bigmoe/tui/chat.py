@@ -8,6 +8,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Input, Static
 
+from bigmoe.tui.text import printable
+
 
 class ChatBox(Vertical):
     """Input for a prompt; posts ChatBox.Send, and shows what `show_answer`/`show_error` are given."""
@@ -54,10 +56,10 @@ class ChatBox(Vertical):
     def show_answer(self, result) -> None:
         self.busy = False
         self.last_result = result
-        self.query_one("#answer", Static).update(Text.assemble((f"> {self.prompt}\n", "bold"), result.text.strip()))
+        self.query_one("#answer", Static).update(Text.assemble((f"> {self.prompt}\n", "bold"), printable(result.text.strip())))
         self.query_one("#timing", Static).update(
             f"TTFT {result.ttft_ms:.0f} ms, TPOT {result.tpot_ms:.2f} ms, {result.tokens} tokens")
 
     def show_error(self, error: str) -> None:
         self.busy = False
-        self.query_one("#timing", Static).update(Text(error, style="bold red"))
+        self.query_one("#timing", Static).update(Text(printable(error), style="bold red"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bigmoe.launch import error_line
+from bigmoe.tui.text import printable
 
 MAX_READ_BYTES = 1 << 20
 """Most bytes read per call, so a burst of logging never stalls the screen (bytes)."""
@@ -19,7 +20,7 @@ class LogTail:
         self.partial = b""
 
     def read_new(self) -> list[str]:
-        """New complete lines (a line still being written waits for its newline)."""
+        """New complete lines, made printable (a line still being written waits for its newline)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -29,14 +30,15 @@ class LogTail:
         self.offset += len(chunk)
         data = self.partial + chunk
         *lines, self.partial = data.split(b"\n")
-        return [line.decode(errors="replace").rstrip("\r") for line in lines]
+        return [printable(line.decode(errors="replace")) for line in lines]
 
 
 def error_index(lines: list[str], log: Path) -> int | None:
-    """Index in `lines` of the line launch.error_line picks for this log (the last one that matches)."""
-    wanted = error_line(log)
+    """Index in `lines` (the log made printable) of the line launch.error_line picks, searching from the end."""
+    wanted = printable(error_line(log)).strip()
+    if not wanted:
+        return None
     for i in range(len(lines) - 1, -1, -1):
-        stripped = lines[i].strip()
-        if stripped and stripped[-400:] == wanted:
+        if wanted in lines[i]:  # error_line keeps a long line's last 400 characters
             return i
     return None

@@ -17,6 +17,7 @@ from bigmoe.launch import STAGES
 from bigmoe.tui.logtail import LogTail, error_index
 from bigmoe.tui.messages import ServerReady, ServerStarted, StageReached, StartFailed, StepProgress
 from bigmoe.tui.progress_view import describe, finished, fraction
+from bigmoe.tui.text import printable
 
 STEP_ROWS = {"model": "model", "fetch": "model", "prepare": "prepare"}
 """Progress event -> the row of the screen it updates."""
@@ -141,7 +142,7 @@ class ProgressScreen(Screen):
     def show_log_at_error(self, log_path: Path) -> None:
         """The whole log, its error line (launch.error_line) marked, scrolled so that line is in view."""
         try:
-            lines = log_path.read_text(errors="replace").splitlines()
+            lines = [printable(line) for line in log_path.read_text(errors="replace").splitlines()]
         except OSError as e:
             lines = [f"(cannot read {log_path}: {e})"]
         self.error_at = error_index(lines, log_path)
