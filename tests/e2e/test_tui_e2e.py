@@ -23,6 +23,7 @@ from bigmoe.tui.plan_screen import PlanScreen
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed for e2e tests")
 
+PROMPTS = ("Tell me about the sea.", "And about rivers?", "Name a mountain.")
 START_S = 240.0
 """Most seconds for the tiny model to be made and vLLM CPU to answer /health on a loaded machine."""
 
@@ -90,9 +91,14 @@ def test_tui_plans_launches_chats_and_quits_cleanly(tmp_path, monkeypatch):
         dash = pilot.app.screen
         seen["pid"] = dash.server.info.pid
         seen["runfile"] = dash.server.runfile
-        await pilot.press("c", *"Tell me about the sea.", "enter")
         chat = dash.query_one("#chat")
-        await until(pilot, lambda: chat.last_result is not None or "failed" in str(dash.query_one("#timing").render()), 120, "the chat answer")
+        await pilot.press("c")
+        for prompt in PROMPTS:  # a few answers, a poll apart, so the sparklines have a history
+            windows, before = len(dash.history.tokens_per_s), chat.last_result
+            await pilot.press(*prompt, "enter")
+            await until(pilot, lambda: not chat.busy, 120, f"the answer to {prompt!r}")
+            assert chat.last_result is not before, f"the chat failed: {dash.query_one('#timing').render()}"
+            await until(pilot, lambda: len(dash.history.tokens_per_s) >= windows + 2, 30, "two more polls")
         seen["answer"] = chat.last_result
         await pilot.press("escape")
         await until(pilot, lambda: (dash.history.last_tpot_ms or 0) > 0 and dash.history.tier_hit, 30, "a window with TPOT and hit rates")

@@ -247,3 +247,4 @@ def test_dashboard_shows_polled_speed_hit_rates_and_a_chat_answer(roomy):
     assert "The sea is wide and deep." in seen["answer"]
     assert seen["timing"] == "TTFT 41 ms, TPOT 12.50 ms, 7 tokens"
     assert any("Application startup complete" in line for line in seen["log"])
+    assert not any("GET /metrics" in line for line in seen["log"]), "the dashboard's own polls are not shown"

@@ -65,7 +65,7 @@ class FakeWatcher:
 
 
 START_LOG = ["INFO vLLM API server version 0.32.0", "INFO Loading weights took 0.1 s", "INFO CPU KV cache size: 2048 tokens",
-             "INFO Application startup complete."]
+             "INFO Application startup complete.", 'INFO:     127.0.0.1:50000 - "GET /metrics HTTP/1.1" 200 OK']
 CRASH_LOG = [f"INFO filler line {i}" for i in range(60)] + [
     "Traceback (most recent call last):", '  File "vllm/engine.py", line 1, in start',
     "RuntimeError: fake crash: not enough memory for the KV cache", "INFO shutting down"]

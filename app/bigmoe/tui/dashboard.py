@@ -14,7 +14,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, RichLog, Sparkline, Static
 
 from bigmoe.tui.chat import ChatBox
-from bigmoe.tui.dashboard_view import History, endpoint_text, layers_table, rate_title, speed_title, tiers_table
+from bigmoe.tui.dashboard_view import History, endpoint_text, layers_table, log_lines_to_show, rate_title, speed_title, tiers_table
 from bigmoe.tui.logtail import LogTail
 from bigmoe.tui.messages import ChatAnswered, StatsPolled
 from bigmoe.tui.worker import Session, poll
@@ -88,8 +88,9 @@ class Dashboard(Screen):
 
     def on_stats_polled(self, message: StatsPolled) -> None:
         self.polling = False
-        if message.log_lines:
-            self.query_one("#log", RichLog).write("\n".join(message.log_lines))
+        shown = log_lines_to_show(message.log_lines)
+        if shown:
+            self.query_one("#log", RichLog).write("\n".join(shown))
         if message.window is not None:
             self.history.add(message.window)
             self.show_history()

@@ -3,6 +3,7 @@ history for the sparklines, the tier and per-layer tables, the endpoint lines.""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from rich.table import Table
@@ -16,6 +17,12 @@ HISTORY = 120
 """Windows kept for the sparklines (one per poll)."""
 BAR_WIDTH = 16
 """Characters of a hit-rate bar."""
+OWN_REQUESTS = re.compile(r'"GET /(metrics|health) HTTP')
+"""Access-log lines of the dashboard's own polls, left out of the log view (they stay in the file)."""
+
+
+def log_lines_to_show(lines: list[str]) -> list[str]:
+    return [line for line in lines if not OWN_REQUESTS.search(line)]
 
 
 @dataclass
