@@ -18,7 +18,7 @@ SCRIPT = r'''
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from bigmoe_pager.core import acquire_kernel as ak, copy_kernel as ck, moe_decode as md
+from bigmoe_pager.core import acquire_kernel as ak, copy_kernel as ck, moe_decode as md, step_kernel as sk
 
 def build(fn, sig, consts, aligned=()):
     full = dict(sig)
@@ -38,6 +38,18 @@ for lfu in (False, True):
     k = build(ak._acquire_kernel, acq, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
               "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu, "DECAY": 256})
     out[f"acquire_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
+step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
+        "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
+step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
+for lfu in (False, True):  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
+    k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
+              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu, "DECAY": 256,
+              "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504, "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
+              "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
+              ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
+    ptx = k.asm["ptx"]
+    out[f"step_lfu={lfu}"] = {"bar": "bar.sync" in ptx, "atom": accesses(k, "atom"),
+                              "copy": sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", ptx))) + accesses(k, "st")}
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
 k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"} | {n: "*i64" for n in ptrs[3:]},
           {"OFF0": 0, "OFF1": 262144, "OFF2": 393216, "OFF3": 393224, "N0": 262144, "N1": 131072, "N2": 8, "N3": 8,
@@ -64,3 +76,7 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     assert "ld.global.v2.b64" in got["copy"] and "st.global.v2.b64" in got["copy"]  # 16-byte copies
     assert "ld.global.v4.b32" in got["up"] and "ld.global.v4.b32" in got["down"]  # FP8 weights read 16 bytes at a time
     assert got["combine"]
+    for lfu in (False, True):  # the fused step: block barriers, an acq_rel done counter, 16-byte evict-first copies
+        step = got[f"step_lfu={lfu}"]
+        assert step["bar"] and "atom.global.gpu.acq_rel.add.u32" in step["atom"]
+        assert any("evict_first" in a for a in step["copy"]) and "st.global.v2.b64" in step["copy"]

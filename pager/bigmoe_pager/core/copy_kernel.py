@@ -81,7 +81,7 @@ def copy_records(
     records: uint8 [R, pitch] (pinned host memory when the buffers are on a GPU);
     src, dst: integer [M] on the buffers' device; buffers: layout.slot_buffers(...).
     """
-    _check(records, src, dst, layout, buffers)
+    check_copy_args(records, src, dst, layout, buffers)
     device = next(iter(buffers.values())).device
     if device.type == "cpu":
         copy_records_torch(records, src, dst, layout, buffers)
@@ -103,24 +103,49 @@ def copy_records_triton(records, src, dst, layout: ExpertLayout, buffers: dict[s
     """The kernel path (GPU; on CPU tensors, Triton's interpreter runs the same kernel)."""
     plan = copy_plan(layout)
     block = max(1, block_bytes // plan.word_bytes)
-    rec_words = records.view(torch.uint8).view(records.shape[0], -1).view(plan.word)
-    comps = list(layout.components)
-    for start in range(0, len(comps), MAX_COMPONENTS):
-        group = list(range(start, min(start + MAX_COMPONENTS, len(comps))))
-        outs = [_flat_bytes(buffers[comps[i].name]).view(plan.word) for i in group]
-        offs = [plan.offsets[i] for i in group]
-        sizes = [plan.sizes[i] for i in group]
-        nblocks = [-(-n // block) for n in sizes]
-        while len(outs) < MAX_COMPONENTS:  # unused inputs: zero blocks, never touched
-            outs.append(outs[0])
-            offs.append(0)
-            sizes.append(0)
-            nblocks.append(0)
-        grid = (src.numel(), sum(nblocks))
+    for group in component_groups(layout, buffers, block):
+        grid = (src.numel(), sum(group.nblocks))
         kernel_for(_copy_kernel, src.device)[grid](
-            rec_words, src, dst, plan.pitch_words, *outs,
-            *offs, *sizes, *nblocks, BLOCK=block, num_warps=4,
+            record_words(records, plan), src, dst, plan.pitch_words, *group.outs,
+            *group.offsets, *group.sizes, *group.nblocks, BLOCK=block, num_warps=4,
         )
+
+
+@dataclass(frozen=True)
+class ComponentGroup:
+    """Kernel operands for up to MAX_COMPONENTS components, padded with zero-block entries."""
+
+    outs: tuple[torch.Tensor, ...]
+    """Each component's slot buffer viewed as words [S, size]; padding repeats the first."""
+    offsets: tuple[int, ...]
+    """Start of each component in the record, in words (0 for padding)."""
+    sizes: tuple[int, ...]
+    """Words per component (0 for padding)."""
+    nblocks: tuple[int, ...]
+    """Blocks of `block` words per component (0 for padding: never touched)."""
+
+
+def component_groups(layout: ExpertLayout, buffers: dict[str, torch.Tensor], block: int) -> list[ComponentGroup]:
+    """The layout's components in launches of at most MAX_COMPONENTS, as copy-kernel operands."""
+    plan = copy_plan(layout)
+    comps = list(layout.components)
+    groups = []
+    for start in range(0, len(comps), MAX_COMPONENTS):
+        idx = range(start, min(start + MAX_COMPONENTS, len(comps)))
+        outs = [_flat_bytes(buffers[comps[i].name]).view(plan.word) for i in idx]
+        offs = [plan.offsets[i] for i in idx]
+        sizes = [plan.sizes[i] for i in idx]
+        pad = MAX_COMPONENTS - len(outs)
+        groups.append(ComponentGroup(
+            tuple(outs + [outs[0]] * pad), tuple(offs + [0] * pad), tuple(sizes + [0] * pad),
+            tuple([-(-n // block) for n in sizes] + [0] * pad),
+        ))
+    return groups
+
+
+def record_words(records: torch.Tensor, plan: CopyPlan) -> torch.Tensor:
+    """uint8 [R, pitch] records as [R, pitch_words] of the plan's word type (same memory)."""
+    return records.view(torch.uint8).view(records.shape[0], -1).view(plan.word)
 
 
 def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
@@ -128,11 +153,27 @@ def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(buf.shape[0], -1).view(torch.uint8)
 
 
-def _check(records, src, dst, layout: ExpertLayout, buffers) -> None:
-    if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != layout.pitch:
-        raise CopyError(f"records must be uint8 [R, {layout.pitch}], got {records.dtype} {tuple(records.shape)}")
+def check_copy_args(records, src, dst, layout: ExpertLayout, buffers) -> None:
+    """Raise CopyError unless records, work list and slot buffers fit the layout."""
+    _check_records(records, layout)
     if src.shape != dst.shape or src.dim() != 1:
         raise CopyError(f"src and dst must be 1-D of one length, got {tuple(src.shape)} and {tuple(dst.shape)}")
+    check_slot_buffers(layout, buffers)
+
+
+def check_records_and_buffers(records, layout: ExpertLayout, buffers) -> None:
+    """Raise CopyError unless the records and the slot buffers fit the layout (no work list)."""
+    _check_records(records, layout)
+    check_slot_buffers(layout, buffers)
+
+
+def _check_records(records, layout: ExpertLayout) -> None:
+    if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != layout.pitch:
+        raise CopyError(f"records must be uint8 [R, {layout.pitch}], got {records.dtype} {tuple(records.shape)}")
+
+
+def check_slot_buffers(layout: ExpertLayout, buffers) -> None:
+    """Raise CopyError unless every component has a contiguous [S, *shape] buffer, S the same for all."""
     slots = None
     for c in layout.components:
         buf = buffers.get(c.name)

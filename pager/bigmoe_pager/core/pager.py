@@ -30,10 +30,11 @@ from typing import Iterator
 
 import torch
 
+from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
-from bigmoe_pager.core.slots import Acquired, SlotTable
+from bigmoe_pager.core.slots import Acquired, SlotTable, acquired_from_kernel
 from bigmoe_pager.core.stats import PagerStats
 
 
@@ -77,6 +78,8 @@ class ExpertPager:
         work_slots: int = 0,
         policy: str = "lru",
         decay: int = 256,
+        fused: bool | None = None,
+        step_programs: int = 0,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -99,6 +102,10 @@ class ExpertPager:
         self.work_slots = work_slots or vram_slots
         """Distinct experts per chunk when a step is streamed."""
         self._rows = {t: None if stats is None else stats.row(layer, t) for t in ("vram", "ram", "ssd")}
+        self.fused = self.vram.use_kernel if fused is None else fused
+        """Serve decode-sized steps over a full RAM tier with step_kernel's single launch (GPU default)."""
+        self.step_programs = step_programs or step_kernel.default_programs(self.device)
+        """Programs of that launch (default: two per SM)."""
 
     # ---- one step --------------------------------------------------------------------
 
@@ -119,10 +126,27 @@ class ExpertPager:
         """`prepare` with the full decision (miss list, counts, overflow) returned."""
         rows = self._rows
         below = rows["ram"] if self.ram.full else None  # a full RAM tier hits every expert VRAM loads
+        if self._fused_step(topk_ids):
+            return self._acquire_fused(topk_ids, rows["vram"], below)
         got = self.vram.acquire(topk_ids, rows["vram"], below, self.layout.record_bytes)
         src = self.ram.locate(got.miss_experts, rows["ram"], rows["ssd"])
         copy_records(self.ram.records, src, got.miss_slots, self.layout, self.buffers)
         return got
+
+    def _fused_step(self, topk_ids: torch.Tensor) -> bool:
+        lfu = self.vram.policy == "lfu"
+        return self.fused and self.ram.full and step_kernel.fits(self.num_experts, self.num_slots, topk_ids.numel(), self.layout, lfu)
+
+    def _acquire_fused(self, topk_ids: torch.Tensor, vram_row, ram_row) -> Acquired:
+        """Decide, copy and count in one launch (the RAM tier is full: record row = expert id)."""
+        self.ram.check_filled()
+        table = self.vram
+        out = step_kernel.launch_step(
+            table.kernel_state(), topk_ids.to(self.device), self.num_experts, self.num_slots, table.miss_capacity(topk_ids.numel()),
+            self.ram.records, self.layout, self.buffers, programs=self.step_programs, stats_row=vram_row, aux_row=ram_row,
+            lfu=table.policy == "lfu", decay=table.decay,
+        )
+        return acquired_from_kernel(out)
 
     # ---- streamed steps ----------------------------------------------------------------
 

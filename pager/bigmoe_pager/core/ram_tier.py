@@ -91,6 +91,11 @@ class RamTier:
                 "attach an SSD service or give as many RAM slots as experts"
             )
 
+    def check_filled(self) -> None:
+        """Raise RamTierError if this is a full tier whose records were never loaded."""
+        if not self._filled:
+            raise RamTierError("the full RAM tier was never filled; call fill_all() before the first step")
+
     @property
     def full(self) -> bool:
         """Every expert has its own row (row = expert id); no SSD tier below."""
@@ -132,8 +137,7 @@ class RamTier:
         service waits on the stream (bounded) for the rows it fills. A full tier
         is the identity (its counters are kept by the VRAM decision).
         """
-        if not self._filled:
-            raise RamTierError("the full RAM tier was never filled; call fill_all() before the first step")
+        self.check_filled()
         if self.full:
             return experts
         self.check_ready()

@@ -63,6 +63,12 @@ class Acquired:
     """int64 []: ids outside [-1, experts): bad routing, remapped to -1."""
 
 
+def acquired_from_kernel(out: dict[str, torch.Tensor]) -> Acquired:
+    """An Acquired from a decision kernel's outputs (counts = lookups, hits, misses, loaded, overflow, invalid)."""
+    c = out["counts"]
+    return Acquired(out["remapped"], out["miss_experts"], out["miss_slots"], out["evicted"], c[0], c[1], c[2], c[3], c[4], c[5])
+
+
 class SlotTable:
     """Expert <-> slot maps and last-use stamps for one tier of one layer."""
 
@@ -105,6 +111,8 @@ class SlotTable:
         self.decay = decay
         """lfu: steps between halvings of every use count (0 = counts never decay)."""
         self._freq = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
+        self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        """Programs of a fused decode step that finished reading the table (step_kernel); 0 between steps."""
 
     # ---- views -----------------------------------------------------------------------
 
@@ -157,23 +165,21 @@ class SlotTable:
             aux_row[:2] += got.loaded
         return got
 
-    def _state(self) -> dict[str, torch.Tensor]:
+    def kernel_state(self) -> dict[str, torch.Tensor]:
+        """The device tensors a kernel that decides for this table reads and updates in place."""
         return {
             "expert_slot": self._expert_slot, "slot_expert": self._slot_expert, "last_use": self._last_use,
-            "step": self.step, "need": self._need_scratch, "freq": self._freq,
+            "step": self.step, "need": self._need_scratch, "freq": self._freq, "done": self._done,
         }
 
     def _acquire_kernel(self, ids, stats_row, aux_row, record_bytes) -> Acquired:
         ids = ids.to(self.device)
         m = self.miss_capacity(ids.numel())
         out = acquire_kernel.launch_acquire(
-            self._state(), ids, self.num_experts, self.num_slots, m, stats_row, aux_row, record_bytes,
+            self.kernel_state(), ids, self.num_experts, self.num_slots, m, stats_row, aux_row, record_bytes,
             lfu=self.policy == "lfu", decay=self.decay,
         )
-        c = out["counts"]
-        return Acquired(
-            out["remapped"], out["miss_experts"], out["miss_slots"], out["evicted"], c[0], c[1], c[2], c[3], c[4], c[5]
-        )
+        return acquired_from_kernel(out)
 
     def _acquire_torch(self, ids: torch.Tensor) -> Acquired:
         e, s = self.num_experts, self.num_slots

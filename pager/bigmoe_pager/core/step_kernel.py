@@ -1,0 +1,285 @@
+"""One decode step of a layer whose RAM tier holds every expert: acquire, copy and stats in one launch.
+
+The two-launch path (acquire_kernel's one-CTA decision, then copy_kernel's grid
+of one program per possible miss and 8 KiB block) is two graph nodes per layer
+per token, and its copy grid is mostly programs with nothing to do: at 40% VRAM
+a decode step misses ~0.65 experts per layer, yet the grid is sized for all k
+(3,088 programs for Qwen3.6, 6,020 for Flash-Next; docs/bench/pager-notes.md).
+
+Here one grid of P programs (about two per SM) does it all, and no program
+ever waits for another (so no grid size can deadlock):
+1. every program makes the same decision from the table as it stood before the
+   step, in registers: the step's few ids are compared with one another and
+   with the slot row, and the n misses take the n smallest eviction keys;
+2. it copies its share of the missing experts' blocks (grid-stride over
+   misses x blocks: with no miss, a program is done after the decision);
+3. program 0 writes the outputs and adds the step's counters;
+4. every program then bumps the table's done counter; the last one writes the
+   new table state and resets the counter, after every program has read the
+   old state.
+Outputs, table state, counters and slot bytes equal SlotTable.acquire followed
+by copy_records; the unit tests run both side by side.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, next_pow2
+from bigmoe_pager.core.copy_kernel import (
+    BLOCK_BYTES, MAX_COMPONENTS, check_records_and_buffers, component_groups, copy_plan, record_words,
+)
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.triton_launch import kernel_for
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+MAX_IDS = 64  # ids per step the fused path takes (decode batches); larger steps use the two-launch path
+MAX_CELLS = 16384  # elements of a program's (slots x ids) or (experts x ids) comparison: stays in registers
+PROGRAMS_PER_SM = 2  # 264 programs x 8 KiB on an H200: ~2 MB of PCIe reads in flight, ~10x the link's need
+INTERPRETER_PROGRAMS = 3  # CPU tensors (Triton's interpreter): a few programs exercise the sharing
+
+
+class StepKernelError(ValueError):
+    """The fused step was asked for a shape it does not take (callers check `fits` first)."""
+
+
+def ids_block(num_ids: int) -> int:
+    """Width of the kernel's id vector: a power of two >= num_ids (>= 2)."""
+    return max(2, next_pow2(num_ids))
+
+
+def fits(num_experts: int, num_slots: int, num_ids: int, layout: ExpertLayout, lfu: bool = False) -> bool:
+    """Whether one fused launch serves a step of `num_ids` ids (else use acquire + copy_records)."""
+    if not 1 <= num_ids <= MAX_IDS or num_slots > MAX_SLOTS or len(layout.components) > MAX_COMPONENTS:
+        return False
+    width = next_pow2(num_experts) if lfu else next_pow2(num_slots)
+    return max(width, next_pow2(num_slots)) * ids_block(num_ids) <= MAX_CELLS
+
+
+def default_programs(device: torch.device) -> int:
+    """P for a device: PROGRAMS_PER_SM per SM on a GPU, a few in the interpreter."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return PROGRAMS_PER_SM * _sm_count(index)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_step(
+    table_state: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    num_experts: int,
+    num_slots: int,
+    m: int,
+    records: torch.Tensor,
+    layout: ExpertLayout,
+    buffers: dict[str, torch.Tensor],
+    *,
+    programs: int,
+    stats_row: torch.Tensor | None = None,
+    aux_row: torch.Tensor | None = None,
+    lfu: bool = False,
+    decay: int = 0,
+    block_bytes: int = BLOCK_BYTES,
+) -> dict[str, torch.Tensor]:
+    """Decide, copy misses from records (row = expert id) into the slot buffers, count; one launch.
+
+    Returns what acquire_kernel.launch_acquire returns (remapped, miss_experts,
+    miss_slots, evicted, counts). stats_row gets lookups, hits, misses, loaded *
+    record_bytes and invalid ids; aux_row (the full RAM tier) gets loaded as
+    lookups and hits. table_state is SlotTable.kernel_state().
+    """
+    if not fits(num_experts, num_slots, ids.numel(), layout, lfu):
+        raise StepKernelError(f"a fused step takes 1..{MAX_IDS} ids, <= {MAX_SLOTS} slots, <= {MAX_COMPONENTS} "
+                              f"components; got {ids.numel()} ids, {num_slots} slots, {len(layout.components)} components")
+    if programs < 1:
+        raise StepKernelError(f"a fused step needs >= 1 program, got {programs}")
+    check_records_and_buffers(records, layout, buffers)
+    plan = copy_plan(layout)
+    block = max(1, block_bytes // plan.word_bytes)
+    (group,) = component_groups(layout, buffers, block)
+    device = ids.device
+    flat = ids.reshape(-1)
+    remapped = torch.empty_like(flat)
+    miss_experts = torch.empty(m, dtype=torch.int64, device=device)
+    miss_slots = torch.empty(m, dtype=torch.int64, device=device)
+    evicted = torch.empty(m, dtype=torch.int64, device=device)
+    counts = torch.empty(6, dtype=torch.int64, device=device)
+    dummy = counts  # pointer for absent stats rows (never touched: HAS_* is False)
+    kernel_for(_step_kernel, device)[(programs,)](
+        flat, flat.numel(),
+        table_state["expert_slot"], table_state["slot_expert"], table_state["last_use"],
+        table_state["step"], table_state["freq"], table_state["done"],
+        remapped, miss_experts, miss_slots, evicted, counts, m,
+        stats_row if stats_row is not None else dummy,
+        aux_row if aux_row is not None else dummy,
+        layout.record_bytes, programs,
+        record_words(records, plan), plan.pitch_words, *group.outs,
+        E=num_experts, S=num_slots, PACKED_MAX=PACKED_MAX,
+        BLOCK_E=next_pow2(num_experts), BLOCK_S=next_pow2(num_slots), BLOCK_I=ids_block(flat.numel()),
+        HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None, LFU=lfu, DECAY=decay,
+        OFF0=group.offsets[0], OFF1=group.offsets[1], OFF2=group.offsets[2], OFF3=group.offsets[3],
+        N0=group.sizes[0], N1=group.sizes[1], N2=group.sizes[2], N3=group.sizes[3],
+        NB0=group.nblocks[0], NB1=group.nblocks[1], NB2=group.nblocks[2], NB3=group.nblocks[3],
+        NBLK=sum(group.nblocks), BLOCK=block, num_warps=4,
+    )
+    return {
+        "remapped": remapped.reshape(ids.shape),
+        "miss_experts": miss_experts,
+        "miss_slots": miss_slots,
+        "evicted": evicted,
+        "counts": counts,
+    }
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_kernel(
+        ids_ptr, n_ids,
+        expert_slot_ptr, slot_expert_ptr, last_use_ptr, step_ptr, freq_ptr, done_ptr,
+        remapped_ptr, miss_exp_ptr, miss_slot_ptr, evicted_ptr, counts_ptr, m,
+        stats_ptr, aux_ptr, record_bytes, programs,
+        rec_ptr, pitch_words, out0, out1, out2, out3,
+        E: tl.constexpr, S: tl.constexpr, PACKED_MAX: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+        HAS_STATS: tl.constexpr, HAS_AUX: tl.constexpr, LFU: tl.constexpr, DECAY: tl.constexpr,
+        OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
+        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
+        NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr,
+        NBLK: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        step = tl.load(step_ptr) + 1
+
+        # 1. The decision, from the table as it stood before the step (written only at the end).
+        j = tl.arange(0, BLOCK_I)  # id position; also the miss-list position
+        ids = tl.load(ids_ptr + j, mask=j < n_ids, other=-1).to(tl.int64)
+        valid = (ids >= 0) & (ids < E)
+        invalid = tl.sum(((ids < -1) | (ids >= E)).to(tl.int64), 0)
+        same = (ids[:, None] == ids[None, :]) & valid[:, None]  # [j, k]
+        first = valid & (tl.sum((same & (j[None, :] < j[:, None])).to(tl.int32), 1) == 0)
+        where_now = tl.load(expert_slot_ptr + ids, mask=valid, other=-1)
+        hit = valid & (where_now >= 0)
+        miss = valid & (where_now < 0)
+        fresh = first & miss  # each missing expert once
+        lookups = tl.sum(first.to(tl.int64), 0)
+        hits = tl.sum((first & hit).to(tl.int64), 0)
+        misses = lookups - hits
+        # Misses are served in ascending expert id: rank = distinct missing experts below this one.
+        rank = tl.sum((fresh[None, :] & (ids[None, :] < ids[:, None])).to(tl.int32), 1)
+
+        s_ar = tl.arange(0, BLOCK_S)
+        s_in = s_ar < S
+        held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
+        last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
+        occupied = held >= 0
+        held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
+        if LFU:
+            count = tl.load(freq_ptr + held, mask=occupied, other=0)
+            if DECAY > 0:
+                count = tl.where(step % DECAY == 0, count >> 1, count)
+            rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
+        else:
+            rank_s = last * (E + 1) + held
+        key = tl.where(occupied, rank_s, -1)  # empty slots first, in slot order
+        avail = s_in & ~held_needed
+        n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
+        packed = tl.where(avail, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
+        cand = tl.full([BLOCK_I], -1, tl.int64)
+        old = tl.full([BLOCK_I], -1, tl.int64)
+        for i in range(0, n_take):
+            best = tl.min(packed, 0)
+            pick = packed == best
+            cand = tl.where(j == i, best % BLOCK_S, cand)
+            old = tl.where(j == i, tl.sum(tl.where(pick, held, 0), 0), old)
+            packed = tl.where(pick, PACKED_MAX, packed)
+        take = j < n_take
+        mexp = tl.sum(tl.where(fresh[None, :] & (rank[None, :] == j[:, None]), ids[None, :], 0), 1)  # [i]
+        mexp = tl.where(take, mexp, -1)
+        my_cand = tl.sum(tl.where(j[None, :] == rank[:, None], cand[None, :], 0), 1)  # [j]: cand[rank_j]
+        slot_after = tl.where(hit, where_now, tl.where(miss & (rank < n_take), my_cand, -1))
+
+        # 2. Outputs and counters (nobody reads them in this launch).
+        if pid == 0:
+            tl.store(remapped_ptr + j, slot_after, mask=j < n_ids)
+            tl.store(miss_exp_ptr + j, mexp, mask=j < m)
+            tl.store(miss_slot_ptr + j, cand, mask=j < m)
+            tl.store(evicted_ptr + j, old, mask=j < m)
+            loaded = n_take.to(tl.int64)
+            tl.store(counts_ptr + 0, lookups)
+            tl.store(counts_ptr + 1, hits)
+            tl.store(counts_ptr + 2, misses)
+            tl.store(counts_ptr + 3, loaded)
+            tl.store(counts_ptr + 4, tl.maximum(lookups - S, 0))
+            tl.store(counts_ptr + 5, invalid)
+            if HAS_STATS:
+                tl.atomic_add(stats_ptr + 0, lookups)
+                tl.atomic_add(stats_ptr + 1, hits)
+                tl.atomic_add(stats_ptr + 2, misses)
+                tl.atomic_add(stats_ptr + 3, loaded * record_bytes)
+                tl.atomic_add(stats_ptr + 6, invalid)
+            if HAS_AUX:
+                tl.atomic_add(aux_ptr + 0, loaded)
+                tl.atomic_add(aux_ptr + 1, loaded)
+
+        # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
+        # (Written out per component: the interpreter cannot call nested jit helpers.)
+        lane = tl.arange(0, BLOCK)
+        for i in range(0, n_take):
+            src = tl.sum(tl.where(j == i, mexp, 0), 0)  # record row = expert id (the RAM tier is full)
+            dst = tl.sum(tl.where(j == i, cand, 0), 0)
+            base = rec_ptr + src * pitch_words
+            first_b = ((pid - i * NBLK) % programs + programs) % programs
+            for b in range(first_b, NBLK, programs):
+                if b < NB0:
+                    offs = b * BLOCK + lane
+                    mask = offs < N0
+                    w = tl.load(base + OFF0 + offs, mask=mask, eviction_policy="evict_first")
+                    tl.store(out0 + dst * N0 + offs, w, mask=mask)
+                elif b < NB0 + NB1:
+                    offs = (b - NB0) * BLOCK + lane
+                    mask = offs < N1
+                    w = tl.load(base + OFF1 + offs, mask=mask, eviction_policy="evict_first")
+                    tl.store(out1 + dst * N1 + offs, w, mask=mask)
+                elif b < NB0 + NB1 + NB2:
+                    offs = (b - NB0 - NB1) * BLOCK + lane
+                    mask = offs < N2
+                    w = tl.load(base + OFF2 + offs, mask=mask, eviction_policy="evict_first")
+                    tl.store(out2 + dst * N2 + offs, w, mask=mask)
+                else:
+                    offs = (b - NB0 - NB1 - NB2) * BLOCK + lane
+                    mask = offs < N3
+                    w = tl.load(base + OFF3 + offs, mask=mask, eviction_policy="evict_first")
+                    tl.store(out3 + dst * N3 + offs, w, mask=mask)
+
+        # 4. The last program to get here writes the new table state: by then every program
+        # has read the old one (the barrier orders this program's reads before its count).
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr, 1) == programs - 1:
+            tl.store(done_ptr, 0)
+            tl.store(step_ptr, step)
+            tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
+            tl.store(expert_slot_ptr + mexp, cand, mask=take)
+            tl.store(slot_expert_ptr + cand, mexp, mask=take)
+            tl.store(last_use_ptr + where_now, step, mask=hit)
+            tl.store(last_use_ptr + cand, step, mask=take)
+            if LFU:
+                e_ar = tl.arange(0, BLOCK_E)
+                e_in = e_ar < E
+                uses = tl.load(freq_ptr + e_ar, mask=e_in, other=0)
+                if DECAY > 0:
+                    uses = tl.where(step % DECAY == 0, uses >> 1, uses)
+                needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
+                tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
