@@ -5,6 +5,8 @@ dashboard shows what the (fake) watcher and chat return, and q stops the server 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -248,3 +250,35 @@ def test_dashboard_shows_polled_speed_hit_rates_and_a_chat_answer(roomy):
     assert seen["timing"] == "TTFT 41 ms, TPOT 12.50 ms, 7 tokens"
     assert any("Application startup complete" in line for line in seen["log"])
     assert not any("GET /metrics" in line for line in seen["log"]), "the dashboard's own polls are not shown"
+
+
+@pytest.mark.parametrize("how,shown,code", [
+    ("bigmoe stop", "stopped from another shell", 0),
+    ("crash", "vLLM exited with code 3: RuntimeError: engine died", 1),
+])
+def test_server_gone_while_serving_is_shown_and_sets_the_exit_code(roomy, how, shown, code):
+    seen = {}
+
+    async def scenario(pilot):
+        await planned(pilot)
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
+        dash = pilot.app.screen
+        await until(pilot, lambda: not dash.polling)
+        if how == "crash":  # a real process that exits with code 3 stands in for the server's
+            with open(dash.server.info.log, "a") as f:
+                f.write("RuntimeError: engine died\n")
+            dash.server.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+            dash.server.proc.wait()
+        else:
+            dash.server.runfile.unlink()
+        dash.action_poll()
+        await until(pilot, lambda: dash.gone is not None)
+        seen["status"] = str(dash.query_one("#status").render())
+        await pilot.press("q")
+        await until(pilot, lambda: pilot.app._exit)
+
+    app = make_app(roomy)
+    drive(app, scenario)
+    assert shown in seen["status"]
+    assert app.return_code == code

@@ -24,7 +24,7 @@ from bigmoe.tui.steps import Steps
 from bigmoe.tui.worker import Session
 
 EXIT_SERVER_LOST = 1
-"""The server died while serving, or could not be stopped."""
+"""The server died while serving (not stopped by `bigmoe stop`), or could not be stopped."""
 POLL_S = 2.0
 """Seconds between dashboard polls of /metrics and the log."""
 
@@ -78,7 +78,7 @@ class BigmoeApp(App[int]):
         if self.stopping:
             return
         self.stopping = True
-        if isinstance(self.screen, Dashboard) and self.screen.gone is not None:
+        if isinstance(self.screen, Dashboard) and self.screen.crashed:
             self.server_lost = True
         self.push_screen(StoppingScreen())
         self.run_worker(self._stop, thread=True, group="stop", name="stop")

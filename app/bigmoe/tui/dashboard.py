@@ -49,6 +49,7 @@ class Dashboard(Screen):
         self.tail = LogTail(Path(server.info.log))
         self.polling = False
         self.gone: str | None = None
+        self.crashed = False
 
     def compose(self) -> ComposeResult:
         info = self.server.info
@@ -97,6 +98,7 @@ class Dashboard(Screen):
         status = self.query_one("#status", Static)
         if message.exited is not None:
             self.gone = message.exited
+            self.crashed = self.server.runfile.exists()  # `bigmoe stop` removes it; a crash leaves it
             self.sub_title = "server gone"
             status.update(Text(message.exited + "  (q quits)", style="bold red"))
         else:

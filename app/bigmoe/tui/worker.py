@@ -28,6 +28,10 @@ EDITABLE = ("vram_slots", "ram_slots", "compress", "context", "model_dir", "pagi
 """RunOptions fields the plan screen edits."""
 
 
+NO_PAGING_FILE = {"none": "there is no SSD tier", "checkpoint": "the SSD tier reads the checkpoint in place"}
+"""Why a plan needs no paging file, by its ssd_source."""
+
+
 def one_line(error: BaseException) -> str:
     """A failure as one line: the message of an error the user can act on, else its type and message."""
     if isinstance(error, (BigmoeError, ValueError)):
@@ -88,7 +92,7 @@ class Session:
             model_path = steps.obtain_model(self.preset, the_plan, opts, progress)
             progress("model", {"state": "ready", "path": str(model_path)})
             if steps.prepare(the_plan, Path(model_path), progress) is None:
-                progress("prepare", {"state": "not needed", "why": f"the SSD tier reads {the_plan.ssd_source}"})
+                progress("prepare", {"state": "not needed", "why": NO_PAGING_FILE.get(the_plan.ssd_source, the_plan.ssd_source)})
             with self._lock:
                 if self.quitting:
                     return
