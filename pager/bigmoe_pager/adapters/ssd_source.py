@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bigmoe_pager.core.expert_store import CheckpointStore
@@ -22,19 +21,23 @@ _lock = threading.Lock()
 
 
 class LayerSource:
-    """One MoE layer's view of a store: read_record(expert, dst) fills dst with the raw record."""
+    """One MoE layer's view of a store: read_record(expert, dst) fills dst with the raw record.
 
-    def __init__(self, store, layer: int, layout: ExpertLayout, decode=None):
-        self.store, self.layer, self.layout, self.decode = store, layer, layout, decode
-        self._scratch = np.empty(getattr(store, "pitch", layout.pitch), dtype=np.uint8) if decode else None
+    decoder: None for raw records, else a codec record decoder (record_decoder.py) that expands
+    the compressed record read into a scratch buffer (pinned where CUDA is, for the GPU decoder).
+    """
+
+    def __init__(self, store, layer: int, layout: ExpertLayout, decoder=None):
+        self.store, self.layer, self.layout, self.decoder = store, layer, layout, decoder
+        pitch = getattr(store, "pitch", layout.pitch)
+        self._scratch = torch.empty(pitch, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) if decoder else None
 
     def read_record(self, expert: int, dst: torch.Tensor) -> None:
-        if self.decode is None:
+        if self.decoder is None:
             self.store.read(self.layer, expert, dst)
             return
         n = self.store.read(self.layer, expert, self._scratch)
-        raw = self.decode(self._scratch[:n].tobytes(), self.layout)
-        dst[: self.layout.record_bytes].copy_(torch.from_numpy(np.asarray(raw, dtype=np.uint8)[: self.layout.record_bytes]))
+        self.decoder.decode_into(self._scratch[:n], self.layout, dst)
 
 
 def checkpoint_source(model_dir: Path, layout: ExpertLayout, decoder_layer: int, io=None) -> LayerSource:
@@ -57,17 +60,18 @@ def paging_file_source(path: Path, model_dir: Path, layout: ExpertLayout, decode
     with _lock:
         if key not in _stores:
             _stores[key] = _open_paging_file(path, model_dir, layout, num_moe_layers, num_experts, compressed, io)
-    store, decode, model_layers = _stores[key]
-    return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout, decode)
+    store, decoder, model_layers = _stores[key]
+    return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout, decoder)
 
 
 def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int,
                       compressed: bool, io=None):
-    codec, version, decode = "raw", 0, None
+    codec, version, decoder = "raw", 0, None
     if compressed:
-        from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, decode_record
+        from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION
+        from bigmoe_pager.codec.record_decoder import record_decoder
 
-        codec, version, decode = CODEC_NAME, CODEC_VERSION, decode_record
+        codec, version, decoder = CODEC_NAME, CODEC_VERSION, record_decoder(layout)
     expect = checkpoint_meta(model_dir, layout, num_layers, num_experts, codec, version)
     try:
         store = PagingFileStore(path, layout, expect, pitch=compressed_pitch(layout) if compressed else None, io=io)
@@ -75,7 +79,7 @@ def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_lay
     except (PagingFileError, ODirectError) as e:
         raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
     model_layers = CheckpointStore(model_dir, layout).model_layers
-    return store, decode, model_layers
+    return store, decoder, model_layers
 
 
 def odirect_ok(file: Path, io=None) -> None:
