@@ -170,20 +170,40 @@ def test_new_paging_dir_is_probed_and_planned(roomy):
     assert seen["probes"] >= 1
 
 
-@pytest.mark.parametrize("quit_on", ["plan", "dashboard"])
-def test_q_stops_a_started_server_once_and_exits_zero(roomy, quit_on):
+@pytest.mark.parametrize("quit_on,keys", [("plan", "q"), ("plan", "ctrl+q"), ("plan", "#quit"), ("dashboard", "q"), ("dashboard", "ctrl+q")])
+def test_quitting_stops_a_started_server_once_and_exits_zero(roomy, quit_on, keys):
     async def scenario(pilot):
         await planned(pilot)
         if quit_on == "dashboard":
             await pilot.press("l")
             await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
-        await pilot.press("q")
+        if keys.startswith("#"):
+            await pilot.click(keys)
+        else:
+            await pilot.press(keys)
         await until(pilot, lambda: pilot.app._exit, timeout_s=5)
 
     app = make_app(roomy)
     drive(app, scenario)
     assert app.return_code == 0
     assert roomy.stopped == ([4242] if quit_on == "dashboard" else [])
+    assert roomy.calls.count("probe") == 1, "the machine is probed once for one pair of directories"
+
+
+def test_q_while_the_server_starts_stops_it_and_exits_zero(roomy):
+    roomy.hang = True
+
+    async def scenario(pilot):
+        await planned(pilot)
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(pilot.app.screen, ProgressScreen) and "engine" in pilot.app.screen.stages)
+        await pilot.press("q")
+        await until(pilot, lambda: pilot.app._exit)
+
+    app = make_app(roomy)
+    drive(app, scenario)
+    assert roomy.stopped == [4242]
+    assert app.return_code == 0 and not app.start_failed, "a start the person cut short is not a failed start"
 
 
 def test_crash_during_start_shows_the_log_at_the_error_line(roomy):

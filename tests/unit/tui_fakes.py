@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,8 @@ class FakePipeline:
     """What probe_machine answers."""
     crash: bool = False
     """wait_ready writes CRASH_LOG and raises LaunchError instead of reaching "serving"."""
+    hang: bool = False
+    """wait_ready blocks until stop() is called, then raises LaunchError as for an exited server."""
     calls: list[str] = field(default_factory=list)
     """Steps called, in order."""
     plans: list = field(default_factory=list)
@@ -89,6 +92,7 @@ class FakePipeline:
     """pids stop() was called for."""
     prompts: list[str] = field(default_factory=list)
     """Prompts chat() was asked."""
+    _stopped: threading.Event = field(default_factory=threading.Event)
 
     def steps(self) -> Steps:
         return Steps(probe_machine=self.probe_machine, obtain_model=self.obtain_model, prepare=self.prepare,
@@ -122,6 +126,11 @@ class FakePipeline:
 
     def wait_ready(self, server, timeout_s, on_stage):
         self.calls.append("wait")
+        if self.hang:
+            on_stage("engine")
+            if not self._stopped.wait(timeout=20):
+                raise AssertionError("the fake server was never stopped")
+            raise launch.LaunchError("vLLM exited with code -15 during start-up")
         lines = CRASH_LOG if self.crash else START_LOG
         with open(server.info.log, "a") as f:
             f.write("\n".join(lines) + "\n")
@@ -132,6 +141,7 @@ class FakePipeline:
 
     def stop(self, server):
         self.calls.append("stop")
+        self._stopped.set()
         self.stopped.append(server.info.pid)
         server.runfile.unlink(missing_ok=True)
 

@@ -47,6 +47,7 @@ class BigmoeApp(App[int]):
         super().__init__()
         self.session = Session(steps or Steps(), preset, opts)
         self.poll_s = poll_s
+        self.plan = None
         self.start_failed = False
         self.server_lost = False
         self.stopping = False
@@ -73,7 +74,7 @@ class BigmoeApp(App[int]):
 
     # ---- quitting ---------------------------------------------------------------------
 
-    async def action_quit(self) -> None:
+    def action_quit(self) -> None:
         """Stop the server (in a thread: it may take seconds), then exit."""
         if self.stopping:
             return

@@ -16,6 +16,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
+from bigmoe.errors import BigmoeError
 from bigmoe.tui.force_screen import ForceScreen
 from bigmoe.tui.messages import PlanMade
 from bigmoe.tui.plan_view import machine_lines, plan_renderable
@@ -171,7 +172,7 @@ class PlanScreen(Screen):
         opts = dataclasses.replace(self.session.options_with(self.edits), force=True)
         try:
             forced_plan = self.session.steps.make_plan(self.session.hardware_for(opts), self.session.preset, opts)
-        except Exception as e:  # the same plan was made a moment ago; show whatever changed
+        except (BigmoeError, ValueError, OSError) as e:  # the same plan was made a moment ago; show whatever changed
             self.notify(one_line(e), severity="error")
             return
         self.app.start_run(forced_plan, opts)

@@ -49,6 +49,7 @@ class Session:
         self.server = None
         self.quitting = False
         self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()
         self._probed: dict[tuple, object] = {}
 
     # ---- plan -------------------------------------------------------------------------
@@ -62,9 +63,10 @@ class Session:
     def hardware_for(self, opts: pipeline.RunOptions):
         """The probed machine for these directories (probed once per pair of directories)."""
         key = (opts.model_dir, opts.paging_dir)
-        if key not in self._probed:
-            self._probed[key] = self.steps.probe_machine(self.preset, opts)
-        return self._probed[key]
+        with self._probe_lock:  # edits re-plan in parallel threads; the disks are probed once
+            if key not in self._probed:
+                self._probed[key] = self.steps.probe_machine(self.preset, opts)
+            return self._probed[key]
 
     def replan(self, edits: dict, generation: int, post: Post) -> None:
         """Plan with the form's values; post PlanMade with the plan or the reason there is none."""
