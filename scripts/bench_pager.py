@@ -71,7 +71,8 @@ def _parse(argv):
     ap.add_argument("--warmup", type=int, default=0, help="warm-up tokens before timing (default 64, smoke 6)")
     ap.add_argument("--trace", type=Path, help="recorded routing .npz (topk_ids int32 [tokens, layers, k])")
     ap.add_argument("--configs", default="resident,static,bigmoe,bigmoe-lfu,bigmoe+ssd",
-                    help="comma list; resident always runs (every floor needs it)")
+                    help="comma list (also bigmoe-unfused: acquire and copy as two launches); "
+                         "resident always runs (every floor needs it)")
     ap.add_argument("--ssd-layers", type=int, default=4, help="layers the SSD-tier run uses (disk and time)")
     ap.add_argument("--ssd-dir", type=Path, default=None, help="where the SSD run writes its paging file")
     ap.add_argument("--seed", type=int, default=0)
@@ -109,7 +110,7 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
         ms = _time_runner(runner, trace_used, x, w, args.warmup, args.tokens, device)
         run = _record(shape, runner, ms, len(rams_used), trace_used[args.warmup : args.warmup + args.tokens], layout, args.tokens)
         runs.append(run)
-        print(f"  {run['config']:<11} vram {run['vram_frac']:.3f}  {ms:8.3f} ms/token")
+        print(f"  {run['config']:<15} vram {run['vram_frac']:.3f}  {ms:8.3f} ms/token")
         return run
 
     resident = measure(br.Resident(rams, layout, device), rams, trace_dev)  # always: every floor needs it
@@ -123,6 +124,9 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
             _free(device)
         if "bigmoe-lfu" in wanted:
             measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k, policy="lfu"), rams, trace_dev)
+            _free(device)
+        if "bigmoe-unfused" in wanted:
+            measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k, fused=False), rams, trace_dev)
             _free(device)
     if "bigmoe+ssd" in wanted:
         _ssd_run(shape, args, device, layout, rams, profile, trace_dev, measure, report)
@@ -294,6 +298,8 @@ def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.nd
     for run in runs:
         per_layer_resident = resident["ms_per_token_per_layer"] * run["layers"]
         run["floor_ms_per_token"] = None if not h2d else round(run["pcie_gb_per_token"] / h2d * 1e3 + per_layer_resident, 4)
+        if run["floor_ms_per_token"] is not None:  # time over the floor per layer per token, microseconds
+            run["over_floor_us_per_layer"] = round((run["ms_per_token"] - run["floor_ms_per_token"]) * 1e3 / run["layers"], 2)
         run["ratio_vs_resident"] = round(run["ms_per_token"] / per_layer_resident, 3)
     report["runs"].extend(runs)
 
@@ -303,7 +309,7 @@ def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.nd
     summary = {"lru_hit_rate_at_12.5pct": round(traces.lru_hit_rate(window, round(0.125 * shape.experts)), 4),
                "lru_hit_rate_at_40pct": round(traces.lru_hit_rate(window, round(0.4 * shape.experts)), 4)}
     static = pick("static", 0.4)
-    for config, suffix in (("bigmoe", ""), ("bigmoe-lfu", "_lfu")):
+    for config, suffix in (("bigmoe", ""), ("bigmoe-lfu", "_lfu"), ("bigmoe-unfused", "_unfused")):
         big = pick(config, 0.4)
         if not (big and static):
             continue
@@ -316,11 +322,11 @@ def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.nd
 
 def _print_table(report: dict) -> None:
     print(f"\n{report['device']}: pinned H2D {report['h2d_gbps']} GB/s, UVA copy kernel {report['uva_copy_gbps']} GB/s")
-    print(f"{'model':<20}{'config':<12}{'vram':>6}{'ram':>6}{'L':>4}{'ms/tok':>9}{'floor':>9}{'hit vram':>9}{'hit ram':>8}{'GB/tok':>8}")
+    print(f"{'model':<20}{'config':<16}{'vram':>6}{'ram':>6}{'L':>4}{'ms/tok':>9}{'floor':>9}{'hit vram':>9}{'hit ram':>8}{'GB/tok':>8}")
     for r in report["runs"]:
         h = r["hit_rate"]
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        print(f"{r['model']:<20}{r['config']:<12}{r['vram_frac']:>6.3f}{r['ram_frac']:>6.2f}{r['layers']:>4}"
+        print(f"{r['model']:<20}{r['config']:<16}{r['vram_frac']:>6.3f}{r['ram_frac']:>6.2f}{r['layers']:>4}"
               f"{r['ms_per_token']:>9.3f}{fmt(r.get('floor_ms_per_token')):>9}{fmt(h['vram']):>9}{fmt(h['ram']):>8}{r['pcie_gb_per_token']:>8.4f}")
     for name, m in report["models"].items():
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in m.items()))

@@ -158,15 +158,19 @@ class StaticOffload:
 
 
 class Bigmoe:
-    """The pager: vram_frac of each layer's experts in VRAM slots, RAM tier behind (full, or partial over SSD)."""
+    """The pager: vram_frac of each layer's experts in VRAM slots, RAM tier behind (full, or partial over SSD).
+
+    fused=None: the pager's default (one launch per layer on a GPU over a full RAM tier);
+    False: acquire and copy as two launches (the config "bigmoe-unfused", for comparison).
+    """
 
     name = "bigmoe"
 
     def __init__(self, rams: list[RamTier], layout: ExpertLayout, device: torch.device, vram_frac: float,
                  profile: HotProfile | None = None, top_k: int = 1, ram_frac: float = 1.0,
-                 ssd=None, store=None, policy: str = "lru") -> None:
+                 ssd=None, store=None, policy: str = "lru", fused: bool | None = None) -> None:
         self.vram_frac, self.ram_frac = vram_frac, ram_frac
-        self.name = "bigmoe" if policy == "lru" else f"bigmoe-{policy}"
+        self.name = ("bigmoe" if policy == "lru" else f"bigmoe-{policy}") + ("-unfused" if fused is False else "")
         experts = rams[0].num_experts
         slots = max(top_k, round(vram_frac * experts))
         self.stats = PagerStats(len(rams), device)
@@ -174,7 +178,7 @@ class Bigmoe:
         for layer, ram in enumerate(rams):
             if ssd is not None:
                 ram.attach_ssd(ServiceFetch(ssd, layer))
-            pager = ExpertPager(layout, experts, slots, ram, device=device, layer=layer, stats=self.stats, policy=policy)
+            pager = ExpertPager(layout, experts, slots, ram, device=device, layer=layer, stats=self.stats, policy=policy, fused=fused)
             if profile is not None:
                 hot = torch.from_numpy(profile.hottest(layer))
                 read = None if store is None else (lambda e, dst, layer=layer: store.read(layer, e, dst))

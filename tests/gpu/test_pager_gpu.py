@@ -125,8 +125,9 @@ def test_moe_kernel_matches_reference(from_records):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
 
 
-def test_graph_replay_leaves_exact_bytes_in_every_slot():
-    """acquire + copy captured once, replayed 200 steps with new ids written into the captured input."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_replay_leaves_exact_bytes_in_every_slot(fused):
+    """acquire + copy captured once (one fused launch, or two), replayed 200 steps with new ids written into the captured input."""
     layout = fp8_layout()
     experts, slots, k = 64, 12, 4
     host = random_records(layout, experts, seed=3)
@@ -134,7 +135,7 @@ def test_graph_replay_leaves_exact_bytes_in_every_slot():
     ram = RamTier(layout, experts, experts, "cuda")
     ram.load_all(host)
     stats = PagerStats(1, "cuda")
-    pager = ExpertPager(layout, experts, slots, ram, device="cuda", stats=stats)
+    pager = ExpertPager(layout, experts, slots, ram, device="cuda", stats=stats, fused=fused)
     shadow = SlotTable(experts, slots, "cpu")  # the torch decision on CPU, step by step
     static_ids = torch.zeros((2, k), dtype=torch.int32, device="cuda")
     rng = random.Random(5)

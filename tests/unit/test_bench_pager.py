@@ -35,3 +35,27 @@ def test_a_recorded_trace_of_the_wrong_shape_is_refused(tmp_path):
     bench_pager.traces.save_trace(trace, bench_pager.traces.standard_trace(5, 3, 32, 3, seed=0))
     with pytest.raises(SystemExit, match="k = 4"):
         bench_pager.main(["--device", "cpu", "--smoke", "--tokens", "2", "--warmup", "2", "--trace", str(trace)])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+def test_fused_and_two_launch_bigmoe_see_the_same_tiers():
+    """The benchmark's bigmoe runner with the fused step (interpreted here) and with two launches: same counters and slots."""
+    import torch
+
+    br, shape, cpu = bench_pager.br, bench_pager.br.SMOKE, torch.device("cpu")
+    layout = br.make_layout(shape)
+    rams = br.make_ram_tiers(shape, layout, shape.layers, cpu, seed=0)
+    trace = torch.from_numpy(bench_pager.traces.standard_trace(7, shape.layers, shape.experts, shape.top_k, seed=1))
+    profile = bench_pager.HotProfile.from_trace(trace[:3].numpy(), shape.experts)
+    x = torch.randn((1, shape.hidden)).to(torch.bfloat16)
+    w = torch.softmax(torch.randn((1, shape.top_k)), dim=-1)
+    runners = [br.Bigmoe(rams, layout, cpu, 0.4, profile, shape.top_k, fused=fused) for fused in (True, False)]
+    assert [r.name for r in runners] == ["bigmoe", "bigmoe-unfused"]
+    for runner in runners:
+        bench_pager._time_runner(runner, trace, x, w, warmup=3, tokens=4, device=cpu)
+    fused, plain = runners
+    assert (fused.stats.read() == plain.stats.read()).all() and fused.stats.snapshot()["vram"].misses > 0
+    for a, b in zip(fused.pagers, plain.pagers):
+        assert torch.equal(a.vram.slot_expert, b.vram.slot_expert)
+        full = a.vram.slot_expert >= 0
+        assert all(torch.equal(a.buffers[n][full].view(torch.uint8), b.buffers[n][full].view(torch.uint8)) for n in a.buffers)
