@@ -47,18 +47,25 @@ def main(argv: list[str] | None = None) -> int:
               "device": _device_name(device), "runs": [], "models": {}, "notes": []}
     report.update(_bandwidths(device))
     shapes = [br.SMOKE] if args.smoke else [br.MODELS[m] for m in args.models.split(",")]
-    for shape in shapes:
+    for done, shape in enumerate(shapes, 1):
         _bench_model(shape, args, device, report)
+        report["complete"] = done == len(shapes)  # a run cut short keeps the models it finished, marked incomplete
+        for path, text in ((args.out, lambda: json.dumps(report, indent=1) + "\n"), (args.markdown, lambda: _markdown(report))):
+            if path:
+                _write_atomic(path, text())
     _print_table(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(_markdown(report))
-        print(f"wrote {args.markdown}")
+    for path in (args.out, args.markdown):
+        if path:
+            print(f"wrote {path}")
     return 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` whole (temp file + rename): a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _parse(argv):
@@ -337,6 +344,7 @@ def _print_table(report: dict) -> None:
 def _markdown(report: dict) -> str:
     fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = [
+        *([] if report.get("complete", True) else ["**Incomplete run: the models below finished, the rest did not.**", ""]),
         f"Device: {report['device']}; pinned H2D {fmt(report['h2d_gbps'], 1)} GB/s, "
         f"UVA copy kernel {fmt(report['uva_copy_gbps'], 1)} GB/s.",
         "",

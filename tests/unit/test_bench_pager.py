@@ -20,6 +20,7 @@ def test_smoke_run_writes_every_configuration(tmp_path):
                            "--configs", "static,bigmoe,bigmoe-lfu", "--out", str(out), "--markdown", str(md)])
     assert rc == 0
     report = json.loads(out.read_text())
+    assert report["complete"] is True and not list(tmp_path.glob("*.tmp"))
     configs = sorted({(r["config"], r["vram_budget"]) for r in report["runs"]})
     assert configs == sorted([("resident", 1.0)] + [(c, f) for c in ("static", "bigmoe", "bigmoe-lfu") for f in (0.125, 0.4)])
     for run in report["runs"]:
