@@ -69,11 +69,13 @@ def test_paged_tokens_equal_resident_tokens(shapes, reference, shape, mode):
     assert len({tuple(t) for t in tokens}) > 1, "prompts should not all decode the same"
 
 
-def test_compiled_engine_pages_through_an_opaque_op(shapes, reference):
-    """Without --enforce-eager vLLM's CPU build compiles the model; paging must stay outside the trace."""
-    tokens, _ = greedy(shapes["tiny-moe"], {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_RAM_SLOTS": "9",
-                                            "GREEDY_COMPILE": "1"})
-    assert tokens == reference["tiny-moe"]
+def test_compiled_engine_pages_through_an_opaque_op(shapes):
+    """Without --enforce-eager vLLM's CPU build compiles the model; paging must stay outside the trace.
+    Compiled and eager models round differently, so the reference is compiled too."""
+    compiled = {"GREEDY_COMPILE": "1"}
+    plain, _ = greedy(shapes["tiny-moe"], compiled)
+    paged, _ = greedy(shapes["tiny-moe"], {**compiled, "BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_RAM_SLOTS": "9"})
+    assert paged == plain
 
 
 def test_prompt_longer_than_slots_is_chunked_and_exact(shapes):
