@@ -43,6 +43,7 @@ def paged_class(settings: PagerSettings) -> type:
 
         def __init__(self, layer_name, params_dtype, moe_config, quant_config, expert_map_manager, **kwargs):
             vllm_config = get_current_vllm_config()
+            vllm_glue.require_host_driven_mode(vllm_config)
             num_experts = moe_config.num_experts
             self._moe_index = vllm_glue.next_moe_index()
             num_moe_layers = vllm_glue.moe_layer_count(vllm_config.model_config.hf_text_config)
@@ -89,6 +90,8 @@ def paged_class(settings: PagerSettings) -> type:
                 self.pager.mark_loaded(int(expert_id), name)
             return True if return_success else None
 
+        weight_loader.supports_moe_loading = True  # as RoutedExperts.weight_loader: models check it on the bound method
+
         def _ram_param(self, name: str, like: torch.nn.Parameter) -> torch.nn.Parameter:
             if name not in self._ram_param_cache:
                 view = self.pager.ram_views()[name]
@@ -112,11 +115,13 @@ def paged_class(settings: PagerSettings) -> type:
             topk_ids = vllm_glue.routing_hook(self._moe_index, topk_ids)
             if self._install_slot is None:
                 self._install_slot = vllm_glue.slot_installer(self)
+            host_ids = topk_ids.cpu()  # the pager decides on the host; one copy (and sync) per layer and step
             outs = []
-            for rows in self.pager.token_chunks(topk_ids):
-                slots = self.pager.prepare(topk_ids[rows], self._install_slot).to(topk_ids.dtype)
-                shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
-                outs.append(super().forward_modular(x[rows], topk_weights[rows], slots, shared_experts, shared_in))
+            with vllm_glue.pinned_kernel_config(self, x.shape[0], x.dtype):
+                for rows in self.pager.token_chunks(host_ids):
+                    slots = self.pager.prepare(host_ids[rows], self._install_slot).to(topk_ids.device, topk_ids.dtype)
+                    shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
+                    outs.append(super().forward_modular(x[rows], topk_weights[rows], slots, shared_experts, shared_in))
             vllm_glue.export_stats(self)
             return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 

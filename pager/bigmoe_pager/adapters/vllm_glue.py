@@ -1,11 +1,16 @@
-"""What the paged RoutedExperts needs from around it: layer numbering, the SSD
-source, the kernel's slot layout, routing trace/replay, and Prometheus export.
-Imports vLLM only inside functions that run in an engine process."""
+"""What the paged RoutedExperts needs from around it: layer numbering, the engine
+mode it can serve, the SSD source, the kernel's slot layout and tile config,
+routing trace/replay, and counters (Prometheus and in-process).
+Imports vLLM only inside functions that run in an engine process; where vLLM
+builds differ (CPU 0.32/0.33, CUDA 0.25), the difference lives in one named
+function here."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import sys
 import threading
 from pathlib import Path
 
@@ -25,13 +30,19 @@ _replay: dict[str, object] = {}
 _counters: dict[str, object] = {}
 
 
+class EngineModeError(RuntimeError):
+    """vLLM runs in a mode the host-driven pager cannot serve; the message is one line."""
+
+
 def describe(settings: PagerSettings) -> str:
     vram = ",".join(map(str, settings.vram_slots)) or "all"
     ram = ",".join(map(str, settings.ram_slots)) or "all"
+    mode = "host-driven paging: CUDA needs --enforce-eager"
     if not settings.ram_slots:
-        return f"VRAM slots {vram}, every expert in RAM (no SSD tier)"
+        return f"VRAM slots {vram}, every expert in RAM (no SSD tier); {mode}"
     source = str(settings.paging_file) if settings.paging_file else "the checkpoint in place"
-    return f"VRAM slots {vram}, RAM slots {ram}, SSD tier reads {source}, codec {'on' if settings.use_codec() else 'off'}"
+    codec = "on" if settings.use_codec() else "off"
+    return f"VRAM slots {vram}, RAM slots {ram}, SSD tier reads {source}, codec {codec}; {mode}"
 
 
 def next_moe_index() -> int:
@@ -47,6 +58,23 @@ def register_layer(layer) -> None:
 
 def layer(moe_index: int):
     return _layers[moe_index]
+
+
+def require_host_driven_mode(vllm_config) -> None:
+    """Refuse CUDA graphs on CUDA: the pager decides on the host each step (.tolist()), which a graph cannot replay.
+
+    vLLM's CPU build has no CUDA graphs (its compiled model calls the pager through an opaque op).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
+        raise EngineModeError(
+            f"bigmoe: the expert pager pages from the host each step and cannot run inside CUDA graphs "
+            f"(cudagraph_mode={getattr(mode, 'name', mode)}); start vLLM with --enforce-eager (LLM(enforce_eager=True))"
+        )
 
 
 def moe_layer_count(hf_config) -> int:
@@ -95,15 +123,53 @@ def slot_installer(layer) -> InstallSlot:
     """
     prepack = _cpu_prepack(layer)
     params = {name: getattr(layer, name) for name in layer._layout._by_name}
+    # Without an SSD tier a RAM record never changes after loading, so a copy from it may still be in
+    # flight when the host moves on. With one, a later read may overwrite the record: copy synchronously.
+    asynchronous = layer.pager.source is None and all(p.is_cuda for p in params.values())
 
     def install(slot: int, views: dict[str, torch.Tensor]) -> None:
         for name, param in params.items():
             src = views[name]
             if prepack is not None and name in ("w13_weight", "w2_weight"):
                 src = prepack(name, src)
-            param.data[slot].copy_(src, non_blocking=False)
+            param.data[slot].copy_(src, non_blocking=asynchronous)
 
     return install
+
+
+def pinned_kernel_config(layer, num_tokens: int, dtype: torch.dtype):
+    """A context in which vLLM's Triton MoE kernel tiles every chunk as it tiles the unpaged layer's step.
+
+    The Triton kernel picks BLOCK_SIZE_M/N, swap-AB, warps and stages from a table keyed by
+    (experts, intermediate) and the call's token count. The paged layer has S experts and
+    may split the step into chunks, so it would get other tiles than the resident layer; its
+    per-token arithmetic then may round differently. Forcing the config vLLM picks for all E
+    experts at the step's token count keeps each output row's arithmetic the same (activation
+    quantization, both GEMMs and the top-k sum are per token). Other kernels: no change.
+    """
+    experts = _triton_experts(layer)
+    if experts is None:
+        return contextlib.nullcontext()
+    from vllm.model_executor.layers.fused_moe import override_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    full = layer._num_experts
+    w13 = (full, *layer.w13_weight.shape[1:])
+    w2 = (full, *layer.w2_weight.shape[1:])
+    config = try_get_optimal_moe_config(w13, w2, layer.top_k, experts.quant_config.config_name(dtype), num_tokens,
+                                        block_shape=experts.block_shape)
+    return override_config(config)
+
+
+def _triton_experts(layer):
+    """vLLM's TritonExperts behind this layer's MoE kernel, or None (CPU kernels, other backends)."""
+    kernel = getattr(layer.quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    # Not imported here: a build that never loaded the Triton experts (vLLM's CPU build) has none.
+    module = sys.modules.get("vllm.model_executor.layers.fused_moe.experts.triton_moe")
+    if experts is None or module is None:
+        return None
+    return experts if isinstance(experts, module.TritonExperts) else None
 
 
 def _cpu_prepack(layer):
@@ -210,7 +276,34 @@ def _settings() -> PagerSettings:
     return _replay["settings"]
 
 
-# ---- Prometheus export ------------------------------------------------------------------
+# ---- counters ------------------------------------------------------------------------------
+
+
+def pager_stats() -> dict[str, dict[str, float]]:
+    """Counters of every paged layer of this process, summed per tier (empty when the pager is off)."""
+    with _lock:
+        layers = list(_layers)
+    totals: dict[str, dict[str, float]] = {}
+    for paged in layers:
+        for tier, c in paged.pager.stats.items():
+            t = totals.setdefault(tier, {"lookups": 0, "hits": 0, "bytes_moved": 0, "read_seconds": 0.0, "errors": 0})
+            t["lookups"] += c.lookups
+            t["hits"] += c.hits
+            t["bytes_moved"] += c.bytes_moved
+            t["read_seconds"] += c.read_seconds
+            t["errors"] += c.errors
+    return totals
+
+
+def experts_kernel_name() -> str | None:
+    """Class name of the MoE kernel vLLM runs on the slots of this process's paged layers (None: pager off)."""
+    with _lock:
+        first = _layers[0] if _layers else None
+    if first is None:
+        return None
+    kernel = getattr(first.quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return type(experts if experts is not None else first.quant_method).__name__
 
 
 def export_stats(layer) -> None:

@@ -36,7 +36,7 @@ class DeviceDecoder:
 
     Checks on the device cover the header and every section bound; the crc32 of
     the record is the caller's (the paging file checks each read against its index).
-    Synchronous: dst holds the record when decode_into returns.
+    Synchronous: dst holds the record (and data is free again) when decode_into returns.
     """
 
     def __init__(self, layout: ExpertLayout, device: torch.device | str):
@@ -45,8 +45,6 @@ class DeviceDecoder:
         self.layout = layout
         self.device = torch.device(device)
         capacity = -(-max_record_bytes(layout) // STAGING_ALIGN) * STAGING_ALIGN
-        pin = self.device.type == "cuda"
-        self._host = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)  # host bounce for an async copy
         self._staging = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         # One record on the device; the kernel writes its components through [1, *shape] views of it.
         self._record = torch.zeros(layout.pitch, dtype=torch.uint8, device=self.device)
@@ -60,10 +58,10 @@ class DeviceDecoder:
         if layout is not self.layout and layout.signature() != self.layout.signature():
             raise CodecError("DeviceDecoder was built for another layout")
         n = data.numel()
-        if n > self._host.numel():
-            raise CodecError(f"record of {n} bytes exceeds the codec's largest record ({self._host.numel()} bytes)")
-        self._host[:n].copy_(data)
-        self._staging[:n].copy_(self._host[:n], non_blocking=True)
+        if n > self._staging.numel():
+            raise CodecError(f"record of {n} bytes exceeds the codec's largest record ({self._staging.numel()} bytes)")
+        # Asynchronous from pinned memory; data may be reused once this returns, and it returns after a sync.
+        self._staging[:n].copy_(data, non_blocking=True)
         self._staging[n:].zero_()  # bytes past the record read as zero, never as the last record's tail
         self._errors.zero_()
         decode_into_slots(self._staging, self._work, self._slots, layout, self._errors)

@@ -1,0 +1,348 @@
+"""The expert pager inside real vLLM on a CUDA GPU: greedy tokens equal the unpaged model's in every tier mix.
+
+    PYTHONPATH=/tmp/site:pager:app VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        python3 scripts/gpu_vllm_e2e.py --out $OUT/vllm_gpu_e2e.json
+
+(vLLM 0.25.1 and the project wheel staged into /tmp/site as shared/gpu-vllm/README.md says.)
+Makes an FP8 synthetic Qwen3-MoE with Qwen3.6-35B-A3B's expert shapes (256 experts of
+2048 -> 512, top-8, 128x128 block scales) but few layers, builds a compressed paging
+file from it in the background, then runs vLLM's offline LLM once per configuration,
+each in its own process (the plugin registers per process), in eager mode
+(enforce_eager=True: the host-driven pager cannot run inside CUDA graphs):
+
+    unpaged                      the reference
+    all-in-slots                 BIGMOE_PAGER=1, every expert in a VRAM slot
+    vram40                       40% of experts in VRAM slots, all in pinned RAM
+    vram12-ram50-ssd             12.5% in VRAM, 50% in RAM, the SSD tier reads the checkpoint
+    vram12-ram50-ssd-codec       the same, the SSD tier reads a compressed paging file
+
+Each greedily decodes 4 prompts x 128 tokens (one batch) and one 1,024-token prompt x 32
+tokens, and times batch-1 decode. The JSON (--out, rewritten after every configuration)
+has per configuration: token identity with the unpaged run (and the first differing
+token), bit identity of the sampled tokens' logprobs, TTFT/TPOT (eager mode), and the
+pager's counters per tier. Logs of every run go to <out stem>_logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD = REPO / "scripts" / "vllm_e2e_child.py"
+MAKER = REPO / "scripts" / "make_tiny_moe.py"
+SHAPES = {
+    # Qwen3.6-35B-A3B's routed experts and attention sizes, few layers, FP8 as Qwen ships it, drawn on the GPU.
+    "qwen3.6": dict(experts=256, top_k=8, hidden=2048, moe_intermediate=512, vocab=8192, heads=16, kv_heads=4,
+                    head_dim=128, dtype="fp8", device="cuda"),
+    # A small bf16 model to check this script's plumbing on vLLM's CPU build (not a GPU result).
+    "smoke": dict(experts=32, top_k=4, hidden=256, moe_intermediate=128, vocab=2048, heads=4, kv_heads=2,
+                  head_dim=64, dtype="bf16", device="cpu"),
+}
+PROMPTS = [
+    "The sea is calm and the boats are",
+    "Write a short note about the river",
+    "one two three four five six seven",
+    "A green tree stands near the old house because",
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One vLLM run."""
+
+    name: str
+    """Row label."""
+    env: dict[str, str] = field(default_factory=dict)
+    """BIGMOE_* variables of the run (none: the plugin stays off)."""
+    needs_paging_file: bool = False
+    """Wait for the background paging-file build first."""
+
+
+def configs(experts: int, paging_file: Path) -> list[Config]:
+    vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
+    ssd = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)}
+    return [
+        Config("unpaged"),
+        Config("all-in-slots", {"BIGMOE_PAGER": "1"}),
+        Config(f"vram40 ({vram40} slots)", {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram40)}),
+        Config(f"vram12-ram50-ssd ({vram12}/{ram50}, checkpoint)", ssd),
+        Config(f"vram12-ram50-ssd-codec ({vram12}/{ram50}, paging file)",
+               {**ssd, "BIGMOE_PAGING_FILE": str(paging_file), "BIGMOE_COMPRESS": "on"}, needs_paging_file=True),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
+    out = args.out.resolve()
+    logs = out.with_name(out.stem + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"mode": "eager: enforce_eager=True (the host-driven pager cannot run inside CUDA graphs)",
+                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "configs": [], "passed": False}
+    started = time.monotonic()
+    shape = SHAPES[args.shape]
+    name = f"{args.shape}-{shape['dtype']}-{args.layers}l"
+    try:
+        model, has_tokenizer, made_s = make_checkpoint(work / name, shape, args.layers, logs)
+    except CheckpointFailed as e:
+        report["error"] = str(e)
+        write_json(out, report)
+        print(f"gpu_vllm_e2e: {e}", file=sys.stderr)
+        return 1
+    report["checkpoint"] = {"path": str(model), "shape": args.shape, "layers": args.layers, **shape,
+                            "tokenizer": has_tokenizer, "seconds": made_s}
+    paging_file = work / f"{name}.bmpf"
+    builder = start_paging_build(model, paging_file, logs)
+    try:
+        run_all(configs(shape["experts"], paging_file), make_spec(model, has_tokenizer, shape, args),
+                builder, paging_file, work, logs, deadline, report, out, started)
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+    paged = [r for r in report["configs"] if not r.get("reference")]
+    report["passed"] = report["configs"][0].get("result") is not None and all(
+        r.get("tokens_identical") and r.get("long_tokens_identical") for r in paged)
+    write_json(out, report)
+    print_table(report)
+    return 0 if report["passed"] else 1
+
+
+def run_all(todo: list[Config], spec: dict, builder, paging_file: Path, work: Path, logs: Path, deadline: float,
+            report: dict, out: Path, started: float) -> None:
+    """Each configuration in turn, compared with the first (unpaged) one; the report is rewritten after each."""
+    reference = None
+    for config in todo:
+        if config.needs_paging_file:
+            report["paging_file"] = finish_paging_build(builder, paging_file, deadline)
+        if time.monotonic() >= deadline:
+            row = skipped(config, "time budget spent")
+        elif report["configs"] and reference is None:
+            row = skipped(config, "the unpaged reference run failed (see its log)")
+        elif config.needs_paging_file and "error" in report["paging_file"]:
+            row = skipped(config, "no paging file: " + report["paging_file"]["error"])
+        else:
+            row = run_config(config, spec, work, logs, deadline)
+        if not config.env:
+            reference = row.get("result")
+            row["reference"] = True
+        compare(row, reference)
+        report["configs"].append(row)
+        report["total_s"] = round(time.monotonic() - started, 1)
+        write_json(out, report)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="result JSON (rewritten after every configuration)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-vllm-e2e"),
+                   help="checkpoint and paging file (a local disk where O_DIRECT works)")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3.6",
+                   help="qwen3.6: the GPU run; smoke: a small bf16 model for vLLM's CPU build (checks the script only)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (qwen3.6: 256 experts, 0.77 GiB of FP8 each)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens generated for each of the 4 prompts")
+    p.add_argument("--long-prompt", type=int, default=1024, help="tokens of the long prompt")
+    p.add_argument("--long-tokens", type=int, default=32, help="tokens generated after the long prompt")
+    p.add_argument("--timing-tokens", type=int, default=65, help="tokens of the batch-1 timing request")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="stop starting runs (and cut a running one) after this many seconds")
+    return p.parse_args(argv)
+
+
+# ---- the checkpoint and the paging file -------------------------------------------------------
+
+
+class CheckpointFailed(RuntimeError):
+    """The generator could not write the checkpoint; the message is one line."""
+
+
+def make_checkpoint(out: Path, shape: dict, layers: int, logs: Path) -> tuple[Path, bool, float]:
+    """The project's generator; where the tokenizers package is missing, a checkpoint without a tokenizer."""
+    base = [sys.executable, str(MAKER), str(out), "--layers", str(layers), "--seed", "0"]
+    for key, value in shape.items():
+        base += [f"--{key.replace('_', '-')}", str(value)]
+    started = time.monotonic()
+    for extra in ([], ["--no-tokenizer"]):
+        proc = subprocess.run(base + extra, env=child_env({}), capture_output=True, text=True)
+        (logs / "make_tiny_moe.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode == 0:
+            return out, not extra, round(time.monotonic() - started, 1)
+        if "tokenizers" not in proc.stderr:
+            break
+    last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    raise CheckpointFailed(f"making the checkpoint failed (see make_tiny_moe.log): {last}")
+
+
+def start_paging_build(model: Path, out: Path, logs: Path) -> subprocess.Popen:
+    """build_paging_file(compress=True) in a background process (the codec encodes on the CPU)."""
+    code = ("import sys, time; from pathlib import Path; from bigmoe_pager.core.paging_build import build_paging_file; "
+            "t = time.monotonic(); build_paging_file(Path(sys.argv[1]), Path(sys.argv[2]), compress=True); "
+            "print('built in', round(time.monotonic() - t, 1), 's')")
+    log = open(logs / "paging_build.log", "w")
+    return subprocess.Popen([sys.executable, "-c", code, str(model), str(out)], env=child_env({}),
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish_paging_build(builder: subprocess.Popen, path: Path, deadline: float) -> dict:
+    try:
+        rc = builder.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        builder.kill()
+        return {"path": str(path), "error": "not built within the time budget"}
+    if rc != 0:
+        return {"path": str(path), "error": f"build failed (exit {rc}); see paging_build.log"}
+    return {"path": str(path), "bytes": path.stat().st_size, "compressed": True}
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+
+
+def make_spec(model: Path, has_tokenizer: bool, shape: dict, args) -> dict:
+    long_ids = long_prompt_ids(model, has_tokenizer, args.long_prompt, shape["vocab"])
+    return {
+        "model": str(model), "max_model_len": 2048, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": None if shape["device"] == "cuda" else 256 << 20,  # CPU build: no GPU to size from
+        "skip_tokenizer_init": not has_tokenizer,
+        "prompts": PROMPTS if has_tokenizer else [long_ids[i * 37 : i * 37 + 9] for i in range(len(PROMPTS))],
+        "max_tokens": args.tokens, "long_ids": long_ids, "long_max_tokens": args.long_tokens,
+        "timing_ids": long_ids[:16], "timing_tokens": args.timing_tokens,
+    }
+
+
+def long_prompt_ids(model: Path, has_tokenizer: bool, n: int, vocab: int) -> list[int]:
+    """n token ids: the prompts' text repeated and tokenized, or seeded ids below the special tokens."""
+    if has_tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+        text = " ".join(PROMPTS)
+        ids: list[int] = []
+        while len(ids) < n:
+            text = text + " " + text
+            ids = tok.encode(text).ids
+        return ids[:n]
+    return np.random.default_rng(0).integers(0, min(vocab, 8192) - 3, n).tolist()  # below the 3 special tokens
+
+
+def run_config(config: Config, spec: dict, work: Path, logs: Path, deadline: float) -> dict:
+    slug = config.name.split(" ")[0]
+    spec_path, result_path = work / f"{slug}.spec.json", work / f"{slug}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    row: dict = {"name": config.name, "env": config.env}
+    started = time.monotonic()
+    with open(logs / f"{slug}.log", "w") as log:
+        try:
+            proc = subprocess.run([sys.executable, str(CHILD), str(spec_path), str(result_path)],
+                                  env=child_env(config.env), stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=max(deadline - time.monotonic(), 1))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    row["seconds"] = round(time.monotonic() - started, 1)
+    if rc != 0 or not result_path.exists():
+        row["error"] = f"exit {rc}: " + last_error_line(logs / f"{slug}.log")
+        return row
+    row["result"] = json.loads(result_path.read_text())
+    return row
+
+
+def skipped(config: Config, why: str) -> dict:
+    return {"name": config.name, "env": config.env, "error": "not run: " + why}
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """This environment without BIGMOE_*, plus extra; the checkout's pager/app first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
+    path = [str(REPO / "pager"), str(REPO / "app")] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    env.update(PYTHONPATH=":".join(path), PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.update(extra)
+    return env
+
+
+def last_error_line(log: Path) -> str:
+    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "error:" in l]
+    return (errors or lines or ["(no output)"])[-1][-400:]
+
+
+# ---- comparison and output ---------------------------------------------------------------------
+
+
+def compare(row: dict, reference: dict | None) -> None:
+    """Token and logprob identity of a run with the reference, and its pager hit rates."""
+    result = row.get("result")
+    if result is None:
+        return
+    row["ttft_ms"], row["tpot_ms"] = result["ttft_ms"], result["tpot_ms"]
+    row["pager"] = {tier: {**c, "hit_rate": round(c["hits"] / c["lookups"], 4) if c["lookups"] else None}
+                    for tier, c in result["pager"].items()}
+    if reference is None or row.get("reference"):
+        return
+    for part, key in (("short", "tokens"), ("long", "long_tokens")):
+        mine, ref = result[part], reference[part]
+        firsts = [first_difference(a, b) for a, b in zip(mine["tokens"], ref["tokens"])]
+        row[f"{key}_identical"] = len(mine["tokens"]) == len(ref["tokens"]) and all(f is None for f in firsts)
+        row[f"{key.replace('tokens', 'first_divergence')}"] = firsts
+        row[f"{key.replace('tokens', 'logprobs')}_identical"] = (
+            None if None in mine["logprobs"] + ref["logprobs"] else mine["logprobs"] == ref["logprobs"])
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def write_json(path: Path, report: dict) -> None:
+    """The report without the per-token logprobs (their identity is recorded), written whole or not at all."""
+    slim = {**report, "configs": [{**r, "result": {k: ({**v, "logprobs": "compared"} if k in ("short", "long") else v)
+                                                    for k, v in r["result"].items()}} if "result" in r else r
+                                  for r in report["configs"]]}
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(slim, indent=1))
+    tmp.replace(path)
+
+
+def print_table(report: dict) -> None:
+    print(f"mode: {report['mode']}")
+    print(f"{'configuration':48s} {'tokens':>7s} {'long':>6s} {'logprobs':>9s} {'TTFT ms':>8s} {'TPOT ms':>8s}"
+          f" {'VRAM hit':>8s} {'RAM hit':>8s} {'SSD GB':>7s} {'s':>6s}")
+    for r in report["configs"]:
+        if "error" in r:
+            print(f"{r['name']:48s} ERROR {r['error']}")
+            continue
+        pager = r.get("pager") or {}
+        rate = lambda tier: "-" if (pager.get(tier) or {}).get("hit_rate") is None else f"{pager[tier]['hit_rate']:.3f}"  # noqa: E731
+        ssd_gb = f"{pager['ssd']['bytes_moved'] / 1e9:.1f}" if "ssd" in pager else "-"
+        if r.get("reference"):
+            tokens = long = logprobs = "ref"
+        else:
+            tokens, long = same(r.get("tokens_identical")), same(r.get("long_tokens_identical"))
+            both = [r.get("logprobs_identical"), r.get("long_logprobs_identical")]
+            logprobs = same(None if None in both else all(both))
+        print(f"{r['name']:48s} {tokens:>7s} {long:>6s} {logprobs:>9s} {r['ttft_ms']:8.2f} {r['tpot_ms']:8.2f}"
+              f" {rate('vram'):>8s} {rate('ram'):>8s} {ssd_gb:>7s} {r['seconds']:6.1f}")
+    print(f"total {report.get('total_s')} s; passed: {report.get('passed')}")
+
+
+def same(value: bool | None) -> str:
+    return "-" if value is None else ("same" if value else "DIFF")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

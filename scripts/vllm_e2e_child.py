@@ -1,0 +1,126 @@
+"""One configuration of scripts/gpu_vllm_e2e.py: real vLLM in this process, greedy tokens and timings.
+
+    python scripts/vllm_e2e_child.py SPEC.json RESULT.json
+
+A fresh process per configuration, because the pager plugin registers per
+process; the BIGMOE_* environment decides whether and how it pages. SPEC holds
+the model directory, the prompts (text, or token-id lists), token counts and
+engine sizes. RESULT gets the greedy token ids with the sampled tokens'
+logprobs, batch-1 wall times and the pager's counters; it is written (whole,
+via a temporary name) only when every step ran, so a failed run leaves none.
+No textual/httpx/click: this runs on the GPU machine from a checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its layers are readable here
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not staged on the H200
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    started = time.perf_counter()
+    from vllm import LLM
+
+    llm = LLM(
+        model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], max_num_seqs=8,
+        max_num_batched_tokens=spec["max_model_len"], enforce_eager=True, enable_prefix_caching=False,
+        seed=0, distributed_executor_backend="uni", skip_tokenizer_init=spec["skip_tokenizer_init"],
+        **_memory_args(spec),
+    )
+    startup_s = time.perf_counter() - started
+    detokenize = not spec["skip_tokenizer_init"]
+    short = greedy(llm, spec["prompts"], spec["max_tokens"], detokenize)
+    long = greedy(llm, [spec["long_ids"]], spec["long_max_tokens"], detokenize)
+    timing = batch1_timing(llm, spec["timing_ids"], spec["timing_tokens"])
+    result = {
+        "vllm": _vllm_version(), "startup_s": round(startup_s, 2), "short": short, "long": long,
+        **timing, "pager": _pager_counters(), "experts_kernel": _experts_kernel(),
+    }
+    tmp = Path(result_path).with_suffix(".partial")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(result_path)
+
+
+def _memory_args(spec: dict) -> dict:
+    """KV cache sizing: a share of GPU memory, or a fixed size where there is no GPU (vLLM's CPU build)."""
+    if spec.get("kv_cache_memory_bytes"):
+        return {"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"]}
+    return {"gpu_memory_utilization": spec["gpu_memory_utilization"]}
+
+
+def greedy(llm, prompts: list, max_tokens: int, detokenize: bool) -> dict:
+    """Greedy token ids and each sampled token's logprob, per prompt (ids as given or from vLLM's tokenizer)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1, detokenize=detokenize)
+    inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    started = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return {
+        "tokens": tokens,
+        "logprobs": [_sampled_logprobs(o.outputs[0], t) for o, t in zip(outs, tokens)],
+        "prompt_tokens": [len(o.prompt_token_ids or []) for o in outs],
+        "seconds": round(seconds, 3),
+    }
+
+
+def batch1_timing(llm, prompt_ids: list[int], tokens: int) -> dict:
+    """Wall time of one request alone: 1 token (about the time to first token) and `tokens` tokens.
+
+    TPOT = (t(tokens) - t(1)) / (tokens - 1): the decode steps alone, prefill cancelled out (prefix caching is off).
+    """
+    from vllm import SamplingParams
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    run(2)  # the first request of this shape pays one-time costs (kernel compiles)
+    first = min(run(1) for _ in range(2))
+    full = run(tokens)
+    return {"ttft_ms": round(first * 1e3, 3), "tpot_ms": round((full - first) / (tokens - 1) * 1e3, 3)}
+
+
+def _sampled_logprobs(completion, token_ids: list[int]) -> list[float] | None:
+    entries = completion.logprobs
+    if entries is None:
+        return None
+    return [float(entries[i][tok].logprob) for i, tok in enumerate(token_ids)]
+
+
+def _pager_counters() -> dict:
+    from bigmoe_pager.adapters import vllm_glue
+
+    return vllm_glue.pager_stats()
+
+
+def _experts_kernel() -> str | None:
+    from bigmoe_pager.adapters import vllm_glue
+
+    return vllm_glue.experts_kernel_name()
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: vllm_e2e_child.py SPEC.json RESULT.json")
+    main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is on disk; skip engine teardown, which can take seconds per configuration
