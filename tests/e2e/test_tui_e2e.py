@@ -86,7 +86,7 @@ def test_tui_plans_launches_chats_and_quits_cleanly(tmp_path, monkeypatch):
         await until(pilot, lambda: not plan_screen.stale and plan_screen.plan is not None and plan_screen.plan.ram_slots == 10, 30, "the re-plan")
         seen["plan"] = plan_screen.plan
         await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) or pilot.app.start_failed, START_S + 10, "the dashboard")
+        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live or pilot.app.start_failed, START_S + 10, "the dashboard")
         assert not pilot.app.start_failed, f"the server did not start: {pilot.app.screen.failed}"
         dash = pilot.app.screen
         seen["pid"] = dash.server.info.pid

@@ -84,7 +84,7 @@ def test_edited_slots_replan_and_launch_with_the_edits(roomy):
         seen["after"] = (screen.plan.vram_slots, screen.plan.ram_slots, screen.plan.pager)
         seen["reason"] = screen.plan.reasons["vram_slots"]
         await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
+        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
 
     app = make_app(roomy)
     drive(app, scenario)
@@ -133,7 +133,7 @@ def test_refused_plan_launches_only_when_forced(cramped, answer, launched):
         await until(pilot, lambda: isinstance(pilot.app.screen, ForceScreen))
         await pilot.press(answer)
         if launched:
-            await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
+            await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
         else:
             await pilot.pause(0.2)
         seen["screen"] = type(pilot.app.screen)
@@ -176,7 +176,7 @@ def test_quitting_stops_a_started_server_once_and_exits_zero(roomy, quit_on, key
         await planned(pilot)
         if quit_on == "dashboard":
             await pilot.press("l")
-            await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
+            await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
         if keys.startswith("#"):
             await pilot.click(keys)
         else:
@@ -241,7 +241,7 @@ def test_dashboard_shows_polled_speed_hit_rates_and_a_chat_answer(roomy):
     async def scenario(pilot):
         await planned(pilot)
         await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
+        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
         dash = pilot.app.screen
         for _ in range(4):
             await until(pilot, lambda: not dash.polling)
@@ -282,7 +282,7 @@ def test_server_gone_while_serving_is_shown_and_sets_the_exit_code(roomy, how, s
     async def scenario(pilot):
         await planned(pilot)
         await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
+        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
         dash = pilot.app.screen
         await until(pilot, lambda: not dash.polling)
         if how == "crash":  # a real process that exits with code 3 stands in for the server's

@@ -89,7 +89,7 @@ def test_dashboard_snapshot(tmp_path):
     async def serve_and_chat(pilot):
         await planned(pilot)
         await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard))
+        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
         dash = pilot.app.screen
         for _ in WINDOWS:
             await until(pilot, lambda: not dash.polling)

@@ -50,6 +50,8 @@ class Dashboard(Screen):
         self.polling = False
         self.gone: str | None = None
         self.crashed = False
+        self.live = False
+        """True once mounted: its widgets exist and polling has begun."""
 
     def compose(self) -> ComposeResult:
         info = self.server.info
@@ -78,6 +80,7 @@ class Dashboard(Screen):
         self.show_history()
         self.set_interval(self.poll_s, self.action_poll)
         self.action_poll()
+        self.live = True
 
     # ---- polling ----------------------------------------------------------------------
 
