@@ -84,7 +84,7 @@ def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk:
     overrides = Overrides(
         vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
         context=opts.context, force=opts.force, host=opts.host, port=opts.port,
-        model_path=opts.model_dir, model_on_disk=model_on_disk or bool(opts.model_dir),
+        model_path=opts.model_dir, model_dir=opts.model_dir, model_on_disk=model_on_disk or bool(opts.model_dir),
         paging_dir=str(Path(opts.paging_dir).expanduser()) if opts.paging_dir else None,
     )
     return plan(hardware, preset, overrides)

@@ -95,6 +95,7 @@ def test_served_model_is_watched_listed_logged_and_stopped(home):
     finally:
         if runner.poll() is None:
             os.killpg(runner.pid, signal.SIGKILL)
+        _kill_servers_of(home)
 
 
 @pytest.mark.parametrize("args,message,code", [
@@ -146,6 +147,15 @@ def _wait_for_event(proc: subprocess.Popen, name: str, timeout: float) -> dict:
             if event["event"] == name:
                 return event
     raise AssertionError(f"no '{name}' event within {timeout} s")
+
+
+def _kill_servers_of(home: Path) -> None:
+    """A failed test must not leave a server behind: stop every server whose runfile is in home."""
+    for runfile in (home / "run").glob("*.json"):
+        try:
+            os.killpg(json.loads(runfile.read_text())["pid"], signal.SIGKILL)
+        except (ProcessLookupError, ValueError, KeyError, OSError):
+            pass
 
 
 def _group_gone(pgid: int) -> bool:
