@@ -83,8 +83,15 @@ def untouched(slots: dict[str, torch.Tensor], slot: int) -> bool:
     return all((slot_bytes(slots, slot, c.name) == FILL).all() for c in LAYOUT.components)
 
 
-@pytest.fixture(scope="module")
-def decoded():
+# Kernel shapes: the default (prefetch, 8 chunks x 16 lanes over 4 warps) and the plain-load loop on one warp.
+SHAPES = [
+    pytest.param(dict(), id="default"),
+    pytest.param(dict(prefetch=False, chunks_per_program=2, num_warps=1), id="no-prefetch-1warp"),
+]
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def decoded(request):
     raw = mosaic_record(np.random.default_rng(7))
     good = encode_record(raw, LAYOUT)
     bad_header = bytearray(good)
@@ -95,7 +102,7 @@ def decoded():
     for t in slots.values():
         t.view(torch.uint8).fill_(FILL)
     errors = new_errors(work)
-    decode_into_slots(staging, work, slots, LAYOUT, errors)
+    decode_into_slots(staging, work, slots, LAYOUT, errors, **request.param)
     return raw, slots, errors
 
 

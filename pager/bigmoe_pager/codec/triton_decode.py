@@ -45,6 +45,7 @@ except ImportError:  # the CPU build may run without Triton; decode_record is th
 
 CHUNKS_PER_PROGRAM = 8  # chunks (x LANES lanes) one program decodes
 NUM_WARPS = 4
+PREFETCH = True  # load stream words and nibbles a step ahead (see the kernel)
 RAW_STEP = 256  # bytes per iteration of a raw copy (wider costs registers the decode loop would then lack)
 MAX_COMPONENTS = 4  # components one launch covers; larger layouts launch in groups
 
@@ -110,13 +111,15 @@ def decode_into_slots(
     *,
     chunks_per_program: int = CHUNKS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
+    prefetch: bool = PREFETCH,
 ) -> None:
     """For each m with work[m, 1] >= 0: decode the record at staging[work[m, 0]:] into slot work[m, 1].
 
     staging: uint8 [B]; work: int64 [M, 2] (offsets multiples of STAGING_ALIGN);
     slot_buffers: layout.slot_buffers(...) on the same device; errors: int32 [M],
     incremented for every record that fails a check (its slot is then garbage).
-    Asynchronous on CUDA; capturable in a CUDA graph.
+    Asynchronous on CUDA; capturable in a CUDA graph. prefetch: load each lane's next stream word and
+    nibbles a step ahead (same output; a kernel-shape choice like chunks_per_program and num_warps).
     """
     _check(staging, work, slot_buffers, layout, errors)
     plan = decode_plan(layout)
@@ -142,7 +145,7 @@ def decode_into_slots(
             *coded, *aligned,
             BLOCK=chunks_per_program, LANES=F.LANES, STEPS=F.LANE_STEPS, CHUNK=F.CHUNK_SYMBOLS,
             HDR=F.CHUNK_HEADER_BYTES, MAX_TABLES=F.MAX_TABLES, PAD_WORDS=F.STREAM_PAD_WORDS,
-            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=RAW_STEP,
+            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=RAW_STEP, PREFETCH=prefetch,
             num_warps=num_warps,
         )
 
@@ -182,7 +185,7 @@ if triton is not None:
         ALIGNED0: tl.constexpr, ALIGNED1: tl.constexpr, ALIGNED2: tl.constexpr, ALIGNED3: tl.constexpr,
         BLOCK: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr, CHUNK: tl.constexpr, HDR: tl.constexpr,
         MAX_TABLES: tl.constexpr, PAD_WORDS: tl.constexpr, MAGIC: tl.constexpr, GEOMETRY: tl.constexpr,
-        ALIGN: tl.constexpr, RAW_STEP: tl.constexpr,
+        ALIGN: tl.constexpr, RAW_STEP: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         # Program (m, g): record m; group g is part of component 0 below g1, 1 below g2, 2 below g3, else 3.
         # Written as one body: the interpreter cannot call nested jit helpers.
@@ -268,12 +271,22 @@ if triton is not None:
                     nib16 = (base + nibs).to(tl.pointer_type(tl.uint16))
                     out32 = out.to(u32)
                     pos = c[:, None] * CHUNK + lane[None, :] * 4
+                    # PREFETCH: the lane's next stream word and the next step's nibbles are loaded a step
+                    # ahead, so a step waits on its four LUT loads only, not on an L2 round trip (~300+ cycles).
+                    nw = tl.load(sp + nxt, mask=good & (nxt < limit), other=0)
+                    nbn = tl.load(nib16 + (pos >> 2), mask=good & (pos < n_bytes), other=0)
                     for k in range(STEPS):
                         need = have < 32
-                        wv = tl.load(sp + nxt, mask=need & good & (nxt < limit), other=0).to(tl.uint64)
+                        if PREFETCH:
+                            wv = tl.where(need, nw, 0).to(tl.uint64)
+                        else:
+                            wv = tl.load(sp + nxt, mask=need & good & (nxt < limit), other=0).to(tl.uint64)
                         buf = buf | (wv << tl.where(need, 32 - have, 0).to(tl.uint64))
                         have = tl.where(need, have + 32, have)
                         nxt = tl.where(need, nxt + 1, nxt)
+                        if PREFETCH:
+                            # Lanes that took a word load the one after it; the others keep theirs.
+                            nw = tl.load(sp + nxt, mask=need & good & (nxt < limit), other=nw)
                         e0 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
                         buf = buf << (e0 >> 4).to(tl.uint64)
                         e1 = tl.load(lut + (buf >> 56).to(tl.int32)).to(tl.int32)
@@ -286,7 +299,12 @@ if triton is not None:
                         p = pos + k * (LANES * 4)
                         wm = good & (p < n_bytes)
                         # Nibbles (sign << 3 | mantissa) of bytes p..p+3, byte p lowest, spread one per byte.
-                        nb = tl.load(nib16 + (p >> 2), mask=wm, other=0).to(tl.uint32)
+                        if PREFETCH:
+                            nb = nbn.to(tl.uint32)
+                            pn = p + LANES * 4
+                            nbn = tl.load(nib16 + (pn >> 2), mask=good & (pn < n_bytes) & (k + 1 < STEPS), other=0)
+                        else:
+                            nb = tl.load(nib16 + (p >> 2), mask=wm, other=0).to(tl.uint32)
                         nb = (nb & 0xFF) | ((nb >> 8) << 16)
                         nb = (nb | (nb << 4)) & 0x0F0F0F0F
                         exps = (e0 & 15) | ((e1 & 15) << 8) | ((e2 & 15) << 16) | ((e3 & 15) << 24)
