@@ -59,8 +59,17 @@ def fresh_slots(layout: ExpertLayout, n: int) -> dict[str, torch.Tensor]:
     return slots
 
 
+KERNEL_SHAPES = [  # (chunks per program, warps, prefetch): the default and the shapes bench_codec.py sweeps
+    dict(),
+    dict(chunks_per_program=2, num_warps=1, prefetch=True),
+    dict(chunks_per_program=4, num_warps=2, prefetch=False),
+    dict(chunks_per_program=16, num_warps=4, prefetch=True),
+]
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()) or "default")
 @pytest.mark.parametrize("preset", sorted(S.SHAPES))
-def test_real_size_records_decode_bit_exact(preset):
+def test_real_size_records_decode_bit_exact(preset, shape):
     layout = S.moe_layout(*S.SHAPES[preset])
     rng = np.random.default_rng(0)
     raws = [S.expert_record(layout, p, rng) if p in ("student_t", "gaussian") else S.pattern_record(layout, p, rng)
@@ -70,7 +79,7 @@ def test_real_size_records_decode_bit_exact(preset):
     work = torch.tensor([[o, len(raws) - 1 - i] for i, o in enumerate(offs)] + [[offs[0], -1]], dtype=torch.int64, device="cuda")
     slots = fresh_slots(layout, len(raws) + 1)
     errors = new_errors(work)
-    decode_into_slots(staging, work, slots, layout, errors)
+    decode_into_slots(staging, work, slots, layout, errors, **shape)
     torch.cuda.synchronize()
     assert errors.sum().item() == 0
     for i, raw in enumerate(raws):
