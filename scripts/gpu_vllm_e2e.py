@@ -20,7 +20,7 @@ Each greedily decodes 4 prompts x 128 tokens (one batch) and one 1,024-token pro
 tokens, and times batch-1 decode. The JSON (--out, rewritten after every configuration)
 has per configuration: token identity with the unpaged run (and the first differing
 token), bit identity of the sampled tokens' logprobs, TTFT/TPOT (eager mode), and the
-pager's counters per tier. Logs of every run go to <out stem>_logs/.
+pager's counters per tier. Logs go to <out stem>_logs/ (prepare.log and one per run: 6 files).
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     logs = out.with_name(out.stem + "_logs")
     logs.mkdir(parents=True, exist_ok=True)
+    (logs / "prepare.log").unlink(missing_ok=True)
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"mode": "eager: enforce_eager=True (the host-driven pager cannot run inside CUDA graphs)",
@@ -153,7 +154,7 @@ def parse_args(argv):
     p.add_argument("--tokens", type=int, default=128, help="tokens generated for each of the 4 prompts")
     p.add_argument("--long-prompt", type=int, default=1024, help="tokens of the long prompt")
     p.add_argument("--long-tokens", type=int, default=32, help="tokens generated after the long prompt")
-    p.add_argument("--timing-tokens", type=int, default=65, help="tokens of the batch-1 timing request")
+    p.add_argument("--timing-tokens", type=int, default=65, help="tokens of the batch-1 timing request (TTFT, TPOT)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting runs (and cut a running one) after this many seconds")
@@ -175,13 +176,14 @@ def make_checkpoint(out: Path, shape: dict, layers: int, logs: Path) -> tuple[Pa
     started = time.monotonic()
     for extra in ([], ["--no-tokenizer"]):
         proc = subprocess.run(base + extra, env=child_env({}), capture_output=True, text=True)
-        (logs / "make_tiny_moe.log").write_text(proc.stdout + proc.stderr)
+        with open(logs / "prepare.log", "a") as log:  # one file for both preparation steps: $OUT returns 8 files at most
+            log.write(proc.stdout + proc.stderr)
         if proc.returncode == 0:
             return out, not extra, round(time.monotonic() - started, 1)
         if "tokenizers" not in proc.stderr:
             break
     last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise CheckpointFailed(f"making the checkpoint failed (see make_tiny_moe.log): {last}")
+    raise CheckpointFailed(f"making the checkpoint failed (see prepare.log): {last}")
 
 
 def start_paging_build(model: Path, out: Path, logs: Path) -> subprocess.Popen:
@@ -189,7 +191,7 @@ def start_paging_build(model: Path, out: Path, logs: Path) -> subprocess.Popen:
     code = ("import sys, time; from pathlib import Path; from bigmoe_pager.core.paging_build import build_paging_file; "
             "t = time.monotonic(); build_paging_file(Path(sys.argv[1]), Path(sys.argv[2]), compress=True); "
             "print('built in', round(time.monotonic() - t, 1), 's')")
-    log = open(logs / "paging_build.log", "w")
+    log = open(logs / "prepare.log", "a")
     return subprocess.Popen([sys.executable, "-c", code, str(model), str(out)], env=child_env({}),
                             stdout=log, stderr=subprocess.STDOUT)
 
@@ -201,7 +203,7 @@ def finish_paging_build(builder: subprocess.Popen, path: Path, deadline: float) 
         builder.kill()
         return {"path": str(path), "error": "not built within the time budget"}
     if rc != 0:
-        return {"path": str(path), "error": f"build failed (exit {rc}); see paging_build.log"}
+        return {"path": str(path), "error": f"build failed (exit {rc}); see prepare.log"}
     return {"path": str(path), "bytes": path.stat().st_size, "compressed": True}
 
 
@@ -216,7 +218,7 @@ def make_spec(model: Path, has_tokenizer: bool, shape: dict, args) -> dict:
         "skip_tokenizer_init": not has_tokenizer,
         "prompts": PROMPTS if has_tokenizer else [long_ids[i * 37 : i * 37 + 9] for i in range(len(PROMPTS))],
         "max_tokens": args.tokens, "long_ids": long_ids, "long_max_tokens": args.long_tokens,
-        "timing_ids": long_ids[:16], "timing_tokens": args.timing_tokens,
+        "timing_ids": long_ids[:16], "warmup_ids": long_ids[16:32], "timing_tokens": args.timing_tokens,
     }
 
 

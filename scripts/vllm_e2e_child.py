@@ -32,13 +32,14 @@ def main(spec_path: str, result_path: str) -> None:
         model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], max_num_seqs=8,
         max_num_batched_tokens=spec["max_model_len"], enforce_eager=True, enable_prefix_caching=False,
         seed=0, distributed_executor_backend="uni", skip_tokenizer_init=spec["skip_tokenizer_init"],
+        disable_log_stats=False,  # request timestamps for TTFT/TPOT
         **_memory_args(spec),
     )
     startup_s = time.perf_counter() - started
     detokenize = not spec["skip_tokenizer_init"]
     short = greedy(llm, spec["prompts"], spec["max_tokens"], detokenize)
     long = greedy(llm, [spec["long_ids"]], spec["long_max_tokens"], detokenize)
-    timing = batch1_timing(llm, spec["timing_ids"], spec["timing_tokens"])
+    timing = batch1_timing(llm, spec["timing_ids"], spec["warmup_ids"], spec["timing_tokens"])
     result = {
         "vllm": _vllm_version(), "startup_s": round(startup_s, 2), "short": short, "long": long,
         **timing, "pager": _pager_counters(), "experts_kernel": _experts_kernel(),
@@ -73,23 +74,28 @@ def greedy(llm, prompts: list, max_tokens: int, detokenize: bool) -> dict:
     }
 
 
-def batch1_timing(llm, prompt_ids: list[int], tokens: int) -> dict:
-    """Wall time of one request alone: 1 token (about the time to first token) and `tokens` tokens.
+def batch1_timing(llm, prompt_ids: list[int], warmup_ids: list[int], tokens: int) -> dict:
+    """TTFT and TPOT of one request alone, from vLLM's own request timestamps (engine-core clock).
 
-    TPOT = (t(tokens) - t(1)) / (tokens - 1): the decode steps alone, prefill cancelled out (prefix caching is off).
+    TTFT = first token - scheduled; TPOT = (last token - first token) / (tokens - 1). A request of
+    the same shape but another prompt runs first: one-time costs (kernel compiles) are not
+    counted, and the pager's caches are not primed with the timed request's own experts.
     """
     from vllm import SamplingParams
 
-    def run(n: int) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-        started = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
-        return time.perf_counter() - started
-
-    run(2)  # the first request of this shape pays one-time costs (kernel compiles)
-    first = min(run(1) for _ in range(2))
-    full = run(tokens)
-    return {"ttft_ms": round(first * 1e3, 3), "tpot_ms": round((full - first) / (tokens - 1) * 1e3, 3)}
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": warmup_ids}], params, use_tqdm=False)
+    started = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+    wall = time.perf_counter() - started
+    m = out.metrics
+    if m is None or not m.first_token_ts or m.num_generation_tokens != tokens:
+        raise RuntimeError("vLLM gave no request timestamps (log stats off?); cannot time decode")
+    return {
+        "ttft_ms": round((m.first_token_ts - m.scheduled_ts) * 1e3, 3),
+        "tpot_ms": round((m.last_token_ts - m.first_token_ts) / (tokens - 1) * 1e3, 3),
+        "request_wall_ms": round(wall * 1e3, 3),
+    }
 
 
 def _sampled_logprobs(completion, token_ids: list[int]) -> list[float] | None:

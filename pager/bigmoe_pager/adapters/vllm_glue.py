@@ -119,7 +119,9 @@ def slot_installer(layer) -> InstallSlot:
 
     vLLM's CPU kernel prepacks weights after loading; one expert prepacked alone
     gives exactly that expert's slice of the prepacked tensor, so page-in
-    prepacks the expert. Other kernels read the raw layout.
+    prepacks the expert. Other kernels read the raw layout: on CUDA (vLLM 0.25,
+    Hopper) block-FP8 experts run the Triton kernel, whose weight processing keeps
+    w13/w2 and their *_weight_scale_inv scales as the checkpoint has them.
     """
     prepack = _cpu_prepack(layer)
     params = {name: getattr(layer, name) for name in layer._layout._by_name}
