@@ -58,13 +58,14 @@ def paged_class(settings: PagerSettings) -> type:
             self._full_moe_config = moe_config
             self._decoder_layer = _decoder_layer_index(layer_name)
             self._layout = _layout_of(self)
-            self.pager = HostPager(
-                layout=self._layout,
-                sizes=TierSizes(experts=num_experts, vram=vram, ram=ram),
-                source=vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram),
-                pin=torch.cuda.is_available(),
-                warm_order=vllm_glue.warm_order(settings, self._moe_index),
-            )
+            with vllm_glue.host_allocations():
+                self.pager = HostPager(
+                    layout=self._layout,
+                    sizes=TierSizes(experts=num_experts, vram=vram, ram=ram),
+                    source=vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram),
+                    pin=torch.cuda.is_available(),
+                    warm_order=vllm_glue.warm_order(settings, self._moe_index),
+                )
             self._ram_param_cache: dict[str, torch.nn.Parameter] = {}
             self._install_slot = None
             vllm_glue.register_layer(self)

@@ -77,6 +77,15 @@ def require_host_driven_mode(vllm_config) -> None:
         )
 
 
+def host_allocations():
+    """A context in which tensors made without a device land on the CPU.
+
+    vLLM builds the model under `with torch.device(<accelerator>)`, so a RAM tier or a
+    read buffer allocated there without a device would land in GPU memory.
+    """
+    return torch.device("cpu")
+
+
 def moe_layer_count(hf_config) -> int:
     layers = int(hf_config.num_hidden_layers)
     mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])

@@ -1,9 +1,15 @@
-"""pinned_kernel_config: inside it, vLLM's Triton MoE kernel tiles a paged chunk (S experts, a few tokens)
-exactly as it tiles the resident layer's whole step (E experts, all tokens); other kernels are untouched.
+"""What the vLLM adapter does for CUDA builds, checked on vLLM's CPU build with its own functions.
 
-Runs vLLM's own config lookup (try_get_optimal_moe_config) and a real TritonExperts; the layer is a
-fake standing in for PagedRoutedExperts (a real one needs a running engine), holding what the
-function reads: the kernel, the slot parameters' shapes, the expert count and top-k.
+- pinned_kernel_config: inside it, vLLM's Triton MoE kernel tiles a paged chunk (S experts, a few
+  tokens) exactly as it tiles the resident layer's whole step (E experts, all tokens); other kernels
+  are untouched. Runs vLLM's own lookup (try_get_optimal_moe_config) and a real TritonExperts.
+- require_host_driven_mode: CUDA graphs are refused in one line, eager mode accepted.
+- host_allocations: the pager's host tiers land on the CPU while vLLM builds the model under an
+  accelerator device context.
+
+Fakes, named as such: a SimpleNamespace stands in for PagedRoutedExperts (a real one needs a running
+engine) and for a VllmConfig, holding only what the functions read; the platform's CUDA answer is
+patched where the CUDA path is under test, since this machine has no GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is needed for its MoE kernel config lookup")
 
-from bigmoe_pager.adapters.vllm_glue import pinned_kernel_config  # noqa: E402
+from bigmoe_pager.adapters import vllm_glue  # noqa: E402
+from bigmoe_pager.adapters.vllm_glue import EngineModeError, pinned_kernel_config  # noqa: E402
+from bigmoe_pager.core.host_pager import HostPager, TierSizes  # noqa: E402
+from bigmoe_pager.core.layout import ExpertLayout  # noqa: E402
 
 EXPERTS, SLOTS, TOP_K, HIDDEN, INTER, BLOCK = 256, 32, 8, 2048, 512, [128, 128]
 
@@ -72,3 +81,27 @@ def test_other_kernels_are_left_alone():
 
     with pinned_kernel_config(fake_paged_layer(SimpleNamespace()), 1024, torch.bfloat16):
         assert get_config() is None
+
+
+@pytest.mark.parametrize("mode,refused", [("NONE", False), ("PIECEWISE", True), ("FULL_AND_PIECEWISE", True)])
+def test_cuda_graphs_are_refused_in_one_line(monkeypatch, mode, refused):
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    fake_config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]))
+    if refused:
+        with pytest.raises(EngineModeError, match="--enforce-eager") as e:
+            vllm_glue.require_host_driven_mode(fake_config)
+        assert "\n" not in str(e.value)
+    else:
+        vllm_glue.require_host_driven_mode(fake_config)
+
+
+def test_host_tiers_land_on_the_cpu_inside_an_accelerator_device_context():
+    layout = ExpertLayout.for_moe(128, 128, torch.bfloat16)
+    with torch.device("meta"):  # stands in for vLLM's `with torch.device("cuda")` around model building
+        with vllm_glue.host_allocations():
+            pager = HostPager(layout, TierSizes(experts=4, vram=2, ram=4), source=None)
+        assert torch.empty(1).device.type == "meta"  # the model's own parameters still go to the accelerator
+    assert pager.ram.device.type == "cpu" and pager.slot_table.device.type == "cpu"
