@@ -337,7 +337,8 @@ def print_table(report: dict) -> None:
             tokens, long = same(r.get("tokens_identical")), same(r.get("long_tokens_identical"))
             both = [r.get("logprobs_identical"), r.get("long_logprobs_identical")]
             logprobs = same(None if None in both else all(both))
-        print(f"{r['name']:48s} {tokens:>7s} {long:>6s} {logprobs:>9s} {r['ttft_ms']:8.2f} {r['tpot_ms']:8.2f}"
+        ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        print(f"{r['name']:48s} {tokens:>7s} {long:>6s} {logprobs:>9s} {ms(r['ttft_ms']):>8s} {ms(r['tpot_ms']):>8s}"
               f" {rate('vram'):>8s} {rate('ram'):>8s} {ssd_gb:>7s} {r['seconds']:6.1f}")
     print(f"total {report.get('total_s')} s; passed: {report.get('passed')}")
 
