@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+
+def _cuda_present() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter. Triton reads this when kernels
+# are decorated, so it is set here, before any test module (or vLLM, which the e2e modules
+# import) imports triton. tests/e2e/conftest.py keeps it away from the vLLM servers they start.
+if not _cuda_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
