@@ -299,13 +299,18 @@ class Draft:
         self.reasons["env"] = ("VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"
                                + ("; VLLM_WSL2_ENABLE_PIN_MEMORY=1 because WSL2 disables pinned memory otherwise" if wsl2 else ""))
         self.reasons["argv"] = "vllm serve with the preset's flags, the planned context, KV-cache bytes and batch size"
+        argv = launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
+                           batch_tokens(max_seqs_of(self.preset), self.context))
+        if self.pager and self.device == "cuda":
+            # The vLLM adapter pages from the host each step; it refuses CUDA graphs (docs/pager.md).
+            argv.append("--enforce-eager")
+            self.reasons["argv"] += "; --enforce-eager because the expert pager in vLLM is host-driven and cannot run inside CUDA graphs yet"
         return dict(
             model=self.preset.name, model_path=model_path, device=self.device, expert_dtype=self.dtype,
             context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,
             experts=arch.experts, top_k=arch.top_k, vram_slots=self.vram_slots, ram_slots=self.ram_slots,
             compress=self.compress, ssd_source=self.ssd_source, paging_file=paging_file, ngram=self.ngram,
-            settings=settings, argv=tuple(launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
-                                   batch_tokens(max_seqs_of(self.preset), self.context))),
+            settings=settings, argv=tuple(argv),
             env=launch_env(settings, self.preset, wsl2), memory=tuple(self.memory), estimate=expected,
             assumptions=speeds.assumptions, reasons=dict(self.reasons), notes=tuple(self.notes),
             refusals=tuple(self.refusals), forced=self.ov.force, hardware=self.hw,
