@@ -91,6 +91,13 @@ def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk:
 
 
 def obtain_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: Progress) -> Path:
+    """The checkpoint directory to serve (given, made locally, or fetched), checked against the preset."""
+    path = _locate_model(preset, the_plan, opts, progress)
+    presets.check_config(preset, path)
+    return path
+
+
+def _locate_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: Progress) -> Path:
     """The checkpoint directory to serve: given, made locally (synthetic presets), or fetched."""
     if opts.model_dir:
         path = Path(opts.model_dir).expanduser()

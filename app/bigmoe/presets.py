@@ -127,3 +127,39 @@ def parse(text: str, source: str) -> Preset:
 
 def _files():
     return list(resources.files("bigmoe.preset_files").iterdir())
+
+
+# Names the same number goes by in the config.json of different Qwen MoE generations.
+_CONFIG_KEYS = {
+    "experts": ("num_experts", "n_routed_experts", "num_local_experts"),
+    "top_k": ("num_experts_per_tok", "moe_top_k"),
+    "hidden": ("hidden_size",),
+    "moe_intermediate": ("moe_intermediate_size",),
+}
+
+
+def check_config(preset: Preset, model_dir) -> None:
+    """Raise PresetError (one line) when the checkpoint's config.json disagrees with the preset's architecture."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PresetError(f"cannot read {path}: {e}") from None
+    text = config.get("text_config", config)
+    archs = config.get("architectures") or []
+    if archs and archs[0] != preset.architecture:
+        raise PresetError(f"{path} is a {archs[0]}, but preset {preset.name} is for {preset.architecture}")
+    for field_name, keys in _CONFIG_KEYS.items():
+        found = next((text[k] for k in keys if k in text), None)
+        wanted = getattr(preset.arch, field_name)
+        if found is not None and int(found) != wanted:
+            raise PresetError(f"{path}: {keys[0]} is {found}, but preset {preset.name} says {field_name} = {wanted}")
+    from bigmoe_pager.model_config import moe_layer_count
+
+    layers = moe_layer_count(text)
+    if layers is not None and layers != preset.arch.moe_layers:
+        raise PresetError(f"{path}: the model has {layers} MoE layers, but preset {preset.name} says {preset.arch.moe_layers}")
+

@@ -103,6 +103,7 @@ def test_served_model_is_watched_listed_logged_and_stopped(home):
     (["run", "tiny-moe", "--yes", "--port", "0"], "Invalid value for '--port'", 2),
     (["run", "tiny-moe", "--yes", "--model-dir", "/nonexistent/ckpt"], "no readable config.json", 1),
     (["stop", "tiny-moe"], "no bigmoe server is running for tiny-moe", 1),
+    (["run", "qwen3.8-flash-next", "--yes"], "plan refused", 3),
 ])
 def test_bad_input_gets_one_line_and_a_nonzero_exit(home, args, message, code):
     proc = bigmoe(home, *args, timeout=120)
@@ -110,6 +111,23 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(home, args, message, code):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_malformed_preset_file_gets_one_line(home, tmp_path):
+    bad = tmp_path / "broken.toml"
+    bad.write_text("[model]\nname = 'x'\n")
+    proc = bigmoe(home, "run", str(bad), "--yes")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"bigmoe: {bad} lacks the key 'arch'"]
+
+
+def test_a_checkpoint_that_is_not_the_preset_is_refused_before_launch(home, tiny_checkpoint):
+    tiny = sys.modules["make_tiny_moe"]
+    other = tiny_checkpoint(tiny.TinyShape(layers=2, experts=24, top_k=6, hidden=128, moe_intermediate=64), "bf16", seed=3)
+    proc = bigmoe(home, "run", "tiny-moe", "--yes", "--model-dir", str(other), timeout=300)
+    assert proc.returncode == 1
+    assert "but preset tiny-moe says experts = 16" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "no bigmoe server is running" in bigmoe(home, "ps").stdout
 
 
 def test_missing_vllm_gets_one_line(home):

@@ -102,3 +102,23 @@ def test_fp8_experts_paged_in_through_the_ram_tier_give_the_same_tokens(tiny_che
     plain, _ = greedy(model, {})
     paged, _ = greedy(model, {"BIGMOE_PAGER": "1"})
     assert paged == plain
+
+
+def test_recorded_routing_trace_loads_in_the_benchmark_and_replays(shapes, tmp_path):
+    """BIGMOE_TRACE_PATH writes the routing of a real run in the format bench_pager.py replays;
+    BIGMOE_ROUTE_REPLAY (benchmark only) feeds it back identically."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from traces import load_trace
+
+    trace = tmp_path / "routing.npz"
+    recorded, _ = greedy(shapes["tiny-moe"], {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_TRACE_PATH": str(trace)},
+                         max_tokens=16)
+    ids = load_trace(trace, experts=16)
+    assert ids.dtype.name == "int32" and ids.shape[1:] == (4, 4)
+    assert ids.shape[0] >= 4 * 16  # every prompt token and every generated token of the 4 requests
+    assert ((ids >= 0) & (ids < 16)).all()
+    replayed, _ = greedy(shapes["tiny-moe"], {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_ROUTE_REPLAY": str(trace),
+                                              "BIGMOE_TRACE_PATH": str(tmp_path / "again.npz")}, max_tokens=16)
+    assert replayed == recorded  # replaying a run's own routing in the same order reproduces it
+    again = load_trace(tmp_path / "again.npz", experts=16)
+    assert (again == ids).all()

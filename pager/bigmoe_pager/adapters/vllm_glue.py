@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bigmoe_pager import model_config
 from bigmoe_pager.core.host_pager import InstallSlot
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.settings import PagerSettings, SettingsError
@@ -87,10 +88,7 @@ def host_allocations():
 
 
 def moe_layer_count(hf_config) -> int:
-    layers = int(hf_config.num_hidden_layers)
-    mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    return sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+    return model_config.moe_layer_count(hf_config) or 0
 
 
 # ---- the SSD tier -------------------------------------------------------------------
