@@ -41,12 +41,15 @@ def register_experts() -> None:
     if "experts" in _done:
         return
     settings = PagerSettings.from_env()
-    if not settings.enabled:
+    if not settings.enabled and settings.route_replay is None:
         return
     check_vllm_version(_installed_vllm_version())
     from bigmoe_pager.adapters import vllm_experts
 
-    vllm_experts.install(settings)
+    if settings.enabled:
+        vllm_experts.install(settings)
+    else:
+        vllm_experts.install_replay_only(settings)
     _done.add("experts")
 
 

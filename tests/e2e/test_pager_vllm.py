@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
@@ -122,3 +123,9 @@ def test_recorded_routing_trace_loads_in_the_benchmark_and_replays(shapes, tmp_p
     assert replayed == recorded  # replaying a run's own routing in the same order reproduces it
     again = load_trace(tmp_path / "again.npz", experts=16)
     assert (again == ids).all()
+    # Pager off, routing still replayed (how the GPU benchmark drives resident and vLLM-offload runs alike).
+    unpaged, _ = greedy(shapes["tiny-moe"], {"BIGMOE_ROUTE_REPLAY": str(trace)}, max_tokens=16)
+    assert unpaged == recorded
+    np.savez(tmp_path / "shifted.npz", topk_ids=(ids + 1) % 16)
+    other, _ = greedy(shapes["tiny-moe"], {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "shifted.npz")}, max_tokens=16)
+    assert other != recorded  # the replayed ids, not the router's, decide the tokens

@@ -15,7 +15,8 @@ import re
 
 import torch
 
-from bigmoe_pager.adapters import vllm_glue
+from bigmoe_pager.adapters import vllm_device, vllm_glue
+from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import HostPager, TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.settings import PagerSettings, SettingsError
@@ -31,7 +32,7 @@ def install(settings: PagerSettings) -> None:
         return
     _register_paged_op()
     PluggableLayer.register_oot(paged_class(settings), name="RoutedExperts")
-    log.warning("bigmoe: expert pager enabled (%s)", vllm_glue.describe(settings))
+    log.warning("bigmoe: expert pager enabled (%s)", vllm_glue.describe(settings, vllm_device.wanted(settings)))
 
 
 def paged_class(settings: PagerSettings) -> type:
@@ -43,7 +44,9 @@ def paged_class(settings: PagerSettings) -> type:
 
         def __init__(self, layer_name, params_dtype, moe_config, quant_config, expert_map_manager, **kwargs):
             vllm_config = get_current_vllm_config()
-            vllm_glue.require_host_driven_mode(vllm_config)
+            on_device = vllm_device.wanted(settings)
+            if not on_device:
+                vllm_glue.require_host_driven_mode(vllm_config)
             num_experts = moe_config.num_experts
             self._moe_index = vllm_glue.next_moe_index()
             num_moe_layers = vllm_glue.moe_layer_count(vllm_config.model_config.hf_text_config)
@@ -51,6 +54,9 @@ def paged_class(settings: PagerSettings) -> type:
             if vram < moe_config.experts_per_token:
                 raise SettingsError(f"BIGMOE_VRAM_SLOTS: layer {self._moe_index} has {vram} slots but each token uses "
                                     f"{moe_config.experts_per_token} experts; give at least {moe_config.experts_per_token}")
+            if on_device:
+                vllm_device.check_graph_sizes(vllm_config, self._moe_index, vram, moe_config.experts_per_token)
+                vllm_device.refuse_trace_in_graphs(settings, vllm_config)
             slot_config = dataclasses.replace(moe_config, num_experts=vram, num_local_experts=vram, num_logical_experts=vram)
             super().__init__(layer_name, params_dtype, slot_config, quant_config, expert_map_manager, **kwargs)
             # Ids from the router are expert ids in [0, num_experts); the kernel sees slot ids in [0, vram).
@@ -58,14 +64,15 @@ def paged_class(settings: PagerSettings) -> type:
             self._full_moe_config = moe_config
             self._decoder_layer = _decoder_layer_index(layer_name)
             self._layout = _layout_of(self)
+            sizes = TierSizes(experts=num_experts, vram=vram, ram=ram)
+            order = vllm_glue.warm_order(settings, self._moe_index)
             with vllm_glue.host_allocations():
-                self.pager = HostPager(
-                    layout=self._layout,
-                    sizes=TierSizes(experts=num_experts, vram=vram, ram=ram),
-                    source=vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram),
-                    pin=torch.cuda.is_available(),
-                    warm_order=vllm_glue.warm_order(settings, self._moe_index),
-                )
+                self._ssd_source = vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram)
+                if on_device:
+                    self.pager = vllm_device.layer_pager(self._layout, sizes, self._moe_index, num_moe_layers, order)
+                else:
+                    self.pager = HostPager(layout=self._layout, sizes=sizes, source=self._ssd_source,
+                                           pin=torch.cuda.is_available(), warm_order=order)
             self._ram_param_cache: dict[str, torch.nn.Parameter] = {}
             self._install_slot = None
             vllm_glue.register_layer(self)
@@ -114,6 +121,9 @@ def paged_class(settings: PagerSettings) -> type:
         def paged_forward(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
             """Page in the step's experts (in token chunks that fit the slots) and run vLLM's kernel on the slots."""
             topk_ids = vllm_glue.routing_hook(self._moe_index, topk_ids)
+            if isinstance(self.pager, DeviceLayerPager):
+                return vllm_device.forward(self, x, topk_weights, topk_ids, shared_experts, shared_experts_input,
+                                           super().forward_modular)
             if self._install_slot is None:
                 self._install_slot = vllm_glue.slot_installer(self)
             host_ids = topk_ids.cpu()  # the pager decides on the host; one copy (and sync) per layer and step
@@ -127,6 +137,44 @@ def paged_class(settings: PagerSettings) -> type:
             return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 
     return PagedRoutedExperts
+
+
+def install_replay_only(settings: PagerSettings) -> None:
+    """Benchmark only, pager off: every MoE layer routes by BIGMOE_ROUTE_REPLAY, weights as vLLM placed them.
+
+    Lets resident and vLLM-offload runs replay the very routing a paged run replays.
+    """
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    if "RoutedExperts" in op_registry_oot:
+        return
+    if settings.trace_path is not None:
+        raise SettingsError("BIGMOE_TRACE_PATH records what the pager sees; set BIGMOE_PAGER=1 to record a trace")
+
+    @torch.library.custom_op("bigmoe::replayed_ids", mutates_args=())
+    def replayed_ids(topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+        return vllm_glue.routing_hook(layer, topk_ids).clone()
+
+    @replayed_ids.register_fake
+    def _(topk_ids, layer):
+        return torch.empty_like(topk_ids)
+
+    class ReplayRoutedExperts(RoutedExperts):
+        """RoutedExperts whose router's top-k ids are replaced by the next rows of a recorded trace."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._moe_index = vllm_glue.next_moe_index()
+            vllm_glue.register_replay_layer()
+
+        def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+            # An opaque op: torch.compile must not fold the trace cursor's in-place advance away.
+            ids = torch.ops.bigmoe.replayed_ids(topk_ids, self._moe_index)
+            return super().forward_modular(x, topk_weights, ids, shared_experts, shared_experts_input)
+
+    PluggableLayer.register_oot(ReplayRoutedExperts, name="RoutedExperts")
+    log.warning("bigmoe: pager off; MoE routing replayed from %s (benchmark switch)", settings.route_replay)
 
 
 def _register_paged_op() -> None:

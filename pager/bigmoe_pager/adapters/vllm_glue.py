@@ -26,6 +26,7 @@ log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handl
 
 _lock = threading.Lock()
 _layers: list = []
+_replay_layers: list = []
 _trace: dict[int, list[np.ndarray]] = {}
 _replay: dict[str, object] = {}
 _counters: dict[str, object] = {}
@@ -35,10 +36,14 @@ class EngineModeError(RuntimeError):
     """vLLM runs in a mode the host-driven pager cannot serve; the message is one line."""
 
 
-def describe(settings: PagerSettings) -> str:
+def describe(settings: PagerSettings, on_device: bool) -> str:
     vram = ",".join(map(str, settings.vram_slots)) or "all"
     ram = ",".join(map(str, settings.ram_slots)) or "all"
-    mode = "host-driven paging: CUDA needs --enforce-eager"
+    if on_device:
+        mode = ("device-driven paging: decode runs in CUDA graphs for batches whose tokens x top-k fit the VRAM slots "
+                "(--max-cudagraph-capture-size); bigger steps run outside graphs, in token chunks")
+    else:
+        mode = "host-driven paging: on CUDA it needs --enforce-eager"
     if not settings.ram_slots:
         return f"VRAM slots {vram}, every expert in RAM (no SSD tier); {mode}"
     source = str(settings.paging_file) if settings.paging_file else "the checkpoint in place"
@@ -49,7 +54,7 @@ def describe(settings: PagerSettings) -> str:
 def next_moe_index() -> int:
     """MoE layers are built in order; the n-th built is MoE layer n."""
     with _lock:
-        return len(_layers)
+        return len(_layers) + len(_replay_layers)
 
 
 def register_layer(layer) -> None:
@@ -57,8 +62,19 @@ def register_layer(layer) -> None:
         _layers.append(layer)
 
 
+def register_replay_layer() -> None:
+    """A routing-replay layer takes the next MoE index (it pages nothing, so it is not in all_layers())."""
+    with _lock:
+        _replay_layers.append(None)
+
+
 def layer(moe_index: int):
     return _layers[moe_index]
+
+
+def all_layers() -> list:
+    with _lock:
+        return list(_layers)
 
 
 def require_host_driven_mode(vllm_config) -> None:
@@ -231,15 +247,15 @@ def concat_outputs(outs: list):
 
 
 def routing_hook(moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
-    settings = _settings()
-    if settings.route_replay is not None:
-        topk_ids = _replayed(settings.route_replay, moe_index, topk_ids)
-    if settings.trace_path is not None:
+    active = settings()
+    if active.route_replay is not None:
+        topk_ids = _replayed(active.route_replay, moe_index, topk_ids)
+    if active.trace_path is not None:
         with _lock:
             first = not _trace
             _trace.setdefault(moe_index, []).append(topk_ids.detach().to("cpu", torch.int32).numpy().copy())
         if first:
-            atexit.register(save_trace, settings.trace_path)
+            atexit.register(save_trace, active.trace_path)
     return topk_ids
 
 
@@ -260,26 +276,34 @@ def save_trace(path: Path) -> None:
 
 
 def _replayed(path: Path, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Benchmark only: the next rows of a recorded trace stand in for the router's choice."""
+    """Benchmark only: the next rows of a recorded trace stand in for the router's choice.
+
+    The trace and each layer's cursor live on the ids' device and advance with tensor ops,
+    so a CUDA graph that captured a step replays the next rows on every replay.
+    """
+    trace, cursor = _replay_state(path, topk_ids.device)
+    tokens, layers, k = trace.shape
+    if k != topk_ids.shape[1]:
+        raise SettingsError(f"BIGMOE_ROUTE_REPLAY: trace has top-{k}, the model routes top-{topk_ids.shape[1]}")
+    n = topk_ids.shape[0]
+    rows = (torch.arange(n, device=trace.device) + cursor[moe_index]) % tokens
+    cursor[moe_index : moe_index + 1].add_(n)
+    return trace[:, moe_index % layers][rows].to(topk_ids.dtype)
+
+
+def _replay_state(path: Path, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     with _lock:
-        if "ids" not in _replay:
+        if "trace" not in _replay:
             try:
-                _replay["ids"] = np.load(path)["topk_ids"]
+                ids = np.load(path)["topk_ids"]
             except (OSError, KeyError, ValueError) as e:
                 raise SettingsError(f"BIGMOE_ROUTE_REPLAY: cannot read {path}: {e}") from None
-            _replay["cursor"] = {}
-        ids = _replay["ids"]
-        cursor = _replay["cursor"]
-        tokens, layers, k = ids.shape
-        if k != topk_ids.shape[1]:
-            raise SettingsError(f"BIGMOE_ROUTE_REPLAY: trace has top-{k}, the model routes top-{topk_ids.shape[1]}")
-        start = cursor.get(moe_index, 0)
-        rows = (np.arange(topk_ids.shape[0]) + start) % tokens
-        cursor[moe_index] = start + topk_ids.shape[0]
-    return torch.from_numpy(ids[rows, moe_index % layers]).to(topk_ids.device, topk_ids.dtype)
+            _replay["trace"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int32)).to(device)
+            _replay["cursor"] = torch.zeros(1024, dtype=torch.int64, device=device)  # one per MoE layer
+        return _replay["trace"], _replay["cursor"]
 
 
-def _settings() -> PagerSettings:
+def settings() -> PagerSettings:
     if "settings" not in _replay:
         _replay["settings"] = PagerSettings.from_env()
     return _replay["settings"]
@@ -315,8 +339,11 @@ def experts_kernel_name() -> str | None:
     return type(experts if experts is not None else first.quant_method).__name__
 
 
-def export_stats(layer) -> None:
-    """Add this layer's counter deltas to the pager's Prometheus series (multiprocess mode)."""
+def export_stats(layer, tiers: dict | None = None) -> None:
+    """Add this layer's counter deltas to the pager's Prometheus series (multiprocess mode).
+
+    tiers: the layer's counters per tier if already read (device-driven layers), else layer.pager.stats.
+    """
     counters = _prometheus()
     if counters is None:
         return
@@ -324,7 +351,7 @@ def export_stats(layer) -> None:
     if last is None:
         last = layer._exported = {}
     label = str(layer._moe_index)
-    for tier, c in layer.pager.stats.items():
+    for tier, c in (tiers if tiers is not None else layer.pager.stats).items():
         now = (c.lookups, c.hits, c.bytes_moved, c.read_seconds, c.errors)
         before = last.get(tier, (0, 0, 0, 0.0, 0))
         for series, new, old in zip(("lookups", "hits", "bytes", "read_seconds", "errors"), now, before):

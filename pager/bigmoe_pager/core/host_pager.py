@@ -73,6 +73,23 @@ class TierCounters:
         return self.lookups - self.hits
 
 
+def token_ranges(rows: list[list[int]], slots: int) -> list[slice]:
+    """Consecutive token ranges whose distinct expert ids (>= 0) each number at most `slots`.
+
+    Each token's row must itself fit (top-k <= slots). Splitting by tokens keeps every
+    token's arithmetic whole, so a chunked step computes exactly what one call would.
+    """
+    chunks, start, seen = [], 0, set()
+    for i, row in enumerate(rows):
+        experts = {e for e in row if e >= 0}
+        if len(seen | experts) > slots:
+            chunks.append(slice(start, i))
+            start, seen = i, set()
+        seen |= experts
+    chunks.append(slice(start, len(rows)))
+    return chunks
+
+
 class HostPager:
     """One MoE layer's tiers, driven from the host."""
 
@@ -123,16 +140,7 @@ class HostPager:
 
     def token_chunks(self, topk_ids: torch.Tensor) -> list[slice]:
         """Consecutive token ranges whose distinct experts each fit in the slots (one range when all fit)."""
-        rows = topk_ids.tolist()
-        chunks, start, seen = [], 0, set()
-        for i, row in enumerate(rows):
-            experts = {e for e in row if e >= 0}
-            if len(seen | experts) > self.sizes.vram:
-                chunks.append(slice(start, i))
-                start, seen = i, set()
-            seen |= experts
-        chunks.append(slice(start, len(rows)))
-        return chunks
+        return token_ranges(topk_ids.tolist(), self.sizes.vram)
 
     def prepare(self, topk_ids: torch.Tensor, install: InstallSlot) -> torch.Tensor:
         """Make every expert in topk_ids resident in a slot; return the ids remapped to slots (-1 kept)."""

@@ -219,7 +219,13 @@ class ExpertPager:
             if read is None:
                 raise PagerError("warming a partial RAM tier needs a reader for the experts it loads")
             self.ram.warm(experts, read)
-        top = experts[: self.num_slots].to(self.device)
+        self.warm_vram(experts)
+
+    def warm_vram(self, experts: torch.Tensor) -> None:
+        """Copy the first VRAM-slots of `experts` (hottest first) into an empty VRAM tier; RAM must hold them."""
+        top = experts.reshape(-1).long()[: self.num_slots].to(self.device)
+        if not self.ram.full and bool((self.ram.table.expert_slot[top] < 0).any()):
+            raise PagerError("warm_vram: some of the experts are not in the RAM tier")
         slots = self.vram.place(top)
         src = top if self.ram.full else self.ram.table.expert_slot[top]
         copy_records(self.ram.records, src, slots, self.layout, self.buffers)

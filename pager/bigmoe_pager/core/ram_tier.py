@@ -120,6 +120,12 @@ class RamTier:
         self.records.copy_(records)
         self._filled = True
 
+    def mark_filled(self) -> None:
+        """A full tier whose records the caller wrote itself (an engine's weight loader) is ready."""
+        if not self.full:
+            raise RamTierError("mark_filled() is for a full tier; a partial tier is filled by the SSD tier or warm()")
+        self._filled = True
+
     def warm(self, experts: torch.Tensor, read: ExpertReader) -> None:
         """Place the given experts (hottest first, at most R) in an empty partial tier and read them."""
         if self.full:

@@ -1,0 +1,177 @@
+"""The paged layer's device-driven mode: on CUDA the GPU decides and copies, and decode replays in CUDA graphs.
+
+A decode step whose top-k ids fit in the VRAM slots (batch x top-k <= slots)
+pages with one fused kernel per layer and no host sync, so vLLM captures it in
+its CUDA graphs (FULL and PIECEWISE). vLLM only captures batches up to
+max_cudagraph_capture_size tokens; the plugin refuses to start when that times
+top-k exceeds a layer's slots. Bigger steps (prefill, large batches) run outside
+graphs: the ids are read on the host once and the step is cut into token ranges.
+
+Around the layers, per process: the SSD service (one for every layer, built at
+the first forward, after loading), and a thread that exports the counters to
+Prometheus every second and stops the server if an SSD read failed for good
+(a replayed graph cannot raise; the failed step's output must not be trusted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from bigmoe_pager.adapters import vllm_glue
+from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.host_pager import TierSizes
+from bigmoe_pager.core.ram_tier import ServiceFetch
+from bigmoe_pager.core.ssd_service import SsdError, SsdService
+from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.settings import PagerSettings
+
+log = logging.getLogger("vllm.bigmoe_pager")
+
+EXPORT_PERIOD_S = 1.0  # seconds between counter exports and SSD health checks
+
+_state: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def wanted(settings: PagerSettings) -> bool:
+    """Device-driven paging on CUDA, unless the SSD tier holds codec records (expanded by the host-driven path)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda() and not (settings.paging_file is not None and settings.use_codec())
+
+
+def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int) -> None:
+    """Refuse CUDA graphs captured for batches whose ids can outnumber this layer's slots."""
+    cc = vllm_config.compilation_config
+    mode = getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode))
+    biggest = max(cc.cudagraph_capture_sizes or [0])
+    if mode == "NONE" or biggest * top_k <= slots:
+        return
+    raise vllm_glue.EngineModeError(
+        f"bigmoe: vLLM captures CUDA graphs for batches of up to {biggest} tokens ({biggest * top_k} expert ids), "
+        f"more than MoE layer {moe_index}'s {slots} VRAM slots; start vLLM with "
+        f"--max-cudagraph-capture-size {max(1, slots // top_k)} (or more VRAM slots, or --enforce-eager)"
+    )
+
+
+def refuse_trace_in_graphs(settings: PagerSettings, vllm_config) -> None:
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if settings.trace_path is not None and getattr(mode, "name", str(mode)) != "NONE":
+        raise vllm_glue.EngineModeError("bigmoe: BIGMOE_TRACE_PATH reads each step's routing on the host, which CUDA "
+                                        "graphs cannot replay; record traces with --enforce-eager")
+
+
+def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order) -> DeviceLayerPager:
+    """The layer's pager; its counters live in one per-process table on the current CUDA device."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    with _lock:
+        if "stats" not in _state:
+            _state["stats"] = PagerStats(max(num_moe_layers, moe_index + 1), device)
+    return DeviceLayerPager(layout, sizes, device, layer=moe_index, stats=_state["stats"], warm_order=warm_order)
+
+
+def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
+    """Page the step's experts in and run vLLM's kernel (kernel(x, weights, slot ids, shared, shared_in)) on the slots."""
+    pager: DeviceLayerPager = layer.pager
+    if not pager.started:
+        start_all()
+    with vllm_glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
+        if pager.fits(topk_ids):
+            return kernel(x, topk_weights, pager.step(topk_ids), shared_experts, shared_experts_input)
+        if torch.cuda.is_current_stream_capturing():
+            raise vllm_glue.EngineModeError(
+                f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
+                f"the {pager.sizes.vram} VRAM slots; lower --max-cudagraph-capture-size")
+        _check_ssd()
+        outs = []
+        for rows in pager.token_chunks(topk_ids):
+            shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
+            outs.append(kernel(x[rows], topk_weights[rows], pager.step(topk_ids[rows]), shared_experts, shared_in))
+    return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
+
+
+def start_all() -> None:
+    """After loading, at the first forward (vLLM's profile run, outside graphs): SSD tier, slots, warm VRAM, exporter."""
+    with _lock:
+        if _state.get("started"):
+            return
+        layers = [l for l in vllm_glue.all_layers() if isinstance(l.pager, DeviceLayerPager)]
+        fetchers = _ssd_fetchers(layers)
+        for paged in layers:
+            buffers = {name: getattr(paged, name).data for name in paged._layout._by_name}
+            paged.pager.start(buffers, fetchers.get(paged._moe_index))
+        torch.cuda.synchronize()
+        _state["started"] = True
+        _state["layers"] = layers
+    _start_exporter()
+    log.warning("bigmoe: device-driven paging started for %d MoE layers%s", len(layers),
+                " with an SSD tier" if fetchers else "")
+
+
+def _ssd_fetchers(layers: list) -> dict[int, ServiceFetch]:
+    """One SsdService over every layer whose RAM tier is partial; its fetch per MoE layer index."""
+    partial = [l for l in layers if l._ssd_source is not None]
+    if not partial:
+        return {}
+    store = partial[0]._ssd_source.store
+    rows: dict[int, torch.Tensor] = {}
+    sinks: dict[int, object] = {}
+    stats: PagerStats = _state["stats"]
+    for paged in layers:
+        store_layer = paged._ssd_source.layer if paged._ssd_source is not None else paged._moe_index
+        rows[store_layer] = paged.pager.ram.records
+        sinks[store_layer] = stats.tier(paged._moe_index, "ssd")
+    missing = [i for i in range(store.num_layers) if i not in rows]
+    if missing:
+        raise vllm_glue.EngineModeError(f"bigmoe: the SSD store has MoE layers {missing} that vLLM built no paged layer for")
+    settings = vllm_glue.settings()
+    service = SsdService.from_settings(store, [rows[i] for i in range(store.num_layers)], settings,
+                                       sinks=[sinks[i] for i in range(store.num_layers)])
+    _state["ssd"] = service
+    return {l._moe_index: ServiceFetch(service, l._ssd_source.layer) for l in partial}
+
+
+def _check_ssd() -> None:
+    service = _state.get("ssd")
+    if service is not None:
+        service.check()
+
+
+def _start_exporter() -> None:
+    if _state.get("exporter") is not None:
+        return
+    thread = threading.Thread(target=_export_loop, name="bigmoe-export", daemon=True)
+    _state["exporter"] = thread
+    thread.start()
+
+
+def _export_loop() -> None:
+    """Every EXPORT_PERIOD_S: stop the server if the SSD tier failed; add counter deltas to the Prometheus series."""
+    stats: PagerStats = _state["stats"]
+    layers = _state["layers"]
+    side = torch.cuda.Stream(device=stats.device_counts.device)  # reads counters without waiting for the step stream
+    host = torch.empty_like(stats.device_counts, device="cpu").pin_memory()
+    while True:
+        time.sleep(EXPORT_PERIOD_S)
+        service = _state.get("ssd")
+        if service is not None and service.failed:
+            try:
+                service.check()
+            except SsdError as e:
+                log.error("bigmoe: an expert could not be read from SSD (%s); stopping the server rather than "
+                          "serving steps computed without it", e)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        with torch.cuda.stream(side):
+            host.copy_(stats.device_counts, non_blocking=True)
+        side.synchronize()
+        with stats.lock:
+            counts = host.numpy() + stats.host_counts
+        for paged in layers:
+            vllm_glue.export_stats(paged, paged.pager.counters(counts))

@@ -1,0 +1,137 @@
+"""One MoE layer paged from the device, for engines that replay decode in CUDA graphs.
+
+The engine's MoE kernel reads S slot buffers that the engine owns (its layer
+parameters, sized for S experts). Behind them a RamTier keeps R pinned records
+(all E when R == E; otherwise an SSD service fills its misses). Lifecycle:
+
+    layer = DeviceLayerPager(layout, sizes, device, layer=i, stats=stats)
+    for each checkpoint tensor: write it into layer.ram_views()[name][layer.ram_slot_for_load(e)]
+    layer.start(buffers, ssd)            # after loading: check, attach the SSD tier, warm VRAM
+    remapped = layer.step(topk_ids)      # a step whose ids fit the slots: no host sync, capturable
+
+A step with more ids than slots (prefill, big batches) runs outside graphs:
+`token_chunks(topk_ids)` reads the ids on the host and cuts consecutive token
+ranges whose distinct experts fit; each range is then a step of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bigmoe_pager.core.host_pager import TierCounters, TierSizes, token_ranges
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.pager import ExpertPager, PagerError
+from bigmoe_pager.core.ram_tier import RamTier, SsdFetch
+from bigmoe_pager.core.stats import PagerStats
+
+
+class DeviceLayerPager:
+    """A layer's RAM records, the pager that moves them into the engine's slots, and its counters."""
+
+    def __init__(self, layout: ExpertLayout, sizes: TierSizes, device: torch.device | str, *, layer: int,
+                 stats: PagerStats, warm_order: list[int] | None = None, policy: str = "lru", pin: bool | None = None):
+        self.layout = layout
+        self.sizes = sizes
+        self.device = torch.device(device)
+        self.layer = layer
+        """Row of `stats` (the MoE layer's index)."""
+        self.stats_table = stats
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.policy = policy
+        self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy)
+        hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
+        self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]
+        """Every expert, hottest first: the first R get RAM records at load, the first S VRAM slots at start."""
+        if self.ram.full:
+            self._row_of = {e: e for e in range(sizes.experts)}
+        else:
+            rows = self.ram.table.place(torch.tensor(self.order[: sizes.ram], dtype=torch.int64)).tolist()
+            self._row_of = dict(zip(self.order[: sizes.ram], rows))
+        self.loaded: dict[int, set[str]] = {}
+        self.pager: ExpertPager | None = None
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def ram_slot_for_load(self, expert: int) -> int | None:
+        """The RAM record an expert's weights go to while the engine loads, or None (it stays on SSD)."""
+        return self._row_of.get(expert)
+
+    def mark_loaded(self, expert: int, component: str) -> None:
+        self.loaded.setdefault(expert, set()).add(component)
+
+    def ram_views(self) -> dict[str, torch.Tensor]:
+        """Each component over all RAM records: [R, *shape] strided views of the pinned records."""
+        out = {}
+        for c in self.layout.components:
+            flat = self.ram.records[:, c.offset : c.offset + c.nbytes]
+            out[c.name] = flat.view(c.dtype).view(self.sizes.ram, *c.shape)
+        return out
+
+    def start(self, buffers: dict[str, torch.Tensor], ssd: SsdFetch | None = None) -> None:
+        """After loading: every record given at load must be whole; then attach the slots and the SSD tier, warm VRAM.
+
+        buffers: the kernel's slot tensors as they are after the engine's post-load processing.
+        """
+        wanted = {c.name for c in self.layout.components}
+        for expert in self._row_of:
+            missing = wanted - self.loaded.get(expert, set())
+            if missing:
+                raise PagerError(f"layer {self.layer}, expert {expert}: the checkpoint did not provide {sorted(missing)}")
+        if self.ram.full:
+            self.ram.mark_filled()
+        elif ssd is None:
+            raise PagerError(f"layer {self.layer}: {self.sizes.experts - self.sizes.ram} experts live only on SSD "
+                             "and no SSD tier was attached")
+        else:
+            self.ram.attach_ssd(ssd)
+        self.buffers = buffers
+        self.pager = ExpertPager(self.layout, self.sizes.experts, self.sizes.vram, self.ram, device=self.device,
+                                 layer=self.layer, stats=self.stats_table, buffers=buffers, policy=self.policy)
+        self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
+
+    @property
+    def started(self) -> bool:
+        return self.pager is not None
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def fits(self, topk_ids: torch.Tensor) -> bool:
+        """Whether a step of this shape is served by `step` alone (decided by shape: capturable)."""
+        return topk_ids.numel() <= self.sizes.vram
+
+    def step(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Make the step's experts resident; topk_ids remapped to slots, in their dtype. No host sync.
+
+        The step's distinct experts must fit in the slots: true when `fits`, and for every
+        range `token_chunks` returns.
+        """
+        if self.pager is None:
+            raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
+        return self.pager.prepare(topk_ids).to(topk_ids.dtype)
+
+    def token_chunks(self, topk_ids: torch.Tensor) -> list[slice]:
+        """Consecutive token ranges whose distinct experts fit in the slots (reads the ids: one host sync)."""
+        return token_ranges(topk_ids.tolist(), self.sizes.vram)
+
+    # ---- counters ------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, TierCounters]:
+        """Counters per tier, read now (one sync), as HostPager.stats has them."""
+        return self.counters()
+
+    def counters(self, counts=None) -> dict[str, TierCounters]:
+        """This layer's counters in HostPager's terms (bytes_moved: out of a tier into the one above).
+
+        counts: a PagerStats.read() array to take them from (one sync for many layers); None reads now.
+        """
+        c = self.stats_table.read() if counts is None else counts
+        vram, ram, ssd = (c[self.layer, t] for t in range(3))  # rows: stats.TIERS; columns: stats.COUNTERS
+        lookups, hits, misses, moved, read_ns, errors = 0, 1, 2, 3, 4, 6
+        ssd_reads = int(ram[misses])
+        return {
+            "vram": TierCounters(lookups=int(vram[lookups]), hits=int(vram[hits])),
+            "ram": TierCounters(lookups=int(ram[lookups]), hits=int(ram[hits]), bytes_moved=int(vram[moved])),
+            "ssd": TierCounters(lookups=ssd_reads, hits=max(0, ssd_reads - int(ssd[errors])), bytes_moved=int(ram[moved]),
+                                read_seconds=int(ssd[read_ns]) / 1e9, errors=int(ssd[errors])),
+        }

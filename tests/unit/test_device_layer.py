@@ -1,0 +1,99 @@
+"""DeviceLayerPager: the layer pager the vLLM adapter drives on CUDA, run here on CPU tensors
+(the Triton kernels under Triton's interpreter). Loading through record views, decode steps and
+host-chunked prefill must leave each (token, k) pair's slot holding exactly its expert."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.host_pager import TierSizes
+from bigmoe_pager.core.pager import PagerError
+from bigmoe_pager.core.stats import PagerStats
+from test_pager import FakeSsdService, make_layout, make_records
+
+
+def loaded_layer(layout, records, vram, ram, warm=None, skip=None):
+    """A layer whose RAM records were written the way vLLM's weight loader writes them: component views."""
+    experts = records.shape[0]
+    layer = DeviceLayerPager(layout, TierSizes(experts, vram, ram), "cpu", layer=1, stats=PagerStats(2), warm_order=warm)
+    views = layer.ram_views()
+    for e in range(experts):
+        row = layer.ram_slot_for_load(e)
+        if row is None:
+            continue
+        parts = layout.views(records[e])
+        for c in layout.components:
+            if (e, c.name) == skip:
+                continue
+            views[c.name][row].copy_(parts[c.name])
+            layer.mark_loaded(e, c.name)
+    return layer
+
+
+def slot_bytes(layer, slot):
+    return torch.cat([layer.buffers[c.name][slot].reshape(-1).view(torch.uint8) for c in layer.layout.components])
+
+
+def record_bytes(layout, records, expert):
+    return torch.cat([records[expert, c.offset : c.offset + c.nbytes] for c in layout.components])
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("experts,vram,ram,k", [(16, 6, 16, 2), (16, 4, 8, 4), (12, 3, 3, 3)])
+def test_decode_and_chunked_prefill_put_each_pairs_expert_in_its_slot(fp8, experts, vram, ram, k):
+    layout = make_layout(fp8)
+    records = make_records(layout, experts, seed=experts + vram)
+    layer = loaded_layer(layout, records, vram, ram, warm=[5, 2])
+    ssd = None if ram == experts else FakeSsdService(records, layer.ram)
+    layer.start(layout.slot_buffers(vram, 'cpu'), ssd)
+    rng = random.Random(vram * 7 + k)
+    steps = [1, 1, 2, 9, 1, 30, 1]
+    for tokens in steps:
+        ids = torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)], dtype=torch.int32)
+        ranges = [slice(0, tokens)] if layer.fits(ids) else layer.token_chunks(ids)
+        assert sum(r.stop - r.start for r in ranges) == tokens
+        for rows in ranges:
+            remapped = layer.step(ids[rows])
+            assert remapped.dtype == ids.dtype and remapped.shape == ids[rows].shape
+            for expert, slot in zip(ids[rows].flatten().tolist(), remapped.flatten().tolist()):
+                assert 0 <= slot < vram
+                assert torch.equal(slot_bytes(layer, slot), record_bytes(layout, records, expert)), (expert, slot)
+    counts = layer.counters()
+    assert counts["vram"].lookups >= counts["vram"].hits > 0
+    assert counts["ram"].bytes_moved > 0
+    if ssd is not None:
+        assert counts["ssd"].lookups == ssd.reads > 0 and counts["ssd"].bytes_moved == ssd.reads * layout.record_bytes
+
+
+def test_start_warms_vram_with_the_hottest_experts_and_a_warm_step_hits():
+    layout = make_layout(True)
+    records = make_records(layout, 8, seed=1)
+    layer = loaded_layer(layout, records, vram=2, ram=4, warm=[6, 3, 1])
+    assert {layer.ram_slot_for_load(e) for e in (6, 3, 1)} <= {0, 1, 2, 3} and layer.ram_slot_for_load(0) is not None
+    assert layer.ram_slot_for_load(7) is None  # fifth in heat order: stays on SSD
+    layer.start(layout.slot_buffers(2, 'cpu'), FakeSsdService(records, layer.ram))
+    layer.step(torch.tensor([[6, 3]], dtype=torch.int64))
+    counts = layer.counters()
+    assert (counts["vram"].lookups, counts["vram"].hits, counts["ssd"].lookups) == (2, 2, 0)
+
+
+def test_a_record_the_checkpoint_did_not_fill_is_refused_at_start():
+    layout = make_layout(True)
+    records = make_records(layout, 8, seed=2)
+    layer = loaded_layer(layout, records, vram=2, ram=8, skip=(3, layout.components[1].name))
+    with pytest.raises(PagerError, match="expert 3: the checkpoint did not provide"):
+        layer.start(layout.slot_buffers(2, "cpu"))
+
+
+def test_partial_ram_without_an_ssd_tier_and_steps_before_start_are_refused():
+    layout = make_layout(False)
+    records = make_records(layout, 8, seed=3)
+    layer = loaded_layer(layout, records, vram=2, ram=4)
+    with pytest.raises(PagerError, match="step before start"):
+        layer.step(torch.tensor([[0, 1]]))
+    with pytest.raises(PagerError, match="no SSD tier was attached"):
+        layer.start(layout.slot_buffers(2, "cpu"))
