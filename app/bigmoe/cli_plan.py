@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from bigmoe import presets
+from bigmoe.checkpoint_arch import facts_for, find_checkpoint
 from bigmoe.hardware import DISK_KINDS, Hardware, Unknown
 from bigmoe.plan import Overrides, Plan, PlanError, default_dirs, plan as make_plan
 from bigmoe.plan_inputs import default_model_dir, default_paging_dir
@@ -29,11 +30,15 @@ class PlanRefused(click.ClickException):
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--path", "paths", multiple=True, type=click.Path(), help="Judge the disk of this path (repeatable); default: the model and paging directories.")
+@click.option("--remeasure", is_flag=True, help="Measure link speeds (PCIe copies, disk reads) again instead of using the cached ones.")
+@click.option("--no-measure", is_flag=True, help="Skip link speeds (neither cached nor measured).")
 @click.option("--root", type=click.Path(exists=True, file_okay=False), default="/", hidden=True, help="Probe a fixture tree instead of /.")
-def probe(as_json: bool, paths: tuple[str, ...], root: str) -> None:
-    """Report this machine's GPUs, RAM, CPU, WSL2, pinned-memory limit and disks."""
+def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bool, root: str) -> None:
+    """Report this machine's GPUs, RAM, CPU, WSL2, pinned-memory limit, disks and measured link speeds."""
+    if remeasure and no_measure:
+        raise click.UsageError("--remeasure and --no-measure contradict each other")
     chosen = [Path(p) for p in paths] or [Path(p) for p in _default_probe_paths()]
-    hw = probe_machine(Path(root), chosen)
+    hw = probe_machine(Path(root), chosen, measure=not no_measure, remeasure=remeasure)
     click.echo(json.dumps(hw.to_dict(), indent=2) if as_json else render_hardware(hw))
 
 
@@ -50,6 +55,7 @@ def probe(as_json: bool, paths: tuple[str, ...], root: str) -> None:
 @click.option("--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer.")
 @click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the RAM and SSD tiers.")
 @click.option("--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the paging file.")
+@click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Plan for this checkpoint directory (its config.json gives the architecture numbers).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--force", is_flag=True, help="Accept a refused plan (the refusal stays recorded).")
 @click.option("--root", type=click.Path(exists=True, file_okay=False), default="/", hidden=True, help="Probe a fixture tree instead of /.")
@@ -58,14 +64,21 @@ def plan(model: str, as_json: bool, root: str, **options) -> None:
     try:
         preset = presets.load(model)
         model_dir, paging_dir = default_dirs(preset)
+        given = str(Path(options["model_dir"]).expanduser()) if options["model_dir"] else None
         overrides = Overrides(
-            model_dir=model_dir, paging_dir=options["paging_dir"] or paging_dir,
+            model_dir=given or model_dir, model_path=given, model_on_disk=given is not None,
+            paging_dir=options["paging_dir"] or paging_dir,
             compress=None if options["compress"] == "auto" else options["compress"],
-            **{k: v for k, v in options.items() if k not in ("paging_dir", "compress")},
+            **{k: v for k, v in options.items() if k not in ("paging_dir", "compress", "model_dir")},
         )
         stated_disk = overrides.disk is not None or overrides.disk_gib is not None
         paths = [] if stated_disk else [Path(overrides.model_dir), Path(overrides.paging_dir)]
-        result = make_plan(probe_machine(Path(root), paths), preset, overrides)
+        hw = probe_machine(Path(root), paths, measure=True)
+        dtypes = (preset.dtype_gpu, preset.dtype_cpu) if hw.gpu() is not None or overrides.vram_gib or overrides.gpu else (preset.dtype_cpu, preset.dtype_gpu)
+        checkpoint, why_not = find_checkpoint(preset, given, dtypes)
+        if given and checkpoint is None:
+            raise PlanError(f"--model-dir {given}: {why_not}")
+        result = make_plan(hw, preset, overrides, facts_for(preset, str(checkpoint) if checkpoint else None, why_not))
     except (presets.PresetError, PlanError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_plan(result))
@@ -89,6 +102,7 @@ def render_hardware(hw: Hardware) -> str:
             free = f" ({gib(g.vram_free_bytes)} free)" if isinstance(g.vram_free_bytes, int) else ""
             lines.append(f"GPU {g.index}      {g.name}: {_size(g.vram_total_bytes)} VRAM{free}, compute {g.compute_capability}, "
                          f"PCIe Gen{g.pcie_gen} x{g.pcie_width} (max)")
+            lines.append(f"    host-to-device {_rate(g.h2d_gbps, g.h2d_basis)}")
     lines += [
         f"RAM        {_size(hw.ram_total_bytes)} total, {_size(hw.ram_available_bytes)} available",
         f"CPU        {hw.cpu_cores} logical CPUs, AMX {_yes(hw.cpu_amx)}",
@@ -100,6 +114,7 @@ def render_hardware(hw: Hardware) -> str:
         lines.append(f"    kind {d.kind} ({d.kind_basis}); device {d.device}")
         lines.append(f"    filesystem {d.filesystem} at {d.mount_point}; Windows drive {_yes(d.windows_drive)}; {_size(d.free_bytes)} free")
         lines.append(f"    O_DIRECT {_yes(d.o_direct)} ({d.o_direct_basis})")
+        lines.append(f"    reads {_rate(d.read_gbps, d.read_basis)}")
     return "\n".join(lines)
 
 
@@ -109,6 +124,12 @@ def render_plan(p: Plan) -> str:
         f"plan for {p.model} on {p.device} ({p.expert_dtype} experts)",
         f"  device       {r['device']}",
         f"  dtype        {r['dtype']}",
+        f"  MoE layers   {p.layers}: {r['moe_layers']}",
+        f"  experts      {p.experts} per layer: {r['experts']}",
+        f"  top-k        {p.top_k}: {r['top_k']}",
+        f"  expert size  {p.expert_bytes / (1 << 20):.2f} MiB: {r['expert_bytes']}",
+        f"  dense        {gib(p.dense_bytes)}: {r['dense_bytes']}",
+        f"  n-gram table {gib(p.ngram_table_bytes)}: {r['ngram_table']}",
         f"  context      {p.context} tokens: {r['context']}",
         f"  VRAM slots   {p.vram_slots} of {p.experts} per layer: {r['vram_slots']}",
         f"  RAM slots    {p.ram_slots} of {p.experts} per layer: {r['ram_slots']}",
@@ -125,6 +146,7 @@ def render_plan(p: Plan) -> str:
         lines += [f"  {row.item:<22} {gib(row.bytes):>10}  {row.reason}" for row in table.rows]
     lines.append("vLLM: " + " ".join(_quote(a) for a in p.argv))
     lines += [f"  {k}={v}" for k, v in p.env.items()]
+    lines += ["measured: " + m for m in p.measured]
     lines += ["assumed: " + a for a in p.assumptions]
     lines += ["note: " + n for n in p.notes]
     if p.refusals:
@@ -136,6 +158,10 @@ def _size(value: int | Unknown) -> str:
     if not isinstance(value, int):
         return str(value)
     return gib(value) if value >= 1 << 30 else f"{value / (1 << 20):.1f} MiB"
+
+
+def _rate(gbps: float | Unknown, basis: str) -> str:
+    return f"{gbps:.2f} GB/s measured ({basis})" if isinstance(gbps, float) else f"not measured: {gbps}"
 
 
 def _yes(value: bool | Unknown) -> str:

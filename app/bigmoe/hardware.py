@@ -28,6 +28,10 @@ class Unknown:
         return f"unknown, because {self.reason}"
 
 
+NOT_MEASURED = Unknown("the probe was not asked to measure it")
+"""The value of a link speed nobody measured."""
+
+
 def known(value: object) -> bool:
     """True unless the value is an Unknown."""
     return not isinstance(value, Unknown)
@@ -53,6 +57,10 @@ class Gpu:
     """Highest PCIe link width (lanes)."""
     stated: bool = False
     """True when given on the command line instead of probed."""
+    h2d_gbps: float | Unknown = NOT_MEASURED
+    """Measured pinned host-to-device copy rate, GB/s (links.py)."""
+    h2d_basis: str = ""
+    """How and when h2d_gbps was measured, one line ("" when it was not)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,10 @@ class Disk:
     """What the O_DIRECT check did or why it failed, one line."""
     stated: bool = False
     """True when given on the command line instead of probed."""
+    read_gbps: float | Unknown = NOT_MEASURED
+    """Measured read rate of multi-MiB O_DIRECT reads at a few in flight, GB/s (links.py)."""
+    read_basis: str = ""
+    """How and when read_gbps was measured, one line ("" when it was not)."""
 
 
 @dataclass(frozen=True)
@@ -201,5 +213,7 @@ def _decode(raw: Any, annotation: str, where: str) -> Any:
         kind = _SCALARS.get(option)
         if kind is not None and type(raw) is kind:
             return raw
+        if option == "float" and type(raw) in (int, float):
+            return float(raw)
     wanted = " or ".join(o for o in options if o != "Unknown")
     raise HardwareError(f"{where}: expected {wanted} (or {{\"unknown\": reason}}), got {raw!r}")

@@ -69,7 +69,7 @@ def probe_machine(preset: presets.Preset, opts: RunOptions):
     model_dir, paging_dir = default_dirs(preset)
     dirs = [Path(opts.model_dir).expanduser() if opts.model_dir else Path(model_dir),
             Path(opts.paging_dir).expanduser() if opts.paging_dir else Path(paging_dir)]
-    return probe(paths=[_nearest_existing(d) for d in dirs])
+    return probe(paths=[_nearest_existing(d) for d in dirs], measure=True)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -79,7 +79,12 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk: bool = False):
+    """The plan, with the architecture numbers of the checkpoint's config.json when it is on disk
+    (--model-dir, the synthetic model already made, or a finished download), the preset's otherwise."""
+    from bigmoe.checkpoint_arch import facts_for, find_checkpoint
     from bigmoe.plan import Overrides, plan
+
+    checkpoint, why_not = find_checkpoint(preset, opts.model_dir, _dtypes_for(hardware, preset))
 
     overrides = Overrides(
         vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
@@ -87,7 +92,13 @@ def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk:
         model_path=opts.model_dir, model_dir=opts.model_dir, model_on_disk=model_on_disk or bool(opts.model_dir),
         paging_dir=str(Path(opts.paging_dir).expanduser()) if opts.paging_dir else None,
     )
-    return plan(hardware, preset, overrides)
+    return plan(hardware, preset, overrides, facts_for(preset, str(checkpoint) if checkpoint else None, why_not))
+
+
+def _dtypes_for(hardware, preset: presets.Preset) -> tuple[str, ...]:
+    """Expert dtypes in the order the plan will prefer them on this machine."""
+    first, second = (preset.dtype_gpu, preset.dtype_cpu) if hardware.gpu() is not None else (preset.dtype_cpu, preset.dtype_gpu)
+    return (first, second) if first != second else (first,)
 
 
 def obtain_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: Progress) -> Path:

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from bigmoe.checkpoint_arch import ArchFacts, preset_facts, with_facts
 from bigmoe.hardware import Hardware
 from bigmoe.plan_draft import Draft
 from bigmoe.plan_inputs import Overrides, PlanError, check_overrides, default_dirs, stated_machine
@@ -46,6 +47,14 @@ class Plan:
     """Routed experts per layer."""
     top_k: int
     """Experts per token per layer."""
+    expert_bytes: int
+    """Bytes of one routed expert as the kernel reads it (expert_dtype, scales included)."""
+    dense_bytes: int
+    """Bytes of every non-routed weight."""
+    ngram_table_bytes: int
+    """Bytes of the n-gram table (0 when the model has none)."""
+    config_path: str | None
+    """The checkpoint's config.json the architecture numbers were read from; None = the preset's numbers."""
     vram_slots: int
     """Device expert slots per layer (= experts when all are resident)."""
     ram_slots: int
@@ -68,6 +77,8 @@ class Plan:
     """VRAM, RAM and disk tables."""
     estimate: Estimate
     """Expected TPOT range and tier hit rates."""
+    measured: tuple[str, ...]
+    """Measured link speeds behind the estimate, one line each."""
     assumptions: tuple[str, ...]
     """Assumed numbers behind the estimate and the tables."""
     reasons: dict[str, str]
@@ -114,17 +125,20 @@ class Plan:
         out.update(
             settings={k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self.settings).items()},
             argv=list(self.argv), memory=[t.to_dict() for t in self.memory],
-            estimate=dataclasses.asdict(self.estimate), assumptions=list(self.assumptions),
+            estimate=dataclasses.asdict(self.estimate), assumptions=list(self.assumptions), measured=list(self.measured),
             notes=list(self.notes), refusals=list(self.refusals), hardware=self.hardware.to_dict(),
             refusal=self.refusal, runnable=self.runnable,
         )
         return out
 
 
-def plan(hw: Hardware, preset: Preset, overrides: Overrides = Overrides()) -> Plan:
-    """The plan for `preset` on `hw` with `overrides`; PlanError for overrides that make no sense."""
+def plan(hw: Hardware, preset: Preset, overrides: Overrides = Overrides(), facts: ArchFacts | None = None) -> Plan:
+    """The plan for `preset` on `hw` with `overrides`; PlanError for overrides that make no sense.
+    `facts` are the architecture numbers to plan with (checkpoint_arch.facts_for); None = the preset's."""
+    facts = facts or preset_facts(preset, "no checkpoint was read")
+    preset = with_facts(preset, facts)
     check_overrides(preset, overrides)
-    draft = Draft(stated_machine(hw, overrides), preset, overrides)
+    draft = Draft(stated_machine(hw, overrides), preset, overrides, facts)
     draft.choose_device()
     if draft.device == "cuda":
         draft.size_vram()

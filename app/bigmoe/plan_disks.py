@@ -46,11 +46,6 @@ def ssd_disk(d: "Draft") -> Disk | None:
     return None
 
 
-def ssd_disk_kind(d: "Draft") -> str | Unknown:
-    disk = ssd_disk(d) or d.model_disk()
-    return disk.kind if disk is not None else Unknown("the model's disk was not probed")
-
-
 def _checkpoint_reason(d: "Draft") -> str:
     if d.ov.model_on_disk:
         return "already on disk"

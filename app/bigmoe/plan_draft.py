@@ -9,8 +9,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bigmoe.checkpoint_arch import ArchFacts
 from bigmoe.hardware import Disk, Gpu, Hardware, Unknown, known
-from bigmoe.plan_disks import disk_tables, ssd_disk_kind
+from bigmoe.plan_disks import disk_tables, ssd_disk
 from bigmoe.plan_inputs import Overrides, default_dirs
 from bigmoe.plan_launch import launch_argv, launch_env, max_seqs_of, pager_settings
 from bigmoe.plan_memory import (
@@ -21,6 +22,9 @@ from bigmoe.plan_memory import (
 from bigmoe.plan_speed import estimate, speeds_for
 from bigmoe.presets import Preset
 
+ARCH_REASONS = {"moe_layers": "moe_layers", "experts": "experts", "top_k": "top_k", "expert_bytes": "expert_bytes_{dtype}",
+                "dense_bytes": "dense_bytes", "ngram_table": "ngram_table_bytes"}
+"""Plan.reasons key -> the Arch field whose origin it gives ({dtype} = the planned expert dtype)."""
 MIN_COMPUTE_CAPABILITY_FP8 = 8.0
 """vLLM runs FP8 checkpoints from Ampere (8.0) on: weight-only Marlin below 8.9, FP8 tensor cores from 8.9."""
 
@@ -32,6 +36,7 @@ class Draft:
     hw: Hardware
     preset: Preset
     ov: Overrides
+    facts: ArchFacts
     reasons: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
@@ -44,6 +49,8 @@ class Draft:
 
     def __post_init__(self) -> None:
         arch = self.preset.arch
+        for line in self.facts.mismatches:
+            self.notes.append(f"{self.facts.config_path}: {line}")
         self.context = self.ov.context or default_context(arch)
         self.reasons["context"] = ("set by --context" if self.ov.context else
                                    f"default {self.context} tokens (the model allows {arch.max_context})")
@@ -278,13 +285,21 @@ class Draft:
     def size_disks(self) -> None:
         disk_tables(self)
 
+    def record_arch(self) -> None:
+        """A reason per architecture number: where it came from, and what the preset says when that differs."""
+        for key, field_name in ARCH_REASONS.items():
+            field_name = field_name.format(dtype=self.dtype)
+            self.reasons[key] = self.facts.origins[field_name] + next(
+                (f"; {line.split(', ', 1)[1]}" for line in self.facts.mismatches if line.startswith(f"{field_name} is ")), "")
+
     def finish(self) -> dict:
         """The fields of the finished Plan."""
+        self.record_arch()
         arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
         paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.compress else None
         model_path = self.ov.model_path or self._default_model_path()
         settings = pager_settings(self.pager, self.vram_slots, self.ram_slots, arch.experts, paging_file, self.compress, self.ngram)
-        speeds = speeds_for(gpu, ssd_disk_kind(self))
+        speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk())
         expected = estimate(
             speeds, self.device, layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
             resident_bytes=arch.dense_bytes + arch.moe_layers * arch.top_k * self.eb, stored_bytes=self.stored_bytes,
@@ -308,11 +323,12 @@ class Draft:
         return dict(
             model=self.preset.name, model_path=model_path, device=self.device, expert_dtype=self.dtype,
             context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,
-            experts=arch.experts, top_k=arch.top_k, vram_slots=self.vram_slots, ram_slots=self.ram_slots,
+            experts=arch.experts, top_k=arch.top_k, expert_bytes=self.eb, dense_bytes=arch.dense_bytes,
+            ngram_table_bytes=arch.ngram_table_bytes, config_path=self.facts.config_path, vram_slots=self.vram_slots, ram_slots=self.ram_slots,
             compress=self.compress, ssd_source=self.ssd_source, paging_file=paging_file, ngram=self.ngram,
             settings=settings, argv=tuple(argv),
             env=launch_env(settings, self.preset, wsl2), memory=tuple(self.memory), estimate=expected,
-            assumptions=speeds.assumptions, reasons=dict(self.reasons), notes=tuple(self.notes),
+            measured=speeds.measured, assumptions=speeds.assumptions, reasons=dict(self.reasons), notes=tuple(self.notes),
             refusals=tuple(self.refusals), forced=self.ov.force, hardware=self.hw,
         )
 

@@ -88,7 +88,7 @@ def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
         vram = int((ov.vram_gib if ov.vram_gib is not None else gpu_spec(ov.gpu)[0]) * GIB)
         name = ov.gpu or f"GPU with {vram / GIB:g} GiB"
         not_probed = Unknown("the GPU was stated on the command line, not probed")
-        changes["gpus"] = (Gpu(0, name, vram, vram, not_probed, not_probed, not_probed, stated=True),)
+        changes["gpus"] = (Gpu(0, name, vram, vram, not_probed, not_probed, not_probed, stated=True, h2d_gbps=not_probed),)
     if ov.ram_gib is not None:
         ram = int(ov.ram_gib * GIB)
         changes.update(ram_total_bytes=ram, ram_available_bytes=ram, ram_stated=True)
@@ -98,7 +98,7 @@ def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
             path="/", device=stated, kind=ov.disk or Unknown("--disk-gib was given without --disk"),
             kind_basis="stated with --disk", mount_point=stated, filesystem=stated, windows_drive=False,
             free_bytes=int(ov.disk_gib * GIB) if ov.disk_gib is not None else Unknown("no --disk-gib was given"),
-            o_direct=stated, o_direct_basis="not tested on a stated disk", stated=True,
+            o_direct=stated, o_direct_basis="not tested on a stated disk", stated=True, read_gbps=stated,
         ),)
     if ov.wsl2 is not None:
         changes.update(wsl2=ov.wsl2, wsl2_basis="stated with --wsl2")

@@ -1,14 +1,15 @@
 """plan_speed: the link speeds and hit rates behind a plan's expected TPOT, and the estimate.
 
-Every number here is either a specification (PCIe per-lane rates) or an assumption that
-the plan names as such; measured link speeds replace them once a benchmark has run.
+Every number here is either a specification (PCIe per-lane rates), an assumption that
+the plan names as such, or a link speed the probe measured on this machine (links.py), which
+replaces the assumption and is named as measured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bigmoe.hardware import Gpu, Unknown
+from bigmoe.hardware import Disk, Gpu, Unknown
 
 GB = 1e9
 MS_PER_S = 1000.0
@@ -52,6 +53,8 @@ class Speeds:
     """SSD-tier read rate, GB/s."""
     memory_gbps: float
     """Device memory bandwidth reached by a decode step, GB/s."""
+    measured: tuple[str, ...]
+    """Which of the numbers were measured on this machine, one line each."""
     assumptions: tuple[str, ...]
     """Which of the numbers are assumptions, one line each."""
 
@@ -80,29 +83,52 @@ def gpu_spec(name: str) -> tuple[int, float] | None:
     return None
 
 
-def speeds_for(gpu: Gpu | None, disk_kind: str | Unknown) -> Speeds:
+def speeds_for(gpu: Gpu | None, disk: Disk | None) -> Speeds:
+    """The rates for an estimate: measured ones where the probe has them, assumed ones otherwise."""
+    measured: list[str] = []
     notes: list[str] = []
     if gpu is None:
         pcie, memory = CPU_GBPS / 2, CPU_GBPS
         notes.append(f"CPU memory bandwidth {CPU_GBPS:g} GB/s per decode step (assumed); copies into expert "
                      "slots run at half of it (read and write)")
     else:
-        gen, width = gpu.pcie_gen, gpu.pcie_width
-        if not isinstance(gen, int) or not isinstance(width, int) or gen not in PCIE_GBPS_PER_LANE:
-            gen, width = ASSUMED_PCIE
-            notes.append(f"PCIe Gen{gen} x{width} (assumed: the GPU's link was not probed)")
-        pcie = PCIE_GBPS_PER_LANE[gen] * width * PCIE_EFFICIENCY
-        notes.append(f"pinned host-to-device copies reach {PCIE_EFFICIENCY:.0%} of PCIe Gen{gen} x{width}: {pcie:.1f} GB/s (assumed share)")
+        pcie = _pcie(gpu, measured, notes)
         spec = gpu_spec(gpu.name) if isinstance(gpu.name, str) else None
         bandwidth = spec[1] if spec else ASSUMED_GPU_GBPS
         if spec is None:
             notes.append(f"GPU memory bandwidth {ASSUMED_GPU_GBPS:g} GB/s (assumed: {gpu.name} is not in the table)")
         memory = bandwidth * DECODE_EFFICIENCY
         notes.append(f"decode reaches {DECODE_EFFICIENCY:.0%} of {bandwidth:g} GB/s GPU memory bandwidth (assumed share)")
-    disk = DISK_GBPS.get(disk_kind, UNKNOWN_DISK_GBPS) if isinstance(disk_kind, str) else UNKNOWN_DISK_GBPS
-    notes.append(f"SSD tier reads at {disk:g} GB/s for a {disk_kind if isinstance(disk_kind, str) else 'disk of unknown kind'} (assumed until measured)")
+    disk_gbps = _disk(disk, measured, notes)
     notes.append(f"tier hit rate = (slots / experts) ** a with a from {HIT_EXPONENTS[0]} to {HIT_EXPONENTS[1]} (assumed LRU locality)")
-    return Speeds(pcie, disk, memory, tuple(notes))
+    return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes))
+
+
+def _pcie(gpu: Gpu, measured: list[str], notes: list[str]) -> float:
+    if isinstance(gpu.h2d_gbps, float) and gpu.h2d_gbps > 0:
+        measured.append(f"pinned host-to-device copies reach {gpu.h2d_gbps:.1f} GB/s (measured: {gpu.h2d_basis})")
+        return gpu.h2d_gbps
+    gen, width = gpu.pcie_gen, gpu.pcie_width
+    if not isinstance(gen, int) or not isinstance(width, int) or gen not in PCIE_GBPS_PER_LANE:
+        gen, width = ASSUMED_PCIE
+        notes.append(f"PCIe Gen{gen} x{width} (assumed: the GPU's link was not probed)")
+    pcie = PCIE_GBPS_PER_LANE[gen] * width * PCIE_EFFICIENCY
+    notes.append(f"pinned host-to-device copies reach {PCIE_EFFICIENCY:.0%} of PCIe Gen{gen} x{width}: {pcie:.1f} GB/s "
+                 f"(assumed share; not measured: {gpu.h2d_gbps.reason if isinstance(gpu.h2d_gbps, Unknown) else gpu.h2d_gbps})")
+    return pcie
+
+
+def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
+    if disk is not None and isinstance(disk.read_gbps, float) and disk.read_gbps > 0:
+        measured.append(f"SSD tier reads at {disk.read_gbps:.2f} GB/s (measured on {disk.path}: {disk.read_basis})")
+        return disk.read_gbps
+    kind = disk.kind if disk is not None else Unknown("the model's disk was not probed")
+    gbps = DISK_GBPS.get(kind, UNKNOWN_DISK_GBPS) if isinstance(kind, str) else UNKNOWN_DISK_GBPS
+    why = ("the disk was not probed" if disk is None else
+           disk.read_gbps.reason if isinstance(disk.read_gbps, Unknown) else f"measured {disk.read_gbps}")
+    notes.append(f"SSD tier reads at {gbps:g} GB/s for a {kind if isinstance(kind, str) else 'disk of unknown kind'} "
+                 f"(assumed; not measured: {why})")
+    return gbps
 
 
 def estimate(

@@ -130,7 +130,7 @@ def _files():
 
 
 # Names the same number goes by in the config.json of different Qwen MoE generations.
-_CONFIG_KEYS = {
+CONFIG_KEYS = {
     "experts": ("num_experts", "n_routed_experts", "num_local_experts"),
     "top_k": ("num_experts_per_tok", "moe_top_k"),
     "hidden": ("hidden_size",),
@@ -152,7 +152,7 @@ def check_config(preset: Preset, model_dir) -> None:
     archs = config.get("architectures") or []
     if archs and archs[0] != preset.architecture:
         raise PresetError(f"{path} is a {archs[0]}, but preset {preset.name} is for {preset.architecture}")
-    for field_name, keys in _CONFIG_KEYS.items():
+    for field_name, keys in CONFIG_KEYS.items():
         found = next((text[k] for k in keys if k in text), None)
         wanted = getattr(preset.arch, field_name)
         if found is not None and int(found) != wanted:

@@ -7,6 +7,7 @@ only describes the live machine, so a fixture root needs a stand-in `nvml` modul
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import re
@@ -28,9 +29,13 @@ def probe(
     *,
     nvml: ModuleType | None = None,
     env: Mapping[str, str] | None = None,
+    measure: bool = False,
+    remeasure: bool = False,
 ) -> Hardware:
     """Probe the machine under `root`; `paths` are the model and paging directories to judge.
-    `env` defaults to os.environ on the live root and to {} on a fixture root."""
+    `env` defaults to os.environ on the live root and to {} on a fixture root. `measure` adds
+    link speeds (links.with_links: cached per machine, measured when not cached or when
+    `remeasure`); only the live machine can be measured."""
     root = Path(root)
     live = root.resolve() == Path("/")
     env = (os.environ if live else {}) if env is None else env
@@ -38,7 +43,7 @@ def probe(
     total, available = probe_ram(root, live)
     cores, amx = probe_cpu(root)
     mounts = read_mounts(root)
-    return Hardware(
+    hw = Hardware(
         gpus=probe_gpus(nvml, live, root),
         ram_total_bytes=total,
         ram_available_bytes=available,
@@ -50,6 +55,26 @@ def probe(
         memlock_bytes=probe_memlock(root, live),
         disks=tuple(probe_disk(root, Path(p), mounts, live) for p in paths),
     )
+    if not (measure or remeasure):
+        return hw
+    if not live:
+        return _not_measured(hw, f"link speeds are measured only on the live machine, not the tree at {root}")
+    from bigmoe.links import with_links
+
+    return with_links(hw, {str(p): _nearest_dir(Path(p)) for p in paths}, remeasure=remeasure)
+
+
+def _not_measured(hw: Hardware, why: str) -> Hardware:
+    unknown = Unknown(why)
+    gpus = hw.gpus if isinstance(hw.gpus, Unknown) else tuple(dataclasses.replace(g, h2d_gbps=unknown) for g in hw.gpus)
+    return dataclasses.replace(hw, gpus=gpus, disks=tuple(dataclasses.replace(d, read_gbps=unknown) for d in hw.disks))
+
+
+def _nearest_dir(path: Path) -> Path:
+    path = Path(os.path.realpath(path))
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
 
 
 # ---- GPUs ---------------------------------------------------------------------------------

@@ -218,10 +218,10 @@ def test_preset_flags_the_plan_owns_are_replaced():
 
 
 def test_pcie_speed_follows_the_link():
-    gpu = machine("h200").gpu()
-    assert speeds_for(gpu, "nvme").pcie_gbps == pytest.approx(PCIE_GBPS_PER_LANE[5] * 16 * PCIE_EFFICIENCY)
+    gpu, disk = machine("h200").gpu(), machine("h200").disks[0]
+    assert speeds_for(gpu, disk).pcie_gbps == pytest.approx(PCIE_GBPS_PER_LANE[5] * 16 * PCIE_EFFICIENCY)
     slow = dataclasses.replace(gpu, pcie_gen=3, pcie_width=8)
-    assert speeds_for(slow, "nvme").pcie_gbps == pytest.approx(PCIE_GBPS_PER_LANE[3] * 8 * PCIE_EFFICIENCY)
+    assert speeds_for(slow, disk).pcie_gbps == pytest.approx(PCIE_GBPS_PER_LANE[3] * 8 * PCIE_EFFICIENCY)
 
 
 # ---- the command ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from bigmoe.plan import Plan
 
 GIB = 1 << 30
 
-CHOICE_ORDER = ("device", "dtype", "context", "kv_cache", "vram_slots", "ram_slots", "compress", "ssd_source", "ngram", "env", "argv")
+CHOICE_ORDER = ("device", "dtype", "moe_layers", "experts", "top_k", "expert_bytes", "dense_bytes", "ngram_table", "context", "kv_cache", "vram_slots", "ram_slots", "compress", "ssd_source", "ngram", "env", "argv")
 """Plan.reasons keys in the order a person reads them; keys not listed follow in the plan's order."""
 
 
@@ -27,6 +27,12 @@ def choice_values(plan: Plan) -> dict[str, str]:
     return {
         "device": plan.device,
         "dtype": f"{plan.expert_dtype} experts",
+        "moe_layers": str(plan.layers),
+        "experts": f"{plan.experts} / layer",
+        "top_k": str(plan.top_k),
+        "expert_bytes": f"{plan.expert_bytes / (1 << 20):.2f} MiB",
+        "dense_bytes": gib(plan.dense_bytes),
+        "ngram_table": gib(plan.ngram_table_bytes),
         "context": f"{plan.context} tokens",
         "kv_cache": gib(plan.kv_cache_bytes),
         "vram_slots": f"{plan.vram_slots} of {plan.experts} / layer",
@@ -94,7 +100,7 @@ def machine_table(hw: Hardware) -> Table:
         pcie = f"PCIe Gen{gpu.pcie_gen} x{gpu.pcie_width}" if known(gpu.pcie_gen) and known(gpu.pcie_width) else f"PCIe {gpu.pcie_gen}"
         stated = " (stated)" if gpu.stated else ""
         table.add_row(f"GPU {gpu.index}", f"{gpu.name}{stated}: {gib(gpu.vram_total_bytes)} VRAM, {gib(gpu.vram_free_bytes)} free, "
-                                         f"compute {gpu.compute_capability}, {pcie}")
+                                         f"compute {gpu.compute_capability}, {pcie}; host-to-device {_rate(gpu.h2d_gbps)}")
     table.add_row("RAM", f"{gib(hw.ram_available_bytes)} available of {gib(hw.ram_total_bytes)}" + (" (stated)" if hw.ram_stated else ""))
     amx = {True: "with AMX", False: "no AMX"}.get(hw.cpu_amx, f"AMX {hw.cpu_amx}") if known(hw.cpu_amx) else f"AMX {hw.cpu_amx}"
     table.add_row("CPU", f"{hw.cpu_cores} cores, {amx}")
@@ -103,8 +109,12 @@ def machine_table(hw: Hardware) -> Table:
     for disk in hw.disks:
         o_direct = {True: "works", False: "fails"}.get(disk.o_direct, str(disk.o_direct)) if known(disk.o_direct) else str(disk.o_direct)
         table.add_row(f"disk {disk.path}", f"{disk.kind} ({disk.kind_basis}), {disk.filesystem}, {gib(disk.free_bytes)} free; "
-                                           f"O_DIRECT {o_direct} ({disk.o_direct_basis})")
+                                           f"O_DIRECT {o_direct} ({disk.o_direct_basis}); reads {_rate(disk.read_gbps)}")
     return table
+
+
+def _rate(gbps) -> str:
+    return f"{gbps:.2f} GB/s (measured)" if isinstance(gbps, float) else "not measured"
 
 
 def machine_lines(hw: Hardware) -> Text:
@@ -140,6 +150,7 @@ def plan_renderable(plan: Plan) -> RenderableType:
     parts: list[RenderableType] = [verdict(plan)]
     parts += [Text("note: " + note, style="yellow") for note in plan.notes]
     parts += [Text(""), choices_table(plan), Text(""), estimate_table(plan)]
+    parts += [Text("  measured: " + m) for m in plan.measured]
     parts += [Text("  assumed: " + a, style="dim") for a in plan.assumptions]
     for table in memory_tables(plan):
         parts += [Text(""), table]

@@ -1,0 +1,132 @@
+"""measure_pcie: the pinned host-to-device copy rate of one GPU, the rate the expert pager's
+RAM tier is copied at. Timed with CUDA events over a few copies of a 256 MiB pinned buffer.
+
+`measure_h2d` runs in the calling process (it imports torch and makes a CUDA context);
+`measure_h2d_in_child` runs it in a short-lived child process, so the caller (bigmoe, which
+goes on to launch vLLM) keeps no CUDA context and no VRAM. Both never raise: anything that
+stops the measurement gives Unknown(reason). Imports only the standard library at module
+level (the GPU machine runs it with PYTHONPATH=pager:app and no app dependencies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bigmoe.hardware import Unknown
+
+COPY_BYTES = 256 << 20
+"""Bytes per timed copy: large enough that launch latency is noise."""
+REPEATS = 5
+"""Timed copies (after one untimed warm-up); the median is reported."""
+CHILD_TIMEOUT_S = 120.0
+"""Seconds the child may take (importing torch and making a CUDA context included)."""
+
+
+@dataclass(frozen=True)
+class CopyRate:
+    """One measured host-to-device rate."""
+
+    gbps: float
+    """Median of the timed copies, bytes / seconds / 1e9."""
+    best_gbps: float
+    """Fastest timed copy, GB/s."""
+    copy_bytes: int
+    """Bytes per copy."""
+    repeats: int
+    """Timed copies."""
+    device_name: str
+    """torch.cuda.get_device_name of the GPU measured."""
+
+    @property
+    def basis(self) -> str:
+        return (f"median of {self.repeats} pinned copies of {self.copy_bytes >> 20} MiB to {self.device_name} "
+                f"(best {self.best_gbps:.1f} GB/s)")
+
+
+def measure_h2d(index: int = 0, copy_bytes: int = COPY_BYTES, repeats: int = REPEATS, torch_module=None) -> CopyRate | Unknown:
+    """Time `repeats` pinned host-to-device copies of `copy_bytes` to GPU `index` in this process.
+    `torch_module` stands in for torch (None = import it)."""
+    torch = torch_module
+    if torch is None:
+        try:
+            import torch
+        except ImportError as e:
+            return Unknown(f"torch is not importable here ({e})")
+    try:
+        if not torch.cuda.is_available():
+            return Unknown("torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+        if not 0 <= index < torch.cuda.device_count():
+            return Unknown(f"torch sees {torch.cuda.device_count()} CUDA GPUs, none with index {index}")
+        return _time_copies(torch, index, copy_bytes, repeats)
+    except (RuntimeError, OSError, AssertionError) as e:  # CUDA errors surface as RuntimeError (OOM included)
+        return Unknown(f"the pinned copy test failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
+
+def _time_copies(torch, index: int, copy_bytes: int, repeats: int) -> CopyRate:
+    device = torch.device("cuda", index)
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    with torch.cuda.device(device):
+        target.copy_(host, non_blocking=True)  # warm-up: first-touch and driver mapping costs
+        torch.cuda.synchronize(device)
+        times_ms = []
+        for _ in range(repeats):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(host, non_blocking=True)
+            stop.record()
+            stop.synchronize()
+            times_ms.append(start.elapsed_time(stop))
+    rates = sorted(copy_bytes / (ms / 1000.0) / 1e9 for ms in times_ms if ms > 0)
+    if not rates:
+        raise RuntimeError("CUDA events timed every copy at 0 ms")
+    name = str(torch.cuda.get_device_name(index))
+    del host, target
+    return CopyRate(round(rates[len(rates) // 2], 2), round(rates[-1], 2), copy_bytes, len(rates), name)
+
+
+def measure_h2d_in_child(index: int = 0, timeout_s: float = CHILD_TIMEOUT_S, python: str | None = None) -> CopyRate | Unknown:
+    """measure_h2d in a child process (`python -m bigmoe.measure_pcie`), so no CUDA context stays here."""
+    app_dir = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (app_dir, os.environ.get("PYTHONPATH", "")) if p))
+    try:
+        done = subprocess.run([python or sys.executable, "-m", "bigmoe.measure_pcie", str(index)], capture_output=True,
+                              text=True, timeout=timeout_s, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return Unknown(f"the pinned copy test took over {timeout_s:g} s and was stopped")
+    except OSError as e:
+        return Unknown(f"the pinned copy test could not start ({e.strerror or e})")
+    return parse_child_output(done.returncode, done.stdout, done.stderr)
+
+
+def parse_child_output(returncode: int, stdout: str, stderr: str) -> CopyRate | Unknown:
+    """The child's last stdout line as a CopyRate or Unknown; anything else is an Unknown naming what went wrong."""
+    lines = stdout.strip().splitlines()
+    if returncode != 0 or not lines:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        return Unknown(f"the pinned copy test exited with code {returncode} ({tail[:200]})")
+    try:
+        data = json.loads(lines[-1])
+        if "unknown" in data:
+            return Unknown(str(data["unknown"]))
+        rate = CopyRate(**data)
+    except (ValueError, TypeError) as e:
+        return Unknown(f"the pinned copy test printed {lines[-1][:80]!r}, not a result ({e})")
+    if not (isinstance(rate.gbps, float) and rate.gbps > 0):
+        return Unknown(f"the pinned copy test reported {rate.gbps!r} GB/s")
+    return rate
+
+
+def main(argv: list[str]) -> int:
+    result = measure_h2d(int(argv[0]) if argv else 0)
+    print(json.dumps({"unknown": result.reason} if isinstance(result, Unknown) else asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,148 @@
+"""The plan's architecture numbers from the checkpoint's config.json (and safetensors headers),
+the preset's before download, each with its origin; mismatches visible in the reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+
+import pytest
+
+from bigmoe import pipeline, presets
+from bigmoe.checkpoint_arch import (
+    CheckpointConfigError, facts_for, find_checkpoint, fp8_expert_bytes, read_facts,
+)
+from bigmoe.hardware import Hardware
+from bigmoe.hubcache import RemoteFile, RepoCache, write_ready, write_ref
+from bigmoe.plan import Overrides, plan
+from bigmoe.tinymoe.shape import TinyShape
+
+from test_links import machine
+
+ARCH_KEYS = ("moe_layers", "experts", "top_k", "expert_bytes", "dense_bytes", "ngram_table")
+
+
+@pytest.fixture(params=["bf16", "fp8"])
+def model(request, tiny_checkpoint):
+    return tiny_checkpoint(TinyShape(), request.param, seed=0, with_tokenizer=False, scale_dtype="float32") \
+        if request.param == "fp8" else tiny_checkpoint(TinyShape(), "bf16", seed=0, with_tokenizer=False)
+
+
+def edited(model, tmp_path, **changes):
+    """A copy of the checkpoint with config.json changed."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(model, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(changes)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_the_tiny_checkpoint_gives_the_presets_numbers(model):
+    preset = presets.load("tiny-moe")
+    facts = read_facts(preset, model)
+    assert dataclasses.replace(facts.arch, dense_bytes=preset.arch.dense_bytes) == preset.arch
+    if "fp8" in json.dumps(json.loads((model / "config.json").read_text()).get("quantization_config")):
+        # the preset counts bf16 dense weights; the FP8 checkpoint stores its attention in FP8, so the headers say less
+        assert facts.arch.dense_bytes < preset.arch.dense_bytes
+        assert facts.mismatches == (f"dense_bytes is {facts.arch.dense_bytes} from the safetensors headers, "
+                                    f"but preset tiny-moe says {preset.arch.dense_bytes}",)
+    else:
+        assert facts.arch.dense_bytes == preset.arch.dense_bytes and facts.mismatches == ()
+    assert facts.origins["experts"] == "from config.json (num_experts)"
+    assert facts.origins["dense_bytes"].startswith("from the safetensors headers")
+    assert facts.origins["kv_bytes_per_token"].startswith("from preset tiny-moe")
+    assert "128x128 block" in facts.origins["expert_bytes_fp8"]
+
+
+@pytest.mark.parametrize("name", presets.names())
+def test_fp8_expert_bytes_match_every_preset(name):
+    arch = presets.load(name).arch
+    assert fp8_expert_bytes(arch.hidden, arch.moe_intermediate, (128, 128)) == arch.expert_bytes_fp8
+    assert fp8_expert_bytes(arch.hidden, arch.moe_intermediate, None) == 3 * arch.hidden * arch.moe_intermediate + 12
+
+
+def test_more_experts_in_the_config_shows_in_the_plan(model, tmp_path):
+    preset = presets.load("tiny-moe")
+    facts = read_facts(preset, edited(model, tmp_path, num_experts=32))
+    p = plan(machine("cpu-laptop"), preset, Overrides(model_dir=str(tmp_path), paging_dir=str(tmp_path)), facts)
+    assert p.experts == 32
+    assert p.reasons["experts"] == "from config.json (num_experts); but preset tiny-moe says 16"
+    assert any("experts is 32 from config.json, but preset tiny-moe says 16" in n for n in p.notes)
+    assert any("routed experts" in n for n in p.notes)  # the shards hold 16 experts' bytes, not 32
+    with pytest.raises(presets.PresetError, match="num_experts is 32"):
+        presets.check_config(preset, tmp_path / "ckpt")  # the launch-time refusal stays
+
+
+@pytest.mark.parametrize("changes, layers, said", [
+    ({"mlp_only_layers": [0]}, 3, "mlp_only_layers [0]"),
+    ({"decoder_sparse_step": 2}, 2, "decoder_sparse_step 2"),
+])
+def test_moe_layers_follow_the_sparse_keys(model, tmp_path, changes, layers, said):
+    facts = read_facts(presets.load("tiny-moe"), edited(model, tmp_path, **changes))
+    assert facts.arch.moe_layers == layers and said in facts.origins["moe_layers"]
+
+
+def test_ngram_table_bytes_come_from_the_ple_keys(model, tmp_path):
+    ckpt = edited(model, tmp_path, ple_layer_ids=[2], hidden_size=2560, split_ngram_parts=128,
+                  quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    facts = read_facts(presets.load("tiny-moe"), ckpt)
+    assert facts.arch.ngram_table_bytes == 51_200_245_760
+    assert "320,001,536 rows x 160 B" in facts.origins["ngram_table_bytes"]
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("config", "is not valid JSON"),
+    ("experts", "num_experts is 'many', not a non-negative integer"),
+    ("block", "weight_block_size is [128], not [rows, cols]"),
+    ("header", "header is truncated"),
+])
+def test_a_broken_checkpoint_is_one_clear_error(model, tmp_path, breakage, message):
+    ckpt = edited(model, tmp_path)
+    if breakage == "config":
+        (ckpt / "config.json").write_text("{broken")
+    elif breakage == "experts":
+        ckpt = edited(model, tmp_path / "x", num_experts="many")
+    elif breakage == "block":
+        ckpt = edited(model, tmp_path / "x", quantization_config={"quant_method": "fp8", "weight_block_size": [128]})
+    else:
+        shard = sorted(ckpt.glob("*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes()[:64])
+    with pytest.raises(CheckpointConfigError, match=re.escape(message)) as err:
+        read_facts(presets.load("tiny-moe"), ckpt)
+    assert "\n" not in str(err.value)
+
+
+def test_before_download_the_preset_numbers_are_named_as_such():
+    p = plan(machine("h200"), presets.load("qwen3.8-flash-next"), Overrides(model_dir="/srv/models", paging_dir="/srv/paging"),
+             facts_for(presets.load("qwen3.8-flash-next"), None, "the model is not downloaded yet"))
+    for key in ARCH_KEYS:
+        assert p.reasons[key] == "from preset qwen3.8-flash-next (the model is not downloaded yet)"
+    assert p.config_path is None and p.ngram_table_bytes == 51_200_245_760
+
+
+def test_a_hub_download_counts_only_once_ready(model, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    preset = presets.load("qwen3.6-35b-a3b")
+    cache, commit = RepoCache((tmp_path / "hub").resolve(), preset.hub_id), "a" * 40
+    shutil.copytree(model, cache.snapshot(commit))
+    write_ref(cache, preset.revision, commit)
+    assert find_checkpoint(preset, None, ("fp8",)) == (None, "the model is not downloaded yet")
+    size = (cache.snapshot(commit) / "config.json").stat().st_size
+    write_ready(cache, commit, [RemoteFile("config.json", size, "b" * 40, None)])
+    assert find_checkpoint(preset, None, ("fp8",)) == (cache.snapshot(commit), "")
+
+
+def test_the_pipeline_plans_with_a_given_checkpoint(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("BIGMOE_HOME", str(tmp_path / "home"))
+    preset = presets.load("tiny-moe")
+    hw: Hardware = machine("cpu-laptop")
+    given = pipeline.make_plan(hw, preset, pipeline.RunOptions(model="tiny-moe", model_dir=str(model)))
+    assert given.config_path == str(model / "config.json")
+    assert given.reasons["top_k"] == "from config.json (num_experts_per_tok)"
+    made_yet = pipeline.make_plan(hw, preset, pipeline.RunOptions(model="tiny-moe"))
+    assert made_yet.config_path is None and "not made yet" in made_yet.reasons["experts"]
