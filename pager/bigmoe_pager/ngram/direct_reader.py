@@ -1,10 +1,12 @@
 """Rows read straight from the SSD: O_DIRECT, many at once through kernel AIO.
 
-Each row (160 bytes for Qwen3.8-Flash-Next) is read as the aligned span around
-it (one 4 KiB block, two when the row straddles a block boundary) into a
-page-aligned scratch area, up to `depth` reads in flight; then all rows are cut
-out of the scratch with one vectorized numpy gather. The page cache is never
-touched, so the RAM tier is whatever row cache sits above this reader.
+The rows are planned into aligned reads by `read_plan.plan_reads`: sorted by
+(file, offset), rows in one block or within `merge_gap` bytes of each other
+read once, each read as small as the device's O_DIRECT alignment allows (512 B
+where the device accepts it, found by a probe read at open, else 4 KiB). Reads
+land in a page-aligned scratch area, up to `depth` in flight; then all rows are
+cut out of the scratch with one vectorized numpy gather. The page cache is
+never touched, so the RAM tier is whatever row cache sits above this reader.
 
 A read that fails (EIO) or comes back short is issued again up to `retries`
 times; when no read completes within `timeout_s` the reader gives up with
@@ -26,22 +28,31 @@ import numpy as np
 from .aio import IOCB, IOCB_CMD_PREAD, AioContext
 from .byte_gather import cut_rows
 from .errors import NgramFileError, NgramReadError
+from .read_plan import ReadPlan, plan_reads
 from .stats import ReadTotals
 
 ALIGN = 4096  # bytes; O_DIRECT offset/length/buffer alignment that every common block device accepts
+MIN_ALIGN = 512  # bytes; the smallest logical block size of block devices
+MERGE_GAP = 16 << 10  # bytes; rows closer than this share a read: a 16 KiB longer read costs less than a second request
+MAX_READ = 256 << 10  # bytes; longest coalesced read (dense ids), so one failed read retries little
 
 
 class DirectReader:
     """Gathers rows at given (file, byte offset) pairs with O_DIRECT + AIO; thread-safe (one gather at a time)."""
 
     def __init__(self, files: list[Path], row_bytes: int, *, depth: int = 256, timeout_s: float = 10.0,
-                 retries: int = 2, totals: ReadTotals | None = None):
+                 retries: int = 2, totals: ReadTotals | None = None, align: int | None = None,
+                 merge_gap: int = MERGE_GAP, max_read: int = MAX_READ):
         self.files = [Path(f) for f in files]
         self.row_bytes = row_bytes
+        self.merge_gap = merge_gap
+        self.max_read = max_read
         self.timeout_s = timeout_s
         self.retries = retries
         self.totals = totals if totals is not None else ReadTotals()
         self._fds = np.array([_open_direct(f) for f in self.files], np.uint32)
+        self.align = align if align is not None else max(_direct_align(int(fd), f) for fd, f in zip(self._fds, self.files))
+        """O_DIRECT offset/length alignment in bytes: 512 where every file's device accepts it, else 4096."""
         self._aio = AioContext(depth)
         self._lock = threading.Lock()
         self._scratch: mmap.mmap | None = None
@@ -56,15 +67,14 @@ class DirectReader:
         with self._lock:
             if self._broken:
                 raise NgramReadError(f"n-gram direct reader is unusable after an earlier failure: {self._broken}")
-            start = offsets & ~np.int64(ALIGN - 1)
-            span = ((offsets + self.row_bytes + ALIGN - 1) & ~np.int64(ALIGN - 1)) - start
-            slot = np.cumsum(span) - span
-            scratch = self._scratch_of(int(slot[-1] + span[-1]))
-            self._prepare(file_ids, start, span, slot, scratch)
+            plan = plan_reads(file_ids, offsets, self.row_bytes, align=self.align, merge_gap=self.merge_gap,
+                              max_read=self.max_read)
+            scratch = self._scratch_of(plan.scratch_bytes)
+            self._prepare(plan, scratch)
             t0 = time.perf_counter_ns()
-            self._run(n, need=offsets - start + self.row_bytes)
-            self.totals.add(n, int(span.sum()), time.perf_counter_ns() - t0)
-            cut_rows(scratch, slot + (offsets - start), self.row_bytes, out)
+            self._run(plan.reads, need=plan.need)
+            self.totals.add(n, int(plan.length.sum()), time.perf_counter_ns() - t0, reads=plan.reads)
+            cut_rows(scratch, plan.row_at, self.row_bytes, out)
 
     def close(self) -> None:
         with self._lock:
@@ -82,18 +92,17 @@ class DirectReader:
             self._scratch = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)  # anonymous maps are page-aligned
         return np.frombuffer(self._scratch, np.uint8)
 
-    def _prepare(self, file_ids: np.ndarray, start: np.ndarray, span: np.ndarray, slot: np.ndarray,
-                 scratch: np.ndarray) -> None:
-        n = start.size
+    def _prepare(self, plan: ReadPlan, scratch: np.ndarray) -> None:
+        n = plan.reads
         if self._iocbs.size < n:
             self._iocbs = np.zeros(max(n, 2 * self._iocbs.size), IOCB)
         cb = self._iocbs[:n]
         cb["data"] = np.arange(n)
         cb["opcode"] = IOCB_CMD_PREAD
-        cb["fildes"] = self._fds[file_ids]
-        cb["buf"] = scratch.ctypes.data + slot
-        cb["nbytes"] = span
-        cb["offset"] = start
+        cb["fildes"] = self._fds[plan.file]
+        cb["buf"] = scratch.ctypes.data + plan.slot
+        cb["nbytes"] = plan.length
+        cb["offset"] = plan.start
 
     def _run(self, n: int, need: np.ndarray) -> None:
         """Submit iocbs 0..n-1 keeping up to `depth` in flight; re-issue failed ones; raise on timeout."""
@@ -155,3 +164,17 @@ def _open_direct(path: Path) -> int:
             raise NgramFileError(f"{path}: the filesystem refuses O_DIRECT; use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)") from None
         raise NgramFileError(f"{path}: cannot open: {e.strerror}") from None
 
+
+
+def _direct_align(fd: int, path: Path) -> int:
+    """512 if an O_DIRECT read of 512 bytes at offset 512 is accepted (the device's logical block size), else 4096."""
+    probe = mmap.mmap(-1, ALIGN)  # page-aligned, so only the length and offset are being tested
+    try:
+        os.preadv(fd, [memoryview(probe)[:MIN_ALIGN]], MIN_ALIGN)
+        return MIN_ALIGN
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return ALIGN
+        raise NgramFileError(f"{path}: O_DIRECT probe read failed: {e.strerror}") from None
+    finally:
+        probe.close()

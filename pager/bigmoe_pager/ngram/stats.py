@@ -22,6 +22,8 @@ class ReadTotals:
     """Distinct rows read from storage (page cache or device)."""
     bytes_read: int = 0
     """Bytes those reads moved (aligned spans for O_DIRECT, row bytes for the page-cache reader)."""
+    reads: int = 0
+    """Read requests sent to the device (O_DIRECT: after merging rows that share or neighbour a block)."""
     read_ns: int = 0
     """Wall time spent reading, in nanoseconds."""
     retries: int = 0
@@ -31,9 +33,11 @@ class ReadTotals:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Guards the counters."""
 
-    def add(self, rows: int, nbytes: int, ns: int) -> None:
+    def add(self, rows: int, nbytes: int, ns: int, reads: int | None = None) -> None:
+        """Count `rows` read in `reads` requests (one per row unless given) moving `nbytes` in `ns`."""
         with self._lock:
             self.rows_read += rows
+            self.reads += rows if reads is None else reads
             self.bytes_read += nbytes
             self.read_ns += ns
 

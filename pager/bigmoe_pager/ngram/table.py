@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .direct_reader import DirectReader
+from .direct_reader import MERGE_GAP, DirectReader
 from .errors import NgramFileError, NgramRangeError
 from .page_cache_reader import PREFILL_THREADS, PageCacheReader
 from .row_cache import RowCache
@@ -44,13 +44,18 @@ class NgramTable:
     @classmethod
     def open(cls, files: list[str | os.PathLike], *, table: str | None = None, spec: TableSpec | None = None,
              direct: bool = False, cache_rows: int = 0, threads: int = PREFILL_THREADS, depth: int = 256,
-             timeout_s: float = 10.0, retries: int = 2) -> "NgramTable":
-        """Index `table` (default: the only one) in `files`, check it against `spec`, and open the reader."""
+             timeout_s: float = 10.0, retries: int = 2, merge_gap: int = MERGE_GAP,
+             align: int | None = None) -> "NgramTable":
+        """Index `table` (default: the only one) in `files`, check it against `spec`, and open the reader.
+
+        Direct reads only: `merge_gap` bytes between two rows below which they share one read, `align` the
+        O_DIRECT alignment (None: 512 B if the device accepts it, else 4 KiB).
+        """
         shards = find_shards([Path(f) for f in files], table=table, spec=spec)
         totals = ReadTotals()
         if direct:
             reader = DirectReader(list(shards.files), shards.row_bytes, depth=depth, timeout_s=timeout_s,
-                                  retries=retries, totals=totals)
+                                  retries=retries, totals=totals, merge_gap=merge_gap, align=align)
         else:
             reader = PageCacheReader(list(shards.files), shards.row_bytes, threads=threads, totals=totals)
         cache = RowCache(cache_rows, shards.row_bytes) if cache_rows else None

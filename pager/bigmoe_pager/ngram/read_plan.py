@@ -1,0 +1,96 @@
+"""Which aligned O_DIRECT reads fetch a set of rows: sorted, deduplicated, coalesced.
+
+A random-read device is bound by requests per second far more than by bytes:
+the virtio disks this was measured on serve about 90,000 random reads/s
+whether a read is 512 B or 4 KiB, and a 32 KiB read costs about 2.5 small
+ones. So rows are sorted by (file, offset); rows whose aligned spans overlap
+(the same row twice, two rows in one block) or lie within `merge_gap` bytes of
+each other become one read, up to `max_read` bytes; and the alignment is the
+smallest the device accepts (512 B on most disks), which also keeps the scratch
+area small. Everything is computed with numpy over all rows at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Aligned reads covering a set of rows, and where each row lands in the scratch area."""
+
+    file: np.ndarray
+    """int64 [reads]: index of the file each read comes from."""
+    start: np.ndarray
+    """int64 [reads]: aligned byte offset of each read in its file."""
+    length: np.ndarray
+    """int64 [reads]: bytes each read asks for (a multiple of the alignment)."""
+    need: np.ndarray
+    """int64 [reads]: bytes each read must return to hold its last row; fewer is a failed (short) read."""
+    slot: np.ndarray
+    """int64 [reads]: byte offset in the scratch area where each read lands."""
+    row_at: np.ndarray
+    """int64 [rows]: byte offset of each requested row (in the caller's order) in the scratch area."""
+
+    @property
+    def reads(self) -> int:
+        return int(self.start.size)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return int(self.slot[-1] + self.length[-1]) if self.start.size else 0
+
+
+def plan_reads(file_ids: np.ndarray, offsets: np.ndarray, row_bytes: int, *, align: int, merge_gap: int = 0,
+               max_read: int = 256 << 10) -> ReadPlan:
+    """Plan reads for rows at byte `offsets` of files `file_ids` (flat arrays of one length; duplicates allowed)."""
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"read alignment must be a power of two, got {align}")
+    if merge_gap < 0 or max_read < align:
+        raise ValueError(f"merge_gap must be >= 0 and max_read >= the alignment ({align}); got {merge_gap}, {max_read}")
+    file_ids = np.asarray(file_ids, np.int64)
+    offsets = np.asarray(offsets, np.int64)
+    order = _sort_order(file_ids, offsets)
+    f, off = (file_ids, offsets) if order is None else (file_ids[order], offsets[order])
+    lo = off & ~np.int64(align - 1)  # aligned start of each row's own span
+    hi = (off + row_bytes + align - 1) & ~np.int64(align - 1)  # its aligned end; non-decreasing within a file
+    first = _group_starts(f, lo, hi, merge_gap, max_read)
+    group = np.cumsum(first) - 1
+    heads = np.flatnonzero(first)
+    tails = np.append(heads[1:], f.size) - 1
+    start = lo[heads]
+    length = hi[tails] - start
+    slot = np.cumsum(length) - length
+    row_at = slot[group] + (off - start[group])
+    if order is not None:
+        row_at[order] = row_at.copy()
+    return ReadPlan(file=f[heads], start=start, length=length, need=off[tails] + row_bytes - start, slot=slot,
+                    row_at=row_at)
+
+
+def _sort_order(file_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
+    """The permutation sorting rows by (file, offset), or None when they already are (sorted distinct ids, the usual case)."""
+    if offsets.size and (offsets.min() < 0 or offsets.max() >= 1 << 40 or file_ids.min() < 0):
+        raise ValueError("row offsets must lie in 0..2**40 and file indices be >= 0")
+    key = (file_ids << 40) | offsets  # one int64 key: argsort of it is 5-10x cheaper than lexsort of two
+    if bool((key[1:] >= key[:-1]).all()):
+        return None
+    return np.argsort(key, kind="stable")
+
+
+def _group_starts(f: np.ndarray, lo: np.ndarray, hi: np.ndarray, merge_gap: int, max_read: int) -> np.ndarray:
+    """True where a sorted row begins a new read: another file, a gap wider than merge_gap, or max_read reached."""
+    first = np.ones(f.size, bool)
+    first[1:] = (f[1:] != f[:-1]) | (lo[1:] > hi[:-1] + merge_gap)
+    # A run longer than max_read is cut at its first row that would overflow, then its remainder is checked
+    # again: one pass per max_read of the longest run (dense ids only; random ids rarely merge at all).
+    idx = np.arange(f.size)
+    while True:
+        head = np.maximum.accumulate(np.where(first, idx, 0))
+        over = ((hi - lo[head]) > max_read) & (head != idx)  # a row alone is never split
+        if not over.any():
+            return first
+        _, at = np.unique(head[over], return_index=True)
+        first[np.flatnonzero(over)[at]] = True
