@@ -6,10 +6,15 @@ per-token decode gathers (16 random rows) and a 2,048-token prefill gather
 (32,768 rows) from three places:
 
   page_cache    the whole table resident in the OS page cache (mmap reader)
-  ssd           the device through O_DIRECT + kernel AIO (no page cache)
+  ssd           the device through O_DIRECT + kernel AIO (no page cache); rows
+                planned into sorted, deduplicated, coalesced reads of 512 B
+                where the device allows
   ssd_buffered  the mmap reader with the table evicted from the page cache first
 
-Every gathered row is checked against the id stamped in it. With CUDA it also
+For the SSD prefill it also records the read requests one prefill needs, the
+device's achieved random reads/s during it (the ceiling that bounds it), and
+the prefill time at queue depths 64-512. Every gathered row is checked
+against the id stamped in it. With CUDA it also
 times the host-to-device copy + FP8 dequant and the full prefetch path. The
 table is deleted afterwards unless --keep.
 
@@ -37,6 +42,7 @@ from bigmoe_pager.ngram import NgramTable  # noqa: E402
 from bigmoe_pager.ngram.synthetic import write_table  # noqa: E402
 
 ROW_BYTES, HEADS, PREFILL_TOKENS = 160, 16, 2048
+SWEEP_DEPTHS = (64, 128, 256, 512)  # AIO reads in flight tried for the SSD prefill
 TARGETS = {"decode_ms_per_token_ssd": 0.5, "prefill_2048_ms_ssd": 150.0}
 
 
@@ -102,17 +108,40 @@ def measure(files: list[Path], rows: int, args: argparse.Namespace) -> dict:
         prefill["ssd_buffered"] = time_prefill(table, rows, args.prefill_reps, rng, before=table.drop_page_cache)
     with NgramTable.open(files, direct=True) as table:
         decode["ssd"], decode_p90["ssd"] = time_decode(table, rows, args.decode_tokens, rng)
+        before = table.stats()
         prefill["ssd"] = time_prefill(table, rows, args.prefill_reps, rng)
+        ssd_reads = read_rates(before, table.stats(), args.prefill_reps)
+        ssd_reads["align_bytes"] = table.reader.align
         device = measure_device(table, files, rows, rng)
+    ssd_reads["prefill_ms_by_depth"] = sweep_depths(files, rows, args.prefill_reps, rng)
     return {
         "page_cache_resident_fraction": resident,
         "decode_ms_per_token": decode,
         "decode_ms_per_token_p90": decode_p90,
         "prefill_2048_ms": prefill,
+        "ssd_prefill_reads": ssd_reads,
         "device": device,
         "meets_targets": {"decode_ssd": decode["ssd"] <= TARGETS["decode_ms_per_token_ssd"],
                           "prefill_ssd": prefill["ssd"] <= TARGETS["prefill_2048_ms_ssd"]},
     }
+
+
+def read_rates(before: dict, after: dict, reps: int) -> dict:
+    """Read requests per SSD prefill and the random reads/s the device gave while serving them."""
+    reads = after["reads"] - before["reads"]
+    seconds = (after["read_ns"] - before["read_ns"]) / 1e9
+    return {"rows_per_prefill": (after["rows_read"] - before["rows_read"]) // reps, "reads_per_prefill": reads // reps,
+            "kib_per_prefill": (after["bytes_read"] - before["bytes_read"]) // reps // 1024,
+            "reads_per_s": round(reads / seconds) if seconds else None}
+
+
+def sweep_depths(files: list[Path], rows: int, reps: int, rng: np.random.Generator) -> dict[str, float]:
+    """Median SSD prefill ms at each AIO queue depth: shows whether the device, not the queue, is the limit."""
+    out = {}
+    for depth in SWEEP_DEPTHS:
+        with NgramTable.open(files, direct=True, depth=depth) as table:
+            out[str(depth)] = time_prefill(table, rows, reps, rng)
+    return out
 
 
 def make_resident(files: list[Path], nbytes: int) -> float:
@@ -260,6 +289,12 @@ def table_md(doc: dict) -> str:
     lines.append(f"\nTargets from SSD: decode <= {TARGETS['decode_ms_per_token_ssd']} ms/token, "
                  f"prefill <= {TARGETS['prefill_2048_ms_ssd']:.0f} ms. page_cache = table resident in the OS page cache; "
                  "ssd = O_DIRECT through kernel AIO (no page cache); ssd_buffered = mmap reader after evicting the table.\n")
+    for label, m in doc.get("machines", {}).items():
+        r = m.get("ssd_prefill_reads")
+        if r:
+            lines.append(f"- {label} SSD prefill: {r['rows_per_prefill']} distinct rows in {r['reads_per_prefill']} reads "
+                         f"of {r['align_bytes']} B blocks ({r['kib_per_prefill']} KiB), {r['reads_per_s']} reads/s; "
+                         f"ms by queue depth {r['prefill_ms_by_depth']}")
     for label, m in doc.get("machines", {}).items():
         mach = m["machine"]
         lines.append(f"- {label}: {mach['cpus']} CPUs, {mach['ram_gib']} GiB RAM, disk {mach['disk']} "

@@ -84,6 +84,11 @@ def test_rows_in_one_block_and_repeated_rows_are_one_read(align):
     assert plan.reads == 1 and plan.start[0] == 1024 // align * align and plan.need[0] == 1504 - plan.start[0]
 
 
+def test_no_rows_plan_no_reads():
+    plan = plan_reads(np.zeros(0, np.int64), np.zeros(0, np.int64), ROW, align=512)
+    assert (plan.reads, plan.scratch_bytes, plan.row_at.size) == (0, 0, 0)
+
+
 def test_merge_gap_decides_whether_near_rows_share_a_read():
     offsets = np.array([0, 8192 + 512])  # aligned spans 0..512 and 8704..9216: a gap of 8192 bytes
     assert plan_reads(np.zeros(2, np.int64), offsets, ROW, align=512, merge_gap=8191).reads == 2

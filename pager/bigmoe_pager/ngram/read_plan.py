@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 
+OFFSET_BITS = 40  # (file, offset) sort key: file index above bit 40, byte offset below
+MAX_FILE_BYTES = 1 << OFFSET_BITS  # 1 TiB; larger checkpoint files are refused at open
+
+
 @dataclass(frozen=True)
 class ReadPlan:
     """Aligned reads covering a set of rows, and where each row lands in the scratch area."""
@@ -45,25 +49,37 @@ class ReadPlan:
 
 def plan_reads(file_ids: np.ndarray, offsets: np.ndarray, row_bytes: int, *, align: int, merge_gap: int = 0,
                max_read: int = 256 << 10) -> ReadPlan:
-    """Plan reads for rows at byte `offsets` of files `file_ids` (flat arrays of one length; duplicates allowed)."""
+    """Plan reads for rows at byte `offsets` of files `file_ids` (flat arrays of one length; duplicates allowed).
+
+    File indices must be >= 0 and offsets lie in 0..MAX_FILE_BYTES (the reader checks file sizes at open).
+    """
     if align <= 0 or align & (align - 1):
         raise ValueError(f"read alignment must be a power of two, got {align}")
     if merge_gap < 0 or max_read < align:
         raise ValueError(f"merge_gap must be >= 0 and max_read >= the alignment ({align}); got {merge_gap}, {max_read}")
     file_ids = np.asarray(file_ids, np.int64)
     offsets = np.asarray(offsets, np.int64)
+    if offsets.size == 0:
+        none = np.zeros(0, np.int64)
+        return ReadPlan(file=none, start=none, length=none, need=none, slot=none, row_at=none)
     order = _sort_order(file_ids, offsets)
     f, off = (file_ids, offsets) if order is None else (file_ids[order], offsets[order])
     lo = off & ~np.int64(align - 1)  # aligned start of each row's own span
     hi = (off + row_bytes + align - 1) & ~np.int64(align - 1)  # its aligned end; non-decreasing within a file
-    first = _group_starts(f, lo, hi, merge_gap, max_read)
+    first = np.empty(f.size, bool)
+    first[0] = True
+    np.not_equal(f[1:], f[:-1], out=first[1:])
+    first[1:] |= lo[1:] > hi[:-1] + merge_gap  # a new read: another file, or a gap wider than merge_gap
+    heads, tails = _runs(first)
+    could_overflow = f.size * (row_bytes + 2 * align + merge_gap) > max_read  # never for a decode step's rows
+    if could_overflow and int((hi[tails] - lo[heads]).max()) > max_read:  # only dense ids make runs this long
+        first = _split_long_runs(first, lo, hi, max_read)
+        heads, tails = _runs(first)
     group = np.cumsum(first) - 1
-    heads = np.flatnonzero(first)
-    tails = np.append(heads[1:], f.size) - 1
     start = lo[heads]
     length = hi[tails] - start
     slot = np.cumsum(length) - length
-    row_at = slot[group] + (off - start[group])
+    row_at = (slot - start)[group] + off
     if order is not None:
         row_at[order] = row_at.copy()
     return ReadPlan(file=f[heads], start=start, length=length, need=off[tails] + row_bytes - start, slot=slot,
@@ -72,24 +88,31 @@ def plan_reads(file_ids: np.ndarray, offsets: np.ndarray, row_bytes: int, *, ali
 
 def _sort_order(file_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     """The permutation sorting rows by (file, offset), or None when they already are (sorted distinct ids, the usual case)."""
-    if offsets.size and (offsets.min() < 0 or offsets.max() >= 1 << 40 or file_ids.min() < 0):
-        raise ValueError("row offsets must lie in 0..2**40 and file indices be >= 0")
-    key = (file_ids << 40) | offsets  # one int64 key: argsort of it is 5-10x cheaper than lexsort of two
+    key = (file_ids << OFFSET_BITS) | offsets  # one int64 key: argsort of it is 5-10x cheaper than lexsort of two
     if bool((key[1:] >= key[:-1]).all()):
         return None
     return np.argsort(key, kind="stable")
 
 
-def _group_starts(f: np.ndarray, lo: np.ndarray, hi: np.ndarray, merge_gap: int, max_read: int) -> np.ndarray:
-    """True where a sorted row begins a new read: another file, a gap wider than merge_gap, or max_read reached."""
-    first = np.ones(f.size, bool)
-    first[1:] = (f[1:] != f[:-1]) | (lo[1:] > hi[:-1] + merge_gap)
-    # A run longer than max_read is cut at its first row that would overflow, then its remainder is checked
-    # again: one pass per max_read of the longest run (dense ids only; random ids rarely merge at all).
-    idx = np.arange(f.size)
+def _runs(first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of the first and of the last row of each read."""
+    heads = np.flatnonzero(first)
+    tails = np.empty_like(heads)
+    tails[:-1] = heads[1:] - 1
+    tails[-1] = first.size - 1
+    return heads, tails
+
+
+def _split_long_runs(first: np.ndarray, lo: np.ndarray, hi: np.ndarray, max_read: int) -> np.ndarray:
+    """Cut every run longer than max_read at its first row that would overflow, until none is.
+
+    One pass per max_read of the longest run; a single row longer than max_read stays one read.
+    """
+    first = first.copy()
+    idx = np.arange(first.size)
     while True:
         head = np.maximum.accumulate(np.where(first, idx, 0))
-        over = ((hi - lo[head]) > max_read) & (head != idx)  # a row alone is never split
+        over = ((hi - lo[head]) > max_read) & (head != idx)
         if not over.any():
             return first
         _, at = np.unique(head[over], return_index=True)
