@@ -29,21 +29,23 @@ def main(spec_path: str, result_path: str) -> None:
     from vllm import LLM
 
     llm = LLM(
-        model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], max_num_seqs=8,
-        max_num_batched_tokens=spec["max_model_len"], enforce_eager=True, enable_prefix_caching=False,
-        seed=0, distributed_executor_backend="uni", skip_tokenizer_init=spec["skip_tokenizer_init"],
+        model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], max_num_seqs=spec.get("max_num_seqs", 8),
+        max_num_batched_tokens=spec["max_model_len"], enforce_eager=spec.get("enforce_eager", True),
+        enable_prefix_caching=False, seed=0, distributed_executor_backend="uni",
+        skip_tokenizer_init=spec["skip_tokenizer_init"],
         disable_log_stats=False,  # request timestamps for TTFT/TPOT
-        **_memory_args(spec),
+        **_memory_args(spec), **_engine_extras(spec),
     )
     startup_s = time.perf_counter() - started
-    detokenize = not spec["skip_tokenizer_init"]
-    short = greedy(llm, spec["prompts"], spec["max_tokens"], detokenize)
-    long = greedy(llm, [spec["long_ids"]], spec["long_max_tokens"], detokenize)
-    timing = batch1_timing(llm, spec["timing_ids"], spec["warmup_ids"], spec["timing_tokens"])
-    result = {
-        "vllm": _vllm_version(), "startup_s": round(startup_s, 2), "short": short, "long": long,
-        **timing, "pager": _pager_counters(), "experts_kernel": _experts_kernel(),
-    }
+    result = {"vllm": _vllm_version(), "startup_s": round(startup_s, 2), "cudagraph_mode": _cudagraph_mode(llm)}
+    if spec.get("task", "identity") == "bench":
+        result.update(bench(llm, spec))
+    else:
+        detokenize = not spec["skip_tokenizer_init"]
+        result["short"] = greedy(llm, spec["prompts"], spec["max_tokens"], detokenize)
+        result["long"] = greedy(llm, [spec["long_ids"]], spec["long_max_tokens"], detokenize)
+        result.update(batch1_timing(llm, spec["timing_ids"], spec["warmup_ids"], spec["timing_tokens"]))
+    result.update(pager=_pager_counters(), experts_kernel=_experts_kernel())
     tmp = Path(result_path).with_suffix(".partial")
     tmp.write_text(json.dumps(result))
     tmp.replace(result_path)
@@ -54,6 +56,48 @@ def _memory_args(spec: dict) -> dict:
     if spec.get("kv_cache_memory_bytes"):
         return {"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"]}
     return {"gpu_memory_utilization": spec["gpu_memory_utilization"]}
+
+
+def _engine_extras(spec: dict) -> dict:
+    """CUDA-graph and vLLM-offload settings a spec may carry (absent: vLLM's defaults)."""
+    extras = {}
+    if spec.get("max_cudagraph_capture_size"):
+        extras["max_cudagraph_capture_size"] = spec["max_cudagraph_capture_size"]
+    if spec.get("cpu_offload_gb"):
+        extras["cpu_offload_gb"] = spec["cpu_offload_gb"]
+        extras["cpu_offload_params"] = set(spec["cpu_offload_params"])
+    return extras
+
+
+def _cudagraph_mode(llm) -> str:
+    try:
+        mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+    except AttributeError:
+        return "unknown"
+    return getattr(mode, "name", str(mode))
+
+
+def bench(llm, spec: dict) -> dict:
+    """Batch-1 TTFT/TPOT of a long prompt, and the pager's counters per decoded token.
+
+    A warm-up request of the timed shape runs first. The counters come from a request
+    whose prompt is one token, so every step it makes is decode-shaped (one token's
+    top-k ids); its deltas over its tokens are the per-token hit rates and bytes.
+    Then the timed request.
+    """
+    from vllm import SamplingParams
+
+    tokens = spec["timing_tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": spec["warmup_ids"]}], params, use_tqdm=False)
+    before = _pager_counters()
+    llm.generate([{"prompt_token_ids": spec["warmup_ids"][:1]}], params, use_tqdm=False)
+    after = _pager_counters()
+    decode = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
+    timing = batch1_timing(llm, spec["timing_ids"], None, tokens)
+    per_token = lambda tier: round(decode[tier]["bytes_moved"] / tokens / 1e9, 5) if decode else None  # noqa: E731
+    return {**timing, "decode_counters": decode, "decode_tokens": tokens,
+            "pcie_gb_per_token": per_token("ram"), "ssd_gb_per_token": per_token("ssd")}
 
 
 def greedy(llm, prompts: list, max_tokens: int, detokenize: bool) -> dict:
@@ -84,7 +128,8 @@ def batch1_timing(llm, prompt_ids: list[int], warmup_ids: list[int], tokens: int
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": warmup_ids}], params, use_tqdm=False)
+    if warmup_ids is not None:
+        llm.generate([{"prompt_token_ids": warmup_ids}], params, use_tqdm=False)
     started = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
     wall = time.perf_counter() - started

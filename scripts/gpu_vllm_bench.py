@@ -1,0 +1,191 @@
+"""TPOT and TTFT of real vLLM on the H200, side by side: resident, vLLM's --cpu-offload-gb, and the pager.
+
+    PYTHONPATH=/tmp/site:pager:app VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        python3 scripts/gpu_vllm_bench.py --out $OUT/vllm-gpu.json [--configs resident,offload17,...]
+    python3 scripts/gpu_vllm_bench.py --combine A.json B.json --out docs/bench/vllm-gpu.json
+
+(vLLM 0.25.1 and the project wheel staged into /tmp/site as shared/gpu-vllm/README.md says.)
+Makes (once; reused while the machine lives) a 40-layer FP8 synthetic Qwen3-MoE with
+Qwen3.6-35B-A3B's shapes (256 experts of 2048 -> 512, top-8, 128x128 block scales,
+about 30 GiB of experts) and the standard routing trace (Zipf 1.4, reuse 0.3; 40 layers).
+Each configuration runs in its own process with vLLM's default CUDA-graph mode, batch 1
+(max_num_seqs=1), prefix caching off, a 1,024-token prompt and 256 generated tokens
+after a warm-up request of the same shape. Routing of every configuration, resident and
+offload included, is replaced by the trace through BIGMOE_ROUTE_REPLAY, a benchmark-only
+switch (random routers route almost uniformly; dummy weights route every token to
+experts 0-7).
+
+    resident             every expert in VRAM
+    offload17            --cpu-offload-gb 17 --cpu-offload-params w13_weight w2_weight
+    bigmoe-102           102 VRAM slots per layer (40%), every expert in pinned RAM
+    bigmoe-32            32 VRAM slots per layer (12.5%), every expert in pinned RAM
+    bigmoe-32-ram128-ssd 32 VRAM slots, 128 RAM slots, the rest read from the checkpoint on SSD
+
+--combine merges result files of several calls (one configuration set each) and computes
+the ratios the issue asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
+import traces  # noqa: E402
+
+SHAPE = dict(experts=256, top_k=8, hidden=2048, moe_intermediate=512, vocab=151936, heads=32, kv_heads=4,
+             head_dim=128, dtype="fp8", device="cuda")
+LAYERS = 40
+PROMPT_TOKENS = 1024
+GEN_TOKENS = 256
+GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~31 GiB of weights)
+
+
+def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
+    """Named for the 256-expert model (102 = 40%, 32 = 1/8, 128 = 1/2 of the experts); the same shares otherwise."""
+    replay = {"BIGMOE_ROUTE_REPLAY": str(trace)}
+    paged = {**replay, "BIGMOE_PAGER": "1"}
+    s40, s12, s50 = str(round(0.4 * experts)), str(experts // 8), str(experts // 2)
+    return {c.name: c for c in [
+        e2e.Config("resident", replay),
+        e2e.Config("offload17", replay),
+        e2e.Config("bigmoe-102", {**paged, "BIGMOE_VRAM_SLOTS": s40}),
+        e2e.Config("bigmoe-32", {**paged, "BIGMOE_VRAM_SLOTS": s12}),
+        e2e.Config("bigmoe-32-ram128-ssd", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50}),
+    ]}
+
+
+def use_smoke_shape() -> None:
+    """--smoke: a 2-layer bf16 model on vLLM's CPU build, to check this script's plumbing (not a result)."""
+    global SHAPE, LAYERS, PROMPT_TOKENS, GEN_TOKENS
+    SHAPE = {**e2e.SHAPES["smoke"]}
+    LAYERS, PROMPT_TOKENS, GEN_TOKENS = 2, 200, 9
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
+    if args.smoke:
+        use_smoke_shape()
+    deadline = time.monotonic() + args.budget_s
+    out = args.out.resolve()
+    logs = out.with_name(out.stem + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "configs": []}
+    try:
+        model, made_s = checkpoint(work, logs)
+    except e2e.CheckpointFailed as e:
+        print(f"gpu_vllm_bench: {e}", file=sys.stderr)
+        return 1
+    trace = work / "standard-trace.npz"
+    if not trace.exists():
+        traces.save_trace(trace, traces.standard_trace(16384, LAYERS, SHAPE["experts"], SHAPE["top_k"], seed=0))
+    report["checkpoint"] = {"path": str(model), "layers": LAYERS, **SHAPE, "seconds": made_s}
+    todo = configs(trace, SHAPE["experts"])
+    spec = bench_spec(model)
+    for name in args.configs.split(","):
+        config = todo[name]
+        run_spec = {**spec, "cpu_offload_gb": 17, "cpu_offload_params": ["w13_weight", "w2_weight"]} \
+            if name == "offload17" else spec
+        if time.monotonic() >= deadline:
+            row = e2e.skipped(config, "time budget spent")
+        else:
+            row = e2e.run_config(config, run_spec, work, logs, deadline)
+        report["configs"].append(summarize(row))
+        e2e.write_json(out, report)
+        print(json.dumps(report["configs"][-1]), flush=True)
+    return 0 if all("error" not in r for r in report["configs"]) else 1
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="result JSON")
+    p.add_argument("--configs", default="resident,offload17,bigmoe-102,bigmoe-32,bigmoe-32-ram128-ssd",
+                   help="comma list of configurations to run, in order")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-vllm-bench"),
+                   help="checkpoint and trace (a local disk where O_DIRECT works; about 31 GiB)")
+    p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
+    p.add_argument("--smoke", action="store_true", help="a 2-layer bf16 model on vLLM's CPU build (plumbing check)")
+    p.add_argument("--combine", type=Path, nargs="+", help="merge these result files into --out, with the ratios")
+    return p.parse_args(argv)
+
+
+def checkpoint(work: Path, logs: Path) -> tuple[Path, float]:
+    """The 40-layer checkpoint (no tokenizer: prompts are token ids), made once per machine."""
+    out = work / f"{SHAPE['dtype']}-{SHAPE['experts']}x{SHAPE['hidden']}-{LAYERS}l"
+    started = time.monotonic()
+    cmd = [sys.executable, str(e2e.MAKER), str(out), "--layers", str(LAYERS), "--seed", "0", "--no-tokenizer"]
+    for key, value in SHAPE.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    proc = subprocess.run(cmd, env=e2e.child_env({}), capture_output=True, text=True)
+    (logs / "prepare.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise e2e.CheckpointFailed(f"making the checkpoint failed (see prepare.log): {last}")
+    return out, round(time.monotonic() - started, 1)
+
+
+def bench_spec(model: Path) -> dict:
+    ids = np.random.default_rng(0).integers(3, min(SHAPE["vocab"], 150000) - 3, 2 * PROMPT_TOKENS).tolist()
+    return {
+        "task": "bench", "model": str(model), "max_model_len": 2048, "max_num_seqs": 1,
+        "kv_cache_memory_bytes": None if SHAPE["device"] == "cuda" else 256 << 20, "enforce_eager": False,
+        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "skip_tokenizer_init": True,
+        "timing_ids": ids[:PROMPT_TOKENS], "warmup_ids": ids[PROMPT_TOKENS:], "timing_tokens": GEN_TOKENS,
+    }
+
+
+def summarize(row: dict) -> dict:
+    """One record per configuration: times, hit rates, bytes per decoded token."""
+    result = row.pop("result", None)
+    if result is None:
+        return row
+    decode = result.get("decode_counters") or {}
+    rate = lambda c: round(c["hits"] / c["lookups"], 4) if c.get("lookups") else None  # noqa: E731
+    return {
+        **row, "tpot_ms": result["tpot_ms"], "ttft_ms": result["ttft_ms"], "startup_s": result["startup_s"],
+        "cudagraph_mode": result.get("cudagraph_mode"), "experts_kernel": result.get("experts_kernel"),
+        "decode_hit_rate": {tier: rate(c) for tier, c in decode.items()},
+        "pcie_gb_per_token": result.get("pcie_gb_per_token"), "ssd_gb_per_token": result.get("ssd_gb_per_token"),
+        "pager_totals": result.get("pager"),
+    }
+
+
+def combine(files: list[Path], out: Path) -> int:
+    rows = {}
+    meta = {}
+    for f in files:
+        part = json.loads(f.read_text())
+        meta.setdefault("checkpoint", part.get("checkpoint"))
+        meta.setdefault("commands", []).append(part.get("command"))
+        rows.update({r["name"]: r for r in part["configs"]})
+    tpot = {name: r.get("tpot_ms") for name, r in rows.items()}
+    report = {**meta, "configs": list(rows.values())}
+    if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
+        report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)
+        report["tpot_vs_resident_at_102"] = round(tpot["bigmoe-102"] / tpot["resident"], 3)
+        report["targets"] = {
+            "102 slots <= 1.6x resident": report["tpot_vs_resident_at_102"] <= 1.6,
+            "102 slots >= 2.5x faster than offload17": report["speedup_vs_offload17_at_102"] >= 2.5,
+            "32 slots faster than offload17": bool(tpot.get("bigmoe-32")) and tpot["bigmoe-32"] < tpot["offload17"],
+        }
+    e2e.write_json(out, report)
+    for r in report["configs"]:
+        print(f"{r['name']:24s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms  hit {r.get('decode_hit_rate')}"
+              f"  PCIe GB/token {r.get('pcie_gb_per_token')}  SSD GB/token {r.get('ssd_gb_per_token')}  {r.get('error', '')}")
+    print({k: v for k, v in report.items() if k not in ("configs", "checkpoint", "commands")})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

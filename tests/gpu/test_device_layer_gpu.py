@@ -1,0 +1,95 @@
+"""DeviceLayerPager on the GPU, as the vLLM adapter drives it: a decode step captured once in a
+CUDA graph and replayed with new ids each time must leave every (token, k) pair's slot holding
+its expert, over a full RAM tier and over a partial one filled by the real SSD service."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.host_pager import TierSizes
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.stats import PagerStats
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
+def loaded(layout: ExpertLayout, records: torch.Tensor, vram: int, ram: int) -> DeviceLayerPager:
+    layer = DeviceLayerPager(layout, TierSizes(records.shape[0], vram, ram), "cuda", layer=0, stats=PagerStats(1, "cuda"))
+    views = layer.ram_views()
+    for e in range(records.shape[0]):
+        row = layer.ram_slot_for_load(e)
+        if row is not None:
+            for name, part in layout.views(records[e]).items():
+                views[name][row].copy_(part)
+                layer.mark_loaded(e, name)
+    return layer
+
+
+class RecordsSsd:
+    """The SSD tier's role played from host memory: the GPU test checks graph replay, not the disk
+    (tests/gpu/test_ssd_gpu.py runs the real service against a real file)."""
+
+    def __init__(self, records: torch.Tensor, layer: DeviceLayerPager):
+        self.records, self.layer = records, layer
+
+    def fetch(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        torch.cuda.current_stream().synchronize()
+        for e, s in zip(experts.tolist(), slots.tolist()):
+            if e >= 0:
+                self.layer.ram.records[s].copy_(self.records[e])
+
+
+@pytest.mark.parametrize("experts,vram,k,tokens", [(256, 102, 8, 1), (256, 32, 8, 4), (64, 16, 4, 2)])
+def test_a_captured_step_replays_with_new_ids(experts, vram, k, tokens):
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    g = torch.Generator().manual_seed(experts + vram)
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
+    layer = loaded(layout, records, vram, experts)
+    layer.start(layout.slot_buffers(vram, "cuda"))
+    ids = torch.zeros((tokens, k), dtype=torch.int32, device="cuda")
+    out = torch.empty_like(ids)
+    rng = random.Random(vram)
+    ids.copy_(torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)]))
+    out.copy_(layer.step(ids))  # warm-up outside the graph (Triton compiles here)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(layer.step(ids))
+    for _ in range(30):
+        step_ids = torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)], dtype=torch.int32)
+        ids.copy_(step_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        for expert, slot in zip(step_ids.flatten().tolist(), out.flatten().cpu().tolist()):
+            for c in layout.components:
+                got = layer.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
+                assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (expert, slot, c.name)
+    counts = layer.counters()
+    assert counts["vram"].lookups > counts["vram"].hits > 0 and counts["ram"].bytes_moved > 0
+
+
+def test_big_steps_split_into_token_ranges_over_a_partial_ram_tier():
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    experts, vram, ram, k = 64, 8, 24, 4
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)) & 0x77
+    layer = loaded(layout, records, vram, ram)
+    layer.start(layout.slot_buffers(vram, "cuda"), RecordsSsd(records, layer))
+    rng = random.Random(1)
+    ids = torch.tensor([rng.sample(range(experts), k) for _ in range(50)], dtype=torch.int32, device="cuda")
+    assert not layer.fits(ids)
+    for rows in layer.token_chunks(ids):
+        slots = layer.step(ids[rows])
+        torch.cuda.synchronize()
+        for expert, slot in zip(ids[rows].flatten().tolist(), slots.flatten().tolist()):
+            got = layer.buffers["w2_weight"][slot].reshape(-1).view(torch.uint8).cpu()
+            c = layout["w2_weight"]
+            assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes])
