@@ -7,7 +7,7 @@ import pytest
 
 from bigmoe_pager.ngram import NgramTable, TableSpec
 from bigmoe_pager.ngram.byte_gather import cut_rows
-from bigmoe_pager.ngram.read_plan import plan_reads
+from bigmoe_pager.ngram.read_plan import SMALL_ROWS, plan_reads
 from bigmoe_pager.ngram.synthetic import expected_rows, write_table
 
 ROW = 160
@@ -33,10 +33,11 @@ def id_sets() -> dict[str, np.ndarray]:
 
 IDS = id_sets()
 PLANS = {
-    "512-nomerge": dict(align=512, merge_gap=0),
-    "512-merge8k": dict(align=512, merge_gap=8192),
-    "4k-merge64k": dict(align=4096, merge_gap=65536, max_read=64 << 10),
-    "4k-tiny-max": dict(align=4096, merge_gap=4096, max_read=8192),
+    "512-nomerge": dict(align=512, merge_gap=0, small_rows=0),
+    "512-merge8k": dict(align=512, merge_gap=8192, small_rows=0),
+    "4k-merge64k": dict(align=4096, merge_gap=65536, max_read=64 << 10, small_rows=0),
+    "4k-tiny-max": dict(align=4096, merge_gap=4096, max_read=8192, small_rows=0),
+    "512-default": dict(align=512, merge_gap=4096),  # sets of <= 64 rows take the one-read-per-row path
 }
 
 
@@ -71,6 +72,9 @@ def test_plan_yields_exact_rows_with_aligned_sorted_reads(ids, plan_kw):
     align, max_read = plan_kw["align"], plan_kw.get("max_read", 256 << 10)
     assert (plan.start % align == 0).all() and (plan.length % align == 0).all()
     assert (plan.length <= max(max_read, 2 * align + ROW)).all() and (plan.need <= plan.length).all()
+    if ids.size <= plan_kw.get("small_rows", SMALL_ROWS):
+        assert plan.reads == ids.size  # one read per row, in the caller's order
+        return
     same_file = plan.file[1:] == plan.file[:-1]
     # sorted; reads overlap by at most the one block a max_read cut can fall inside
     assert (plan.start[1:][same_file] >= (plan.start + plan.length - align)[:-1][same_file]).all()
@@ -80,7 +84,7 @@ def test_plan_yields_exact_rows_with_aligned_sorted_reads(ids, plan_kw):
 @pytest.mark.parametrize("align", [512, 4096])
 def test_rows_in_one_block_and_repeated_rows_are_one_read(align):
     offsets = np.array([1024, 1184, 1024, 1344, 1184])  # three rows inside bytes 1024..1504, two repeated
-    plan = plan_reads(np.zeros(5, np.int64), offsets, ROW, align=align, merge_gap=0)
+    plan = plan_reads(np.zeros(5, np.int64), offsets, ROW, align=align, merge_gap=0, small_rows=0)
     assert plan.reads == 1 and plan.start[0] == 1024 // align * align and plan.need[0] == 1504 - plan.start[0]
 
 
@@ -91,9 +95,10 @@ def test_no_rows_plan_no_reads():
 
 def test_merge_gap_decides_whether_near_rows_share_a_read():
     offsets = np.array([0, 8192 + 512])  # aligned spans 0..512 and 8704..9216: a gap of 8192 bytes
-    assert plan_reads(np.zeros(2, np.int64), offsets, ROW, align=512, merge_gap=8191).reads == 2
-    assert plan_reads(np.zeros(2, np.int64), offsets, ROW, align=512, merge_gap=8192).reads == 1
-    other_files = plan_reads(np.array([0, 1]), np.array([0, 160]), ROW, align=512, merge_gap=1 << 20)
+    assert plan_reads(np.zeros(2, np.int64), offsets, ROW, align=512, merge_gap=8191, small_rows=0).reads == 2
+    assert plan_reads(np.zeros(2, np.int64), offsets, ROW, align=512, merge_gap=8192, small_rows=0).reads == 1
+    assert plan_reads(np.zeros(2, np.int64), offsets, ROW, align=512, merge_gap=8192).reads == 2  # small set
+    other_files = plan_reads(np.array([0, 1]), np.array([0, 160]), ROW, align=512, merge_gap=1 << 20, small_rows=0)
     assert other_files.reads == 2  # never merged across files
 
 
