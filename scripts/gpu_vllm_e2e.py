@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     paging_file = work / f"{name}.bmpf"
     builder = start_paging_build(model, paging_file, logs)
     try:
-        run_all(configs(shape["experts"], paging_file), make_spec(model, has_tokenizer, shape, args),
+        todo = [c for c in configs(shape["experts"], paging_file) if not args.configs or c.name.split(" ")[0] in args.configs]
+        run_all(todo, make_spec(model, has_tokenizer, shape, args),
                 builder, paging_file, work, logs, deadline, report, out, started)
     finally:
         if builder.poll() is None:
@@ -171,6 +172,8 @@ def parse_args(argv):
     p.add_argument("--long-tokens", type=int, default=32, help="tokens generated after the long prompt")
     p.add_argument("--timing-tokens", type=int, default=65, help="tokens of the batch-1 timing request (TTFT, TPOT)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    p.add_argument("--configs", type=lambda v: v.split(","), default=None,
+                   help="comma list of configurations to run (first word of their names); default all")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting runs (and cut a running one) after this many seconds")
     return p.parse_args(argv)

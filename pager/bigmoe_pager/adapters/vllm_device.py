@@ -39,11 +39,15 @@ _state: dict[str, object] = {}
 _lock = threading.Lock()
 
 
-def wanted(settings: PagerSettings) -> bool:
-    """Device-driven paging on CUDA, unless the SSD tier holds codec records (expanded by the host-driven path)."""
+def on_cuda() -> bool:
     from vllm.platforms import current_platform
 
-    return current_platform.is_cuda() and not (settings.paging_file is not None and settings.use_codec())
+    return current_platform.is_cuda()
+
+
+def wanted(settings: PagerSettings) -> bool:
+    """Device-driven paging on CUDA, unless the SSD tier holds codec records (expanded by the host-driven path)."""
+    return on_cuda() and not (settings.paging_file is not None and settings.use_codec())
 
 
 def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int) -> None:

@@ -61,6 +61,11 @@ def paged_class(settings: PagerSettings) -> type:
             super().__init__(layer_name, params_dtype, slot_config, quant_config, expert_map_manager, **kwargs)
             # Ids from the router are expert ids in [0, num_experts); the kernel sees slot ids in [0, vram).
             self._num_experts = num_experts
+            if vllm_device.on_cuda():
+                # vLLM's Triton MoE chooses naive or aligned block assignment from tokens x top-k against the
+                # global expert count; with the model's count the paged layer takes the unpaged layer's path
+                # (slot ids are < it, so the aligned path's buckets just stay empty above the slots).
+                self.global_num_experts = num_experts
             self._full_moe_config = moe_config
             self._decoder_layer = _decoder_layer_index(layer_name)
             self._layout = _layout_of(self)
