@@ -51,7 +51,7 @@ GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~
 def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
     """Named for the 256-expert model (102 = 40%, 32 = 1/8, 128 = 1/2 of the experts); the same shares otherwise."""
     replay = {"BIGMOE_ROUTE_REPLAY": str(trace)}
-    paged = {**replay, "BIGMOE_PAGER": "1"}
+    paged = {**replay, "BIGMOE_PAGER": "1", "BIGMOE_CUDA_GRAPHS": "1"}
     s40, s12, s50 = str(round(0.4 * experts)), str(experts // 8), str(experts // 2)
     return {c.name: c for c in [
         e2e.Config("resident", replay),

@@ -13,9 +13,11 @@ device-driven pager needs so every captured batch fits the slots); the codec run
 host-driven and eager, so it is compared with an eager unpaged run:
 
     unpaged                      the reference (CUDA graphs)
-    vram40                       40% of experts in VRAM slots, all in pinned RAM (CUDA graphs)
+    vram40                       40% of experts in VRAM slots, all in pinned RAM (CUDA graphs, BIGMOE_CUDA_GRAPHS=1)
     vram12-ram50-ssd             12.5% in VRAM, 50% in RAM, the SSD tier reads the checkpoint (CUDA graphs)
     unpaged-eager                the reference of eager runs
+    vram40-eager-device          the device-driven pager (BIGMOE_CUDA_GRAPHS=1) without graphs
+    vram40-eager-host            the host-driven pager, eager
     vram12-ram50-ssd-codec       12.5% / 50%, the SSD tier reads a compressed paging file (eager)
 
 Each greedily decodes 4 prompts x 128 tokens (one batch) and one 1,024-token prompt x 32
@@ -77,11 +79,16 @@ class Config:
 def configs(experts: int, paging_file: Path) -> list[Config]:
     vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
     ssd = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)}
+    vram = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram40)}
+    graphs = {"BIGMOE_CUDA_GRAPHS": "1"}
     return [
         Config("unpaged", reference="unpaged"),
-        Config(f"vram40 ({vram40} slots)", {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram40)}),
-        Config(f"vram12-ram50-ssd ({vram12}/{ram50}, checkpoint)", ssd),
+        Config(f"vram40 ({vram40} slots)", {**vram, **graphs}),
+        Config(f"vram12-ram50-ssd ({vram12}/{ram50}, checkpoint)", {**ssd, **graphs}),
         Config("unpaged-eager", eager=True, reference="unpaged-eager"),
+        # Which half diverges: the device-driven pager without graphs, and the host-driven one.
+        Config(f"vram40-eager-device ({vram40} slots)", {**vram, **graphs}, eager=True, reference="unpaged-eager"),
+        Config(f"vram40-eager-host ({vram40} slots)", vram, eager=True, reference="unpaged-eager"),
         Config(f"vram12-ram50-ssd-codec ({vram12}/{ram50}, paging file, eager)",
                {**ssd, "BIGMOE_PAGING_FILE": str(paging_file), "BIGMOE_COMPRESS": "on"}, needs_paging_file=True,
                eager=True, reference="unpaged-eager"),

@@ -36,16 +36,14 @@ class PagerSettings:
     """BIGMOE_PAGING_FILE: paging file the SSD tier reads; unset = read the checkpoint's safetensors in place."""
     compress: str = "auto"
     """BIGMOE_COMPRESS: on / off / auto: lossless FP8 codec for RAM and SSD records (auto = on when a paging file is used)."""
-    work_slots: int = 0
-    """BIGMOE_WORK_SLOTS: slots of the working buffer that streams prefill chunks; 0 = same as the layer's VRAM slots."""
     io_workers: int = 4
     """BIGMOE_IO_WORKERS: host threads reading experts from SSD."""
     read_timeout_s: float = 10.0
     """BIGMOE_READ_TIMEOUT_S: seconds one SSD read may take before it is retried."""
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
-    prefetch: bool = False
-    """BIGMOE_PREFETCH: 1 predicts the next layer's experts and copies them on a side stream."""
+    cuda_graphs: bool = False
+    """BIGMOE_CUDA_GRAPHS: 1 pages from the GPU so vLLM may replay decode in CUDA graphs (experimental: on the H200 its greedy tokens diverged from unpaged at batch 4, docs/pager.md); 0 = host-driven, needs --enforce-eager on CUDA."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

@@ -51,7 +51,7 @@ def test_slot_rules(env, message):
 
 def test_round_trip_through_the_environment_and_a_file(tmp_path: Path):
     s = PagerSettings(enabled=True, vram_slots=(8,), ram_slots=(12, 13), paging_file=tmp_path / "p.bmpf",
-                      compress="on", prefetch=True, read_timeout_s=2.5)
+                      compress="on", cuda_graphs=True, read_timeout_s=2.5)
     assert PagerSettings.from_env(s.to_env()) == s
     file = tmp_path / "bigmoe.toml"
     file.write_text('enabled = true\nvram_slots = [8]\nram_slots = "12,13"\ncompress = "on"\n')

@@ -11,6 +11,12 @@ Around the layers, per process: the SSD service (one for every layer, built at
 the first forward, after loading), and a thread that exports the counters to
 Prometheus every second and stops the server if an SSD read failed for good
 (a replayed graph cannot raise; the failed step's output must not be trusted).
+That thread makes no CUDA call: vLLM captures graphs in the global capture mode,
+where any CUDA call from another thread invalidates the capture (seen on the
+H200); the last MoE layer's step copies the counters to page-locked host memory.
+
+Opt-in (BIGMOE_CUDA_GRAPHS=1) while its token identity under graphs is open:
+the first H200 runs diverged from unpaged at batch 4 (docs/pager.md).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from bigmoe_pager.adapters import vllm_glue
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
+from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.ram_tier import ServiceFetch
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.core.stats import PagerStats
@@ -46,8 +53,9 @@ def on_cuda() -> bool:
 
 
 def wanted(settings: PagerSettings) -> bool:
-    """Device-driven paging on CUDA, unless the SSD tier holds codec records (expanded by the host-driven path)."""
-    return on_cuda() and not (settings.paging_file is not None and settings.use_codec())
+    """Device-driven paging: on CUDA when BIGMOE_CUDA_GRAPHS=1, unless the SSD tier holds codec records
+    (only the host-driven path expands those). Otherwise the host-driven pager, proven token-identical in eager mode."""
+    return on_cuda() and settings.cuda_graphs and not (settings.paging_file is not None and settings.use_codec())
 
 
 def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int) -> None:
@@ -77,6 +85,12 @@ def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, w
     with _lock:
         if "stats" not in _state:
             _state["stats"] = PagerStats(max(num_moe_layers, moe_index + 1), device)
+            # Page-locked host mirror of the counters: the step copies them there (a graph replays the copy),
+            # so the exporter thread reads plain memory and never calls CUDA, which would break a capture
+            # in progress on the engine's thread.
+            _state["mirror"] = pinned_empty(tuple(_state["stats"].device_counts.shape), torch.int64)
+            _state["mirror"].zero_()
+        _state["last_layer"] = max(_state.get("last_layer", 0), moe_index)
     return DeviceLayerPager(layout, sizes, device, layer=moe_index, stats=_state["stats"], warm_order=warm_order)
 
 
@@ -85,6 +99,8 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
     pager: DeviceLayerPager = layer.pager
     if not pager.started:
         start_all()
+    if layer._moe_index == _state["last_layer"]:
+        _state["mirror"].copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
     with vllm_glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
         if pager.fits(topk_ids):
             return kernel(x, topk_weights, pager.step(topk_ids), shared_experts, shared_experts_input)
@@ -159,8 +175,7 @@ def _export_loop() -> None:
     """Every EXPORT_PERIOD_S: stop the server if the SSD tier failed; add counter deltas to the Prometheus series."""
     stats: PagerStats = _state["stats"]
     layers = _state["layers"]
-    side = torch.cuda.Stream(device=stats.device_counts.device)  # reads counters without waiting for the step stream
-    host = torch.empty_like(stats.device_counts, device="cpu").pin_memory()
+    mirror = _state["mirror"].numpy()
     while True:
         time.sleep(EXPORT_PERIOD_S)
         service = _state.get("ssd")
@@ -172,10 +187,7 @@ def _export_loop() -> None:
                           "serving steps computed without it", e)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        with torch.cuda.stream(side):
-            host.copy_(stats.device_counts, non_blocking=True)
-        side.synchronize()
         with stats.lock:
-            counts = host.numpy() + stats.host_counts
+            counts = mirror + stats.host_counts
         for paged in layers:
             vllm_glue.export_stats(paged, paged.pager.counters(counts))

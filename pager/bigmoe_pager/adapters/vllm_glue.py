@@ -90,7 +90,8 @@ def require_host_driven_mode(vllm_config) -> None:
     if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
         raise EngineModeError(
             f"bigmoe: the expert pager pages from the host each step and cannot run inside CUDA graphs "
-            f"(cudagraph_mode={getattr(mode, 'name', mode)}); start vLLM with --enforce-eager (LLM(enforce_eager=True))"
+            f"(cudagraph_mode={getattr(mode, 'name', mode)}); start vLLM with --enforce-eager (LLM(enforce_eager=True)), "
+            f"or set BIGMOE_CUDA_GRAPHS=1 for the experimental device-driven pager"
         )
 
 
