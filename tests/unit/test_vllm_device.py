@@ -1,0 +1,57 @@
+"""The device-driven mode's start-up rules, checked against vLLM's real CompilationConfig (CPU build):
+CUDA graphs only for batches whose ids fit the slots, no host-side trace recording under graphs,
+and the mode is never chosen off CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed")
+
+from vllm.config import CompilationConfig  # noqa: E402
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
+
+from bigmoe_pager.adapters import vllm_device  # noqa: E402
+from bigmoe_pager.adapters.vllm_glue import EngineModeError  # noqa: E402
+from bigmoe_pager.settings import PagerSettings  # noqa: E402
+
+
+def engine(mode: CUDAGraphMode, sizes: list[int]):
+    """What the adapter reads of vLLM's config: its compilation config (the rest of VllmConfig is not used)."""
+    return SimpleNamespace(compilation_config=CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=sizes))
+
+
+@pytest.mark.parametrize("mode,sizes,slots,top_k,refused", [
+    (CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], 32, 8, True),
+    (CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4], 32, 8, False),
+    (CUDAGraphMode.PIECEWISE, [1, 2, 4, 8, 16], 102, 8, True),
+    (CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4, 8, 12], 102, 8, False),
+    (CUDAGraphMode.NONE, [1, 2, 4, 8, 512], 8, 8, False),
+])
+def test_graphs_are_refused_when_a_captured_batch_can_outnumber_the_slots(mode, sizes, slots, top_k, refused):
+    config = engine(mode, sizes)
+    if not refused:
+        vllm_device.check_graph_sizes(config, 3, slots, top_k)
+        return
+    with pytest.raises(EngineModeError) as e:
+        vllm_device.check_graph_sizes(config, 3, slots, top_k)
+    message = str(e.value)
+    assert "\n" not in message and "MoE layer 3" in message
+    assert f"--max-cudagraph-capture-size {slots // top_k}" in message
+
+
+def test_trace_recording_is_refused_under_graphs_and_allowed_eager(tmp_path: Path):
+    settings = PagerSettings(enabled=True, trace_path=tmp_path / "t.npz")
+    with pytest.raises(EngineModeError, match="--enforce-eager"):
+        vllm_device.refuse_trace_in_graphs(settings, engine(CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2]))
+    vllm_device.refuse_trace_in_graphs(settings, engine(CUDAGraphMode.NONE, [1, 2]))
+    vllm_device.refuse_trace_in_graphs(PagerSettings(enabled=True), engine(CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2]))
+
+
+@pytest.mark.parametrize("env", [{"BIGMOE_PAGER": "1"}, {"BIGMOE_PAGER": "1", "BIGMOE_CUDA_GRAPHS": "1"}])
+def test_the_device_driven_mode_is_never_chosen_off_cuda(env):
+    assert not vllm_device.on_cuda()  # this machine: vLLM's CPU build
+    assert vllm_device.wanted(PagerSettings.from_env(env)) is False
