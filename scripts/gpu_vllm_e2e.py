@@ -13,6 +13,7 @@ device-driven pager needs so every captured batch fits the slots); the codec run
 host-driven and eager, so it is compared with an eager unpaged run:
 
     unpaged                      the reference (CUDA graphs)
+    unpaged-repeat               the same again: does the engine reproduce itself?
     vram40                       40% of experts in VRAM slots, all in pinned RAM (CUDA graphs, BIGMOE_CUDA_GRAPHS=1)
     vram12-ram50-ssd             12.5% in VRAM, 50% in RAM, the SSD tier reads the checkpoint (CUDA graphs)
     unpaged-eager                the reference of eager runs
@@ -83,6 +84,8 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
     graphs = {"BIGMOE_CUDA_GRAPHS": "1"}
     return [
         Config("unpaged", reference="unpaged"),
+        # The engine's own reproducibility: batch-4 greedy tokens of two unpaged runs on two machines differed.
+        Config("unpaged-repeat"),
         Config(f"vram40 ({vram40} slots)", {**vram, **graphs}),
         Config(f"vram12-ram50-ssd ({vram12}/{ram50}, checkpoint)", {**ssd, **graphs}),
         Config("unpaged-eager", eager=True, reference="unpaged-eager"),
