@@ -43,7 +43,7 @@ class PagerSettings:
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
     cuda_graphs: bool = False
-    """BIGMOE_CUDA_GRAPHS: 1 pages from the GPU so vLLM may replay decode in CUDA graphs (experimental: on the H200 its greedy tokens diverged from unpaged at batch 4, docs/pager.md); 0 = host-driven, needs --enforce-eager on CUDA."""
+    """BIGMOE_CUDA_GRAPHS: 1 pages from the GPU so vLLM may replay decode in CUDA graphs (experimental: token identity under graphs not yet established on the H200, docs/pager.md); 0 = host-driven, needs --enforce-eager on CUDA."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

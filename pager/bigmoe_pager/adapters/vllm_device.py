@@ -15,8 +15,9 @@ That thread makes no CUDA call: vLLM captures graphs in the global capture mode,
 where any CUDA call from another thread invalidates the capture (seen on the
 H200); the last MoE layer's step copies the counters to page-locked host memory.
 
-Opt-in (BIGMOE_CUDA_GRAPHS=1) while its token identity under graphs is open:
-the first H200 runs diverged from unpaged at batch 4 (docs/pager.md).
+Opt-in (BIGMOE_CUDA_GRAPHS=1) while its token identity under graphs is open: on
+the H200, batch-4 greedy tokens differed from the same call's unpaged run, but the
+unpaged runs of two calls differed from each other alike (docs/pager.md).
 """
 
 from __future__ import annotations
