@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from bigmoe.paths import write_atomic
 
 HASH_BLOCK = 8 << 20  # bytes read per hash update; large enough that hashlib drops the GIL
 READY_DIR = "bigmoe-ready"
@@ -188,7 +188,7 @@ def write_ready(cache: RepoCache, commit: str, files: list[RemoteFile]) -> Path:
     payload = {"format": MARKER_FORMAT, "repo_id": cache.repo_id, "commit": commit, "files": entries}
     marker = cache.marker(commit)
     marker.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(marker, json.dumps(payload, indent=1).encode())
+    write_atomic(marker, json.dumps(payload, indent=1).encode())
     return marker
 
 
@@ -217,7 +217,7 @@ def write_ref(cache: RepoCache, revision: str, commit: str) -> None:
         return
     ref = cache.ref(revision)
     ref.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(ref, commit.encode())
+    write_atomic(ref, commit.encode())
 
 
 def read_ref(cache: RepoCache, revision: str) -> str | None:
@@ -227,14 +227,3 @@ def read_ref(cache: RepoCache, revision: str) -> str | None:
         return None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

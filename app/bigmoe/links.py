@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Callable
 from bigmoe.hardware import Disk, Gpu, Hardware, Unknown
 from bigmoe.measure_disk import measure_read_rate
 from bigmoe.measure_pcie import measure_h2d_in_child
+from bigmoe.paths import write_atomic
 
 FORMAT = 1
 """Version of links.json's layout."""
@@ -71,18 +70,8 @@ def read_cache(path: Path) -> tuple[dict[str, Link], str]:
 
 def write_cache(path: Path, links: dict[str, Link]) -> None:
     """Replace the file atomically (a crash leaves the old file or the new one, never half of one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     body = json.dumps({"format": FORMAT, "links": {k: dataclasses.asdict(v) for k, v in sorted(links.items())}}, indent=1)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".links.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, body.encode())
 
 
 def gpu_key(gpu: Gpu) -> str:

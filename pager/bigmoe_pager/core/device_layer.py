@@ -61,11 +61,7 @@ class DeviceLayerPager:
 
     def ram_views(self) -> dict[str, torch.Tensor]:
         """Each component over all RAM records: [R, *shape] strided views of the pinned records."""
-        out = {}
-        for c in self.layout.components:
-            flat = self.ram.records[:, c.offset : c.offset + c.nbytes]
-            out[c.name] = flat.view(c.dtype).view(self.sizes.ram, *c.shape)
-        return out
+        return self.layout.rows_views(self.ram.records)
 
     def start(self, buffers: dict[str, torch.Tensor], ssd: SsdFetch | None = None) -> None:
         """After loading: every record given at load must be whole; then attach the slots and the SSD tier, warm VRAM.

@@ -121,11 +121,7 @@ class HostPager:
 
     def ram_views(self) -> dict[str, torch.Tensor]:
         """Each component over all RAM records: [R, *shape] strided views of the RAM buffer."""
-        out = {}
-        for c in self.layout.components:
-            flat = self.ram[:, c.offset : c.offset + c.nbytes]
-            out[c.name] = flat.view(c.dtype).view(self.sizes.ram, *c.shape)
-        return out
+        return self.layout.rows_views(self.ram)
 
     def check_loaded(self) -> None:
         """Every expert given a RAM record at load must have had every component loaded."""

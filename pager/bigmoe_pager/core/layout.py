@@ -82,6 +82,11 @@ class ExpertLayout:
         """Typed views of the components of one record (a uint8 tensor of >= record_bytes)."""
         return {c.name: record[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape) for c in self.components}
 
+    def rows_views(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed [R, *shape] strided views of each component over a uint8 [R, pitch] block of records."""
+        rows = records.shape[0]
+        return {c.name: records[:, c.offset : c.offset + c.nbytes].view(c.dtype).view(rows, *c.shape) for c in self.components}
+
     def pack(self, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """One record (uint8 [pitch]) holding the given component tensors, padding zeroed."""
         out = torch.zeros(self.pitch, dtype=torch.uint8) if out is None else out
