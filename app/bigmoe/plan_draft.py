@@ -298,7 +298,9 @@ class Draft:
         arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
         paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.compress else None
         model_path = self.ov.model_path or self._default_model_path()
-        settings = pager_settings(self.pager, self.vram_slots, self.ram_slots, arch.experts, paging_file, self.compress, self.ngram)
+        graphs = self.pager and self.device == "cuda" and self.ov.cuda_graphs and not self.compress
+        settings = pager_settings(self.pager, self.vram_slots, self.ram_slots, arch.experts, paging_file, self.compress,
+                                  self.ngram, cuda_graphs=graphs)
         speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk())
         expected = estimate(
             speeds, self.device, layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
@@ -316,10 +318,18 @@ class Draft:
         self.reasons["argv"] = "vllm serve with the preset's flags, the planned context, KV-cache bytes and batch size"
         argv = launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
                            batch_tokens(max_seqs_of(self.preset), self.context))
-        if self.pager and self.device == "cuda":
-            # The vLLM adapter pages from the host each step; it refuses CUDA graphs (docs/pager.md).
+        if graphs:
+            # Every batch vLLM captures must fit the slots: tokens x top-k <= VRAM slots (docs/pager.md).
+            argv += ["--max-cudagraph-capture-size", str(max(1, self.vram_slots // arch.top_k))]
+            self.reasons["argv"] += (f"; --max-cudagraph-capture-size {max(1, self.vram_slots // arch.top_k)} so every batch vLLM "
+                                     f"captures in a CUDA graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
+                                     "device-driven pager (--cuda-graphs: experimental, token identity not yet proven on a GPU)")
+        elif self.pager and self.device == "cuda":
+            # The host-driven pager reads each step's ids on the host; it refuses CUDA graphs (docs/pager.md).
             argv.append("--enforce-eager")
-            self.reasons["argv"] += "; --enforce-eager because the expert pager in vLLM is host-driven and cannot run inside CUDA graphs yet"
+            self.reasons["argv"] += ("; --enforce-eager because the proven expert pager is host-driven and cannot run inside "
+                                     "CUDA graphs" + ("" if not self.ov.cuda_graphs else
+                                                      " (--cuda-graphs does not apply: a compressed SSD tier is host-driven)"))
         return dict(
             model=self.preset.name, model_path=model_path, device=self.device, expert_dtype=self.dtype,
             context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,

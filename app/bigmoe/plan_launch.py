@@ -55,9 +55,11 @@ def max_seqs_of(preset: Preset) -> int:
 
 def pager_settings(
     pager: bool, vram_slots: int, ram_slots: int, experts: int, paging_file: str | None, compress: bool, ngram: bool,
+    cuda_graphs: bool = False,
 ) -> PagerSettings:
     return PagerSettings(
         enabled=pager,
+        cuda_graphs=pager and cuda_graphs,
         vram_slots=(vram_slots,) if pager else (),
         ram_slots=(ram_slots,) if pager and ram_slots < experts else (),
         paging_file=Path(paging_file) if paging_file else None,
