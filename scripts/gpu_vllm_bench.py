@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         use_smoke_shape()
     deadline = time.monotonic() + args.budget_s
     out = args.out.resolve()
-    logs = out.with_name(out.stem + "_logs")
+    logs = (args.logs or out.with_name(out.stem + "_logs")).resolve()
     logs.mkdir(parents=True, exist_ok=True)
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -114,6 +114,8 @@ def parse_args(argv):
                    help="comma list of configurations to run, in order")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-vllm-bench"),
                    help="checkpoint and trace (a local disk where O_DIRECT works; about 31 GiB)")
+    p.add_argument("--logs", type=Path, default=None,
+                   help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)")
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
     p.add_argument("--smoke", action="store_true", help="a 2-layer bf16 model on vLLM's CPU build (plumbing check)")
     p.add_argument("--combine", type=Path, nargs="+", help="merge these result files into --out, with the ratios")

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     deadline = time.monotonic() + args.budget_s
     out = args.out.resolve()
-    logs = out.with_name(out.stem + "_logs")
+    logs = (args.logs or out.with_name(out.stem + "_logs")).resolve()
     logs.mkdir(parents=True, exist_ok=True)
     (logs / "prepare.log").unlink(missing_ok=True)
     work = args.workdir.resolve()
@@ -184,6 +184,8 @@ def parse_args(argv):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
     p.add_argument("--configs", type=lambda v: v.split(","), default=None,
                    help="comma list of configurations to run (first word of their names); default all")
+    p.add_argument("--logs", type=Path, default=None,
+                   help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting runs (and cut a running one) after this many seconds")
     return p.parse_args(argv)
