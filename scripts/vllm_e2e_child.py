@@ -154,15 +154,15 @@ def _sampled_logprobs(completion, token_ids: list[int]) -> list[float] | None:
 
 
 def _pager_counters() -> dict:
-    from bigmoe_pager.adapters import vllm_glue
+    from bigmoe_pager.adapters import vllm_stats
 
-    return vllm_glue.pager_stats()
+    return vllm_stats.pager_stats()
 
 
 def _experts_kernel() -> str | None:
-    from bigmoe_pager.adapters import vllm_glue
+    from bigmoe_pager.adapters import vllm_stats
 
-    return vllm_glue.experts_kernel_name()
+    return vllm_stats.experts_kernel_name()
 
 
 def _vllm_version() -> str:

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bigmoe_pager.adapters import vllm_glue
+from bigmoe_pager.adapters import vllm_glue, vllm_routing, vllm_stats
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.pinned import pinned_empty
@@ -151,7 +151,7 @@ def _ssd_fetchers(layers: list) -> dict[int, ServiceFetch]:
     missing = [i for i in range(store.num_layers) if i not in rows]
     if missing:
         raise vllm_glue.EngineModeError(f"bigmoe: the SSD store has MoE layers {missing} that vLLM built no paged layer for")
-    settings = vllm_glue.settings()
+    settings = vllm_routing.settings()
     service = SsdService.from_settings(store, [rows[i] for i in range(store.num_layers)], settings,
                                        sinks=[sinks[i] for i in range(store.num_layers)])
     _state["ssd"] = service
@@ -191,4 +191,4 @@ def _export_loop() -> None:
         with stats.lock:
             counts = mirror + stats.host_counts
         for paged in layers:
-            vllm_glue.export_stats(paged, paged.pager.counters(counts))
+            vllm_stats.export_stats(paged, paged.pager.counters(counts))

@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from bigmoe_pager.adapters import vllm_device, vllm_glue
+from bigmoe_pager.adapters import vllm_device, vllm_glue, vllm_routing, vllm_stats
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import HostPager, TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
@@ -125,7 +125,7 @@ def paged_class(settings: PagerSettings) -> type:
 
         def paged_forward(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
             """Page in the step's experts (in token chunks that fit the slots) and run vLLM's kernel on the slots."""
-            topk_ids = vllm_glue.routing_hook(self._moe_index, topk_ids)
+            topk_ids = vllm_routing.routing_hook(self._moe_index, topk_ids)
             if isinstance(self.pager, DeviceLayerPager):
                 return vllm_device.forward(self, x, topk_weights, topk_ids, shared_experts, shared_experts_input,
                                            super().forward_modular)
@@ -138,7 +138,7 @@ def paged_class(settings: PagerSettings) -> type:
                     slots = self.pager.prepare(host_ids[rows], self._install_slot).to(topk_ids.device, topk_ids.dtype)
                     shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
                     outs.append(super().forward_modular(x[rows], topk_weights[rows], slots, shared_experts, shared_in))
-            vllm_glue.export_stats(self)
+            vllm_stats.export_stats(self)
             return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 
     return PagedRoutedExperts
@@ -159,7 +159,7 @@ def install_replay_only(settings: PagerSettings) -> None:
 
     @torch.library.custom_op("bigmoe::replayed_ids", mutates_args=())
     def replayed_ids(topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
-        return vllm_glue.routing_hook(layer, topk_ids).clone()
+        return vllm_routing.routing_hook(layer, topk_ids).clone()
 
     @replayed_ids.register_fake
     def _(topk_ids, layer):

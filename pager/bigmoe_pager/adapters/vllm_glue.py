@@ -1,13 +1,12 @@
 """What the paged RoutedExperts needs from around it: layer numbering, the engine
-mode it can serve, the SSD source, the kernel's slot layout and tile config,
-routing trace/replay, and counters (Prometheus and in-process).
+mode it can serve, the SSD source, the kernel's slot layout and tile config
+(routing trace/replay: vllm_routing.py; counters: vllm_stats.py).
 Imports vLLM only inside functions that run in an engine process; where vLLM
 builds differ (CPU 0.32/0.33, CUDA 0.25), the difference lives in one named
 function here."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import sys
@@ -27,9 +26,6 @@ log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handl
 _lock = threading.Lock()
 _layers: list = []
 _replay_layers: list = []
-_trace: dict[int, list[np.ndarray]] = {}
-_replay: dict[str, object] = {}
-_counters: dict[str, object] = {}
 
 
 class EngineModeError(RuntimeError):
@@ -242,139 +238,3 @@ def concat_outputs(outs: list):
     if isinstance(first, tuple):
         return tuple(None if parts[0] is None else torch.cat(parts, dim=0) for parts in zip(*outs))
     raise RuntimeError(f"bigmoe: cannot split a batch whose MoE output is {type(first).__name__}; raise BIGMOE_VRAM_SLOTS")
-
-
-# ---- routing trace and replay -----------------------------------------------------------
-
-
-def routing_hook(moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
-    active = settings()
-    if active.route_replay is not None:
-        topk_ids = _replayed(active.route_replay, moe_index, topk_ids)
-    if active.trace_path is not None:
-        with _lock:
-            first = not _trace
-            _trace.setdefault(moe_index, []).append(topk_ids.detach().to("cpu", torch.int32).numpy().copy())
-        if first:
-            atexit.register(save_trace, active.trace_path)
-    return topk_ids
-
-
-def save_trace(path: Path) -> None:
-    """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format)."""
-    with _lock:
-        if not _trace:
-            return
-        layers = sorted(_trace)
-        per_layer = [np.concatenate(_trace[l], axis=0) for l in layers]
-    tokens = min(a.shape[0] for a in per_layer)
-    ids = np.stack([a[:tokens] for a in per_layer], axis=1).astype(np.int32)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, topk_ids=ids)
-    tmp.replace(path)
-    log.warning("bigmoe: wrote routing trace of %d tokens x %d layers to %s", ids.shape[0], ids.shape[1], path)
-
-
-def _replayed(path: Path, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Benchmark only: the next rows of a recorded trace stand in for the router's choice.
-
-    The trace and each layer's cursor live on the ids' device and advance with tensor ops,
-    so a CUDA graph that captured a step replays the next rows on every replay.
-    """
-    trace, cursor = _replay_state(path, topk_ids.device)
-    tokens, layers, k = trace.shape
-    if k != topk_ids.shape[1]:
-        raise SettingsError(f"BIGMOE_ROUTE_REPLAY: trace has top-{k}, the model routes top-{topk_ids.shape[1]}")
-    n = topk_ids.shape[0]
-    rows = (torch.arange(n, device=trace.device) + cursor[moe_index]) % tokens
-    cursor[moe_index : moe_index + 1].add_(n)
-    return trace[:, moe_index % layers][rows].to(topk_ids.dtype)
-
-
-def _replay_state(path: Path, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    with _lock:
-        if "trace" not in _replay:
-            try:
-                ids = np.load(path)["topk_ids"]
-            except (OSError, KeyError, ValueError) as e:
-                raise SettingsError(f"BIGMOE_ROUTE_REPLAY: cannot read {path}: {e}") from None
-            _replay["trace"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int32)).to(device)
-            _replay["cursor"] = torch.zeros(1024, dtype=torch.int64, device=device)  # one per MoE layer
-        return _replay["trace"], _replay["cursor"]
-
-
-def settings() -> PagerSettings:
-    if "settings" not in _replay:
-        _replay["settings"] = PagerSettings.from_env()
-    return _replay["settings"]
-
-
-# ---- counters ------------------------------------------------------------------------------
-
-
-def pager_stats() -> dict[str, dict[str, float]]:
-    """Counters of every paged layer of this process, summed per tier (empty when the pager is off)."""
-    with _lock:
-        layers = list(_layers)
-    totals: dict[str, dict[str, float]] = {}
-    for paged in layers:
-        for tier, c in paged.pager.stats.items():
-            t = totals.setdefault(tier, {"lookups": 0, "hits": 0, "bytes_moved": 0, "read_seconds": 0.0, "errors": 0})
-            t["lookups"] += c.lookups
-            t["hits"] += c.hits
-            t["bytes_moved"] += c.bytes_moved
-            t["read_seconds"] += c.read_seconds
-            t["errors"] += c.errors
-    return totals
-
-
-def experts_kernel_name() -> str | None:
-    """Class name of the MoE kernel vLLM runs on the slots of this process's paged layers (None: pager off)."""
-    with _lock:
-        first = _layers[0] if _layers else None
-    if first is None:
-        return None
-    kernel = getattr(first.quant_method, "moe_kernel", None)
-    experts = getattr(kernel, "fused_experts", None)
-    return type(experts if experts is not None else first.quant_method).__name__
-
-
-def export_stats(layer, tiers: dict | None = None) -> None:
-    """Add this layer's counter deltas to the pager's Prometheus series (multiprocess mode).
-
-    tiers: the layer's counters per tier if already read (device-driven layers), else layer.pager.stats.
-    """
-    counters = _prometheus()
-    if counters is None:
-        return
-    last = getattr(layer, "_exported", None)
-    if last is None:
-        last = layer._exported = {}
-    label = str(layer._moe_index)
-    for tier, c in (tiers if tiers is not None else layer.pager.stats).items():
-        now = (c.lookups, c.hits, c.bytes_moved, c.read_seconds, c.errors)
-        before = last.get(tier, (0, 0, 0, 0.0, 0))
-        for series, new, old in zip(("lookups", "hits", "bytes", "read_seconds", "errors"), now, before):
-            if new != old:
-                counters[series].labels(layer=label, tier=tier).inc(new - old)
-        last[tier] = now
-
-
-def _prometheus():
-    if "ready" in _counters:
-        return _counters.get("series")
-    _counters["ready"] = True
-    try:
-        from prometheus_client import Counter
-    except ImportError:
-        return None
-    labels = ["layer", "tier"]
-    _counters["series"] = {
-        "lookups": Counter("bigmoe_expert_lookups", "Experts looked up in a tier", labels),
-        "hits": Counter("bigmoe_expert_hits", "Experts found in a tier", labels),
-        "bytes": Counter("bigmoe_expert_bytes", "Bytes moved out of a tier into the one above", labels),
-        "read_seconds": Counter("bigmoe_expert_read_seconds", "Seconds spent reading from a tier", labels),
-        "errors": Counter("bigmoe_expert_errors", "Failed reads from a tier", labels),
-    }
-    return _counters["series"]
