@@ -93,3 +93,32 @@ def test_big_steps_split_into_token_ranges_over_a_partial_ram_tier():
             got = layer.buffers["w2_weight"][slot].reshape(-1).view(torch.uint8).cpu()
             c = layout["w2_weight"]
             assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes])
+
+
+def test_the_counter_mirror_copy_is_part_of_the_graph():
+    """The exporter reads counters from page-locked host memory that the step's graph fills
+    (a CUDA call from the exporter's own thread would invalidate vLLM's capture)."""
+    from bigmoe_pager.core.pinned import pinned_empty
+
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    records = torch.randint(0, 256, (64, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)) & 0x77
+    layer = loaded(layout, records, 16, 64)
+    layer.start(layout.slot_buffers(16, "cuda"))
+    mirror = pinned_empty(tuple(layer.stats_table.device_counts.shape), torch.int64)
+    ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32, device="cuda")
+    layer.step(ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mirror.copy_(layer.stats_table.device_counts, non_blocking=True)
+        layer.step(ids)
+    rng = random.Random(3)
+    for _ in range(5):
+        ids.copy_(torch.tensor([rng.sample(range(64), 4)]))
+        graph.replay()
+    torch.cuda.synchronize()
+    before_last_step = mirror.clone()
+    ids.copy_(torch.tensor([[5, 6, 7, 8]]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (mirror >= before_last_step).all() and int(mirror[0, 0, 0]) > 0  # lookups counted, one step behind
+    assert torch.equal(mirror, before_last_step) is False
