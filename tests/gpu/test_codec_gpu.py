@@ -27,12 +27,6 @@ PATTERNS = ("student_t", "gaussian", "random", "all_values", "constant", "skewed
 ODD = ExpertLayout.build([("a", (3, 30001), torch.float8_e4m3fn), ("s", (5,), torch.float32), ("b", (7, 9), torch.float8_e4m3fn)])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-
-
 def stage(records: list[bytes], device="cuda") -> tuple[torch.Tensor, list[int]]:
     offsets, blob = [], bytearray()
     for r in records:

@@ -17,12 +17,6 @@ from bigmoe_pager.core.stats import PagerStats
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-
-
 def loaded(layout: ExpertLayout, records: torch.Tensor, vram: int, ram: int) -> DeviceLayerPager:
     layer = DeviceLayerPager(layout, TierSizes(records.shape[0], vram, ram), "cuda", layer=0, stats=PagerStats(1, "cuda"))
     views = layer.ram_views()

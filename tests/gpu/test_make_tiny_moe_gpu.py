@@ -21,12 +21,6 @@ QWEN36_SLICE = tiny.TinyShape(layers=2, experts=256, top_k=8, hidden=2048, moe_i
                               vocab=8192, heads=32, kv_heads=4, head_dim=128)
 
 
-@pytest.fixture(autouse=True)
-def need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-
-
 def tensors(path: Path) -> dict[str, torch.Tensor]:
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     out = {}

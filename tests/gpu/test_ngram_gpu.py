@@ -18,12 +18,6 @@ pytestmark = pytest.mark.gpu
 ROWS, HEADS, ROW = 20011, 16, 160
 
 
-@pytest.fixture(scope="module", autouse=True)
-def need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return write_table(tmp_path_factory.mktemp("ngram"), rows=ROWS, row_elems=ROW, parts=7, scale=0.375, decoy_bytes=24)

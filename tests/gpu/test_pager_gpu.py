@@ -22,12 +22,6 @@ pytestmark = pytest.mark.gpu
 QWEN36 = dict(hidden=2048, intermediate=512)  # Qwen3.6-35B-A3B expert shapes
 
 
-@pytest.fixture(autouse=True)
-def need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-
-
 def fp8_layout(hidden: int = 256, intermediate: int = 128) -> ExpertLayout:
     return ExpertLayout.for_moe(hidden, intermediate, torch.float8_e4m3fn, block=128)
 

@@ -22,12 +22,6 @@ ACQUIRED = ("remapped", "miss_experts", "miss_slots", "evicted", "lookups", "hit
 STATE = ("expert_slot", "slot_expert", "last_use", "step", "use_count")
 
 
-@pytest.fixture(autouse=True)
-def need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-
-
 def fp8_layout(hidden: int = 256, intermediate: int = 128) -> ExpertLayout:
     return ExpertLayout.for_moe(hidden, intermediate, torch.float8_e4m3fn, block=128)
 

@@ -51,6 +51,13 @@ async def planned(pilot) -> PlanScreen:
     return pilot.app.screen
 
 
+async def launched(pilot) -> Dashboard:
+    """Launch from the plan screen ("l") and wait for the live dashboard."""
+    await pilot.press("l")
+    await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
+    return pilot.app.screen
+
+
 async def type_into(pilot, field: str, text: str) -> None:
     await pilot.click(f"#{field}")
     await pilot.press(*text)
@@ -83,8 +90,7 @@ def test_edited_slots_replan_and_launch_with_the_edits(roomy):
         screen = await planned(pilot)
         seen["after"] = (screen.plan.vram_slots, screen.plan.ram_slots, screen.plan.pager)
         seen["reason"] = screen.plan.reasons["vram_slots"]
-        await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
+        await launched(pilot)
 
     app = make_app(roomy)
     drive(app, scenario)
@@ -175,8 +181,7 @@ def test_quitting_stops_a_started_server_once_and_exits_zero(roomy, quit_on, key
     async def scenario(pilot):
         await planned(pilot)
         if quit_on == "dashboard":
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
+            await launched(pilot)
         if keys.startswith("#"):
             await pilot.click(keys)
         else:
@@ -240,9 +245,7 @@ def test_dashboard_shows_polled_speed_hit_rates_and_a_chat_answer(roomy):
 
     async def scenario(pilot):
         await planned(pilot)
-        await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
-        dash = pilot.app.screen
+        dash = await launched(pilot)
         for _ in range(4):
             await until(pilot, lambda: not dash.polling)
             dash.action_poll()
@@ -281,9 +284,7 @@ def test_server_gone_while_serving_is_shown_and_sets_the_exit_code(roomy, how, s
 
     async def scenario(pilot):
         await planned(pilot)
-        await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live)
-        dash = pilot.app.screen
+        dash = await launched(pilot)
         await until(pilot, lambda: not dash.polling)
         if how == "crash":  # a real process that exits with code 3 stands in for the server's
             with open(dash.server.info.log, "a") as f:

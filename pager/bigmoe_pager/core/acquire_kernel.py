@@ -50,19 +50,14 @@ def launch_acquire(
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the acquire kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
-    device = ids.device
     flat = ids.reshape(-1)
-    remapped = torch.empty_like(flat)
-    miss_experts = torch.empty(m, dtype=torch.int64, device=device)
-    miss_slots = torch.empty(m, dtype=torch.int64, device=device)
-    evicted = torch.empty(m, dtype=torch.int64, device=device)
-    counts = torch.empty(6, dtype=torch.int64, device=device)
-    dummy = counts  # pointer for absent stats rows (never touched: HAS_* is False)
-    kernel_for(_acquire_kernel, device)[(1,)](
+    out = decision_outputs(flat, m)
+    dummy = out["counts"]  # pointer for absent stats rows (never touched: HAS_* is False)
+    kernel_for(_acquire_kernel, flat.device)[(1,)](
         flat, flat.numel(),
         table_state["expert_slot"], table_state["slot_expert"], table_state["last_use"],
         table_state["step"], table_state["need"], table_state["freq"],
-        remapped, miss_experts, miss_slots, evicted, counts, m,
+        *out.values(), m,
         stats_row if stats_row is not None else dummy,
         aux_row if aux_row is not None else dummy,
         record_bytes,
@@ -71,12 +66,19 @@ def launch_acquire(
         HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None, LFU=lfu, DECAY=decay,
         num_warps=4,
     )
+    return {**out, "remapped": out["remapped"].reshape(ids.shape)}
+
+
+def decision_outputs(flat_ids: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
+    """What a decision kernel writes, in its argument order: remapped (like flat_ids), miss_experts,
+    miss_slots, evicted (int64 [m]) and counts (int64 [6]: lookups, hits, misses, loaded, overflow, invalid)."""
+    device = flat_ids.device
     return {
-        "remapped": remapped.reshape(ids.shape),
-        "miss_experts": miss_experts,
-        "miss_slots": miss_slots,
-        "evicted": evicted,
-        "counts": counts,
+        "remapped": torch.empty_like(flat_ids),
+        "miss_experts": torch.empty(m, dtype=torch.int64, device=device),
+        "miss_slots": torch.empty(m, dtype=torch.int64, device=device),
+        "evicted": torch.empty(m, dtype=torch.int64, device=device),
+        "counts": torch.empty(6, dtype=torch.int64, device=device),
     }
 
 

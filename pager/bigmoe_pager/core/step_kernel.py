@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import torch
 
-from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, next_pow2
+from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, decision_outputs, next_pow2
 from bigmoe_pager.core.copy_kernel import (
     BLOCK_BYTES, MAX_COMPONENTS, check_records_and_buffers, component_groups, copy_plan, record_words,
 )
@@ -109,19 +109,14 @@ def launch_step(
     plan = copy_plan(layout)
     block = max(1, block_bytes // plan.word_bytes)
     (group,) = component_groups(layout, buffers, block)
-    device = ids.device
     flat = ids.reshape(-1)
-    remapped = torch.empty_like(flat)
-    miss_experts = torch.empty(m, dtype=torch.int64, device=device)
-    miss_slots = torch.empty(m, dtype=torch.int64, device=device)
-    evicted = torch.empty(m, dtype=torch.int64, device=device)
-    counts = torch.empty(6, dtype=torch.int64, device=device)
-    dummy = counts  # pointer for absent stats rows (never touched: HAS_* is False)
-    kernel_for(_step_kernel, device)[(programs,)](
+    out = decision_outputs(flat, m)
+    dummy = out["counts"]  # pointer for absent stats rows (never touched: HAS_* is False)
+    kernel_for(_step_kernel, flat.device)[(programs,)](
         flat, flat.numel(),
         table_state["expert_slot"], table_state["slot_expert"], table_state["last_use"],
         table_state["step"], table_state["freq"], table_state["done"],
-        remapped, miss_experts, miss_slots, evicted, counts, m,
+        *out.values(), m,
         stats_row if stats_row is not None else dummy,
         aux_row if aux_row is not None else dummy,
         layout.record_bytes, programs,
@@ -134,13 +129,7 @@ def launch_step(
         NB0=group.nblocks[0], NB1=group.nblocks[1], NB2=group.nblocks[2], NB3=group.nblocks[3],
         NBLK=sum(group.nblocks), BLOCK=block, num_warps=4,
     )
-    return {
-        "remapped": remapped.reshape(ids.shape),
-        "miss_experts": miss_experts,
-        "miss_slots": miss_slots,
-        "evicted": evicted,
-        "counts": counts,
-    }
+    return {**out, "remapped": out["remapped"].reshape(ids.shape)}
 
 
 if triton is not None:
