@@ -159,7 +159,8 @@ def summarize(row: dict) -> dict:
         "cudagraph_mode": result.get("cudagraph_mode"), "experts_kernel": result.get("experts_kernel"),
         "decode_hit_rate": {tier: rate(c) for tier, c in decode.items()},
         "pcie_gb_per_token": result.get("pcie_gb_per_token"), "ssd_gb_per_token": result.get("ssd_gb_per_token"),
-        "pager_totals": result.get("pager"),
+        "pager_totals": result.get("pager"), "tokens": result.get("tokens"),
+        "inductor_deterministic": result.get("inductor_deterministic"),
     }
 
 
@@ -172,6 +173,10 @@ def combine(files: list[Path], out: Path) -> int:
         meta.setdefault("commands", []).append(part.get("command"))
         rows.update({r["name"]: r for r in part["configs"]})
     tpot = {name: r.get("tpot_ms") for name, r in rows.items()}
+    resident_tokens = (rows.get("resident") or {}).get("tokens")
+    for r in rows.values():
+        if resident_tokens is not None and r.get("tokens") is not None and r["name"] != "resident":
+            r["tokens_equal_resident"] = r["tokens"] == resident_tokens
     report = {**meta, "configs": list(rows.values())}
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)
@@ -184,7 +189,8 @@ def combine(files: list[Path], out: Path) -> int:
     e2e.write_json(out, report)
     for r in report["configs"]:
         print(f"{r['name']:24s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms  hit {r.get('decode_hit_rate')}"
-              f"  PCIe GB/token {r.get('pcie_gb_per_token')}  SSD GB/token {r.get('ssd_gb_per_token')}  {r.get('error', '')}")
+              f"  PCIe GB/token {r.get('pcie_gb_per_token')}  SSD GB/token {r.get('ssd_gb_per_token')}"
+              f"  tokens = resident: {r.get('tokens_equal_resident', '-')}  {r.get('error', '')}")
     print({k: v for k, v in report.items() if k not in ("configs", "checkpoint", "commands")})
     return 0
 

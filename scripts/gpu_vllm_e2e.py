@@ -21,8 +21,11 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram40-eager-host            the host-driven pager, eager
     vram12-ram50-ssd-codec       12.5% / 50%, the SSD tier reads a compressed paging file (eager)
 
-Each greedily decodes 4 prompts x 128 tokens (one batch) and one 1,024-token prompt x 32
-tokens (chunked prefill through the slots), and times batch-1 decode. The JSON (--out,
+Each greedily decodes 4 prompts x 128 tokens (one batch of 4, then each prompt alone) and
+one 1,024-token prompt x 32 tokens (chunked prefill through the slots), and times batch-1
+decode. Every run, reference included, runs with deterministic algorithms (the child's
+`deterministic` spec key): torch.compile otherwise picks some reduction kernels by timing
+them in each process, which changes their summation order, and two unpaged runs disagreed. The JSON (--out,
 rewritten after every configuration) has per configuration: token identity with its
 reference (and the first differing token), bit identity of the sampled tokens' logprobs,
 TTFT/TPOT, vLLM's CUDA-graph mode and the pager's counters per tier. Logs go to
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             builder.kill()
     paged = [r for r in report["configs"] if not r.get("reference")]
     report["passed"] = all(r.get("result") is not None for r in report["configs"]) and all(
-        r.get("tokens_identical") and r.get("long_tokens_identical") for r in paged)
+        r.get("tokens_identical") and r.get("serial_tokens_identical") and r.get("long_tokens_identical") for r in paged)
     write_json(out, report)
     print_table(report)
     return 0 if report["passed"] else 1
@@ -244,6 +247,7 @@ def make_spec(model: Path, has_tokenizer: bool, shape: dict, args) -> dict:
     long_ids = long_prompt_ids(model, has_tokenizer, args.long_prompt, shape["vocab"])
     return {
         "model": str(model), "max_model_len": 2048, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "deterministic": True,
         "kv_cache_memory_bytes": None if shape["device"] == "cuda" else 256 << 20,  # CPU build: no GPU to size from
         "skip_tokenizer_init": not has_tokenizer,
         "prompts": PROMPTS if has_tokenizer else [long_ids[i * 37 : i * 37 + 9] for i in range(len(PROMPTS))],
@@ -301,6 +305,7 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     env.update(PYTHONPATH=":".join(path), PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")  # its ~3-minute warm-up changes no result
     env.update(extra)
     return env
 
@@ -325,7 +330,9 @@ def compare(row: dict, reference: dict | None) -> None:
                     for tier, c in result["pager"].items()}
     if reference is None or row.get("reference"):
         return
-    for part, key in (("short", "tokens"), ("long", "long_tokens")):
+    for part, key in (("short", "tokens"), ("serial", "serial_tokens"), ("long", "long_tokens")):
+        if part not in result or part not in reference:
+            continue
         mine, ref = result[part], reference[part]
         firsts = [first_difference(a, b) for a, b in zip(mine["tokens"], ref["tokens"])]
         row[f"{key}_identical"] = len(mine["tokens"]) == len(ref["tokens"]) and all(f is None for f in firsts)
@@ -343,7 +350,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def write_json(path: Path, report: dict) -> None:
     """The report without the per-token logprobs (their identity is recorded), written whole or not at all."""
-    slim = {**report, "configs": [{**r, "result": {k: ({**v, "logprobs": "compared"} if k in ("short", "long") else v)
+    slim = {**report, "configs": [{**r, "result": {k: ({**v, "logprobs": "compared"} if k in ("short", "serial", "long") else v)
                                                     for k, v in r["result"].items()}} if "result" in r else r
                                   for r in report["configs"]]}
     tmp = path.with_suffix(".partial")
@@ -353,7 +360,7 @@ def write_json(path: Path, report: dict) -> None:
 
 def print_table(report: dict) -> None:
     print(f"mode: {report['mode']}")
-    print(f"{'configuration':48s} {'tokens':>7s} {'long':>6s} {'logprobs':>9s} {'TTFT ms':>8s} {'TPOT ms':>8s}"
+    print(f"{'configuration':48s} {'tokens':>7s} {'alone':>6s} {'long':>6s} {'logprobs':>9s} {'TTFT ms':>8s} {'TPOT ms':>8s}"
           f" {'VRAM hit':>8s} {'RAM hit':>8s} {'SSD GB':>7s} {'s':>6s}")
     for r in report["configs"]:
         if "error" in r:
@@ -363,13 +370,14 @@ def print_table(report: dict) -> None:
         rate = lambda tier: "-" if (pager.get(tier) or {}).get("hit_rate") is None else f"{pager[tier]['hit_rate']:.3f}"  # noqa: E731
         ssd_gb = f"{pager['ssd']['bytes_moved'] / 1e9:.1f}" if "ssd" in pager else "-"
         if r.get("reference"):
-            tokens = long = logprobs = "ref"
+            tokens = alone = long = logprobs = "ref"
         else:
             tokens, long = same(r.get("tokens_identical")), same(r.get("long_tokens_identical"))
-            both = [r.get("logprobs_identical"), r.get("long_logprobs_identical")]
+            alone = same(r.get("serial_tokens_identical"))
+            both = [r.get("logprobs_identical"), r.get("serial_logprobs_identical"), r.get("long_logprobs_identical")]
             logprobs = same(None if None in both else all(both))
         ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        print(f"{r['name']:48s} {tokens:>7s} {long:>6s} {logprobs:>9s} {ms(r['ttft_ms']):>8s} {ms(r['tpot_ms']):>8s}"
+        print(f"{r['name']:48s} {tokens:>7s} {alone:>6s} {long:>6s} {logprobs:>9s} {ms(r['ttft_ms']):>8s} {ms(r['tpot_ms']):>8s}"
               f" {rate('vram'):>8s} {rate('ram'):>8s} {ssd_gb:>7s} {r['seconds']:6.1f}")
     print(f"total {report.get('total_s')} s; passed: {report.get('passed')}")
 

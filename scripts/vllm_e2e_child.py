@@ -26,6 +26,8 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not s
 def main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     started = time.perf_counter()
+    if spec.get("deterministic"):
+        deterministic()
     from vllm import LLM
 
     llm = LLM(
@@ -37,18 +39,38 @@ def main(spec_path: str, result_path: str) -> None:
         **_memory_args(spec), **_engine_extras(spec),
     )
     startup_s = time.perf_counter() - started
-    result = {"vllm": _vllm_version(), "startup_s": round(startup_s, 2), "cudagraph_mode": _cudagraph_mode(llm)}
+    result = {"vllm": _vllm_version(), "startup_s": round(startup_s, 2), "cudagraph_mode": _cudagraph_mode(llm),
+              "inductor_deterministic": _inductor_deterministic()}
     if spec.get("task", "identity") == "bench":
         result.update(bench(llm, spec))
     else:
         detokenize = not spec["skip_tokenizer_init"]
         result["short"] = greedy(llm, spec["prompts"], spec["max_tokens"], detokenize)
+        result["serial"] = serial(llm, spec["prompts"], spec["max_tokens"], detokenize)
         result["long"] = greedy(llm, [spec["long_ids"]], spec["long_max_tokens"], detokenize)
         result.update(batch1_timing(llm, spec["timing_ids"], spec["warmup_ids"], spec["timing_tokens"]))
     result.update(pager=_pager_counters(), experts_kernel=_experts_kernel())
     tmp = Path(result_path).with_suffix(".partial")
     tmp.write_text(json.dumps(result))
     tmp.replace(result_path)
+
+
+def deterministic() -> None:
+    """Make the engine reproduce itself between processes (before vLLM compiles anything).
+
+    torch.compile times some candidate reduction kernels in each process and keeps the
+    fastest; candidates sum in different orders, so two runs of one model can differ in
+    the last bits and, many tokens later, in a greedy token. Inductor's deterministic
+    mode skips that timing. Dynamo resets that mode to the deterministic-algorithms flag
+    after every frame it compiles, so the flag itself is set (warn-only: ops without a
+    deterministic kernel still run) and empty tensors keep their plain allocation.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def _memory_args(spec: dict) -> dict:
@@ -118,6 +140,12 @@ def greedy(llm, prompts: list, max_tokens: int, detokenize: bool) -> dict:
     }
 
 
+def serial(llm, prompts: list, max_tokens: int, detokenize: bool) -> dict:
+    """The same prompts one request at a time: batch-1 decode, which no other request's rows share."""
+    parts = [greedy(llm, [p], max_tokens, detokenize) for p in prompts]
+    return {key: [v for part in parts for v in part[key]] for key in ("tokens", "logprobs", "prompt_tokens")}
+
+
 def batch1_timing(llm, prompt_ids: list[int], warmup_ids: list[int], tokens: int) -> dict:
     """TTFT and TPOT of one request alone, from vLLM's own request timestamps (engine-core clock).
 
@@ -139,6 +167,7 @@ def batch1_timing(llm, prompt_ids: list[int], warmup_ids: list[int], tokens: int
         return {"ttft_ms": None, "tpot_ms": None, "request_wall_ms": round(wall * 1e3, 3),
                 "timing_note": "vLLM gave no request timestamps"}
     return {
+        "tokens": list(out.outputs[0].token_ids),
         "ttft_ms": round((m.first_token_ts - m.scheduled_ts) * 1e3, 3),
         "tpot_ms": round((m.last_token_ts - m.first_token_ts) / (tokens - 1) * 1e3, 3),
         "request_wall_ms": round(wall * 1e3, 3),
@@ -151,6 +180,16 @@ def _sampled_logprobs(completion, token_ids: list[int]) -> list[float] | None:
     if entries is None or len(entries) != len(token_ids):
         return None
     return [float(entries[i][tok].logprob) for i, tok in enumerate(token_ids)]
+
+
+def _inductor_deterministic() -> bool | None:
+    """torch.compile's deterministic mode (TORCHINDUCTOR_DETERMINISTIC=1): no timing-based choice of reduction
+    kernels, whose pick changes summation order and so, between processes, the engine's own greedy tokens."""
+    try:
+        from torch._inductor import config
+    except ImportError:
+        return None
+    return getattr(config, "deterministic", None)
 
 
 def _pager_counters() -> dict:

@@ -17,8 +17,9 @@ from bigmoe_pager.core.stats import PagerStats
 pytestmark = pytest.mark.gpu
 
 
-def loaded(layout: ExpertLayout, records: torch.Tensor, vram: int, ram: int) -> DeviceLayerPager:
-    layer = DeviceLayerPager(layout, TierSizes(records.shape[0], vram, ram), "cuda", layer=0, stats=PagerStats(1, "cuda"))
+def loaded(layout: ExpertLayout, records: torch.Tensor, vram: int, ram: int, policy: str = "lru") -> DeviceLayerPager:
+    layer = DeviceLayerPager(layout, TierSizes(records.shape[0], vram, ram), "cuda", layer=0, stats=PagerStats(1, "cuda"),
+                             policy=policy)
     views = layer.ram_views()
     for e in range(records.shape[0]):
         row = layer.ram_slot_for_load(e)
@@ -43,12 +44,13 @@ class RecordsSsd:
                 self.layer.ram.records[s].copy_(self.records[e])
 
 
-@pytest.mark.parametrize("experts,vram,k,tokens", [(256, 102, 8, 1), (256, 32, 8, 4), (64, 16, 4, 2)])
-def test_a_captured_step_replays_with_new_ids(experts, vram, k, tokens):
+@pytest.mark.parametrize("experts,vram,k,tokens,policy",
+                         [(256, 102, 8, 1, "lfu"), (256, 32, 8, 4, "lfu"), (256, 102, 8, 4, "lru"), (64, 16, 4, 2, "lfu")])
+def test_a_captured_step_replays_with_new_ids(experts, vram, k, tokens, policy):
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
     g = torch.Generator().manual_seed(experts + vram)
     records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
-    layer = loaded(layout, records, vram, experts)
+    layer = loaded(layout, records, vram, experts, policy)
     layer.start(layout.slot_buffers(vram, "cuda"))
     ids = torch.zeros((tokens, k), dtype=torch.int32, device="cuda")
     out = torch.empty_like(ids)

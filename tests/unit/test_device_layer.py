@@ -16,10 +16,11 @@ from bigmoe_pager.core.stats import PagerStats
 from test_pager import FakeSsdService, make_layout, make_records
 
 
-def loaded_layer(layout, records, vram, ram, warm=None, skip=None):
+def loaded_layer(layout, records, vram, ram, warm=None, skip=None, policy="lru"):
     """A layer whose RAM records were written the way vLLM's weight loader writes them: component views."""
     experts = records.shape[0]
-    layer = DeviceLayerPager(layout, TierSizes(experts, vram, ram), "cpu", layer=1, stats=PagerStats(2), warm_order=warm)
+    layer = DeviceLayerPager(layout, TierSizes(experts, vram, ram), "cpu", layer=1, stats=PagerStats(2), warm_order=warm,
+                             policy=policy)
     views = layer.ram_views()
     for e in range(experts):
         row = layer.ram_slot_for_load(e)
@@ -42,12 +43,12 @@ def record_bytes(layout, records, expert):
     return torch.cat([records[expert, c.offset : c.offset + c.nbytes] for c in layout.components])
 
 
-@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("fp8,policy", [(True, "lfu"), (True, "lru"), (False, "lfu")])
 @pytest.mark.parametrize("experts,vram,ram,k", [(16, 6, 16, 2), (16, 4, 8, 4), (12, 3, 3, 3)])
-def test_decode_and_chunked_prefill_put_each_pairs_expert_in_its_slot(fp8, experts, vram, ram, k):
+def test_decode_and_chunked_prefill_put_each_pairs_expert_in_its_slot(fp8, policy, experts, vram, ram, k):
     layout = make_layout(fp8)
     records = make_records(layout, experts, seed=experts + vram)
-    layer = loaded_layer(layout, records, vram, ram, warm=[5, 2])
+    layer = loaded_layer(layout, records, vram, ram, warm=[5, 2], policy=policy)
     ssd = None if ram == experts else FakeSsdService(records, layer.ram)
     layer.start(layout.slot_buffers(vram, 'cpu'), ssd)
     rng = random.Random(vram * 7 + k)

@@ -30,6 +30,7 @@ def test_per_layer_slots(env, layer, expected):
     ({"BIGMOE_VRAM_SLOTS": "x"}, "BIGMOE_VRAM_SLOTS='x' is not valid"),
     ({"BIGMOE_PAGER": "maybe"}, "BIGMOE_PAGER='maybe' is not valid; expected 1 or 0"),
     ({"BIGMOE_COMPRESS": "zip"}, "expected on / off / auto"),
+    ({"BIGMOE_EVICTION": "fifo"}, "BIGMOE_EVICTION='fifo' is not valid; expected lfu / lru"),
     ({"BIGMOE_READ_TIMEOUT_S": "-1"}, "expected a positive number"),
     ({"BIGMOE_IO_WORKERS": "-2"}, "expected a non-negative integer"),
 ])
@@ -51,7 +52,7 @@ def test_slot_rules(env, message):
 
 def test_round_trip_through_the_environment_and_a_file(tmp_path: Path):
     s = PagerSettings(enabled=True, vram_slots=(8,), ram_slots=(12, 13), paging_file=tmp_path / "p.bmpf",
-                      compress="on", cuda_graphs=True, read_timeout_s=2.5)
+                      compress="on", cuda_graphs=True, read_timeout_s=2.5, eviction="lru")
     assert PagerSettings.from_env(s.to_env()) == s
     file = tmp_path / "bigmoe.toml"
     file.write_text('enabled = true\nvram_slots = [8]\nram_slots = "12,13"\ncompress = "on"\n')

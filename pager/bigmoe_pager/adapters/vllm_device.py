@@ -80,7 +80,8 @@ def refuse_trace_in_graphs(settings: PagerSettings, vllm_config) -> None:
                                         "graphs cannot replay; record traces with --enforce-eager")
 
 
-def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order) -> DeviceLayerPager:
+def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order,
+                eviction: str) -> DeviceLayerPager:
     """The layer's pager; its counters live in one per-process table on the current CUDA device."""
     device = torch.device("cuda", torch.cuda.current_device())
     with _lock:
@@ -92,7 +93,8 @@ def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, w
             _state["mirror"] = pinned_empty(tuple(_state["stats"].device_counts.shape), torch.int64)
             _state["mirror"].zero_()
         _state["last_layer"] = max(_state.get("last_layer", 0), moe_index)
-    return DeviceLayerPager(layout, sizes, device, layer=moe_index, stats=_state["stats"], warm_order=warm_order)
+    return DeviceLayerPager(layout, sizes, device, layer=moe_index, stats=_state["stats"], warm_order=warm_order,
+                            policy=eviction)
 
 
 def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):

@@ -74,7 +74,8 @@ def paged_class(settings: PagerSettings) -> type:
             with vllm_glue.host_allocations():
                 self._ssd_source = vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram)
                 if on_device:
-                    self.pager = vllm_device.layer_pager(self._layout, sizes, self._moe_index, num_moe_layers, order)
+                    self.pager = vllm_device.layer_pager(self._layout, sizes, self._moe_index, num_moe_layers, order,
+                                                         settings.eviction)
                 else:
                     self.pager = HostPager(layout=self._layout, sizes=sizes, source=self._ssd_source,
                                            pin=torch.cuda.is_available(), warm_order=order)

@@ -37,7 +37,7 @@ def describe(settings: PagerSettings, on_device: bool) -> str:
     ram = ",".join(map(str, settings.ram_slots)) or "all"
     if on_device:
         mode = ("device-driven paging: decode runs in CUDA graphs for batches whose tokens x top-k fit the VRAM slots "
-                "(--max-cudagraph-capture-size); bigger steps run outside graphs, in token chunks")
+                f"(--max-cudagraph-capture-size); bigger steps run outside graphs, in token chunks; {settings.eviction} eviction")
     else:
         mode = "host-driven paging: on CUDA it needs --enforce-eager"
     if not settings.ram_slots:
