@@ -173,10 +173,11 @@ def combine(files: list[Path], out: Path) -> int:
         meta.setdefault("commands", []).append(part.get("command"))
         rows.update({r["name"]: r for r in part["configs"]})
     tpot = {name: r.get("tpot_ms") for name, r in rows.items()}
-    resident_tokens = (rows.get("resident") or {}).get("tokens")
     for r in rows.values():
-        if resident_tokens is not None and r.get("tokens") is not None and r["name"] != "resident":
-            r["tokens_equal_resident"] = r["tokens"] == resident_tokens
+        # Greedy tokens of the timed request: which other configurations produced exactly the same.
+        if r.get("tokens") is not None:
+            r["same_tokens_as"] = [o["name"] for o in rows.values()
+                                   if o is not r and o.get("tokens") == r["tokens"]]
     report = {**meta, "configs": list(rows.values())}
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)
@@ -190,7 +191,7 @@ def combine(files: list[Path], out: Path) -> int:
     for r in report["configs"]:
         print(f"{r['name']:24s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms  hit {r.get('decode_hit_rate')}"
               f"  PCIe GB/token {r.get('pcie_gb_per_token')}  SSD GB/token {r.get('ssd_gb_per_token')}"
-              f"  tokens = resident: {r.get('tokens_equal_resident', '-')}  {r.get('error', '')}")
+              f"  same tokens as: {r.get('same_tokens_as', '-')}  {r.get('error', '')}")
     print({k: v for k, v in report.items() if k not in ("configs", "checkpoint", "commands")})
     return 0
 

@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"mode": f"CUDA graphs (vLLM default mode, --max-cudagraph-capture-size {GRAPH_CAPTURE}); "
-                            "the codec run eager (host-driven)",
+                            "the codec run eager (host-driven); "
+                            + ("vLLM's default compile settings" if args.no_deterministic else
+                               "deterministic engine (deterministic algorithms, Inductor without timed kernel choices)"),
                     "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "configs": [], "passed": False}
     started = time.monotonic()
     shape = SHAPES[args.shape]
@@ -189,6 +191,8 @@ def parse_args(argv):
                    help="comma list of configurations to run (first word of their names); default all")
     p.add_argument("--logs", type=Path, default=None,
                    help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)")
+    p.add_argument("--no-deterministic", action="store_true",
+                   help="vLLM's defaults (shows that the engine alone then does not reproduce its greedy tokens)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting runs (and cut a running one) after this many seconds")
     return p.parse_args(argv)
@@ -247,7 +251,7 @@ def make_spec(model: Path, has_tokenizer: bool, shape: dict, args) -> dict:
     long_ids = long_prompt_ids(model, has_tokenizer, args.long_prompt, shape["vocab"])
     return {
         "model": str(model), "max_model_len": 2048, "gpu_memory_utilization": args.gpu_memory_utilization,
-        "deterministic": True,
+        "deterministic": not args.no_deterministic,
         "kv_cache_memory_bytes": None if shape["device"] == "cuda" else 256 << 20,  # CPU build: no GPU to size from
         "skip_tokenizer_init": not has_tokenizer,
         "prompts": PROMPTS if has_tokenizer else [long_ids[i * 37 : i * 37 + 9] for i in range(len(PROMPTS))],

@@ -83,6 +83,9 @@ def _memory_args(spec: dict) -> dict:
 def _engine_extras(spec: dict) -> dict:
     """CUDA-graph and vLLM-offload settings a spec may carry (absent: vLLM's defaults)."""
     extras = {}
+    if spec.get("deterministic") and not spec.get("enforce_eager", True):
+        # Inductor's combo-kernel fusion times candidate kernels, which its deterministic mode forbids.
+        extras["compilation_config"] = {"inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}
     if spec.get("max_cudagraph_capture_size"):
         extras["max_cudagraph_capture_size"] = spec["max_cudagraph_capture_size"]
     if spec.get("cpu_offload_gb"):

@@ -49,8 +49,8 @@ class RunOptions:
     """Context length, beating the plan."""
     force: bool = False
     """Launch a plan the estimator refused."""
-    cuda_graphs: bool = False
-    """On CUDA: the experimental device-driven pager, decode in CUDA graphs."""
+    cuda_graphs: bool = True
+    """On CUDA: the device-driven pager with decode in CUDA graphs (False: host-driven, eager)."""
     start_timeout: float = 900.0
     """Seconds to wait for /health."""
 

@@ -300,7 +300,7 @@ class Draft:
         model_path = self.ov.model_path or self._default_model_path()
         graphs = self.pager and self.device == "cuda" and self.ov.cuda_graphs and not self.compress
         settings = pager_settings(self.pager, self.vram_slots, self.ram_slots, arch.experts, paging_file, self.compress,
-                                  self.ngram, cuda_graphs=graphs)
+                                  self.ngram, host_driven=self.pager and self.device == "cuda" and not graphs)
         speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk())
         expected = estimate(
             speeds, self.device, layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
@@ -323,13 +323,13 @@ class Draft:
             argv += ["--max-cudagraph-capture-size", str(max(1, self.vram_slots // arch.top_k))]
             self.reasons["argv"] += (f"; --max-cudagraph-capture-size {max(1, self.vram_slots // arch.top_k)} so every batch vLLM "
                                      f"captures in a CUDA graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
-                                     "device-driven pager (--cuda-graphs: experimental, token identity not yet proven on a GPU)")
+                                     "device-driven pager")
         elif self.pager and self.device == "cuda":
             # The host-driven pager reads each step's ids on the host; it refuses CUDA graphs (docs/pager.md).
             argv.append("--enforce-eager")
-            self.reasons["argv"] += ("; --enforce-eager because the proven expert pager is host-driven and cannot run inside "
-                                     "CUDA graphs" + ("" if not self.ov.cuda_graphs else
-                                                      " (--cuda-graphs does not apply: a compressed SSD tier is host-driven)"))
+            self.reasons["argv"] += ("; --enforce-eager because the host-driven expert pager reads each step's ids on the host, "
+                                     "which CUDA graphs cannot replay" + (" (--eager)" if not self.ov.cuda_graphs else
+                                                                          " (a compressed SSD tier is host-driven)"))
         return dict(
             model=self.preset.name, model_path=model_path, device=self.device, expert_dtype=self.dtype,
             context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,

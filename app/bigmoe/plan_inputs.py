@@ -56,8 +56,8 @@ class Overrides:
     """Port of the OpenAI-compatible API."""
     force: bool = False
     """Keep a refused plan runnable; the refusal stays recorded."""
-    cuda_graphs: bool = False
-    """On CUDA: the experimental device-driven pager with decode in CUDA graphs, instead of the host-driven one in eager mode."""
+    cuda_graphs: bool = True
+    """On CUDA: the device-driven pager with decode in CUDA graphs (False: the host-driven one in eager mode)."""
 
 
 def check_overrides(preset: Preset, ov: Overrides) -> None:

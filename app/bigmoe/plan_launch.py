@@ -55,11 +55,12 @@ def max_seqs_of(preset: Preset) -> int:
 
 def pager_settings(
     pager: bool, vram_slots: int, ram_slots: int, experts: int, paging_file: str | None, compress: bool, ngram: bool,
-    cuda_graphs: bool = False,
+    host_driven: bool = False,
 ) -> PagerSettings:
+    """host_driven: on CUDA, page from the host in eager mode (BIGMOE_CUDA_GRAPHS=0) instead of the default."""
     return PagerSettings(
         enabled=pager,
-        cuda_graphs=pager and cuda_graphs,
+        cuda_graphs=not (pager and host_driven),
         vram_slots=(vram_slots,) if pager else (),
         ram_slots=(ram_slots,) if pager and ram_slots < experts else (),
         paging_file=Path(paging_file) if paging_file else None,

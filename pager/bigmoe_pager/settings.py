@@ -44,8 +44,8 @@ class PagerSettings:
     """BIGMOE_READ_TIMEOUT_S: seconds one SSD read may take before it is retried."""
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
-    cuda_graphs: bool = False
-    """BIGMOE_CUDA_GRAPHS: 1 pages from the GPU so vLLM may replay decode in CUDA graphs (experimental: token identity under graphs not yet established on the H200, docs/pager.md); 0 = host-driven, needs --enforce-eager on CUDA."""
+    cuda_graphs: bool = True
+    """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (start it with --max-cudagraph-capture-size <= VRAM slots / top-k, or --enforce-eager); 0 = host-driven, needs --enforce-eager. A compressed paging file is always host-driven."""
     eviction: str = "lfu"
     """BIGMOE_EVICTION: lfu / lru: which unneeded expert a full tier of the device-driven pager evicts (lfu: fewest recent uses, counts halved every 256 steps; about a quarter fewer misses than lru on the standard trace). The host-driven pager is lru."""
     hot_profile: Path | None = None

@@ -118,3 +118,52 @@ def test_the_counter_mirror_copy_is_part_of_the_graph():
     torch.cuda.synchronize()
     assert (mirror >= before_last_step).all() and int(mirror[0, 0, 0]) > 0  # lookups counted, one step behind
     assert torch.equal(mirror, before_last_step) is False
+
+
+def test_a_settled_chunked_step_leaves_no_ssd_read_behind_a_gil_holding_wait(tmp_path):
+    """After a step outside graphs the engine may block on the GPU while holding the GIL (here the
+    driver's context synchronize called through ctypes.PyDLL, which keeps the GIL; in vLLM a launch
+    into a full queue or a device-to-host copy). The SSD reads are answered by host threads that
+    need the GIL, so every chunk is settled first: no read of the step may be left pending."""
+    import ctypes
+    import sys
+    from pathlib import Path
+
+    from bigmoe_pager.core.odirect import odirect_works
+    from bigmoe_pager.core.ram_tier import ServiceFetch
+    from bigmoe_pager.core.ssd_service import SsdService
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from ssd_testkit import FakeFaultyIO, make_checkpoint
+
+    ok, why = odirect_works(tmp_path)
+    if not ok:
+        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
+    experts, vram, ram, k = 64, 8, 16, 4
+    ckpt = make_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=experts)
+    layout = ckpt.layout
+    records = torch.zeros((experts, layout.pitch), dtype=torch.uint8)
+    for e in range(experts):
+        records[e, : layout.record_bytes] = ckpt.reference(0, e)
+    layer = loaded(layout, records, vram, ram, "lfu")
+    slow_disk = FakeFaultyIO(then="slow", delay_s=0.02)  # 20 ms a read: the GPU falls behind the launches
+    service = SsdService(ckpt.store(io=slow_disk), [layer.ram.records], io_workers=4, read_timeout_s=1.0, read_retries=0)
+    try:
+        layer.start(layout.slot_buffers(vram, "cuda"), ServiceFetch(service, 0))
+        rng = random.Random(11)
+        ids = torch.tensor([rng.sample(range(experts), k) for _ in range(300)], dtype=torch.int32, device="cuda")
+        chunks = layer.token_chunks(ids)
+        assert len(chunks) > 50  # enough queued work to outlast a stalled read
+        for rows in chunks:
+            slots = layer.step(ids[rows])
+            layer.settle()
+            assert torch.cuda.current_stream().query()  # nothing of the step is left for the host to answer
+        driver = ctypes.PyDLL("libcuda.so.1")  # PyDLL: the call keeps the GIL, as a blocking engine call may
+        assert driver.cuCtxSynchronize() == 0
+        service.check()  # raises if the GPU gave up waiting for a read
+        for expert, slot in zip(ids[rows].flatten().tolist(), slots.flatten().tolist()):
+            got = layer.buffers["w2_weight"][slot].reshape(-1).view(torch.uint8).cpu()
+            c = layout["w2_weight"]
+            assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes])
+    finally:
+        service.close()

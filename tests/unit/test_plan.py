@@ -293,14 +293,15 @@ def test_a_cpu_run_can_page_when_asked():
 
 
 @pytest.mark.parametrize("machine_name, preset_name, cuda_graphs, graphs_expected", [
-    ("rtx4090-wsl2", "qwen3.6-35b-a3b", False, False),  # the proven host-driven pager: eager
-    ("rtx4090-wsl2", "qwen3.6-35b-a3b", True, True),  # all experts in RAM, raw records: device-driven
+    ("rtx4090-wsl2", "qwen3.6-35b-a3b", False, False),  # --eager: the host-driven pager
+    ("rtx4090-wsl2", "qwen3.6-35b-a3b", None, True),  # the default; all experts in RAM, raw records: device-driven
     ("rtx4090-wsl2", "qwen3.8-flash-next", True, False),  # compressed paging file: host-driven only
     ("rtx3060-32g", "qwen3.6-35b-a3b", True, False),
 ])
 def test_cuda_graphs_asks_for_the_device_driven_pager_and_a_capture_size_that_fits(
         machine_name, preset_name, cuda_graphs, graphs_expected):
-    p = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name, cuda_graphs=cuda_graphs))
+    choice = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    p = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name, **choice))
     assert p.pager
     settings = PagerSettings.from_env(p.env)
     assert settings.cuda_graphs is graphs_expected
@@ -308,7 +309,7 @@ def test_cuda_graphs_asks_for_the_device_driven_pager_and_a_capture_size_that_fi
         assert "--enforce-eager" not in p.argv
         size = int(p.argv[p.argv.index("--max-cudagraph-capture-size") + 1])
         assert size >= 1 and size * p.top_k <= p.vram_slots
-        assert "experimental" in p.reasons["argv"]
+        assert "device-driven pager" in p.reasons["argv"]
     else:
         assert "--enforce-eager" in p.argv and "--max-cudagraph-capture-size" not in p.argv
         assert "host-driven" in p.reasons["argv"]

@@ -15,9 +15,9 @@ That thread makes no CUDA call: vLLM captures graphs in the global capture mode,
 where any CUDA call from another thread invalidates the capture (seen on the
 H200); the last MoE layer's step copies the counters to page-locked host memory.
 
-Opt-in (BIGMOE_CUDA_GRAPHS=1) while its token identity under graphs is open: on
-the H200, batch-4 greedy tokens differed from the same call's unpaged run, but the
-unpaged runs of two calls differed from each other alike (docs/pager.md).
+The default on CUDA (BIGMOE_CUDA_GRAPHS=0 selects the host-driven pager). On the
+H200 it is token- and logprob-identical to the unpaged model under CUDA graphs, in
+every tier mix, once vLLM itself is made reproducible (docs/pager.md).
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
         for rows in pager.token_chunks(topk_ids):
             shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
             outs.append(kernel(x[rows], topk_weights[rows], pager.step(topk_ids[rows]), shared_experts, shared_in))
+            pager.settle()  # with an SSD tier: its reads must not wait behind a GIL-holding call of the engine
     return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 
 

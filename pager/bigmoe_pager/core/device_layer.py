@@ -107,7 +107,24 @@ class DeviceLayerPager:
 
     def token_chunks(self, topk_ids: torch.Tensor) -> list[slice]:
         """Consecutive token ranges whose distinct experts fit in the slots (reads the ids: one host sync)."""
+        self._wait(topk_ids.device)  # the ids are ready once the stream is; then reading them blocks nothing
         return token_ranges(topk_ids.tolist(), self.sizes.vram)
+
+    def settle(self) -> None:
+        """After a step outside graphs over a partial RAM tier: wait until the GPU has finished it.
+
+        Its SSD reads are answered by host threads, which need the GIL. Queued far
+        enough ahead, the engine's next call can block while holding the GIL (a launch
+        into a full queue, a device-to-host copy) until the GPU is done, and the GPU
+        waits for those threads: a stall until the SSD deadline. This wait lets them run.
+        """
+        if not self.ram.full:
+            self._wait(self.device)
+
+    @staticmethod
+    def _wait(device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # releases the GIL while it waits
 
     # ---- counters ------------------------------------------------------------------------
 
