@@ -20,6 +20,7 @@ experts 0-7).
     bigmoe-102           102 VRAM slots per layer (40%), every expert in pinned RAM
     bigmoe-32            32 VRAM slots per layer (12.5%), every expert in pinned RAM
     bigmoe-32-ram128-ssd 32 VRAM slots, 128 RAM slots, the rest read from the checkpoint on SSD
+    bigmoe-102-layerbuf  bigmoe-102 with prefill over one whole-layer VRAM buffer (BIGMOE_PREFILL_BUFFER=1)
 
 --combine merges result files of several calls (one configuration set each) and computes
 the ratios the issue asks for.
@@ -59,6 +60,7 @@ def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
         e2e.Config("bigmoe-102", {**paged, "BIGMOE_VRAM_SLOTS": s40}),
         e2e.Config("bigmoe-32", {**paged, "BIGMOE_VRAM_SLOTS": s12}),
         e2e.Config("bigmoe-32-ram128-ssd", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50}),
+        e2e.Config("bigmoe-102-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s40, "BIGMOE_PREFILL_BUFFER": "1"}),
     ]}
 
 

@@ -167,3 +167,22 @@ def test_a_settled_chunked_step_leaves_no_ssd_read_behind_a_gil_holding_wait(tmp
             assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes])
     finally:
         service.close()
+
+
+def test_a_big_step_fills_the_whole_layer_buffer_from_pinned_ram():
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    experts, vram, k = 64, 16, 8
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)) & 0x77
+    layer = loaded(layout, records, vram, experts)
+    layer.start(layout.slot_buffers(vram, "cuda"))
+    rng = random.Random(4)
+    ids = torch.tensor([rng.sample(range(48), k) for _ in range(200)], dtype=torch.int32, device="cuda")
+    wide = {name: torch.zeros_like(t) for name, t in layout.slot_buffers(experts, "cuda").items()}
+    layer.fill_layer_buffer(ids, wide)
+    torch.cuda.synchronize()
+    needed = set(ids.flatten().tolist())
+    c = layout["w2_weight"]
+    for expert in range(experts):
+        got = wide["w2_weight"][expert].reshape(-1).view(torch.uint8).cpu()
+        want = records[expert, c.offset : c.offset + c.nbytes] if expert in needed else torch.zeros_like(got)
+        assert torch.equal(got, want), expert

@@ -98,3 +98,35 @@ def test_partial_ram_without_an_ssd_tier_and_steps_before_start_are_refused():
         layer.step(torch.tensor([[0, 1]]))
     with pytest.raises(PagerError, match="no SSD tier was attached"):
         layer.start(layout.slot_buffers(2, "cpu"))
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_a_big_step_fills_the_whole_layer_buffer_with_exactly_the_experts_it_needs(fp8):
+    layout = make_layout(fp8)
+    experts, vram, k = 12, 3, 3
+    records = make_records(layout, experts, seed=4)
+    layer = loaded_layer(layout, records, vram, experts)
+    layer.start(layout.slot_buffers(vram, "cpu"))
+    rng = random.Random(2)
+    ids = torch.tensor([rng.sample(range(8), k) for _ in range(20)], dtype=torch.int32)  # experts 8-11 unused
+    ids[3, 1] = -1  # an invalid id is skipped, as in a slot step
+    wide = {name: torch.zeros_like(t) for name, t in layout.slot_buffers(experts, "cpu").items()}
+    layer.fill_layer_buffer(ids, wide)
+    needed = {int(e) for e in ids.flatten().tolist() if e >= 0}
+    for expert in range(experts):
+        got = torch.cat([wide[c.name][expert].reshape(-1).view(torch.uint8) for c in layout.components])
+        if expert in needed:
+            assert torch.equal(got, record_bytes(layout, records, expert)), expert
+        else:
+            assert not got.any(), expert  # rows of experts the step does not use are not copied
+    counts = layer.counters()
+    assert counts["ram"].bytes_moved == len(needed) * layout.record_bytes and counts["vram"].lookups == len(needed)
+
+
+def test_the_whole_layer_buffer_needs_every_expert_in_ram():
+    layout = make_layout(True)
+    records = make_records(layout, 8, seed=5)
+    layer = loaded_layer(layout, records, vram=2, ram=4)
+    layer.start(layout.slot_buffers(2, "cpu"), FakeSsdService(records, layer.ram))
+    with pytest.raises(PagerError, match="full RAM tier"):
+        layer.fill_layer_buffer(torch.tensor([[0, 1]]), layout.slot_buffers(8, "cpu"))

@@ -55,3 +55,43 @@ def test_trace_recording_is_refused_under_graphs_and_allowed_eager(tmp_path: Pat
 def test_the_device_driven_mode_is_never_chosen_off_cuda(env):
     assert not vllm_device.on_cuda()  # this machine: vLLM's CPU build
     assert vllm_device.wanted(PagerSettings.from_env(env)) is False
+
+
+def test_a_whole_layer_step_runs_the_kernel_over_every_expert_with_the_routers_ids():
+    """BIGMOE_PREFILL_BUFFER: vLLM's kernel sees what the unpaged layer has (E experts, expert ids),
+    and the layer's parameters are its slots again afterwards."""
+    import torch
+
+    from bigmoe_pager.core.device_layer import DeviceLayerPager
+    from bigmoe_pager.core.host_pager import TierSizes
+    from bigmoe_pager.core.stats import PagerStats
+    from test_pager import make_layout, make_records
+
+    layout = make_layout(True)
+    experts, vram = 8, 2
+    records = make_records(layout, experts, seed=6)
+    pager = DeviceLayerPager(layout, TierSizes(experts, vram, experts), "cpu", layer=0, stats=PagerStats(1))
+    for e in range(experts):
+        for name, part in layout.views(records[e]).items():
+            pager.ram_views()[name][e].copy_(part)
+            pager.mark_loaded(e, name)
+    slots = layout.slot_buffers(vram, "cpu")
+    pager.start(slots)
+    layer = SimpleNamespace(pager=pager, _num_experts=experts, _layout=layout,
+                            **{name: torch.nn.Parameter(t, requires_grad=False) for name, t in slots.items()})
+    seen = {}
+
+    def kernel(x, weights, ids, shared, shared_in):
+        seen.update(ids=ids, rows={name: getattr(layer, name).shape[0] for name in slots},
+                    w2=getattr(layer, "w2_weight").data.clone())
+        return x
+
+    ids = torch.tensor([[5, 1], [7, 5], [0, 3]])
+    x = torch.randn(3, 4)
+    assert vllm_device._whole_layer_step(layer, x, torch.ones(3, 2), ids, None, None, kernel) is x
+    assert seen["ids"] is ids and set(seen["rows"].values()) == {experts}
+    c = layout["w2_weight"]
+    for expert in (0, 1, 3, 5, 7):
+        assert torch.equal(seen["w2"][expert].reshape(-1).view(torch.uint8), records[expert, c.offset : c.offset + c.nbytes])
+    assert all(getattr(layer, name).data_ptr() == t.data_ptr() and getattr(layer, name).shape == t.shape
+               for name, t in slots.items())

@@ -111,6 +111,8 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
             raise vllm_glue.EngineModeError(
                 f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
                 f"the {pager.sizes.vram} VRAM slots; lower --max-cudagraph-capture-size")
+        if vllm_routing.settings().prefill_buffer and pager.ram.full:
+            return _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
         _check_ssd()
         outs = []
         for rows in pager.token_chunks(topk_ids):
@@ -118,6 +120,37 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
             outs.append(kernel(x[rows], topk_weights[rows], pager.step(topk_ids[rows]), shared_experts, shared_in))
             pager.settle()  # with an SSD tier: its reads must not wait behind a GIL-holding call of the engine
     return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
+
+
+def _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
+    """A big step over one buffer of all E experts: the needed ones copied in, vLLM's kernel run with the router's ids.
+
+    The layer's parameters point at the buffer for the call (kernels read them when launched), so the
+    kernel sees what the unpaged layer has: E experts, expert ids, the same token count and tiles.
+    """
+    buffers = _layer_buffer(layer)
+    layer.pager.fill_layer_buffer(topk_ids, buffers)
+    params = {name: getattr(layer, name) for name in buffers}
+    slots = {name: p.data for name, p in params.items()}
+    try:
+        for name, p in params.items():
+            p.data = buffers[name]
+        return kernel(x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+    finally:
+        for name, p in params.items():
+            p.data = slots[name]
+
+
+def _layer_buffer(layer) -> dict[str, torch.Tensor]:
+    """One buffer of every expert of a layer, shared by all paged layers of the process (same shapes)."""
+    with _lock:
+        if "layer_buffer" not in _state:
+            _state["layer_buffer"] = {
+                name: torch.empty((layer._num_experts, *getattr(layer, name).shape[1:]),
+                                  dtype=getattr(layer, name).dtype, device=getattr(layer, name).device)
+                for name in layer._layout._by_name
+            }
+        return _state["layer_buffer"]
 
 
 def start_all() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.host_pager import TierCounters, TierSizes, token_ranges
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager, PagerError
@@ -104,6 +105,31 @@ class DeviceLayerPager:
         if self.pager is None:
             raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
         return self.pager.prepare(topk_ids).to(topk_ids.dtype)
+
+    def fill_layer_buffer(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
+        """Copy every expert the step needs from RAM into `layer_buffers` at row = expert id (no host sync).
+
+        layer_buffers: component buffers for all E experts (`layout.slot_buffers(E, device)`). The
+        engine's kernel then runs the whole step over them with the router's own ids, exactly as
+        the unpaged layer would, loading each needed expert once instead of once per token range.
+        Needs every expert in RAM (a full tier).
+        """
+        if self.pager is None:
+            raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
+        if not self.ram.full:
+            raise PagerError(f"layer {self.layer}: a full-layer buffer is filled from a full RAM tier; this one holds "
+                             f"{self.sizes.ram} of {self.sizes.experts} experts")
+        experts = self.sizes.experts
+        ids = topk_ids.reshape(-1).long()
+        valid = (ids >= 0) & (ids < experts)
+        need = torch.zeros(experts + 1, dtype=torch.bool, device=ids.device)
+        need[torch.where(valid, ids, experts)] = True  # row `experts` is a sink for invalid ids
+        rows = torch.where(need[:experts], torch.arange(experts, device=ids.device), -1)
+        copy_records(self.ram.records, rows, rows, self.layout, layer_buffers)
+        count = need[:experts].sum()
+        # Counted as misses served by RAM: the buffer is refilled whatever the slots hold.
+        self.stats_table.tier(self.layer, "vram").add(lookups=count, misses=count, bytes=count * self.layout.record_bytes)
+        self.stats_table.tier(self.layer, "ram").add(lookups=count, hits=count)
 
     def token_chunks(self, topk_ids: torch.Tensor) -> list[slice]:
         """Consecutive token ranges whose distinct experts fit in the slots (reads the ids: one host sync)."""
