@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+
+from bigmoe_pager.atomic_file import write_atomic  # noqa: F401  (the app's writes go through the pager's one helper)
 
 
 def cache_root() -> Path:
@@ -31,18 +32,3 @@ def log_dir() -> Path:
 
 def models_dir() -> Path:
     return _dir("models")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

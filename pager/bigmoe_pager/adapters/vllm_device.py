@@ -145,11 +145,8 @@ def _layer_buffer(layer) -> dict[str, torch.Tensor]:
     """One buffer of every expert of a layer, shared by all paged layers of the process (same shapes)."""
     with _lock:
         if "layer_buffer" not in _state:
-            _state["layer_buffer"] = {
-                name: torch.empty((layer._num_experts, *getattr(layer, name).shape[1:]),
-                                  dtype=getattr(layer, name).dtype, device=getattr(layer, name).device)
-                for name in layer._layout._by_name
-            }
+            slots = {name: getattr(layer, name) for name in layer._layout._by_name}
+            _state["layer_buffer"] = {name: p.new_empty((layer._num_experts, *p.shape[1:])) for name, p in slots.items()}
         return _state["layer_buffer"]
 
 

@@ -8,13 +8,14 @@ leaves a half-written profile under the real name), and checked on load.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from bigmoe_pager.atomic_file import write_atomic
 
 PROFILE_VERSION = 1
 
@@ -59,17 +60,9 @@ class HotProfile:
         return order[:n].astype(np.int64)
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, version=np.int64(PROFILE_VERSION), counts=self.counts.astype(np.int64))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        buffer = io.BytesIO()
+        np.savez(buffer, version=np.int64(PROFILE_VERSION), counts=self.counts.astype(np.int64))
+        write_atomic(Path(path), buffer.getvalue())
 
     @classmethod
     def load(cls, path: str | Path, num_layers: int | None = None, num_experts: int | None = None) -> "HotProfile":
