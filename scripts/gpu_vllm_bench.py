@@ -21,6 +21,8 @@ experts 0-7).
     bigmoe-32            32 VRAM slots per layer (12.5%), every expert in pinned RAM
     bigmoe-32-ram128-ssd 32 VRAM slots, 128 RAM slots, the rest read from the checkpoint on SSD
     bigmoe-102-layerbuf  bigmoe-102 with prefill over one whole-layer VRAM buffer (BIGMOE_PREFILL_BUFFER=1)
+    bigmoe-32-layerbuf   bigmoe-32 with that buffer
+    bigmoe-32-ram128-ssd-layerbuf  bigmoe-32-ram128-ssd with that buffer (experts gathered through the slots)
 
 --combine merges result files of several calls (one configuration set each) and computes
 the ratios the issue asks for.
@@ -61,6 +63,9 @@ def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
         e2e.Config("bigmoe-32", {**paged, "BIGMOE_VRAM_SLOTS": s12}),
         e2e.Config("bigmoe-32-ram128-ssd", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50}),
         e2e.Config("bigmoe-102-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s40, "BIGMOE_PREFILL_BUFFER": "1"}),
+        e2e.Config("bigmoe-32-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_PREFILL_BUFFER": "1"}),
+        e2e.Config("bigmoe-32-ram128-ssd-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50,
+                                                     "BIGMOE_PREFILL_BUFFER": "1"}),
     ]}
 
 

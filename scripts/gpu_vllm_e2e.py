@@ -17,6 +17,7 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram40                       40% of experts in VRAM slots, all in pinned RAM (CUDA graphs, BIGMOE_CUDA_GRAPHS=1)
     vram12-ram50-ssd             12.5% in VRAM, 50% in RAM, the SSD tier reads the checkpoint (CUDA graphs)
     vram40-layerbuf              vram40 with big steps run over one whole-layer buffer (BIGMOE_PREFILL_BUFFER=1)
+    vram12-ram50-ssd-layerbuf    vram12-ram50-ssd with that buffer (its experts gathered through the slots)
     unpaged-eager                the reference of eager runs
     vram40-eager-device          the device-driven pager (BIGMOE_CUDA_GRAPHS=1) without graphs
     vram40-eager-host            the host-driven pager, eager
@@ -94,6 +95,8 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(f"vram12-ram50-ssd ({vram12}/{ram50}, checkpoint)", {**ssd, **graphs}),
         # Prefill over one buffer of the whole layer (BIGMOE_PREFILL_BUFFER) instead of token ranges.
         Config(f"vram40-layerbuf ({vram40} slots, whole-layer prefill buffer)", {**vram, **graphs, "BIGMOE_PREFILL_BUFFER": "1"}),
+        Config(f"vram12-ram50-ssd-layerbuf ({vram12}/{ram50}, checkpoint, whole-layer prefill buffer)",
+               {**ssd, **graphs, "BIGMOE_PREFILL_BUFFER": "1"}),
         Config("unpaged-eager", eager=True, reference="unpaged-eager"),
         # Which half diverges: the device-driven pager without graphs, and the host-driven one.
         Config(f"vram40-eager-device ({vram40} slots)", {**vram, **graphs}, eager=True, reference="unpaged-eager"),

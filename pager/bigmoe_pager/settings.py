@@ -49,7 +49,7 @@ class PagerSettings:
     eviction: str = "lfu"
     """BIGMOE_EVICTION: lfu / lru: which unneeded expert a full tier of the device-driven pager evicts (lfu: fewest recent uses, counts halved every 256 steps; about a quarter fewer misses than lru on the standard trace). The host-driven pager is lru."""
     prefill_buffer: bool = False
-    """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, with every expert in RAM, a step too big for the VRAM slots (prefill) copies the experts it needs into one VRAM buffer of a whole layer's experts, shared by all layers, and runs there in one call; 0 = it runs in token ranges through the slots. Not yet run on a GPU."""
+    """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) gathers the experts it needs, each once (from RAM, or through the slots from SSD), into one VRAM buffer of a whole layer's experts shared by all layers (E x expert bytes), and runs there in one call; 0 = it runs in token ranges through the slots."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

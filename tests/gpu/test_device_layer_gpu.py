@@ -186,3 +186,47 @@ def test_a_big_step_fills_the_whole_layer_buffer_from_pinned_ram():
         got = wide["w2_weight"][expert].reshape(-1).view(torch.uint8).cpu()
         want = records[expert, c.offset : c.offset + c.nbytes] if expert in needed else torch.zeros_like(got)
         assert torch.equal(got, want), expert
+
+
+@pytest.mark.parametrize("vram,ram", [(8, 16), (16, 48)])
+def test_a_big_step_fills_the_whole_layer_buffer_through_the_slots_from_a_real_ssd_tier(tmp_path, vram, ram):
+    """BIGMOE_PREFILL_BUFFER over a partial RAM tier: the needed experts come from RAM or, read with
+    O_DIRECT by the real SSD service from a real checkpoint file, through the VRAM slots; each is read once."""
+    import sys
+    from pathlib import Path
+
+    from bigmoe_pager.core.odirect import odirect_works
+    from bigmoe_pager.core.ram_tier import ServiceFetch
+    from bigmoe_pager.core.ssd_service import SsdService
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from ssd_testkit import make_checkpoint
+
+    ok, why = odirect_works(tmp_path)
+    if not ok:
+        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
+    experts, k = 64, 8
+    ckpt = make_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=experts)
+    layout = ckpt.layout
+    records = torch.zeros((experts, layout.pitch), dtype=torch.uint8)
+    for e in range(experts):
+        records[e, : layout.record_bytes] = ckpt.reference(0, e)
+    layer = loaded(layout, records, vram, ram, "lfu")
+    service = SsdService(ckpt.store(), [layer.ram.records], io_workers=4, read_timeout_s=5.0, read_retries=1)
+    try:
+        layer.start(layout.slot_buffers(vram, "cuda"), ServiceFetch(service, 0))
+        rng = random.Random(vram)
+        ids = torch.tensor([rng.sample(range(56), k) for _ in range(300)], dtype=torch.int32, device="cuda")
+        wide = {name: torch.zeros_like(t) for name, t in layout.slot_buffers(experts, "cuda").items()}
+        layer.fill_layer_buffer(ids, wide)
+        torch.cuda.synchronize()
+        service.check()
+        needed = set(ids.flatten().tolist())
+        for expert in range(experts):
+            for c in layout.components:
+                got = wide[c.name][expert].reshape(-1).view(torch.uint8).cpu()
+                want = records[expert, c.offset : c.offset + c.nbytes] if expert in needed else torch.zeros_like(got)
+                assert torch.equal(got, want), (expert, c.name)
+        assert layer.counters()["ssd"].lookups == len(needed) - ram  # RAM residents first: no expert read twice
+    finally:
+        service.close()

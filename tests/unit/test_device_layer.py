@@ -123,10 +123,28 @@ def test_a_big_step_fills_the_whole_layer_buffer_with_exactly_the_experts_it_nee
     assert counts["ram"].bytes_moved == len(needed) * layout.record_bytes and counts["vram"].lookups == len(needed)
 
 
-def test_the_whole_layer_buffer_needs_every_expert_in_ram():
+@pytest.mark.parametrize("vram,ram", [(3, 6), (2, 2), (4, 11)])
+def test_over_a_partial_ram_tier_the_whole_layer_buffer_reads_each_needed_expert_once(vram, ram):
     layout = make_layout(True)
-    records = make_records(layout, 8, seed=5)
-    layer = loaded_layer(layout, records, vram=2, ram=4)
-    layer.start(layout.slot_buffers(2, "cpu"), FakeSsdService(records, layer.ram))
-    with pytest.raises(PagerError, match="full RAM tier"):
-        layer.fill_layer_buffer(torch.tensor([[0, 1]]), layout.slot_buffers(8, "cpu"))
+    experts, k = 12, 3
+    records = make_records(layout, experts, seed=5 + vram)
+    layer = loaded_layer(layout, records, vram, ram, warm=[0, 9, 4])
+    ssd = FakeSsdService(records, layer.ram)
+    layer.start(layout.slot_buffers(vram, "cpu"), ssd)
+    in_ram_before = {e for e in range(experts) if layer.ram_slot_for_load(e) is not None}
+    rng = random.Random(vram + ram)
+    ids = torch.tensor([rng.sample(range(10), k) for _ in range(25)], dtype=torch.int32)  # experts 10, 11 unused
+    wide = {name: torch.zeros_like(t) for name, t in layout.slot_buffers(experts, "cpu").items()}
+    layer.fill_layer_buffer(ids, wide)
+    needed = set(ids.flatten().tolist())
+    for expert in range(experts):
+        got = torch.cat([wide[c.name][expert].reshape(-1).view(torch.uint8) for c in layout.components])
+        if expert in needed:
+            assert torch.equal(got, record_bytes(layout, records, expert)), expert
+        else:
+            assert not got.any(), expert
+    assert ssd.reads == len(needed - in_ram_before)  # the RAM residents go first: nothing is read twice
+    # The slots are left consistent: a decode step after the big one still finds each expert in its slot.
+    step = torch.tensor([[1, 5]], dtype=torch.int32)  # fits the smallest slot count here
+    for expert, slot in zip(step.flatten().tolist(), layer.step(step).flatten().tolist()):
+        assert torch.equal(slot_bytes(layer, slot), record_bytes(layout, records, expert))

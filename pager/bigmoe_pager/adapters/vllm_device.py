@@ -5,7 +5,9 @@ pages with one fused kernel per layer and no host sync, so vLLM captures it in
 its CUDA graphs (FULL and PIECEWISE). vLLM only captures batches up to
 max_cudagraph_capture_size tokens; the plugin refuses to start when that times
 top-k exceeds a layer's slots. Bigger steps (prefill, large batches) run outside
-graphs: the ids are read on the host once and the step is cut into token ranges.
+graphs: the ids are read on the host once and the step is cut into token ranges,
+or (BIGMOE_PREFILL_BUFFER=1) the kernel runs once over a VRAM buffer of the whole
+layer, filled with the experts the step needs.
 
 Around the layers, per process: the SSD service (one for every layer, built at
 the first forward, after loading), and a thread that exports the counters to
@@ -111,9 +113,9 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
             raise vllm_glue.EngineModeError(
                 f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
                 f"the {pager.sizes.vram} VRAM slots; lower --max-cudagraph-capture-size")
-        if vllm_routing.settings().prefill_buffer and pager.ram.full:
-            return _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
         _check_ssd()
+        if vllm_routing.settings().prefill_buffer:
+            return _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
         outs = []
         for rows in pager.token_chunks(topk_ids):
             shared_in = shared_experts_input[rows] if shared_experts_input is not None else None

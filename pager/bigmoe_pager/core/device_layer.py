@@ -9,9 +9,10 @@ parameters, sized for S experts). Behind them a RamTier keeps R pinned records
     layer.start(buffers, ssd)            # after loading: check, attach the SSD tier, warm VRAM
     remapped = layer.step(topk_ids)      # a step whose ids fit the slots: no host sync, capturable
 
-A step with more ids than slots (prefill, big batches) runs outside graphs:
-`token_chunks(topk_ids)` reads the ids on the host and cuts consecutive token
-ranges whose distinct experts fit; each range is then a step of its own.
+A step with more ids than slots (prefill, big batches) runs outside graphs, either
+cut into token ranges (`token_chunks(topk_ids)` reads the ids on the host and cuts
+consecutive ranges whose distinct experts fit; each range is then a step of its own)
+or whole, over a buffer of all E experts that `fill_layer_buffer` fills.
 """
 
 from __future__ import annotations
@@ -107,18 +108,22 @@ class DeviceLayerPager:
         return self.pager.prepare(topk_ids).to(topk_ids.dtype)
 
     def fill_layer_buffer(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
-        """Copy every expert the step needs from RAM into `layer_buffers` at row = expert id (no host sync).
+        """Copy every expert the step needs into `layer_buffers` at row = expert id.
 
         layer_buffers: component buffers for all E experts (`layout.slot_buffers(E, device)`). The
         engine's kernel then runs the whole step over them with the router's own ids, exactly as
         the unpaged layer would, loading each needed expert once instead of once per token range.
-        Needs every expert in RAM (a full tier).
+        Over a full RAM tier: one copy kernel, no host sync. Over a partial one: the needed
+        experts pass through the VRAM slots S at a time (reading the ids: one host sync).
         """
         if self.pager is None:
             raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
-        if not self.ram.full:
-            raise PagerError(f"layer {self.layer}: a full-layer buffer is filled from a full RAM tier; this one holds "
-                             f"{self.sizes.ram} of {self.sizes.experts} experts")
+        if self.ram.full:
+            self._fill_from_ram(topk_ids, layer_buffers)
+        else:
+            self._fill_through_slots(topk_ids, layer_buffers)
+
+    def _fill_from_ram(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
         experts = self.sizes.experts
         ids = topk_ids.reshape(-1).long()
         valid = (ids >= 0) & (ids < experts)
@@ -130,6 +135,25 @@ class DeviceLayerPager:
         # Counted as misses served by RAM: the buffer is refilled whatever the slots hold.
         self.stats_table.tier(self.layer, "vram").add(lookups=count, misses=count, bytes=count * self.layout.record_bytes)
         self.stats_table.tier(self.layer, "ram").add(lookups=count, hits=count)
+
+    def _fill_through_slots(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
+        """Each needed expert is made resident once (RAM or SSD), then copied from its slot into the buffer.
+
+        Experts already in VRAM go first, then those in RAM, then those only on SSD: the SSD reads
+        come last, so the records they evict from RAM are ones this step has already copied.
+        """
+        self._wait(topk_ids.device)
+        ids = topk_ids.reshape(-1).long()
+        needed = torch.unique(ids[(ids >= 0) & (ids < self.sizes.experts)])
+        in_vram = self.pager.vram.expert_slot[needed] >= 0
+        in_ram = self.ram.table.expert_slot[needed] >= 0
+        needed = needed[torch.argsort(2 - in_vram.long() - in_ram.long(), stable=True)]
+        for group in needed.split(self.sizes.vram):
+            slots = self.pager.prepare(group.view(1, -1)).view(-1)
+            for name, slot_buffer in self.buffers.items():
+                # as bytes: index_copy_ has no FP8 kernel on every device
+                layer_buffers[name].view(torch.uint8).index_copy_(0, group, slot_buffer.view(torch.uint8).index_select(0, slots))
+            self.settle()  # its SSD reads are answered by host threads, which need the GIL
 
     def token_chunks(self, topk_ids: torch.Tensor) -> list[slice]:
         """Consecutive token ranges whose distinct experts fit in the slots (reads the ids: one host sync)."""
