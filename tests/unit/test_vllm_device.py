@@ -95,3 +95,31 @@ def test_a_whole_layer_step_runs_the_kernel_over_every_expert_with_the_routers_i
         assert torch.equal(seen["w2"][expert].reshape(-1).view(torch.uint8), records[expert, c.offset : c.offset + c.nbytes])
     assert all(getattr(layer, name).data_ptr() == t.data_ptr() and getattr(layer, name).shape == t.shape
                for name, t in slots.items())
+
+
+def test_a_chunked_step_calls_vllms_kernel_only_after_its_range_has_settled():
+    """With an SSD tier the GPU waits inside a range's paging for host threads that need the GIL;
+    vLLM's kernel call may block on the GPU holding the GIL, so no range may still be paging then."""
+    import torch
+
+    events = []
+
+    class Pager:
+        def token_chunks(self, ids):
+            return [slice(0, 2), slice(2, 3)]
+
+        def step(self, ids):
+            events.append(("step", ids.shape[0]))
+            return ids
+
+        def settle(self):
+            events.append(("settle",))
+
+    def kernel(x, weights, ids, shared, shared_in):
+        events.append(("kernel", x.shape[0]))
+        return x
+
+    x = torch.arange(6.0).reshape(3, 2)
+    out = vllm_device._chunked_step(Pager(), x, torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32), None, None, kernel)
+    assert torch.equal(out, x)
+    assert events == [("step", 2), ("settle",), ("kernel", 2), ("step", 1), ("settle",), ("kernel", 1)]

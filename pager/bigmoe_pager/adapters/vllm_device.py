@@ -116,11 +116,22 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
         _check_ssd()
         if vllm_routing.settings().prefill_buffer:
             return _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
-        outs = []
-        for rows in pager.token_chunks(topk_ids):
-            shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
-            outs.append(kernel(x[rows], topk_weights[rows], pager.step(topk_ids[rows]), shared_experts, shared_in))
-            pager.settle()  # with an SSD tier: its reads must not wait behind a GIL-holding call of the engine
+        return _chunked_step(pager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
+
+
+def _chunked_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
+    """A big step in token ranges whose experts fit the slots; each range's paging settles before vLLM's kernel runs.
+
+    With an SSD tier the GPU waits inside a range's paging for reads that host threads answer,
+    and they need the GIL. vLLM's kernel call can block on the GPU while holding it (seen at 40
+    layers: a 31 s stall in the profile run), so it is only called once no read is outstanding.
+    """
+    outs = []
+    for rows in pager.token_chunks(topk_ids):
+        slot_ids = pager.step(topk_ids[rows])
+        pager.settle()
+        shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
+        outs.append(kernel(x[rows], topk_weights[rows], slot_ids, shared_experts, shared_in))
     return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 
 
