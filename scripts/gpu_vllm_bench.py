@@ -17,10 +17,11 @@ experts 0-7).
 
     resident             every expert in VRAM
     offload17            --cpu-offload-gb 17 --cpu-offload-params w13_weight w2_weight
-    bigmoe-102           102 VRAM slots per layer (40%), every expert in pinned RAM
-    bigmoe-32            32 VRAM slots per layer (12.5%), every expert in pinned RAM
-    bigmoe-32-ram128-ssd 32 VRAM slots, 128 RAM slots, the rest read from the checkpoint on SSD
-    bigmoe-102-layerbuf  bigmoe-102 with prefill over one whole-layer VRAM buffer (BIGMOE_PREFILL_BUFFER=1)
+    bigmoe-102           102 VRAM slots per layer (40%), every expert in pinned RAM; prefill in token ranges
+    bigmoe-32            32 VRAM slots per layer (12.5%), every expert in pinned RAM; prefill in token ranges
+    bigmoe-32-ram128-ssd 32 VRAM slots, 128 RAM slots, the rest read from the checkpoint on SSD; token ranges
+    bigmoe-102-layerbuf  bigmoe-102 with prefill over one whole-layer VRAM buffer (BIGMOE_PREFILL_BUFFER=1,
+                         the plugin's default since session 4)
     bigmoe-32-layerbuf   bigmoe-32 with that buffer
     bigmoe-32-ram128-ssd-layerbuf  bigmoe-32-ram128-ssd with that buffer (experts gathered through the slots)
 
@@ -55,17 +56,17 @@ def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
     """Named for the 256-expert model (102 = 40%, 32 = 1/8, 128 = 1/2 of the experts); the same shares otherwise."""
     replay = {"BIGMOE_ROUTE_REPLAY": str(trace)}
     paged = {**replay, "BIGMOE_PAGER": "1", "BIGMOE_CUDA_GRAPHS": "1"}
+    ranges, layerbuf = {"BIGMOE_PREFILL_BUFFER": "0"}, {"BIGMOE_PREFILL_BUFFER": "1"}
     s40, s12, s50 = str(round(0.4 * experts)), str(experts // 8), str(experts // 2)
     return {c.name: c for c in [
         e2e.Config("resident", replay),
         e2e.Config("offload17", replay),
-        e2e.Config("bigmoe-102", {**paged, "BIGMOE_VRAM_SLOTS": s40}),
-        e2e.Config("bigmoe-32", {**paged, "BIGMOE_VRAM_SLOTS": s12}),
-        e2e.Config("bigmoe-32-ram128-ssd", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50}),
-        e2e.Config("bigmoe-102-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s40, "BIGMOE_PREFILL_BUFFER": "1"}),
-        e2e.Config("bigmoe-32-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_PREFILL_BUFFER": "1"}),
-        e2e.Config("bigmoe-32-ram128-ssd-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50,
-                                                     "BIGMOE_PREFILL_BUFFER": "1"}),
+        e2e.Config("bigmoe-102", {**paged, "BIGMOE_VRAM_SLOTS": s40, **ranges}),
+        e2e.Config("bigmoe-32", {**paged, "BIGMOE_VRAM_SLOTS": s12, **ranges}),
+        e2e.Config("bigmoe-32-ram128-ssd", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50, **ranges}),
+        e2e.Config("bigmoe-102-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s40, **layerbuf}),
+        e2e.Config("bigmoe-32-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, **layerbuf}),
+        e2e.Config("bigmoe-32-ram128-ssd-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50, **layerbuf}),
     ]}
 
 

@@ -86,7 +86,7 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
     vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
     ssd = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)}
     vram = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram40)}
-    graphs = {"BIGMOE_CUDA_GRAPHS": "1"}
+    graphs = {"BIGMOE_CUDA_GRAPHS": "1", "BIGMOE_PREFILL_BUFFER": "0"}  # big steps in token ranges; -layerbuf: the buffer
     return [
         Config("unpaged", reference="unpaged"),
         # The engine's own reproducibility: batch-4 greedy tokens of two unpaged runs on two machines differed.

@@ -58,6 +58,8 @@ class Overrides:
     """Keep a refused plan runnable; the refusal stays recorded."""
     cuda_graphs: bool = True
     """On CUDA: the device-driven pager with decode in CUDA graphs (False: the host-driven one in eager mode)."""
+    prefill_buffer: bool | None = None
+    """On CUDA, device-driven: a VRAM buffer of one whole layer's experts for prefill (None = when VRAM allows it)."""
 
 
 def check_overrides(preset: Preset, ov: Overrides) -> None:

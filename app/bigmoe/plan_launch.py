@@ -55,12 +55,14 @@ def max_seqs_of(preset: Preset) -> int:
 
 def pager_settings(
     pager: bool, vram_slots: int, ram_slots: int, experts: int, paging_file: str | None, compress: bool, ngram: bool,
-    host_driven: bool = False,
+    host_driven: bool = False, prefill_buffer: bool = True,
 ) -> PagerSettings:
-    """host_driven: on CUDA, page from the host in eager mode (BIGMOE_CUDA_GRAPHS=0) instead of the default."""
+    """host_driven: on CUDA, page from the host in eager mode (BIGMOE_CUDA_GRAPHS=0) instead of the default.
+    prefill_buffer: the device-driven pager's whole-layer VRAM buffer for big steps (the plan reserved its VRAM)."""
     return PagerSettings(
         enabled=pager,
         cuda_graphs=not (pager and host_driven),
+        prefill_buffer=prefill_buffer,
         vram_slots=(vram_slots,) if pager else (),
         ram_slots=(ram_slots,) if pager and ram_slots < experts else (),
         paging_file=Path(paging_file) if paging_file else None,

@@ -48,8 +48,8 @@ class PagerSettings:
     """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (start it with --max-cudagraph-capture-size <= VRAM slots / top-k, or --enforce-eager); 0 = host-driven, needs --enforce-eager. A compressed paging file is always host-driven."""
     eviction: str = "lfu"
     """BIGMOE_EVICTION: lfu / lru: which unneeded expert a full tier of the device-driven pager evicts (lfu: fewest recent uses, counts halved every 256 steps; about a quarter fewer misses than lru on the standard trace). The host-driven pager is lru."""
-    prefill_buffer: bool = False
-    """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) gathers the experts it needs, each once (from RAM, or through the slots from SSD), into one VRAM buffer of a whole layer's experts shared by all layers (E x expert bytes), and runs there in one call; 0 = it runs in token ranges through the slots."""
+    prefill_buffer: bool = True
+    """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) gathers the experts it needs, each once (from RAM, or through the slots from SSD), into one VRAM buffer of a whole layer's experts shared by all layers (E x expert bytes), and runs there in one call (measured on the H200: 7x lower TTFT, same tokens); 0 = it runs in token ranges through the slots. The device-driven pager only."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

@@ -313,3 +313,35 @@ def test_cuda_graphs_asks_for_the_device_driven_pager_and_a_capture_size_that_fi
     else:
         assert "--enforce-eager" in p.argv and "--max-cudagraph-capture-size" not in p.argv
         assert "host-driven" in p.reasons["argv"]
+
+
+def _vram_row(p, name: str):
+    vram = next(t for t in p.memory if t.tier == "VRAM")
+    return next((r for r in vram.rows if r.item == name), None)
+
+
+# (machine, preset, overrides) -> prefill buffer planned?
+PREFILL = [
+    ("rtx4090-wsl2", "qwen3.6-35b-a3b", {}, True),  # device-driven, VRAM to spare
+    ("rtx4090-wsl2", "qwen3.6-35b-a3b", {"prefill_buffer": False}, False),
+    ("rtx4090-wsl2", "qwen3.6-35b-a3b", {"cuda_graphs": False}, False),  # host-driven: token ranges
+    ("rtx4090-wsl2", "qwen3.8-flash-next", {}, False),  # compressed SSD tier: host-driven
+    ("h200", "qwen3.6-35b-a3b", {}, False),  # every expert resident: nothing paged
+    ("hdd-only", "qwen3.6-35b-a3b", {}, True),
+]
+
+
+@pytest.mark.parametrize("machine_name, preset_name, more, planned", PREFILL, ids=str)
+def test_the_prefill_buffer_is_reserved_in_vram_when_the_device_driven_pager_uses_it(machine_name, preset_name, more, planned):
+    p = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name, **more))
+    row = _vram_row(p, "prefill buffer")
+    device_driven = p.pager and p.settings.cuda_graphs
+    assert p.settings.prefill_buffer is (planned or not device_driven)  # only the device-driven pager reads it
+    assert (row is not None) is planned
+    assert p.reasons["prefill_buffer"]
+    if planned:
+        assert row.bytes == p.experts * p.expert_bytes
+        assert "BIGMOE_PREFILL_BUFFER" not in p.env  # the plugin's default
+        without = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name, prefill_buffer=False))
+        assert without.vram_slots > p.vram_slots  # its VRAM comes out of the slots
+        assert without.env["BIGMOE_PREFILL_BUFFER"] == "0"
