@@ -123,3 +123,27 @@ def test_a_chunked_step_calls_vllms_kernel_only_after_its_range_has_settled():
     out = vllm_device._chunked_step(Pager(), x, torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32), None, None, kernel)
     assert torch.equal(out, x)
     assert events == [("step", 2), ("settle",), ("kernel", 2), ("step", 1), ("settle",), ("kernel", 1)]
+
+
+def test_an_eager_step_that_fits_settles_before_vllms_kernel_too():
+    """--enforce-eager with the device-driven pager: decode steps run outside graphs, so the same
+    GIL hazard applies (a replayed graph never calls the adapter)."""
+    import torch
+
+    events = []
+
+    class Pager:
+        def step(self, ids):
+            events.append("step")
+            return ids
+
+        def settle(self):
+            events.append("settle")
+
+    def kernel(x, weights, ids, shared, shared_in):
+        events.append("kernel")
+        return x
+
+    x = torch.ones(1, 2)
+    assert vllm_device._fitting_step(Pager(), x, torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32), None, None, kernel) is x
+    assert events == ["step", "settle", "kernel"]

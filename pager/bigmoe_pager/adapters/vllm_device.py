@@ -108,7 +108,7 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
         _state["mirror"].copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
     with vllm_glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
         if pager.fits(topk_ids):
-            return kernel(x, topk_weights, pager.step(topk_ids), shared_experts, shared_experts_input)
+            return _fitting_step(pager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
         if torch.cuda.is_current_stream_capturing():
             raise vllm_glue.EngineModeError(
                 f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
@@ -117,6 +117,14 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
         if vllm_routing.settings().prefill_buffer:
             return _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
         return _chunked_step(pager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
+
+
+def _fitting_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
+    """A step whose ids fit the slots: captured into vLLM's graph, or (eager) settled before vLLM's kernel runs."""
+    slot_ids = pager.step(topk_ids)
+    if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        pager.settle()  # as in _chunked_step; a replayed graph never comes here
+    return kernel(x, topk_weights, slot_ids, shared_experts, shared_experts_input)
 
 
 def _chunked_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
