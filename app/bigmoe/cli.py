@@ -34,7 +34,7 @@ def cli() -> None:
 @click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Use this checkpoint directory instead of fetching.")
 @click.option("--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer (beats the plan).")
 @click.option("--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer (beats the plan).")
-@click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for RAM/SSD tiers.")
+@click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).")
 @click.option("--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the SSD tier's paging file.")
 @click.option("--context", type=click.IntRange(128), default=None, help="Context length (tokens).")
 @click.option("--force", is_flag=True, help="Launch a plan the estimator refused.")

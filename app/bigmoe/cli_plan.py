@@ -53,7 +53,7 @@ def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bo
 @click.option("--context", type=click.IntRange(1), default=None, help="Context length (tokens).")
 @click.option("--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer.")
 @click.option("--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer.")
-@click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the RAM and SSD tiers.")
+@click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).")
 @click.option("--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the paging file.")
 @click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Plan for this checkpoint directory (its config.json gives the architecture numbers).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")

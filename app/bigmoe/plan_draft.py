@@ -157,7 +157,8 @@ class Draft:
             return False, (f"off: its {gib(buffer)} would leave fewer than {2 * arch.top_k} VRAM slots per layer; "
                            "big steps run in token ranges through the slots")
         return True, (f"on: {gib(buffer)} of VRAM ({buffer / per_slot:.1f} slots per layer) lets a prefill load each "
-                      "expert once per layer instead of once per token range (7x lower TTFT on the H200, docs/benchmarks.md)")
+                      "expert once per layer instead of once per token range (7x lower TTFT on the H200, docs/benchmarks.md; "
+                      "--no-prefill-buffer gives the slots back)")
 
     def _vram_others(self, gpu: Gpu, total: int) -> MemoryRow:
         if not gpu.stated and isinstance(gpu.vram_free_bytes, int):
@@ -239,10 +240,10 @@ class Draft:
 
     def _size_ram_tier(self, rows: list[MemoryRow], left: int) -> None:
         arch = self.preset.arch
-        raw_fit = max(0, min(arch.experts, left // (arch.moe_layers * self.eb)))  # == _ram_raw_fit()
-        self.compress, self.reasons["compress"] = self._choose_compress(raw_fit)
-        stored = self.stored_bytes
-        fit = max(0, min(arch.experts, left // (arch.moe_layers * stored)))
+        # RAM holds raw records: both pagers expand a compressed record as it enters RAM.
+        fit = max(0, min(arch.experts, left // (arch.moe_layers * self.eb)))  # == _ram_raw_fit()
+        self.compress, self.reasons["compress"] = self._choose_compress(fit)
+        stored = self.eb
         self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
         if self.ov.ram_slots is None and self.ram_slots < self.vram_slots:
             self.ram_slots = self.vram_slots
@@ -253,33 +254,41 @@ class Draft:
         self.reasons["ram_slots"] = why + (" (pinned)" if self.device == "cuda" else "")
         pinned = self.ram_slots * arch.moe_layers * stored
         rows.append(MemoryRow("expert RAM slots", pinned, f"{self.ram_slots} x {arch.moe_layers} layers x "
-                              f"{stored / MIB:.2f} MiB" + (" compressed" if self.compress else "")))
+                              f"{stored / MIB:.2f} MiB" + (" (compressed records are expanded as they enter RAM)"
+                                                           if self.compress else "")))
         limit = self.hw.memlock_bytes
         if self.device == "cuda" and isinstance(limit, int) and limit < pinned:
             self.notes.append(f"ulimit -l is {limit // 1024} KiB, below the {gib(pinned)} pinned RAM tier: CUDA pins through "
                               "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails")
 
     @property
-    def stored_bytes(self) -> int:
-        """Bytes of one expert as RAM and SSD hold it."""
+    def ssd_record_bytes(self) -> int:
+        """Bytes of one expert as the SSD tier holds it (RAM always holds it raw)."""
         return math.ceil(self.eb * CODEC_RATIO) if self.compress else self.eb
 
     def _choose_compress(self, raw_fit: int) -> tuple[bool, str]:
+        """Whether the SSD tier reads a compressed paging file (raw_fit: raw expert slots per layer in RAM)."""
         arch = self.preset.arch
         if self.ov.compress in ("on", "off"):
             return self.ov.compress == "on", f"set by --compress {self.ov.compress}"
         if self.dtype != "fp8":
             return False, "off: the codec compresses FP8 experts only"
         if raw_fit >= arch.experts:
-            return False, "off: RAM holds every expert uncompressed, so nothing is read from SSD"
+            return False, "off: RAM holds every expert, so nothing is read from SSD"
+        if self.device == "cuda" and self.ov.cuda_graphs:
+            return False, ("off: only the host-driven pager (eager) reads compressed records, and on the H200 it ran "
+                           "2.3x slower per token than the device-driven one in CUDA graphs reading raw records from "
+                           f"SSD (docs/benchmarks.md); compression would save {1 - CODEC_RATIO:.0%} of SSD bytes "
+                           "(--compress on takes that trade)")
         paging = self.paging_disk()
         need = self.paging_bytes + (0 if self.same_disk(paging, self.model_disk()) is False else self._checkpoint_new_bytes())
         if paging is not None and isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
             return False, f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; the SSD tier reads the checkpoint"
         if paging is not None and (paging.windows_drive is True or paging.kind == "hdd"):
             return False, f"off: the paging directory is on {'a Windows drive' if paging.windows_drive is True else 'an HDD'}"
-        return True, (f"on: RAM holds {raw_fit} of {arch.experts} experts per layer uncompressed, more compressed "
-                      f"(ratio {CODEC_RATIO}, assumed), and SSD reads shrink by {1 - CODEC_RATIO:.0%}")
+        return True, (f"on: RAM holds {raw_fit} of {arch.experts} experts per layer, the rest come from SSD, and "
+                      f"compressed records (ratio {CODEC_RATIO}, assumed) shrink those reads by {1 - CODEC_RATIO:.0%}; "
+                      "each is expanded as it enters RAM")
 
     @property
     def paging_bytes(self) -> int:
@@ -342,7 +351,8 @@ class Draft:
         speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk())
         expected = estimate(
             speeds, self.device, layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
-            resident_bytes=arch.dense_bytes + arch.moe_layers * arch.top_k * self.eb, stored_bytes=self.stored_bytes,
+            resident_bytes=arch.dense_bytes + arch.moe_layers * arch.top_k * self.eb, record_bytes=self.eb,
+            ssd_record_bytes=self.ssd_record_bytes, eager=self.pager and not graphs,
             vram_slots=self.vram_slots, ram_slots=self.ram_slots if self.pager else arch.experts,
         )
         wsl2 = self.device == "cuda" and self.hw.wsl2 is True

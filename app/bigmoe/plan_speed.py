@@ -38,6 +38,9 @@ DECODE_EFFICIENCY = 0.6
 """Assumed share of memory bandwidth a decode step reaches on resident weights."""
 STEP_OVERHEAD_MS = {"cuda": 2.0, "cpu": 5.0}
 """Assumed per-token cost outside weight reads (scheduler, sampling, launches), in ms."""
+EAGER_LAYER_MS = 1.4
+"""Extra ms per decoder layer and token when vLLM runs eager instead of replaying CUDA graphs: measured
+on the H200 with vLLM 0.25.1, unpaged, 2 layers (TPOT 4.92 eager vs 2.16 ms, docs/benchmarks.md)."""
 HIT_EXPONENTS = (0.3, 0.6)
 """Assumed LRU hit rate of a tier holding fraction f of a layer's experts: f**a, for an
 optimistic and a pessimistic a (decode reuses experts across neighbouring tokens)."""
@@ -133,20 +136,23 @@ def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
 
 def estimate(
     speeds: Speeds, device: str, *, layers: int, experts: int, top_k: int, resident_bytes: int,
-    stored_bytes: int, vram_slots: int, ram_slots: int,
+    record_bytes: int, ssd_record_bytes: int, vram_slots: int, ram_slots: int, eager: bool = False,
 ) -> Estimate:
     """Expected TPOT: resident reads at memory bandwidth, plus VRAM misses over PCIe, plus
     RAM misses from the SSD (the pessimistic end adds them; the optimistic end overlaps them).
     `resident_bytes` are the weights one token reads when every expert is resident;
-    `stored_bytes` one expert as RAM and SSD hold it (compressed or not)."""
+    `record_bytes` one expert as RAM holds it and PCIe moves it (raw); `ssd_record_bytes` as the
+    SSD tier holds it (compressed or not). `eager`: a CUDA run without graphs (EAGER_LAYER_MS per layer)."""
     base_ms = resident_bytes / (speeds.memory_gbps * GB) * MS_PER_S + STEP_OVERHEAD_MS[device]
+    if eager and device == "cuda":
+        base_ms += EAGER_LAYER_MS * layers
     lookups = layers * top_k
     results = []
     for exponent in HIT_EXPONENTS:
         vram_hit = _hit(vram_slots, experts, exponent)
         ram_hit = max(vram_hit, _hit(ram_slots, experts, exponent))
-        pcie_bytes = lookups * (1 - vram_hit) * stored_bytes if vram_slots < experts else 0.0
-        ssd_bytes = lookups * (1 - ram_hit) * stored_bytes
+        pcie_bytes = lookups * (1 - vram_hit) * record_bytes if vram_slots < experts else 0.0
+        ssd_bytes = lookups * (1 - ram_hit) * ssd_record_bytes
         pcie_ms = pcie_bytes / (speeds.pcie_gbps * GB) * MS_PER_S if pcie_bytes else 0.0
         ssd_ms = ssd_bytes / (speeds.disk_gbps * GB) * MS_PER_S if ssd_bytes else 0.0
         results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, pcie_ms, ssd_ms))

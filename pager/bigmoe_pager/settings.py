@@ -37,7 +37,7 @@ class PagerSettings:
     paging_file: Path | None = None
     """BIGMOE_PAGING_FILE: paging file the SSD tier reads; unset = read the checkpoint's safetensors in place."""
     compress: str = "auto"
-    """BIGMOE_COMPRESS: on / off / auto: lossless FP8 codec for RAM and SSD records (auto = on when a paging file is used)."""
+    """BIGMOE_COMPRESS: on / off / auto: lossless FP8 codec for the paging file's records (auto = on when a paging file is used); records are expanded as they enter RAM."""
     io_workers: int = 4
     """BIGMOE_IO_WORKERS: host threads reading experts from SSD."""
     read_timeout_s: float = 10.0

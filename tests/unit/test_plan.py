@@ -36,9 +36,9 @@ def dirs(name: str, **more) -> Overrides:
 EXPECTED = {
     ("rtx4090-wsl2", "tiny-moe"): (None, "cuda", False, "none", False),
     ("rtx4090-wsl2", "qwen3.6-35b-a3b"): (None, "cuda", True, "none", False),
-    ("rtx4090-wsl2", "qwen3.8-flash-next"): (None, "cuda", True, "paging file", True),
+    ("rtx4090-wsl2", "qwen3.8-flash-next"): (None, "cuda", True, "checkpoint", False),
     ("rtx3060-32g", "tiny-moe"): (None, "cuda", False, "none", False),
-    ("rtx3060-32g", "qwen3.6-35b-a3b"): (None, "cuda", True, "paging file", True),
+    ("rtx3060-32g", "qwen3.6-35b-a3b"): (None, "cuda", True, "checkpoint", False),
     ("rtx3060-32g", "qwen3.8-flash-next"): ("too little VRAM for the dense weights", "cuda", True, None, None),
     ("h200", "tiny-moe"): (None, "cuda", False, "none", False),
     ("h200", "qwen3.6-35b-a3b"): (None, "cuda", False, "none", False),
@@ -95,7 +95,8 @@ def test_the_reference_job_on_a_4090_under_wsl2():
     assert p.top_k < p.vram_slots < p.ram_slots < p.experts
     assert p.env["VLLM_WSL2_ENABLE_PIN_MEMORY"] == "1"
     assert p.env["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1" and "--language-model-only" in p.argv
-    assert p.settings.ngram and p.settings.use_codec() and p.paging_file.startswith("/home/me/paging/")
+    assert p.settings.ngram and p.settings.cuda_graphs and p.settings.prefill_buffer
+    assert not p.settings.use_codec() and p.ssd_source == "checkpoint"  # the device-driven pager reads raw records
     vram = next(t for t in p.memory if t.tier == "VRAM")
     assert vram.capacity_bytes - vram.used_bytes < p.layers * presets.load("qwen3.8-flash-next").arch.expert_bytes_fp8
     assert any("assumed" in a for a in p.assumptions)
@@ -142,13 +143,13 @@ def test_unsafe_plans_are_refused_and_force_records_it(machine_name, overrides, 
 
 def test_no_o_direct_on_the_ssd_tier_is_refused():
     hw = with_disk(machine("rtx4090-wsl2"), "/home/me/paging", o_direct=False, o_direct_basis="open(x, O_DIRECT) failed: Invalid argument")
-    p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))
+    p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2", compress="on"))
     assert p.ssd_source == "paging file" and "O_DIRECT reads do not work" in p.refusal
 
 
 def test_no_room_for_a_paging_file_reads_the_checkpoint_instead():
     hw = with_disk(machine("rtx3060-32g"), "/home/me/paging", free_bytes=20 * GIB)
-    p = plan(hw, presets.load("qwen3.6-35b-a3b"), dirs("rtx3060-32g"))
+    p = plan(hw, presets.load("qwen3.6-35b-a3b"), dirs("rtx3060-32g", cuda_graphs=False))  # host-driven: would compress
     assert (p.compress, p.ssd_source, p.paging_file) == (False, "checkpoint", None)
     assert "no room" in p.reasons["compress"] and p.refusals == ()
 
@@ -295,8 +296,8 @@ def test_a_cpu_run_can_page_when_asked():
 @pytest.mark.parametrize("machine_name, preset_name, cuda_graphs, graphs_expected", [
     ("rtx4090-wsl2", "qwen3.6-35b-a3b", False, False),  # --eager: the host-driven pager
     ("rtx4090-wsl2", "qwen3.6-35b-a3b", None, True),  # the default; all experts in RAM, raw records: device-driven
-    ("rtx4090-wsl2", "qwen3.8-flash-next", True, False),  # compressed paging file: host-driven only
-    ("rtx3060-32g", "qwen3.6-35b-a3b", True, False),
+    ("rtx4090-wsl2", "qwen3.8-flash-next", None, True),  # the reference job: raw SSD reads, device-driven
+    ("rtx3060-32g", "qwen3.6-35b-a3b", True, True),
 ])
 def test_cuda_graphs_asks_for_the_device_driven_pager_and_a_capture_size_that_fits(
         machine_name, preset_name, cuda_graphs, graphs_expected):
@@ -325,7 +326,8 @@ PREFILL = [
     ("rtx4090-wsl2", "qwen3.6-35b-a3b", {}, True),  # device-driven, VRAM to spare
     ("rtx4090-wsl2", "qwen3.6-35b-a3b", {"prefill_buffer": False}, False),
     ("rtx4090-wsl2", "qwen3.6-35b-a3b", {"cuda_graphs": False}, False),  # host-driven: token ranges
-    ("rtx4090-wsl2", "qwen3.8-flash-next", {}, False),  # compressed SSD tier: host-driven
+    ("rtx4090-wsl2", "qwen3.8-flash-next", {}, True),  # 2.3 GiB: under a quarter of the slots' VRAM
+    ("rtx4090-wsl2", "qwen3.8-flash-next", {"compress": "on"}, False),  # compressed SSD tier: host-driven
     ("h200", "qwen3.6-35b-a3b", {}, False),  # every expert resident: nothing paged
     ("hdd-only", "qwen3.6-35b-a3b", {}, True),
 ]
@@ -345,3 +347,25 @@ def test_the_prefill_buffer_is_reserved_in_vram_when_the_device_driven_pager_use
         without = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name, prefill_buffer=False))
         assert without.vram_slots > p.vram_slots  # its VRAM comes out of the slots
         assert without.env["BIGMOE_PREFILL_BUFFER"] == "0"
+
+
+@pytest.mark.parametrize("compress", ["on", "off"])
+def test_the_ram_tier_is_planned_at_raw_record_bytes_whatever_the_ssd_tier_holds(compress):
+    """Both pagers expand a compressed record as it enters RAM: compression shrinks SSD bytes, not RAM."""
+    preset = presets.load("qwen3.8-flash-next")
+    p = plan(machine("rtx4090-wsl2"), preset, dirs("rtx4090-wsl2", compress=compress))
+    ram = next(t for t in p.memory if t.tier == "RAM")
+    row = next(r for r in ram.rows if r.item == "expert RAM slots")
+    assert row.bytes == p.ram_slots * p.layers * p.expert_bytes
+    assert ram.used_bytes <= ram.capacity_bytes
+    assert p.compress is (compress == "on") and (p.ssd_source == "paging file") is (compress == "on")
+
+
+def test_compression_is_off_by_default_for_the_device_driven_pager_and_on_for_the_host_driven_one():
+    preset = presets.load("qwen3.8-flash-next")
+    graphs = plan(machine("rtx4090-wsl2"), preset, dirs("rtx4090-wsl2"))
+    eager = plan(machine("rtx4090-wsl2"), preset, dirs("rtx4090-wsl2", cuda_graphs=False))
+    assert not graphs.compress and "host-driven" in graphs.reasons["compress"]
+    assert eager.compress and "expanded as it enters RAM" in eager.reasons["compress"]
+    assert eager.ram_slots == graphs.ram_slots  # compression buys no RAM slots
+    assert graphs.estimate.tpot_ms[0] < eager.estimate.tpot_ms[0]  # eager pays vLLM's per-layer overhead
