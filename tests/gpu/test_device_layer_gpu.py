@@ -30,6 +30,26 @@ def loaded(layout: ExpertLayout, records: torch.Tensor, vram: int, ram: int, pol
     return layer
 
 
+def one_layer_on_disk(tmp_path, experts: int):
+    """A one-layer FP8 checkpoint written under tmp_path (skips where O_DIRECT fails there) and its records."""
+    import sys
+    from pathlib import Path
+
+    from bigmoe_pager.core.odirect import odirect_works
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from ssd_testkit import make_checkpoint
+
+    ok, why = odirect_works(tmp_path)
+    if not ok:
+        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
+    ckpt = make_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=experts)
+    records = torch.zeros((experts, ckpt.layout.pitch), dtype=torch.uint8)
+    for e in range(experts):
+        records[e, : ckpt.layout.record_bytes] = ckpt.reference(0, e)
+    return ckpt, records
+
+
 class RecordsSsd:
     """The SSD tier's role played from host memory: the GPU test checks graph replay, not the disk
     (tests/gpu/test_ssd_gpu.py runs the real service against a real file)."""
@@ -126,25 +146,15 @@ def test_a_settled_chunked_step_leaves_no_ssd_read_behind_a_gil_holding_wait(tmp
     into a full queue or a device-to-host copy). The SSD reads are answered by host threads that
     need the GIL, so every chunk is settled first: no read of the step may be left pending."""
     import ctypes
-    import sys
-    from pathlib import Path
 
-    from bigmoe_pager.core.odirect import odirect_works
     from bigmoe_pager.core.ram_tier import ServiceFetch
     from bigmoe_pager.core.ssd_service import SsdService
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from ssd_testkit import FakeFaultyIO, make_checkpoint
-
-    ok, why = odirect_works(tmp_path)
-    if not ok:
-        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
     experts, vram, ram, k = 64, 8, 16, 4
-    ckpt = make_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=experts)
+    ckpt, records = one_layer_on_disk(tmp_path, experts)
+    from ssd_testkit import FakeFaultyIO  # on the path once one_layer_on_disk ran
+
     layout = ckpt.layout
-    records = torch.zeros((experts, layout.pitch), dtype=torch.uint8)
-    for e in range(experts):
-        records[e, : layout.record_bytes] = ckpt.reference(0, e)
     layer = loaded(layout, records, vram, ram, "lfu")
     slow_disk = FakeFaultyIO(then="slow", delay_s=0.02)  # 20 ms a read: the GPU falls behind the launches
     service = SsdService(ckpt.store(io=slow_disk), [layer.ram.records], io_workers=4, read_timeout_s=1.0, read_retries=0)
@@ -192,25 +202,12 @@ def test_a_big_step_fills_the_whole_layer_buffer_from_pinned_ram():
 def test_a_big_step_fills_the_whole_layer_buffer_through_the_slots_from_a_real_ssd_tier(tmp_path, vram, ram):
     """BIGMOE_PREFILL_BUFFER over a partial RAM tier: the needed experts come from RAM or, read with
     O_DIRECT by the real SSD service from a real checkpoint file, through the VRAM slots; each is read once."""
-    import sys
-    from pathlib import Path
-
-    from bigmoe_pager.core.odirect import odirect_works
     from bigmoe_pager.core.ram_tier import ServiceFetch
     from bigmoe_pager.core.ssd_service import SsdService
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from ssd_testkit import make_checkpoint
-
-    ok, why = odirect_works(tmp_path)
-    if not ok:
-        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
     experts, k = 64, 8
-    ckpt = make_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=experts)
+    ckpt, records = one_layer_on_disk(tmp_path, experts)
     layout = ckpt.layout
-    records = torch.zeros((experts, layout.pitch), dtype=torch.uint8)
-    for e in range(experts):
-        records[e, : layout.record_bytes] = ckpt.reference(0, e)
     layer = loaded(layout, records, vram, ram, "lfu")
     service = SsdService(ckpt.store(), [layer.ram.records], io_workers=4, read_timeout_s=5.0, read_retries=1)
     try:
