@@ -136,6 +136,7 @@ def render_plan(p: Plan) -> str:
         f"  VRAM slots   {p.vram_slots} of {p.experts} per layer: {r['vram_slots']}",
         f"  RAM slots    {p.ram_slots} of {p.experts} per layer: {r['ram_slots']}",
         f"  compression  {r['compress']}",
+        *([f"  prefill      {r['prefill_buffer']}"] if "prefill_buffer" in r else []),  # CUDA plans only
         f"  SSD tier     {p.ssd_source}: {r['ssd_source']}",
         f"  n-gram       {'paged' if p.ngram else 'none'}: {r['ngram']}",
         f"  TPOT         {p.estimate.tpot_ms[0]:.1f} to {p.estimate.tpot_ms[1]:.1f} ms expected "

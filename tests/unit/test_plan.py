@@ -261,8 +261,15 @@ def test_plan_command_checks_a_stated_disk():
 def test_plan_command_text_names_every_choice():
     result = run_plan("qwen3.6-35b-a3b", "--gpu", "RTX 3060", "--ram-gib", "32", "--disk", "sata", "--disk-gib", "500")
     assert result.exit_code == 0, result.output
-    for label in ("VRAM slots", "RAM slots", "compression", "SSD tier", "TPOT", "vLLM: vllm serve", "assumed:"):
+    for label in ("VRAM slots", "RAM slots", "compression", "prefill", "SSD tier", "TPOT", "vLLM: vllm serve", "assumed:"):
         assert label in result.stdout
+
+
+@pytest.mark.parametrize("flag, planned", [("--prefill-buffer", True), ("--no-prefill-buffer", False)])
+def test_plan_command_takes_the_prefill_buffer_flag(flag, planned):
+    result = run_plan("qwen3.6-35b-a3b", "--gpu", "RTX 4090", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "500", flag)
+    assert result.exit_code == 0, result.output
+    assert f"set by {flag}" in result.stdout and ("prefill buffer " in result.stdout) is planned
 
 
 @pytest.mark.parametrize("args, code, text", [
