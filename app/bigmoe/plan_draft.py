@@ -117,6 +117,8 @@ class Draft:
                 MemoryRow("safety margin", int(total * VRAM_MARGIN), f"{VRAM_MARGIN:.0%} of VRAM for fragmentation")]
         left = total - sum(r.bytes for r in rows)
         per_slot = arch.moe_layers * self.eb
+        # Compression first: it decides which pager runs, and so whether the prefill buffer is used.
+        self.compress, self.reasons["compress"] = self._choose_compress(self._ram_raw_fit())
         self.prefill_buffer, self.reasons["prefill_buffer"] = self._choose_prefill_buffer(left, per_slot)
         if self.prefill_buffer:
             rows.append(MemoryRow("prefill buffer", arch.experts * self.eb,
@@ -149,7 +151,7 @@ class Draft:
             return False, "off: every expert is resident in VRAM, nothing is paged"
         if not self.ov.cuda_graphs:
             return False, "off: the host-driven pager (--eager) runs big steps in token ranges"
-        if self._choose_compress(self._ram_raw_fit())[0]:
+        if self.compress:
             return False, "off: a compressed SSD tier is paged from the host, in token ranges"
         if self.ov.prefill_buffer is not None:
             return self.ov.prefill_buffer, f"set by --{'' if self.ov.prefill_buffer else 'no-'}prefill-buffer"
@@ -194,13 +196,13 @@ class Draft:
             self.ram_slots = 0 if self.device == "cuda" else arch.experts
             self.reasons["ram_slots"] = ("no RAM tier: every expert is resident in VRAM" if self.device == "cuda"
                                          else "every expert is resident in RAM, the CPU's device memory")
-            self.reasons["compress"] = "off: every expert is resident, nothing is paged"
+            self.compress, self.reasons["compress"] = False, "off: every expert is resident, nothing is paged"
             if left < 0:
                 self.refusals.append(f"out of memory: RAM needs {gib(total - left)}, the machine has {gib(total)}")
         self.memory.append(MemoryTable("RAM", total, tuple(rows)))
 
     def _ram_raw_fit(self) -> int:
-        """Uncompressed expert slots per layer that RAM holds (what the compression choice starts from)."""
+        """Raw expert slots per layer that RAM holds (what the compression choice starts from; CUDA plans: no side effects)."""
         total, rows = self._ram_rows()
         left = total - sum(r.bytes for r in rows)
         return max(0, min(self.preset.arch.experts, left // (self.preset.arch.moe_layers * self.eb)))
@@ -241,8 +243,9 @@ class Draft:
     def _size_ram_tier(self, rows: list[MemoryRow], left: int) -> None:
         arch = self.preset.arch
         # RAM holds raw records: both pagers expand a compressed record as it enters RAM.
-        fit = max(0, min(arch.experts, left // (arch.moe_layers * self.eb)))  # == _ram_raw_fit()
-        self.compress, self.reasons["compress"] = self._choose_compress(fit)
+        fit = max(0, min(arch.experts, left // (arch.moe_layers * self.eb)))
+        if self.device == "cpu":  # on CUDA size_vram has chosen it
+            self.compress, self.reasons["compress"] = self._choose_compress(fit)
         stored = self.eb
         self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
         if self.ov.ram_slots is None and self.ram_slots < self.vram_slots:
