@@ -148,3 +148,18 @@ def test_over_a_partial_ram_tier_the_whole_layer_buffer_reads_each_needed_expert
     step = torch.tensor([[1, 5]], dtype=torch.int32)  # fits the smallest slot count here
     for expert, slot in zip(step.flatten().tolist(), layer.step(step).flatten().tolist()):
         assert torch.equal(slot_bytes(layer, slot), record_bytes(layout, records, expert))
+
+
+@pytest.mark.parametrize("ram", [4, 8])
+def test_a_step_outside_a_graph_settles_over_a_partial_ram_tier_only(monkeypatch, ram):
+    """With an SSD tier the GPU waits inside a step for reads that host threads answer, and they need
+    the GIL; the engine's next call may block on the GPU holding it. So an uncaptured step over a
+    partial RAM tier returns only once the GPU is done (waiting with the GIL released)."""
+    layout = make_layout(True)
+    records = make_records(layout, 8, seed=9)
+    layer = loaded_layer(layout, records, vram=2, ram=ram)
+    layer.start(layout.slot_buffers(2, "cpu"), None if ram == 8 else FakeSsdService(records, layer.ram))
+    waits = []
+    monkeypatch.setattr(DeviceLayerPager, "_wait", staticmethod(lambda device: waits.append(device)))
+    layer.step(torch.tensor([[1, 6]], dtype=torch.int32))
+    assert waits == ([] if ram == 8 else [layer.device])

@@ -107,8 +107,8 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
     if layer._moe_index == _state["last_layer"]:
         _state["mirror"].copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
     with vllm_glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
-        if pager.fits(topk_ids):
-            return _fitting_step(pager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
+        if pager.fits(topk_ids):  # captured, or run eagerly (then the step has settled its SSD reads)
+            return kernel(x, topk_weights, pager.step(topk_ids), shared_experts, shared_experts_input)
         if torch.cuda.is_current_stream_capturing():
             raise vllm_glue.EngineModeError(
                 f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
@@ -119,25 +119,15 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
         return _chunked_step(pager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
 
 
-def _fitting_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
-    """A step whose ids fit the slots: captured into vLLM's graph, or (eager) settled before vLLM's kernel runs."""
-    slot_ids = pager.step(topk_ids)
-    if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-        pager.settle()  # as in _chunked_step; a replayed graph never comes here
-    return kernel(x, topk_weights, slot_ids, shared_experts, shared_experts_input)
-
-
 def _chunked_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
-    """A big step in token ranges whose experts fit the slots; each range's paging settles before vLLM's kernel runs.
+    """A big step in token ranges whose experts fit the slots.
 
-    With an SSD tier the GPU waits inside a range's paging for reads that host threads answer,
-    and they need the GIL. vLLM's kernel call can block on the GPU while holding it (seen at 40
-    layers: a 31 s stall in the profile run), so it is only called once no read is outstanding.
+    Each range's paging has settled (`DeviceLayerPager.step`) before vLLM's kernel is called:
+    that call can block on the GPU holding the GIL, which the SSD reads' host threads need.
     """
     outs = []
     for rows in pager.token_chunks(topk_ids):
         slot_ids = pager.step(topk_ids[rows])
-        pager.settle()
         shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
         outs.append(kernel(x[rows], topk_weights[rows], slot_ids, shared_experts, shared_in))
     return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)

@@ -7,7 +7,7 @@ parameters, sized for S experts). Behind them a RamTier keeps R pinned records
     layer = DeviceLayerPager(layout, sizes, device, layer=i, stats=stats)
     for each checkpoint tensor: write it into layer.ram_views()[name][layer.ram_slot_for_load(e)]
     layer.start(buffers, ssd)            # after loading: check, attach the SSD tier, warm VRAM
-    remapped = layer.step(topk_ids)      # a step whose ids fit the slots: no host sync, capturable
+    remapped = layer.step(topk_ids)      # a step whose ids fit the slots: capturable (no host sync in a capture)
 
 A step with more ids than slots (prefill, big batches) runs outside graphs, either
 cut into token ranges (`token_chunks(topk_ids)` reads the ids on the host and cuts
@@ -98,14 +98,18 @@ class DeviceLayerPager:
         return topk_ids.numel() <= self.sizes.vram
 
     def step(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Make the step's experts resident; topk_ids remapped to slots, in their dtype. No host sync.
+        """Make the step's experts resident; topk_ids remapped to slots, in their dtype.
 
         The step's distinct experts must fit in the slots: true when `fits`, and for every
-        range `token_chunks` returns.
+        range `token_chunks` returns. Captured into a CUDA graph: no host sync. Run outside
+        one over a partial RAM tier: it returns once the GPU has finished it (`settle`).
         """
         if self.pager is None:
             raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
-        return self.pager.prepare(topk_ids).to(topk_ids.dtype)
+        remapped = self.pager.prepare(topk_ids).to(topk_ids.dtype)
+        if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.settle()
+        return remapped
 
     def fill_layer_buffer(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
         """Copy every expert the step needs into `layer_buffers` at row = expert id.
@@ -149,11 +153,10 @@ class DeviceLayerPager:
         in_ram = self.ram.table.expert_slot[needed] >= 0
         needed = needed[torch.argsort(2 - in_vram.long() - in_ram.long(), stable=True)]
         for group in needed.split(self.sizes.vram):
-            slots = self.pager.prepare(group.view(1, -1)).view(-1)
+            slots = self.step(group.view(1, -1)).view(-1)
             for name, slot_buffer in self.buffers.items():
                 # as bytes: index_copy_ has no FP8 kernel on every device
                 layer_buffers[name].view(torch.uint8).index_copy_(0, group, slot_buffer.view(torch.uint8).index_select(0, slots))
-            self.settle()  # its SSD reads are answered by host threads, which need the GIL
 
     def token_chunks(self, topk_ids: torch.Tensor) -> list[slice]:
         """Consecutive token ranges whose distinct experts fit in the slots (reads the ids: one host sync)."""
@@ -163,10 +166,11 @@ class DeviceLayerPager:
     def settle(self) -> None:
         """After a step outside graphs over a partial RAM tier: wait until the GPU has finished it.
 
-        Its SSD reads are answered by host threads, which need the GIL. Queued far
-        enough ahead, the engine's next call can block while holding the GIL (a launch
-        into a full queue, a device-to-host copy) until the GPU is done, and the GPU
-        waits for those threads: a stall until the SSD deadline. This wait lets them run.
+        Its SSD reads are answered by host threads, which need the GIL. The engine's
+        next call (vLLM's MoE kernel, a launch into a full queue, a device-to-host copy)
+        can block on the GPU while holding the GIL, and the GPU waits for those threads:
+        a stall until the SSD deadline (seen at 40 layers on the H200). This wait, with
+        the GIL released, lets them run first. `step` calls it outside graph captures.
         """
         if not self.ram.full:
             self._wait(self.device)
