@@ -49,15 +49,24 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "scripts" / "vllm_e2e_child.py"
-MAKER = REPO / "scripts" / "make_tiny_moe.py"
+MAKERS = {"qwen3moe": REPO / "scripts" / "make_tiny_moe.py", "qwen4exp": REPO / "scripts" / "make_qwen4exp.py"}
 SHAPES = {
     # Qwen3.6-35B-A3B's routed experts and attention sizes, few layers, FP8 as Qwen ships it, drawn on the GPU.
-    "qwen3.6": dict(experts=256, top_k=8, hidden=2048, moe_intermediate=512, vocab=8192, heads=16, kv_heads=4,
+    "qwen3.6": dict(maker="qwen3moe", experts=256, top_k=8, hidden=2048, moe_intermediate=512, vocab=8192, heads=16, kv_heads=4,
                     head_dim=128, dtype="fp8", device="cuda"),
     # A small bf16 model to check this script's plumbing on vLLM's CPU build (not a GPU result).
-    "smoke": dict(experts=32, top_k=4, hidden=256, moe_intermediate=128, vocab=2048, heads=4, kv_heads=2,
+    "smoke": dict(maker="qwen3moe", experts=32, top_k=4, hidden=256, moe_intermediate=128, vocab=2048, heads=4, kv_heads=2,
                   head_dim=64, dtype="bf16", device="cpu"),
+    # Qwen3.8-Flash-Next (Qwen4Exp): 512 experts of 2560 -> 640, top-10 plus a shared expert, hyper-connections,
+    # QSA and linear-attention layers, a PLE layer with its n-gram table, the MTP head; few layers, FP8, on the GPU.
+    "flash-next": dict(maker="qwen4exp", experts=512, top_k=10, dtype="fp8", device="cuda"),
+    # The same architecture small and bf16, to check this script's plumbing on vLLM's CPU build (not a GPU result).
+    "flash-next-smoke": dict(maker="qwen4exp", experts=32, top_k=4, hidden=256, moe_intermediate=128, dtype="bf16",
+                             device="cpu"),
 }
+QWEN4EXP_ENGINE = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+"""The preset's engine settings for Qwen4Exp (presets/qwen3.8-flash-next.toml): PIECEWISE breakable CUDA graphs."""
+QWEN4EXP_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
 PROMPTS = [
     "The sea is calm and the boats are",
     "Write a short note about the river",
@@ -80,6 +89,8 @@ class Config:
     """enforce_eager=True (no CUDA graphs)."""
     reference: str = "unpaged"
     """Name of the run whose tokens this one must reproduce (itself: it is a reference)."""
+    engine: dict = field(default_factory=dict)
+    """Extra vLLM engine arguments (speculative_config for MTP runs)."""
 
 
 def configs(experts: int, paging_file: Path) -> list[Config]:
@@ -105,6 +116,33 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
                {**ssd, "BIGMOE_PAGING_FILE": str(paging_file), "BIGMOE_COMPRESS": "on"}, needs_paging_file=True,
                eager=True, reference="unpaged-eager"),
     ]
+
+
+def qwen4exp_configs(experts: int, top_k: int, spec_tokens: list[int]) -> list[Config]:
+    """Issue 14's matrix: three tier mixes, each with the n-gram pager off and on, and MTP runs, in the plan's
+    graph mode (PIECEWISE breakable graphs). References: the unpaged model (n-gram table loaded by vLLM), and the
+    unpaged model with the same MTP setting for each MTP run."""
+    vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
+    mixes = {
+        "vramall": {"BIGMOE_PAGER": "1"},
+        "vram40": {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram40)},
+        "vram12-ram50-ssd": {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)},
+    }
+    base = {**QWEN4EXP_ENV, "BIGMOE_CUDA_GRAPHS": "1", "BIGMOE_PREFILL_BUFFER": "1"}
+    out = [Config("unpaged", dict(QWEN4EXP_ENV), reference="unpaged", engine=QWEN4EXP_ENGINE),
+           Config("unpaged-repeat", dict(QWEN4EXP_ENV), engine=QWEN4EXP_ENGINE)]
+    for name, env in mixes.items():
+        for ngram in (False, True):
+            label = f"{name}{'-ngram' if ngram else ''}"
+            out.append(Config(label, {**base, **env, **({"BIGMOE_NGRAM": "1"} if ngram else {})},
+                              engine=QWEN4EXP_ENGINE))
+    for n in spec_tokens:
+        mtp = {**QWEN4EXP_ENGINE, "speculative_config": {"method": "mtp", "num_speculative_tokens": n}}
+        out.append(Config(f"unpaged-mtp{n}", dict(QWEN4EXP_ENV), reference=f"unpaged-mtp{n}", engine=mtp))
+        out.append(Config(f"vram12-ram50-ssd-ngram-mtp{n}",
+                          {**base, **mixes["vram12-ram50-ssd"], "BIGMOE_NGRAM": "1"}, reference=f"unpaged-mtp{n}",
+                          engine=mtp))
+    return out
 
 
 GRAPH_CAPTURE = 4  # --max-cudagraph-capture-size of graph runs: 4 tokens x top-8 = 32 ids, the smallest slot count here
@@ -137,13 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     report["checkpoint"] = {"path": str(model), "shape": args.shape, "layers": args.layers, **shape,
                             "tokenizer": has_tokenizer, "seconds": made_s}
     paging_file = work / f"{name}.bmpf"
-    builder = start_paging_build(model, paging_file, logs)
+    # The codec configurations read a compressed paging file; Qwen4Exp's matrix has none.
+    builder = start_paging_build(model, paging_file, logs) if shape["maker"] == "qwen3moe" else None
     try:
-        todo = [c for c in configs(shape["experts"], paging_file) if not args.configs or c.name.split(" ")[0] in args.configs]
+        matrix = (qwen4exp_configs(shape["experts"], shape["top_k"], args.spec_tokens) if shape["maker"] == "qwen4exp"
+                  else configs(shape["experts"], paging_file))
+        todo = [c for c in matrix if not args.configs or c.name.split(" ")[0] in args.configs]
         run_all(todo, make_spec(model, has_tokenizer, shape, args),
-                builder, paging_file, work, logs, deadline, report, out, started)
+                builder, paging_file, work, logs, deadline, report, out, started, args.parallel)
     finally:
-        if builder.poll() is None:
+        if builder is not None and builder.poll() is None:
             builder.kill()
     paged = [r for r in report["configs"] if not r.get("reference")]
     report["passed"] = all(r.get("result") is not None for r in report["configs"]) and all(
@@ -154,30 +195,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_all(todo: list[Config], spec: dict, builder, paging_file: Path, work: Path, logs: Path, deadline: float,
-            report: dict, out: Path, started: float) -> None:
-    """Each configuration in turn, compared with the first (unpaged) one; the report is rewritten after each."""
-    references: dict[str, dict | None] = {}
-    for config in todo:
-        if config.needs_paging_file:
+            report: dict, out: Path, started: float, parallel: int = 1) -> None:
+    """Every configuration, `parallel` at a time (each its own process and share of GPU memory), then each compared
+    with its reference; the report is rewritten as runs finish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = {c.name for c in todo}
+    rows: dict[str, dict] = {}
+
+    def one(config: Config) -> None:
+        if config.needs_paging_file and "paging_file" not in report:
             report["paging_file"] = finish_paging_build(builder, paging_file, deadline)
-        is_reference = config.reference == config.name
         if time.monotonic() >= deadline:
             row = skipped(config, "time budget spent")
-        elif not is_reference and references.get(config.reference) is None:
-            row = skipped(config, f"the reference run {config.reference} failed (see its log)")
+        elif config.reference not in names:
+            row = skipped(config, f"its reference {config.reference} is not among the configurations run")
         elif config.needs_paging_file and "error" in report["paging_file"]:
             row = skipped(config, "no paging file: " + report["paging_file"]["error"])
         else:
-            run_spec = {**spec, "enforce_eager": config.eager,
+            run_spec = {**spec, "enforce_eager": config.eager, "engine": config.engine,
                         "max_cudagraph_capture_size": None if config.eager else GRAPH_CAPTURE}
             row = run_config(config, run_spec, work, logs, deadline)
-        if is_reference:
-            references[config.name] = row.get("result")
-            row["reference"] = True
-        compare(row, references.get(config.reference))
-        report["configs"].append(row)
+        rows[config.name] = row
+        report["configs"] = [rows[c.name] for c in todo if c.name in rows]
         report["total_s"] = round(time.monotonic() - started, 1)
         write_json(out, report)
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        list(pool.map(one, todo))
+    references = {c.name: rows[c.name].get("result") for c in todo if c.reference == c.name}
+    for config in todo:
+        row = rows[config.name]
+        if config.reference == config.name:
+            row["reference"] = True
+        elif references.get(config.reference) is None and "error" not in row:
+            row["error"] = f"no comparison: the reference run {config.reference} failed (see its log)"
+        compare(row, references.get(config.reference))
+    report["configs"] = [rows[c.name] for c in todo]
+    report["total_s"] = round(time.monotonic() - started, 1)
+    write_json(out, report)
 
 
 def parse_args(argv):
@@ -193,6 +249,10 @@ def parse_args(argv):
     p.add_argument("--long-tokens", type=int, default=32, help="tokens generated after the long prompt")
     p.add_argument("--timing-tokens", type=int, default=65, help="tokens of the batch-1 timing request (TTFT, TPOT)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    p.add_argument("--parallel", type=int, default=1,
+                   help="configurations run at once (each in its own process with its share of GPU memory)")
+    p.add_argument("--spec-tokens", type=lambda v: [int(x) for x in v.split(",") if x], default=[1, 3],
+                   help="Qwen4Exp shapes: MTP speculative-token counts to run (comma list; empty: none)")
     p.add_argument("--configs", type=lambda v: v.split(","), default=None,
                    help="comma list of configurations to run (first word of their names); default all")
     p.add_argument("--logs", type=Path, default=None,
@@ -213,8 +273,10 @@ class CheckpointFailed(RuntimeError):
 
 def make_checkpoint(out: Path, shape: dict, layers: int, logs: Path) -> tuple[Path, bool, float]:
     """The project's generator; where the tokenizers package is missing, a checkpoint without a tokenizer."""
-    base = [sys.executable, str(MAKER), str(out), "--layers", str(layers), "--seed", "0"]
+    base = [sys.executable, str(MAKERS[shape["maker"]]), str(out), "--layers", str(layers), "--seed", "0"]
     for key, value in shape.items():
+        if key == "maker":
+            continue
         base += [f"--{key.replace('_', '-')}", str(value)]
     started = time.monotonic()
     for extra in ([], ["--no-tokenizer"]):
@@ -254,7 +316,7 @@ def finish_paging_build(builder: subprocess.Popen, path: Path, deadline: float) 
 
 
 def make_spec(model: Path, has_tokenizer: bool, shape: dict, args) -> dict:
-    long_ids = long_prompt_ids(model, has_tokenizer, args.long_prompt, shape["vocab"])
+    long_ids = long_prompt_ids(model, has_tokenizer, args.long_prompt, shape.get("vocab", 8192))
     return {
         "model": str(model), "max_model_len": 2048, "gpu_memory_utilization": args.gpu_memory_utilization,
         "deterministic": not args.no_deterministic,

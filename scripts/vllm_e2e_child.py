@@ -49,7 +49,7 @@ def main(spec_path: str, result_path: str) -> None:
         result["serial"] = serial(llm, spec["prompts"], spec["max_tokens"], detokenize)
         result["long"] = greedy(llm, [spec["long_ids"]], spec["long_max_tokens"], detokenize)
         result.update(batch1_timing(llm, spec["timing_ids"], spec["warmup_ids"], spec["timing_tokens"]))
-    result.update(pager=_pager_counters(), experts_kernel=_experts_kernel())
+    result.update(pager=_pager_counters(), experts_kernel=_experts_kernel(), spec_decode=_spec_decode_counters(llm))
     tmp = Path(result_path).with_suffix(".partial")
     tmp.write_text(json.dumps(result))
     tmp.replace(result_path)
@@ -82,10 +82,11 @@ def _memory_args(spec: dict) -> dict:
 
 def _engine_extras(spec: dict) -> dict:
     """CUDA-graph and vLLM-offload settings a spec may carry (absent: vLLM's defaults)."""
-    extras = {}
+    extras = dict(spec.get("engine") or {})  # the model's own settings (graph mode, MTP's speculative_config)
     if spec.get("deterministic") and not spec.get("enforce_eager", True):
         # Inductor's combo-kernel fusion times candidate kernels, which its deterministic mode forbids.
-        extras["compilation_config"] = {"inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}
+        extras["compilation_config"] = {**extras.get("compilation_config", {}),
+                                        "inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}
     if spec.get("max_cudagraph_capture_size"):
         extras["max_cudagraph_capture_size"] = spec["max_cudagraph_capture_size"]
     if spec.get("cpu_offload_gb"):
@@ -193,6 +194,21 @@ def _inductor_deterministic() -> bool | None:
     except ImportError:
         return None
     return getattr(config, "deterministic", None)
+
+
+def _spec_decode_counters(llm) -> dict | None:
+    """vLLM's speculative-decoding counters over the whole run (drafts, draft tokens, accepted tokens), or None."""
+    try:
+        metrics = llm.get_metrics()
+    except (AttributeError, AssertionError, RuntimeError):
+        return None
+    counts = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None)
+              for m in metrics if m.name.startswith("vllm:spec_decode_num_")}
+    if not counts:
+        return None
+    drafted, accepted = counts.get("num_draft_tokens"), counts.get("num_accepted_tokens")
+    counts["acceptance_rate"] = round(accepted / drafted, 4) if drafted and accepted is not None else None
+    return counts
 
 
 def _pager_counters() -> dict:
