@@ -1,5 +1,7 @@
 """prepare: the SSD tier's paging file, built when the plan needs one and reused
-while its header still matches the checkpoint, layout and codec.
+only after it is checked: its header still matches the checkpoint, layout and codec,
+no run marked it damaged, and its records pass their crc32 checks (all of them, or
+a sample for files above FULL_CHECK_BYTES; the pager checks every record it reads).
 
 The file is written beside its final path and renamed into place only when
 complete (bigmoe_pager.core.paging_file), so a crash mid-build leaves nothing
@@ -21,40 +23,70 @@ class PrepareError(BigmoeError):
     """The paging file could not be built."""
 
 
+FULL_CHECK_BYTES = 4 << 30
+"""Paging files up to this size have every record's crc32 checked at each start (about 2 s per GiB here,
+docs/benchmarks.md); larger ones (the reference job's is ~100 GiB, a minute or more) get header, size and
+SAMPLE_RECORDS records checked at start, and every record is checked again as the pager reads it."""
+SAMPLE_RECORDS = 256
+"""Records checked at start in a paging file above FULL_CHECK_BYTES, spread evenly over the file."""
+
+
 def prepare(plan, model_path: Path, progress: Progress = lambda e, f: None) -> Path | None:
-    """Make sure the plan's paging file exists and fits this checkpoint; return its path (None = not needed)."""
+    """Make sure the plan's paging file exists, fits this checkpoint and passes its checks; return its
+    path (None = not needed). A file that fails any check is rebuilt, never reused."""
     if plan.ssd_source != "paging file" or not plan.paging_file:
         return None
     path = Path(plan.paging_file)
-    if paging_file_matches(path, model_path, plan.compress):
-        progress("prepare", {"state": "reused", "path": str(path)})
+    start = time.monotonic()
+    why_not = check_paging_file(path, model_path, plan.compress)
+    if why_not is None:
+        progress("prepare", {"state": "reused", "path": str(path), "checked": _checked_what(path),
+                             "seconds": round(time.monotonic() - start, 2)})
         return path
+    if path.exists():
+        progress("prepare", {"state": "rebuilding", "path": str(path), "reason": why_not})
     return build(path, model_path, plan.compress, progress)
 
 
 def paging_file_matches(path: Path, model_path: Path, compressed: bool) -> bool:
-    """True when the file at path is complete and was made from this checkpoint with this codec setting."""
-    from bigmoe_pager.core.paging_build import checkpoint_meta, layout_for_checkpoint
-    from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore
+    """True when the file at path is complete, made from this checkpoint with this codec setting, and sound."""
+    return check_paging_file(path, model_path, compressed) is None
+
+
+def check_paging_file(path: Path, model_path: Path, compressed: bool,
+                      full_check_bytes: int = FULL_CHECK_BYTES) -> str | None:
+    """Why the paging file at path must not be used (one line), or None when it passes: header, trailer,
+    index, binding to this checkpoint/layout/codec, no damage marker, and the records' crc32s (all of
+    them up to full_check_bytes, SAMPLE_RECORDS evenly spread above)."""
+    from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch, layout_for_checkpoint
+    from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore, sample_keys
+    from bigmoe_pager.core.expert_store import CheckpointStore
+    from bigmoe_pager.core.odirect import ODirectError, ReadError
     from bigmoe_pager.core.safetensors_index import CheckpointError
 
     if not path.is_file():
-        return False
+        return "there is no paging file yet"
     try:
         layout = layout_for_checkpoint(model_path)
-        from bigmoe_pager.core.expert_store import CheckpointStore
-
-        probe = CheckpointStore(model_path, layout)
-        layers, experts = probe.num_layers, probe.num_experts
-        probe.close()
+        with CheckpointStore(model_path, layout) as probe:
+            layers, experts = probe.num_layers, probe.num_experts
         codec, version = _codec(compressed)
-        from bigmoe_pager.core.paging_build import compressed_pitch
+        meta = checkpoint_meta(model_path, layout, layers, experts, codec, version)
+        with PagingFileStore(path, layout, meta, pitch=compressed_pitch(layout) if compressed else None) as store:
+            records = layers * experts
+            keys = None if path.stat().st_size <= full_check_bytes else sample_keys(records, SAMPLE_RECORDS)
+            bad = store.check_records(keys)
+    except ODirectError as e:  # rebuilding would not help: the disk is the problem
+        raise PrepareError(str(e)) from None
+    except (PagingFileError, CheckpointError, ReadError, OSError, ValueError) as e:
+        return str(e)
+    if bad:
+        return f"{len(bad)} of its records fail their crc32 check (first: layer {bad[0][0]}, expert {bad[0][1]})"
+    return None
 
-        pitch = compressed_pitch(layout) if compressed else None
-        PagingFileStore(path, layout, checkpoint_meta(model_path, layout, layers, experts, codec, version), pitch=pitch).close()
-        return True
-    except (PagingFileError, CheckpointError, OSError, ValueError):
-        return False
+
+def _checked_what(path: Path) -> str:
+    return "every record" if path.stat().st_size <= FULL_CHECK_BYTES else f"header and {SAMPLE_RECORDS} sampled records"
 
 
 def build(path: Path, model_path: Path, compressed: bool, progress: Progress) -> Path:

@@ -127,3 +127,35 @@ def test_missing_component_at_load_is_reported():
 def test_bad_tier_sizes_are_refused(vram, ram):
     with pytest.raises(ValueError):
         TierSizes(8, vram, ram)
+
+
+class GlitchySource(ArraySource):
+    """A fake SSD source whose record `expert` fails its checksum for the first `bad_reads` reads."""
+
+    def __init__(self, records: torch.Tensor, expert: int, bad_reads: int):
+        super().__init__(records)
+        self.expert, self.bad_reads = expert, bad_reads
+
+    def read_record(self, expert: int, dst: torch.Tensor) -> None:
+        from bigmoe_pager.core.paging_file import ChecksumError
+
+        super().read_record(expert, dst)
+        if expert == self.expert and self.bad_reads:
+            self.bad_reads -= 1
+            raise ChecksumError(f"paging file /x.pages: record (0, {expert}) fails its crc32 check")
+
+
+@pytest.mark.parametrize("bad_reads, fails", [(1, False), (2, True), (5, True)])
+def test_a_checksum_failure_is_read_once_more_then_ends_the_step_naming_the_file(bad_reads, fails):
+    records = make_experts(LAYOUT, 8, 4)
+    source = GlitchySource(records, expert=6, bad_reads=bad_reads)
+    pager = loaded_pager(LAYOUT, records, TierSizes(8, 2, 4), source)
+    got = {}
+    step = lambda: pager.prepare(torch.tensor([[6, 1]]), lambda s, v: got.__setitem__(s, v["w13_weight"].clone()))  # noqa: E731
+    if fails:
+        with pytest.raises(PagerError, match=r"expert 6: SSD read failed: paging file /x.pages: .*crc32"):
+            step()
+        assert source.reads == 2 and 6 not in pager.ram_of and pager.stats["ssd"].errors == 1
+    else:
+        step()
+        assert source.reads == 2 and 6 in pager.vram_of and pager.stats["ssd"].errors == 0

@@ -135,10 +135,27 @@ def test_flipped_record_byte_raises_checksum_error(ckpt, paging_path, tmp_path):
         assert store.read(1, 1, buf) == ckpt.layout.record_bytes  # the others are fine
 
 
-def test_bit_rot_on_read_is_caught_by_checksum(ckpt, paging_path):
-    with _open(ckpt, paging_path, io=FakeFaultyIO(("corrupt",))) as store:
-        with pytest.raises(ChecksumError):
-            store.read(0, 0, aligned_empty(ckpt.layout.pitch))
+@pytest.mark.parametrize("faults, marked", [(("corrupt",), False), ((), True)])
+def test_bit_rot_on_read_is_caught_and_a_repeated_failure_marks_the_file(ckpt, paging_path, tmp_path, faults, marked):
+    """One bad read may be a glitch on the way (the next read is whole); the same record failing twice
+    is the bytes on disk: the file is marked damaged and refused from then on."""
+    path = tmp_path / "rot.bmpf"
+    path.write_bytes(paging_path.read_bytes())
+    io = FakeFaultyIO(faults, then="ok" if faults else "corrupt")
+    with _open(ckpt, path, io=io) as store:
+        buf = aligned_empty(ckpt.layout.pitch)
+        with pytest.raises(ChecksumError, match=rf"paging file {path}.*: record \(0, 0\)"):
+            store.read(0, 0, buf)
+        if marked:
+            with pytest.raises(ChecksumError, match="is marked damaged and the next start rebuilds it: record"):
+                store.read(0, 0, buf)
+        else:
+            assert store.read(0, 0, buf) == ckpt.layout.record_bytes
+    if marked:
+        with pytest.raises(PagingFileError, match=r"marked damaged \(record \(0, 0\)"):
+            _open(ckpt, path)
+    else:
+        _open(ckpt, path).close()
 
 
 def test_writer_failure_leaves_nothing_at_the_path(ckpt, tmp_path):

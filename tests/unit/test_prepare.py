@@ -66,3 +66,76 @@ def test_a_truncated_file_is_rebuilt(model, tmp_path):
     events = []
     prepare(plan_for(path, False), model, lambda e, f: events.append(f["state"]))
     assert events[-1] == "built" and paging_file_matches(path, model, False)
+
+
+def flip_middle_record(path, store_meta):
+    """Flip bytes in the middle of one record's bytes (not in padding); returns (layer, expert)."""
+    from bigmoe_pager.core.paging_file import PagingFileStore
+
+    layout, meta, pitch = store_meta
+    with PagingFileStore(path, layout, meta, pitch=pitch) as store:
+        layer, expert = store.num_layers // 2, store.num_experts // 2
+        offset, length, _ = store.entry(layer, expert)
+    with open(path, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return layer, expert
+
+
+def meta_of(model, compress):
+    from bigmoe.prepare import _codec
+    from bigmoe_pager.core.expert_store import CheckpointStore
+    from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch, layout_for_checkpoint
+
+    layout = layout_for_checkpoint(model)
+    with CheckpointStore(model, layout) as s:
+        meta = checkpoint_meta(model, layout, s.num_layers, s.num_experts, *_codec(compress))
+    return layout, meta, compressed_pitch(layout) if compress else None
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_file_with_flipped_bytes_is_rebuilt_not_reused(model, tmp_path, compress):
+    path = tmp_path / "m.pages"
+    prepare(plan_for(path, compress), model)
+    flip_middle_record(path, meta_of(model, compress))
+    events = []
+    prepare(plan_for(path, compress), model, lambda e, f: events.append(f))
+    assert [e["state"] for e in events][:2] == ["rebuilding", "building"] and events[-1]["state"] == "built"
+    assert "crc32" in events[0]["reason"]
+    assert paging_file_matches(path, model, compress)
+
+
+def test_a_record_failing_at_run_time_marks_the_file_for_rebuild(model, tmp_path):
+    from bigmoe_pager.core.odirect import aligned_empty
+    from bigmoe_pager.core.paging_file import ChecksumError, PagingFileError, PagingFileStore, damaged_marker
+
+    path = tmp_path / "m.pages"
+    prepare(plan_for(path, False), model)
+    layout, meta, pitch = meta_of(model, False)
+    good = path.read_bytes()
+    layer, expert = flip_middle_record(path, (layout, meta, pitch))
+    with PagingFileStore(path, layout, meta) as store:
+        for _ in range(2):  # the pagers read a failed record once more before giving up
+            with pytest.raises(ChecksumError, match=rf"paging file {path}.*: record \({layer}, {expert}\)") as failed:
+                store.read(layer, expert, aligned_empty(layout.pitch))
+    assert "next start rebuilds it" in str(failed.value)
+    assert damaged_marker(path).exists()
+    path.write_bytes(good)  # even if the bytes read back whole now, a file that failed once is not trusted
+    with pytest.raises(PagingFileError, match="marked damaged"):
+        PagingFileStore(path, layout, meta)
+    events = []
+    prepare(plan_for(path, False), model, lambda e, f: events.append(f))
+    assert events[0]["state"] == "rebuilding" and events[-1]["state"] == "built"
+    assert not damaged_marker(path).exists() and paging_file_matches(path, model, False)
+
+
+def test_above_the_full_check_size_a_sample_is_checked(model, tmp_path):
+    from bigmoe.prepare import check_paging_file
+
+    path = tmp_path / "m.pages"
+    prepare(plan_for(path, False), model)
+    assert check_paging_file(path, model, False, full_check_bytes=0) is None
+    flip_middle_record(path, meta_of(model, False))  # 8 records, all in the sample of 256
+    assert "crc32" in check_paging_file(path, model, False, full_check_bytes=0)

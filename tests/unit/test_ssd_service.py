@@ -109,9 +109,11 @@ def test_checksum_mismatch_is_retried_then_succeeds(ckpt, paging_path):
         assert svc.stats()["layers"][0]["retries"] == 1
 
 
-def test_persistent_checksum_mismatch_fails_and_slot_keeps_no_bad_bytes(ckpt, paging_path):
+def test_persistent_checksum_mismatch_fails_and_slot_keeps_no_bad_bytes(ckpt, paging_path, tmp_path):
     from bigmoe_pager.core.paging_file import PagingFileStore
-    store = PagingFileStore(paging_path, ckpt.layout, ckpt.meta(), io=FakeFaultyIO(then="corrupt"))
+    private = tmp_path / paging_path.name  # a persistent mismatch marks the file damaged: not the shared one
+    private.write_bytes(paging_path.read_bytes())
+    store = PagingFileStore(private, ckpt.layout, ckpt.meta(), io=FakeFaultyIO(then="corrupt"))
     svc, bufs = _service(ckpt, store, read_retries=2)
     with svc:
         with pytest.raises(SsdError, match=r"fails its crc32 check \(after 3 attempts\)"):

@@ -19,6 +19,11 @@ from typing import Callable, Protocol
 import torch
 
 from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.paging_file import ChecksumError
+
+CHECKSUM_READS = 2
+"""Reads of a record before a crc32 mismatch fails the step: one more may clear a glitch on the way,
+and a paging file whose record fails twice marks itself damaged (paging_file.py)."""
 
 InstallSlot = Callable[[int, dict[str, torch.Tensor]], None]
 """Called with (slot, component views of the expert's record) to fill one kernel slot."""
@@ -207,7 +212,13 @@ class HostPager:
         ssd.lookups += 1
         start = time.perf_counter()
         try:
-            self.source.read_record(expert, dst)
+            for attempt in range(CHECKSUM_READS):
+                try:
+                    self.source.read_record(expert, dst)
+                    break
+                except ChecksumError:
+                    if attempt + 1 == CHECKSUM_READS:
+                        raise
         except Exception as e:
             ssd.errors += 1
             # The record is half-written: forget it so no later step uses it.

@@ -12,6 +12,11 @@ layout bytes); decoding is the codec's job. On disk:
 The writer fills a temporary file next to the target, fsyncs it and renames it
 into place, so a half-written file never carries the target's name; the trailer
 check on open catches a file cut short anyway.
+
+A record that fails its crc32 check when read marks the whole file damaged with a
+sidecar `<name>.damaged` (one line: why); a file so marked is refused on open, so
+the next start rebuilds it instead of failing on the same record again. A new
+file committed in its place removes the marker.
 """
 
 from __future__ import annotations
@@ -51,6 +56,35 @@ class DiskFullError(PagingFileError):
 
 class ChecksumError(RuntimeError):
     """A record's bytes do not match its stored crc32; the bytes must not be used."""
+
+
+def damaged_marker(path: str | os.PathLike) -> Path:
+    """The sidecar that marks a paging file damaged (it exists only while the file must not be trusted)."""
+    path = Path(path)
+    return path.with_name(path.name + ".damaged")
+
+
+def damage_reason(path: str | os.PathLike) -> str | None:
+    """Why the paging file at path was marked damaged, or None when it is not marked."""
+    try:
+        return damaged_marker(path).read_text().strip() or "marked damaged"
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"its damage marker cannot be read ({e.strerror or e})"
+
+
+def mark_damaged(path: str | os.PathLike, reason: str) -> bool:
+    """Mark the paging file damaged (atomically: a marker is whole or absent); False when it cannot be written."""
+    marker = damaged_marker(path)
+    tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
+    try:
+        tmp.write_text(reason.replace("\n", " ") + "\n")
+        os.replace(tmp, marker)
+        return True
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
 
 
 @dataclass(frozen=True)
@@ -140,6 +174,7 @@ class PagingFileWriter:
         self._file.close()
         self._file = None
         os.replace(self.tmp, self.path)
+        damaged_marker(self.path).unlink(missing_ok=True)  # the marker spoke of the file just replaced
         _fsync_dir(self.path.parent)
         return self.path
 
@@ -195,19 +230,45 @@ class PagingFileStore:
         self.meta, self._index = _open_index(self.path, expect, self.pitch)
         self.num_layers, self.num_experts, self.codec = self.meta.num_layers, self.meta.num_experts, self.meta.codec
         self._file = DirectFile(self.path, retries=retries, io=io, counters=self.counters)
+        self._failed: set[int] = set()  # records whose last read failed its crc32 (set ops are atomic under the GIL)
 
     def read(self, layer: int, expert: int, dst: object) -> int:
-        """Record bytes into dst[:length] (dst >= pitch bytes); ChecksumError if they do not match."""
+        """Record bytes into dst[:length] (dst >= pitch bytes); ChecksumError if they do not match. A record
+        failing twice in a row marks the file damaged (damaged_marker), so the next start rebuilds it."""
         offset, length, crc = self.entry(layer, expert)
         out = as_byte_array(dst)
         span = _round_up(length, ALIGN)
         if out.nbytes < span:
             raise ValueError(f"destination holds {out.nbytes} bytes; record ({layer}, {expert}) needs {span}")
         self._file.read_into(offset, out[:span])
-        if zlib.crc32(out[:length]) != crc:
-            self.counters.add_error()
-            raise ChecksumError(f"{self.path}: record ({layer}, {expert}) at offset {offset} fails its crc32 check")
-        return length
+        key = layer * self.num_experts + expert
+        if zlib.crc32(out[:length]) == crc:
+            self._failed.discard(key)
+            return length
+        self.counters.add_error()
+        why = f"record ({layer}, {expert}) at offset {offset} fails its crc32 check"
+        if key not in self._failed:  # once may be a glitch on the way (callers retry); twice is the bytes on disk
+            self._failed.add(key)
+            raise ChecksumError(f"paging file {self.path}: {why}")
+        marked = mark_damaged(self.path, why + " twice")
+        raise ChecksumError(f"paging file {self.path} " + (
+            "is marked damaged and the next start rebuilds it" if marked else
+            f"is damaged: delete it (its marker {damaged_marker(self.path)} could not be written)") + f": {why}")
+
+    def check_records(self, keys: list[int] | None = None) -> list[tuple[int, int]]:
+        """(layer, expert) of each record whose bytes fail their crc32, reading `keys`
+        (layer * experts + expert) or every record; the file is marked damaged when any fails."""
+        bad = []
+        buf = aligned_empty(_round_up(self.pitch, ALIGN)).numpy()
+        for key in range(len(self._index)) if keys is None else keys:
+            layer, expert = divmod(int(key), self.num_experts)
+            offset, length, crc = self.entry(layer, expert)
+            self._file.read_into(offset, buf[: _round_up(length, ALIGN)])
+            if zlib.crc32(buf[:length]) != crc:
+                bad.append((layer, expert))
+        if bad:
+            mark_damaged(self.path, f"{len(bad)} records fail their crc32 check, first {bad[0]}")
+        return bad
 
     def describe(self, layer: int, expert: int) -> str:
         offset, length, _ = self.entry(layer, expert)
@@ -232,6 +293,9 @@ class PagingFileStore:
 
 def _open_index(path: Path, expect: PagingFileMeta, pitch: int) -> tuple[PagingFileMeta, np.ndarray]:
     """Validate header, trailer and index of a paging file; returns its metadata and index rows."""
+    damaged = damage_reason(path)
+    if damaged is not None:
+        raise PagingFileError(f"{path}: paging file was marked damaged ({damaged}); run prepare again to rebuild it")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -259,6 +323,13 @@ def _open_index(path: Path, expect: PagingFileMeta, pitch: int) -> tuple[PagingF
     if (table[:, 0] % ALIGN).any() or (table[:, 1] > pitch).any() or (table[:, 0] + table[:, 1] > size - ALIGN).any():
         raise PagingFileError(f"{path}: paging file index points outside its records; delete it and run prepare again")
     return meta, table
+
+
+def sample_keys(records: int, count: int) -> list[int]:
+    """`count` record keys spread evenly over `records` (first and last included); all when count >= records."""
+    if count >= records:
+        return list(range(records))
+    return sorted({round(i * (records - 1) / max(count - 1, 1)) for i in range(count)})
 
 
 def _check_meta(path: Path, got: PagingFileMeta, want: PagingFileMeta) -> None:
