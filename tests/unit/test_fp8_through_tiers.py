@@ -57,7 +57,7 @@ def test_fp8_slots_hold_the_checkpoint_bytes_and_dequantize_exactly(tiny_checkpo
         if ssd == "checkpoint":
             source = type("Src", (), {"read_record": lambda self, e, dst, l=layer: store.read(l, e, dst)})()
         else:
-            source = paging_file_source(paging, model, layout, layer, shape.layers, shape.experts, compressed=True)
+            source = paging_file_source(paging, model, layout, layer, shape.experts, compressed=True)
         pager = HostPager(layout, TierSizes(shape.experts, vram, ram), source)
         for e in range(shape.experts):
             r = pager.ram_slot_for_load(e)

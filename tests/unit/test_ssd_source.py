@@ -36,7 +36,7 @@ def test_filesystem_without_odirect_is_refused_for_a_paging_file(model, tmp_path
     layout = layout_for_checkpoint(model)
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=False)
     with pytest.raises(SettingsError, match="BIGMOE_PAGING_FILE: .*O_DIRECT"):
-        ssd_source.paging_file_source(paging, model, layout, 0, 2, 4, compressed=False, io=FakeFaultyIO(refuse_open=True))
+        ssd_source.paging_file_source(paging, model, layout, 0, 4, compressed=False, io=FakeFaultyIO(refuse_open=True))
 
 
 @pytest.mark.parametrize("built_compressed,asked_compressed", [(False, True), (True, False)])
@@ -44,7 +44,7 @@ def test_codec_mismatch_is_refused(model, tmp_path, built_compressed, asked_comp
     layout = layout_for_checkpoint(model)
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=built_compressed)
     with pytest.raises(SettingsError, match="BIGMOE_PAGING_FILE"):
-        ssd_source.paging_file_source(paging, model, layout, 0, 2, 4, compressed=asked_compressed)
+        ssd_source.paging_file_source(paging, model, layout, 0, 4, compressed=asked_compressed)
 
 
 def test_layers_read_exact_records(model, tmp_path):
@@ -53,7 +53,7 @@ def test_layers_read_exact_records(model, tmp_path):
     layout = layout_for_checkpoint(model)
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=True)
     direct = ssd_source.checkpoint_source(model, layout, 1)
-    paged = ssd_source.paging_file_source(paging, model, layout, 1, 2, 4, compressed=True)
+    paged = ssd_source.paging_file_source(paging, model, layout, 1, 4, compressed=True)
     for expert in range(4):
         a = torch.zeros(layout.pitch, dtype=torch.uint8)
         b = torch.ones(layout.pitch, dtype=torch.uint8)

@@ -55,30 +55,34 @@ def checkpoint_source(model_dir: Path, layout: ExpertLayout, decoder_layer: int,
 
 
 def paging_file_source(path: Path, model_dir: Path, layout: ExpertLayout, decoder_layer: int,
-                       num_moe_layers: int, num_experts: int, compressed: bool, io=None) -> LayerSource:
+                       num_experts: int, compressed: bool, io=None) -> LayerSource:
     key = ("paging", str(path), layout.signature(), compressed)
     with _lock:
         if key not in _stores:
-            _stores[key] = _open_paging_file(path, model_dir, layout, num_moe_layers, num_experts, compressed, io)
+            _stores[key] = _open_paging_file(path, model_dir, layout, num_experts, compressed, io)
     store, decoder, model_layers = _stores[key]
     return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout, decoder)
 
 
-def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int,
-                      compressed: bool, io=None):
+def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_experts: int, compressed: bool,
+                      io=None):
+    """The file holds every expert layer the checkpoint names (main model, then MTP head), as prepare wrote it."""
     codec, version, decoder = "raw", 0, None
     if compressed:
         from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION
         from bigmoe_pager.codec.record_decoder import record_decoder
 
         codec, version, decoder = CODEC_NAME, CODEC_VERSION, record_decoder(layout)
-    expect = checkpoint_meta(model_dir, layout, num_layers, num_experts, codec, version)
+    try:
+        model_layers = CheckpointStore(model_dir, layout).model_layers
+    except CheckpointError as e:
+        raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
+    expect = checkpoint_meta(model_dir, layout, len(model_layers), num_experts, codec, version)
     try:
         store = PagingFileStore(path, layout, expect, pitch=compressed_pitch(layout) if compressed else None, io=io)
         odirect_ok(path, io)
     except (PagingFileError, ODirectError) as e:
         raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
-    model_layers = CheckpointStore(model_dir, layout).model_layers
     return store, decoder, model_layers
 
 

@@ -115,8 +115,7 @@ def open_source(settings: PagerSettings, vllm_config, layout: ExpertLayout, deco
 
     model_dir = Path(vllm_config.model_config.model)
     if settings.paging_file is not None:
-        num_layers = moe_layer_count(vllm_config.model_config.hf_text_config)
-        return paging_file_source(settings.paging_file, model_dir, layout, decoder_layer, num_layers, experts, settings.use_codec())
+        return paging_file_source(settings.paging_file, model_dir, layout, decoder_layer, experts, settings.use_codec())
     return checkpoint_source(model_dir, layout, decoder_layer)
 
 

@@ -8,25 +8,29 @@ no second copy of the model on disk. The paging file store is in paging_file.py.
 
 from __future__ import annotations
 
+import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from .expert_names import MAIN_SCHEMES, ExpertNameError, ExpertNames, describe_schemes, discover
 from .layout import ExpertLayout
 from .odirect import DirectFile, SystemFileIO, as_byte_array
 from .read_stats import ReadCounters
 from .safetensors_index import CheckpointError, TensorEntry, index_files, shard_paths
 
-DEFAULT_PREFIX = "model.layers.{layer}.mlp.experts.{expert}."
+DEFAULT_PREFIX = MAIN_SCHEMES[0]  # Qwen3-MoE's names; expert_names.py knows every scheme the store reads
 MERGE_GAP = 64 << 10  # bytes; tensors of one expert closer than this are read as one span (fewer, larger reads)
 _PROJECTIONS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}  # vLLM's fused w13 = gate rows, then up rows
 
 
 @runtime_checkable
 class ExpertStore(Protocol):
-    """A read-only source of expert records, indexed by MoE layer (0-based, MoE layers only) and expert."""
+    """A read-only source of expert records, indexed by MoE layer (0-based, MoE layers only) and expert.
+
+    MoE layer i is the i-th decoder layer with experts: the main model's in order, then the MTP head's.
+    """
 
     layout: ExpertLayout
     num_layers: int
@@ -67,20 +71,27 @@ class CheckpointStore:
 
     codec = "raw"
 
-    def __init__(self, root: str | os.PathLike, layout: ExpertLayout, *, expert_prefix: str = DEFAULT_PREFIX,
-                 model_layers: list[int] | None = None, num_experts: int | None = None, retries: int = 2,
-                 io: SystemFileIO | None = None, counters: ReadCounters | None = None):
+    def __init__(self, root: str | os.PathLike, layout: ExpertLayout, *, model_layers: list[int] | None = None,
+                 num_experts: int | None = None, retries: int = 2, io: SystemFileIO | None = None,
+                 counters: ReadCounters | None = None):
+        """model_layers: the decoder layers (vLLM numbering, expert_names.py) to serve; default every one named."""
         self.root = Path(root)
         self.layout = layout
         self.counters = counters if counters is not None else ReadCounters()
         index = index_files(shard_paths(self.root))
-        found_layers, found_experts = _discover(index, expert_prefix)
-        self.model_layers = list(model_layers) if model_layers is not None else found_layers
+        try:
+            self.names = discover(index, num_hidden_layers(self.root))
+        except ExpertNameError as e:
+            raise CheckpointError(f"{self.root}: {e}") from None
+        self.model_layers = list(model_layers) if model_layers is not None else self.names.layers
         self.num_layers = len(self.model_layers)
-        self.num_experts = num_experts if num_experts is not None else found_experts
+        self.num_experts = num_experts if num_experts is not None else self.names.num_experts
         if not self.model_layers or not self.num_experts:
-            raise CheckpointError(f"{self.root}: no tensors named like {expert_prefix.format(layer='L', expert='E')}*")
-        self._runs = self._plan(index, expert_prefix)
+            raise CheckpointError(f"{self.root}: no expert tensors named like {describe_schemes()}")
+        unknown = [layer for layer in self.model_layers if layer not in self.names.heads]
+        if unknown:
+            raise CheckpointError(f"{self.root}: no experts for decoder layers {unknown[:5]} (it has {self.names.layers})")
+        self._runs = self._plan(index, self.names)
         self._gaps = _gaps(layout)
         files = sorted({run.file for runs in self._runs for run in runs})
         self._files = {p: DirectFile(p, retries=retries, io=io, counters=self.counters) for p in files}
@@ -117,13 +128,13 @@ class CheckpointStore:
             raise IndexError(f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts} experts")
         return layer * self.num_experts + expert
 
-    def _plan(self, index: dict[str, TensorEntry], prefix: str) -> list[list[_Run]]:
+    def _plan(self, index: dict[str, TensorEntry], names: ExpertNames) -> list[list[_Run]]:
         """Per (layer, expert): the spans to read; every tensor checked against the layout first."""
         sources = [src for comp in self.layout.components for src in _component_sources(comp)]
         plans, missing = [], []
         for model_layer in self.model_layers:
             for expert in range(self.num_experts):
-                head = prefix.format(layer=model_layer, expert=expert)
+                head = names.head(model_layer, expert)
                 pieces = []
                 for suffix, shape, dtype, record_offset in sources:
                     entry = index.get(head + suffix)
@@ -193,17 +204,16 @@ def _end(group: list[tuple[TensorEntry, int]]) -> int:
     return max(e.offset + e.nbytes for e, _ in group)
 
 
-def _discover(index: dict[str, TensorEntry], prefix: str) -> tuple[list[int], int]:
-    """MoE layers (model layer numbers, sorted) and experts per layer (max id + 1) named in the index."""
-    pattern = re.escape(prefix).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
-    rx = re.compile(pattern)
-    layers, experts = set(), -1
-    for name in index:
-        m = rx.match(name)
-        if m:
-            layers.add(int(m["layer"]))
-            experts = max(experts, int(m["expert"]))
-    return sorted(layers), experts + 1
+def num_hidden_layers(root: Path) -> int | None:
+    """config.json's num_hidden_layers (text_config first), where vLLM starts numbering MTP layers; None without one."""
+    path = root / "config.json" if root.is_dir() else root.parent / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    layers = text.get("num_hidden_layers", config.get("num_hidden_layers"))
+    return int(layers) if isinstance(layers, int) else None
 
 
 def _fmt(dtype: object, shape: tuple[int, ...]) -> str:
