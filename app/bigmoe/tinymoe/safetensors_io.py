@@ -95,7 +95,7 @@ class ShardWriter:
         want = self.expected.popleft() if self.expected else None
         if want != spec or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ShardWriteError(f"{self.path.name}: got {spec.name} {tuple(tensor.shape)} {tensor.dtype}, planned {want}")
-        raw = tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # reshape: 0-dim scalars too
         self.pending.append(self.pool.submit(self.file.write, raw))
         while len(self.pending) > PENDING_WRITES:
             self.pending.popleft().result()
