@@ -1,12 +1,31 @@
-"""Routing traces for the paging benchmark: the standard synthetic trace, file I/O, an LRU check.
+"""Routing traces for the paging benchmark: the routing families, predictions, file I/O, an LRU check.
 
-Standard trace (seeded): per layer, expert popularity is Zipf(alpha) over a
-per-layer random permutation of the experts; each of a token's k experts is
-kept from the previous token's set with probability `keep`, otherwise drawn
-from the popularity, all k distinct. A trace is int32 [tokens, layers, k] and
-is stored in an .npz under `topk_ids` (the format the vLLM plugin records).
+Every synthetic family is one generator with stated parameters (`Family`), seeded:
+- per layer, expert popularity is Zipf(`alpha`) over a per-layer random permutation;
+- temporal locality: each of a token's k experts is kept from the previous token's set
+  with probability `keep`, otherwise drawn from the popularity, all k distinct
+  (Gumbel top-k: successive sampling without replacement);
+- topic shifts: every `shift_every` tokens (0 = never), each layer re-ranks `shift_share`
+  of its experts (a random subset of them swaps popularity values among themselves);
+- cross-layer correlation: each of a token's k experts in layer l pulls its partner
+  (a fixed random bijection per layer pair) into the token's layer-(l+1) set with
+  probability `corr` (after the kept experts, before the drawn ones), so layer l's
+  choice carries information about layer l+1's: what a next-layer predictor reads. This
+  also mixes each layer's popularity with its predecessor's, seen through the partner map.
 
-    python scripts/traces.py --layers 40 --experts 256 --k 8 --tokens 4000 --check 32,102
+Families (FAMILIES): `standard` (alpha 1.4, keep 0.3; the committed H200 benchmarks' trace,
+bit for bit), `topic-shift` (alpha 1.2, keep 0.3, half of each layer's experts re-ranked
+every 48 tokens, corr 0.3), `near-uniform` (alpha 0.2, keep 0.05, corr 0.3: the worst
+case; a random-weights router routes about like this), and `recorded` (a file written by
+the vLLM plugin with BIGMOE_TRACE_PATH; docs/routing.md says how ours was made).
+
+A trace is int32 [tokens, layers, k] stored in an .npz under `topk_ids` (the format the
+vLLM plugin records). It may also carry `predicted_ids` int32 [tokens, layers, P], -1
+padded: row [t, l] is what a next-layer predictor proposes for layer l+1 while layer l
+computes (`predictions`: made at a stated recall and precision from the true ids).
+
+    python scripts/traces.py --family topic-shift --layers 40 --experts 256 --k 8 --check 32,102
+    python scripts/traces.py --family standard --layers 40 --recall 0.8 --precision 0.5 --out t.npz
 """
 
 from __future__ import annotations
@@ -16,6 +35,7 @@ import os
 import sys
 import tempfile
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +46,33 @@ KEEP = 0.3
 
 class TraceError(ValueError):
     """A trace file is missing, damaged or has the wrong shape."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """The parameters of one synthetic routing family."""
+
+    alpha: float
+    """Zipf exponent of each layer's expert popularity (0 = uniform)."""
+    keep: float
+    """Probability that each of a token's experts is kept from the previous token's set."""
+    shift_every: int = 0
+    """Tokens between topic shifts (0 = stationary popularity)."""
+    shift_share: float = 0.0
+    """Share of each layer's experts whose popularity ranks are permuted at a shift."""
+    corr: float = 0.0
+    """Probability that each layer-l expert pulls its partner into the token's layer-(l+1) set."""
+
+
+FAMILIES = {
+    "standard": Family(alpha=ALPHA, keep=KEEP),
+    "topic-shift": Family(alpha=1.2, keep=KEEP, shift_every=48, shift_share=0.5, corr=0.3),
+    "near-uniform": Family(alpha=0.2, keep=0.05, corr=0.3),
+}
+"""The synthetic families; `recorded` is a file (docs/routing.md)."""
+PULLED_KEY = 1e6  # sort key of a partner a token pulls in: above every drawn key, below a kept expert's inf
+RECORDED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "recorded-tiny64.npz"
+"""The trace recorded from real vLLM (CPU build) on the tiny model: 64 experts, top-8, 8 layers."""
 
 
 def popularity(experts: int, layers: int, alpha: float, rng: np.random.Generator) -> np.ndarray:
@@ -42,25 +89,94 @@ def standard_trace(
     tokens: int, layers: int, experts: int, k: int, alpha: float = ALPHA, keep: float = KEEP, seed: int = 0
 ) -> np.ndarray:
     """int32 [tokens, layers, k] with the standard locality model."""
+    return family_trace(Family(alpha=alpha, keep=keep), tokens, layers, experts, k, seed)
+
+
+def family_trace(family: Family, tokens: int, layers: int, experts: int, k: int, seed: int = 0) -> np.ndarray:
+    """int32 [tokens, layers, k] of a synthetic family (random draws in a fixed order: seeded)."""
     if not 1 <= k <= experts:
         raise TraceError(f"top-k must be in [1, {experts}], got {k}")
     rng = np.random.default_rng(seed)
-    log_p = np.log(popularity(experts, layers, alpha, rng))
+    log_p = np.log(popularity(experts, layers, family.alpha, rng))
+    # Drawn only when the family uses them, so the standard trace keeps its historical draws.
+    partner = np.stack([rng.permutation(experts) for _ in range(layers)]) if family.corr else None
     out = np.empty((tokens, layers, k), dtype=np.int32)
     rows = np.arange(layers)[:, None]
     prev = None
     for t in range(tokens):
-        # Gumbel top-k draws k distinct experts with successive-sampling probabilities.
+        if family.shift_every and t and t % family.shift_every == 0:
+            _shift(log_p, family.shift_share, rng)
         keys = log_p + rng.gumbel(size=log_p.shape)
-        if prev is None:
+        if prev is not None:
+            # Kept experts sort first; a dropped one may be drawn again like any other.
+            kept = rng.random((layers, k)) < family.keep
+            keys[rows, prev] = np.where(kept, np.inf, keys[rows, prev])
+        if partner is None:
             out[t] = np.argsort(-keys, axis=1)[:, :k]
         else:
-            # Kept experts sort first; a dropped one may be drawn again like any other.
-            kept = rng.random((layers, k)) < keep
-            keys[rows, prev] = np.where(kept, np.inf, keys[rows, prev])
-            out[t] = np.argsort(-keys, axis=1)[:, :k]
+            _choose_correlated(keys, partner, rng.random((layers, k)) < family.corr, out[t])
         prev = out[t]
     return out
+
+
+def _choose_correlated(keys: np.ndarray, partner: np.ndarray, pulled: np.ndarray, out: np.ndarray) -> None:
+    """Layer by layer: the partners of the pulled of layer l-1's experts sort right after the kept ones."""
+    k = out.shape[1]
+    out[0] = np.argsort(-keys[0])[:k]
+    for layer in range(1, keys.shape[0]):
+        chosen = partner[layer - 1, out[layer - 1][pulled[layer]]]
+        keys[layer, chosen] = np.maximum(keys[layer, chosen], PULLED_KEY)
+        out[layer] = np.argsort(-keys[layer])[:k]
+
+
+def _shift(log_p: np.ndarray, share: float, rng: np.random.Generator) -> None:
+    """A topic shift, in place: in each layer a random `share` of the experts permute their popularities."""
+    layers, experts = log_p.shape
+    n = int(round(share * experts))
+    for layer in range(layers):
+        moved = rng.choice(experts, size=n, replace=False)
+        log_p[layer, moved] = log_p[layer, rng.permutation(moved)]
+
+
+def named_trace(name: str, tokens: int, layers: int, experts: int, k: int, seed: int = 0) -> np.ndarray:
+    """A family's trace by name; `recorded` loads RECORDED (its own shape: the arguments do not apply)."""
+    if name == "recorded":
+        return load_trace(RECORDED)
+    if name not in FAMILIES:
+        raise TraceError(f"routing family {name!r} is unknown; choose {', '.join([*FAMILIES, 'recorded'])}")
+    return family_trace(FAMILIES[name], tokens, layers, experts, k, seed)
+
+
+def predictions(topk_ids: np.ndarray, recall: float, precision: float, experts: int, seed: int = 0) -> np.ndarray:
+    """int32 [tokens, layers, P], -1 padded: row [t, l] proposes layer l+1's experts of token t.
+
+    Per row, with T = layer l+1's distinct true ids: recall * |T| of them (rounded up or down at
+    random so the mean is exact), chosen at random, plus wrong ids (not in T) so that the right
+    share of the proposal is `precision` (likewise rounded);
+    P = k + ceil(k * recall * (1 / precision - 1)). The last layer has no next one: all -1.
+    """
+    if not 0.0 <= recall <= 1.0 or not 0.0 < precision <= 1.0:
+        raise TraceError(f"recall must be in [0, 1] and precision in (0, 1], got {recall}, {precision}")
+    tokens, layers, k = topk_ids.shape
+    wrong_max = int(np.ceil(k * recall * (1.0 / precision - 1.0)))
+    out = np.full((tokens, layers, k + wrong_max), -1, dtype=np.int32)
+    rng = np.random.default_rng(seed)
+    for t in range(tokens):
+        for layer in range(layers - 1):
+            true = np.unique(topk_ids[t, layer + 1][topk_ids[t, layer + 1] >= 0])
+            right = rng.permutation(true)[: _stochastic_round(recall * true.size, rng)]
+            n_wrong = min(_stochastic_round(right.size * (1.0 / precision - 1.0), rng), wrong_max, experts - true.size)
+            others = np.setdiff1d(np.arange(experts), true, assume_unique=True)
+            wrong = rng.choice(others, size=n_wrong, replace=False)
+            row = np.concatenate([right, wrong])
+            out[t, layer, : row.size] = row
+    return out
+
+
+def _stochastic_round(x: float, rng: np.random.Generator) -> int:
+    """floor(x) or floor(x) + 1, the latter with probability frac(x): the mean is x."""
+    base = int(np.floor(x))
+    return base + int(rng.random() < x - base)
 
 
 def lru_hit_rate(trace: np.ndarray, slots: int) -> float:
@@ -83,13 +199,16 @@ def lru_hit_rate(trace: np.ndarray, slots: int) -> float:
     return hits / max(1, lookups)
 
 
-def save_trace(path: str | Path, topk_ids: np.ndarray) -> None:
-    """Write atomically (temp file then rename)."""
+def save_trace(path: str | Path, topk_ids: np.ndarray, predicted_ids: np.ndarray | None = None) -> None:
+    """Write atomically (temp file then rename); predicted_ids (optional) as int32."""
     path = Path(path)
+    arrays = {"topk_ids": np.asarray(topk_ids, dtype=np.int32)}
+    if predicted_ids is not None:
+        arrays["predicted_ids"] = np.asarray(predicted_ids, dtype=np.int32)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, topk_ids=np.asarray(topk_ids, dtype=np.int32))
+            np.savez(f, **arrays)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -98,15 +217,32 @@ def save_trace(path: str | Path, topk_ids: np.ndarray) -> None:
 
 def load_trace(path: str | Path, experts: int | None = None) -> np.ndarray:
     """int32 [tokens, layers, k] from an .npz with `topk_ids`; checked."""
+    return _load(path, "topk_ids", experts)
+
+
+def load_predictions(path: str | Path, experts: int | None = None) -> np.ndarray | None:
+    """int32 [tokens, layers, P] `predicted_ids` of a trace file, or None when it carries none."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            ids = np.array(data["topk_ids"])
+            if "predicted_ids" not in data.files:
+                return None
+    except FileNotFoundError:
+        raise TraceError(f"trace {path} does not exist") from None
+    except Exception as e:
+        raise TraceError(f"trace {path} is not a readable .npz ({type(e).__name__})") from None
+    return _load(path, "predicted_ids", experts)
+
+
+def _load(path: str | Path, key: str, experts: int | None) -> np.ndarray:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            ids = np.array(data[key])
     except FileNotFoundError:
         raise TraceError(f"trace {path} does not exist") from None
     except Exception as e:  # zip, pickle and key errors all mean "not a trace"
-        raise TraceError(f"trace {path} is not a readable .npz with topk_ids ({type(e).__name__})") from None
+        raise TraceError(f"trace {path} is not a readable .npz with {key} ({type(e).__name__})") from None
     if ids.ndim != 3 or ids.dtype != np.int32:
-        raise TraceError(f"trace {path}: topk_ids must be int32 [tokens, layers, k], got {ids.dtype} {ids.shape}")
+        raise TraceError(f"trace {path}: {key} must be int32 [tokens, layers, n], got {ids.dtype} {ids.shape}")
     if experts is not None and ids.size and (ids.max() >= experts or ids.min() < -1):
         raise TraceError(f"trace {path}: ids must lie in [-1, {experts}), got {ids.min()}..{ids.max()}")
     return ids
@@ -114,22 +250,44 @@ def load_trace(path: str | Path, experts: int | None = None) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="standard", help=f"one of {', '.join([*FAMILIES, 'recorded'])}")
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--alpha", type=float, default=ALPHA)
-    ap.add_argument("--keep", type=float, default=KEEP)
+    ap.add_argument("--alpha", type=float, help="override the family's Zipf exponent")
+    ap.add_argument("--keep", type=float, help="override the family's keep probability")
+    ap.add_argument("--corr", type=float, help="override the family's cross-layer correlation")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, help="write the trace (.npz, topk_ids)")
+    ap.add_argument("--recall", type=float, help="also write predicted_ids at this recall")
+    ap.add_argument("--precision", type=float, default=1.0, help="precision of the predicted ids (default 1.0)")
+    ap.add_argument("--out", type=Path, help="write the trace (.npz, topk_ids [+ predicted_ids])")
     ap.add_argument("--check", default="", help="comma list of slot counts: print LRU hit rates")
     args = ap.parse_args(argv)
-    trace = standard_trace(args.tokens, args.layers, args.experts, args.k, args.alpha, args.keep, args.seed)
+    try:
+        trace = _trace_for(args)
+        predicted = None
+        if args.recall is not None:
+            predicted = predictions(trace, args.recall, args.precision, int(trace.max()) + 1 if args.family == "recorded"
+                                    else args.experts, args.seed)
+    except TraceError as e:
+        print(f"traces: {e}", file=sys.stderr)
+        return 2
     if args.out:
-        save_trace(args.out, trace)
+        save_trace(args.out, trace, predicted)
     for slots in [int(s) for s in args.check.split(",") if s]:
         print(f"LRU {slots}/{args.experts} slots: hit rate {lru_hit_rate(trace, slots):.3f}")
     return 0
+
+
+def _trace_for(args: argparse.Namespace) -> np.ndarray:
+    if args.family == "recorded":
+        return named_trace("recorded", 0, 0, 0, 0)
+    if args.family not in FAMILIES:
+        raise TraceError(f"routing family {args.family!r} is unknown; choose {', '.join([*FAMILIES, 'recorded'])}")
+    overrides = {f: getattr(args, f) for f in ("alpha", "keep", "corr") if getattr(args, f) is not None}
+    family = replace(FAMILIES[args.family], **overrides)
+    return family_trace(family, args.tokens, args.layers, args.experts, args.k, args.seed)
 
 
 if __name__ == "__main__":

@@ -50,3 +50,74 @@ def test_file_round_trip_and_bad_files(tmp_path, trace):
         traces.load_trace(tmp_path / "wrong.npz")
     with pytest.raises(traces.TraceError, match="does not exist"):
         traces.load_trace(tmp_path / "none.npz")
+
+
+@pytest.mark.parametrize("family", sorted(traces.FAMILIES))
+def test_every_family_is_seeded_distinct_and_in_range(family):
+    a = traces.named_trace(family, 300, 3, 64, 6, seed=1)
+    assert np.array_equal(a, traces.named_trace(family, 300, 3, 64, 6, seed=1))
+    assert a.shape == (300, 3, 6) and a.min() >= 0 and a.max() < 64
+    assert all(len(set(row)) == 6 for row in a.reshape(-1, 6))
+
+
+def test_families_order_by_locality():
+    """LRU hit rates at 32 of 256 slots: standard > topic-shift > near-uniform (the families' point)."""
+    rates = {f: traces.lru_hit_rate(traces.named_trace(f, 800, 2, 256, 8), 32) for f in traces.FAMILIES}
+    assert rates["standard"] > rates["topic-shift"] + 0.04 > rates["near-uniform"] + 0.3
+
+
+def test_topic_shifts_move_the_popular_experts():
+    """Top-16 experts of a layer, first half vs second half: stable in the standard trace, not under shifts."""
+    def overlap(trace):
+        before = np.bincount(trace[:480, 0].ravel(), minlength=256)
+        after = np.bincount(trace[480:, 0].ravel(), minlength=256)
+        return len(set(np.argsort(-before)[:16]) & set(np.argsort(-after)[:16]))
+
+    shifted = overlap(traces.named_trace("topic-shift", 960, 1, 256, 8, seed=2))
+    stable = overlap(traces.named_trace("standard", 960, 1, 256, 8, seed=2))
+    assert shifted + 4 <= stable
+
+
+def _conditional_recall(trace: np.ndarray, k: int) -> tuple[float, float]:
+    """(recall of layer 1's ids predicted from layer 0's by co-occurrence learned on the first half,
+    recall of the most popular layer-1 experts), on the second half."""
+    half = len(trace) // 2
+    experts = int(trace.max()) + 1
+    cooc = np.zeros((experts, experts))
+    for row in trace[:half]:
+        cooc[np.ix_(row[0], row[1])] += 1
+    popular = set(np.argsort(-cooc.sum(axis=0))[:k])
+    cond = cooc / np.maximum(cooc.sum(axis=1, keepdims=True), 1)
+    hit = base = 0
+    for row in trace[half:]:
+        guess = set(np.argsort(-cond[row[0]].sum(axis=0))[:k])
+        hit += len(guess & set(row[1]))
+        base += len(popular & set(row[1]))
+    n = (len(trace) - half) * k
+    return hit / n, base / n
+
+
+def test_cross_layer_correlation_makes_the_next_layer_predictable():
+    """With corr > 0 a token's layer-l experts predict its layer-(l+1) experts beyond popularity; without, not."""
+    corr = traces.family_trace(traces.Family(alpha=1.2, keep=0.3, corr=0.5), 2000, 2, 32, 4, seed=3)
+    plain = traces.family_trace(traces.Family(alpha=1.2, keep=0.3), 2000, 2, 32, 4, seed=3)
+    got, base = _conditional_recall(corr, 4)
+    assert got > base + 0.03
+    got, base = _conditional_recall(plain, 4)
+    assert abs(got - base) < 0.015
+
+
+def test_predictions_round_trip_in_the_trace_file(tmp_path):
+    trace = traces.named_trace("standard", 50, 3, 32, 4)
+    pred = traces.predictions(trace, 0.6, 0.5, 32)
+    traces.save_trace(tmp_path / "p.npz", trace, pred)
+    assert np.array_equal(traces.load_predictions(tmp_path / "p.npz", 32), pred)
+    traces.save_trace(tmp_path / "q.npz", trace)
+    assert traces.load_predictions(tmp_path / "q.npz") is None
+    with pytest.raises(traces.TraceError, match="recall"):
+        traces.predictions(trace, 1.5, 0.5, 32)
+
+
+def test_unknown_family_is_one_line_and_exit_2(capsys):
+    assert traces.main(["--family", "zipfy"]) == 2
+    assert "unknown" in capsys.readouterr().err
