@@ -12,3 +12,13 @@ def moe_layer_count(config) -> int | None:
     mlp_only = set(get("mlp_only_layers") or [])
     step = int(get("decoder_sparse_step") or 1)
     return sum(1 for i in range(int(layers)) if i not in mlp_only and (i + 1) % step == 0)
+
+
+def mtp_layer_count(config) -> int:
+    """Decoder layers of the multi-token-prediction head (vLLM's Qwen4ExpMTP: mtp_num_hidden_layers, default 1)."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        value = get(key)
+        if value is not None:
+            return int(value)
+    return 1

@@ -144,3 +144,31 @@ def test_reads_the_tiny_moe_checkpoint_exactly(tiny_checkpoint):
                 n = store.read(layer, expert, buf)
                 ref = synth_experts.reference_record(root, layout, store.model_layers[layer], expert)
                 assert torch.equal(buf[:n], ref[:n]), (layer, expert)
+
+
+QWEN4EXP = "model.language_model.layers.{layer}.mlp.experts.{expert}."
+MTP = "mtp.layers.{layer}.mlp.experts.{expert}."
+
+
+@pytest.mark.parametrize("main", [synth_experts.DEFAULT_PREFIX, QWEN4EXP])
+def test_qwen4exp_and_mtp_names_read_back_exactly(tmp_path, main):
+    """Main layers keep their numbers; the MTP head's layer 0 is vLLM's decoder layer num_hidden_layers."""
+    shape = SHAPES["fp8"]
+    root = tmp_path / "ckpt"
+    synth_experts.write_checkpoint(root, shape["hidden"], shape["intermediate"], 2, 3, shards=1, prefix=main)
+    gen = torch.Generator().manual_seed(7)
+    mtp = {MTP.format(layer=0, expert=e) + suffix: t for e in range(3)
+           for suffix, t in synth_experts.expert_tensors(shape["hidden"], shape["intermediate"], True, gen).items()}
+    save_file(mtp, str(root / "mtp.safetensors"))
+    (root / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 2}}))
+    layout = synth_experts.make_layout(shape["hidden"], shape["intermediate"], True)
+    with CheckpointStore(root, layout) as store:
+        assert store.model_layers == [0, 1, 2] and store.names.mtp_layers == (2,)
+        buf = aligned_empty(layout.pitch)
+        for layer, (prefix, ckpt_layer) in enumerate([(main, 0), (main, 1), (MTP, 0)]):
+            for expert in range(3):
+                store.read(layer, expert, buf)
+                ref = synth_experts.reference_record(root, layout, ckpt_layer, expert, prefix=prefix)
+                assert torch.equal(buf[: layout.record_bytes], ref[: layout.record_bytes])
+    with CheckpointStore(root, layout, model_layers=[0, 1]) as main_only:
+        assert main_only.num_layers == 2

@@ -81,14 +81,14 @@ def test_a_whole_layer_step_runs_the_kernel_over_every_expert_with_the_routers_i
                             **{name: torch.nn.Parameter(t, requires_grad=False) for name, t in slots.items()})
     seen = {}
 
-    def kernel(x, weights, ids, shared, shared_in):
+    def kernel(x, weights, ids):
         seen.update(ids=ids, rows={name: getattr(layer, name).shape[0] for name in slots},
                     w2=getattr(layer, "w2_weight").data.clone())
         return x
 
     ids = torch.tensor([[5, 1], [7, 5], [0, 3]])
     x = torch.randn(3, 4)
-    assert vllm_device._whole_layer_step(layer, x, torch.ones(3, 2), ids, None, None, kernel) is x
+    assert vllm_device._whole_layer_step(layer, x, torch.ones(3, 2), ids, kernel) is x
     assert seen["ids"] is ids and set(seen["rows"].values()) == {experts}
     c = layout["w2_weight"]
     for expert in (0, 1, 3, 5, 7):
@@ -110,11 +110,11 @@ def test_a_chunked_step_runs_vllms_kernel_on_each_range_after_its_paging():
             events.append(("step", ids.shape[0]))
             return ids
 
-    def kernel(x, weights, ids, shared, shared_in):
+    def kernel(x, weights, ids):
         events.append(("kernel", x.shape[0]))
         return x
 
     x = torch.arange(6.0).reshape(3, 2)
-    out = vllm_device._chunked_step(Pager(), x, torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32), None, None, kernel)
+    out = vllm_device._chunked_step(Pager(), x, torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32), kernel)
     assert torch.equal(out, x)
     assert events == [("step", 2), ("kernel", 2), ("step", 1), ("kernel", 1)]

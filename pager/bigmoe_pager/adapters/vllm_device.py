@@ -61,17 +61,26 @@ def wanted(settings: PagerSettings) -> bool:
     return on_cuda() and settings.cuda_graphs and not (settings.paging_file is not None and settings.use_codec())
 
 
-def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int) -> None:
-    """Refuse CUDA graphs captured for batches whose ids can outnumber this layer's slots."""
+def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int, spec_tokens: int = 0) -> None:
+    """Refuse CUDA graphs captured for batches whose ids can outnumber this layer's slots.
+
+    vLLM's capture sizes count tokens, and with speculative decoding a verification step already
+    counts spec_tokens + 1 per sequence (config/vllm.py _set_cudagraph_sizes, compilation.py
+    adjust_cudagraph_sizes_for_spec_decode), so tokens x top-k is the bound either way; spec_tokens
+    only shapes the advice.
+    """
     cc = vllm_config.compilation_config
     mode = getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode))
     biggest = max(cc.cudagraph_capture_sizes or [0])
     if mode == "NONE" or biggest * top_k <= slots:
         return
+    fit = max(1, slots // top_k)
+    spec = (f"; with {spec_tokens} speculative tokens each sequence verifies {spec_tokens + 1} tokens, so that is "
+            f"at most {fit // (spec_tokens + 1)} sequence(s) per graph" if spec_tokens else "")
     raise vllm_glue.EngineModeError(
         f"bigmoe: vLLM captures CUDA graphs for batches of up to {biggest} tokens ({biggest * top_k} expert ids), "
         f"more than MoE layer {moe_index}'s {slots} VRAM slots; start vLLM with "
-        f"--max-cudagraph-capture-size {max(1, slots // top_k)} (or more VRAM slots, or --enforce-eager)"
+        f"--max-cudagraph-capture-size {fit} (or more VRAM slots, or --enforce-eager){spec}"
     )
 
 
@@ -99,8 +108,8 @@ def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, w
                             policy=eviction)
 
 
-def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
-    """Page the step's experts in and run vLLM's kernel (kernel(x, weights, slot ids, shared, shared_in)) on the slots."""
+def forward(layer, x, topk_weights, topk_ids, kernel):
+    """Page the step's experts in and run vLLM's kernel (kernel(x, weights, slot ids)) on the slots."""
     pager: DeviceLayerPager = layer.pager
     if not pager.started:
         start_all()
@@ -108,18 +117,18 @@ def forward(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_inp
         _state["mirror"].copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
     with vllm_glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
         if pager.fits(topk_ids):  # captured, or run eagerly (then the step has settled its SSD reads)
-            return kernel(x, topk_weights, pager.step(topk_ids), shared_experts, shared_experts_input)
+            return kernel(x, topk_weights, pager.step(topk_ids))
         if torch.cuda.is_current_stream_capturing():
             raise vllm_glue.EngineModeError(
                 f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
                 f"the {pager.sizes.vram} VRAM slots; lower --max-cudagraph-capture-size")
         _check_ssd()
         if vllm_routing.settings().prefill_buffer:
-            return _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
-        return _chunked_step(pager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel)
+            return _whole_layer_step(layer, x, topk_weights, topk_ids, kernel)
+        return _chunked_step(pager, x, topk_weights, topk_ids, kernel)
 
 
-def _chunked_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
+def _chunked_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, kernel):
     """A big step in token ranges whose experts fit the slots.
 
     Each range's paging has settled (`DeviceLayerPager.step`) before vLLM's kernel is called:
@@ -128,12 +137,11 @@ def _chunked_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, shared_exp
     outs = []
     for rows in pager.token_chunks(topk_ids):
         slot_ids = pager.step(topk_ids[rows])
-        shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
-        outs.append(kernel(x[rows], topk_weights[rows], slot_ids, shared_experts, shared_in))
+        outs.append(kernel(x[rows], topk_weights[rows], slot_ids))
     return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 
 
-def _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input, kernel):
+def _whole_layer_step(layer, x, topk_weights, topk_ids, kernel):
     """A big step over one buffer of all E experts: the needed ones copied in, vLLM's kernel run with the router's ids.
 
     The layer's parameters point at the buffer for the call (kernels read them when launched), so the
@@ -146,7 +154,7 @@ def _whole_layer_step(layer, x, topk_weights, topk_ids, shared_experts, shared_e
     try:
         for name, p in params.items():
             p.data = buffers[name]
-        return kernel(x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return kernel(x, topk_weights, topk_ids)
     finally:
         for name, p in params.items():
             p.data = slots[name]
@@ -192,9 +200,12 @@ def _ssd_fetchers(layers: list) -> dict[int, ServiceFetch]:
         store_layer = paged._ssd_source.layer if paged._ssd_source is not None else paged._moe_index
         rows[store_layer] = paged.pager.ram.records
         sinks[store_layer] = stats.tier(paged._moe_index, "ssd")
-    missing = [i for i in range(store.num_layers) if i not in rows]
-    if missing:
-        raise vllm_glue.EngineModeError(f"bigmoe: the SSD store has MoE layers {missing} that vLLM built no paged layer for")
+    # Store layers no paged layer reads (the checkpoint's MTP head with speculative decoding off) get no RAM
+    # slots; every paged layer found its own store layer by decoder layer number (ssd_source._moe_layer).
+    unread = partial[0].pager.ram.records.new_empty((0, *partial[0].pager.ram.records.shape[1:]))
+    for i in range(store.num_layers):
+        rows.setdefault(i, unread)
+        sinks.setdefault(i, None)
     settings = vllm_routing.settings()
     service = SsdService.from_settings(store, [rows[i] for i in range(store.num_layers)], settings,
                                        sinks=[sinks[i] for i in range(store.num_layers)])

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 
 import torch
 
 from bigmoe_pager.adapters import vllm_device, vllm_glue, vllm_routing, vllm_stats
+from bigmoe_pager.core.expert_names import ExpertNameError, vllm_decoder_layer
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import HostPager, TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
@@ -49,13 +49,14 @@ def paged_class(settings: PagerSettings) -> type:
                 vllm_glue.require_host_driven_mode(vllm_config)
             num_experts = moe_config.num_experts
             self._moe_index = vllm_glue.next_moe_index()
-            num_moe_layers = vllm_glue.moe_layer_count(vllm_config.model_config.hf_text_config)
+            num_moe_layers = vllm_glue.paged_layer_count(vllm_config)  # the MTP drafter's layers come last
             vram, ram = settings.slots_for(self._moe_index, num_moe_layers, num_experts)
             if vram < moe_config.experts_per_token:
                 raise SettingsError(f"BIGMOE_VRAM_SLOTS: layer {self._moe_index} has {vram} slots but each token uses "
                                     f"{moe_config.experts_per_token} experts; give at least {moe_config.experts_per_token}")
             if on_device:
-                vllm_device.check_graph_sizes(vllm_config, self._moe_index, vram, moe_config.experts_per_token)
+                vllm_device.check_graph_sizes(vllm_config, self._moe_index, vram, moe_config.experts_per_token,
+                                              vllm_glue.speculative_tokens(vllm_config))
                 vllm_device.refuse_trace_in_graphs(settings, vllm_config)
             slot_config = dataclasses.replace(moe_config, num_experts=vram, num_local_experts=vram, num_logical_experts=vram)
             super().__init__(layer_name, params_dtype, slot_config, quant_config, expert_map_manager, **kwargs)
@@ -81,6 +82,7 @@ def paged_class(settings: PagerSettings) -> type:
                                            pin=torch.cuda.is_available(), warm_order=order)
             self._ram_param_cache: dict[str, torch.nn.Parameter] = {}
             self._install_slot = None
+            self._kernel_checked = False
             vllm_glue.register_layer(self)
 
         def get_expert_mapping(self, *args, **kwargs):
@@ -119,17 +121,24 @@ def paged_class(settings: PagerSettings) -> type:
         # ---- forward: page in, remap, run vLLM's kernel on the slots -----------------
 
         def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-            if shared_experts is None:
-                # An opaque op: torch.compile must not trace the host-side paging (vLLM's CPU build compiles the MoE call).
-                return torch.ops.bigmoe.paged_experts(x, topk_weights, topk_ids, self._moe_index)
-            return self.paged_forward(x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+            if shared_experts is not None:
+                vllm_glue.check_shared_experts(self)  # vLLM's runner computes it outside this call
+            # An opaque op: torch.compile must not trace the host-side paging (vLLM's CPU build compiles the MoE call).
+            return torch.ops.bigmoe.paged_experts(x, topk_weights, topk_ids, self._moe_index)
 
-        def paged_forward(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        def forward_monolithic(self, *args, **kwargs):
+            vllm_glue.check_kernel(self)  # a kernel that routes inside never reaches the pager: always refused
+            raise vllm_glue.EngineModeError(f"bigmoe: MoE layer {self._moe_index} runs a monolithic kernel; "
+                                            f"{vllm_glue.MOE_BACKEND_HINT}")
+
+        def paged_forward(self, x, topk_weights, topk_ids):
             """Page in the step's experts (in token chunks that fit the slots) and run vLLM's kernel on the slots."""
+            if not self._kernel_checked:
+                vllm_glue.check_kernel(self)
+                self._kernel_checked = True
             topk_ids = vllm_routing.routing_hook(self._moe_index, topk_ids)
             if isinstance(self.pager, DeviceLayerPager):
-                return vllm_device.forward(self, x, topk_weights, topk_ids, shared_experts, shared_experts_input,
-                                           super().forward_modular)
+                return vllm_device.forward(self, x, topk_weights, topk_ids, super().forward_modular)
             if self._install_slot is None:
                 self._install_slot = vllm_glue.slot_installer(self)
             host_ids = topk_ids.cpu()  # the pager decides on the host; one copy (and sync) per layer and step
@@ -137,8 +146,7 @@ def paged_class(settings: PagerSettings) -> type:
             with vllm_glue.pinned_kernel_config(self, x.shape[0], x.dtype):
                 for rows in self.pager.token_chunks(host_ids):
                     slots = self.pager.prepare(host_ids[rows], self._install_slot).to(topk_ids.device, topk_ids.dtype)
-                    shared_in = shared_experts_input[rows] if shared_experts_input is not None else None
-                    outs.append(super().forward_modular(x[rows], topk_weights[rows], slots, shared_experts, shared_in))
+                    outs.append(super().forward_modular(x[rows], topk_weights[rows], slots))
             vllm_stats.export_stats(self)
             return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
 
@@ -215,7 +223,7 @@ def _layout_of(layer) -> ExpertLayout:
 
 
 def _decoder_layer_index(layer_name: str) -> int:
-    match = re.search(r"layers\.(\d+)\.", layer_name)
-    if not match:
-        raise SettingsError(f"bigmoe: cannot tell the decoder layer of MoE layer {layer_name!r}")
-    return int(match.group(1))
+    try:
+        return vllm_decoder_layer(layer_name)
+    except ExpertNameError as e:
+        raise SettingsError(str(e)) from None

@@ -104,6 +104,90 @@ def moe_layer_count(hf_config) -> int:
     return model_config.moe_layer_count(hf_config) or 0
 
 
+def paged_layer_count(vllm_config) -> int:
+    """MoE layers this process builds: the model's, then the MTP draft's when vLLM's speculative method is MTP.
+
+    vLLM builds the target model first and the MTP drafter after it in the same worker
+    (gpu_model_runner.load_model), so the drafter's MoE layers take the last indices.
+    """
+    text = vllm_config.model_config.hf_text_config
+    spec = getattr(vllm_config, "speculative_config", None)
+    mtp = getattr(spec, "method", None) == "mtp" and bool(getattr(spec, "num_speculative_tokens", 0))
+    return moe_layer_count(text) + (model_config.mtp_layer_count(text) if mtp else 0)
+
+
+def speculative_tokens(vllm_config) -> int:
+    """Draft tokens per sequence and step (0 without speculative decoding); a verification step has this + 1."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+
+
+# ---- which MoE kernel vLLM chose ------------------------------------------------------
+
+PROVEN_EXPERTS = {
+    "cuda": ("TritonExperts",),
+    "cpu": ("CPUUnquantizedExperts", "CPUExpertsFp8"),
+}
+"""MoE kernels (vLLM's experts class, exact name) the pager is proven token-identical with, per platform.
+CUDA: Triton keeps w13/w2 and their block scales as the checkpoint has them, so a raw record is a slot.
+CPU: the two kernels whose per-expert prepack slot_installer reproduces."""
+
+MOE_BACKEND_HINT = "start vLLM with --moe-backend triton"
+"""vLLM 0.33's KernelConfig.moe_backend (CLI --moe-backend) that selects Triton's FP8/bf16 MoE kernel."""
+
+
+def kernel_refusal(platform: str, experts_class: str | None, backend: str | None, monolithic: bool,
+                   moe_index: int) -> str | None:
+    """Why the pager must not run over this MoE kernel (one line), or None when it is a proven one.
+
+    platform: "cuda" or "cpu"; experts_class: type name of the kernel's fused experts; backend: the
+    FP8 backend vLLM picked (quant_method.fp8_backend), if any; monolithic: kernels that route inside
+    (forward_monolithic), which never pass through the paged forward.
+    """
+    proven = PROVEN_EXPERTS.get(platform, ())
+    if not monolithic and experts_class in proven:
+        return None
+    chosen = experts_class or "no modular kernel"
+    if backend:
+        chosen = f"the {backend} backend ({chosen})"
+    hint = MOE_BACKEND_HINT if platform == "cuda" else "set BIGMOE_PAGER=0 on this CPU"
+    return (f"bigmoe: vLLM runs MoE layer {moe_index} with {chosen}{', which routes inside the kernel' if monolithic else ''}; "
+            f"the expert pager is proven only with {', '.join(proven) or 'no kernel on ' + platform}, "
+            f"whose weights keep the checkpoint's layout; {hint}")
+
+
+def check_kernel(layer) -> None:
+    """Refuse, at the first forward (vLLM's profile run, before serving), a MoE kernel the pager is not proven with."""
+    from vllm.platforms import current_platform
+
+    method = layer.quant_method
+    kernel = getattr(method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    backend = getattr(method, "fp8_backend", None)
+    why = kernel_refusal("cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other",
+                         type(experts).__name__ if experts is not None else None,
+                         getattr(backend, "value", backend), bool(getattr(method, "is_monolithic", False)),
+                         layer._moe_index)
+    if why is None and getattr(experts, "_use_zentorch", False):
+        why = f"bigmoe: vLLM runs MoE layer {layer._moe_index} with zentorch's CPU kernel, which the pager is not proven with; set BIGMOE_PAGER=0"
+    if why is not None:
+        raise EngineModeError(why)
+
+
+def check_shared_experts(layer) -> None:
+    """The paged call must not compute the shared expert: vLLM's runner does, unless the kernel overlaps it.
+
+    vLLM (0.32/0.33) hands `shared_experts` to every routed-experts call of a layer that has one, but the
+    modular kernel only runs it inside when its prepare/finalize is asynchronous (expert-parallel
+    all2all: `mk_can_overlap_shared_experts`); otherwise MoERunner runs it before the call or on its
+    side stream. So with one GPU the paged op drops it; with an overlapping kernel it is refused.
+    """
+    if getattr(layer.quant_method, "mk_can_overlap_shared_experts", False):
+        raise EngineModeError(f"bigmoe: MoE layer {layer._moe_index}'s kernel computes the shared expert inside the "
+                              "routed call (expert-parallel all2all); the expert pager serves one GPU without expert "
+                              "parallelism: drop --enable-expert-parallel and data parallelism")
+
+
 # ---- the SSD tier -------------------------------------------------------------------
 
 
@@ -127,6 +211,8 @@ def warm_order(settings: PagerSettings, moe_index: int) -> list[int] | None:
         counts = np.load(settings.hot_profile)["counts"]
     except (OSError, KeyError, ValueError) as e:
         raise SettingsError(f"BIGMOE_HOT_PROFILE: cannot read {settings.hot_profile}: {e}") from None
+    if moe_index >= counts.shape[0]:
+        return None  # a layer the profile did not see (the MTP drafter's, say): filled in expert order
     return [int(e) for e in np.argsort(-counts[moe_index], kind="stable")]
 
 
