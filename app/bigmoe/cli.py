@@ -11,10 +11,8 @@ import time
 
 import click
 
+from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
-
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,7 +28,8 @@ def cli() -> None:
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, 1 << 20), help="Tokens to generate for --prompt.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port of the API.")
-@click.option("--api-key", default=None, help="Require this API key (passed to vLLM).")
+@click.option("--api-key", default=None, envvar="BIGMOE_API_KEY", show_envvar=True,
+              help="Require this API key (it reaches vLLM by environment, never on a command line; printed lines mask it).")
 @click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Use this checkpoint directory instead of fetching.")
 @click.option("--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer (beats the plan).")
 @click.option("--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer (beats the plan).")
@@ -57,10 +56,10 @@ def run(model: str, yes: bool, as_json: bool, **options) -> None:
 
 @cli.command()
 def ps() -> None:
-    """List running bigmoe servers."""
-    from bigmoe import launch
+    """List every running bigmoe server (records of servers that are gone are removed)."""
+    from bigmoe import records
 
-    infos = launch.running()
+    infos = records.live()
     if not infos:
         click.echo("no bigmoe server is running")
         return
@@ -70,47 +69,58 @@ def ps() -> None:
 
 
 @cli.command()
-@click.argument("model", required=False)
-def stop(model: str | None) -> None:
-    """Stop a running server (SIGTERM to its process group, then SIGKILL)."""
-    from bigmoe import launch
+@click.argument("target", required=False)
+@click.option("--all", "stop_all", is_flag=True, help="Stop every running bigmoe server.")
+def stop(target: str | None, stop_all: bool) -> None:
+    """Stop the server TARGET names (model name, port or pid; optional when only one runs), or all of them.
 
-    server = launch.find(model)
-    launch.stop(server)
-    click.echo(f"stopped {server.info.name} (pid {server.info.pid})")
+    SIGTERM to its process group, a wait for every process (children included), then SIGKILL."""
+    from bigmoe import launch, records
+
+    if stop_all and target:
+        raise click.UsageError("name a server or give --all, not both")
+    infos = records.live() if stop_all else [records.one(target)]
+    if not infos:
+        click.echo("no bigmoe server is running")
+    for info in infos:
+        launch.stop(launch.Server.of(info))
+        click.echo(f"stopped {info.name} (pid {info.pid}, port {info.port})")
 
 
 @cli.command()
-@click.argument("model", required=False)
-@click.option("--lines", "-n", default=50, show_default=True, type=click.IntRange(0), help="Lines from the end.")
-def logs(model: str | None, lines: int) -> None:
-    """Print the end of a running server's log."""
-    from bigmoe import launch
-    from pathlib import Path
+@click.argument("target", required=False)
+@click.option("--lines", "-n", default=50, show_default=True, type=click.IntRange(0), help="Lines from the end (0 = all).")
+def logs(target: str | None, lines: int) -> None:
+    """Print the end of a server's log: the running one TARGET names (model name, port or pid), else the
+    last run's log for that model or port, also after the server has exited."""
+    from bigmoe import records
 
-    server = launch.find(model)
-    text = Path(server.info.log).read_text(errors="replace").splitlines()
+    text = records.last_log(target).read_text(errors="replace").splitlines()
     click.echo("\n".join(text[-lines:] if lines else text))
 
 
 def _add_optional_commands() -> None:
-    from bigmoe.cli_plan import plan, probe
+    from bigmoe.cli_plan import list_presets, plan, probe
     from bigmoe.cli_pull import pull
+    from bigmoe.cli_verify import verify_command
 
-    for command in (probe, plan, pull):
+    for command in (probe, plan, pull, verify_command, list_presets):
         cli.add_command(command)
 
 
 def main(argv: list[str] | None = None) -> None:
     _add_optional_commands()
+    if not (sys.argv[1:] if argv is None else argv):  # plain `bigmoe`: the help, not an error
+        click.echo(cli.get_help(click.Context(cli, info_name="bigmoe")))
+        return
     try:
         cli.main(args=argv, prog_name="bigmoe", standalone_mode=False)
     except click.UsageError as e:
-        click.echo(f"bigmoe: {e.format_message()} (see 'bigmoe {e.ctx.command.name if e.ctx else ''} --help')", err=True)
-        sys.exit(EXIT_USAGE)
+        click.echo(f"bigmoe: {e.format_message()} (see '{e.ctx.command_path if e.ctx else 'bigmoe'} --help')", err=True)
+        sys.exit(exit_codes.USAGE)
     except click.Abort:
         click.echo("bigmoe: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(exit_codes.INTERRUPTED)
     except click.ClickException as e:
         click.echo(f"bigmoe: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
@@ -119,10 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except ValueError as e:  # PresetError, SettingsError
         click.echo(f"bigmoe: {e}", err=True)
-        sys.exit(1)
+        sys.exit(exit_codes.ERROR)
     except KeyboardInterrupt:
         click.echo("bigmoe: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(exit_codes.INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from bigmoe import presets
 from bigmoe.checkpoint_arch import facts_for, find_checkpoint
 from bigmoe.hardware import DISK_KINDS, Hardware, Unknown
 from bigmoe.plan import Overrides, Plan, PlanError, default_dirs, plan as make_plan
-from bigmoe.plan_inputs import default_model_dir, default_paging_dir
+from bigmoe.plan_inputs import MIN_CONTEXT, default_model_dir, default_paging_dir
 from bigmoe.plan_memory import gib
 from bigmoe.probe import probe as probe_machine
 
@@ -50,7 +50,7 @@ def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bo
 @click.option("--disk-gib", type=_GIB, default=None, help="Free space of the stated disk (GiB).")
 @click.option("--gpu", default=None, help="Name of the stated GPU, e.g. 'RTX 4090' (VRAM looked up unless --vram-gib).")
 @click.option("--wsl2/--no-wsl2", default=None, help="Plan for (or not for) a WSL2 machine.")
-@click.option("--context", type=click.IntRange(1), default=None, help="Context length (tokens).")
+@click.option("--context", type=click.IntRange(MIN_CONTEXT), default=None, help="Context length (tokens).")
 @click.option("--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer.")
 @click.option("--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer.")
 @click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).")
@@ -86,6 +86,15 @@ def plan(model: str, as_json: bool, root: str, **options) -> None:
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_plan(result))
     if result.refusals and not result.forced:
         raise PlanRefused(f"plan refused: {result.refusal} (rerun with --force to accept it)")
+
+
+@click.command("presets")
+def list_presets() -> None:
+    """List the models bigmoe knows (the MODEL of run, plan and pull)."""
+    for name in presets.names():
+        preset = presets.load(name)
+        source = "made on this machine" if preset.synthetic else f"{preset.hub_id}@{preset.revision or 'main'}"
+        click.echo(f"{name:<22} {source:<40} {preset.description}")
 
 
 def _default_probe_paths() -> list[str]:

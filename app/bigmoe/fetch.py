@@ -272,6 +272,11 @@ def _is_commit(revision: str) -> bool:
     return len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
 
 
+def list_repo(repo_id: str, revision: str) -> tuple[str, list[RemoteFile]]:
+    """(commit, files with sizes and hashes) of repo_id@revision as the Hub (HF_ENDPOINT) lists them."""
+    return _list_repo(repo_id, revision, hub_endpoint())
+
+
 def _list_repo(repo_id: str, revision: str, endpoint: str) -> tuple[str, list[RemoteFile]]:
     from huggingface_hub import HfApi
 

@@ -211,6 +211,18 @@ def read_ready(cache: RepoCache, commit: str) -> list[RemoteFile] | None:
         return None
 
 
+def recorded_files(cache: RepoCache, commit: str) -> list[RemoteFile] | None:
+    """The files and Hub hashes the ready marker recorded, even if files changed since (None: no marker)."""
+    try:
+        payload = json.loads(cache.marker(commit).read_text())
+        if payload.get("format") != MARKER_FORMAT or payload.get("commit") != commit:
+            return None
+        return [RemoteFile(path=e["path"], size=e["size"], blob_id=e["blob_id"], sha256=e["sha256"])
+                for e in payload["files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_ref(cache: RepoCache, revision: str, commit: str) -> None:
     """Name `commit` as `revision` (what huggingface_hub does for branch downloads) for offline use."""
     if revision == commit:

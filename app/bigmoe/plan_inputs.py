@@ -4,6 +4,7 @@ machine they describe (the probed one with the stated parts put in)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from bigmoe.errors import BigmoeError
@@ -12,6 +13,10 @@ from bigmoe.plan_memory import GIB
 from bigmoe.plan_speed import gpu_spec
 from bigmoe.presets import Preset
 from bigmoe_pager.settings import COMPRESS_CHOICES
+
+
+MIN_CONTEXT = 128
+"""Shortest context (tokens) `plan` and `run` accept: below it a chat template alone does not fit."""
 
 
 class PlanError(BigmoeError):
@@ -66,16 +71,16 @@ def check_overrides(preset: Preset, ov: Overrides) -> None:
     arch = preset.arch
     for name in ("vram_gib", "ram_gib", "disk_gib"):
         value = getattr(ov, name)
-        if value is not None and not value > 0:
-            raise PlanError(f"--{name.replace('_', '-')} {value} must be a positive number of GiB")
+        if value is not None and not 0 < value < math.inf:  # nan fails both comparisons
+            raise PlanError(f"--{name.replace('_', '-')} {value} must be a positive, finite number of GiB")
     if ov.disk is not None and ov.disk not in DISK_KINDS:
         raise PlanError(f"--disk {ov.disk!r} is not one of {', '.join(DISK_KINDS)}")
     if ov.compress is not None and ov.compress not in COMPRESS_CHOICES:
         raise PlanError(f"--compress {ov.compress!r} is not one of {', '.join(COMPRESS_CHOICES)}")
     if ov.gpu is not None and ov.vram_gib is None and gpu_spec(ov.gpu) is None:
         raise PlanError(f"--gpu {ov.gpu!r} is not a GPU bigmoe knows the VRAM of; add --vram-gib")
-    if ov.context is not None and not 1 <= ov.context <= arch.max_context:
-        raise PlanError(f"--context {ov.context} is outside 1..{arch.max_context}, the limit of {preset.name}")
+    if ov.context is not None and not MIN_CONTEXT <= ov.context <= arch.max_context:
+        raise PlanError(f"--context {ov.context} is outside {MIN_CONTEXT}..{arch.max_context}, the limit of {preset.name}")
     for name in ("vram_slots", "ram_slots"):
         value = getattr(ov, name)
         if value is not None and not arch.top_k <= value <= arch.experts:

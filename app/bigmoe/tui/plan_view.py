@@ -104,13 +104,18 @@ def machine_table(hw: Hardware) -> Table:
     table.add_row("RAM", f"{gib(hw.ram_available_bytes)} available of {gib(hw.ram_total_bytes)}" + (" (stated)" if hw.ram_stated else ""))
     amx = {True: "with AMX", False: "no AMX"}.get(hw.cpu_amx, f"AMX {hw.cpu_amx}") if known(hw.cpu_amx) else f"AMX {hw.cpu_amx}"
     table.add_row("CPU", f"{hw.cpu_cores} cores, {amx}")
-    table.add_row("WSL2", f"{hw.wsl2} ({hw.wsl2_basis})")
+    table.add_row("WSL2", f"{yes_no(hw.wsl2)} ({hw.wsl2_basis})")
     table.add_row("pinned limit", "unlimited" if hw.memlock_bytes is None else gib(hw.memlock_bytes))
     for disk in hw.disks:
         o_direct = {True: "works", False: "fails"}.get(disk.o_direct, str(disk.o_direct)) if known(disk.o_direct) else str(disk.o_direct)
         table.add_row(f"disk {disk.path}", f"{disk.kind} ({disk.kind_basis}), {disk.filesystem}, {gib(disk.free_bytes)} free; "
                                            f"O_DIRECT {o_direct} ({disk.o_direct_basis}); reads {_rate(disk.read_gbps)}")
     return table
+
+
+def yes_no(value) -> str:
+    """A probed bool as yes/no; an Unknown as its reason."""
+    return {True: "yes", False: "no"}[value] if isinstance(value, bool) else str(value)
 
 
 def _rate(gbps) -> str:
@@ -122,7 +127,7 @@ def machine_lines(hw: Hardware) -> Text:
     gpu = hw.gpu()
     gpu_text = f"{gpu.name}, {gib(gpu.vram_total_bytes)}" if gpu else ("none" if not isinstance(hw.gpus, Unknown) else "unknown")
     lines = [f"GPU   {gpu_text}", f"RAM   {gib(hw.ram_available_bytes)} free of {gib(hw.ram_total_bytes)}",
-             f"CPU   {hw.cpu_cores} cores", f"WSL2  {hw.wsl2}"]
+             f"CPU   {hw.cpu_cores} cores", f"WSL2  {yes_no(hw.wsl2)}"]
     lines += [f"disk  {d.path}: {d.kind}, {gib(d.free_bytes)} free" for d in _distinct_disks(hw)]
     return Text("\n".join(lines))
 
