@@ -1,0 +1,123 @@
+"""TPOT and TTFT of Qwen3.8-Flash-Next-shaped layers on vLLM 0.33, side by side in one call: resident,
+vLLM's --cpu-offload-gb at the pager's VRAM, and the pager at the slots `bigmoe plan` picks for an RTX 4090
+with 64 GB of RAM.
+
+    python3 scripts/gpu_qwen4exp_bench.py --model DIR --out $OUT/qwen4exp-bench.json [--configs ...]
+
+DIR is a Qwen4Exp checkpoint from scripts/make_qwen4exp.py (FP8, few layers). Batch 1, a 1,024-token prompt and
+256 generated tokens after a warm-up request of the same shape, the preset's graph mode (PIECEWISE breakable CUDA
+graphs), routing of every configuration replaced by the standard trace (BIGMOE_ROUTE_REPLAY, benchmark only:
+random routers route almost uniformly). Configurations run one after another in their own processes:
+
+    resident        every expert in VRAM (the floor)
+    offload         --cpu-offload-gb G --cpu-offload-params w13_weight w2_weight, G = the expert bytes the pager
+                    keeps off the GPU (every expert minus its VRAM slots and prefill buffer): equal VRAM
+    bigmoe-4090     the plan's per-layer tiers for a 4090 with 64 GB (--vram-slots/--ram-slots; default 35/218 of
+                    512, from `bigmoe plan qwen3.8-flash-next --vram-gib 24 --ram-gib 64 --disk nvme`), the rest read
+                    from the checkpoint on SSD, whole-layer prefill buffer, n-gram pager on (as the plan runs it)
+    bigmoe-4090-nongram  the same with vLLM's own n-gram table (separates the n-gram pager's cost)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_vllm_bench as bench  # noqa: E402  (scripts/ is not a package)
+import gpu_vllm_e2e as e2e  # noqa: E402
+import traces  # noqa: E402
+
+GIB = 1 << 30
+
+
+def model_numbers(model: Path) -> dict:
+    """Experts, top-k and MoE layers from the checkpoint's config.json (text config nested or not)."""
+    config = json.loads((model / "config.json").read_text())
+    text = config.get("text_config", config)
+    return {"experts": int(text["num_experts"]), "top_k": int(text["num_experts_per_tok"]),
+            "layers": int(text["num_hidden_layers"]), "vocab": int(text["vocab_size"])}
+
+
+def expert_bytes(model: Path) -> int:
+    """Bytes of one routed expert (weights and block scales) from the safetensors headers."""
+    from bigmoe_pager.core.safetensors_index import index_files
+
+    index = index_files(sorted(model.glob("*.safetensors")))
+    one = [t for name, t in index.items() if ".layers.0.mlp.experts.0." in name]
+    return sum(t.nbytes for t in one)
+
+
+def configs(trace: Path, numbers: dict, vram: int, ram: int, offload_gib: float) -> list[tuple[e2e.Config, dict]]:
+    replay = {**e2e.QWEN4EXP_ENV, "BIGMOE_ROUTE_REPLAY": str(trace)}
+    paged = {**replay, "BIGMOE_PAGER": "1", "BIGMOE_CUDA_GRAPHS": "1", "BIGMOE_PREFILL_BUFFER": "1",
+             "BIGMOE_VRAM_SLOTS": str(vram), "BIGMOE_RAM_SLOTS": str(ram)}
+    offload = {"cpu_offload_gb": round(offload_gib, 2), "cpu_offload_params": ["w13_weight", "w2_weight"]}
+    engine = {"engine": e2e.QWEN4EXP_ENGINE, "max_cudagraph_capture_size": max(1, vram // numbers["top_k"])}
+    return [
+        (e2e.Config("resident", replay), engine),
+        (e2e.Config("offload", replay), {**engine, **offload}),
+        (e2e.Config("bigmoe-4090", {**paged, "BIGMOE_NGRAM": "1"}), engine),
+        (e2e.Config("bigmoe-4090-nongram", paged), engine),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="a Qwen4Exp checkpoint (scripts/make_qwen4exp.py)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--configs", default="resident,offload,bigmoe-4090,bigmoe-4090-nongram")
+    p.add_argument("--vram-slots", type=int, default=35, help="per layer: the plan's for a 4090 with 64 GB")
+    p.add_argument("--ram-slots", type=int, default=218, help="per layer: the plan's for a 4090 with 64 GB")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-qwen4exp-bench"))
+    p.add_argument("--budget-s", type=float, default=560.0)
+    args = p.parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
+    out = args.out.resolve()
+    logs = out.with_name(out.stem + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    numbers = model_numbers(args.model)
+    record = expert_bytes(args.model)
+    total = numbers["layers"] * numbers["experts"] * record
+    # Equal VRAM: what the pager keeps on the GPU is its slots and one whole-layer prefill buffer.
+    on_gpu = numbers["layers"] * args.vram_slots * record + numbers["experts"] * record
+    offload_gib = max(0.0, (total - on_gpu) / GIB)
+    trace = work / "standard-trace.npz"
+    traces.save_trace(trace, traces.standard_trace(16384, numbers["layers"], numbers["experts"], numbers["top_k"],
+                                                   seed=0))
+    ids = np.random.default_rng(0).integers(3, numbers["vocab"] - 3, 2 * bench.PROMPT_TOKENS).tolist()
+    spec = {**bench.bench_spec(args.model), "timing_ids": ids[:bench.PROMPT_TOKENS],
+            "warmup_ids": ids[bench.PROMPT_TOKENS:]}
+    report: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": str(args.model),
+                    **numbers, "expert_bytes": record, "expert_gib": round(total / GIB, 2),
+                    "pager_vram_gib": round(on_gpu / GIB, 2), "offload_gib": round(offload_gib, 2), "configs": []}
+    wanted = args.configs.split(",")
+    for config, extra in configs(trace, numbers, args.vram_slots, args.ram_slots, offload_gib):
+        if config.name not in wanted:
+            continue
+        if time.monotonic() >= deadline:
+            row = e2e.skipped(config, "time budget spent")
+        else:
+            row = e2e.run_config(config, {**spec, **extra}, work, logs, deadline)
+        report["configs"].append(bench.summarize(row))
+        e2e.write_json(out, report)
+        print(json.dumps(report["configs"][-1]), flush=True)
+    tpot = {r["name"]: r.get("tpot_ms") for r in report["configs"]}
+    if tpot.get("bigmoe-4090") and tpot.get("offload"):
+        report["speedup_vs_offload"] = round(tpot["offload"] / tpot["bigmoe-4090"], 3)
+    if tpot.get("bigmoe-4090") and tpot.get("resident"):
+        report["tpot_vs_resident"] = round(tpot["bigmoe-4090"] / tpot["resident"], 3)
+    e2e.write_json(out, report)
+    print({k: v for k, v in report.items() if k != "configs"})
+    return 0 if all("error" not in r for r in report["configs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
