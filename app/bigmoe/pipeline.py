@@ -13,6 +13,7 @@ from typing import Callable
 
 from bigmoe import launch, presets
 from bigmoe.errors import BigmoeError
+from bigmoe.preflight import preflight
 from bigmoe.paths import log_dir
 
 Progress = Callable[[str, dict], None]
@@ -109,6 +110,7 @@ def obtain_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: P
     """The checkpoint directory to serve (given, made locally, or fetched), checked against the preset."""
     path = _locate_model(preset, the_plan, opts, progress)
     presets.check_config(preset, path)
+    preflight(the_plan, path, opts.host, opts.port, preset.synthetic, opts.model)  # settings, shards, port, disk
     return path
 
 

@@ -23,12 +23,15 @@ class PrepareError(BigmoeError):
     """The paging file could not be built."""
 
 
-FULL_CHECK_BYTES = 4 << 30
-"""Paging files up to this size have every record's crc32 checked at each start (about 2 s per GiB here,
-docs/benchmarks.md); larger ones (the reference job's is ~100 GiB, a minute or more) get header, size and
-SAMPLE_RECORDS records checked at start, and every record is checked again as the pager reads it."""
-SAMPLE_RECORDS = 256
-"""Records checked at start in a paging file above FULL_CHECK_BYTES, spread evenly over the file."""
+FULL_CHECK_BYTES = 1 << 30
+"""Paging files up to this size have every record's crc32 checked at each start (crc32 runs at ~2 GB/s per
+core, so the disk's read speed decides: ~0.5 s on an NVMe SSD). Larger ones (the reference job's is ~100 GiB,
+a minute or more even on NVMe) get header, index, size and a sample of SAMPLE_BYTES checked at start, and
+every record is checked again as the pager reads it (a failure marks the file for rebuild)."""
+SAMPLE_BYTES = 256 << 20
+"""Record bytes checked at start in a paging file above FULL_CHECK_BYTES, spread evenly over the file."""
+MIN_SAMPLE_RECORDS = 8
+"""Records checked at least, however big each record is."""
 
 
 def prepare(plan, model_path: Path, progress: Progress = lambda e, f: None) -> Path | None:
@@ -57,7 +60,7 @@ def check_paging_file(path: Path, model_path: Path, compressed: bool,
                       full_check_bytes: int = FULL_CHECK_BYTES) -> str | None:
     """Why the paging file at path must not be used (one line), or None when it passes: header, trailer,
     index, binding to this checkpoint/layout/codec, no damage marker, and the records' crc32s (all of
-    them up to full_check_bytes, SAMPLE_RECORDS evenly spread above)."""
+    them up to full_check_bytes, SAMPLE_BYTES of them evenly spread above)."""
     from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch, layout_for_checkpoint
     from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore, sample_keys
     from bigmoe_pager.core.expert_store import CheckpointStore
@@ -73,8 +76,8 @@ def check_paging_file(path: Path, model_path: Path, compressed: bool,
         codec, version = _codec(compressed)
         meta = checkpoint_meta(model_path, layout, layers, experts, codec, version)
         with PagingFileStore(path, layout, meta, pitch=compressed_pitch(layout) if compressed else None) as store:
-            records = layers * experts
-            keys = None if path.stat().st_size <= full_check_bytes else sample_keys(records, SAMPLE_RECORDS)
+            keys = None if path.stat().st_size <= full_check_bytes else sample_keys(
+                layers * experts, sample_records(layout.record_bytes))
             bad = store.check_records(keys)
     except ODirectError as e:  # rebuilding would not help: the disk is the problem
         raise PrepareError(str(e)) from None
@@ -85,8 +88,13 @@ def check_paging_file(path: Path, model_path: Path, compressed: bool,
     return None
 
 
+def sample_records(record_bytes: int) -> int:
+    """Records to check at start in a file above FULL_CHECK_BYTES."""
+    return max(MIN_SAMPLE_RECORDS, SAMPLE_BYTES // max(record_bytes, 1))
+
+
 def _checked_what(path: Path) -> str:
-    return "every record" if path.stat().st_size <= FULL_CHECK_BYTES else f"header and {SAMPLE_RECORDS} sampled records"
+    return "every record" if path.stat().st_size <= FULL_CHECK_BYTES else f"header and {SAMPLE_BYTES >> 20} MiB of records"
 
 
 def build(path: Path, model_path: Path, compressed: bool, progress: Progress) -> Path:

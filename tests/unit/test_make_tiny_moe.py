@@ -225,13 +225,33 @@ def test_rerun_is_a_no_op_and_a_different_request_needs_force(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
-def test_damaged_checkpoint_is_not_taken_for_a_whole_one(tmp_path):
+def _cut(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, caught_by_sizes", [(_cut, True), (_flip, False), (lambda p: p.unlink(), True)])
+def test_damaged_checkpoint_is_made_again_not_refused(tmp_path, damage, caught_by_sizes):
     out = tiny.make_tiny_moe(tmp_path / "ckpt", SHAPES["wide"], "bf16", seed=0)
     shard = out / "model-00001-of-00001.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-100])
-    assert not tiny.is_complete(out)
-    with pytest.raises(tiny.CheckpointExistsError, match="incomplete or damaged"):
-        tiny.make_tiny_moe(out, SHAPES["wide"], "bf16", seed=0)
+    whole = shard.read_bytes()
+    damage(shard)
+    assert tiny.is_complete(out) is not caught_by_sizes and not tiny.is_complete(out, hashes=True)
+    lines = []
+    assert tiny.make_tiny_moe(out, SHAPES["wide"], "bf16", seed=0, log=lines.append) == out.absolute()
+    assert shard.read_bytes() == whole and tiny.is_complete(out, hashes=True)
+    assert "making it again" in lines[0] and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_different_checkpoint_says_what_fixes_it(tmp_path):
+    out = tiny.make_tiny_moe(tmp_path / "ckpt", SHAPES["wide"], "bf16", seed=0)
+    with pytest.raises(tiny.CheckpointExistsError, match="delete it, or replace it with --force"):
+        tiny.make_tiny_moe(out, SHAPES["wide"], "bf16", seed=1)
 
 
 def test_interrupted_build_leaves_no_out(tmp_path, monkeypatch):

@@ -11,7 +11,9 @@ with a ChatML chat template.
 
 OUT is built in a hidden directory beside it and renamed into place when complete,
 so a half-written checkpoint is never found at OUT. Asking again for the same
-checkpoint is a no-op; a different one at OUT needs --force.
+checkpoint is a no-op; the same one found damaged (a file missing, cut short or
+with bytes that no longer match the manifest's sha256) is made again; a different
+one at OUT needs --force.
 
 Importable: `make_tiny_moe(out, shape, dtype, seed, device)` with `TinyShape`.
 """
@@ -19,6 +21,7 @@ Importable: `make_tiny_moe(out, shape, dtype, seed, device)` with `TinyShape`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -41,7 +44,9 @@ from .shape import DTYPES, ShapeError, TinyShape, generation_config, hf_config, 
 __all__ = ["TinyShape", "ShapeError", "CheckpointExistsError", "DeviceError", "make_tiny_moe", "is_complete", "MANIFEST", "tensors"]
 
 MANIFEST = "tiny_moe.json"
-"""Written last: what was asked for and the size of every file, the mark of a complete checkpoint."""
+"""Written last: what was asked for and the size and sha256 of every file, the mark of a complete checkpoint."""
+_FILE_KEYS = ("files", "sha256")
+"""Manifest keys that describe the files, not the request."""
 FORMAT_VERSION = 1
 """Bumped whenever the same request would produce different bytes."""
 DEFAULT_SHARD_BYTES = 4 << 30
@@ -78,9 +83,11 @@ def make_tiny_moe(
     torch_device = _device(device)
     request = _request(shape, dtype, seed, torch_device.type, shard_bytes, scale_dtype, with_tokenizer)
     if _occupied(out) and not force:
-        if is_complete(out, request):
+        if is_complete(out, request, hashes=True):
             return out
-        raise CheckpointExistsError(f"{out} {_difference(out, request)}; pass --force (force=True) to replace it")
+        if not _made_for(out, request):
+            raise CheckpointExistsError(f"{out} {_difference(out, request)}; delete it, or replace it with --force (force=True)")
+        (log or (lambda line: None))(f"{out} {_difference(out, request)}; making it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.{os.getpid()}.", dir=out.parent))
@@ -93,16 +100,37 @@ def make_tiny_moe(
         raise
 
 
-def is_complete(out: Path, request: dict | None = None) -> bool:
-    """True when `out` has a manifest (matching `request` if given) and every file it lists at its size."""
+def is_complete(out: Path, request: dict | None = None, hashes: bool = False) -> bool:
+    """True when `out` has a manifest (matching `request` if given) and every file it lists at its size
+    (and, with `hashes`, with its sha256: about 0.1 s for tiny-moe)."""
     try:
         manifest = json.loads((Path(out) / MANIFEST).read_text())
         files = manifest["files"]
-        if request is not None and {k: v for k, v in manifest.items() if k != "files"} != request:
+        if request is not None and not _made_for(out, request, manifest):
             return False
-        return all((Path(out) / name).stat().st_size == size for name, size in files.items())
+        if not all((Path(out) / name).stat().st_size == size for name, size in files.items()):
+            return False
+        digests = manifest.get("sha256") if hashes else None
+        return not digests or all(_sha256(Path(out) / name) == digest for name, digest in digests.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def _made_for(out: Path, request: dict, manifest: dict | None = None) -> bool:
+    """Whether the manifest at out says it was made for `request` (whatever state its files are in now)."""
+    try:
+        manifest = manifest if manifest is not None else json.loads((Path(out) / MANIFEST).read_text())
+        return {k: v for k, v in manifest.items() if k not in _FILE_KEYS} == request
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _difference(out: Path, request: dict) -> str:
@@ -116,7 +144,7 @@ def _difference(out: Path, request: dict) -> str:
     keys = [k for k in request if manifest.get(k) != request[k]]
     if keys:
         return "holds a different checkpoint (" + ", ".join(f"{k} {manifest.get(k)!r} != {request[k]!r}" for k in keys) + ")"
-    return "is incomplete or damaged (a listed file is missing or has the wrong size)"
+    return "is incomplete or damaged (a listed file is missing, has the wrong size or different bytes)"
 
 
 def _request(shape, dtype, seed, device_kind, shard_bytes, scale_dtype, with_tokenizer) -> dict:
@@ -174,7 +202,7 @@ def _build(work: Path, request: dict, shape: TinyShape, device: torch.device, lo
     _write_json(work / "config.json", hf_config(shape, request["dtype"], special))
     _write_json(work / "generation_config.json", generation_config(special))
     files = {p.name: p.stat().st_size for p in sorted(work.iterdir())}
-    _write_json(work / MANIFEST, {**request, "files": files})
+    _write_json(work / MANIFEST, {**request, "files": files, "sha256": {name: _sha256(work / name) for name in files}})
     _fsync_dir(work)
 
 

@@ -1,0 +1,105 @@
+"""preflight: what would make vLLM fail 10-50 s into its start-up, checked in well under a second
+before it starts: the pager settings (the plugin's own parser, over the environment vLLM will get
+and the BIGMOE_SETTINGS file), the checkpoint's shards against their safetensors headers and sizes,
+the port, and disk space for a paging file still to be built. Each problem is one line that names
+its cause and what fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from bigmoe.errors import BigmoeError
+from bigmoe.shard_check import checkpoint_problems
+
+PAGING_HEADROOM_BYTES = 1 << 30
+"""Free space left on the paging file's disk after it is built (logs, filesystem metadata)."""
+
+
+class PreflightError(BigmoeError):
+    """vLLM would fail to start; the message is one line with the cause and the fix."""
+
+
+def preflight(the_plan, model_path: Path, host: str, port: int, synthetic: bool = False, model: str = "") -> None:
+    """Raise PreflightError with the first problem found (in the order a fix is cheapest to try)."""
+    for check in (lambda: settings_problem(the_plan.env, the_plan),
+                  lambda: shards_problem(Path(model_path), synthetic, model),
+                  lambda: port_problem(host, port),
+                  lambda: paging_space_problem(the_plan)):
+        why = check()
+        if why:
+            raise PreflightError(why)
+
+
+def settings_problem(plan_env: dict[str, str], the_plan=None, environ: dict[str, str] | None = None) -> str | None:
+    """The pager settings vLLM's processes will read (this environment, then the plan's variables on top),
+    parsed by the plugin's own PagerSettings.from_env; with a plan, its slots checked per layer too."""
+    from bigmoe_pager.settings import PagerSettings, SettingsError
+
+    env = {**(os.environ if environ is None else environ), **plan_env}
+    try:
+        settings = PagerSettings.from_env(env)
+        if the_plan is not None and the_plan.pager:
+            for layer in range(the_plan.layers):
+                settings.slots_for(layer, the_plan.layers, the_plan.experts)
+    except SettingsError as e:
+        where = f" (BIGMOE_SETTINGS={env['BIGMOE_SETTINGS']})" if env.get("BIGMOE_SETTINGS") else ""
+        return f"pager settings{where}: {e}"
+    return None
+
+
+def shards_problem(model_path: Path, synthetic: bool = False, model: str = "") -> str | None:
+    """The first safetensors shard that is not whole by its header (and what fixes it)."""
+    if not model_path.is_dir():
+        return None  # a hub id vLLM resolves itself; fetch has checked the files
+    problems = checkpoint_problems(model_path)
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    if synthetic:
+        fix = f"delete {model_path} and run again: bigmoe makes it anew"
+    elif model and "/snapshots/" in str(model_path):
+        fix = f"run: bigmoe verify {model} (it removes damaged files), then bigmoe pull {model}"
+    else:
+        fix = "copy or download the checkpoint again"
+    return f"checkpoint shard {problems[0]}{more}; {fix}"
+
+
+def port_problem(host: str, port: int) -> str | None:
+    from bigmoe.launch import port_free
+
+    if port_free(host, port):
+        return None
+    return f"port {port} on {host} is in use (another server? see bigmoe ps); pick another with --port"
+
+
+def paging_space_problem(the_plan) -> str | None:
+    """Whether the disk of a paging file still to be built has room for it (a file already there counts as free)."""
+    if the_plan.ssd_source != "paging file" or not the_plan.paging_file:
+        return None
+    path = Path(the_plan.paging_file)
+    need = paging_file_bytes(the_plan) + PAGING_HEADROOM_BYTES
+    existing = path.stat().st_size if path.is_file() else 0
+    free = shutil.disk_usage(_nearest_existing(path.parent)).free + existing
+    if free >= need:
+        return None
+    return (f"the paging file {path} needs up to {_gib(need - PAGING_HEADROOM_BYTES)} plus {_gib(PAGING_HEADROOM_BYTES)} "
+            f"headroom, but its disk has {_gib(free)} free; free space or pass --paging-dir on another disk")
+
+
+def paging_file_bytes(the_plan) -> int:
+    """Upper bound of a paging file's size: every record raw, each padded to a 4 KiB block, plus header and index."""
+    record = -(-the_plan.expert_bytes // 4096) * 4096
+    return the_plan.layers * the_plan.experts * (record + 4096) + (1 << 20)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -1,0 +1,101 @@
+"""preflight: the causes that made vLLM fail 12-50 s into its start-up are named in one line, in well
+under a second, before it starts: pager settings (the plugin's own parser), truncated shards, a busy
+port, no room for the paging file. The run pipeline calls it before prepare and launch."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bigmoe import pipeline, presets
+from bigmoe.preflight import (PreflightError, paging_space_problem, port_problem, preflight, settings_problem,
+                              shards_problem)
+
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def a_plan(**fields):
+    """The fields of bigmoe.plan.Plan that preflight reads (a stand-in, not the estimator)."""
+    base = dict(env={}, pager=True, layers=4, experts=16, expert_bytes=196608, ssd_source="checkpoint",
+                paging_file=None)
+    return SimpleNamespace(**(base | fields))
+
+
+@pytest.fixture
+def private_checkpoint(tiny_checkpoint, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_checkpoint(), tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"BIGMOE_VRAM_SLOTS": "many"}, "BIGMOE_VRAM_SLOTS"),
+    ({"BIGMOE_READ_TIMEOUT_S": "-1"}, "BIGMOE_READ_TIMEOUT_S"),
+    ({"BIGMOE_COMPRESS": "maybe"}, "BIGMOE_COMPRESS"),
+    ({"BIGMOE_VRAM_SLOTS": "8", "BIGMOE_RAM_SLOTS": "4"}, "RAM slots must be >= VRAM slots"),
+    ({"BIGMOE_VRAM_SLOTS": "8,8"}, "BIGMOE_VRAM_SLOTS"),
+])
+def test_bad_pager_variables_are_one_line_naming_the_variable(env, words):
+    start = time.monotonic()
+    why = settings_problem({}, a_plan(), environ={"BIGMOE_PAGER": "1", **env})
+    assert time.monotonic() - start < 1.0
+    assert why is not None and words in why and "\n" not in why
+
+
+@pytest.mark.parametrize("text, words", [("vram_slots = [", "not valid TOML"), ("vram_slot = 4\n", "unknown keys"),
+                                         ("io_workers = 'x'\n", "io_workers")])
+def test_a_bad_settings_file_is_named(tmp_path, text, words):
+    file = tmp_path / "pager.toml"
+    file.write_text(text)
+    why = settings_problem({}, None, environ={"BIGMOE_SETTINGS": str(file)})
+    assert why is not None and str(file) in why and words.lower() in why.lower()
+
+
+def test_the_plans_own_variables_beat_the_environment_and_pass():
+    assert settings_problem({"BIGMOE_VRAM_SLOTS": "8"}, a_plan(), environ={"BIGMOE_VRAM_SLOTS": "x"}) is None
+
+
+@pytest.mark.parametrize("synthetic, model, fix", [(True, "tiny-moe", "bigmoe makes it anew"),
+                                                   (False, "", "copy or download the checkpoint again")])
+def test_a_truncated_shard_is_named_with_its_fix(private_checkpoint, synthetic, model, fix):
+    assert shards_problem(private_checkpoint) is None
+    shard = private_checkpoint / SHARD
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    why = shards_problem(private_checkpoint, synthetic, model)
+    assert why.startswith(f"checkpoint shard {shard}: truncated") and fix in why and "\n" not in why
+
+
+def test_a_busy_port_is_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert f"port {port} on 127.0.0.1 is in use" in port_problem("127.0.0.1", port)
+    assert port_problem("127.0.0.1", port) is None
+
+
+def test_no_room_for_the_paging_file(tmp_path, monkeypatch):
+    plan = a_plan(ssd_source="paging file", paging_file=str(tmp_path / "p" / "m.pages"))
+    assert paging_space_problem(plan) is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=10 << 20, total=1 << 40, used=0))
+    assert "needs up to" in paging_space_problem(plan) and "--paging-dir" in paging_space_problem(plan)
+
+
+def test_the_run_pipeline_stops_before_vllm_on_a_truncated_shard(private_checkpoint, monkeypatch):
+    shard = private_checkpoint / SHARD
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    preset = presets.load("tiny-moe")
+    opts = pipeline.RunOptions(model="tiny-moe", model_dir=str(private_checkpoint), port=1)
+    plan = a_plan()
+    with pytest.raises(PreflightError, match=f"checkpoint shard {shard}: truncated"):
+        pipeline.obtain_model(preset, plan, opts, lambda e, f: None)
+
+
+def test_preflight_passes_a_sound_start(private_checkpoint):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    preflight(a_plan(), private_checkpoint, "127.0.0.1", port, True, "tiny-moe")
