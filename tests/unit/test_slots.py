@@ -21,14 +21,14 @@ class PyPolicy:
         self.step = 0
 
     def rank(self, e: int) -> tuple[int, ...]:
-        if self.policy == "lfu":
+        if self.policy != "lru":
             return (min(self.count[e], 1023), self.last[e], e)
         return (self.last[e], e)
 
     def acquire(self, ids: list[int]) -> tuple[int, int, set[int], int]:
         self.step += 1
         need = sorted({i for i in ids if 0 <= i < self.experts})
-        if self.policy == "lfu":
+        if self.policy != "lru":
             if self.decay and self.step % self.decay == 0:
                 self.count = [c >> 1 for c in self.count]
             for e in need:
@@ -81,12 +81,13 @@ def _random_step(rng: random.Random, experts: int, tokens: int, k: int, hot: lis
 @pytest.mark.parametrize(
     "experts,slots,k,tokens,policy",
     [(16, 4, 4, 1, "lru"), (16, 4, 4, 3, "lru"), (64, 8, 8, 1, "lru"), (256, 32, 8, 1, "lru"), (40, 10, 6, 4, "lru"),
-     (8, 8, 2, 2, "lru"), (64, 8, 8, 1, "lfu"), (40, 10, 6, 4, "lfu"), (16, 4, 4, 3, "lfu")],
+     (8, 8, 2, 2, "lru"), (64, 8, 8, 1, "lfu"), (40, 10, 6, 4, "lfu"), (16, 4, 4, 3, "lfu"),
+     (64, 8, 8, 1, "lfu-fast"), (40, 10, 6, 4, "lfu-fast")],
 )
 def test_acquire_matches_python_policy(experts, slots, k, tokens, policy):
     rng = random.Random(experts * 1000 + slots * 10 + k)
-    decay = 16 if policy == "lfu" else 0
-    table = SlotTable(experts, slots, policy=policy, decay=decay)
+    decay = {"lru": 0, "lfu": 16, "lfu-fast": 32}[policy]  # lfu-fast: its own default period
+    table = SlotTable(experts, slots, policy=policy, decay=None if policy == "lfu-fast" else decay)
     ref = PyPolicy(experts, slots, policy, decay)
     hot = rng.sample(range(experts), max(k, experts // 4))
     for _ in range(700):
@@ -202,13 +203,15 @@ def test_bad_sizes_are_refused(experts, slots, policy):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 @pytest.mark.parametrize(
     "experts,slots,k,tokens,steps,policy",
-    [(16, 4, 4, 3, 25, "lru"), (40, 10, 6, 2, 20, "lru"), (300, 24, 8, 1, 12, "lru"), (40, 10, 6, 2, 20, "lfu")],
+    [(16, 4, 4, 3, 25, "lru"), (40, 10, 6, 2, 20, "lru"), (300, 24, 8, 1, 12, "lru"), (40, 10, 6, 2, 20, "lfu"),
+     (40, 10, 6, 2, 36, "lfu-fast")],
 )
 def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps, policy):
     """The one-program Triton acquire (run by Triton's interpreter here) equals the torch ops, output and state."""
     rng = random.Random(experts + slots)
-    ref = SlotTable(experts, slots, use_kernel=False, policy=policy, decay=8)
-    ker = SlotTable(experts, slots, use_kernel=True, policy=policy, decay=8)
+    decay = None if policy == "lfu-fast" else 8  # lfu-fast: its own period (32), crossed once in 36 steps
+    ref = SlotTable(experts, slots, use_kernel=False, policy=policy, decay=decay)
+    ker = SlotTable(experts, slots, use_kernel=True, policy=policy, decay=decay)
     rows = {name: torch.zeros(7, dtype=torch.int64) for name in ("ref", "ker", "ref_aux", "ker_aux")}
     hot = rng.sample(range(experts), max(k, experts // 4))
     for _ in range(steps):

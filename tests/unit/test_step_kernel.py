@@ -33,7 +33,7 @@ def pager_pair(experts: int, slots: int, policy: str, programs: int, rec: torch.
         ram = RamTier(LAYOUT, experts, experts)
         ram.load_all(rec)
         stats = PagerStats(1)
-        pager = ExpertPager(LAYOUT, experts, slots, ram, stats=stats, policy=policy, decay=5, fused=fused, step_programs=programs)
+        pager = ExpertPager(LAYOUT, experts, slots, ram, stats=stats, policy=policy, decay=None if policy == "lfu-fast" else 5, fused=fused, step_programs=programs)
         for b in pager.buffers.values():
             b.view(b.shape[0], -1).view(torch.uint8).fill_(0xA5)
         made.append((pager, stats))
@@ -61,7 +61,8 @@ def slot_bytes(pager: ExpertPager) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "experts,slots,tokens,k,policy,programs",
-    [(40, 10, 1, 8, "lru", 3), (24, 6, 2, 4, "lru", 1), (30, 5, 3, 4, "lfu", 5), (64, 16, 1, 10, "lfu", 3)],
+    [(40, 10, 1, 8, "lru", 3), (24, 6, 2, 4, "lru", 1), (30, 5, 3, 4, "lfu", 5), (64, 16, 1, 10, "lfu", 3),
+     (30, 5, 3, 4, "lfu-fast", 3)],
 )
 def test_fused_step_equals_two_launch_path(experts, slots, tokens, k, policy, programs):
     rng = random.Random(experts * 7 + slots)

@@ -34,7 +34,7 @@ from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
-from bigmoe_pager.core.slots import Acquired, SlotTable, acquired_from_kernel
+from bigmoe_pager.core.slots import Admitted, Acquired, SlotTable, acquired_from_kernel
 from bigmoe_pager.core.stats import PagerStats
 
 
@@ -77,7 +77,7 @@ class ExpertPager:
         buffers: dict[str, torch.Tensor] | None = None,
         work_slots: int = 0,
         policy: str = "lru",
-        decay: int = 256,
+        decay: int | None = None,
         fused: bool | None = None,
         step_programs: int = 0,
     ) -> None:
@@ -134,7 +134,7 @@ class ExpertPager:
         return got
 
     def _fused_step(self, topk_ids: torch.Tensor) -> bool:
-        lfu = self.vram.policy == "lfu"
+        lfu = self.vram.lfu
         return self.fused and self.ram.full and step_kernel.fits(self.num_experts, self.num_slots, topk_ids.numel(), self.layout, lfu)
 
     def _acquire_fused(self, topk_ids: torch.Tensor, vram_row, ram_row) -> Acquired:
@@ -144,9 +144,29 @@ class ExpertPager:
         out = step_kernel.launch_step(
             table.kernel_state(), topk_ids.to(self.device), self.num_experts, self.num_slots, table.miss_capacity(topk_ids.numel()),
             self.ram.records, self.layout, self.buffers, programs=self.step_programs, stats_row=vram_row, aux_row=ram_row,
-            lfu=table.policy == "lfu", decay=table.decay,
+            lfu=table.lfu, decay=table.decay,
         )
         return acquired_from_kernel(out)
+
+    # ---- prefetch ----------------------------------------------------------------------
+
+    def prefetch(self, predicted_ids: torch.Tensor) -> Admitted:
+        """Copy predicted experts of the next step into VRAM now (SlotTable.admit's rule); no host sync.
+
+        Only experts the RAM tier holds are prefetched (an SSD read is the step's own business); their
+        records are whole, since every read a RAM row waits for was waited for by an earlier step of
+        this layer, which is ordered before this call.
+        The next `acquire` still decides from its real ids: a wrong prediction costs a copy, never a token.
+        """
+        ram_table = self.ram.table
+        available = None if ram_table is None else ram_table.expert_slot >= 0
+        got = self.vram.admit(predicted_ids, available, self._rows["vram"], self.layout.record_bytes)
+        if ram_table is None:
+            src = got.experts
+        else:
+            src = torch.where(got.experts >= 0, ram_table.expert_slot[got.experts.clamp(min=0)], -1)
+        copy_records(self.ram.records, src, got.slots, self.layout, self.buffers)
+        return got
 
     # ---- streamed steps ----------------------------------------------------------------
 

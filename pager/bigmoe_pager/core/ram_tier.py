@@ -63,7 +63,7 @@ class RamTier:
         ssd: SsdFetch | None = None,
         pin: bool | None = None,
         policy: str = "lru",
-        decay: int = 256,
+        decay: int | None = None,
     ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise RamTierError(f"RAM slots must be in [1, {num_experts}], got {num_slots}")

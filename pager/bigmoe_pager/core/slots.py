@@ -9,13 +9,23 @@ Policy (deterministic so a plain-Python model can check it):
 - every expert a step needs is kept or brought in, never evicted by that step;
 - a miss takes an empty slot first, then the unneeded slot with the smallest
   (last-use step, expert id) under "lru", or the smallest (use count, last-use
-  step, expert id) under "lfu", where every step adds 1 to the count of each
-  expert it needs and all counts halve every `decay` steps (frequency-aware
-  eviction: about a quarter fewer misses than LRU on the standard trace);
+  step, expert id) under "lfu" and "lfu-fast", where every step adds 1 to the
+  count of each expert it needs and all counts halve every `decay` steps (256
+  for lfu, 32 for lfu-fast: frequency that forgets within a topic). Chosen by
+  scripts/sim_eviction.py over four routing families (docs/bench/eviction.json):
+  lfu-fast misses no more than lru on any of them; lfu loses to lru once the
+  routing shifts;
 - misses are assigned slots in ascending expert id;
 - when a step needs more distinct experts than there are slots (overflow), the
   lowest-id misses get the free and unneeded slots, the rest stay out and their
   ids remap to -1; the caller must then stream the step in chunks.
+
+Prefetch (`admit`, between two steps): predicted experts that are not resident
+take, in ascending id, empty slots first, then the slots the policy ranks lowest
+among those the table's latest step did not use and no prediction names. They
+are stamped with the latest step (as recent as that step's experts) and add no
+use count. The next `acquire` decides as always: a right prediction is a hit, a
+wrong one is an unneeded slot, usually its first victim. One `admit` per step.
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ import torch
 from bigmoe_pager.core import acquire_kernel, triton_launch
 
 _NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
-POLICIES = ("lru", "lfu")
+POLICIES = ("lru", "lfu", "lfu-fast")
+DEFAULT_DECAY = {"lru": 0, "lfu": 256, "lfu-fast": 32}
+"""Steps between halvings of the use counts, per policy (lru keeps none)."""
 LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
 # LFU key = count << 42 | last_use << 10 | expert: below acquire_kernel.NEEDED_KEY (2**52) while last_use < 2**32
@@ -35,6 +47,18 @@ LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
 
 class SlotTableError(ValueError):
     """A slot table was built or called with sizes it cannot work with."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What one `admit` (prefetch) decided; device tensors, nothing synced."""
+
+    experts: torch.Tensor
+    """int64 [M]: predicted experts to copy in now, ascending, -1 padded (M = min(predictions, slots))."""
+    slots: torch.Tensor
+    """int64 [M]: slot each goes to, -1 padded."""
+    evicted: torch.Tensor
+    """int64 [M]: expert that slot held before (-1 if it was empty)."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +103,12 @@ class SlotTable:
         device: torch.device | str = "cpu",
         use_kernel: bool | None = None,
         policy: str = "lru",
-        decay: int = 256,
+        decay: int | None = None,
     ) -> None:
         if policy not in POLICIES:
-            raise SlotTableError(f"eviction policy {policy!r} is unknown; choose {' or '.join(POLICIES)}")
-        if policy == "lfu" and (num_experts > LFU_MAX_EXPERTS or decay < 0):
+            raise SlotTableError(f"eviction policy {policy!r} is unknown; choose {', '.join(POLICIES)}")
+        decay = DEFAULT_DECAY[policy] if decay is None else decay
+        if policy != "lru" and (num_experts > LFU_MAX_EXPERTS or decay < 0):
             raise SlotTableError(f"lfu needs <= {LFU_MAX_EXPERTS} experts and decay >= 0 steps (0 = never)")
         if num_experts < 1 or num_slots < 1:
             raise SlotTableError(f"slot table needs >= 1 expert and >= 1 slot, got {num_experts} experts, {num_slots} slots")
@@ -109,10 +134,17 @@ class SlotTable:
         self._stat_index = torch.tensor([0, 1, 2, 3, 6], dtype=torch.int64, device=self.device)
         self.policy = policy
         self.decay = decay
-        """lfu: steps between halvings of every use count (0 = counts never decay)."""
+        """lfu, lfu-fast: steps between halvings of every use count (0 = counts never decay)."""
+        self.lfu = policy != "lru"
+        """Rank eviction candidates by use count first (lfu, lfu-fast)."""
         self._freq = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
         """Programs of a fused decode step that finished reading the table (step_kernel); 0 between steps."""
+        self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
+        """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
+        self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
+        """`step` when the latest `admit` ran."""
+        self._prefetch_stat_index = torch.tensor([3, 7, 8, 9], dtype=torch.int64, device=self.device)
 
     # ---- views -----------------------------------------------------------------------
 
@@ -151,7 +183,7 @@ class SlotTable:
     ) -> Acquired:
         """Make every needed expert resident; return slots for `ids` and what to load.
 
-        stats_row (int64 [7], see stats.COUNTERS) gets lookups, hits, misses,
+        stats_row (int64 [10], see stats.COUNTERS) gets lookups, hits, misses,
         loaded * record_bytes as bytes, and invalid ids as errors; aux_row (the
         tier below when it always hits) gets loaded as lookups and hits.
         """
@@ -177,7 +209,7 @@ class SlotTable:
         m = self.miss_capacity(ids.numel())
         out = acquire_kernel.launch_acquire(
             self.kernel_state(), ids, self.num_experts, self.num_slots, m, stats_row, aux_row, record_bytes,
-            lfu=self.policy == "lfu", decay=self.decay,
+            lfu=self.lfu, decay=self.decay,
         )
         return acquired_from_kernel(out)
 
@@ -200,7 +232,7 @@ class SlotTable:
         lookups = need.sum()
         hits = hit_mask.sum()
         misses = miss_mask.sum()
-        if self.policy == "lfu":
+        if self.lfu:
             self._count_uses(need)
 
         miss_experts = self._compact(miss_mask, m)
@@ -234,7 +266,7 @@ class SlotTable:
         occupied = held >= 0
         held_idx = torch.where(occupied, held, e)
         slot_needed = need[held_idx]
-        if self.policy == "lfu":
+        if self.lfu:
             count = self._freq[held_idx].clamp(max=LFU_MAX_COUNT)
             rank = (count << 42) | (self._last_use[:s] << 10) | held
         else:
@@ -259,6 +291,60 @@ class SlotTable:
         slot = self._expert_slot[: self.num_experts]
         target = torch.where(need[: self.num_experts] & (slot >= 0), slot, self.num_slots)
         self._last_use.index_put_((target,), self.step)
+
+    # ---- prefetch ----------------------------------------------------------------------
+
+    def admit(
+        self,
+        predicted: torch.Tensor,
+        available: torch.Tensor | None = None,
+        stats_row: torch.Tensor | None = None,
+        record_bytes: int = 0,
+    ) -> Admitted:
+        """Install predicted experts for the next step (see the module's prefetch rule); returns what to copy.
+
+        available: bool [experts], experts that may be prefetched (a partial RAM tier: those in RAM).
+        stats_row (int64 [10], stats.COUNTERS) gets bytes and prefetched for this round and, for the
+        previous round, prefetch_used (experts the step since then needed) and prefetch_wasted_bytes.
+        Fixed shapes, no host sync: capturable, also on a side stream.
+        """
+        e, s = self.num_experts, self.num_slots
+        flat = predicted.reshape(-1).to(device=self.device, dtype=torch.int64)
+        m = self.miss_capacity(flat.numel())
+        used, wasted = self._settle_prefetch()
+        idx = torch.where((flat >= 0) & (flat < e), flat, e)
+        want = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+        want.index_fill_(0, idx, True)
+        want[e:].fill_(False)
+        fetch = want[:e] & (self._expert_slot[:e] < 0)
+        if available is not None:
+            fetch &= available.to(device=self.device, dtype=torch.bool)
+        experts = self._compact(fetch, m)
+        protect = want.clone()
+        held = self._slot_expert[:s]
+        recent = torch.where((held >= 0) & (self._last_use[:s] >= self.step), held, e)
+        protect.index_fill_(0, recent, True)  # the latest step's experts and the predicted ones stay
+        protect[e:].fill_(False)
+        slots, evicted, take = self._choose_slots(protect, experts, m)
+        experts = torch.where(take, experts, -1)
+        self._install(experts, slots, evicted, take)
+        self._last_use.index_put_((torch.where(take, slots, s),), self.step)
+        self._prefetched.index_put_((torch.where(take, slots, s),), experts)
+        self._prefetched[s:].fill_(-1)
+        self._prefetch_step.copy_(self.step)
+        if stats_row is not None:
+            n = take.sum()
+            parts = [n * record_bytes, n, used, wasted * record_bytes]
+            stats_row.index_add_(0, self._prefetch_stat_index, torch.stack(parts))
+        return Admitted(experts, slots, evicted)
+
+    def _settle_prefetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(used, wasted) of the latest admit's experts, judged by the steps since; clears the marks."""
+        s = self.num_slots
+        marked = self._prefetched[:s] >= 0
+        used = marked & (self._slot_expert[:s] == self._prefetched[:s]) & (self._last_use[:s] > self._prefetch_step)
+        self._prefetched.fill_(-1)
+        return used.sum(), (marked & ~used).sum()
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 

@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 TIERS = ("vram", "ram", "ssd")
-COUNTERS = ("lookups", "hits", "misses", "bytes", "read_ns", "retries", "errors")
-"""lookups/hits/misses count distinct experts per step; bytes moved into the tier; read_ns of SSD reads."""
+COUNTERS = ("lookups", "hits", "misses", "bytes", "read_ns", "retries", "errors",
+            "prefetched", "prefetch_used", "prefetch_wasted_bytes")
+"""lookups/hits/misses count distinct experts per step; bytes moved into the tier (prefetches included);
+read_ns of SSD reads; prefetched: experts copied in ahead of need; prefetch_used: of those, needed by the
+step they were fetched for; prefetch_wasted_bytes: bytes of the others."""
 
 
 class StatsError(KeyError):
@@ -68,6 +71,12 @@ class TierSnapshot:
     """Reads retried."""
     errors: int
     """Reads that failed for good, plus invalid routing ids seen by the VRAM tier."""
+    prefetched: int = 0
+    """Experts copied into this tier ahead of need (next-layer prefetch)."""
+    prefetch_used: int = 0
+    """Of those, needed by the step they were fetched for."""
+    prefetch_wasted_bytes: int = 0
+    """Bytes of prefetched experts that step did not need."""
 
     @property
     def hit_rate(self) -> float | None:
