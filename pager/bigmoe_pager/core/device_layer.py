@@ -8,6 +8,7 @@ parameters, sized for S experts). Behind them a RamTier keeps R pinned records
     for each checkpoint tensor: write it into layer.ram_views()[name][layer.ram_slot_for_load(e)]
     layer.start(buffers, ssd)            # after loading: check, attach the SSD tier, warm VRAM
     remapped = layer.step(topk_ids)      # a step whose ids fit the slots: capturable (no host sync in a capture)
+    layer.prefetch(predicted_ids, side)  # optional, while the layer before computes: next step's likely experts
 
 A step with more ids than slots (prefill, big batches) runs outside graphs, either
 cut into token ranges (`token_chunks(topk_ids)` reads the ids on the host and cuts
@@ -51,6 +52,8 @@ class DeviceLayerPager:
             self._row_of = dict(zip(self.order[: sizes.ram], rows))
         self.loaded: dict[int, set[str]] = {}
         self.pager: ExpertPager | None = None
+        self._prefetch_stream = None
+        """The side stream of a prefetch the next step must wait for (None: nothing pending)."""
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -106,10 +109,34 @@ class DeviceLayerPager:
         """
         if self.pager is None:
             raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
+        if self._prefetch_stream is not None:  # a late prefetch copy is waited for, never skipped
+            torch.cuda.current_stream(self.device).wait_stream(self._prefetch_stream)
+            self._prefetch_stream = None
         remapped = self.pager.prepare(topk_ids).to(topk_ids.dtype)
         if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.settle()
         return remapped
+
+    def prefetch(self, predicted_ids: torch.Tensor, stream=None) -> None:
+        """Copy the experts a predictor proposes for this layer's next step into free or cold VRAM slots.
+
+        predicted_ids: integer [P] or [tokens, P], -1 padded (fixed shape). Rule (SlotTable.admit):
+        never evict an expert this layer's latest step used or another predicted one. The router keeps
+        the final say: the next `step` decides from its own ids, so a wrong prediction costs a copy.
+        stream: a CUDA side stream to run on, so the copies overlap the layer before's compute; it
+        first waits for the current stream (this layer's latest step is done with its slots), and
+        the next `step` waits for it (a late copy is waited for). Event waits only: capturable.
+        """
+        if self.pager is None:
+            raise PagerError(f"layer {self.layer}: prefetch before start(); the engine must finish loading first")
+        if stream is None or self.device.type != "cuda":
+            self.pager.prefetch(predicted_ids)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            predicted_ids.record_stream(stream)
+            self.pager.prefetch(predicted_ids)
+        self._prefetch_stream = stream
 
     def fill_layer_buffer(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
         """Copy every expert the step needs into `layer_buffers` at row = expert id.

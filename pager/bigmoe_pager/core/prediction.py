@@ -1,0 +1,47 @@
+"""Next-layer expert predictions: the live predictor, and a trace's recorded predictions replayed.
+
+Live: while layer l computes, layer l+1's router applied to layer l's output hidden state
+proposes l+1's experts (the router's own top-P; the literature's strongest cheap predictor).
+Replayed (benchmarks): a trace's `predicted_ids` [tokens, layers, P] row [t, l] is what a
+predictor proposed for layer l+1 of token t; `replayed_predictions` takes the rows of the
+tokens a step is about to run, exactly where the live predictor's output would be used.
+Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def predict_next(hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int) -> torch.Tensor:
+    """int64 [tokens, top_p]: the experts layer l+1's router would rank highest for layer l's hidden state.
+
+    hidden: [tokens, H] (layer l's output, before l+1's norm: the norm scales each row, which
+    leaves a row's ranking unchanged only up to the norm's weight; callers may pass the normed
+    state instead). next_router_weight: [E, H] (the gate Linear's weight). Softmax keeps order,
+    so the top-P logits are the router's top-P probabilities.
+    """
+    logits = hidden.float() @ next_router_weight.float().t()
+    return torch.topk(logits, min(top_p, logits.shape[-1]), dim=-1).indices
+
+
+def replayed_predictions(predicted: torch.Tensor, cursor: torch.Tensor, layer: int, tokens: int) -> torch.Tensor:
+    """int64 [tokens, P]: rows cursor .. cursor + tokens - 1 (mod the trace's length) of predicted[:, layer].
+
+    predicted: int32 [trace tokens, layers, P] on the step's device; cursor: int64 [] or [1], the
+    replay position of the layer whose step comes next (the one the predictions are for, minus one:
+    row [t, l] predicts layer l + 1). Reads no value on the host.
+    """
+    length, layers, _ = predicted.shape
+    rows = (torch.arange(tokens, device=predicted.device) + cursor.reshape(())) % length
+    return predicted[:, layer % layers][rows].long()
+
+
+def recall(predicted: torch.Tensor, actual: torch.Tensor) -> float:
+    """Share of the actual distinct ids (per token) that the prediction contains (host; for scoring)."""
+    hit = total = 0
+    for p, a in zip(predicted.tolist(), actual.tolist()):
+        truth = {e for e in a if e >= 0}
+        hit += len(truth & set(p))
+        total += len(truth)
+    return hit / total if total else 0.0
