@@ -2,8 +2,10 @@
 
 The protocol of DESIGN.md "Performance protocol": one MoE compute for every
 configuration (resident, static offload, bigmoe at 12.5% and 40% VRAM, bigmoe
-with the SSD tier at RAM 50%), routing from the standard trace (scripts/traces.py)
-or a recorded one (--trace FILE.npz, topk_ids int32 [tokens, layers, k]). On a GPU
+with the SSD tier at RAM 50%), routing from a family of scripts/traces.py (--family,
+default standard) or a recorded one (--trace FILE.npz, topk_ids int32 [tokens, layers, k]).
+bigmoe-prefetch runs next-layer prefetch on a side stream inside the token's graph, fed
+with predictions made from the trace at each --recalls (precision --precision). On a GPU
 each token (all layers) is one CUDA graph, replayed per token, timed with CUDA
 events after a warm-up (tiers warmed from a hot profile of the warm-up tokens).
 
@@ -78,14 +80,24 @@ def _parse(argv):
     ap.add_argument("--warmup", type=int, default=0, help="warm-up tokens before timing (default 64, smoke 6)")
     ap.add_argument("--trace", type=Path, help="recorded routing .npz (topk_ids int32 [tokens, layers, k])")
     ap.add_argument("--configs", default="resident,static,bigmoe,bigmoe-lfu,bigmoe+ssd",
-                    help="comma list (also bigmoe-unfused: acquire and copy as two launches); "
-                         "resident always runs (every floor needs it)")
+                    help="comma list (also bigmoe-unfused: acquire and copy as two launches; bigmoe-lfu-fast; "
+                         "bigmoe-prefetch: next-layer prefetch at each --recalls); resident always runs")
+    ap.add_argument("--family", default="standard", help="routing family of scripts/traces.py (when no --trace)")
+    ap.add_argument("--recalls", default="0,0.6,0.8,0.95,1.0", help="prediction recalls of bigmoe-prefetch")
+    ap.add_argument("--precision", type=float, default=0.5, help="prediction precision of bigmoe-prefetch")
+    ap.add_argument("--policy", default="lfu-fast", help="eviction policy of bigmoe-prefetch")
     ap.add_argument("--ssd-layers", type=int, default=4, help="layers the SSD-tier run uses (disk and time)")
     ap.add_argument("--ssd-dir", type=Path, default=None, help="where the SSD run writes its paging file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write the results as JSON")
     ap.add_argument("--markdown", type=Path, help="also write the table as Markdown (for docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    try:
+        args.recalls = [float(r) for r in args.recalls.split(",") if r]
+    except ValueError:
+        ap.error(f"--recalls takes a comma list of numbers in [0, 1], got {args.recalls!r}")
+    if args.family not in (*traces.FAMILIES, "recorded"):
+        ap.error(f"--family {args.family!r} is unknown; choose {', '.join([*traces.FAMILIES, 'recorded'])}")
     args.tokens = args.tokens or (12 if args.smoke else 256)
     args.warmup = args.warmup or (6 if args.smoke else 64)
     return args
@@ -129,9 +141,16 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
         if "bigmoe" in wanted:
             measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k), rams, trace_dev)
             _free(device)
-        if "bigmoe-lfu" in wanted:
-            measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k, policy="lfu"), rams, trace_dev)
-            _free(device)
+        for policy in ("lfu", "lfu-fast"):
+            if f"bigmoe-{policy}" in wanted:
+                measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k, policy=policy), rams, trace_dev)
+                _free(device)
+        if "bigmoe-prefetch" in wanted:
+            for recall in args.recalls:
+                predicted = torch.from_numpy(traces.predictions(trace, recall, args.precision, shape.experts, args.seed))
+                measure(br.PrefetchBigmoe(rams, layout, device, frac, profile, shape.top_k, policy=args.policy,
+                                          predicted=predicted.to(device), recall=recall), rams, trace_dev)
+                _free(device)
         if "bigmoe-unfused" in wanted:
             measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k, fused=False), rams, trace_dev)
             _free(device)
@@ -144,8 +163,9 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
 
 def _trace(shape: br.ModelShape, layers: int, args) -> np.ndarray:
     need = args.warmup + args.tokens
-    if args.trace is None:
-        return traces.standard_trace(need, layers, shape.experts, shape.top_k, seed=args.seed)
+    if args.trace is None and args.family != "recorded":
+        return traces.named_trace(args.family, need, layers, shape.experts, shape.top_k, seed=args.seed)
+    args.trace = args.trace or traces.RECORDED
     ids = traces.load_trace(args.trace, shape.experts)
     if ids.shape[1] < layers or ids.shape[2] != shape.top_k or ids.shape[0] < need:
         raise SystemExit(f"bench_pager: trace {args.trace} is {ids.shape}; {shape.name} needs >= {need} tokens, "
@@ -190,10 +210,17 @@ def _time_runner(runner, trace_dev: torch.Tensor, x, w, warmup: int, tokens: int
     layers = trace_dev.shape[1]
     pos = torch.zeros(1, dtype=torch.int64, device=device)
 
+    predicted = getattr(runner, "predicted", None)
+
     def token() -> None:
         ids = trace_dev.index_select(0, pos)[0]
-        for layer in range(layers):
-            runner.step(layer, ids[layer : layer + 1], x, w)
+        if predicted is None:
+            for layer in range(layers):
+                runner.step(layer, ids[layer : layer + 1], x, w)
+        else:
+            guess = predicted.index_select(0, pos)[0]  # [layers, P]: row l proposes layer l + 1
+            for layer in range(layers):
+                runner.step(layer, ids[layer : layer + 1], x, w, guess[layer])
         pos.add_(1)
 
     check = getattr(runner, "check", lambda: None)
@@ -296,8 +323,20 @@ def _record(shape, runner, ms: float, layers: int, window: torch.Tensor, layout,
         "vram_frac": getattr(runner, "vram_used_frac", runner.vram_frac),
         "ram_frac": runner.ram_frac, "layers": layers, "layers_total": shape.layers, "tokens": tokens,
         "ms_per_token": round(ms, 4), "ms_per_token_per_layer": round(ms / layers, 5),
-        "hit_rate": hit, "pcie_gb_per_token": round(pcie / 1e9, 5),
+        "hit_rate": hit, "pcie_gb_per_token": round(pcie / 1e9, 5), **_prefetch_record(runner, tokens),
     }
+
+
+def _prefetch_record(runner, tokens: int) -> dict:
+    """Prefetch counters of a prefetching run: accuracy = needed experts that were prefetched / all VRAM needs
+    not already resident before the prefetch (prefetched-and-used + misses)."""
+    if getattr(runner, "predicted", None) is None:
+        return {}
+    vram = runner.stats.snapshot()["vram"]
+    needs = vram.prefetch_used + vram.misses
+    return {"recall": runner.recall, "prefetched_per_token": round(vram.prefetched / tokens, 3),
+            "prediction_accuracy": round(vram.prefetch_used / needs, 4) if needs else None,
+            "prefetch_wasted_gb_per_token": round(vram.prefetch_wasted_bytes / tokens / 1e9, 5)}
 
 
 def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.ndarray) -> None:

@@ -171,6 +171,7 @@ class Bigmoe:
                  ssd=None, store=None, policy: str = "lru", fused: bool | None = None) -> None:
         self.vram_frac, self.ram_frac = vram_frac, ram_frac
         self.name = ("bigmoe" if policy == "lru" else f"bigmoe-{policy}") + ("-unfused" if fused is False else "")
+        self.policy = policy
         experts = rams[0].num_experts
         slots = max(top_k, round(vram_frac * experts))
         self.stats = PagerStats(len(rams), device)
@@ -186,9 +187,42 @@ class Bigmoe:
             self.pagers.append(pager)
         self.weights = [ExpertWeights.from_slots(p.buffers, BLOCK) for p in self.pagers]
 
-    def step(self, layer: int, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    predicted = None
+    """int32 [tokens, layers, P] on the device: next-layer predictions to prefetch with (None: no prefetch)."""
+
+    def step(self, layer: int, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+             predicted_next: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer: acquire (after this layer's prefetch copies), then prefetch layer + 1 while this one computes."""
+        side = self._side
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)  # a late prefetch copy is waited for
         remapped = self.pagers[layer].prepare(ids)
+        if predicted_next is not None and layer + 1 < len(self.pagers):
+            if side is None:
+                self.pagers[layer + 1].prefetch(predicted_next)
+            else:
+                side.wait_stream(torch.cuda.current_stream())  # layer + 1's last step is done with its slots
+                with torch.cuda.stream(side):
+                    self.pagers[layer + 1].prefetch(predicted_next)
         return moe(x, remapped, w, self.weights[layer])
+
+    @property
+    def _side(self):
+        if self.predicted is None or not self.predicted.is_cuda:
+            return None
+        if getattr(self, "_side_stream", None) is None:
+            self._side_stream = torch.cuda.Stream(self.predicted.device)
+        return self._side_stream
+
+
+class PrefetchBigmoe(Bigmoe):
+    """Bigmoe whose layer l prefetches layer l+1's predicted experts on a side stream (predictions from the trace)."""
+
+    def __init__(self, *args, predicted: torch.Tensor, recall: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.predicted = predicted
+        self.recall = recall
+        self.name = f"{self.name}-prefetch-r{recall:g}"
 
 
 def partial_ram_tiers(layout: ExpertLayout, experts: int, layers: int, ram_frac: float, device: torch.device,

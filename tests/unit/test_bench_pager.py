@@ -60,3 +60,28 @@ def test_fused_and_two_launch_bigmoe_see_the_same_tiers():
         assert torch.equal(a.vram.slot_expert, b.vram.slot_expert)
         full = a.vram.slot_expert >= 0
         assert all(torch.equal(a.buffers[n][full].view(torch.uint8), b.buffers[n][full].view(torch.uint8)) for n in a.buffers)
+
+
+def test_prefetch_runs_report_accuracy_that_grows_with_recall(tmp_path):
+    """bigmoe-prefetch on the topic-shift family: recall 1 prefetches most needs, recall 0 none; tokens as without."""
+    out = tmp_path / "pager.json"
+    rc = bench_pager.main(["--device", "cpu", "--smoke", "--tokens", "8", "--warmup", "2", "--family", "topic-shift",
+                           "--configs", "bigmoe-lfu-fast,bigmoe-prefetch", "--recalls", "0,1", "--precision", "1",
+                           "--out", str(out)])
+    assert rc == 0
+    runs = {(r["config"], r["vram_budget"]): r for r in json.loads(out.read_text())["runs"]}
+    for frac in (0.125, 0.4):
+        none, full = runs[("bigmoe-lfu-fast-prefetch-r0", frac)], runs[("bigmoe-lfu-fast-prefetch-r1", frac)]
+        assert none["prefetched_per_token"] == 0 and none["prediction_accuracy"] in (0.0, None)
+        assert none["hit_rate"] == runs[("bigmoe-lfu-fast", frac)]["hit_rate"]  # no prediction: the same pager
+        assert full["hit_rate"]["vram"] >= none["hit_rate"]["vram"]
+        assert full["prefetch_wasted_gb_per_token"] <= full["pcie_gb_per_token"]
+    # At 12.5% the smoke shape's slots barely exceed one token's experts: the latest step's stay, little is free.
+    full = runs[("bigmoe-lfu-fast-prefetch-r1", 0.4)]
+    assert full["prediction_accuracy"] > 0.6 and full["hit_rate"]["vram"] > runs[("bigmoe-lfu-fast", 0.4)]["hit_rate"]["vram"]
+
+
+def test_unknown_family_is_refused_with_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_pager.main(["--device", "cpu", "--smoke", "--family", "zipfy"])
+    assert e.value.code == 2 and "zipfy" in capsys.readouterr().err
