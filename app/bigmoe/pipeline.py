@@ -4,17 +4,18 @@ probe -> plan -> obtain the model -> prepare -> launch (-> watch).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import ipaddress
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bigmoe import launch, presets
+from bigmoe import exit_codes, launch, presets, records
 from bigmoe.errors import BigmoeError
 from bigmoe.preflight import preflight
-from bigmoe.paths import log_dir
 
 Progress = Callable[[str, dict], None]
 """Called with (event, fields) as a step advances; the shells render it."""
@@ -35,7 +36,7 @@ class RunOptions:
     port: int = 8000
     """Port of the OpenAI-compatible API."""
     api_key: str | None = None
-    """API key vLLM requires, if any."""
+    """API key vLLM requires, if any; it reaches vLLM as VLLM_API_KEY in its environment, never on its command line."""
     model_dir: str | None = None
     """Checkpoint directory to serve instead of fetching or making one."""
     paging_dir: str | None = None
@@ -60,6 +61,25 @@ class RunOptions:
 
 class VllmMissing(BigmoeError):
     """vLLM is not importable in this environment."""
+
+
+class PlanRefused(BigmoeError):
+    """The estimator refused the plan and --force was not given."""
+
+    exit_code = exit_codes.PLAN_REFUSED
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A warning when the API is reachable beyond this machine and needs no key; None otherwise."""
+    if api_key:
+        return None
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to any address
+    return (f"--host {host} serves the API beyond this machine without --api-key: anyone who can reach it can use "
+            "the model; add --api-key (or set BIGMOE_API_KEY)")
 
 
 def load_preset(opts: RunOptions) -> presets.Preset:
@@ -94,10 +114,15 @@ def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk:
     overrides = Overrides(
         vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
         context=opts.context, force=opts.force, cuda_graphs=opts.cuda_graphs, prefill_buffer=opts.prefill_buffer, host=opts.host, port=opts.port,
-        model_path=opts.model_dir, model_dir=opts.model_dir, model_on_disk=model_on_disk or bool(opts.model_dir),
+        model_path=_expanded(opts.model_dir), model_dir=_expanded(opts.model_dir),
+        model_on_disk=model_on_disk or bool(opts.model_dir),
         paging_dir=str(Path(opts.paging_dir).expanduser()) if opts.paging_dir else None,
     )
     return plan(hardware, preset, overrides, facts_for(preset, str(checkpoint) if checkpoint else None, why_not))
+
+
+def _expanded(path: str | None) -> str | None:
+    return str(Path(path).expanduser()) if path else None
 
 
 def _dtypes_for(hardware, preset: presets.Preset) -> tuple[str, ...]:
@@ -144,16 +169,25 @@ def require_vllm() -> None:
         raise VllmMissing("vLLM is not installed in this Python environment; run installer/install.sh (or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')")
 
 
+def plan_for_checkpoint(the_plan, preset: presets.Preset, model_path: Path, opts: RunOptions):
+    """The plan whose command serves `model_path`: `the_plan` when it was made for it, else the plan made
+    again now that the checkpoint is on disk (a download lands where no plan could name it before)."""
+    if Path(the_plan.model_path) == Path(model_path):
+        return the_plan
+    again = make_plan(the_plan.hardware, preset, dataclasses.replace(opts, model_dir=str(model_path)), model_on_disk=True)
+    if again.refusals and not opts.force:
+        raise PlanRefused(f"plan refused once the checkpoint was read: {again.refusal} (rerun with --force to launch anyway)")
+    return again
+
+
 def start_server(preset: presets.Preset, the_plan, model_path: Path, opts: RunOptions) -> launch.Server:
+    """Start vLLM with the plan's command exactly as `bigmoe plan` prints it; the API key goes in its environment."""
     require_vllm()
-    port = opts.port
-    extra = list(the_plan.vllm_args(opts.context))
-    if opts.api_key:
-        extra += ["--api-key", opts.api_key]
-    argv = launch.serve_argv(launch.python_executable(), model_path, preset.name, opts.host, port, extra)
-    info = launch.RunInfo(
-        name=preset.name, pid=0, host=opts.host, port=port,
-        log=str(log_dir() / f"{preset.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"),
+    the_plan = plan_for_checkpoint(the_plan, preset, model_path, opts)
+    info = records.RunInfo(
+        name=preset.name, pid=0, host=opts.host, port=opts.port,
+        log=str(records.log_name(preset.name, opts.port, time.strftime("%Y%m%d-%H%M%S"))),
         model_path=str(model_path), served_name=preset.name, started=time.time(),
     )
-    return launch.start(argv, the_plan.vllm_env(), info)
+    secrets = {"VLLM_API_KEY": opts.api_key} if opts.api_key else {}
+    return launch.start(list(the_plan.argv), dict(the_plan.env), info, secrets)

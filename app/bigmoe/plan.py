@@ -70,7 +70,7 @@ class Plan:
     settings: PagerSettings
     """What the plugins read (their environment is settings.to_env())."""
     argv: tuple[str, ...]
-    """`vllm serve ...` exactly."""
+    """The command `bigmoe run` executes, exactly (python -m vllm.entrypoints.openai.api_server ...)."""
     env: dict[str, str]
     """Environment variables to add for vLLM."""
     memory: tuple[MemoryTable, ...]
@@ -100,15 +100,6 @@ class Plan:
     @property
     def runnable(self) -> bool:
         return not self.refusals or self.forced
-
-    def vllm_args(self, context: int | None = None) -> list[str]:
-        """The argv after `vllm serve MODEL --host H --port P --served-model-name NAME`."""
-        if context is not None and context != self.context:
-            raise PlanError(f"this plan was made for a context of {self.context} tokens, not {context}; plan again")
-        return list(self.argv[self.argv.index("--served-model-name") + 2:])
-
-    def vllm_env(self) -> dict[str, str]:
-        return dict(self.env)
 
     def summary(self) -> dict[str, str]:
         """Short strings for a progress line."""

@@ -366,7 +366,7 @@ class Draft:
         }[self.ssd_source]
         self.reasons["env"] = ("VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"
                                + ("; VLLM_WSL2_ENABLE_PIN_MEMORY=1 because WSL2 disables pinned memory otherwise" if wsl2 else ""))
-        self.reasons["argv"] = "vllm serve with the preset's flags, the planned context, KV-cache bytes and batch size"
+        self.reasons["argv"] = "vLLM's OpenAI server with the preset's flags, the planned context, KV-cache bytes and batch size"
         argv = launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
                            batch_tokens(max_seqs_of(self.preset), self.context))
         if graphs:
@@ -394,6 +394,8 @@ class Draft:
         )
 
     def _default_model_path(self) -> str:
+        if self.facts.config_path:  # the checkpoint on disk whose numbers the plan read
+            return str(Path(self.facts.config_path).parent)
         if self.preset.synthetic:
             return str(Path(self.dirs()[0]) / f"{self.preset.name}-{self.dtype}")
         return self.preset.hub_id

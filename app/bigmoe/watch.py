@@ -16,6 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 TPOT_SERIES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds")
 TTFT_SERIES = "vllm:time_to_first_token_seconds"
 TOKENS_SERIES = "vllm:generation_tokens_total"
+MIN_WINDOW_S = 1.0
+"""Shortest window rates are reported over (s): a rate over milliseconds is noise (a first window of 1e-9 s
+once read 3.2e10 tok/s)."""
 
 
 @dataclass
@@ -52,13 +55,20 @@ class Window:
     layer_hit_rate: dict[str, dict[str, float]]
     """Tier -> layer -> hit rate in the window."""
 
+    @property
+    def idle(self) -> bool:
+        """No token made, no request started and no expert looked up in the window."""
+        return self.tpot_ms is None and self.ttft_ms is None and self.tokens_per_s == 0 and not self.hit_rate
+
     def summary(self) -> dict:
-        return {
-            "tpot_ms": None if self.tpot_ms is None else round(self.tpot_ms, 3),
-            "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 1),
-            "tok_per_s": round(self.tokens_per_s, 2),
-            **{f"hit_{tier}": round(rate, 4) for tier, rate in self.hit_rate.items()},
-        }
+        """The window's rates, each only when the window measured it (no `None` fields)."""
+        out: dict = {"window_s": round(self.seconds, 1)}
+        if self.tpot_ms is not None:
+            out["tpot_ms"] = round(self.tpot_ms, 3)
+        if self.ttft_ms is not None:
+            out["ttft_ms"] = round(self.ttft_ms, 1)
+        out["tok_per_s"] = round(self.tokens_per_s, 2)
+        return out | {f"hit_{tier}": round(rate, 4) for tier, rate in self.hit_rate.items()}
 
 
 def parse(text: str, now: float) -> Sample:
@@ -94,7 +104,10 @@ def _preferred(series: str, text: str) -> bool:
 
 
 def window(old: Sample, new: Sample) -> Window:
-    dt = max(new.time - old.time, 1e-9)
+    """Rates between two scrapes; ValueError for a window shorter than MIN_WINDOW_S."""
+    dt = new.time - old.time
+    if dt < MIN_WINDOW_S:
+        raise ValueError(f"a window of {dt:.3f} s is too short for rates (at least {MIN_WINDOW_S} s)")
     d_tpot_n = new.tpot_count - old.tpot_count
     d_ttft_n = new.ttft_count - old.ttft_count
     tiers: dict[str, list[float]] = {}
@@ -119,7 +132,7 @@ def window(old: Sample, new: Sample) -> Window:
 
 
 class Watcher:
-    """Scrapes /metrics; each poll() returns the window since the previous one."""
+    """Scrapes /metrics; each poll() returns the window since the previous one it measured over."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0):
         self.url = endpoint.rstrip("/") + "/metrics"
@@ -131,8 +144,14 @@ class Watcher:
         response.raise_for_status()
         return parse(response.text, time.monotonic())
 
-    def poll(self) -> Window:
+    def poll(self) -> Window | None:
+        """The window since the last poll, or None when there is none yet: the first scrape is the baseline,
+        and a poll sooner than MIN_WINDOW_S after it keeps waiting (the baseline stays)."""
         new = self.scrape()
-        old = self.last or Sample(time=new.time - 1e-9)
-        self.last = new
+        if self.last is None:
+            self.last = new
+            return None
+        if new.time - self.last.time < MIN_WINDOW_S:
+            return None
+        old, self.last = self.last, new
         return window(old, new)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bigmoe import presets
-from bigmoe.headless import EXIT_START_FAILED
+from bigmoe.exit_codes import START_FAILED as EXIT_START_FAILED
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
 from bigmoe.tui.force_screen import ForceScreen
@@ -277,7 +277,7 @@ def test_dashboard_shows_polled_speed_hit_rates_and_a_chat_answer(roomy):
 
 @pytest.mark.parametrize("how,shown,code", [
     ("bigmoe stop", "stopped from another shell", 0),
-    ("crash", "vLLM exited with code 3: RuntimeError: engine died", 1),
+    ("crash", "RuntimeError: engine died (vLLM exited with code 3 while serving", 1),
 ])
 def test_server_gone_while_serving_is_shown_and_sets_the_exit_code(roomy, how, shown, code):
     seen = {}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bigmoe.watch import parse, window
+from bigmoe.headless import stats_line
+from bigmoe.watch import MIN_WINDOW_S, Watcher, parse, window
 
 
 def scrape(tpot_sum, tpot_n, ttft_sum, ttft_n, tokens, vram_lookups, vram_hits, ram_lookups, ram_hits) -> str:
@@ -52,4 +53,55 @@ def test_idle_window_has_no_latency():
     a = parse(scrape(1.0, 100, 0.5, 10, 1000, 400, 300, 100, 60), now=1.0)
     w = window(a, parse(scrape(1.0, 100, 0.5, 10, 1000, 400, 300, 100, 60), now=2.0))
     assert w.tpot_ms is None and w.ttft_ms is None and w.tokens_per_s == 0 and w.hit_rate == {}
-    assert w.summary()["tpot_ms"] is None
+    assert w.idle
+    assert "tpot_ms" not in w.summary() and None not in w.summary().values()
+
+
+IDLE = (1.0, 100, 0.5, 10, 1000, 400, 300, 100, 60)
+BUSY = (1.5, 200, 0.9, 12, 1100, 800, 700, 100, 60)
+
+
+class FakeScrapes(Watcher):
+    """A Watcher whose scrapes are given (text, monotonic time) pairs instead of HTTP answers."""
+
+    def __init__(self, scrapes):
+        self.last = None
+        self.scrapes = iter(scrapes)
+
+    def scrape(self):
+        text, now = next(self.scrapes)
+        return parse(text, now)
+
+
+def test_first_poll_is_a_baseline_and_short_windows_report_no_rate():
+    watcher = FakeScrapes([(scrape(*IDLE), 100.0), (scrape(*BUSY), 100.000000001), (scrape(*BUSY), 100.5),
+                           (scrape(*BUSY), 105.0)])
+    assert watcher.poll() is None  # no window yet: the first scrape is the baseline
+    assert watcher.poll() is None  # 1e-9 s: once read tok_per_s=3.2e10
+    assert watcher.poll() is None  # still shorter than MIN_WINDOW_S; the baseline stays
+    w = watcher.poll()
+    assert w.seconds == pytest.approx(5.0) and w.tokens_per_s == pytest.approx(20.0)
+
+
+def test_window_shorter_than_the_minimum_is_refused():
+    a = parse(scrape(*IDLE), now=1.0)
+    with pytest.raises(ValueError, match="too short"):
+        window(a, parse(scrape(*BUSY), now=1.0 + MIN_WINDOW_S / 2))
+
+
+def polls(windows):
+    """A watcher stand-in whose poll() hands out `windows` in order."""
+    it = iter(windows)
+    return type("W", (), {"poll": lambda self: next(it)})()
+
+
+def test_idle_server_prints_its_state_once_then_only_changes():
+    idle = window(parse(scrape(*IDLE), now=0.0), parse(scrape(*IDLE), now=10.0))
+    busy = window(parse(scrape(*IDLE), now=0.0), parse(scrape(*BUSY), now=10.0))
+    lines = []
+    watcher, was_idle = polls([None, idle, idle, idle, busy, idle, idle]), False
+    for _ in range(7):
+        was_idle = stats_line(watcher, lambda event, fields: lines.append(fields), was_idle)
+    assert lines[0] == {"state": "idle"} and lines[2] == {"state": "idle"} and len(lines) == 3
+    assert lines[1]["tok_per_s"] == pytest.approx(10.0) and lines[1]["tpot_ms"] == pytest.approx(5.0)
+    assert all(None not in line.values() for line in lines)

@@ -14,7 +14,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from bigmoe.headless import EXIT_OK, EXIT_START_FAILED
+from bigmoe import exit_codes
 from bigmoe.pipeline import RunOptions
 from bigmoe.tui.dashboard import Dashboard
 from bigmoe.tui.messages import ServerStopped
@@ -23,7 +23,9 @@ from bigmoe.tui.progress_screen import ProgressScreen
 from bigmoe.tui.steps import Steps
 from bigmoe.tui.worker import Session
 
-EXIT_SERVER_LOST = 1
+EXIT_OK = exit_codes.OK
+EXIT_START_FAILED = exit_codes.START_FAILED
+EXIT_SERVER_LOST = exit_codes.ERROR
 """The server died while serving (not stopped by `bigmoe stop`), or could not be stopped."""
 POLL_S = 2.0
 """Seconds between dashboard polls of /metrics and the log."""

@@ -14,9 +14,9 @@ from typing import Callable
 
 import httpx
 
-from bigmoe import pipeline
+from bigmoe import pipeline, records
 from bigmoe.errors import BigmoeError
-from bigmoe.launch import error_line
+from bigmoe.vllm_log import exit_reason
 from bigmoe.tui.logtail import LogTail
 from bigmoe.tui.messages import ChatAnswered, PlanMade, ServerReady, ServerStarted, StageReached, StartFailed, StatsPolled, StepProgress
 from bigmoe.tui.steps import Steps
@@ -152,7 +152,8 @@ def poll(watcher, server, tail: LogTail, post: Post) -> None:
     window, error, exited = None, None, None
     proc = server.proc
     if proc is not None and proc.poll() is not None:
-        exited = f"vLLM exited with code {proc.returncode}: {error_line(Path(server.info.log))}"
+        exited = ("the server was stopped from another shell (bigmoe stop)" if records.stopped_elsewhere(server.runfile)
+                  else exit_reason(proc.returncode, Path(server.info.log), " while serving"))
     elif not server.runfile.exists():
         exited = "the server was stopped from another shell (bigmoe stop)"
     else:
