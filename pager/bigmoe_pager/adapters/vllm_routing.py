@@ -17,6 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bigmoe_pager.adapters import vllm_glue
+from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.prediction import ReplayedPredictions
 from bigmoe_pager.settings import PagerSettings, SettingsError
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
@@ -30,6 +33,10 @@ def routing_hook(moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
     active = settings()
     if active.route_replay is not None:
         topk_ids = _replayed(active.route_replay, moe_index, topk_ids)
+        nxt = next((l.pager for l in vllm_glue.all_layers() if getattr(l, "_moe_index", None) == moe_index + 1), None)
+        if isinstance(nxt, DeviceLayerPager):  # a trace with predicted_ids: prefetch as a live predictor would
+            predicted = ReplayedPredictions.for_trace(active.route_replay, topk_ids.device)
+            predicted.feed(moe_index, topk_ids.shape[0], _replay["cursor"], nxt)
     if active.trace_path is not None:
         with _lock:
             first = not _trace

@@ -10,6 +10,7 @@ Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -45,3 +46,47 @@ def recall(predicted: torch.Tensor, actual: torch.Tensor) -> float:
         hit += len(truth & set(p))
         total += len(truth)
     return hit / total if total else 0.0
+
+
+class ReplayedPredictions:
+    """A replayed trace's `predicted_ids` on the device, fed to the next layer's pager after each replayed step.
+
+    Benchmark only, like route replay: with BIGMOE_ROUTE_REPLAY pointing at a trace that carries
+    predictions, layer l's replayed step hands layer l + 1's pager the predictions for the same
+    rows, on a side stream on CUDA (DeviceLayerPager.prefetch): what a live predictor would do.
+    A trace without predictions prefetches nothing.
+    """
+
+    _cache: dict[tuple[str, str], "ReplayedPredictions"] = {}
+
+    def __init__(self, predicted: torch.Tensor | None) -> None:
+        self.predicted = predicted
+        """int32 [tokens, layers, P] on the step's device, or None."""
+        self._stream = None
+
+    @classmethod
+    def for_trace(cls, path, device: torch.device) -> "ReplayedPredictions":
+        """The predictions of the trace at `path` (read once per process and device)."""
+        key = (str(path), str(device))
+        if key not in cls._cache:
+            with np.load(path, allow_pickle=False) as data:
+                found = "predicted_ids" in data.files
+                ids = np.ascontiguousarray(data["predicted_ids"], dtype=np.int32) if found else None
+            cls._cache[key] = cls(None if ids is None else torch.from_numpy(ids).to(device))
+        return cls._cache[key]
+
+    def feed(self, moe_index: int, tokens: int, cursor: torch.Tensor, next_pager) -> None:
+        """After layer `moe_index` replayed `tokens` rows (its cursor already advanced past them), prefetch
+        layer moe_index + 1's predicted experts for those rows into `next_pager` (a DeviceLayerPager)."""
+        if self.predicted is None:
+            return
+        start = cursor[moe_index] - tokens
+        ids = replayed_predictions(self.predicted, start, moe_index, tokens).reshape(-1)
+        next_pager.prefetch(ids, self._side_stream(ids.device))
+
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
