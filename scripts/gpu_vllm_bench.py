@@ -25,8 +25,16 @@ experts 0-7).
     bigmoe-32-layerbuf   bigmoe-32 with that buffer
     bigmoe-32-ram128-ssd-layerbuf  bigmoe-32-ram128-ssd with that buffer (experts gathered through the slots)
 
+A configuration name may carry suffixes: `@rX` replays a trace that also carries next-layer
+predictions at recall X (precision --precision), so the pager prefetches on a side stream
+(docs/routing.md); `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast). --family picks the
+routing family of scripts/traces.py (standard, topic-shift, near-uniform; default standard,
+bit for bit the trace of the earlier runs). Example (issue 15):
+
+    --family topic-shift --configs resident,offload17,bigmoe-102,bigmoe-102@r0.8,bigmoe-32@r0.8
+
 --combine merges result files of several calls (one configuration set each) and computes
-the ratios the issue asks for.
+the ratios the issue asks for, per family.
 """
 
 from __future__ import annotations
@@ -50,6 +58,50 @@ LAYERS = 40
 PROMPT_TOKENS = 1024
 GEN_TOKENS = 256
 GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~31 GiB of weights)
+
+
+def parse_name(name: str) -> tuple[str, float | None, str | None]:
+    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); KeyError for an unknown base or policy, ValueError
+    for a recall outside [0, 1]."""
+    base, _, policy = name.partition("~")
+    base, at, recall = base.partition("@r")
+    if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
+        raise KeyError(name)
+    value = float(recall) if at else None
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(name)
+    return base, value, policy or None
+
+
+def config_for(name: str, trace: Path, experts: int, family: str, precision: float, work: Path) -> e2e.Config:
+    """A named configuration, its suffixes applied (@rX: a trace with predictions at recall X; ~POLICY: eviction)."""
+    base, recall, policy = parse_name(name)
+    env = dict(configs(trace, experts)[base].env)
+    if recall is not None:
+        env["BIGMOE_ROUTE_REPLAY"] = str(predicted_trace(work, trace, family, recall, precision, experts))
+    if policy:
+        env["BIGMOE_EVICTION"] = policy
+    return e2e.Config(name, env)
+
+
+EVICTIONS = ("lru", "lfu", "lfu-fast")
+
+
+def family_trace(work: Path, family: str) -> Path:
+    """The family's 16,384-token trace for LAYERS layers, made once per machine (standard: the earlier runs' file)."""
+    path = work / f"{family}-trace.npz"
+    if not path.exists():
+        traces.save_trace(path, traces.named_trace(family, 16384, LAYERS, SHAPE["experts"], SHAPE["top_k"], seed=0))
+    return path
+
+
+def predicted_trace(work: Path, trace: Path, family: str, recall: float, precision: float, experts: int) -> Path:
+    """The family's trace with predicted_ids at (recall, precision), made once per machine."""
+    path = work / f"{family}-r{recall:g}-p{precision:g}-trace.npz"
+    if not path.exists():
+        ids = traces.load_trace(trace)
+        traces.save_trace(path, ids, traces.predictions(ids, recall, precision, experts, seed=0))
+    return path
 
 
 def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
@@ -95,21 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     except e2e.CheckpointFailed as e:
         print(f"gpu_vllm_bench: {e}", file=sys.stderr)
         return 1
-    trace = work / "standard-trace.npz"
-    if not trace.exists():
-        traces.save_trace(trace, traces.standard_trace(16384, LAYERS, SHAPE["experts"], SHAPE["top_k"], seed=0))
+    trace = family_trace(work, args.family)
     report["checkpoint"] = {"path": str(model), "layers": LAYERS, **SHAPE, "seconds": made_s}
-    todo = configs(trace, SHAPE["experts"])
+    report["family"] = args.family
     spec = bench_spec(model)
     for name in args.configs.split(","):
-        config = todo[name]
+        config = config_for(name, trace, SHAPE["experts"], args.family, args.precision, work)
         run_spec = {**spec, "cpu_offload_gb": 17, "cpu_offload_params": ["w13_weight", "w2_weight"]} \
             if name == "offload17" else spec
         if time.monotonic() >= deadline:
             row = e2e.skipped(config, "time budget spent")
         else:
             row = e2e.run_config(config, run_spec, work, logs, deadline)
-        report["configs"].append(summarize(row))
+        report["configs"].append({**summarize(row), "family": args.family, "recall": parse_name(name)[1]})
         e2e.write_json(out, report)
         print(json.dumps(report["configs"][-1]), flush=True)
     return 0 if all("error" not in r for r in report["configs"]) else 1
@@ -127,7 +177,22 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
     p.add_argument("--smoke", action="store_true", help="a 2-layer bf16 model on vLLM's CPU build (plumbing check)")
     p.add_argument("--combine", type=Path, nargs="+", help="merge these result files into --out, with the ratios")
-    return p.parse_args(argv)
+    p.add_argument("--family", default="standard", help="routing family (scripts/traces.py): "
+                   + ", ".join(traces.FAMILIES))
+    p.add_argument("--precision", type=float, default=0.5, help="precision of the predictions of @rX configurations")
+    args = p.parse_args(argv)
+    if args.family not in traces.FAMILIES:
+        p.error(f"--family {args.family!r} is unknown; choose {', '.join(traces.FAMILIES)}")
+    if not args.combine:
+        for name in args.configs.split(","):
+            try:
+                parse_name(name)
+            except KeyError:
+                p.error(f"configuration {name!r} is unknown: a name of the module's list, then @rRECALL "
+                        f"and/or ~POLICY ({', '.join(EVICTIONS)})")
+            except ValueError:
+                p.error(f"configuration {name!r}: @r takes a recall in [0, 1]")
+    return args
 
 
 def checkpoint(work: Path, logs: Path) -> tuple[Path, float]:
@@ -172,6 +237,24 @@ def summarize(row: dict) -> dict:
     }
 
 
+def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
+    """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, for comparison)."""
+    out = {}
+    for family in sorted({f for f, _ in rows}):
+        t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
+        ratios = {}
+        for suffix, key in (("@r0.8", ""), ("", "_no_prefetch")):
+            at102, at32 = t.get("bigmoe-102" + suffix), t.get("bigmoe-32" + suffix)
+            if at102 and t.get("offload17"):
+                ratios["speedup_vs_offload17_at_102" + key] = round(t["offload17"] / at102, 3)
+            if at102 and t.get("resident"):
+                ratios["tpot_vs_resident_at_102" + key] = round(at102 / t["resident"], 3)
+            if at32 and t.get("offload17"):
+                ratios["speedup_vs_offload17_at_32" + key] = round(t["offload17"] / at32, 3)
+        out[family] = ratios
+    return out
+
+
 def combine(files: list[Path], out: Path) -> int:
     rows = {}
     meta = {}
@@ -179,14 +262,14 @@ def combine(files: list[Path], out: Path) -> int:
         part = json.loads(f.read_text())
         meta.setdefault("checkpoint", part.get("checkpoint"))
         meta.setdefault("commands", []).append(part.get("command"))
-        rows.update({r["name"]: r for r in part["configs"]})
-    tpot = {name: r.get("tpot_ms") for name, r in rows.items()}
+        rows.update({(r.get("family", "standard"), r["name"]): r for r in part["configs"]})
+    tpot = {name: r.get("tpot_ms") for (family, name), r in rows.items() if family == "standard"}
     for r in rows.values():
         # Greedy tokens of the timed request: which other configurations produced exactly the same.
         if r.get("tokens") is not None:
             r["same_tokens_as"] = [o["name"] for o in rows.values()
                                    if o is not r and o.get("tokens") == r["tokens"]]
-    report = {**meta, "configs": list(rows.values())}
+    report = {**meta, "configs": list(rows.values()), "families": family_ratios(rows)}
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)
         report["tpot_vs_resident_at_102"] = round(tpot["bigmoe-102"] / tpot["resident"], 3)

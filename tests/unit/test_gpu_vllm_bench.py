@@ -1,0 +1,63 @@
+"""scripts/gpu_vllm_bench.py's configuration names (@rRECALL, ~POLICY), its prediction traces and the per-family
+ratios of --combine (the H200 run itself is the lead's)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import gpu_vllm_bench as bench  # noqa: E402
+import traces  # noqa: E402
+
+
+@pytest.mark.parametrize("name,parsed", [("bigmoe-102", ("bigmoe-102", None, None)),
+                                         ("bigmoe-102@r0.8", ("bigmoe-102", 0.8, None)),
+                                         ("bigmoe-32@r1~lru", ("bigmoe-32", 1.0, "lru")),
+                                         ("offload17~lfu-fast", ("offload17", None, "lfu-fast"))])
+def test_names_parse(name, parsed):
+    assert bench.parse_name(name) == parsed
+
+
+@pytest.mark.parametrize("name", ["bigmoe-7", "bigmoe-102~mru", "bigmoe-102@r1.5", "bigmoe-102@rx"])
+def test_bad_names_are_one_line_and_exit_2(name, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--out", str(tmp_path / "o.json"), "--configs", name])
+    assert e.value.code == 2 and name in capsys.readouterr().err
+
+
+def test_a_recall_config_replays_a_trace_with_predictions(tmp_path):
+    trace = tmp_path / "topic-shift-trace.npz"
+    ids = traces.named_trace("topic-shift", 40, 3, 32, 4)
+    traces.save_trace(trace, ids)
+    config = bench.config_for("bigmoe-102@r0.8~lru", trace, 32, "topic-shift", 0.5, tmp_path)
+    assert config.env["BIGMOE_EVICTION"] == "lru" and config.env["BIGMOE_PAGER"] == "1"
+    replay = Path(config.env["BIGMOE_ROUTE_REPLAY"])
+    assert replay.name == "topic-shift-r0.8-p0.5-trace.npz"
+    assert np.array_equal(traces.load_trace(replay), ids)
+    predicted = traces.load_predictions(replay, 32)
+    assert predicted.shape[:2] == (40, 3) and (predicted[:, 2] == -1).all()
+    assert bench.config_for("bigmoe-102", trace, 32, "topic-shift", 0.5, tmp_path).env["BIGMOE_ROUTE_REPLAY"] == str(trace)
+
+
+def test_combine_reports_each_familys_ratios_at_recall_0_8(tmp_path):
+    def part(family, rows):
+        return {"command": "x", "checkpoint": {}, "configs": [{"name": n, "tpot_ms": t, "family": family} for n, t in rows]}
+
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    a.write_text(json.dumps(part("standard", [("resident", 4.0), ("offload17", 15.0), ("bigmoe-102", 5.0),
+                                              ("bigmoe-102@r0.8", 4.8), ("bigmoe-32@r0.8", 6.0)])))
+    b.write_text(json.dumps(part("topic-shift", [("resident", 4.0), ("offload17", 15.0), ("bigmoe-102@r0.8", 5.0)])))
+    out = tmp_path / "c.json"
+    assert bench.combine([a, b], out) == 0
+    report = json.loads(out.read_text())
+    std, shift = report["families"]["standard"], report["families"]["topic-shift"]
+    assert std["speedup_vs_offload17_at_102"] == 3.125 and std["tpot_vs_resident_at_102"] == 1.2
+    assert std["speedup_vs_offload17_at_32"] == 2.5 and std["speedup_vs_offload17_at_102_no_prefetch"] == 3.0
+    assert shift == {"speedup_vs_offload17_at_102": 3.0, "tpot_vs_resident_at_102": 1.25}
+    assert report["speedup_vs_offload17_at_102"] == 3.0  # the standard family's, as before
