@@ -108,9 +108,8 @@ def serve(server: launch.Server, opts: pipeline.RunOptions, say: Printer, signal
         if stop.signum == signal.SIGHUP:
             detach(server)
             return exit_codes.HANGUP
-        say("stopping", {"pid": server.info.pid, "why": signal.Signals(stop.signum).name,
-                         "hint": "Ctrl-C again kills it at once"})
-        stop_server(server, say, signals)
+        stop_server(server, say, signals, {"pid": server.info.pid, "why": signal.Signals(stop.signum).name,
+                                           "hint": "Ctrl-C again kills it at once"})
         return EXIT_FOR_SIGNAL.get(stop.signum, exit_codes.INTERRUPTED)
     except BaseException:
         stop_server(server, say, signals)
@@ -129,10 +128,13 @@ def answer(server: launch.Server, opts: pipeline.RunOptions, say: Printer) -> No
         say._print(f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms ({result.tokens} tokens)")
 
 
-def stop_server(server: launch.Server, say: Printer, signals: RunSignals) -> None:
-    """Stop the server (a second Ctrl-C meanwhile kills its group at once); say how it ended."""
+def stop_server(server: launch.Server, say: Printer, signals: RunSignals, stopping: dict | None = None) -> None:
+    """Stop the server (a second Ctrl-C meanwhile, even during the `stopping` line, kills its group at once);
+    say how it ended."""
     signals.stopping = True
     try:
+        if stopping is not None:
+            say("stopping", stopping)
         launch.stop(server)
         say("stopped", {"pid": server.info.pid})
     except Killed:

@@ -28,12 +28,13 @@ MAX_LINE = 400
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 PREFIX = re.compile(r"^(\([\w-]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d [\d:.]+ \[[^\]]*\]\s*)?")
 """vLLM's process and logger prefixes."""
-EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failure)(?:: .*)?$")
+EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Exit|Failure)(?:: .*)?$")
 """The last line of a traceback: `module.SomeError: message`."""
 ERROR_WORD = re.compile(r"\b(?:Error|error|ERROR):\s")
 """A line that states an error without a traceback ("Error: ...")."""
 WRAPPERS = re.compile(r"Engine core initialization failed|See root cause above|EngineCore failed to start|"
-                      r"Engine process failed to start|Traceback \(most recent call last\)")
+                      r"Engine process failed to start|See stack trace for root cause|"
+                      r"Traceback \(most recent call last\)")
 """Lines that point at the cause instead of stating it."""
 NOISE = re.compile(r"^(WARNING|INFO|DEBUG)\b|oneDNN|\[W\d+ |UserWarning|DeprecationWarning|FutureWarning")
 """Warnings and notes that are printed near a failure but are not its cause."""
@@ -44,17 +45,26 @@ def clean(line: str) -> str:
     return PREFIX.sub("", ANSI.sub("", line).strip()).strip()
 
 
+def _candidates(text: str) -> list[str]:
+    """The log's lines, cleaned, without those logged as warnings or notes and without known noise."""
+    out = []
+    for raw in text.splitlines():
+        bare = ANSI.sub("", raw).strip()
+        level = PREFIX.match(bare).group(3)
+        line = clean(raw)
+        if line and level not in ("WARNING", "INFO", "DEBUG") and not NOISE.search(line) and not WRAPPERS.search(line):
+            out.append(line)
+    return out
+
+
 def root_cause(text: str) -> str | None:
     """The line that says why vLLM stopped: the last exception line that is not a wrapper, else the
-    last "Error: ..." line that is not a warning; None when the log states no error."""
-    lines = [(raw, clean(raw)) for raw in text.splitlines()]
-    lines = [(raw, line) for raw, line in lines if line]
-    for _, line in reversed(lines):
-        if EXCEPTION.match(line) and not WRAPPERS.search(line):
-            return line[-MAX_LINE:]
-    for raw, line in reversed(lines):
-        if ERROR_WORD.search(line) and not WRAPPERS.search(line) and not NOISE.search(PREFIX.sub("", raw).strip()):
-            return line[-MAX_LINE:]
+    last "Error: ..." line; warnings and notes never count. None when the log states no error."""
+    lines = _candidates(text)
+    for pattern in (EXCEPTION, ERROR_WORD):
+        for line in reversed(lines):
+            if pattern.search(line) if pattern is ERROR_WORD else pattern.match(line):
+                return line[-MAX_LINE:]
     return None
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from bigmoe import headless, launch, pipeline, records
+from bigmoe.errors import BigmoeError
 
 FAKE = str(Path(__file__).with_name("launch_fake_server.py"))
 
@@ -22,7 +23,11 @@ def main() -> int:
                            log=str(records.log_name("fake", port, time.strftime("%Y%m%d-%H%M%S"))),
                            model_path="/nowhere", served_name="fake", started=time.time())
     start = lambda: launch.start([sys.executable, FAKE, str(port), *flags], {}, info)  # noqa: E731
-    return headless.launch_and_serve(start, opts, headless.Printer(as_json=True))
+    try:
+        return headless.launch_and_serve(start, opts, headless.Printer(as_json=True))
+    except BigmoeError as e:  # as bigmoe.cli.main shows it
+        print(f"bigmoe: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":
