@@ -226,7 +226,12 @@ class Draft:
 
     def _cpu_device_rows(self, rows: list[MemoryRow]) -> None:
         arch = self.preset.arch
-        if not self.ov.vram_slots:
+        demo = None if self.ov.vram_slots else self.preset.cpu_paging
+        if demo:
+            self.vram_slots = demo[0]
+            self.reasons["vram_slots"] = (f"the preset pages on a CPU to show the pager: {demo[0]} of {arch.experts} "
+                                          f"device slots (--vram-slots {arch.experts} keeps every expert resident)")
+        elif not self.ov.vram_slots:
             self.vram_slots = arch.experts
             self.reasons["vram_slots"] = "every expert is resident in RAM: the expert pager is off"
             if self.ov.ram_slots is not None:
@@ -248,6 +253,9 @@ class Draft:
             self.compress, self.reasons["compress"] = self._choose_compress(fit)
         stored = self.eb
         self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
+        demo = self.preset.cpu_paging if self.device == "cpu" and not self.ov.vram_slots and self.ov.ram_slots is None else None
+        if demo and demo[1] <= fit:
+            self.ram_slots, why = demo[1], f"the preset's demo: the other {arch.experts - demo[1]} experts are read from SSD"
         if self.ov.ram_slots is None and self.ram_slots < self.vram_slots:
             self.ram_slots = self.vram_slots
             self.refusals.append(f"out of memory: RAM holds {fit} expert slots per layer, fewer than the {self.vram_slots} VRAM slots")

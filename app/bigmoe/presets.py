@@ -70,6 +70,9 @@ class Preset:
     """Flags `vllm serve` needs for this model."""
     vllm_env: dict[str, str] = field(default_factory=dict)
     """Environment variables vLLM needs for this model."""
+    cpu_paging: tuple[int, int] | None = None
+    """(device slots, RAM slots) per layer a CPU run pages with unless told otherwise, so the demo shows
+    the pager and its SSD tier at work ([plan] cpu_vram_slots/cpu_ram_slots); None = every expert resident."""
     source: str = ""
     """File the preset was read from."""
 
@@ -98,7 +101,7 @@ def load(name_or_path: str) -> Preset:
 def parse(text: str, source: str) -> Preset:
     try:
         data = tomllib.loads(text)
-        model, arch, vllm = data["model"], data["arch"], data.get("vllm", {})
+        model, arch, vllm, plan = data["model"], data["arch"], data.get("vllm", {}), data.get("plan", {})
         preset = Preset(
             name=str(model["name"]),
             hub_id=str(model.get("hub_id", "")),
@@ -111,6 +114,7 @@ def parse(text: str, source: str) -> Preset:
             arch=Arch(**{k: int(arch[k]) for k in Arch.__dataclass_fields__}),
             vllm_args=tuple(str(a) for a in vllm.get("args", [])),
             vllm_env={str(k): str(v) for k, v in vllm.get("env", {}).items()},
+            cpu_paging=(int(plan["cpu_vram_slots"]), int(plan["cpu_ram_slots"])) if "cpu_vram_slots" in plan else None,
             source=source,
         )
     except tomllib.TOMLDecodeError as e:

@@ -47,7 +47,7 @@ EXPECTED = {
     ("hdd-only", "tiny-moe"): (None, "cuda", False, "none", False),
     ("hdd-only", "qwen3.6-35b-a3b"): (None, "cuda", True, "none", False),
     ("hdd-only", "qwen3.8-flash-next"): ("from an HDD", "cuda", True, "checkpoint", False),
-    ("cpu-laptop", "tiny-moe"): (None, "cpu", False, "none", False),
+    ("cpu-laptop", "tiny-moe"): (None, "cpu", True, "checkpoint", False),  # the demo pages (preset [plan])
     ("cpu-laptop", "qwen3.6-35b-a3b"): ("no GPU", "cpu", None, None, None),
     ("cpu-laptop", "qwen3.8-flash-next"): ("no GPU", "cpu", None, None, None),
 }
@@ -110,9 +110,9 @@ def test_only_wsl2_gets_the_pinned_memory_variable():
 
 def test_tiny_moe_without_a_gpu_plans_a_cpu_run_and_says_why():
     p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop"))
-    assert (p.device, p.expert_dtype, p.pager) == ("cpu", "bf16", False)
+    assert (p.device, p.expert_dtype, p.pager) == ("cpu", "bf16", True)
     assert "no NVIDIA GPU" in p.reasons["device"] and "AMX" in p.reasons["dtype"]
-    assert p.settings == PagerSettings(compress="off")
+    assert p.settings == PagerSettings(enabled=True, vram_slots=(8,), ram_slots=(12,), compress="off")
 
 
 # ---- refusals -------------------------------------------------------------------------------
@@ -295,8 +295,8 @@ def test_a_cpu_run_can_page_when_asked():
     assert p.env["BIGMOE_PAGER"] == "1" and p.env["BIGMOE_VRAM_SLOTS"] == "8" and "BIGMOE_RAM_SLOTS" not in p.env
     assert 0 < p.estimate.tpot_ms[0] <= p.estimate.tpot_ms[1] and p.estimate.pcie_mib_per_token[1] > 0
     check_invariants(p)
-    ignored = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop", ram_slots=8))
-    assert not ignored.pager and any("--ram-slots has no effect" in n for n in ignored.notes)
+    demo = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop", ram_slots=8))
+    assert (demo.pager, demo.vram_slots, demo.ram_slots, demo.ssd_source) == (True, 8, 8, "checkpoint")
 
 
 @pytest.mark.parametrize("machine_name, preset_name, cuda_graphs, graphs_expected", [
