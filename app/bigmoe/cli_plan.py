@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from bigmoe import presets
+from bigmoe import exit_codes, presets
 from bigmoe.checkpoint_arch import facts_for, find_checkpoint
 from bigmoe.hardware import DISK_KINDS, Hardware, Unknown
 from bigmoe.plan import Overrides, Plan, PlanError, default_dirs, plan as make_plan
@@ -15,7 +15,7 @@ from bigmoe.plan_inputs import MIN_CONTEXT, default_model_dir, default_paging_di
 from bigmoe.plan_memory import gib
 from bigmoe.probe import probe as probe_machine
 
-EXIT_REFUSED = 3
+EXIT_REFUSED = exit_codes.PLAN_REFUSED
 """Exit code of `bigmoe plan` when the plan is refused (matches `bigmoe run`)."""
 
 _GIB = click.FloatRange(min=0, min_open=True)
@@ -56,6 +56,8 @@ def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bo
 @click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).")
 @click.option("--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the paging file.")
 @click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Plan for this checkpoint directory (its config.json gives the architecture numbers).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server binds (as `bigmoe run --host`).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port of the API (as `bigmoe run --port`).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--force", is_flag=True, help="Accept a refused plan (the refusal stays recorded).")
 @click.option("--cuda-graphs/--eager", default=True, show_default=True, help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.")

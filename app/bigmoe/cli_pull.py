@@ -21,10 +21,10 @@ import time
 
 import click
 
-from bigmoe import fetch
+from bigmoe import exit_codes, fetch
 from bigmoe.errors import BigmoeError
 
-EXIT_USAGE = 2
+EXIT_USAGE = exit_codes.USAGE
 
 
 @click.command()

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from bigmoe import hubcache
+from bigmoe import exit_codes, hubcache
 from bigmoe.errors import BigmoeError
 from bigmoe.hubcache import Cancelled, RemoteFile, RepoCache
 
@@ -41,11 +41,11 @@ SPEED_WINDOW_S = 5.0  # download speed is averaged over this many seconds
 MAX_WORKERS = 8  # files downloaded at once (huggingface_hub's default)
 VERIFY_WORKERS = min(4, os.cpu_count() or 1)  # files hashed at once (hashlib releases the GIL)
 
-EXIT_NO_SPACE = 3
-EXIT_NOT_READY = 5
-EXIT_NOT_FOUND = 6
-EXIT_NETWORK = 7
-EXIT_CANCELLED = 130
+EXIT_NO_SPACE = exit_codes.NO_SPACE
+EXIT_NOT_READY = exit_codes.NOT_READY
+EXIT_NOT_FOUND = exit_codes.NOT_FOUND
+EXIT_NETWORK = exit_codes.NETWORK
+EXIT_CANCELLED = exit_codes.INTERRUPTED
 
 
 class FetchError(BigmoeError):
