@@ -49,8 +49,11 @@ def run(model: str, yes: bool, as_json: bool, **options) -> None:
     opts = RunOptions(model=model, **options)
     if yes or not sys.stdin.isatty() or not sys.stdout.isatty():
         sys.exit(headless.run(opts, as_json=as_json))
+    from bigmoe.pipeline import exposure_warning
     from bigmoe.tui.app import run_tui
 
+    if warning := exposure_warning(opts.host, opts.api_key):
+        click.echo(f"bigmoe: warning: {warning}", err=True)
     sys.exit(run_tui(opts))
 
 
