@@ -89,7 +89,7 @@ def test_tui_plans_launches_chats_and_quits_cleanly(tmp_path, monkeypatch):
         await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live or pilot.app.start_failed, START_S + 10, "the dashboard")
         assert not pilot.app.start_failed, f"the server did not start: {pilot.app.screen.failed}"
         dash = pilot.app.screen
-        seen["pid"] = dash.server.info.pid
+        seen["pid"], seen["info"] = dash.server.info.pid, dash.server.info
         seen["runfile"] = dash.server.runfile
         chat = dash.query_one("#chat")
         await pilot.press("c")
@@ -121,7 +121,7 @@ def test_tui_plans_launches_chats_and_quits_cleanly(tmp_path, monkeypatch):
     finally:
         alive = "pid" in seen and [m for m in group_members(seen["pid"]) if m.split()[1] != "Z"]
         if alive:  # a failed run must not leave vLLM behind; the assertions below still fail it
-            launch.terminate_group(seen["pid"], 5.0)
+            launch.kill(launch.Server.of(seen["info"]))
 
     plan = seen["plan"]
     assert (plan.vram_slots, plan.ram_slots, plan.pager) == (6, 10, True)
