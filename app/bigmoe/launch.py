@@ -131,7 +131,8 @@ def wait_ready(server: Server, timeout_s: float, on_stage: Callable[[str], None]
                 pass
             if time.monotonic() > deadline:
                 stop(server)
-                raise LaunchError(f"vLLM did not answer /health within {timeout_s:.0f} s; stopped it (log: {server.info.log})")
+                raise LaunchError(f"vLLM did not answer /health within {timeout_s:.0f} s; stopped it "
+                                  f"(log: {server.info.log})")
             time.sleep(0.5)
 
 
@@ -146,7 +147,8 @@ def stop(server: Server, grace_s: float = STOP_GRACE_S) -> None:
         except subprocess.TimeoutExpired:
             left = left or [server.proc.pid]
     if left:
-        raise LaunchError(f"processes {', '.join(map(str, left))} of the server (pid {server.info.pid}) did not exit after SIGKILL")
+        raise LaunchError(f"processes {', '.join(map(str, left))} of the server (pid {server.info.pid}) "
+                          "did not exit after SIGKILL")
     records.remove(server.info)
     if server.info.metrics_dir:
         shutil.rmtree(server.info.metrics_dir, ignore_errors=True)
@@ -187,7 +189,8 @@ def group(info: RunInfo) -> list[psutil.Process]:
         return []  # the pid (so the group id) belongs to another process now; nothing of ours is left under it
     for proc in psutil.process_iter(["create_time"]):
         try:
-            if os.getpgid(proc.pid) == info.pid and proc.info["create_time"] >= info.create_time - records.CREATE_TIME_SLACK_S:
+            born_after = proc.info["create_time"] >= info.create_time - records.CREATE_TIME_SLACK_S
+            if os.getpgid(proc.pid) == info.pid and born_after:
                 found.setdefault(proc.pid, proc)
         except (ProcessLookupError, PermissionError, TypeError):
             continue

@@ -36,17 +36,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("port", type=int)
-    p.add_argument("--child", action="store_true", help="start a child that sleeps (and ignores SIGTERM with --ignore-term)")
+    p.add_argument("--child", action="store_true", help="a sleeping child (ignoring SIGTERM under --ignore-term)")
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--listen-after", type=float, default=0.0, help="seconds before /health answers")
     p.add_argument("--exit", type=int, default=None, help="print an engine failure and exit with this code")
     a = p.parse_args()
     if a.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("(APIServer pid=%d) INFO 12-01 12:00:00 [api_server.py:1] vLLM API server version 0.0-fake" % os.getpid(), flush=True)
+    prefix = f"(APIServer pid={os.getpid()}) INFO 12-01 12:00:00"
+    print(f"{prefix} [api_server.py:1] vLLM API server version 0.0-fake", flush=True)
     if a.child:
-        code = "import signal, time\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if a.ignore_term else "") + \
-            "time.sleep(600)"
+        ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if a.ignore_term else ""
+        code = f"import signal, time\n{ignore}time.sleep(600)"
         child = subprocess.Popen([sys.executable, "-c", code])
         print(f"child pid {child.pid}", flush=True)
     print(f"VLLM_API_KEY is {'set' if os.environ.get('VLLM_API_KEY') else 'unset'}", flush=True)
@@ -57,7 +58,7 @@ def main() -> None:
     time.sleep(a.listen_after)
     print(ONEDNN_WARNING, flush=True)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", a.port), Handler)
-    print("(APIServer pid=%d) INFO 12-01 12:00:02 [launcher.py:1] Application startup complete." % os.getpid(), flush=True)
+    print(f"{prefix} [launcher.py:1] Application startup complete.", flush=True)
     server.serve_forever()
 
 

@@ -128,7 +128,8 @@ def test_an_engine_failure_puts_its_cause_first():
 def test_stale_records_are_removed_and_a_reused_pid_is_left_alone(home):
     bystander = psutil.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        dead = records.RunInfo("tiny-moe", 2 ** 22 + 7, "127.0.0.1", 1, "/x.log", "/m", "tiny-moe", 0.0, create_time=1.0)
+        dead = records.RunInfo("tiny-moe", 2 ** 22 + 7, "127.0.0.1", 1, "/x.log", "/m", "tiny-moe", 0.0,
+                               create_time=1.0)
         reused = records.RunInfo("tiny-moe", bystander.pid, "127.0.0.1", 2, "/y.log", "/m", "tiny-moe", 0.0,
                                  create_time=bystander.create_time() - 100)
         for info in (dead, reused):
