@@ -85,11 +85,13 @@ class Qwen4ExpShape:
     """max_position_embeddings written to config.json (tokens)."""
 
     def layer_types(self) -> list[str]:
-        """Per layer 'linear_attention' or 'full_attention': the released 3:1 pattern, with at least one full layer."""
+        """Per layer 'linear_attention' or 'full_attention': the released 3:1 pattern, with at least one full layer
+    (PLE layers stay linear attention, as transformers requires)."""
         kinds = ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
                  for i in range(self.layers)]
-        if "full_attention" not in kinds:
-            kinds[-1] = "full_attention"
+        if "full_attention" not in kinds:  # fewer than 4 layers: the last one that is not a PLE layer
+            last = max(i for i in range(self.layers) if i + 1 not in self.ple_layer_ids())
+            kinds[last] = "full_attention"
         return kinds
 
     def ple_layer_ids(self) -> list[int]:
