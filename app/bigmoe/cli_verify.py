@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from bigmoe import fetch, hubcache
+from bigmoe import exit_codes, fetch, hubcache
 from bigmoe.errors import BigmoeError
 from bigmoe.hubcache import RemoteFile, RepoCache
 from bigmoe.shard_check import shard_problem
@@ -93,7 +93,7 @@ def verify_command(model: str, revision: str | None, cache_dir: str | None, keep
         sys.exit(e.exit_code)
     except ValueError as e:  # PresetError
         click.echo(f"bigmoe: {e}", err=True)
-        sys.exit(2)
+        sys.exit(exit_codes.USAGE)
     where = f"{verdict.repo_id}@{verdict.commit[:12]}"
     if not verdict.bad:
         click.echo(f"ok: {verdict.files} files of {where} match {verdict.source} and their safetensors headers")

@@ -94,7 +94,7 @@ def test_edited_slots_replan_and_launch_with_the_edits(roomy):
 
     app = make_app(roomy)
     drive(app, scenario)
-    assert seen["before"] == (16, 16, False)
+    assert seen["before"] == (8, 12, True)  # the tiny-moe demo pages by default (its preset's [plan])
     assert seen["after"] == (6, 10, True)
     assert "--vram-slots" in seen["reason"]
     assert [p.vram_slots for p in roomy.plans] == [6] and roomy.plans[0].ram_slots == 10
