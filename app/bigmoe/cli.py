@@ -39,6 +39,8 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Launch a plan the estimator refused.")
 @click.option("--cuda-graphs/--eager", default=True, show_default=True, help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.")
 @click.option("--prefill-buffer/--no-prefill-buffer", default=None, help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).")
+@click.option("--speculative-tokens", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).")
 @click.option("--json", "as_json", is_flag=True, help="With --yes: progress as JSON lines.")
 @click.option("--start-timeout", default=900.0, show_default=True, type=click.FloatRange(1), help="Seconds to wait for the server to be ready.")
 def run(model: str, yes: bool, as_json: bool, **options) -> None:

@@ -62,6 +62,8 @@ def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bo
 @click.option("--force", is_flag=True, help="Accept a refused plan (the refusal stays recorded).")
 @click.option("--cuda-graphs/--eager", default=True, show_default=True, help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.")
 @click.option("--prefill-buffer/--no-prefill-buffer", default=None, help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).")
+@click.option("--speculative-tokens", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).")
 @click.option("--root", type=click.Path(exists=True, file_okay=False), default="/", hidden=True, help="Probe a fixture tree instead of /.")
 def plan(model: str, as_json: bool, root: str, **options) -> None:
     """Plan how MODEL runs here (or on the machine the options state), with a reason per choice."""

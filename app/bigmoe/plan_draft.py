@@ -13,6 +13,8 @@ from bigmoe.checkpoint_arch import ArchFacts
 from bigmoe.hardware import Disk, Gpu, Hardware, Unknown, known
 from bigmoe.plan_disks import disk_tables, ssd_disk
 from bigmoe.plan_inputs import Overrides, default_dirs
+from bigmoe.plan_spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
+from bigmoe.plan_spec import refusal as spec_refusal
 from bigmoe.plan_launch import launch_argv, launch_env, max_seqs_of, pager_settings
 from bigmoe.plan_memory import (
     CODEC_RATIO, CUDA_CONTEXT_BYTES, DISK_HEADROOM_BYTES, MIB, NGRAM_PAGE_CACHE_BYTES, RAM_HEADROOM, VLLM_HOST_BYTES,
@@ -116,7 +118,7 @@ class Draft:
                 self._activations("cuda"),
                 MemoryRow("safety margin", int(total * VRAM_MARGIN), f"{VRAM_MARGIN:.0%} of VRAM for fragmentation")]
         left = total - sum(r.bytes for r in rows)
-        per_slot = arch.moe_layers * self.eb
+        per_slot = self.paged_layers * self.eb
         # Compression first: it decides which pager runs, and so whether the prefill buffer is used.
         self.compress, self.reasons["compress"] = self._choose_compress(self._ram_raw_fit())
         self.prefill_buffer, self.reasons["prefill_buffer"] = self._choose_prefill_buffer(left, per_slot)
@@ -139,7 +141,7 @@ class Draft:
             self.refusals.append(f"out of VRAM: {self.vram_slots} slots per layer need {gib(self.vram_slots * per_slot)}, "
                                  f"{gib(left)} is left after dense weights, KV cache and reserves")
         rows.append(MemoryRow("expert slots", self.vram_slots * per_slot,
-                              f"{self.vram_slots} slots x {arch.moe_layers} layers x {self.eb / MIB:.2f} MiB"))
+                              f"{self.vram_slots} slots x {self.paged_layers} layers x {self.eb / MIB:.2f} MiB"))
         self.memory.append(MemoryTable("VRAM", total, tuple(rows)))
 
     def _choose_prefill_buffer(self, left: int, per_slot: int) -> tuple[bool, str]:
@@ -205,7 +207,7 @@ class Draft:
         """Raw expert slots per layer that RAM holds (what the compression choice starts from; CUDA plans: no side effects)."""
         total, rows = self._ram_rows()
         left = total - sum(r.bytes for r in rows)
-        return max(0, min(self.preset.arch.experts, left // (self.preset.arch.moe_layers * self.eb)))
+        return max(0, min(self.preset.arch.experts, left // (self.paged_layers * self.eb)))
 
     def _ram_rows(self) -> tuple[int, list[MemoryRow]]:
         """RAM's size and every use of it but the expert RAM tier."""
@@ -240,15 +242,15 @@ class Draft:
             self.vram_slots = self.ov.vram_slots
             self.reasons["vram_slots"] = "set by --vram-slots (device slots live in RAM on a CPU)"
         rows += [MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, head (preset)"),
-                 MemoryRow("expert slots" if self.pager else "experts", self.vram_slots * arch.moe_layers * self.eb,
-                           f"{self.vram_slots} x {arch.moe_layers} layers x {self.eb / MIB:.2f} MiB ({self.dtype})"),
+                 MemoryRow("expert slots" if self.pager else "experts", self.vram_slots * self.paged_layers * self.eb,
+                           f"{self.vram_slots} x {self.paged_layers} layers x {self.eb / MIB:.2f} MiB ({self.dtype})"),
                  MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
                  self._activations("cpu")]
 
     def _size_ram_tier(self, rows: list[MemoryRow], left: int) -> None:
         arch = self.preset.arch
         # RAM holds raw records: both pagers expand a compressed record as it enters RAM.
-        fit = max(0, min(arch.experts, left // (arch.moe_layers * self.eb)))
+        fit = max(0, min(arch.experts, left // (self.paged_layers * self.eb)))
         if self.device == "cpu":  # on CUDA size_vram has chosen it
             self.compress, self.reasons["compress"] = self._choose_compress(fit)
         stored = self.eb
@@ -259,12 +261,12 @@ class Draft:
         if self.ov.ram_slots is None and self.ram_slots < self.vram_slots:
             self.ram_slots = self.vram_slots
             self.refusals.append(f"out of memory: RAM holds {fit} expert slots per layer, fewer than the {self.vram_slots} VRAM slots")
-        elif self.ram_slots * arch.moe_layers * stored > left:
+        elif self.ram_slots * self.paged_layers * stored > left:
             self.refusals.append(f"out of memory: {self.ram_slots} RAM slots per layer need "
-                                 f"{gib(self.ram_slots * arch.moe_layers * stored)}, {gib(max(left, 0))} is left")
+                                 f"{gib(self.ram_slots * self.paged_layers * stored)}, {gib(max(left, 0))} is left")
         self.reasons["ram_slots"] = why + (" (pinned)" if self.device == "cuda" else "")
-        pinned = self.ram_slots * arch.moe_layers * stored
-        rows.append(MemoryRow("expert RAM slots", pinned, f"{self.ram_slots} x {arch.moe_layers} layers x "
+        pinned = self.ram_slots * self.paged_layers * stored
+        rows.append(MemoryRow("expert RAM slots", pinned, f"{self.ram_slots} x {self.paged_layers} layers x "
                               f"{stored / MIB:.2f} MiB" + (" (compressed records are expanded as they enter RAM)"
                                                            if self.compress else "")))
         limit = self.hw.memlock_bytes
@@ -334,6 +336,11 @@ class Draft:
         return arch.dense_bytes + self.preset.total_expert_bytes(self.dtype) + arch.ngram_table_bytes
 
     @property
+    def paged_layers(self) -> int:
+        """MoE layers whose experts get slots: the model's, plus the MTP drafter's with speculative decoding."""
+        return self.preset.arch.moe_layers + mtp_layers(self.ov.speculative_tokens)
+
+    @property
     def ssd_source(self) -> str:
         if not self.pager or self.ram_slots >= self.preset.arch.experts:
             return "none"
@@ -377,12 +384,18 @@ class Draft:
         self.reasons["argv"] = "vLLM's OpenAI server with the preset's flags, the planned context, KV-cache bytes and batch size"
         argv = launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
                            batch_tokens(max_seqs_of(self.preset), self.context))
+        spec = self.ov.speculative_tokens
+        if why := spec_refusal(spec, self.preset.architecture, self.vram_slots, arch.top_k, graphs):
+            self.refusals.append(why)
+        argv += speculative_argv(spec)
         if graphs:
-            # Every batch vLLM captures must fit the slots: tokens x top-k <= VRAM slots (docs/pager.md).
-            argv += ["--max-cudagraph-capture-size", str(max(1, self.vram_slots // arch.top_k))]
-            self.reasons["argv"] += (f"; --max-cudagraph-capture-size {max(1, self.vram_slots // arch.top_k)} so every batch vLLM "
-                                     f"captures in a CUDA graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
-                                     "device-driven pager")
+            # Every batch vLLM captures must fit the slots: tokens x top-k <= VRAM slots (docs/pager.md); vLLM counts a
+            # verification step's speculative tokens among the batch's tokens (plan_spec.py).
+            capture = graph_tokens(self.vram_slots, arch.top_k)
+            argv += ["--max-cudagraph-capture-size", str(capture)]
+            self.reasons["argv"] += (f"; --max-cudagraph-capture-size {capture} so every batch vLLM captures in a CUDA "
+                                     f"graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
+                                     "device-driven pager" + capture_reason(spec, self.vram_slots, arch.top_k))
         elif self.pager and self.device == "cuda":
             # The host-driven pager reads each step's ids on the host; it refuses CUDA graphs (docs/pager.md).
             argv.append("--enforce-eager")

@@ -65,6 +65,8 @@ class Overrides:
     """On CUDA: the device-driven pager with decode in CUDA graphs (False: the host-driven one in eager mode)."""
     prefill_buffer: bool | None = None
     """On CUDA, device-driven: a VRAM buffer of one whole layer's experts for prefill (None = when VRAM allows it)."""
+    speculative_tokens: int = 0
+    """Draft tokens per step from the model's MTP head (vLLM speculative decoding); 0 = off."""
 
 
 def check_overrides(preset: Preset, ov: Overrides) -> None:
