@@ -83,7 +83,8 @@ def _problem(cache: RepoCache, commit: str, f: RemoteFile) -> str | None:
 @click.option("--revision", default=None, help="Branch, tag or commit (default: the one downloaded).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="huggingface_hub cache directory (default: HF_HUB_CACHE).")
-@click.option("--keep", is_flag=True, help="Leave bad files in place (default: remove them so pull fetches them again).")
+@click.option("--keep", is_flag=True,
+              help="Leave bad files in place (default: remove them so pull fetches them again).")
 def verify_command(model: str, revision: str | None, cache_dir: str | None, keep: bool) -> None:
     """Check a downloaded MODEL against the Hub's hashes (sha256 / git blob id) and its safetensors headers."""
     try:

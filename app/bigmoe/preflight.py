@@ -85,7 +85,8 @@ def paging_space_problem(the_plan) -> str | None:
     free = shutil.disk_usage(_nearest_existing(path.parent)).free + existing
     if free >= need:
         return None
-    return (f"the paging file {path} needs up to {_gib(need - PAGING_HEADROOM_BYTES)} plus {_gib(PAGING_HEADROOM_BYTES)} "
+    return (f"the paging file {path} needs up to {_gib(need - PAGING_HEADROOM_BYTES)} "
+            f"plus {_gib(PAGING_HEADROOM_BYTES)} "
             f"headroom, but its disk has {_gib(free)} free; free space or pass --paging-dir on another disk")
 
 

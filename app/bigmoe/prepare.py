@@ -94,7 +94,9 @@ def sample_records(record_bytes: int) -> int:
 
 
 def _checked_what(path: Path) -> str:
-    return "every record" if path.stat().st_size <= FULL_CHECK_BYTES else f"header and {SAMPLE_BYTES >> 20} MiB of records"
+    if path.stat().st_size <= FULL_CHECK_BYTES:
+        return "every record"
+    return f"header and {SAMPLE_BYTES >> 20} MiB of records"
 
 
 def build(path: Path, model_path: Path, compressed: bool, progress: Progress) -> Path:

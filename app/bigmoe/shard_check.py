@@ -39,7 +39,8 @@ def shard_problem(path: Path) -> str | None:
             return f"{path}: header entry for {name} lacks dtype/shape/data_offsets; not a safetensors file"
         bits = DTYPE_BITS.get(dtype)
         if begin < 0 or stop < begin or (bits is not None and stop - begin != math.ceil(math.prod(shape) * bits / 8)):
-            return f"{path}: tensor {name} spans bytes {begin}..{stop}, which do not hold {dtype}{shape}; the header is corrupt"
+            return (f"{path}: tensor {name} spans bytes {begin}..{stop}, which do not hold {dtype}{shape}; "
+                    "the header is corrupt")
         end = max(end, stop)
     if base + end > size:
         return (f"{path}: truncated: {size} bytes, its header needs {base + end} "

@@ -86,7 +86,8 @@ def make_tiny_moe(
         if is_complete(out, request, hashes=True):
             return out
         if not _made_for(out, request):
-            raise CheckpointExistsError(f"{out} {_difference(out, request)}; delete it, or replace it with --force (force=True)")
+            raise CheckpointExistsError(
+                f"{out} {_difference(out, request)}; delete it, or replace it with --force (force=True)")
         (log or (lambda line: None))(f"{out} {_difference(out, request)}; making it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
