@@ -33,8 +33,8 @@ import traces  # noqa: E402  (scripts/ is not a package)
 
 from bigmoe_pager.core.slots import POLICIES as SLOT_POLICIES, SlotTable, SlotTableError  # noqa: E402
 
-POLICIES = ("lru", "lfu", "lfu-fast", "lfu:8")
-"""The pager's policies (lfu halves its counts every 256 steps, lfu-fast every 32) and a faster lfu."""
+POLICIES = ("lru", "lfu", "lfu-fast", "lfu:32")
+"""The pager's policies (lfu halves its counts every 256 steps, lfu-fast every 16) and an lfu in between."""
 
 
 @dataclass(frozen=True)
@@ -104,18 +104,19 @@ def family_traces(tokens: int, layers: int, seed: int) -> dict[tuple[str, str], 
 
 
 def scaled(shape: Shape, experts: int, k: int) -> Shape:
-    """The shape's tier shares applied to another expert count (the recorded trace's)."""
-    vram = max(k, round(shape.vram / shape.experts * experts))
+    """The shape's tier shares applied to another expert count (the recorded trace's), with at least 2k VRAM slots."""
+    vram = max(2 * k, round(shape.vram / shape.experts * experts))  # at k slots every policy is the same
     ram = max(vram, round(shape.ram / shape.experts * experts))
     return Shape(shape.name, experts, k, vram, ram)
 
 
-def run(tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers: int) -> dict:
+def run(tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers: int, families: tuple[str, ...]) -> list:
     cases = [(fam, shape, trace) for (fam, name), trace in family_traces(tokens, layers, seed).items()
-             for shape in SHAPES if shape.name == name]
-    recorded = traces.load_trace(traces.RECORDED)[:tokens, :layers]
-    r_experts, r_k = int(recorded.max()) + 1, recorded.shape[2]
-    cases += [("recorded", scaled(shape, r_experts, r_k), recorded) for shape in SHAPES]
+             for shape in SHAPES if shape.name == name and fam in families]
+    if "recorded" in families:
+        recorded = traces.load_trace(traces.RECORDED)[:tokens, :layers]
+        r_experts, r_k = int(recorded.max()) + 1, recorded.shape[2]
+        cases += [("recorded", scaled(shape, r_experts, r_k), recorded) for shape in SHAPES]
     jobs = [(trace, shape.experts, shape.vram, shape.ram, p) for _, shape, trace in cases for p in policies]
     with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         rates = iter(pool.starmap(simulate, jobs, chunksize=1))
@@ -126,14 +127,12 @@ def run(tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers:
         row.update({policy: next(rates) for policy in policies})
         results.append(row)
         print(json.dumps({k: row[k] for k in ("family", "shape")} | {p: row[p]["vram_hit"] for p in policies}), flush=True)
-    return {"policies": list(policies), "families": {**{f: vars(p) for f, p in traces.FAMILIES.items()},
-                                                    "recorded": str(traces.RECORDED.name)},
-            "results": results}
+    return results
 
 
 CURVE_SLOTS_PER_K = (0.5, 1, 2, 4, 8, 12.75, 19, 25.5)
 """Slots / top-k at which `curves` measures hit rates (256 experts, top-8: 4 .. 204 slots)."""
-CURVE_POLICIES = ("lru", "lfu", "lfu-fast")
+CURVE_POLICIES = ("lru", "lfu-fast")
 
 
 def curves(tokens: int, layers: int, seed: int, workers: int) -> dict:
@@ -156,23 +155,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (one simulation each)")
+    ap.add_argument("--families", default=",".join([*traces.FAMILIES, "recorded"]), help="comma list of families")
+    ap.add_argument("--curves", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure the hit-rate curves of the synthetic families (plan_speed's HIT_CURVES)")
+    ap.add_argument("--merge", type=Path, help="start from this result file, replacing the families run now")
     ap.add_argument("--out", type=Path, help="write the results as JSON")
     args = ap.parse_args(argv)
     policies = tuple(p for p in args.policies.split(",") if p)
+    families = tuple(f for f in args.families.split(",") if f)
     try:
         for p in policies:
             parse_policy(p)
+        unknown = set(families) - {*traces.FAMILIES, "recorded"}
+        if unknown:
+            raise traces.TraceError(f"unknown families {sorted(unknown)}; choose from {', '.join([*traces.FAMILIES, 'recorded'])}")
         started = time.perf_counter()
-        result = run(args.tokens, args.layers, args.seed, policies, max(1, args.workers))
-        result["curves_256x8"] = curves(args.tokens, args.layers, args.seed, max(1, args.workers))
+        result = _previous(args.merge) if args.merge else {}
+        kept = [r for r in result.get("results", []) if r["family"] not in families]
+        result.update(policies=list(policies), families={**{f: vars(p) for f, p in traces.FAMILIES.items()},
+                                                         "recorded": traces.RECORDED.name})
+        result["results"] = kept + run(args.tokens, args.layers, args.seed, policies, max(1, args.workers), families)
+        if args.curves:
+            result["curves_256x8"] = curves(args.tokens, args.layers, args.seed, max(1, args.workers))
     except (SlotTableError, traces.TraceError) as e:
         print(f"sim_eviction: {e}", file=sys.stderr)
         return 2
-    result["command"] = "python scripts/sim_eviction.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result["seconds"] = round(time.perf_counter() - started, 1)
+    command = "python scripts/sim_eviction.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["commands"] = result.get("commands", []) + [command]
+    result["seconds"] = round(result.get("seconds", 0) + time.perf_counter() - started, 1)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _previous(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise traces.TraceError(f"--merge {path}: not a readable result ({e})") from None
 
 
 if __name__ == "__main__":

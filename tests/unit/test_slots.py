@@ -86,7 +86,7 @@ def _random_step(rng: random.Random, experts: int, tokens: int, k: int, hot: lis
 )
 def test_acquire_matches_python_policy(experts, slots, k, tokens, policy):
     rng = random.Random(experts * 1000 + slots * 10 + k)
-    decay = {"lru": 0, "lfu": 16, "lfu-fast": 32}[policy]  # lfu-fast: its own default period
+    decay = {"lru": 0, "lfu": 16, "lfu-fast": 16}[policy]  # lfu-fast: its own default period
     table = SlotTable(experts, slots, policy=policy, decay=None if policy == "lfu-fast" else decay)
     ref = PyPolicy(experts, slots, policy, decay)
     hot = rng.sample(range(experts), max(k, experts // 4))
@@ -209,7 +209,7 @@ def test_bad_sizes_are_refused(experts, slots, policy):
 def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps, policy):
     """The one-program Triton acquire (run by Triton's interpreter here) equals the torch ops, output and state."""
     rng = random.Random(experts + slots)
-    decay = None if policy == "lfu-fast" else 8  # lfu-fast: its own period (32), crossed once in 36 steps
+    decay = None if policy == "lfu-fast" else 8  # lfu-fast: its own period (16), crossed twice in 36 steps
     ref = SlotTable(experts, slots, use_kernel=False, policy=policy, decay=decay)
     ker = SlotTable(experts, slots, use_kernel=True, policy=policy, decay=decay)
     rows = {name: torch.zeros(7, dtype=torch.int64) for name in ("ref", "ker", "ref_aux", "ker_aux")}

@@ -11,7 +11,7 @@ Policy (deterministic so a plain-Python model can check it):
   (last-use step, expert id) under "lru", or the smallest (use count, last-use
   step, expert id) under "lfu" and "lfu-fast", where every step adds 1 to the
   count of each expert it needs and all counts halve every `decay` steps (256
-  for lfu, 32 for lfu-fast: frequency that forgets within a topic). Chosen by
+  for lfu, 16 for lfu-fast: frequency that forgets within a topic). Chosen by
   scripts/sim_eviction.py over four routing families (docs/bench/eviction.json):
   lfu-fast misses no more than lru on any of them; lfu loses to lru once the
   routing shifts;
@@ -38,7 +38,7 @@ from bigmoe_pager.core import acquire_kernel, triton_launch
 
 _NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
 POLICIES = ("lru", "lfu", "lfu-fast")
-DEFAULT_DECAY = {"lru": 0, "lfu": 256, "lfu-fast": 32}
+DEFAULT_DECAY = {"lru": 0, "lfu": 256, "lfu-fast": 16}
 """Steps between halvings of the use counts, per policy (lru keeps none)."""
 LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
