@@ -183,3 +183,25 @@ def test_checkpoint_files_follow_the_index(tmp_path, checkpoint):
     assert vllm_ngram.checkpoint_files(str(tmp_path)) == [tmp_path / p.name for p in checkpoint]
     with pytest.raises(NgramFileError, match="not on this machine"):
         vllm_ngram.checkpoint_files("no-such-org/no-such-model", download_dir=str(tmp_path / "hub"))
+
+
+def test_an_nvfp4_table_is_refused_with_one_line():
+    """vLLM 0.33 adds NVFP4 PLE tables (row and weight_scale shards); the pager reads FP8 and unquantized rows only."""
+    import torch
+
+    class Qwen4ExpPLENvFp4EmbeddingMethod:  # 0.33's class name; this vLLM build may not have it
+        pass
+
+    with pytest.raises(vllm_ngram.NgramHookError) as e:
+        vllm_ngram.stored_dtype(Qwen4ExpPLENvFp4EmbeddingMethod(), torch.bfloat16, ne.Qwen4ExpPLEFp8EmbeddingMethod,
+                                ne.Qwen4ExpPLEUnquantizedEmbeddingMethod)
+    assert "\n" not in str(e.value) and "Qwen4ExpPLENvFp4EmbeddingMethod; set BIGMOE_NGRAM=0" in str(e.value)
+
+
+@pytest.mark.parametrize("name", vllm_ngram.REPLACED)
+def test_the_replaced_classes_are_module_globals_vllm_looks_up(name):
+    """Qwen4ExpNGramEmbedding picks its storage class by these global names when a PLE layer is built."""
+    import inspect
+
+    assert hasattr(ne, name)
+    assert name in inspect.getsource(ne.Qwen4ExpNGramEmbedding.__init__)

@@ -20,6 +20,14 @@ While a breakable graph is being captured, its eager segments run once with ids
 the (recorded, not run) kernels never computed: that run reads nothing and
 yields zeros; every replay reads for real.
 Dequantization stays vLLM's own (FP8 rows x the table's global scale).
+
+vLLM 0.33's NVIDIA path (models/qwen4_exp/nvidia/ngram_embedding.py, ple_layer.py) keeps what
+this relies on from 0.32: both storage class names looked up as module globals when the PLE
+layer is built, the same constructor keywords, start_prefetch(ids) / finalize_prefetch(tokens)
+called by the PLE layer, and `<prefix>.ngram_embedding.shard_<i>.weight` row shards. It adds
+NVFP4 tables (rows plus `weight_scale` shards), which are refused with one line, and its
+eager-break decorator always wraps (0.32's wraps only when VLLM_USE_BREAKABLE_CUDAGRAPH was
+set at import), reading the variable per call as graph_mode() does.
 """
 
 from __future__ import annotations
@@ -114,7 +122,7 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             mode = graph_mode(vllm_config)
             if mode.startswith("breakable") and not hasattr(type(self).start_prefetch, "__wrapped__"):
-                # vLLM 0.32 decides at class definition (plugin load) whether eager breaks exist.
+                # vLLM 0.32 decides at class definition (plugin load) whether eager breaks exist; 0.33 always wraps.
                 raise NgramHookError("bigmoe n-gram pager: set VLLM_USE_BREAKABLE_CUDAGRAPH=1 in the environment before "
                                      "vLLM starts (this vLLM reads it when the plugin loads)")
             self.supports_prefetch = cuda
