@@ -320,7 +320,9 @@ def make_spec(model: Path, has_tokenizer: bool, shape: dict, args) -> dict:
     return {
         "model": str(model), "max_model_len": 2048, "gpu_memory_utilization": args.gpu_memory_utilization,
         "deterministic": not args.no_deterministic,
-        "kv_cache_memory_bytes": None if shape["device"] == "cuda" else 256 << 20,  # CPU build: no GPU to size from
+        # A fixed KV cache where there is no GPU to size from (vLLM's CPU build), or where several engines share one
+        # GPU (--parallel): vLLM's profile would count the others' allocations as its own.
+        "kv_cache_memory_bytes": 256 << 20 if shape["device"] != "cuda" else (2 << 30 if args.parallel > 1 else None),
         "skip_tokenizer_init": not has_tokenizer,
         "prompts": PROMPTS if has_tokenizer else [long_ids[i * 37 : i * 37 + 9] for i in range(len(PROMPTS))],
         "max_tokens": args.tokens, "long_ids": long_ids, "long_max_tokens": args.long_tokens,

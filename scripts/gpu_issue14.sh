@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 14's runs on the H200 after staging vLLM 0.33 (shared/gpu-vllm-0.33) and scripts/gpu_extra:
+#   bash scripts/gpu_issue14.sh STEP...    steps: model e2e-tiers e2e-rest bench app tests
+# Results and logs under $OUT (the device tool returns 8 files: logs go into one tarball per step).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source /tmp/site/env.sh
+export PYTHONPATH="$PWD/pager:$PWD/app:$PYTHONPATH" PYTHONUNBUFFERED=1 VLLM_DEEP_GEMM_WARMUP=skip
+out="${OUT:-/tmp/bigmoe-gpu}"; mkdir -p "$out"
+model=/tmp/bigmoe-vllm-e2e/flash-next-fp8-4l
+pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/null; }
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case "$step" in
+    model)  # made by gpu_vllm_e2e too; done first so the other steps can share it
+      [ -f "$model/config.json" ] || python3 scripts/make_qwen4exp.py "$model" --layers 4 --dtype fp8 --device cuda --seed 0 ;;
+    e2e-tiers)
+      python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers 4 --parallel 6 --budget-s "${BUDGET:-400}" \
+        --configs unpaged,unpaged-repeat,vram40,vram40-ngram,vram12-ram50-ssd,vram12-ram50-ssd-ngram \
+        --out "$out/e2e-tiers.json" --logs /tmp/logs-e2e-tiers; pack logs-e2e-tiers /tmp/logs-e2e-tiers ;;
+    e2e-rest)
+      python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers 4 --parallel 6 --budget-s "${BUDGET:-400}" \
+        --configs unpaged,vramall,vramall-ngram,unpaged-mtp1,vram12-ram50-ssd-ngram-mtp1,unpaged-mtp3,vram12-ram50-ssd-ngram-mtp3 \
+        --out "$out/e2e-rest.json" --logs /tmp/logs-e2e-rest; pack logs-e2e-rest /tmp/logs-e2e-rest ;;
+    bench)
+      python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json";
+      pack logs-bench "$out/bench_logs"; rm -rf "$out/bench_logs" ;;
+    app)
+      python3 scripts/gpu_app_run.py --model "$model" --vram-gib "${VRAM_GIB:-8}" --ram-gib "${RAM_GIB:-24}" \
+        --out "$out/app-run.json"; cp -r ~/.cache/bigmoe/logs /tmp/app-logs 2>/dev/null; pack logs-app /tmp/app-logs ;;
+    tests)
+      python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
+        2>&1 | tail -n 40 > "$out/gpu-tests.txt"; tail -n 5 "$out/gpu-tests.txt" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
