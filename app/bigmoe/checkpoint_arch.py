@@ -82,6 +82,8 @@ def read_facts(preset: Preset, model_dir: Path) -> ArchFacts:
     if "hidden" in found and "moe_intermediate" in found:
         found.update(_expert_bytes(path, config, found["hidden"][0], found["moe_intermediate"][0]))
     found.update(_ngram_bytes(path, config))
+    found.update(_kv_bytes(path, text))
+    found.update(_mtp_layers(path, text))
     values = {name: found[name][0] if name in found else getattr(preset.arch, name) for name in Arch.__dataclass_fields__}
     headers, routed = _sums_from_headers(Path(model_dir))
     found.update(headers)
@@ -202,6 +204,38 @@ def _ngram_bytes(path: Path, config: dict) -> dict[str, tuple[int, str]]:
     rows = sum(s.rows for s in specs)
     return {"ngram_table_bytes": (sum(s.nbytes for s in specs),
                                   f"{FROM_CONFIG} ({rows:,} rows x {specs[0].row_bytes} B, ple_layer_ids {sorted(set(layer_ids))})")}
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "indexed_attention", "qwen_sparse_attention")
+"""layer_types entries that keep a KV cache (linear-attention layers keep a fixed-size state instead)."""
+
+
+def _kv_bytes(path: Path, text: dict) -> dict[str, tuple[int, str]]:
+    """bf16 K and V bytes per token over the layers that have attention (every layer without layer_types)."""
+    if "num_key_value_heads" not in text or "num_hidden_layers" not in text:
+        return {}
+    kv_heads = _int(path, "num_key_value_heads", text["num_key_value_heads"])
+    if text.get("head_dim"):
+        head_dim = _int(path, "head_dim", text["head_dim"])
+    elif text.get("num_attention_heads") and "hidden_size" in text:
+        head_dim = _int(path, "hidden_size", text["hidden_size"]) // _int(path, "num_attention_heads", text["num_attention_heads"])
+    else:
+        return {}
+    kinds = text.get("layer_types")
+    if isinstance(kinds, list):
+        layers, which = sum(kind in ATTENTION_LAYER_TYPES for kind in kinds), "full-attention layers (layer_types)"
+    else:
+        layers, which = _int(path, "num_hidden_layers", text["num_hidden_layers"]), "layers"
+    return {"kv_bytes_per_token": (layers * 2 * kv_heads * head_dim * BF16_BYTES,
+                                   f"{FROM_CONFIG} ({layers} {which} x K,V x {kv_heads} heads x {head_dim} x 2 B)")}
+
+
+def _mtp_layers(path: Path, text: dict) -> dict[str, tuple[int, str]]:
+    """Decoder layers of the MTP head (each has routed experts of its own), when the config names them."""
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        if key in text:
+            return {"mtp_layers": (_int(path, key, text[key]), f"{FROM_CONFIG} ({key})")}
+    return {}
 
 
 def _is_fp8(config: dict) -> bool:

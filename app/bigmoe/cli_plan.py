@@ -70,6 +70,8 @@ def plan(model: str, as_json: bool, root: str, **options) -> None:
     try:
         preset = presets.load(model)
         model_dir, paging_dir = default_dirs(preset)
+        if not options["model_dir"] and presets.is_checkpoint_dir(model):
+            options["model_dir"] = model  # MODEL is a checkpoint directory: plan for it
         given = str(Path(options["model_dir"]).expanduser()) if options["model_dir"] else None
         overrides = Overrides(
             model_dir=given or model_dir, model_path=given, model_on_disk=given is not None,

@@ -85,6 +85,9 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def load_preset(opts: RunOptions) -> presets.Preset:
+    """The preset MODEL names; a checkpoint directory as MODEL is also the directory served (--model-dir)."""
+    if presets.is_checkpoint_dir(opts.model) and not opts.model_dir:
+        opts.model_dir = str(Path(opts.model).expanduser())
     return presets.load(opts.model)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -42,6 +43,8 @@ class Arch:
     """KV-cache bytes one token of context needs."""
     max_context: int
     """Longest context the model supports (tokens)."""
+    mtp_layers: int = 0
+    """Decoder layers of the model's MTP head (each with its own routed experts); 0 = no MTP head."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +91,45 @@ def names() -> list[str]:
 
 
 def load(name_or_path: str) -> Preset:
-    """A preset by name, or from a TOML file path."""
+    """A preset by name, from a TOML file path, or for a checkpoint directory (see for_checkpoint)."""
     path = Path(name_or_path)
+    if is_checkpoint_dir(name_or_path):
+        return for_checkpoint(path.expanduser())
     if name_or_path.endswith(".toml") and path.exists():
         return parse(path.read_text(), str(path))
     for item in _files():
         if item.name == f"{name_or_path}.toml":
             return parse(item.read_text(), f"preset {name_or_path}")
     raise PresetError(f"unknown model {name_or_path!r}; known: {', '.join(names())}")
+
+
+def is_checkpoint_dir(name_or_path: str) -> bool:
+    """True when MODEL names a directory with a config.json (a checkpoint to serve) rather than a preset."""
+    path = Path(name_or_path).expanduser()
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def for_checkpoint(directory: Path) -> Preset:
+    """The preset of the architecture the directory's config.json names (architectures[0]), with the
+    architecture numbers read from the directory (config.json and safetensors headers) in place of its own."""
+    import json
+
+    from bigmoe.checkpoint_arch import read_facts, with_facts
+
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PresetError(f"cannot read {path}: {e}") from None
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(archs, list) or not archs:
+        raise PresetError(f"{path} names no architectures; bigmoe picks the preset by architectures[0]")
+    known = [load(name) for name in names()]
+    matches = sorted((p for p in known if p.architecture == archs[0]), key=lambda p: (p.synthetic, p.name))
+    if not matches:
+        served = ", ".join(sorted({p.architecture for p in known}))
+        raise PresetError(f"{path} is a {archs[0]}; bigmoe serves {served}")
+    return with_facts(matches[0], read_facts(matches[0], Path(directory)))
 
 
 def parse(text: str, source: str) -> Preset:
@@ -111,7 +145,8 @@ def parse(text: str, source: str) -> Preset:
             synthetic=bool(model.get("synthetic", False)),
             dtype_cpu=str(model.get("dtype_cpu", "bf16")),
             dtype_gpu=str(model.get("dtype_gpu", "fp8")),
-            arch=Arch(**{k: int(arch[k]) for k in Arch.__dataclass_fields__}),
+            arch=Arch(**{k: int(arch[k]) for k, f in Arch.__dataclass_fields__.items()
+                         if k in arch or f.default is dataclasses.MISSING}),
             vllm_args=tuple(str(a) for a in vllm.get("args", [])),
             vllm_env={str(k): str(v) for k, v in vllm.get("env", {}).items()},
             cpu_paging=(int(plan["cpu_vram_slots"]), int(plan["cpu_ram_slots"])) if "cpu_vram_slots" in plan else None,

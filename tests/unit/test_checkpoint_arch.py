@@ -53,7 +53,8 @@ def test_the_tiny_checkpoint_gives_the_presets_numbers(model):
         assert facts.arch.dense_bytes == preset.arch.dense_bytes and facts.mismatches == ()
     assert facts.origins["experts"] == "from config.json (num_experts)"
     assert facts.origins["dense_bytes"].startswith("from the safetensors headers")
-    assert facts.origins["kv_bytes_per_token"].startswith("from preset tiny-moe")
+    assert facts.origins["kv_bytes_per_token"] == "from config.json (4 layers x K,V x 2 heads x 64 x 2 B)"
+    assert facts.origins["max_context"].startswith("from preset tiny-moe")
     assert "128x128 block" in facts.origins["expert_bytes_fp8"]
 
 
@@ -146,3 +147,70 @@ def test_the_pipeline_plans_with_a_given_checkpoint(model, tmp_path, monkeypatch
     assert given.reasons["top_k"] == "from config.json (num_experts_per_tok)"
     made_yet = pipeline.make_plan(hw, preset, pipeline.RunOptions(model="tiny-moe"))
     assert made_yet.config_path is None and "not made yet" in made_yet.reasons["experts"]
+
+
+# ---- Qwen4Exp (Qwen3.8-Flash-Next architecture) checkpoint directories ------------------------------------
+
+QWEN4EXP = dict(layers=5, experts=12, top_k=4, hidden=128, moe_intermediate=128, shared_intermediate=128, vocab=1024,
+                heads=2, kv_heads=1, head_dim=128, linear_key_heads=1, linear_value_heads=2, linear_head_dim=128,
+                hc_count=2, hc_lowrank=16, indexer_heads=1, indexer_head_dim=64, indexer_budget=64,
+                ngram_vocab_base=1024, ngram_parts=3, max_position=4096)
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def qwen4exp(request, tmp_path_factory):
+    from bigmoe.tinymoe.qwen4exp import make_qwen4exp
+    from bigmoe.tinymoe.qwen4exp_shape import Qwen4ExpShape
+
+    return make_qwen4exp(tmp_path_factory.mktemp("q4") / "ckpt", Qwen4ExpShape(**QWEN4EXP), request.param,
+                         seed=0, with_tokenizer=False)
+
+
+def test_a_qwen4exp_checkpoint_gives_its_own_numbers(qwen4exp):
+    from bigmoe_pager.ngram import TableSpec
+
+    config = json.loads((qwen4exp / "config.json").read_text())
+    fp8 = "quantization_config" in config
+    facts = read_facts(presets.load("qwen3.8-flash-next"), qwen4exp)
+    spec = TableSpec.from_config(config)
+    expert = fp8_expert_bytes(128, 128, (128, 128)) if fp8 else 3 * 128 * 128 * 2
+    assert (facts.arch.moe_layers, facts.arch.experts, facts.arch.top_k, facts.arch.shared_experts) == (5, 12, 4, 1)
+    assert facts.arch.mtp_layers == 1 and facts.origins["mtp_layers"] == "from config.json (mtp_num_hidden_layers)"
+    assert facts.arch.ngram_table_bytes == spec.rows * 160
+    # one full-attention layer in five (the 3:1 pattern), K and V of 1 head x 128, bf16
+    assert facts.arch.kv_bytes_per_token == 1 * 2 * 1 * 128 * 2
+    # the routed experts the headers hold are exactly the config's (MTP's own experts and the n-gram table left out)
+    assert not any("safetensors hold" in line for line in facts.mismatches), facts.mismatches
+    per_expert = facts.arch.expert_bytes_fp8 if fp8 else facts.arch.expert_bytes_bf16
+    assert per_expert == expert
+
+
+def test_a_checkpoint_directory_as_model_picks_the_preset_by_architecture(qwen4exp):
+    preset = presets.load(str(qwen4exp))
+    assert preset.name == "qwen3.8-flash-next" and preset.arch.experts == 12 and preset.arch.moe_layers == 5
+    presets.check_config(preset, qwen4exp)  # the numbers it carries are the directory's: nothing to disagree with
+    opts = pipeline.RunOptions(model=str(qwen4exp))
+    assert pipeline.load_preset(opts).name == "qwen3.8-flash-next" and opts.model_dir == str(qwen4exp)
+
+
+def test_bigmoe_plan_takes_a_checkpoint_directory(qwen4exp):
+    from click.testing import CliRunner
+
+    from bigmoe.cli_plan import plan as plan_command
+
+    result = CliRunner().invoke(plan_command, [str(qwen4exp), "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme",
+                                               "--disk-gib", "500", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["config_path"] == str(qwen4exp / "config.json")
+    assert report["reasons"]["experts"] == "from config.json (num_experts)"
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["LlamaForCausalLM"]}, "is a LlamaForCausalLM; bigmoe serves"),
+    ({"model_type": "qwen4_exp"}, "names no architectures"),
+])
+def test_a_directory_of_an_unknown_model_is_one_clear_error(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(presets.PresetError, match=message):
+        presets.load(str(tmp_path))
