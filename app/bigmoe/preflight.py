@@ -58,7 +58,7 @@ def shards_problem(model_path: Path, synthetic: bool = False, model: str = "") -
     if not problems:
         return None
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    if synthetic:
+    if synthetic and _made_by_bigmoe(model_path):
         fix = f"delete {model_path} and run again: bigmoe makes it anew"
     elif model and "/snapshots/" in str(model_path):
         fix = f"run: bigmoe verify {model} (it removes damaged files), then bigmoe pull {model}"
@@ -94,6 +94,13 @@ def paging_file_bytes(the_plan) -> int:
     """Upper bound of a paging file's size: every record raw, each padded to a 4 KiB block, plus header and index."""
     record = -(-the_plan.expert_bytes // 4096) * 4096
     return the_plan.layers * the_plan.experts * (record + 4096) + (1 << 20)
+
+
+def _made_by_bigmoe(model_path: Path) -> bool:
+    """Whether the checkpoint is one bigmoe made in its own cache (not a --model-dir it was given)."""
+    from bigmoe.paths import models_dir
+
+    return model_path.resolve().is_relative_to(models_dir().resolve())
 
 
 def _nearest_existing(path: Path) -> Path:

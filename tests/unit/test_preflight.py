@@ -58,9 +58,16 @@ def test_the_plans_own_variables_beat_the_environment_and_pass():
     assert settings_problem({"BIGMOE_VRAM_SLOTS": "8"}, a_plan(), environ={"BIGMOE_VRAM_SLOTS": "x"}) is None
 
 
-@pytest.mark.parametrize("synthetic, model, fix", [(True, "tiny-moe", "bigmoe makes it anew"),
-                                                   (False, "", "copy or download the checkpoint again")])
-def test_a_truncated_shard_is_named_with_its_fix(private_checkpoint, synthetic, model, fix):
+@pytest.mark.parametrize("synthetic, in_cache, fix", [(True, True, "bigmoe makes it anew"),
+                                                      (True, False, "copy or download the checkpoint again"),
+                                                      (False, False, "copy or download the checkpoint again")])
+def test_a_truncated_shard_is_named_with_its_fix(private_checkpoint, monkeypatch, synthetic, in_cache, fix):
+    """Only a checkpoint bigmoe made in its own cache is made anew; a --model-dir is the user's to replace."""
+    monkeypatch.setenv("BIGMOE_HOME", str(private_checkpoint.parent if in_cache else private_checkpoint.parent / "x"))
+    if in_cache:
+        (private_checkpoint.parent / "models").mkdir()
+        private_checkpoint = Path(shutil.move(private_checkpoint, private_checkpoint.parent / "models" / "ckpt"))
+    model = "tiny-moe" if synthetic else ""
     assert shards_problem(private_checkpoint) is None
     shard = private_checkpoint / SHARD
     shard.write_bytes(shard.read_bytes()[:-4096])
