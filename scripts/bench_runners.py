@@ -189,13 +189,16 @@ class Bigmoe:
 
     predicted = None
     """int32 [tokens, layers, P] on the device: next-layer predictions to prefetch with (None: no prefetch)."""
+    _pending: set[int] = frozenset()
+    """Layers whose side-stream prefetch the next step must wait for."""
 
     def step(self, layer: int, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
              predicted_next: torch.Tensor | None = None) -> torch.Tensor:
         """One layer: acquire (after this layer's prefetch copies), then prefetch layer + 1 while this one computes."""
         side = self._side
-        if side is not None:
+        if layer in self._pending:  # only a pending prefetch: a capture may not wait on work recorded outside it
             torch.cuda.current_stream().wait_stream(side)  # a late prefetch copy is waited for
+            self._pending.discard(layer)
         remapped = self.pagers[layer].prepare(ids)
         if predicted_next is not None and layer + 1 < len(self.pagers):
             if side is None:
@@ -204,6 +207,7 @@ class Bigmoe:
                 side.wait_stream(torch.cuda.current_stream())  # layer + 1's last step is done with its slots
                 with torch.cuda.stream(side):
                     self.pagers[layer + 1].prefetch(predicted_next)
+                self._pending.add(layer + 1)
         return moe(x, remapped, w, self.weights[layer])
 
     @property
@@ -222,6 +226,7 @@ class PrefetchBigmoe(Bigmoe):
         super().__init__(*args, **kwargs)
         self.predicted = predicted
         self.recall = recall
+        self._pending = set()
         self.name = f"{self.name}-prefetch-r{recall:g}"
 
 

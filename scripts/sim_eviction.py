@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure the hit-rate curves of the synthetic families (plan_speed's HIT_CURVES)")
     ap.add_argument("--merge", type=Path, help="start from this result file, replacing the families run now")
     ap.add_argument("--out", type=Path, help="write the results as JSON")
+    ap.add_argument("--markdown", type=Path, help="also write the results as a Markdown table")
     args = ap.parse_args(argv)
     policies = tuple(p for p in args.policies.split(",") if p)
     families = tuple(f for f in args.families.split(",") if f)
@@ -185,7 +186,26 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = round(result.get("seconds", 0) + time.perf_counter() - started, 1)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(result))
     return 0
+
+
+def markdown(result: dict) -> str:
+    """The results as a Markdown table: VRAM hit (and VRAM-or-RAM hit where RAM is partial) per policy."""
+    policies = result["policies"]
+    lines = ["| family | shape | slots (VRAM / RAM of experts, top-k) | " + " | ".join(policies) + " |",
+             "|---|---|---|" + "---|" * len(policies)]
+    for r in result["results"]:
+        cells = []
+        for p in policies:
+            hit = r[p]
+            cells.append(f"{hit['vram_hit']:.4f}" + (f" / {hit['ram_hit']:.4f}" if r["ram_slots"] < r["experts"] else ""))
+        best = max(r[p]["vram_hit"] for p in policies)
+        cells = [f"**{c}**" if r[p]["vram_hit"] == best else c for c, p in zip(cells, policies)]
+        lines.append(f"| {r['family']} | {r['shape']} | {r['vram_slots']} / {r['ram_slots']} of {r['experts']}, "
+                     f"top-{r['top_k']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _previous(path: Path) -> dict:
