@@ -45,7 +45,8 @@ def settings_problem(plan_env: dict[str, str], the_plan=None, environ: dict[str,
             for layer in range(the_plan.layers):
                 settings.slots_for(layer, the_plan.layers, the_plan.experts)
     except SettingsError as e:
-        where = f" (BIGMOE_SETTINGS={env['BIGMOE_SETTINGS']})" if env.get("BIGMOE_SETTINGS") else ""
+        file = env.get("BIGMOE_SETTINGS")
+        where = f" (BIGMOE_SETTINGS={file})" if file and file not in str(e) else ""
         return f"pager settings{where}: {e}"
     return None
 
