@@ -13,8 +13,8 @@ Policy (deterministic so a plain-Python model can check it):
   count of each expert it needs and all counts halve every `decay` steps (256
   for lfu, 16 for lfu-fast: frequency that forgets within a topic). Chosen by
   scripts/sim_eviction.py over four routing families (docs/bench/eviction.json):
-  lfu-fast misses no more than lru on any of them; lfu loses to lru once the
-  routing shifts;
+  lfu-fast misses no more than lru on any of them (a tie at 40% slots under
+  topic shifts), lfu loses to lru once the routing shifts;
 - misses are assigned slots in ascending expert id;
 - when a step needs more distinct experts than there are slots (overflow), the
   lowest-id misses get the free and unneeded slots, the rest stay out and their
