@@ -45,12 +45,13 @@ def refusal(tokens: int, architecture: str, vram_slots: int, top_k: int, graphs:
     if tokens <= 0:
         return None
     if architecture not in MTP_ARCHITECTURES:
-        return f"--speculative-tokens {tokens}: {architecture} has no MTP head vLLM drafts with; use --speculative-tokens 0"
+        return (f"--speculative-tokens {tokens}: {architecture} has no MTP head vLLM drafts with; "
+                "use --speculative-tokens 0")
     need = verify_slots(tokens, top_k)
     if graphs and vram_slots < need:
-        return (f"--speculative-tokens {tokens}: one sequence's verification step has {tokens + 1} tokens x top-{top_k} = "
-                f"{need} expert ids, more than the {vram_slots} VRAM slots per layer; lower --speculative-tokens or give "
-                "more VRAM")
+        return (f"--speculative-tokens {tokens}: one sequence's verification step has {tokens + 1} tokens x "
+                f"top-{top_k} = {need} expert ids, more than the {vram_slots} VRAM slots per layer; lower "
+                "--speculative-tokens or give more VRAM")
     return None
 
 

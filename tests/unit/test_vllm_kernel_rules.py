@@ -70,6 +70,26 @@ def test_the_shared_expert_stays_with_vllms_runner():
         vllm_glue.check_shared_experts(_layer(True))
 
 
+@pytest.mark.parametrize("fused", [0, 1])
+def test_a_shared_expert_fused_into_the_routed_ones_is_refused(fused):
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+
+    manager = SimpleNamespace(num_fused_shared_experts=fused)
+    assert "num_fused_shared_experts" in ExpertMapManager.__init__.__code__.co_varnames  # vLLM's own field
+    if not fused:
+        vllm_glue.check_unfused_shared_expert(manager, 3)
+        return
+    with pytest.raises(EngineModeError, match="VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0"):
+        vllm_glue.check_unfused_shared_expert(manager, 3)
+
+
+def test_fusion_is_off_on_this_platform():
+    """vLLM fuses the shared expert only with ROCm AITER; the CPU (and CUDA) builds never do."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    assert not rocm_aiter_ops.is_fusion_moe_shared_experts_enabled()
+
+
 def test_the_shared_expert_rule_is_vllms():
     """vLLM's kernel runs shared experts inside only when prepare/finalize is asynchronous (all2all)."""
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase

@@ -49,6 +49,7 @@ def paged_class(settings: PagerSettings) -> type:
                 vllm_glue.require_host_driven_mode(vllm_config)
             num_experts = moe_config.num_experts
             self._moe_index = vllm_glue.next_moe_index()
+            vllm_glue.check_unfused_shared_expert(expert_map_manager, self._moe_index)
             num_moe_layers = vllm_glue.paged_layer_count(vllm_config)  # the MTP drafter's layers come last
             vram, ram = settings.slots_for(self._moe_index, num_moe_layers, num_experts)
             if vram < moe_config.experts_per_token:

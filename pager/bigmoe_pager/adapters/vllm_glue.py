@@ -151,7 +151,8 @@ def kernel_refusal(platform: str, experts_class: str | None, backend: str | None
     if backend:
         chosen = f"the {backend} backend ({chosen})"
     hint = MOE_BACKEND_HINT if platform == "cuda" else "set BIGMOE_PAGER=0 on this CPU"
-    return (f"bigmoe: vLLM runs MoE layer {moe_index} with {chosen}{', which routes inside the kernel' if monolithic else ''}; "
+    inside = ", which routes inside the kernel" if monolithic else ""
+    return (f"bigmoe: vLLM runs MoE layer {moe_index} with {chosen}{inside}; "
             f"the expert pager is proven only with {', '.join(proven) or 'no kernel on ' + platform}, "
             f"whose weights keep the checkpoint's layout; {hint}")
 
@@ -169,9 +170,27 @@ def check_kernel(layer) -> None:
                          getattr(backend, "value", backend), bool(getattr(method, "is_monolithic", False)),
                          layer._moe_index)
     if why is None and getattr(experts, "_use_zentorch", False):
-        why = f"bigmoe: vLLM runs MoE layer {layer._moe_index} with zentorch's CPU kernel, which the pager is not proven with; set BIGMOE_PAGER=0"
+        why = (f"bigmoe: vLLM runs MoE layer {layer._moe_index} with zentorch's CPU kernel, which the pager is not "
+               "proven with; set BIGMOE_PAGER=0")
     if why is not None:
         raise EngineModeError(why)
+    if layer._moe_index == 0:
+        log.warning("bigmoe: MoE layers run vLLM's %s (%s backend)", type(experts).__name__,
+                    getattr(backend, "value", backend) or "default")
+
+
+def check_unfused_shared_expert(expert_map_manager, moe_index: int) -> None:
+    """Refuse a shared expert fused into the routed experts (an extra expert every token uses).
+
+    vLLM 0.32/0.33 fuses it only with ROCm AITER (fused_moe/utils.py resolve_layer_fused_shared_expert,
+    rocm_aiter_ops.is_fusion_moe_shared_experts_enabled); on CUDA and CPU the shared expert stays a
+    separate MLP that vLLM's runner computes.
+    """
+    fused = int(getattr(expert_map_manager, "num_fused_shared_experts", 0) or 0)
+    if fused:
+        raise EngineModeError(f"bigmoe: vLLM fused {fused} shared expert(s) into MoE layer {moe_index}'s routed "
+                              "experts; the pager pages routed experts only: set "
+                              "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0")
 
 
 def check_shared_experts(layer) -> None:

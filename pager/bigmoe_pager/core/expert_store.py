@@ -90,7 +90,8 @@ class CheckpointStore:
             raise CheckpointError(f"{self.root}: no expert tensors named like {describe_schemes()}")
         unknown = [layer for layer in self.model_layers if layer not in self.names.heads]
         if unknown:
-            raise CheckpointError(f"{self.root}: no experts for decoder layers {unknown[:5]} (it has {self.names.layers})")
+            raise CheckpointError(f"{self.root}: no experts for decoder layers {unknown[:5]} "
+                                  f"(it has {self.names.layers})")
         self._runs = self._plan(index, self.names)
         self._gaps = _gaps(layout)
         files = sorted({run.file for runs in self._runs for run in runs})
