@@ -31,9 +31,9 @@ from bigmoe_pager.ngram.shards import find_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = json.loads((ROOT / "tests/fixtures/qwen4exp/vllm032_params.json").read_text())
-TINY = dict(experts=12, top_k=4, hidden=128, moe_intermediate=128, shared_intermediate=128, vocab=1024, heads=2, kv_heads=1,
-            head_dim=128, linear_key_heads=1, linear_value_heads=2, linear_head_dim=128, hc_count=2, hc_lowrank=16,
-            indexer_heads=1, indexer_head_dim=64, indexer_budget=64, ngram_vocab_base=1024, ngram_parts=3,
+TINY = dict(experts=12, top_k=4, hidden=128, moe_intermediate=128, shared_intermediate=128, vocab=1024, heads=2,
+            kv_heads=1, head_dim=128, linear_key_heads=1, linear_value_heads=2, linear_head_dim=128, hc_count=2,
+            hc_lowrank=16, indexer_heads=1, indexer_head_dim=64, indexer_budget=64, ngram_vocab_base=1024, ngram_parts=3,
             max_position=4096)
 
 
@@ -108,7 +108,8 @@ def test_packed_like_vllm_032_loaded_it(make):
     tensors = headers(make("bf16", **SNAPSHOT["shape"]))
     main = {name: shape for name, (shape, _) in SNAPSHOT["Qwen4ExpForCausalLM"].items()}
     mtp = {name: shape for name, (shape, _) in SNAPSHOT["Qwen4ExpMTP"].items()}
-    assert packed_shapes(tensors, "model.language_model.", "model.") | packed_shapes(tensors, "lm_head", "lm_head") == main
+    text_model = packed_shapes(tensors, "model.language_model.", "model.")
+    assert text_model | packed_shapes(tensors, "lm_head", "lm_head") == main
     expected_mtp = packed_shapes(tensors, "mtp.", "model.")
     shared = {k: v for k, v in main.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}  # MTP shares them
     assert expected_mtp | shared == mtp
@@ -125,13 +126,15 @@ def test_every_part_has_the_shapes_its_config_implies(make, dtype, layers):
     packed = packed_shapes(tensors, "model.language_model.", "model.")
     for layer, kind in enumerate(kinds):
         p = f"model.layers.{layer}"
-        assert packed[f"{p}.mlp.experts.routed_experts.w13_weight"] == [text["num_experts"], 2 * text["moe_intermediate_size"], h]
+        w13 = [text["num_experts"], 2 * text["moe_intermediate_size"], h]
+        assert packed[f"{p}.mlp.experts.routed_experts.w13_weight"] == w13
         assert packed[f"{p}.mlp.shared_expert.gate_up_proj.weight"] == [2 * text["shared_expert_intermediate_size"], h]
         assert packed[f"{p}.mlp.shared_expert_gate.weight"] == [1, h]
         if kind == "full_attention":
             q = text["num_attention_heads"] * text["head_dim"]
             index = (text["indexer_n_heads"] + 1) * text["indexer_head_dim"]
-            assert packed[f"{p}.self_attn.qkv_proj.weight"] == [2 * q + 2 * text["num_key_value_heads"] * text["head_dim"] + index, h]
+            kv = 2 * text["num_key_value_heads"] * text["head_dim"]
+            assert packed[f"{p}.self_attn.qkv_proj.weight"] == [2 * q + kv + index, h]
         else:
             assert f"{p}.linear_attn.in_proj_qkvz.weight" in packed
     spec = TableSpec.from_config(config)
@@ -143,7 +146,8 @@ def test_every_part_has_the_shapes_its_config_implies(make, dtype, layers):
     assert bool(quantized) == (dtype == "fp8")
     for module in quantized:
         (rows, cols), dtype_name = tensors[f"{module}.weight"]
-        assert dtype_name == "F8_E4M3" and tensors[f"{module}.weight_scale_inv"] == ([rows // BLOCK, cols // BLOCK], "F32")
+        assert dtype_name == "F8_E4M3"
+        assert tensors[f"{module}.weight_scale_inv"] == ([rows // BLOCK, cols // BLOCK], "F32")
     unconverted = set(config.get("quantization_config", {}).get("modules_to_not_convert", []))
     assert not unconverted & quantized
 
@@ -180,7 +184,8 @@ def test_a_tampered_config_is_caught(make, tmp_path, tamper, caught_by):
             find_shards(files, spec=TableSpec.from_config(config))
     else:
         facts = read_facts(load_preset("qwen3.8-flash-next"), checkpoint)
-        assert any("safetensors hold" in line and "routed experts" in line for line in facts.mismatches), facts.mismatches
+        assert any("safetensors hold" in line and "routed experts" in line for line in facts.mismatches), \
+            facts.mismatches
 
 
 def test_transformers_reference_model_gives_finite_varied_logits(make):
@@ -207,7 +212,8 @@ def test_transformers_reference_model_gives_finite_varied_logits(make):
 def test_cli_refuses_bad_input_in_one_line(tmp_path, argv, message):
     result = subprocess.run([sys.executable, str(ROOT / "scripts/make_qwen4exp.py"), str(tmp_path / "out"), *argv],
                             capture_output=True, text=True)
-    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out").exists()
 
 

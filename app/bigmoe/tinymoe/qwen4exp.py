@@ -134,12 +134,14 @@ def _parser() -> argparse.ArgumentParser:
     default = Qwen4ExpShape()
     for field in fields(Qwen4ExpShape):
         flag = "--" + field.name.replace("_", "-")
+        what = _HELP.get(field.name, field.name.replace("_", " "))
         p.add_argument(flag, type=int, default=getattr(default, field.name),
-                       help=f"{_HELP.get(field.name, field.name.replace('_', ' '))} (default {getattr(default, field.name)})")
+                       help=f"{what} (default {getattr(default, field.name)})")
     p.add_argument("--dtype", choices=DTYPES, default="fp8", help="fp8 block-quantized Linears, or bf16 (default fp8)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default="cpu", help="where weights are drawn: cpu or cuda (fast; other bytes than cpu)")
-    p.add_argument("--shard-size", type=parse_bytes, default=DEFAULT_SHARD_BYTES, help="largest safetensors shard (default 4GiB)")
+    p.add_argument("--shard-size", type=parse_bytes, default=DEFAULT_SHARD_BYTES,
+                   help="largest safetensors shard (default 4GiB)")
     p.add_argument("--scale-dtype", choices=tuple(SCALE_DTYPES), default="float32", help="dtype of weight_scale_inv")
     p.add_argument("--no-tokenizer", action="store_true", help="weights and configs only")
     p.add_argument("--force", action="store_true", help="replace whatever OUT holds")

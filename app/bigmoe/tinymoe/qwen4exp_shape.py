@@ -123,7 +123,8 @@ def validate(shape: Qwen4ExpShape, dtype: str, scale_dtype: str = "float32") -> 
     if shape.indexer_budget % shape.indexer_compress_ratio:
         raise Qwen4ExpShapeError("indexer_budget must be a multiple of indexer_compress_ratio")
     if shape.indexer_heads and rotary_dim(shape) > shape.indexer_head_dim:
-        raise Qwen4ExpShapeError(f"indexer_head_dim={shape.indexer_head_dim} is below the rotary size {rotary_dim(shape)}")
+        raise Qwen4ExpShapeError(
+            f"indexer_head_dim={shape.indexer_head_dim} is below the rotary size {rotary_dim(shape)}")
     if shape.vocab < 512:
         raise Qwen4ExpShapeError(f"vocab={shape.vocab} is too small: the byte-level tokenizer needs at least 512")
     if dtype == "fp8":
