@@ -43,21 +43,22 @@ class Printer:
 
     def __call__(self, event: str, fields: dict) -> None:
         if self.as_json:
-            self._print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}))
+            self.line(json.dumps({"event": event, "time": round(time.time(), 3), **fields}))
             return
         text = " ".join(f"{k}={v}" for k, v in fields.items())
-        self._print(f"[{event}] {text}")
+        self.line(f"[{event}] {text}")
 
-    def _print(self, line: str, file=None) -> None:
+    def line(self, text: str, file=None) -> None:
+        """Print one line as it is (stdout unless `file`)."""
         if self.closed:
             return
         try:
-            print(line, file=file or sys.stdout, flush=True)
+            print(text, file=file or sys.stdout, flush=True)
         except OSError:  # the terminal closed (EIO) or the pipe reader left
             self.closed = True
 
     def warn(self, message: str) -> None:
-        self._print(f"bigmoe: warning: {message}", file=sys.stderr)
+        self.line(f"bigmoe: warning: {message}", file=sys.stderr)
 
 
 def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
@@ -124,8 +125,8 @@ def answer(server: launch.Server, opts: pipeline.RunOptions, say: Printer) -> No
     if say.as_json:
         say("answer", {"text": result.text, **timing})
     else:
-        say._print(result.text)
-        say._print(f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms ({result.tokens} tokens)")
+        say.line(result.text)
+        say.line(f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms ({result.tokens} tokens)")
 
 
 def stop_server(server: launch.Server, say: Printer, signals: RunSignals, stopping: dict | None = None) -> None:
