@@ -1,18 +1,22 @@
 """`bigmoe run` end to end against real vLLM (CPU build) with the tiny model:
-one prompt headless; a served model watched, listed, logged and stopped from
-another process; bad input answered with one line."""
+one prompt headless, with the command `bigmoe plan` printed; a served model watched,
+listed, logged and stopped from another process, its API key kept secret, a second
+run of the same model failing without losing it; bad input answered with one line."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from bigmoe import launch
@@ -31,45 +35,67 @@ def home(tmp_path_factory):
     return tmp_path_factory.mktemp("bigmoe-home")
 
 
-def env_for(home: Path) -> dict[str, str]:
+def env_for(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
     env["BIGMOE_HOME"] = str(home)
-    return env
+    return env | extra
 
 
-def bigmoe(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*BIGMOE, *args], env=env_for(home), capture_output=True, text=True, timeout=timeout)
+def bigmoe(home: Path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*BIGMOE, *args], env=env_for(home, **env), capture_output=True, text=True, timeout=timeout)
 
 
-def test_run_with_a_prompt_answers_and_reports_tpot(home):
+def test_run_executes_the_printed_plan_answers_and_reports_tpot(home):
     port = launch.free_port()
+    planned = bigmoe(home, "plan", "tiny-moe", "--json", "--port", str(port), timeout=300)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    plan = json.loads(planned.stdout)
     proc = bigmoe(home, "run", "tiny-moe", "--yes", "--json", "--port", str(port),
                   "--prompt", "Tell me about the sea.", "--max-tokens", "24", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    started = next(e for e in events if e["event"] == "launch")
+    assert started["command"] == shlex.join(plan["argv"]), "run executes the command bigmoe plan printed"
+    assert Path(started["log"]).read_text().splitlines()[0] == "$ " + shlex.join(plan["argv"])
     answer = next(e for e in events if e["event"] == "answer")
     assert answer["text"].strip()
     assert answer["tpot_ms"] > 0 and answer["ttft_ms"] > 0
     assert [e["event"] for e in events][-1] == "stopped"
-    assert not launch.port_free("127.0.0.1", port) is False or launch.port_free("127.0.0.1", port)
     assert launch.port_free("127.0.0.1", port), "the server must be gone after the answer"
 
 
 def test_served_model_is_watched_listed_logged_and_stopped(home):
-    port = launch.free_port()
+    port, key = launch.free_port(), "sk-e2e-secret"
     runner = subprocess.Popen(
         [*BIGMOE, "run", "tiny-moe", "--yes", "--json", "--port", str(port), "--vram-slots", "6", "--ram-slots", "10"],
-        env=env_for(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        env=env_for(home, BIGMOE_API_KEY=key), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
     try:
+        started = _wait_for_event(runner, "launch", timeout=600)
         ready = _wait_for_event(runner, "ready", timeout=600)
         endpoint = ready["endpoint"]
+        assert key not in json.dumps(started) + json.dumps(ready) and "$BIGMOE_API_KEY" in ready["curl"]
         ps = bigmoe(home, "ps")
         assert "tiny-moe" in ps.stdout and str(port) in ps.stdout
         pid = int(ps.stdout.split("pid ")[1].split()[0])
+        server = psutil.Process(pid)
+        assert all(key not in " ".join(p.cmdline()) for p in [server, *server.children(recursive=True)])
+        assert server.environ()["VLLM_API_KEY"] == key
+        for path in [Path(started["log"]), *(home / "run").glob("*.json")]:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600 and key not in path.read_text()
+        unauthorized = httpx.post(endpoint + "/v1/chat/completions", json={"model": "tiny-moe", "messages": []})
+        assert unauthorized.status_code == 401
+
+        # A second run of the same model that fails to start must not lose the first server.
+        second = bigmoe(home, "run", "tiny-moe", "--yes", "--port", str(launch.free_port()), "--start-timeout", "5",
+                        timeout=300)
+        assert second.returncode == 4 and "did not answer /health within 5 s" in second.stderr
+        assert f":{port}" in bigmoe(home, "ps").stdout
 
         watcher = Watcher(endpoint)
-        watcher.poll()
-        answer = chat(endpoint, "tiny-moe", "Say something about rivers.", max_tokens=16)
+        assert watcher.poll() is None  # the first scrape is the baseline, not a window of nanoseconds
+        time.sleep(1.1)
+        answer = chat(endpoint, "tiny-moe", "Say something about rivers.", max_tokens=16, api_key=key)
         assert answer.text.strip()
         window = watcher.poll()
         assert window.tpot_ms is not None and window.tpot_ms > 0
@@ -84,14 +110,16 @@ def test_served_model_is_watched_listed_logged_and_stopped(home):
         metrics = httpx.get(endpoint + "/metrics").text
         assert "bigmoe_expert_bytes_total" in metrics
 
-        logs = bigmoe(home, "logs", "-n", "5")
+        logs = bigmoe(home, "logs", str(port), "-n", "5")
         assert logs.returncode == 0 and logs.stdout.strip()
 
-        stop = bigmoe(home, "stop", "tiny-moe", timeout=120)
+        stop = bigmoe(home, "stop", str(port), timeout=120)
         assert stop.returncode == 0, stop.stderr
         assert runner.wait(timeout=120) == 0
         assert _group_gone(pid)
         assert "no bigmoe server is running" in bigmoe(home, "ps").stdout
+        after = bigmoe(home, "logs", str(port), "-n", "0")
+        assert after.returncode == 0 and after.stdout.startswith("$ ")  # the log outlives the server
     finally:
         if runner.poll() is None:
             os.killpg(runner.pid, signal.SIGKILL)
