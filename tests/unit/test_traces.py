@@ -121,3 +121,11 @@ def test_predictions_round_trip_in_the_trace_file(tmp_path):
 def test_unknown_family_is_one_line_and_exit_2(capsys):
     assert traces.main(["--family", "zipfy"]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+def test_the_recorded_trace_is_committed_and_well_formed():
+    """docs/bench/recorded-tiny64.npz: real vLLM (CPU build) routing of the 64-expert top-8 8-layer tiny model."""
+    trace = traces.named_trace("recorded", 0, 0, 0, 0)
+    assert trace.shape[1:] == (8, 8) and trace.shape[0] >= 1000
+    assert trace.min() >= 0 and trace.max() == 63
+    assert all(len(set(row)) == 8 for row in trace.reshape(-1, 8))
