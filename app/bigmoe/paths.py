@@ -1,4 +1,4 @@
-"""Where bigmoe keeps its files: models it makes, logs, server records (under one cache root), and how it writes them."""
+"""Where bigmoe keeps its files: models it makes, logs, server records (one cache root), and how it writes them."""
 
 from __future__ import annotations
 
