@@ -118,3 +118,45 @@ def test_a_chunked_step_runs_vllms_kernel_on_each_range_after_its_paging():
     out = vllm_device._chunked_step(Pager(), x, torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32), kernel)
     assert torch.equal(out, x)
     assert events == [("step", 2), ("kernel", 2), ("step", 1), ("kernel", 1)]
+
+
+def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer_without_slots(tmp_path, monkeypatch):
+    """Speculative decoding off: vLLM builds no MTP layer, but the checkpoint's store still names its experts."""
+    import json
+    import sys
+
+    import torch
+
+    from bigmoe_pager.core.expert_store import CheckpointStore
+    from bigmoe_pager.core.stats import PagerStats
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import synth_experts
+
+    root = tmp_path / "ckpt"
+    synth_experts.write_checkpoint(root, 128, 64, 2, 4, fp8=False, shards=1,
+                                   prefix="model.language_model.layers.{layer}.mlp.experts.{expert}.")
+    mtp = {}
+    gen = torch.Generator().manual_seed(3)
+    for e in range(4):
+        for suffix, t in synth_experts.expert_tensors(128, 64, False, gen).items():
+            mtp[f"mtp.layers.0.mlp.experts.{e}." + suffix] = t
+    from safetensors.torch import save_file
+
+    save_file(mtp, str(root / "mtp.safetensors"))
+    (root / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    store = CheckpointStore(root, synth_experts.make_layout(128, 64, False))
+    assert store.model_layers == [0, 1, 2]
+    layers = [SimpleNamespace(_moe_index=i, _ssd_source=SimpleNamespace(store=store, layer=i),
+                              pager=SimpleNamespace(ram=SimpleNamespace(records=torch.zeros(2, store.layout.pitch,
+                                                                                             dtype=torch.uint8))))
+              for i in range(2)]
+    monkeypatch.setitem(vllm_device._state, "stats", PagerStats(2))
+    fetchers = vllm_device._ssd_fetchers(layers)
+    service = vllm_device._state.pop("ssd")
+    try:
+        assert sorted(fetchers) == [0, 1]
+        assert [len(rows) for rows in service._rows] == [2, 2, 0]
+    finally:
+        service.close()
+        store.close()
