@@ -1,8 +1,17 @@
 """plan_speed: the link speeds and hit rates behind a plan's expected TPOT, and the estimate.
 
 Every number here is either a specification (PCIe per-lane rates), an assumption that
-the plan names as such, or a link speed the probe measured on this machine (links.py), which
-replaces the assumption and is named as measured.
+the plan names as such, a constant fitted to the H200 measurements in docs/bench (named with
+its source), or a link speed the probe measured on this machine (links.py), which replaces
+the assumption and is named as measured.
+
+The model (checked against every committed H200 measurement by tests/unit/test_plan_speed.py):
+TPOT = a step's fixed cost + a per-layer cost + resident bytes at memory bandwidth
+     + VRAM misses x expert bytes at the paged-copy rate
+     + (with an SSD tier) RAM misses x SSD bytes at the disk's rate + a per-layer wait on the read service.
+Nothing overlaps today (each layer waits for its own misses), so the terms add. Hit rates come
+from the pager's own eviction code replayed over routing families (HIT_CURVES): the optimistic
+end assumes the standard family, the pessimistic end the topic-shift family.
 """
 
 from __future__ import annotations
@@ -36,14 +45,30 @@ CPU_GBPS = 20.0
 """Assumed memory bandwidth (GB/s) one CPU decode step reaches."""
 DECODE_EFFICIENCY = 0.6
 """Assumed share of memory bandwidth a decode step reaches on resident weights."""
-STEP_OVERHEAD_MS = {"cuda": 2.0, "cpu": 5.0}
-"""Assumed per-token cost outside weight reads (scheduler, sampling, launches), in ms."""
+STEP_OVERHEAD_MS = {"cuda": 2.1, "cpu": 5.0}
+"""Per-token cost outside weight reads (scheduler, sampling, launches), ms. cuda: fitted to vLLM 0.25.1 on
+the H200 under CUDA graphs, unpaged (2.16 ms at 2 layers, 3.85 ms at 40: docs/bench/vllm-gpu); cpu: assumed."""
+GRAPH_LAYER_MS = 0.022
+"""Per-layer cost of a decode step replayed in CUDA graphs beyond its weight reads, ms (same fit)."""
 EAGER_LAYER_MS = 1.4
 """Extra ms per decoder layer and token when vLLM runs eager instead of replaying CUDA graphs: measured
 on the H200 with vLLM 0.25.1, unpaged, 2 layers (TPOT 4.92 eager vs 2.16 ms, docs/benchmarks.md)."""
-HIT_EXPONENTS = (0.3, 0.6)
-"""Assumed LRU hit rate of a tier holding fraction f of a layer's experts: f**a, for an
-optimistic and a pessimistic a (decode reuses experts across neighbouring tokens)."""
+PAGED_COPY_SHARE = 0.78
+"""Share of the measured pinned host-to-device rate that a decode step's expert copies reach: the H200 runs
+moved 39-47 GB/s against 55.2 GB/s measured (docs/bench/vllm-gpu.json, docs/bench/topic-shift-h200.json)."""
+SSD_LAYER_MS = 0.875
+"""Per MoE layer and token, ms a step over a partial RAM tier spends beyond its SSD bytes at the disk's rate
+(waiting on the host's read service): both 40-layer 32 VRAM / 128 RAM runs on the H200 spent about 35 ms per
+token more than their SSD bytes at 1.55 GB/s (standard 69.4 ms with 0.043 GB, topic-shift 112.6 ms with 0.102 GB)."""
+HIT_CURVES = {
+    "standard": ((0.5, 0.2847), (1, 0.5304), (2, 0.7199), (4, 0.7976), (8, 0.8664), (12.75, 0.9168), (19, 0.9504), (25.5, 0.9695)),
+    "topic-shift": ((0.5, 0.2753), (1, 0.5419), (2, 0.6527), (4, 0.724), (8, 0.8003), (12.75, 0.8526), (19, 0.8994), (25.5, 0.9414)),
+}
+"""VRAM hit rate of the default eviction (lfu-fast) against slots / top-k, per routing family: measured by
+scripts/sim_eviction.py with the pager's SlotTable on 256 experts, top-8 (docs/bench/eviction.json,
+curves_256x8). At slots = experts every lookup hits."""
+HIT_FAMILIES = ("standard", "topic-shift")
+"""The (optimistic, pessimistic) families of the estimate."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +128,8 @@ def speeds_for(gpu: Gpu | None, disk: Disk | None) -> Speeds:
         memory = bandwidth * DECODE_EFFICIENCY
         notes.append(f"decode reaches {DECODE_EFFICIENCY:.0%} of {bandwidth:g} GB/s GPU memory bandwidth (assumed share)")
     disk_gbps = _disk(disk, measured, notes)
-    notes.append(f"tier hit rate = (slots / experts) ** a with a from {HIT_EXPONENTS[0]} to {HIT_EXPONENTS[1]} (assumed LRU locality)")
+    notes.append(f"tier hit rates of lfu-fast eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
+                 "(pessimistic) routing families, replayed by scripts/sim_eviction.py (real routing may differ)")
     return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes))
 
 
@@ -137,29 +163,35 @@ def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
 def estimate(
     speeds: Speeds, device: str, *, layers: int, experts: int, top_k: int, resident_bytes: int,
     record_bytes: int, ssd_record_bytes: int, vram_slots: int, ram_slots: int, eager: bool = False,
+    hits: tuple[tuple[float, float], tuple[float, float]] | None = None,
 ) -> Estimate:
-    """Expected TPOT: resident reads at memory bandwidth, plus VRAM misses over PCIe, plus
-    RAM misses from the SSD (the pessimistic end adds them; the optimistic end overlaps them).
-    `resident_bytes` are the weights one token reads when every expert is resident;
-    `record_bytes` one expert as RAM holds it and PCIe moves it (raw); `ssd_record_bytes` as the
-    SSD tier holds it (compressed or not). `eager`: a CUDA run without graphs (EAGER_LAYER_MS per layer)."""
+    """Expected TPOT (module docstring's model), optimistic and pessimistic.
+
+    `resident_bytes` are the weights one token reads when every expert is resident; `record_bytes`
+    one expert as RAM holds it and PCIe moves it (raw); `ssd_record_bytes` as the SSD tier holds it.
+    `eager`: a CUDA run without graphs (EAGER_LAYER_MS per layer instead of GRAPH_LAYER_MS).
+    `hits`: ((vram, vram-or-ram) optimistic, (vram, vram-or-ram) pessimistic) to use instead of
+    HIT_CURVES (a measured run's own hit rates).
+    """
     base_ms = resident_bytes / (speeds.memory_gbps * GB) * MS_PER_S + STEP_OVERHEAD_MS[device]
-    if eager and device == "cuda":
-        base_ms += EAGER_LAYER_MS * layers
+    if device == "cuda":
+        base_ms += (EAGER_LAYER_MS if eager else GRAPH_LAYER_MS) * layers
     lookups = layers * top_k
+    if hits is None:
+        hits = tuple((family_hit(f, vram_slots, experts, top_k), family_hit(f, ram_slots, experts, top_k))
+                     for f in HIT_FAMILIES)
     results = []
-    for exponent in HIT_EXPONENTS:
-        vram_hit = _hit(vram_slots, experts, exponent)
-        ram_hit = max(vram_hit, _hit(ram_slots, experts, exponent))
-        pcie_bytes = lookups * (1 - vram_hit) * record_bytes if vram_slots < experts else 0.0
+    for vram_hit, ram_hit in hits:
+        ram_hit = max(vram_hit, ram_hit)
+        pcie_bytes = lookups * (1 - vram_hit) * record_bytes
         ssd_bytes = lookups * (1 - ram_hit) * ssd_record_bytes
-        pcie_ms = pcie_bytes / (speeds.pcie_gbps * GB) * MS_PER_S if pcie_bytes else 0.0
-        ssd_ms = ssd_bytes / (speeds.disk_gbps * GB) * MS_PER_S if ssd_bytes else 0.0
-        results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, pcie_ms, ssd_ms))
-    (v0, r0, p0, s0, pm0, sm0), (v1, r1, p1, s1, pm1, sm1) = results
+        pcie_ms = pcie_bytes / (speeds.pcie_gbps * PAGED_COPY_SHARE * GB) * MS_PER_S
+        ssd_ms = ssd_bytes / (speeds.disk_gbps * GB) * MS_PER_S + (SSD_LAYER_MS * layers if ram_slots < experts else 0.0)
+        results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, base_ms + pcie_ms + ssd_ms))
+    (v0, r0, p0, s0, t0), (v1, r1, p1, s1, t1) = results
     mib = float(1 << 20)
     return Estimate(
-        tpot_ms=(round(base_ms + max(pm0, sm0), 2), round(base_ms + pm1 + sm1, 2)),
+        tpot_ms=(round(min(t0, t1), 2), round(max(t0, t1), 2)),
         vram_hit=(round(v0, 3), round(v1, 3)),
         ram_hit=(round(r0, 3), round(r1, 3)),
         pcie_mib_per_token=(round(p0 / mib, 1), round(p1 / mib, 1)),
@@ -167,7 +199,15 @@ def estimate(
     )
 
 
-def _hit(slots: int, experts: int, exponent: float) -> float:
+def family_hit(family: str, slots: int, experts: int, top_k: int) -> float:
+    """Hit rate of a tier of `slots` per layer under a family: HIT_CURVES at slots / top_k, linear between
+    points, 1.0 at slots = experts (the curve's last point joined to it), 0 at no slot."""
     if slots >= experts:
         return 1.0
-    return (max(slots, 0) / experts) ** exponent
+    x = max(slots, 0) / top_k
+    points = ((0.0, 0.0), *HIT_CURVES[family], (experts / top_k, 1.0))
+    points = tuple(p for p in points if p[0] <= experts / top_k)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return 1.0
