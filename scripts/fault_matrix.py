@@ -339,15 +339,20 @@ def case_paging_file_of_another_model(c: Case) -> Row:
 
 
 def case_odirect_refused(c: Case) -> Row:
-    with _tmpfs(c.home / "shm", "3g") as shm:  # room enough that only O_DIRECT can be the problem
-        if shm is None:
-            return Row("O_DIRECT refused", "cannot mount a tmpfs (needs root)", None, [], [], False)
-        res = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--paging-dir", str(shm),
-                    "--port", str(free_port()), timeout=900)
-        left = [str(p) for p in shm.rglob("*") if p.is_file()]
-    msg = last_line(res.stderr)
-    return Row("O_DIRECT refused (paging dir on tmpfs)", msg, res.returncode, c.stray(), left,
-               res.returncode != 0 and "O_DIRECT" in msg and not left)
+    # ramfs refuses O_DIRECT (tmpfs accepts it since Linux 6.6); it reports no free space, so the plan's
+    # refusal names both; --force then runs into prepare's own O_DIRECT check.
+    with _mounted(c.home / "ramfs", "ramfs") as ramfs:
+        if ramfs is None:
+            return Row("O_DIRECT refused", "cannot mount a ramfs (needs root)", None, [], [], False)
+        args = ("run", "tiny-moe", "--yes", "--compress", "on", "--paging-dir", str(ramfs), "--prompt", "Hi",
+                "--max-tokens", "4")
+        refused = c.run(*args, "--port", str(free_port()), timeout=900)
+        forced = c.run(*args, "--force", "--port", str(free_port()), timeout=900)
+        left = [str(p) for p in ramfs.rglob("*") if p.is_file()]
+    msg = last_line(forced.stderr)
+    ok = "O_DIRECT" in last_line(refused.stderr) and forced.returncode != 0 and "O_DIRECT" in msg
+    return Row("O_DIRECT refused (paging dir on ramfs)", msg, forced.returncode, c.stray(), left, ok,
+               f"without --force: exit {refused.returncode}, {last_line(refused.stderr)[:160]}")
 
 
 def case_api_key(c: Case) -> Row:
@@ -428,8 +433,14 @@ def _tiny_copy(c: Case, seed: int = 0, shard_bytes: int | None = None) -> Path:
 
 @contextlib.contextmanager
 def _tmpfs(path: Path, size: str):
+    with _mounted(path, "tmpfs", f"size={size}") as mounted:
+        yield mounted
+
+
+@contextlib.contextmanager
+def _mounted(path: Path, kind: str, options: str = "defaults"):
     path.mkdir(parents=True, exist_ok=True)
-    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    mount = ["mount", "-t", kind, "-o", options, kind, str(path)]
     if subprocess.run(mount, capture_output=True).returncode:
         yield None
         return

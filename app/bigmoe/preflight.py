@@ -80,6 +80,8 @@ def paging_space_problem(the_plan) -> str | None:
     """Whether the disk of a paging file still to be built has room for it (a file already there counts as free)."""
     if the_plan.ssd_source != "paging file" or not the_plan.paging_file:
         return None
+    if getattr(the_plan, "forced", False):
+        return None  # the plan's disk table judged this disk too, and --force accepted its refusal
     path = Path(the_plan.paging_file)
     need = paging_file_bytes(the_plan) + PAGING_HEADROOM_BYTES
     existing = path.stat().st_size if path.is_file() else 0

@@ -89,6 +89,7 @@ def test_no_room_for_the_paging_file(tmp_path, monkeypatch):
     assert paging_space_problem(plan) is None
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=10 << 20, total=1 << 40, used=0))
     assert "needs up to" in paging_space_problem(plan) and "--paging-dir" in paging_space_problem(plan)
+    assert paging_space_problem(a_plan(**(vars(plan) | {"forced": True}))) is None  # --force accepted it
 
 
 def test_the_run_pipeline_stops_before_vllm_on_a_truncated_shard(private_checkpoint, monkeypatch):
