@@ -338,7 +338,7 @@ class Draft:
     @property
     def paged_layers(self) -> int:
         """MoE layers whose experts get slots: the model's, plus the MTP drafter's with speculative decoding."""
-        return self.preset.arch.moe_layers + mtp_layers(self.ov.speculative_tokens)
+        return self.preset.arch.moe_layers + mtp_layers(self.ov.speculative_tokens, self.preset.arch.mtp_layers)
 
     @property
     def ssd_source(self) -> str:
@@ -385,7 +385,7 @@ class Draft:
         argv = launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
                            batch_tokens(max_seqs_of(self.preset), self.context))
         spec = self.ov.speculative_tokens
-        if why := spec_refusal(spec, self.preset.architecture, self.vram_slots, arch.top_k, graphs):
+        if why := spec_refusal(spec, self.preset.name, arch.mtp_layers, self.vram_slots, arch.top_k, graphs):
             self.refusals.append(why)
         argv += speculative_argv(spec)
         if graphs:

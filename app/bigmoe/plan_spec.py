@@ -14,8 +14,6 @@ import json
 
 MAX_SPECULATIVE_TOKENS = 3
 """Largest --speculative-tokens: the MTP settings issue 14 asks the pager to be shown with (1 to 3)."""
-MTP_ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
-"""Checkpoints with an MTP head vLLM can draft from (its Qwen4ExpMTP)."""
 
 
 def speculative_argv(tokens: int) -> list[str]:
@@ -25,8 +23,8 @@ def speculative_argv(tokens: int) -> list[str]:
     return ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": tokens})]
 
 
-def mtp_layers(tokens: int, mtp_moe_layers: int = 1) -> int:
-    """MoE layers the drafter adds to the paged ones (Qwen4Exp's MTP head has one decoder layer)."""
+def mtp_layers(tokens: int, mtp_moe_layers: int) -> int:
+    """MoE layers the drafter adds to the paged ones (the model's MTP decoder layers; Flash-Next has one)."""
     return mtp_moe_layers if tokens > 0 else 0
 
 
@@ -40,13 +38,12 @@ def verify_slots(tokens: int, top_k: int) -> int:
     return (tokens + 1) * top_k
 
 
-def refusal(tokens: int, architecture: str, vram_slots: int, top_k: int, graphs: bool) -> str | None:
+def refusal(tokens: int, model: str, mtp_moe_layers: int, vram_slots: int, top_k: int, graphs: bool) -> str | None:
     """Why this speculative setting cannot run as planned (one line), or None."""
     if tokens <= 0:
         return None
-    if architecture not in MTP_ARCHITECTURES:
-        return (f"--speculative-tokens {tokens}: {architecture} has no MTP head vLLM drafts with; "
-                "use --speculative-tokens 0")
+    if mtp_moe_layers <= 0:
+        return f"--speculative-tokens {tokens}: {model} has no MTP head to draft with; use --speculative-tokens 0"
     need = verify_slots(tokens, top_k)
     if graphs and vram_slots < need:
         return (f"--speculative-tokens {tokens}: one sequence's verification step has {tokens + 1} tokens x "
