@@ -40,6 +40,7 @@ def prepare(plan, model_path: Path, progress: Progress = lambda e, f: None) -> P
     if plan.ssd_source != "paging file" or not plan.paging_file:
         return None
     path = Path(plan.paging_file)
+    _require_odirect(path.parent)  # before any byte is written: the pager could not read the file
     start = time.monotonic()
     why_not = check_paging_file(path, model_path, plan.compress)
     if why_not is None:
@@ -123,6 +124,19 @@ def build(path: Path, model_path: Path, compressed: bool, progress: Progress) ->
     progress("prepare", {"state": "built", "path": str(out), "bytes": out.stat().st_size,
                          "seconds": round(time.monotonic() - start, 1)})
     return out
+
+
+def _require_odirect(directory: Path) -> None:
+    from bigmoe_pager.core.odirect import odirect_works
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PrepareError(f"cannot create the paging directory {directory}: {e.strerror or e}") from None
+    ok, why = odirect_works(directory)
+    if not ok:
+        raise PrepareError(f"O_DIRECT reads do not work in {directory} ({why}); the pager reads the paging file "
+                           "with O_DIRECT: put it on a local SSD filesystem (--paging-dir)")
 
 
 def _codec(compressed: bool) -> tuple[str, int]:

@@ -139,3 +139,13 @@ def test_above_the_full_check_size_a_sample_is_checked(model, tmp_path):
     assert check_paging_file(path, model, False, full_check_bytes=0) is None
     flip_middle_record(path, meta_of(model, False))  # 8 records, all in the sample (at least 8)
     assert "crc32" in check_paging_file(path, model, False, full_check_bytes=0)
+
+
+def test_a_directory_refusing_odirect_is_refused_before_anything_is_written(model, tmp_path, monkeypatch):
+    import bigmoe_pager.core.odirect as odirect
+    from bigmoe.prepare import PrepareError
+
+    monkeypatch.setattr(odirect, "odirect_works", lambda path, io=None: (False, "open(O_DIRECT) failed: EINVAL"))
+    with pytest.raises(PrepareError, match=r"O_DIRECT reads do not work in .*--paging-dir"):
+        prepare(plan_for(tmp_path / "pages" / "m.pages", True), model)
+    assert list((tmp_path / "pages").iterdir()) == []
