@@ -132,9 +132,10 @@ class DeviceLayerPager:
         if stream is None or self.device.type != "cuda":
             self.pager.prefetch(predicted_ids)
             return
+        if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
+            predicted_ids.record_stream(stream)  # the allocator must not reuse them before the side stream is done
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            predicted_ids.record_stream(stream)
             self.pager.prefetch(predicted_ids)
         self._prefetch_stream = stream
 
