@@ -5,7 +5,7 @@
 vLLM's own loader maps every checkpoint name (hf_to_vllm_mapper, the packed q/k/v/indexer,
 gate/up, in_proj and hyper-connection projections, the n-gram shards) and checks every
 shape; for an unquantized checkpoint it also fails when a parameter was never loaded.
-OUT.json gets the loaded parameters (name -> shape, dtype, all finite). vLLM's model
+OUT.json gets the loaded parameters (name -> shape, dtype, all finite, meta when paged). vLLM's model
 runner is not used: on CPU it cannot run this model's forward (see the test's docstring).
 """
 
@@ -56,8 +56,10 @@ def describe(name: str, param, hc_rows: int) -> dict:
     import torch
 
     values = param[:hc_rows] if name.endswith("input_mix_weight_down_block_inject.weight") else param
-    finite = bool(torch.isfinite(values.float()).all()) if values.numel() else True
-    return {"shape": list(param.shape), "dtype": str(param.dtype).removeprefix("torch."), "finite": finite}
+    meta = param.device.type == "meta"  # a paged tensor (bigmoe's n-gram pager): no values in memory
+    finite = True if meta or not values.numel() else bool(torch.isfinite(values.float()).all())
+    return {"shape": list(param.shape), "dtype": str(param.dtype).removeprefix("torch."), "finite": finite,
+            "meta": meta}
 
 
 if __name__ == "__main__":

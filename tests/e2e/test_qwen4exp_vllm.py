@@ -47,10 +47,10 @@ def checkpoint(tmp_path_factory):
     return make_qwen4exp(tmp_path_factory.mktemp("q4") / "bf16", Qwen4ExpShape(**SHAPE), "bf16", seed=0)
 
 
-def load_in_vllm(checkpoint: Path, tmp_path: Path, *extra: str) -> dict:
+def load_in_vllm(checkpoint: Path, tmp_path: Path, *extra: str, pager_env: dict | None = None) -> dict:
     (tmp_path / "sitecustomize.py").write_text(ALIAS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "VLLM_PLUGINS": ""}
+           "VLLM_PLUGINS": "", **(pager_env or {})}
     out = tmp_path / "params.json"
     result = subprocess.run([sys.executable, str(CHILD), str(checkpoint), str(out), *extra], env=env,
                             capture_output=True, text=True, timeout=900)
@@ -75,3 +75,18 @@ def test_vllm_loads_every_parameter_of_the_checkpoint(checkpoint, tmp_path, head
         assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.3.self_attn.qkv_proj.weight"} <= set(params)
     else:
         assert {"model.fc_embedding.weight", "model.fc_hidden.weight", "model.hyper_connection_mixer.hc_norm.weight"} <= set(params)
+
+
+def test_with_the_pagers_on_the_loader_takes_it_into_slots_and_leaves_the_table_on_ssd(checkpoint, tmp_path):
+    """BIGMOE_PAGER=1 and BIGMOE_NGRAM=1 at load: each MoE layer's experts become 16 VRAM slots (32 RAM slots,
+    the rest read from the checkpoint on SSD when a step needs them), and the n-gram table takes no memory."""
+    env = {"VLLM_PLUGINS": "bigmoe_experts,bigmoe_ngram", "BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "16",
+           "BIGMOE_RAM_SLOTS": "32", "BIGMOE_NGRAM": "1"}
+    params = load_in_vllm(checkpoint, tmp_path, pager_env=env)["params"]
+    for layer in range(SHAPE["layers"]):
+        slots = params[f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight"]
+        assert slots["shape"] == [16, 2 * SHAPE["moe_intermediate"], SHAPE["hidden"]] and not slots["meta"]
+    table = params["model.layers.1.ple.ple_embedding.ngram_embedding.weight"]
+    assert table["meta"] and table["shape"][1] == 160
+    # slots hold no expert until a step asks for one (uninitialized memory), so only the rest must be finite
+    assert all(p["finite"] for name, p in params.items() if ".routed_experts." not in name)
