@@ -64,7 +64,7 @@ SHAPES = {
     "flash-next-smoke": dict(maker="qwen4exp", experts=32, top_k=4, hidden=256, moe_intermediate=128, dtype="bf16",
                              device="cpu"),
 }
-QWEN4EXP_ENGINE = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+QWEN4EXP_ENGINE = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}, "additional_config": {"gdn_prefill_backend": "triton"}}
 """The preset's engine settings for Qwen4Exp (presets/qwen3.8-flash-next.toml): PIECEWISE breakable CUDA graphs."""
 QWEN4EXP_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
 PROMPTS = [

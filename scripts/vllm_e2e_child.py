@@ -76,7 +76,9 @@ def deterministic() -> None:
 def _memory_args(spec: dict) -> dict:
     """KV cache sizing: a share of GPU memory, or a fixed size where there is no GPU (vLLM's CPU build)."""
     if spec.get("kv_cache_memory_bytes"):
-        return {"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"]}
+        # vLLM still checks its memory share against the free memory at start: engines sharing a GPU ask a small one.
+        share = {"gpu_memory_utilization": spec["gpu_memory_utilization"]} if spec.get("gpu_memory_utilization") else {}
+        return {"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"], **share}
     return {"gpu_memory_utilization": spec["gpu_memory_utilization"]}
 
 

@@ -17,3 +17,6 @@ grep -v '^#' "$here/manifest.tsv" | while IFS=$'\t' read -r file sha; do
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" --upgrade "$asm"/*.whl
 echo "stage.sh: installed $(ls "$asm" | tr '\n' ' ')into $site"
+# nvidia-cutlass-dsl puts its `cutlass` package on sys.path through a .pth file, which --target installs never run.
+dsl="$site/nvidia_cutlass_dsl/dsl_packages"
+grep -q "$dsl" "$site/env.sh" 2>/dev/null || echo "export PYTHONPATH=\"$dsl:\$PYTHONPATH\"" >> "$site/env.sh"
