@@ -13,7 +13,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     model)  # made by gpu_vllm_e2e too; done first so the other steps can share it
-      [ -f "$model/config.json" ] || python3 scripts/make_qwen4exp.py "$model" --layers 4 --dtype fp8 --device cuda --seed 0 ;;
+      [ -f "$model/config.json" ] || python3 scripts/make_qwen4exp.py "$model" --layers 4 --indexer-heads 8 --dtype fp8 --device cuda --seed 0 ;;
     e2e-tiers)
       python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers 4 --parallel 6 --budget-s "${BUDGET:-400}" \
         --configs unpaged,unpaged-repeat,vram40,vram40-ngram,vram12-ram50-ssd,vram12-ram50-ssd-ngram \

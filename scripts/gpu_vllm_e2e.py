@@ -59,7 +59,10 @@ SHAPES = {
                   head_dim=64, dtype="bf16", device="cpu"),
     # Qwen3.8-Flash-Next (Qwen4Exp): 512 experts of 2560 -> 640, top-10 plus a shared expert, hyper-connections,
     # QSA and linear-attention layers, a PLE layer with its n-gram table, the MTP head; few layers, FP8, on the GPU.
-    "flash-next": dict(maker="qwen4exp", experts=512, top_k=10, dtype="fp8", device="cuda"),
+    # 8 indexer heads: vLLM 0.33's QSA prefill-logits kernel (tiles tuned on GB300) keeps 64 query rows x every
+    # indexer head x 128 dims in shared memory; with the generator's default 16 heads that is 303 KB, more than an
+    # H200 has (run 1, docs/benchmarks.md). The released config's head count is not public.
+    "flash-next": dict(maker="qwen4exp", experts=512, top_k=10, indexer_heads=8, dtype="fp8", device="cuda"),
     # The same architecture small and bf16, to check this script's plumbing on vLLM's CPU build (not a GPU result).
     "flash-next-smoke": dict(maker="qwen4exp", experts=32, top_k=4, hidden=256, moe_intermediate=128, dtype="bf16",
                              device="cpu"),
