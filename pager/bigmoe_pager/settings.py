@@ -60,8 +60,6 @@ class PagerSettings:
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0
     """BIGMOE_NGRAM_CACHE_ROWS: rows of the n-gram RAM row cache; 0 = rely on the OS page cache."""
-    stats_dir: Path | None = None
-    """PROMETHEUS_MULTIPROC_DIR: where pager counters are written for vLLM's /metrics; unset = not exported."""
 
     # ---- reading -------------------------------------------------------------------
 
@@ -111,7 +109,7 @@ class PagerSettings:
         return self.compress == "on"
 
 
-_VARIABLES = {"enabled": "BIGMOE_PAGER", "stats_dir": "PROMETHEUS_MULTIPROC_DIR"}
+_VARIABLES = {"enabled": "BIGMOE_PAGER"}
 
 
 def _var(f: dataclasses.Field) -> str:

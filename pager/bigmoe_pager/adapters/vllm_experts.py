@@ -72,7 +72,7 @@ def paged_class(settings: PagerSettings) -> type:
             self._decoder_layer = _decoder_layer_index(layer_name)
             self._layout = _layout_of(self)
             sizes = TierSizes(experts=num_experts, vram=vram, ram=ram)
-            order = vllm_glue.warm_order(settings, self._moe_index)
+            order = vllm_glue.warm_order(settings, self._moe_index, num_experts)
             with vllm_glue.host_allocations():
                 self._ssd_source = vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram)
                 if on_device:

@@ -8,16 +8,17 @@ function here."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bigmoe_pager import model_config
 from bigmoe_pager.core.host_pager import InstallSlot
+from bigmoe_pager.core.hot_profile import HotProfile, ProfileError
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.settings import PagerSettings, SettingsError
 
@@ -222,17 +223,23 @@ def open_source(settings: PagerSettings, vllm_config, layout: ExpertLayout, deco
     return checkpoint_source(model_dir, layout, decoder_layer)
 
 
-def warm_order(settings: PagerSettings, moe_index: int) -> list[int] | None:
+def warm_order(settings: PagerSettings, moe_index: int, num_experts: int) -> list[int] | None:
     """Experts in order of heat from a saved profile (hottest first), to fill RAM at load."""
     if settings.hot_profile is None:
         return None
-    try:
-        counts = np.load(settings.hot_profile)["counts"]
-    except (OSError, KeyError, ValueError) as e:
-        raise SettingsError(f"BIGMOE_HOT_PROFILE: cannot read {settings.hot_profile}: {e}") from None
-    if moe_index >= counts.shape[0]:
+    profile = _hot_profile(settings.hot_profile, num_experts)
+    if moe_index >= profile.num_layers:
         return None  # a layer the profile did not see (the MTP drafter's, say): filled in expert order
-    return [int(e) for e in np.argsort(-counts[moe_index], kind="stable")]
+    return [int(e) for e in profile.hottest(moe_index)]
+
+
+@functools.lru_cache(maxsize=4)
+def _hot_profile(path: Path, num_experts: int) -> HotProfile:
+    """The profile, read and checked once per process (every layer asks for it)."""
+    try:
+        return HotProfile.load(path, num_experts=num_experts)
+    except ProfileError as e:
+        raise SettingsError(f"BIGMOE_HOT_PROFILE: {e}") from None
 
 
 # ---- kernel slots -----------------------------------------------------------------------
