@@ -41,6 +41,10 @@ def cli() -> None:
 @click.option("--prefill-buffer/--no-prefill-buffer", default=None, help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).")
 @click.option("--speculative-tokens", type=click.IntRange(0, 3), default=0, show_default=True,
               help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).")
+@click.option("--vram-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Plan as if the GPU had this much VRAM (GiB): fewer VRAM slots, the same command.")
+@click.option("--ram-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Plan as if the machine had this much RAM (GiB): fewer RAM slots, more read from SSD.")
 @click.option("--json", "as_json", is_flag=True, help="With --yes: progress as JSON lines.")
 @click.option("--start-timeout", default=900.0, show_default=True, type=click.FloatRange(1), help="Seconds to wait for the server to be ready.")
 def run(model: str, yes: bool, as_json: bool, **options) -> None:

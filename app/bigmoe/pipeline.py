@@ -57,6 +57,10 @@ class RunOptions:
     """On CUDA, device-driven: reserve a whole-layer VRAM buffer for prefill (None = the plan decides)."""
     speculative_tokens: int = 0
     """Draft tokens per step from the model's MTP head (bigmoe run --speculative-tokens); 0 = off."""
+    vram_gib: float | None = None
+    """Plan for this much VRAM (GiB) instead of the probed GPU's."""
+    ram_gib: float | None = None
+    """Plan for this much RAM (GiB) instead of the probed amount."""
     start_timeout: float = 900.0
     """Seconds to wait for /health."""
 
@@ -120,6 +124,7 @@ def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk:
         vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
         context=opts.context, force=opts.force, cuda_graphs=opts.cuda_graphs, prefill_buffer=opts.prefill_buffer,
         speculative_tokens=opts.speculative_tokens, host=opts.host, port=opts.port,
+        vram_gib=opts.vram_gib, ram_gib=opts.ram_gib,
         model_path=_expanded(opts.model_dir), model_dir=_expanded(opts.model_dir),
         model_on_disk=model_on_disk or bool(opts.model_dir),
         paging_dir=str(Path(opts.paging_dir).expanduser()) if opts.paging_dir else None,
