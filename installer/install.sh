@@ -80,11 +80,11 @@ if [ "$build" = cpu ]; then
   "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   extra=cpu
 else
-  if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm").startswith("0.33")' 2>/dev/null; then
-    say "installing vllm 0.33 (CUDA build, several GB)"
-    with_heartbeat "installing vllm" "${pip[@]}" install --quiet "vllm>=0.33,<0.34" || fail "pip could not install vllm 0.33"
+  if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' 2>/dev/null; then
+    say "installing vllm 0.33.0 (CUDA build, several GB)"
+    with_heartbeat "installing vllm" "${pip[@]}" install --quiet "vllm==0.33.0" || fail "pip could not install vllm 0.33.0"
   else
-    say "vllm 0.33 already installed"
+    say "vllm 0.33.0 already installed"
   fi
   extra=cuda
 fi
