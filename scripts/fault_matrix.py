@@ -178,10 +178,12 @@ def case_double_ctrl_c(c: Case) -> Row:
     runner.send_signal(signal.SIGINT)
     code = runner.wait(timeout=120)
     time.sleep(2)
-    err = runner.stderr.read()
+    out, err = runner.stdout.read(), runner.stderr.read()
     stray, runfiles = c.stray(), c.runfiles()
-    ok = code == exit_codes.INTERRUPTED and not stray and not runfiles
-    return Row("double Ctrl-C during start-up", last_line(err), code, stray, runfiles, ok)
+    # Killed by its own SIGINT (-2 here) is what a shell reports as 130, like exiting with 130.
+    ok = code in (exit_codes.INTERRUPTED, -signal.SIGINT) and not stray and not runfiles
+    said = " / ".join(line for line in (last_line(out), last_line(err)) if line)
+    return Row("double Ctrl-C during start-up", said, code, stray, runfiles, ok)
 
 
 def case_sighup(c: Case) -> Row:
@@ -211,13 +213,55 @@ def case_damaged_paging_file(c: Case) -> Row:
     if first.returncode != 0 or not pages:
         return Row("damaged paging file", last_line(first.stderr), first.returncode, c.stray(), [], False,
                    "first run failed")
-    _flip(pages[0], pages[0].stat().st_size // 2)
+    middle = pages[0].stat().st_size // 2
+    for at in range(middle, middle + (64 << 10), 4096):  # records are zero-padded: hit record bytes, not padding
+        _flip(pages[0], at + 100)
     second = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--port", str(free_port()), "--prompt", "Hi",
                    "--max-tokens", "4", timeout=1200)
     rebuilt = "state=rebuilding" in second.stdout or '"rebuilding"' in second.stdout
     reason = next((line for line in second.stdout.splitlines() if "rebuilding" in line), "")
     return Row("damaged paging file", reason[:200] or last_line(second.stderr), second.returncode, c.stray(),
                c.partial_files(), rebuilt and second.returncode == 0, f"second run answered: {second.returncode == 0}")
+
+
+def case_paging_file_damaged_while_serving(c: Case) -> Row:
+    runner = c.start("run", "tiny-moe", "--yes", "--json", "--compress", "on", "--port", str(free_port()))
+    ready = c.wait_event(runner, "ready")
+    pages = sorted((c.home / "paging").glob("*.pages"))
+    if ready is None or not pages:
+        return Row("paging file damaged while serving", "never ready", runner.poll(), c.stray(), [], False)
+    _flip_every_record(pages[0])
+    answered = None
+    try:
+        r = httpx.post(ready["endpoint"] + "/v1/completions", timeout=300, json={
+            "model": "tiny-moe", "prompt": " ".join(f"word{i}" for i in range(200)), "max_tokens": 8})
+        answered = r.status_code
+    except httpx.HTTPError as e:
+        answered = type(e).__name__
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        runner.wait(timeout=120)
+    err = runner.stderr.read() if runner.poll() is not None else ""
+    marked = pages[0].with_name(pages[0].name + ".damaged").exists()
+    c.cleanup()
+    again = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--port", str(free_port()), "--prompt", "Hi",
+                  "--max-tokens", "4", timeout=1200)
+    rebuilt = "rebuilding" in again.stdout
+    msg = next((line for line in err.splitlines() if "crc32" in line or "paging file" in line), last_line(err))
+    return Row("paging file damaged while serving", msg[:300], runner.poll(), c.stray(), c.partial_files(),
+               marked and rebuilt and again.returncode == 0 and str(pages[0]) in msg,
+               f"request answered {answered}; marker written: {marked}; next start rebuilt it: {rebuilt}, "
+               f"exit {again.returncode}")
+
+
+def _flip_every_record(path: Path) -> None:
+    """Flip one byte in every 4 KiB block past the header, so whichever record the pager reads fails."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        for at in range(1 << 20, size - 8192, 4096):
+            f.seek(at + 100)
+            b = f.read(1)
+            f.seek(at + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
 
 
 def case_truncated_safetensors(c: Case) -> Row:
@@ -357,7 +401,8 @@ def case_odirect_refused(c: Case) -> Row:
 
 def case_api_key(c: Case) -> Row:
     key = "sk-fault-matrix-secret"
-    runner = c.start("run", "tiny-moe", "--yes", "--json", "--port", str(free_port()), "--api-key", key)
+    # The key given by environment (BIGMOE_API_KEY), so no process of ours has it on its command line.
+    runner = c.start("run", "tiny-moe", "--yes", "--json", "--port", str(free_port()), env={"BIGMOE_API_KEY": key})
     ready = c.wait_event(runner, "ready")
     leaks = []
     if ready is None:
@@ -368,10 +413,10 @@ def case_api_key(c: Case) -> Row:
         with contextlib.suppress(psutil.NoSuchProcess):
             if key in " ".join(psutil.Process(pid).cmdline()):
                 leaks.append(f"argv of {pid}")
-    for path in c.home.rglob("*"):
-        if path.is_file() and path.suffix in (".log", ".json"):
+    for path in [*(c.home / "logs").rglob("*"), *(c.home / "run").rglob("*")]:  # what bigmoe writes per run
+        if path.is_file():
             mode = stat.S_IMODE(path.stat().st_mode)
-            if mode & 0o077:
+            if (path.suffix == ".log" or path.parent.name == "run") and mode & 0o077:
                 leaks.append(f"{path.name} mode {oct(mode)}")
             if key in path.read_text(errors="replace"):
                 leaks.append(f"key in {path.name}")
@@ -386,7 +431,8 @@ def case_api_key(c: Case) -> Row:
 
 CASES: dict[str, Callable[[Case], Row]] = {
     "second-run": case_second_run, "double-ctrl-c": case_double_ctrl_c, "sighup": case_sighup,
-    "damaged-paging-file": case_damaged_paging_file, "truncated-safetensors": case_truncated_safetensors,
+    "damaged-paging-file": case_damaged_paging_file, "paging-damaged-serving": case_paging_file_damaged_while_serving,
+    "truncated-safetensors": case_truncated_safetensors,
     "bad-env": case_bad_env, "bad-settings-file": case_bad_settings_file, "kill-engine": case_kill_engine_mid_stream,
     "disk-full-fetch": case_disk_full_fetch, "disk-full-prepare": case_disk_full_prepare,
     "interrupted-download": case_interrupted_download, "paging-file-other-model": case_paging_file_of_another_model,
