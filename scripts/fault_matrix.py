@@ -183,6 +183,7 @@ def case_double_ctrl_c(c: Case) -> Row:
     # Killed by its own SIGINT (-2 here) is what a shell reports as 130, like exiting with 130.
     ok = code in (exit_codes.INTERRUPTED, -signal.SIGINT) and not stray and not runfiles
     said = " / ".join(line for line in (last_line(out), last_line(err)) if line)
+    said = said or " / ".join(out.strip().splitlines()[-2:])  # --json: the last events, as printed
     return Row("double Ctrl-C during start-up", said, code, stray, runfiles, ok)
 
 
@@ -423,7 +424,9 @@ def case_api_key(c: Case) -> Row:
     c.run("stop", "--all", timeout=300)
     with contextlib.suppress(subprocess.TimeoutExpired):
         runner.wait(timeout=60)
-    warn = c.run("run", "tiny-moe", "--yes", "--host", "0.0.0.0", "--port", "0")
+    # A bad setting stops this run in preflight, after the exposure warning and before vLLM.
+    warn = c.run("run", "tiny-moe", "--yes", "--host", "0.0.0.0", "--port", str(free_port()),
+                 env={"BIGMOE_READ_RETRIES": "x"})
     warned = "0.0.0.0" in warn.stderr and ("key" in warn.stderr.lower())
     return Row("API key leaks", "; ".join(leaks) or "no leak found (ready line, argv, logs, runfiles)", runner.poll(),
                c.stray(), [], not leaks and warned, f"--host 0.0.0.0 without a key warns: {warned}")
