@@ -46,7 +46,7 @@ def main() -> None:
             start = time.perf_counter()
             store.check_records()
             full = time.perf_counter() - start
-            n = sample_records(layout.record_bytes)
+            n = min(sample_records(layout.record_bytes), args.layers * args.experts)
             start = time.perf_counter()
             store.check_records(sample_keys(args.layers * args.experts, n))
             sampled = time.perf_counter() - start
