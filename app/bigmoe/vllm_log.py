@@ -34,8 +34,14 @@ ERROR_WORD = re.compile(r"\b(?:Error|error|ERROR):\s")
 """A line that states an error without a traceback ("Error: ...")."""
 WRAPPERS = re.compile(r"Engine core initialization failed|See root cause above|EngineCore failed to start|"
                       r"Engine process failed to start|See stack trace for root cause|"
+                      r"See stack trace \(above\) for the root cause|"
                       r"Traceback \(most recent call last\)")
 """Lines that point at the cause instead of stating it."""
+ENGINE_GONE = re.compile(r"engine core exited unexpectedly|Engine core process \S+ died unexpectedly|"
+                         r"(?:Worker|Engine core) proc \S+ died unexpectedly")
+"""vLLM's API server noticing that its engine process vanished without a word (a kill -9, the OOM killer)."""
+ENGINE_GONE_CAUSE = ("vLLM's engine process ended without logging why (killed by a signal such as SIGKILL, or by the "
+                     "kernel's out-of-memory killer)")
 NOISE = re.compile(r"^(WARNING|INFO|DEBUG)\b|oneDNN|\[W\d+ |UserWarning|DeprecationWarning|FutureWarning")
 """Warnings and notes that are printed near a failure but are not its cause."""
 
@@ -59,12 +65,15 @@ def _candidates(text: str) -> list[str]:
 
 def root_cause(text: str) -> str | None:
     """The line that says why vLLM stopped: the last exception line that is not a wrapper, else the
-    last "Error: ..." line; warnings and notes never count. None when the log states no error."""
+    last "Error: ..." line; warnings and notes never count. An engine that vanished without a word is
+    said so. None when the log states no error."""
     lines = _candidates(text)
     for pattern in (EXCEPTION, ERROR_WORD):
         for line in reversed(lines):
             if pattern.search(line) if pattern is ERROR_WORD else pattern.match(line):
                 return line[-MAX_LINE:]
+    if ENGINE_GONE.search(ANSI.sub("", text)):
+        return ENGINE_GONE_CAUSE
     return None
 
 

@@ -58,3 +58,22 @@ def test_a_log_with_no_error_says_so(tmp_path):
 
 def test_stages_of_a_real_start_that_failed_while_loading():
     assert stages_in(LOGS / "truncated_safetensors.log")[:2] == ["engine", "weights"]
+
+
+DEAD = ("(APIServer pid=7) ERROR 12-01 13:03:09 [serving.py:1] vllm.v1.engine.exceptions.EngineDeadError: EngineCore "
+        "encountered an issue. See stack trace (above) for the root cause.")
+
+
+def test_a_served_request_that_killed_the_engine_names_the_pager_error_not_the_wrapper():
+    pager = ("bigmoe_pager.core.paging_file.PagingFileError: /cache/paging/tiny-moe-bf16.pages: record of layer 2, "
+             "expert 0 fails its crc32 check twice; the file is marked damaged and the next start rebuilds it")
+    text = "\n".join(["INFO serving", f"(EngineCore pid=8) ERROR 12-01 13:03:08 [core.py:1] {pager}", DEAD])
+    assert root_cause(text) == pager
+
+
+def test_an_engine_killed_without_a_word_is_said_so():
+    text = "\n".join(["INFO serving",
+                      "(APIServer pid=7) WARNING 12-01 13:05:14 [core_client.py:1] [shutdown] MPClient: engine core "
+                      "exited unexpectedly; starting cleanup", DEAD, ONEDNN])
+    cause = root_cause(text)
+    assert cause.startswith("vLLM's engine process ended without logging why") and "EngineDeadError" not in cause
