@@ -31,7 +31,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import codec_samples as S  # noqa: E402
-
 from bigmoe_pager.codec import format as F  # noqa: E402
 from bigmoe_pager.codec.encode import encode_record  # noqa: E402
 from bigmoe_pager.codec.reference import decode_record  # noqa: E402
@@ -95,10 +94,19 @@ def gpu_part(layout, raws: list, records: list, batch: int, reps: int, dev: torc
     errors = new_errors(work)
     sweep = []
     for cpp, warps, pf in SWEEP:
-        run = lambda: decode_into_slots(staging, work, slots, layout, errors, chunks_per_program=cpp, num_warps=warps, prefetch=pf)  # noqa: E731
+        run = lambda: decode_into_slots(
+            staging, work, slots, layout, errors, chunks_per_program=cpp, num_warps=warps, prefetch=pf
+        )  # noqa: E731
         ms = _graph_ms(run, reps, dev)
-        sweep.append({"chunks_per_program": cpp, "num_warps": warps, "prefetch": pf, "ms": round(ms, 4),
-                      "decode_GBps": round(batch * layout.record_bytes / ms / 1e6, 1)})
+        sweep.append(
+            {
+                "chunks_per_program": cpp,
+                "num_warps": warps,
+                "prefetch": pf,
+                "ms": round(ms, 4),
+                "decode_GBps": round(batch * layout.record_bytes / ms / 1e6, 1),
+            }
+        )
     if errors.sum().item():
         raise SystemExit(f"decode reported errors: {errors.tolist()}")
     for i in range(min(batch, len(raws))):
@@ -110,13 +118,22 @@ def gpu_part(layout, raws: list, records: list, batch: int, reps: int, dev: torc
     best = max(sweep, key=lambda s: s["decode_GBps"])
     shape = _shape(best)
     eager = _time_ms(lambda: decode_into_slots(staging, work, slots, layout, errors, **shape), reps, dev)
-    return {"decode_GBps": best["decode_GBps"], "decode_GBps_eager": round(batch * layout.record_bytes / eager / 1e6, 1),
-            "decode_batch": batch, "decode_best": best, "decode_sweep": sweep,
-            **_one_expert(layout, raws[0], records[0], reps, dev)}
+    return {
+        "decode_GBps": best["decode_GBps"],
+        "decode_GBps_eager": round(batch * layout.record_bytes / eager / 1e6, 1),
+        "decode_batch": batch,
+        "decode_best": best,
+        "decode_sweep": sweep,
+        **_one_expert(layout, raws[0], records[0], reps, dev),
+    }
 
 
 def _shape(entry: dict) -> dict:
-    return {"chunks_per_program": entry["chunks_per_program"], "num_warps": entry["num_warps"], "prefetch": entry["prefetch"]}
+    return {
+        "chunks_per_program": entry["chunks_per_program"],
+        "num_warps": entry["num_warps"],
+        "prefetch": entry["prefetch"],
+    }
 
 
 def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.device) -> dict:
@@ -159,10 +176,17 @@ def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.de
     want = np.concatenate([raw[c.offset : c.offset + c.nbytes] for c in layout.components])
     if errors.sum().item() or not np.array_equal(got, want):
         raise SystemExit("single-record GPU decode differs from the original record")
-    return {"copy_expand_us": round(ce * 1e3, 1), "expand_us": best["us"], "expand_eager_us": round(eager * 1e3, 1),
-            "expand_best": best, "expand_sweep": sweep, "copy_compressed_us": round(cc * 1e3, 1),
-            "copy_raw_us": round(raw_ms * 1e3, 1), "h2d_GBps": round(layout.record_bytes / raw_ms / 1e6, 1),
-            "expand_GBps": round(layout.record_bytes / best["us"] / 1e3, 1)}
+    return {
+        "copy_expand_us": round(ce * 1e3, 1),
+        "expand_us": best["us"],
+        "expand_eager_us": round(eager * 1e3, 1),
+        "expand_best": best,
+        "expand_sweep": sweep,
+        "copy_compressed_us": round(cc * 1e3, 1),
+        "copy_raw_us": round(raw_ms * 1e3, 1),
+        "h2d_GBps": round(layout.record_bytes / raw_ms / 1e6, 1),
+        "expand_GBps": round(layout.record_bytes / best["us"] / 1e3, 1),
+    }
 
 
 def _graph_ms(fn, reps: int, dev: torch.device) -> float:
@@ -207,17 +231,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="records decoded per GPU launch")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--cpu-only", action="store_true", help="skip the GPU part even when CUDA is there")
-    p.add_argument("--shape", action="append", metavar="HIDDENxINTER",
-                   help="benchmark this expert shape instead of the presets' (repeatable), e.g. 256x128")
-    p.add_argument("--interpret", action="store_true",
-                   help="smoke test: run the decode part on CPU tensors (needs TRITON_INTERPRET=1; tiny shapes)")
+    p.add_argument(
+        "--shape",
+        action="append",
+        metavar="HIDDENxINTER",
+        help="benchmark this expert shape instead of the presets' (repeatable), e.g. 256x128",
+    )
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="smoke test: run the decode part on CPU tensors (needs TRITON_INTERPRET=1; tiny shapes)",
+    )
     a = p.parse_args(argv)
     gpu = (torch.cuda.is_available() or a.interpret) and not a.cpu_only
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.interpret else "cpu")
     shapes = S.SHAPES if not a.shape else {s: tuple(int(x) for x in s.split("x")) for s in a.shape}
     result = {
-        "codec": F.CODEC_NAME, "codec_version": F.CODEC_VERSION,
-        "command": "PYTHONPATH=pager:app python scripts/bench_codec.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "codec": F.CODEC_NAME,
+        "codec_version": F.CODEC_VERSION,
+        "command": "PYTHONPATH=pager:app python scripts/bench_codec.py "
+        + shlex.join(sys.argv[1:] if argv is None else argv),
         "scope": "CPU and GPU" if gpu else "CPU only (ratio and encode speed; no decode numbers)",
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs",
         "gpu": torch.cuda.get_device_name() if gpu and dev.type == "cuda" else None,
@@ -226,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": {},
     }
     rng = np.random.default_rng(0)
-    print(f"{'shape':20s} {'law':10s} {'ratio':>7s} {'bound':>7s} {'gap%':>6s} {'enc GB/s':>9s} {'par GB/s':>9s} {'112GiB min':>10s} {'dec GB/s':>9s} {'exp us':>8s} {'cp+exp us':>9s} {'raw cp us':>9s}")
+    print(
+        f"{'shape':20s} {'law':10s} {'ratio':>7s} {'bound':>7s} {'gap%':>6s} {'enc GB/s':>9s} {'par GB/s':>9s} {'112GiB min':>10s} {'dec GB/s':>9s} {'exp us':>8s} {'cp+exp us':>9s} {'raw cp us':>9s}"
+    )
     for name, (hidden, inter) in shapes.items():
         layout = S.moe_layout(hidden, inter)
         entry = {"hidden": hidden, "moe_intermediate": inter, "record_bytes": layout.record_bytes, "laws": {}}
@@ -236,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
             if gpu:
                 law.update(gpu_part(layout, raws, records, a.batch, a.reps, dev))
             entry["laws"][dist] = law
-            print(f"{name:20s} {dist:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
-                  f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} {law['prepare_112GiB_min']:10.1f} "
-                  f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('expand_us', float('nan')):8.1f} {law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}")
+            print(
+                f"{name:20s} {dist:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
+                f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} {law['prepare_112GiB_min']:10.1f} "
+                f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('expand_us', float('nan')):8.1f} {law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}"
+            )
         head = entry["laws"]["student_t"]  # the headline numbers: Student-t(5) weights
         for key in ("ratio", "entropy_bound_ratio", "gap_pct", "encode_GBps", "decode_GBps"):
             if key in head:
@@ -257,25 +294,39 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(result: dict) -> str:
     """A table of every shape and law, then how it was measured."""
-    cols = [("ratio", "ratio", "{:.4f}"), ("entropy_bound_ratio", "per-row bound", "{:.4f}"), ("gap_pct", "gap %", "{:.2f}"),
-            ("encode_GBps", "encode GB/s (1 proc)", "{:.3f}"), ("encode_GBps_parallel", "encode GB/s (pool)", "{:.3f}"),
-            ("prepare_112GiB_min", "112.5 GiB prepare min", "{:.1f}"), ("decode_GBps", "decode GB/s", "{:.0f}"),
-            ("expand_us", "expand 1 expert us", "{:.1f}"), ("expand_eager_us", "expand eager us", "{:.1f}"),
-            ("copy_expand_us", "copy+expand 1 expert us", "{:.1f}"), ("copy_raw_us", "raw copy 1 expert us", "{:.1f}")]
+    cols = [
+        ("ratio", "ratio", "{:.4f}"),
+        ("entropy_bound_ratio", "per-row bound", "{:.4f}"),
+        ("gap_pct", "gap %", "{:.2f}"),
+        ("encode_GBps", "encode GB/s (1 proc)", "{:.3f}"),
+        ("encode_GBps_parallel", "encode GB/s (pool)", "{:.3f}"),
+        ("prepare_112GiB_min", "112.5 GiB prepare min", "{:.1f}"),
+        ("decode_GBps", "decode GB/s", "{:.0f}"),
+        ("expand_us", "expand 1 expert us", "{:.1f}"),
+        ("expand_eager_us", "expand eager us", "{:.1f}"),
+        ("copy_expand_us", "copy+expand 1 expert us", "{:.1f}"),
+        ("copy_raw_us", "raw copy 1 expert us", "{:.1f}"),
+    ]
     lines = ["| shape | law | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
     for name, entry in result["shapes"].items():
         for law, v in entry["laws"].items():
             cells = [fmt.format(v[key]) if key in v else "-" for key, _, fmt in cols]
             lines.append(f"| {name} | {law} | " + " | ".join(cells) + " |")
-    lines += ["", f"Scope: {result['scope']}. CPU: {result['cpu']}. GPU: {result['gpu'] or 'none'}.",
-              f"Command: `{result['command']}`."]
+    lines += [
+        "",
+        f"Scope: {result['scope']}. CPU: {result['cpu']}. GPU: {result['gpu'] or 'none'}.",
+        f"Command: `{result['command']}`.",
+    ]
     if result.get("note"):
         lines.append(f"Note: {result['note']}")
-    lines += ["", "ratio = compressed record / raw record (headers, tables and raw block scales included); per-row bound = "
-              "sign+mantissa raw plus each row's empirical exponent entropy; decode GB/s = decoded output bytes per second "
-              "for a batch of records, best kernel shape, CUDA-graph replay; expand = one record alone in a CUDA graph "
-              "(eager: one Python call of decode_into_slots, launch overhead included); copy+expand = pinned RAM -> VRAM "
-              "copy of one compressed record and its expansion in one graph, against the raw copy."]
+    lines += [
+        "",
+        "ratio = compressed record / raw record (headers, tables and raw block scales included); per-row bound = "
+        "sign+mantissa raw plus each row's empirical exponent entropy; decode GB/s = decoded output bytes per second "
+        "for a batch of records, best kernel shape, CUDA-graph replay; expand = one record alone in a CUDA graph "
+        "(eager: one Python call of decode_into_slots, launch overhead included); copy+expand = pinned RAM -> VRAM "
+        "copy of one compressed record and its expansion in one graph, against the raw copy.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -81,11 +81,18 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         files = write_table(root, rows=rows, row_elems=ROW_BYTES, parts=args.shards, scale=0.5)
         write_s = time.perf_counter() - t0
-        print(f"wrote {rows * ROW_BYTES / 2**30:.1f} GiB in {args.shards} files under {root} in {write_s:.1f} s", flush=True)
+        print(
+            f"wrote {rows * ROW_BYTES / 2**30:.1f} GiB in {args.shards} files under {root} in {write_s:.1f} s",
+            flush=True,
+        )
         result = {
             "machine": describe_machine(root),
-            "table": {"gib": round(rows * ROW_BYTES / 2**30, 2), "rows": rows, "shards": args.shards,
-                      "write_gb_per_s": round(rows * ROW_BYTES / write_s / 1e9, 2)},
+            "table": {
+                "gib": round(rows * ROW_BYTES / 2**30, 2),
+                "rows": rows,
+                "shards": args.shards,
+                "write_gb_per_s": round(rows * ROW_BYTES / write_s / 1e9, 2),
+            },
             "command": "PYTHONPATH=pager python " + " ".join(sys.argv),
             "note": args.note,
         }
@@ -121,8 +128,10 @@ def measure(files: list[Path], rows: int, args: argparse.Namespace) -> dict:
         "prefill_2048_ms": prefill,
         "ssd_prefill_reads": ssd_reads,
         "device": device,
-        "meets_targets": {"decode_ssd": decode["ssd"] <= TARGETS["decode_ms_per_token_ssd"],
-                          "prefill_ssd": prefill["ssd"] <= TARGETS["prefill_2048_ms_ssd"]},
+        "meets_targets": {
+            "decode_ssd": decode["ssd"] <= TARGETS["decode_ms_per_token_ssd"],
+            "prefill_ssd": prefill["ssd"] <= TARGETS["prefill_2048_ms_ssd"],
+        },
     }
 
 
@@ -130,9 +139,12 @@ def read_rates(before: dict, after: dict, reps: int) -> dict:
     """Read requests per SSD prefill and the random reads/s the device gave while serving them."""
     reads = after["reads"] - before["reads"]
     seconds = (after["read_ns"] - before["read_ns"]) / 1e9
-    return {"rows_per_prefill": (after["rows_read"] - before["rows_read"]) // reps, "reads_per_prefill": reads // reps,
-            "kib_per_prefill": (after["bytes_read"] - before["bytes_read"]) // reps // 1024,
-            "reads_per_s": round(reads / seconds) if seconds else None}
+    return {
+        "rows_per_prefill": (after["rows_read"] - before["rows_read"]) // reps,
+        "reads_per_prefill": reads // reps,
+        "kib_per_prefill": (after["bytes_read"] - before["bytes_read"]) // reps // 1024,
+        "reads_per_s": round(reads / seconds) if seconds else None,
+    }
 
 
 def sweep_depths(files: list[Path], rows: int, reps: int, rng: np.random.Generator) -> dict[str, float]:
@@ -237,9 +249,13 @@ def describe_machine(root: Path) -> dict:
     parent = block.resolve().parent if block.exists() and (block / "partition").exists() else block.resolve()
     rotational = _read(parent / "queue" / "rotational")
     return {
-        "host": platform.node(), "cpus": os.cpu_count(), "ram_gib": round(mem_total() / 2**30, 1),
-        "disk": disk, "disk_model": _read(parent / "device" / "model"),
-        "rotational": rotational == "1" if rotational else None, "kernel": platform.release(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "ram_gib": round(mem_total() / 2**30, 1),
+        "disk": disk,
+        "disk_model": _read(parent / "device" / "model"),
+        "rotational": rotational == "1" if rotational else None,
+        "kernel": platform.release(),
     }
 
 
@@ -279,28 +295,38 @@ def merge(out: str, other: str | None, machines: dict | None = None) -> None:
 
 
 def table_md(doc: dict) -> str:
-    lines = ["| machine | disk | table | source | decode ms/token (median / p90) | prefill 2,048 tokens ms |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| machine | disk | table | source | decode ms/token (median / p90) | prefill 2,048 tokens ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, m in doc.get("machines", {}).items():
         for source in ("page_cache", "ssd", "ssd_buffered"):
             d, p90 = m["decode_ms_per_token"][source], m["decode_ms_per_token_p90"][source]
-            lines.append(f"| {label} | {m['machine']['disk']} | {m['table']['gib']} GiB | {source} | "
-                         f"{d:.3f} / {p90:.3f} | {m['prefill_2048_ms'][source]:.1f} |")
-    lines.append(f"\nTargets from SSD: decode <= {TARGETS['decode_ms_per_token_ssd']} ms/token, "
-                 f"prefill <= {TARGETS['prefill_2048_ms_ssd']:.0f} ms. page_cache = table resident in the OS page cache; "
-                 "ssd = O_DIRECT through kernel AIO (no page cache); ssd_buffered = mmap reader after evicting the table.\n")
+            lines.append(
+                f"| {label} | {m['machine']['disk']} | {m['table']['gib']} GiB | {source} | "
+                f"{d:.3f} / {p90:.3f} | {m['prefill_2048_ms'][source]:.1f} |"
+            )
+    lines.append(
+        f"\nTargets from SSD: decode <= {TARGETS['decode_ms_per_token_ssd']} ms/token, "
+        f"prefill <= {TARGETS['prefill_2048_ms_ssd']:.0f} ms. page_cache = table resident in the OS page cache; "
+        "ssd = O_DIRECT through kernel AIO (no page cache); ssd_buffered = mmap reader after evicting the table.\n"
+    )
     for label, m in doc.get("machines", {}).items():
         r = m.get("ssd_prefill_reads")
         if r:
-            lines.append(f"- {label} SSD prefill: {r['rows_per_prefill']} distinct rows in {r['reads_per_prefill']} reads "
-                         f"of {r['align_bytes']} B blocks ({r['kib_per_prefill']} KiB), {r['reads_per_s']} reads/s; "
-                         f"ms by queue depth {r['prefill_ms_by_depth']}")
+            lines.append(
+                f"- {label} SSD prefill: {r['rows_per_prefill']} distinct rows in {r['reads_per_prefill']} reads "
+                f"of {r['align_bytes']} B blocks ({r['kib_per_prefill']} KiB), {r['reads_per_s']} reads/s; "
+                f"ms by queue depth {r['prefill_ms_by_depth']}"
+            )
     for label, m in doc.get("machines", {}).items():
         mach = m["machine"]
-        lines.append(f"- {label}: {mach['cpus']} CPUs, {mach['ram_gib']} GiB RAM, disk {mach['disk']} "
-                     f"({mach.get('disk_model') or 'model unknown'}), kernel {mach['kernel']}; "
-                     f"device: {json.dumps(m['device']) if m['device'] else 'no CUDA'}; command: `{m['command']}`"
-                     + (f"; note: {m['note']}" if m.get("note") else ""))
+        lines.append(
+            f"- {label}: {mach['cpus']} CPUs, {mach['ram_gib']} GiB RAM, disk {mach['disk']} "
+            f"({mach.get('disk_model') or 'model unknown'}), kernel {mach['kernel']}; "
+            f"device: {json.dumps(m['device']) if m['device'] else 'no CUDA'}; command: `{m['command']}`"
+            + (f"; note: {m['note']}" if m.get("note") else "")
+        )
     return "\n".join(lines)
 
 

@@ -45,14 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_pager: --device cuda but no CUDA GPU is visible; use --device cpu --smoke", file=sys.stderr)
         return 2
-    report = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-              "device": _device_name(device), "runs": [], "models": {}, "notes": []}
+    report = {
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "device": _device_name(device),
+        "runs": [],
+        "models": {},
+        "notes": [],
+    }
     report.update(_bandwidths(device))
     shapes = [br.SMOKE] if args.smoke else [br.MODELS[m] for m in args.models.split(",")]
     for done, shape in enumerate(shapes, 1):
         _bench_model(shape, args, device, report)
         report["complete"] = done == len(shapes)  # a run cut short keeps the models it finished, marked incomplete
-        for path, text in ((args.out, lambda: json.dumps(report, indent=1) + "\n"), (args.markdown, lambda: _markdown(report))):
+        for path, text in (
+            (args.out, lambda: json.dumps(report, indent=1) + "\n"),
+            (args.markdown, lambda: _markdown(report)),
+        ):
             if path:
                 _write_atomic(path, text())
     _print_table(report)
@@ -79,9 +87,12 @@ def _parse(argv):
     ap.add_argument("--tokens", type=int, default=0, help="timed tokens (default 256, smoke 12)")
     ap.add_argument("--warmup", type=int, default=0, help="warm-up tokens before timing (default 64, smoke 6)")
     ap.add_argument("--trace", type=Path, help="recorded routing .npz (topk_ids int32 [tokens, layers, k])")
-    ap.add_argument("--configs", default="resident,static,bigmoe,bigmoe-lfu,bigmoe+ssd",
-                    help="comma list (also bigmoe-unfused: acquire and copy as two launches; bigmoe-lfu-fast; "
-                         "bigmoe-prefetch: next-layer prefetch at each --recalls); resident always runs")
+    ap.add_argument(
+        "--configs",
+        default="resident,static,bigmoe,bigmoe-lfu,bigmoe+ssd",
+        help="comma list (also bigmoe-unfused: acquire and copy as two launches; bigmoe-lfu-fast; "
+        "bigmoe-prefetch: next-layer prefetch at each --recalls); resident always runs",
+    )
     ap.add_argument("--family", default="standard", help="routing family of scripts/traces.py (when no --trace)")
     ap.add_argument("--recalls", default="0,0.6,0.8,0.95,1.0", help="prediction recalls of bigmoe-prefetch")
     ap.add_argument("--precision", type=float, default=0.5, help="prediction precision of bigmoe-prefetch")
@@ -109,15 +120,19 @@ def _parse(argv):
 def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict) -> None:
     layers = min(args.layers or shape.bench_layers, shape.layers)
     if layers < shape.layers:
-        report["notes"].append(f"{shape.name}: {layers} of {shape.layers} MoE layers run (machine RAM/VRAM/time); per-layer numbers scale")
+        report["notes"].append(
+            f"{shape.name}: {layers} of {shape.layers} MoE layers run (machine RAM/VRAM/time); per-layer numbers scale"
+        )
     trace = _trace(shape, layers, args)
     window = trace[args.warmup : args.warmup + args.tokens]
     profile = HotProfile.from_trace(trace[: args.warmup], shape.experts)
     layout = br.make_layout(shape)
     t0 = time.perf_counter()
     rams = br.make_ram_tiers(shape, layout, layers, device, args.seed)
-    print(f"[{shape.name}] {layers} layers x {shape.experts} experts of {layout.record_bytes / 2**20:.2f} MiB "
-          f"in RAM ({time.perf_counter() - t0:.1f} s); {args.tokens} timed tokens after {args.warmup}")
+    print(
+        f"[{shape.name}] {layers} layers x {shape.experts} experts of {layout.record_bytes / 2**20:.2f} MiB "
+        f"in RAM ({time.perf_counter() - t0:.1f} s); {args.tokens} timed tokens after {args.warmup}"
+    )
     trace_dev = torch.from_numpy(trace).to(device)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     x = torch.randn((1, shape.hidden), generator=gen).to(torch.bfloat16).to(device)
@@ -127,7 +142,9 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
 
     def measure(runner, rams_used, trace_used):
         ms = _time_runner(runner, trace_used, x, w, args.warmup, args.tokens, device)
-        run = _record(shape, runner, ms, len(rams_used), trace_used[args.warmup : args.warmup + args.tokens], layout, args.tokens)
+        run = _record(
+            shape, runner, ms, len(rams_used), trace_used[args.warmup : args.warmup + args.tokens], layout, args.tokens
+        )
         runs.append(run)
         print(f"  {run['config']:<15} vram {run['vram_frac']:.3f}  {ms:8.3f} ms/token")
         return run
@@ -147,9 +164,24 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
                 _free(device)
         if "bigmoe-prefetch" in wanted:
             for recall in args.recalls:
-                predicted = torch.from_numpy(traces.predictions(trace, recall, args.precision, shape.experts, args.seed))
-                measure(br.PrefetchBigmoe(rams, layout, device, frac, profile, shape.top_k, policy=args.policy,
-                                          predicted=predicted.to(device), recall=recall), rams, trace_dev)
+                predicted = torch.from_numpy(
+                    traces.predictions(trace, recall, args.precision, shape.experts, args.seed)
+                )
+                measure(
+                    br.PrefetchBigmoe(
+                        rams,
+                        layout,
+                        device,
+                        frac,
+                        profile,
+                        shape.top_k,
+                        policy=args.policy,
+                        predicted=predicted.to(device),
+                        recall=recall,
+                    ),
+                    rams,
+                    trace_dev,
+                )
                 _free(device)
         if "bigmoe-unfused" in wanted:
             measure(br.Bigmoe(rams, layout, device, frac, profile, shape.top_k, fused=False), rams, trace_dev)
@@ -168,8 +200,10 @@ def _trace(shape: br.ModelShape, layers: int, args) -> np.ndarray:
     args.trace = args.trace or traces.RECORDED
     ids = traces.load_trace(args.trace, shape.experts)
     if ids.shape[1] < layers or ids.shape[2] != shape.top_k or ids.shape[0] < need:
-        raise SystemExit(f"bench_pager: trace {args.trace} is {ids.shape}; {shape.name} needs >= {need} tokens, "
-                         f">= {layers} layers and k = {shape.top_k}")
+        raise SystemExit(
+            f"bench_pager: trace {args.trace} is {ids.shape}; {shape.name} needs >= {need} tokens, "
+            f">= {layers} layers and k = {shape.top_k}"
+        )
     return np.ascontiguousarray(ids[:need, :layers])
 
 
@@ -193,7 +227,9 @@ def _ssd_run(shape, args, device, layout, rams, profile, trace_dev, measure, rep
             return
         partial = br.partial_ram_tiers(layout, shape.experts, n, SSD_RAM_FRAC, device)
         with store, SsdService(store, [r.records for r in partial]) as service:
-            runner = br.Bigmoe(partial, layout, device, SSD_VRAM_FRAC, profile, shape.top_k, SSD_RAM_FRAC, service, store)
+            runner = br.Bigmoe(
+                partial, layout, device, SSD_VRAM_FRAC, profile, shape.top_k, SSD_RAM_FRAC, service, store
+            )
             runner.name = "bigmoe+ssd"
             runner.check = service.check
             measure(runner, partial, trace_dev[:, :n].contiguous())
@@ -319,11 +355,19 @@ def _record(shape, runner, ms: float, layers: int, window: torch.Tensor, layout,
     else:
         hit["vram"] = 1.0
     return {
-        "model": shape.name, "config": runner.name, "vram_budget": runner.vram_frac,
+        "model": shape.name,
+        "config": runner.name,
+        "vram_budget": runner.vram_frac,
         "vram_frac": getattr(runner, "vram_used_frac", runner.vram_frac),
-        "ram_frac": runner.ram_frac, "layers": layers, "layers_total": shape.layers, "tokens": tokens,
-        "ms_per_token": round(ms, 4), "ms_per_token_per_layer": round(ms / layers, 5),
-        "hit_rate": hit, "pcie_gb_per_token": round(pcie / 1e9, 5), **_prefetch_record(runner, tokens),
+        "ram_frac": runner.ram_frac,
+        "layers": layers,
+        "layers_total": shape.layers,
+        "tokens": tokens,
+        "ms_per_token": round(ms, 4),
+        "ms_per_token_per_layer": round(ms / layers, 5),
+        "hit_rate": hit,
+        "pcie_gb_per_token": round(pcie / 1e9, 5),
+        **_prefetch_record(runner, tokens),
     }
 
 
@@ -334,26 +378,35 @@ def _prefetch_record(runner, tokens: int) -> dict:
         return {}
     vram = runner.stats.snapshot()["vram"]
     needs = vram.prefetch_used + vram.misses
-    return {"recall": runner.recall, "prefetched_per_token": round(vram.prefetched / tokens, 3),
-            "prediction_accuracy": round(vram.prefetch_used / needs, 4) if needs else None,
-            "prefetch_wasted_gb_per_token": round(vram.prefetch_wasted_bytes / tokens / 1e9, 5)}
+    return {
+        "recall": runner.recall,
+        "prefetched_per_token": round(vram.prefetched / tokens, 3),
+        "prediction_accuracy": round(vram.prefetch_used / needs, 4) if needs else None,
+        "prefetch_wasted_gb_per_token": round(vram.prefetch_wasted_bytes / tokens / 1e9, 5),
+    }
 
 
 def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.ndarray) -> None:
     h2d = report.get("h2d_gbps")
     for run in runs:
         per_layer_resident = resident["ms_per_token_per_layer"] * run["layers"]
-        run["floor_ms_per_token"] = None if not h2d else round(run["pcie_gb_per_token"] / h2d * 1e3 + per_layer_resident, 4)
+        run["floor_ms_per_token"] = (
+            None if not h2d else round(run["pcie_gb_per_token"] / h2d * 1e3 + per_layer_resident, 4)
+        )
         if run["floor_ms_per_token"] is not None:  # time over the floor per layer per token, microseconds
-            run["over_floor_us_per_layer"] = round((run["ms_per_token"] - run["floor_ms_per_token"]) * 1e3 / run["layers"], 2)
+            run["over_floor_us_per_layer"] = round(
+                (run["ms_per_token"] - run["floor_ms_per_token"]) * 1e3 / run["layers"], 2
+            )
         run["ratio_vs_resident"] = round(run["ms_per_token"] / per_layer_resident, 3)
     report["runs"].extend(runs)
 
     def pick(config: str, frac: float) -> dict | None:
         return next((r for r in runs if r["config"] == config and abs(r["vram_frac"] - frac) < 0.05), None)
 
-    summary = {"lru_hit_rate_at_12.5pct": round(traces.lru_hit_rate(window, round(0.125 * shape.experts)), 4),
-               "lru_hit_rate_at_40pct": round(traces.lru_hit_rate(window, round(0.4 * shape.experts)), 4)}
+    summary = {
+        "lru_hit_rate_at_12.5pct": round(traces.lru_hit_rate(window, round(0.125 * shape.experts)), 4),
+        "lru_hit_rate_at_40pct": round(traces.lru_hit_rate(window, round(0.4 * shape.experts)), 4),
+    }
     static = pick("static", 0.4)
     for config, suffix in (("bigmoe", ""), ("bigmoe-lfu", "_lfu"), ("bigmoe-unfused", "_unfused")):
         big = pick(config, 0.4)
@@ -361,19 +414,25 @@ def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.nd
             continue
         summary["speedup_vs_static_at_40pct" + suffix] = round(static["ms_per_token"] / big["ms_per_token"], 3)
         if big["floor_ms_per_token"]:
-            summary["speedup_vs_static_floor_at_40pct" + suffix] = round(static["floor_ms_per_token"] / big["ms_per_token"], 3)
+            summary["speedup_vs_static_floor_at_40pct" + suffix] = round(
+                static["floor_ms_per_token"] / big["ms_per_token"], 3
+            )
             summary["floor_ratio_at_40pct" + suffix] = round(big["ms_per_token"] / big["floor_ms_per_token"], 3)
     report["models"][shape.name] = summary
 
 
 def _print_table(report: dict) -> None:
     print(f"\n{report['device']}: pinned H2D {report['h2d_gbps']} GB/s, UVA copy kernel {report['uva_copy_gbps']} GB/s")
-    print(f"{'model':<20}{'config':<16}{'vram':>6}{'ram':>6}{'L':>4}{'ms/tok':>9}{'floor':>9}{'hit vram':>9}{'hit ram':>8}{'GB/tok':>8}")
+    print(
+        f"{'model':<20}{'config':<16}{'vram':>6}{'ram':>6}{'L':>4}{'ms/tok':>9}{'floor':>9}{'hit vram':>9}{'hit ram':>8}{'GB/tok':>8}"
+    )
     for r in report["runs"]:
         h = r["hit_rate"]
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        print(f"{r['model']:<20}{r['config']:<16}{r['vram_frac']:>6.3f}{r['ram_frac']:>6.2f}{r['layers']:>4}"
-              f"{r['ms_per_token']:>9.3f}{fmt(r.get('floor_ms_per_token')):>9}{fmt(h['vram']):>9}{fmt(h['ram']):>8}{r['pcie_gb_per_token']:>8.4f}")
+        print(
+            f"{r['model']:<20}{r['config']:<16}{r['vram_frac']:>6.3f}{r['ram_frac']:>6.2f}{r['layers']:>4}"
+            f"{r['ms_per_token']:>9.3f}{fmt(r.get('floor_ms_per_token')):>9}{fmt(h['vram']):>9}{fmt(h['ram']):>8}{r['pcie_gb_per_token']:>8.4f}"
+        )
     for name, m in report["models"].items():
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in m.items()))
     for note in report["notes"]:
@@ -383,7 +442,11 @@ def _print_table(report: dict) -> None:
 def _markdown(report: dict) -> str:
     fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = [
-        *([] if report.get("complete", True) else ["**Incomplete run: the models below finished, the rest did not.**", ""]),
+        *(
+            []
+            if report.get("complete", True)
+            else ["**Incomplete run: the models below finished, the rest did not.**", ""]
+        ),
         f"Device: {report['device']}; pinned H2D {fmt(report['h2d_gbps'], 1)} GB/s, "
         f"UVA copy kernel {fmt(report['uva_copy_gbps'], 1)} GB/s.",
         "",

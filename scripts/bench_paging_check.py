@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from bigmoe.prepare import sample_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, PagingFileWriter, sample_keys
@@ -50,8 +49,10 @@ def main() -> None:
             start = time.perf_counter()
             store.check_records(sample_keys(args.layers * args.experts, n))
             sampled = time.perf_counter() - start
-        print(f"full check of {args.layers * args.experts} records: {full:.1f} s ({size / full:.2f} GiB/s); "
-              f"sample of {n} records: {sampled:.2f} s")
+        print(
+            f"full check of {args.layers * args.experts} records: {full:.1f} s ({size / full:.2f} GiB/s); "
+            f"sample of {n} records: {sampled:.2f} s"
+        )
     finally:
         path.unlink(missing_ok=True)
         os.sync()

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from bigmoe_pager.core import moe_ref
 from bigmoe_pager.core.hot_profile import HotProfile
 from bigmoe_pager.core.layout import ExpertLayout
@@ -59,7 +58,9 @@ def make_layout(shape: ModelShape) -> ExpertLayout:
     return ExpertLayout.for_moe(shape.hidden, shape.inter, torch.float8_e4m3fn, block=BLOCK)
 
 
-def make_ram_tiers(shape: ModelShape, layout: ExpertLayout, layers: int, device: torch.device, seed: int) -> list[RamTier]:
+def make_ram_tiers(
+    shape: ModelShape, layout: ExpertLayout, layers: int, device: torch.device, seed: int
+) -> list[RamTier]:
     """Full RAM tiers (pinned on a GPU machine) holding random FP8 experts with small positive scales."""
     gen = torch.Generator(device=device).manual_seed(seed)
     tiers = []
@@ -79,15 +80,24 @@ def make_ram_tiers(shape: ModelShape, layout: ExpertLayout, layers: int, device:
 
 def _record_views(records: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tensor]:
     w = ExpertWeights.from_records(records, layout, BLOCK)
-    return {"w13_weight": w.w13, "w2_weight": w.w2, "w13_weight_scale_inv": w.w13_scale, "w2_weight_scale_inv": w.w2_scale}
+    return {
+        "w13_weight": w.w13,
+        "w2_weight": w.w2,
+        "w13_weight_scale_inv": w.w13_scale,
+        "w2_weight_scale_inv": w.w2_scale,
+    }
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
     """The one MoE compute of every configuration (Triton on a GPU, the torch reference on CPU)."""
     if x.device.type == "cuda":
         return moe_decode(x, ids, weights, experts)
-    buffers = {"w13_weight": experts.w13, "w2_weight": experts.w2,
-               "w13_weight_scale_inv": experts.w13_scale, "w2_weight_scale_inv": experts.w2_scale}
+    buffers = {
+        "w13_weight": experts.w13,
+        "w2_weight": experts.w2,
+        "w13_weight_scale_inv": experts.w13_scale,
+        "w2_weight_scale_inv": experts.w2_scale,
+    }
     return moe_ref.moe(x, ids, weights, buffers, experts.block)
 
 
@@ -140,7 +150,15 @@ class StaticOffload:
                     off.append(sum(layout[n].nbytes for n in group))
             del staged
             self.offloaded.append(off)
-            self.weights.append(ExpertWeights(parts["w13_weight"], parts["w2_weight"], parts["w13_weight_scale_inv"], parts["w2_weight_scale_inv"], BLOCK))
+            self.weights.append(
+                ExpertWeights(
+                    parts["w13_weight"],
+                    parts["w2_weight"],
+                    parts["w13_weight_scale_inv"],
+                    parts["w2_weight_scale_inv"],
+                    BLOCK,
+                )
+            )
         self.vram_used_frac = used / (len(rams) * experts * layout.record_bytes)
         """Share of expert bytes actually kept in VRAM (whole tensors only)."""
 
@@ -166,9 +184,20 @@ class Bigmoe:
 
     name = "bigmoe"
 
-    def __init__(self, rams: list[RamTier], layout: ExpertLayout, device: torch.device, vram_frac: float,
-                 profile: HotProfile | None = None, top_k: int = 1, ram_frac: float = 1.0,
-                 ssd=None, store=None, policy: str = "lru", fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        rams: list[RamTier],
+        layout: ExpertLayout,
+        device: torch.device,
+        vram_frac: float,
+        profile: HotProfile | None = None,
+        top_k: int = 1,
+        ram_frac: float = 1.0,
+        ssd=None,
+        store=None,
+        policy: str = "lru",
+        fused: bool | None = None,
+    ) -> None:
         self.vram_frac, self.ram_frac = vram_frac, ram_frac
         self.name = ("bigmoe" if policy == "lru" else f"bigmoe-{policy}") + ("-unfused" if fused is False else "")
         self.policy = policy
@@ -179,7 +208,9 @@ class Bigmoe:
         for layer, ram in enumerate(rams):
             if ssd is not None:
                 ram.attach_ssd(ServiceFetch(ssd, layer))
-            pager = ExpertPager(layout, experts, slots, ram, device=device, layer=layer, stats=self.stats, policy=policy, fused=fused)
+            pager = ExpertPager(
+                layout, experts, slots, ram, device=device, layer=layer, stats=self.stats, policy=policy, fused=fused
+            )
             if profile is not None:
                 hot = torch.from_numpy(profile.hottest(layer))
                 read = None if store is None else (lambda e, dst, layer=layer: store.read(layer, e, dst))
@@ -192,8 +223,14 @@ class Bigmoe:
     _pending: set[int] = frozenset()
     """Layers whose side-stream prefetch the next step must wait for."""
 
-    def step(self, layer: int, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-             predicted_next: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        layer: int,
+        ids: torch.Tensor,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        predicted_next: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One layer: acquire (after this layer's prefetch copies), then prefetch layer + 1 while this one computes."""
         side = self._side
         if layer in self._pending:  # only a pending prefetch: a capture may not wait on work recorded outside it
@@ -230,8 +267,9 @@ class PrefetchBigmoe(Bigmoe):
         self.name = f"{self.name}-prefetch-r{recall:g}"
 
 
-def partial_ram_tiers(layout: ExpertLayout, experts: int, layers: int, ram_frac: float, device: torch.device,
-                      policy: str = "lru") -> list[RamTier]:
+def partial_ram_tiers(
+    layout: ExpertLayout, experts: int, layers: int, ram_frac: float, device: torch.device, policy: str = "lru"
+) -> list[RamTier]:
     slots = round(ram_frac * experts)
     return [RamTier(layout, experts, slots, device, policy=policy) for _ in range(layers)]
 

@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synth_experts  # noqa: E402
-
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
 from bigmoe_pager.core.odirect import aligned_empty, odirect_works  # noqa: E402
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
@@ -39,8 +38,11 @@ BATCH = 64  # experts per load/request call: about one decode step's SSD misses 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="/tmp",
-                   help="where the test files go (on the disk to measure); a comma list tries each until O_DIRECT works")
+    p.add_argument(
+        "--dir",
+        default="/tmp",
+        help="where the test files go (on the disk to measure); a comma list tries each until O_DIRECT works",
+    )
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-35b-a3b")
     p.add_argument("--gb", type=float, default=1.5, help="size of the synthetic expert checkpoint, GB")
     p.add_argument("--workers", default="1,2,4,8,16", help="comma list of I/O worker counts")
@@ -73,13 +75,26 @@ def main(argv: list[str] | None = None) -> int:
                 with store:
                     results.append(_measure(mode, source, store, workers))
                 r = results[-1]
-                print(f"{source:12s} {mode:6s} workers={workers:3d}  {r['gbps']:6.2f} GB/s  ({r['experts']} experts, {r['seconds']:.2f} s)")
+                print(
+                    f"{source:12s} {mode:6s} workers={workers:3d}  {r['gbps']:6.2f} GB/s  ({r['experts']} experts, {r['seconds']:.2f} s)"
+                )
 
     report = {
-        "script": "scripts/bench_ssd.py", "argv": sys.argv[1:], "machine": platform.node(), "dir": str(a.dir),
-        "filesystem": _fstype(a.dir), "odirect_probe": why, "dirs_refused": refused, "shape": a.shape, "record_bytes": layout.record_bytes, "pitch": layout.pitch,
-        "layers": layers, "experts_per_layer": experts, "data_gb": layers * experts * layout.record_bytes / 1e9,
-        "prepare_s": prep_s, "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "script": "scripts/bench_ssd.py",
+        "argv": sys.argv[1:],
+        "machine": platform.node(),
+        "dir": str(a.dir),
+        "filesystem": _fstype(a.dir),
+        "odirect_probe": why,
+        "dirs_refused": refused,
+        "shape": a.shape,
+        "record_bytes": layout.record_bytes,
+        "pitch": layout.pitch,
+        "layers": layers,
+        "experts_per_layer": experts,
+        "data_gb": layers * experts * layout.record_bytes / 1e9,
+        "prepare_s": prep_s,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "results": results,
     }
     _table(results)
@@ -160,8 +175,15 @@ def _measure(mode: str, source: str, store, workers: int) -> dict:
         _service_reads(store, keys, workers, gpu=mode == "gpu")
     seconds = time.perf_counter() - t0
     nbytes = len(keys) * store.layout.record_bytes
-    return {"source": source, "mode": mode, "workers": workers, "experts": len(keys), "bytes": nbytes,
-            "seconds": seconds, "gbps": nbytes / seconds / 1e9}
+    return {
+        "source": source,
+        "mode": mode,
+        "workers": workers,
+        "experts": len(keys),
+        "bytes": nbytes,
+        "seconds": seconds,
+        "gbps": nbytes / seconds / 1e9,
+    }
 
 
 def _store_reads(store, keys: list[tuple[int, int]], workers: int) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 
 BLOCK = 128  # quantization tile, elements per side
@@ -91,7 +90,11 @@ def pattern_record(layout: ExpertLayout, pattern: str, rng: np.random.Generator)
     """A record whose FP8 components hold `pattern` bytes and whose other components hold random bytes."""
     out = np.zeros(layout.record_bytes, np.uint8)
     for comp in layout.components:
-        fill = pattern_bytes(pattern, comp.nbytes, rng) if comp.dtype == torch.float8_e4m3fn else rng.integers(0, 256, comp.nbytes, dtype=np.uint8)
+        fill = (
+            pattern_bytes(pattern, comp.nbytes, rng)
+            if comp.dtype == torch.float8_e4m3fn
+            else rng.integers(0, 256, comp.nbytes, dtype=np.uint8)
+        )
         out[comp.offset : comp.offset + comp.nbytes] = fill
     return out
 

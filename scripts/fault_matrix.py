@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import selectors
-import shutil
 import signal
 import stat
 import subprocess
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIGMOE = [sys.executable, "-m", "bigmoe.cli"]
 from bigmoe import exit_codes  # noqa: E402
+
 READY_S = 900.0  # seconds a CPU start may take on a loaded machine
 
 
@@ -63,12 +63,20 @@ class Case:
         self.pids: set[int] = set()  # every process seen in a runner's tree
 
     def run(self, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run([*BIGMOE, *args], env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
+        return subprocess.run(
+            [*BIGMOE, *args], env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        )
 
     def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen([*BIGMOE, *args], env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT)
+        proc = subprocess.Popen(
+            [*BIGMOE, *args],
+            env={**self.env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            cwd=ROOT,
+        )
         self.runners.append(proc)
         return proc
 
@@ -152,8 +160,9 @@ def case_second_run(c: Case) -> Row:
     first = c.start("run", "tiny-moe", "--yes", "--json", "--port", str(free_port()))
     ready = c.wait_event(first, "ready")
     if ready is None:
-        return Row("second run of the same model", "first server never became ready", first.poll(), c.stray(), [],
-                   False)
+        return Row(
+            "second run of the same model", "first server never became ready", first.poll(), c.stray(), [], False
+        )
     second = c.run("run", "tiny-moe", "--yes", "--port", str(free_port()), "--start-timeout", "5", timeout=900)
     ps = c.run("ps").stdout
     first_listed = str(ready["endpoint"].rsplit(":", 1)[1]) in ps
@@ -161,16 +170,23 @@ def case_second_run(c: Case) -> Row:
     first.wait(timeout=120)
     stray = c.stray()
     ok = first_listed and stop.returncode == 0 and not stray and len(error_lines(second.stderr)) <= 1
-    return Row("second run of the same model", last_line(second.stderr), second.returncode, stray,
-               c.runfiles(), ok,
-               f"first server listed by ps while the second failed: {first_listed}; stop --all rc {stop.returncode}")
+    return Row(
+        "second run of the same model",
+        last_line(second.stderr),
+        second.returncode,
+        stray,
+        c.runfiles(),
+        ok,
+        f"first server listed by ps while the second failed: {first_listed}; stop --all rc {stop.returncode}",
+    )
 
 
 def case_double_ctrl_c(c: Case) -> Row:
     runner = c.start("run", "tiny-moe", "--yes", "--json", "--port", str(free_port()))
     if c.wait_event(runner, "launch", timeout=600) is None:
-        return Row("double Ctrl-C during start-up", "the server was never launched", runner.poll(), c.stray(), [],
-                   False)
+        return Row(
+            "double Ctrl-C during start-up", "the server was never launched", runner.poll(), c.stray(), [], False
+        )
     time.sleep(3)
     c.remember(runner.pid)
     runner.send_signal(signal.SIGINT)
@@ -203,26 +219,65 @@ def case_sighup(c: Case) -> Row:
     stray = c.stray()
     # Either the server goes with the terminal, or it keeps running and stays tracked (ps lists it, stop stops it).
     ok = (not answers or tracked) and not stray
-    return Row("SIGHUP (terminal closed)", ps.splitlines()[0] if ps else "", runner.poll(), stray, c.runfiles(), ok,
-               f"server still answering after SIGHUP: {answers}; listed by ps: {tracked}; stop rc {stop.returncode}")
+    return Row(
+        "SIGHUP (terminal closed)",
+        ps.splitlines()[0] if ps else "",
+        runner.poll(),
+        stray,
+        c.runfiles(),
+        ok,
+        f"server still answering after SIGHUP: {answers}; listed by ps: {tracked}; stop rc {stop.returncode}",
+    )
 
 
 def case_damaged_paging_file(c: Case) -> Row:
-    first = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--port", str(free_port()), "--prompt", "Hi",
-                  "--max-tokens", "4", timeout=1200)
+    first = c.run(
+        "run",
+        "tiny-moe",
+        "--yes",
+        "--compress",
+        "on",
+        "--port",
+        str(free_port()),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "4",
+        timeout=1200,
+    )
     pages = sorted((c.home / "paging").glob("*.pages"))
     if first.returncode != 0 or not pages:
-        return Row("damaged paging file", last_line(first.stderr), first.returncode, c.stray(), [], False,
-                   "first run failed")
+        return Row(
+            "damaged paging file", last_line(first.stderr), first.returncode, c.stray(), [], False, "first run failed"
+        )
     middle = pages[0].stat().st_size // 2
     for at in range(middle, middle + (64 << 10), 4096):  # records are zero-padded: hit record bytes, not padding
         _flip(pages[0], at + 100)
-    second = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--port", str(free_port()), "--prompt", "Hi",
-                   "--max-tokens", "4", timeout=1200)
+    second = c.run(
+        "run",
+        "tiny-moe",
+        "--yes",
+        "--compress",
+        "on",
+        "--port",
+        str(free_port()),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "4",
+        timeout=1200,
+    )
     rebuilt = "state=rebuilding" in second.stdout or '"rebuilding"' in second.stdout
     reason = next((line for line in second.stdout.splitlines() if "rebuilding" in line), "")
-    return Row("damaged paging file", reason[:200] or last_line(second.stderr), second.returncode, c.stray(),
-               c.partial_files(), rebuilt and second.returncode == 0, f"second run answered: {second.returncode == 0}")
+    return Row(
+        "damaged paging file",
+        reason[:200] or last_line(second.stderr),
+        second.returncode,
+        c.stray(),
+        c.partial_files(),
+        rebuilt and second.returncode == 0,
+        f"second run answered: {second.returncode == 0}",
+    )
 
 
 def case_paging_file_damaged_while_serving(c: Case) -> Row:
@@ -234,8 +289,11 @@ def case_paging_file_damaged_while_serving(c: Case) -> Row:
     _flip_every_record(pages[0])
     answered = None
     try:
-        r = httpx.post(ready["endpoint"] + "/v1/completions", timeout=300, json={
-            "model": "tiny-moe", "prompt": " ".join(f"word{i}" for i in range(200)), "max_tokens": 8})
+        r = httpx.post(
+            ready["endpoint"] + "/v1/completions",
+            timeout=300,
+            json={"model": "tiny-moe", "prompt": " ".join(f"word{i}" for i in range(200)), "max_tokens": 8},
+        )
         answered = r.status_code
     except httpx.HTTPError as e:
         answered = type(e).__name__
@@ -244,14 +302,32 @@ def case_paging_file_damaged_while_serving(c: Case) -> Row:
     err = runner.stderr.read() if runner.poll() is not None else ""
     marked = pages[0].with_name(pages[0].name + ".damaged").exists()
     c.cleanup()
-    again = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--port", str(free_port()), "--prompt", "Hi",
-                  "--max-tokens", "4", timeout=1200)
+    again = c.run(
+        "run",
+        "tiny-moe",
+        "--yes",
+        "--compress",
+        "on",
+        "--port",
+        str(free_port()),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "4",
+        timeout=1200,
+    )
     rebuilt = "rebuilding" in again.stdout
     msg = next((line for line in err.splitlines() if "crc32" in line or "paging file" in line), last_line(err))
-    return Row("paging file damaged while serving", msg[:300], runner.poll(), c.stray(), c.partial_files(),
-               marked and rebuilt and again.returncode == 0 and str(pages[0]) in msg,
-               f"request answered {answered}; marker written: {marked}; next start rebuilt it: {rebuilt}, "
-               f"exit {again.returncode}")
+    return Row(
+        "paging file damaged while serving",
+        msg[:300],
+        runner.poll(),
+        c.stray(),
+        c.partial_files(),
+        marked and rebuilt and again.returncode == 0 and str(pages[0]) in msg,
+        f"request answered {answered}; marker written: {marked}; next start rebuilt it: {rebuilt}, "
+        f"exit {again.returncode}",
+    )
 
 
 def _flip_every_record(path: Path) -> None:
@@ -273,27 +349,63 @@ def case_truncated_safetensors(c: Case) -> Row:
     res = c.run("run", "tiny-moe", "--yes", "--model-dir", str(model), "--port", str(free_port()), timeout=900)
     took = time.monotonic() - start
     msg = last_line(res.stderr)
-    return Row("truncated safetensors", msg, res.returncode, c.stray(), c.partial_files(),
-               res.returncode != 0 and "truncated" in msg and len(error_lines(res.stderr)) == 1, f"{took:.1f} s")
+    return Row(
+        "truncated safetensors",
+        msg,
+        res.returncode,
+        c.stray(),
+        c.partial_files(),
+        res.returncode != 0 and "truncated" in msg and len(error_lines(res.stderr)) == 1,
+        f"{took:.1f} s",
+    )
 
 
 def case_bad_env(c: Case) -> Row:
     start = time.monotonic()
-    res = c.run("run", "tiny-moe", "--yes", "--model-dir", str(_tiny_copy(c)), "--port", str(free_port()),
-                env={"BIGMOE_READ_RETRIES": "often"})
+    res = c.run(
+        "run",
+        "tiny-moe",
+        "--yes",
+        "--model-dir",
+        str(_tiny_copy(c)),
+        "--port",
+        str(free_port()),
+        env={"BIGMOE_READ_RETRIES": "often"},
+    )
     msg = last_line(res.stderr)
-    return Row("bad BIGMOE_* value", msg, res.returncode, c.stray(), c.partial_files(),
-               res.returncode != 0 and "BIGMOE_READ_RETRIES" in msg, f"{time.monotonic() - start:.1f} s")
+    return Row(
+        "bad BIGMOE_* value",
+        msg,
+        res.returncode,
+        c.stray(),
+        c.partial_files(),
+        res.returncode != 0 and "BIGMOE_READ_RETRIES" in msg,
+        f"{time.monotonic() - start:.1f} s",
+    )
 
 
 def case_bad_settings_file(c: Case) -> Row:
     file = c.home / "pager.toml"
     file.write_text("vram_slot = 4\n")
-    res = c.run("run", "tiny-moe", "--yes", "--model-dir", str(_tiny_copy(c)), "--port", str(free_port()),
-                env={"BIGMOE_SETTINGS": str(file)})
+    res = c.run(
+        "run",
+        "tiny-moe",
+        "--yes",
+        "--model-dir",
+        str(_tiny_copy(c)),
+        "--port",
+        str(free_port()),
+        env={"BIGMOE_SETTINGS": str(file)},
+    )
     msg = last_line(res.stderr)
-    return Row("bad BIGMOE_SETTINGS file", msg, res.returncode, c.stray(), c.partial_files(),
-               res.returncode != 0 and str(file) in msg)
+    return Row(
+        "bad BIGMOE_SETTINGS file",
+        msg,
+        res.returncode,
+        c.stray(),
+        c.partial_files(),
+        res.returncode != 0 and str(file) in msg,
+    )
 
 
 def case_kill_engine_mid_stream(c: Case) -> Row:
@@ -321,9 +433,15 @@ def case_kill_engine_mid_stream(c: Case) -> Row:
     time.sleep(2)
     stray = c.stray()
     msg = last_line(err)
-    return Row("kill -9 of the engine mid-stream", msg, runner.poll(), stray, c.runfiles(),
-               engine is not None and runner.poll() not in (None, 0) and "oneDNN" not in msg and not stray,
-               f"engine pid {engine.pid if engine else None}")
+    return Row(
+        "kill -9 of the engine mid-stream",
+        msg,
+        runner.poll(),
+        stray,
+        c.runfiles(),
+        engine is not None and runner.poll() not in (None, 0) and "oneDNN" not in msg and not stray,
+        f"engine pid {engine.pid if engine else None}",
+    )
 
 
 def case_disk_full_fetch(c: Case) -> Row:
@@ -336,21 +454,49 @@ def case_disk_full_fetch(c: Case) -> Row:
         res = c.run("pull", "qwen3.8-flash-next", "--cache-dir", str(small), env={"HF_ENDPOINT": hub.endpoint})
         left = [str(p) for p in small.rglob("*") if p.is_file()]
     msg = last_line(res.stderr)
-    return Row("disk full during fetch", msg, res.returncode, c.stray(), left,
-               res.returncode == exit_codes.NO_SPACE and not left)
+    return Row(
+        "disk full during fetch",
+        msg,
+        res.returncode,
+        c.stray(),
+        left,
+        res.returncode == exit_codes.NO_SPACE and not left,
+    )
 
 
 def case_disk_full_prepare(c: Case) -> Row:
     with _loop_ext4(c.home / "small", 8) as small:
         if small is None:
-            return Row("disk full during prepare", "cannot mount a small ext4 image (needs root and loop devices)",
-                       None, [], [], False)
-        res = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--paging-dir", str(small), "--port",
-                    str(free_port()), timeout=900)
+            return Row(
+                "disk full during prepare",
+                "cannot mount a small ext4 image (needs root and loop devices)",
+                None,
+                [],
+                [],
+                False,
+            )
+        res = c.run(
+            "run",
+            "tiny-moe",
+            "--yes",
+            "--compress",
+            "on",
+            "--paging-dir",
+            str(small),
+            "--port",
+            str(free_port()),
+            timeout=900,
+        )
         left = [str(p) for p in small.rglob("*") if p.is_file() and p.name != "lost+found"]
     msg = last_line(res.stderr)
-    return Row("disk full during prepare", msg, res.returncode, c.stray(), left,
-               res.returncode != 0 and ("disk" in msg or "free" in msg) and not left)
+    return Row(
+        "disk full during prepare",
+        msg,
+        res.returncode,
+        c.stray(),
+        left,
+        res.returncode != 0 and ("disk" in msg or "free" in msg) and not left,
+    )
 
 
 def case_interrupted_download(c: Case) -> Row:
@@ -364,23 +510,48 @@ def case_interrupted_download(c: Case) -> Row:
         hub.heal()
         second = c.run("pull", "qwen3.8-flash-next", env=env)
     msg = last_line(first.stderr)
-    return Row("interrupted download", msg, first.returncode, c.stray(), c.partial_files(),
-               first.returncode == exit_codes.NETWORK and "run" in msg and second.returncode == 0,
-               f"second pull rc {second.returncode}")
+    return Row(
+        "interrupted download",
+        msg,
+        first.returncode,
+        c.stray(),
+        c.partial_files(),
+        first.returncode == exit_codes.NETWORK and "run" in msg and second.returncode == 0,
+        f"second pull rc {second.returncode}",
+    )
 
 
 def case_paging_file_of_another_model(c: Case) -> Row:
-    from bigmoe.prepare import prepare
     from types import SimpleNamespace
+
+    from bigmoe.prepare import prepare
 
     other = _tiny_copy(c, seed=7)
     path = c.home / "paging" / "tiny-moe-bf16.pages"
     prepare(SimpleNamespace(ssd_source="paging file", paging_file=str(path), compress=True), other)
-    res = c.run("run", "tiny-moe", "--yes", "--compress", "on", "--port", str(free_port()), "--prompt", "Hi",
-                "--max-tokens", "4", timeout=1200)
+    res = c.run(
+        "run",
+        "tiny-moe",
+        "--yes",
+        "--compress",
+        "on",
+        "--port",
+        str(free_port()),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "4",
+        timeout=1200,
+    )
     reason = next((line for line in res.stdout.splitlines() if "rebuilding" in line), "")
-    return Row("paging file from another model", reason[:200] or last_line(res.stderr), res.returncode, c.stray(),
-               c.partial_files(), bool(reason) and res.returncode == 0)
+    return Row(
+        "paging file from another model",
+        reason[:200] or last_line(res.stderr),
+        res.returncode,
+        c.stray(),
+        c.partial_files(),
+        bool(reason) and res.returncode == 0,
+    )
 
 
 def case_odirect_refused(c: Case) -> Row:
@@ -389,15 +560,33 @@ def case_odirect_refused(c: Case) -> Row:
     with _mounted(c.home / "ramfs", "ramfs") as ramfs:
         if ramfs is None:
             return Row("O_DIRECT refused", "cannot mount a ramfs (needs root)", None, [], [], False)
-        args = ("run", "tiny-moe", "--yes", "--compress", "on", "--paging-dir", str(ramfs), "--prompt", "Hi",
-                "--max-tokens", "4")
+        args = (
+            "run",
+            "tiny-moe",
+            "--yes",
+            "--compress",
+            "on",
+            "--paging-dir",
+            str(ramfs),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "4",
+        )
         refused = c.run(*args, "--port", str(free_port()), timeout=900)
         forced = c.run(*args, "--force", "--port", str(free_port()), timeout=900)
         left = [str(p) for p in ramfs.rglob("*") if p.is_file()]
     msg = last_line(forced.stderr)
     ok = "O_DIRECT" in last_line(refused.stderr) and forced.returncode != 0 and "O_DIRECT" in msg
-    return Row("O_DIRECT refused (paging dir on ramfs)", msg, forced.returncode, c.stray(), left, ok,
-               f"without --force: exit {refused.returncode}, {last_line(refused.stderr)[:160]}")
+    return Row(
+        "O_DIRECT refused (paging dir on ramfs)",
+        msg,
+        forced.returncode,
+        c.stray(),
+        left,
+        ok,
+        f"without --force: exit {refused.returncode}, {last_line(refused.stderr)[:160]}",
+    )
 
 
 def case_api_key(c: Case) -> Row:
@@ -425,21 +614,37 @@ def case_api_key(c: Case) -> Row:
     with contextlib.suppress(subprocess.TimeoutExpired):
         runner.wait(timeout=60)
     # A bad setting stops this run in preflight, after the exposure warning and before vLLM.
-    warn = c.run("run", "tiny-moe", "--yes", "--host", "0.0.0.0", "--port", str(free_port()),
-                 env={"BIGMOE_READ_RETRIES": "x"})
+    warn = c.run(
+        "run", "tiny-moe", "--yes", "--host", "0.0.0.0", "--port", str(free_port()), env={"BIGMOE_READ_RETRIES": "x"}
+    )
     warned = "0.0.0.0" in warn.stderr and ("key" in warn.stderr.lower())
-    return Row("API key leaks", "; ".join(leaks) or "no leak found (ready line, argv, logs, runfiles)", runner.poll(),
-               c.stray(), [], not leaks and warned, f"--host 0.0.0.0 without a key warns: {warned}")
+    return Row(
+        "API key leaks",
+        "; ".join(leaks) or "no leak found (ready line, argv, logs, runfiles)",
+        runner.poll(),
+        c.stray(),
+        [],
+        not leaks and warned,
+        f"--host 0.0.0.0 without a key warns: {warned}",
+    )
 
 
 CASES: dict[str, Callable[[Case], Row]] = {
-    "second-run": case_second_run, "double-ctrl-c": case_double_ctrl_c, "sighup": case_sighup,
-    "damaged-paging-file": case_damaged_paging_file, "paging-damaged-serving": case_paging_file_damaged_while_serving,
+    "second-run": case_second_run,
+    "double-ctrl-c": case_double_ctrl_c,
+    "sighup": case_sighup,
+    "damaged-paging-file": case_damaged_paging_file,
+    "paging-damaged-serving": case_paging_file_damaged_while_serving,
     "truncated-safetensors": case_truncated_safetensors,
-    "bad-env": case_bad_env, "bad-settings-file": case_bad_settings_file, "kill-engine": case_kill_engine_mid_stream,
-    "disk-full-fetch": case_disk_full_fetch, "disk-full-prepare": case_disk_full_prepare,
-    "interrupted-download": case_interrupted_download, "paging-file-other-model": case_paging_file_of_another_model,
-    "odirect-refused": case_odirect_refused, "api-key": case_api_key,
+    "bad-env": case_bad_env,
+    "bad-settings-file": case_bad_settings_file,
+    "kill-engine": case_kill_engine_mid_stream,
+    "disk-full-fetch": case_disk_full_fetch,
+    "disk-full-prepare": case_disk_full_prepare,
+    "interrupted-download": case_interrupted_download,
+    "paging-file-other-model": case_paging_file_of_another_model,
+    "odirect-refused": case_odirect_refused,
+    "api-key": case_api_key,
 }
 
 
@@ -473,8 +678,14 @@ def _tiny_copy(c: Case, seed: int = 0, shard_bytes: int | None = None) -> Path:
     from bigmoe.tinymoe.make import TinyShape, make_tiny_moe
 
     arch = presets.load("tiny-moe").arch
-    shape = TinyShape(layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k, hidden=arch.hidden,
-                      moe_intermediate=arch.moe_intermediate, vocab=arch.vocab)
+    shape = TinyShape(
+        layers=arch.moe_layers,
+        experts=arch.experts,
+        top_k=arch.top_k,
+        hidden=arch.hidden,
+        moe_intermediate=arch.moe_intermediate,
+        vocab=arch.vocab,
+    )
     out = c.home / f"ckpt-{seed}-{shard_bytes}"
     extra = {"shard_bytes": shard_bytes} if shard_bytes else {}
     return make_tiny_moe(out, shape, "bf16", seed, **extra)
@@ -503,9 +714,11 @@ def _mounted(path: Path, kind: str, options: str = "defaults"):
 def _loop_ext4(path: Path, mib: int):
     image = path.with_suffix(".img")
     path.mkdir(parents=True, exist_ok=True)
-    made = (subprocess.run(["truncate", "-s", f"{mib}M", str(image)], capture_output=True).returncode == 0
-            and subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True).returncode == 0
-            and subprocess.run(["mount", "-o", "loop", str(image), str(path)], capture_output=True).returncode == 0)
+    made = (
+        subprocess.run(["truncate", "-s", f"{mib}M", str(image)], capture_output=True).returncode == 0
+        and subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True).returncode == 0
+        and subprocess.run(["mount", "-o", "loop", str(image), str(path)], capture_output=True).returncode == 0
+    )
     if not made:
         yield None
         return
@@ -517,17 +730,23 @@ def _loop_ext4(path: Path, mib: int):
 
 
 def render(rows: list[Row], command: str) -> str:
-    lines = ["# Fault matrix (issue 17)", "",
-             f"Made by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
-             "(CPU build of vLLM, the tiny-moe demo; each case in its own BIGMOE_HOME).", "",
-             "| case | message the user sees | exit | stray processes | files left | verdict |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Fault matrix (issue 17)",
+        "",
+        f"Made by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        "(CPU build of vLLM, the tiny-moe demo; each case in its own BIGMOE_HOME).",
+        "",
+        "| case | message the user sees | exit | stray processes | files left | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         verdict = "clear error, nothing left behind" if r.ok else "NOT OK" + (f" ({r.note})" if r.note else "")
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-        lines.append(f"| {r.case} | {cell(r.message) or '(none)'} | {r.exit_code} "
-                     f"| {cell(', '.join(r.stray)) or 'none'} "
-                     f"| {cell(', '.join(r.files_left)) or 'none'} | {cell(verdict)} |")
+        lines.append(
+            f"| {r.case} | {cell(r.message) or '(none)'} | {r.exit_code} "
+            f"| {cell(', '.join(r.stray)) or 'none'} "
+            f"| {cell(', '.join(r.files_left)) or 'none'} | {cell(verdict)} |"
+        )
     notes = [f"- {r.case}: {r.note}" for r in rows if r.note]
     return "\n".join(lines + ([""] + ["Notes:"] + notes if notes else [])) + "\n"
 
@@ -549,9 +768,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = Row(name, f"the case itself failed: {type(e).__name__}: {e}", None, case.stray(), [], False)
             finally:
                 case.cleanup()
-            print(f"{row.case}: {'ok' if row.ok else 'NOT OK'} | {row.message} | exit {row.exit_code} | "
-                  f"stray {row.stray or 'none'} | left {row.files_left or 'none'} | {time.monotonic() - start:.0f} s",
-                  flush=True)
+            print(
+                f"{row.case}: {'ok' if row.ok else 'NOT OK'} | {row.message} | exit {row.exit_code} | "
+                f"stray {row.stray or 'none'} | left {row.files_left or 'none'} | {time.monotonic() - start:.0f} s",
+                flush=True,
+            )
             rows.append(row)
             if args.out:  # after every case, so a long matrix stopped midway keeps what it found
                 args.out.parent.mkdir(parents=True, exist_ok=True)

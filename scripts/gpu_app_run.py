@@ -44,13 +44,24 @@ def child_env() -> dict[str, str]:
 
 
 def plan_step(args) -> dict:
-    proc = subprocess.run(bigmoe("plan", str(args.model), "--json", *budgets(args)), env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        bigmoe("plan", str(args.model), "--json", *budgets(args)),
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if proc.returncode != 0:
         raise StepFailed(f"bigmoe plan exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
     plan = json.loads(proc.stdout)
-    tiers = {"experts": plan["experts"], "vram_slots": plan["vram_slots"], "ram_slots": plan["ram_slots"],
-             "ngram": plan["ngram"], "argv": plan["argv"], "env": plan["env"]}
+    tiers = {
+        "experts": plan["experts"],
+        "vram_slots": plan["vram_slots"],
+        "ram_slots": plan["ram_slots"],
+        "ngram": plan["ngram"],
+        "argv": plan["argv"],
+        "env": plan["env"],
+    }
     if not plan["vram_slots"] < plan["ram_slots"] < plan["experts"]:
         raise StepFailed(f"the budgets do not force every tier: {tiers}")
     return tiers
@@ -65,10 +76,24 @@ class StepFailed(RuntimeError):
 
 
 def start_run(args, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(bigmoe("run", str(args.model), "--yes", "--json", "--port", str(args.port),
-                                   "--start-timeout", str(args.start_timeout), *budgets(args)),
-                            env=child_env(), stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        bigmoe(
+            "run",
+            str(args.model),
+            "--yes",
+            "--json",
+            "--port",
+            str(args.port),
+            "--start-timeout",
+            str(args.start_timeout),
+            *budgets(args),
+        ),
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=open(log, "w"),
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_ready(run: subprocess.Popen, timeout_s: float, events: list[dict]) -> dict:
@@ -88,13 +113,18 @@ def wait_ready(run: subprocess.Popen, timeout_s: float, events: list[dict]) -> d
 
 def chat(endpoint: str, model: str) -> dict:
     started = time.monotonic()
-    r = httpx.post(f"{endpoint}/v1/chat/completions", timeout=300,
-                   json={"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
-                         "temperature": 0})
+    r = httpx.post(
+        f"{endpoint}/v1/chat/completions",
+        timeout=300,
+        json={"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32, "temperature": 0},
+    )
     r.raise_for_status()
     body = r.json()
-    return {"seconds": round(time.monotonic() - started, 3), "answer": body["choices"][0]["message"]["content"],
-            "completion_tokens": body["usage"]["completion_tokens"]}
+    return {
+        "seconds": round(time.monotonic() - started, 3),
+        "answer": body["choices"][0]["message"]["content"],
+        "completion_tokens": body["usage"]["completion_tokens"],
+    }
 
 
 def pager_metrics(endpoint: str) -> dict:
@@ -147,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         run = start_run(args, log)
         events: list[dict] = []
         ready = wait_ready(run, args.start_timeout + 60, events)
-        report["steps"]["ready"] = {"endpoint": ready["endpoint"], "stages": [e.get("stage") for e in events
-                                                                              if e.get("event") == "stage"]}
+        report["steps"]["ready"] = {
+            "endpoint": ready["endpoint"],
+            "stages": [e.get("stage") for e in events if e.get("event") == "stage"],
+        }
         report["steps"]["chat"] = chat(ready["endpoint"], ready["model"])
         report["steps"]["metrics"] = pager_metrics(ready["endpoint"])
         ps = subprocess.run(bigmoe("ps"), env=child_env(), capture_output=True, text=True, timeout=60)

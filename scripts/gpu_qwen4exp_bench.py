@@ -40,8 +40,12 @@ def model_numbers(model: Path) -> dict:
     """Experts, top-k and MoE layers from the checkpoint's config.json (text config nested or not)."""
     config = json.loads((model / "config.json").read_text())
     text = config.get("text_config", config)
-    return {"experts": int(text["num_experts"]), "top_k": int(text["num_experts_per_tok"]),
-            "layers": int(text["num_hidden_layers"]), "vocab": int(text["vocab_size"])}
+    return {
+        "experts": int(text["num_experts"]),
+        "top_k": int(text["num_experts_per_tok"]),
+        "layers": int(text["num_hidden_layers"]),
+        "vocab": int(text["vocab_size"]),
+    }
 
 
 def expert_bytes(model: Path) -> int:
@@ -55,8 +59,14 @@ def expert_bytes(model: Path) -> int:
 
 def configs(trace: Path, numbers: dict, vram: int, ram: int, offload_gib: float) -> list[tuple[e2e.Config, dict]]:
     replay = {**e2e.QWEN4EXP_ENV, "BIGMOE_ROUTE_REPLAY": str(trace)}
-    paged = {**replay, "BIGMOE_PAGER": "1", "BIGMOE_CUDA_GRAPHS": "1", "BIGMOE_PREFILL_BUFFER": "1",
-             "BIGMOE_VRAM_SLOTS": str(vram), "BIGMOE_RAM_SLOTS": str(ram)}
+    paged = {
+        **replay,
+        "BIGMOE_PAGER": "1",
+        "BIGMOE_CUDA_GRAPHS": "1",
+        "BIGMOE_PREFILL_BUFFER": "1",
+        "BIGMOE_VRAM_SLOTS": str(vram),
+        "BIGMOE_RAM_SLOTS": str(ram),
+    }
     offload = {"cpu_offload_gb": round(offload_gib, 2), "cpu_offload_params": ["w13_weight", "w2_weight"]}
     engine = {"engine": e2e.QWEN4EXP_ENGINE, "max_cudagraph_capture_size": max(1, vram // numbers["top_k"])}
     return [
@@ -90,14 +100,25 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = numbers["layers"] * args.vram_slots * record + numbers["experts"] * record
     offload_gib = max(0.0, (total - on_gpu) / GIB)
     trace = work / "standard-trace.npz"
-    traces.save_trace(trace, traces.standard_trace(16384, numbers["layers"], numbers["experts"], numbers["top_k"],
-                                                   seed=0))
+    traces.save_trace(
+        trace, traces.standard_trace(16384, numbers["layers"], numbers["experts"], numbers["top_k"], seed=0)
+    )
     ids = np.random.default_rng(0).integers(3, numbers["vocab"] - 3, 2 * bench.PROMPT_TOKENS).tolist()
-    spec = {**bench.bench_spec(args.model), "timing_ids": ids[:bench.PROMPT_TOKENS],
-            "warmup_ids": ids[bench.PROMPT_TOKENS:]}
-    report: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": str(args.model),
-                    **numbers, "expert_bytes": record, "expert_gib": round(total / GIB, 2),
-                    "pager_vram_gib": round(on_gpu / GIB, 2), "offload_gib": round(offload_gib, 2), "configs": []}
+    spec = {
+        **bench.bench_spec(args.model),
+        "timing_ids": ids[: bench.PROMPT_TOKENS],
+        "warmup_ids": ids[bench.PROMPT_TOKENS :],
+    }
+    report: dict = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "model": str(args.model),
+        **numbers,
+        "expert_bytes": record,
+        "expert_gib": round(total / GIB, 2),
+        "pager_vram_gib": round(on_gpu / GIB, 2),
+        "offload_gib": round(offload_gib, 2),
+        "configs": [],
+    }
     wanted = args.configs.split(",")
     for config, extra in configs(trace, numbers, args.vram_slots, args.ram_slots, offload_gib):
         if config.name not in wanted:

@@ -52,8 +52,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
 import traces  # noqa: E402
 
-SHAPE = dict(experts=256, top_k=8, hidden=2048, moe_intermediate=512, vocab=151936, heads=32, kv_heads=4,
-             head_dim=128, dtype="fp8", device="cuda")
+SHAPE = dict(
+    experts=256,
+    top_k=8,
+    hidden=2048,
+    moe_intermediate=512,
+    vocab=151936,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    dtype="fp8",
+    device="cuda",
+)
 LAYERS = 40
 PROMPT_TOKENS = 1024
 GEN_TOKENS = 256
@@ -110,16 +120,22 @@ def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
     paged = {**replay, "BIGMOE_PAGER": "1", "BIGMOE_CUDA_GRAPHS": "1"}
     ranges, layerbuf = {"BIGMOE_PREFILL_BUFFER": "0"}, {"BIGMOE_PREFILL_BUFFER": "1"}
     s40, s12, s50 = str(round(0.4 * experts)), str(experts // 8), str(experts // 2)
-    return {c.name: c for c in [
-        e2e.Config("resident", replay),
-        e2e.Config("offload17", replay),
-        e2e.Config("bigmoe-102", {**paged, "BIGMOE_VRAM_SLOTS": s40, **ranges}),
-        e2e.Config("bigmoe-32", {**paged, "BIGMOE_VRAM_SLOTS": s12, **ranges}),
-        e2e.Config("bigmoe-32-ram128-ssd", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50, **ranges}),
-        e2e.Config("bigmoe-102-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s40, **layerbuf}),
-        e2e.Config("bigmoe-32-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, **layerbuf}),
-        e2e.Config("bigmoe-32-ram128-ssd-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50, **layerbuf}),
-    ]}
+    return {
+        c.name: c
+        for c in [
+            e2e.Config("resident", replay),
+            e2e.Config("offload17", replay),
+            e2e.Config("bigmoe-102", {**paged, "BIGMOE_VRAM_SLOTS": s40, **ranges}),
+            e2e.Config("bigmoe-32", {**paged, "BIGMOE_VRAM_SLOTS": s12, **ranges}),
+            e2e.Config("bigmoe-32-ram128-ssd", {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50, **ranges}),
+            e2e.Config("bigmoe-102-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s40, **layerbuf}),
+            e2e.Config("bigmoe-32-layerbuf", {**paged, "BIGMOE_VRAM_SLOTS": s12, **layerbuf}),
+            e2e.Config(
+                "bigmoe-32-ram128-ssd-layerbuf",
+                {**paged, "BIGMOE_VRAM_SLOTS": s12, "BIGMOE_RAM_SLOTS": s50, **layerbuf},
+            ),
+        ]
+    }
 
 
 def use_smoke_shape() -> None:
@@ -153,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = bench_spec(model)
     for name in args.configs.split(","):
         config = config_for(name, trace, SHAPE["experts"], args.family, args.precision, work)
-        run_spec = {**spec, "cpu_offload_gb": 17, "cpu_offload_params": ["w13_weight", "w2_weight"]} \
-            if name == "offload17" else spec
+        run_spec = (
+            {**spec, "cpu_offload_gb": 17, "cpu_offload_params": ["w13_weight", "w2_weight"]}
+            if name == "offload17"
+            else spec
+        )
         if time.monotonic() >= deadline:
             row = e2e.skipped(config, "time budget spent")
         else:
@@ -168,17 +187,29 @@ def main(argv: list[str] | None = None) -> int:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="result JSON")
-    p.add_argument("--configs", default="resident,offload17,bigmoe-102,bigmoe-32,bigmoe-32-ram128-ssd",
-                   help="comma list of configurations to run, in order")
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-vllm-bench"),
-                   help="checkpoint and trace (a local disk where O_DIRECT works; about 31 GiB)")
-    p.add_argument("--logs", type=Path, default=None,
-                   help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)")
+    p.add_argument(
+        "--configs",
+        default="resident,offload17,bigmoe-102,bigmoe-32,bigmoe-32-ram128-ssd",
+        help="comma list of configurations to run, in order",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/bigmoe-vllm-bench"),
+        help="checkpoint and trace (a local disk where O_DIRECT works; about 31 GiB)",
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)",
+    )
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
     p.add_argument("--smoke", action="store_true", help="a 2-layer bf16 model on vLLM's CPU build (plumbing check)")
     p.add_argument("--combine", type=Path, nargs="+", help="merge these result files into --out, with the ratios")
-    p.add_argument("--family", default="standard", help="routing family (scripts/traces.py): "
-                   + ", ".join(traces.FAMILIES))
+    p.add_argument(
+        "--family", default="standard", help="routing family (scripts/traces.py): " + ", ".join(traces.FAMILIES)
+    )
     p.add_argument("--precision", type=float, default=0.5, help="precision of the predictions of @rX configurations")
     args = p.parse_args(argv)
     if args.family not in traces.FAMILIES:
@@ -188,8 +219,10 @@ def parse_args(argv):
             try:
                 parse_name(name)
             except KeyError:
-                p.error(f"configuration {name!r} is unknown: a name of the module's list, then @rRECALL "
-                        f"and/or ~POLICY ({', '.join(EVICTIONS)})")
+                p.error(
+                    f"configuration {name!r} is unknown: a name of the module's list, then @rRECALL "
+                    f"and/or ~POLICY ({', '.join(EVICTIONS)})"
+                )
             except ValueError:
                 p.error(f"configuration {name!r}: @r takes a recall in [0, 1]")
     return args
@@ -213,10 +246,17 @@ def checkpoint(work: Path, logs: Path) -> tuple[Path, float]:
 def bench_spec(model: Path) -> dict:
     ids = np.random.default_rng(0).integers(3, min(SHAPE["vocab"], 150000) - 3, 2 * PROMPT_TOKENS).tolist()
     return {
-        "task": "bench", "model": str(model), "max_model_len": 2048, "max_num_seqs": 1,
-        "kv_cache_memory_bytes": None if SHAPE["device"] == "cuda" else 256 << 20, "enforce_eager": False,
-        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "skip_tokenizer_init": True,
-        "timing_ids": ids[:PROMPT_TOKENS], "warmup_ids": ids[PROMPT_TOKENS:], "timing_tokens": GEN_TOKENS,
+        "task": "bench",
+        "model": str(model),
+        "max_model_len": 2048,
+        "max_num_seqs": 1,
+        "kv_cache_memory_bytes": None if SHAPE["device"] == "cuda" else 256 << 20,
+        "enforce_eager": False,
+        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+        "skip_tokenizer_init": True,
+        "timing_ids": ids[:PROMPT_TOKENS],
+        "warmup_ids": ids[PROMPT_TOKENS:],
+        "timing_tokens": GEN_TOKENS,
     }
 
 
@@ -228,11 +268,17 @@ def summarize(row: dict) -> dict:
     decode = result.get("decode_counters") or {}
     rate = lambda c: round(c["hits"] / c["lookups"], 4) if c.get("lookups") else None  # noqa: E731
     return {
-        **row, "tpot_ms": result["tpot_ms"], "ttft_ms": result["ttft_ms"], "startup_s": result["startup_s"],
-        "cudagraph_mode": result.get("cudagraph_mode"), "experts_kernel": result.get("experts_kernel"),
+        **row,
+        "tpot_ms": result["tpot_ms"],
+        "ttft_ms": result["ttft_ms"],
+        "startup_s": result["startup_s"],
+        "cudagraph_mode": result.get("cudagraph_mode"),
+        "experts_kernel": result.get("experts_kernel"),
         "decode_hit_rate": {tier: rate(c) for tier, c in decode.items()},
-        "pcie_gb_per_token": result.get("pcie_gb_per_token"), "ssd_gb_per_token": result.get("ssd_gb_per_token"),
-        "pager_totals": result.get("pager"), "tokens": result.get("tokens"),
+        "pcie_gb_per_token": result.get("pcie_gb_per_token"),
+        "ssd_gb_per_token": result.get("ssd_gb_per_token"),
+        "pager_totals": result.get("pager"),
+        "tokens": result.get("tokens"),
         "inductor_deterministic": result.get("inductor_deterministic"),
     }
 
@@ -267,8 +313,7 @@ def combine(files: list[Path], out: Path) -> int:
     for r in rows.values():
         # Greedy tokens of the timed request: which other configurations produced exactly the same.
         if r.get("tokens") is not None:
-            r["same_tokens_as"] = [o["name"] for o in rows.values()
-                                   if o is not r and o.get("tokens") == r["tokens"]]
+            r["same_tokens_as"] = [o["name"] for o in rows.values() if o is not r and o.get("tokens") == r["tokens"]]
     report = {**meta, "configs": list(rows.values()), "families": family_ratios(rows)}
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)
@@ -280,9 +325,11 @@ def combine(files: list[Path], out: Path) -> int:
         }
     e2e.write_json(out, report)
     for r in report["configs"]:
-        print(f"{r['name']:24s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms  hit {r.get('decode_hit_rate')}"
-              f"  PCIe GB/token {r.get('pcie_gb_per_token')}  SSD GB/token {r.get('ssd_gb_per_token')}"
-              f"  same tokens as: {r.get('same_tokens_as', '-')}  {r.get('error', '')}")
+        print(
+            f"{r['name']:24s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms  hit {r.get('decode_hit_rate')}"
+            f"  PCIe GB/token {r.get('pcie_gb_per_token')}  SSD GB/token {r.get('ssd_gb_per_token')}"
+            f"  same tokens as: {r.get('same_tokens_as', '-')}  {r.get('error', '')}"
+        )
     print({k: v for k, v in report.items() if k not in ("configs", "checkpoint", "commands")})
     return 0
 

@@ -52,11 +52,33 @@ CHILD = REPO / "scripts" / "vllm_e2e_child.py"
 MAKERS = {"qwen3moe": REPO / "scripts" / "make_tiny_moe.py", "qwen4exp": REPO / "scripts" / "make_qwen4exp.py"}
 SHAPES = {
     # Qwen3.6-35B-A3B's routed experts and attention sizes, few layers, FP8 as Qwen ships it, drawn on the GPU.
-    "qwen3.6": dict(maker="qwen3moe", experts=256, top_k=8, hidden=2048, moe_intermediate=512, vocab=8192, heads=16, kv_heads=4,
-                    head_dim=128, dtype="fp8", device="cuda"),
+    "qwen3.6": dict(
+        maker="qwen3moe",
+        experts=256,
+        top_k=8,
+        hidden=2048,
+        moe_intermediate=512,
+        vocab=8192,
+        heads=16,
+        kv_heads=4,
+        head_dim=128,
+        dtype="fp8",
+        device="cuda",
+    ),
     # A small bf16 model to check this script's plumbing on vLLM's CPU build (not a GPU result).
-    "smoke": dict(maker="qwen3moe", experts=32, top_k=4, hidden=256, moe_intermediate=128, vocab=2048, heads=4, kv_heads=2,
-                  head_dim=64, dtype="bf16", device="cpu"),
+    "smoke": dict(
+        maker="qwen3moe",
+        experts=32,
+        top_k=4,
+        hidden=256,
+        moe_intermediate=128,
+        vocab=2048,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        dtype="bf16",
+        device="cpu",
+    ),
     # Qwen3.8-Flash-Next (Qwen4Exp): 512 experts of 2560 -> 640, top-10 plus a shared expert, hyper-connections,
     # QSA and linear-attention layers, a PLE layer with its n-gram table, the MTP head; few layers, FP8, on the GPU.
     # 8 indexer heads: vLLM 0.33's QSA prefill-logits kernel (tiles tuned on GB300) keeps 64 query rows x every
@@ -64,10 +86,14 @@ SHAPES = {
     # H200 has (run 1, docs/benchmarks.md). The released config's head count is not public.
     "flash-next": dict(maker="qwen4exp", experts=512, top_k=10, indexer_heads=8, dtype="fp8", device="cuda"),
     # The same architecture small and bf16, to check this script's plumbing on vLLM's CPU build (not a GPU result).
-    "flash-next-smoke": dict(maker="qwen4exp", experts=32, top_k=4, hidden=256, moe_intermediate=128, dtype="bf16",
-                             device="cpu"),
+    "flash-next-smoke": dict(
+        maker="qwen4exp", experts=32, top_k=4, hidden=256, moe_intermediate=128, dtype="bf16", device="cpu"
+    ),
 }
-QWEN4EXP_ENGINE = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}, "additional_config": {"gdn_prefill_backend": "triton"}}
+QWEN4EXP_ENGINE = {
+    "compilation_config": {"cudagraph_mode": "PIECEWISE"},
+    "additional_config": {"gdn_prefill_backend": "triton"},
+}
 """The preset's engine settings for Qwen4Exp (presets/qwen3.8-flash-next.toml): PIECEWISE breakable CUDA graphs."""
 QWEN4EXP_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
 PROMPTS = [
@@ -100,7 +126,10 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
     vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
     ssd = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)}
     vram = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram40)}
-    graphs = {"BIGMOE_CUDA_GRAPHS": "1", "BIGMOE_PREFILL_BUFFER": "0"}  # big steps in token ranges; -layerbuf: the buffer
+    graphs = {
+        "BIGMOE_CUDA_GRAPHS": "1",
+        "BIGMOE_PREFILL_BUFFER": "0",
+    }  # big steps in token ranges; -layerbuf: the buffer
     return [
         Config("unpaged", reference="unpaged"),
         # The engine's own reproducibility: batch-4 greedy tokens of two unpaged runs on two machines differed.
@@ -108,16 +137,25 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(f"vram40 ({vram40} slots)", {**vram, **graphs}),
         Config(f"vram12-ram50-ssd ({vram12}/{ram50}, checkpoint)", {**ssd, **graphs}),
         # Prefill over one buffer of the whole layer (BIGMOE_PREFILL_BUFFER) instead of token ranges.
-        Config(f"vram40-layerbuf ({vram40} slots, whole-layer prefill buffer)", {**vram, **graphs, "BIGMOE_PREFILL_BUFFER": "1"}),
-        Config(f"vram12-ram50-ssd-layerbuf ({vram12}/{ram50}, checkpoint, whole-layer prefill buffer)",
-               {**ssd, **graphs, "BIGMOE_PREFILL_BUFFER": "1"}),
+        Config(
+            f"vram40-layerbuf ({vram40} slots, whole-layer prefill buffer)",
+            {**vram, **graphs, "BIGMOE_PREFILL_BUFFER": "1"},
+        ),
+        Config(
+            f"vram12-ram50-ssd-layerbuf ({vram12}/{ram50}, checkpoint, whole-layer prefill buffer)",
+            {**ssd, **graphs, "BIGMOE_PREFILL_BUFFER": "1"},
+        ),
         Config("unpaged-eager", eager=True, reference="unpaged-eager"),
         # Which half diverges: the device-driven pager without graphs, and the host-driven one.
         Config(f"vram40-eager-device ({vram40} slots)", {**vram, **graphs}, eager=True, reference="unpaged-eager"),
         Config(f"vram40-eager-host ({vram40} slots)", vram, eager=True, reference="unpaged-eager"),
-        Config(f"vram12-ram50-ssd-codec ({vram12}/{ram50}, paging file, eager)",
-               {**ssd, "BIGMOE_PAGING_FILE": str(paging_file), "BIGMOE_COMPRESS": "on"}, needs_paging_file=True,
-               eager=True, reference="unpaged-eager"),
+        Config(
+            f"vram12-ram50-ssd-codec ({vram12}/{ram50}, paging file, eager)",
+            {**ssd, "BIGMOE_PAGING_FILE": str(paging_file), "BIGMOE_COMPRESS": "on"},
+            needs_paging_file=True,
+            eager=True,
+            reference="unpaged-eager",
+        ),
     ]
 
 
@@ -132,19 +170,27 @@ def qwen4exp_configs(experts: int, top_k: int, spec_tokens: list[int]) -> list[C
         "vram12-ram50-ssd": {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)},
     }
     base = {**QWEN4EXP_ENV, "BIGMOE_CUDA_GRAPHS": "1", "BIGMOE_PREFILL_BUFFER": "1"}
-    out = [Config("unpaged", dict(QWEN4EXP_ENV), reference="unpaged", engine=QWEN4EXP_ENGINE),
-           Config("unpaged-repeat", dict(QWEN4EXP_ENV), engine=QWEN4EXP_ENGINE)]
+    out = [
+        Config("unpaged", dict(QWEN4EXP_ENV), reference="unpaged", engine=QWEN4EXP_ENGINE),
+        Config("unpaged-repeat", dict(QWEN4EXP_ENV), engine=QWEN4EXP_ENGINE),
+    ]
     for name, env in mixes.items():
         for ngram in (False, True):
             label = f"{name}{'-ngram' if ngram else ''}"
-            out.append(Config(label, {**base, **env, **({"BIGMOE_NGRAM": "1"} if ngram else {})},
-                              engine=QWEN4EXP_ENGINE))
+            out.append(
+                Config(label, {**base, **env, **({"BIGMOE_NGRAM": "1"} if ngram else {})}, engine=QWEN4EXP_ENGINE)
+            )
     for n in spec_tokens:
         mtp = {**QWEN4EXP_ENGINE, "speculative_config": {"method": "mtp", "num_speculative_tokens": n}}
         out.append(Config(f"unpaged-mtp{n}", dict(QWEN4EXP_ENV), reference=f"unpaged-mtp{n}", engine=mtp))
-        out.append(Config(f"vram12-ram50-ssd-ngram-mtp{n}",
-                          {**base, **mixes["vram12-ram50-ssd"], "BIGMOE_NGRAM": "1"}, reference=f"unpaged-mtp{n}",
-                          engine=mtp))
+        out.append(
+            Config(
+                f"vram12-ram50-ssd-ngram-mtp{n}",
+                {**base, **mixes["vram12-ram50-ssd"], "BIGMOE_NGRAM": "1"},
+                reference=f"unpaged-mtp{n}",
+                engine=mtp,
+            )
+        )
     return out
 
 
@@ -160,11 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     (logs / "prepare.log").unlink(missing_ok=True)
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"mode": f"CUDA graphs (vLLM default mode, --max-cudagraph-capture-size {GRAPH_CAPTURE}); "
-                            "the codec run eager (host-driven); "
-                            + ("vLLM's default compile settings" if args.no_deterministic else
-                               "deterministic engine (deterministic algorithms, Inductor without timed kernel choices)"),
-                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "configs": [], "passed": False}
+    report: dict = {
+        "mode": f"CUDA graphs (vLLM default mode, --max-cudagraph-capture-size {GRAPH_CAPTURE}); "
+        "the codec run eager (host-driven); "
+        + (
+            "vLLM's default compile settings"
+            if args.no_deterministic
+            else "deterministic engine (deterministic algorithms, Inductor without timed kernel choices)"
+        ),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "configs": [],
+        "passed": False,
+    }
     started = time.monotonic()
     shape = SHAPES[args.shape]
     name = f"{args.shape}-{shape['dtype']}-{args.layers}l"
@@ -175,30 +228,62 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out, report)
         print(f"gpu_vllm_e2e: {e}", file=sys.stderr)
         return 1
-    report["checkpoint"] = {"path": str(model), "shape": args.shape, "layers": args.layers, **shape,
-                            "tokenizer": has_tokenizer, "seconds": made_s}
+    report["checkpoint"] = {
+        "path": str(model),
+        "shape": args.shape,
+        "layers": args.layers,
+        **shape,
+        "tokenizer": has_tokenizer,
+        "seconds": made_s,
+    }
     paging_file = work / f"{name}.bmpf"
     # The codec configurations read a compressed paging file; Qwen4Exp's matrix has none.
     builder = start_paging_build(model, paging_file, logs) if shape["maker"] == "qwen3moe" else None
     try:
-        matrix = (qwen4exp_configs(shape["experts"], shape["top_k"], args.spec_tokens) if shape["maker"] == "qwen4exp"
-                  else configs(shape["experts"], paging_file))
+        matrix = (
+            qwen4exp_configs(shape["experts"], shape["top_k"], args.spec_tokens)
+            if shape["maker"] == "qwen4exp"
+            else configs(shape["experts"], paging_file)
+        )
         todo = [c for c in matrix if not args.configs or c.name.split(" ")[0] in args.configs]
-        run_all(todo, make_spec(model, has_tokenizer, shape, args),
-                builder, paging_file, work, logs, deadline, report, out, started, args.parallel)
+        run_all(
+            todo,
+            make_spec(model, has_tokenizer, shape, args),
+            builder,
+            paging_file,
+            work,
+            logs,
+            deadline,
+            report,
+            out,
+            started,
+            args.parallel,
+        )
     finally:
         if builder is not None and builder.poll() is None:
             builder.kill()
     paged = [r for r in report["configs"] if not r.get("reference")]
     report["passed"] = all(r.get("result") is not None for r in report["configs"]) and all(
-        r.get("tokens_identical") and r.get("serial_tokens_identical") and r.get("long_tokens_identical") for r in paged)
+        r.get("tokens_identical") and r.get("serial_tokens_identical") and r.get("long_tokens_identical") for r in paged
+    )
     write_json(out, report)
     print_table(report)
     return 0 if report["passed"] else 1
 
 
-def run_all(todo: list[Config], spec: dict, builder, paging_file: Path, work: Path, logs: Path, deadline: float,
-            report: dict, out: Path, started: float, parallel: int = 1) -> None:
+def run_all(
+    todo: list[Config],
+    spec: dict,
+    builder,
+    paging_file: Path,
+    work: Path,
+    logs: Path,
+    deadline: float,
+    report: dict,
+    out: Path,
+    started: float,
+    parallel: int = 1,
+) -> None:
     """Every configuration, `parallel` at a time (each its own process and share of GPU memory), then each compared
     with its reference; the report is rewritten as runs finish."""
     from concurrent.futures import ThreadPoolExecutor
@@ -216,8 +301,12 @@ def run_all(todo: list[Config], spec: dict, builder, paging_file: Path, work: Pa
         elif config.needs_paging_file and "error" in report["paging_file"]:
             row = skipped(config, "no paging file: " + report["paging_file"]["error"])
         else:
-            run_spec = {**spec, "enforce_eager": config.eager, "engine": config.engine,
-                        "max_cudagraph_capture_size": None if config.eager else GRAPH_CAPTURE}
+            run_spec = {
+                **spec,
+                "enforce_eager": config.eager,
+                "engine": config.engine,
+                "max_cudagraph_capture_size": None if config.eager else GRAPH_CAPTURE,
+            }
             row = run_config(config, run_spec, work, logs, deadline)
         rows[config.name] = row
         report["configs"] = [rows[c.name] for c in todo if c.name in rows]
@@ -242,28 +331,59 @@ def run_all(todo: list[Config], spec: dict, builder, paging_file: Path, work: Pa
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="result JSON (rewritten after every configuration)")
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-vllm-e2e"),
-                   help="checkpoint and paging file (a local disk where O_DIRECT works)")
-    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3.6",
-                   help="qwen3.6: the GPU run; smoke: a small bf16 model for vLLM's CPU build (checks the script only)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/bigmoe-vllm-e2e"),
+        help="checkpoint and paging file (a local disk where O_DIRECT works)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default="qwen3.6",
+        help="qwen3.6: the GPU run; smoke: a small bf16 model for vLLM's CPU build (checks the script only)",
+    )
     p.add_argument("--layers", type=int, default=2, help="decoder layers (qwen3.6: 256 experts, 0.77 GiB of FP8 each)")
     p.add_argument("--tokens", type=int, default=128, help="tokens generated for each of the 4 prompts")
     p.add_argument("--long-prompt", type=int, default=1024, help="tokens of the long prompt")
     p.add_argument("--long-tokens", type=int, default=32, help="tokens generated after the long prompt")
     p.add_argument("--timing-tokens", type=int, default=65, help="tokens of the batch-1 timing request (TTFT, TPOT)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
-    p.add_argument("--parallel", type=int, default=1,
-                   help="configurations run at once (each in its own process with its share of GPU memory)")
-    p.add_argument("--spec-tokens", type=lambda v: [int(x) for x in v.split(",") if x], default=[1, 3],
-                   help="Qwen4Exp shapes: MTP speculative-token counts to run (comma list; empty: none)")
-    p.add_argument("--configs", type=lambda v: v.split(","), default=None,
-                   help="comma list of configurations to run (first word of their names); default all")
-    p.add_argument("--logs", type=Path, default=None,
-                   help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)")
-    p.add_argument("--no-deterministic", action="store_true",
-                   help="vLLM's defaults (shows that the engine alone then does not reproduce its greedy tokens)")
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="stop starting runs (and cut a running one) after this many seconds")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="configurations run at once (each in its own process with its share of GPU memory)",
+    )
+    p.add_argument(
+        "--spec-tokens",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[1, 3],
+        help="Qwen4Exp shapes: MTP speculative-token counts to run (comma list; empty: none)",
+    )
+    p.add_argument(
+        "--configs",
+        type=lambda v: v.split(","),
+        default=None,
+        help="comma list of configurations to run (first word of their names); default all",
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)",
+    )
+    p.add_argument(
+        "--no-deterministic",
+        action="store_true",
+        help="vLLM's defaults (shows that the engine alone then does not reproduce its greedy tokens)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="stop starting runs (and cut a running one) after this many seconds",
+    )
     return p.parse_args(argv)
 
 
@@ -284,7 +404,9 @@ def make_checkpoint(out: Path, shape: dict, layers: int, logs: Path) -> tuple[Pa
     started = time.monotonic()
     for extra in ([], ["--no-tokenizer"]):
         proc = subprocess.run(base + extra, env=child_env({}), capture_output=True, text=True)
-        with open(logs / "prepare.log", "a") as log:  # one file for both preparation steps: $OUT returns 8 files at most
+        with open(
+            logs / "prepare.log", "a"
+        ) as log:  # one file for both preparation steps: $OUT returns 8 files at most
             log.write(proc.stdout + proc.stderr)
         if proc.returncode == 0:
             return out, not extra, round(time.monotonic() - started, 1)
@@ -296,12 +418,15 @@ def make_checkpoint(out: Path, shape: dict, layers: int, logs: Path) -> tuple[Pa
 
 def start_paging_build(model: Path, out: Path, logs: Path) -> subprocess.Popen:
     """build_paging_file(compress=True) in a background process (the codec encodes on the CPU)."""
-    code = ("import sys, time; from pathlib import Path; from bigmoe_pager.core.paging_build import build_paging_file; "
-            "t = time.monotonic(); build_paging_file(Path(sys.argv[1]), Path(sys.argv[2]), compress=True); "
-            "print('built in', round(time.monotonic() - t, 1), 's')")
+    code = (
+        "import sys, time; from pathlib import Path; from bigmoe_pager.core.paging_build import build_paging_file; "
+        "t = time.monotonic(); build_paging_file(Path(sys.argv[1]), Path(sys.argv[2]), compress=True); "
+        "print('built in', round(time.monotonic() - t, 1), 's')"
+    )
     log = open(logs / "prepare.log", "a")
-    return subprocess.Popen([sys.executable, "-c", code, str(model), str(out)], env=child_env({}),
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(model), str(out)], env=child_env({}), stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def finish_paging_build(builder: subprocess.Popen, path: Path, deadline: float) -> dict:
@@ -321,15 +446,21 @@ def finish_paging_build(builder: subprocess.Popen, path: Path, deadline: float) 
 def make_spec(model: Path, has_tokenizer: bool, shape: dict, args) -> dict:
     long_ids = long_prompt_ids(model, has_tokenizer, args.long_prompt, shape.get("vocab", 8192))
     return {
-        "model": str(model), "max_model_len": 2048, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "model": str(model),
+        "max_model_len": 2048,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "deterministic": not args.no_deterministic,
         # A fixed KV cache where there is no GPU to size from (vLLM's CPU build), or where several engines share one
         # GPU (--parallel): vLLM's profile would count the others' allocations as its own.
         "kv_cache_memory_bytes": 256 << 20 if shape["device"] != "cuda" else (2 << 30 if args.parallel > 1 else None),
         "skip_tokenizer_init": not has_tokenizer,
         "prompts": PROMPTS if has_tokenizer else [long_ids[i * 37 : i * 37 + 9] for i in range(len(PROMPTS))],
-        "max_tokens": args.tokens, "long_ids": long_ids, "long_max_tokens": args.long_tokens,
-        "timing_ids": long_ids[:16], "warmup_ids": long_ids[16:32], "timing_tokens": args.timing_tokens,
+        "max_tokens": args.tokens,
+        "long_ids": long_ids,
+        "long_max_tokens": args.long_tokens,
+        "timing_ids": long_ids[:16],
+        "warmup_ids": long_ids[16:32],
+        "timing_tokens": args.timing_tokens,
     }
 
 
@@ -357,9 +488,13 @@ def run_config(config: Config, spec: dict, work: Path, logs: Path, deadline: flo
     started = time.monotonic()
     with open(logs / f"{slug}.log", "w") as log:
         try:
-            proc = subprocess.run([sys.executable, str(CHILD), str(spec_path), str(result_path)],
-                                  env=child_env(config.env), stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=max(deadline - time.monotonic(), 1))
+            proc = subprocess.run(
+                [sys.executable, str(CHILD), str(spec_path), str(result_path)],
+                env=child_env(config.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=max(deadline - time.monotonic(), 1),
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -379,8 +514,14 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     """This environment without BIGMOE_*, plus extra; the checkout's pager/app first on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
     path = [str(REPO / "pager"), str(REPO / "app")] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
-    env.update(PYTHONPATH=":".join(path), PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env.update(
+        PYTHONPATH=":".join(path),
+        PYTHONUNBUFFERED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+    )
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")  # its ~3-minute warm-up changes no result
     env.update(extra)
@@ -403,8 +544,10 @@ def compare(row: dict, reference: dict | None) -> None:
         return
     row["ttft_ms"], row["tpot_ms"] = result["ttft_ms"], result["tpot_ms"]
     row["cudagraph_mode"] = result.get("cudagraph_mode")
-    row["pager"] = {tier: {**c, "hit_rate": round(c["hits"] / c["lookups"], 4) if c["lookups"] else None}
-                    for tier, c in result["pager"].items()}
+    row["pager"] = {
+        tier: {**c, "hit_rate": round(c["hits"] / c["lookups"], 4) if c["lookups"] else None}
+        for tier, c in result["pager"].items()
+    }
     if reference is None or row.get("reference"):
         return
     for part, key in (("short", "tokens"), ("serial", "serial_tokens"), ("long", "long_tokens")):
@@ -415,7 +558,8 @@ def compare(row: dict, reference: dict | None) -> None:
         row[f"{key}_identical"] = len(mine["tokens"]) == len(ref["tokens"]) and all(f is None for f in firsts)
         row[f"{key.replace('tokens', 'first_divergence')}"] = firsts
         row[f"{key.replace('tokens', 'logprobs')}_identical"] = (
-            None if None in mine["logprobs"] + ref["logprobs"] else mine["logprobs"] == ref["logprobs"])
+            None if None in mine["logprobs"] + ref["logprobs"] else mine["logprobs"] == ref["logprobs"]
+        )
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -427,9 +571,21 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def write_json(path: Path, report: dict) -> None:
     """The report without the per-token logprobs (their identity is recorded), written whole or not at all."""
-    slim = {**report, "configs": [{**r, "result": {k: ({**v, "logprobs": "compared"} if k in ("short", "serial", "long") else v)
-                                                    for k, v in r["result"].items()}} if "result" in r else r
-                                  for r in report["configs"]]}
+    slim = {
+        **report,
+        "configs": [
+            {
+                **r,
+                "result": {
+                    k: ({**v, "logprobs": "compared"} if k in ("short", "serial", "long") else v)
+                    for k, v in r["result"].items()
+                },
+            }
+            if "result" in r
+            else r
+            for r in report["configs"]
+        ],
+    }
     tmp = path.with_suffix(".partial")
     tmp.write_text(json.dumps(slim, indent=1))
     tmp.replace(path)
@@ -437,8 +593,10 @@ def write_json(path: Path, report: dict) -> None:
 
 def print_table(report: dict) -> None:
     print(f"mode: {report['mode']}")
-    print(f"{'configuration':48s} {'tokens':>7s} {'alone':>6s} {'long':>6s} {'logprobs':>9s} {'TTFT ms':>8s} {'TPOT ms':>8s}"
-          f" {'VRAM hit':>8s} {'RAM hit':>8s} {'SSD GB':>7s} {'s':>6s}")
+    print(
+        f"{'configuration':48s} {'tokens':>7s} {'alone':>6s} {'long':>6s} {'logprobs':>9s} {'TTFT ms':>8s} {'TPOT ms':>8s}"
+        f" {'VRAM hit':>8s} {'RAM hit':>8s} {'SSD GB':>7s} {'s':>6s}"
+    )
     for r in report["configs"]:
         if "error" in r:
             print(f"{r['name']:48s} ERROR {r['error']}")
@@ -454,8 +612,10 @@ def print_table(report: dict) -> None:
             both = [r.get("logprobs_identical"), r.get("serial_logprobs_identical"), r.get("long_logprobs_identical")]
             logprobs = same(None if None in both else all(both))
         ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        print(f"{r['name']:48s} {tokens:>7s} {alone:>6s} {long:>6s} {logprobs:>9s} {ms(r['ttft_ms']):>8s} {ms(r['tpot_ms']):>8s}"
-              f" {rate('vram'):>8s} {rate('ram'):>8s} {ssd_gb:>7s} {r['seconds']:6.1f}")
+        print(
+            f"{r['name']:48s} {tokens:>7s} {alone:>6s} {long:>6s} {logprobs:>9s} {ms(r['ttft_ms']):>8s} {ms(r['tpot_ms']):>8s}"
+            f" {rate('vram'):>8s} {rate('ram'):>8s} {ssd_gb:>7s} {r['seconds']:6.1f}"
+        )
     print(f"total {report.get('total_s')} s; passed: {report.get('passed')}")
 
 

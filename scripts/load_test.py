@@ -24,14 +24,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
 
-PROMPTS = ["Tell me about the sea.", "Write a short note about the river.", "Count from one to ten.",
-           "Describe an old house near a green tree.", "What do boats carry?", "Say something about rivers."]
+PROMPTS = [
+    "Tell me about the sea.",
+    "Write a short note about the river.",
+    "Count from one to ten.",
+    "Describe an old house near a green tree.",
+    "What do boats carry?",
+    "Say something about rivers.",
+]
 
 
 @dataclass
@@ -51,14 +57,20 @@ class Tally:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
-async def one_request(client: httpx.AsyncClient, endpoint: str, model: str, prompt: str, max_tokens: int,
-                      tally: Tally) -> None:
+async def one_request(
+    client: httpx.AsyncClient, endpoint: str, model: str, prompt: str, max_tokens: int, tally: Tally
+) -> None:
     tally.started += 1
     start = time.monotonic()
     first = None
     chunks = 0
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     try:
         async with client.stream("POST", f"{endpoint}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -114,15 +126,24 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-async def sample_rss(pid: int | None, every_s: float, until: float, samples: list[tuple[float, int]],
-                     t0: float) -> None:
+async def sample_rss(
+    pid: int | None, every_s: float, until: float, samples: list[tuple[float, int]], t0: float
+) -> None:
     while pid and time.monotonic() < until:
         samples.append((round(time.monotonic() - t0, 1), tree_rss(pid)))
         await asyncio.sleep(every_s)
 
 
-async def run_load(endpoint: str, model: str, clients: int, seconds: float, max_tokens: int, server_pid: int | None,
-                   sample_s: float, grace_s: float) -> dict:
+async def run_load(
+    endpoint: str,
+    model: str,
+    clients: int,
+    seconds: float,
+    max_tokens: int,
+    server_pid: int | None,
+    sample_s: float,
+    grace_s: float,
+) -> dict:
     tally, samples = Tally(), []
     t0 = time.monotonic()
     until = t0 + seconds
@@ -135,10 +156,18 @@ async def run_load(endpoint: str, model: str, clients: int, seconds: float, max_
     lost = tally.started - tally.completed - tally.failed
     elapsed = time.monotonic() - t0
     return {
-        "clients": clients, "seconds": round(elapsed, 1), "max_tokens": max_tokens, "requests": tally.started,
-        "completed": tally.completed, "errors": tally.failed, "error_kinds": tally.errors, "lost": lost,
-        "tokens": tally.tokens, "tokens_per_s": round(tally.tokens / elapsed, 2),
-        "latency_s": _percentiles(tally.latency_s), "ttft_s": _percentiles(tally.ttft_s),
+        "clients": clients,
+        "seconds": round(elapsed, 1),
+        "max_tokens": max_tokens,
+        "requests": tally.started,
+        "completed": tally.completed,
+        "errors": tally.failed,
+        "error_kinds": tally.errors,
+        "lost": lost,
+        "tokens": tally.tokens,
+        "tokens_per_s": round(tally.tokens / elapsed, 2),
+        "latency_s": _percentiles(tally.latency_s),
+        "ttft_s": _percentiles(tally.ttft_s),
         "rss_mib": [(t, round(b / 2**20, 1)) for t, b in samples],
     }
 
@@ -154,8 +183,9 @@ def start_server(model: str, port: int, home: Path) -> tuple[subprocess.Popen, s
     """`bigmoe run MODEL --yes --json` in its own session; returns (runner, endpoint, vLLM pid)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")} | {"BIGMOE_HOME": str(home)}
     argv = [sys.executable, "-m", "bigmoe.cli", "run", model, "--yes", "--json", "--port", str(port)]
-    runner = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    runner = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     pid = None
     for line in runner.stdout:
         if not line.startswith("{"):
@@ -185,8 +215,12 @@ def rss_summary(samples: list[tuple[float, float]]) -> dict[str, float]:
         return {}
     quarter = max(1, len(values) // 4)
     first, last = statistics.mean(values[:quarter]), statistics.mean(values[-quarter:])
-    return {"first_mib": values[0], "last_mib": values[-1], "peak_mib": max(values),
-            "growth_first_to_last_quarter_pct": round(100 * (last - first) / first, 2)}
+    return {
+        "first_mib": values[0],
+        "last_mib": values[-1],
+        "peak_mib": max(values),
+        "growth_first_to_last_quarter_pct": round(100 * (last - first) / first, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +243,18 @@ def main(argv: list[str] | None = None) -> int:
 
             runner, endpoint, pid = start_server(args.model, free_port(), Path(home))
         try:
-            result = asyncio.run(run_load(endpoint, args.model, args.clients, args.minutes * 60, args.max_tokens, pid,
-                                          args.sample_s, args.grace_s))
+            result = asyncio.run(
+                run_load(
+                    endpoint,
+                    args.model,
+                    args.clients,
+                    args.minutes * 60,
+                    args.max_tokens,
+                    pid,
+                    args.sample_s,
+                    args.grace_s,
+                )
+            )
         finally:
             if runner is not None:
                 stop_server(runner)

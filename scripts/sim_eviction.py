@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces  # noqa: E402  (scripts/ is not a package)
-
-from bigmoe_pager.core.slots import POLICIES as SLOT_POLICIES, SlotTable, SlotTableError  # noqa: E402
+from bigmoe_pager.core.slots import POLICIES as SLOT_POLICIES  # noqa: E402
+from bigmoe_pager.core.slots import SlotTable, SlotTableError
 
 POLICIES = ("lru", "lfu", "lfu-fast", "lfu:32")
 """The pager's policies (lfu halves its counts every 256 steps, lfu-fast every 16) and an lfu in between."""
@@ -110,9 +110,15 @@ def scaled(shape: Shape, experts: int, k: int) -> Shape:
     return Shape(shape.name, experts, k, vram, ram)
 
 
-def run(tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers: int, families: tuple[str, ...]) -> list:
-    cases = [(fam, shape, trace) for (fam, name), trace in family_traces(tokens, layers, seed).items()
-             for shape in SHAPES if shape.name == name and fam in families]
+def run(
+    tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers: int, families: tuple[str, ...]
+) -> list:
+    cases = [
+        (fam, shape, trace)
+        for (fam, name), trace in family_traces(tokens, layers, seed).items()
+        for shape in SHAPES
+        if shape.name == name and fam in families
+    ]
     if "recorded" in families:
         recorded = traces.load_trace(traces.RECORDED)[:tokens, :layers]
         r_experts, r_k = int(recorded.max()) + 1, recorded.shape[2]
@@ -122,11 +128,21 @@ def run(tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers:
         rates = iter(pool.starmap(simulate, jobs, chunksize=1))
     results = []
     for family, shape, trace in cases:
-        row = {"family": family, "shape": shape.name, "experts": shape.experts, "top_k": shape.top_k,
-               "vram_slots": shape.vram, "ram_slots": shape.ram, "tokens": trace.shape[0], "layers": trace.shape[1]}
+        row = {
+            "family": family,
+            "shape": shape.name,
+            "experts": shape.experts,
+            "top_k": shape.top_k,
+            "vram_slots": shape.vram,
+            "ram_slots": shape.ram,
+            "tokens": trace.shape[0],
+            "layers": trace.shape[1],
+        }
         row.update({policy: next(rates) for policy in policies})
         results.append(row)
-        print(json.dumps({k: row[k] for k in ("family", "shape")} | {p: row[p]["vram_hit"] for p in policies}), flush=True)
+        print(
+            json.dumps({k: row[k] for k in ("family", "shape")} | {p: row[p]["vram_hit"] for p in policies}), flush=True
+        )
     return results
 
 
@@ -140,12 +156,15 @@ def curves(tokens: int, layers: int, seed: int, workers: int) -> dict:
     curves bigmoe plan's speed estimate reads (app/bigmoe/plan_speed.py HIT_CURVES)."""
     experts, k = 256, 8
     cases = [(f, traces.named_trace(f, tokens, layers, experts, k, seed)) for f in traces.FAMILIES]
-    jobs = [(trace, experts, max(1, round(x * k)), experts, p) for _, trace in cases
-            for p in CURVE_POLICIES for x in CURVE_SLOTS_PER_K]
+    jobs = [
+        (trace, experts, max(1, round(x * k)), experts, p)
+        for _, trace in cases
+        for p in CURVE_POLICIES
+        for x in CURVE_SLOTS_PER_K
+    ]
     with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         rates = iter(pool.starmap(simulate, jobs, chunksize=1))
-    return {f: {p: [[x, next(rates)["vram_hit"]] for x in CURVE_SLOTS_PER_K] for p in CURVE_POLICIES}
-            for f, _ in cases}
+    return {f: {p: [[x, next(rates)["vram_hit"]] for x in CURVE_SLOTS_PER_K] for p in CURVE_POLICIES} for f, _ in cases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (one simulation each)")
     ap.add_argument("--families", default=",".join([*traces.FAMILIES, "recorded"]), help="comma list of families")
-    ap.add_argument("--curves", action=argparse.BooleanOptionalAction, default=True,
-                    help="also measure the hit-rate curves of the synthetic families (plan_speed's HIT_CURVES)")
+    ap.add_argument(
+        "--curves",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the hit-rate curves of the synthetic families (plan_speed's HIT_CURVES)",
+    )
     ap.add_argument("--merge", type=Path, help="start from this result file, replacing the families run now")
     ap.add_argument("--out", type=Path, help="write the results as JSON")
     ap.add_argument("--markdown", type=Path, help="also write the results as a Markdown table")
@@ -169,12 +192,16 @@ def main(argv: list[str] | None = None) -> int:
             parse_policy(p)
         unknown = set(families) - {*traces.FAMILIES, "recorded"}
         if unknown:
-            raise traces.TraceError(f"unknown families {sorted(unknown)}; choose from {', '.join([*traces.FAMILIES, 'recorded'])}")
+            raise traces.TraceError(
+                f"unknown families {sorted(unknown)}; choose from {', '.join([*traces.FAMILIES, 'recorded'])}"
+            )
         started = time.perf_counter()
         result = _previous(args.merge) if args.merge else {}
         kept = [r for r in result.get("results", []) if r["family"] not in families]
-        result.update(policies=list(policies), families={**{f: vars(p) for f, p in traces.FAMILIES.items()},
-                                                         "recorded": traces.RECORDED.name})
+        result.update(
+            policies=list(policies),
+            families={**{f: vars(p) for f, p in traces.FAMILIES.items()}, "recorded": traces.RECORDED.name},
+        )
         result["results"] = kept + run(args.tokens, args.layers, args.seed, policies, max(1, args.workers), families)
         if args.curves:
             result["curves_256x8"] = curves(args.tokens, args.layers, args.seed, max(1, args.workers))
@@ -194,17 +221,23 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(result: dict) -> str:
     """The results as a Markdown table: VRAM hit (and VRAM-or-RAM hit where RAM is partial) per policy."""
     policies = result["policies"]
-    lines = ["| family | shape | slots (VRAM / RAM of experts, top-k) | " + " | ".join(policies) + " |",
-             "|---|---|---|" + "---|" * len(policies)]
+    lines = [
+        "| family | shape | slots (VRAM / RAM of experts, top-k) | " + " | ".join(policies) + " |",
+        "|---|---|---|" + "---|" * len(policies),
+    ]
     for r in result["results"]:
         cells = []
         for p in policies:
             hit = r[p]
-            cells.append(f"{hit['vram_hit']:.4f}" + (f" / {hit['ram_hit']:.4f}" if r["ram_slots"] < r["experts"] else ""))
+            cells.append(
+                f"{hit['vram_hit']:.4f}" + (f" / {hit['ram_hit']:.4f}" if r["ram_slots"] < r["experts"] else "")
+            )
         best = max(r[p]["vram_hit"] for p in policies)
         cells = [f"**{c}**" if r[p]["vram_hit"] == best else c for c, p in zip(cells, policies)]
-        lines.append(f"| {r['family']} | {r['shape']} | {r['vram_slots']} / {r['ram_slots']} of {r['experts']}, "
-                     f"top-{r['top_k']} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['family']} | {r['shape']} | {r['vram_slots']} / {r['ram_slots']} of {r['experts']}, "
+            f"top-{r['top_k']} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -16,11 +16,10 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from bigmoe_pager.core.expert_store import DEFAULT_PREFIX
 from bigmoe_pager.core.layout import ExpertLayout
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 BLOCK = 128  # FP8 block-quantization tile, elements per side
 
@@ -35,7 +34,11 @@ def make_layout(hidden: int, intermediate: int, fp8: bool) -> ExpertLayout:
 def expert_tensors(hidden: int, intermediate: int, fp8: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Random tensors of one expert, keyed by checkpoint suffix (gate_proj.weight, ...)."""
     wdtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+    shapes = {
+        "gate_proj": (intermediate, hidden),
+        "up_proj": (intermediate, hidden),
+        "down_proj": (hidden, intermediate),
+    }
     out = {}
     for proj, shape in shapes.items():
         out[f"{proj}.weight"] = _random(shape, wdtype, gen)
@@ -45,9 +48,19 @@ def expert_tensors(hidden: int, intermediate: int, fp8: bool, gen: torch.Generat
     return out
 
 
-def write_checkpoint(root: str | Path, hidden: int, intermediate: int, num_layers: int, num_experts: int, *,
-                     fp8: bool = True, shards: int = 2, seed: int = 0, first_layer: int = 0,
-                     prefix: str = DEFAULT_PREFIX) -> list[Path]:
+def write_checkpoint(
+    root: str | Path,
+    hidden: int,
+    intermediate: int,
+    num_layers: int,
+    num_experts: int,
+    *,
+    fp8: bool = True,
+    shards: int = 2,
+    seed: int = 0,
+    first_layer: int = 0,
+    prefix: str = DEFAULT_PREFIX,
+) -> list[Path]:
     """Write experts of MoE layers first_layer.. into `shards` safetensors files under root; returns their paths."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -68,8 +81,9 @@ def write_checkpoint(root: str | Path, hidden: int, intermediate: int, num_layer
     return paths
 
 
-def reference_record(root: str | Path, layout: ExpertLayout, model_layer: int, expert: int,
-                     prefix: str = DEFAULT_PREFIX) -> torch.Tensor:
+def reference_record(
+    root: str | Path, layout: ExpertLayout, model_layer: int, expert: int, prefix: str = DEFAULT_PREFIX
+) -> torch.Tensor:
     """The record (uint8 [pitch]) for one expert, built with safetensors' own loader and layout.pack."""
     head = prefix.format(layer=model_layer, expert=expert)
     found: dict[str, torch.Tensor] = {}
@@ -77,11 +91,15 @@ def reference_record(root: str | Path, layout: ExpertLayout, model_layer: int, e
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name.startswith(head):
-                    found[name[len(head):]] = f.get_tensor(name)
-    parts = {"w13_weight": torch.cat([found["gate_proj.weight"], found["up_proj.weight"]]),
-             "w2_weight": found["down_proj.weight"]}
+                    found[name[len(head) :]] = f.get_tensor(name)
+    parts = {
+        "w13_weight": torch.cat([found["gate_proj.weight"], found["up_proj.weight"]]),
+        "w2_weight": found["down_proj.weight"],
+    }
     if "gate_proj.weight_scale_inv" in found:
-        parts["w13_weight_scale_inv"] = torch.cat([found["gate_proj.weight_scale_inv"], found["up_proj.weight_scale_inv"]])
+        parts["w13_weight_scale_inv"] = torch.cat(
+            [found["gate_proj.weight_scale_inv"], found["up_proj.weight_scale_inv"]]
+        )
         parts["w2_weight_scale_inv"] = found["down_proj.weight_scale_inv"]
     return layout.pack(parts)
 
@@ -104,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    paths = write_checkpoint(a.root, a.hidden, a.intermediate, a.layers, a.experts, fp8=not a.bf16, shards=a.shards, seed=a.seed)
+    paths = write_checkpoint(
+        a.root, a.hidden, a.intermediate, a.layers, a.experts, fp8=not a.bf16, shards=a.shards, seed=a.seed
+    )
     print(f"wrote {len(paths)} shards, {sum(q.stat().st_size for q in paths) / 1e9:.2f} GB, under {a.root}")
     return 0
 

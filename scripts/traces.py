@@ -269,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         trace = _trace_for(args)
         predicted = None
         if args.recall is not None:
-            predicted = predictions(trace, args.recall, args.precision, int(trace.max()) + 1 if args.family == "recorded"
-                                    else args.experts, args.seed)
+            predicted = predictions(
+                trace,
+                args.recall,
+                args.precision,
+                int(trace.max()) + 1 if args.family == "recorded" else args.experts,
+                args.seed,
+            )
     except TraceError as e:
         print(f"traces: {e}", file=sys.stderr)
         return 2

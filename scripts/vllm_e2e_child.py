@@ -31,16 +31,27 @@ def main(spec_path: str, result_path: str) -> None:
     from vllm import LLM
 
     llm = LLM(
-        model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], max_num_seqs=spec.get("max_num_seqs", 8),
-        max_num_batched_tokens=spec["max_model_len"], enforce_eager=spec.get("enforce_eager", True),
-        enable_prefix_caching=False, seed=0, distributed_executor_backend="uni",
+        model=spec["model"],
+        dtype="bfloat16",
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec.get("max_num_seqs", 8),
+        max_num_batched_tokens=spec["max_model_len"],
+        enforce_eager=spec.get("enforce_eager", True),
+        enable_prefix_caching=False,
+        seed=0,
+        distributed_executor_backend="uni",
         skip_tokenizer_init=spec["skip_tokenizer_init"],
         disable_log_stats=False,  # request timestamps for TTFT/TPOT
-        **_memory_args(spec), **_engine_extras(spec),
+        **_memory_args(spec),
+        **_engine_extras(spec),
     )
     startup_s = time.perf_counter() - started
-    result = {"vllm": _vllm_version(), "startup_s": round(startup_s, 2), "cudagraph_mode": _cudagraph_mode(llm),
-              "inductor_deterministic": _inductor_deterministic()}
+    result = {
+        "vllm": _vllm_version(),
+        "startup_s": round(startup_s, 2),
+        "cudagraph_mode": _cudagraph_mode(llm),
+        "inductor_deterministic": _inductor_deterministic(),
+    }
     if spec.get("task", "identity") == "bench":
         result.update(bench(llm, spec))
     else:
@@ -87,8 +98,10 @@ def _engine_extras(spec: dict) -> dict:
     extras = dict(spec.get("engine") or {})  # the model's own settings (graph mode, MTP's speculative_config)
     if spec.get("deterministic") and not spec.get("enforce_eager", True):
         # Inductor's combo-kernel fusion times candidate kernels, which its deterministic mode forbids.
-        extras["compilation_config"] = {**extras.get("compilation_config", {}),
-                                        "inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}
+        extras["compilation_config"] = {
+            **extras.get("compilation_config", {}),
+            "inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False},
+        }
     if spec.get("max_cudagraph_capture_size"):
         extras["max_cudagraph_capture_size"] = spec["max_cudagraph_capture_size"]
     if spec.get("cpu_offload_gb"):
@@ -124,8 +137,13 @@ def bench(llm, spec: dict) -> dict:
     decode = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
     timing = batch1_timing(llm, spec["timing_ids"], None, tokens)
     per_token = lambda tier: round(decode[tier]["bytes_moved"] / tokens / 1e9, 5) if decode else None  # noqa: E731
-    return {**timing, "decode_counters": decode, "decode_tokens": tokens,
-            "pcie_gb_per_token": per_token("ram"), "ssd_gb_per_token": per_token("ssd")}
+    return {
+        **timing,
+        "decode_counters": decode,
+        "decode_tokens": tokens,
+        "pcie_gb_per_token": per_token("ram"),
+        "ssd_gb_per_token": per_token("ssd"),
+    }
 
 
 def greedy(llm, prompts: list, max_tokens: int, detokenize: bool) -> dict:
@@ -170,8 +188,12 @@ def batch1_timing(llm, prompt_ids: list[int], warmup_ids: list[int], tokens: int
     m = out.metrics
     if m is None or not m.first_token_ts or m.num_generation_tokens != tokens:
         # Tokens are this run's result; a missing timestamp only leaves the timing out, said so.
-        return {"ttft_ms": None, "tpot_ms": None, "request_wall_ms": round(wall * 1e3, 3),
-                "timing_note": "vLLM gave no request timestamps"}
+        return {
+            "ttft_ms": None,
+            "tpot_ms": None,
+            "request_wall_ms": round(wall * 1e3, 3),
+            "timing_note": "vLLM gave no request timestamps",
+        }
     return {
         "tokens": list(out.outputs[0].token_ids),
         "ttft_ms": round((m.first_token_ts - m.scheduled_ts) * 1e3, 3),
@@ -204,8 +226,11 @@ def _spec_decode_counters(llm) -> dict | None:
         metrics = llm.get_metrics()
     except (AttributeError, AssertionError, RuntimeError):
         return None
-    counts = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None)
-              for m in metrics if m.name.startswith("vllm:spec_decode_num_")}
+    counts = {
+        m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None)
+        for m in metrics
+        if m.name.startswith("vllm:spec_decode_num_")
+    }
     if not counts:
         return None
     drafted, accepted = counts.get("num_draft_tokens"), counts.get("num_accepted_tokens")

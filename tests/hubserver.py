@@ -130,10 +130,7 @@ class HubServer:
 
     def content_gets(self, path: str) -> list[Seen]:
         """The GETs that fetched `path`'s bytes (from the Hub or the CDN)."""
-        return [
-            r for r in self.requests
-            if r.method == "GET" and r.status in (200, 206) and _served_path(r) == path
-        ]
+        return [r for r in self.requests if r.method == "GET" and r.status in (200, 206) and _served_path(r) == path]
 
     def unknown_routes(self) -> list[Seen]:
         """Requests this server did not understand (it must speak all the client asks)."""
@@ -163,8 +160,9 @@ class _Listener:
         handler = type(f"{role.title()}Handler", (_Handler,), {"state": state, "role": role})
         self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                                       name=f"fakehub-{role}", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, name=f"fakehub-{role}", daemon=True
+        )
 
     def start(self) -> None:
         self.thread.start()
@@ -247,18 +245,20 @@ class _Handler(BaseHTTPRequestHandler):
         if self.role == "cdn":
             return self._cdn(query, body)
         if self.state.token is not None and self.headers.get("Authorization") != f"Bearer {self.state.token}":
-            return self._error(401, "GatedRepo", f"Access to model {self.state.repo_id} is restricted; you must be authenticated.")
+            return self._error(
+                401, "GatedRepo", f"Access to model {self.state.repo_id} is restricted; you must be authenticated."
+            )
         repo = self.state.repo_id
         api = f"/api/models/{repo}"
         if path == api:
             return self._model_info("main", query)
         if path.startswith(api + "/revision/"):
-            return self._model_info(path[len(api + "/revision/"):], query)
+            return self._model_info(path[len(api + "/revision/") :], query)
         if path.startswith(api + "/tree/"):
-            rev, _, sub = path[len(api + "/tree/"):].partition("/")
+            rev, _, sub = path[len(api + "/tree/") :].partition("/")
             return self._tree(rev, sub, query)
         if path.startswith(f"/{repo}/resolve/"):
-            rev, _, file = path[len(f"/{repo}/resolve/"):].partition("/")
+            rev, _, file = path[len(f"/{repo}/resolve/") :].partition("/")
             return self._resolve(rev, file, body)
         if path == "/api/agent-harnesses":  # huggingface_hub's agent registry: absent here, so it caches nothing
             return self._error(404, None, "not served by the fake hub")
@@ -291,10 +291,18 @@ class _Handler(BaseHTTPRequestHandler):
             siblings.append(item)
         repo = self.state.repo_id
         info = {
-            "_id": hashlib.md5(repo.encode()).hexdigest()[:24], "id": repo, "modelId": repo,
-            "author": repo.split("/")[0], "sha": commit, "private": False, "gated": False,
-            "disabled": False, "lastModified": "2026-01-01T00:00:00.000Z", "tags": [],
-            "library_name": "transformers", "siblings": siblings,
+            "_id": hashlib.md5(repo.encode()).hexdigest()[:24],
+            "id": repo,
+            "modelId": repo,
+            "author": repo.split("/")[0],
+            "sha": commit,
+            "private": False,
+            "gated": False,
+            "disabled": False,
+            "lastModified": "2026-01-01T00:00:00.000Z",
+            "tags": [],
+            "library_name": "transformers",
+            "siblings": siblings,
         }
         self._json(200, info, commit)
 
@@ -308,7 +316,7 @@ class _Handler(BaseHTTPRequestHandler):
         for b in _listing(self.state):
             if not b.path.startswith(prefix):
                 continue
-            rest = b.path[len(prefix):]
+            rest = b.path[len(prefix) :]
             if "/" in rest and not recursive:
                 dirs.add(prefix + rest.split("/", 1)[0])
                 continue
@@ -320,7 +328,10 @@ class _Handler(BaseHTTPRequestHandler):
             if b.sha256 is not None:
                 entry["lfs"] = {"oid": b.sha256, "size": b.size, "pointerSize": 134}
             entries.append(entry)
-        folders = [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d} for d in sorted(dirs)]
+        folders = [
+            {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+            for d in sorted(dirs)
+        ]
         self._json(200, folders + entries, commit)
 
     # -- files ---------------------------------------------------------------
@@ -360,7 +371,7 @@ class _Handler(BaseHTTPRequestHandler):
         if span is not None:
             status = 206
             headers = headers | {"Content-Range": f"bytes {span[0]}-{span[1]}/{len(data)}"}
-            data = data[span[0]:span[1] + 1]
+            data = data[span[0] : span[1] + 1]
         headers = headers | {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         drop = self._take_drop(file) if body else None
         if drop is not None:
@@ -388,7 +399,9 @@ class _Handler(BaseHTTPRequestHandler):
         data = json.dumps(payload).encode()
         self._reply(status, {"Content-Type": "application/json", "X-Repo-Commit": commit}, data, True)
 
-    def _error(self, status: int, code: str | None, message: str, commit: str | None = None, unknown: bool = False) -> None:
+    def _error(
+        self, status: int, code: str | None, message: str, commit: str | None = None, unknown: bool = False
+    ) -> None:
         headers = {"Content-Type": "application/json", "X-Error-Message": message}
         if code:
             headers["X-Error-Code"] = code

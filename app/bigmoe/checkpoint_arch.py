@@ -84,23 +84,31 @@ def read_facts(preset: Preset, model_dir: Path) -> ArchFacts:
     found.update(_ngram_bytes(path, config))
     found.update(_kv_bytes(path, text))
     found.update(_mtp_layers(path, text))
-    values = {name: found[name][0] if name in found else getattr(preset.arch, name) for name in Arch.__dataclass_fields__}
+    values = {
+        name: found[name][0] if name in found else getattr(preset.arch, name) for name in Arch.__dataclass_fields__
+    }
     headers, routed = _sums_from_headers(Path(model_dir))
     found.update(headers)
     values.update({name: v for name, (v, _) in headers.items()})
-    origins = {name: found[name][1] if name in found else f"{FROM_PRESET} {preset.name} (config.json does not say)"
-               for name in Arch.__dataclass_fields__}
+    origins = {
+        name: found[name][1] if name in found else f"{FROM_PRESET} {preset.name} (config.json does not say)"
+        for name in Arch.__dataclass_fields__
+    }
     mismatches = [
         f"{name} is {values[name]} {FROM_HEADERS if name in headers else FROM_CONFIG}, "
         f"but preset {preset.name} says {getattr(preset.arch, name)}"
-        for name in Arch.__dataclass_fields__ if name in found and values[name] != getattr(preset.arch, name)]
+        for name in Arch.__dataclass_fields__
+        if name in found and values[name] != getattr(preset.arch, name)
+    ]
     if routed is not None:
         dtype = "fp8" if _is_fp8(config) else "bf16"
         per_expert = values[f"expert_bytes_{dtype}"]
         expected = values["experts"] * values["moe_layers"] * per_expert
         if routed != expected:
-            mismatches.append(f"the safetensors hold {routed} bytes of routed experts, not {values['experts']} experts x "
-                              f"{values['moe_layers']} layers x {per_expert} B ({dtype}) = {expected}")
+            mismatches.append(
+                f"the safetensors hold {routed} bytes of routed experts, not {values['experts']} experts x "
+                f"{values['moe_layers']} layers x {per_expert} B ({dtype}) = {expected}"
+            )
     return ArchFacts(Arch(**values), origins, tuple(mismatches), str(path))
 
 
@@ -162,7 +170,12 @@ def _moe_layers(path: Path, text: dict) -> dict[str, tuple[int, str]]:
 
 def _shared_experts(path: Path, text: dict) -> dict[str, tuple[int, str]]:
     if "n_shared_experts" in text:
-        return {"shared_experts": (_int(path, "n_shared_experts", text["n_shared_experts"]), f"{FROM_CONFIG} (n_shared_experts)")}
+        return {
+            "shared_experts": (
+                _int(path, "n_shared_experts", text["n_shared_experts"]),
+                f"{FROM_CONFIG} (n_shared_experts)",
+            )
+        }
     if "shared_expert_intermediate_size" in text:
         size = _int(path, "shared_expert_intermediate_size", text["shared_expert_intermediate_size"])
         return {"shared_experts": (1 if size else 0, f"{FROM_CONFIG} (shared_expert_intermediate_size {size})")}
@@ -176,17 +189,24 @@ def _expert_bytes(path: Path, config: dict, hidden: int, inter: int) -> dict[str
     size = f"{PROJECTIONS} x {hidden} x {inter}"
     if _is_fp8(config):
         block_raw = quant.get("weight_block_size")
-        if block_raw is not None and (not isinstance(block_raw, list) or len(block_raw) != 2
-                                      or not all(isinstance(b, int) and b > 0 for b in block_raw)):
-            raise CheckpointConfigError(f"{path}: quantization_config.weight_block_size is {block_raw!r}, not [rows, cols]")
+        if block_raw is not None and (
+            not isinstance(block_raw, list)
+            or len(block_raw) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block_raw)
+        ):
+            raise CheckpointConfigError(
+                f"{path}: quantization_config.weight_block_size is {block_raw!r}, not [rows, cols]"
+            )
         block = tuple(block_raw) if block_raw else None
         scales = f"{block[0]}x{block[1]} block" if block else "per-tensor"
         fp8_why = f"{FROM_CONFIG} ({size} FP8 + fp32 {scales} scales, quantization_config)"
     else:
         block = (128, 128)  # the block Qwen's official FP8 checkpoints use
         fp8_why = f"{FROM_CONFIG} ({size} FP8 + fp32 128x128 block scales; the checkpoint itself is not FP8)"
-    return {"expert_bytes_fp8": (fp8_expert_bytes(hidden, inter, block), fp8_why),
-            "expert_bytes_bf16": (PROJECTIONS * hidden * inter * BF16_BYTES, f"{FROM_CONFIG} ({size} bf16)")}
+    return {
+        "expert_bytes_fp8": (fp8_expert_bytes(hidden, inter, block), fp8_why),
+        "expert_bytes_bf16": (PROJECTIONS * hidden * inter * BF16_BYTES, f"{FROM_CONFIG} ({size} bf16)"),
+    }
 
 
 def _ngram_bytes(path: Path, config: dict) -> dict[str, tuple[int, str]]:
@@ -202,8 +222,12 @@ def _ngram_bytes(path: Path, config: dict) -> dict[str, tuple[int, str]]:
     except (NgramLayoutError, KeyError, TypeError, ValueError) as e:
         raise CheckpointConfigError(f"{path}: the n-gram table keys are malformed ({e})") from None
     rows = sum(s.rows for s in specs)
-    return {"ngram_table_bytes": (sum(s.nbytes for s in specs),
-                                  f"{FROM_CONFIG} ({rows:,} rows x {specs[0].row_bytes} B, ple_layer_ids {sorted(set(layer_ids))})")}
+    return {
+        "ngram_table_bytes": (
+            sum(s.nbytes for s in specs),
+            f"{FROM_CONFIG} ({rows:,} rows x {specs[0].row_bytes} B, ple_layer_ids {sorted(set(layer_ids))})",
+        )
+    }
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "indexed_attention", "qwen_sparse_attention")
@@ -218,7 +242,9 @@ def _kv_bytes(path: Path, text: dict) -> dict[str, tuple[int, str]]:
     if text.get("head_dim"):
         head_dim = _int(path, "head_dim", text["head_dim"])
     elif text.get("num_attention_heads") and "hidden_size" in text:
-        head_dim = _int(path, "hidden_size", text["hidden_size"]) // _int(path, "num_attention_heads", text["num_attention_heads"])
+        head_dim = _int(path, "hidden_size", text["hidden_size"]) // _int(
+            path, "num_attention_heads", text["num_attention_heads"]
+        )
     else:
         return {}
     kinds = text.get("layer_types")
@@ -226,8 +252,12 @@ def _kv_bytes(path: Path, text: dict) -> dict[str, tuple[int, str]]:
         layers, which = sum(kind in ATTENTION_LAYER_TYPES for kind in kinds), "full-attention layers (layer_types)"
     else:
         layers, which = _int(path, "num_hidden_layers", text["num_hidden_layers"]), "layers"
-    return {"kv_bytes_per_token": (layers * 2 * kv_heads * head_dim * BF16_BYTES,
-                                   f"{FROM_CONFIG} ({layers} {which} x K,V x {kv_heads} heads x {head_dim} x 2 B)")}
+    return {
+        "kv_bytes_per_token": (
+            layers * 2 * kv_heads * head_dim * BF16_BYTES,
+            f"{FROM_CONFIG} ({layers} {which} x K,V x {kv_heads} heads x {head_dim} x 2 B)",
+        )
+    }
 
 
 def _mtp_layers(path: Path, text: dict) -> dict[str, tuple[int, str]]:
@@ -298,8 +328,12 @@ def _header(path: Path) -> dict:
 
 def _entry_bytes(path: Path, name: str, entry: object) -> int:
     offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
         raise CheckpointConfigError(f"{path}: tensor {name} has no valid data_offsets")
     return offsets[1] - offsets[0]
 

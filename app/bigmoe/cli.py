@@ -25,28 +25,83 @@ def cli() -> None:
 @click.argument("model")
 @click.option("--yes", "-y", is_flag=True, help="Headless: accept the plan and run without the TUI.")
 @click.option("--prompt", default=None, help="Send one chat request, print the answer with TTFT and TPOT, then stop.")
-@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, 1 << 20), help="Tokens to generate for --prompt.")
+@click.option(
+    "--max-tokens",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1, 1 << 20),
+    help="Tokens to generate for --prompt.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port of the API.")
-@click.option("--api-key", default=None, envvar="BIGMOE_API_KEY", show_envvar=True,
-              help="Require this API key (it reaches vLLM by environment, never on a command line; printed lines mask it).")
-@click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Use this checkpoint directory instead of fetching.")
-@click.option("--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer (beats the plan).")
-@click.option("--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer (beats the plan).")
-@click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).")
-@click.option("--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the SSD tier's paging file.")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="BIGMOE_API_KEY",
+    show_envvar=True,
+    help="Require this API key (it reaches vLLM by environment, never on a command line; printed lines mask it).",
+)
+@click.option(
+    "--model-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Use this checkpoint directory instead of fetching.",
+)
+@click.option(
+    "--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer (beats the plan)."
+)
+@click.option(
+    "--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer (beats the plan)."
+)
+@click.option(
+    "--compress",
+    type=click.Choice(["on", "off", "auto"]),
+    default=None,
+    help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).",
+)
+@click.option(
+    "--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the SSD tier's paging file."
+)
 @click.option("--context", type=click.IntRange(128), default=None, help="Context length (tokens).")
 @click.option("--force", is_flag=True, help="Launch a plan the estimator refused.")
-@click.option("--cuda-graphs/--eager", default=True, show_default=True, help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.")
-@click.option("--prefill-buffer/--no-prefill-buffer", default=None, help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).")
-@click.option("--speculative-tokens", type=click.IntRange(0, 3), default=0, show_default=True,
-              help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).")
-@click.option("--vram-gib", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Plan as if the GPU had this much VRAM (GiB): fewer VRAM slots, the same command.")
-@click.option("--ram-gib", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Plan as if the machine had this much RAM (GiB): fewer RAM slots, more read from SSD.")
+@click.option(
+    "--cuda-graphs/--eager",
+    default=True,
+    show_default=True,
+    help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.",
+)
+@click.option(
+    "--prefill-buffer/--no-prefill-buffer",
+    default=None,
+    help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).",
+)
+@click.option(
+    "--speculative-tokens",
+    type=click.IntRange(0, 3),
+    default=0,
+    show_default=True,
+    help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).",
+)
+@click.option(
+    "--vram-gib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Plan as if the GPU had this much VRAM (GiB): fewer VRAM slots, the same command.",
+)
+@click.option(
+    "--ram-gib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Plan as if the machine had this much RAM (GiB): fewer RAM slots, more read from SSD.",
+)
 @click.option("--json", "as_json", is_flag=True, help="With --yes: progress as JSON lines.")
-@click.option("--start-timeout", default=900.0, show_default=True, type=click.FloatRange(1), help="Seconds to wait for the server to be ready.")
+@click.option(
+    "--start-timeout",
+    default=900.0,
+    show_default=True,
+    type=click.FloatRange(1),
+    help="Seconds to wait for the server to be ready.",
+)
 def run(model: str, yes: bool, as_json: bool, **options) -> None:
     """Plan, fetch, prepare and serve MODEL (a preset name such as tiny-moe)."""
     from bigmoe import headless
@@ -98,7 +153,9 @@ def stop(target: str | None, stop_all: bool) -> None:
 
 @cli.command()
 @click.argument("target", required=False)
-@click.option("--lines", "-n", default=50, show_default=True, type=click.IntRange(0), help="Lines from the end (0 = all).")
+@click.option(
+    "--lines", "-n", default=50, show_default=True, type=click.IntRange(0), help="Lines from the end (0 = all)."
+)
 def logs(target: str | None, lines: int) -> None:
     """Print the end of a server's log: the running one TARGET names (model name, port or pid), else the
     last run's log for that model or port, also after the server has exited."""

@@ -10,7 +10,8 @@ import click
 from bigmoe import exit_codes, presets
 from bigmoe.checkpoint_arch import facts_for, find_checkpoint
 from bigmoe.hardware import DISK_KINDS, Hardware, Unknown
-from bigmoe.plan import Overrides, Plan, PlanError, default_dirs, plan as make_plan
+from bigmoe.plan import Overrides, Plan, PlanError, default_dirs
+from bigmoe.plan import plan as make_plan
 from bigmoe.plan_inputs import MIN_CONTEXT, default_model_dir, default_paging_dir
 from bigmoe.plan_memory import gib
 from bigmoe.probe import probe as probe_machine
@@ -29,10 +30,26 @@ class PlanRefused(click.ClickException):
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--path", "paths", multiple=True, type=click.Path(), help="Judge the disk of this path (repeatable); default: the model and paging directories.")
-@click.option("--remeasure", is_flag=True, help="Measure link speeds (PCIe copies, disk reads) again instead of using the cached ones.")
+@click.option(
+    "--path",
+    "paths",
+    multiple=True,
+    type=click.Path(),
+    help="Judge the disk of this path (repeatable); default: the model and paging directories.",
+)
+@click.option(
+    "--remeasure",
+    is_flag=True,
+    help="Measure link speeds (PCIe copies, disk reads) again instead of using the cached ones.",
+)
 @click.option("--no-measure", is_flag=True, help="Skip link speeds (neither cached nor measured).")
-@click.option("--root", type=click.Path(exists=True, file_okay=False), default="/", hidden=True, help="Probe a fixture tree instead of /.")
+@click.option(
+    "--root",
+    type=click.Path(exists=True, file_okay=False),
+    default="/",
+    hidden=True,
+    help="Probe a fixture tree instead of /.",
+)
 def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bool, root: str) -> None:
     """Report this machine's GPUs, RAM, CPU, WSL2, pinned-memory limit, disks and measured link speeds."""
     if remeasure and no_measure:
@@ -46,25 +63,68 @@ def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bo
 @click.argument("model")
 @click.option("--vram-gib", type=_GIB, default=None, help="Plan for a GPU with this much VRAM (GiB).")
 @click.option("--ram-gib", type=_GIB, default=None, help="Plan for this much RAM (GiB).")
-@click.option("--disk", type=click.Choice(DISK_KINDS), default=None, help="Plan for one disk of this kind (replaces the probed disks).")
+@click.option(
+    "--disk",
+    type=click.Choice(DISK_KINDS),
+    default=None,
+    help="Plan for one disk of this kind (replaces the probed disks).",
+)
 @click.option("--disk-gib", type=_GIB, default=None, help="Free space of the stated disk (GiB).")
 @click.option("--gpu", default=None, help="Name of the stated GPU, e.g. 'RTX 4090' (VRAM looked up unless --vram-gib).")
 @click.option("--wsl2/--no-wsl2", default=None, help="Plan for (or not for) a WSL2 machine.")
 @click.option("--context", type=click.IntRange(MIN_CONTEXT), default=None, help="Context length (tokens).")
 @click.option("--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer.")
 @click.option("--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer.")
-@click.option("--compress", type=click.Choice(["on", "off", "auto"]), default=None, help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).")
+@click.option(
+    "--compress",
+    type=click.Choice(["on", "off", "auto"]),
+    default=None,
+    help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).",
+)
 @click.option("--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the paging file.")
-@click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Plan for this checkpoint directory (its config.json gives the architecture numbers).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server binds (as `bigmoe run --host`).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port of the API (as `bigmoe run --port`).")
+@click.option(
+    "--model-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Plan for this checkpoint directory (its config.json gives the architecture numbers).",
+)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address the server binds (as `bigmoe run --host`)."
+)
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the API (as `bigmoe run --port`).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--force", is_flag=True, help="Accept a refused plan (the refusal stays recorded).")
-@click.option("--cuda-graphs/--eager", default=True, show_default=True, help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.")
-@click.option("--prefill-buffer/--no-prefill-buffer", default=None, help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).")
-@click.option("--speculative-tokens", type=click.IntRange(0, 3), default=0, show_default=True,
-              help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).")
-@click.option("--root", type=click.Path(exists=True, file_okay=False), default="/", hidden=True, help="Probe a fixture tree instead of /.")
+@click.option(
+    "--cuda-graphs/--eager",
+    default=True,
+    show_default=True,
+    help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.",
+)
+@click.option(
+    "--prefill-buffer/--no-prefill-buffer",
+    default=None,
+    help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).",
+)
+@click.option(
+    "--speculative-tokens",
+    type=click.IntRange(0, 3),
+    default=0,
+    show_default=True,
+    help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).",
+)
+@click.option(
+    "--root",
+    type=click.Path(exists=True, file_okay=False),
+    default="/",
+    hidden=True,
+    help="Probe a fixture tree instead of /.",
+)
 def plan(model: str, as_json: bool, root: str, **options) -> None:
     """Plan how MODEL runs here (or on the machine the options state), with a reason per choice."""
     try:
@@ -74,7 +134,9 @@ def plan(model: str, as_json: bool, root: str, **options) -> None:
             options["model_dir"] = model  # MODEL is a checkpoint directory: plan for it
         given = str(Path(options["model_dir"]).expanduser()) if options["model_dir"] else None
         overrides = Overrides(
-            model_dir=given or model_dir, model_path=given, model_on_disk=given is not None,
+            model_dir=given or model_dir,
+            model_path=given,
+            model_on_disk=given is not None,
             paging_dir=options["paging_dir"] or paging_dir,
             compress=None if options["compress"] == "auto" else options["compress"],
             **{k: v for k, v in options.items() if k not in ("paging_dir", "compress", "model_dir")},
@@ -82,7 +144,11 @@ def plan(model: str, as_json: bool, root: str, **options) -> None:
         stated_disk = overrides.disk is not None or overrides.disk_gib is not None
         paths = [] if stated_disk else [Path(overrides.model_dir), Path(overrides.paging_dir)]
         hw = probe_machine(Path(root), paths, measure=True)
-        dtypes = (preset.dtype_gpu, preset.dtype_cpu) if hw.gpu() is not None or overrides.vram_gib or overrides.gpu else (preset.dtype_cpu, preset.dtype_gpu)
+        dtypes = (
+            (preset.dtype_gpu, preset.dtype_cpu)
+            if hw.gpu() is not None or overrides.vram_gib or overrides.gpu
+            else (preset.dtype_cpu, preset.dtype_gpu)
+        )
         checkpoint, why_not = find_checkpoint(preset, given, dtypes)
         if given and checkpoint is None:
             raise PlanError(f"--model-dir {given}: {why_not}")
@@ -117,8 +183,10 @@ def render_hardware(hw: Hardware) -> str:
     else:
         for g in hw.gpus:
             free = f" ({gib(g.vram_free_bytes)} free)" if isinstance(g.vram_free_bytes, int) else ""
-            lines.append(f"GPU {g.index}      {g.name}: {_size(g.vram_total_bytes)} VRAM{free}, compute {g.compute_capability}, "
-                         f"PCIe Gen{g.pcie_gen} x{g.pcie_width} (max)")
+            lines.append(
+                f"GPU {g.index}      {g.name}: {_size(g.vram_total_bytes)} VRAM{free}, compute {g.compute_capability}, "
+                f"PCIe Gen{g.pcie_gen} x{g.pcie_width} (max)"
+            )
             lines.append(f"    host-to-device {_rate(g.h2d_gbps, g.h2d_basis)}")
     lines += [
         f"RAM        {_size(hw.ram_total_bytes)} total, {_size(hw.ram_available_bytes)} available",
@@ -129,7 +197,9 @@ def render_hardware(hw: Hardware) -> str:
     for d in hw.disks:
         lines.append(f"disk {d.path}")
         lines.append(f"    kind {d.kind} ({d.kind_basis}); device {d.device}")
-        lines.append(f"    filesystem {d.filesystem} at {d.mount_point}; Windows drive {_yes(d.windows_drive)}; {_size(d.free_bytes)} free")
+        lines.append(
+            f"    filesystem {d.filesystem} at {d.mount_point}; Windows drive {_yes(d.windows_drive)}; {_size(d.free_bytes)} free"
+        )
         lines.append(f"    O_DIRECT {_yes(d.o_direct)} ({d.o_direct_basis})")
         lines.append(f"    reads {_rate(d.read_gbps, d.read_basis)}")
     return "\n".join(lines)
@@ -187,4 +257,4 @@ def _yes(value: bool | Unknown) -> str:
 
 
 def _quote(arg: str) -> str:
-    return f"'{arg}'" if any(c in arg for c in " {}\"") else arg
+    return f"'{arg}'" if any(c in arg for c in ' {}"') else arg

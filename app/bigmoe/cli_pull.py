@@ -30,8 +30,12 @@ EXIT_USAGE = exit_codes.USAGE
 @click.command()
 @click.argument("model")
 @click.option("--revision", default=None, help="Branch, tag or commit (default: the preset's, else main).")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="huggingface_hub cache directory (default: HF_HUB_CACHE).")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="huggingface_hub cache directory (default: HF_HUB_CACHE).",
+)
 @click.option("--dry-run", is_flag=True, help="List and measure only: exit 0 if it fits, 3 if not.")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of text lines.")
 def pull(model: str, revision: str | None, cache_dir: str | None, dry_run: bool, as_json: bool) -> None:
@@ -73,11 +77,14 @@ class Lines:
         state = "ready" if plan.ready else f"{_size(plan.bytes_to_download)} to download"
         where = f"{_size(plan.free_bytes)} free in {plan.cache_dir}"
         offline = " (offline: from the ready marker)" if plan.offline else ""
-        click.echo(f"{plan.repo_id}@{plan.revision} (commit {plan.commit[:12]}): {len(plan.files)} files, "
-                   f"{_size(plan.bytes_total)}; {state}, {where}{offline}")
+        click.echo(
+            f"{plan.repo_id}@{plan.revision} (commit {plan.commit[:12]}): {len(plan.files)} files, "
+            f"{_size(plan.bytes_total)}; {state}, {where}{offline}"
+        )
         if not plan.fits:
-            click.echo(f"does not fit: {_size(plan.shortfall_bytes)} short "
-                       f"(keeping {_size(plan.headroom_bytes)} headroom)")
+            click.echo(
+                f"does not fit: {_size(plan.shortfall_bytes)} short (keeping {_size(plan.headroom_bytes)} headroom)"
+            )
 
     def progress(self, p: fetch.FetchProgress) -> None:
         now = time.monotonic()
@@ -91,8 +98,10 @@ class Lines:
             return
         share = 100.0 * p.bytes_done / p.bytes_total if p.bytes_total else 100.0
         eta = f"ETA {_duration(p.eta_s)}" if p.eta_s is not None else "ETA --"
-        click.echo(f"{p.phase:8s} {p.files_done}/{p.files_total} files  {_size(p.bytes_done)} / "
-                   f"{_size(p.bytes_total)}  {share:5.1f}%  {_size(int(p.speed_bps))}/s  {eta}")
+        click.echo(
+            f"{p.phase:8s} {p.files_done}/{p.files_total} files  {_size(p.bytes_done)} / "
+            f"{_size(p.bytes_total)}  {share:5.1f}%  {_size(int(p.speed_bps))}/s  {eta}"
+        )
 
     def ready(self, path) -> None:
         if self.as_json:

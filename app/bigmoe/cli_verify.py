@@ -64,8 +64,10 @@ def verify(model: str, revision: str | None = None, cache_dir: str | Path | None
             raise
         source = "the hashes recorded at download (the Hub cannot be reached)"
     if not cache.snapshot(commit).is_dir():
-        raise NotDownloaded(f"{repo_id}@{revision} is not downloaded ({cache.snapshot(commit)} does not exist); "
-                            f"run: bigmoe pull {model}")
+        raise NotDownloaded(
+            f"{repo_id}@{revision} is not downloaded ({cache.snapshot(commit)} does not exist); "
+            f"run: bigmoe pull {model}"
+        )
     bad = tuple((f, why) for f in files if (why := _problem(cache, commit, f)))
     return Verdict(repo_id, commit, cache, len(files), source, bad)
 
@@ -81,10 +83,15 @@ def _problem(cache: RepoCache, commit: str, f: RemoteFile) -> str | None:
 @click.command("verify")
 @click.argument("model")
 @click.option("--revision", default=None, help="Branch, tag or commit (default: the one downloaded).")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="huggingface_hub cache directory (default: HF_HUB_CACHE).")
-@click.option("--keep", is_flag=True,
-              help="Leave bad files in place (default: remove them so pull fetches them again).")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="huggingface_hub cache directory (default: HF_HUB_CACHE).",
+)
+@click.option(
+    "--keep", is_flag=True, help="Leave bad files in place (default: remove them so pull fetches them again)."
+)
 def verify_command(model: str, revision: str | None, cache_dir: str | None, keep: bool) -> None:
     """Check a downloaded MODEL against the Hub's hashes (sha256 / git blob id) and its safetensors headers."""
     try:
@@ -103,8 +110,10 @@ def verify_command(model: str, revision: str | None, cache_dir: str | None, keep
         click.echo(f"bad: {verdict.snapshot / f.path}: {why}")
         if not keep:
             hubcache.remove_file(verdict.cache, verdict.commit, f)
-    fix = (f"they were removed; run: bigmoe pull {model}" if not keep else
-           f"rerun without --keep to remove them, then: bigmoe pull {model}")
+    fix = (
+        f"they were removed; run: bigmoe pull {model}"
+        if not keep
+        else f"rerun without --keep to remove them, then: bigmoe pull {model}"
+    )
     click.echo(f"bigmoe: {len(verdict.bad)} of {verdict.files} files of {where} are damaged; {fix}", err=True)
     sys.exit(fetch.EXIT_NOT_READY)
-

@@ -29,8 +29,15 @@ class ChatResult:
     """Mean time per output token after the first (ms); 0 when only one token came."""
 
 
-def chat(endpoint: str, model: str, prompt: str, max_tokens: int = 64, api_key: str | None = None,
-         timeout_s: float = 300.0, temperature: float = 0.0) -> ChatResult:
+def chat(
+    endpoint: str,
+    model: str,
+    prompt: str,
+    max_tokens: int = 64,
+    api_key: str | None = None,
+    timeout_s: float = 300.0,
+    temperature: float = 0.0,
+) -> ChatResult:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -45,7 +52,9 @@ def chat(endpoint: str, model: str, prompt: str, max_tokens: int = 64, api_key: 
     usage_tokens = 0
     start = time.perf_counter()
     try:
-        with httpx.stream("POST", endpoint + "/v1/chat/completions", json=body, headers=headers, timeout=timeout_s) as r:
+        with httpx.stream(
+            "POST", endpoint + "/v1/chat/completions", json=body, headers=headers, timeout=timeout_s
+        ) as r:
             if r.status_code != 200:
                 raise ChatError(f"chat request failed: HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
             for line in r.iter_lines():

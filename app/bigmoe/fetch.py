@@ -139,11 +139,19 @@ class FetchPlan:
     def summary(self) -> dict:
         """Plain fields for JSON output and progress events."""
         return {
-            "repo": self.repo_id, "revision": self.revision, "commit": self.commit,
-            "endpoint": self.endpoint, "path": str(self.snapshot_dir), "files": len(self.files),
-            "files_missing": len(self.missing), "bytes_total": self.bytes_total,
-            "bytes_to_download": self.bytes_to_download, "free_bytes": self.free_bytes,
-            "headroom_bytes": self.headroom_bytes, "fits": self.fits, "ready": self.ready,
+            "repo": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "endpoint": self.endpoint,
+            "path": str(self.snapshot_dir),
+            "files": len(self.files),
+            "files_missing": len(self.missing),
+            "bytes_total": self.bytes_total,
+            "bytes_to_download": self.bytes_to_download,
+            "free_bytes": self.free_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "fits": self.fits,
+            "ready": self.ready,
             "offline": self.offline,
         }
 
@@ -185,7 +193,9 @@ def resolve_model(preset_or_repo: str, revision: str | None) -> tuple[str, str]:
 
     preset = presets.load(preset_or_repo)
     if preset.synthetic or not preset.hub_id:
-        raise FetchError(f"{preset.name} is made on this machine (bigmoe run {preset.name}); there is nothing to download")
+        raise FetchError(
+            f"{preset.name} is made on this machine (bigmoe run {preset.name}); there is nothing to download"
+        )
     return preset.hub_id, revision or preset.revision or "main"
 
 
@@ -204,8 +214,14 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
-def dry_run(preset_or_repo: str, revision: str | None = None, cache_dir: str | Path | None = None,
-            *, free_space: FreeSpaceFn | None = None, headroom_bytes: int = HEADROOM_BYTES) -> FetchPlan:
+def dry_run(
+    preset_or_repo: str,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    *,
+    free_space: FreeSpaceFn | None = None,
+    headroom_bytes: int = HEADROOM_BYTES,
+) -> FetchPlan:
     """List the repo and measure what is missing and whether it fits. Writes nothing."""
     from huggingface_hub import constants
 
@@ -230,8 +246,14 @@ def is_ready(plan: FetchPlan) -> bool:
     return vouched is not None and set(vouched) == set(plan.files)
 
 
-def fetch(plan: FetchPlan, progress: ProgressFn | None = None, *, cancel: threading.Event | None = None,
-          free_space: FreeSpaceFn | None = None, poll_s: float = POLL_S) -> Path:
+def fetch(
+    plan: FetchPlan,
+    progress: ProgressFn | None = None,
+    *,
+    cancel: threading.Event | None = None,
+    free_space: FreeSpaceFn | None = None,
+    poll_s: float = POLL_S,
+) -> Path:
     """Download what the plan lacks, check every file, mark the model ready; return its directory.
 
     `progress` is called on the caller's thread. Setting `cancel` (from any thread) stops
@@ -251,7 +273,12 @@ def fetch(plan: FetchPlan, progress: ProgressFn | None = None, *, cancel: thread
     _discard_broken(cache, plan.commit, files)
     started = time.time()
     _run_with_progress(
-        lambda: _download(plan, cancel), "download", files, emit, cancel, poll_s,
+        lambda: _download(plan, cancel),
+        "download",
+        files,
+        emit,
+        cancel,
+        poll_s,
         measure=lambda: hubcache.bytes_on_disk(cache, plan.commit, files, since=started),
     )
     hubcache.write_ref(cache, plan.revision, plan.commit)
@@ -288,7 +315,9 @@ def _list_repo(repo_id: str, revision: str, endpoint: str) -> tuple[str, list[Re
     for s in info.siblings:
         if s.size is None or s.blob_id is None:
             raise FetchError(f"{endpoint} listed {s.rfilename} without its size; is HF_ENDPOINT a Hub?")
-        files.append(RemoteFile(path=s.rfilename, size=s.size, blob_id=s.blob_id, sha256=s.lfs.sha256 if s.lfs else None))
+        files.append(
+            RemoteFile(path=s.rfilename, size=s.size, blob_id=s.blob_id, sha256=s.lfs.sha256 if s.lfs else None)
+        )
     return info.sha, files
 
 
@@ -297,8 +326,13 @@ def _download(plan: FetchPlan, cancel: threading.Event) -> None:
 
     with _hub_errors(plan.repo_id, plan.revision, plan.endpoint, "download"):
         snapshot_download(
-            plan.repo_id, revision=plan.commit, cache_dir=plan.cache_dir, endpoint=plan.endpoint,
-            token=_token(), max_workers=MAX_WORKERS, tqdm_class=_stop_bar(cancel),
+            plan.repo_id,
+            revision=plan.commit,
+            cache_dir=plan.cache_dir,
+            endpoint=plan.endpoint,
+            token=_token(),
+            max_workers=MAX_WORKERS,
+            tqdm_class=_stop_bar(cancel),
         )
 
 
@@ -313,8 +347,10 @@ def _hub_errors(repo_id: str, revision: str, endpoint: str, during: str) -> Iter
     except Cancelled as e:
         raise FetchCancelled(f"{repo_id}: {e}") from e
     except hf.GatedRepoError as e:
-        raise ModelNotFound(f"{repo_id} on {endpoint} is gated or private and the token was refused: "
-                            "accept its terms on the Hub, then set HF_TOKEN") from e
+        raise ModelNotFound(
+            f"{repo_id} on {endpoint} is gated or private and the token was refused: "
+            "accept its terms on the Hub, then set HF_TOKEN"
+        ) from e
     except hf.RevisionNotFoundError as e:
         raise ModelNotFound(f"{repo_id} has no revision {revision!r} on {endpoint}") from e
     except hf.RepositoryNotFoundError as e:
@@ -327,13 +363,15 @@ def _hub_errors(repo_id: str, revision: str, endpoint: str, during: str) -> Iter
         status = e.response.status_code if e.response is not None else 0
         if during == "listing" and status >= 500:
             raise HubUnreachable(f"{endpoint} answered {status} while listing {repo_id}; try again later") from e
-        raise DownloadFailed(f"{during} {repo_id}: {endpoint} answered {status} ({_one_line(e)}); "
-                             "run again to resume") from e
+        raise DownloadFailed(
+            f"{during} {repo_id}: {endpoint} answered {status} ({_one_line(e)}); run again to resume"
+        ) from e
     except httpx2.TransportError as e:
         if during == "listing":
             raise HubUnreachable(f"cannot reach {endpoint}: {type(e).__name__}: {_one_line(e)}") from e
-        raise DownloadFailed(f"connection to the Hub lost while downloading {repo_id} ({_one_line(e)}); "
-                             "run again to resume") from e
+        raise DownloadFailed(
+            f"connection to the Hub lost while downloading {repo_id} ({_one_line(e)}); run again to resume"
+        ) from e
     except OSError as e:
         if e.errno == 28:  # ENOSPC: something else filled the disk meanwhile
             raise DiskTooSmall(f"the disk filled up while downloading {repo_id}: {e.strerror}") from e
@@ -368,24 +406,50 @@ def _stop_bar(cancel: threading.Event) -> type:
 # -- disk -----------------------------------------------------------------------
 
 
-def _measure(cache: RepoCache, revision: str, commit: str, endpoint: str, files: list[RemoteFile], offline: bool,
-             free_space: FreeSpaceFn, headroom_bytes: int) -> FetchPlan:
+def _measure(
+    cache: RepoCache,
+    revision: str,
+    commit: str,
+    endpoint: str,
+    files: list[RemoteFile],
+    offline: bool,
+    free_space: FreeSpaceFn,
+    headroom_bytes: int,
+) -> FetchPlan:
     missing = [f for f in files if not hubcache.is_whole(cache, commit, f)]
     reclaimable = sum(_size(p) for p in hubcache.stale_partials(cache, STALE_PARTIAL_S))
     vouched = hubcache.read_ready(cache, commit)
     ready = vouched is not None and set(vouched) == set(files)
     return FetchPlan(
-        repo_id=cache.repo_id, revision=revision, commit=commit, endpoint=endpoint, cache_dir=cache.root,
-        files=tuple(files), missing=tuple(f.path for f in missing), bytes_total=sum(f.size for f in files),
-        bytes_to_download=sum(f.size for f in missing), free_bytes=free_space(cache.root),
-        reclaimable_bytes=reclaimable, headroom_bytes=headroom_bytes, ready=ready, offline=offline,
+        repo_id=cache.repo_id,
+        revision=revision,
+        commit=commit,
+        endpoint=endpoint,
+        cache_dir=cache.root,
+        files=tuple(files),
+        missing=tuple(f.path for f in missing),
+        bytes_total=sum(f.size for f in files),
+        bytes_to_download=sum(f.size for f in missing),
+        free_bytes=free_space(cache.root),
+        reclaimable_bytes=reclaimable,
+        headroom_bytes=headroom_bytes,
+        ready=ready,
+        offline=offline,
     )
 
 
 def _refuse_unless_fits(plan: FetchPlan, cache: RepoCache, free_space: FreeSpaceFn) -> None:
     """Measure again now (the plan may be old) and refuse before writing anything."""
-    now = _measure(cache, plan.revision, plan.commit, plan.endpoint, list(plan.files), plan.offline,
-                   free_space, plan.headroom_bytes)
+    now = _measure(
+        cache,
+        plan.revision,
+        plan.commit,
+        plan.endpoint,
+        list(plan.files),
+        plan.offline,
+        free_space,
+        plan.headroom_bytes,
+    )
     if not now.fits:
         raise DiskTooSmall(
             f"{plan.repo_id} needs {_gib(now.bytes_to_download)} more plus {_gib(now.headroom_bytes)} headroom, "
@@ -408,8 +472,9 @@ def _discard_broken(cache: RepoCache, commit: str, files: list[RemoteFile]) -> N
                 hubcache.remove_file(cache, commit, f)
 
 
-def _verify(cache: RepoCache, commit: str, files: list[RemoteFile], emit: ProgressFn,
-            cancel: threading.Event, poll_s: float) -> None:
+def _verify(
+    cache: RepoCache, commit: str, files: list[RemoteFile], emit: ProgressFn, cancel: threading.Event, poll_s: float
+) -> None:
     hashed = [0, 0]  # files, bytes
     lock = threading.Lock()
 
@@ -438,8 +503,10 @@ def _verify(cache: RepoCache, commit: str, files: list[RemoteFile], emit: Progre
     if bad:
         f, reason = bad[0]
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise NotReady(f"{cache.repo_id}: {f.path} {reason}{more}; the file changed on the Hub or was "
-                       "corrupted in transit and was removed; run again")
+        raise NotReady(
+            f"{cache.repo_id}: {f.path} {reason}{more}; the file changed on the Hub or was "
+            "corrupted in transit and was removed; run again"
+        )
 
 
 def _size(path: Path) -> int:
@@ -461,8 +528,15 @@ def _final(files: list[RemoteFile]) -> FetchProgress:
     return FetchProgress("ready", len(files), len(files), total, total, 0.0, 0.0, 0.0)
 
 
-def _run_with_progress(work: Callable[[], object], phase: str, files: list[RemoteFile], emit: ProgressFn,
-                       cancel: threading.Event, poll_s: float, measure: Callable[[], tuple[int, int]]):
+def _run_with_progress(
+    work: Callable[[], object],
+    phase: str,
+    files: list[RemoteFile],
+    emit: ProgressFn,
+    cancel: threading.Event,
+    poll_s: float,
+    measure: Callable[[], tuple[int, int]],
+):
     """Run `work` on a worker thread; report `measure()` every poll_s seconds on this one.
     Ctrl-C or an exception in `emit` stops the worker (via `cancel`) before it propagates."""
     outcome: dict[str, object] = {}

@@ -208,7 +208,7 @@ def _decode(raw: Any, annotation: str, where: str) -> Any:
         raise HardwareError(f"{where}: null is not allowed")
     for option in options:
         if option.startswith("tuple[") and isinstance(raw, list):
-            cls = _CLASSES[option[len("tuple["):].split(",")[0]]
+            cls = _CLASSES[option[len("tuple[") :].split(",")[0]]
             return tuple(_decode_dataclass(cls, item, f"{where}[{i}]") for i, item in enumerate(raw))
         kind = _SCALARS.get(option)
         if kind is not None and type(raw) is kind:
@@ -216,4 +216,4 @@ def _decode(raw: Any, annotation: str, where: str) -> Any:
         if option == "float" and type(raw) in (int, float):
             return float(raw)
     wanted = " or ".join(o for o in options if o != "Unknown")
-    raise HardwareError(f"{where}: expected {wanted} (or {{\"unknown\": reason}}), got {raw!r}")
+    raise HardwareError(f'{where}: expected {wanted} (or {{"unknown": reason}}), got {raw!r}')

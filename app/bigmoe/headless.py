@@ -99,8 +99,14 @@ def serve(server: launch.Server, opts: pipeline.RunOptions, say: Printer, signal
         except launch.LaunchError as e:
             e.exit_code = exit_codes.START_FAILED
             raise
-        say("ready", {"endpoint": server.endpoint, "model": server.info.served_name,
-                      "curl": curl_line(server.endpoint, server.info.served_name, opts.api_key)})
+        say(
+            "ready",
+            {
+                "endpoint": server.endpoint,
+                "model": server.info.served_name,
+                "curl": curl_line(server.endpoint, server.info.served_name, opts.api_key),
+            },
+        )
         if opts.prompt is not None:
             answer(server, opts, say)
         else:
@@ -109,8 +115,12 @@ def serve(server: launch.Server, opts: pipeline.RunOptions, say: Printer, signal
         if stop.signum == signal.SIGHUP:
             detach(server)
             return exit_codes.HANGUP
-        stop_server(server, say, signals, {"pid": server.info.pid, "why": signal.Signals(stop.signum).name,
-                                           "hint": "Ctrl-C again kills it at once"})
+        stop_server(
+            server,
+            say,
+            signals,
+            {"pid": server.info.pid, "why": signal.Signals(stop.signum).name, "hint": "Ctrl-C again kills it at once"},
+        )
         return EXIT_FOR_SIGNAL.get(stop.signum, exit_codes.INTERRUPTED)
     except BaseException:
         stop_server(server, say, signals)
@@ -146,8 +156,10 @@ def stop_server(server: launch.Server, say: Printer, signals: RunSignals, stoppi
 def detach(server: launch.Server) -> None:
     """The terminal closed: leave the server running, its record in place, and a line in its log."""
     with records.open_log(Path(server.info.log)) as log:
-        log.write(f"bigmoe: the terminal of `bigmoe run` closed (SIGHUP); the server keeps running as pid "
-                  f"{server.info.pid}; `bigmoe ps` lists it, `bigmoe stop {server.info.port}` stops it\n".encode())
+        log.write(
+            f"bigmoe: the terminal of `bigmoe run` closed (SIGHUP); the server keeps running as pid "
+            f"{server.info.pid}; `bigmoe ps` lists it, `bigmoe stop {server.info.port}` stops it\n".encode()
+        )
 
 
 def watch(server: launch.Server, say: Printer, every_s: float = STATS_EVERY_S) -> None:

@@ -164,8 +164,9 @@ def file_digest(path: Path, f: RemoteFile, on_bytes: Callable[[int], None], canc
     return h.hexdigest()
 
 
-def check_file(cache: RepoCache, commit: str, f: RemoteFile, on_bytes: Callable[[int], None],
-               cancel: threading.Event) -> str | None:
+def check_file(
+    cache: RepoCache, commit: str, f: RemoteFile, on_bytes: Callable[[int], None], cancel: threading.Event
+) -> str | None:
     """Why the downloaded file is not the one the Hub listed, or None when it is."""
     path = cache.pointer(commit, f)
     if not path.is_file():
@@ -217,8 +218,10 @@ def recorded_files(cache: RepoCache, commit: str) -> list[RemoteFile] | None:
         payload = json.loads(cache.marker(commit).read_text())
         if payload.get("format") != MARKER_FORMAT or payload.get("commit") != commit:
             return None
-        return [RemoteFile(path=e["path"], size=e["size"], blob_id=e["blob_id"], sha256=e["sha256"])
-                for e in payload["files"]]
+        return [
+            RemoteFile(path=e["path"], size=e["size"], blob_id=e["blob_id"], sha256=e["sha256"])
+            for e in payload["files"]
+        ]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -237,5 +240,3 @@ def read_ref(cache: RepoCache, revision: str) -> str | None:
         return cache.ref(revision).read_text().strip() or None
     except OSError:
         return None
-
-

@@ -28,8 +28,20 @@ from bigmoe.errors import BigmoeError
 from bigmoe.records import RunInfo
 from bigmoe.vllm_log import STAGES, error_line, exit_reason, stages_in
 
-__all__ = ["STAGES", "LaunchError", "RunInfo", "Server", "error_line", "free_port", "kill", "port_free", "stages_in",
-           "start", "stop", "wait_ready"]
+__all__ = [
+    "STAGES",
+    "LaunchError",
+    "RunInfo",
+    "Server",
+    "error_line",
+    "free_port",
+    "kill",
+    "port_free",
+    "stages_in",
+    "start",
+    "stop",
+    "wait_ready",
+]
 
 STOP_GRACE_S = 15.0
 """How long the group gets to exit after SIGTERM before SIGKILL (s); vLLM usually needs 1-5 s."""
@@ -99,8 +111,9 @@ def start(argv: list[str], env: dict[str, str], info: RunInfo, secret_env: dict[
     with records.open_log(Path(info.log)) as log:
         log.write(f"$ {shlex.join(argv)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     info.pid = proc.pid
     info.create_time = psutil.Process(proc.pid).create_time()  # readable even if it already exited (unreaped)
     records.save(info)
@@ -131,8 +144,9 @@ def wait_ready(server: Server, timeout_s: float, on_stage: Callable[[str], None]
                 pass
             if time.monotonic() > deadline:
                 stop(server)
-                raise LaunchError(f"vLLM did not answer /health within {timeout_s:.0f} s; stopped it "
-                                  f"(log: {server.info.log})")
+                raise LaunchError(
+                    f"vLLM did not answer /health within {timeout_s:.0f} s; stopped it (log: {server.info.log})"
+                )
             time.sleep(0.5)
 
 
@@ -147,8 +161,9 @@ def stop(server: Server, grace_s: float = STOP_GRACE_S) -> None:
         except subprocess.TimeoutExpired:
             left = left or [server.proc.pid]
     if left:
-        raise LaunchError(f"processes {', '.join(map(str, left))} of the server (pid {server.info.pid}) "
-                          "did not exit after SIGKILL")
+        raise LaunchError(
+            f"processes {', '.join(map(str, left))} of the server (pid {server.info.pid}) did not exit after SIGKILL"
+        )
     records.remove(server.info)
     if server.info.metrics_dir:
         shutil.rmtree(server.info.metrics_dir, ignore_errors=True)

@@ -62,7 +62,9 @@ def read_cache(path: Path) -> tuple[dict[str, Link], str]:
     try:
         if data.get("format") != FORMAT:
             return {}, f"{path} has format {data.get('format')!r}, not {FORMAT}; measured again"
-        links = {str(k): Link(float(v["gbps"]), str(v["basis"]), float(v["measured_at"])) for k, v in data["links"].items()}
+        links = {
+            str(k): Link(float(v["gbps"]), str(v["basis"]), float(v["measured_at"])) for k, v in data["links"].items()
+        }
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         return {}, f"{path} is malformed ({type(e).__name__}: {e}); measured again"
     return {k: v for k, v in links.items() if v.gbps > 0}, ""
@@ -70,7 +72,9 @@ def read_cache(path: Path) -> tuple[dict[str, Link], str]:
 
 def write_cache(path: Path, links: dict[str, Link]) -> None:
     """Replace the file atomically (a crash leaves the old file or the new one, never half of one)."""
-    body = json.dumps({"format": FORMAT, "links": {k: dataclasses.asdict(v) for k, v in sorted(links.items())}}, indent=1)
+    body = json.dumps(
+        {"format": FORMAT, "links": {k: dataclasses.asdict(v) for k, v in sorted(links.items())}}, indent=1
+    )
     write_atomic(path, body.encode())
 
 
@@ -87,8 +91,15 @@ def disk_key(disk: Disk) -> str | None:
     return None
 
 
-def with_links(hw: Hardware, local_dirs: dict[str, Path], *, remeasure: bool = False, path: Path | None = None,
-               measure_disk: DiskMeasure = measure_read_rate, measure_gpu: GpuMeasure = measure_h2d_in_child) -> Hardware:
+def with_links(
+    hw: Hardware,
+    local_dirs: dict[str, Path],
+    *,
+    remeasure: bool = False,
+    path: Path | None = None,
+    measure_disk: DiskMeasure = measure_read_rate,
+    measure_gpu: GpuMeasure = measure_h2d_in_child,
+) -> Hardware:
     """`hw` with each GPU's h2d_gbps and each disk's read_gbps from the cache, measured (and
     cached) where the cache has none or `remeasure` is set. `local_dirs` maps a disk's path to
     the directory to measure it in. Never raises for a failed measurement (Unknown(reason))."""
@@ -133,6 +144,8 @@ def _disk(disk: Disk, local: Path | None, lookup, measure_disk: DiskMeasure) -> 
     if local is None:
         return dataclasses.replace(disk, read_gbps=Unknown(f"no directory was given to measure {disk.path} in"))
     if disk.windows_drive is True or disk.o_direct is False:
-        return dataclasses.replace(disk, read_gbps=Unknown(f"O_DIRECT does not work on {disk.path} ({disk.o_direct_basis})"))
+        return dataclasses.replace(
+            disk, read_gbps=Unknown(f"O_DIRECT does not work on {disk.path} ({disk.o_direct_basis})")
+        )
     gbps, basis = lookup(disk_key(disk), lambda: measure_disk(local))
     return dataclasses.replace(disk, read_gbps=gbps, read_basis=basis)

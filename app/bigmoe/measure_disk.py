@@ -52,11 +52,15 @@ class DiskRead:
 
     @property
     def basis(self) -> str:
-        return (f"{self.bytes_read >> 20} MiB of {CHUNK_BYTES >> 20} MiB O_DIRECT reads, {IN_FLIGHT} in flight, "
-                f"in {self.seconds:.2f} s from {self.source}")
+        return (
+            f"{self.bytes_read >> 20} MiB of {CHUNK_BYTES >> 20} MiB O_DIRECT reads, {IN_FLIGHT} in flight, "
+            f"in {self.seconds:.2f} s from {self.source}"
+        )
 
 
-def measure_read_rate(directory: Path, max_bytes: int = MAX_BYTES, max_seconds: float = MAX_SECONDS) -> DiskRead | Unknown:
+def measure_read_rate(
+    directory: Path, max_bytes: int = MAX_BYTES, max_seconds: float = MAX_SECONDS
+) -> DiskRead | Unknown:
     """The O_DIRECT read rate of the disk holding `directory` (it, or its nearest existing ancestor)."""
     if not hasattr(os, "O_DIRECT"):
         return Unknown("this OS has no O_DIRECT")
@@ -67,7 +71,9 @@ def measure_read_rate(directory: Path, max_bytes: int = MAX_BYTES, max_seconds: 
     try:
         fd, name = tempfile.mkstemp(prefix=".bigmoe-readrate-", dir=directory)
     except OSError as e:
-        return Unknown(f"no file of {MIN_BYTES >> 20} MiB in {directory} to read, and a test file cannot be written there ({e.strerror or e})")
+        return Unknown(
+            f"no file of {MIN_BYTES >> 20} MiB in {directory} to read, and a test file cannot be written there ({e.strerror or e})"
+        )
     try:
         with os.fdopen(fd, "wb") as f:
             block = os.urandom(1 << 20)  # incompressible, so a compressing filesystem stores every byte
@@ -75,7 +81,9 @@ def measure_read_rate(directory: Path, max_bytes: int = MAX_BYTES, max_seconds: 
                 f.write(block)
             f.flush()
             os.fsync(f.fileno())
-        return _measure(Path(name), f"a {TEMP_FILE_BYTES >> 20} MiB temporary file in {directory}", max_bytes, max_seconds)
+        return _measure(
+            Path(name), f"a {TEMP_FILE_BYTES >> 20} MiB temporary file in {directory}", max_bytes, max_seconds
+        )
     except OSError as e:
         return Unknown(f"writing a {TEMP_FILE_BYTES >> 20} MiB test file in {directory} failed ({e.strerror or e})")
     finally:

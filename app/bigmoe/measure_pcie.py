@@ -44,11 +44,15 @@ class CopyRate:
 
     @property
     def basis(self) -> str:
-        return (f"median of {self.repeats} pinned copies of {self.copy_bytes >> 20} MiB to {self.device_name} "
-                f"(best {self.best_gbps:.1f} GB/s)")
+        return (
+            f"median of {self.repeats} pinned copies of {self.copy_bytes >> 20} MiB to {self.device_name} "
+            f"(best {self.best_gbps:.1f} GB/s)"
+        )
 
 
-def measure_h2d(index: int = 0, copy_bytes: int = COPY_BYTES, repeats: int = REPEATS, torch_module=None) -> CopyRate | Unknown:
+def measure_h2d(
+    index: int = 0, copy_bytes: int = COPY_BYTES, repeats: int = REPEATS, torch_module=None
+) -> CopyRate | Unknown:
     """Time `repeats` pinned host-to-device copies of `copy_bytes` to GPU `index` in this process.
     `torch_module` stands in for torch (None = import it)."""
     torch = torch_module
@@ -90,13 +94,21 @@ def _time_copies(torch, index: int, copy_bytes: int, repeats: int) -> CopyRate:
     return CopyRate(round(rates[len(rates) // 2], 2), round(rates[-1], 2), copy_bytes, len(rates), name)
 
 
-def measure_h2d_in_child(index: int = 0, timeout_s: float = CHILD_TIMEOUT_S, python: str | None = None) -> CopyRate | Unknown:
+def measure_h2d_in_child(
+    index: int = 0, timeout_s: float = CHILD_TIMEOUT_S, python: str | None = None
+) -> CopyRate | Unknown:
     """measure_h2d in a child process (`python -m bigmoe.measure_pcie`), so no CUDA context stays here."""
     app_dir = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (app_dir, os.environ.get("PYTHONPATH", "")) if p))
     try:
-        done = subprocess.run([python or sys.executable, "-m", "bigmoe.measure_pcie", str(index)], capture_output=True,
-                              text=True, timeout=timeout_s, env=env, check=False)
+        done = subprocess.run(
+            [python or sys.executable, "-m", "bigmoe.measure_pcie", str(index)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return Unknown(f"the pinned copy test took over {timeout_s:g} s and was stopped")
     except OSError as e:

@@ -84,8 +84,10 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             return None
     except ValueError:
         pass  # a host name: it may resolve to any address
-    return (f"--host {host} serves the API beyond this machine without --api-key: anyone who can reach it can use "
-            "the model; add --api-key (or set BIGMOE_API_KEY)")
+    return (
+        f"--host {host} serves the API beyond this machine without --api-key: anyone who can reach it can use "
+        "the model; add --api-key (or set BIGMOE_API_KEY)"
+    )
 
 
 def load_preset(opts: RunOptions) -> presets.Preset:
@@ -101,8 +103,10 @@ def probe_machine(preset: presets.Preset, opts: RunOptions):
     from bigmoe.probe import probe
 
     model_dir, paging_dir = default_dirs(preset)
-    dirs = [Path(opts.model_dir).expanduser() if opts.model_dir else Path(model_dir),
-            Path(opts.paging_dir).expanduser() if opts.paging_dir else Path(paging_dir)]
+    dirs = [
+        Path(opts.model_dir).expanduser() if opts.model_dir else Path(model_dir),
+        Path(opts.paging_dir).expanduser() if opts.paging_dir else Path(paging_dir),
+    ]
     return probe(paths=[_nearest_existing(d) for d in dirs], measure=True)
 
 
@@ -121,11 +125,20 @@ def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk:
     checkpoint, why_not = find_checkpoint(preset, opts.model_dir, _dtypes_for(hardware, preset))
 
     overrides = Overrides(
-        vram_slots=opts.vram_slots, ram_slots=opts.ram_slots, compress=opts.compress,
-        context=opts.context, force=opts.force, cuda_graphs=opts.cuda_graphs, prefill_buffer=opts.prefill_buffer,
-        speculative_tokens=opts.speculative_tokens, host=opts.host, port=opts.port,
-        vram_gib=opts.vram_gib, ram_gib=opts.ram_gib,
-        model_path=_expanded(opts.model_dir), model_dir=_expanded(opts.model_dir),
+        vram_slots=opts.vram_slots,
+        ram_slots=opts.ram_slots,
+        compress=opts.compress,
+        context=opts.context,
+        force=opts.force,
+        cuda_graphs=opts.cuda_graphs,
+        prefill_buffer=opts.prefill_buffer,
+        speculative_tokens=opts.speculative_tokens,
+        host=opts.host,
+        port=opts.port,
+        vram_gib=opts.vram_gib,
+        ram_gib=opts.ram_gib,
+        model_path=_expanded(opts.model_dir),
+        model_dir=_expanded(opts.model_dir),
         model_on_disk=model_on_disk or bool(opts.model_dir),
         paging_dir=str(Path(opts.paging_dir).expanduser()) if opts.paging_dir else None,
     )
@@ -138,7 +151,9 @@ def _expanded(path: str | None) -> str | None:
 
 def _dtypes_for(hardware, preset: presets.Preset) -> tuple[str, ...]:
     """Expert dtypes in the order the plan will prefer them on this machine."""
-    first, second = (preset.dtype_gpu, preset.dtype_cpu) if hardware.gpu() is not None else (preset.dtype_cpu, preset.dtype_gpu)
+    first, second = (
+        (preset.dtype_gpu, preset.dtype_cpu) if hardware.gpu() is not None else (preset.dtype_cpu, preset.dtype_gpu)
+    )
     return (first, second) if first != second else (first,)
 
 
@@ -168,7 +183,9 @@ def _locate_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: 
 
     fetch_plan = fetch.dry_run(preset.hub_id, preset.revision)
     progress("fetch", {"state": "planned", "bytes": fetch_plan.bytes_to_download, "files": len(fetch_plan.files)})
-    return fetch.fetch(fetch_plan, lambda p: progress("fetch", p.__dict__ if hasattr(p, "__dict__") else {"progress": str(p)}))
+    return fetch.fetch(
+        fetch_plan, lambda p: progress("fetch", p.__dict__ if hasattr(p, "__dict__") else {"progress": str(p)})
+    )
 
 
 def require_vllm() -> None:
@@ -177,7 +194,9 @@ def require_vllm() -> None:
     except (ImportError, ValueError):
         spec = None
     if spec is None:
-        raise VllmMissing("vLLM is not installed in this Python environment; run installer/install.sh (or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')")
+        raise VllmMissing(
+            "vLLM is not installed in this Python environment; run installer/install.sh (or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"
+        )
 
 
 def plan_for_checkpoint(the_plan, preset: presets.Preset, model_path: Path, opts: RunOptions):
@@ -185,9 +204,13 @@ def plan_for_checkpoint(the_plan, preset: presets.Preset, model_path: Path, opts
     again now that the checkpoint is on disk (a download lands where no plan could name it before)."""
     if Path(the_plan.model_path) == Path(model_path):
         return the_plan
-    again = make_plan(the_plan.hardware, preset, dataclasses.replace(opts, model_dir=str(model_path)), model_on_disk=True)
+    again = make_plan(
+        the_plan.hardware, preset, dataclasses.replace(opts, model_dir=str(model_path)), model_on_disk=True
+    )
     if again.refusals and not opts.force:
-        raise PlanRefused(f"plan refused once the checkpoint was read: {again.refusal} (rerun with --force to launch anyway)")
+        raise PlanRefused(
+            f"plan refused once the checkpoint was read: {again.refusal} (rerun with --force to launch anyway)"
+        )
     return again
 
 
@@ -196,9 +219,14 @@ def start_server(preset: presets.Preset, the_plan, model_path: Path, opts: RunOp
     require_vllm()
     the_plan = plan_for_checkpoint(the_plan, preset, model_path, opts)
     info = records.RunInfo(
-        name=preset.name, pid=0, host=opts.host, port=opts.port,
+        name=preset.name,
+        pid=0,
+        host=opts.host,
+        port=opts.port,
         log=str(records.log_name(preset.name, opts.port, time.strftime("%Y%m%d-%H%M%S"))),
-        model_path=str(model_path), served_name=preset.name, started=time.time(),
+        model_path=str(model_path),
+        served_name=preset.name,
+        started=time.time(),
     )
     secrets = {"VLLM_API_KEY": opts.api_key} if opts.api_key else {}
     return launch.start(list(the_plan.argv), dict(the_plan.env), info, secrets)

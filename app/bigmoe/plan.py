@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from bigmoe_pager.settings import PagerSettings
+
 from bigmoe.checkpoint_arch import ArchFacts, preset_facts, with_facts
 from bigmoe.hardware import Hardware
 from bigmoe.plan_draft import Draft
@@ -18,9 +20,18 @@ from bigmoe.plan_inputs import Overrides, PlanError, check_overrides, default_di
 from bigmoe.plan_memory import CODEC_RATIO, MemoryRow, MemoryTable
 from bigmoe.plan_speed import Estimate
 from bigmoe.presets import Preset
-from bigmoe_pager.settings import PagerSettings
 
-__all__ = ["CODEC_RATIO", "MemoryRow", "MemoryTable", "Overrides", "Plan", "PlanError", "default_dirs", "plan", "stated_machine"]
+__all__ = [
+    "CODEC_RATIO",
+    "MemoryRow",
+    "MemoryTable",
+    "Overrides",
+    "Plan",
+    "PlanError",
+    "default_dirs",
+    "plan",
+    "stated_machine",
+]
 
 
 @dataclass(frozen=True)
@@ -104,9 +115,13 @@ class Plan:
     def summary(self) -> dict[str, str]:
         """Short strings for a progress line."""
         return {
-            "device": self.device, "dtype": self.expert_dtype, "context": str(self.context),
-            "vram_slots": str(self.vram_slots), "ram_slots": str(self.ram_slots),
-            "compress": "on" if self.compress else "off", "ssd": self.ssd_source,
+            "device": self.device,
+            "dtype": self.expert_dtype,
+            "context": str(self.context),
+            "vram_slots": str(self.vram_slots),
+            "ram_slots": str(self.ram_slots),
+            "compress": "on" if self.compress else "off",
+            "ssd": self.ssd_source,
             "tpot_ms": f"{self.estimate.tpot_ms[0]:.0f}-{self.estimate.tpot_ms[1]:.0f}",
             "refused": self.refusal or "no",
         }
@@ -115,10 +130,16 @@ class Plan:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out.update(
             settings={k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self.settings).items()},
-            argv=list(self.argv), memory=[t.to_dict() for t in self.memory],
-            estimate=dataclasses.asdict(self.estimate), assumptions=list(self.assumptions), measured=list(self.measured),
-            notes=list(self.notes), refusals=list(self.refusals), hardware=self.hardware.to_dict(),
-            refusal=self.refusal, runnable=self.runnable,
+            argv=list(self.argv),
+            memory=[t.to_dict() for t in self.memory],
+            estimate=dataclasses.asdict(self.estimate),
+            assumptions=list(self.assumptions),
+            measured=list(self.measured),
+            notes=list(self.notes),
+            refusals=list(self.refusals),
+            hardware=self.hardware.to_dict(),
+            refusal=self.refusal,
+            runnable=self.runnable,
         )
         return out
 

@@ -20,8 +20,11 @@ def disk_tables(d: "Draft") -> None:
     groups: list[tuple[Disk | None, str, list[MemoryRow]]] = [(model_disk, model_dir, [checkpoint])]
     if d.compress:
         arch = d.preset.arch
-        paging = MemoryRow("paging file", d.paging_bytes, f"{arch.experts} x {arch.moe_layers} experts x "
-                           f"{d.eb / MIB:.2f} MiB x codec ratio (assumed)")
+        paging = MemoryRow(
+            "paging file",
+            d.paging_bytes,
+            f"{arch.experts} x {arch.moe_layers} experts x {d.eb / MIB:.2f} MiB x codec ratio (assumed)",
+        )
         if d.same_disk(model_disk, paging_disk) is True:
             groups[0][2].append(paging)
         else:
@@ -31,7 +34,9 @@ def disk_tables(d: "Draft") -> None:
         table = MemoryTable(f"disk {path}", _capacity(d, disk, path, checkpoint in rows), tuple(rows))
         if table.fits is False:
             items = " + ".join(f"{r.item} {gib(r.bytes)}" for r in rows)
-            d.refusals.append(f"disk full: {path} needs {gib(table.used_bytes)} ({items}) but has {gib(table.capacity_bytes)} for it")
+            d.refusals.append(
+                f"disk full: {path} needs {gib(table.used_bytes)} ({items}) but has {gib(table.capacity_bytes)} for it"
+            )
         d.memory.append(table)
     _check_safety(d, model_disk, paging_disk)
 
@@ -67,23 +72,34 @@ def _capacity(d: "Draft", disk: Disk | None, path: str, holds_checkpoint: bool) 
 
 def _check_safety(d: "Draft", model_disk: Disk | None, paging_disk: Disk | None) -> None:
     model_dir, paging_dir = d.dirs()
-    for disk, path, what in ((model_disk, model_dir, "model"), (paging_disk if d.compress else None, paging_dir, "paging")):
+    for disk, path, what in (
+        (model_disk, model_dir, "model"),
+        (paging_disk if d.compress else None, paging_dir, "paging"),
+    ):
         if disk is not None and disk.windows_drive is True:
-            d.refusals.append(f"the {what} directory {path} is on a Windows drive seen through WSL ({disk.filesystem}): "
-                              "slow, and O_DIRECT does not work; use a directory in the Linux filesystem")
+            d.refusals.append(
+                f"the {what} directory {path} is on a Windows drive seen through WSL ({disk.filesystem}): "
+                "slow, and O_DIRECT does not work; use a directory in the Linux filesystem"
+            )
     source = ssd_disk(d)
     if d.ssd_source != "none":
         where = d.dirs()[1] if d.ssd_source == "paging file" else model_dir
         if source is None:
             d.notes.append(f"the disk of {where} was not probed: the SSD tier's speed and O_DIRECT are not checked")
         elif source.kind == "hdd":
-            d.refusals.append(f"the SSD tier would read experts from an HDD ({where}: {source.kind_basis}); "
-                              "put the model (or the paging directory) on an SSD")
+            d.refusals.append(
+                f"the SSD tier would read experts from an HDD ({where}: {source.kind_basis}); "
+                "put the model (or the paging directory) on an SSD"
+            )
         elif source.o_direct is False:
-            d.refusals.append(f"O_DIRECT reads do not work on {where} ({source.o_direct_basis}); the SSD tier needs them")
+            d.refusals.append(
+                f"O_DIRECT reads do not work on {where} ({source.o_direct_basis}); the SSD tier needs them"
+            )
         else:
             for value in (source.kind, source.o_direct):
                 if isinstance(value, Unknown):
                     d.notes.append(f"SSD tier at {where}: {value}")
     if d.ngram and model_disk is not None and model_disk.kind == "hdd":
-        d.refusals.append(f"the n-gram table is read row by row at random from the checkpoint; {model_dir} is on an HDD")
+        d.refusals.append(
+            f"the n-gram table is read row by row at random from the checkpoint; {model_dir} is on an HDD"
+        )

@@ -13,19 +13,41 @@ from bigmoe.checkpoint_arch import ArchFacts
 from bigmoe.hardware import Disk, Gpu, Hardware, Unknown, known
 from bigmoe.plan_disks import disk_tables, ssd_disk
 from bigmoe.plan_inputs import Overrides, default_dirs
-from bigmoe.plan_spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
-from bigmoe.plan_spec import refusal as spec_refusal
 from bigmoe.plan_launch import launch_argv, launch_env, max_seqs_of, pager_settings
 from bigmoe.plan_memory import (
-    CODEC_RATIO, CUDA_CONTEXT_BYTES, DISK_HEADROOM_BYTES, MIB, NGRAM_PAGE_CACHE_BYTES, RAM_HEADROOM, VLLM_HOST_BYTES,
-    VRAM_MARGIN, WSL2_DESKTOP_VRAM_BYTES, MemoryRow, MemoryTable, activation_bytes, activation_reason,
-    batch_tokens, default_context, gib, kv_cache_bytes, kv_reason, os_reserve_bytes,
+    CODEC_RATIO,
+    CUDA_CONTEXT_BYTES,
+    DISK_HEADROOM_BYTES,
+    MIB,
+    NGRAM_PAGE_CACHE_BYTES,
+    RAM_HEADROOM,
+    VLLM_HOST_BYTES,
+    VRAM_MARGIN,
+    WSL2_DESKTOP_VRAM_BYTES,
+    MemoryRow,
+    MemoryTable,
+    activation_bytes,
+    activation_reason,
+    batch_tokens,
+    default_context,
+    gib,
+    kv_cache_bytes,
+    kv_reason,
+    os_reserve_bytes,
 )
+from bigmoe.plan_spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
+from bigmoe.plan_spec import refusal as spec_refusal
 from bigmoe.plan_speed import estimate, speeds_for
 from bigmoe.presets import Preset
 
-ARCH_REASONS = {"moe_layers": "moe_layers", "experts": "experts", "top_k": "top_k", "expert_bytes": "expert_bytes_{dtype}",
-                "dense_bytes": "dense_bytes", "ngram_table": "ngram_table_bytes"}
+ARCH_REASONS = {
+    "moe_layers": "moe_layers",
+    "experts": "experts",
+    "top_k": "top_k",
+    "expert_bytes": "expert_bytes_{dtype}",
+    "dense_bytes": "dense_bytes",
+    "ngram_table": "ngram_table_bytes",
+}
 """Plan.reasons key -> the Arch field whose origin it gives ({dtype} = the planned expert dtype)."""
 MIN_COMPUTE_CAPABILITY_FP8 = 8.0
 """vLLM runs FP8 checkpoints from Ampere (8.0) on: weight-only Marlin below 8.9, FP8 tensor cores from 8.9."""
@@ -55,14 +77,20 @@ class Draft:
         for line in self.facts.mismatches:
             self.notes.append(f"{self.facts.config_path}: {line}")
         self.context = self.ov.context or default_context(arch)
-        self.reasons["context"] = ("set by --context" if self.ov.context else
-                                   f"default {self.context} tokens (the model allows {arch.max_context})")
+        self.reasons["context"] = (
+            "set by --context"
+            if self.ov.context
+            else f"default {self.context} tokens (the model allows {arch.max_context})"
+        )
         self.kv = kv_cache_bytes(arch, self.context)
         self.reasons["kv_cache"] = kv_reason(arch, self.context)
         self.ngram = arch.ngram_table_bytes > 0
         self.reasons["ngram"] = (
             f"the {gib(arch.ngram_table_bytes)} n-gram table is never loaded: each token's rows are read from the "
-            "checkpoint on SSD, with the OS page cache as its RAM tier" if self.ngram else "the model has no n-gram table")
+            "checkpoint on SSD, with the OS page cache as its RAM tier"
+            if self.ngram
+            else "the model has no n-gram table"
+        )
 
     @property
     def eb(self) -> int:
@@ -84,9 +112,13 @@ class Draft:
         cc = gpu.compute_capability
         if self.dtype == "fp8" and isinstance(cc, str):
             if float(cc) < MIN_COMPUTE_CAPABILITY_FP8:
-                self.refusals.append(f"{gpu.name} has compute capability {cc}; vLLM runs FP8 checkpoints from 8.0 (Ampere) on")
+                self.refusals.append(
+                    f"{gpu.name} has compute capability {cc}; vLLM runs FP8 checkpoints from 8.0 (Ampere) on"
+                )
             elif float(cc) < 8.9:
-                self.notes.append(f"compute capability {cc} has no FP8 tensor cores: vLLM uses weight-only FP8 (Marlin) kernels")
+                self.notes.append(
+                    f"compute capability {cc} has no FP8 tensor cores: vLLM uses weight-only FP8 (Marlin) kernels"
+                )
 
     def _choose_cpu(self) -> None:
         why = str(self.hw.gpus) if isinstance(self.hw.gpus, Unknown) else "NVML sees no GPU"
@@ -94,16 +126,20 @@ class Draft:
         self.reasons["device"] = f"cpu: no NVIDIA GPU ({why}), so vLLM's CPU build runs the model"
         amx = {True: "this CPU has AMX", False: "this CPU has no AMX"}.get(self.hw.cpu_amx, "AMX unknown")  # type: ignore[arg-type]
         if self.dtype == "bf16":
-            self.reasons["dtype"] = (f"bf16 experts on CPU, as the preset says: vLLM's CPU build runs FP8 MoE only with "
-                                     f"Intel AMX, bf16 on every CPU ({amx})")
+            self.reasons["dtype"] = (
+                f"bf16 experts on CPU, as the preset says: vLLM's CPU build runs FP8 MoE only with "
+                f"Intel AMX, bf16 on every CPU ({amx})"
+            )
         else:
             self.reasons["dtype"] = f"fp8 experts on CPU, as the preset says ({amx})"
             if self.hw.cpu_amx is False:
                 self.refusals.append("vLLM's CPU build runs FP8 MoE only with Intel AMX, and this CPU has none")
         if not self.preset.synthetic:
             total = self.preset.total_expert_bytes("fp8")
-            self.refusals.append(f"no GPU ({why}): {self.preset.name}'s {gib(total)} of FP8 experts need an NVIDIA GPU; "
-                                 "plan for one with --vram-gib")
+            self.refusals.append(
+                f"no GPU ({why}): {self.preset.name}'s {gib(total)} of FP8 experts need an NVIDIA GPU; "
+                "plan for one with --vram-gib"
+            )
 
     def size_vram(self) -> None:
         arch, gpu = self.preset.arch, self.hw.gpu()
@@ -111,37 +147,58 @@ class Draft:
         total = gpu.vram_total_bytes if isinstance(gpu.vram_total_bytes, int) else 0
         if not total:
             self.refusals.append(f"VRAM size unknown ({gpu.vram_total_bytes}); state it with --vram-gib")
-        rows = [self._vram_others(gpu, total),
-                MemoryRow("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context and library workspaces (assumed)"),
-                MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, shared experts, head (preset)"),
-                MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
-                self._activations("cuda"),
-                MemoryRow("safety margin", int(total * VRAM_MARGIN), f"{VRAM_MARGIN:.0%} of VRAM for fragmentation")]
+        rows = [
+            self._vram_others(gpu, total),
+            MemoryRow("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context and library workspaces (assumed)"),
+            MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, shared experts, head (preset)"),
+            MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
+            self._activations("cuda"),
+            MemoryRow("safety margin", int(total * VRAM_MARGIN), f"{VRAM_MARGIN:.0%} of VRAM for fragmentation"),
+        ]
         left = total - sum(r.bytes for r in rows)
         per_slot = self.paged_layers * self.eb
         # Compression first: it decides which pager runs, and so whether the prefill buffer is used.
         self.compress, self.reasons["compress"] = self._choose_compress(self._ram_raw_fit())
         self.prefill_buffer, self.reasons["prefill_buffer"] = self._choose_prefill_buffer(left, per_slot)
         if self.prefill_buffer:
-            rows.append(MemoryRow("prefill buffer", arch.experts * self.eb,
-                                  f"one layer's {arch.experts} experts x {self.eb / MIB:.2f} MiB, shared by every layer"))
+            rows.append(
+                MemoryRow(
+                    "prefill buffer",
+                    arch.experts * self.eb,
+                    f"one layer's {arch.experts} experts x {self.eb / MIB:.2f} MiB, shared by every layer",
+                )
+            )
             left -= arch.experts * self.eb
         fit = max(0, min(arch.experts, left // per_slot))
         self.vram_slots, why = self._pick(fit, self.ov.vram_slots, "--vram-slots", left, "VRAM")
         if self.ov.vram_slots is None and self.ov.ram_slots is not None and self.ov.ram_slots < self.vram_slots:
-            self.vram_slots, why = self.ov.ram_slots, f"lowered to --ram-slots {self.ov.ram_slots} (RAM slots must be >= VRAM slots)"
+            self.vram_slots, why = (
+                self.ov.ram_slots,
+                f"lowered to --ram-slots {self.ov.ram_slots} (RAM slots must be >= VRAM slots)",
+            )
         self.reasons["vram_slots"] = why
         if total and left < 0:
-            self.refusals.append(f"too little VRAM for the dense weights: {gib(arch.dense_bytes)} of them plus KV cache, "
-                                 f"activations and reserves need {gib(total - left)}, the GPU has {gib(total)}")
+            self.refusals.append(
+                f"too little VRAM for the dense weights: {gib(arch.dense_bytes)} of them plus KV cache, "
+                f"activations and reserves need {gib(total - left)}, the GPU has {gib(total)}"
+            )
         elif total and left < arch.top_k * per_slot:
-            self.refusals.append(f"too little VRAM for expert slots: {gib(left)} is left after the dense weights, KV cache "
-                                 f"and reserves; {arch.top_k} slots per layer (one token's experts) need {gib(arch.top_k * per_slot)}")
+            self.refusals.append(
+                f"too little VRAM for expert slots: {gib(left)} is left after the dense weights, KV cache "
+                f"and reserves; {arch.top_k} slots per layer (one token's experts) need {gib(arch.top_k * per_slot)}"
+            )
         elif self.vram_slots * per_slot > left:
-            self.refusals.append(f"out of VRAM: {self.vram_slots} slots per layer need {gib(self.vram_slots * per_slot)}, "
-                                 f"{gib(left)} is left after dense weights, KV cache and reserves")
-        rows.append(MemoryRow("expert slots", self.vram_slots * per_slot,
-                              f"{self.vram_slots} slots x {self.paged_layers} layers x {self.eb / MIB:.2f} MiB"))
+            self.refusals.append(
+                f"out of VRAM: {self.vram_slots} slots per layer need {gib(self.vram_slots * per_slot)}, "
+                f"{gib(left)} is left after dense weights, KV cache and reserves"
+            )
+        rows.append(
+            MemoryRow(
+                "expert slots",
+                self.vram_slots * per_slot,
+                f"{self.vram_slots} slots x {self.paged_layers} layers x {self.eb / MIB:.2f} MiB",
+            )
+        )
         self.memory.append(MemoryTable("VRAM", total, tuple(rows)))
 
     def _choose_prefill_buffer(self, left: int, per_slot: int) -> tuple[bool, str]:
@@ -158,17 +215,23 @@ class Draft:
         if self.ov.prefill_buffer is not None:
             return self.ov.prefill_buffer, f"set by --{'' if self.ov.prefill_buffer else 'no-'}prefill-buffer"
         if (left - buffer) // per_slot < 2 * arch.top_k:
-            return False, (f"off: its {gib(buffer)} would leave fewer than {2 * arch.top_k} VRAM slots per layer; "
-                           "big steps run in token ranges through the slots")
-        return True, (f"on: {gib(buffer)} of VRAM ({buffer / per_slot:.1f} slots per layer) lets a prefill load each "
-                      "expert once per layer instead of once per token range (7x lower TTFT on the H200, docs/benchmarks.md; "
-                      "--no-prefill-buffer gives the slots back)")
+            return False, (
+                f"off: its {gib(buffer)} would leave fewer than {2 * arch.top_k} VRAM slots per layer; "
+                "big steps run in token ranges through the slots"
+            )
+        return True, (
+            f"on: {gib(buffer)} of VRAM ({buffer / per_slot:.1f} slots per layer) lets a prefill load each "
+            "expert once per layer instead of once per token range (7x lower TTFT on the H200, docs/benchmarks.md; "
+            "--no-prefill-buffer gives the slots back)"
+        )
 
     def _vram_others(self, gpu: Gpu, total: int) -> MemoryRow:
         if not gpu.stated and isinstance(gpu.vram_free_bytes, int):
             return MemoryRow("other processes", max(0, total - gpu.vram_free_bytes), "VRAM in use at probe time")
         if self.hw.wsl2 is True:
-            return MemoryRow("Windows desktop", WSL2_DESKTOP_VRAM_BYTES, "the Windows desktop keeps VRAM on a WSL2 machine (assumed)")
+            return MemoryRow(
+                "Windows desktop", WSL2_DESKTOP_VRAM_BYTES, "the Windows desktop keeps VRAM on a WSL2 machine (assumed)"
+            )
         return MemoryRow("other processes", 0, "a stated GPU is planned as unused by others")
 
     def _pick(self, fit: int, override: int | None, flag: str, left: int, tier: str) -> tuple[int, str]:
@@ -176,15 +239,25 @@ class Draft:
         if override is not None:
             return override, f"set by {flag}"
         if fit >= arch.experts:
-            return arch.experts, f"{tier} holds all {arch.experts} experts of every layer ({gib(left)} left for experts)"
+            return (
+                arch.experts,
+                f"{tier} holds all {arch.experts} experts of every layer ({gib(left)} left for experts)",
+            )
         if fit < arch.top_k:
-            return arch.top_k, f"{tier} fits only {fit} slots per layer; planned at top-k {arch.top_k}, the least a token needs"
+            return (
+                arch.top_k,
+                f"{tier} fits only {fit} slots per layer; planned at top-k {arch.top_k}, the least a token needs",
+            )
         return fit, f"{gib(left)} of {tier} left for experts holds {fit} slots per layer"
 
     def _activations(self, device: str) -> MemoryRow:
         seqs = max_seqs_of(self.preset)
         batch = batch_tokens(seqs, self.context)
-        return MemoryRow("activations", activation_bytes(self.preset.arch, device, seqs, batch), activation_reason(device, seqs, batch))
+        return MemoryRow(
+            "activations",
+            activation_bytes(self.preset.arch, device, seqs, batch),
+            activation_reason(device, seqs, batch),
+        )
 
     def size_ram(self) -> None:
         arch, hw = self.preset.arch, self.hw
@@ -196,8 +269,11 @@ class Draft:
             self._size_ram_tier(rows, left)
         else:
             self.ram_slots = 0 if self.device == "cuda" else arch.experts
-            self.reasons["ram_slots"] = ("no RAM tier: every expert is resident in VRAM" if self.device == "cuda"
-                                         else "every expert is resident in RAM, the CPU's device memory")
+            self.reasons["ram_slots"] = (
+                "no RAM tier: every expert is resident in VRAM"
+                if self.device == "cuda"
+                else "every expert is resident in RAM, the CPU's device memory"
+            )
             self.compress, self.reasons["compress"] = False, "off: every expert is resident, nothing is paged"
             if left < 0:
                 self.refusals.append(f"out of memory: RAM needs {gib(total - left)}, the machine has {gib(total)}")
@@ -214,15 +290,32 @@ class Draft:
         arch, hw = self.preset.arch, self.hw
         total = hw.ram_total_bytes if isinstance(hw.ram_total_bytes, int) else 0
         if not hw.ram_stated and isinstance(hw.ram_available_bytes, int):
-            rows = [MemoryRow("OS and other programs", max(0, total - hw.ram_available_bytes), "RAM in use at probe time")]
+            rows = [
+                MemoryRow("OS and other programs", max(0, total - hw.ram_available_bytes), "RAM in use at probe time")
+            ]
         else:
-            rows = [MemoryRow("OS and other programs", os_reserve_bytes(total), "planned share of a stated machine's RAM (assumed)")]
-        rows.append(MemoryRow("vLLM processes", VLLM_HOST_BYTES[self.device], "API server, engine and worker processes (assumed)"))
+            rows = [
+                MemoryRow(
+                    "OS and other programs",
+                    os_reserve_bytes(total),
+                    "planned share of a stated machine's RAM (assumed)",
+                )
+            ]
+        rows.append(
+            MemoryRow(
+                "vLLM processes", VLLM_HOST_BYTES[self.device], "API server, engine and worker processes (assumed)"
+            )
+        )
         if self.device == "cpu":
             self._cpu_device_rows(rows)
         if self.ngram:
-            rows.append(MemoryRow("n-gram page cache", min(arch.ngram_table_bytes, NGRAM_PAGE_CACHE_BYTES),
-                                  "OS page cache for the n-gram table's hot rows (assumed hot set)"))
+            rows.append(
+                MemoryRow(
+                    "n-gram page cache",
+                    min(arch.ngram_table_bytes, NGRAM_PAGE_CACHE_BYTES),
+                    "OS page cache for the n-gram table's hot rows (assumed hot set)",
+                )
+            )
         rows.append(MemoryRow("headroom", int(total * RAM_HEADROOM), f"{RAM_HEADROOM:.0%} of RAM kept free"))
         return total, rows
 
@@ -231,8 +324,10 @@ class Draft:
         demo = None if self.ov.vram_slots else self.preset.cpu_paging
         if demo:
             self.vram_slots = demo[0]
-            self.reasons["vram_slots"] = (f"the preset pages on a CPU to show the pager: {demo[0]} of {arch.experts} "
-                                          f"device slots (--vram-slots {arch.experts} keeps every expert resident)")
+            self.reasons["vram_slots"] = (
+                f"the preset pages on a CPU to show the pager: {demo[0]} of {arch.experts} "
+                f"device slots (--vram-slots {arch.experts} keeps every expert resident)"
+            )
         elif not self.ov.vram_slots:
             self.vram_slots = arch.experts
             self.reasons["vram_slots"] = "every expert is resident in RAM: the expert pager is off"
@@ -241,11 +336,16 @@ class Draft:
         else:
             self.vram_slots = self.ov.vram_slots
             self.reasons["vram_slots"] = "set by --vram-slots (device slots live in RAM on a CPU)"
-        rows += [MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, head (preset)"),
-                 MemoryRow("expert slots" if self.pager else "experts", self.vram_slots * self.paged_layers * self.eb,
-                           f"{self.vram_slots} x {self.paged_layers} layers x {self.eb / MIB:.2f} MiB ({self.dtype})"),
-                 MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
-                 self._activations("cpu")]
+        rows += [
+            MemoryRow("dense weights", arch.dense_bytes, "attention, embeddings, norms, head (preset)"),
+            MemoryRow(
+                "expert slots" if self.pager else "experts",
+                self.vram_slots * self.paged_layers * self.eb,
+                f"{self.vram_slots} x {self.paged_layers} layers x {self.eb / MIB:.2f} MiB ({self.dtype})",
+            ),
+            MemoryRow("KV cache", self.kv, self.reasons["kv_cache"]),
+            self._activations("cpu"),
+        ]
 
     def _size_ram_tier(self, rows: list[MemoryRow], left: int) -> None:
         arch = self.preset.arch
@@ -255,24 +355,43 @@ class Draft:
             self.compress, self.reasons["compress"] = self._choose_compress(fit)
         stored = self.eb
         self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
-        demo = self.preset.cpu_paging if self.device == "cpu" and not self.ov.vram_slots and self.ov.ram_slots is None else None
+        demo = (
+            self.preset.cpu_paging
+            if self.device == "cpu" and not self.ov.vram_slots and self.ov.ram_slots is None
+            else None
+        )
         if demo and demo[1] <= fit:
-            self.ram_slots, why = demo[1], f"the preset's demo: the other {arch.experts - demo[1]} experts are read from SSD"
+            self.ram_slots, why = (
+                demo[1],
+                f"the preset's demo: the other {arch.experts - demo[1]} experts are read from SSD",
+            )
         if self.ov.ram_slots is None and self.ram_slots < self.vram_slots:
             self.ram_slots = self.vram_slots
-            self.refusals.append(f"out of memory: RAM holds {fit} expert slots per layer, fewer than the {self.vram_slots} VRAM slots")
+            self.refusals.append(
+                f"out of memory: RAM holds {fit} expert slots per layer, fewer than the {self.vram_slots} VRAM slots"
+            )
         elif self.ram_slots * self.paged_layers * stored > left:
-            self.refusals.append(f"out of memory: {self.ram_slots} RAM slots per layer need "
-                                 f"{gib(self.ram_slots * self.paged_layers * stored)}, {gib(max(left, 0))} is left")
+            self.refusals.append(
+                f"out of memory: {self.ram_slots} RAM slots per layer need "
+                f"{gib(self.ram_slots * self.paged_layers * stored)}, {gib(max(left, 0))} is left"
+            )
         self.reasons["ram_slots"] = why + (" (pinned)" if self.device == "cuda" else "")
         pinned = self.ram_slots * self.paged_layers * stored
-        rows.append(MemoryRow("expert RAM slots", pinned, f"{self.ram_slots} x {self.paged_layers} layers x "
-                              f"{stored / MIB:.2f} MiB" + (" (compressed records are expanded as they enter RAM)"
-                                                           if self.compress else "")))
+        rows.append(
+            MemoryRow(
+                "expert RAM slots",
+                pinned,
+                f"{self.ram_slots} x {self.paged_layers} layers x "
+                f"{stored / MIB:.2f} MiB"
+                + (" (compressed records are expanded as they enter RAM)" if self.compress else ""),
+            )
+        )
         limit = self.hw.memlock_bytes
         if self.device == "cuda" and isinstance(limit, int) and limit < pinned:
-            self.notes.append(f"ulimit -l is {limit // 1024} KiB, below the {gib(pinned)} pinned RAM tier: CUDA pins through "
-                              "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails")
+            self.notes.append(
+                f"ulimit -l is {limit // 1024} KiB, below the {gib(pinned)} pinned RAM tier: CUDA pins through "
+                "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails"
+            )
 
     @property
     def ssd_record_bytes(self) -> int:
@@ -289,19 +408,31 @@ class Draft:
         if raw_fit >= arch.experts:
             return False, "off: RAM holds every expert, so nothing is read from SSD"
         if self.device == "cuda" and self.ov.cuda_graphs:
-            return False, ("off: only the host-driven pager (eager) reads compressed records, and on the H200 it ran "
-                           "2.3x slower per token than the device-driven one in CUDA graphs reading raw records from "
-                           f"SSD (docs/benchmarks.md); compression would save {1 - CODEC_RATIO:.0%} of SSD bytes "
-                           "(--compress on takes that trade)")
+            return False, (
+                "off: only the host-driven pager (eager) reads compressed records, and on the H200 it ran "
+                "2.3x slower per token than the device-driven one in CUDA graphs reading raw records from "
+                f"SSD (docs/benchmarks.md); compression would save {1 - CODEC_RATIO:.0%} of SSD bytes "
+                "(--compress on takes that trade)"
+            )
         paging = self.paging_disk()
-        need = self.paging_bytes + (0 if self.same_disk(paging, self.model_disk()) is False else self._checkpoint_new_bytes())
+        need = self.paging_bytes + (
+            0 if self.same_disk(paging, self.model_disk()) is False else self._checkpoint_new_bytes()
+        )
         if paging is not None and isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
-            return False, f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; the SSD tier reads the checkpoint"
+            return (
+                False,
+                f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; the SSD tier reads the checkpoint",
+            )
         if paging is not None and (paging.windows_drive is True or paging.kind == "hdd"):
-            return False, f"off: the paging directory is on {'a Windows drive' if paging.windows_drive is True else 'an HDD'}"
-        return True, (f"on: RAM holds {raw_fit} of {arch.experts} experts per layer, the rest come from SSD, and "
-                      f"compressed records (ratio {CODEC_RATIO}, assumed) shrink those reads by {1 - CODEC_RATIO:.0%}; "
-                      "each is expanded as it enters RAM")
+            return (
+                False,
+                f"off: the paging directory is on {'a Windows drive' if paging.windows_drive is True else 'an HDD'}",
+            )
+        return True, (
+            f"on: RAM holds {raw_fit} of {arch.experts} experts per layer, the rest come from SSD, and "
+            f"compressed records (ratio {CODEC_RATIO}, assumed) shrink those reads by {1 - CODEC_RATIO:.0%}; "
+            "each is expanded as it enters RAM"
+        )
 
     @property
     def paging_bytes(self) -> int:
@@ -354,7 +485,13 @@ class Draft:
         for key, field_name in ARCH_REASONS.items():
             field_name = field_name.format(dtype=self.dtype)
             self.reasons[key] = self.facts.origins[field_name] + next(
-                (f"; {line.split(', ', 1)[1]}" for line in self.facts.mismatches if line.startswith(f"{field_name} is ")), "")
+                (
+                    f"; {line.split(', ', 1)[1]}"
+                    for line in self.facts.mismatches
+                    if line.startswith(f"{field_name} is ")
+                ),
+                "",
+            )
 
     def finish(self) -> dict:
         """The fields of the finished Plan."""
@@ -363,15 +500,30 @@ class Draft:
         paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.compress else None
         model_path = self.ov.model_path or self._default_model_path()
         graphs = self.pager and self.device == "cuda" and self.ov.cuda_graphs and not self.compress
-        settings = pager_settings(self.pager, self.vram_slots, self.ram_slots, arch.experts, paging_file, self.compress,
-                                  self.ngram, host_driven=self.pager and self.device == "cuda" and not graphs,
-                                  prefill_buffer=self.prefill_buffer or not graphs)  # read by the device-driven pager only
+        settings = pager_settings(
+            self.pager,
+            self.vram_slots,
+            self.ram_slots,
+            arch.experts,
+            paging_file,
+            self.compress,
+            self.ngram,
+            host_driven=self.pager and self.device == "cuda" and not graphs,
+            prefill_buffer=self.prefill_buffer or not graphs,
+        )  # read by the device-driven pager only
         speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk())
         expected = estimate(
-            speeds, self.device, layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
-            resident_bytes=arch.dense_bytes + arch.moe_layers * arch.top_k * self.eb, record_bytes=self.eb,
-            ssd_record_bytes=self.ssd_record_bytes, eager=self.pager and not graphs,
-            vram_slots=self.vram_slots, ram_slots=self.ram_slots if self.pager else arch.experts,
+            speeds,
+            self.device,
+            layers=arch.moe_layers,
+            experts=arch.experts,
+            top_k=arch.top_k,
+            resident_bytes=arch.dense_bytes + arch.moe_layers * arch.top_k * self.eb,
+            record_bytes=self.eb,
+            ssd_record_bytes=self.ssd_record_bytes,
+            eager=self.pager and not graphs,
+            vram_slots=self.vram_slots,
+            ram_slots=self.ram_slots if self.pager else arch.experts,
         )
         wsl2 = self.device == "cuda" and self.hw.wsl2 is True
         self.reasons["ssd_source"] = {
@@ -379,11 +531,22 @@ class Draft:
             "checkpoint": "the SSD tier reads the checkpoint's safetensors in place (uncompressed, no second copy)",
             "paging file": f"the SSD tier reads compressed records from the paging file {paging_file}",
         }[self.ssd_source]
-        self.reasons["env"] = ("VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"
-                               + ("; VLLM_WSL2_ENABLE_PIN_MEMORY=1 because WSL2 disables pinned memory otherwise" if wsl2 else ""))
-        self.reasons["argv"] = "vLLM's OpenAI server with the preset's flags, the planned context, KV-cache bytes and batch size"
-        argv = launch_argv(self.preset, model_path, self.ov.host, self.ov.port, self.context, self.kv,
-                           batch_tokens(max_seqs_of(self.preset), self.context))
+        self.reasons["env"] = (
+            "VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"
+            + ("; VLLM_WSL2_ENABLE_PIN_MEMORY=1 because WSL2 disables pinned memory otherwise" if wsl2 else "")
+        )
+        self.reasons["argv"] = (
+            "vLLM's OpenAI server with the preset's flags, the planned context, KV-cache bytes and batch size"
+        )
+        argv = launch_argv(
+            self.preset,
+            model_path,
+            self.ov.host,
+            self.ov.port,
+            self.context,
+            self.kv,
+            batch_tokens(max_seqs_of(self.preset), self.context),
+        )
         spec = self.ov.speculative_tokens
         if why := spec_refusal(spec, self.preset.name, arch.mtp_layers, self.vram_slots, arch.top_k, graphs):
             self.refusals.append(why)
@@ -393,25 +556,52 @@ class Draft:
             # verification step's speculative tokens among the batch's tokens (plan_spec.py).
             capture = graph_tokens(self.vram_slots, arch.top_k)
             argv += ["--max-cudagraph-capture-size", str(capture)]
-            self.reasons["argv"] += (f"; --max-cudagraph-capture-size {capture} so every batch vLLM captures in a CUDA "
-                                     f"graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
-                                     "device-driven pager" + capture_reason(spec, self.vram_slots, arch.top_k))
+            self.reasons["argv"] += (
+                f"; --max-cudagraph-capture-size {capture} so every batch vLLM captures in a CUDA "
+                f"graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
+                "device-driven pager" + capture_reason(spec, self.vram_slots, arch.top_k)
+            )
         elif self.pager and self.device == "cuda":
             # The host-driven pager reads each step's ids on the host; it refuses CUDA graphs (docs/pager.md).
             argv.append("--enforce-eager")
-            self.reasons["argv"] += ("; --enforce-eager because the host-driven expert pager reads each step's ids on the host, "
-                                     "which CUDA graphs cannot replay" + (" (--eager)" if not self.ov.cuda_graphs else
-                                                                          " (a compressed SSD tier is host-driven)"))
+            self.reasons["argv"] += (
+                "; --enforce-eager because the host-driven expert pager reads each step's ids on the host, "
+                "which CUDA graphs cannot replay"
+                + (" (--eager)" if not self.ov.cuda_graphs else " (a compressed SSD tier is host-driven)")
+            )
         return dict(
-            model=self.preset.name, model_path=model_path, device=self.device, expert_dtype=self.dtype,
-            context=self.context, kv_cache_bytes=self.kv, pager=self.pager, layers=arch.moe_layers,
-            experts=arch.experts, top_k=arch.top_k, expert_bytes=self.eb, dense_bytes=arch.dense_bytes,
-            ngram_table_bytes=arch.ngram_table_bytes, config_path=self.facts.config_path, vram_slots=self.vram_slots, ram_slots=self.ram_slots,
-            compress=self.compress, ssd_source=self.ssd_source, paging_file=paging_file, ngram=self.ngram,
-            settings=settings, argv=tuple(argv),
-            env=launch_env(settings, self.preset, wsl2), memory=tuple(self.memory), estimate=expected,
-            measured=speeds.measured, assumptions=speeds.assumptions, reasons=dict(self.reasons), notes=tuple(self.notes),
-            refusals=tuple(self.refusals), forced=self.ov.force, hardware=self.hw,
+            model=self.preset.name,
+            model_path=model_path,
+            device=self.device,
+            expert_dtype=self.dtype,
+            context=self.context,
+            kv_cache_bytes=self.kv,
+            pager=self.pager,
+            layers=arch.moe_layers,
+            experts=arch.experts,
+            top_k=arch.top_k,
+            expert_bytes=self.eb,
+            dense_bytes=arch.dense_bytes,
+            ngram_table_bytes=arch.ngram_table_bytes,
+            config_path=self.facts.config_path,
+            vram_slots=self.vram_slots,
+            ram_slots=self.ram_slots,
+            compress=self.compress,
+            ssd_source=self.ssd_source,
+            paging_file=paging_file,
+            ngram=self.ngram,
+            settings=settings,
+            argv=tuple(argv),
+            env=launch_env(settings, self.preset, wsl2),
+            memory=tuple(self.memory),
+            estimate=expected,
+            measured=speeds.measured,
+            assumptions=speeds.assumptions,
+            reasons=dict(self.reasons),
+            notes=tuple(self.notes),
+            refusals=tuple(self.refusals),
+            forced=self.ov.force,
+            hardware=self.hw,
         )
 
     def _default_model_path(self) -> str:

@@ -7,13 +7,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from bigmoe_pager.settings import COMPRESS_CHOICES
+
 from bigmoe.errors import BigmoeError
 from bigmoe.hardware import DISK_KINDS, Disk, Gpu, Hardware, Unknown
 from bigmoe.plan_memory import GIB
 from bigmoe.plan_speed import gpu_spec
 from bigmoe.presets import Preset
-from bigmoe_pager.settings import COMPRESS_CHOICES
-
 
 MIN_CONTEXT = 128
 """Shortest context (tokens) `plan` and `run` accept: below it a chat template alone does not fit."""
@@ -82,14 +82,20 @@ def check_overrides(preset: Preset, ov: Overrides) -> None:
     if ov.gpu is not None and ov.vram_gib is None and gpu_spec(ov.gpu) is None:
         raise PlanError(f"--gpu {ov.gpu!r} is not a GPU bigmoe knows the VRAM of; add --vram-gib")
     if ov.context is not None and not MIN_CONTEXT <= ov.context <= arch.max_context:
-        raise PlanError(f"--context {ov.context} is outside {MIN_CONTEXT}..{arch.max_context}, the limit of {preset.name}")
+        raise PlanError(
+            f"--context {ov.context} is outside {MIN_CONTEXT}..{arch.max_context}, the limit of {preset.name}"
+        )
     for name in ("vram_slots", "ram_slots"):
         value = getattr(ov, name)
         if value is not None and not arch.top_k <= value <= arch.experts:
-            raise PlanError(f"--{name.replace('_', '-')} {value} must be between top-k {arch.top_k} "
-                            f"(one token's experts) and the {arch.experts} experts per layer")
+            raise PlanError(
+                f"--{name.replace('_', '-')} {value} must be between top-k {arch.top_k} "
+                f"(one token's experts) and the {arch.experts} experts per layer"
+            )
     if ov.vram_slots is not None and ov.ram_slots is not None and ov.ram_slots < ov.vram_slots:
-        raise PlanError(f"--ram-slots {ov.ram_slots} is below --vram-slots {ov.vram_slots}; RAM slots must be >= VRAM slots")
+        raise PlanError(
+            f"--ram-slots {ov.ram_slots} is below --vram-slots {ov.vram_slots}; RAM slots must be >= VRAM slots"
+        )
 
 
 def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
@@ -99,18 +105,30 @@ def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
         vram = int((ov.vram_gib if ov.vram_gib is not None else gpu_spec(ov.gpu)[0]) * GIB)
         name = ov.gpu or f"GPU with {vram / GIB:g} GiB"
         not_probed = Unknown("the GPU was stated on the command line, not probed")
-        changes["gpus"] = (Gpu(0, name, vram, vram, not_probed, not_probed, not_probed, stated=True, h2d_gbps=not_probed),)
+        changes["gpus"] = (
+            Gpu(0, name, vram, vram, not_probed, not_probed, not_probed, stated=True, h2d_gbps=not_probed),
+        )
     if ov.ram_gib is not None:
         ram = int(ov.ram_gib * GIB)
         changes.update(ram_total_bytes=ram, ram_available_bytes=ram, ram_stated=True)
     if ov.disk is not None or ov.disk_gib is not None:
         stated = Unknown("the disk was stated on the command line, not probed")
-        changes["disks"] = (Disk(
-            path="/", device=stated, kind=ov.disk or Unknown("--disk-gib was given without --disk"),
-            kind_basis="stated with --disk", mount_point=stated, filesystem=stated, windows_drive=False,
-            free_bytes=int(ov.disk_gib * GIB) if ov.disk_gib is not None else Unknown("no --disk-gib was given"),
-            o_direct=stated, o_direct_basis="not tested on a stated disk", stated=True, read_gbps=stated,
-        ),)
+        changes["disks"] = (
+            Disk(
+                path="/",
+                device=stated,
+                kind=ov.disk or Unknown("--disk-gib was given without --disk"),
+                kind_basis="stated with --disk",
+                mount_point=stated,
+                filesystem=stated,
+                windows_drive=False,
+                free_bytes=int(ov.disk_gib * GIB) if ov.disk_gib is not None else Unknown("no --disk-gib was given"),
+                o_direct=stated,
+                o_direct_basis="not tested on a stated disk",
+                stated=True,
+                read_gbps=stated,
+            ),
+        )
     if ov.wsl2 is not None:
         changes.update(wsl2=ov.wsl2, wsl2_basis="stated with --wsl2")
     return dataclasses.replace(hw, **changes)

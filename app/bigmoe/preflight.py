@@ -24,10 +24,12 @@ class PreflightError(BigmoeError):
 
 def preflight(the_plan, model_path: Path, host: str, port: int, synthetic: bool = False, model: str = "") -> None:
     """Raise PreflightError with the first problem found (in the order a fix is cheapest to try)."""
-    for check in (lambda: settings_problem(the_plan.env, the_plan),
-                  lambda: shards_problem(Path(model_path), synthetic, model),
-                  lambda: port_problem(host, port),
-                  lambda: paging_space_problem(the_plan)):
+    for check in (
+        lambda: settings_problem(the_plan.env, the_plan),
+        lambda: shards_problem(Path(model_path), synthetic, model),
+        lambda: port_problem(host, port),
+        lambda: paging_space_problem(the_plan),
+    ):
         why = check()
         if why:
             raise PreflightError(why)
@@ -88,9 +90,11 @@ def paging_space_problem(the_plan) -> str | None:
     free = shutil.disk_usage(_nearest_existing(path.parent)).free + existing
     if free >= need:
         return None
-    return (f"the paging file {path} needs up to {_gib(need - PAGING_HEADROOM_BYTES)} "
-            f"plus {_gib(PAGING_HEADROOM_BYTES)} "
-            f"headroom, but its disk has {_gib(free)} free; free space or pass --paging-dir on another disk")
+    return (
+        f"the paging file {path} needs up to {_gib(need - PAGING_HEADROOM_BYTES)} "
+        f"plus {_gib(PAGING_HEADROOM_BYTES)} "
+        f"headroom, but its disk has {_gib(free)} free; free space or pass --paging-dir on another disk"
+    )
 
 
 def paging_file_bytes(the_plan) -> int:

@@ -44,8 +44,15 @@ def prepare(plan, model_path: Path, progress: Progress = lambda e, f: None) -> P
     start = time.monotonic()
     why_not = check_paging_file(path, model_path, plan.compress)
     if why_not is None:
-        progress("prepare", {"state": "reused", "path": str(path), "checked": _checked_what(path),
-                             "seconds": round(time.monotonic() - start, 2)})
+        progress(
+            "prepare",
+            {
+                "state": "reused",
+                "path": str(path),
+                "checked": _checked_what(path),
+                "seconds": round(time.monotonic() - start, 2),
+            },
+        )
         return path
     if path.exists():
         progress("prepare", {"state": "rebuilding", "path": str(path), "reason": why_not})
@@ -57,15 +64,16 @@ def paging_file_matches(path: Path, model_path: Path, compressed: bool) -> bool:
     return check_paging_file(path, model_path, compressed) is None
 
 
-def check_paging_file(path: Path, model_path: Path, compressed: bool,
-                      full_check_bytes: int = FULL_CHECK_BYTES) -> str | None:
+def check_paging_file(
+    path: Path, model_path: Path, compressed: bool, full_check_bytes: int = FULL_CHECK_BYTES
+) -> str | None:
     """Why the paging file at path must not be used (one line), or None when it passes: header, trailer,
     index, binding to this checkpoint/layout/codec, no damage marker, and the records' crc32s (all of
     them up to full_check_bytes, SAMPLE_BYTES of them evenly spread above)."""
-    from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch, layout_for_checkpoint
-    from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore, sample_keys
     from bigmoe_pager.core.expert_store import CheckpointStore
     from bigmoe_pager.core.odirect import ODirectError, ReadError
+    from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch, layout_for_checkpoint
+    from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore, sample_keys
     from bigmoe_pager.core.safetensors_index import CheckpointError
 
     if not path.is_file():
@@ -77,8 +85,11 @@ def check_paging_file(path: Path, model_path: Path, compressed: bool,
         codec, version = _codec(compressed)
         meta = checkpoint_meta(model_path, layout, layers, experts, codec, version)
         with PagingFileStore(path, layout, meta, pitch=compressed_pitch(layout) if compressed else None) as store:
-            keys = None if path.stat().st_size <= full_check_bytes else sample_keys(
-                layers * experts, sample_records(layout.record_bytes))
+            keys = (
+                None
+                if path.stat().st_size <= full_check_bytes
+                else sample_keys(layers * experts, sample_records(layout.record_bytes))
+            )
             bad = store.check_records(keys)
     except ODirectError as e:  # rebuilding would not help: the disk is the problem
         raise PrepareError(str(e)) from None
@@ -113,16 +124,25 @@ def build(path: Path, model_path: Path, compressed: bool, progress: Progress) ->
         now = time.monotonic()
         if now - last[0] >= 0.5 or done == total:
             last[0] = now
-            progress("prepare", {"state": "building", "records_done": done, "records_total": total,
-                                 "elapsed_s": round(now - start, 1)})
+            progress(
+                "prepare",
+                {"state": "building", "records_done": done, "records_total": total, "elapsed_s": round(now - start, 1)},
+            )
 
     progress("prepare", {"state": "building", "path": str(path), "compressed": compressed})
     try:
         out = build_paging_file(model_path, path, compressed, report)
     except (PagingFileError, CheckpointError, OSError) as e:
         raise PrepareError(f"cannot build the paging file {path}: {e}") from None
-    progress("prepare", {"state": "built", "path": str(out), "bytes": out.stat().st_size,
-                         "seconds": round(time.monotonic() - start, 1)})
+    progress(
+        "prepare",
+        {
+            "state": "built",
+            "path": str(out),
+            "bytes": out.stat().st_size,
+            "seconds": round(time.monotonic() - start, 1),
+        },
+    )
     return out
 
 
@@ -135,8 +155,10 @@ def _require_odirect(directory: Path) -> None:
         raise PrepareError(f"cannot create the paging directory {directory}: {e.strerror or e}") from None
     ok, why = odirect_works(directory)
     if not ok:
-        raise PrepareError(f"O_DIRECT reads do not work in {directory} ({why}); the pager reads the paging file "
-                           "with O_DIRECT: put it on a local SSD filesystem (--paging-dir)")
+        raise PrepareError(
+            f"O_DIRECT reads do not work in {directory} ({why}); the pager reads the paging file "
+            "with O_DIRECT: put it on a local SSD filesystem (--paging-dir)"
+        )
 
 
 def _codec(compressed: bool) -> tuple[str, int]:

@@ -145,8 +145,13 @@ def parse(text: str, source: str) -> Preset:
             synthetic=bool(model.get("synthetic", False)),
             dtype_cpu=str(model.get("dtype_cpu", "bf16")),
             dtype_gpu=str(model.get("dtype_gpu", "fp8")),
-            arch=Arch(**{k: int(arch[k]) for k, f in Arch.__dataclass_fields__.items()
-                         if k in arch or f.default is dataclasses.MISSING}),
+            arch=Arch(
+                **{
+                    k: int(arch[k])
+                    for k, f in Arch.__dataclass_fields__.items()
+                    if k in arch or f.default is dataclasses.MISSING
+                }
+            ),
             vllm_args=tuple(str(a) for a in vllm.get("args", [])),
             vllm_env={str(k): str(v) for k, v in vllm.get("env", {}).items()},
             cpu_paging=(int(plan["cpu_vram_slots"]), int(plan["cpu_ram_slots"])) if "cpu_vram_slots" in plan else None,
@@ -200,5 +205,6 @@ def check_config(preset: Preset, model_dir) -> None:
 
     layers = moe_layer_count(text)
     if layers is not None and layers != preset.arch.moe_layers:
-        raise PresetError(f"{path}: the model has {layers} MoE layers, but preset {preset.name} says {preset.arch.moe_layers}")
-
+        raise PresetError(
+            f"{path}: the model has {layers} MoE layers, but preset {preset.name} says {preset.arch.moe_layers}"
+        )

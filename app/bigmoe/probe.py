@@ -112,7 +112,9 @@ def _one_gpu(nvml: ModuleType, index: int) -> Gpu:
         name=_ask(lambda: _text(nvml.nvmlDeviceGetName(handle)), "name"),
         vram_total_bytes=memory if isinstance(memory, Unknown) else int(memory.total),
         vram_free_bytes=memory if isinstance(memory, Unknown) else int(memory.free),
-        compute_capability=_ask(lambda: "%d.%d" % tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle)), "compute capability"),
+        compute_capability=_ask(
+            lambda: "%d.%d" % tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle)), "compute capability"
+        ),
         pcie_gen=_ask(lambda: int(nvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)), "max PCIe generation"),
         pcie_width=_ask(lambda: int(nvml.nvmlDeviceGetMaxPcieLinkWidth(handle)), "max PCIe width"),
     )
@@ -184,7 +186,9 @@ def probe_wsl2(root: Path, live: bool, env: Mapping[str, str]) -> tuple[bool | U
     if evidence:
         return True, "; ".join(evidence)
     if isinstance(release, Unknown) and isinstance(version, Unknown):
-        return Unknown(f"neither the kernel release nor /proc/version could be read ({version.reason})"), "nothing readable"
+        return Unknown(
+            f"neither the kernel release nor /proc/version could be read ({version.reason})"
+        ), "nothing readable"
     return False, "kernel release and /proc/version do not name Microsoft; no WSL_* variables"
 
 

@@ -58,7 +58,11 @@ def probe_disk(root: Path, path: Path, mounts: list[Mount] | Unknown, live: bool
     fs: str | Unknown = mount if isinstance(mount, Unknown) else mount.fstype
     windows: bool | Unknown = mount if isinstance(mount, Unknown) else _is_windows_drive(mount)
     device, kind, basis = _device_kind(root, mount, local, live)
-    direct, direct_basis = check_o_direct(local) if windows is not True else (False, "a Windows drive through WSL (9p/drvfs) has no O_DIRECT")
+    direct, direct_basis = (
+        check_o_direct(local)
+        if windows is not True
+        else (False, "a Windows drive through WSL (9p/drvfs) has no O_DIRECT")
+    )
     return Disk(
         path=str(path),
         device=device,
@@ -107,7 +111,9 @@ def _free_bytes(local: Path) -> int | Unknown:
 # ---- device kind --------------------------------------------------------------------------
 
 
-def _device_kind(root: Path, mount: Mount | Unknown, local: Path, live: bool) -> tuple[str | Unknown, str | Unknown, str]:
+def _device_kind(
+    root: Path, mount: Mount | Unknown, local: Path, live: bool
+) -> tuple[str | Unknown, str | Unknown, str]:
     """(whole-disk device name, kind, basis)."""
     if isinstance(mount, Unknown):
         return mount, mount, "no mount found for the path"
@@ -210,7 +216,9 @@ def check_o_direct(directory: Path) -> tuple[bool | Unknown, str]:
     except OSError as e:
         sample = _readable_sample(directory)
         if sample is None:
-            return Unknown(f"cannot write a test file in {directory} ({e.strerror or e}) and none there is big enough to read"), "no test file"
+            return Unknown(
+                f"cannot write a test file in {directory} ({e.strerror or e}) and none there is big enough to read"
+            ), "no test file"
         return _direct_read(sample, expected=None)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -249,7 +257,12 @@ def _readable_sample(directory: Path) -> Path | None:
     try:
         for entry in sorted(directory.iterdir())[:64]:
             # a symlink may lead to another filesystem, so only plain files of this directory count
-            if not entry.is_symlink() and entry.is_file() and entry.stat().st_size >= 2 * DIRECT_BLOCK and os.access(entry, os.R_OK):
+            if (
+                not entry.is_symlink()
+                and entry.is_file()
+                and entry.stat().st_size >= 2 * DIRECT_BLOCK
+                and os.access(entry, os.R_OK)
+            ):
                 return entry
     except OSError:
         return None

@@ -13,8 +13,25 @@ from pathlib import Path
 from bigmoe_pager.core.safetensors_index import CheckpointError, read_header
 
 DTYPE_BITS = {
-    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64, "U32": 32,
-    "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
+    "F64": 64,
+    "F32": 32,
+    "F16": 16,
+    "BF16": 16,
+    "I64": 64,
+    "I32": 32,
+    "I16": 16,
+    "I8": 8,
+    "U64": 64,
+    "U32": 32,
+    "U16": 16,
+    "U8": 8,
+    "BOOL": 8,
+    "F8_E4M3": 8,
+    "F8_E5M2": 8,
+    "F8_E8M0": 8,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "F4": 4,
 }
 """Bits per element of each safetensors dtype (a dtype not listed is range-checked but not size-checked)."""
 
@@ -39,12 +56,16 @@ def shard_problem(path: Path) -> str | None:
             return f"{path}: header entry for {name} lacks dtype/shape/data_offsets; not a safetensors file"
         bits = DTYPE_BITS.get(dtype)
         if begin < 0 or stop < begin or (bits is not None and stop - begin != math.ceil(math.prod(shape) * bits / 8)):
-            return (f"{path}: tensor {name} spans bytes {begin}..{stop}, which do not hold {dtype}{shape}; "
-                    "the header is corrupt")
+            return (
+                f"{path}: tensor {name} spans bytes {begin}..{stop}, which do not hold {dtype}{shape}; "
+                "the header is corrupt"
+            )
         end = max(end, stop)
     if base + end > size:
-        return (f"{path}: truncated: {size} bytes, its header needs {base + end} "
-                f"(tensors end at byte {base + end}); the download or copy was cut short")
+        return (
+            f"{path}: truncated: {size} bytes, its header needs {base + end} "
+            f"(tensors end at byte {base + end}); the download or copy was cut short"
+        )
     if base + end < size:
         return f"{path}: {size - base - end} bytes after the last tensor its header names; the file is damaged"
     return None

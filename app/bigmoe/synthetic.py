@@ -22,8 +22,14 @@ def ensure_tiny_model(preset: Preset, dtype: str, seed: int = 0) -> Path:
     from bigmoe.tinymoe.make import TinyShape, make_tiny_moe
 
     arch = preset.arch
-    shape = TinyShape(layers=arch.moe_layers, experts=arch.experts, top_k=arch.top_k,
-                      hidden=arch.hidden, moe_intermediate=arch.moe_intermediate, vocab=arch.vocab)
+    shape = TinyShape(
+        layers=arch.moe_layers,
+        experts=arch.experts,
+        top_k=arch.top_k,
+        hidden=arch.hidden,
+        moe_intermediate=arch.moe_intermediate,
+        vocab=arch.vocab,
+    )
     try:
         return make_tiny_moe(tiny_model_path(preset, dtype), shape, dtype, seed)
     except (ValueError, OSError, RuntimeError) as e:

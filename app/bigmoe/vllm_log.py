@@ -32,16 +32,22 @@ EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Exit|Failure)
 """The last line of a traceback: `module.SomeError: message`."""
 ERROR_WORD = re.compile(r"\b(?:Error|error|ERROR):\s")
 """A line that states an error without a traceback ("Error: ...")."""
-WRAPPERS = re.compile(r"Engine core initialization failed|See root cause above|EngineCore failed to start|"
-                      r"Engine process failed to start|See stack trace for root cause|"
-                      r"See stack trace \(above\) for the root cause|"
-                      r"Traceback \(most recent call last\)")
+WRAPPERS = re.compile(
+    r"Engine core initialization failed|See root cause above|EngineCore failed to start|"
+    r"Engine process failed to start|See stack trace for root cause|"
+    r"See stack trace \(above\) for the root cause|"
+    r"Traceback \(most recent call last\)"
+)
 """Lines that point at the cause instead of stating it."""
-ENGINE_GONE = re.compile(r"engine core exited unexpectedly|Engine core process \S+ died unexpectedly|"
-                         r"(?:Worker|Engine core) proc \S+ died unexpectedly")
+ENGINE_GONE = re.compile(
+    r"engine core exited unexpectedly|Engine core process \S+ died unexpectedly|"
+    r"(?:Worker|Engine core) proc \S+ died unexpectedly"
+)
 """vLLM's API server noticing that its engine process vanished without a word (a kill -9, the OOM killer)."""
-ENGINE_GONE_CAUSE = ("vLLM's engine process ended without logging why (killed by a signal such as SIGKILL, or by the "
-                     "kernel's out-of-memory killer)")
+ENGINE_GONE_CAUSE = (
+    "vLLM's engine process ended without logging why (killed by a signal such as SIGKILL, or by the "
+    "kernel's out-of-memory killer)"
+)
 NOISE = re.compile(r"^(WARNING|INFO|DEBUG)\b|oneDNN|\[W\d+ |UserWarning|DeprecationWarning|FutureWarning")
 """Warnings and notes that are printed near a failure but are not its cause."""
 

@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-TPOT_SERIES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds")
+TPOT_SERIES = (
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
+)
 TTFT_SERIES = "vllm:time_to_first_token_seconds"
 TOKENS_SERIES = "vllm:generation_tokens_total"
 MIN_WINDOW_S = 1.0

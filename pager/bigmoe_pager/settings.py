@@ -190,5 +190,7 @@ def _per_layer(values: tuple[int, ...], layer: int, num_layers: int, experts: in
     if len(values) == 1:
         return min(values[0], experts)
     if len(values) != num_layers:
-        raise SettingsError(f"{var} lists {len(values)} values but the model has {num_layers} MoE layers; give one value or one per layer")
+        raise SettingsError(
+            f"{var} lists {len(values)} values but the model has {num_layers} MoE layers; give one value or one per layer"
+        )
     return min(values[layer], experts)

@@ -20,9 +20,15 @@ def main() -> None:
 
     model, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     llm = LLM(
-        model=model, dtype="bfloat16", max_model_len=2048, max_num_seqs=8,
-        distributed_executor_backend="uni", kv_cache_memory_bytes=256 << 20,
-        enforce_eager=os.environ.get("GREEDY_COMPILE") != "1", seed=0, enable_prefix_caching=False,
+        model=model,
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=8,
+        distributed_executor_backend="uni",
+        kv_cache_memory_bytes=256 << 20,
+        enforce_eager=os.environ.get("GREEDY_COMPILE") != "1",
+        seed=0,
+        enable_prefix_caching=False,
         max_num_batched_tokens=2048,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

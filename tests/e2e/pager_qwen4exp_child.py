@@ -21,6 +21,8 @@ os.environ.update(BIGMOE_PAGER="1", BIGMOE_VRAM_SLOTS="12", BIGMOE_RAM_SLOTS="20
 
 def main() -> None:
     import torch
+    from bigmoe_pager import plugin
+    from bigmoe_pager.adapters import vllm_glue
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.engine.arg_utils import EngineArgs
@@ -28,22 +30,28 @@ def main() -> None:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from bigmoe_pager import plugin
-    from bigmoe_pager.adapters import vllm_glue
-
     checkpoint, out = sys.argv[1], sys.argv[2]
     plugin.register_experts()
     # cpu_offload False: vLLM's default pins the n-gram table in host RAM, which needs an accelerator.
-    args = EngineArgs(model=checkpoint, dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=2,
-                      distributed_executor_backend="uni", engram_config={"cpu_offload": False}, seed=0,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    args = EngineArgs(
+        model=checkpoint,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=2,
+        distributed_executor_backend="uni",
+        engram_config={"cpu_offload": False},
+        seed=0,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )
     config = args.create_engine_config()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        )
         parallel_state.initialize_model_parallel(1, 1)
         for model_config in (config.model_config, config.speculative_config.draft_model_config):
             with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
@@ -67,8 +75,14 @@ def describe(layer) -> dict:
         source.read_record(expert, buf)
         same.append(bool(torch.equal(pager.ram[slot][:record], buf[:record])))
     pager.check_loaded()
-    return {"name": layer.layer_name, "moe_index": layer._moe_index, "decoder_layer": layer._decoder_layer,
-            "store_layer": source.layer, "ram_experts": sorted(pager.ram_of), "ram_equals_ssd": same}
+    return {
+        "name": layer.layer_name,
+        "moe_index": layer._moe_index,
+        "decoder_layer": layer._decoder_layer,
+        "store_layer": source.layer,
+        "ram_experts": sorted(pager.ram_of),
+        "ram_equals_ssd": same,
+    }
 
 
 if __name__ == "__main__":

@@ -28,16 +28,25 @@ def main() -> None:
 
     checkpoint, out, mtp = sys.argv[1], sys.argv[2], "--mtp" in sys.argv[3:]
     # cpu_offload False: vLLM's default pins the n-gram table in host RAM, which needs an accelerator.
-    args = EngineArgs(model=checkpoint, dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=2,
-                      distributed_executor_backend="uni", engram_config={"cpu_offload": False}, seed=0,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 1} if mtp else None)
+    args = EngineArgs(
+        model=checkpoint,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=2,
+        distributed_executor_backend="uni",
+        engram_config={"cpu_offload": False},
+        seed=0,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1} if mtp else None,
+    )
     config = args.create_engine_config()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        )
         parallel_state.initialize_model_parallel(1, 1)
         # The MTP head is its own vLLM model (Qwen4ExpMTP) built from the draft model config.
         model_config = config.speculative_config.draft_model_config if mtp else config.model_config
@@ -58,8 +67,12 @@ def describe(name: str, param, hc_rows: int) -> dict:
     values = param[:hc_rows] if name.endswith("input_mix_weight_down_block_inject.weight") else param
     meta = param.device.type == "meta"  # a paged tensor (bigmoe's n-gram pager): no values in memory
     finite = True if meta or not values.numel() else bool(torch.isfinite(values.float()).all())
-    return {"shape": list(param.shape), "dtype": str(param.dtype).removeprefix("torch."), "finite": finite,
-            "meta": meta}
+    return {
+        "shape": list(param.shape),
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "finite": finite,
+        "meta": meta,
+    }
 
 
 if __name__ == "__main__":

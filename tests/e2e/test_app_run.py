@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from bigmoe import launch
 from bigmoe.client import chat
 from bigmoe.watch import Watcher
@@ -50,8 +49,20 @@ def test_run_executes_the_printed_plan_answers_and_reports_tpot(home):
     planned = bigmoe(home, "plan", "tiny-moe", "--json", "--port", str(port), timeout=300)
     assert planned.returncode == 0, planned.stderr[-2000:]
     plan = json.loads(planned.stdout)
-    proc = bigmoe(home, "run", "tiny-moe", "--yes", "--json", "--port", str(port),
-                  "--prompt", "Tell me about the sea.", "--max-tokens", "24", timeout=600)
+    proc = bigmoe(
+        home,
+        "run",
+        "tiny-moe",
+        "--yes",
+        "--json",
+        "--port",
+        str(port),
+        "--prompt",
+        "Tell me about the sea.",
+        "--max-tokens",
+        "24",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     started = next(e for e in events if e["event"] == "launch")
@@ -68,8 +79,12 @@ def test_served_model_is_watched_listed_logged_and_stopped(home):
     port, key = launch.free_port(), "sk-e2e-secret"
     runner = subprocess.Popen(
         [*BIGMOE, "run", "tiny-moe", "--yes", "--json", "--port", str(port), "--vram-slots", "6", "--ram-slots", "10"],
-        env=env_for(home, BIGMOE_API_KEY=key), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        env=env_for(home, BIGMOE_API_KEY=key),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         started = _wait_for_event(runner, "launch", timeout=600)
         ready = _wait_for_event(runner, "ready", timeout=600)
@@ -87,8 +102,9 @@ def test_served_model_is_watched_listed_logged_and_stopped(home):
         assert unauthorized.status_code == 401
 
         # A second run of the same model that fails to start must not lose the first server.
-        second = bigmoe(home, "run", "tiny-moe", "--yes", "--port", str(launch.free_port()), "--start-timeout", "5",
-                        timeout=300)
+        second = bigmoe(
+            home, "run", "tiny-moe", "--yes", "--port", str(launch.free_port()), "--start-timeout", "5", timeout=300
+        )
         assert second.returncode == 4 and "did not answer /health within 5 s" in second.stderr
         assert f":{port}" in bigmoe(home, "ps").stdout
 
@@ -126,13 +142,16 @@ def test_served_model_is_watched_listed_logged_and_stopped(home):
         _kill_servers_of(home)
 
 
-@pytest.mark.parametrize("args,message,code", [
-    (["run", "no-such-model", "--yes"], "unknown model 'no-such-model'", 1),
-    (["run", "tiny-moe", "--yes", "--port", "0"], "Invalid value for '--port'", 2),
-    (["run", "tiny-moe", "--yes", "--model-dir", "/nonexistent/ckpt"], "no readable config.json", 1),
-    (["stop", "tiny-moe"], "no bigmoe server is running for tiny-moe", 1),
-    (["run", "qwen3.8-flash-next", "--yes"], "plan refused", 3),
-])
+@pytest.mark.parametrize(
+    "args,message,code",
+    [
+        (["run", "no-such-model", "--yes"], "unknown model 'no-such-model'", 1),
+        (["run", "tiny-moe", "--yes", "--port", "0"], "Invalid value for '--port'", 2),
+        (["run", "tiny-moe", "--yes", "--model-dir", "/nonexistent/ckpt"], "no readable config.json", 1),
+        (["stop", "tiny-moe"], "no bigmoe server is running for tiny-moe", 1),
+        (["run", "qwen3.8-flash-next", "--yes"], "plan refused", 3),
+    ],
+)
 def test_bad_input_gets_one_line_and_a_nonzero_exit(home, args, message, code):
     proc = bigmoe(home, *args, timeout=120)
     assert proc.returncode == code
@@ -151,7 +170,9 @@ def test_malformed_preset_file_gets_one_line(home, tmp_path):
 
 def test_a_checkpoint_that_is_not_the_preset_is_refused_before_launch(home, tiny_checkpoint):
     tiny = sys.modules["make_tiny_moe"]
-    other = tiny_checkpoint(tiny.TinyShape(layers=2, experts=24, top_k=6, hidden=128, moe_intermediate=64), "bf16", seed=3)
+    other = tiny_checkpoint(
+        tiny.TinyShape(layers=2, experts=24, top_k=6, hidden=128, moe_intermediate=64), "bf16", seed=3
+    )
     proc = bigmoe(home, "run", "tiny-moe", "--yes", "--model-dir", str(other), timeout=300)
     assert proc.returncode == 1
     assert "but preset tiny-moe says experts = 16" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -160,13 +181,16 @@ def test_a_checkpoint_that_is_not_the_preset_is_refused_before_launch(home, tiny
 
 def test_missing_vllm_gets_one_line(home):
     """A fake of a missing vLLM: the module is blocked in sys.modules before the CLI runs."""
-    code = ("import sys; sys.modules['vllm'] = None; from bigmoe.cli import main; "
-            "main(['run', 'tiny-moe', '--yes', '--prompt', 'hi'])")
+    code = (
+        "import sys; sys.modules['vllm'] = None; from bigmoe.cli import main; "
+        "main(['run', 'tiny-moe', '--yes', '--prompt', 'hi'])"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "bigmoe: vLLM is not installed in this Python environment; run installer/install.sh "
-        "(or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"]
+        "(or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"
+    ]
 
 
 def test_port_in_use_is_refused_before_anything_starts(home):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from bigmoe import launch, presets
 from bigmoe.pipeline import RunOptions, make_plan, probe_machine
 from bigmoe.watch import Watcher
@@ -56,21 +55,30 @@ def test_the_demo_plan_pages_with_an_ssd_tier_and_gives_the_resident_tokens(home
 def test_bigmoe_run_demo_shows_every_tiers_hit_rate_in_metrics(home):
     port = launch.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")} | {"BIGMOE_HOME": str(home)}
-    runner = subprocess.Popen([*BIGMOE, "run", "tiny-moe", "--yes", "--json", "--port", str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    runner = subprocess.Popen(
+        [*BIGMOE, "run", "tiny-moe", "--yes", "--json", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         ready = _wait_for(runner, "ready", timeout=1500)  # a loaded 2-core machine takes minutes
         endpoint = ready["endpoint"]
         watcher = Watcher(endpoint)
         watcher.poll()
         for prompt in PROMPTS:
-            httpx.post(f"{endpoint}/v1/completions", json={"model": "tiny-moe", "prompt": prompt, "max_tokens": 16,
-                                                           "temperature": 0}, timeout=120).raise_for_status()
+            httpx.post(
+                f"{endpoint}/v1/completions",
+                json={"model": "tiny-moe", "prompt": prompt, "max_tokens": 16, "temperature": 0},
+                timeout=120,
+            ).raise_for_status()
         window = watcher.poll()
         assert {"vram", "ram", "ssd"} <= set(window.hit_rate), window.hit_rate
         assert 0 < window.hit_rate["vram"] < 1, "fewer slots than experts: some lookups miss"
         metrics = httpx.get(endpoint + "/metrics").text
-        assert 'bigmoe_expert_lookups_total{' in metrics and 'tier="ssd"' in metrics
+        assert "bigmoe_expert_lookups_total{" in metrics and 'tier="ssd"' in metrics
     finally:
         os.killpg(runner.pid, signal.SIGINT)
         try:

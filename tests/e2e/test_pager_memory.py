@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from test_pager_vllm import greedy
 
 pytestmark = pytest.mark.e2e
@@ -23,10 +22,13 @@ def test_rss_drops_by_the_experts_that_left(tiny_checkpoint):
     model = tiny_checkpoint(shape, "bf16", seed=5)
     vram, ram = 4, EXPERTS // 2
     plain_tokens, plain_kb = greedy(model, {}, max_tokens=8)
-    paged_tokens, paged_kb = greedy(model, {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram),
-                                            "BIGMOE_RAM_SLOTS": str(ram)}, max_tokens=8)
+    paged_tokens, paged_kb = greedy(
+        model, {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram), "BIGMOE_RAM_SLOTS": str(ram)}, max_tokens=8
+    )
     assert paged_tokens == plain_tokens
     expected = LAYERS * (EXPERTS - ram - vram) * EXPERT_BYTES
     saved = (plain_kb - paged_kb) * 1024
-    print(f"unpaged {plain_kb / 1024:.0f} MiB, paged {paged_kb / 1024:.0f} MiB, saved {saved / 2**20:.0f} MiB, expected {expected / 2**20:.0f} MiB")
+    print(
+        f"unpaged {plain_kb / 1024:.0f} MiB, paged {paged_kb / 1024:.0f} MiB, saved {saved / 2**20:.0f} MiB, expected {expected / 2**20:.0f} MiB"
+    )
     assert 0.7 * expected <= saved <= 1.3 * expected

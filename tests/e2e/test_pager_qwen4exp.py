@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_qwen4exp_vllm import ALIAS, checkpoint  # noqa: F401  (the synthetic checkpoint fixture)
 
 pytestmark = pytest.mark.e2e
@@ -30,8 +29,9 @@ def test_model_and_mtp_layers_page_the_experts_vllm_loads(checkpoint, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(ALIAS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "layers.json"
-    result = subprocess.run([sys.executable, str(CHILD), str(checkpoint), str(out)], env=env, capture_output=True,
-                            text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(CHILD), str(checkpoint), str(out)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     hidden = json.loads((checkpoint / "config.json").read_text())["text_config"]["num_hidden_layers"]

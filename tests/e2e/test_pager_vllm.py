@@ -29,8 +29,13 @@ LONG_PROMPT = " ".join(["the blue river runs past the old stone house and the ta
 def greedy(model: Path, env: dict[str, str], prompts=PROMPTS, max_tokens: int = 64) -> tuple[list[list[int]], int]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
     full.update(env)
-    proc = subprocess.run([sys.executable, str(RUNNER), str(model), str(max_tokens), *prompts],
-                          env=full, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(model), str(max_tokens), *prompts],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = proc.stdout.splitlines()
     tokens = [l for l in lines if l.startswith("TOKENS ")]
     assert proc.returncode == 0 and tokens, f"vLLM run failed:\n{proc.stderr[-3000:]}"
@@ -75,14 +80,18 @@ def test_compiled_engine_pages_through_an_opaque_op(shapes):
     Compiled and eager models round differently, so the reference is compiled too."""
     compiled = {"GREEDY_COMPILE": "1"}
     plain, _ = greedy(shapes["tiny-moe"], compiled)
-    paged, _ = greedy(shapes["tiny-moe"], {**compiled, "BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_RAM_SLOTS": "9"})
+    paged, _ = greedy(
+        shapes["tiny-moe"], {**compiled, "BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_RAM_SLOTS": "9"}
+    )
     assert paged == plain
 
 
 def test_prompt_longer_than_slots_is_chunked_and_exact(shapes):
     model = shapes["tiny-moe"]
     plain, _ = greedy(model, {}, [LONG_PROMPT], max_tokens=16)
-    paged, _ = greedy(model, {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "4", "BIGMOE_RAM_SLOTS": "8"}, [LONG_PROMPT], max_tokens=16)
+    paged, _ = greedy(
+        model, {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "4", "BIGMOE_RAM_SLOTS": "8"}, [LONG_PROMPT], max_tokens=16
+    )
     assert paged == plain
 
 
@@ -112,14 +121,25 @@ def test_recorded_routing_trace_loads_in_the_benchmark_and_replays(shapes, tmp_p
     from traces import load_trace
 
     trace = tmp_path / "routing.npz"
-    recorded, _ = greedy(shapes["tiny-moe"], {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_TRACE_PATH": str(trace)},
-                         max_tokens=16)
+    recorded, _ = greedy(
+        shapes["tiny-moe"],
+        {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_TRACE_PATH": str(trace)},
+        max_tokens=16,
+    )
     ids = load_trace(trace, experts=16)
     assert ids.dtype.name == "int32" and ids.shape[1:] == (4, 4)
     assert ids.shape[0] >= 4 * 16  # every prompt token and every generated token of the 4 requests
     assert ((ids >= 0) & (ids < 16)).all()
-    replayed, _ = greedy(shapes["tiny-moe"], {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_ROUTE_REPLAY": str(trace),
-                                              "BIGMOE_TRACE_PATH": str(tmp_path / "again.npz")}, max_tokens=16)
+    replayed, _ = greedy(
+        shapes["tiny-moe"],
+        {
+            "BIGMOE_PAGER": "1",
+            "BIGMOE_VRAM_SLOTS": "6",
+            "BIGMOE_ROUTE_REPLAY": str(trace),
+            "BIGMOE_TRACE_PATH": str(tmp_path / "again.npz"),
+        },
+        max_tokens=16,
+    )
     assert replayed == recorded  # replaying a run's own routing in the same order reproduces it
     again = load_trace(tmp_path / "again.npz", experts=16)
     assert (again == ids).all()

@@ -29,13 +29,28 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 CHILD = Path(__file__).with_name("qwen4exp_load_child.py")
-SHAPE = dict(layers=4, experts=64, hidden=256, moe_intermediate=128, shared_intermediate=128, vocab=2048, heads=4,
-             kv_heads=2, head_dim=64, linear_key_heads=2, linear_value_heads=4, linear_head_dim=64, hc_lowrank=32,
-             indexer_heads=0, ngram_vocab_base=4096, max_position=4096)
-ALIAS = '''import importlib, sys
+SHAPE = dict(
+    layers=4,
+    experts=64,
+    hidden=256,
+    moe_intermediate=128,
+    shared_intermediate=128,
+    vocab=2048,
+    heads=4,
+    kv_heads=2,
+    head_dim=64,
+    linear_key_heads=2,
+    linear_value_heads=4,
+    linear_head_dim=64,
+    hc_lowrank=32,
+    indexer_heads=0,
+    ngram_vocab_base=4096,
+    max_position=4096,
+)
+ALIAS = """import importlib, sys
 sys.modules["transformers.models.qwen2_vl.image_processing_qwen2_vl"] = importlib.import_module(
     "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +64,20 @@ def checkpoint(tmp_path_factory):
 
 def load_in_vllm(checkpoint: Path, tmp_path: Path, *extra: str, pager_env: dict | None = None) -> dict:
     (tmp_path / "sitecustomize.py").write_text(ALIAS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "VLLM_PLUGINS": "", **(pager_env or {})}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "VLLM_PLUGINS": "",
+        **(pager_env or {}),
+    }
     out = tmp_path / "params.json"
-    result = subprocess.run([sys.executable, str(CHILD), str(checkpoint), str(out), *extra], env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(CHILD), str(checkpoint), str(out), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -72,16 +96,27 @@ def test_vllm_loads_every_parameter_of_the_checkpoint(checkpoint, tmp_path, head
     if head == "Qwen4ExpForCausalLM":
         table = params["model.layers.1.ple.ple_embedding.ngram_embedding.weight"]
         assert table["dtype"] == "float8_e4m3fn" and table["shape"][1] == 160
-        assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.3.self_attn.qkv_proj.weight"} <= set(params)
+        assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.3.self_attn.qkv_proj.weight"} <= set(
+            params
+        )
     else:
-        assert {"model.fc_embedding.weight", "model.fc_hidden.weight", "model.hyper_connection_mixer.hc_norm.weight"} <= set(params)
+        assert {
+            "model.fc_embedding.weight",
+            "model.fc_hidden.weight",
+            "model.hyper_connection_mixer.hc_norm.weight",
+        } <= set(params)
 
 
 def test_with_the_pagers_on_the_loader_takes_it_into_slots_and_leaves_the_table_on_ssd(checkpoint, tmp_path):
     """BIGMOE_PAGER=1 and BIGMOE_NGRAM=1 at load: each MoE layer's experts become 16 VRAM slots (32 RAM slots,
     the rest read from the checkpoint on SSD when a step needs them), and the n-gram table takes no memory."""
-    env = {"VLLM_PLUGINS": "bigmoe_experts,bigmoe_ngram", "BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "16",
-           "BIGMOE_RAM_SLOTS": "32", "BIGMOE_NGRAM": "1"}
+    env = {
+        "VLLM_PLUGINS": "bigmoe_experts,bigmoe_ngram",
+        "BIGMOE_PAGER": "1",
+        "BIGMOE_VRAM_SLOTS": "16",
+        "BIGMOE_RAM_SLOTS": "32",
+        "BIGMOE_NGRAM": "1",
+    }
     params = load_in_vllm(checkpoint, tmp_path, pager_env=env)["params"]
     for layer in range(SHAPE["layers"]):
         slots = params[f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight"]

@@ -20,9 +20,14 @@ def test_vllm_greedy_generates_varied_tokens_from_the_tiny_checkpoint(tiny_check
 
     model = tiny_checkpoint(dtype="bf16", seed=0)
     llm = LLM(
-        model=str(model), dtype="bfloat16", max_model_len=512, max_num_seqs=2,
-        distributed_executor_backend="uni", kv_cache_memory_bytes=32 << 20,
-        enforce_eager=True, seed=0,
+        model=str(model),
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=2,
+        distributed_executor_backend="uni",
+        kv_cache_memory_bytes=32 << 20,
+        enforce_eager=True,
+        seed=0,
     )
     try:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)

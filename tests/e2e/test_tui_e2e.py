@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from bigmoe import launch, presets
 from bigmoe.pipeline import RunOptions
 from bigmoe.tui.app import BigmoeApp
@@ -32,7 +31,9 @@ async def until(pilot, condition, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (screen: {type(pilot.app.screen).__name__})")
+            raise AssertionError(
+                f"timed out after {timeout_s:.0f} s waiting for {what} (screen: {type(pilot.app.screen).__name__})"
+            )
         await pilot.pause(0.1)
 
 
@@ -78,15 +79,30 @@ def test_tui_plans_launches_chats_and_quits_cleanly(tmp_path, monkeypatch):
     seen: dict = {}
 
     async def scenario(pilot):
-        await until(pilot, lambda: isinstance(pilot.app.screen, PlanScreen) and pilot.app.screen.plan is not None, 60, "the first plan")
+        await until(
+            pilot,
+            lambda: isinstance(pilot.app.screen, PlanScreen) and pilot.app.screen.plan is not None,
+            60,
+            "the first plan",
+        )
         await pilot.pause()
         await type_into(pilot, "vram_slots", "6")
         await type_into(pilot, "ram_slots", "10")
         plan_screen = pilot.app.screen
-        await until(pilot, lambda: not plan_screen.stale and plan_screen.plan is not None and plan_screen.plan.ram_slots == 10, 30, "the re-plan")
+        await until(
+            pilot,
+            lambda: not plan_screen.stale and plan_screen.plan is not None and plan_screen.plan.ram_slots == 10,
+            30,
+            "the re-plan",
+        )
         seen["plan"] = plan_screen.plan
         await pilot.press("l")
-        await until(pilot, lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live or pilot.app.start_failed, START_S + 10, "the dashboard")
+        await until(
+            pilot,
+            lambda: isinstance(pilot.app.screen, Dashboard) and pilot.app.screen.live or pilot.app.start_failed,
+            START_S + 10,
+            "the dashboard",
+        )
         assert not pilot.app.start_failed, f"the server did not start: {pilot.app.screen.failed}"
         dash = pilot.app.screen
         seen["pid"], seen["info"] = dash.server.info.pid, dash.server.info
@@ -101,7 +117,12 @@ def test_tui_plans_launches_chats_and_quits_cleanly(tmp_path, monkeypatch):
             await until(pilot, lambda: len(dash.history.tokens_per_s) >= windows + 2, 30, "two more polls")
         seen["answer"] = chat.last_result
         await pilot.press("escape")
-        await until(pilot, lambda: (dash.history.last_tpot_ms or 0) > 0 and dash.history.tier_hit, 30, "a window with TPOT and hit rates")
+        await until(
+            pilot,
+            lambda: (dash.history.last_tpot_ms or 0) > 0 and dash.history.tier_hit,
+            30,
+            "a window with TPOT and hit rates",
+        )
         await pilot.pause(0.5)
         seen["history"] = dash.history
         seen["log"] = [str(line.text) for line in dash.query_one("#log").lines]

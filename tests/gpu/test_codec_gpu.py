@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_record
 from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
@@ -24,7 +23,9 @@ import codec_samples as S  # noqa: E402
 pytestmark = pytest.mark.gpu
 FILL = 0xA5
 PATTERNS = ("student_t", "gaussian", "random", "all_values", "constant", "skewed", "uniform_exp", "nan")
-ODD = ExpertLayout.build([("a", (3, 30001), torch.float8_e4m3fn), ("s", (5,), torch.float32), ("b", (7, 9), torch.float8_e4m3fn)])
+ODD = ExpertLayout.build(
+    [("a", (3, 30001), torch.float8_e4m3fn), ("s", (5,), torch.float32), ("b", (7, 9), torch.float8_e4m3fn)]
+)
 
 
 def stage(records: list[bytes], device="cuda") -> tuple[torch.Tensor, list[int]]:
@@ -66,11 +67,15 @@ KERNEL_SHAPES = [  # (chunks per program, warps, prefetch): the default and the 
 def test_real_size_records_decode_bit_exact(preset, shape):
     layout = S.moe_layout(*S.SHAPES[preset])
     rng = np.random.default_rng(0)
-    raws = [S.expert_record(layout, p, rng) if p in ("student_t", "gaussian") else S.pattern_record(layout, p, rng)
-            for p in PATTERNS]
+    raws = [
+        S.expert_record(layout, p, rng) if p in ("student_t", "gaussian") else S.pattern_record(layout, p, rng)
+        for p in PATTERNS
+    ]
     staging, offs = stage([encode_record(r, layout) for r in raws])
     # Records land in reversed slots; slot len(raws) stays empty (skipped entry).
-    work = torch.tensor([[o, len(raws) - 1 - i] for i, o in enumerate(offs)] + [[offs[0], -1]], dtype=torch.int64, device="cuda")
+    work = torch.tensor(
+        [[o, len(raws) - 1 - i] for i, o in enumerate(offs)] + [[offs[0], -1]], dtype=torch.int64, device="cuda"
+    )
     slots = fresh_slots(layout, len(raws) + 1)
     errors = new_errors(work)
     decode_into_slots(staging, work, slots, layout, errors, **shape)
@@ -120,7 +125,9 @@ def test_cuda_graph_replay_decodes_what_the_work_list_says_now():
 def test_corrupt_records_are_reported_and_bad_headers_write_nothing():
     layout = S.moe_layout(*S.SHAPES["qwen3.8-flash-next"])
     good = encode_record(S.expert_record(layout, "gaussian", np.random.default_rng(3)), layout)
-    wrong_layout = encode_record(S.expert_record(S.moe_layout(2048, 512), "gaussian", np.random.default_rng(3)), S.moe_layout(2048, 512))
+    wrong_layout = encode_record(
+        S.expert_record(S.moe_layout(2048, 512), "gaussian", np.random.default_rng(3)), S.moe_layout(2048, 512)
+    )
     junk = bytearray(good)
     junk[:4] = b"JUNK"
     lanes = bytearray(good)
@@ -130,7 +137,9 @@ def test_corrupt_records_are_reported_and_bad_headers_write_nothing():
     struct.pack_into("<I", outside, F.directory_offset(1) + 16, len(outside) - 4)
     records = [good, bytes(junk), wrong_layout, bytes(lanes), bytes(outside)]
     staging, offs = stage(records)
-    work = torch.tensor([[o, i] for i, o in enumerate(offs)] + [[staging.numel() + 64, 5]], dtype=torch.int64, device="cuda")
+    work = torch.tensor(
+        [[o, i] for i, o in enumerate(offs)] + [[staging.numel() + 64, 5]], dtype=torch.int64, device="cuda"
+    )
     slots = fresh_slots(layout, 6)
     errors = new_errors(work)
     decode_into_slots(staging, work, slots, layout, errors)

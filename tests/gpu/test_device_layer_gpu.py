@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
@@ -18,8 +17,9 @@ pytestmark = pytest.mark.gpu
 
 
 def loaded(layout: ExpertLayout, records: torch.Tensor, vram: int, ram: int, policy: str = "lru") -> DeviceLayerPager:
-    layer = DeviceLayerPager(layout, TierSizes(records.shape[0], vram, ram), "cuda", layer=0, stats=PagerStats(1, "cuda"),
-                             policy=policy)
+    layer = DeviceLayerPager(
+        layout, TierSizes(records.shape[0], vram, ram), "cuda", layer=0, stats=PagerStats(1, "cuda"), policy=policy
+    )
     views = layer.ram_views()
     for e in range(records.shape[0]):
         row = layer.ram_slot_for_load(e)
@@ -64,8 +64,10 @@ class RecordsSsd:
                 self.layer.ram.records[s].copy_(self.records[e])
 
 
-@pytest.mark.parametrize("experts,vram,k,tokens,policy",
-                         [(256, 102, 8, 1, "lfu"), (256, 32, 8, 4, "lfu"), (256, 102, 8, 4, "lru"), (64, 16, 4, 2, "lfu")])
+@pytest.mark.parametrize(
+    "experts,vram,k,tokens,policy",
+    [(256, 102, 8, 1, "lfu"), (256, 32, 8, 4, "lfu"), (256, 102, 8, 4, "lru"), (64, 16, 4, 2, "lfu")],
+)
 def test_a_captured_step_replays_with_new_ids(experts, vram, k, tokens, policy):
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
     g = torch.Generator().manual_seed(experts + vram)
@@ -96,7 +98,10 @@ def test_a_captured_step_replays_with_new_ids(experts, vram, k, tokens, policy):
 def test_big_steps_split_into_token_ranges_over_a_partial_ram_tier():
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
     experts, vram, ram, k = 64, 8, 24, 4
-    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)) & 0x77
+    records = (
+        torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+        & 0x77
+    )
     layer = loaded(layout, records, vram, ram)
     layer.start(layout.slot_buffers(vram, "cuda"), RecordsSsd(records, layer))
     rng = random.Random(1)
@@ -117,7 +122,9 @@ def test_the_counter_mirror_copy_is_part_of_the_graph():
     from bigmoe_pager.core.pinned import pinned_empty
 
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
-    records = torch.randint(0, 256, (64, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)) & 0x77
+    records = (
+        torch.randint(0, 256, (64, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)) & 0x77
+    )
     layer = loaded(layout, records, 16, 64)
     layer.start(layout.slot_buffers(16, "cuda"))
     mirror = pinned_empty(tuple(layer.stats_table.device_counts.shape), torch.int64)
@@ -157,7 +164,9 @@ def test_a_settled_chunked_step_leaves_no_ssd_read_behind_a_gil_holding_wait(tmp
     layout = ckpt.layout
     layer = loaded(layout, records, vram, ram, "lfu")
     slow_disk = FakeFaultyIO(then="slow", delay_s=0.02)  # 20 ms a read: the GPU falls behind the launches
-    service = SsdService(ckpt.store(io=slow_disk), [layer.ram.records], io_workers=4, read_timeout_s=1.0, read_retries=0)
+    service = SsdService(
+        ckpt.store(io=slow_disk), [layer.ram.records], io_workers=4, read_timeout_s=1.0, read_retries=0
+    )
     try:
         layer.start(layout.slot_buffers(vram, "cuda"), ServiceFetch(service, 0))
         rng = random.Random(11)
@@ -182,7 +191,10 @@ def test_a_settled_chunked_step_leaves_no_ssd_read_behind_a_gil_holding_wait(tmp
 def test_a_big_step_fills_the_whole_layer_buffer_from_pinned_ram():
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
     experts, vram, k = 64, 16, 8
-    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)) & 0x77
+    records = (
+        torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+        & 0x77
+    )
     layer = loaded(layout, records, vram, experts)
     layer.start(layout.slot_buffers(vram, "cuda"))
     rng = random.Random(4)

@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import make_tiny_moe as tiny  # noqa: E402  (scripts/ is not a package)
 
 # Qwen3.6-35B-A3B's routed experts (256 of 2048 -> 512, top-8) in two layers: 1.5 GiB of FP8.
-QWEN36_SLICE = tiny.TinyShape(layers=2, experts=256, top_k=8, hidden=2048, moe_intermediate=512,
-                              vocab=8192, heads=32, kv_heads=4, head_dim=128)
+QWEN36_SLICE = tiny.TinyShape(
+    layers=2, experts=256, top_k=8, hidden=2048, moe_intermediate=512, vocab=8192, heads=32, kv_heads=4, head_dim=128
+)
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -52,8 +53,9 @@ def test_cuda_build_is_deterministic_and_its_fp8_dequantizes_to_its_bf16(tmp_pat
 
 def test_cuda_build_writes_real_expert_shapes_fast(tmp_path):
     started = time.monotonic()
-    out = tiny.make_tiny_moe(tmp_path / "q36", QWEN36_SLICE, "fp8", 0, device="cuda",
-                             with_tokenizer=False, shard_bytes=512 << 20)
+    out = tiny.make_tiny_moe(
+        tmp_path / "q36", QWEN36_SLICE, "fp8", 0, device="cuda", with_tokenizer=False, shard_bytes=512 << 20
+    )
     seconds = time.monotonic() - started
     size = sum(p.stat().st_size for p in out.iterdir())
     rate = size / seconds / 2**20

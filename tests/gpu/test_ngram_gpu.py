@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.ngram import NgramRangeError, NgramTable
 from bigmoe_pager.ngram.dequant import dequantize_rows
 from bigmoe_pager.ngram.prefetch import RowPrefetcher
@@ -25,7 +24,9 @@ def files(tmp_path_factory):
 
 @pytest.fixture(params=["page-cache", "direct+rows"])
 def table(request, files):
-    with NgramTable.open(files, direct=request.param != "page-cache", cache_rows=512 if request.param != "page-cache" else 0) as t:
+    with NgramTable.open(
+        files, direct=request.param != "page-cache", cache_rows=512 if request.param != "page-cache" else 0
+    ) as t:
         yield t
 
 
@@ -45,7 +46,9 @@ def test_consecutive_steps_get_their_own_rows(table):
             ids_all.append(ids)
         torch.cuda.synchronize()
         for out, ids in zip(outs, ids_all):
-            np.testing.assert_array_equal(out.cpu().numpy().reshape(-1, ROW), expected_rows(ids.cpu().numpy().reshape(-1), ROW))
+            np.testing.assert_array_equal(
+                out.cpu().numpy().reshape(-1, ROW), expected_rows(ids.cpu().numpy().reshape(-1), ROW)
+            )
     finally:
         pf.close()
 
@@ -63,7 +66,7 @@ def test_device_dequant_is_vllms_arithmetic_on_the_device(table):
     nan = torch.isnan(exact)  # random rows hold E4M3's NaN bytes (0x7F, 0xFF)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan].view(torch.int16), vllm_formula[~nan].view(torch.int16))
-    assert torch.allclose(got[~nan].double(), exact[~nan], rtol=2 ** -8, atol=0)
+    assert torch.allclose(got[~nan].double(), exact[~nan], rtol=2**-8, atol=0)
 
 
 def test_failed_gather_raises_at_finish_on_the_caller(table):

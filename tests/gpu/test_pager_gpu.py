@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core import moe_ref
 from bigmoe_pager.core.copy_kernel import copy_records, copy_records_torch
 from bigmoe_pager.core.layout import ExpertLayout
@@ -67,8 +66,10 @@ def test_pinned_buffers_are_locked_and_readable_by_kernels():
 
 @pytest.mark.parametrize("name", ["fp8-qwen36", "odd-bytes"])
 def test_copy_kernel_equals_torch(name):
-    layout = fp8_layout(**QWEN36) if name == "fp8-qwen36" else ExpertLayout.build(
-        [("a", (3, 5), torch.uint8), ("b", (7,), torch.int16), ("c", (2,), torch.float32)]
+    layout = (
+        fp8_layout(**QWEN36)
+        if name == "fp8-qwen36"
+        else ExpertLayout.build([("a", (3, 5), torch.uint8), ("b", (7,), torch.int16), ("c", (2,), torch.float32)])
     )
     records = pinned_empty((9, layout.pitch))
     records.copy_(torch.randint(0, 256, records.shape, dtype=torch.uint8))
@@ -84,7 +85,9 @@ def test_copy_kernel_equals_torch(name):
         assert torch.equal(want[k].view(6, -1).view(torch.uint8), got[k].cpu().view(6, -1).view(torch.uint8)), k
 
 
-@pytest.mark.parametrize("experts,slots,tokens,k", [(256, 32, 1, 8), (512, 205, 1, 10), (64, 16, 4, 4), (300, 40, 8, 8)])
+@pytest.mark.parametrize(
+    "experts,slots,tokens,k", [(256, 32, 1, 8), (512, 205, 1, 10), (64, 16, 4, 4), (300, 40, 8, 8)]
+)
 def test_acquire_kernel_equals_torch_on_gpu(experts, slots, tokens, k):
     rng = random.Random(experts)
     ker = SlotTable(experts, slots, "cuda", use_kernel=True)
@@ -109,7 +112,12 @@ def test_moe_kernel_matches_reference(from_records):
     dev = host.cuda()
     experts = ExpertWeights.from_records(host if from_records else dev, layout, 128)
     ref = ExpertWeights.from_records(dev, layout, 128)
-    ref_bufs = {"w13_weight": ref.w13, "w2_weight": ref.w2, "w13_weight_scale_inv": ref.w13_scale, "w2_weight_scale_inv": ref.w2_scale}
+    ref_bufs = {
+        "w13_weight": ref.w13,
+        "w2_weight": ref.w2,
+        "w13_weight_scale_inv": ref.w13_scale,
+        "w2_weight_scale_inv": ref.w2_scale,
+    }
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn((3, 2048), device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.tensor([[0, 5, -1, 2], [1, 1, 3, 4], [5, 4, 3, 2]], device="cuda")
@@ -137,7 +145,9 @@ def test_graph_replay_leaves_exact_bytes_in_every_slot(fused):
     totals = {"lookups": 0, "hits": 0}
 
     def step_ids() -> torch.Tensor:
-        ids = torch.tensor([rng.sample(hot if rng.random() < 0.6 else range(experts), k) for _ in range(2)], dtype=torch.int32)
+        ids = torch.tensor(
+            [rng.sample(hot if rng.random() < 0.6 else range(experts), k) for _ in range(2)], dtype=torch.int32
+        )
         want = shadow.acquire(ids)
         totals["lookups"] += int(want.lookups)
         totals["hits"] += int(want.hits)

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.pinned import pinned_empty
@@ -38,8 +37,10 @@ def test_side_stream_prefetch_in_a_graph_never_changes_what_a_step_reads(policy)
     experts, slots, k, p = 64, 16, 4, 8
     rams = [full_ram(layout, experts, seed=layer) for layer in range(2)]
     stats = PagerStats(2, "cuda")
-    pagers = [ExpertPager(layout, experts, slots, ram, device="cuda", layer=layer, stats=stats, policy=policy)
-              for layer, (ram, _) in enumerate(rams)]
+    pagers = [
+        ExpertPager(layout, experts, slots, ram, device="cuda", layer=layer, stats=stats, policy=policy)
+        for layer, (ram, _) in enumerate(rams)
+    ]
     for pager in pagers:
         pager.warm_vram(torch.arange(slots))
     ids = torch.zeros((2, 1, k), dtype=torch.int32, device="cuda")

@@ -99,7 +99,9 @@ def test_graph_replay_with_changing_ids_fills_ram_and_vram_slots_exactly(ckpt, r
                 for e, s in pairs:
                     want = refs[(layer, e)]
                     assert torch.equal(bufs[layer][s, : ckpt.layout.record_bytes], want), ("ram", replay, layer, e, s)
-                    got = torch.cat([vram[layer][c.name][s].reshape(-1).view(torch.uint8).cpu() for c in ckpt.layout.components])
+                    got = torch.cat(
+                        [vram[layer][c.name][s].reshape(-1).view(torch.uint8).cpu() for c in ckpt.layout.components]
+                    )
                     flat = torch.cat([want[c.offset : c.offset + c.nbytes] for c in ckpt.layout.components])
                     assert torch.equal(got, flat), ("vram", replay, layer, e, s)
         reads = sum(c["reads"] for c in svc.stats()["layers"])

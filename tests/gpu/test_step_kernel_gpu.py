@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
@@ -18,7 +17,18 @@ from bigmoe_pager.core.stats import PagerStats
 
 pytestmark = pytest.mark.gpu
 
-ACQUIRED = ("remapped", "miss_experts", "miss_slots", "evicted", "lookups", "hits", "misses", "loaded", "overflow", "invalid")
+ACQUIRED = (
+    "remapped",
+    "miss_experts",
+    "miss_slots",
+    "evicted",
+    "lookups",
+    "hits",
+    "misses",
+    "loaded",
+    "overflow",
+    "invalid",
+)
 STATE = ("expert_slot", "slot_expert", "last_use", "step", "use_count")
 
 
@@ -65,7 +75,9 @@ def test_fused_step_equals_two_launch_path_on_gpu(experts, slots, tokens, k, pol
     pagers, stats = {}, {}
     for fused in (True, False):
         stats[fused] = PagerStats(1, "cuda")
-        pagers[fused] = ExpertPager(layout, experts, slots, ram, device="cuda", stats=stats[fused], policy=policy, decay=64, fused=fused)
+        pagers[fused] = ExpertPager(
+            layout, experts, slots, ram, device="cuda", stats=stats[fused], policy=policy, decay=64, fused=fused
+        )
     rng = random.Random(experts + k)
     hot = rng.sample(range(experts), max(k, experts // 8))
     for step in range(300):
@@ -166,7 +178,9 @@ def test_fused_step_costs_less_than_two_launches():
     one_miss = hit_only.clone()
     one_miss[:, :, -1] = (k + torch.arange(steps, device="cuda") % (experts - k)).to(torch.int32)[:, None]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = {f"fused {n}/SM": dict(fused=True, step_programs=n * sms) for n in (1, 2, 4)} | {"two launches": dict(fused=False)}
+    variants = {f"fused {n}/SM": dict(fused=True, step_programs=n * sms) for n in (1, 2, 4)} | {
+        "two launches": dict(fused=False)
+    }
     results = {}
     for name, options in variants.items():
         pagers = [ExpertPager(layout, experts, slots, ram, device="cuda", layer=i, **options) for i in range(layers)]
@@ -176,8 +190,10 @@ def test_fused_step_costs_less_than_two_launches():
         del pagers
         torch.cuda.empty_cache()
     floor = layout.record_bytes / 55.2e9 * 1e6
-    print(f"per layer per step, no miss / one {layout.record_bytes / 2**20:.2f} MiB miss (its bytes at 55.2 GB/s: {floor:.1f} us): "
-          + "; ".join(f"{name} {a:.1f} / {b:.1f} us" for name, (a, b) in results.items()))
+    print(
+        f"per layer per step, no miss / one {layout.record_bytes / 2**20:.2f} MiB miss (its bytes at 55.2 GB/s: {floor:.1f} us): "
+        + "; ".join(f"{name} {a:.1f} / {b:.1f} us" for name, (a, b) in results.items())
+    )
     default = f"fused {step_kernel.PROGRAMS_PER_SM}/SM"
     assert results[default][0] < results["two launches"][0]
     assert results[default][1] < results["two launches"][1]
@@ -197,8 +213,18 @@ def test_fused_copy_bandwidth_by_grid():
         first = (step_no[0] * k) % experts  # k new experts every step: all miss
         step_no[0] += 1
         ids = torch.arange(first, first + k, device="cuda")
-        step_kernel.launch_step(table.kernel_state(), ids, experts, k, k, ram.records, layout, buffers,
-                                programs=programs, block_bytes=block_bytes)
+        step_kernel.launch_step(
+            table.kernel_state(),
+            ids,
+            experts,
+            k,
+            k,
+            ram.records,
+            layout,
+            buffers,
+            programs=programs,
+            block_bytes=block_bytes,
+        )
 
     def gbps(fn, reps: int = 12) -> float:
         fn()
@@ -217,7 +243,9 @@ def test_fused_copy_bandwidth_by_grid():
             rates[(per_sm, block_bytes)] = gbps(lambda: fused_step(per_sm * sms, block_bytes))
     src = torch.arange(k, device="cuda")
     plain = gbps(lambda: copy_records(ram.records, src, src, layout, buffers))
-    print("fused step, 8 x %.2f MiB per step: " % (layout.record_bytes / 2**20)
-          + ", ".join(f"{p}/SM {b // 1024} KiB {r:.1f} GB/s" for (p, b), r in rates.items())
-          + f"; copy_records {plain:.1f} GB/s")
+    print(
+        "fused step, 8 x %.2f MiB per step: " % (layout.record_bytes / 2**20)
+        + ", ".join(f"{p}/SM {b // 1024} KiB {r:.1f} GB/s" for (p, b), r in rates.items())
+        + f"; copy_records {plain:.1f} GB/s"
+    )
     assert max(rates.values()) > 10, "the fused step's copy is far below PCIe speed"

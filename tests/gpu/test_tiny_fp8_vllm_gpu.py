@@ -28,11 +28,20 @@ def test_vllm_loads_the_fp8_checkpoint_and_generates_varied_tokens(tiny_checkpoi
     from vllm import LLM, SamplingParams
 
     model = tiny_checkpoint(dtype="fp8", seed=0, with_tokenizer=False)
-    llm = LLM(model=str(model), max_model_len=512, max_num_seqs=2, enforce_eager=True,
-              gpu_memory_utilization=0.1, seed=0, skip_tokenizer_init=True)
+    llm = LLM(
+        model=str(model),
+        max_model_len=512,
+        max_num_seqs=2,
+        enforce_eager=True,
+        gpu_memory_utilization=0.1,
+        seed=0,
+        skip_tokenizer_init=True,
+    )
     try:
         assert llm.llm_engine.model_config.quantization == "fp8"
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, detokenize=False), use_tqdm=False)
+        outputs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, detokenize=False), use_tqdm=False
+        )
     finally:
         del llm
         gc.collect()

@@ -19,9 +19,16 @@ FAKE = str(Path(__file__).with_name("launch_fake_server.py"))
 def main() -> int:
     port, flags = int(sys.argv[1]), sys.argv[2:]
     opts = pipeline.RunOptions(model="fake", port=port, start_timeout=120)
-    info = records.RunInfo(name="fake", pid=0, host="127.0.0.1", port=port,
-                           log=str(records.log_name("fake", port, time.strftime("%Y%m%d-%H%M%S"))),
-                           model_path="/nowhere", served_name="fake", started=time.time())
+    info = records.RunInfo(
+        name="fake",
+        pid=0,
+        host="127.0.0.1",
+        port=port,
+        log=str(records.log_name("fake", port, time.strftime("%Y%m%d-%H%M%S"))),
+        model_path="/nowhere",
+        served_name="fake",
+        started=time.time(),
+    )
     start = lambda: launch.start([sys.executable, FAKE, str(port), *flags], {}, info)  # noqa: E731
     try:
         return headless.launch_and_serve(start, opts, headless.Printer(as_json=True))

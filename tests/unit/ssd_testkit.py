@@ -23,7 +23,6 @@ if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
 import synth_experts  # noqa: E402  (scripts/ is not a package)
-
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
 from bigmoe_pager.core.layout import ExpertLayout  # noqa: E402
 from bigmoe_pager.core.odirect import SystemFileIO  # noqa: E402
@@ -56,8 +55,13 @@ class Checkpoint:
         return rec[: self.layout.record_bytes]
 
     def meta(self, **change: object) -> PagingFileMeta:
-        base = dict(model_id="test/tiny", revision="abc123", layout_signature=self.layout.signature(),
-                    num_layers=self.num_layers, num_experts=self.num_experts)
+        base = dict(
+            model_id="test/tiny",
+            revision="abc123",
+            layout_signature=self.layout.signature(),
+            num_layers=self.num_layers,
+            num_experts=self.num_experts,
+        )
         return PagingFileMeta(**{**base, **change})
 
     def store(self, **kw: object) -> CheckpointStore:
@@ -69,11 +73,20 @@ class Checkpoint:
         return PagingFileStore(path, self.layout, self.meta(), **kw)
 
 
-def make_checkpoint(root: Path, kind: str = "fp8", num_layers: int = 2, num_experts: int = 6,
-                    first_layer: int = 1, shards: int = 2) -> Checkpoint:
+def make_checkpoint(
+    root: Path, kind: str = "fp8", num_layers: int = 2, num_experts: int = 6, first_layer: int = 1, shards: int = 2
+) -> Checkpoint:
     shape = SHAPES[kind]
-    synth_experts.write_checkpoint(root, shape["hidden"], shape["intermediate"], num_layers, num_experts,
-                                   fp8=shape["fp8"], shards=shards, first_layer=first_layer)
+    synth_experts.write_checkpoint(
+        root,
+        shape["hidden"],
+        shape["intermediate"],
+        num_layers,
+        num_experts,
+        fp8=shape["fp8"],
+        shards=shards,
+        first_layer=first_layer,
+    )
     layout = synth_experts.make_layout(shape["hidden"], shape["intermediate"], shape["fp8"])
     return Checkpoint(root, layout, num_layers, num_experts, first_layer)
 
@@ -138,7 +151,9 @@ class FakeFullDiskFile:
 def mount_small_tmpfs(where: Path, size: str = "1m") -> str:
     """Mount a tmpfs of `size` at where (needs root); returns "" or why it could not."""
     where.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     return "" if r.returncode == 0 else (r.stderr.strip() or f"mount exited {r.returncode}")
 
 

@@ -11,18 +11,44 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_pager  # noqa: E402  (scripts/ is not a package)
 
-RUN_KEYS = {"model", "config", "vram_frac", "ram_frac", "ms_per_token", "hit_rate", "pcie_gb_per_token", "floor_ms_per_token"}
+RUN_KEYS = {
+    "model",
+    "config",
+    "vram_frac",
+    "ram_frac",
+    "ms_per_token",
+    "hit_rate",
+    "pcie_gb_per_token",
+    "floor_ms_per_token",
+}
 
 
 def test_smoke_run_writes_every_configuration(tmp_path):
     out, md = tmp_path / "pager.json", tmp_path / "pager.md"
-    rc = bench_pager.main(["--device", "cpu", "--smoke", "--tokens", "2", "--warmup", "2",
-                           "--configs", "static,bigmoe,bigmoe-lfu", "--out", str(out), "--markdown", str(md)])
+    rc = bench_pager.main(
+        [
+            "--device",
+            "cpu",
+            "--smoke",
+            "--tokens",
+            "2",
+            "--warmup",
+            "2",
+            "--configs",
+            "static,bigmoe,bigmoe-lfu",
+            "--out",
+            str(out),
+            "--markdown",
+            str(md),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["complete"] is True and not list(tmp_path.glob("*.tmp"))
     configs = sorted({(r["config"], r["vram_budget"]) for r in report["runs"]})
-    assert configs == sorted([("resident", 1.0)] + [(c, f) for c in ("static", "bigmoe", "bigmoe-lfu") for f in (0.125, 0.4)])
+    assert configs == sorted(
+        [("resident", 1.0)] + [(c, f) for c in ("static", "bigmoe", "bigmoe-lfu") for f in (0.125, 0.4)]
+    )
     for run in report["runs"]:
         assert RUN_KEYS <= set(run)
         assert run["ms_per_token"] > 0
@@ -59,15 +85,35 @@ def test_fused_and_two_launch_bigmoe_see_the_same_tiers():
     for a, b in zip(fused.pagers, plain.pagers):
         assert torch.equal(a.vram.slot_expert, b.vram.slot_expert)
         full = a.vram.slot_expert >= 0
-        assert all(torch.equal(a.buffers[n][full].view(torch.uint8), b.buffers[n][full].view(torch.uint8)) for n in a.buffers)
+        assert all(
+            torch.equal(a.buffers[n][full].view(torch.uint8), b.buffers[n][full].view(torch.uint8)) for n in a.buffers
+        )
 
 
 def test_prefetch_runs_report_accuracy_that_grows_with_recall(tmp_path):
     """bigmoe-prefetch on the topic-shift family: recall 1 prefetches most needs, recall 0 none; tokens as without."""
     out = tmp_path / "pager.json"
-    rc = bench_pager.main(["--device", "cpu", "--smoke", "--tokens", "8", "--warmup", "2", "--family", "topic-shift",
-                           "--configs", "bigmoe-lfu-fast,bigmoe-prefetch", "--recalls", "0,1", "--precision", "1",
-                           "--out", str(out)])
+    rc = bench_pager.main(
+        [
+            "--device",
+            "cpu",
+            "--smoke",
+            "--tokens",
+            "8",
+            "--warmup",
+            "2",
+            "--family",
+            "topic-shift",
+            "--configs",
+            "bigmoe-lfu-fast,bigmoe-prefetch",
+            "--recalls",
+            "0,1",
+            "--precision",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     runs = {(r["config"], r["vram_budget"]): r for r in json.loads(out.read_text())["runs"]}
     for frac in (0.125, 0.4):
@@ -78,7 +124,10 @@ def test_prefetch_runs_report_accuracy_that_grows_with_recall(tmp_path):
         assert full["prefetch_wasted_gb_per_token"] <= full["pcie_gb_per_token"]
     # At 12.5% the smoke shape's slots barely exceed one token's experts: the latest step's stay, little is free.
     full = runs[("bigmoe-lfu-fast-prefetch-r1", 0.4)]
-    assert full["prediction_accuracy"] > 0.6 and full["hit_rate"]["vram"] > runs[("bigmoe-lfu-fast", 0.4)]["hit_rate"]["vram"]
+    assert (
+        full["prediction_accuracy"] > 0.6
+        and full["hit_rate"]["vram"] > runs[("bigmoe-lfu-fast", 0.4)]["hit_rate"]["vram"]
+    )
 
 
 def test_unknown_family_is_refused_with_one_line(capsys):

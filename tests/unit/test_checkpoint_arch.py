@@ -9,16 +9,18 @@ import re
 import shutil
 
 import pytest
-
 from bigmoe import pipeline, presets
 from bigmoe.checkpoint_arch import (
-    CheckpointConfigError, facts_for, find_checkpoint, fp8_expert_bytes, read_facts,
+    CheckpointConfigError,
+    facts_for,
+    find_checkpoint,
+    fp8_expert_bytes,
+    read_facts,
 )
 from bigmoe.hardware import Hardware
 from bigmoe.hubcache import RemoteFile, RepoCache, write_ready, write_ref
 from bigmoe.plan import Overrides, plan
 from bigmoe.tinymoe.shape import TinyShape
-
 from test_links import machine
 
 ARCH_KEYS = ("moe_layers", "experts", "top_k", "expert_bytes", "dense_bytes", "ngram_table")
@@ -26,8 +28,11 @@ ARCH_KEYS = ("moe_layers", "experts", "top_k", "expert_bytes", "dense_bytes", "n
 
 @pytest.fixture(params=["bf16", "fp8"])
 def model(request, tiny_checkpoint):
-    return tiny_checkpoint(TinyShape(), request.param, seed=0, with_tokenizer=False, scale_dtype="float32") \
-        if request.param == "fp8" else tiny_checkpoint(TinyShape(), "bf16", seed=0, with_tokenizer=False)
+    return (
+        tiny_checkpoint(TinyShape(), request.param, seed=0, with_tokenizer=False, scale_dtype="float32")
+        if request.param == "fp8"
+        else tiny_checkpoint(TinyShape(), "bf16", seed=0, with_tokenizer=False)
+    )
 
 
 def edited(model, tmp_path, **changes):
@@ -47,8 +52,10 @@ def test_the_tiny_checkpoint_gives_the_presets_numbers(model):
     if "fp8" in json.dumps(json.loads((model / "config.json").read_text()).get("quantization_config")):
         # the preset counts bf16 dense weights; the FP8 checkpoint stores its attention in FP8, so the headers say less
         assert facts.arch.dense_bytes < preset.arch.dense_bytes
-        assert facts.mismatches == (f"dense_bytes is {facts.arch.dense_bytes} from the safetensors headers, "
-                                    f"but preset tiny-moe says {preset.arch.dense_bytes}",)
+        assert facts.mismatches == (
+            f"dense_bytes is {facts.arch.dense_bytes} from the safetensors headers, "
+            f"but preset tiny-moe says {preset.arch.dense_bytes}",
+        )
     else:
         assert facts.arch.dense_bytes == preset.arch.dense_bytes and facts.mismatches == ()
     assert facts.origins["experts"] == "from config.json (num_experts)"
@@ -77,29 +84,41 @@ def test_more_experts_in_the_config_shows_in_the_plan(model, tmp_path):
         presets.check_config(preset, tmp_path / "ckpt")  # the launch-time refusal stays
 
 
-@pytest.mark.parametrize("changes, layers, said", [
-    ({"mlp_only_layers": [0]}, 3, "mlp_only_layers [0]"),
-    ({"decoder_sparse_step": 2}, 2, "decoder_sparse_step 2"),
-])
+@pytest.mark.parametrize(
+    "changes, layers, said",
+    [
+        ({"mlp_only_layers": [0]}, 3, "mlp_only_layers [0]"),
+        ({"decoder_sparse_step": 2}, 2, "decoder_sparse_step 2"),
+    ],
+)
 def test_moe_layers_follow_the_sparse_keys(model, tmp_path, changes, layers, said):
     facts = read_facts(presets.load("tiny-moe"), edited(model, tmp_path, **changes))
     assert facts.arch.moe_layers == layers and said in facts.origins["moe_layers"]
 
 
 def test_ngram_table_bytes_come_from_the_ple_keys(model, tmp_path):
-    ckpt = edited(model, tmp_path, ple_layer_ids=[2], hidden_size=2560, split_ngram_parts=128,
-                  quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    ckpt = edited(
+        model,
+        tmp_path,
+        ple_layer_ids=[2],
+        hidden_size=2560,
+        split_ngram_parts=128,
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+    )
     facts = read_facts(presets.load("tiny-moe"), ckpt)
     assert facts.arch.ngram_table_bytes == 51_200_245_760
     assert "320,001,536 rows x 160 B" in facts.origins["ngram_table_bytes"]
 
 
-@pytest.mark.parametrize("breakage, message", [
-    ("config", "is not valid JSON"),
-    ("experts", "num_experts is 'many', not a non-negative integer"),
-    ("block", "weight_block_size is [128], not [rows, cols]"),
-    ("header", "header is truncated"),
-])
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("config", "is not valid JSON"),
+        ("experts", "num_experts is 'many', not a non-negative integer"),
+        ("block", "weight_block_size is [128], not [rows, cols]"),
+        ("header", "header is truncated"),
+    ],
+)
 def test_a_broken_checkpoint_is_one_clear_error(model, tmp_path, breakage, message):
     ckpt = edited(model, tmp_path)
     if breakage == "config":
@@ -117,8 +136,12 @@ def test_a_broken_checkpoint_is_one_clear_error(model, tmp_path, breakage, messa
 
 
 def test_before_download_the_preset_numbers_are_named_as_such():
-    p = plan(machine("h200"), presets.load("qwen3.8-flash-next"), Overrides(model_dir="/srv/models", paging_dir="/srv/paging"),
-             facts_for(presets.load("qwen3.8-flash-next"), None, "the model is not downloaded yet"))
+    p = plan(
+        machine("h200"),
+        presets.load("qwen3.8-flash-next"),
+        Overrides(model_dir="/srv/models", paging_dir="/srv/paging"),
+        facts_for(presets.load("qwen3.8-flash-next"), None, "the model is not downloaded yet"),
+    )
     for key in ARCH_KEYS:
         assert p.reasons[key] == "from preset qwen3.8-flash-next (the model is not downloaded yet)"
     assert p.config_path is None and p.ngram_table_bytes == 51_200_245_760
@@ -151,10 +174,29 @@ def test_the_pipeline_plans_with_a_given_checkpoint(model, tmp_path, monkeypatch
 
 # ---- Qwen4Exp (Qwen3.8-Flash-Next architecture) checkpoint directories ------------------------------------
 
-QWEN4EXP = dict(layers=5, experts=12, top_k=4, hidden=128, moe_intermediate=128, shared_intermediate=128, vocab=1024,
-                heads=2, kv_heads=1, head_dim=128, linear_key_heads=1, linear_value_heads=2, linear_head_dim=128,
-                hc_count=2, hc_lowrank=16, indexer_heads=1, indexer_head_dim=64, indexer_budget=64,
-                ngram_vocab_base=1024, ngram_parts=3, max_position=4096)
+QWEN4EXP = dict(
+    layers=5,
+    experts=12,
+    top_k=4,
+    hidden=128,
+    moe_intermediate=128,
+    shared_intermediate=128,
+    vocab=1024,
+    heads=2,
+    kv_heads=1,
+    head_dim=128,
+    linear_key_heads=1,
+    linear_value_heads=2,
+    linear_head_dim=128,
+    hc_count=2,
+    hc_lowrank=16,
+    indexer_heads=1,
+    indexer_head_dim=64,
+    indexer_budget=64,
+    ngram_vocab_base=1024,
+    ngram_parts=3,
+    max_position=4096,
+)
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
@@ -162,8 +204,9 @@ def qwen4exp(request, tmp_path_factory):
     from bigmoe.tinymoe.qwen4exp import make_qwen4exp
     from bigmoe.tinymoe.qwen4exp_shape import Qwen4ExpShape
 
-    return make_qwen4exp(tmp_path_factory.mktemp("q4") / "ckpt", Qwen4ExpShape(**QWEN4EXP), request.param,
-                         seed=0, with_tokenizer=False)
+    return make_qwen4exp(
+        tmp_path_factory.mktemp("q4") / "ckpt", Qwen4ExpShape(**QWEN4EXP), request.param, seed=0, with_tokenizer=False
+    )
 
 
 def test_a_qwen4exp_checkpoint_gives_its_own_numbers(qwen4exp):
@@ -194,22 +237,26 @@ def test_a_checkpoint_directory_as_model_picks_the_preset_by_architecture(qwen4e
 
 
 def test_bigmoe_plan_takes_a_checkpoint_directory(qwen4exp):
+    from bigmoe.cli_plan import plan as plan_command
     from click.testing import CliRunner
 
-    from bigmoe.cli_plan import plan as plan_command
-
-    result = CliRunner().invoke(plan_command, [str(qwen4exp), "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme",
-                                               "--disk-gib", "500", "--json"])
+    result = CliRunner().invoke(
+        plan_command,
+        [str(qwen4exp), "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "500", "--json"],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["config_path"] == str(qwen4exp / "config.json")
     assert report["reasons"]["experts"] == "from config.json (num_experts)"
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"architectures": ["LlamaForCausalLM"]}, "is a LlamaForCausalLM; bigmoe serves"),
-    ({"model_type": "qwen4_exp"}, "names no architectures"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "is a LlamaForCausalLM; bigmoe serves"),
+        ({"model_type": "qwen4_exp"}, "names no architectures"),
+    ],
+)
 def test_a_directory_of_an_unknown_model_is_one_clear_error(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(presets.PresetError, match=message):

@@ -4,7 +4,6 @@ nonsense numbers for --vram-gib/--context, and the machine shown as words, not P
 from __future__ import annotations
 
 import pytest
-
 from bigmoe import presets
 from bigmoe.cli import main
 from bigmoe.plan_inputs import MIN_CONTEXT, Overrides, PlanError, check_overrides
@@ -25,8 +24,14 @@ def test_plain_bigmoe_prints_the_help_and_succeeds(capsys):
     assert code == 0 and out.startswith("Usage: bigmoe") and "run" in out and err == ""
 
 
-@pytest.mark.parametrize("args, hint", [(("bogus",), "'bigmoe --help'"), (("run",), "'bigmoe run --help'"),
-                                        (("plan", "tiny-moe", "--bogus"), "'bigmoe plan --help'")])
+@pytest.mark.parametrize(
+    "args, hint",
+    [
+        (("bogus",), "'bigmoe --help'"),
+        (("run",), "'bigmoe run --help'"),
+        (("plan", "tiny-moe", "--bogus"), "'bigmoe plan --help'"),
+    ],
+)
 def test_usage_errors_point_to_a_help_that_exists(capsys, args, hint):
     code, _, err = bigmoe(capsys, *args)
     assert code == 2 and err.count("\n") == 1 and hint in err and "bigmoe cli" not in err
@@ -73,6 +78,7 @@ def test_the_tui_shows_wsl2_as_yes_or_no(wsl2, shown):
     import dataclasses
 
     from bigmoe.tui.plan_view import machine_lines
+
     from tests.unit.test_plan import machine
 
     hw = dataclasses.replace(machine("cpu-laptop"), wsl2=wsl2)

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, re, subprocess, sys, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -43,14 +43,19 @@ with tempfile.TemporaryDirectory() as d:
 print(json.dumps({"rc": r.returncode, "log": r.stderr[-2000:],
                   "regs": [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)],
                   "spill": [int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr)]}))
-'''
+"""
 
 
 @pytest.mark.parametrize("block,warps,prefetch", [(8, 4, 1), (8, 4, 0), (4, 2, 1)])  # the default shape, both loops
 def test_decode_kernel_compiles_for_sm90_without_spills_at_full_occupancy(block, warps, prefetch):
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT / "pager")}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(block), str(warps), str(prefetch)], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(block), str(warps), str(prefetch)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["rc"] == 0, got["log"]

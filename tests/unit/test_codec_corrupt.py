@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_record
 from bigmoe_pager.codec.reference import decode_record, verify_record
@@ -57,11 +56,14 @@ def test_a_record_of_another_layout_is_refused(record):
         decode_record(record, S.moe_layout(128, 128))
 
 
-@pytest.mark.parametrize("offset,value,message", [
-    (0, b"XXXX", "not a"),
-    (4, struct.pack("<H", F.CODEC_VERSION + 1), "version"),
-    (24, struct.pack("<H", 4096), "geometry"),
-])
+@pytest.mark.parametrize(
+    "offset,value,message",
+    [
+        (0, b"XXXX", "not a"),
+        (4, struct.pack("<H", F.CODEC_VERSION + 1), "version"),
+        (24, struct.pack("<H", 4096), "geometry"),
+    ],
+)
 def test_header_fields_are_checked(record, offset, value, message):
     data = bytearray(record)
     data[offset : offset + len(value)] = value
@@ -105,14 +107,17 @@ def _wrong_kind(data: bytearray, value: int) -> None:
     data[F.directory_offset(2)] = F.KIND_FP8
 
 
-@pytest.mark.parametrize("tamper,message", [
-    (_set_table, "table"),
-    (_shift_lane, "malformed stream"),
-    (_move_chunk, "partition"),
-    (_flag_verbatim, "identity|verbatim"),
-    (_section_outside, "outside"),
-    (_wrong_kind, "kind"),
-])
+@pytest.mark.parametrize(
+    "tamper,message",
+    [
+        (_set_table, "table"),
+        (_shift_lane, "malformed stream"),
+        (_move_chunk, "partition"),
+        (_flag_verbatim, "identity|verbatim"),
+        (_section_outside, "outside"),
+        (_wrong_kind, "kind"),
+    ],
+)
 def test_structural_damage_with_a_valid_checksum_is_detected(record, tamper, message):
     data = bytearray(record)
     tamper(data, 200)

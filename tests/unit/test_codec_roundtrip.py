@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_component, encode_many, encode_record
 from bigmoe_pager.codec.huffman import build_table, verbatim_table
@@ -22,12 +21,14 @@ import codec_samples as S  # noqa: E402
 LAYOUTS = {
     "moe_small": S.moe_layout(256, 128),
     # Odd lengths: partial chunks, an odd byte count, components smaller than a chunk.
-    "odd": ExpertLayout.build([
-        ("a", (3, 1001), torch.float8_e4m3fn),
-        ("a_scale", (7,), torch.float32),
-        ("b", (5, 7), torch.float8_e4m3fn),
-        ("c", (1,), torch.float8_e4m3fn),
-    ]),
+    "odd": ExpertLayout.build(
+        [
+            ("a", (3, 1001), torch.float8_e4m3fn),
+            ("a_scale", (7,), torch.float32),
+            ("b", (5, 7), torch.float8_e4m3fn),
+            ("c", (1,), torch.float8_e4m3fn),
+        ]
+    ),
 }
 
 
@@ -54,7 +55,9 @@ def test_random_mixed_chunks_round_trip(seed):
     assert np.array_equal(decode_record(encode_record(data, layout), layout), data)
 
 
-@pytest.mark.parametrize("pattern,most", [("constant", 0.52), ("skewed", 0.66), ("student_t", 0.87), ("random", 1.02), ("uniform_exp", 1.02)])
+@pytest.mark.parametrize(
+    "pattern,most", [("constant", 0.52), ("skewed", 0.66), ("student_t", 0.87), ("random", 1.02), ("uniform_exp", 1.02)]
+)
 def test_sizes_follow_the_exponent_entropy(pattern, most):
     layout = ExpertLayout.build([("w", (4 * F.CHUNK_SYMBOLS,), torch.float8_e4m3fn)])
     raw = S.pattern_record(layout, pattern, np.random.default_rng(3))
@@ -121,12 +124,15 @@ def test_pitch_covers_the_largest_record():
         F.record_pitch([])
 
 
-@pytest.mark.parametrize("counts", [
-    [5, 0, 0, 1, 100, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2],
-    [1] * 16,
-    [2 ** i for i in range(16)],  # would want 15-bit codes unlimited
-    [0] * 7 + [9] + [0] * 8,
-])
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [5, 0, 0, 1, 100, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2],
+        [1] * 16,
+        [2**i for i in range(16)],  # would want 15-bit codes unlimited
+        [0] * 7 + [9] + [0] * 8,
+    ],
+)
 def test_huffman_tables_are_complete_prefix_codes_of_at_most_8_bits(counts):
     t = build_table(np.array(counts))
     present = np.array(counts) > 0

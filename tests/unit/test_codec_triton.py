@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_record
 from bigmoe_pager.codec.triton_decode import DecodeError, decode_into_slots, new_errors
@@ -25,12 +24,14 @@ from bigmoe_pager.core.layout import ExpertLayout
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import codec_samples as S  # noqa: E402
 
-LAYOUT = ExpertLayout.build([
-    ("a", (5, 8191), torch.float8_e4m3fn),  # 5 chunks, the last one partial; odd length
-    ("a_scale", (3, 5), torch.float32),
-    ("b", (4, 2048), torch.float8_e4m3fn),  # one whole chunk
-    ("c", (3000,), torch.float8_e4m3fn),  # random bytes: stored raw, copied by the FP8 kernel
-])
+LAYOUT = ExpertLayout.build(
+    [
+        ("a", (5, 8191), torch.float8_e4m3fn),  # 5 chunks, the last one partial; odd length
+        ("a_scale", (3, 5), torch.float32),
+        ("b", (4, 2048), torch.float8_e4m3fn),  # one whole chunk
+        ("c", (3000,), torch.float8_e4m3fn),  # random bytes: stored raw, copied by the FP8 kernel
+    ]
+)
 MOSAIC = ("random", "constant", "student_t", "nan", "skewed")
 FILL = 0xA5  # slot bytes before decoding
 
@@ -141,12 +142,15 @@ def test_malformed_sections_and_lanes_are_reported(decoded):
     assert errors[3] >= 2
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda a: a.update(work=a["work"].to(torch.int32)), "work must be"),
-    (lambda a: a.update(errors=torch.zeros(9, dtype=torch.int32)), "errors must be"),
-    (lambda a: a["slots"].pop("a_scale"), "a_scale"),
-    (lambda a: a["slots"].update(b=torch.zeros(2, 4, 2048, dtype=torch.uint8)), "slot buffer b"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: a.update(work=a["work"].to(torch.int32)), "work must be"),
+        (lambda a: a.update(errors=torch.zeros(9, dtype=torch.int32)), "errors must be"),
+        (lambda a: a["slots"].pop("a_scale"), "a_scale"),
+        (lambda a: a["slots"].update(b=torch.zeros(2, 4, 2048, dtype=torch.uint8)), "slot buffer b"),
+    ],
+)
 def test_mismatched_tensors_are_refused(change, message):
     args = {
         "work": torch.zeros(2, 2, dtype=torch.int64),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bigmoe_pager.core.copy_kernel import CopyError, copy_plan, copy_records, copy_records_torch, copy_records_triton
 from bigmoe_pager.core.layout import ExpertLayout
 

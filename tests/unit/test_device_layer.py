@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.pager import PagerError
@@ -19,8 +18,9 @@ from test_pager import FakeSsdService, make_layout, make_records
 def loaded_layer(layout, records, vram, ram, warm=None, skip=None, policy="lru"):
     """A layer whose RAM records were written the way vLLM's weight loader writes them: component views."""
     experts = records.shape[0]
-    layer = DeviceLayerPager(layout, TierSizes(experts, vram, ram), "cpu", layer=1, stats=PagerStats(2), warm_order=warm,
-                             policy=policy)
+    layer = DeviceLayerPager(
+        layout, TierSizes(experts, vram, ram), "cpu", layer=1, stats=PagerStats(2), warm_order=warm, policy=policy
+    )
     views = layer.ram_views()
     for e in range(experts):
         row = layer.ram_slot_for_load(e)
@@ -50,7 +50,7 @@ def test_decode_and_chunked_prefill_put_each_pairs_expert_in_its_slot(fp8, polic
     records = make_records(layout, experts, seed=experts + vram)
     layer = loaded_layer(layout, records, vram, ram, warm=[5, 2], policy=policy)
     ssd = None if ram == experts else FakeSsdService(records, layer.ram)
-    layer.start(layout.slot_buffers(vram, 'cpu'), ssd)
+    layer.start(layout.slot_buffers(vram, "cpu"), ssd)
     rng = random.Random(vram * 7 + k)
     steps = [1, 1, 2, 9, 1, 30, 1]
     for tokens in steps:
@@ -76,7 +76,7 @@ def test_start_warms_vram_with_the_hottest_experts_and_a_warm_step_hits():
     layer = loaded_layer(layout, records, vram=2, ram=4, warm=[6, 3, 1])
     assert {layer.ram_slot_for_load(e) for e in (6, 3, 1)} <= {0, 1, 2, 3} and layer.ram_slot_for_load(0) is not None
     assert layer.ram_slot_for_load(7) is None  # fifth in heat order: stays on SSD
-    layer.start(layout.slot_buffers(2, 'cpu'), FakeSsdService(records, layer.ram))
+    layer.start(layout.slot_buffers(2, "cpu"), FakeSsdService(records, layer.ram))
     layer.step(torch.tensor([[6, 3]], dtype=torch.int64))
     counts = layer.counters()
     assert (counts["vram"].lookups, counts["vram"].hits, counts["ssd"].lookups) == (2, 2, 0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from bigmoe_pager.core.expert_names import ExpertNameError, discover, is_mtp_layer, vllm_decoder_layer
 
 SUFFIXES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
@@ -51,12 +50,15 @@ def test_two_main_schemes_are_refused():
         discover(_names(SCHEMES["qwen3-moe"], [0], 2) + _names(SCHEMES["qwen4exp"], [1], 2))
 
 
-@pytest.mark.parametrize("layer_name, layer, mtp", [
-    ("model.layers.5.mlp.experts", 5, False),
-    ("language_model.model.layers.47.mlp.experts", 47, False),
-    ("mtp.layers.48.mlp.experts", 48, True),
-    ("model.layers.12.mlp.experts.routed_experts", 12, False),
-])
+@pytest.mark.parametrize(
+    "layer_name, layer, mtp",
+    [
+        ("model.layers.5.mlp.experts", 5, False),
+        ("language_model.model.layers.47.mlp.experts", 47, False),
+        ("mtp.layers.48.mlp.experts", 48, True),
+        ("model.layers.12.mlp.experts.routed_experts", 12, False),
+    ],
+)
 def test_vllm_layer_names(layer_name, layer, mtp):
     assert vllm_decoder_layer(layer_name) == layer
     assert is_mtp_layer(layer_name) == mtp

@@ -8,11 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from bigmoe_pager.core.expert_store import CheckpointStore, ExpertStore
 from bigmoe_pager.core.odirect import ReadError, aligned_empty
 from bigmoe_pager.core.safetensors_index import CheckpointError
+from safetensors.torch import save_file
 from ssd_testkit import SHAPES, FakeFaultyIO, make_checkpoint, synth_experts
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,14 +79,19 @@ def test_missing_tensors_are_listed(tmp_path):
             if not (e == 2 and suffix.startswith("up_proj")):
                 tensors[f"model.layers.1.mlp.experts.{e}.{suffix}"] = t
     save_file(tensors, str(other / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"1 expert tensors missing, e\.g\. model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"1 expert tensors missing, e\.g\. model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight"
+    ):
         CheckpointStore(other, ck.layout)
 
 
 def test_layout_mismatch_names_tensor_and_shapes(tmp_path):
     ck = make_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=2, shards=1)
     wrong = synth_experts.make_layout(SHAPES["fp8"]["hidden"] * 2, SHAPES["fp8"]["intermediate"], True)
-    with pytest.raises(CheckpointError, match=r"gate_proj\.weight is float8_e4m3fn\[128, 256\] but the expert layout wants float8_e4m3fn\[128, 512\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"gate_proj\.weight is float8_e4m3fn\[128, 256\] but the expert layout wants float8_e4m3fn\[128, 512\]",
+    ):
         CheckpointStore(ck.root, wrong)
 
 
@@ -107,12 +111,15 @@ def test_truncated_shard_is_refused_at_open(tmp_path):
         ck.store()
 
 
-@pytest.mark.parametrize("content,words", [
-    (b"\x01\x02", "too short"),
-    (struct.pack("<Q", 1 << 40) + b"{}", "does not fit"),
-    (struct.pack("<Q", 5) + b"{notj", "not valid JSON"),
-    (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (b"\x01\x02", "too short"),
+        (struct.pack("<Q", 1 << 40) + b"{}", "does not fit"),
+        (struct.pack("<Q", 5) + b"{notj", "not valid JSON"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+    ],
+)
 def test_not_safetensors_is_refused(tmp_path, content, words):
     (tmp_path / "x.safetensors").write_bytes(content)
     with pytest.raises(CheckpointError, match=words):
@@ -120,7 +127,9 @@ def test_not_safetensors_is_refused(tmp_path, content, words):
 
 
 def test_header_with_inconsistent_byte_range_is_refused(tmp_path):
-    header = json.dumps({"model.layers.0.mlp.experts.0.gate_proj.weight": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 10]}}).encode()
+    header = json.dumps(
+        {"model.layers.0.mlp.experts.0.gate_proj.weight": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 10]}}
+    ).encode()
     (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(32))
     with pytest.raises(CheckpointError, match="spans 10 bytes but BF16\\[4, 4\\] needs 32"):
         CheckpointStore(tmp_path, synth_experts.make_layout(128, 64, False))
@@ -157,8 +166,11 @@ def test_qwen4exp_and_mtp_names_read_back_exactly(tmp_path, main):
     root = tmp_path / "ckpt"
     synth_experts.write_checkpoint(root, shape["hidden"], shape["intermediate"], 2, 3, shards=1, prefix=main)
     gen = torch.Generator().manual_seed(7)
-    mtp = {MTP.format(layer=0, expert=e) + suffix: t for e in range(3)
-           for suffix, t in synth_experts.expert_tensors(shape["hidden"], shape["intermediate"], True, gen).items()}
+    mtp = {
+        MTP.format(layer=0, expert=e) + suffix: t
+        for e in range(3)
+        for suffix, t in synth_experts.expert_tensors(shape["hidden"], shape["intermediate"], True, gen).items()
+    }
     save_file(mtp, str(root / "mtp.safetensors"))
     (root / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 2}}))
     layout = synth_experts.make_layout(shape["hidden"], shape["intermediate"], True)

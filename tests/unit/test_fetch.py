@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
 from bigmoe import fetch, hubcache
 from bigmoe.cli_pull import pull
+from click.testing import CliRunner
+
 from tests.hubserver import HubServer
 
 REPO = "Qwen/Qwen3.8-Flash-Next-FP8"  # the preset's hub id, so preset names resolve to the local hub
@@ -232,10 +232,13 @@ def test_wrong_token_is_one_clear_line(start_hub, tmp_path, monkeypatch):
     assert not (tmp_path / "c").exists()
 
 
-@pytest.mark.parametrize("model, revision, words", [
-    ("acme/no-such-model", None, "was not found"),
-    (REPO, "v9", "has no revision 'v9'"),
-])
+@pytest.mark.parametrize(
+    "model, revision, words",
+    [
+        ("acme/no-such-model", None, "was not found"),
+        (REPO, "v9", "has no revision 'v9'"),
+    ],
+)
 def test_unknown_repo_or_revision(hub, cache, model, revision, words):
     with pytest.raises(fetch.ModelNotFound, match=words):
         fetch.dry_run(model, revision, cache_dir=cache)
@@ -314,12 +317,15 @@ def test_pull_dry_run_downloads_nothing(hub, cache):
     assert not cache.exists()
 
 
-@pytest.mark.parametrize("args, code, words", [
-    (("acme/no-such-model",), fetch.EXIT_NOT_FOUND, "was not found"),
-    ((REPO, "--revision", "v9"), fetch.EXIT_NOT_FOUND, "no revision"),
-    (("no-such-preset",), 2, "unknown model"),
-    ((REPO, "--small-disk"), fetch.EXIT_NO_SPACE, "short"),
-])
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (("acme/no-such-model",), fetch.EXIT_NOT_FOUND, "was not found"),
+        ((REPO, "--revision", "v9"), fetch.EXIT_NOT_FOUND, "no revision"),
+        (("no-such-preset",), 2, "unknown model"),
+        ((REPO, "--small-disk"), fetch.EXIT_NO_SPACE, "short"),
+    ],
+)
 def test_pull_errors_are_one_line_with_an_exit_code(hub, cache, monkeypatch, args, code, words):
     if "--small-disk" in args:
         monkeypatch.setattr(fetch, "free_bytes", FakeFreeSpace(1 << 20))

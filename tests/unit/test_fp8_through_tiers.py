@@ -11,18 +11,19 @@ import random
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from bigmoe.tinymoe.fp8 import dequantize_blocks
 from bigmoe.tinymoe.shape import TinyShape
+from bigmoe_pager.adapters.ssd_source import paging_file_source
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.host_pager import HostPager, TierSizes
-from bigmoe_pager.adapters.ssd_source import paging_file_source
 from bigmoe_pager.core.paging_build import build_paging_file, layout_for_checkpoint
 from bigmoe_pager.core.safetensors_index import index_files, shard_paths
+from safetensors import safe_open
 
-SHAPES = [TinyShape(layers=2, experts=8, top_k=2, hidden=256, moe_intermediate=128, vocab=512),
-          TinyShape(layers=1, experts=6, top_k=3, hidden=128, moe_intermediate=256, vocab=512)]
+SHAPES = [
+    TinyShape(layers=2, experts=8, top_k=2, hidden=256, moe_intermediate=128, vocab=512),
+    TinyShape(layers=1, experts=6, top_k=3, hidden=128, moe_intermediate=256, vocab=512),
+]
 
 
 def checkpoint_expert(model_dir, layer: int, expert: int) -> dict[str, torch.Tensor]:
@@ -81,7 +82,9 @@ def test_fp8_slots_hold_the_checkpoint_bytes_and_dequantize_exactly(tiny_checkpo
                     for w in ("w13", "w2"):
                         assert torch.equal(slots[f"{w}_weight"][s].view(torch.uint8), ref[f"{w}_w"].view(torch.uint8))
                         assert torch.equal(slots[f"{w}_weight_scale_inv"][s], ref[f"{w}_s"])
-                        assert torch.equal(dequantize_blocks(slots[f"{w}_weight"][s], slots[f"{w}_weight_scale_inv"][s]),
-                                           dequantize_blocks(ref[f"{w}_w"], ref[f"{w}_s"]))
+                        assert torch.equal(
+                            dequantize_blocks(slots[f"{w}_weight"][s], slots[f"{w}_weight_scale_inv"][s]),
+                            dequantize_blocks(ref[f"{w}_w"], ref[f"{w}_s"]),
+                        )
         assert pager.stats["ssd"].lookups > 0 or ram == shape.experts
     store.close()

@@ -15,10 +15,15 @@ import gpu_vllm_bench as bench  # noqa: E402
 import traces  # noqa: E402
 
 
-@pytest.mark.parametrize("name,parsed", [("bigmoe-102", ("bigmoe-102", None, None)),
-                                         ("bigmoe-102@r0.8", ("bigmoe-102", 0.8, None)),
-                                         ("bigmoe-32@r1~lru", ("bigmoe-32", 1.0, "lru")),
-                                         ("offload17~lfu-fast", ("offload17", None, "lfu-fast"))])
+@pytest.mark.parametrize(
+    "name,parsed",
+    [
+        ("bigmoe-102", ("bigmoe-102", None, None)),
+        ("bigmoe-102@r0.8", ("bigmoe-102", 0.8, None)),
+        ("bigmoe-32@r1~lru", ("bigmoe-32", 1.0, "lru")),
+        ("offload17~lfu-fast", ("offload17", None, "lfu-fast")),
+    ],
+)
 def test_names_parse(name, parsed):
     assert bench.parse_name(name) == parsed
 
@@ -41,17 +46,35 @@ def test_a_recall_config_replays_a_trace_with_predictions(tmp_path):
     assert np.array_equal(traces.load_trace(replay), ids)
     predicted = traces.load_predictions(replay, 32)
     assert predicted.shape[:2] == (40, 3) and (predicted[:, 2] == -1).all()
-    assert bench.config_for("bigmoe-102", trace, 32, "topic-shift", 0.5, tmp_path).env["BIGMOE_ROUTE_REPLAY"] == str(trace)
+    assert bench.config_for("bigmoe-102", trace, 32, "topic-shift", 0.5, tmp_path).env["BIGMOE_ROUTE_REPLAY"] == str(
+        trace
+    )
 
 
 def test_combine_reports_each_familys_ratios_at_recall_0_8(tmp_path):
     def part(family, rows):
-        return {"command": "x", "checkpoint": {}, "configs": [{"name": n, "tpot_ms": t, "family": family} for n, t in rows]}
+        return {
+            "command": "x",
+            "checkpoint": {},
+            "configs": [{"name": n, "tpot_ms": t, "family": family} for n, t in rows],
+        }
 
     a = tmp_path / "a.json"
     b = tmp_path / "b.json"
-    a.write_text(json.dumps(part("standard", [("resident", 4.0), ("offload17", 15.0), ("bigmoe-102", 5.0),
-                                              ("bigmoe-102@r0.8", 4.8), ("bigmoe-32@r0.8", 6.0)])))
+    a.write_text(
+        json.dumps(
+            part(
+                "standard",
+                [
+                    ("resident", 4.0),
+                    ("offload17", 15.0),
+                    ("bigmoe-102", 5.0),
+                    ("bigmoe-102@r0.8", 4.8),
+                    ("bigmoe-32@r0.8", 6.0),
+                ],
+            )
+        )
+    )
     b.write_text(json.dumps(part("topic-shift", [("resident", 4.0), ("offload17", 15.0), ("bigmoe-102@r0.8", 5.0)])))
     out = tmp_path / "c.json"
     assert bench.combine([a, b], out) == 0

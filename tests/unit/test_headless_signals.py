@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from bigmoe import exit_codes, launch, records
 
 DRIVER = str(Path(__file__).with_name("launch_driver.py"))
@@ -34,8 +33,13 @@ class Run:
 
     def __init__(self, *flags: str):
         self.port = launch.free_port()
-        self.proc = subprocess.Popen([sys.executable, DRIVER, str(self.port), *flags], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+        self.proc = subprocess.Popen(
+            [sys.executable, DRIVER, str(self.port), *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
         self.events: list[tuple[float, dict]] = []
 
     def until(self, name: str, timeout: float = 60) -> dict:

@@ -11,7 +11,6 @@ from collections import OrderedDict
 
 import pytest
 import torch
-
 from bigmoe_pager.core.host_pager import HostPager, PagerError, TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
 
@@ -48,7 +47,9 @@ def loaded_pager(layout, records, sizes, source):
 LAYOUT = ExpertLayout.for_moe(hidden=64, intermediate=32, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("experts,vram,ram,k", [(16, 4, 16, 2), (16, 4, 8, 4), (32, 10, 12, 3), (8, 8, 8, 8), (24, 3, 3, 3)])
+@pytest.mark.parametrize(
+    "experts,vram,ram,k", [(16, 4, 16, 2), (16, 4, 8, 4), (32, 10, 12, 3), (8, 8, 8, 8), (24, 3, 3, 3)]
+)
 def test_every_step_leaves_the_right_bytes_and_matches_reference_lru(experts, vram, ram, k):
     records = make_experts(LAYOUT, experts, seed=experts * 31 + vram)
     source = ArraySource(records) if ram < experts else None

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bigmoe_pager.core.hot_profile import HotProfile, ProfileError
 
 
 @pytest.fixture
 def profile() -> HotProfile:
-    trace = np.array([[[1, 2], [0, -1]], [[2, 3], [0, 1]], [[2, 1], [3, 0]]], dtype=np.int32)  # [3 tokens, 2 layers, k=2]
+    trace = np.array(
+        [[[1, 2], [0, -1]], [[2, 3], [0, 1]], [[2, 1], [3, 0]]], dtype=np.int32
+    )  # [3 tokens, 2 layers, k=2]
     return HotProfile.from_trace(trace, num_experts=4)
 
 

@@ -34,10 +34,18 @@ def fake_venv(tmp_path) -> Path:
 
 
 def install(venv: Path, pip_seconds: float, pip_status: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BIGMOE_VENV": str(venv), "PYTHON": sys.executable, "BIGMOE_HEARTBEAT_S": "1",
-           "PIP_SECONDS": str(pip_seconds), "PIP_STATUS": str(pip_status), "PATH": "/usr/bin:/bin"}
-    return subprocess.run(["bash", str(ROOT / "installer" / "install.sh"), "--cpu"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    env = {
+        **os.environ,
+        "BIGMOE_VENV": str(venv),
+        "PYTHON": sys.executable,
+        "BIGMOE_HEARTBEAT_S": "1",
+        "PIP_SECONDS": str(pip_seconds),
+        "PIP_STATUS": str(pip_status),
+        "PATH": "/usr/bin:/bin",
+    }
+    return subprocess.run(
+        ["bash", str(ROOT / "installer" / "install.sh"), "--cpu"], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_slow_pip_gets_heartbeat_lines(fake_venv):

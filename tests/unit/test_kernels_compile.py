@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -64,7 +64,7 @@ out["down"] = accesses(k, "ld")
 k = build(md._combine_kernel, {"y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}, {"K": 10, "H": 2560, "BH": 512})
 out["combine"] = accesses(k, "st")
 print(json.dumps(out))
-'''
+"""
 
 
 def test_kernels_compile_for_sm90_with_wide_accesses():

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from bigmoe import launch, pipeline, presets
 from bigmoe.hardware import Hardware
 from bigmoe.synthetic import ensure_tiny_model
@@ -44,7 +43,9 @@ def test_start_server_runs_the_plan_argv_unchanged_with_the_key_in_the_environme
     opts = pipeline.RunOptions(model="tiny-moe", port=8123, api_key="sk-secret")
     the_plan = pipeline.make_plan(hardware, preset, opts)
     seen = {}
-    monkeypatch.setattr(launch, "start", lambda argv, env, info, secrets: seen.update(argv=argv, env=env, secrets=secrets))
+    monkeypatch.setattr(
+        launch, "start", lambda argv, env, info, secrets: seen.update(argv=argv, env=env, secrets=secrets)
+    )
     pipeline.start_server(preset, the_plan, made, opts)
     assert seen["argv"] == list(the_plan.argv) and seen["env"] == the_plan.env
     assert seen["secrets"] == {"VLLM_API_KEY": "sk-secret"} and "sk-secret" not in " ".join(seen["argv"])

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from click.testing import CliRunner
-
 from bigmoe import launch, records
 from bigmoe.cli import cli
+from click.testing import CliRunner
 
 FAKE = str(Path(__file__).with_name("launch_fake_server.py"))
 
@@ -41,9 +40,16 @@ STARTED: list[launch.Server] = []
 
 
 def start(port: int, *flags: str, name: str = "tiny-moe", secret: dict | None = None) -> launch.Server:
-    info = records.RunInfo(name=name, pid=0, host="127.0.0.1", port=port,
-                           log=str(records.log_name(name, port, time.strftime("%Y%m%d-%H%M%S"))),
-                           model_path="/nowhere", served_name=name, started=time.time())
+    info = records.RunInfo(
+        name=name,
+        pid=0,
+        host="127.0.0.1",
+        port=port,
+        log=str(records.log_name(name, port, time.strftime("%Y%m%d-%H%M%S"))),
+        model_path="/nowhere",
+        served_name=name,
+        started=time.time(),
+    )
     server = launch.start([sys.executable, FAKE, str(port), *flags], {}, info, secret)
     STARTED.append(server)
     return server
@@ -128,10 +134,18 @@ def test_an_engine_failure_puts_its_cause_first():
 def test_stale_records_are_removed_and_a_reused_pid_is_left_alone(home):
     bystander = psutil.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        dead = records.RunInfo("tiny-moe", 2 ** 22 + 7, "127.0.0.1", 1, "/x.log", "/m", "tiny-moe", 0.0,
-                               create_time=1.0)
-        reused = records.RunInfo("tiny-moe", bystander.pid, "127.0.0.1", 2, "/y.log", "/m", "tiny-moe", 0.0,
-                                 create_time=bystander.create_time() - 100)
+        dead = records.RunInfo("tiny-moe", 2**22 + 7, "127.0.0.1", 1, "/x.log", "/m", "tiny-moe", 0.0, create_time=1.0)
+        reused = records.RunInfo(
+            "tiny-moe",
+            bystander.pid,
+            "127.0.0.1",
+            2,
+            "/y.log",
+            "/m",
+            "tiny-moe",
+            0.0,
+            create_time=bystander.create_time() - 100,
+        )
         for info in (dead, reused):
             records.save(info)
         assert records.live() == []

@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
 from bigmoe import presets
 from bigmoe.cli_plan import probe as probe_command
 from bigmoe.hardware import Hardware, Unknown
@@ -21,6 +19,7 @@ from bigmoe.measure_disk import MAX_BYTES, MIN_BYTES, DiskRead, measure_read_rat
 from bigmoe.measure_pcie import CopyRate, measure_h2d, measure_h2d_in_child, parse_child_output
 from bigmoe.plan import Overrides, plan
 from bigmoe.probe import probe
+from click.testing import CliRunner
 
 HARDWARE = Path(__file__).resolve().parents[1] / "fixtures" / "hardware"
 MIB = 1 << 20
@@ -61,10 +60,13 @@ def test_disk_read_stops_at_its_time_limit(tmp_path):
     assert isinstance(rate, Unknown) and "too few" in rate.reason
 
 
-@pytest.mark.parametrize("where, reason", [
-    (Path("/proc/self"), "cannot be written"),
-    (None, "less than the 32 MiB"),
-])
+@pytest.mark.parametrize(
+    "where, reason",
+    [
+        (Path("/proc/self"), "cannot be written"),
+        (None, "less than the 32 MiB"),
+    ],
+)
 def test_disk_read_degrades_to_unknown(tmp_path, where, reason):
     if where is None:  # a file too small to judge a disk by, read directly
         from bigmoe.measure_disk import _measure
@@ -104,13 +106,31 @@ def test_pinned_copy_test_without_torch_is_unknown(monkeypatch):
     assert isinstance(result, Unknown) and "torch is not importable" in result.reason
 
 
-@pytest.mark.parametrize("code, out, err, expected", [
-    (0, '{"gbps": 24.5, "best_gbps": 25.0, "copy_bytes": 268435456, "repeats": 5, "device_name": "RTX 4090"}\n', "", 24.5),
-    (0, '{"unknown": "torch sees no CUDA GPU"}\n', "", "torch sees no CUDA GPU"),
-    (1, "", "Traceback...\nRuntimeError: CUDA driver too old\n", "exited with code 1 (RuntimeError: CUDA driver too old)"),
-    (0, "garbage\n", "", "not a result"),
-    (0, '{"gbps": -1.0, "best_gbps": 1.0, "copy_bytes": 1, "repeats": 1, "device_name": "x"}\n', "", "reported -1.0"),
-])
+@pytest.mark.parametrize(
+    "code, out, err, expected",
+    [
+        (
+            0,
+            '{"gbps": 24.5, "best_gbps": 25.0, "copy_bytes": 268435456, "repeats": 5, "device_name": "RTX 4090"}\n',
+            "",
+            24.5,
+        ),
+        (0, '{"unknown": "torch sees no CUDA GPU"}\n', "", "torch sees no CUDA GPU"),
+        (
+            1,
+            "",
+            "Traceback...\nRuntimeError: CUDA driver too old\n",
+            "exited with code 1 (RuntimeError: CUDA driver too old)",
+        ),
+        (0, "garbage\n", "", "not a result"),
+        (
+            0,
+            '{"gbps": -1.0, "best_gbps": 1.0, "copy_bytes": 1, "repeats": 1, "device_name": "x"}\n',
+            "",
+            "reported -1.0",
+        ),
+    ],
+)
 def test_child_output_is_a_rate_or_a_reason(code, out, err, expected):
     result = parse_child_output(code, out, err)
     if isinstance(expected, float):
@@ -157,7 +177,9 @@ def test_links_are_measured_once_then_cached(tmp_path):
     assert len(meters.calls) == 4
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"format": 99, "links": {}}', '{"format": 1, "links": {"disk:dm-0": {"gbps": "x"}}}'])
+@pytest.mark.parametrize(
+    "content", ["{not json", '{"format": 99, "links": {}}', '{"format": 1, "links": {"disk:dm-0": {"gbps": "x"}}}']
+)
 def test_a_broken_cache_is_measured_over_and_replaced(tmp_path, content):
     (tmp_path / "links.json").write_text(content)
     meters = FakeMeters()
@@ -175,7 +197,9 @@ def test_a_failed_measurement_is_unknown_and_not_cached(tmp_path):
 
 def test_a_windows_drive_is_not_measured(tmp_path):
     hw = machine("rtx4090-wsl2")
-    hw = dataclasses.replace(hw, disks=tuple(dataclasses.replace(d, windows_drive=True, o_direct=False) for d in hw.disks))
+    hw = dataclasses.replace(
+        hw, disks=tuple(dataclasses.replace(d, windows_drive=True, o_direct=False) for d in hw.disks)
+    )
     meters = FakeMeters()
     out = measured(hw, tmp_path, meters)
     assert all(isinstance(d.read_gbps, Unknown) and "O_DIRECT does not work" in d.read_gbps.reason for d in out.disks)
@@ -215,9 +239,13 @@ def test_plan_says_which_speeds_were_measured(with_rates):
     hw = machine("rtx4090-wsl2")
     if with_rates:
         hw = dataclasses.replace(
-            hw, gpus=(dataclasses.replace(hw.gpus[0], h2d_gbps=19.0, h2d_basis="median of 5 copies"),),
-            disks=tuple(dataclasses.replace(d, read_gbps=1.5, read_basis="256 MiB of reads") for d in hw.disks))
-    p = plan(hw, presets.load("qwen3.8-flash-next"), Overrides(model_dir="/home/me/models", paging_dir="/home/me/paging"))
+            hw,
+            gpus=(dataclasses.replace(hw.gpus[0], h2d_gbps=19.0, h2d_basis="median of 5 copies"),),
+            disks=tuple(dataclasses.replace(d, read_gbps=1.5, read_basis="256 MiB of reads") for d in hw.disks),
+        )
+    p = plan(
+        hw, presets.load("qwen3.8-flash-next"), Overrides(model_dir="/home/me/models", paging_dir="/home/me/paging")
+    )
     if with_rates:
         assert any("19.0 GB/s (measured: median of 5 copies)" in m for m in p.measured)
         assert any("1.50 GB/s (measured on" in m for m in p.measured)
@@ -231,13 +259,17 @@ def test_plan_says_which_speeds_were_measured(with_rates):
 
 def test_measured_speeds_change_the_estimate():
     hw = machine("rtx4090-wsl2")
-    slow = dataclasses.replace(hw, disks=tuple(dataclasses.replace(d, read_gbps=0.05, read_basis="slow") for d in hw.disks))
+    slow = dataclasses.replace(
+        hw, disks=tuple(dataclasses.replace(d, read_gbps=0.05, read_basis="slow") for d in hw.disks)
+    )
     ov = Overrides(model_dir="/home/me/models", paging_dir="/home/me/paging")
     preset = presets.load("qwen3.8-flash-next")
     assert plan(slow, preset, ov).estimate.tpot_ms[1] > plan(hw, preset, ov).estimate.tpot_ms[1]
 
 
-@pytest.mark.parametrize("args, shown", [([], "reads "), (["--remeasure"], "reads "), (["--no-measure"], "not measured")])
+@pytest.mark.parametrize(
+    "args, shown", [([], "reads "), (["--remeasure"], "reads "), (["--no-measure"], "not measured")]
+)
 def test_probe_command_shows_link_speeds(tmp_path, home, args, shown):
     result = CliRunner().invoke(probe_command, ["--path", str(tmp_path), *args])
     assert result.exit_code == 0, result.output

@@ -23,8 +23,9 @@ TinyShape = tiny.TinyShape
 
 SHAPES = {
     "preset": TinyShape(),
-    "wide": TinyShape(layers=2, experts=6, top_k=2, hidden=128, moe_intermediate=256,
-                      vocab=1024, heads=2, kv_heads=1, head_dim=128),
+    "wide": TinyShape(
+        layers=2, experts=6, top_k=2, hidden=128, moe_intermediate=256, vocab=1024, heads=2, kv_heads=1, head_dim=128
+    ),
 }
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -49,15 +50,25 @@ def expected_tensors(shape: TinyShape, dtype: str) -> dict[str, tuple[tuple[int,
     norms = {"model.norm": (h,)}
     for layer in range(shape.layers):
         p = f"model.layers.{layer}"
-        linears |= {f"{p}.self_attn.q_proj": (q, h), f"{p}.self_attn.k_proj": (kv, h),
-                    f"{p}.self_attn.v_proj": (kv, h), f"{p}.self_attn.o_proj": (h, q),
-                    f"{p}.mlp.gate": (shape.experts, h)}
-        norms |= {f"{p}.input_layernorm": (h,), f"{p}.post_attention_layernorm": (h,),
-                  f"{p}.self_attn.q_norm": (shape.head_dim,), f"{p}.self_attn.k_norm": (shape.head_dim,)}
+        linears |= {
+            f"{p}.self_attn.q_proj": (q, h),
+            f"{p}.self_attn.k_proj": (kv, h),
+            f"{p}.self_attn.v_proj": (kv, h),
+            f"{p}.self_attn.o_proj": (h, q),
+            f"{p}.mlp.gate": (shape.experts, h),
+        }
+        norms |= {
+            f"{p}.input_layernorm": (h,),
+            f"{p}.post_attention_layernorm": (h,),
+            f"{p}.self_attn.q_norm": (shape.head_dim,),
+            f"{p}.self_attn.k_norm": (shape.head_dim,),
+        }
         for e in range(shape.experts):
-            linears |= {f"{p}.mlp.experts.{e}.gate_proj": (shape.moe_intermediate, h),
-                        f"{p}.mlp.experts.{e}.up_proj": (shape.moe_intermediate, h),
-                        f"{p}.mlp.experts.{e}.down_proj": (h, shape.moe_intermediate)}
+            linears |= {
+                f"{p}.mlp.experts.{e}.gate_proj": (shape.moe_intermediate, h),
+                f"{p}.mlp.experts.{e}.up_proj": (shape.moe_intermediate, h),
+                f"{p}.mlp.experts.{e}.down_proj": (h, shape.moe_intermediate),
+            }
     want = {"model.embed_tokens.weight": ((shape.vocab, h), torch.bfloat16)}
     want |= {f"{m}.weight": (s, torch.bfloat16) for m, s in norms.items()}
     for module, (rows, cols) in linears.items():
@@ -102,20 +113,44 @@ def test_config_describes_qwen3_moe(tiny_checkpoint, shape_name, dtype):
     path = tiny_checkpoint(shape, dtype)
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["model_type"] == "qwen3_moe"
-    assert (config["num_hidden_layers"], config["num_experts"], config["num_experts_per_tok"],
-            config["hidden_size"], config["moe_intermediate_size"], config["vocab_size"],
-            config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
-            shape.layers, shape.experts, shape.top_k, shape.hidden, shape.moe_intermediate,
-            shape.vocab, shape.heads, shape.kv_heads, shape.head_dim)
+    assert (
+        config["num_hidden_layers"],
+        config["num_experts"],
+        config["num_experts_per_tok"],
+        config["hidden_size"],
+        config["moe_intermediate_size"],
+        config["vocab_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    ) == (
+        shape.layers,
+        shape.experts,
+        shape.top_k,
+        shape.hidden,
+        shape.moe_intermediate,
+        shape.vocab,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+    )
     assert config["mlp_only_layers"] == [] and config["decoder_sparse_step"] == 1
     if dtype == "bf16":
         assert "quantization_config" not in config
         return
     quant = config["quantization_config"]
-    not_converted = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(shape.layers)
-                                   for m in ("input_layernorm", "mlp.gate", "post_attention_layernorm")]
-    assert quant == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                     "weight_block_size": [128, 128], "modules_to_not_convert": not_converted}
+    not_converted = ["lm_head"] + [
+        f"model.layers.{i}.{m}"
+        for i in range(shape.layers)
+        for m in ("input_layernorm", "mlp.gate", "post_attention_layernorm")
+    ]
+    assert quant == {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": not_converted,
+    }
 
 
 @pytest.mark.parametrize("shape_name", SHAPES)
@@ -152,7 +187,9 @@ def test_routers_spread_tokens_over_every_expert(tiny_checkpoint, shape_name):
         assert logits.std() > 1.0  # routing decided by clear margins, not ties
 
 
-@pytest.mark.parametrize(("shape_name", "scale_dtype"), [("preset", "float32"), ("wide", "float32"), ("wide", "bfloat16")])
+@pytest.mark.parametrize(
+    ("shape_name", "scale_dtype"), [("preset", "float32"), ("wide", "float32"), ("wide", "bfloat16")]
+)
 def test_block_scales_map_each_128x128_block_max_to_448(tiny_checkpoint, shape_name, scale_dtype):
     shape = SHAPES[shape_name]
     source = read_checkpoint(tiny_checkpoint(shape, "bf16"))
@@ -201,11 +238,15 @@ def test_tokenizer_fills_the_vocab_and_speaks_chatml(tiny_checkpoint, shape_name
     generation = json.loads((path / "generation_config.json").read_text())
     assert len(tok) == shape.vocab
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [
-        shape.vocab - 3, shape.vocab - 2, shape.vocab - 1]
+        shape.vocab - 3,
+        shape.vocab - 2,
+        shape.vocab - 1,
+    ]
     assert tok.eos_token == "<|im_end|>" and config["eos_token_id"] == tok.eos_token_id
     assert tok.eos_token_id in generation["eos_token_id"]
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     ids = tok("Plain words, 42 of them!")["input_ids"]
     assert tok.decode(ids) == "Plain words, 42 of them!" and len(ids) < len("Plain words, 42 of them!")
@@ -291,10 +332,33 @@ def test_killed_build_leaves_no_out_and_the_next_build_cleans_up(tmp_path):
 def test_command_line_matches_the_api(tiny_checkpoint, tmp_path):
     shape = SHAPES["wide"]
     out = tmp_path / "cli"
-    argv = [sys.executable, str(SCRIPTS / "make_tiny_moe.py"), str(out), "--layers", str(shape.layers),
-            "--experts", str(shape.experts), "--top-k", str(shape.top_k), "--hidden", str(shape.hidden),
-            "--moe-intermediate", str(shape.moe_intermediate), "--dtype", "fp8", "--seed", "0",
-            "--vocab", str(shape.vocab), "--heads", "2", "--kv-heads", "1", "--head-dim", "128"]
+    argv = [
+        sys.executable,
+        str(SCRIPTS / "make_tiny_moe.py"),
+        str(out),
+        "--layers",
+        str(shape.layers),
+        "--experts",
+        str(shape.experts),
+        "--top-k",
+        str(shape.top_k),
+        "--hidden",
+        str(shape.hidden),
+        "--moe-intermediate",
+        str(shape.moe_intermediate),
+        "--dtype",
+        "fp8",
+        "--seed",
+        "0",
+        "--vocab",
+        str(shape.vocab),
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "128",
+    ]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr
     assert str(out) in run.stdout
@@ -336,9 +400,15 @@ def test_preset_numbers_are_the_default_checkpoint(tiny_checkpoint):
         expert = sum(b for n, b in nbytes.items() if n.startswith("model.layers.0.mlp.experts.0."))
         experts = sum(b for n, b in nbytes.items() if ".mlp.experts." in n)
         sizes[dtype] = (expert, sum(nbytes.values()) - experts)
-    assert (arch["moe_layers"], arch["experts"], arch["top_k"], arch["hidden"],
-            arch["moe_intermediate"], arch["vocab"], arch["shared_experts"]) == (
-            shape.layers, shape.experts, shape.top_k, shape.hidden, shape.moe_intermediate, shape.vocab, 0)
+    assert (
+        arch["moe_layers"],
+        arch["experts"],
+        arch["top_k"],
+        arch["hidden"],
+        arch["moe_intermediate"],
+        arch["vocab"],
+        arch["shared_experts"],
+    ) == (shape.layers, shape.experts, shape.top_k, shape.hidden, shape.moe_intermediate, shape.vocab, 0)
     assert arch["expert_bytes_bf16"] == sizes["bf16"][0]
     assert arch["expert_bytes_fp8"] == sizes["fp8"][0]
     assert arch["dense_bytes"] == sizes["bf16"][1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bigmoe_pager.core import moe_ref
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.moe_decode import ExpertWeights, MoeShapeError, moe_decode
@@ -48,4 +47,9 @@ def test_kernel_matches_reference_from_slots_and_from_records(fp8):
 def test_wrong_hidden_size_is_refused():
     layout, records, slots = _experts(False, 2, seed=0)
     with pytest.raises(MoeShapeError):
-        moe_decode(torch.zeros((1, 32)), torch.zeros((1, 1), dtype=torch.int64), torch.ones((1, 1)), ExpertWeights.from_slots(slots, None))
+        moe_decode(
+            torch.zeros((1, 32)),
+            torch.zeros((1, 1), dtype=torch.int64),
+            torch.ones((1, 1)),
+            ExpertWeights.from_slots(slots, None),
+        )

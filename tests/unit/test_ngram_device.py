@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.ngram import NgramRangeError, NgramTable
 from bigmoe_pager.ngram.dequant import dequantize_rows
 from bigmoe_pager.ngram.prefetch import RowPrefetcher
@@ -19,7 +18,7 @@ def e4m3_reference(byte: np.ndarray) -> np.ndarray:
     b = byte.astype(np.int64)
     sign = np.where(b & 0x80, -1.0, 1.0)
     exp, man = (b >> 3) & 0xF, b & 0x7
-    value = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7))
+    value = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * 2.0 ** (exp - 7))
     return np.where((b & 0x7F) == 0x7F, np.nan, sign * value)
 
 

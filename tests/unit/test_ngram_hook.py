@@ -20,22 +20,32 @@ import torch
 
 ne = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ngram_embedding", reason="needs vLLM with Qwen4Exp")
 
+from bigmoe_pager.adapters import vllm_ngram  # noqa: E402
+from bigmoe_pager.ngram import NgramFileError, NgramLayoutError, TableSpec  # noqa: E402
+from bigmoe_pager.ngram.synthetic import write_table  # noqa: E402
+from bigmoe_pager.settings import PagerSettings  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
 from vllm.model_executor.model_loader import weight_utils  # noqa: E402
 
-from bigmoe_pager.adapters import vllm_ngram  # noqa: E402
-from bigmoe_pager.ngram import NgramFileError, NgramLayoutError, TableSpec  # noqa: E402
-from bigmoe_pager.ngram.synthetic import write_table  # noqa: E402
-from bigmoe_pager.settings import PagerSettings  # noqa: E402
-
 CKPT_PREFIX = "model.language_model.layers.1.ple.ple_embedding"
 VLLM_PREFIX = "model.layers.1.ple.ple_embedding"
-TEXT = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, ple_layer_ids=[2], ple_embed_dim=640, ngram_size=3,
-            heads_per_ngram=2, ngram_vocab_size_base=500, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=3,
-            eos_token_id=1, layer_types=["linear_attention"] * 3 + ["full_attention"])
+TEXT = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    num_hidden_layers=4,
+    ple_layer_ids=[2],
+    ple_embed_dim=640,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=500,
+    make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=3,
+    eos_token_id=1,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
 HEADS, ROW = 4, 160  # (ngram_size - 1) * heads_per_ngram rows of 640 / 4 FP8 bytes per token
 READERS = {"page-cache": PagerSettings(ngram=True), "direct+rows": PagerSettings(ngram=True, ngram_cache_rows=256)}
 
@@ -55,8 +65,9 @@ def vllm_env():
         port = s.getsockname()[1]
     config = VllmConfig()
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        )
         parallel_state.initialize_model_parallel(1, 1)
         yield config
         parallel_state.destroy_model_parallel()
@@ -66,8 +77,16 @@ def vllm_env():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, text_config):
     rows = TableSpec.from_config({"text_config": text_config.to_dict() | {"ple_embedding_dtype": "float8_e4m3fn"}}).rows
-    return write_table(tmp_path_factory.mktemp("q4e"), rows=rows, row_elems=ROW, parts=3,
-                       table=f"{CKPT_PREFIX}.ngram_embedding", scale=0.375, shards_per_file=2, decoy_bytes=24)
+    return write_table(
+        tmp_path_factory.mktemp("q4e"),
+        rows=rows,
+        row_elems=ROW,
+        parts=3,
+        table=f"{CKPT_PREFIX}.ngram_embedding",
+        scale=0.375,
+        shards_per_file=2,
+        decoy_bytes=24,
+    )
 
 
 def checkpoint_weights(files):
@@ -76,12 +95,13 @@ def checkpoint_weights(files):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
                 if ".decoy_" not in name:
-                    yield name[len(CKPT_PREFIX) + 1:], f.get_tensor(name)
+                    yield name[len(CKPT_PREFIX) + 1 :], f.get_tensor(name)
 
 
 def ngram_embedding(text_config):
-    return ne.Qwen4ExpNGramEmbedding(text_config, HEADS * ROW, 0, 64, data_parallel_rank=0, prefix=VLLM_PREFIX,
-                                     params_dtype=torch.bfloat16)
+    return ne.Qwen4ExpNGramEmbedding(
+        text_config, HEADS * ROW, 0, 64, data_parallel_rank=0, prefix=VLLM_PREFIX, params_dtype=torch.bfloat16
+    )
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +179,20 @@ def test_broken_checkpoint_fails_the_first_lookup(monkeypatch, vllm_env, text_co
         module(*requests(0))
 
 
-@pytest.mark.parametrize("prefix, want", [
-    (VLLM_PREFIX + ".ngram_embedding", f"{CKPT_PREFIX}.ngram_embedding"),
-    ("language_model.model.layers.1.ple.ple_embedding.ngram_embedding", f"{CKPT_PREFIX}.ngram_embedding"),
-    ("mtp.layers.0.ple.ple_embedding.ngram_embedding", "mtp.layers.0.ple.ple_embedding.ngram_embedding"),
-])
+@pytest.mark.parametrize(
+    "prefix, want",
+    [
+        (VLLM_PREFIX + ".ngram_embedding", f"{CKPT_PREFIX}.ngram_embedding"),
+        ("language_model.model.layers.1.ple.ple_embedding.ngram_embedding", f"{CKPT_PREFIX}.ngram_embedding"),
+        ("mtp.layers.0.ple.ple_embedding.ngram_embedding", "mtp.layers.0.ple.ple_embedding.ngram_embedding"),
+    ],
+)
 def test_vllm_prefix_matches_the_checkpoint_table(prefix, want):
-    tables = [f"{CKPT_PREFIX}.ngram_embedding", "mtp.layers.0.ple.ple_embedding.ngram_embedding",
-              "model.language_model.layers.0.ple.ple_embedding.ngram_embedding"]
+    tables = [
+        f"{CKPT_PREFIX}.ngram_embedding",
+        "mtp.layers.0.ple.ple_embedding.ngram_embedding",
+        "model.language_model.layers.0.ple.ple_embedding.ngram_embedding",
+    ]
     assert vllm_ngram.match_table(prefix, tables) == want
     with pytest.raises(NgramLayoutError):
         vllm_ngram.match_table("model.layers.7.ple.ple_embedding.ngram_embedding", tables)
@@ -176,9 +202,11 @@ def test_checkpoint_files_follow_the_index(tmp_path, checkpoint):
     (tmp_path / "other.safetensors").write_bytes(b"")
     for p in checkpoint:
         (tmp_path / p.name).symlink_to(p)
-    weight_map = {f"{CKPT_PREFIX}.ngram_embedding.shard_0.weight": checkpoint[0].name,
-                  f"{CKPT_PREFIX}.ngram_embedding.shard_2.weight": checkpoint[1].name,
-                  "model.embed_tokens.weight": "other.safetensors"}
+    weight_map = {
+        f"{CKPT_PREFIX}.ngram_embedding.shard_0.weight": checkpoint[0].name,
+        f"{CKPT_PREFIX}.ngram_embedding.shard_2.weight": checkpoint[1].name,
+        "model.embed_tokens.weight": "other.safetensors",
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert vllm_ngram.checkpoint_files(str(tmp_path)) == [tmp_path / p.name for p in checkpoint]
     with pytest.raises(NgramFileError, match="not on this machine"):
@@ -193,8 +221,12 @@ def test_an_nvfp4_table_is_refused_with_one_line():
         pass
 
     with pytest.raises(vllm_ngram.NgramHookError) as e:
-        vllm_ngram.stored_dtype(Qwen4ExpPLENvFp4EmbeddingMethod(), torch.bfloat16, ne.Qwen4ExpPLEFp8EmbeddingMethod,
-                                ne.Qwen4ExpPLEUnquantizedEmbeddingMethod)
+        vllm_ngram.stored_dtype(
+            Qwen4ExpPLENvFp4EmbeddingMethod(),
+            torch.bfloat16,
+            ne.Qwen4ExpPLEFp8EmbeddingMethod,
+            ne.Qwen4ExpPLEUnquantizedEmbeddingMethod,
+        )
     assert "\n" not in str(e.value) and "Qwen4ExpPLENvFp4EmbeddingMethod; set BIGMOE_NGRAM=0" in str(e.value)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bigmoe_pager.ngram import NgramTable, TableSpec
 from bigmoe_pager.ngram.byte_gather import cut_rows
 from bigmoe_pager.ngram.read_plan import SMALL_ROWS, plan_reads
@@ -51,9 +50,9 @@ def execute(plan, files: list[np.ndarray]) -> np.ndarray:
     """Do the plan's reads as a device would: whole aligned reads, short at the end of a file."""
     scratch = np.zeros(plan.scratch_bytes, np.uint8)
     for f, start, length, need, slot in zip(plan.file, plan.start, plan.length, plan.need, plan.slot):
-        got = files[f][start:start + length]
+        got = files[f][start : start + length]
         assert got.size >= need  # the plan never needs bytes past the end of a file
-        scratch[slot:slot + got.size] = got
+        scratch[slot : slot + got.size] = got
     return scratch
 
 
@@ -67,7 +66,7 @@ def test_plan_yields_exact_rows_with_aligned_sorted_reads(ids, plan_kw):
     plan = plan_reads(file_ids, offsets, ROW, **plan_kw)
     out = np.empty((ids.size, ROW), np.uint8)
     cut_rows(execute(plan, files), plan.row_at, ROW, out)
-    want = np.stack([files[f][o:o + ROW] for f, o in zip(file_ids, offsets)])
+    want = np.stack([files[f][o : o + ROW] for f, o in zip(file_ids, offsets)])
     np.testing.assert_array_equal(out, want)
     align, max_read = plan_kw["align"], plan_kw.get("max_read", 256 << 10)
     assert (plan.start % align == 0).all() and (plan.length % align == 0).all()
@@ -102,11 +101,14 @@ def test_merge_gap_decides_whether_near_rows_share_a_read():
     assert other_files.reads == 2  # never merged across files
 
 
-@pytest.mark.parametrize("kw, fragment", [
-    (dict(align=1000), "power of two"),
-    (dict(align=512, merge_gap=-1), "merge_gap"),
-    (dict(align=4096, max_read=512), "max_read"),
-])
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(align=1000), "power of two"),
+        (dict(align=512, merge_gap=-1), "merge_gap"),
+        (dict(align=4096, max_read=512), "max_read"),
+    ],
+)
 def test_bad_plan_arguments_are_refused(kw, fragment):
     with pytest.raises(ValueError, match=fragment):
         plan_reads(np.zeros(1, np.int64), np.zeros(1, np.int64), ROW, **kw)
@@ -127,12 +129,16 @@ def test_cut_rows_refuses_an_offset_past_the_buffer():
 @pytest.fixture(scope="module")
 def shard_set(tmp_path_factory):
     # packed shards behind a 13-byte decoy: rows lie at odd byte offsets and cross blocks and shard ends
-    return write_table(tmp_path_factory.mktemp("plan"), rows=ROWS, row_elems=ROW, parts=PARTS, shards_per_file=2,
-                       decoy_bytes=13)
+    return write_table(
+        tmp_path_factory.mktemp("plan"), rows=ROWS, row_elems=ROW, parts=PARTS, shards_per_file=2, decoy_bytes=13
+    )
 
 
-@pytest.mark.parametrize("reader_kw", [dict(align=512, merge_gap=0), dict(align=4096, merge_gap=65536),
-                                       dict(merge_gap=8192)], ids=["512-nomerge", "4k-merge64k", "probed-align"])
+@pytest.mark.parametrize(
+    "reader_kw",
+    [dict(align=512, merge_gap=0), dict(align=4096, merge_gap=65536), dict(merge_gap=8192)],
+    ids=["512-nomerge", "4k-merge64k", "probed-align"],
+)
 @pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
 def test_direct_gather_is_exact_for_every_read_plan(shard_set, ids, reader_kw):
     with NgramTable.open(shard_set, spec=SPEC, direct=True, **reader_kw) as t:

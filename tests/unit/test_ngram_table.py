@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-
 from bigmoe_pager.ngram import NgramFileError, NgramLayoutError, NgramRangeError, NgramReadError, NgramTable, TableSpec
 from bigmoe_pager.ngram.synthetic import DEFAULT_TABLE, expected_rows, write_table
+from safetensors.numpy import save_file
 
 ROWS, ELEMS, PARTS = 5003, 160, 5  # shards of 1001 rows, the last 999: uneven
 
@@ -29,7 +28,9 @@ SPEC = TableSpec(rows=ROWS, row_elems=ELEMS, dtype="F8_E4M3", parts=PARTS)
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def shard_set(request, tmp_path_factory) -> list[Path]:
-    return write_table(tmp_path_factory.mktemp(request.param), rows=ROWS, row_elems=ELEMS, parts=PARTS, **LAYOUTS[request.param])
+    return write_table(
+        tmp_path_factory.mktemp(request.param), rows=ROWS, row_elems=ELEMS, parts=PARTS, **LAYOUTS[request.param]
+    )
 
 
 @pytest.fixture(params=sorted(MODES))
@@ -81,10 +82,18 @@ def test_scale_and_geometry_come_from_the_checkpoint(shard_set):
 
 
 def test_spec_from_the_real_config_matches_the_issue_numbers():
-    config = {"text_config": {"ple_layer_ids": [2], "hidden_size": 2560, "split_ngram_parts": 128},
-              "quantization_config": {"quant_method": "fp8"}}
+    config = {
+        "text_config": {"ple_layer_ids": [2], "hidden_size": 2560, "split_ngram_parts": 128},
+        "quantization_config": {"quant_method": "fp8"},
+    }
     spec = TableSpec.from_config(config)
-    assert (spec.rows, spec.row_bytes, spec.parts, spec.heads, spec.shard_rows) == (320_001_536, 160, 128, 16, 2_500_012)
+    assert (spec.rows, spec.row_bytes, spec.parts, spec.heads, spec.shard_rows) == (
+        320_001_536,
+        160,
+        128,
+        16,
+        2_500_012,
+    )
     assert spec.nbytes == 51_200_245_760
 
 
@@ -97,10 +106,13 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
     return text
 
 
-@pytest.mark.parametrize("ids, fragment", [
-    (np.array([0, ROWS]), f"row id {ROWS} is outside"),
-    (np.array([[-1, 3]]), "row id -1 is outside"),
-])
+@pytest.mark.parametrize(
+    "ids, fragment",
+    [
+        (np.array([0, ROWS]), f"row id {ROWS} is outside"),
+        (np.array([[-1, 3]]), "row id -1 is outside"),
+    ],
+)
 def test_out_of_range_ids_are_refused(table, ids, fragment):
     with pytest.raises(NgramRangeError) as e:
         table.gather(ids)

@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import pytest
-
 from bigmoe_pager.core.odirect import ALIGN, DirectFile, ODirectError, ReadError, aligned_empty, odirect_works
 from ssd_testkit import FakeFaultyIO
 
@@ -25,7 +24,15 @@ def data_file(tmp_path):
 
 @pytest.mark.parametrize(
     "offset,length",
-    [(0, ALIGN), (ALIGN, 2 * ALIGN), (1, 10), (ALIGN - 3, 7), (100, 3 * ALIGN + 5), (FILE_BYTES - 17, 17), (0, FILE_BYTES)],
+    [
+        (0, ALIGN),
+        (ALIGN, 2 * ALIGN),
+        (1, 10),
+        (ALIGN - 3, 7),
+        (100, 3 * ALIGN + 5),
+        (FILE_BYTES - 17, 17),
+        (0, FILE_BYTES),
+    ],
 )
 @pytest.mark.parametrize("aligned_dst", [True, False])
 def test_read_into_returns_exact_bytes(data_file, offset, length, aligned_dst):
@@ -90,8 +97,10 @@ def test_probe_reports_real_directory_and_file_work(tmp_path, data_file):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".bigmoe-odirect-probe")]
 
 
-@pytest.mark.parametrize("io,words", [(FakeFaultyIO(refuse_open=True), "refuses O_DIRECT on open"),
-                                      (FakeFaultyIO(then="einval"), "aligned read fails")])
+@pytest.mark.parametrize(
+    "io,words",
+    [(FakeFaultyIO(refuse_open=True), "refuses O_DIRECT on open"), (FakeFaultyIO(then="einval"), "aligned read fails")],
+)
 def test_probe_reports_refusal_with_reason(tmp_path, io, words):
     ok, why = odirect_works(tmp_path, io=io)
     assert not ok and words in why and str(tmp_path) in why

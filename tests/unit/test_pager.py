@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core import moe_ref
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager, PagerError
@@ -100,7 +99,9 @@ def test_every_needed_expert_lands_in_its_slot(fp8, experts, vram, ram_slots, k)
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("experts,vram,work,tokens,k", [(32, 6, 0, 16, 4), (32, 8, 3, 12, 4), (20, 4, 4, 5, 4), (12, 2, 1, 3, 2)])
+@pytest.mark.parametrize(
+    "experts,vram,work,tokens,k", [(32, 6, 0, 16, 4), (32, 8, 3, 12, 4), (20, 4, 4, 5, 4), (12, 2, 1, 3, 2)]
+)
 def test_chunked_step_is_bit_identical_to_unchunked(fp8, experts, vram, work, tokens, k):
     layout = make_layout(fp8)
     block = BLOCK if fp8 else None

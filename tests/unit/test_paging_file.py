@@ -9,11 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.core.expert_store import ExpertStore
 from bigmoe_pager.core.odirect import ALIGN, aligned_empty
-from bigmoe_pager.core.paging_file import (ChecksumError, DiskFullError, PagingFileError, PagingFileStore,
-                                           PagingFileWriter, write_paging_file)
+from bigmoe_pager.core.paging_file import (
+    ChecksumError,
+    DiskFullError,
+    PagingFileError,
+    PagingFileStore,
+    PagingFileWriter,
+    write_paging_file,
+)
 from ssd_testkit import FakeFaultyIO, FakeFullDiskFile, make_checkpoint, mount_small_tmpfs, unmount
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,8 +65,11 @@ def test_variable_length_codec_records_round_trip(ckpt, tmp_path):
     """Records are opaque bytes: the store returns them and their length, whatever the codec made."""
     meta = ckpt.meta(codec="test-zlib", codec_version=3)
     rng = np.random.default_rng(0)
-    records = {(l, e): rng.integers(0, 256, int(rng.integers(1, ckpt.layout.pitch)), dtype=np.uint8)
-               for l in range(ckpt.num_layers) for e in range(ckpt.num_experts)}
+    records = {
+        (l, e): rng.integers(0, 256, int(rng.integers(1, ckpt.layout.pitch)), dtype=np.uint8)
+        for l in range(ckpt.num_layers)
+        for e in range(ckpt.num_experts)
+    }
     with PagingFileWriter(tmp_path / "c.bmpf", meta, ckpt.layout.pitch) as w:
         for (l, e), rec in reversed(list(records.items())):  # any order
             w.add(l, e, rec)
@@ -77,8 +85,13 @@ def test_variable_length_codec_records_round_trip(ckpt, tmp_path):
 @pytest.mark.parametrize("cut", ["header", "index", "records", "trailer", "last-byte"])
 def test_truncated_file_is_refused(ckpt, paging_path, tmp_path, cut):
     data = paging_path.read_bytes()
-    keep = {"header": 100, "index": ALIGN + 10, "records": len(data) // 2,
-            "trailer": len(data) - ALIGN, "last-byte": len(data) - 1}[cut]
+    keep = {
+        "header": 100,
+        "index": ALIGN + 10,
+        "records": len(data) // 2,
+        "trailer": len(data) - ALIGN,
+        "last-byte": len(data) - 1,
+    }[cut]
     path = tmp_path / "cut.bmpf"
     path.write_bytes(data[:keep])
     with pytest.raises(PagingFileError) as e:
@@ -86,8 +99,10 @@ def test_truncated_file_is_refused(ckpt, paging_path, tmp_path, cut):
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("field,value", [("model_id", "other/model"), ("revision", "def456"), ("codec", "fp8x"),
-                                         ("codec_version", 9), ("num_experts", 7)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("model_id", "other/model"), ("revision", "def456"), ("codec", "fp8x"), ("codec_version", 9), ("num_experts", 7)],
+)
 def test_foreign_file_is_refused_naming_what_differs(ckpt, paging_path, field, value):
     want = ckpt.meta(**{field: value})
     with pytest.raises(PagingFileError, match=f"made for {field}=.*this run needs"):
@@ -96,6 +111,7 @@ def test_foreign_file_is_refused_naming_what_differs(ckpt, paging_path, field, v
 
 def test_file_of_another_layout_is_refused(ckpt, paging_path):
     from ssd_testkit import synth_experts
+
     other = synth_experts.make_layout(512, 128, True)
     with pytest.raises(PagingFileError, match="layout_signature"):
         PagingFileStore(paging_path, other, ckpt.meta(layout_signature=other.signature()))

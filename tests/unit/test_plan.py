@@ -9,18 +9,30 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
 from bigmoe import presets
-from bigmoe.cli_plan import EXIT_REFUSED, plan as plan_command
+from bigmoe.cli_plan import EXIT_REFUSED
+from bigmoe.cli_plan import plan as plan_command
 from bigmoe.hardware import Hardware
 from bigmoe.plan import Overrides, PlanError, plan
-from bigmoe.plan_speed import PCIE_GBPS_PER_LANE, PCIE_EFFICIENCY, speeds_for
+from bigmoe.plan_speed import PCIE_EFFICIENCY, PCIE_GBPS_PER_LANE, speeds_for
 from bigmoe_pager.settings import PagerSettings
+from click.testing import CliRunner
 
 HARDWARE = Path(__file__).resolve().parents[1] / "fixtures" / "hardware"
 GIB = 1 << 30
-REASON_KEYS = ("device", "dtype", "context", "kv_cache", "vram_slots", "ram_slots", "compress", "ssd_source", "ngram", "env", "argv")
+REASON_KEYS = (
+    "device",
+    "dtype",
+    "context",
+    "kv_cache",
+    "vram_slots",
+    "ram_slots",
+    "compress",
+    "ssd_source",
+    "ngram",
+    "env",
+    "argv",
+)
 DIRS = {"rtx3060-32g": ("/data/hf", "/home/me/paging"), "h200": ("/srv/models", "/srv/paging")}
 
 
@@ -119,11 +131,15 @@ def test_tiny_moe_without_a_gpu_plans_a_cpu_run_and_says_why():
 
 
 def with_disk(hw: Hardware, path: str, **changes) -> Hardware:
-    return dataclasses.replace(hw, disks=tuple(dataclasses.replace(d, **changes) if d.path == path else d for d in hw.disks))
+    return dataclasses.replace(
+        hw, disks=tuple(dataclasses.replace(d, **changes) if d.path == path else d for d in hw.disks)
+    )
 
 
 REFUSALS = [
-    pytest.param("rtx4090-wsl2", Overrides(model_dir="/mnt/c/models", paging_dir="/home/me/paging"), "Windows drive", id="mnt-c"),
+    pytest.param(
+        "rtx4090-wsl2", Overrides(model_dir="/mnt/c/models", paging_dir="/home/me/paging"), "Windows drive", id="mnt-c"
+    ),
     pytest.param("rtx4090-wsl2", dirs("rtx4090-wsl2", disk="nvme", disk_gib=150), "disk full", id="disk-full"),
     pytest.param("rtx4090-wsl2", dirs("rtx4090-wsl2", ram_slots=512), "out of memory", id="ram-oom"),
     pytest.param("rtx4090-wsl2", dirs("rtx4090-wsl2", vram_slots=200), "out of VRAM", id="vram-oom"),
@@ -143,7 +159,12 @@ def test_unsafe_plans_are_refused_and_force_records_it(machine_name, overrides, 
 
 
 def test_no_o_direct_on_the_ssd_tier_is_refused():
-    hw = with_disk(machine("rtx4090-wsl2"), "/home/me/paging", o_direct=False, o_direct_basis="open(x, O_DIRECT) failed: Invalid argument")
+    hw = with_disk(
+        machine("rtx4090-wsl2"),
+        "/home/me/paging",
+        o_direct=False,
+        o_direct_basis="open(x, O_DIRECT) failed: Invalid argument",
+    )
     p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2", compress="on"))
     assert p.ssd_source == "paging file" and "O_DIRECT reads do not work" in p.refusal
 
@@ -168,7 +189,12 @@ def test_explicit_overrides_beat_the_estimator():
     p = plan(machine("rtx4090-wsl2"), presets.load("qwen3.8-flash-next"), ov)
     assert (p.vram_slots, p.ram_slots, p.compress, p.context) == (20, 100, False, 8192)
     assert p.ssd_source == "checkpoint" and p.paging_file is None
-    for key, flag in (("vram_slots", "--vram-slots"), ("ram_slots", "--ram-slots"), ("compress", "--compress"), ("context", "--context")):
+    for key, flag in (
+        ("vram_slots", "--vram-slots"),
+        ("ram_slots", "--ram-slots"),
+        ("compress", "--compress"),
+        ("context", "--context"),
+    ):
         assert flag in p.reasons[key]
     assert p.env["BIGMOE_VRAM_SLOTS"] == "20" and p.env["BIGMOE_RAM_SLOTS"] == "100"
 
@@ -179,31 +205,44 @@ def test_ram_slots_alone_lower_the_vram_slots():
 
 
 def test_a_stated_machine_replaces_the_probed_one():
-    p = plan(machine("cpu-laptop"), presets.load("qwen3.8-flash-next"), dirs("cpu-laptop", gpu="RTX 4090", ram_gib=64, disk="nvme"))
+    p = plan(
+        machine("cpu-laptop"),
+        presets.load("qwen3.8-flash-next"),
+        dirs("cpu-laptop", gpu="RTX 4090", ram_gib=64, disk="nvme"),
+    )
     assert p.device == "cuda" and p.refusals == ()
     assert p.hardware.gpu().stated and p.hardware.gpu().vram_total_bytes == 24 * GIB
     assert p.hardware.ram_total_bytes == 64 * GIB and p.hardware.disks[0].stated
 
 
 def test_more_vram_means_more_slots_and_a_faster_token():
-    results = [plan(machine("cpu-laptop"), presets.load("qwen3.8-flash-next"), dirs("cpu-laptop", vram_gib=v, ram_gib=64, disk="nvme"))
-               for v in (16, 24, 32, 48)]
+    results = [
+        plan(
+            machine("cpu-laptop"),
+            presets.load("qwen3.8-flash-next"),
+            dirs("cpu-laptop", vram_gib=v, ram_gib=64, disk="nvme"),
+        )
+        for v in (16, 24, 32, 48)
+    ]
     slots = [p.vram_slots for p in results]
     slow = [p.estimate.tpot_ms[1] for p in results]
     assert slots == sorted(slots) and len(set(slots)) == 4
     assert slow == sorted(slow, reverse=True)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (Overrides(context=10**7), "--context"),
-    (Overrides(vram_slots=3), "top-k"),
-    (Overrides(vram_slots=600), "experts per layer"),
-    (Overrides(vram_slots=64, ram_slots=32), "RAM slots must be >= VRAM slots"),
-    (Overrides(disk="floppy"), "--disk"),
-    (Overrides(gpu="Voodoo 3"), "--vram-gib"),
-    (Overrides(ram_gib=-4), "--ram-gib"),
-    (Overrides(compress="maybe"), "--compress"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (Overrides(context=10**7), "--context"),
+        (Overrides(vram_slots=3), "top-k"),
+        (Overrides(vram_slots=600), "experts per layer"),
+        (Overrides(vram_slots=64, ram_slots=32), "RAM slots must be >= VRAM slots"),
+        (Overrides(disk="floppy"), "--disk"),
+        (Overrides(gpu="Voodoo 3"), "--vram-gib"),
+        (Overrides(ram_gib=-4), "--ram-gib"),
+        (Overrides(compress="maybe"), "--compress"),
+    ],
+)
 def test_overrides_that_make_no_sense_raise_one_line(overrides, message):
     with pytest.raises(PlanError, match=message) as info:
         plan(machine("rtx4090-wsl2"), presets.load("qwen3.8-flash-next"), overrides)
@@ -247,12 +286,18 @@ def test_plan_command_for_the_reference_job():
 
 
 def test_plan_command_checks_a_stated_disk():
-    ok = run_plan("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "400", "--json")
+    ok = run_plan(
+        "qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "400", "--json"
+    )
     assert ok.exit_code == 0 and all(t["fits"] for t in json.loads(ok.stdout)["memory"])
-    full = run_plan("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "100", "--json")
+    full = run_plan(
+        "qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "100", "--json"
+    )
     assert full.exit_code == EXIT_REFUSED
     assert "disk full" in json.loads(full.stdout)["refusal"] and "--force" in full.stderr
-    forced = run_plan("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "100", "--force")
+    forced = run_plan(
+        "qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "100", "--force"
+    )
     assert forced.exit_code == 0 and "forced despite: disk full" in forced.stdout
 
 
@@ -266,17 +311,22 @@ def test_plan_command_text_names_every_choice():
 
 @pytest.mark.parametrize("flag, planned", [("--prefill-buffer", True), ("--no-prefill-buffer", False)])
 def test_plan_command_takes_the_prefill_buffer_flag(flag, planned):
-    result = run_plan("qwen3.6-35b-a3b", "--gpu", "RTX 4090", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "500", flag)
+    result = run_plan(
+        "qwen3.6-35b-a3b", "--gpu", "RTX 4090", "--ram-gib", "64", "--disk", "nvme", "--disk-gib", "500", flag
+    )
     assert result.exit_code == 0, result.output
     assert f"set by {flag}" in result.stdout and ("prefill buffer " in result.stdout) is planned
 
 
-@pytest.mark.parametrize("args, code, text", [
-    (["no-such-model"], 1, "unknown model"),
-    (["tiny-moe", "--disk", "floppy"], 2, "floppy"),
-    (["tiny-moe", "--vram-gib", "-3"], 2, "--vram-gib"),
-    (["qwen3.8-flash-next", "--vram-gib", "24", "--vram-slots", "2"], 1, "top-k"),
-])
+@pytest.mark.parametrize(
+    "args, code, text",
+    [
+        (["no-such-model"], 1, "unknown model"),
+        (["tiny-moe", "--disk", "floppy"], 2, "floppy"),
+        (["tiny-moe", "--vram-gib", "-3"], 2, "--vram-gib"),
+        (["qwen3.8-flash-next", "--vram-gib", "24", "--vram-slots", "2"], 1, "top-k"),
+    ],
+)
 def test_plan_command_bad_input_is_one_line(args, code, text):
     result = run_plan(*args)
     assert result.exit_code == code
@@ -299,14 +349,18 @@ def test_a_cpu_run_can_page_when_asked():
     assert (demo.pager, demo.vram_slots, demo.ram_slots, demo.ssd_source) == (True, 8, 8, "checkpoint")
 
 
-@pytest.mark.parametrize("machine_name, preset_name, cuda_graphs, graphs_expected", [
-    ("rtx4090-wsl2", "qwen3.6-35b-a3b", False, False),  # --eager: the host-driven pager
-    ("rtx4090-wsl2", "qwen3.6-35b-a3b", None, True),  # the default; all experts in RAM, raw records: device-driven
-    ("rtx4090-wsl2", "qwen3.8-flash-next", None, True),  # the reference job: raw SSD reads, device-driven
-    ("rtx3060-32g", "qwen3.6-35b-a3b", True, True),
-])
+@pytest.mark.parametrize(
+    "machine_name, preset_name, cuda_graphs, graphs_expected",
+    [
+        ("rtx4090-wsl2", "qwen3.6-35b-a3b", False, False),  # --eager: the host-driven pager
+        ("rtx4090-wsl2", "qwen3.6-35b-a3b", None, True),  # the default; all experts in RAM, raw records: device-driven
+        ("rtx4090-wsl2", "qwen3.8-flash-next", None, True),  # the reference job: raw SSD reads, device-driven
+        ("rtx3060-32g", "qwen3.6-35b-a3b", True, True),
+    ],
+)
 def test_cuda_graphs_asks_for_the_device_driven_pager_and_a_capture_size_that_fits(
-        machine_name, preset_name, cuda_graphs, graphs_expected):
+    machine_name, preset_name, cuda_graphs, graphs_expected
+):
     choice = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
     p = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name, **choice))
     assert p.pager
@@ -340,7 +394,9 @@ PREFILL = [
 
 
 @pytest.mark.parametrize("machine_name, preset_name, more, planned", PREFILL, ids=str)
-def test_the_prefill_buffer_is_reserved_in_vram_when_the_device_driven_pager_uses_it(machine_name, preset_name, more, planned):
+def test_the_prefill_buffer_is_reserved_in_vram_when_the_device_driven_pager_uses_it(
+    machine_name, preset_name, more, planned
+):
     p = plan(machine(machine_name), presets.load(preset_name), dirs(machine_name, **more))
     row = _vram_row(p, "prefill buffer")
     device_driven = p.pager and p.settings.cuda_graphs

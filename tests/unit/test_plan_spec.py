@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
-
 from bigmoe.cli_plan import plan as plan_command
+from click.testing import CliRunner
 
 REFERENCE = ("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--json")
 
@@ -50,18 +49,31 @@ def test_the_drafters_layer_costs_slots():
     assert on["vram_slots"] < off["vram_slots"]
 
 
-@pytest.mark.parametrize("args, text", [
-    (("--vram-slots", "20", "--speculative-tokens", "2"), "3 tokens x top-10 = 30 expert ids, more than the 20"),
-    (("--speculative-tokens", "3"), "4 tokens x top-10 = 40 expert ids"),  # 24 GiB leaves fewer slots than that
-])
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (("--vram-slots", "20", "--speculative-tokens", "2"), "3 tokens x top-10 = 30 expert ids, more than the 20"),
+        (("--speculative-tokens", "3"), "4 tokens x top-10 = 40 expert ids"),  # 24 GiB leaves fewer slots than that
+    ],
+)
 def test_a_verification_step_the_slots_cannot_hold_is_refused(args, text):
     result = run_plan(*REFERENCE, *args)
     assert result.exit_code != 0 and text in json.loads(result.stdout)["refusal"]
 
 
 def test_a_model_without_an_mtp_head_is_refused():
-    result = run_plan("qwen3.6-35b-a3b", "--gpu", "RTX 4090", "--ram-gib", "64", "--disk", "nvme", "--json",
-                      "--speculative-tokens", "1")
+    result = run_plan(
+        "qwen3.6-35b-a3b",
+        "--gpu",
+        "RTX 4090",
+        "--ram-gib",
+        "64",
+        "--disk",
+        "nvme",
+        "--json",
+        "--speculative-tokens",
+        "1",
+    )
     assert result.exit_code != 0 and "no MTP head" in json.loads(result.stdout)["refusal"]
 
 

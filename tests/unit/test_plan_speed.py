@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-
 from bigmoe import plan_speed
 from bigmoe.plan_speed import Speeds, estimate, family_hit
 
 BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
-H200 = Speeds(pcie_gbps=55.2, disk_gbps=1.55, memory_gbps=4800 * plan_speed.DECODE_EFFICIENCY, measured=(), assumptions=())
+H200 = Speeds(
+    pcie_gbps=55.2, disk_gbps=1.55, memory_gbps=4800 * plan_speed.DECODE_EFFICIENCY, measured=(), assumptions=()
+)
 """The H200 machine: pinned H2D 55.2 GB/s and 1.55 GB/s O_DIRECT with 4 workers, both measured there
 (docs/benchmarks.md, docs/bench/ssd.json); HBM from the data sheet."""
 
@@ -24,8 +25,13 @@ def bench_shape() -> dict:
     record = 3 * h * inter + 3 * (h // 128) * (inter // 128) * 4  # FP8 weights + fp32 128x128 block scales
     attention = h * c["heads"] * c["head_dim"] * 2 + h * c["kv_heads"] * c["head_dim"] * 2  # q, o + k, v (FP8)
     dense = layers * (attention + c["experts"] * h * 2) + c["vocab"] * h * 2  # + bf16 router per layer, bf16 head
-    return {"layers": layers, "experts": c["experts"], "top_k": c["top_k"], "record_bytes": record,
-            "resident_bytes": dense + layers * c["top_k"] * record}
+    return {
+        "layers": layers,
+        "experts": c["experts"],
+        "top_k": c["top_k"],
+        "record_bytes": record,
+        "resident_bytes": dense + layers * c["top_k"] * record,
+    }
 
 
 def measured_runs() -> list[tuple[str, str, dict]]:
@@ -36,13 +42,21 @@ def measured_runs() -> list[tuple[str, str, dict]]:
     for c in standard:
         if c["name"] == "resident" or c["name"].startswith("bigmoe") and c.get("tpot_ms"):
             env = c["env"]
-            run = {"name": c["name"], "tpot_ms": c["tpot_ms"], "vram_slots": int(env.get("BIGMOE_VRAM_SLOTS", 256)),
-                   "ram_slots": int(env.get("BIGMOE_RAM_SLOTS", 256))}
+            run = {
+                "name": c["name"],
+                "tpot_ms": c["tpot_ms"],
+                "vram_slots": int(env.get("BIGMOE_VRAM_SLOTS", 256)),
+                "ram_slots": int(env.get("BIGMOE_RAM_SLOTS", 256)),
+            }
             runs.append(("standard", env.get("BIGMOE_EVICTION", "lfu"), run))
     for c in shifted:
         if c["name"] == "resident" or c["name"].startswith("bigmoe"):
-            run = {"name": c["name"], "tpot_ms": c["tpot_ms"], "vram_slots": c.get("vram_slots", 256),
-                   "ram_slots": c.get("ram_slots", 256)}
+            run = {
+                "name": c["name"],
+                "tpot_ms": c["tpot_ms"],
+                "vram_slots": c.get("vram_slots", 256),
+                "ram_slots": c.get("ram_slots", 256),
+            }
             runs.append(("topic-shift", c.get("eviction", "lfu"), run))
     return runs
 
@@ -52,8 +66,11 @@ def simulated_hits(family: str, policy: str, vram: int, ram: int) -> tuple[float
     if vram >= 256:
         return 1.0, 1.0
     rows = json.loads((BENCH / "eviction.json").read_text())["results"]
-    row = next(r for r in rows if r["family"] == family and r["experts"] == 256 and r["vram_slots"] == vram
-               and r["ram_slots"] == ram)
+    row = next(
+        r
+        for r in rows
+        if r["family"] == family and r["experts"] == 256 and r["vram_slots"] == vram and r["ram_slots"] == ram
+    )
     return row[policy]["vram_hit"], row[policy]["ram_hit"]
 
 
@@ -61,10 +78,19 @@ def simulated_hits(family: str, policy: str, vram: int, ram: int) -> tuple[float
 def test_estimate_is_within_a_quarter_of_each_h200_measurement(family, policy, run):
     shape = bench_shape()
     hits = simulated_hits(family, policy, run["vram_slots"], run["ram_slots"])
-    got = estimate(H200, "cuda", layers=shape["layers"], experts=shape["experts"], top_k=shape["top_k"],
-                   resident_bytes=shape["resident_bytes"], record_bytes=shape["record_bytes"],
-                   ssd_record_bytes=shape["record_bytes"], vram_slots=run["vram_slots"], ram_slots=run["ram_slots"],
-                   hits=(hits, hits))
+    got = estimate(
+        H200,
+        "cuda",
+        layers=shape["layers"],
+        experts=shape["experts"],
+        top_k=shape["top_k"],
+        resident_bytes=shape["resident_bytes"],
+        record_bytes=shape["record_bytes"],
+        ssd_record_bytes=shape["record_bytes"],
+        vram_slots=run["vram_slots"],
+        ram_slots=run["ram_slots"],
+        hits=(hits, hits),
+    )
     assert got.tpot_ms[0] == got.tpot_ms[1]
     assert got.tpot_ms[0] == pytest.approx(run["tpot_ms"], rel=0.25), (run["name"], hits, got)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.prediction import predict_next, recall, replayed_predictions
@@ -28,7 +27,9 @@ LAYOUT = ExpertLayout.for_moe(64, 32, torch.float8_e4m3fn, block=32)
 
 
 def records(experts: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (experts, LAYOUT.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, 256, (experts, LAYOUT.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def make_pager(experts: int, slots: int, policy: str, rec: torch.Tensor, fused: bool = True):
@@ -44,8 +45,11 @@ def expert_bytes(pager: ExpertPager, remapped: torch.Tensor) -> list[torch.Tenso
     """What the MoE kernel reads for each (token, k): the bytes of the slot its id maps to (empty for -1)."""
     out = []
     for slot in remapped.reshape(-1).tolist():
-        out.append(torch.cat([b.view(b.shape[0], -1).view(torch.uint8)[slot] for b in pager.buffers.values()])
-                   if slot >= 0 else torch.empty(0, dtype=torch.uint8))
+        out.append(
+            torch.cat([b.view(b.shape[0], -1).view(torch.uint8)[slot] for b in pager.buffers.values()])
+            if slot >= 0
+            else torch.empty(0, dtype=torch.uint8)
+        )
     return out
 
 

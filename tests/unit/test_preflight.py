@@ -11,18 +11,24 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from bigmoe import pipeline, presets
-from bigmoe.preflight import (PreflightError, paging_space_problem, port_problem, preflight, settings_problem,
-                              shards_problem)
+from bigmoe.preflight import (
+    PreflightError,
+    paging_space_problem,
+    port_problem,
+    preflight,
+    settings_problem,
+    shards_problem,
+)
 
 SHARD = "model-00001-of-00001.safetensors"
 
 
 def a_plan(**fields):
     """The fields of bigmoe.plan.Plan that preflight reads (a stand-in, not the estimator)."""
-    base = dict(env={}, pager=True, layers=4, experts=16, expert_bytes=196608, ssd_source="checkpoint",
-                paging_file=None)
+    base = dict(
+        env={}, pager=True, layers=4, experts=16, expert_bytes=196608, ssd_source="checkpoint", paging_file=None
+    )
     return SimpleNamespace(**(base | fields))
 
 
@@ -31,13 +37,16 @@ def private_checkpoint(tiny_checkpoint, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_checkpoint(), tmp_path / "ckpt"))
 
 
-@pytest.mark.parametrize("env, words", [
-    ({"BIGMOE_VRAM_SLOTS": "many"}, "BIGMOE_VRAM_SLOTS"),
-    ({"BIGMOE_READ_TIMEOUT_S": "-1"}, "BIGMOE_READ_TIMEOUT_S"),
-    ({"BIGMOE_COMPRESS": "maybe"}, "BIGMOE_COMPRESS"),
-    ({"BIGMOE_VRAM_SLOTS": "8", "BIGMOE_RAM_SLOTS": "4"}, "RAM slots must be >= VRAM slots"),
-    ({"BIGMOE_VRAM_SLOTS": "8,8"}, "BIGMOE_VRAM_SLOTS"),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"BIGMOE_VRAM_SLOTS": "many"}, "BIGMOE_VRAM_SLOTS"),
+        ({"BIGMOE_READ_TIMEOUT_S": "-1"}, "BIGMOE_READ_TIMEOUT_S"),
+        ({"BIGMOE_COMPRESS": "maybe"}, "BIGMOE_COMPRESS"),
+        ({"BIGMOE_VRAM_SLOTS": "8", "BIGMOE_RAM_SLOTS": "4"}, "RAM slots must be >= VRAM slots"),
+        ({"BIGMOE_VRAM_SLOTS": "8,8"}, "BIGMOE_VRAM_SLOTS"),
+    ],
+)
 def test_bad_pager_variables_are_one_line_naming_the_variable(env, words):
     start = time.monotonic()
     why = settings_problem({}, a_plan(), environ={"BIGMOE_PAGER": "1", **env})
@@ -45,8 +54,10 @@ def test_bad_pager_variables_are_one_line_naming_the_variable(env, words):
     assert why is not None and words in why and "\n" not in why
 
 
-@pytest.mark.parametrize("text, words", [("vram_slots = [", "not valid TOML"), ("vram_slot = 4\n", "unknown keys"),
-                                         ("io_workers = 'x'\n", "io_workers")])
+@pytest.mark.parametrize(
+    "text, words",
+    [("vram_slots = [", "not valid TOML"), ("vram_slot = 4\n", "unknown keys"), ("io_workers = 'x'\n", "io_workers")],
+)
 def test_a_bad_settings_file_is_named(tmp_path, text, words):
     file = tmp_path / "pager.toml"
     file.write_text(text)
@@ -58,9 +69,14 @@ def test_the_plans_own_variables_beat_the_environment_and_pass():
     assert settings_problem({"BIGMOE_VRAM_SLOTS": "8"}, a_plan(), environ={"BIGMOE_VRAM_SLOTS": "x"}) is None
 
 
-@pytest.mark.parametrize("synthetic, in_cache, fix", [(True, True, "bigmoe makes it anew"),
-                                                      (True, False, "copy or download the checkpoint again"),
-                                                      (False, False, "copy or download the checkpoint again")])
+@pytest.mark.parametrize(
+    "synthetic, in_cache, fix",
+    [
+        (True, True, "bigmoe makes it anew"),
+        (True, False, "copy or download the checkpoint again"),
+        (False, False, "copy or download the checkpoint again"),
+    ],
+)
 def test_a_truncated_shard_is_named_with_its_fix(private_checkpoint, monkeypatch, synthetic, in_cache, fix):
     """Only a checkpoint bigmoe made in its own cache is made anew; a --model-dir is the user's to replace."""
     monkeypatch.setenv("BIGMOE_HOME", str(private_checkpoint.parent if in_cache else private_checkpoint.parent / "x"))

@@ -6,15 +6,18 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from bigmoe.prepare import paging_file_matches, prepare
 from bigmoe.tinymoe.shape import TinyShape
 
 
 @pytest.fixture
 def model(tiny_checkpoint):
-    return tiny_checkpoint(TinyShape(layers=2, experts=4, top_k=2, hidden=128, moe_intermediate=128, vocab=512), "fp8",
-                           seed=2, with_tokenizer=False)
+    return tiny_checkpoint(
+        TinyShape(layers=2, experts=4, top_k=2, hidden=128, moe_intermediate=128, vocab=512),
+        "fp8",
+        seed=2,
+        with_tokenizer=False,
+    )
 
 
 def plan_for(path, compress: bool, source: str = "paging file"):

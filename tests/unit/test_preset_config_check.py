@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-
 from bigmoe import presets
 from bigmoe.tinymoe.shape import TinyShape
 
@@ -21,12 +20,15 @@ def test_the_tiny_preset_matches_its_checkpoint(model):
     presets.check_config(presets.load("tiny-moe"), model)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("experts", 32, "num_experts is 16, but preset tiny-moe says experts = 32"),
-    ("top_k", 8, "num_experts_per_tok is 4, but preset tiny-moe says top_k = 8"),
-    ("moe_layers", 5, "the model has 4 MoE layers, but preset tiny-moe says 5"),
-    ("hidden", 512, "hidden_size is 256"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("experts", 32, "num_experts is 16, but preset tiny-moe says experts = 32"),
+        ("top_k", 8, "num_experts_per_tok is 4, but preset tiny-moe says top_k = 8"),
+        ("moe_layers", 5, "the model has 4 MoE layers, but preset tiny-moe says 5"),
+        ("hidden", 512, "hidden_size is 256"),
+    ],
+)
 def test_mismatched_architecture_is_refused(model, field, value, message):
     preset = presets.load("tiny-moe")
     wrong = dataclasses.replace(preset, arch=dataclasses.replace(preset.arch, **{field: value}))
@@ -40,7 +42,9 @@ def test_another_architecture_is_refused(model, tmp_path):
     config = json.loads((copy / "config.json").read_text())
     config["architectures"] = ["MixtralForCausalLM"]
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(presets.PresetError, match="is a MixtralForCausalLM, but preset tiny-moe is for Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        presets.PresetError, match="is a MixtralForCausalLM, but preset tiny-moe is for Qwen3MoeForCausalLM"
+    ):
         presets.check_config(presets.load("tiny-moe"), copy)
 
 

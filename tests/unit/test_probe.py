@@ -11,13 +11,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
-
 from bigmoe import probe_disk
 from bigmoe.cli_plan import probe as probe_command
 from bigmoe.hardware import Gpu, Hardware, HardwareError, Unknown
 from bigmoe.probe import probe, probe_gpus
 from bigmoe.probe_disk import check_o_direct
+from click.testing import CliRunner
 
 MACHINES = Path(__file__).resolve().parents[1] / "fixtures" / "machines"
 HARDWARE = Path(__file__).resolve().parents[1] / "fixtures" / "hardware"
@@ -35,31 +34,65 @@ def copy_tree(name: str, tmp_path: Path) -> Path:
 MACHINE_CASES = [
     pytest.param(
         "wsl2-4090",
-        dict(wsl2=True, ram_total_bytes=65843512 * KIB, ram_available_bytes=61231104 * KIB, cpu_cores=2, cpu_amx=False,
-             memlock_bytes=64 << 20),
-        {"/home/me/models": dict(device="sdc", kind="virtual", filesystem="ext4", mount_point="/", windows_drive=False, o_direct=True),
-         "/mnt/c/models": dict(filesystem="9p", mount_point="/mnt/c", windows_drive=True, o_direct=False)},
+        dict(
+            wsl2=True,
+            ram_total_bytes=65843512 * KIB,
+            ram_available_bytes=61231104 * KIB,
+            cpu_cores=2,
+            cpu_amx=False,
+            memlock_bytes=64 << 20,
+        ),
+        {
+            "/home/me/models": dict(
+                device="sdc", kind="virtual", filesystem="ext4", mount_point="/", windows_drive=False, o_direct=True
+            ),
+            "/mnt/c/models": dict(filesystem="9p", mount_point="/mnt/c", windows_drive=True, o_direct=False),
+        },
         id="wsl2-4090",
     ),
     pytest.param(
         "desktop-3060",
-        dict(wsl2=False, ram_total_bytes=32780504 * KIB, ram_available_bytes=29360128 * KIB, cpu_cores=4, cpu_amx=False,
-             memlock_bytes=8 << 20),
-        {"/home/me/.cache/bigmoe/paging": dict(device="nvme0n1", kind="nvme", filesystem="ext4", mount_point="/", o_direct=True),
-         "/data/hf": dict(device="sda", kind="sata", filesystem="ext4", mount_point="/data", windows_drive=False, o_direct=True)},
+        dict(
+            wsl2=False,
+            ram_total_bytes=32780504 * KIB,
+            ram_available_bytes=29360128 * KIB,
+            cpu_cores=4,
+            cpu_amx=False,
+            memlock_bytes=8 << 20,
+        ),
+        {
+            "/home/me/.cache/bigmoe/paging": dict(
+                device="nvme0n1", kind="nvme", filesystem="ext4", mount_point="/", o_direct=True
+            ),
+            "/data/hf": dict(
+                device="sda", kind="sata", filesystem="ext4", mount_point="/data", windows_drive=False, o_direct=True
+            ),
+        },
         id="desktop-3060",
     ),
     pytest.param(
         "h200-server",
-        dict(wsl2=False, ram_total_bytes=131891232 * KIB, ram_available_bytes=125829120 * KIB, cpu_cores=8, cpu_amx=True,
-             memlock_bytes=None),
+        dict(
+            wsl2=False,
+            ram_total_bytes=131891232 * KIB,
+            ram_available_bytes=125829120 * KIB,
+            cpu_cores=8,
+            cpu_amx=True,
+            memlock_bytes=None,
+        ),
         {"/srv/models": dict(device="dm-0", kind="nvme", filesystem="xfs", mount_point="/srv", o_direct=True)},
         id="h200-lvm-over-nvme",
     ),
     pytest.param(
         "hdd-only",
-        dict(wsl2=False, ram_total_bytes=65843512 * KIB, ram_available_bytes=60000000 * KIB, cpu_cores=1, cpu_amx=False,
-             memlock_bytes=8 << 20),
+        dict(
+            wsl2=False,
+            ram_total_bytes=65843512 * KIB,
+            ram_available_bytes=60000000 * KIB,
+            cpu_cores=1,
+            cpu_amx=False,
+            memlock_bytes=8 << 20,
+        ),
         {"/home/me/models": dict(device="sda", kind="hdd", filesystem="ext4", mount_point="/", o_direct=True)},
         id="hdd-only",
     ),
@@ -99,13 +132,24 @@ def test_wsl2_variables_alone_mark_wsl2(tmp_path):
 
 BROKEN_FILES = [
     pytest.param("proc/meminfo", None, ["ram_total_bytes", "ram_available_bytes"], id="meminfo-missing"),
-    pytest.param("proc/meminfo", "MemTotal:  1024 kB\nMemAvailable: lots\n", ["ram_available_bytes"], id="meminfo-garbage"),
+    pytest.param(
+        "proc/meminfo", "MemTotal:  1024 kB\nMemAvailable: lots\n", ["ram_available_bytes"], id="meminfo-garbage"
+    ),
     pytest.param("proc/cpuinfo", None, ["cpu_cores", "cpu_amx"], id="cpuinfo-missing"),
     pytest.param("proc/cpuinfo", "\x00\x01 nothing\n", ["cpu_cores", "cpu_amx"], id="cpuinfo-garbage"),
-    pytest.param("proc/self/limits", "Max locked memory   many   many   bytes\n", ["memlock_bytes"], id="limits-garbage"),
+    pytest.param(
+        "proc/self/limits", "Max locked memory   many   many   bytes\n", ["memlock_bytes"], id="limits-garbage"
+    ),
     pytest.param("proc/self/limits", None, ["memlock_bytes"], id="limits-missing"),
-    pytest.param("proc/mounts", None, ["disk.mount_point", "disk.filesystem", "disk.kind", "disk.device"], id="mounts-missing"),
-    pytest.param("proc/mounts", "not a mounts file\n", ["disk.mount_point", "disk.filesystem", "disk.kind", "disk.device"], id="mounts-garbage"),
+    pytest.param(
+        "proc/mounts", None, ["disk.mount_point", "disk.filesystem", "disk.kind", "disk.device"], id="mounts-missing"
+    ),
+    pytest.param(
+        "proc/mounts",
+        "not a mounts file\n",
+        ["disk.mount_point", "disk.filesystem", "disk.kind", "disk.device"],
+        id="mounts-garbage",
+    ),
     pytest.param("sys/block/sda/queue/rotational", "banana\n", ["disk.kind"], id="rotational-garbage"),
     pytest.param("sys/block/sda/queue/rotational", None, ["disk.kind"], id="rotational-missing"),
 ]
@@ -120,8 +164,18 @@ def test_each_probe_degrades_alone(path, content, broken, tmp_path):
     else:
         target.write_text(content)
     hw = probe(root, [Path("/data/hf")])
-    fields = ["ram_total_bytes", "ram_available_bytes", "cpu_cores", "cpu_amx", "memlock_bytes", "wsl2",
-              "disk.mount_point", "disk.filesystem", "disk.kind", "disk.device"]
+    fields = [
+        "ram_total_bytes",
+        "ram_available_bytes",
+        "cpu_cores",
+        "cpu_amx",
+        "memlock_bytes",
+        "wsl2",
+        "disk.mount_point",
+        "disk.filesystem",
+        "disk.kind",
+        "disk.device",
+    ]
     for field in fields:
         value = getattr(hw.disks[0], field[5:]) if field.startswith("disk.") else getattr(hw, field)
         if field in broken:
@@ -267,14 +321,17 @@ def test_hardware_fixtures_round_trip(path):
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
 
 
-@pytest.mark.parametrize("change, where", [
-    (lambda d: d.update(ram_total_bytes="64G"), "hardware.ram_total_bytes"),
-    (lambda d: d.update(cpu_amx=1), "hardware.cpu_amx"),
-    (lambda d: d["gpus"][0].update(pcie_gen=True), "hardware.gpus[0].pcie_gen"),
-    (lambda d: d["disks"][0].pop("kind"), "hardware.disks[0].kind"),
-    (lambda d: d.update(colour="red"), "unknown keys"),
-    (lambda d: d.update(wsl2={"unknown": 5}), "hardware.wsl2"),
-])
+@pytest.mark.parametrize(
+    "change, where",
+    [
+        (lambda d: d.update(ram_total_bytes="64G"), "hardware.ram_total_bytes"),
+        (lambda d: d.update(cpu_amx=1), "hardware.cpu_amx"),
+        (lambda d: d["gpus"][0].update(pcie_gen=True), "hardware.gpus[0].pcie_gen"),
+        (lambda d: d["disks"][0].pop("kind"), "hardware.disks[0].kind"),
+        (lambda d: d.update(colour="red"), "unknown keys"),
+        (lambda d: d.update(wsl2={"unknown": 5}), "hardware.wsl2"),
+    ],
+)
 def test_malformed_hardware_names_the_field(change, where):
     data = json.loads((HARDWARE / "rtx4090-wsl2.json").read_text())
     change(data)

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from bigmoe.checkpoint_arch import read_facts
 from bigmoe.presets import load as load_preset
 from bigmoe.tinymoe.fp8 import BLOCK
@@ -31,10 +30,28 @@ from bigmoe_pager.ngram.shards import find_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = json.loads((ROOT / "tests/fixtures/qwen4exp/vllm032_params.json").read_text())
-TINY = dict(experts=12, top_k=4, hidden=128, moe_intermediate=128, shared_intermediate=128, vocab=1024, heads=2,
-            kv_heads=1, head_dim=128, linear_key_heads=1, linear_value_heads=2, linear_head_dim=128, hc_count=2,
-            hc_lowrank=16, indexer_heads=1, indexer_head_dim=64, indexer_budget=64, ngram_vocab_base=1024, ngram_parts=3,
-            max_position=4096)
+TINY = dict(
+    experts=12,
+    top_k=4,
+    hidden=128,
+    moe_intermediate=128,
+    shared_intermediate=128,
+    vocab=1024,
+    heads=2,
+    kv_heads=1,
+    head_dim=128,
+    linear_key_heads=1,
+    linear_value_heads=2,
+    linear_head_dim=128,
+    hc_count=2,
+    hc_lowrank=16,
+    indexer_heads=1,
+    indexer_head_dim=64,
+    indexer_budget=64,
+    ngram_vocab_base=1024,
+    ngram_parts=3,
+    max_position=4096,
+)
 
 
 def headers(checkpoint: Path) -> dict[str, tuple[list[int], str]]:
@@ -53,8 +70,10 @@ STACKED = [  # (checkpoint name pattern, vLLM parameter name) of tensors vLLM co
     (r"(.*\.shared_expert)\.(gate|up)_proj\.weight", r"\1.gate_up_proj.weight"),
     (r"(.*\.ple)\.(key|value)_proj\.weight", r"\1.kv_proj.weight"),
     (r"(.*\.ple\.ple_embedding\.ngram_embedding)\.shard_\d+\.weight", r"\1.weight"),
-    (r"(.*_hyper_connection)\.(input_mix_weight_down|block_inject_weight)\.weight",
-     r"\1.input_mix_weight_down_block_inject.weight"),
+    (
+        r"(.*_hyper_connection)\.(input_mix_weight_down|block_inject_weight)\.weight",
+        r"\1.input_mix_weight_down_block_inject.weight",
+    ),
 ]
 EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
@@ -66,7 +85,7 @@ def packed_shapes(tensors: dict[str, tuple[list[int], str]], prefix: str, strip:
     for name, (shape, _) in tensors.items():
         if not name.startswith(prefix) or name.endswith("weight_scale_inv"):
             continue
-        name = strip + name[len(prefix):]
+        name = strip + name[len(prefix) :]
         if (m := EXPERT.fullmatch(name)) is not None:
             experts.setdefault(m[1], set()).add(int(m[2]))
             key = f"{m[1]}.experts.routed_experts.{'w2' if m[3] == 'down' else 'w13'}_weight"
@@ -165,11 +184,14 @@ def test_the_pager_reads_the_ngram_table_in_the_real_row_format(make):
     assert torch.isfinite(torch.from_numpy(got).view(torch.float8_e4m3fn).float()).all()
 
 
-@pytest.mark.parametrize("tamper, caught_by", [
-    ({"num_experts": 24}, "routed experts"),
-    ({"split_ngram_parts": 4}, "ngram"),
-    ({"ngram_vocab_size_base": 2048}, "ngram"),
-])
+@pytest.mark.parametrize(
+    "tamper, caught_by",
+    [
+        ({"num_experts": 24}, "routed experts"),
+        ({"split_ngram_parts": 4}, "ngram"),
+        ({"ngram_vocab_size_base": 2048}, "ngram"),
+    ],
+)
 def test_a_tampered_config_is_caught(make, tmp_path, tamper, caught_by):
     import shutil
 
@@ -184,16 +206,18 @@ def test_a_tampered_config_is_caught(make, tmp_path, tamper, caught_by):
             find_shards(files, spec=TableSpec.from_config(config))
     else:
         facts = read_facts(load_preset("qwen3.8-flash-next"), checkpoint)
-        assert any("safetensors hold" in line and "routed experts" in line for line in facts.mismatches), \
+        assert any("safetensors hold" in line and "routed experts" in line for line in facts.mismatches), (
             facts.mismatches
+        )
 
 
 def test_transformers_reference_model_gives_finite_varied_logits(make):
     """transformers' own Qwen4Exp (QSA indexer, GDN, HC, PLE, MoE) runs the bf16 checkpoint on CPU."""
     transformers = pytest.importorskip("transformers")
     checkpoint = make("bf16", layers=4, **TINY)
-    model, info = transformers.Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16,
-                                                                   output_loading_info=True)
+    model, info = transformers.Qwen4ExpForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.bfloat16, output_loading_info=True
+    )
     # Only buffers it computes itself are missing; it has no notion of the FP8 table's scale.
     assert all(".ple_embedding." in k for k in info["missing_keys"]), info["missing_keys"]
     assert set(info["unexpected_keys"]) == {"model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale"}
@@ -204,14 +228,20 @@ def test_transformers_reference_model_gives_finite_varied_logits(make):
     assert len(set(logits.argmax(-1).flatten().tolist())) > 3
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dtype", "fp8", "--hidden", "200"], "divisible by 128"),
-    (["--layers", "1"], "at least 2"),
-    (["--top-k", "9", "--experts", "8"], "exceeds"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dtype", "fp8", "--hidden", "200"], "divisible by 128"),
+        (["--layers", "1"], "at least 2"),
+        (["--top-k", "9", "--experts", "8"], "exceeds"),
+    ],
+)
 def test_cli_refuses_bad_input_in_one_line(tmp_path, argv, message):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/make_qwen4exp.py"), str(tmp_path / "out"), *argv],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/make_qwen4exp.py"), str(tmp_path / "out"), *argv],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out").exists()

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from bigmoe_pager.codec import CodecError, encode_record
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.record_decoder import DeviceDecoder, ReferenceDecoder

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from bigmoe import pipeline, presets
 from bigmoe.cli import main
 from bigmoe.hardware import Hardware

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from bigmoe_pager.plugin import UnsupportedVllm, check_vllm_version
 from bigmoe_pager.settings import PagerSettings, SettingsError
 
@@ -16,43 +15,60 @@ def test_defaults_leave_vllm_alone():
     assert s.slots_for(0, 4, 16) == (16, 16)
 
 
-@pytest.mark.parametrize("env,layer,expected", [
-    ({"BIGMOE_VRAM_SLOTS": "4"}, 2, (4, 16)),
-    ({"BIGMOE_VRAM_SLOTS": "4", "BIGMOE_RAM_SLOTS": "8"}, 0, (4, 8)),
-    ({"BIGMOE_VRAM_SLOTS": "2,3,4,5", "BIGMOE_RAM_SLOTS": "9"}, 3, (5, 9)),
-    ({"BIGMOE_VRAM_SLOTS": "40"}, 1, (16, 16)),
-])
+@pytest.mark.parametrize(
+    "env,layer,expected",
+    [
+        ({"BIGMOE_VRAM_SLOTS": "4"}, 2, (4, 16)),
+        ({"BIGMOE_VRAM_SLOTS": "4", "BIGMOE_RAM_SLOTS": "8"}, 0, (4, 8)),
+        ({"BIGMOE_VRAM_SLOTS": "2,3,4,5", "BIGMOE_RAM_SLOTS": "9"}, 3, (5, 9)),
+        ({"BIGMOE_VRAM_SLOTS": "40"}, 1, (16, 16)),
+    ],
+)
 def test_per_layer_slots(env, layer, expected):
     assert PagerSettings.from_env(env).slots_for(layer, 4, 16) == expected
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"BIGMOE_VRAM_SLOTS": "x"}, "BIGMOE_VRAM_SLOTS='x' is not valid"),
-    ({"BIGMOE_PAGER": "maybe"}, "BIGMOE_PAGER='maybe' is not valid; expected 1 or 0"),
-    ({"BIGMOE_COMPRESS": "zip"}, "expected on / off / auto"),
-    ({"BIGMOE_EVICTION": "fifo"}, "BIGMOE_EVICTION='fifo' is not valid; expected lfu / lru"),
-    ({"BIGMOE_READ_TIMEOUT_S": "-1"}, "expected a positive number"),
-    ({"BIGMOE_IO_WORKERS": "-2"}, "expected a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"BIGMOE_VRAM_SLOTS": "x"}, "BIGMOE_VRAM_SLOTS='x' is not valid"),
+        ({"BIGMOE_PAGER": "maybe"}, "BIGMOE_PAGER='maybe' is not valid; expected 1 or 0"),
+        ({"BIGMOE_COMPRESS": "zip"}, "expected on / off / auto"),
+        ({"BIGMOE_EVICTION": "fifo"}, "BIGMOE_EVICTION='fifo' is not valid; expected lfu / lru"),
+        ({"BIGMOE_READ_TIMEOUT_S": "-1"}, "expected a positive number"),
+        ({"BIGMOE_IO_WORKERS": "-2"}, "expected a non-negative integer"),
+    ],
+)
 def test_bad_values_give_one_line(env, message):
     with pytest.raises(SettingsError) as e:
         PagerSettings.from_env(env)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"BIGMOE_VRAM_SLOTS": "8", "BIGMOE_RAM_SLOTS": "4"}, "RAM slots must be >= VRAM slots"),
-    ({"BIGMOE_VRAM_SLOTS": "0"}, "needs at least 1"),
-    ({"BIGMOE_VRAM_SLOTS": "1,2"}, "lists 2 values but the model has 4 MoE layers"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"BIGMOE_VRAM_SLOTS": "8", "BIGMOE_RAM_SLOTS": "4"}, "RAM slots must be >= VRAM slots"),
+        ({"BIGMOE_VRAM_SLOTS": "0"}, "needs at least 1"),
+        ({"BIGMOE_VRAM_SLOTS": "1,2"}, "lists 2 values but the model has 4 MoE layers"),
+    ],
+)
 def test_slot_rules(env, message):
     with pytest.raises(SettingsError, match=message):
         PagerSettings.from_env(env).slots_for(0, 4, 16)
 
 
 def test_round_trip_through_the_environment_and_a_file(tmp_path: Path):
-    s = PagerSettings(enabled=True, vram_slots=(8,), ram_slots=(12, 13), paging_file=tmp_path / "p.bmpf",
-                      compress="on", cuda_graphs=True, read_timeout_s=2.5, eviction="lru")
+    s = PagerSettings(
+        enabled=True,
+        vram_slots=(8,),
+        ram_slots=(12, 13),
+        paging_file=tmp_path / "p.bmpf",
+        compress="on",
+        cuda_graphs=True,
+        read_timeout_s=2.5,
+        eviction="lru",
+    )
     assert PagerSettings.from_env(s.to_env()) == s
     file = tmp_path / "bigmoe.toml"
     file.write_text('enabled = true\nvram_slots = [8]\nram_slots = "12,13"\ncompress = "on"\n')
@@ -74,7 +90,10 @@ def test_codec_auto_follows_the_paging_file(tmp_path):
     assert not PagerSettings(compress="off", paging_file=tmp_path / "x").use_codec()
 
 
-@pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.33.1", True), ("0.25.1", True), ("0.31.2", False), ("0.320.0", False), ("1.0.0", False)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [("0.32.0", True), ("0.33.1", True), ("0.25.1", True), ("0.31.2", False), ("0.320.0", False), ("1.0.0", False)],
+)
 def test_vllm_versions(version, ok):
     if ok:
         check_vllm_version(version)

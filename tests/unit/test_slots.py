@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core.slots import SlotTable, SlotTableError
 
 
@@ -80,9 +79,19 @@ def _random_step(rng: random.Random, experts: int, tokens: int, k: int, hot: lis
 
 @pytest.mark.parametrize(
     "experts,slots,k,tokens,policy",
-    [(16, 4, 4, 1, "lru"), (16, 4, 4, 3, "lru"), (64, 8, 8, 1, "lru"), (256, 32, 8, 1, "lru"), (40, 10, 6, 4, "lru"),
-     (8, 8, 2, 2, "lru"), (64, 8, 8, 1, "lfu"), (40, 10, 6, 4, "lfu"), (16, 4, 4, 3, "lfu"),
-     (64, 8, 8, 1, "lfu-fast"), (40, 10, 6, 4, "lfu-fast")],
+    [
+        (16, 4, 4, 1, "lru"),
+        (16, 4, 4, 3, "lru"),
+        (64, 8, 8, 1, "lru"),
+        (256, 32, 8, 1, "lru"),
+        (40, 10, 6, 4, "lru"),
+        (8, 8, 2, 2, "lru"),
+        (64, 8, 8, 1, "lfu"),
+        (40, 10, 6, 4, "lfu"),
+        (16, 4, 4, 3, "lfu"),
+        (64, 8, 8, 1, "lfu-fast"),
+        (40, 10, 6, 4, "lfu-fast"),
+    ],
 )
 def test_acquire_matches_python_policy(experts, slots, k, tokens, policy):
     rng = random.Random(experts * 1000 + slots * 10 + k)
@@ -194,7 +203,9 @@ def test_lfu_keeps_the_frequent_expert_that_lru_drops():
     assert 0 not in kept["lru"] and 0 in kept["lfu"]
 
 
-@pytest.mark.parametrize("experts,slots,policy", [(0, 1, "lru"), (4, 0, "lru"), (4, 5, "lru"), (8, 4, "mru"), (2000, 4, "lfu")])
+@pytest.mark.parametrize(
+    "experts,slots,policy", [(0, 1, "lru"), (4, 0, "lru"), (4, 5, "lru"), (8, 4, "mru"), (2000, 4, "lfu")]
+)
 def test_bad_sizes_are_refused(experts, slots, policy):
     with pytest.raises(SlotTableError):
         SlotTable(experts, slots, policy=policy)
@@ -203,8 +214,13 @@ def test_bad_sizes_are_refused(experts, slots, policy):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 @pytest.mark.parametrize(
     "experts,slots,k,tokens,steps,policy",
-    [(16, 4, 4, 3, 25, "lru"), (40, 10, 6, 2, 20, "lru"), (300, 24, 8, 1, 12, "lru"), (40, 10, 6, 2, 20, "lfu"),
-     (40, 10, 6, 2, 36, "lfu-fast")],
+    [
+        (16, 4, 4, 3, 25, "lru"),
+        (40, 10, 6, 2, 20, "lru"),
+        (300, 24, 8, 1, 12, "lru"),
+        (40, 10, 6, 2, 20, "lfu"),
+        (40, 10, 6, 2, 36, "lfu-fast"),
+    ],
 )
 def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps, policy):
     """The one-program Triton acquire (run by Triton's interpreter here) equals the torch ops, output and state."""
@@ -220,7 +236,18 @@ def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps, policy)
             ids[0, 0] = experts + 3  # an invalid id
         a = ref.acquire(ids, rows["ref"], rows["ref_aux"], record_bytes=100)
         b = ker.acquire(ids, rows["ker"], rows["ker_aux"], record_bytes=100)
-        for field in ("remapped", "miss_experts", "miss_slots", "evicted", "lookups", "hits", "misses", "loaded", "overflow", "invalid"):
+        for field in (
+            "remapped",
+            "miss_experts",
+            "miss_slots",
+            "evicted",
+            "lookups",
+            "hits",
+            "misses",
+            "loaded",
+            "overflow",
+            "invalid",
+        ):
             assert torch.equal(getattr(a, field), getattr(b, field)), field
         for state in ("expert_slot", "slot_expert", "last_use", "step", "use_count"):
             assert torch.equal(getattr(ref, state), getattr(ker, state)), state

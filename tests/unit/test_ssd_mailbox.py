@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from bigmoe_pager.core import ssd_mailbox as mb
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from ssd_testkit import ROOT, FakeFaultyIO, make_checkpoint
@@ -52,7 +51,11 @@ def test_requests_through_the_mailbox_fill_slots_over_changing_ids(ckpt):
             svc.check()
             for e, s in zip(ex, sl):
                 if e >= 0:
-                    assert torch.equal(bufs[layer][s, : ckpt.layout.record_bytes], ckpt.reference(layer, e)), (layer, e, s)
+                    assert torch.equal(bufs[layer][s, : ckpt.layout.record_bytes], ckpt.reference(layer, e)), (
+                        layer,
+                        e,
+                        s,
+                    )
         assert int(svc.box[mb.GPU_ERROR]) == 0 == int(svc.error_flag[0])
         assert sum(c["reads"] for c in svc.stats()["layers"]) == 3 + 2 + 4
 

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from ssd_testkit import FakeFaultyIO, make_checkpoint
 
@@ -34,6 +33,7 @@ def open_store(request, ckpt, paging_path):
     if request.param == "checkpoint":
         return lambda **kw: ckpt.store(**kw)
     from bigmoe_pager.core.paging_file import PagingFileStore
+
     return lambda **kw: PagingFileStore(paging_path, ckpt.layout, ckpt.meta(), **kw)
 
 
@@ -63,7 +63,11 @@ def test_load_fills_slots_exactly_and_reuses_them(ckpt, open_store):
 
 def test_concurrent_loads_from_many_threads_are_exact(ckpt, open_store):
     svc, bufs = _service(ckpt, open_store(), io_workers=4)
-    plans = [(layer, [(layer * 3 + r + s) % ckpt.num_experts for s in range(RAM_SLOTS)]) for layer in range(2) for r in range(5)]
+    plans = [
+        (layer, [(layer * 3 + r + s) % ckpt.num_experts for s in range(RAM_SLOTS)])
+        for layer in range(2)
+        for r in range(5)
+    ]
     locks = [threading.Lock() for _ in range(ckpt.num_layers)]
     failures = []
 
@@ -101,6 +105,7 @@ def test_eio_fails_with_file_and_expert_named_and_stays_failed(ckpt, open_store)
 
 def test_checksum_mismatch_is_retried_then_succeeds(ckpt, paging_path):
     from bigmoe_pager.core.paging_file import PagingFileStore
+
     store = PagingFileStore(paging_path, ckpt.layout, ckpt.meta(), io=FakeFaultyIO(("corrupt",)))
     svc, bufs = _service(ckpt, store, read_retries=2)
     with svc:
@@ -111,6 +116,7 @@ def test_checksum_mismatch_is_retried_then_succeeds(ckpt, paging_path):
 
 def test_persistent_checksum_mismatch_fails_and_slot_keeps_no_bad_bytes(ckpt, paging_path, tmp_path):
     from bigmoe_pager.core.paging_file import PagingFileStore
+
     private = tmp_path / paging_path.name  # a persistent mismatch marks the file damaged: not the shared one
     private.write_bytes(paging_path.read_bytes())
     store = PagingFileStore(private, ckpt.layout, ckpt.meta(), io=FakeFaultyIO(then="corrupt"))
@@ -146,11 +152,14 @@ def test_reads_that_never_answer_fail_in_bounded_time(ckpt, open_store):
     time.sleep(0.5)  # let the stuck fake reads finish before the next test
 
 
-@pytest.mark.parametrize("experts,slots,words", [
-    ([1], [RAM_SLOTS], "RAM slot 4 outside 0..3"),
-    ([6], [0], "expert 6 outside 0..5"),
-    ([1, 2], [0, 0], "one RAM slot requested twice"),
-])
+@pytest.mark.parametrize(
+    "experts,slots,words",
+    [
+        ([1], [RAM_SLOTS], "RAM slot 4 outside 0..3"),
+        ([6], [0], "expert 6 outside 0..5"),
+        ([1, 2], [0, 0], "one RAM slot requested twice"),
+    ],
+)
 def test_bad_requests_are_refused(ckpt, open_store, experts, slots, words):
     svc, _ = _service(ckpt, open_store())
     with svc, pytest.raises(SsdError, match=words):
@@ -179,7 +188,11 @@ def test_feeds_the_ram_tier_as_its_ssd_fetch(ckpt, open_store):
             experts = torch.randperm(ckpt.num_experts, generator=gen)[:3]
             rows = tiers[layer].locate(experts)
             for e, r in zip(experts.tolist(), rows.tolist()):
-                assert torch.equal(tiers[layer].records[r, : ckpt.layout.record_bytes], ckpt.reference(layer, e)), (step, e, r)
+                assert torch.equal(tiers[layer].records[r, : ckpt.layout.record_bytes], ckpt.reference(layer, e)), (
+                    step,
+                    e,
+                    r,
+                )
 
 
 def test_settings_and_pager_stats_are_honoured(ckpt, paging_path):
@@ -188,12 +201,15 @@ def test_settings_and_pager_stats_are_honoured(ckpt, paging_path):
     from bigmoe_pager.core.stats import PagerStats
     from bigmoe_pager.settings import PagerSettings
 
-    settings = PagerSettings.from_env({"BIGMOE_IO_WORKERS": "3", "BIGMOE_READ_TIMEOUT_S": "2.5", "BIGMOE_READ_RETRIES": "1"})
+    settings = PagerSettings.from_env(
+        {"BIGMOE_IO_WORKERS": "3", "BIGMOE_READ_TIMEOUT_S": "2.5", "BIGMOE_READ_RETRIES": "1"}
+    )
     stats = PagerStats(ckpt.num_layers)
     store = PagingFileStore(paging_path, ckpt.layout, ckpt.meta(), io=FakeFaultyIO(("corrupt",)))
     bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
-    svc = SsdService.from_settings(store, bufs, settings, mailbox=False,
-                                   sinks=[stats.tier(layer, "ssd") for layer in range(ckpt.num_layers)])
+    svc = SsdService.from_settings(
+        store, bufs, settings, mailbox=False, sinks=[stats.tier(layer, "ssd") for layer in range(ckpt.num_layers)]
+    )
     with svc:
         assert (svc.io_workers, svc.read_timeout_s, svc.read_retries) == (3, 2.5, 1)
         svc.load(1, [0, 1], [0, 1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from bigmoe_pager.adapters import ssd_source
 from bigmoe_pager.core.paging_build import build_paging_file, layout_for_checkpoint
 from bigmoe_pager.settings import SettingsError
@@ -14,8 +13,12 @@ from ssd_testkit import FakeFaultyIO
 def model(tiny_checkpoint):
     from bigmoe.tinymoe.shape import TinyShape
 
-    return tiny_checkpoint(TinyShape(layers=2, experts=4, top_k=2, hidden=128, moe_intermediate=128, vocab=512), "bf16",
-                           seed=1, with_tokenizer=False)
+    return tiny_checkpoint(
+        TinyShape(layers=2, experts=4, top_k=2, hidden=128, moe_intermediate=128, vocab=512),
+        "bf16",
+        seed=1,
+        with_tokenizer=False,
+    )
 
 
 @pytest.fixture(autouse=True)

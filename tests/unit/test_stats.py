@@ -6,7 +6,6 @@ import threading
 
 import pytest
 import torch
-
 from bigmoe_pager.core.stats import PagerStats, StatsError
 
 
@@ -15,13 +14,21 @@ def test_device_and_host_adds_sum_in_snapshots():
     stats.tier(0, "vram").add(lookups=torch.tensor(8), hits=torch.tensor(6), misses=2, bytes=torch.tensor(200))
     stats.tier(0, "vram").add(lookups=torch.tensor(8), hits=torch.tensor(8))
     stats.row(1, "ram")[1] += 5
-    workers = [threading.Thread(target=lambda: [stats.tier(1, "ssd").add_host(read_ns=10, retries=1) for _ in range(100)]) for _ in range(4)]
+    workers = [
+        threading.Thread(target=lambda: [stats.tier(1, "ssd").add_host(read_ns=10, retries=1) for _ in range(100)])
+        for _ in range(4)
+    ]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
     layer0 = stats.snapshot(0)
-    assert (layer0["vram"].lookups, layer0["vram"].hits, layer0["vram"].misses, layer0["vram"].bytes) == (16, 14, 2, 200)
+    assert (layer0["vram"].lookups, layer0["vram"].hits, layer0["vram"].misses, layer0["vram"].bytes) == (
+        16,
+        14,
+        2,
+        200,
+    )
     assert layer0["vram"].hit_rate == pytest.approx(14 / 16)
     total = stats.snapshot()
     assert total["ssd"].read_ns == 4000 and total["ssd"].retries == 400 and total["ram"].hits == 5
@@ -30,7 +37,9 @@ def test_device_and_host_adds_sum_in_snapshots():
     assert stats.read().sum() == 0
 
 
-@pytest.mark.parametrize("call", [lambda s: s.tier(0, "disk"), lambda s: s.tier(0, "vram").add(hitz=1), lambda s: s.row(0, "l2")])
+@pytest.mark.parametrize(
+    "call", [lambda s: s.tier(0, "disk"), lambda s: s.tier(0, "vram").add(hitz=1), lambda s: s.row(0, "l2")]
+)
 def test_unknown_names_are_refused(call):
     with pytest.raises(StatsError):
         call(PagerStats(1))

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager
@@ -18,12 +17,25 @@ from bigmoe_pager.core.stats import PagerStats
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 
 LAYOUT = ExpertLayout.for_moe(64, 32, torch.float8_e4m3fn, block=32)
-ACQUIRED = ("remapped", "miss_experts", "miss_slots", "evicted", "lookups", "hits", "misses", "loaded", "overflow", "invalid")
+ACQUIRED = (
+    "remapped",
+    "miss_experts",
+    "miss_slots",
+    "evicted",
+    "lookups",
+    "hits",
+    "misses",
+    "loaded",
+    "overflow",
+    "invalid",
+)
 STATE = ("expert_slot", "slot_expert", "last_use", "step", "use_count")
 
 
 def records(experts: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (experts, LAYOUT.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, 256, (experts, LAYOUT.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def pager_pair(experts: int, slots: int, policy: str, programs: int, rec: torch.Tensor):
@@ -33,7 +45,17 @@ def pager_pair(experts: int, slots: int, policy: str, programs: int, rec: torch.
         ram = RamTier(LAYOUT, experts, experts)
         ram.load_all(rec)
         stats = PagerStats(1)
-        pager = ExpertPager(LAYOUT, experts, slots, ram, stats=stats, policy=policy, decay=None if policy == "lfu-fast" else 5, fused=fused, step_programs=programs)
+        pager = ExpertPager(
+            LAYOUT,
+            experts,
+            slots,
+            ram,
+            stats=stats,
+            policy=policy,
+            decay=None if policy == "lfu-fast" else 5,
+            fused=fused,
+            step_programs=programs,
+        )
         for b in pager.buffers.values():
             b.view(b.shape[0], -1).view(torch.uint8).fill_(0xA5)
         made.append((pager, stats))
@@ -61,8 +83,13 @@ def slot_bytes(pager: ExpertPager) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "experts,slots,tokens,k,policy,programs",
-    [(40, 10, 1, 8, "lru", 3), (24, 6, 2, 4, "lru", 1), (30, 5, 3, 4, "lfu", 5), (64, 16, 1, 10, "lfu", 3),
-     (30, 5, 3, 4, "lfu-fast", 3)],
+    [
+        (40, 10, 1, 8, "lru", 3),
+        (24, 6, 2, 4, "lru", 1),
+        (30, 5, 3, 4, "lfu", 5),
+        (64, 16, 1, 10, "lfu", 3),
+        (30, 5, 3, 4, "lfu-fast", 3),
+    ],
 )
 def test_fused_step_equals_two_launch_path(experts, slots, tokens, k, policy, programs):
     rng = random.Random(experts * 7 + slots)
@@ -96,8 +123,9 @@ def test_every_block_of_every_miss_is_copied_whatever_the_grid(programs, block_b
     for b in buffers.values():
         b.view(slots, -1).view(torch.uint8).fill_(0x5A)
     ids = torch.tensor([[3, 9, 3, 11]])
-    out = step_kernel.launch_step(table.kernel_state(), ids, experts, slots, 4, rec, LAYOUT, buffers,
-                                  programs=programs, block_bytes=block_bytes)
+    out = step_kernel.launch_step(
+        table.kernel_state(), ids, experts, slots, 4, rec, LAYOUT, buffers, programs=programs, block_bytes=block_bytes
+    )
     assert out["miss_experts"].tolist() == [3, 9, 11, -1] and out["miss_slots"].tolist() == [0, 1, 2, -1]
     assert out["remapped"].tolist() == [[0, 1, 0, 2]]
     for c in LAYOUT.components:
@@ -140,11 +168,29 @@ def test_a_shape_that_does_not_fit_is_refused():
     table = SlotTable(16, 4)
     buffers = LAYOUT.slot_buffers(4, "cpu")
     with pytest.raises(step_kernel.StepKernelError, match="ids"):
-        step_kernel.launch_step(table.kernel_state(), torch.zeros(65, dtype=torch.int64), 16, 4, 4, records(16, 0),
-                                LAYOUT, buffers, programs=2)
+        step_kernel.launch_step(
+            table.kernel_state(),
+            torch.zeros(65, dtype=torch.int64),
+            16,
+            4,
+            4,
+            records(16, 0),
+            LAYOUT,
+            buffers,
+            programs=2,
+        )
     with pytest.raises(step_kernel.StepKernelError, match="program"):
-        step_kernel.launch_step(table.kernel_state(), torch.zeros(4, dtype=torch.int64), 16, 4, 4, records(16, 0),
-                                LAYOUT, buffers, programs=0)
+        step_kernel.launch_step(
+            table.kernel_state(),
+            torch.zeros(4, dtype=torch.int64),
+            16,
+            4,
+            4,
+            records(16, 0),
+            LAYOUT,
+            buffers,
+            programs=0,
+        )
 
 
 def test_large_steps_fall_back_to_two_launches_with_the_same_result():

@@ -68,6 +68,7 @@ def test_families_order_by_locality():
 
 def test_topic_shifts_move_the_popular_experts():
     """Top-16 experts of a layer, first half vs second half: stable in the standard trace, not under shifts."""
+
     def overlap(trace):
         before = np.bincount(trace[:480, 0].ravel(), minlength=256)
         after = np.bincount(trace[480:, 0].ravel(), minlength=256)

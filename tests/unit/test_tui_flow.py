@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from bigmoe import presets
 from bigmoe.exit_codes import START_FAILED as EXIT_START_FAILED
 from bigmoe.tui.app import BigmoeApp
@@ -30,9 +29,11 @@ def fixed_home(monkeypatch):
 
 def drive(app: BigmoeApp, scenario) -> None:
     """Run the app headless at SIZE and play `scenario(pilot)` against it."""
+
     async def main():
         async with app.run_test(size=SIZE) as pilot:
             await scenario(pilot)
+
     asyncio.run(asyncio.wait_for(main(), timeout=30))
 
 
@@ -101,12 +102,15 @@ def test_edited_slots_replan_and_launch_with_the_edits(roomy):
     assert roomy.calls == ["probe", "model", "prepare", "start", "wait"]
 
 
-@pytest.mark.parametrize("field,text,message", [
-    ("vram_slots", "six", "VRAM slots: 'six' is not a positive whole number"),
-    ("context", "0", "context: '0' is not a positive whole number"),
-    ("vram_slots", "2", "--vram-slots 2 must be between top-k 4"),
-    ("ram_slots", "99", "--ram-slots 99 must be between top-k 4"),
-])
+@pytest.mark.parametrize(
+    "field,text,message",
+    [
+        ("vram_slots", "six", "VRAM slots: 'six' is not a positive whole number"),
+        ("context", "0", "context: '0' is not a positive whole number"),
+        ("vram_slots", "2", "--vram-slots 2 must be between top-k 4"),
+        ("ram_slots", "99", "--ram-slots 99 must be between top-k 4"),
+    ],
+)
 def test_bad_field_is_explained_and_blocks_launch(roomy, field, text, message):
     seen = {}
 
@@ -176,7 +180,9 @@ def test_new_paging_dir_is_probed_and_planned(roomy):
     assert seen["probes"] >= 1
 
 
-@pytest.mark.parametrize("quit_on,keys", [("plan", "q"), ("plan", "ctrl+q"), ("plan", "#quit"), ("dashboard", "q"), ("dashboard", "ctrl+q")])
+@pytest.mark.parametrize(
+    "quit_on,keys", [("plan", "q"), ("plan", "ctrl+q"), ("plan", "#quit"), ("dashboard", "q"), ("dashboard", "ctrl+q")]
+)
 def test_quitting_stops_a_started_server_once_and_exits_zero(roomy, quit_on, keys):
     async def scenario(pilot):
         await planned(pilot)
@@ -275,10 +281,13 @@ def test_dashboard_shows_polled_speed_hit_rates_and_a_chat_answer(roomy):
     assert not any("GET /metrics" in line for line in seen["log"]), "the dashboard's own polls are not shown"
 
 
-@pytest.mark.parametrize("how,shown,code", [
-    ("bigmoe stop", "stopped from another shell", 0),
-    ("crash", "RuntimeError: engine died (vLLM exited with code 3 while serving", 1),
-])
+@pytest.mark.parametrize(
+    "how,shown,code",
+    [
+        ("bigmoe stop", "stopped from another shell", 0),
+        ("crash", "RuntimeError: engine died (vLLM exited with code 3 while serving", 1),
+    ],
+)
 def test_server_gone_while_serving_is_shown_and_sets_the_exit_code(roomy, how, shown, code):
     seen = {}
 

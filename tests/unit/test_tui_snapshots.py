@@ -12,7 +12,6 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-
 from bigmoe import pipeline, presets
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
@@ -43,8 +42,10 @@ def matches_snapshot(svg: str, name: str, tmp_path: Path) -> None:
     if path.read_text() != svg:
         got = tmp_path / f"{name}.svg"
         got.write_text(svg)
-        raise AssertionError(f"{name} differs from {path}; this run's screen is {got} "
-                             f"(BIGMOE_UPDATE_SNAPSHOTS=1 rewrites the snapshot if the change is meant)")
+        raise AssertionError(
+            f"{name} differs from {path}; this run's screen is {got} "
+            f"(BIGMOE_UPDATE_SNAPSHOTS=1 rewrites the snapshot if the change is meant)"
+        )
 
 
 def screenshot_twice(make_app, scenario) -> list[str]:

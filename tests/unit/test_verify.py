@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
 from bigmoe import fetch
 from bigmoe.cli_pull import pull
 from bigmoe.cli_verify import verify_command
 from bigmoe.shard_check import shard_problem
+from click.testing import CliRunner
+
 from tests.unit.test_fetch import BIG, PRESET, REPO, cache, hub, served, start_hub  # noqa: F401 (fixtures)
 
 
@@ -73,12 +73,15 @@ def cut(path: Path, keep: int) -> None:
     path.write_bytes(data[:keep])
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda p: cut(p, p.stat().st_size - 100), "truncated"),
-    (lambda p: cut(p, 4), "too short"),
-    (lambda p: p.write_bytes(p.read_bytes() + b"\0" * 10), "10 bytes after the last tensor"),
-    (lambda p: flip(p, 12), "header"),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda p: cut(p, p.stat().st_size - 100), "truncated"),
+        (lambda p: cut(p, 4), "too short"),
+        (lambda p: p.write_bytes(p.read_bytes() + b"\0" * 10), "10 bytes after the last tensor"),
+        (lambda p: flip(p, 12), "header"),
+    ],
+)
 def test_shard_headers_catch_cut_or_damaged_files(served, tmp_path, damage, words):
     shard = tmp_path / BIG
     shard.write_bytes((served / BIG).read_bytes())

@@ -11,12 +11,11 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed")
 
-from vllm.config import CompilationConfig  # noqa: E402
-from vllm.config.compilation import CUDAGraphMode  # noqa: E402
-
 from bigmoe_pager.adapters import vllm_device  # noqa: E402
 from bigmoe_pager.adapters.vllm_glue import EngineModeError  # noqa: E402
 from bigmoe_pager.settings import PagerSettings  # noqa: E402
+from vllm.config import CompilationConfig  # noqa: E402
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 
 
 def engine(mode: CUDAGraphMode, sizes: list[int]):
@@ -24,13 +23,16 @@ def engine(mode: CUDAGraphMode, sizes: list[int]):
     return SimpleNamespace(compilation_config=CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=sizes))
 
 
-@pytest.mark.parametrize("mode,sizes,slots,top_k,refused", [
-    (CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], 32, 8, True),
-    (CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4], 32, 8, False),
-    (CUDAGraphMode.PIECEWISE, [1, 2, 4, 8, 16], 102, 8, True),
-    (CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4, 8, 12], 102, 8, False),
-    (CUDAGraphMode.NONE, [1, 2, 4, 8, 512], 8, 8, False),
-])
+@pytest.mark.parametrize(
+    "mode,sizes,slots,top_k,refused",
+    [
+        (CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], 32, 8, True),
+        (CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4], 32, 8, False),
+        (CUDAGraphMode.PIECEWISE, [1, 2, 4, 8, 16], 102, 8, True),
+        (CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4, 8, 12], 102, 8, False),
+        (CUDAGraphMode.NONE, [1, 2, 4, 8, 512], 8, 8, False),
+    ],
+)
 def test_graphs_are_refused_when_a_captured_batch_can_outnumber_the_slots(mode, sizes, slots, top_k, refused):
     config = engine(mode, sizes)
     if not refused:
@@ -61,7 +63,6 @@ def test_a_whole_layer_step_runs_the_kernel_over_every_expert_with_the_routers_i
     """BIGMOE_PREFILL_BUFFER: vLLM's kernel sees what the unpaged layer has (E experts, expert ids),
     and the layer's parameters are its slots again afterwards."""
     import torch
-
     from bigmoe_pager.core.device_layer import DeviceLayerPager
     from bigmoe_pager.core.host_pager import TierSizes
     from bigmoe_pager.core.stats import PagerStats
@@ -77,13 +78,20 @@ def test_a_whole_layer_step_runs_the_kernel_over_every_expert_with_the_routers_i
             pager.mark_loaded(e, name)
     slots = layout.slot_buffers(vram, "cpu")
     pager.start(slots)
-    layer = SimpleNamespace(pager=pager, _num_experts=experts, _layout=layout,
-                            **{name: torch.nn.Parameter(t, requires_grad=False) for name, t in slots.items()})
+    layer = SimpleNamespace(
+        pager=pager,
+        _num_experts=experts,
+        _layout=layout,
+        **{name: torch.nn.Parameter(t, requires_grad=False) for name, t in slots.items()},
+    )
     seen = {}
 
     def kernel(x, weights, ids):
-        seen.update(ids=ids, rows={name: getattr(layer, name).shape[0] for name in slots},
-                    w2=getattr(layer, "w2_weight").data.clone())
+        seen.update(
+            ids=ids,
+            rows={name: getattr(layer, name).shape[0] for name in slots},
+            w2=getattr(layer, "w2_weight").data.clone(),
+        )
         return x
 
     ids = torch.tensor([[5, 1], [7, 5], [0, 3]])
@@ -92,9 +100,13 @@ def test_a_whole_layer_step_runs_the_kernel_over_every_expert_with_the_routers_i
     assert seen["ids"] is ids and set(seen["rows"].values()) == {experts}
     c = layout["w2_weight"]
     for expert in (0, 1, 3, 5, 7):
-        assert torch.equal(seen["w2"][expert].reshape(-1).view(torch.uint8), records[expert, c.offset : c.offset + c.nbytes])
-    assert all(getattr(layer, name).data_ptr() == t.data_ptr() and getattr(layer, name).shape == t.shape
-               for name, t in slots.items())
+        assert torch.equal(
+            seen["w2"][expert].reshape(-1).view(torch.uint8), records[expert, c.offset : c.offset + c.nbytes]
+        )
+    assert all(
+        getattr(layer, name).data_ptr() == t.data_ptr() and getattr(layer, name).shape == t.shape
+        for name, t in slots.items()
+    )
 
 
 def test_a_chunked_step_runs_vllms_kernel_on_each_range_after_its_paging():
@@ -126,7 +138,6 @@ def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer
     import sys
 
     import torch
-
     from bigmoe_pager.core.expert_store import CheckpointStore
     from bigmoe_pager.core.stats import PagerStats
 
@@ -134,8 +145,9 @@ def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer
     import synth_experts
 
     root = tmp_path / "ckpt"
-    synth_experts.write_checkpoint(root, 128, 64, 2, 4, fp8=False, shards=1,
-                                   prefix="model.language_model.layers.{layer}.mlp.experts.{expert}.")
+    synth_experts.write_checkpoint(
+        root, 128, 64, 2, 4, fp8=False, shards=1, prefix="model.language_model.layers.{layer}.mlp.experts.{expert}."
+    )
     mtp = {}
     gen = torch.Generator().manual_seed(3)
     for e in range(4):
@@ -147,10 +159,14 @@ def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer
     (root / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     store = CheckpointStore(root, synth_experts.make_layout(128, 64, False))
     assert store.model_layers == [0, 1, 2]
-    layers = [SimpleNamespace(_moe_index=i, _ssd_source=SimpleNamespace(store=store, layer=i),
-                              pager=SimpleNamespace(ram=SimpleNamespace(records=torch.zeros(2, store.layout.pitch,
-                                                                                             dtype=torch.uint8))))
-              for i in range(2)]
+    layers = [
+        SimpleNamespace(
+            _moe_index=i,
+            _ssd_source=SimpleNamespace(store=store, layer=i),
+            pager=SimpleNamespace(ram=SimpleNamespace(records=torch.zeros(2, store.layout.pitch, dtype=torch.uint8))),
+        )
+        for i in range(2)
+    ]
     monkeypatch.setitem(vllm_device._state, "stats", PagerStats(2))
     fetchers = vllm_device._ssd_fetchers(layers)
     service = vllm_device._state.pop("ssd")

@@ -32,15 +32,29 @@ EXPERTS, SLOTS, TOP_K, HIDDEN, INTER, BLOCK = 256, 32, 8, 2048, 512, [128, 128]
 def triton_experts():
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import (
-        FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType, fp8_w8a8_moe_quant_config)
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+        fp8_w8a8_moe_quant_config,
+    )
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
-    moe = FusedMoEConfig(num_experts=SLOTS, experts_per_token=TOP_K, hidden_dim=HIDDEN, intermediate_size=INTER,
-                         num_local_experts=SLOTS, num_logical_experts=SLOTS, activation=MoEActivation.SILU,
-                         device="cpu", routing_method=RoutingMethodType.Renormalize,
-                         moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16)
-    quant = fp8_w8a8_moe_quant_config(w1_scale=torch.ones(SLOTS, 8, 16), w2_scale=torch.ones(SLOTS, 16, 4),
-                                      block_shape=BLOCK)
+    moe = FusedMoEConfig(
+        num_experts=SLOTS,
+        experts_per_token=TOP_K,
+        hidden_dim=HIDDEN,
+        intermediate_size=INTER,
+        num_local_experts=SLOTS,
+        num_logical_experts=SLOTS,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16,
+    )
+    quant = fp8_w8a8_moe_quant_config(
+        w1_scale=torch.ones(SLOTS, 8, 16), w2_scale=torch.ones(SLOTS, 16, 4), block_shape=BLOCK
+    )
     return TritonExperts(moe, quant)
 
 
@@ -50,7 +64,8 @@ def fake_paged_layer(fused_experts) -> SimpleNamespace:
         quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=fused_experts)),
         w13_weight=torch.empty(SLOTS, 2 * INTER, HIDDEN, dtype=torch.float8_e4m3fn, device="meta"),
         w2_weight=torch.empty(SLOTS, HIDDEN, INTER, dtype=torch.float8_e4m3fn, device="meta"),
-        _num_experts=EXPERTS, top_k=TOP_K,
+        _num_experts=EXPERTS,
+        top_k=TOP_K,
     )
 
 
@@ -58,8 +73,9 @@ def kernel_lookup(experts: int, tokens: int) -> dict:
     """The config the Triton kernel asks for in a call with `experts` slots and `tokens` tokens."""
     from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
-    return try_get_optimal_moe_config((experts, 2 * INTER, HIDDEN), (experts, HIDDEN, INTER), TOP_K, "fp8_w8a8", tokens,
-                                      block_shape=BLOCK)
+    return try_get_optimal_moe_config(
+        (experts, 2 * INTER, HIDDEN), (experts, HIDDEN, INTER), TOP_K, "fp8_w8a8", tokens, block_shape=BLOCK
+    )
 
 
 CASES = [(1024, 4), (100, 3)]  # (tokens of the step, tokens of one chunk)

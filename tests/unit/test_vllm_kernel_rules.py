@@ -9,26 +9,28 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed")
 
+from bigmoe_pager.adapters import vllm_device, vllm_glue  # noqa: E402
+from bigmoe_pager.adapters.vllm_glue import EngineModeError  # noqa: E402
 from vllm.config import CompilationConfig  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 
-from bigmoe_pager.adapters import vllm_device, vllm_glue  # noqa: E402
-from bigmoe_pager.adapters.vllm_glue import EngineModeError  # noqa: E402
 
-
-@pytest.mark.parametrize("platform, experts, backend, monolithic, refused", [
-    ("cuda", "TritonExperts", "TRITON", False, False),
-    ("cuda", "TritonExperts", None, False, False),  # bf16 on CUDA: Triton without an FP8 backend
-    ("cuda", "TritonOrDeepGemmExperts", "DEEPGEMM", False, True),  # DeepGEMM re-lays out the block scales
-    ("cuda", "FlashInferExperts", "FLASHINFER_CUTLASS", False, True),
-    ("cuda", "MarlinExperts", "MARLIN", False, True),
-    ("cuda", "TrtLlmFp8Experts", "FLASHINFER_TRTLLM", True, True),  # routes inside: never reaches the pager
-    ("cuda", "TritonWNA16Experts", None, False, True),  # a Triton subclass with its own weight format
-    ("cpu", "CPUUnquantizedExperts", None, False, False),
-    ("cpu", "CPUExpertsFp8", "CPU", False, False),
-    ("cpu", "CPUExpertsFp8W8A8", "CPU_W8A8", False, True),  # re-quantizes scales at load
-    ("cpu", None, None, False, True),
-])
+@pytest.mark.parametrize(
+    "platform, experts, backend, monolithic, refused",
+    [
+        ("cuda", "TritonExperts", "TRITON", False, False),
+        ("cuda", "TritonExperts", None, False, False),  # bf16 on CUDA: Triton without an FP8 backend
+        ("cuda", "TritonOrDeepGemmExperts", "DEEPGEMM", False, True),  # DeepGEMM re-lays out the block scales
+        ("cuda", "FlashInferExperts", "FLASHINFER_CUTLASS", False, True),
+        ("cuda", "MarlinExperts", "MARLIN", False, True),
+        ("cuda", "TrtLlmFp8Experts", "FLASHINFER_TRTLLM", True, True),  # routes inside: never reaches the pager
+        ("cuda", "TritonWNA16Experts", None, False, True),  # a Triton subclass with its own weight format
+        ("cpu", "CPUUnquantizedExperts", None, False, False),
+        ("cpu", "CPUExpertsFp8", "CPU", False, False),
+        ("cpu", "CPUExpertsFp8W8A8", "CPU_W8A8", False, True),  # re-quantizes scales at load
+        ("cpu", None, None, False, True),
+    ],
+)
 def test_only_proven_kernels_are_served(platform, experts, backend, monolithic, refused):
     why = vllm_glue.kernel_refusal(platform, experts, backend, monolithic, 7)
     assert (why is not None) == refused
@@ -99,15 +101,19 @@ def test_the_shared_expert_rule_is_vllms():
 
 
 def _engine(text: dict, spec=None):
-    return SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**text)),
-                           speculative_config=spec)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**text)), speculative_config=spec
+    )
 
 
-@pytest.mark.parametrize("spec, count", [
-    (None, 48),
-    (SimpleNamespace(method="mtp", num_speculative_tokens=2), 49),
-    (SimpleNamespace(method="ngram", num_speculative_tokens=3), 48),
-])
+@pytest.mark.parametrize(
+    "spec, count",
+    [
+        (None, 48),
+        (SimpleNamespace(method="mtp", num_speculative_tokens=2), 49),
+        (SimpleNamespace(method="ngram", num_speculative_tokens=3), 48),
+    ],
+)
 def test_the_mtp_drafter_layers_are_counted_after_the_models(spec, count):
     engine = _engine({"num_hidden_layers": 48, "mtp_num_hidden_layers": 1}, spec)
     assert vllm_glue.paged_layer_count(engine) == count
@@ -115,18 +121,24 @@ def test_the_mtp_drafter_layers_are_counted_after_the_models(spec, count):
 
 
 def _graphs(sizes: list[int], spec_tokens: int):
-    cc = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, cudagraph_capture_sizes=sizes,
-                           max_cudagraph_capture_size=max(sizes))
+    cc = CompilationConfig(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=sizes,
+        max_cudagraph_capture_size=max(sizes),
+    )
     cc.adjust_cudagraph_sizes_for_spec_decode(spec_tokens + 1)  # what vLLM does to them with speculative decoding
     return SimpleNamespace(compilation_config=cc)
 
 
-@pytest.mark.parametrize("sizes, spec, slots, top_k, refused", [
-    ([1, 2, 4], 0, 40, 10, False),
-    ([1, 2, 4, 8], 2, 40, 10, True),  # rounded to [3, 6]: 6 tokens x 10 ids > 40 slots
-    ([1, 2, 4], 3, 40, 10, False),  # rounded to [4]: one sequence's verification fits
-    ([1, 2, 4, 8], 1, 40, 10, True),  # rounded to [2, 4, 8]: 8 tokens x 10 ids > 40 slots
-])
+@pytest.mark.parametrize(
+    "sizes, spec, slots, top_k, refused",
+    [
+        ([1, 2, 4], 0, 40, 10, False),
+        ([1, 2, 4, 8], 2, 40, 10, True),  # rounded to [3, 6]: 6 tokens x 10 ids > 40 slots
+        ([1, 2, 4], 3, 40, 10, False),  # rounded to [4]: one sequence's verification fits
+        ([1, 2, 4, 8], 1, 40, 10, True),  # rounded to [2, 4, 8]: 8 tokens x 10 ids > 40 slots
+    ],
+)
 def test_capture_sizes_count_verification_tokens(sizes, spec, slots, top_k, refused):
     engine = _graphs(sizes, spec)
     if not refused:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bigmoe_pager.adapters import vllm_glue
 from bigmoe_pager.core.hot_profile import HotProfile
 from bigmoe_pager.settings import PagerSettings, SettingsError

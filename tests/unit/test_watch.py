@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from bigmoe.headless import stats_line
 from bigmoe.watch import MIN_WINDOW_S, Watcher, parse, window
 
@@ -74,8 +73,9 @@ class FakeScrapes(Watcher):
 
 
 def test_first_poll_is_a_baseline_and_short_windows_report_no_rate():
-    watcher = FakeScrapes([(scrape(*IDLE), 100.0), (scrape(*BUSY), 100.000000001), (scrape(*BUSY), 100.5),
-                           (scrape(*BUSY), 105.0)])
+    watcher = FakeScrapes(
+        [(scrape(*IDLE), 100.0), (scrape(*BUSY), 100.000000001), (scrape(*BUSY), 100.5), (scrape(*BUSY), 105.0)]
+    )
     assert watcher.poll() is None  # no window yet: the first scrape is the baseline
     assert watcher.poll() is None  # 1e-9 s: once read tok_per_s=3.2e10
     assert watcher.poll() is None  # still shorter than MIN_WINDOW_S; the baseline stays

@@ -22,35 +22,72 @@ HOME = "/home/user/.cache/bigmoe"
 
 
 def fixed_disk(path: str = "/") -> Disk:
-    return Disk(path=path, device="nvme0n1", kind="nvme", kind_basis="sysfs: rotational 0, nvme transport",
-                mount_point="/", filesystem="ext4", windows_drive=False, free_bytes=900 * GIB,
-                o_direct=True, o_direct_basis="an aligned 4 KiB read returned the file's bytes")
+    return Disk(
+        path=path,
+        device="nvme0n1",
+        kind="nvme",
+        kind_basis="sysfs: rotational 0, nvme transport",
+        mount_point="/",
+        filesystem="ext4",
+        windows_drive=False,
+        free_bytes=900 * GIB,
+        o_direct=True,
+        o_direct_basis="an aligned 4 KiB read returned the file's bytes",
+    )
 
 
 def cpu_machine(ram_gib: int) -> Hardware:
     """A machine without a GPU and `ram_gib` GiB of RAM (3 GiB is too little for tiny-moe's plan)."""
-    return Hardware(gpus=(), ram_total_bytes=ram_gib * GIB, ram_available_bytes=(ram_gib - 1) * GIB, ram_stated=False,
-                    cpu_cores=8, cpu_amx=False, wsl2=False, wsl2_basis="no microsoft in /proc/version",
-                    memlock_bytes=None, disks=(fixed_disk(),))
+    return Hardware(
+        gpus=(),
+        ram_total_bytes=ram_gib * GIB,
+        ram_available_bytes=(ram_gib - 1) * GIB,
+        ram_stated=False,
+        cpu_cores=8,
+        cpu_amx=False,
+        wsl2=False,
+        wsl2_basis="no microsoft in /proc/version",
+        memlock_bytes=None,
+        disks=(fixed_disk(),),
+    )
 
 
 def gpu_machine() -> Hardware:
     """An RTX 4090 with 64 GiB of RAM and an NVMe SSD: the reference desktop."""
     gpu = Gpu(0, "NVIDIA GeForce RTX 4090", 24 * GIB, 23 * GIB, "8.9", 4, 16)
-    return Hardware(gpus=(gpu,), ram_total_bytes=64 * GIB, ram_available_bytes=58 * GIB, ram_stated=False,
-                    cpu_cores=16, cpu_amx=False, wsl2=False, wsl2_basis="no microsoft in /proc/version",
-                    memlock_bytes=None, disks=(fixed_disk(),))
+    return Hardware(
+        gpus=(gpu,),
+        ram_total_bytes=64 * GIB,
+        ram_available_bytes=58 * GIB,
+        ram_stated=False,
+        cpu_cores=16,
+        cpu_amx=False,
+        wsl2=False,
+        wsl2_basis="no microsoft in /proc/version",
+        memlock_bytes=None,
+        disks=(fixed_disk(),),
+    )
 
 
 def window(tpot_ms: float | None, tok_s: float, vram: float, ram: float, layers: int = 4) -> Window:
     """A fixed /metrics window with per-layer hit rates spread around the tier's rate."""
-    per_layer = {tier: {str(l): max(0.0, min(1.0, rate + 0.04 * (l - 1.5))) for l in range(layers)}
-                 for tier, rate in (("vram", vram), ("ram", ram))}
-    return Window(seconds=2.0, tpot_ms=tpot_ms, ttft_ms=None if tpot_ms is None else 41.0, tokens_per_s=tok_s,
-                  hit_rate={"vram": vram, "ram": ram}, layer_hit_rate=per_layer)
+    per_layer = {
+        tier: {str(l): max(0.0, min(1.0, rate + 0.04 * (l - 1.5))) for l in range(layers)}
+        for tier, rate in (("vram", vram), ("ram", ram))
+    }
+    return Window(
+        seconds=2.0,
+        tpot_ms=tpot_ms,
+        ttft_ms=None if tpot_ms is None else 41.0,
+        tokens_per_s=tok_s,
+        hit_rate={"vram": vram, "ram": ram},
+        layer_hit_rate=per_layer,
+    )
 
 
-WINDOWS = [window(None, 0.0, 0.5, 0.8)] + [window(9.0 + (i % 5), 80.0 + 7 * (i % 4), 0.62 + 0.01 * i, 0.9) for i in range(12)]
+WINDOWS = [window(None, 0.0, 0.5, 0.8)] + [
+    window(9.0 + (i % 5), 80.0 + 7 * (i % 4), 0.62 + 0.01 * i, 0.9) for i in range(12)
+]
 """What the fake watcher reports, poll after poll (the first window made no tokens)."""
 
 
@@ -65,11 +102,19 @@ class FakeWatcher:
         return next(self.windows)
 
 
-START_LOG = ["INFO vLLM API server version 0.32.0", "INFO Loading weights took 0.1 s", "INFO CPU KV cache size: 2048 tokens",
-             "INFO Application startup complete.", 'INFO:     127.0.0.1:50000 - "GET /metrics HTTP/1.1" 200 OK']
+START_LOG = [
+    "INFO vLLM API server version 0.32.0",
+    "INFO Loading weights took 0.1 s",
+    "INFO CPU KV cache size: 2048 tokens",
+    "INFO Application startup complete.",
+    'INFO:     127.0.0.1:50000 - "GET /metrics HTTP/1.1" 200 OK',
+]
 CRASH_LOG = [f"INFO filler line {i}" for i in range(60)] + [
-    "Traceback (most recent call last):", '  File "vllm/engine.py", line 1, in start',
-    "RuntimeError: fake crash: not enough memory for the KV cache", "INFO shutting down"]
+    "Traceback (most recent call last):",
+    '  File "vllm/engine.py", line 1, in start',
+    "RuntimeError: fake crash: not enough memory for the KV cache",
+    "INFO shutting down",
+]
 
 
 @dataclass
@@ -95,9 +140,16 @@ class FakePipeline:
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     def steps(self) -> Steps:
-        return Steps(probe_machine=self.probe_machine, obtain_model=self.obtain_model, prepare=self.prepare,
-                     start_server=self.start_server, wait_ready=self.wait_ready, stop=self.stop,
-                     watcher=FakeWatcher, chat=self.chat)
+        return Steps(
+            probe_machine=self.probe_machine,
+            obtain_model=self.obtain_model,
+            prepare=self.prepare,
+            start_server=self.start_server,
+            wait_ready=self.wait_ready,
+            stop=self.stop,
+            watcher=FakeWatcher,
+            chat=self.chat,
+        )
 
     def probe_machine(self, preset, opts):
         self.calls.append("probe")
@@ -117,8 +169,16 @@ class FakePipeline:
     def start_server(self, preset, plan, model_path, opts) -> launch.Server:
         self.calls.append("start")
         self.plans.append(plan)
-        info = launch.RunInfo(name=preset.name, pid=4242, host=opts.host, port=opts.port, log=str(self.tmp / "vllm.log"),
-                              model_path=str(model_path), served_name=preset.name, started=0.0)
+        info = launch.RunInfo(
+            name=preset.name,
+            pid=4242,
+            host=opts.host,
+            port=opts.port,
+            log=str(self.tmp / "vllm.log"),
+            model_path=str(model_path),
+            served_name=preset.name,
+            started=0.0,
+        )
         Path(info.log).write_text("$ vllm serve (fake)\n")
         runfile = self.tmp / "run.json"
         runfile.write_text(json.dumps({"pid": info.pid}))
@@ -135,7 +195,9 @@ class FakePipeline:
         with open(server.info.log, "a") as f:
             f.write("\n".join(lines) + "\n")
         if self.crash:
-            raise launch.LaunchError(f"vLLM exited with code 1 during start-up: {launch.error_line(Path(server.info.log))}")
+            raise launch.LaunchError(
+                f"vLLM exited with code 1 during start-up: {launch.error_line(Path(server.info.log))}"
+            )
         for stage in launch.stages_in(Path(server.info.log)):
             on_stage(stage)
 

@@ -33,7 +33,9 @@ def check_blocks(rows: int, cols: int) -> None:
         raise BlockShapeError(f"a [{rows}, {cols}] weight is not a whole number of {BLOCK}x{BLOCK} FP8 blocks")
 
 
-def quantize_blocks(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight [R, C], block scales [R/128, C/128]) of a 2-D weight, on the weight's device.
 
     Values are divided by the scale as stored (after rounding to `scale_dtype`), so

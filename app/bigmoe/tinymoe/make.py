@@ -35,13 +35,21 @@ from typing import Callable
 
 import torch
 
-from . import tensors
-from . import tokenizer
+from . import tensors, tokenizer
 from .fp8 import SCALE_DTYPES
 from .safetensors_io import INDEX_NAME, ShardWriter, assign_shards, index
 from .shape import DTYPES, ShapeError, TinyShape, generation_config, hf_config, validate
 
-__all__ = ["TinyShape", "ShapeError", "CheckpointExistsError", "DeviceError", "make_tiny_moe", "is_complete", "MANIFEST", "tensors"]
+__all__ = [
+    "TinyShape",
+    "ShapeError",
+    "CheckpointExistsError",
+    "DeviceError",
+    "make_tiny_moe",
+    "is_complete",
+    "MANIFEST",
+    "tensors",
+]
 
 MANIFEST = "tiny_moe.json"
 """Written last: what was asked for and the size and sha256 of every file, the mark of a complete checkpoint."""
@@ -87,7 +95,8 @@ def make_tiny_moe(
             return out
         if not _made_for(out, request):
             raise CheckpointExistsError(
-                f"{out} {_difference(out, request)}; delete it, or replace it with --force (force=True)")
+                f"{out} {_difference(out, request)}; delete it, or replace it with --force (force=True)"
+            )
         (log or (lambda line: None))(f"{out} {_difference(out, request)}; making it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
@@ -144,7 +153,11 @@ def _difference(out: Path, request: dict) -> str:
         return f"has a malformed {MANIFEST}"
     keys = [k for k in request if manifest.get(k) != request[k]]
     if keys:
-        return "holds a different checkpoint (" + ", ".join(f"{k} {manifest.get(k)!r} != {request[k]!r}" for k in keys) + ")"
+        return (
+            "holds a different checkpoint ("
+            + ", ".join(f"{k} {manifest.get(k)!r} != {request[k]!r}" for k in keys)
+            + ")"
+        )
     return "is incomplete or damaged (a listed file is missing, has the wrong size or different bytes)"
 
 
@@ -290,18 +303,43 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=d.experts, help=f"routed experts per layer (default {d.experts})")
     p.add_argument("--top-k", type=int, default=d.top_k, help=f"experts per token (default {d.top_k})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden size (default {d.hidden})")
-    p.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate, help=f"expert intermediate size (default {d.moe_intermediate})")
+    p.add_argument(
+        "--moe-intermediate",
+        type=int,
+        default=d.moe_intermediate,
+        help=f"expert intermediate size (default {d.moe_intermediate})",
+    )
     p.add_argument("--vocab", type=int, default=d.vocab, help=f"vocabulary rows (default {d.vocab})")
     p.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
     p.add_argument("--kv-heads", type=int, default=d.kv_heads, help=f"key/value heads (default {d.kv_heads})")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help=f"head size (default {d.head_dim})")
-    p.add_argument("--max-position", type=int, default=d.max_position, help=f"max_position_embeddings (default {d.max_position})")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="bf16, or fp8 block-quantized Linears (default bf16)")
+    p.add_argument(
+        "--max-position", type=int, default=d.max_position, help=f"max_position_embeddings (default {d.max_position})"
+    )
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="bf16", help="bf16, or fp8 block-quantized Linears (default bf16)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--device", default="cpu", help="where weights are drawn: cpu or cuda (fast for big checkpoints; other bytes than cpu)")
-    p.add_argument("--shard-size", type=parse_bytes, default=DEFAULT_SHARD_BYTES, help="largest safetensors shard, e.g. 512MiB (default 4GiB)")
-    p.add_argument("--scale-dtype", choices=tuple(SCALE_DTYPES), default="float32", help="dtype of weight_scale_inv (default float32)")
-    p.add_argument("--no-tokenizer", action="store_true", help="weights and configs only (where the tokenizers package is missing)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where weights are drawn: cpu or cuda (fast for big checkpoints; other bytes than cpu)",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=parse_bytes,
+        default=DEFAULT_SHARD_BYTES,
+        help="largest safetensors shard, e.g. 512MiB (default 4GiB)",
+    )
+    p.add_argument(
+        "--scale-dtype",
+        choices=tuple(SCALE_DTYPES),
+        default="float32",
+        help="dtype of weight_scale_inv (default float32)",
+    )
+    p.add_argument(
+        "--no-tokenizer", action="store_true", help="weights and configs only (where the tokenizers package is missing)"
+    )
     p.add_argument("--force", action="store_true", help="replace whatever OUT holds")
     return p
 
@@ -309,16 +347,30 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     shape = TinyShape(
-        layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-        moe_intermediate=args.moe_intermediate, vocab=args.vocab, heads=args.heads,
-        kv_heads=args.kv_heads, head_dim=args.head_dim, max_position=args.max_position,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden,
+        moe_intermediate=args.moe_intermediate,
+        vocab=args.vocab,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position=args.max_position,
     )
     started = time.monotonic()
     try:
         existed = is_complete(args.out) and not args.force
         out = make_tiny_moe(
-            args.out, shape, args.dtype, args.seed, args.device, shard_bytes=args.shard_size,
-            scale_dtype=args.scale_dtype, with_tokenizer=not args.no_tokenizer, force=args.force,
+            args.out,
+            shape,
+            args.dtype,
+            args.seed,
+            args.device,
+            shard_bytes=args.shard_size,
+            scale_dtype=args.scale_dtype,
+            with_tokenizer=not args.no_tokenizer,
+            force=args.force,
             log=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except (ValueError, RuntimeError, OSError) as e:
@@ -326,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     size = sum(p.stat().st_size for p in out.iterdir())
     verb = "already complete" if existed else f"written in {time.monotonic() - started:.1f} s"
-    print(f"{out}: {args.dtype} Qwen3-MoE, {shape.layers} layers x {shape.experts} experts, {size / 2**20:.1f} MiB, {verb}")
+    print(
+        f"{out}: {args.dtype} Qwen3-MoE, {shape.layers} layers x {shape.experts} experts, {size / 2**20:.1f} MiB, {verb}"
+    )
     return 0
 
 

@@ -28,8 +28,21 @@ from typing import Callable
 from . import qwen4exp_tensors as qt
 from . import tokenizer
 from .fp8 import SCALE_DTYPES
-from .make import (DEFAULT_SHARD_BYTES, MANIFEST, CheckpointExistsError, _device, _difference, _fsync_dir,
-                   _occupied, _OneLineParser, _publish, _remove_stale, _write_json, is_complete, parse_bytes)
+from .make import (
+    DEFAULT_SHARD_BYTES,
+    MANIFEST,
+    CheckpointExistsError,
+    _device,
+    _difference,
+    _fsync_dir,
+    _occupied,
+    _OneLineParser,
+    _publish,
+    _remove_stale,
+    _write_json,
+    is_complete,
+    parse_bytes,
+)
 from .qwen4exp_shape import DTYPES, Qwen4ExpShape, Qwen4ExpShapeError, hf_config, validate
 from .safetensors_io import INDEX_NAME, ShardWriter, assign_shards, index
 
@@ -78,9 +91,16 @@ def _request(shape, dtype, seed, device_kind, shard_bytes, scale_dtype, with_tok
         raise Qwen4ExpShapeError(f"seed must be a non-negative integer, not {seed!r}")
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise Qwen4ExpShapeError(f"shard size must be a positive number of bytes, not {shard_bytes!r}")
-    return {"format": FORMAT, "shape": asdict(shape), "dtype": dtype, "seed": seed, "device": device_kind,
-            "shard_bytes": shard_bytes, "scale_dtype": scale_dtype if dtype == "fp8" else None,
-            "tokenizer": with_tokenizer}
+    return {
+        "format": FORMAT,
+        "shape": asdict(shape),
+        "dtype": dtype,
+        "seed": seed,
+        "device": device_kind,
+        "shard_bytes": shard_bytes,
+        "scale_dtype": scale_dtype if dtype == "fp8" else None,
+        "tokenizer": with_tokenizer,
+    }
 
 
 def _build(work: Path, request: dict, shape: Qwen4ExpShape, device, log: Callable[[str], None]) -> None:
@@ -113,18 +133,27 @@ def _build(work: Path, request: dict, shape: Qwen4ExpShape, device, log: Callabl
 
 def _generation_config(config: dict) -> dict:
     text = config["text_config"]
-    return {"bos_token_id": text["bos_token_id"], "do_sample": False,
-            "eos_token_id": [text["eos_token_id"], text["bos_token_id"]], "pad_token_id": text["bos_token_id"]}
+    return {
+        "bos_token_id": text["bos_token_id"],
+        "do_sample": False,
+        "eos_token_id": [text["eos_token_id"], text["bos_token_id"]],
+        "pad_token_id": text["bos_token_id"],
+    }
 
 
 # ---- command line ------------------------------------------------------------------------------
 
 _HELP = {
     "layers": "decoder layers, the released 3:1 linear/full pattern scaled down (released 48)",
-    "experts": "routed experts per layer", "top_k": "experts per token", "hidden": "hidden size",
-    "moe_intermediate": "routed expert intermediate size", "shared_intermediate": "shared expert intermediate size",
-    "vocab": "vocabulary rows", "ngram_vocab_base": "smallest n-gram head size (16 heads; released 20000000)",
-    "ngram_parts": "n-gram table shards (released 128)", "mtp_layers": "MTP layers",
+    "experts": "routed experts per layer",
+    "top_k": "experts per token",
+    "hidden": "hidden size",
+    "moe_intermediate": "routed expert intermediate size",
+    "shared_intermediate": "shared expert intermediate size",
+    "vocab": "vocabulary rows",
+    "ngram_vocab_base": "smallest n-gram head size (16 heads; released 20000000)",
+    "ngram_parts": "n-gram table shards (released 128)",
+    "mtp_layers": "MTP layers",
 }
 
 
@@ -135,13 +164,18 @@ def _parser() -> argparse.ArgumentParser:
     for field in fields(Qwen4ExpShape):
         flag = "--" + field.name.replace("_", "-")
         what = _HELP.get(field.name, field.name.replace("_", " "))
-        p.add_argument(flag, type=int, default=getattr(default, field.name),
-                       help=f"{what} (default {getattr(default, field.name)})")
+        p.add_argument(
+            flag,
+            type=int,
+            default=getattr(default, field.name),
+            help=f"{what} (default {getattr(default, field.name)})",
+        )
     p.add_argument("--dtype", choices=DTYPES, default="fp8", help="fp8 block-quantized Linears, or bf16 (default fp8)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default="cpu", help="where weights are drawn: cpu or cuda (fast; other bytes than cpu)")
-    p.add_argument("--shard-size", type=parse_bytes, default=DEFAULT_SHARD_BYTES,
-                   help="largest safetensors shard (default 4GiB)")
+    p.add_argument(
+        "--shard-size", type=parse_bytes, default=DEFAULT_SHARD_BYTES, help="largest safetensors shard (default 4GiB)"
+    )
     p.add_argument("--scale-dtype", choices=tuple(SCALE_DTYPES), default="float32", help="dtype of weight_scale_inv")
     p.add_argument("--no-tokenizer", action="store_true", help="weights and configs only")
     p.add_argument("--force", action="store_true", help="replace whatever OUT holds")
@@ -154,16 +188,27 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         existed = is_complete(args.out) and not args.force
-        out = make_qwen4exp(args.out, shape, args.dtype, args.seed, args.device, shard_bytes=args.shard_size,
-                            scale_dtype=args.scale_dtype, with_tokenizer=not args.no_tokenizer, force=args.force,
-                            log=lambda line: print(line, file=sys.stderr, flush=True))
+        out = make_qwen4exp(
+            args.out,
+            shape,
+            args.dtype,
+            args.seed,
+            args.device,
+            shard_bytes=args.shard_size,
+            scale_dtype=args.scale_dtype,
+            with_tokenizer=not args.no_tokenizer,
+            force=args.force,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     except (ValueError, RuntimeError, OSError) as e:
         print(f"make_qwen4exp.py: error: {e}", file=sys.stderr)
         return 2
     size = sum(p.stat().st_size for p in out.iterdir())
     verb = "already complete" if existed else f"written in {time.monotonic() - started:.1f} s"
-    print(f"{out}: {args.dtype} Qwen4Exp, {shape.layers} layers x {shape.experts} experts (+ shared, "
-          f"{shape.mtp_layers} MTP), {size / 2**30:.2f} GiB, {verb}")
+    print(
+        f"{out}: {args.dtype} Qwen4Exp, {shape.layers} layers x {shape.experts} experts (+ shared, "
+        f"{shape.mtp_layers} MTP), {size / 2**30:.2f} GiB, {verb}"
+    )
     return 0
 
 

@@ -86,9 +86,11 @@ class Qwen4ExpShape:
 
     def layer_types(self) -> list[str]:
         """Per layer 'linear_attention' or 'full_attention': the released 3:1 pattern, with at least one full layer
-    (PLE layers stay linear attention, as transformers requires)."""
-        kinds = ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
-                 for i in range(self.layers)]
+        (PLE layers stay linear attention, as transformers requires)."""
+        kinds = [
+            "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+            for i in range(self.layers)
+        ]
         if "full_attention" not in kinds:  # fewer than 4 layers: the last one that is not a PLE layer
             last = max(i for i in range(self.layers) if i + 1 not in self.ple_layer_ids())
             kinds[last] = "full_attention"
@@ -124,7 +126,8 @@ def validate(shape: Qwen4ExpShape, dtype: str, scale_dtype: str = "float32") -> 
         raise Qwen4ExpShapeError("indexer_budget must be a multiple of indexer_compress_ratio")
     if shape.indexer_heads and rotary_dim(shape) > shape.indexer_head_dim:
         raise Qwen4ExpShapeError(
-            f"indexer_head_dim={shape.indexer_head_dim} is below the rotary size {rotary_dim(shape)}")
+            f"indexer_head_dim={shape.indexer_head_dim} is below the rotary size {rotary_dim(shape)}"
+        )
     if shape.vocab < 512:
         raise Qwen4ExpShapeError(f"vocab={shape.vocab} is too small: the byte-level tokenizer needs at least 512")
     if dtype == "fp8":
@@ -145,8 +148,10 @@ def _check_fp8_blocks(shape: Qwen4ExpShape) -> None:
         sizes["(indexer_heads+1)*indexer_head_dim"] = (shape.indexer_heads + 1) * shape.indexer_head_dim
     bad = [f"{name}={value}" for name, value in sizes.items() if value % BLOCK]
     if bad:
-        raise Qwen4ExpShapeError(f"fp8 needs sizes divisible by {BLOCK} (the block size), but {', '.join(bad)}; "
-                                 f"use multiples of {BLOCK} or --dtype bf16")
+        raise Qwen4ExpShapeError(
+            f"fp8 needs sizes divisible by {BLOCK} (the block size), but {', '.join(bad)}; "
+            f"use multiples of {BLOCK} or --dtype bf16"
+        )
 
 
 PARTIAL_ROTARY_FACTOR = 0.25
@@ -200,8 +205,11 @@ def text_config(shape: Qwen4ExpShape, dtype: str, special_ids: dict[str, int]) -
         "num_hidden_layers": shape.layers,
         "num_key_value_heads": shape.kv_heads,
         "rms_norm_eps": 1e-06,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0,
-                            "partial_rotary_factor": PARTIAL_ROTARY_FACTOR},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": PARTIAL_ROTARY_FACTOR,
+        },
         "shared_expert_intermediate_size": shape.shared_intermediate,
         "tie_word_embeddings": False,
         "vocab_size": shape.vocab,
@@ -220,9 +228,15 @@ def text_config(shape: Qwen4ExpShape, dtype: str, special_ids: dict[str, int]) -
         "dtype": "bfloat16",
     }
     if shape.indexer_heads:
-        config.update({"indexer_n_heads": shape.indexer_heads, "indexer_kv_heads": 1,
-                       "indexer_head_dim": shape.indexer_head_dim, "indexer_budget": shape.indexer_budget,
-                       "indexer_compress_ratio": shape.indexer_compress_ratio})
+        config.update(
+            {
+                "indexer_n_heads": shape.indexer_heads,
+                "indexer_kv_heads": 1,
+                "indexer_head_dim": shape.indexer_head_dim,
+                "indexer_budget": shape.indexer_budget,
+                "indexer_compress_ratio": shape.indexer_compress_ratio,
+            }
+        )
     if dtype == "bf16":
         # Without a quantization_config vLLM would hold the table in bf16; this keeps the 160-byte FP8 rows.
         config["ple_embedding_dtype"] = "float8_e4m3fn"

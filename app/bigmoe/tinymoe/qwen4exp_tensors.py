@@ -23,7 +23,6 @@ from typing import Iterator, Union
 
 import numpy as np
 import torch
-
 from bigmoe_pager.ngram.spec import TableSpec
 from bigmoe_pager.ngram.synthetic import expected_rows
 
@@ -97,8 +96,9 @@ def stored(weight: Weight, scale_dtype: torch.dtype) -> list[Stored]:
     return tensors.stored(weight, scale_dtype)
 
 
-def materialize(weight: Weight, seed: int, device: torch.device,
-                scale_dtype: torch.dtype) -> Iterator[tuple[Stored, torch.Tensor]]:
+def materialize(
+    weight: Weight, seed: int, device: torch.device, scale_dtype: torch.dtype
+) -> Iterator[tuple[Stored, torch.Tensor]]:
     """(what, values on the CPU) of each tensor `weight` is stored as."""
     if isinstance(weight, Param):
         yield from tensors.materialize(weight, seed, device, scale_dtype)
@@ -143,9 +143,11 @@ def _hyper_connections(shape: Qwen4ExpShape, prefix: str) -> list[Weight]:
 def _mixer(shape: Qwen4ExpShape, prefix: str) -> list[Weight]:
     """A hyper-connection's norm and low-rank mixer (the final mixer has no injection)."""
     wide = shape.hc_count * shape.hidden
-    return [_zeros(f"{prefix}.hc_norm", wide),
-            _linear(f"{prefix}.input_mix_weight_down", shape.hc_lowrank, wide, False),
-            _linear(f"{prefix}.input_mix_weight_up", wide, shape.hc_lowrank, False)]
+    return [
+        _zeros(f"{prefix}.hc_norm", wide),
+        _linear(f"{prefix}.input_mix_weight_down", shape.hc_lowrank, wide, False),
+        _linear(f"{prefix}.input_mix_weight_up", wide, shape.hc_lowrank, False),
+    ]
 
 
 def _ple(shape: Qwen4ExpShape, prefix: str, fp8: bool, spec: TableSpec) -> list[Weight]:
@@ -154,14 +156,23 @@ def _ple(shape: Qwen4ExpShape, prefix: str, fp8: bool, spec: TableSpec) -> list[
     weights: list[Weight] = [
         _linear(f"{prefix}.key_proj", wide, embed, fp8),
         _linear(f"{prefix}.value_proj", shape.hidden, embed, fp8),
-        _zeros(f"{prefix}.norm_key", wide), _zeros(f"{prefix}.norm_query", wide), _zeros(f"{prefix}.norm_conv", wide),
+        _zeros(f"{prefix}.norm_key", wide),
+        _zeros(f"{prefix}.norm_query", wide),
+        _zeros(f"{prefix}.norm_conv", wide),
         Param(f"{prefix}.conv1d", (wide, 1, 4), CONV_STD, False),
     ]
     for part in range(spec.parts):
         rows = spec.rows_in_shard(part)
         if rows:
-            weights.append(Special(f"{table}.shard_{part}.weight", (rows, spec.row_elems), torch.float8_e4m3fn,
-                                   "ngram", first_row=part * spec.shard_rows))
+            weights.append(
+                Special(
+                    f"{table}.shard_{part}.weight",
+                    (rows, spec.row_elems),
+                    torch.float8_e4m3fn,
+                    "ngram",
+                    first_row=part * spec.shard_rows,
+                )
+            )
     weights.append(Special(f"{table}.weight_scale", (), torch.float32, "const", NGRAM_SCALE))
     return weights
 
@@ -191,7 +202,8 @@ def _qsa_attention(shape: Qwen4ExpShape, prefix: str, fp8: bool) -> list[Weight]
         _linear(f"{prefix}.k_proj", shape.kv_heads * d, h, fp8),
         _linear(f"{prefix}.v_proj", shape.kv_heads * d, h, fp8),
         _linear(f"{prefix}.o_proj", h, q, fp8),
-        _zeros(f"{prefix}.q_norm", d), _zeros(f"{prefix}.k_norm", d),
+        _zeros(f"{prefix}.q_norm", d),
+        _zeros(f"{prefix}.k_norm", d),
     ]
     if not shape.indexer_heads:
         return weights
@@ -213,9 +225,11 @@ def _moe(shape: Qwen4ExpShape, prefix: str, fp8: bool) -> list[Weight]:
 
 
 def _mlp(prefix: str, hidden: int, intermediate: int, fp8: bool) -> list[Weight]:
-    return [_linear(f"{prefix}.gate_proj", intermediate, hidden, fp8),
-            _linear(f"{prefix}.up_proj", intermediate, hidden, fp8),
-            _linear(f"{prefix}.down_proj", hidden, intermediate, fp8)]
+    return [
+        _linear(f"{prefix}.gate_proj", intermediate, hidden, fp8),
+        _linear(f"{prefix}.up_proj", intermediate, hidden, fp8),
+        _linear(f"{prefix}.down_proj", hidden, intermediate, fp8),
+    ]
 
 
 def _mtp(shape: Qwen4ExpShape, fp8: bool) -> list[Weight]:

@@ -66,7 +66,11 @@ def header(tensors: list[Stored]) -> bytes:
     entries: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
-        entries[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        entries[t.name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -94,7 +98,9 @@ class ShardWriter:
     def write(self, spec: Stored, tensor: torch.Tensor) -> None:
         want = self.expected.popleft() if self.expected else None
         if want != spec or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise ShardWriteError(f"{self.path.name}: got {spec.name} {tuple(tensor.shape)} {tensor.dtype}, planned {want}")
+            raise ShardWriteError(
+                f"{self.path.name}: got {spec.name} {tuple(tensor.shape)} {tensor.dtype}, planned {want}"
+            )
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # reshape: 0-dim scalars too
         self.pending.append(self.pool.submit(self.file.write, raw))
         while len(self.pending) > PENDING_WRITES:

@@ -119,7 +119,9 @@ def source_weight(param: Param, seed: int, device: torch.device) -> torch.Tensor
     return (draw * param.std).to(torch.bfloat16)
 
 
-def materialize(param: Param, seed: int, device: torch.device, scale_dtype: torch.dtype) -> Iterator[tuple[Stored, torch.Tensor]]:
+def materialize(
+    param: Param, seed: int, device: torch.device, scale_dtype: torch.dtype
+) -> Iterator[tuple[Stored, torch.Tensor]]:
     """(what, values) of each tensor `param` is stored as, values on the CPU."""
     weight = source_weight(param, seed, device)
     if param.fp8:

@@ -44,14 +44,45 @@ def special_ids(vocab: int) -> dict[str, int]:
 def synthetic_corpus(seed: int, words: int) -> list[str]:
     """Lines of invented prose, numbers and code-like text; the same for the same seed."""
     rng = random.Random(seed)
-    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
-              "br", "ch", "cr", "dr", "fl", "gr", "pl", "qu", "sh", "st", "th", "tr"]
+    onsets = [
+        "",
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "w",
+        "br",
+        "ch",
+        "cr",
+        "dr",
+        "fl",
+        "gr",
+        "pl",
+        "qu",
+        "sh",
+        "st",
+        "th",
+        "tr",
+    ]
     vowels = ["a", "e", "i", "o", "u", "ai", "ea", "io", "ou", "y"]
     codas = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "rk"]
-    lexicon = sorted({
-        "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 4)))
-        for _ in range(max(words // 8, 64))
-    })
+    lexicon = sorted(
+        {
+            "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 4)))
+            for _ in range(max(words // 8, 64))
+        }
+    )
     # Zipf-like frequencies so common words merge into single tokens first.
     cumulative = list(itertools.accumulate(1.0 / (rank + 1) for rank in range(len(lexicon))))
     lines = []
@@ -103,8 +134,12 @@ def tokenizer_config(vocab: int, max_length: int) -> dict:
     return {
         "added_tokens_decoder": {
             str(ids[token]): {
-                "content": token, "lstrip": False, "normalized": False,
-                "rstrip": False, "single_word": False, "special": True,
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
             }
             for token in SPECIAL_TOKENS
         },

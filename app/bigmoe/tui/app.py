@@ -67,7 +67,9 @@ class BigmoeApp(App[int]):
         self.plan = plan
         # A daemon thread, not a Textual worker: quitting must not wait for a download to finish
         # (asyncio waits for its executor's threads at exit); a fetch resumes on the next run.
-        threading.Thread(target=self.session.launch, args=(plan, opts, screen.post_message), name="bigmoe-launch", daemon=True).start()
+        threading.Thread(
+            target=self.session.launch, args=(plan, opts, screen.post_message), name="bigmoe-launch", daemon=True
+        ).start()
 
     def show_dashboard(self, server) -> None:
         if self.stopping:

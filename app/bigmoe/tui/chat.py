@@ -56,9 +56,12 @@ class ChatBox(Vertical):
     def show_answer(self, result) -> None:
         self.busy = False
         self.last_result = result
-        self.query_one("#answer", Static).update(Text.assemble((f"> {self.prompt}\n", "bold"), printable(result.text.strip())))
+        self.query_one("#answer", Static).update(
+            Text.assemble((f"> {self.prompt}\n", "bold"), printable(result.text.strip()))
+        )
         self.query_one("#timing", Static).update(
-            f"TTFT {result.ttft_ms:.0f} ms, TPOT {result.tpot_ms:.2f} ms, {result.tokens} tokens")
+            f"TTFT {result.ttft_ms:.0f} ms, TPOT {result.tpot_ms:.2f} ms, {result.tokens} tokens"
+        )
 
     def show_error(self, error: str) -> None:
         self.busy = False

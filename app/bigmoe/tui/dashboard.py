@@ -14,15 +14,27 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, RichLog, Sparkline, Static
 
 from bigmoe.tui.chat import ChatBox
-from bigmoe.tui.dashboard_view import History, endpoint_text, layers_table, log_lines_to_show, rate_title, speed_title, tiers_table
+from bigmoe.tui.dashboard_view import (
+    History,
+    endpoint_text,
+    layers_table,
+    log_lines_to_show,
+    rate_title,
+    speed_title,
+    tiers_table,
+)
 from bigmoe.tui.logtail import LogTail
 from bigmoe.tui.messages import ChatAnswered, StatsPolled
 from bigmoe.tui.worker import Session, poll
 
 
 class Dashboard(Screen):
-    BINDINGS = [Binding("q", "app.quit", "Quit (stops the server)"), Binding("c", "chat", "Chat"),
-                Binding("escape", "leave_chat", "Leave chat"), Binding("r", "poll", "Refresh now")]
+    BINDINGS = [
+        Binding("q", "app.quit", "Quit (stops the server)"),
+        Binding("c", "chat", "Chat"),
+        Binding("escape", "leave_chat", "Leave chat"),
+        Binding("r", "poll", "Refresh now"),
+    ]
     AUTO_FOCUS = ""  # q must quit at once; c (or a click) enters the chat box, esc leaves it
     DEFAULT_CSS = """
     Dashboard #endpoint { height: auto; padding: 0 1; }
@@ -56,7 +68,10 @@ class Dashboard(Screen):
     def compose(self) -> ComposeResult:
         info = self.server.info
         yield Header()
-        yield Static(endpoint_text(self.server.endpoint, info.served_name, info.pid, self.plan, self.session.opts.api_key), id="endpoint")
+        yield Static(
+            endpoint_text(self.server.endpoint, info.served_name, info.pid, self.plan, self.session.opts.api_key),
+            id="endpoint",
+        )
         with Horizontal(id="charts"):
             with Vertical(id="tpot-panel", classes="panel chart"):
                 yield Sparkline([], id="tpot")
@@ -88,7 +103,12 @@ class Dashboard(Screen):
         if self.polling or self.gone is not None or self.session.quitting:
             return
         self.polling = True
-        self.run_worker(partial(poll, self.watcher, self.server, self.tail, self.post_message), thread=True, group="poll", name="poll")
+        self.run_worker(
+            partial(poll, self.watcher, self.server, self.tail, self.post_message),
+            thread=True,
+            group="poll",
+            name="poll",
+        )
 
     def on_stats_polled(self, message: StatsPolled) -> None:
         self.polling = False
@@ -125,7 +145,9 @@ class Dashboard(Screen):
         self.set_focus(None)
 
     def on_chat_box_send(self, message: ChatBox.Send) -> None:
-        self.run_worker(partial(self.session.chat, message.prompt, self.post_message), thread=True, group="chat", name="chat")
+        self.run_worker(
+            partial(self.session.chat, message.prompt, self.post_message), thread=True, group="chat", name="chat"
+        )
 
     def on_chat_answered(self, message: ChatAnswered) -> None:
         chat = self.query_one(ChatBox)

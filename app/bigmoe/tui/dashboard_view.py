@@ -118,8 +118,11 @@ def endpoint_text(endpoint: str, model: str, pid: int, plan, api_key: str | None
     text.append("endpoint ", style="bold")
     text.append(endpoint, style="cyan")
     text.append(f"   model {model}   pid {pid}\n")
-    text.append(f"plan: {plan.device}, {plan.expert_dtype} experts, {plan.vram_slots} VRAM and {plan.ram_slots} RAM slots of "
-                f"{plan.experts} per layer, compress {'on' if plan.compress else 'off'}, context {plan.context}\n", style="dim")
+    text.append(
+        f"plan: {plan.device}, {plan.expert_dtype} experts, {plan.vram_slots} VRAM and {plan.ram_slots} RAM slots of "
+        f"{plan.experts} per layer, compress {'on' if plan.compress else 'off'}, context {plan.context}\n",
+        style="dim",
+    )
     text.append(curl_line(endpoint, model, api_key))
     return text
 

@@ -24,7 +24,10 @@ from bigmoe.tui.worker import Session, one_line
 
 NUMBER_FIELDS = {"vram_slots": "VRAM slots", "ram_slots": "RAM slots", "context": "context"}
 """Form fields that hold a whole number (blank = planned) and their labels."""
-PATH_FIELDS = {"model_dir": ("model dir", "blank: fetch or make it"), "paging_dir": ("paging dir", "blank: bigmoe's cache")}
+PATH_FIELDS = {
+    "model_dir": ("model dir", "blank: fetch or make it"),
+    "paging_dir": ("paging dir", "blank: bigmoe's cache"),
+}
 """Form fields that hold a directory (blank = default): label and placeholder."""
 COMPRESS_OPTIONS = [("auto (planned)", "auto"), ("on", "on"), ("off", "off")]
 
@@ -47,7 +50,11 @@ def read_form(texts: dict[str, str], compress: str) -> tuple[dict, list[str]]:
 
 
 class PlanScreen(Screen):
-    BINDINGS = [Binding("l", "launch", "Launch"), Binding("q", "app.quit", "Quit"), Binding("escape", "leave_field", "Leave field")]
+    BINDINGS = [
+        Binding("l", "launch", "Launch"),
+        Binding("q", "app.quit", "Quit"),
+        Binding("escape", "leave_field", "Leave field"),
+    ]
     AUTO_FOCUS = ""  # keys l and q work at once; a click (or tab) enters a field, enter or esc leaves it
     DEFAULT_CSS = """
     PlanScreen #left { width: 42; padding: 0 1; }
@@ -84,7 +91,9 @@ class PlanScreen(Screen):
                         yield Label(label)
                         yield Input("" if value is None else str(value), placeholder="planned", id=name, compact=True)
                     yield Label("compress")
-                    yield Select(COMPRESS_OPTIONS, value=opts.compress or "auto", allow_blank=False, id="compress", compact=True)
+                    yield Select(
+                        COMPRESS_OPTIONS, value=opts.compress or "auto", allow_blank=False, id="compress", compact=True
+                    )
                     for name, (label, placeholder) in PATH_FIELDS.items():
                         yield Label(label)
                         yield Input(getattr(opts, name) or "", placeholder=placeholder, id=name, compact=True)
@@ -113,8 +122,12 @@ class PlanScreen(Screen):
         if self.form_errors:
             self.show_status()
             return
-        self.run_worker(partial(self.session.replan, dict(self.edits), self.generation, self.post_message),
-                        thread=True, group="plan", name="replan")
+        self.run_worker(
+            partial(self.session.replan, dict(self.edits), self.generation, self.post_message),
+            thread=True,
+            group="plan",
+            name="replan",
+        )
         self.show_status()
 
     @on(Input.Submitted)
@@ -129,7 +142,9 @@ class PlanScreen(Screen):
         if message.hardware is not None:
             self.query_one("#machine", Static).update(machine_lines(message.hardware))
         plan_view = self.query_one("#plan", Static)
-        plan_view.update(plan_renderable(message.plan) if message.plan is not None else f"[b red]No plan:[/] {message.error}")
+        plan_view.update(
+            plan_renderable(message.plan) if message.plan is not None else f"[b red]No plan:[/] {message.error}"
+        )
         self.show_status()
 
     @property

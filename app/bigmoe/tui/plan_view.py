@@ -13,7 +13,25 @@ from bigmoe.plan import Plan
 
 GIB = 1 << 30
 
-CHOICE_ORDER = ("device", "dtype", "moe_layers", "experts", "top_k", "expert_bytes", "dense_bytes", "ngram_table", "context", "kv_cache", "vram_slots", "ram_slots", "compress", "ssd_source", "ngram", "env", "argv")
+CHOICE_ORDER = (
+    "device",
+    "dtype",
+    "moe_layers",
+    "experts",
+    "top_k",
+    "expert_bytes",
+    "dense_bytes",
+    "ngram_table",
+    "context",
+    "kv_cache",
+    "vram_slots",
+    "ram_slots",
+    "compress",
+    "ssd_source",
+    "ngram",
+    "env",
+    "argv",
+)
 """Plan.reasons keys in the order a person reads them; keys not listed follow in the plan's order."""
 
 
@@ -59,7 +77,9 @@ def choices_table(plan: Plan) -> Table:
 
 def estimate_table(plan: Plan) -> Table:
     est = plan.estimate
-    table = Table(title="Expected speed (best - worst)", title_justify="left", expand=False, show_edge=False, pad_edge=False)
+    table = Table(
+        title="Expected speed (best - worst)", title_justify="left", expand=False, show_edge=False, pad_edge=False
+    )
     table.add_column("what", style="bold", no_wrap=True)
     table.add_column("range", style="cyan", no_wrap=True)
     table.add_row("TPOT", f"{est.tpot_ms[0]:.1f} - {est.tpot_ms[1]:.1f} ms")
@@ -75,8 +95,14 @@ def memory_tables(plan: Plan) -> list[Table]:
     for mem in plan.memory:
         capacity = "capacity unknown" if mem.capacity_bytes is None else f"of {gib(mem.capacity_bytes)}"
         fits = {True: "fits", False: "DOES NOT FIT", None: "not checked"}[mem.fits]
-        table = Table(title=f"{mem.tier}: {gib(mem.used_bytes)} {capacity} ({fits})", title_justify="left",
-                      title_style="bold red" if mem.fits is False else "bold", expand=True, show_edge=False, pad_edge=False)
+        table = Table(
+            title=f"{mem.tier}: {gib(mem.used_bytes)} {capacity} ({fits})",
+            title_justify="left",
+            title_style="bold red" if mem.fits is False else "bold",
+            expand=True,
+            show_edge=False,
+            pad_edge=False,
+        )
         table.add_column("item", no_wrap=True)
         table.add_column("size", style="cyan", justify="right", no_wrap=True)
         table.add_column("reason", ratio=1, overflow="fold")
@@ -97,19 +123,41 @@ def machine_table(hw: Hardware) -> Table:
     elif not gpus:
         table.add_row("GPU", "none (NVML sees no NVIDIA GPU)")
     for gpu in () if isinstance(gpus, Unknown) else gpus:
-        pcie = f"PCIe Gen{gpu.pcie_gen} x{gpu.pcie_width}" if known(gpu.pcie_gen) and known(gpu.pcie_width) else f"PCIe {gpu.pcie_gen}"
+        pcie = (
+            f"PCIe Gen{gpu.pcie_gen} x{gpu.pcie_width}"
+            if known(gpu.pcie_gen) and known(gpu.pcie_width)
+            else f"PCIe {gpu.pcie_gen}"
+        )
         stated = " (stated)" if gpu.stated else ""
-        table.add_row(f"GPU {gpu.index}", f"{gpu.name}{stated}: {gib(gpu.vram_total_bytes)} VRAM, {gib(gpu.vram_free_bytes)} free, "
-                                         f"compute {gpu.compute_capability}, {pcie}; host-to-device {_rate(gpu.h2d_gbps)}")
-    table.add_row("RAM", f"{gib(hw.ram_available_bytes)} available of {gib(hw.ram_total_bytes)}" + (" (stated)" if hw.ram_stated else ""))
-    amx = {True: "with AMX", False: "no AMX"}.get(hw.cpu_amx, f"AMX {hw.cpu_amx}") if known(hw.cpu_amx) else f"AMX {hw.cpu_amx}"
+        table.add_row(
+            f"GPU {gpu.index}",
+            f"{gpu.name}{stated}: {gib(gpu.vram_total_bytes)} VRAM, {gib(gpu.vram_free_bytes)} free, "
+            f"compute {gpu.compute_capability}, {pcie}; host-to-device {_rate(gpu.h2d_gbps)}",
+        )
+    table.add_row(
+        "RAM",
+        f"{gib(hw.ram_available_bytes)} available of {gib(hw.ram_total_bytes)}"
+        + (" (stated)" if hw.ram_stated else ""),
+    )
+    amx = (
+        {True: "with AMX", False: "no AMX"}.get(hw.cpu_amx, f"AMX {hw.cpu_amx}")
+        if known(hw.cpu_amx)
+        else f"AMX {hw.cpu_amx}"
+    )
     table.add_row("CPU", f"{hw.cpu_cores} cores, {amx}")
     table.add_row("WSL2", f"{yes_no(hw.wsl2)} ({hw.wsl2_basis})")
     table.add_row("pinned limit", "unlimited" if hw.memlock_bytes is None else gib(hw.memlock_bytes))
     for disk in hw.disks:
-        o_direct = {True: "works", False: "fails"}.get(disk.o_direct, str(disk.o_direct)) if known(disk.o_direct) else str(disk.o_direct)
-        table.add_row(f"disk {disk.path}", f"{disk.kind} ({disk.kind_basis}), {disk.filesystem}, {gib(disk.free_bytes)} free; "
-                                           f"O_DIRECT {o_direct} ({disk.o_direct_basis}); reads {_rate(disk.read_gbps)}")
+        o_direct = (
+            {True: "works", False: "fails"}.get(disk.o_direct, str(disk.o_direct))
+            if known(disk.o_direct)
+            else str(disk.o_direct)
+        )
+        table.add_row(
+            f"disk {disk.path}",
+            f"{disk.kind} ({disk.kind_basis}), {disk.filesystem}, {gib(disk.free_bytes)} free; "
+            f"O_DIRECT {o_direct} ({disk.o_direct_basis}); reads {_rate(disk.read_gbps)}",
+        )
     return table
 
 
@@ -125,9 +173,17 @@ def _rate(gbps) -> str:
 def machine_lines(hw: Hardware) -> Text:
     """The machine in a few short lines, for the narrow column beside the form."""
     gpu = hw.gpu()
-    gpu_text = f"{gpu.name}, {gib(gpu.vram_total_bytes)}" if gpu else ("none" if not isinstance(hw.gpus, Unknown) else "unknown")
-    lines = [f"GPU   {gpu_text}", f"RAM   {gib(hw.ram_available_bytes)} free of {gib(hw.ram_total_bytes)}",
-             f"CPU   {hw.cpu_cores} cores", f"WSL2  {yes_no(hw.wsl2)}"]
+    gpu_text = (
+        f"{gpu.name}, {gib(gpu.vram_total_bytes)}"
+        if gpu
+        else ("none" if not isinstance(hw.gpus, Unknown) else "unknown")
+    )
+    lines = [
+        f"GPU   {gpu_text}",
+        f"RAM   {gib(hw.ram_available_bytes)} free of {gib(hw.ram_total_bytes)}",
+        f"CPU   {hw.cpu_cores} cores",
+        f"WSL2  {yes_no(hw.wsl2)}",
+    ]
     lines += [f"disk  {d.path}: {d.kind}, {gib(d.free_bytes)} free" for d in _distinct_disks(hw)]
     return Text("\n".join(lines))
 

@@ -150,7 +150,9 @@ class ProgressScreen(Screen):
         log.clear()
         for i, line in enumerate(lines):
             log.write(Text(line, style="bold white on red" if i == self.error_at else ""))
-        log.border_title = f"vLLM log: {log_path.name}" + (f", error at line {self.error_at + 1}" if self.error_at is not None else "")
+        log.border_title = f"vLLM log: {log_path.name}" + (
+            f", error at line {self.error_at + 1}" if self.error_at is not None else ""
+        )
         if self.error_at is not None:
             log.auto_scroll = False
             self.call_after_refresh(log.scroll_to, y=max(0, self.error_at - CONTEXT_LINES), animate=False)

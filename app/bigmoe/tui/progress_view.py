@@ -24,9 +24,11 @@ def describe(event: str, fields: dict) -> str:
         if state in ("download", "verify"):
             eta = fields.get("eta_s")
             speed = fields.get("speed_bps") or 0.0
-            return (f"{state}: {fields.get('files_done')}/{fields.get('files_total')} files, "
-                    f"{_gib(fields.get('bytes_done', 0))} of {_gib(fields.get('bytes_total', 0))}, "
-                    f"{speed / 1e6:.1f} MB/s, ETA {'?' if eta is None else f'{eta:.0f} s'}")
+            return (
+                f"{state}: {fields.get('files_done')}/{fields.get('files_total')} files, "
+                f"{_gib(fields.get('bytes_done', 0))} of {_gib(fields.get('bytes_total', 0))}, "
+                f"{speed / 1e6:.1f} MB/s, ETA {'?' if eta is None else f'{eta:.0f} s'}"
+            )
         if state == "ready":
             return "every file downloaded and verified"
     if event == "prepare":

@@ -16,10 +16,19 @@ import httpx
 
 from bigmoe import pipeline, records
 from bigmoe.errors import BigmoeError
-from bigmoe.vllm_log import exit_reason
 from bigmoe.tui.logtail import LogTail
-from bigmoe.tui.messages import ChatAnswered, PlanMade, ServerReady, ServerStarted, StageReached, StartFailed, StatsPolled, StepProgress
+from bigmoe.tui.messages import (
+    ChatAnswered,
+    PlanMade,
+    ServerReady,
+    ServerStarted,
+    StageReached,
+    StartFailed,
+    StatsPolled,
+    StepProgress,
+)
 from bigmoe.tui.steps import Steps
+from bigmoe.vllm_log import exit_reason
 
 Post = Callable[[object], object]
 """Thread-safe delivery of a message to a screen (its post_message)."""
@@ -94,7 +103,10 @@ class Session:
             model_path = steps.obtain_model(self.preset, the_plan, opts, progress)
             progress("model", {"state": "ready", "path": str(model_path)})
             if steps.prepare(the_plan, Path(model_path), progress) is None:
-                progress("prepare", {"state": "not needed", "why": NO_PAGING_FILE.get(the_plan.ssd_source, the_plan.ssd_source)})
+                progress(
+                    "prepare",
+                    {"state": "not needed", "why": NO_PAGING_FILE.get(the_plan.ssd_source, the_plan.ssd_source)},
+                )
             with self._lock:
                 if self.quitting:
                     return
@@ -140,7 +152,9 @@ class Session:
             post(ChatAnswered(None, "the server is not running"))
             return
         try:
-            result = self.steps.chat(server.endpoint, server.info.served_name, prompt, self.opts.max_tokens, api_key=self.opts.api_key)
+            result = self.steps.chat(
+                server.endpoint, server.info.served_name, prompt, self.opts.max_tokens, api_key=self.opts.api_key
+            )
         except (BigmoeError, httpx.HTTPError, ValueError) as e:
             post(ChatAnswered(None, one_line(e)))
             return
@@ -152,8 +166,11 @@ def poll(watcher, server, tail: LogTail, post: Post) -> None:
     window, error, exited = None, None, None
     proc = server.proc
     if proc is not None and proc.poll() is not None:
-        exited = ("the server was stopped from another shell (bigmoe stop)" if records.stopped_elsewhere(server.runfile)
-                  else exit_reason(proc.returncode, Path(server.info.log), " while serving"))
+        exited = (
+            "the server was stopped from another shell (bigmoe stop)"
+            if records.stopped_elsewhere(server.runfile)
+            else exit_reason(proc.returncode, Path(server.info.log), " while serving")
+        )
     elif not server.runfile.exists():
         exited = "the server was stopped from another shell (bigmoe stop)"
     else:

@@ -7,13 +7,12 @@ import threading
 from pathlib import Path
 
 import torch
-
 from bigmoe_pager.core.expert_store import CheckpointStore
-from bigmoe_pager.core.odirect import ODirectError, odirect_works
-from bigmoe_pager.core.safetensors_index import CheckpointError
 from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.odirect import ODirectError, odirect_works
 from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore
+from bigmoe_pager.core.safetensors_index import CheckpointError
 from bigmoe_pager.settings import SettingsError
 
 _stores: dict[tuple, object] = {}
@@ -54,8 +53,9 @@ def checkpoint_source(model_dir: Path, layout: ExpertLayout, decoder_layer: int,
     return LayerSource(store, _moe_layer(store.model_layers, decoder_layer), layout)
 
 
-def paging_file_source(path: Path, model_dir: Path, layout: ExpertLayout, decoder_layer: int,
-                       num_experts: int, compressed: bool, io=None) -> LayerSource:
+def paging_file_source(
+    path: Path, model_dir: Path, layout: ExpertLayout, decoder_layer: int, num_experts: int, compressed: bool, io=None
+) -> LayerSource:
     key = ("paging", str(path), layout.signature(), compressed)
     with _lock:
         if key not in _stores:
@@ -64,8 +64,7 @@ def paging_file_source(path: Path, model_dir: Path, layout: ExpertLayout, decode
     return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout, decoder)
 
 
-def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_experts: int, compressed: bool,
-                      io=None):
+def _open_paging_file(path: Path, model_dir: Path, layout: ExpertLayout, num_experts: int, compressed: bool, io=None):
     """The file holds every expert layer the checkpoint names (main model, then MTP head), as prepare wrote it."""
     codec, version, decoder = "raw", 0, None
     if compressed:

@@ -31,7 +31,6 @@ import threading
 import time
 
 import torch
-
 from bigmoe_pager.adapters import vllm_glue, vllm_routing, vllm_stats
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
@@ -75,8 +74,12 @@ def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int, spec_
     if mode == "NONE" or biggest * top_k <= slots:
         return
     fit = max(1, slots // top_k)
-    spec = (f"; with {spec_tokens} speculative tokens each sequence verifies {spec_tokens + 1} tokens, so that is "
-            f"at most {fit // (spec_tokens + 1)} sequence(s) per graph" if spec_tokens else "")
+    spec = (
+        f"; with {spec_tokens} speculative tokens each sequence verifies {spec_tokens + 1} tokens, so that is "
+        f"at most {fit // (spec_tokens + 1)} sequence(s) per graph"
+        if spec_tokens
+        else ""
+    )
     raise vllm_glue.EngineModeError(
         f"bigmoe: vLLM captures CUDA graphs for batches of up to {biggest} tokens ({biggest * top_k} expert ids), "
         f"more than MoE layer {moe_index}'s {slots} VRAM slots; start vLLM with "
@@ -87,12 +90,15 @@ def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int, spec_
 def refuse_trace_in_graphs(settings: PagerSettings, vllm_config) -> None:
     mode = vllm_config.compilation_config.cudagraph_mode
     if settings.trace_path is not None and getattr(mode, "name", str(mode)) != "NONE":
-        raise vllm_glue.EngineModeError("bigmoe: BIGMOE_TRACE_PATH reads each step's routing on the host, which CUDA "
-                                        "graphs cannot replay; record traces with --enforce-eager")
+        raise vllm_glue.EngineModeError(
+            "bigmoe: BIGMOE_TRACE_PATH reads each step's routing on the host, which CUDA "
+            "graphs cannot replay; record traces with --enforce-eager"
+        )
 
 
-def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order,
-                eviction: str) -> DeviceLayerPager:
+def layer_pager(
+    layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order, eviction: str
+) -> DeviceLayerPager:
     """The layer's pager; its counters live in one per-process table on the current CUDA device."""
     device = torch.device("cuda", torch.cuda.current_device())
     with _lock:
@@ -104,8 +110,9 @@ def layer_pager(layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, w
             _state["mirror"] = pinned_empty(tuple(_state["stats"].device_counts.shape), torch.int64)
             _state["mirror"].zero_()
         _state["last_layer"] = max(_state.get("last_layer", 0), moe_index)
-    return DeviceLayerPager(layout, sizes, device, layer=moe_index, stats=_state["stats"], warm_order=warm_order,
-                            policy=eviction)
+    return DeviceLayerPager(
+        layout, sizes, device, layer=moe_index, stats=_state["stats"], warm_order=warm_order, policy=eviction
+    )
 
 
 def forward(layer, x, topk_weights, topk_ids, kernel):
@@ -121,7 +128,8 @@ def forward(layer, x, topk_weights, topk_ids, kernel):
         if torch.cuda.is_current_stream_capturing():
             raise vllm_glue.EngineModeError(
                 f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
-                f"the {pager.sizes.vram} VRAM slots; lower --max-cudagraph-capture-size")
+                f"the {pager.sizes.vram} VRAM slots; lower --max-cudagraph-capture-size"
+            )
         _check_ssd()
         if vllm_routing.settings().prefill_buffer:
             return _whole_layer_step(layer, x, topk_weights, topk_ids, kernel)
@@ -165,7 +173,9 @@ def _layer_buffer(layer) -> dict[str, torch.Tensor]:
     with _lock:
         if "layer_buffer" not in _state:
             slots = {name: getattr(layer, name) for name in layer._layout._by_name}
-            _state["layer_buffer"] = {name: p.new_empty((layer._num_experts, *p.shape[1:])) for name, p in slots.items()}
+            _state["layer_buffer"] = {
+                name: p.new_empty((layer._num_experts, *p.shape[1:])) for name, p in slots.items()
+            }
         return _state["layer_buffer"]
 
 
@@ -183,8 +193,9 @@ def start_all() -> None:
         _state["started"] = True
         _state["layers"] = layers
     _start_exporter()
-    log.warning("bigmoe: device-driven paging started for %d MoE layers%s", len(layers),
-                " with an SSD tier" if fetchers else "")
+    log.warning(
+        "bigmoe: device-driven paging started for %d MoE layers%s", len(layers), " with an SSD tier" if fetchers else ""
+    )
 
 
 def _ssd_fetchers(layers: list) -> dict[int, ServiceFetch]:
@@ -207,8 +218,9 @@ def _ssd_fetchers(layers: list) -> dict[int, ServiceFetch]:
         rows.setdefault(i, unread)
         sinks.setdefault(i, None)
     settings = vllm_routing.settings()
-    service = SsdService.from_settings(store, [rows[i] for i in range(store.num_layers)], settings,
-                                       sinks=[sinks[i] for i in range(store.num_layers)])
+    service = SsdService.from_settings(
+        store, [rows[i] for i in range(store.num_layers)], settings, sinks=[sinks[i] for i in range(store.num_layers)]
+    )
     _state["ssd"] = service
     return {l._moe_index: ServiceFetch(service, l._ssd_source.layer) for l in partial}
 
@@ -239,8 +251,11 @@ def _export_loop() -> None:
             try:
                 service.check()
             except SsdError as e:
-                log.error("bigmoe: an expert could not be read from SSD (%s); stopping the server rather than "
-                          "serving steps computed without it", e)
+                log.error(
+                    "bigmoe: an expert could not be read from SSD (%s); stopping the server rather than "
+                    "serving steps computed without it",
+                    e,
+                )
             os.kill(os.getpid(), signal.SIGTERM)
             return
         with stats.lock:

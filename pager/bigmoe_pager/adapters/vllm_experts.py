@@ -13,10 +13,9 @@ import dataclasses
 import logging
 
 import torch
-
 from bigmoe_pager.adapters import vllm_device, vllm_glue, vllm_routing, vllm_stats
-from bigmoe_pager.core.expert_names import ExpertNameError, vllm_decoder_layer
 from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.expert_names import ExpertNameError, vllm_decoder_layer
 from bigmoe_pager.core.host_pager import HostPager, TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.settings import PagerSettings, SettingsError
@@ -53,13 +52,22 @@ def paged_class(settings: PagerSettings) -> type:
             num_moe_layers = vllm_glue.paged_layer_count(vllm_config)  # the MTP drafter's layers come last
             vram, ram = settings.slots_for(self._moe_index, num_moe_layers, num_experts)
             if vram < moe_config.experts_per_token:
-                raise SettingsError(f"BIGMOE_VRAM_SLOTS: layer {self._moe_index} has {vram} slots but each token uses "
-                                    f"{moe_config.experts_per_token} experts; give at least {moe_config.experts_per_token}")
+                raise SettingsError(
+                    f"BIGMOE_VRAM_SLOTS: layer {self._moe_index} has {vram} slots but each token uses "
+                    f"{moe_config.experts_per_token} experts; give at least {moe_config.experts_per_token}"
+                )
             if on_device:
-                vllm_device.check_graph_sizes(vllm_config, self._moe_index, vram, moe_config.experts_per_token,
-                                              vllm_glue.speculative_tokens(vllm_config))
+                vllm_device.check_graph_sizes(
+                    vllm_config,
+                    self._moe_index,
+                    vram,
+                    moe_config.experts_per_token,
+                    vllm_glue.speculative_tokens(vllm_config),
+                )
                 vllm_device.refuse_trace_in_graphs(settings, vllm_config)
-            slot_config = dataclasses.replace(moe_config, num_experts=vram, num_local_experts=vram, num_logical_experts=vram)
+            slot_config = dataclasses.replace(
+                moe_config, num_experts=vram, num_local_experts=vram, num_logical_experts=vram
+            )
             super().__init__(layer_name, params_dtype, slot_config, quant_config, expert_map_manager, **kwargs)
             # Ids from the router are expert ids in [0, num_experts); the kernel sees slot ids in [0, vram).
             self._num_experts = num_experts
@@ -74,13 +82,21 @@ def paged_class(settings: PagerSettings) -> type:
             sizes = TierSizes(experts=num_experts, vram=vram, ram=ram)
             order = vllm_glue.warm_order(settings, self._moe_index, num_experts)
             with vllm_glue.host_allocations():
-                self._ssd_source = vllm_glue.open_source(settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram)
+                self._ssd_source = vllm_glue.open_source(
+                    settings, vllm_config, self._layout, self._decoder_layer, num_experts, ram
+                )
                 if on_device:
-                    self.pager = vllm_device.layer_pager(self._layout, sizes, self._moe_index, num_moe_layers, order,
-                                                         settings.eviction)
+                    self.pager = vllm_device.layer_pager(
+                        self._layout, sizes, self._moe_index, num_moe_layers, order, settings.eviction
+                    )
                 else:
-                    self.pager = HostPager(layout=self._layout, sizes=sizes, source=self._ssd_source,
-                                           pin=torch.cuda.is_available(), warm_order=order)
+                    self.pager = HostPager(
+                        layout=self._layout,
+                        sizes=sizes,
+                        source=self._ssd_source,
+                        pin=torch.cuda.is_available(),
+                        warm_order=order,
+                    )
             self._ram_param_cache: dict[str, torch.nn.Parameter] = {}
             self._install_slot = None
             self._kernel_checked = False
@@ -129,8 +145,9 @@ def paged_class(settings: PagerSettings) -> type:
 
         def forward_monolithic(self, *args, **kwargs):
             vllm_glue.check_kernel(self)  # a kernel that routes inside never reaches the pager: always refused
-            raise vllm_glue.EngineModeError(f"bigmoe: MoE layer {self._moe_index} runs a monolithic kernel; "
-                                            f"{vllm_glue.MOE_BACKEND_HINT}")
+            raise vllm_glue.EngineModeError(
+                f"bigmoe: MoE layer {self._moe_index} runs a monolithic kernel; {vllm_glue.MOE_BACKEND_HINT}"
+            )
 
         def paged_forward(self, x, topk_weights, topk_ids):
             """Page in the step's experts (in token chunks that fit the slots) and run vLLM's kernel on the slots."""

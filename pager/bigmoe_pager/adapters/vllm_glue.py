@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 
 import torch
-
 from bigmoe_pager import model_config
 from bigmoe_pager.core.host_pager import InstallSlot
 from bigmoe_pager.core.hot_profile import HotProfile, ProfileError
@@ -37,8 +36,10 @@ def describe(settings: PagerSettings, on_device: bool) -> str:
     vram = ",".join(map(str, settings.vram_slots)) or "all"
     ram = ",".join(map(str, settings.ram_slots)) or "all"
     if on_device:
-        mode = ("device-driven paging: decode runs in CUDA graphs for batches whose tokens x top-k fit the VRAM slots "
-                f"(--max-cudagraph-capture-size); bigger steps run outside graphs, in token chunks; {settings.eviction} eviction")
+        mode = (
+            "device-driven paging: decode runs in CUDA graphs for batches whose tokens x top-k fit the VRAM slots "
+            f"(--max-cudagraph-capture-size); bigger steps run outside graphs, in token chunks; {settings.eviction} eviction"
+        )
     else:
         mode = "host-driven paging: on CUDA it needs --enforce-eager"
     if not settings.ram_slots:
@@ -137,8 +138,9 @@ MOE_BACKEND_HINT = "start vLLM with --moe-backend triton"
 """vLLM 0.33's KernelConfig.moe_backend (CLI --moe-backend) that selects Triton's FP8/bf16 MoE kernel."""
 
 
-def kernel_refusal(platform: str, experts_class: str | None, backend: str | None, monolithic: bool,
-                   moe_index: int) -> str | None:
+def kernel_refusal(
+    platform: str, experts_class: str | None, backend: str | None, monolithic: bool, moe_index: int
+) -> str | None:
     """Why the pager must not run over this MoE kernel (one line), or None when it is a proven one.
 
     platform: "cuda" or "cpu"; experts_class: type name of the kernel's fused experts; backend: the
@@ -153,9 +155,11 @@ def kernel_refusal(platform: str, experts_class: str | None, backend: str | None
         chosen = f"the {backend} backend ({chosen})"
     hint = MOE_BACKEND_HINT if platform == "cuda" else "set BIGMOE_PAGER=0 on this CPU"
     inside = ", which routes inside the kernel" if monolithic else ""
-    return (f"bigmoe: vLLM runs MoE layer {moe_index} with {chosen}{inside}; "
-            f"the expert pager is proven only with {', '.join(proven) or 'no kernel on ' + platform}, "
-            f"whose weights keep the checkpoint's layout; {hint}")
+    return (
+        f"bigmoe: vLLM runs MoE layer {moe_index} with {chosen}{inside}; "
+        f"the expert pager is proven only with {', '.join(proven) or 'no kernel on ' + platform}, "
+        f"whose weights keep the checkpoint's layout; {hint}"
+    )
 
 
 def check_kernel(layer) -> None:
@@ -166,18 +170,26 @@ def check_kernel(layer) -> None:
     kernel = getattr(method, "moe_kernel", None)
     experts = getattr(kernel, "fused_experts", None)
     backend = getattr(method, "fp8_backend", None)
-    why = kernel_refusal("cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other",
-                         type(experts).__name__ if experts is not None else None,
-                         getattr(backend, "value", backend), bool(getattr(method, "is_monolithic", False)),
-                         layer._moe_index)
+    why = kernel_refusal(
+        "cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other",
+        type(experts).__name__ if experts is not None else None,
+        getattr(backend, "value", backend),
+        bool(getattr(method, "is_monolithic", False)),
+        layer._moe_index,
+    )
     if why is None and getattr(experts, "_use_zentorch", False):
-        why = (f"bigmoe: vLLM runs MoE layer {layer._moe_index} with zentorch's CPU kernel, which the pager is not "
-               "proven with; set BIGMOE_PAGER=0")
+        why = (
+            f"bigmoe: vLLM runs MoE layer {layer._moe_index} with zentorch's CPU kernel, which the pager is not "
+            "proven with; set BIGMOE_PAGER=0"
+        )
     if why is not None:
         raise EngineModeError(why)
     if layer._moe_index == 0:
-        log.warning("bigmoe: MoE layers run vLLM's %s (%s backend)", type(experts).__name__,
-                    getattr(backend, "value", backend) or "default")
+        log.warning(
+            "bigmoe: MoE layers run vLLM's %s (%s backend)",
+            type(experts).__name__,
+            getattr(backend, "value", backend) or "default",
+        )
 
 
 def check_unfused_shared_expert(expert_map_manager, moe_index: int) -> None:
@@ -189,9 +201,11 @@ def check_unfused_shared_expert(expert_map_manager, moe_index: int) -> None:
     """
     fused = int(getattr(expert_map_manager, "num_fused_shared_experts", 0) or 0)
     if fused:
-        raise EngineModeError(f"bigmoe: vLLM fused {fused} shared expert(s) into MoE layer {moe_index}'s routed "
-                              "experts; the pager pages routed experts only: set "
-                              "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0")
+        raise EngineModeError(
+            f"bigmoe: vLLM fused {fused} shared expert(s) into MoE layer {moe_index}'s routed "
+            "experts; the pager pages routed experts only: set "
+            "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0"
+        )
 
 
 def check_shared_experts(layer) -> None:
@@ -203,9 +217,11 @@ def check_shared_experts(layer) -> None:
     side stream. So with one GPU the paged op drops it; with an overlapping kernel it is refused.
     """
     if getattr(layer.quant_method, "mk_can_overlap_shared_experts", False):
-        raise EngineModeError(f"bigmoe: MoE layer {layer._moe_index}'s kernel computes the shared expert inside the "
-                              "routed call (expert-parallel all2all); the expert pager serves one GPU without expert "
-                              "parallelism: drop --enable-expert-parallel and data parallelism")
+        raise EngineModeError(
+            f"bigmoe: MoE layer {layer._moe_index}'s kernel computes the shared expert inside the "
+            "routed call (expert-parallel all2all); the expert pager serves one GPU without expert "
+            "parallelism: drop --enable-expert-parallel and data parallelism"
+        )
 
 
 # ---- the SSD tier -------------------------------------------------------------------
@@ -289,8 +305,9 @@ def pinned_kernel_config(layer, num_tokens: int, dtype: torch.dtype):
     full = layer._num_experts
     w13 = (full, *layer.w13_weight.shape[1:])
     w2 = (full, *layer.w2_weight.shape[1:])
-    config = try_get_optimal_moe_config(w13, w2, layer.top_k, experts.quant_config.config_name(dtype), num_tokens,
-                                        block_shape=experts.block_shape)
+    config = try_get_optimal_moe_config(
+        w13, w2, layer.top_k, experts.quant_config.config_name(dtype), num_tokens, block_shape=experts.block_shape
+    )
     return override_config(config)
 
 
@@ -348,4 +365,6 @@ def concat_outputs(outs: list):
         return torch.cat(outs, dim=0)
     if isinstance(first, tuple):
         return tuple(None if parts[0] is None else torch.cat(parts, dim=0) for parts in zip(*outs))
-    raise RuntimeError(f"bigmoe: cannot split a batch whose MoE output is {type(first).__name__}; raise BIGMOE_VRAM_SLOTS")
+    raise RuntimeError(
+        f"bigmoe: cannot split a batch whose MoE output is {type(first).__name__}; raise BIGMOE_VRAM_SLOTS"
+    )

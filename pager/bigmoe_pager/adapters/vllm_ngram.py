@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-
 from bigmoe_pager.ngram.dequant import STORED
 from bigmoe_pager.ngram.errors import NgramError, NgramFileError, NgramLayoutError
 from bigmoe_pager.ngram.prefetch import RowPrefetcher
@@ -70,17 +69,24 @@ def install(settings: PagerSettings, checkpoint: list[Path] | None = None) -> No
     try:
         module = importlib.import_module(NGRAM_MODULE)
     except ImportError as e:
-        raise NgramHookError(f"bigmoe n-gram pager: this vLLM has no Qwen4Exp n-gram embedding ({e}); set BIGMOE_NGRAM=0") from None
+        raise NgramHookError(
+            f"bigmoe n-gram pager: this vLLM has no Qwen4Exp n-gram embedding ({e}); set BIGMOE_NGRAM=0"
+        ) from None
     from vllm.platforms import current_platform
 
     if current_platform.is_rocm():
-        raise NgramHookError("bigmoe n-gram pager supports vLLM's NVIDIA/CPU Qwen4Exp path only; set BIGMOE_NGRAM=0 on ROCm")
+        raise NgramHookError(
+            "bigmoe n-gram pager supports vLLM's NVIDIA/CPU Qwen4Exp path only; set BIGMOE_NGRAM=0 on ROCm"
+        )
     paged = paged_class(settings, module, checkpoint)
     for name in REPLACED:
         setattr(module, name, paged)
     _skip_shards_at_load()
-    log.warning("bigmoe: n-gram pager enabled: PLE table read from the checkpoint (%s); needs "
-                "VLLM_USE_BREAKABLE_CUDAGRAPH=1 with cudagraph_mode PIECEWISE, or --enforce-eager", describe(settings))
+    log.warning(
+        "bigmoe: n-gram pager enabled: PLE table read from the checkpoint (%s); needs "
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=1 with cudagraph_mode PIECEWISE, or --enforce-eager",
+        describe(settings),
+    )
 
 
 def describe(settings: PagerSettings) -> str:
@@ -102,18 +108,45 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
 
         supports_prefetch = False
 
-        def __init__(self, num_embeddings, embedding_dim, *, params_dtype, padding_size, prefix, embedding_method,
-                     num_ngram_heads=1, max_total_tokens=0, data_parallel_rank=0, reduce_results=True):
-            super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, padding_size=padding_size,
-                             prefix=prefix, embedding_method=embedding_method, num_ngram_heads=num_ngram_heads,
-                             max_total_tokens=max_total_tokens, data_parallel_rank=data_parallel_rank,
-                             reduce_results=reduce_results)
+        def __init__(
+            self,
+            num_embeddings,
+            embedding_dim,
+            *,
+            params_dtype,
+            padding_size,
+            prefix,
+            embedding_method,
+            num_ngram_heads=1,
+            max_total_tokens=0,
+            data_parallel_rank=0,
+            reduce_results=True,
+        ):
+            super().__init__(
+                num_embeddings,
+                embedding_dim,
+                params_dtype=params_dtype,
+                padding_size=padding_size,
+                prefix=prefix,
+                embedding_method=embedding_method,
+                num_ngram_heads=num_ngram_heads,
+                max_total_tokens=max_total_tokens,
+                data_parallel_rank=data_parallel_rank,
+                reduce_results=reduce_results,
+            )
             if self.tp_size != 1:
-                raise NgramHookError(f"bigmoe n-gram pager serves one unsharded table; the PLE table here is split {self.tp_size} ways (TP/ETP); set BIGMOE_NGRAM=0")
+                raise NgramHookError(
+                    f"bigmoe n-gram pager serves one unsharded table; the PLE table here is split {self.tp_size} ways (TP/ETP); set BIGMOE_NGRAM=0"
+                )
             vllm_config = get_current_vllm_config()
             self._stored = stored_dtype(embedding_method, params_dtype, fp8_method, plain_method)
-            self._spec = TableSpec(rows=self.org_vocab_size, row_elems=embedding_dim, dtype=self._stored,
-                                   parts=split_parts(vllm_config), heads=num_ngram_heads)
+            self._spec = TableSpec(
+                rows=self.org_vocab_size,
+                row_elems=embedding_dim,
+                dtype=self._stored,
+                parts=split_parts(vllm_config),
+                heads=num_ngram_heads,
+            )
             self._heads = num_ngram_heads
             self._max_ids = max(1, max_total_tokens) * num_ngram_heads
             self._vllm_config = vllm_config
@@ -123,11 +156,18 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             mode = graph_mode(vllm_config)
             if mode.startswith("breakable") and not hasattr(type(self).start_prefetch, "__wrapped__"):
                 # vLLM 0.32 decides at class definition (plugin load) whether eager breaks exist; 0.33 always wraps.
-                raise NgramHookError("bigmoe n-gram pager: set VLLM_USE_BREAKABLE_CUDAGRAPH=1 in the environment before "
-                                     "vLLM starts (this vLLM reads it when the plugin loads)")
+                raise NgramHookError(
+                    "bigmoe n-gram pager: set VLLM_USE_BREAKABLE_CUDAGRAPH=1 in the environment before "
+                    "vLLM starts (this vLLM reads it when the plugin loads)"
+                )
             self.supports_prefetch = cuda
-            log.warning("bigmoe: PLE table %s (%d rows x %d B) stays on SSD; %s", prefix, self._spec.rows,
-                        self._spec.row_bytes, mode)
+            log.warning(
+                "bigmoe: PLE table %s (%d rows x %d B) stays on SSD; %s",
+                prefix,
+                self._spec.rows,
+                self._spec.row_bytes,
+                mode,
+            )
 
         def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
             return torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")  # never materialized
@@ -136,7 +176,9 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             if checkpoint_start is not None:
                 return  # a row shard: its rows are read from the file when a step needs them
             if param is self.weight:
-                raise NgramLayoutError(f"{self.prefix}: checkpoint stores the PLE table unsharded; the n-gram pager reads shard_<i> tensors only; set BIGMOE_NGRAM=0")
+                raise NgramLayoutError(
+                    f"{self.prefix}: checkpoint stores the PLE table unsharded; the n-gram pager reads shard_<i> tensors only; set BIGMOE_NGRAM=0"
+                )
             super().weight_loader(param, loaded_weight)
 
         def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
@@ -152,8 +194,9 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             self._rows().start(ngram_ids)
 
         def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
-            output = torch.empty((total_tokens, self._heads * self.embedding_dim), dtype=STORED[self._stored],
-                                 device=self._device)
+            output = torch.empty(
+                (total_tokens, self._heads * self.embedding_dim), dtype=STORED[self._stored], device=self._device
+            )
             self._finish(output)
             return output
 
@@ -169,7 +212,9 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             if self._pager is None:
                 files = checkpoint if checkpoint is not None else model_checkpoint(self._vllm_config)
                 table = open_table(settings, files, self.prefix, self._spec)
-                timeout = settings.read_timeout_s * (settings.read_retries + 1) + 5.0  # s; the reader's own timeouts fire first
+                timeout = (
+                    settings.read_timeout_s * (settings.read_retries + 1) + 5.0
+                )  # s; the reader's own timeouts fire first
                 self._pager = RowPrefetcher(table, self._max_ids, self._device, timeout_s=timeout)
             return self._pager
 
@@ -182,11 +227,23 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
 def open_table(settings: PagerSettings, files: list[Path], prefix: str, spec: TableSpec) -> NgramTable:
     """The table of vLLM layer `prefix` in `files`, validated against `spec`, with the reader the settings pick."""
     table = match_table(prefix, list_tables(files))
-    opened = NgramTable.open(files, table=table, spec=spec, direct=settings.ngram_cache_rows > 0,
-                             cache_rows=settings.ngram_cache_rows, timeout_s=settings.read_timeout_s,
-                             retries=settings.read_retries)
-    log.warning("bigmoe: n-gram table %s: %d shards in %d files, %.1f GiB, %s", table, len(opened.shards.shards),
-                len(opened.shards.files), spec.nbytes / 2**30, describe(settings))
+    opened = NgramTable.open(
+        files,
+        table=table,
+        spec=spec,
+        direct=settings.ngram_cache_rows > 0,
+        cache_rows=settings.ngram_cache_rows,
+        timeout_s=settings.read_timeout_s,
+        retries=settings.read_retries,
+    )
+    log.warning(
+        "bigmoe: n-gram table %s: %d shards in %d files, %.1f GiB, %s",
+        table,
+        len(opened.shards.shards),
+        len(opened.shards.files),
+        spec.nbytes / 2**30,
+        describe(settings),
+    )
     return opened
 
 
@@ -198,7 +255,9 @@ def match_table(vllm_prefix: str, tables: Iterable[str]) -> str:
     mtp = "mtp" in vllm_prefix.split(".")
     found = [t for t in tables if (t == tail or t.endswith("." + tail)) and ("mtp" in t.split(".")) == mtp]
     if len(found) != 1:
-        raise NgramLayoutError(f"vLLM layer {vllm_prefix} matches {len(found)} n-gram tables of the checkpoint {tables}; expected one")
+        raise NgramLayoutError(
+            f"vLLM layer {vllm_prefix} matches {len(found)} n-gram tables of the checkpoint {tables}; expected one"
+        )
     return found[0]
 
 
@@ -259,7 +318,9 @@ def stored_dtype(method, params_dtype: torch.dtype, fp8_method: type, plain_meth
         names = {v: k for k, v in STORED.items()}
         if params_dtype in names:
             return names[params_dtype]
-    raise NgramHookError(f"bigmoe n-gram pager reads FP8 or unquantized PLE tables, not {type(method).__name__}; set BIGMOE_NGRAM=0")
+    raise NgramHookError(
+        f"bigmoe n-gram pager reads FP8 or unquantized PLE tables, not {type(method).__name__}; set BIGMOE_NGRAM=0"
+    )
 
 
 def split_parts(vllm_config) -> int | None:
@@ -272,10 +333,19 @@ def _cached_snapshot(model: str, revision: str | None, download_dir: str | None)
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True,
-                                      allow_patterns=["*.json", "*.safetensors"]))
+        return Path(
+            snapshot_download(
+                model,
+                revision=revision,
+                cache_dir=download_dir,
+                local_files_only=True,
+                allow_patterns=["*.json", "*.safetensors"],
+            )
+        )
     except Exception as e:  # huggingface_hub raises many kinds; all mean "not here"
-        raise NgramFileError(f"bigmoe n-gram pager: checkpoint {model} is not on this machine ({e.__class__.__name__}); fetch it first") from None
+        raise NgramFileError(
+            f"bigmoe n-gram pager: checkpoint {model} is not on this machine ({e.__class__.__name__}); fetch it first"
+        ) from None
 
 
 def _skip_shards_at_load() -> None:

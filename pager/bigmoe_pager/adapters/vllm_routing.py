@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from bigmoe_pager.adapters import vllm_glue
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.prediction import ReplayedPredictions

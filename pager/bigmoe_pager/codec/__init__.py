@@ -22,6 +22,15 @@ from .format import (
 from .reference import decode_record, verify_record
 
 __all__ = [
-    "CODEC_NAME", "CODEC_VERSION", "STAGING_ALIGN", "CodecError", "Header",
-    "encode_record", "encode_many", "decode_record", "verify_record", "max_record_bytes", "record_pitch",
+    "CODEC_NAME",
+    "CODEC_VERSION",
+    "STAGING_ALIGN",
+    "CodecError",
+    "Header",
+    "encode_record",
+    "encode_many",
+    "decode_record",
+    "verify_record",
+    "max_record_bytes",
+    "record_pitch",
 ]

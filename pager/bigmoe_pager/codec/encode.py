@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
-
 from bigmoe_pager.core.layout import ExpertLayout
 
 from . import format as F
@@ -65,18 +64,30 @@ def encode_record(raw: np.ndarray, layout: ExpertLayout) -> bytes:
         nib_off = luts_off + len(coded.luts)
         stream_off = nib_off + F.nibble_bytes(comp.nbytes)
         padded = np.concatenate([coded.stream, np.zeros(F.STREAM_PAD_WORDS, np.uint32)]).astype("<u4").tobytes()
-        entry = F.DirEntry(F.KIND_FP8, len(coded.luts) // F.LUT_ENTRIES, chunks_off, luts_off, nib_off, stream_off, len(coded.stream))
+        entry = F.DirEntry(
+            F.KIND_FP8, len(coded.luts) // F.LUT_ENTRIES, chunks_off, luts_off, nib_off, stream_off, len(coded.stream)
+        )
         sections.append((entry, [coded.chunks, coded.luts, coded.nibbles, padded]))
         offset = stream_off + F.align(len(padded))
     total = F.align(offset)
     out = bytearray(total)
     for i, (entry, parts) in enumerate(sections):
         out[F.directory_offset(i) : F.directory_offset(i + 1)] = F.pack_dir(entry)
-        starts = [entry.chunks_offset] if entry.kind == F.KIND_RAW else [entry.chunks_offset, entry.luts_offset, entry.nibbles_offset, entry.stream_offset]
+        starts = (
+            [entry.chunks_offset]
+            if entry.kind == F.KIND_RAW
+            else [entry.chunks_offset, entry.luts_offset, entry.nibbles_offset, entry.stream_offset]
+        )
         for start, part in zip(starts, parts):
             out[start : start + len(part)] = part
-    header = F.Header(F.CODEC_VERSION, len(layout.components), F.layout_crc(layout), layout.record_bytes, total,
-                      zlib.crc32(memoryview(out)[F.HEADER.size :]))
+    header = F.Header(
+        F.CODEC_VERSION,
+        len(layout.components),
+        F.layout_crc(layout),
+        layout.record_bytes,
+        total,
+        zlib.crc32(memoryview(out)[F.HEADER.size :]),
+    )
     out[: F.HEADER.size] = F.pack_header(header)
     return bytes(out)
 
@@ -150,7 +161,9 @@ def _check_raw(raw: np.ndarray, layout: ExpertLayout) -> np.ndarray:
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise F.CodecError(f"encode_record wants a 1-D uint8 record, got {raw.dtype} with shape {raw.shape}")
     if raw.size not in (layout.record_bytes, layout.pitch):
-        raise F.CodecError(f"record is {raw.size} bytes; layout wants {layout.record_bytes} (or its pitch {layout.pitch})")
+        raise F.CodecError(
+            f"record is {raw.size} bytes; layout wants {layout.record_bytes} (or its pitch {layout.pitch})"
+        )
     if any(raw[start:end].any() for start, end in _gaps(layout, raw.size)):
         raise F.CodecError("record has non-zero bytes in the padding between components; only component bytes are kept")
     return raw
@@ -197,7 +210,9 @@ def _quad_table(table: CodeTable) -> tuple[np.ndarray, np.ndarray]:
     return quad_code.astype(np.uint32), quad_len.astype(np.uint8)
 
 
-def _pack_bits(code: np.ndarray, length: np.ndarray, lane_bits: np.ndarray, word_offset: np.ndarray, words: int) -> np.ndarray:
+def _pack_bits(
+    code: np.ndarray, length: np.ndarray, lane_bits: np.ndarray, word_offset: np.ndarray, words: int
+) -> np.ndarray:
     """The stream: each lane's steps end to end, lanes end to end, chunk c from word word_offset[c]."""
     if words >= 1 << 26:
         raise F.CodecError(f"a component of {words} stream words is too large for 32-bit bit positions")

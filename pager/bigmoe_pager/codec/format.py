@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-
 from bigmoe_pager.core.layout import Component, ExpertLayout
 
 CODEC_NAME = "fp8-exp-huff"
@@ -65,7 +64,13 @@ DIR_ENTRY = struct.Struct("<BBHIIIII")
 CHUNK_HEADER = struct.Struct("<IBBH")  # word offset, table, flags, base bits; then LANES u8 deltas
 CHUNK_HEADER_BYTES = CHUNK_HEADER.size + LANES
 
-CHUNK_DTYPE = [("word_offset", "<u4"), ("table", "u1"), ("flags", "u1"), ("base_bits", "<u2"), ("delta", "u1", (LANES,))]
+CHUNK_DTYPE = [
+    ("word_offset", "<u4"),
+    ("table", "u1"),
+    ("flags", "u1"),
+    ("base_bits", "<u2"),
+    ("delta", "u1", (LANES,)),
+]
 """numpy dtype of one chunk header (CHUNK_HEADER_BYTES bytes)."""
 
 
@@ -159,8 +164,19 @@ def record_pitch(sizes, to: int = STAGING_ALIGN) -> int:
 
 
 def pack_header(h: Header) -> bytes:
-    return HEADER.pack(MAGIC, h.version, h.components, h.layout_crc, h.raw_bytes, h.total_bytes, h.payload_crc,
-                       CHUNK_SYMBOLS, LANES, MAX_CODE_BITS, 0)
+    return HEADER.pack(
+        MAGIC,
+        h.version,
+        h.components,
+        h.layout_crc,
+        h.raw_bytes,
+        h.total_bytes,
+        h.payload_crc,
+        CHUNK_SYMBOLS,
+        LANES,
+        MAX_CODE_BITS,
+        0,
+    )
 
 
 def unpack_header(data: memoryview | bytes) -> Header:
@@ -171,7 +187,9 @@ def unpack_header(data: memoryview | bytes) -> Header:
     if magic != MAGIC:
         raise CodecError(f"not a {CODEC_NAME} record (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != CODEC_VERSION:
-        raise CodecError(f"record is {CODEC_NAME} version {version}; this build reads version {CODEC_VERSION}: re-prepare the paging file")
+        raise CodecError(
+            f"record is {CODEC_NAME} version {version}; this build reads version {CODEC_VERSION}: re-prepare the paging file"
+        )
     if (chunk, lanes, bits) != (CHUNK_SYMBOLS, LANES, MAX_CODE_BITS):
         raise CodecError(f"record geometry chunk={chunk} lanes={lanes} bits={bits} differs from this build's")
     return Header(version, comps, lcrc, raw, total, pcrc)
@@ -182,4 +200,6 @@ def unpack_dir(data: memoryview | bytes, index: int) -> DirEntry:
 
 
 def pack_dir(e: DirEntry) -> bytes:
-    return DIR_ENTRY.pack(e.kind, e.tables, 0, e.chunks_offset, e.luts_offset, e.nibbles_offset, e.stream_offset, e.stream_words)
+    return DIR_ENTRY.pack(
+        e.kind, e.tables, 0, e.chunks_offset, e.luts_offset, e.nibbles_offset, e.stream_offset, e.stream_words
+    )

@@ -78,7 +78,9 @@ def _package_merge(weights: list[int], max_bits: int) -> list[int]:
     leaves = sorted(((w, _unit(i, len(weights))) for i, w in enumerate(weights)), key=lambda it: it[0])
     level = leaves
     for _ in range(max_bits - 1):
-        packages = [(level[i][0] + level[i + 1][0], _add(level[i][1], level[i + 1][1])) for i in range(0, len(level) - 1, 2)]
+        packages = [
+            (level[i][0] + level[i + 1][0], _add(level[i][1], level[i + 1][1])) for i in range(0, len(level) - 1, 2)
+        ]
         level = sorted(leaves + packages, key=lambda it: it[0])
     lengths = [0] * len(weights)
     for _, mult in level[: 2 * len(weights) - 2]:

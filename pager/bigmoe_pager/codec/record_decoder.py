@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 
 from .format import STAGING_ALIGN, CodecError, max_record_bytes

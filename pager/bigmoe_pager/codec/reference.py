@@ -10,7 +10,6 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-
 from bigmoe_pager.core.layout import ExpertLayout
 
 from . import format as F
@@ -23,13 +22,19 @@ def verify_record(data: bytes | memoryview | np.ndarray, layout: ExpertLayout) -
     """The header of a record that belongs to `layout` and whose payload matches its crc32; else CodecError."""
     buf = _bytes(data)
     h = F.unpack_header(buf)
-    if h.layout_crc != F.layout_crc(layout) or h.components != len(layout.components) or h.raw_bytes != layout.record_bytes:
+    if (
+        h.layout_crc != F.layout_crc(layout)
+        or h.components != len(layout.components)
+        or h.raw_bytes != layout.record_bytes
+    ):
         raise _layout_mismatch(h, layout)
     if h.total_bytes != len(buf):
         raise F.CodecError(f"record says it is {h.total_bytes} bytes but {len(buf)} were given (cut short or padded)")
     crc = zlib.crc32(buf[F.HEADER.size :])
     if crc != h.payload_crc:
-        raise F.CodecError(f"record checksum mismatch (crc32 {crc:08x}, header says {h.payload_crc:08x}): corrupt bytes")
+        raise F.CodecError(
+            f"record checksum mismatch (crc32 {crc:08x}, header says {h.payload_crc:08x}): corrupt bytes"
+        )
     return h
 
 
@@ -90,8 +95,9 @@ def _check_chunks(headers: np.ndarray, luts: np.ndarray, entry: F.DirEntry, name
     return lane_bits, lane_start
 
 
-def _decode_lanes(stream: np.ndarray, luts: np.ndarray, headers: np.ndarray, lane_start: np.ndarray,
-                  lane_bits: np.ndarray, name: str) -> np.ndarray:
+def _decode_lanes(
+    stream: np.ndarray, luts: np.ndarray, headers: np.ndarray, lane_start: np.ndarray, lane_bits: np.ndarray, name: str
+) -> np.ndarray:
     """Exponents of every chunk in component order, from the stream bytes (most significant bit first)."""
     chunks = headers.size
     lut = luts[headers["table"].astype(np.int64)][:, None, :]  # [chunks, 1, 256]
@@ -117,7 +123,9 @@ def _decode_lanes(stream: np.ndarray, luts: np.ndarray, headers: np.ndarray, lan
 
 def _section(buf: np.ndarray, offset: int, size: int, name: str) -> np.ndarray:
     if offset % 4 or offset < F.HEADER.size or offset + size > buf.size:
-        raise F.CodecError(f"{name}: section [{offset}, {offset + size}) lies outside the {buf.size}-byte record or is misaligned")
+        raise F.CodecError(
+            f"{name}: section [{offset}, {offset + size}) lies outside the {buf.size}-byte record or is misaligned"
+        )
     return buf[offset : offset + size]
 
 

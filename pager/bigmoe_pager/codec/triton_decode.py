@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.triton_launch import kernel_for
 
@@ -90,11 +89,11 @@ class DecodePlan:
 @lru_cache(maxsize=None)
 def decode_plan(layout: ExpertLayout) -> DecodePlan:
     comps = tuple(
-        ComponentPlan(c.name, F.directory_offset(i), c.nbytes, F.is_coded(c))
-        for i, c in enumerate(layout.components)
+        ComponentPlan(c.name, F.directory_offset(i), c.nbytes, F.is_coded(c)) for i, c in enumerate(layout.components)
     )
-    return DecodePlan(comps, F.layout_crc(layout), F.CODEC_VERSION | len(comps) << 16, layout.record_bytes,
-                      F.max_record_bytes(layout))
+    return DecodePlan(
+        comps, F.layout_crc(layout), F.CODEC_VERSION | len(comps) << 16, layout.record_bytes, F.max_record_bytes(layout)
+    )
 
 
 def new_errors(work: torch.Tensor) -> torch.Tensor:
@@ -139,13 +138,32 @@ def decode_into_slots(
             coded.append(False)
             aligned.append(False)
         launch[(work.shape[0], sum(groups))](
-            staging, staging.numel(), work, errors,
-            *dsts, *(c.dir_offset for c in group), *(c.nbytes for c in group), *firsts,
-            plan.max_record, plan.layout_crc, plan.header_word1, plan.raw_bytes,
-            *coded, *aligned,
-            BLOCK=chunks_per_program, LANES=F.LANES, STEPS=F.LANE_STEPS, CHUNK=F.CHUNK_SYMBOLS,
-            HDR=F.CHUNK_HEADER_BYTES, MAX_TABLES=F.MAX_TABLES, PAD_WORDS=F.STREAM_PAD_WORDS,
-            MAGIC=_MAGIC_U32, GEOMETRY=_GEOMETRY_U32, ALIGN=F.STAGING_ALIGN, RAW_STEP=RAW_STEP, PREFETCH=prefetch,
+            staging,
+            staging.numel(),
+            work,
+            errors,
+            *dsts,
+            *(c.dir_offset for c in group),
+            *(c.nbytes for c in group),
+            *firsts,
+            plan.max_record,
+            plan.layout_crc,
+            plan.header_word1,
+            plan.raw_bytes,
+            *coded,
+            *aligned,
+            BLOCK=chunks_per_program,
+            LANES=F.LANES,
+            STEPS=F.LANE_STEPS,
+            CHUNK=F.CHUNK_SYMBOLS,
+            HDR=F.CHUNK_HEADER_BYTES,
+            MAX_TABLES=F.MAX_TABLES,
+            PAD_WORDS=F.STREAM_PAD_WORDS,
+            MAGIC=_MAGIC_U32,
+            GEOMETRY=_GEOMETRY_U32,
+            ALIGN=F.STAGING_ALIGN,
+            RAW_STEP=RAW_STEP,
+            PREFETCH=prefetch,
             num_warps=num_warps,
         )
 
@@ -159,7 +177,9 @@ def _check(staging, work, slot_buffers, layout: ExpertLayout, errors) -> None:
     if staging.dtype != torch.uint8 or staging.dim() != 1:
         raise DecodeError(f"staging must be a 1-D uint8 tensor, got {staging.dtype} {tuple(staging.shape)}")
     if work.dtype != torch.int64 or work.dim() != 2 or work.shape[1] != 2 or not work.is_contiguous():
-        raise DecodeError(f"work must be a contiguous int64 [M, 2] tensor (offset, slot), got {work.dtype} {tuple(work.shape)}")
+        raise DecodeError(
+            f"work must be a contiguous int64 [M, 2] tensor (offset, slot), got {work.dtype} {tuple(work.shape)}"
+        )
     if errors.dtype != torch.int32 or tuple(errors.shape) != (work.shape[0],):
         raise DecodeError(f"errors must be int32 [{work.shape[0]}], got {errors.dtype} {tuple(errors.shape)}")
     for t, what in ((work, "work"), (errors, "errors")):
@@ -169,7 +189,9 @@ def _check(staging, work, slot_buffers, layout: ExpertLayout, errors) -> None:
         buf = slot_buffers.get(c.name)
         if buf is None or tuple(buf.shape[1:]) != c.shape or buf.dtype != c.dtype or not buf.is_contiguous():
             got = "missing" if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
-            raise DecodeError(f"slot buffer {c.name} must be a contiguous [S, {', '.join(map(str, c.shape))}] {c.dtype}, got {got}")
+            raise DecodeError(
+                f"slot buffer {c.name} must be a contiguous [S, {', '.join(map(str, c.shape))}] {c.dtype}, got {got}"
+            )
         if buf.device != staging.device:
             raise DecodeError(f"slot buffer {c.name} is on {buf.device} but staging is on {staging.device}")
 
@@ -178,14 +200,49 @@ if triton is not None:
 
     @triton.jit
     def _expand_kernel(
-        staging, staging_bytes, work, errors,
-        dst0, dst1, dst2, dst3, dir0, dir1, dir2, dir3, n0, n1, n2, n3, g1, g2, g3,
-        max_record, layout_crc, header_word1, raw_bytes,
-        CODED0: tl.constexpr, CODED1: tl.constexpr, CODED2: tl.constexpr, CODED3: tl.constexpr,
-        ALIGNED0: tl.constexpr, ALIGNED1: tl.constexpr, ALIGNED2: tl.constexpr, ALIGNED3: tl.constexpr,
-        BLOCK: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr, CHUNK: tl.constexpr, HDR: tl.constexpr,
-        MAX_TABLES: tl.constexpr, PAD_WORDS: tl.constexpr, MAGIC: tl.constexpr, GEOMETRY: tl.constexpr,
-        ALIGN: tl.constexpr, RAW_STEP: tl.constexpr, PREFETCH: tl.constexpr,
+        staging,
+        staging_bytes,
+        work,
+        errors,
+        dst0,
+        dst1,
+        dst2,
+        dst3,
+        dir0,
+        dir1,
+        dir2,
+        dir3,
+        n0,
+        n1,
+        n2,
+        n3,
+        g1,
+        g2,
+        g3,
+        max_record,
+        layout_crc,
+        header_word1,
+        raw_bytes,
+        CODED0: tl.constexpr,
+        CODED1: tl.constexpr,
+        CODED2: tl.constexpr,
+        CODED3: tl.constexpr,
+        ALIGNED0: tl.constexpr,
+        ALIGNED1: tl.constexpr,
+        ALIGNED2: tl.constexpr,
+        ALIGNED3: tl.constexpr,
+        BLOCK: tl.constexpr,
+        LANES: tl.constexpr,
+        STEPS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        HDR: tl.constexpr,
+        MAX_TABLES: tl.constexpr,
+        PAD_WORDS: tl.constexpr,
+        MAGIC: tl.constexpr,
+        GEOMETRY: tl.constexpr,
+        ALIGN: tl.constexpr,
+        RAW_STEP: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         # Program (m, g): record m; group g is part of component 0 below g1, 1 below g2, 2 below g3, else 3.
         # Written as one body: the interpreter cannot call nested jit helpers.

@@ -10,7 +10,6 @@ phases and two small scratch areas in global memory for the scatters.
 from __future__ import annotations
 
 import torch
-
 from bigmoe_pager.core.triton_launch import kernel_for
 
 try:
@@ -54,16 +53,30 @@ def launch_acquire(
     out = decision_outputs(flat, m)
     dummy = out["counts"]  # pointer for absent stats rows (never touched: HAS_* is False)
     kernel_for(_acquire_kernel, flat.device)[(1,)](
-        flat, flat.numel(),
-        table_state["expert_slot"], table_state["slot_expert"], table_state["last_use"],
-        table_state["step"], table_state["need"], table_state["freq"],
-        *out.values(), m,
+        flat,
+        flat.numel(),
+        table_state["expert_slot"],
+        table_state["slot_expert"],
+        table_state["last_use"],
+        table_state["step"],
+        table_state["need"],
+        table_state["freq"],
+        *out.values(),
+        m,
         stats_row if stats_row is not None else dummy,
         aux_row if aux_row is not None else dummy,
         record_bytes,
-        E=num_experts, S=num_slots, NEEDED=NEEDED_KEY, PACKED_MAX=PACKED_MAX,
-        BLOCK_E=next_pow2(num_experts), BLOCK_S=next_pow2(num_slots), BLOCK_N=IDS_BLOCK,
-        HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None, LFU=lfu, DECAY=decay,
+        E=num_experts,
+        S=num_slots,
+        NEEDED=NEEDED_KEY,
+        PACKED_MAX=PACKED_MAX,
+        BLOCK_E=next_pow2(num_experts),
+        BLOCK_S=next_pow2(num_slots),
+        BLOCK_N=IDS_BLOCK,
+        HAS_STATS=stats_row is not None,
+        HAS_AUX=aux_row is not None,
+        LFU=lfu,
+        DECAY=decay,
         num_warps=4,
     )
     return {**out, "remapped": out["remapped"].reshape(ids.shape)}
@@ -86,13 +99,34 @@ if triton is not None:
 
     @triton.jit
     def _acquire_kernel(
-        ids_ptr, n_ids,
-        expert_slot_ptr, slot_expert_ptr, last_use_ptr, step_ptr, need_ptr, freq_ptr,
-        remapped_ptr, miss_exp_ptr, miss_slot_ptr, evicted_ptr, counts_ptr, m,
-        stats_ptr, aux_ptr, record_bytes,
-        E: tl.constexpr, S: tl.constexpr, NEEDED: tl.constexpr, PACKED_MAX: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_STATS: tl.constexpr, HAS_AUX: tl.constexpr, LFU: tl.constexpr, DECAY: tl.constexpr,
+        ids_ptr,
+        n_ids,
+        expert_slot_ptr,
+        slot_expert_ptr,
+        last_use_ptr,
+        step_ptr,
+        need_ptr,
+        freq_ptr,
+        remapped_ptr,
+        miss_exp_ptr,
+        miss_slot_ptr,
+        evicted_ptr,
+        counts_ptr,
+        m,
+        stats_ptr,
+        aux_ptr,
+        record_bytes,
+        E: tl.constexpr,
+        S: tl.constexpr,
+        NEEDED: tl.constexpr,
+        PACKED_MAX: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_STATS: tl.constexpr,
+        HAS_AUX: tl.constexpr,
+        LFU: tl.constexpr,
+        DECAY: tl.constexpr,
     ):
         step = tl.load(step_ptr) + 1
         tl.store(step_ptr, step)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.triton_launch import kernel_for
 
@@ -99,15 +98,25 @@ def copy_records_torch(records, src, dst, layout: ExpertLayout, buffers: dict[st
         flat.index_copy_(0, d, rows[:, c.offset : c.offset + c.nbytes])
 
 
-def copy_records_triton(records, src, dst, layout: ExpertLayout, buffers: dict[str, torch.Tensor], block_bytes: int = BLOCK_BYTES) -> None:
+def copy_records_triton(
+    records, src, dst, layout: ExpertLayout, buffers: dict[str, torch.Tensor], block_bytes: int = BLOCK_BYTES
+) -> None:
     """The kernel path (GPU; on CPU tensors, Triton's interpreter runs the same kernel)."""
     plan = copy_plan(layout)
     block = max(1, block_bytes // plan.word_bytes)
     for group in component_groups(layout, buffers, block):
         grid = (src.numel(), sum(group.nblocks))
         kernel_for(_copy_kernel, src.device)[grid](
-            record_words(records, plan), src, dst, plan.pitch_words, *group.outs,
-            *group.offsets, *group.sizes, *group.nblocks, BLOCK=block, num_warps=4,
+            record_words(records, plan),
+            src,
+            dst,
+            plan.pitch_words,
+            *group.outs,
+            *group.offsets,
+            *group.sizes,
+            *group.nblocks,
+            BLOCK=block,
+            num_warps=4,
         )
 
 
@@ -136,10 +145,14 @@ def component_groups(layout: ExpertLayout, buffers: dict[str, torch.Tensor], blo
         offs = [plan.offsets[i] for i in idx]
         sizes = [plan.sizes[i] for i in idx]
         pad = MAX_COMPONENTS - len(outs)
-        groups.append(ComponentGroup(
-            tuple(outs + [outs[0]] * pad), tuple(offs + [0] * pad), tuple(sizes + [0] * pad),
-            tuple([-(-n // block) for n in sizes] + [0] * pad),
-        ))
+        groups.append(
+            ComponentGroup(
+                tuple(outs + [outs[0]] * pad),
+                tuple(offs + [0] * pad),
+                tuple(sizes + [0] * pad),
+                tuple([-(-n // block) for n in sizes] + [0] * pad),
+            )
+        )
     return groups
 
 
@@ -179,7 +192,9 @@ def check_slot_buffers(layout: ExpertLayout, buffers) -> None:
         buf = buffers.get(c.name)
         if buf is None or tuple(buf.shape[1:]) != c.shape or buf.dtype != c.dtype or not buf.is_contiguous():
             got = "missing" if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
-            raise CopyError(f"buffer {c.name} must be a contiguous [S, {', '.join(map(str, c.shape))}] {c.dtype}, got {got}")
+            raise CopyError(
+                f"buffer {c.name} must be a contiguous [S, {', '.join(map(str, c.shape))}] {c.dtype}, got {got}"
+            )
         if slots is not None and buf.shape[0] != slots:
             raise CopyError(f"buffer {c.name} has {buf.shape[0]} slots, others have {slots}")
         slots = buf.shape[0]
@@ -189,11 +204,26 @@ if triton is not None:
 
     @triton.jit
     def _copy_kernel(
-        rec_ptr, src_ptr, dst_ptr, pitch_words,
-        out0, out1, out2, out3,
-        OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
-        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
-        NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr,
+        rec_ptr,
+        src_ptr,
+        dst_ptr,
+        pitch_words,
+        out0,
+        out1,
+        out2,
+        out3,
+        OFF0: tl.constexpr,
+        OFF1: tl.constexpr,
+        OFF2: tl.constexpr,
+        OFF3: tl.constexpr,
+        N0: tl.constexpr,
+        N1: tl.constexpr,
+        N2: tl.constexpr,
+        N3: tl.constexpr,
+        NB0: tl.constexpr,
+        NB1: tl.constexpr,
+        NB2: tl.constexpr,
+        NB3: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # Program (m, b): work item m, block b of the components laid end to end.

@@ -19,7 +19,6 @@ or whole, over a buffer of all E experts that `fill_layer_buffer` fills.
 from __future__ import annotations
 
 import torch
-
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.host_pager import TierCounters, TierSizes, token_ranges
 from bigmoe_pager.core.layout import ExpertLayout
@@ -31,8 +30,18 @@ from bigmoe_pager.core.stats import PagerStats
 class DeviceLayerPager:
     """A layer's RAM records, the pager that moves them into the engine's slots, and its counters."""
 
-    def __init__(self, layout: ExpertLayout, sizes: TierSizes, device: torch.device | str, *, layer: int,
-                 stats: PagerStats, warm_order: list[int] | None = None, policy: str = "lru", pin: bool | None = None):
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        sizes: TierSizes,
+        device: torch.device | str,
+        *,
+        layer: int,
+        stats: PagerStats,
+        warm_order: list[int] | None = None,
+        policy: str = "lru",
+        pin: bool | None = None,
+    ):
         self.layout = layout
         self.sizes = sizes
         self.device = torch.device(device)
@@ -77,17 +86,30 @@ class DeviceLayerPager:
         for expert in self._row_of:
             missing = wanted - self.loaded.get(expert, set())
             if missing:
-                raise PagerError(f"layer {self.layer}, expert {expert}: the checkpoint did not provide {sorted(missing)}")
+                raise PagerError(
+                    f"layer {self.layer}, expert {expert}: the checkpoint did not provide {sorted(missing)}"
+                )
         if self.ram.full:
             self.ram.mark_filled()
         elif ssd is None:
-            raise PagerError(f"layer {self.layer}: {self.sizes.experts - self.sizes.ram} experts live only on SSD "
-                             "and no SSD tier was attached")
+            raise PagerError(
+                f"layer {self.layer}: {self.sizes.experts - self.sizes.ram} experts live only on SSD "
+                "and no SSD tier was attached"
+            )
         else:
             self.ram.attach_ssd(ssd)
         self.buffers = buffers
-        self.pager = ExpertPager(self.layout, self.sizes.experts, self.sizes.vram, self.ram, device=self.device,
-                                 layer=self.layer, stats=self.stats_table, buffers=buffers, policy=self.policy)
+        self.pager = ExpertPager(
+            self.layout,
+            self.sizes.experts,
+            self.sizes.vram,
+            self.ram,
+            device=self.device,
+            layer=self.layer,
+            stats=self.stats_table,
+            buffers=buffers,
+            policy=self.policy,
+        )
         self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
 
     @property
@@ -165,7 +187,9 @@ class DeviceLayerPager:
         copy_records(self.ram.records, rows, rows, self.layout, layer_buffers)
         count = need[:experts].sum()
         # Counted as misses served by RAM: the buffer is refilled whatever the slots hold.
-        self.stats_table.tier(self.layer, "vram").add(lookups=count, misses=count, bytes=count * self.layout.record_bytes)
+        self.stats_table.tier(self.layer, "vram").add(
+            lookups=count, misses=count, bytes=count * self.layout.record_bytes
+        )
         self.stats_table.tier(self.layer, "ram").add(lookups=count, hits=count)
 
     def _fill_through_slots(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
@@ -184,7 +208,9 @@ class DeviceLayerPager:
             slots = self.step(group.view(1, -1)).view(-1)
             for name, slot_buffer in self.buffers.items():
                 # as bytes: index_copy_ has no FP8 kernel on every device
-                layer_buffers[name].view(torch.uint8).index_copy_(0, group, slot_buffer.view(torch.uint8).index_select(0, slots))
+                layer_buffers[name].view(torch.uint8).index_copy_(
+                    0, group, slot_buffer.view(torch.uint8).index_select(0, slots)
+                )
 
     def token_chunks(self, topk_ids: torch.Tensor) -> list[slice]:
         """Consecutive token ranges whose distinct experts fit in the slots (reads the ids: one host sync)."""
@@ -227,6 +253,11 @@ class DeviceLayerPager:
         return {
             "vram": TierCounters(lookups=int(vram[lookups]), hits=int(vram[hits])),
             "ram": TierCounters(lookups=int(ram[lookups]), hits=int(ram[hits]), bytes_moved=int(vram[moved])),
-            "ssd": TierCounters(lookups=ssd_reads, hits=max(0, ssd_reads - int(ssd[errors])), bytes_moved=int(ram[moved]),
-                                read_seconds=int(ssd[read_ns]) / 1e9, errors=int(ssd[errors])),
+            "ssd": TierCounters(
+                lookups=ssd_reads,
+                hits=max(0, ssd_reads - int(ssd[errors])),
+                bytes_moved=int(ram[moved]),
+                read_seconds=int(ssd[read_ns]) / 1e9,
+                errors=int(ssd[errors]),
+            ),
         }

@@ -78,8 +78,10 @@ def discover(names: Iterable[str], num_hidden_layers: int | None = None) -> Expe
                 break
     main = [s for s in MAIN_SCHEMES if found[s]]
     if len(main) > 1:
-        raise ExpertNameError(f"the checkpoint names experts both as {main[0].format(layer='L', expert='E')}* and "
-                              f"{main[1].format(layer='L', expert='E')}*; expected one scheme")
+        raise ExpertNameError(
+            f"the checkpoint names experts both as {main[0].format(layer='L', expert='E')}* and "
+            f"{main[1].format(layer='L', expert='E')}*; expected one scheme"
+        )
     heads: dict[int, str] = {}
     experts = -1
     if main:

@@ -48,8 +48,7 @@ class ExpertStore(Protocol):
         """Where the record lives, for error messages (file and offset)."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -71,9 +70,17 @@ class CheckpointStore:
 
     codec = "raw"
 
-    def __init__(self, root: str | os.PathLike, layout: ExpertLayout, *, model_layers: list[int] | None = None,
-                 num_experts: int | None = None, retries: int = 2, io: SystemFileIO | None = None,
-                 counters: ReadCounters | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        layout: ExpertLayout,
+        *,
+        model_layers: list[int] | None = None,
+        num_experts: int | None = None,
+        retries: int = 2,
+        io: SystemFileIO | None = None,
+        counters: ReadCounters | None = None,
+    ):
         """model_layers: the decoder layers (vLLM numbering, expert_names.py) to serve; default every one named."""
         self.root = Path(root)
         self.layout = layout
@@ -90,8 +97,9 @@ class CheckpointStore:
             raise CheckpointError(f"{self.root}: no expert tensors named like {describe_schemes()}")
         unknown = [layer for layer in self.model_layers if layer not in self.names.heads]
         if unknown:
-            raise CheckpointError(f"{self.root}: no experts for decoder layers {unknown[:5]} "
-                                  f"(it has {self.names.layers})")
+            raise CheckpointError(
+                f"{self.root}: no experts for decoder layers {unknown[:5]} (it has {self.names.layers})"
+            )
         self._runs = self._plan(index, self.names)
         self._gaps = _gaps(layout)
         files = sorted({run.file for runs in self._runs for run in runs})
@@ -126,7 +134,9 @@ class CheckpointStore:
 
     def _key(self, layer: int, expert: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise IndexError(f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts} experts")
+            raise IndexError(
+                f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts} experts"
+            )
         return layer * self.num_experts + expert
 
     def _plan(self, index: dict[str, TensorEntry], names: ExpertNames) -> list[list[_Run]]:

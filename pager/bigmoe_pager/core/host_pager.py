@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.paging_file import ChecksumError
 
@@ -98,8 +97,14 @@ def token_ranges(rows: list[list[int]], slots: int) -> list[slice]:
 class HostPager:
     """One MoE layer's tiers, driven from the host."""
 
-    def __init__(self, layout: ExpertLayout, sizes: TierSizes, source: RecordSource | None,
-                 pin: bool = False, warm_order: list[int] | None = None):
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        sizes: TierSizes,
+        source: RecordSource | None,
+        pin: bool = False,
+        warm_order: list[int] | None = None,
+    ):
         if sizes.ram < sizes.experts and source is None:
             raise PagerError(f"{sizes.experts - sizes.ram} experts have no RAM slot and there is no SSD source")
         self.layout = layout
@@ -149,7 +154,9 @@ class HostPager:
             self.check_loaded()
         needed = list(dict.fromkeys(e for e in topk_ids.flatten().tolist() if e >= 0))
         if len(needed) > self.sizes.vram:
-            raise PagerError(f"{len(needed)} distinct experts in one chunk but only {self.sizes.vram} slots; split with token_chunks")
+            raise PagerError(
+                f"{len(needed)} distinct experts in one chunk but only {self.sizes.vram} slots; split with token_chunks"
+            )
         for e in needed:
             if not 0 <= e < self.sizes.experts:
                 raise PagerError(f"expert id {e} out of range [0, {self.sizes.experts})")

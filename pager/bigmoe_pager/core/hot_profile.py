@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from bigmoe_pager.atomic_file import write_atomic
 
 PROFILE_VERSION = 1
@@ -74,12 +73,18 @@ class HotProfile:
         except FileNotFoundError:
             raise ProfileError(f"hot profile {path} does not exist") from None
         except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
-            raise ProfileError(f"hot profile {path} is not a readable profile ({type(e).__name__}); record a new one") from None
+            raise ProfileError(
+                f"hot profile {path} is not a readable profile ({type(e).__name__}); record a new one"
+            ) from None
         if version != PROFILE_VERSION:
             raise ProfileError(f"hot profile {path} has format {version}; this pager reads format {PROFILE_VERSION}")
         if counts.ndim != 2 or counts.dtype != np.int64:
-            raise ProfileError(f"hot profile {path}: counts must be int64 [layers, experts], got {counts.dtype} {counts.shape}")
+            raise ProfileError(
+                f"hot profile {path}: counts must be int64 [layers, experts], got {counts.dtype} {counts.shape}"
+            )
         want = (num_layers or counts.shape[0], num_experts or counts.shape[1])
         if counts.shape != want:
-            raise ProfileError(f"hot profile {path} is for {counts.shape[0]} layers x {counts.shape[1]} experts; this model has {want[0]} x {want[1]}")
+            raise ProfileError(
+                f"hot profile {path} is for {counts.shape[0]} layers x {counts.shape[1]} experts; this model has {want[0]} x {want[1]}"
+            )
         return cls(counts)

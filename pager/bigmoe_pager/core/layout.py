@@ -85,7 +85,10 @@ class ExpertLayout:
     def rows_views(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed [R, *shape] strided views of each component over a uint8 [R, pitch] block of records."""
         rows = records.shape[0]
-        return {c.name: records[:, c.offset : c.offset + c.nbytes].view(c.dtype).view(rows, *c.shape) for c in self.components}
+        return {
+            c.name: records[:, c.offset : c.offset + c.nbytes].view(c.dtype).view(rows, *c.shape)
+            for c in self.components
+        }
 
     def pack(self, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """One record (uint8 [pitch]) holding the given component tensors, padding zeroed."""
@@ -103,7 +106,10 @@ class ExpertLayout:
 
     def signature(self) -> str:
         """Stable text naming the layout, for paging-file headers."""
-        parts = [f"{c.name}:{'x'.join(map(str, c.shape))}:{str(c.dtype).removeprefix('torch.')}@{c.offset}" for c in self.components]
+        parts = [
+            f"{c.name}:{'x'.join(map(str, c.shape))}:{str(c.dtype).removeprefix('torch.')}@{c.offset}"
+            for c in self.components
+        ]
         return ";".join(parts) + f";pitch={self.pitch}"
 
 

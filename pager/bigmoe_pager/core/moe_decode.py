@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.triton_launch import kernel_for
 
@@ -53,7 +52,13 @@ class ExpertWeights:
 
     @classmethod
     def from_slots(cls, buffers: dict[str, torch.Tensor], block: int | None) -> "ExpertWeights":
-        return cls(buffers["w13_weight"], buffers["w2_weight"], buffers.get("w13_weight_scale_inv"), buffers.get("w2_weight_scale_inv"), block)
+        return cls(
+            buffers["w13_weight"],
+            buffers["w2_weight"],
+            buffers.get("w13_weight_scale_inv"),
+            buffers.get("w2_weight_scale_inv"),
+            block,
+        )
 
     @classmethod
     def from_records(cls, records: torch.Tensor, layout: ExpertLayout, block: int | None) -> "ExpertWeights":
@@ -92,14 +97,37 @@ def moe_pairs(x: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights) -> tor
     hbuf = torch.empty((pairs, inter), dtype=torch.float32, device=device)
     ybuf = torch.empty((t, k, h), dtype=torch.float32, device=device)
     kernel_for(_up_kernel, device)[(pairs, -(-inter // UP_ROWS))](
-        x.contiguous(), ids, experts.w13, s13, hbuf,
-        experts.w13.stride(0), s13.stride(0) if scaled else 0,
-        K=k, H=h, I=inter, SB=sb, SC=-(-h // sb) if scaled else 1, BN=UP_ROWS, BK=bk, num_warps=4,
+        x.contiguous(),
+        ids,
+        experts.w13,
+        s13,
+        hbuf,
+        experts.w13.stride(0),
+        s13.stride(0) if scaled else 0,
+        K=k,
+        H=h,
+        I=inter,
+        SB=sb,
+        SC=-(-h // sb) if scaled else 1,
+        BN=UP_ROWS,
+        BK=bk,
+        num_warps=4,
     )
     kernel_for(_down_kernel, device)[(pairs, -(-h // DOWN_ROWS))](
-        hbuf, ids, experts.w2, s2, ybuf,
-        experts.w2.stride(0), s2.stride(0) if scaled else 0,
-        H=h, I=inter, SB=sb, SC=-(-inter // sb) if scaled else 1, BN=DOWN_ROWS, BK=bk, num_warps=4,
+        hbuf,
+        ids,
+        experts.w2,
+        s2,
+        ybuf,
+        experts.w2.stride(0),
+        s2.stride(0) if scaled else 0,
+        H=h,
+        I=inter,
+        SB=sb,
+        SC=-(-inter // sb) if scaled else 1,
+        BN=DOWN_ROWS,
+        BK=bk,
+        num_warps=4,
     )
     return ybuf
 
@@ -109,7 +137,13 @@ def moe_combine(pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     t, k, h = pairs.shape
     out = torch.empty((t, h), dtype=torch.float32, device=pairs.device)
     kernel_for(_combine_kernel, pairs.device)[(t, -(-h // COMBINE_COLS))](
-        pairs.contiguous(), weights.contiguous(), out, K=k, H=h, BH=COMBINE_COLS, num_warps=4,
+        pairs.contiguous(),
+        weights.contiguous(),
+        out,
+        K=k,
+        H=h,
+        BH=COMBINE_COLS,
+        num_warps=4,
     )
     return out
 
@@ -132,9 +166,20 @@ if triton is not None:
 
     @triton.jit
     def _up_kernel(
-        x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, w_stride, s_stride,
-        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr,
+        x_ptr,
+        ids_ptr,
+        w_ptr,
+        s_ptr,
+        h_ptr,
+        w_stride,
+        s_stride,
+        K: tl.constexpr,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        SB: tl.constexpr,
+        SC: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         p = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -166,9 +211,19 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        h_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, w_stride, s_stride,
-        H: tl.constexpr, I: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr,
+        h_ptr,
+        ids_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        w_stride,
+        s_stride,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        SB: tl.constexpr,
+        SC: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         p = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -182,7 +237,9 @@ if triton is not None:
             cols = k0 + tl.arange(0, BK)
             cmask = cols < I
             hv = tl.load(h_ptr + p * I + cols, mask=cmask, other=0.0)
-            w = tl.load(w_base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(
+                tl.float32
+            )
             part = tl.sum(w * hv[None, :], axis=1)
             if SB > 0:
                 part = part * tl.load(s_ptr + safe * s_stride + (rows // SB) * SC + k0 // SB, mask=rmask, other=0.0)

@@ -23,7 +23,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, block: int | No
     return w * s[..., :rows, :cols]
 
 
-def pair_outputs(x: torch.Tensor, slots: torch.Tensor, buffers: dict[str, torch.Tensor], block: int | None) -> torch.Tensor:
+def pair_outputs(
+    x: torch.Tensor, slots: torch.Tensor, buffers: dict[str, torch.Tensor], block: int | None
+) -> torch.Tensor:
     """fp32 [T, K, H]: expert output of each (token, k) pair; zeros where slots == -1.
 
     x: [T, H]; slots: [T, K] VRAM slot ids; buffers: w13_weight [S, 2I, H], w2_weight [S, H, I]
@@ -51,7 +53,9 @@ def combine(pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, buffers: dict[str, torch.Tensor], block: int | None) -> torch.Tensor:
+def moe(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, buffers: dict[str, torch.Tensor], block: int | None
+) -> torch.Tensor:
     """The whole layer: pair outputs then combine."""
     return combine(pair_outputs(x, slots, buffers, block), weights)
 

@@ -81,8 +81,14 @@ def as_byte_array(dst: object) -> np.ndarray:
 class DirectFile:
     """One file opened with O_DIRECT; `read_into` is safe to call from many threads at once."""
 
-    def __init__(self, path: str | os.PathLike, *, retries: int = 2, io: SystemFileIO | None = None,
-                 counters: ReadCounters | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        retries: int = 2,
+        io: SystemFileIO | None = None,
+        counters: ReadCounters | None = None,
+    ):
         self.path = str(path)
         self.retries = retries
         self.io = io or SystemFileIO()
@@ -224,8 +230,10 @@ def _probe_file(path: Path, io: SystemFileIO, expect: np.ndarray | None) -> tupl
 
 
 def _refused(path: str, where: str) -> str:
-    return (f"{path}: the filesystem refuses O_DIRECT (EINVAL on {where}); put the model or paging file "
-            "on a local disk filesystem (ext4, xfs, btrfs), not a network, overlay or FUSE mount")
+    return (
+        f"{path}: the filesystem refuses O_DIRECT (EINVAL on {where}); put the model or paging file "
+        "on a local disk filesystem (ext4, xfs, btrfs), not a network, overlay or FUSE mount"
+    )
 
 
 def _round_up(n: int, m: int) -> int:

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-
 from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
-from bigmoe_pager.core.slots import Admitted, Acquired, SlotTable, acquired_from_kernel
+from bigmoe_pager.core.slots import Acquired, Admitted, SlotTable, acquired_from_kernel
 from bigmoe_pager.core.stats import PagerStats
 
 
@@ -84,12 +83,16 @@ class ExpertPager:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
         if ram.num_slots < vram_slots:
-            raise PagerError(f"layer {layer}: {ram.num_slots} RAM slots < {vram_slots} VRAM slots; RAM must hold at least the VRAM slots")
+            raise PagerError(
+                f"layer {layer}: {ram.num_slots} RAM slots < {vram_slots} VRAM slots; RAM must hold at least the VRAM slots"
+            )
         if ram.num_experts != num_experts or ram.layout != layout:
             raise PagerError(f"layer {layer}: RAM tier was built for another layout or expert count")
         ram.check_ready()
         if work_slots > vram_slots:
-            raise PagerError(f"layer {layer}: {work_slots} working slots exceed the {vram_slots} VRAM slots they stream through")
+            raise PagerError(
+                f"layer {layer}: {work_slots} working slots exceed the {vram_slots} VRAM slots they stream through"
+            )
         self.layout = layout
         self.num_experts = num_experts
         self.num_slots = vram_slots
@@ -135,16 +138,30 @@ class ExpertPager:
 
     def _fused_step(self, topk_ids: torch.Tensor) -> bool:
         lfu = self.vram.lfu
-        return self.fused and self.ram.full and step_kernel.fits(self.num_experts, self.num_slots, topk_ids.numel(), self.layout, lfu)
+        return (
+            self.fused
+            and self.ram.full
+            and step_kernel.fits(self.num_experts, self.num_slots, topk_ids.numel(), self.layout, lfu)
+        )
 
     def _acquire_fused(self, topk_ids: torch.Tensor, vram_row, ram_row) -> Acquired:
         """Decide, copy and count in one launch (the RAM tier is full: record row = expert id)."""
         self.ram.check_filled()
         table = self.vram
         out = step_kernel.launch_step(
-            table.kernel_state(), topk_ids.to(self.device), self.num_experts, self.num_slots, table.miss_capacity(topk_ids.numel()),
-            self.ram.records, self.layout, self.buffers, programs=self.step_programs, stats_row=vram_row, aux_row=ram_row,
-            lfu=table.lfu, decay=table.decay,
+            table.kernel_state(),
+            topk_ids.to(self.device),
+            self.num_experts,
+            self.num_slots,
+            table.miss_capacity(topk_ids.numel()),
+            self.ram.records,
+            self.layout,
+            self.buffers,
+            programs=self.step_programs,
+            stats_row=vram_row,
+            aux_row=ram_row,
+            lfu=table.lfu,
+            decay=table.decay,
         )
         return acquired_from_kernel(out)
 

@@ -13,7 +13,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.paging_file import PagingFileMeta, write_paging_file
@@ -40,7 +39,9 @@ def layout_for_checkpoint(model_dir: Path) -> ExpertLayout:
     if quant.get("quant_method") == "fp8" and quant.get("weight_block_size"):
         block = int(quant["weight_block_size"][0])
         return ExpertLayout.for_moe(hidden, inter, torch.float8_e4m3fn, block)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+    ]
     return ExpertLayout.for_moe(hidden, inter, dtype)
 
 
@@ -51,8 +52,9 @@ def compressed_pitch(layout: ExpertLayout) -> int:
     return -(-max_record_bytes(layout) // 4096) * 4096
 
 
-def checkpoint_meta(model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int,
-                    codec: str = "raw", codec_version: int = 0) -> PagingFileMeta:
+def checkpoint_meta(
+    model_dir: Path, layout: ExpertLayout, num_layers: int, num_experts: int, codec: str = "raw", codec_version: int = 0
+) -> PagingFileMeta:
     return PagingFileMeta(
         model_id=str(model_dir.resolve().name),
         revision=checkpoint_fingerprint(model_dir),
@@ -64,8 +66,9 @@ def checkpoint_meta(model_dir: Path, layout: ExpertLayout, num_layers: int, num_
     )
 
 
-def build_paging_file(model_dir: Path, out: Path, compress: bool,
-                      progress: Callable[[int, int], None] = lambda done, total: None) -> Path:
+def build_paging_file(
+    model_dir: Path, out: Path, compress: bool, progress: Callable[[int, int], None] = lambda done, total: None
+) -> Path:
     """Write every expert of the checkpoint into a paging file at `out` (atomically)."""
     layout = layout_for_checkpoint(model_dir)
     store = CheckpointStore(model_dir, layout)
@@ -89,7 +92,12 @@ class _Counting:
 
     def __init__(self, store: CheckpointStore, progress: Callable[[int, int], None], total: int):
         self.store, self.progress, self.total, self.done = store, progress, total, 0
-        self.layout, self.num_layers, self.num_experts, self.codec = store.layout, store.num_layers, store.num_experts, store.codec
+        self.layout, self.num_layers, self.num_experts, self.codec = (
+            store.layout,
+            store.num_layers,
+            store.num_experts,
+            store.codec,
+        )
 
     def read(self, layer: int, expert: int, dst: object) -> int:
         n = self.store.read(layer, expert, dst)

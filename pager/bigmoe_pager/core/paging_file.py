@@ -110,8 +110,13 @@ class PagingFileMeta:
 class PagingFileWriter:
     """Writes a paging file; use as a context manager, `add` every record once, then `commit`."""
 
-    def __init__(self, path: str | os.PathLike, meta: PagingFileMeta, pitch: int,
-                 opener: Callable[[Path], BinaryIO] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        meta: PagingFileMeta,
+        pitch: int,
+        opener: Callable[[Path], BinaryIO] | None = None,
+    ):
         self.path = Path(path)
         self.meta = meta
         self.pitch = pitch
@@ -137,11 +142,15 @@ class PagingFileWriter:
         data = as_byte_array(record) if not isinstance(record, (bytes, bytearray)) else np.frombuffer(record, np.uint8)
         key = layer * self.meta.num_experts + expert
         if not (0 <= layer < self.meta.num_layers and 0 <= expert < self.meta.num_experts):
-            raise PagingFileError(f"{self.path}: record ({layer}, {expert}) outside {self.meta.num_layers} x {self.meta.num_experts}")
+            raise PagingFileError(
+                f"{self.path}: record ({layer}, {expert}) outside {self.meta.num_layers} x {self.meta.num_experts}"
+            )
         if self._written[key]:
             raise PagingFileError(f"{self.path}: record ({layer}, {expert}) added twice")
         if data.nbytes > self.pitch:
-            raise PagingFileError(f"{self.path}: record ({layer}, {expert}) is {data.nbytes} bytes, more than a RAM slot's {self.pitch}")
+            raise PagingFileError(
+                f"{self.path}: record ({layer}, {expert}) is {data.nbytes} bytes, more than a RAM slot's {self.pitch}"
+            )
         padded = _round_up(data.nbytes, ALIGN)
         self._guard(lambda: self._file.write(data.tobytes() + bytes(padded - data.nbytes)))
         self._entries[key] = (self._pos, data.nbytes, zlib.crc32(data))
@@ -202,9 +211,14 @@ class PagingFileWriter:
             raise PagingFileError(f"cannot write {self.path}: {e.strerror or e}") from None
 
 
-def write_paging_file(path: str | os.PathLike, meta: PagingFileMeta, source: ExpertStore,
-                      encode: Callable[[np.ndarray], object] | None = None,
-                      opener: Callable[[Path], BinaryIO] | None = None, pitch: int | None = None) -> Path:
+def write_paging_file(
+    path: str | os.PathLike,
+    meta: PagingFileMeta,
+    source: ExpertStore,
+    encode: Callable[[np.ndarray], object] | None = None,
+    opener: Callable[[Path], BinaryIO] | None = None,
+    pitch: int | None = None,
+) -> Path:
     """Copy every record of `source` (optionally through `encode`) into a new paging file at path.
     `pitch` bounds a record (default: the layout's; an encoder's worst case can be a little larger)."""
     buf = aligned_empty(source.layout.pitch).numpy()
@@ -219,8 +233,17 @@ def write_paging_file(path: str | os.PathLike, meta: PagingFileMeta, source: Exp
 class PagingFileStore:
     """ExpertStore over a finished paging file; every read is checked against its crc32."""
 
-    def __init__(self, path: str | os.PathLike, layout: ExpertLayout, expect: PagingFileMeta, *, retries: int = 2,
-                 io: SystemFileIO | None = None, counters: ReadCounters | None = None, pitch: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        layout: ExpertLayout,
+        expect: PagingFileMeta,
+        *,
+        retries: int = 2,
+        io: SystemFileIO | None = None,
+        counters: ReadCounters | None = None,
+        pitch: int | None = None,
+    ):
         self.path = Path(path)
         self.layout = layout
         self.counters = counters if counters is not None else ReadCounters()
@@ -251,9 +274,15 @@ class PagingFileStore:
             self._failed.add(key)
             raise ChecksumError(f"paging file {self.path}: {why}")
         marked = mark_damaged(self.path, why + " twice")
-        raise ChecksumError(f"paging file {self.path} " + (
-            "is marked damaged and the next start rebuilds it" if marked else
-            f"is damaged: delete it (its marker {damaged_marker(self.path)} could not be written)") + f": {why}")
+        raise ChecksumError(
+            f"paging file {self.path} "
+            + (
+                "is marked damaged and the next start rebuilds it"
+                if marked
+                else f"is damaged: delete it (its marker {damaged_marker(self.path)} could not be written)"
+            )
+            + f": {why}"
+        )
 
     def check_records(self, keys: list[int] | None = None) -> list[tuple[int, int]]:
         """(layer, expert) of each record whose bytes fail their crc32, reading `keys`
@@ -286,7 +315,9 @@ class PagingFileStore:
     def entry(self, layer: int, expert: int) -> tuple[int, int, int]:
         """The index entry of one record: (file offset, length in bytes, crc32)."""
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise IndexError(f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts} experts")
+            raise IndexError(
+                f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts} experts"
+            )
         offset, length, crc = self._index[layer * self.num_experts + expert]
         return int(offset), int(length), int(crc)
 
@@ -304,7 +335,9 @@ def _open_index(path: Path, expect: PagingFileMeta, pitch: int) -> tuple[PagingF
                 raise PagingFileError(f"{path}: not a bigmoe paging file (bad magic); delete it and run prepare again")
             _, version, json_len, index_offset, entries, crc = _FIXED.unpack(fixed)
             if version != FORMAT_VERSION:
-                raise PagingFileError(f"{path}: paging file format {version}, this bigmoe reads {FORMAT_VERSION}; run prepare again")
+                raise PagingFileError(
+                    f"{path}: paging file format {version}, this bigmoe reads {FORMAT_VERSION}; run prepare again"
+                )
             meta_bytes = f.read(json_len)
             f.seek(index_offset)
             index_bytes = f.read(entries * _ENTRY.size)
@@ -313,9 +346,13 @@ def _open_index(path: Path, expect: PagingFileMeta, pitch: int) -> tuple[PagingF
     except OSError as e:
         raise PagingFileError(f"{path}: cannot read paging file: {e.strerror or e}") from None
     if len(trailer) < _TRAILER.size or _TRAILER.unpack(trailer) != (END_MAGIC, size, crc):
-        raise PagingFileError(f"{path}: paging file is incomplete or truncated (no valid trailer); delete it and run prepare again")
+        raise PagingFileError(
+            f"{path}: paging file is incomplete or truncated (no valid trailer); delete it and run prepare again"
+        )
     if zlib.crc32(meta_bytes + index_bytes) != crc:
-        raise PagingFileError(f"{path}: paging file header is corrupt (crc32 mismatch); delete it and run prepare again")
+        raise PagingFileError(
+            f"{path}: paging file header is corrupt (crc32 mismatch); delete it and run prepare again"
+        )
     meta = PagingFileMeta(**json.loads(meta_bytes))
     _check_meta(path, meta, expect)
     index = np.frombuffer(index_bytes, dtype=np.dtype([("o", "<u8"), ("n", "<u8"), ("c", "<u4"), ("p", "V4")]))

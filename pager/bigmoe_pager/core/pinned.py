@@ -40,8 +40,10 @@ def _register(owner: np.ndarray, ptr: int, nbytes: int) -> bool:
     cudart = torch.cuda.cudart()
     err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
     if err != 0:
-        warnings.warn(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {err}); "
-                      "using torch's pinned allocator, which rounds the block up to a power of two")
+        warnings.warn(
+            f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {err}); "
+            "using torch's pinned allocator, which rounds the block up to a power of two"
+        )
         return False
     # Runs when the array is deallocated, before its memory is released.
     weakref.finalize(owner, cudart.cudaHostUnregister, ptr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
-
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.slots import SlotTable
@@ -116,7 +115,9 @@ class RamTier:
         if not self.full:
             raise RamTierError("load_all() fills a full tier; a partial tier is filled by the SSD tier or warm()")
         if tuple(records.shape) != tuple(self.records.shape) or records.dtype != torch.uint8:
-            raise RamTierError(f"load_all() needs uint8 {tuple(self.records.shape)}, got {records.dtype} {tuple(records.shape)}")
+            raise RamTierError(
+                f"load_all() needs uint8 {tuple(self.records.shape)}, got {records.dtype} {tuple(records.shape)}"
+            )
         self.records.copy_(records)
         self._filled = True
 
@@ -136,7 +137,9 @@ class RamTier:
 
     # ---- the step path -----------------------------------------------------------------
 
-    def locate(self, experts: torch.Tensor, stats_row: torch.Tensor | None = None, ssd_row: torch.Tensor | None = None) -> torch.Tensor:
+    def locate(
+        self, experts: torch.Tensor, stats_row: torch.Tensor | None = None, ssd_row: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Record rows holding `experts` (int64 [M], -1 padded), reading misses from SSD first.
 
         No host sync: the RAM decision runs on the model's device, and the SSD

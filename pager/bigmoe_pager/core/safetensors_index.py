@@ -63,11 +63,15 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} does not fit a {size}-byte file; not safetensors or truncated")
+            raise CheckpointError(
+                f"{path}: header length {n} does not fit a {size}-byte file; not safetensors or truncated"
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e.__class__.__name__}); not a safetensors file") from None
+            raise CheckpointError(
+                f"{path}: header is not valid JSON ({e.__class__.__name__}); not a safetensors file"
+            ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object; not a safetensors file")
     return header, 8 + n
@@ -117,5 +121,7 @@ def _entry(path: Path, name: str, info: object, base: int) -> TensorEntry:
         numel *= d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if end - begin != nbytes or begin < 0:
-        raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes but {dtype_name}{list(shape)} needs {nbytes}")
+        raise CheckpointError(
+            f"{path}: tensor {name} spans {end - begin} bytes but {dtype_name}{list(shape)} needs {nbytes}"
+        )
     return TensorEntry(path, dtype, shape, base + int(begin), nbytes)

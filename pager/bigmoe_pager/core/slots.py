@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from bigmoe_pager.core import acquire_kernel, triton_launch
 
 _NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
@@ -90,7 +89,9 @@ class Acquired:
 def acquired_from_kernel(out: dict[str, torch.Tensor]) -> Acquired:
     """An Acquired from a decision kernel's outputs (counts = lookups, hits, misses, loaded, overflow, invalid)."""
     c = out["counts"]
-    return Acquired(out["remapped"], out["miss_experts"], out["miss_slots"], out["evicted"], c[0], c[1], c[2], c[3], c[4], c[5])
+    return Acquired(
+        out["remapped"], out["miss_experts"], out["miss_slots"], out["evicted"], c[0], c[1], c[2], c[3], c[4], c[5]
+    )
 
 
 class SlotTable:
@@ -111,7 +112,9 @@ class SlotTable:
         if policy != "lru" and (num_experts > LFU_MAX_EXPERTS or decay < 0):
             raise SlotTableError(f"lfu needs <= {LFU_MAX_EXPERTS} experts and decay >= 0 steps (0 = never)")
         if num_experts < 1 or num_slots < 1:
-            raise SlotTableError(f"slot table needs >= 1 expert and >= 1 slot, got {num_experts} experts, {num_slots} slots")
+            raise SlotTableError(
+                f"slot table needs >= 1 expert and >= 1 slot, got {num_experts} experts, {num_slots} slots"
+            )
         if num_slots > num_experts:
             raise SlotTableError(f"{num_slots} slots for {num_experts} experts: slots must not exceed experts")
         self.num_experts = num_experts
@@ -200,16 +203,29 @@ class SlotTable:
     def kernel_state(self) -> dict[str, torch.Tensor]:
         """The device tensors a kernel that decides for this table reads and updates in place."""
         return {
-            "expert_slot": self._expert_slot, "slot_expert": self._slot_expert, "last_use": self._last_use,
-            "step": self.step, "need": self._need_scratch, "freq": self._freq, "done": self._done,
+            "expert_slot": self._expert_slot,
+            "slot_expert": self._slot_expert,
+            "last_use": self._last_use,
+            "step": self.step,
+            "need": self._need_scratch,
+            "freq": self._freq,
+            "done": self._done,
         }
 
     def _acquire_kernel(self, ids, stats_row, aux_row, record_bytes) -> Acquired:
         ids = ids.to(self.device)
         m = self.miss_capacity(ids.numel())
         out = acquire_kernel.launch_acquire(
-            self.kernel_state(), ids, self.num_experts, self.num_slots, m, stats_row, aux_row, record_bytes,
-            lfu=self.lfu, decay=self.decay,
+            self.kernel_state(),
+            ids,
+            self.num_experts,
+            self.num_slots,
+            m,
+            stats_row,
+            aux_row,
+            record_bytes,
+            lfu=self.lfu,
+            decay=self.decay,
         )
         return acquired_from_kernel(out)
 
@@ -243,7 +259,9 @@ class SlotTable:
 
         remapped = self._expert_slot[idx].reshape(ids.shape).to(ids.dtype)
         overflow = (lookups - s).clamp(min=0)
-        return Acquired(remapped, miss_experts, miss_slots, evicted, lookups, hits, misses, take.sum(), overflow, invalid)
+        return Acquired(
+            remapped, miss_experts, miss_slots, evicted, lookups, hits, misses, take.sum(), overflow, invalid
+        )
 
     def _compact(self, mask: torch.Tensor, m: int) -> torch.Tensor:
         """Expert ids where `mask` is set, ascending, in a -1 padded [m] tensor."""

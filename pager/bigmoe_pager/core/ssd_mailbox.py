@@ -34,7 +34,9 @@ REQ = 8  # first request word (after the control words, one 64-byte line)
 WORDS_PER_REQUEST = 4
 GPU_TIMED_OUT, GPU_SAW_HOST_ERROR = 1, 2
 # the same numbers as constexpr globals, the only globals a Triton kernel may read
-_HOST_ERROR, _GPU_ERROR, _GPU_ERROR_SEQ, _SINK, _REQ = (tl.constexpr(v) for v in (HOST_ERROR, GPU_ERROR, GPU_ERROR_SEQ, SINK, REQ))
+_HOST_ERROR, _GPU_ERROR, _GPU_ERROR_SEQ, _SINK, _REQ = (
+    tl.constexpr(v) for v in (HOST_ERROR, GPU_ERROR, GPU_ERROR_SEQ, SINK, REQ)
+)
 _TIMED_OUT, _SAW_HOST_ERROR = tl.constexpr(GPU_TIMED_OUT), tl.constexpr(GPU_SAW_HOST_ERROR)
 INTERPRETER_SPIN_S = 2e-3  # seconds one interpreted spin takes at least (measured ~5 ms on 2 shared cores); turns the timeout into a spin limit
 
@@ -57,8 +59,9 @@ def interpreting() -> bool:
 def _load_acquire(ptrs, ON_GPU: tl.constexpr):
     if ON_GPU:
         # acquire at system scope: sees host stores in order and is never served from a stale cache line
-        value = tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs],
-                                          dtype=tl.int64, is_pure=False, pack=1)
+        value = tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
+        )
     else:
         value = tl.load(ptrs, volatile=True)
     return value
@@ -68,8 +71,14 @@ def _load_acquire(ptrs, ON_GPU: tl.constexpr):
 def _store_release(ptrs, values, ON_GPU: tl.constexpr):
     if ON_GPU:
         # release at system scope: the request's payload words are visible to the host before its seq word
-        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.b32 $0, 0;", "=r,l,l", [ptrs, values],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "st.release.sys.global.b64 [$1], $2; mov.b32 $0, 0;",
+            "=r,l,l",
+            [ptrs, values],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
     else:
         tl.store(ptrs, values)
 
@@ -84,15 +93,29 @@ def _pause(ON_GPU: tl.constexpr):
 @triton.jit
 def _now(like, ON_GPU: tl.constexpr):
     if ON_GPU:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [like], dtype=tl.int64, is_pure=False, pack=1)
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l,l", [like], dtype=tl.int64, is_pure=False, pack=1
+        )
     else:
         now = like
     return now
 
 
 @triton.jit
-def request_kernel(box, seq_ptr, flag_ptr, experts_ptr, slots_ptr, layer, n, timeout_ns, max_spins,
-                   DONE: tl.constexpr, BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
+def request_kernel(
+    box,
+    seq_ptr,
+    flag_ptr,
+    experts_ptr,
+    slots_ptr,
+    layer,
+    n,
+    timeout_ns,
+    max_spins,
+    DONE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK)
     zero = offs.to(tl.int64) * 0
     inb = offs < n
@@ -137,8 +160,16 @@ def request_kernel(box, seq_ptr, flag_ptr, experts_ptr, slots_ptr, layer, n, tim
     _store_release(tl.where(first & flag, box + _GPU_ERROR + zero, sink), zero + code, ON_GPU)
 
 
-def launch_request(box: torch.Tensor, seq: torch.Tensor, flag: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, layer: int,
-                   capacity: int, timeout_s: float) -> None:
+def launch_request(
+    box: torch.Tensor,
+    seq: torch.Tensor,
+    flag: torch.Tensor,
+    experts: torch.Tensor,
+    slots: torch.Tensor,
+    layer: int,
+    capacity: int,
+    timeout_s: float,
+) -> None:
     """Enqueue request_kernel on the current stream (capturable): publish experts -> slots, wait, flag errors."""
     n = experts.numel()
     if slots.numel() != n:
@@ -147,6 +178,18 @@ def launch_request(box: torch.Tensor, seq: torch.Tensor, flag: torch.Tensor, exp
         raise ValueError(f"{n} requests exceed the mailbox's {capacity}; raise max_requests")
     on_gpu = not interpreting()
     max_spins = 2**31 - 1 if on_gpu else max(1, int(timeout_s / INTERPRETER_SPIN_S))
-    request_kernel[(1,)](box, seq, flag, experts, slots, layer, n, int(timeout_s * 1e9), max_spins,
-                         DONE=done_base(capacity), BLOCK=max(16, triton.next_power_of_2(n)), ON_GPU=on_gpu,
-                         num_warps=1)
+    request_kernel[(1,)](
+        box,
+        seq,
+        flag,
+        experts,
+        slots,
+        layer,
+        n,
+        int(timeout_s * 1e9),
+        max_spins,
+        DONE=done_base(capacity),
+        BLOCK=max(16, triton.next_power_of_2(n)),
+        ON_GPU=on_gpu,
+        num_warps=1,
+    )

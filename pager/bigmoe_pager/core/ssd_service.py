@@ -96,10 +96,19 @@ class _Job:
 class SsdService:
     """Reads experts from an ExpertStore into per-layer pinned RAM slot buffers, on request."""
 
-    def __init__(self, store: ExpertStore, ram_slots: Sequence[torch.Tensor], *, io_workers: int = 4,
-                 read_timeout_s: float = 10.0, read_retries: int = 2, max_requests: int = 256,
-                 mailbox: bool | None = None, wait_timeout_s: float | None = None,
-                 sinks: Sequence[HostCounterSink] | None = None):
+    def __init__(
+        self,
+        store: ExpertStore,
+        ram_slots: Sequence[torch.Tensor],
+        *,
+        io_workers: int = 4,
+        read_timeout_s: float = 10.0,
+        read_retries: int = 2,
+        max_requests: int = 256,
+        mailbox: bool | None = None,
+        wait_timeout_s: float | None = None,
+        sinks: Sequence[HostCounterSink] | None = None,
+    ):
         self.store = store
         self.io_workers = io_workers
         self.read_timeout_s = read_timeout_s
@@ -126,8 +135,14 @@ class SsdService:
     @classmethod
     def from_settings(cls, store: ExpertStore, ram_slots: Sequence[torch.Tensor], settings, **kw) -> "SsdService":
         """A service with io_workers, read_timeout_s and read_retries from a PagerSettings."""
-        return cls(store, ram_slots, io_workers=settings.io_workers, read_timeout_s=settings.read_timeout_s,
-                   read_retries=settings.read_retries, **kw)
+        return cls(
+            store,
+            ram_slots,
+            io_workers=settings.io_workers,
+            read_timeout_s=settings.read_timeout_s,
+            read_retries=settings.read_retries,
+            **kw,
+        )
 
     # ---- the GPU-driven path ---------------------------------------------------------
 
@@ -140,15 +155,19 @@ class SsdService:
         if self.box is None:
             self.load(layer, experts, slots)
             return
-        mb.launch_request(self.box, self._seq, self.error_flag, experts, slots, layer, self.max_requests, self.wait_timeout_s)
+        mb.launch_request(
+            self.box, self._seq, self.error_flag, experts, slots, layer, self.max_requests, self.wait_timeout_s
+        )
 
     def check(self) -> None:
         """Raise SsdError if any read failed or the GPU gave up waiting (call after syncing the step)."""
         if self.box is not None:
             gpu = int(self._box[mb.GPU_ERROR])
             if gpu == mb.GPU_TIMED_OUT and self._error is None:
-                self._fail_service(f"the GPU waited {self.wait_timeout_s:g} s and SSD reads did not finish "
-                                   f"(batch {int(self._box[mb.GPU_ERROR_SEQ])}); host I/O workers are stuck or gone")
+                self._fail_service(
+                    f"the GPU waited {self.wait_timeout_s:g} s and SSD reads did not finish "
+                    f"(batch {int(self._box[mb.GPU_ERROR_SEQ])}); host I/O workers are stuck or gone"
+                )
         if self._error is not None:
             raise SsdError(self._error)
 
@@ -301,7 +320,9 @@ class SsdService:
         with self._inflight_lock:
             self._inflight.discard(job)
         if job.entry >= 0:
-            self._box[mb.done_base(self.max_requests) + job.entry] = job.seq  # after the slot bytes (x86 keeps store order)
+            self._box[mb.done_base(self.max_requests) + job.entry] = (
+                job.seq
+            )  # after the slot bytes (x86 keeps store order)
         job.finished.set()
 
     def _finish_failed(self, job: _Job, why: str) -> None:
@@ -310,7 +331,9 @@ class SsdService:
             self.counters[job.layer].add_error()
             self._sink(job.layer, errors=1)
         where = self.store.describe(job.layer, job.expert) if not why.startswith("bad request") else "the mailbox"
-        self._fail_service(f"SSD read of layer {job.layer} expert {job.expert} into RAM slot {job.slot} failed: {why}; source: {where}")
+        self._fail_service(
+            f"SSD read of layer {job.layer} expert {job.expert} into RAM slot {job.slot} failed: {why}; source: {where}"
+        )
         if job.entry >= 0:
             self._box[mb.HOST_ERROR] = job.seq
         with self._inflight_lock:
@@ -355,7 +378,9 @@ class LayerFetch:
 def _slot_rows(buf: torch.Tensor, pitch: int, layer: int) -> np.ndarray:
     """A writable numpy view [R, pitch] of one layer's RAM slot buffer."""
     if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous():
-        raise ValueError(f"layer {layer}: RAM slots must be a contiguous uint8 CPU tensor [R, pitch], got {buf.dtype}{list(buf.shape)} on {buf.device}")
+        raise ValueError(
+            f"layer {layer}: RAM slots must be a contiguous uint8 CPU tensor [R, pitch], got {buf.dtype}{list(buf.shape)} on {buf.device}"
+        )
     if buf.shape[1] < pitch:
         raise ValueError(f"layer {layer}: RAM slot rows are {buf.shape[1]} bytes; records need {pitch}")
     return as_byte_array(buf).reshape(buf.shape)

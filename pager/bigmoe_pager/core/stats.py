@@ -15,8 +15,18 @@ import numpy as np
 import torch
 
 TIERS = ("vram", "ram", "ssd")
-COUNTERS = ("lookups", "hits", "misses", "bytes", "read_ns", "retries", "errors",
-            "prefetched", "prefetch_used", "prefetch_wasted_bytes")
+COUNTERS = (
+    "lookups",
+    "hits",
+    "misses",
+    "bytes",
+    "read_ns",
+    "retries",
+    "errors",
+    "prefetched",
+    "prefetch_used",
+    "prefetch_wasted_bytes",
+)
 """lookups/hits/misses count distinct experts per step; bytes moved into the tier (prefetches included);
 read_ns of SSD reads; prefetched: experts copied in ahead of need; prefetch_used: of those, needed by the
 step they were fetched for; prefetch_wasted_bytes: bytes of the others."""

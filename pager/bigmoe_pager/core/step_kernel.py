@@ -26,10 +26,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-
 from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, decision_outputs, next_pow2
 from bigmoe_pager.core.copy_kernel import (
-    BLOCK_BYTES, MAX_COMPONENTS, check_records_and_buffers, component_groups, copy_plan, record_words,
+    BLOCK_BYTES,
+    MAX_COMPONENTS,
+    check_records_and_buffers,
+    component_groups,
+    copy_plan,
+    record_words,
 )
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.triton_launch import kernel_for
@@ -101,8 +105,10 @@ def launch_step(
     lookups and hits. table_state is SlotTable.kernel_state().
     """
     if not fits(num_experts, num_slots, ids.numel(), layout, lfu):
-        raise StepKernelError(f"a fused step takes 1..{MAX_IDS} ids, <= {MAX_SLOTS} slots, <= {MAX_COMPONENTS} "
-                              f"components; got {ids.numel()} ids, {num_slots} slots, {len(layout.components)} components")
+        raise StepKernelError(
+            f"a fused step takes 1..{MAX_IDS} ids, <= {MAX_SLOTS} slots, <= {MAX_COMPONENTS} "
+            f"components; got {ids.numel()} ids, {num_slots} slots, {len(layout.components)} components"
+        )
     if programs < 1:
         raise StepKernelError(f"a fused step needs >= 1 program, got {programs}")
     check_records_and_buffers(records, layout, buffers)
@@ -113,21 +119,48 @@ def launch_step(
     out = decision_outputs(flat, m)
     dummy = out["counts"]  # pointer for absent stats rows (never touched: HAS_* is False)
     kernel_for(_step_kernel, flat.device)[(programs,)](
-        flat, flat.numel(),
-        table_state["expert_slot"], table_state["slot_expert"], table_state["last_use"],
-        table_state["step"], table_state["freq"], table_state["done"],
-        *out.values(), m,
+        flat,
+        flat.numel(),
+        table_state["expert_slot"],
+        table_state["slot_expert"],
+        table_state["last_use"],
+        table_state["step"],
+        table_state["freq"],
+        table_state["done"],
+        *out.values(),
+        m,
         stats_row if stats_row is not None else dummy,
         aux_row if aux_row is not None else dummy,
-        layout.record_bytes, programs,
-        record_words(records, plan), plan.pitch_words, *group.outs,
-        E=num_experts, S=num_slots, PACKED_MAX=PACKED_MAX,
-        BLOCK_E=next_pow2(num_experts), BLOCK_S=next_pow2(num_slots), BLOCK_I=ids_block(flat.numel()),
-        HAS_STATS=stats_row is not None, HAS_AUX=aux_row is not None, LFU=lfu, DECAY=decay,
-        OFF0=group.offsets[0], OFF1=group.offsets[1], OFF2=group.offsets[2], OFF3=group.offsets[3],
-        N0=group.sizes[0], N1=group.sizes[1], N2=group.sizes[2], N3=group.sizes[3],
-        NB0=group.nblocks[0], NB1=group.nblocks[1], NB2=group.nblocks[2], NB3=group.nblocks[3],
-        NBLK=sum(group.nblocks), BLOCK=block, num_warps=4,
+        layout.record_bytes,
+        programs,
+        record_words(records, plan),
+        plan.pitch_words,
+        *group.outs,
+        E=num_experts,
+        S=num_slots,
+        PACKED_MAX=PACKED_MAX,
+        BLOCK_E=next_pow2(num_experts),
+        BLOCK_S=next_pow2(num_slots),
+        BLOCK_I=ids_block(flat.numel()),
+        HAS_STATS=stats_row is not None,
+        HAS_AUX=aux_row is not None,
+        LFU=lfu,
+        DECAY=decay,
+        OFF0=group.offsets[0],
+        OFF1=group.offsets[1],
+        OFF2=group.offsets[2],
+        OFF3=group.offsets[3],
+        N0=group.sizes[0],
+        N1=group.sizes[1],
+        N2=group.sizes[2],
+        N3=group.sizes[3],
+        NB0=group.nblocks[0],
+        NB1=group.nblocks[1],
+        NB2=group.nblocks[2],
+        NB3=group.nblocks[3],
+        NBLK=sum(group.nblocks),
+        BLOCK=block,
+        num_warps=4,
     )
     return {**out, "remapped": out["remapped"].reshape(ids.shape)}
 
@@ -136,18 +169,54 @@ if triton is not None:
 
     @triton.jit
     def _step_kernel(
-        ids_ptr, n_ids,
-        expert_slot_ptr, slot_expert_ptr, last_use_ptr, step_ptr, freq_ptr, done_ptr,
-        remapped_ptr, miss_exp_ptr, miss_slot_ptr, evicted_ptr, counts_ptr, m,
-        stats_ptr, aux_ptr, record_bytes, programs,
-        rec_ptr, pitch_words, out0, out1, out2, out3,
-        E: tl.constexpr, S: tl.constexpr, PACKED_MAX: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
-        HAS_STATS: tl.constexpr, HAS_AUX: tl.constexpr, LFU: tl.constexpr, DECAY: tl.constexpr,
-        OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
-        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
-        NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr,
-        NBLK: tl.constexpr, BLOCK: tl.constexpr,
+        ids_ptr,
+        n_ids,
+        expert_slot_ptr,
+        slot_expert_ptr,
+        last_use_ptr,
+        step_ptr,
+        freq_ptr,
+        done_ptr,
+        remapped_ptr,
+        miss_exp_ptr,
+        miss_slot_ptr,
+        evicted_ptr,
+        counts_ptr,
+        m,
+        stats_ptr,
+        aux_ptr,
+        record_bytes,
+        programs,
+        rec_ptr,
+        pitch_words,
+        out0,
+        out1,
+        out2,
+        out3,
+        E: tl.constexpr,
+        S: tl.constexpr,
+        PACKED_MAX: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_I: tl.constexpr,
+        HAS_STATS: tl.constexpr,
+        HAS_AUX: tl.constexpr,
+        LFU: tl.constexpr,
+        DECAY: tl.constexpr,
+        OFF0: tl.constexpr,
+        OFF1: tl.constexpr,
+        OFF2: tl.constexpr,
+        OFF3: tl.constexpr,
+        N0: tl.constexpr,
+        N1: tl.constexpr,
+        N2: tl.constexpr,
+        N3: tl.constexpr,
+        NB0: tl.constexpr,
+        NB1: tl.constexpr,
+        NB2: tl.constexpr,
+        NB3: tl.constexpr,
+        NBLK: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         step = tl.load(step_ptr) + 1

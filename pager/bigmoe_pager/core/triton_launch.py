@@ -29,7 +29,9 @@ def kernel_for(kernel, device: torch.device):
     if triton is None:
         raise TritonMissing("this path needs Triton (pip install triton); the GPU build of vLLM ships it")
     if device.type == "cpu" and not _interpreted(kernel):
-        raise TritonMissing("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)")
+        raise TritonMissing(
+            "Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)"
+        )
     return kernel
 
 

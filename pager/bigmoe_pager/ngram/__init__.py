@@ -10,6 +10,11 @@ from .spec import TableSpec
 from .table import NgramTable
 
 __all__ = [
-    "NgramError", "NgramFileError", "NgramLayoutError", "NgramRangeError", "NgramReadError",
-    "NgramTable", "TableSpec",
+    "NgramError",
+    "NgramFileError",
+    "NgramLayoutError",
+    "NgramRangeError",
+    "NgramReadError",
+    "NgramTable",
+    "TableSpec",
 ]

@@ -20,11 +20,22 @@ import numpy as np
 from .errors import NgramReadError
 
 # struct iocb and struct io_event from linux/aio_abi.h (little-endian 64-bit layout).
-IOCB = np.dtype([
-    ("data", "<u8"), ("key", "<u4"), ("rw_flags", "<u4"), ("opcode", "<u2"), ("reqprio", "<i2"),
-    ("fildes", "<u4"), ("buf", "<u8"), ("nbytes", "<u8"), ("offset", "<i8"), ("reserved2", "<u8"),
-    ("flags", "<u4"), ("resfd", "<u4"),
-])
+IOCB = np.dtype(
+    [
+        ("data", "<u8"),
+        ("key", "<u4"),
+        ("rw_flags", "<u4"),
+        ("opcode", "<u2"),
+        ("reqprio", "<i2"),
+        ("fildes", "<u4"),
+        ("buf", "<u8"),
+        ("nbytes", "<u8"),
+        ("offset", "<i8"),
+        ("reserved2", "<u8"),
+        ("flags", "<u4"),
+        ("resfd", "<u4"),
+    ]
+)
 IO_EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
 IOCB_CMD_PREAD = 0
 
@@ -48,7 +59,9 @@ class AioContext:
     def __init__(self, depth: int):
         arch = platform.machine()
         if arch not in _SYSCALLS or not hasattr(os, "O_DIRECT"):
-            raise AioUnavailable(f"native AIO is not wired for {platform.system()} {arch}; use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)")
+            raise AioUnavailable(
+                f"native AIO is not wired for {platform.system()} {arch}; use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)"
+            )
         self._setup, self._destroy, self._getevents, self._submit = _SYSCALLS[arch]
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._syscall = self._libc.syscall
@@ -78,8 +91,14 @@ class AioContext:
         """Completed events (a view of self.events), at least `min_events` unless `timeout_s` passes first."""
         ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
         while True:
-            n = self._call(self._getevents, self._ctx, ctypes.c_long(min_events), ctypes.c_long(self.depth),
-                           ctypes.c_void_p(self.events.ctypes.data), ctypes.byref(ts))
+            n = self._call(
+                self._getevents,
+                self._ctx,
+                ctypes.c_long(min_events),
+                ctypes.c_long(self.depth),
+                ctypes.c_void_p(self.events.ctypes.data),
+                ctypes.byref(ts),
+            )
             if n >= 0:
                 return self.events[:n]
             err = ctypes.get_errno()

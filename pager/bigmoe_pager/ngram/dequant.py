@@ -30,8 +30,9 @@ def as_stored(rows: torch.Tensor, dtype: str) -> torch.Tensor:
     return rows.view(STORED[dtype])
 
 
-def dequantize_rows(rows: torch.Tensor, dtype: str, scale: float | torch.Tensor | None,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_rows(
+    rows: torch.Tensor, dtype: str, scale: float | torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Activations [..., row_elems] in out_dtype from uint8 rows [..., row_bytes] on the same device."""
     values = as_stored(rows, dtype).to(out_dtype)
     if scale is None:

@@ -33,16 +33,28 @@ from .stats import ReadTotals
 
 ALIGN = 4096  # bytes; O_DIRECT offset/length/buffer alignment that every common block device accepts
 MIN_ALIGN = 512  # bytes; the smallest logical block size of block devices
-MERGE_GAP = 4 << 10  # bytes; rows this close share a read. Larger gaps cut few requests for random ids and cost bytes: 8-16 KiB measured no faster on the dev VM
+MERGE_GAP = (
+    4 << 10
+)  # bytes; rows this close share a read. Larger gaps cut few requests for random ids and cost bytes: 8-16 KiB measured no faster on the dev VM
 MAX_READ = 256 << 10  # bytes; longest coalesced read (dense ids), so one failed read retries little
 
 
 class DirectReader:
     """Gathers rows at given (file, byte offset) pairs with O_DIRECT + AIO; thread-safe (one gather at a time)."""
 
-    def __init__(self, files: list[Path], row_bytes: int, *, depth: int = 256, timeout_s: float = 10.0,
-                 retries: int = 2, totals: ReadTotals | None = None, align: int | None = None,
-                 merge_gap: int = MERGE_GAP, max_read: int = MAX_READ):
+    def __init__(
+        self,
+        files: list[Path],
+        row_bytes: int,
+        *,
+        depth: int = 256,
+        timeout_s: float = 10.0,
+        retries: int = 2,
+        totals: ReadTotals | None = None,
+        align: int | None = None,
+        merge_gap: int = MERGE_GAP,
+        max_read: int = MAX_READ,
+    ):
         self.files = [Path(f) for f in files]
         self.row_bytes = row_bytes
         self.merge_gap = merge_gap
@@ -51,7 +63,9 @@ class DirectReader:
         self.retries = retries
         self.totals = totals if totals is not None else ReadTotals()
         self._fds = np.array([_open_direct(f) for f in self.files], np.uint32)
-        self.align = align if align is not None else max(_direct_align(int(fd), f) for fd, f in zip(self._fds, self.files))
+        self.align = (
+            align if align is not None else max(_direct_align(int(fd), f) for fd, f in zip(self._fds, self.files))
+        )
         """O_DIRECT offset/length alignment in bytes: 512 where every file's device accepts it, else 4096."""
         self._aio = AioContext(depth)
         self._lock = threading.Lock()
@@ -67,8 +81,9 @@ class DirectReader:
         with self._lock:
             if self._broken:
                 raise NgramReadError(f"n-gram direct reader is unusable after an earlier failure: {self._broken}")
-            plan = plan_reads(file_ids, offsets, self.row_bytes, align=self.align, merge_gap=self.merge_gap,
-                              max_read=self.max_read)
+            plan = plan_reads(
+                file_ids, offsets, self.row_bytes, align=self.align, merge_gap=self.merge_gap, max_read=self.max_read
+            )
             scratch = self._scratch_of(plan.scratch_bytes)
             self._prepare(plan, scratch)
             t0 = time.perf_counter_ns()
@@ -114,7 +129,7 @@ class DirectReader:
             while top or inflight:
                 room = min(self._aio.depth - inflight, top)
                 if room:
-                    batch = pending[top - room:top][::-1]
+                    batch = pending[top - room : top][::-1]
                     took = self._aio.submit((base + 64 * batch).astype(np.uint64))
                     top -= took
                     inflight += took
@@ -129,7 +144,7 @@ class DirectReader:
                 bad = idx[done["res"] < need[idx]]
                 if bad.size:
                     self._retry_or_raise(bad, done, tries)
-                    pending[top:top + bad.size] = bad
+                    pending[top : top + bad.size] = bad
                     top += bad.size
         except NgramReadError:
             self._drain(inflight)
@@ -153,7 +168,9 @@ class DirectReader:
             cb = self._iocbs[worst]
             why = os.strerror(-res) if res < 0 else f"short read ({res} of {int(cb['nbytes'])} bytes; file truncated?)"
             path = self.files[int(np.flatnonzero(self._fds == cb["fildes"])[0])]
-            raise NgramReadError(f"read of {int(cb['nbytes'])} bytes at offset {int(cb['offset'])} of {path} failed: {why} after {self.retries} retries")
+            raise NgramReadError(
+                f"read of {int(cb['nbytes'])} bytes at offset {int(cb['offset'])} of {path} failed: {why} after {self.retries} retries"
+            )
 
 
 def _open_direct(path: Path) -> int:
@@ -161,7 +178,9 @@ def _open_direct(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.EINVAL:
-            raise NgramFileError(f"{path}: the filesystem refuses O_DIRECT; use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)") from None
+            raise NgramFileError(
+                f"{path}: the filesystem refuses O_DIRECT; use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)"
+            ) from None
         raise NgramFileError(f"{path}: cannot open: {e.strerror}") from None
     if os.fstat(fd).st_size >= MAX_FILE_BYTES:
         os.close(fd)

@@ -35,8 +35,9 @@ ROW_LOOP_ROWS = 256  # rows; up to this many, copying row by row beats grouping 
 class PageCacheReader:
     """Gathers rows at given (file, byte offset) pairs from memory-mapped files; thread-safe."""
 
-    def __init__(self, files: list[Path], row_bytes: int, *, threads: int = PREFILL_THREADS,
-                 totals: ReadTotals | None = None):
+    def __init__(
+        self, files: list[Path], row_bytes: int, *, threads: int = PREFILL_THREADS, totals: ReadTotals | None = None
+    ):
         self.files = [Path(f) for f in files]
         self.row_bytes = row_bytes
         self.totals = totals if totals is not None else ReadTotals()
@@ -58,7 +59,11 @@ class PageCacheReader:
         else:
             bounds = np.linspace(0, n, self._threads + 1).astype(np.int64)
             parts = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-            list(self._pool.map(lambda ab: self._gather(file_ids[ab[0]:ab[1]], offsets[ab[0]:ab[1]], out[ab[0]:ab[1]]), parts))
+            list(
+                self._pool.map(
+                    lambda ab: self._gather(file_ids[ab[0] : ab[1]], offsets[ab[0] : ab[1]], out[ab[0] : ab[1]]), parts
+                )
+            )
         self.totals.add(n, n * self.row_bytes, time.perf_counter_ns() - t0)
 
     def drop_cache(self) -> None:
@@ -99,7 +104,7 @@ class PageCacheReader:
         if offsets.size <= ROW_LOOP_ROWS:
             rb, dst = self.row_bytes, memoryview(out).cast("B")
             for k, (f, off) in enumerate(zip(file_ids.tolist(), offsets.tolist())):
-                dst[k * rb:(k + 1) * rb] = self._views[f][off:off + rb]
+                dst[k * rb : (k + 1) * rb] = self._views[f][off : off + rb]
             return
         if len(self._bytes) == 1:
             cut_rows(self._bytes[0], offsets, self.row_bytes, out)

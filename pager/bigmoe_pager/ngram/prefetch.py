@@ -67,7 +67,9 @@ class RowPrefetcher:
             raise NgramReadError(f"n-gram prefetch: {self._broken}") from None
         nbytes = n * self.table.row_bytes
         if out.numel() * out.element_size() != nbytes or not out.is_contiguous():
-            raise ValueError(f"n-gram prefetch output must be {nbytes} contiguous bytes, got {out.dtype} {list(out.shape)}")
+            raise ValueError(
+                f"n-gram prefetch output must be {nbytes} contiguous bytes, got {out.dtype} {list(out.shape)}"
+            )
         out.view(torch.uint8).reshape(n, -1).copy_(self._rows[:n], non_blocking=self._rows_free is not None)
         if self._rows_free is not None:
             self._rows_free.record()

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-SMALL_ROWS = 64  # up to this many rows (a few decode steps) each row is its own read: planning costs less than merging saves
+SMALL_ROWS = (
+    64  # up to this many rows (a few decode steps) each row is its own read: planning costs less than merging saves
+)
 OFFSET_BITS = 40  # (file, offset) sort key: file index above bit 40, byte offset below
 MAX_FILE_BYTES = 1 << OFFSET_BITS  # 1 TiB; larger checkpoint files are refused at open
 
@@ -48,8 +49,16 @@ class ReadPlan:
         return int(self.slot[-1] + self.length[-1]) if self.start.size else 0
 
 
-def plan_reads(file_ids: np.ndarray, offsets: np.ndarray, row_bytes: int, *, align: int, merge_gap: int = 0,
-               max_read: int = 256 << 10, small_rows: int = SMALL_ROWS) -> ReadPlan:
+def plan_reads(
+    file_ids: np.ndarray,
+    offsets: np.ndarray,
+    row_bytes: int,
+    *,
+    align: int,
+    merge_gap: int = 0,
+    max_read: int = 256 << 10,
+    small_rows: int = SMALL_ROWS,
+) -> ReadPlan:
     """Plan reads for rows at byte `offsets` of files `file_ids` (flat arrays of one length; duplicates allowed).
 
     File indices must be >= 0 and offsets lie in 0..MAX_FILE_BYTES (the reader checks file sizes at open).
@@ -86,8 +95,9 @@ def plan_reads(file_ids: np.ndarray, offsets: np.ndarray, row_bytes: int, *, ali
     row_at = (slot - start)[group] + off
     if order is not None:
         row_at[order] = row_at.copy()
-    return ReadPlan(file=f[heads], start=start, length=length, need=off[tails] + row_bytes - start, slot=slot,
-                    row_at=row_at)
+    return ReadPlan(
+        file=f[heads], start=start, length=length, need=off[tails] + row_bytes - start, slot=slot, row_at=row_at
+    )
 
 
 def _one_read_per_row(file_ids: np.ndarray, offsets: np.ndarray, row_bytes: int, align: int) -> ReadPlan:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from bigmoe_pager.core.safetensors_index import DTYPES, CheckpointError, TensorEntry, index_files, read_header
 
 from .errors import NgramFileError, NgramLayoutError, NgramRangeError
@@ -149,7 +148,9 @@ def _common_format(table: str, entries: dict[int, TensorEntry]) -> tuple[str, in
     formats = {(DTYPE_NAMES[e.dtype], e.shape[1:]) for e in entries.values() if len(e.shape) == 2}
     flat = [i for i, e in entries.items() if len(e.shape) != 2]
     if flat:
-        raise NgramLayoutError(f"{table}.shard_{flat[0]}.weight has shape {list(entries[flat[0]].shape)}; n-gram shards are 2-D [rows, row_elems]")
+        raise NgramLayoutError(
+            f"{table}.shard_{flat[0]}.weight has shape {list(entries[flat[0]].shape)}; n-gram shards are 2-D [rows, row_elems]"
+        )
     if len(formats) != 1:
         raise NgramLayoutError(f"shards of {table} disagree on dtype/row size: {sorted(formats)}")
     dtype, (row_elems,) = formats.pop()
@@ -162,7 +163,9 @@ def _check_spec(table: str, entries: dict[int, TensorEntry], dtype: str, row_ele
     if dtype != spec.dtype:
         raise NgramLayoutError(f"shards of {table} are {dtype} but the model config says {spec.dtype}")
     if row_elems != spec.row_elems:
-        raise NgramLayoutError(f"shards of {table} have rows of {row_elems} elements but the model config says {spec.row_elems}")
+        raise NgramLayoutError(
+            f"shards of {table} have rows of {row_elems} elements but the model config says {spec.row_elems}"
+        )
     if spec.parts is None:
         return  # the split is the checkpoint's; find_shards still checks the total
     extra = sorted(i for i in entries if i >= spec.parts)
@@ -173,10 +176,14 @@ def _check_spec(table: str, entries: dict[int, TensorEntry], dtype: str, row_ele
         if i not in entries:
             if want:
                 start = i * spec.shard_rows
-                raise NgramLayoutError(f"{table}.shard_{i}.weight is missing: rows {start}..{start + want - 1} have no data")
+                raise NgramLayoutError(
+                    f"{table}.shard_{i}.weight is missing: rows {start}..{start + want - 1} have no data"
+                )
             continue
         if entries[i].shape[0] != want:
-            raise NgramLayoutError(f"{table}.shard_{i}.weight has {entries[i].shape[0]} rows; the model config needs {want}")
+            raise NgramLayoutError(
+                f"{table}.shard_{i}.weight has {entries[i].shape[0]} rows; the model config needs {want}"
+            )
 
 
 def _order(table: str, entries: dict[int, TensorEntry], files: list[Path], row_bytes: int) -> tuple[Shard, ...]:
@@ -189,8 +196,10 @@ def _order(table: str, entries: dict[int, TensorEntry], files: list[Path], row_b
     shards, row = [], 0
     for i in indices:
         rows = entries[i].shape[0]
-        if rows > full or (rows < full and any(entries[j].shape[0] for j in indices[i + 1:])):
-            raise NgramLayoutError(f"{table}.shard_{i}.weight has {rows} rows where shard_0 has {full}; only trailing shards may be shorter")
+        if rows > full or (rows < full and any(entries[j].shape[0] for j in indices[i + 1 :])):
+            raise NgramLayoutError(
+                f"{table}.shard_{i}.weight has {rows} rows where shard_0 has {full}; only trailing shards may be shorter"
+            )
         if rows:
             shards.append(Shard(i, files.index(entries[i].path), row, rows, entries[i].offset))
         row += rows
@@ -204,5 +213,7 @@ def _scale(headers: dict[Path, dict], table: str) -> TensorEntry | None:
         return None
     entry = _index(holders[:1])[name]
     if entry.nbytes != 4 or DTYPE_NAMES[entry.dtype] != "F32":
-        raise NgramLayoutError(f"{name} is {DTYPE_NAMES[entry.dtype]}{list(entry.shape)}; expected one F32 scale for the whole table")
+        raise NgramLayoutError(
+            f"{name} is {DTYPE_NAMES[entry.dtype]}{list(entry.shape)}; expected one F32 scale for the whole table"
+        )
     return entry

@@ -86,8 +86,13 @@ class TableSpec:
         sizes = head_vocab_sizes(int(text.get("ngram_vocab_size_base", 20_000_000)), heads, layer_ids.index(ple_layer))
         divisor = int(text.get("make_ngram_vocab_size_divisible_by", 128))
         rows = -(-sum(sizes) // divisor) * divisor
-        return cls(rows=rows, row_elems=embed_dim // heads, dtype=_stored_dtype(config, text),
-                   parts=int(text.get("split_ngram_parts", 512)), heads=heads)
+        return cls(
+            rows=rows,
+            row_elems=embed_dim // heads,
+            dtype=_stored_dtype(config, text),
+            parts=int(text.get("split_ngram_parts", 512)),
+            heads=heads,
+        )
 
 
 def head_vocab_sizes(base: int, heads: int, dense_layer: int) -> list[int]:
@@ -97,7 +102,7 @@ def head_vocab_sizes(base: int, heads: int, dense_layer: int) -> list[int]:
     so consecutive heads and layers never share a size.
     """
     primes = primes_from(base, (dense_layer + 1) * heads)
-    return primes[dense_layer * heads:]
+    return primes[dense_layer * heads :]
 
 
 def primes_from(start: int, count: int) -> list[int]:
@@ -137,7 +142,9 @@ def _stored_dtype(config: Mapping, text: Mapping) -> str:
     if explicit == "float8_e4m3fn":
         return "F8_E4M3"
     if explicit is not None:
-        raise NgramLayoutError(f"ple_embedding_dtype {explicit!r} is not supported by the n-gram reader (FP8 E4M3 or BF16 only)")
+        raise NgramLayoutError(
+            f"ple_embedding_dtype {explicit!r} is not supported by the n-gram reader (FP8 E4M3 or BF16 only)"
+        )
     quant = config.get("quantization_config") or text.get("quantization_config") or {}
     if str(quant.get("quant_method", "")).lower() == "fp8":
         return "F8_E4M3"

@@ -36,9 +36,20 @@ def expected_rows(ids: np.ndarray, row_bytes: int, seed: int = 0) -> np.ndarray:
     return rows
 
 
-def write_table(root: Path, *, rows: int, row_elems: int, parts: int, dtype: str = "F8_E4M3",
-                shards_per_file: int = 1, table: str = DEFAULT_TABLE, decoy_bytes: int = 64,
-                scale: float | None = 0.5, skip_shards: frozenset[int] = frozenset(), seed: int = 0) -> list[Path]:
+def write_table(
+    root: Path,
+    *,
+    rows: int,
+    row_elems: int,
+    parts: int,
+    dtype: str = "F8_E4M3",
+    shards_per_file: int = 1,
+    table: str = DEFAULT_TABLE,
+    decoy_bytes: int = 64,
+    scale: float | None = 0.5,
+    skip_shards: frozenset[int] = frozenset(),
+    seed: int = 0,
+) -> list[Path]:
     """Write the table under root as model-0000i.safetensors files; returns their paths in order."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -46,7 +57,7 @@ def write_table(root: Path, *, rows: int, row_elems: int, parts: int, dtype: str
     shard_rows = -(-rows // parts)
     shards = [(i, i * shard_rows, max(0, min(shard_rows, rows - i * shard_rows))) for i in range(parts)]
     shards = [s for s in shards if s[2] > 0 and s[0] not in skip_shards]
-    groups = [shards[i:i + shards_per_file] for i in range(0, len(shards), shards_per_file)]
+    groups = [shards[i : i + shards_per_file] for i in range(0, len(shards), shards_per_file)]
     paths = []
     for k, group in enumerate(groups):
         path = root / f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -56,14 +67,31 @@ def write_table(root: Path, *, rows: int, row_elems: int, parts: int, dtype: str
     return paths
 
 
-def _write_file(path: Path, table: str, shards: list[tuple[int, int, int]], row_elems: int, row_bytes: int,
-                dtype: str, decoy_bytes: int, scale: float | None, seed: int) -> None:
+def _write_file(
+    path: Path,
+    table: str,
+    shards: list[tuple[int, int, int]],
+    row_elems: int,
+    row_bytes: int,
+    dtype: str,
+    decoy_bytes: int,
+    scale: float | None,
+    seed: int,
+) -> None:
     header, offset = {}, 0
     if decoy_bytes:
-        header[f"{table}.decoy_{path.stem.split('-')[1]}"] = {"dtype": "U8", "shape": [decoy_bytes], "data_offsets": [0, decoy_bytes]}
+        header[f"{table}.decoy_{path.stem.split('-')[1]}"] = {
+            "dtype": "U8",
+            "shape": [decoy_bytes],
+            "data_offsets": [0, decoy_bytes],
+        }
         offset = decoy_bytes
     for i, _, n in shards:
-        header[f"{table}.shard_{i}.weight"] = {"dtype": dtype, "shape": [n, row_elems], "data_offsets": [offset, offset + n * row_bytes]}
+        header[f"{table}.shard_{i}.weight"] = {
+            "dtype": dtype,
+            "shape": [n, row_elems],
+            "data_offsets": [offset, offset + n * row_bytes],
+        }
         offset += n * row_bytes
     if scale is not None:
         header[f"{table}.weight_scale"] = {"dtype": "F32", "shape": [], "data_offsets": [offset, offset + 4]}
@@ -75,7 +103,11 @@ def _write_file(path: Path, table: str, shards: list[tuple[int, int, int]], row_
         f.write(np.random.default_rng(seed + 1).integers(0, 256, decoy_bytes, np.uint8).tobytes())
         for _, first, n in shards:
             for a in range(first, first + n, CHUNK_ROWS):
-                f.write(expected_rows(np.arange(a, min(a + CHUNK_ROWS, first + n), dtype=np.int64), row_bytes, seed).tobytes())
+                f.write(
+                    expected_rows(
+                        np.arange(a, min(a + CHUNK_ROWS, first + n), dtype=np.int64), row_bytes, seed
+                    ).tobytes()
+                )
         if scale is not None:
             f.write(struct.pack("<f", scale))
         f.flush()

@@ -32,8 +32,9 @@ from .stats import ReadTotals
 class NgramTable:
     """Rows of one n-gram table, gathered from SSD/page cache (and an optional row cache)."""
 
-    def __init__(self, shards: ShardMap, reader: PageCacheReader | DirectReader, cache: RowCache | None,
-                 totals: ReadTotals):
+    def __init__(
+        self, shards: ShardMap, reader: PageCacheReader | DirectReader, cache: RowCache | None, totals: ReadTotals
+    ):
         self.shards = shards
         self.reader = reader
         self.cache = cache
@@ -42,10 +43,21 @@ class NgramTable:
         """The table's FP32 dequantization scale from the checkpoint, or None if it stores none."""
 
     @classmethod
-    def open(cls, files: list[str | os.PathLike], *, table: str | None = None, spec: TableSpec | None = None,
-             direct: bool = False, cache_rows: int = 0, threads: int = PREFILL_THREADS, depth: int = 256,
-             timeout_s: float = 10.0, retries: int = 2, merge_gap: int = MERGE_GAP,
-             align: int | None = None) -> "NgramTable":
+    def open(
+        cls,
+        files: list[str | os.PathLike],
+        *,
+        table: str | None = None,
+        spec: TableSpec | None = None,
+        direct: bool = False,
+        cache_rows: int = 0,
+        threads: int = PREFILL_THREADS,
+        depth: int = 256,
+        timeout_s: float = 10.0,
+        retries: int = 2,
+        merge_gap: int = MERGE_GAP,
+        align: int | None = None,
+    ) -> "NgramTable":
         """Index `table` (default: the only one) in `files`, check it against `spec`, and open the reader.
 
         Direct reads only: `merge_gap` bytes between two rows below which they share one read, `align` the
@@ -54,8 +66,16 @@ class NgramTable:
         shards = find_shards([Path(f) for f in files], table=table, spec=spec)
         totals = ReadTotals()
         if direct:
-            reader = DirectReader(list(shards.files), shards.row_bytes, depth=depth, timeout_s=timeout_s,
-                                  retries=retries, totals=totals, merge_gap=merge_gap, align=align)
+            reader = DirectReader(
+                list(shards.files),
+                shards.row_bytes,
+                depth=depth,
+                timeout_s=timeout_s,
+                retries=retries,
+                totals=totals,
+                merge_gap=merge_gap,
+                align=align,
+            )
         else:
             reader = PageCacheReader(list(shards.files), shards.row_bytes, threads=threads, totals=totals)
         cache = RowCache(cache_rows, shards.row_bytes) if cache_rows else None
