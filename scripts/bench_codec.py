@@ -94,9 +94,12 @@ def gpu_part(layout, raws: list, records: list, batch: int, reps: int, dev: torc
     errors = new_errors(work)
     sweep = []
     for cpp, warps, pf in SWEEP:
-        run = lambda: decode_into_slots(
-            staging, work, slots, layout, errors, chunks_per_program=cpp, num_warps=warps, prefetch=pf
-        )  # noqa: E731
+
+        def run():
+            return decode_into_slots(
+                staging, work, slots, layout, errors, chunks_per_program=cpp, num_warps=warps, prefetch=pf
+            )
+
         ms = _graph_ms(run, reps, dev)
         sweep.append(
             {
@@ -190,7 +193,8 @@ def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.de
 
 
 def _graph_ms(fn, reps: int, dev: torch.device) -> float:
-    """Median milliseconds of one replay of a CUDA graph that captured fn() (how the pager runs it); wall time on CPU."""
+    """Median milliseconds of one replay of a CUDA graph that captured fn() (how the pager runs it);
+    wall time on CPU."""
     if dev.type != "cuda":
         return _time_ms(fn, reps, dev)
     fn()  # compile outside the capture
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     rng = np.random.default_rng(0)
     print(
-        f"{'shape':20s} {'law':10s} {'ratio':>7s} {'bound':>7s} {'gap%':>6s} {'enc GB/s':>9s} {'par GB/s':>9s} {'112GiB min':>10s} {'dec GB/s':>9s} {'exp us':>8s} {'cp+exp us':>9s} {'raw cp us':>9s}"
+        f"{'shape':20s} {'law':10s} {'ratio':>7s} {'bound':>7s} {'gap%':>6s} {'enc GB/s':>9s} {'par GB/s':>9s} "
+        f"{'112GiB min':>10s} {'dec GB/s':>9s} {'exp us':>8s} {'cp+exp us':>9s} {'raw cp us':>9s}"
     )
     for name, (hidden, inter) in shapes.items():
         layout = S.moe_layout(hidden, inter)
@@ -273,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             entry["laws"][dist] = law
             print(
                 f"{name:20s} {dist:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
-                f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} {law['prepare_112GiB_min']:10.1f} "
-                f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('expand_us', float('nan')):8.1f} {law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}"
+                f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} "
+                f"{law['prepare_112GiB_min']:10.1f} "
+                f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('expand_us', float('nan')):8.1f} "
+                f"{law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}"
             )
         head = entry["laws"]["student_t"]  # the headline numbers: Student-t(5) weights
         for key in ("ratio", "entropy_bound_ratio", "gap_pct", "encode_GBps", "decode_GBps"):

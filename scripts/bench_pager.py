@@ -309,6 +309,13 @@ def _bandwidths(device: torch.device) -> dict:
     """Pinned host -> GPU: the copy engine (copy_) and the UVA copy kernel (the pager's path), GB/s."""
     if device.type != "cuda":
         return {"h2d_gbps": None, "uva_copy_gbps": None}
+    h2d, uva = _copy_gbps(device)
+    _free(device)  # _copy_gbps's 1 GiB buffers died with its frame
+    return {"h2d_gbps": round(h2d, 2), "uva_copy_gbps": round(uva, 2)}
+
+
+def _copy_gbps(device: torch.device) -> tuple[float, float]:
+    """Best GB/s of copy_ and of the UVA copy kernel, pinned host -> GPU, over 1 GiB buffers local to this call."""
     from bigmoe_pager.core.layout import ExpertLayout
     from bigmoe_pager.core.pinned import pinned_empty
 
@@ -322,9 +329,7 @@ def _bandwidths(device: torch.device) -> dict:
     slots = layout.slot_buffers(rows, device)
     src = torch.arange(rows, device=device)
     uva = _best_gbps(lambda: copy_records(records, src, src, layout, slots), rows * layout.record_bytes)
-    del host, dev, slots
-    _free(device)
-    return {"h2d_gbps": round(h2d, 2), "uva_copy_gbps": round(uva, 2)}
+    return h2d, uva
 
 
 def _best_gbps(fn, nbytes: int, repeats: int = 4) -> float:
@@ -424,7 +429,8 @@ def _finish(shape, runs: list[dict], resident: dict, report: dict, window: np.nd
 def _print_table(report: dict) -> None:
     print(f"\n{report['device']}: pinned H2D {report['h2d_gbps']} GB/s, UVA copy kernel {report['uva_copy_gbps']} GB/s")
     print(
-        f"{'model':<20}{'config':<16}{'vram':>6}{'ram':>6}{'L':>4}{'ms/tok':>9}{'floor':>9}{'hit vram':>9}{'hit ram':>8}{'GB/tok':>8}"
+        f"{'model':<20}{'config':<16}{'vram':>6}{'ram':>6}{'L':>4}{'ms/tok':>9}{'floor':>9}"
+        f"{'hit vram':>9}{'hit ram':>8}{'GB/tok':>8}"
     )
     for r in report["runs"]:
         h = r["hit_rate"]
@@ -452,13 +458,15 @@ def _markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "| model | config | VRAM | RAM | layers | ms/token | floor ms/token | vs resident | hit VRAM | hit RAM | GB PCIe/token |",
+        "| model | config | VRAM | RAM | layers | ms/token | floor ms/token | vs resident "
+        "| hit VRAM | hit RAM | GB PCIe/token |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         h = r["hit_rate"]
         lines.append(
-            f"| {r['model']} | {r['config']} | {r['vram_frac']:.3f} | {r['ram_frac']:.2f} | {r['layers']}/{r['layers_total']} "
+            f"| {r['model']} | {r['config']} | {r['vram_frac']:.3f} | {r['ram_frac']:.2f} "
+            f"| {r['layers']}/{r['layers_total']} "
             f"| {r['ms_per_token']:.3f} | {fmt(r.get('floor_ms_per_token'))} | {fmt(r.get('ratio_vs_resident'), 2)} "
             f"| {fmt(h['vram'])} | {fmt(h['ram'])} | {r['pcie_gb_per_token']:.4f} |"
         )

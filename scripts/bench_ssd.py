@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(_measure(mode, source, store, workers))
                 r = results[-1]
                 print(
-                    f"{source:12s} {mode:6s} workers={workers:3d}  {r['gbps']:6.2f} GB/s  ({r['experts']} experts, {r['seconds']:.2f} s)"
+                    f"{source:12s} {mode:6s} workers={workers:3d}  {r['gbps']:6.2f} GB/s  "
+                    f"({r['experts']} experts, {r['seconds']:.2f} s)"
                 )
 
     report = {

@@ -594,7 +594,8 @@ def write_json(path: Path, report: dict) -> None:
 def print_table(report: dict) -> None:
     print(f"mode: {report['mode']}")
     print(
-        f"{'configuration':48s} {'tokens':>7s} {'alone':>6s} {'long':>6s} {'logprobs':>9s} {'TTFT ms':>8s} {'TPOT ms':>8s}"
+        f"{'configuration':48s} {'tokens':>7s} {'alone':>6s} {'long':>6s} {'logprobs':>9s} "
+        f"{'TTFT ms':>8s} {'TPOT ms':>8s}"
         f" {'VRAM hit':>8s} {'RAM hit':>8s} {'SSD GB':>7s} {'s':>6s}"
     )
     for r in report["configs"]:
@@ -613,7 +614,8 @@ def print_table(report: dict) -> None:
             logprobs = same(None if None in both else all(both))
         ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         print(
-            f"{r['name']:48s} {tokens:>7s} {alone:>6s} {long:>6s} {logprobs:>9s} {ms(r['ttft_ms']):>8s} {ms(r['tpot_ms']):>8s}"
+            f"{r['name']:48s} {tokens:>7s} {alone:>6s} {long:>6s} {logprobs:>9s} "
+            f"{ms(r['ttft_ms']):>8s} {ms(r['tpot_ms']):>8s}"
             f" {rate('vram'):>8s} {rate('ram'):>8s} {ssd_gb:>7s} {r['seconds']:6.1f}"
         )
     print(f"total {report.get('total_s')} s; passed: {report.get('passed')}")

@@ -73,7 +73,10 @@ def cli() -> None:
 @click.option(
     "--prefill-buffer/--no-prefill-buffer",
     default=None,
-    help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).",
+    help=(
+        "CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts "
+        "(default: when VRAM allows)."
+    ),
 )
 @click.option(
     "--speculative-tokens",

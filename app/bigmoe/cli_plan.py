@@ -109,7 +109,10 @@ def probe(as_json: bool, paths: tuple[str, ...], remeasure: bool, no_measure: bo
 @click.option(
     "--prefill-buffer/--no-prefill-buffer",
     default=None,
-    help="CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts (default: when VRAM allows).",
+    help=(
+        "CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts "
+        "(default: when VRAM allows)."
+    ),
 )
 @click.option(
     "--speculative-tokens",
@@ -198,7 +201,8 @@ def render_hardware(hw: Hardware) -> str:
         lines.append(f"disk {d.path}")
         lines.append(f"    kind {d.kind} ({d.kind_basis}); device {d.device}")
         lines.append(
-            f"    filesystem {d.filesystem} at {d.mount_point}; Windows drive {_yes(d.windows_drive)}; {_size(d.free_bytes)} free"
+            f"    filesystem {d.filesystem} at {d.mount_point}; Windows drive {_yes(d.windows_drive)}; "
+            f"{_size(d.free_bytes)} free"
         )
         lines.append(f"    O_DIRECT {_yes(d.o_direct)} ({d.o_direct_basis})")
         lines.append(f"    reads {_rate(d.read_gbps, d.read_basis)}")
@@ -225,7 +229,8 @@ def render_plan(p: Plan) -> str:
         f"  SSD tier     {p.ssd_source}: {r['ssd_source']}",
         f"  n-gram       {'paged' if p.ngram else 'none'}: {r['ngram']}",
         f"  TPOT         {p.estimate.tpot_ms[0]:.1f} to {p.estimate.tpot_ms[1]:.1f} ms expected "
-        f"(VRAM hit {p.estimate.vram_hit[1]:.0%}-{p.estimate.vram_hit[0]:.0%}, RAM or better {p.estimate.ram_hit[1]:.0%}-{p.estimate.ram_hit[0]:.0%})",
+        f"(VRAM hit {p.estimate.vram_hit[1]:.0%}-{p.estimate.vram_hit[0]:.0%}, "
+        f"RAM or better {p.estimate.ram_hit[1]:.0%}-{p.estimate.ram_hit[0]:.0%})",
     ]
     for table in p.memory:
         capacity = "capacity unknown" if table.capacity_bytes is None else f"of {gib(table.capacity_bytes)}"

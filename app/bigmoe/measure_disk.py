@@ -72,7 +72,8 @@ def measure_read_rate(
         fd, name = tempfile.mkstemp(prefix=".bigmoe-readrate-", dir=directory)
     except OSError as e:
         return Unknown(
-            f"no file of {MIN_BYTES >> 20} MiB in {directory} to read, and a test file cannot be written there ({e.strerror or e})"
+            f"no file of {MIN_BYTES >> 20} MiB in {directory} to read, "
+            f"and a test file cannot be written there ({e.strerror or e})"
         )
     try:
         with os.fdopen(fd, "wb") as f:

@@ -195,7 +195,8 @@ def require_vllm() -> None:
         spec = None
     if spec is None:
         raise VllmMissing(
-            "vLLM is not installed in this Python environment; run installer/install.sh (or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"
+            "vLLM is not installed in this Python environment; run installer/install.sh "
+            "(or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"
         )
 
 

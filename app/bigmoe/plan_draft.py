@@ -280,7 +280,8 @@ class Draft:
         self.memory.append(MemoryTable("RAM", total, tuple(rows)))
 
     def _ram_raw_fit(self) -> int:
-        """Raw expert slots per layer that RAM holds (what the compression choice starts from; CUDA plans: no side effects)."""
+        """Raw expert slots per layer that RAM holds (what the compression choice starts from;
+        CUDA plans: no side effects)."""
         total, rows = self._ram_rows()
         left = total - sum(r.bytes for r in rows)
         return max(0, min(self.preset.arch.experts, left // (self.paged_layers * self.eb)))
@@ -421,7 +422,8 @@ class Draft:
         if paging is not None and isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
             return (
                 False,
-                f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; the SSD tier reads the checkpoint",
+                f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; "
+                "the SSD tier reads the checkpoint",
             )
         if paging is not None and (paging.windows_drive is True or paging.kind == "hdd"):
             return (

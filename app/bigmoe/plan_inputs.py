@@ -52,7 +52,7 @@ class Overrides:
     model_dir: str | None = None
     """Directory the checkpoint is (or will be) stored under."""
     model_path: str | None = None
-    """Checkpoint directory vLLM serves; None = the hub id (vLLM resolves it from the cache) or the synthetic model's path."""
+    """Checkpoint directory vLLM serves; None = hub id (vLLM finds it in the cache) or the synthetic model's path."""
     model_on_disk: bool = False
     """The checkpoint is already stored, so its bytes need no new space."""
     host: str = "127.0.0.1"

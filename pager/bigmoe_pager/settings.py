@@ -31,13 +31,14 @@ class PagerSettings:
     enabled: bool = False
     """BIGMOE_PAGER: 1 pages MoE experts across VRAM, RAM and SSD; 0 leaves vLLM alone."""
     vram_slots: tuple[int, ...] = ()
-    """BIGMOE_VRAM_SLOTS: expert slots in device memory per MoE layer: one integer, or one per layer (comma list); empty = every expert."""
+    """BIGMOE_VRAM_SLOTS: VRAM expert slots per MoE layer: one integer or one per layer (comma list); empty = all."""
     ram_slots: tuple[int, ...] = ()
     """BIGMOE_RAM_SLOTS: pinned host-RAM slots per MoE layer, like vram_slots; empty = every expert (no SSD tier)."""
     paging_file: Path | None = None
     """BIGMOE_PAGING_FILE: paging file the SSD tier reads; unset = read the checkpoint's safetensors in place."""
     compress: str = "auto"
-    """BIGMOE_COMPRESS: on / off / auto: lossless FP8 codec for the paging file's records (auto = on when a paging file is used); records are expanded as they enter RAM."""
+    """BIGMOE_COMPRESS: on / off / auto (= on with a paging file): lossless FP8 codec for paging-file records;
+    each is expanded as it enters RAM."""
     io_workers: int = 4
     """BIGMOE_IO_WORKERS: host threads reading experts from SSD."""
     read_timeout_s: float = 10.0
@@ -45,11 +46,14 @@ class PagerSettings:
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
     cuda_graphs: bool = True
-    """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (start it with --max-cudagraph-capture-size <= VRAM slots / top-k, or --enforce-eager); 0 = host-driven, needs --enforce-eager. A compressed paging file is always host-driven."""
+    """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs
+    (capture size: README); 0 = host-driven, needs --enforce-eager. A compressed paging file is always host-driven."""
     eviction: str = "lfu-fast"
-    """BIGMOE_EVICTION: lfu-fast / lfu / lru: which unneeded expert a full tier of the device-driven pager evicts (fewest recent uses, counts halved every 16 steps for lfu-fast, 256 for lfu; least recently used for lru). lfu-fast is the default: over four routing families (docs/bench/eviction.json) it misses fewer experts than lru or ties it, where lfu loses to lru once routing shifts. The host-driven pager is lru."""
+    """BIGMOE_EVICTION: lfu-fast / lfu / lru: which unneeded expert a full tier of the device-driven pager evicts:
+    fewest recent uses (counts halved every 16 / 256 steps), or least recently used. Host-driven: lru. README: why."""
     prefill_buffer: bool = True
-    """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) gathers the experts it needs, each once (from RAM, or through the slots from SSD), into one VRAM buffer of a whole layer's experts shared by all layers (E x expert bytes), and runs there in one call (measured on the H200: 7x lower TTFT, same tokens); 0 = it runs in token ranges through the slots. The device-driven pager only."""
+    """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) runs in one call over a VRAM
+    buffer of one layer's experts (README); 0 = in token ranges through the slots. The device-driven pager only."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None
@@ -191,6 +195,7 @@ def _per_layer(values: tuple[int, ...], layer: int, num_layers: int, experts: in
         return min(values[0], experts)
     if len(values) != num_layers:
         raise SettingsError(
-            f"{var} lists {len(values)} values but the model has {num_layers} MoE layers; give one value or one per layer"
+            f"{var} lists {len(values)} values but the model has {num_layers} MoE layers; "
+            "give one value or one per layer"
         )
     return min(values[layer], experts)

@@ -29,6 +29,7 @@ def test_rss_drops_by_the_experts_that_left(tiny_checkpoint):
     expected = LAYERS * (EXPERTS - ram - vram) * EXPERT_BYTES
     saved = (plain_kb - paged_kb) * 1024
     print(
-        f"unpaged {plain_kb / 1024:.0f} MiB, paged {paged_kb / 1024:.0f} MiB, saved {saved / 2**20:.0f} MiB, expected {expected / 2**20:.0f} MiB"
+        f"unpaged {plain_kb / 1024:.0f} MiB, paged {paged_kb / 1024:.0f} MiB, "
+        f"saved {saved / 2**20:.0f} MiB, expected {expected / 2**20:.0f} MiB"
     )
     assert 0.7 * expected <= saved <= 1.3 * expected

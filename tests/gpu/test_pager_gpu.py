@@ -129,7 +129,8 @@ def test_moe_kernel_matches_reference(from_records):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_graph_replay_leaves_exact_bytes_in_every_slot(fused):
-    """acquire + copy captured once (one fused launch, or two), replayed 200 steps with new ids written into the captured input."""
+    """acquire + copy captured once (one fused launch, or two), replayed 200 steps
+    with new ids written into the captured input."""
     layout = fp8_layout()
     experts, slots, k = 64, 12, 4
     host = random_records(layout, experts, seed=3)

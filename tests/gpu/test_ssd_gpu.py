@@ -111,7 +111,7 @@ def test_graph_replay_with_changing_ids_fills_ram_and_vram_slots_exactly(ckpt, r
 def test_injected_read_failure_is_flagged_without_hang(ckpt):
     io = FakeFaultyIO(("ok",) * 4, then="eio")
     svc, _ = _service(ckpt, io=io)
-    step, gen = Step(), torch.Generator().manual_seed(1)
+    step = Step()
     with svc:
         ex = torch.tensor([0, 1, -1, -1, -1, -1], device="cuda")
         sl = torch.tensor([0, 1, -1, -1, -1, -1], device="cuda")

@@ -191,7 +191,8 @@ def test_fused_step_costs_less_than_two_launches():
         torch.cuda.empty_cache()
     floor = layout.record_bytes / 55.2e9 * 1e6
     print(
-        f"per layer per step, no miss / one {layout.record_bytes / 2**20:.2f} MiB miss (its bytes at 55.2 GB/s: {floor:.1f} us): "
+        f"per layer per step, no miss / one {layout.record_bytes / 2**20:.2f} MiB miss "
+        f"(its bytes at 55.2 GB/s: {floor:.1f} us): "
         + "; ".join(f"{name} {a:.1f} / {b:.1f} us" for name, (a, b) in results.items())
     )
     default = f"fused {step_kernel.PROGRAMS_PER_SM}/SM"

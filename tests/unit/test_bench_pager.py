@@ -66,7 +66,8 @@ def test_a_recorded_trace_of_the_wrong_shape_is_refused(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 def test_fused_and_two_launch_bigmoe_see_the_same_tiers():
-    """The benchmark's bigmoe runner with the fused step (interpreted here) and with two launches: same counters and slots."""
+    """The benchmark's bigmoe runner with the fused step (interpreted here) and with two launches:
+    same counters and slots."""
     import torch
 
     br, shape, cpu = bench_pager.br, bench_pager.br.SMOKE, torch.device("cpu")

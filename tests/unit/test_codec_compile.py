@@ -35,11 +35,13 @@ block, warps, prefetch = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 c = dict(consts, BLOCK=block, PREFETCH=prefetch)
 sig = {n: "constexpr" if n in c else ptrs.get(n, "i32") for n in k.arg_names}
 attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-ck = triton.compile(ASTSource(k, sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+ck = triton.compile(ASTSource(k, sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps})
 with tempfile.TemporaryDirectory() as d:
     src = os.path.join(d, "k.ptx")
     open(src, "w").write(ck.asm["ptx"])
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                       capture_output=True, text=True)
 print(json.dumps({"rc": r.returncode, "log": r.stderr[-2000:],
                   "regs": [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)],
                   "spill": [int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr)]}))

@@ -24,7 +24,8 @@ def build(fn, sig, consts, aligned=()):
     full = dict(sig)
     full.update({k: "constexpr" for k in consts})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return triton.compile(ASTSource(fn, full, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(ASTSource(fn, full, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
 
 def accesses(k, op):
     return sorted(set(re.findall(op + r"\.global[\.\w]*", k.asm["ptx"])))
@@ -35,8 +36,9 @@ acq = {"ids_ptr": "*i32", "n_ids": "i32", "expert_slot_ptr": "*i64", "slot_exper
        "miss_slot_ptr": "*i64", "evicted_ptr": "*i64", "counts_ptr": "*i64", "m": "i32", "stats_ptr": "*i64",
        "aux_ptr": "*i64", "record_bytes": "i32"}
 for lfu in (False, True):
-    k = build(ak._acquire_kernel, acq, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
-              "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu, "DECAY": 256})
+    k = build(ak._acquire_kernel, acq, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
+              "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu,
+              "DECAY": 256})
     out[f"acquire_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
@@ -44,7 +46,8 @@ step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
 for lfu in (False, True):  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
               "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu, "DECAY": 256,
-              "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504, "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
+              "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
+              "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
               ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
     ptx = k.asm["ptx"]
@@ -55,10 +58,12 @@ k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"
           {"OFF0": 0, "OFF1": 262144, "OFF2": 393216, "OFF3": 393224, "N0": 262144, "N1": 131072, "N2": 8, "N3": 8,
            "NB0": 256, "NB1": 128, "NB2": 1, "NB3": 1, "BLOCK": 1024}, ptrs + ["pitch_words"])
 out["copy"] = accesses(k, "ld") + accesses(k, "st")
-up = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "h_ptr": "*fp32", "w_stride": "i64", "s_stride": "i64"}
+up = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "h_ptr": "*fp32",
+      "w_stride": "i64", "s_stride": "i64"}
 k = build(md._up_kernel, up, {"K": 10, "H": 2560, "I": 640, "SB": 128, "SC": 20, "BN": 16, "BK": 128}, list(up))
 out["up"] = accesses(k, "ld")
-down = {"h_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*fp32", "w_stride": "i64", "s_stride": "i64"}
+down = {"h_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*fp32",
+        "w_stride": "i64", "s_stride": "i64"}
 k = build(md._down_kernel, down, {"H": 2560, "I": 640, "SB": 128, "SC": 5, "BN": 16, "BK": 128}, list(down))
 out["down"] = accesses(k, "ld")
 k = build(md._combine_kernel, {"y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}, {"K": 10, "H": 2560, "BH": 512})

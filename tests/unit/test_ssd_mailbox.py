@@ -104,13 +104,15 @@ def test_more_requests_than_the_mailbox_holds_are_refused(ckpt):
 
 
 def test_request_kernel_compiles_for_hopper_with_system_scope_ordering():
-    """The GPU build of the kernel (not the interpreter's) compiles for sm_90 with ptxas, using acquire/release at sys scope."""
+    """The GPU build of the kernel (not the interpreter's) compiles for sm_90 with ptxas,
+    using acquire/release at sys scope."""
     code = (
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "import triton\n"
         "from bigmoe_pager.core import ssd_mailbox as mb\n"
-        "sig = {'box': '*i64', 'seq_ptr': '*i64', 'flag_ptr': '*i64', 'experts_ptr': '*i32', 'slots_ptr': '*i32', 'layer': 'i32', 'n': 'i32',"
+        "sig = {'box': '*i64', 'seq_ptr': '*i64', 'flag_ptr': '*i64', 'experts_ptr': '*i32', 'slots_ptr': '*i32',"
+        " 'layer': 'i32', 'n': 'i32',"
         " 'timeout_ns': 'i64', 'max_spins': 'i32', 'DONE': 'constexpr', 'BLOCK': 'constexpr', 'ON_GPU': 'constexpr'}\n"
         "src = ASTSource(mb.request_kernel, sig, constexprs={'DONE': mb.done_base(64), 'BLOCK': 64, 'ON_GPU': True})\n"
         "k = triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 1})\n"

@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(p.stat().st_size for p in out.iterdir())
     verb = "already complete" if existed else f"written in {time.monotonic() - started:.1f} s"
     print(
-        f"{out}: {args.dtype} Qwen3-MoE, {shape.layers} layers x {shape.experts} experts, {size / 2**20:.1f} MiB, {verb}"
+        f"{out}: {args.dtype} Qwen3-MoE, {shape.layers} layers x {shape.experts} experts, "
+        f"{size / 2**20:.1f} MiB, {verb}"
     )
     return 0
 

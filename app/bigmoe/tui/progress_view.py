@@ -33,7 +33,10 @@ def describe(event: str, fields: dict) -> str:
             return "every file downloaded and verified"
     if event == "prepare":
         if state == "building" and "records_total" in fields:
-            return f"building the paging file: {fields['records_done']}/{fields['records_total']} records, {fields.get('elapsed_s')} s"
+            return (
+                f"building the paging file: {fields['records_done']}/{fields['records_total']} records, "
+                f"{fields.get('elapsed_s')} s"
+            )
         if state == "building":
             return f"building the paging file {fields.get('path')} (compressed: {fields.get('compressed')})"
         if state == "built":

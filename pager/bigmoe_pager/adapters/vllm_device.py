@@ -180,7 +180,8 @@ def _layer_buffer(layer) -> dict[str, torch.Tensor]:
 
 
 def start_all() -> None:
-    """After loading, at the first forward (vLLM's profile run, outside graphs): SSD tier, slots, warm VRAM, exporter."""
+    """After loading, at the first forward (vLLM's profile run, outside graphs):
+    SSD tier, slots, warm VRAM, exporter."""
     with _lock:
         if _state.get("started"):
             return

@@ -38,7 +38,8 @@ def describe(settings: PagerSettings, on_device: bool) -> str:
     if on_device:
         mode = (
             "device-driven paging: decode runs in CUDA graphs for batches whose tokens x top-k fit the VRAM slots "
-            f"(--max-cudagraph-capture-size); bigger steps run outside graphs, in token chunks; {settings.eviction} eviction"
+            "(--max-cudagraph-capture-size); bigger steps run outside graphs, in token chunks; "
+            f"{settings.eviction} eviction"
         )
     else:
         mode = "host-driven paging: on CUDA it needs --enforce-eager"
@@ -88,7 +89,8 @@ def require_host_driven_mode(vllm_config) -> None:
     if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
         raise EngineModeError(
             f"bigmoe: the expert pager pages from the host each step and cannot run inside CUDA graphs "
-            f"(cudagraph_mode={getattr(mode, 'name', mode)}); start vLLM with --enforce-eager (LLM(enforce_eager=True)), "
+            f"(cudagraph_mode={getattr(mode, 'name', mode)}); "
+            "start vLLM with --enforce-eager (LLM(enforce_eager=True)), "
             f"(with BIGMOE_CUDA_GRAPHS=1 and no compressed paging file the device-driven pager runs in graphs)"
         )
 

@@ -136,7 +136,8 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
             )
             if self.tp_size != 1:
                 raise NgramHookError(
-                    f"bigmoe n-gram pager serves one unsharded table; the PLE table here is split {self.tp_size} ways (TP/ETP); set BIGMOE_NGRAM=0"
+                    f"bigmoe n-gram pager serves one unsharded table; the PLE table here is split {self.tp_size} ways "
+                    "(TP/ETP); set BIGMOE_NGRAM=0"
                 )
             vllm_config = get_current_vllm_config()
             self._stored = stored_dtype(embedding_method, params_dtype, fp8_method, plain_method)
@@ -177,7 +178,8 @@ def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None =
                 return  # a row shard: its rows are read from the file when a step needs them
             if param is self.weight:
                 raise NgramLayoutError(
-                    f"{self.prefix}: checkpoint stores the PLE table unsharded; the n-gram pager reads shard_<i> tensors only; set BIGMOE_NGRAM=0"
+                    f"{self.prefix}: checkpoint stores the PLE table unsharded; "
+                    "the n-gram pager reads shard_<i> tensors only; set BIGMOE_NGRAM=0"
                 )
             super().weight_loader(param, loaded_weight)
 

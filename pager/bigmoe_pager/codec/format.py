@@ -188,7 +188,8 @@ def unpack_header(data: memoryview | bytes) -> Header:
         raise CodecError(f"not a {CODEC_NAME} record (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != CODEC_VERSION:
         raise CodecError(
-            f"record is {CODEC_NAME} version {version}; this build reads version {CODEC_VERSION}: re-prepare the paging file"
+            f"record is {CODEC_NAME} version {version}; this build reads version {CODEC_VERSION}: "
+            "re-prepare the paging file"
         )
     if (chunk, lanes, bits) != (CHUNK_SYMBOLS, LANES, MAX_CODE_BITS):
         raise CodecError(f"record geometry chunk={chunk} lanes={lanes} bits={bits} differs from this build's")

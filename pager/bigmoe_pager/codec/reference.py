@@ -140,6 +140,7 @@ def _bytes(data: bytes | memoryview | np.ndarray) -> np.ndarray:
 def _layout_mismatch(h: F.Header, layout: ExpertLayout) -> F.CodecError:
     return F.CodecError(
         f"record was made for another expert layout (layout crc {h.layout_crc:08x}, {h.components} components, "
-        f"{h.raw_bytes} bytes; this one is {F.layout_crc(layout):08x}, {len(layout.components)}, {layout.record_bytes}): "
+        f"{h.raw_bytes} bytes; this one is {F.layout_crc(layout):08x}, {len(layout.components)}, "
+        f"{layout.record_bytes}): "
         "re-prepare the paging file"
     )

@@ -85,6 +85,7 @@ class HotProfile:
         want = (num_layers or counts.shape[0], num_experts or counts.shape[1])
         if counts.shape != want:
             raise ProfileError(
-                f"hot profile {path} is for {counts.shape[0]} layers x {counts.shape[1]} experts; this model has {want[0]} x {want[1]}"
+                f"hot profile {path} is for {counts.shape[0]} layers x {counts.shape[1]} experts; "
+                f"this model has {want[0]} x {want[1]}"
             )
         return cls(counts)

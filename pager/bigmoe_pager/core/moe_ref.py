@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, block: int | None) -> torch.Tensor:
-    """fp32 copy of `weight` [..., R, C]; FP8 block scales `scale` [..., ceil(R/b), ceil(C/b)] applied per b x b block."""
+    """fp32 copy of `weight` [..., R, C]; FP8 block scales `scale` [..., ceil(R/b), ceil(C/b)]
+    applied per b x b block."""
     w = weight.float()
     if scale is None:
         return w

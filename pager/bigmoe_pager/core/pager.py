@@ -84,7 +84,8 @@ class ExpertPager:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
         if ram.num_slots < vram_slots:
             raise PagerError(
-                f"layer {layer}: {ram.num_slots} RAM slots < {vram_slots} VRAM slots; RAM must hold at least the VRAM slots"
+                f"layer {layer}: {ram.num_slots} RAM slots < {vram_slots} VRAM slots; "
+                "RAM must hold at least the VRAM slots"
             )
         if ram.num_experts != num_experts or ram.layout != layout:
             raise PagerError(f"layer {layer}: RAM tier was built for another layout or expert count")
@@ -247,7 +248,9 @@ class ExpertPager:
     # ---- start-up ----------------------------------------------------------------------
 
     def warm(self, experts: torch.Tensor, read: ExpertReader | None = None) -> None:
-        """Warm the tiers with experts hottest first: the first VRAM-slots of them into VRAM, the first RAM-slots into RAM.
+        """Warm the tiers with experts hottest first.
+
+        The first VRAM-slots of them go into VRAM, the first RAM-slots into RAM.
 
         A partial RAM tier reads its share with `read`; VRAM is copied from RAM.
         """

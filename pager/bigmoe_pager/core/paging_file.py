@@ -162,7 +162,8 @@ class PagingFileWriter:
         if not self._written.all():
             key = int(np.flatnonzero(~self._written)[0])
             raise PagingFileError(
-                f"{self.path}: {int((~self._written).sum())} records never added, first ({key // self.meta.num_experts}, {key % self.meta.num_experts})"
+                f"{self.path}: {int((~self._written).sum())} records never added, "
+                f"first ({key // self.meta.num_experts}, {key % self.meta.num_experts})"
             )
         index = b"".join(_ENTRY.pack(*map(int, row)) for row in self._entries)
         crc = zlib.crc32(self._json + index)

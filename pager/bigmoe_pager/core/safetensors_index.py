@@ -89,7 +89,8 @@ def index_files(paths: list[Path]) -> dict[str, TensorEntry]:
             entry = _entry(path, name, info, base)
             if entry.offset + entry.nbytes > size:
                 raise CheckpointError(
-                    f"{path}: tensor {name} ends at byte {entry.offset + entry.nbytes} but the file has {size} bytes (truncated download?)"
+                    f"{path}: tensor {name} ends at byte {entry.offset + entry.nbytes} "
+                    f"but the file has {size} bytes (truncated download?)"
                 )
             if name in index:
                 raise CheckpointError(f"tensor {name} appears in both {index[name].path} and {path}")

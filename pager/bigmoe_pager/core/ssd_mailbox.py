@@ -38,7 +38,8 @@ _HOST_ERROR, _GPU_ERROR, _GPU_ERROR_SEQ, _SINK, _REQ = (
     tl.constexpr(v) for v in (HOST_ERROR, GPU_ERROR, GPU_ERROR_SEQ, SINK, REQ)
 )
 _TIMED_OUT, _SAW_HOST_ERROR = tl.constexpr(GPU_TIMED_OUT), tl.constexpr(GPU_SAW_HOST_ERROR)
-INTERPRETER_SPIN_S = 2e-3  # seconds one interpreted spin takes at least (measured ~5 ms on 2 shared cores); turns the timeout into a spin limit
+# seconds one interpreted spin takes at least (measured ~5 ms on 2 shared cores); turns the timeout into a spin limit
+INTERPRETER_SPIN_S = 2e-3
 
 
 def done_base(capacity: int) -> int:

@@ -379,7 +379,8 @@ def _slot_rows(buf: torch.Tensor, pitch: int, layer: int) -> np.ndarray:
     """A writable numpy view [R, pitch] of one layer's RAM slot buffer."""
     if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous():
         raise ValueError(
-            f"layer {layer}: RAM slots must be a contiguous uint8 CPU tensor [R, pitch], got {buf.dtype}{list(buf.shape)} on {buf.device}"
+            f"layer {layer}: RAM slots must be a contiguous uint8 CPU tensor [R, pitch], "
+            f"got {buf.dtype}{list(buf.shape)} on {buf.device}"
         )
     if buf.shape[1] < pitch:
         raise ValueError(f"layer {layer}: RAM slot rows are {buf.shape[1]} bytes; records need {pitch}")

@@ -60,7 +60,8 @@ class AioContext:
         arch = platform.machine()
         if arch not in _SYSCALLS or not hasattr(os, "O_DIRECT"):
             raise AioUnavailable(
-                f"native AIO is not wired for {platform.system()} {arch}; use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)"
+                f"native AIO is not wired for {platform.system()} {arch}; "
+                "use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)"
             )
         self._setup, self._destroy, self._getevents, self._submit = _SYSCALLS[arch]
         self._libc = ctypes.CDLL(None, use_errno=True)
@@ -71,7 +72,8 @@ class AioContext:
         if self._call(self._setup, ctypes.c_long(depth), ctypes.byref(self._ctx)) < 0:
             err = ctypes.get_errno()
             raise AioUnavailable(
-                f"io_setup({depth}) failed: {os.strerror(err)}; raise fs.aio-max-nr or use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)"
+                f"io_setup({depth}) failed: {os.strerror(err)}; raise fs.aio-max-nr "
+                "or use the page-cache n-gram reader (BIGMOE_NGRAM_CACHE_ROWS=0)"
             )
         self.events = np.zeros(depth, IO_EVENT)
 

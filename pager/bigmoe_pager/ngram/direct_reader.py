@@ -33,9 +33,8 @@ from .stats import ReadTotals
 
 ALIGN = 4096  # bytes; O_DIRECT offset/length/buffer alignment that every common block device accepts
 MIN_ALIGN = 512  # bytes; the smallest logical block size of block devices
-MERGE_GAP = (
-    4 << 10
-)  # bytes; rows this close share a read. Larger gaps cut few requests for random ids and cost bytes: 8-16 KiB measured no faster on the dev VM
+# Larger gaps cut few requests for random ids and cost bytes: 8-16 KiB measured no faster on the dev VM.
+MERGE_GAP = 4 << 10  # bytes; rows this close share a read
 MAX_READ = 256 << 10  # bytes; longest coalesced read (dense ids), so one failed read retries little
 
 
@@ -169,7 +168,8 @@ class DirectReader:
             why = os.strerror(-res) if res < 0 else f"short read ({res} of {int(cb['nbytes'])} bytes; file truncated?)"
             path = self.files[int(np.flatnonzero(self._fds == cb["fildes"])[0])]
             raise NgramReadError(
-                f"read of {int(cb['nbytes'])} bytes at offset {int(cb['offset'])} of {path} failed: {why} after {self.retries} retries"
+                f"read of {int(cb['nbytes'])} bytes at offset {int(cb['offset'])} of {path} "
+                f"failed: {why} after {self.retries} retries"
             )
 
 

@@ -149,7 +149,8 @@ def _common_format(table: str, entries: dict[int, TensorEntry]) -> tuple[str, in
     flat = [i for i, e in entries.items() if len(e.shape) != 2]
     if flat:
         raise NgramLayoutError(
-            f"{table}.shard_{flat[0]}.weight has shape {list(entries[flat[0]].shape)}; n-gram shards are 2-D [rows, row_elems]"
+            f"{table}.shard_{flat[0]}.weight has shape {list(entries[flat[0]].shape)}; "
+            "n-gram shards are 2-D [rows, row_elems]"
         )
     if len(formats) != 1:
         raise NgramLayoutError(f"shards of {table} disagree on dtype/row size: {sorted(formats)}")
@@ -198,7 +199,8 @@ def _order(table: str, entries: dict[int, TensorEntry], files: list[Path], row_b
         rows = entries[i].shape[0]
         if rows > full or (rows < full and any(entries[j].shape[0] for j in indices[i + 1 :])):
             raise NgramLayoutError(
-                f"{table}.shard_{i}.weight has {rows} rows where shard_0 has {full}; only trailing shards may be shorter"
+                f"{table}.shard_{i}.weight has {rows} rows where shard_0 has {full}; "
+                "only trailing shards may be shorter"
             )
         if rows:
             shards.append(Shard(i, files.index(entries[i].path), row, rows, entries[i].offset))
