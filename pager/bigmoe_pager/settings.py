@@ -46,14 +46,16 @@ class PagerSettings:
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
     cuda_graphs: bool = True
-    """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs
-    (capture size: README); 0 = host-driven, needs --enforce-eager. A compressed paging file is always host-driven."""
+    """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (with
+    --max-cudagraph-capture-size <= VRAM slots / top-k); 0 = host-driven (--enforce-eager). Codec files: host-driven."""
     eviction: str = "lfu-fast"
     """BIGMOE_EVICTION: lfu-fast / lfu / lru: which unneeded expert a full tier of the device-driven pager evicts:
-    fewest recent uses (counts halved every 16 / 256 steps), or least recently used. Host-driven: lru. README: why."""
+    fewest recent uses (counts halved every 16 / 256 steps) or least recently used; host-driven: lru. lfu-fast is at
+    least lru's hit rate on four routing families (docs/bench/eviction.json), lfu loses to lru when routing shifts."""
     prefill_buffer: bool = True
     """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) runs in one call over a VRAM
-    buffer of one layer's experts (README); 0 = in token ranges through the slots. The device-driven pager only."""
+    buffer of one layer's experts (E x expert bytes, shared by all layers; 7x lower TTFT on the H200, same tokens);
+    0 = in token ranges through the slots. The device-driven pager only."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None
