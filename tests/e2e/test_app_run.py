@@ -228,9 +228,18 @@ def _kill_servers_of(home: Path) -> None:
             pass
 
 
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def _group_gone(pgid: int, within_s: float = 10.0) -> bool:
+    """No process of the group runs any more. A zombie has ended (launch.stop counts it so too); whether init has
+    reaped the orphaned engine processes yet is up to init, so they are not waited for."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = []
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    running.append(proc.pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+        if not running or time.monotonic() > deadline:
+            return not running
+        time.sleep(0.2)
