@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14's runs on the H200 after staging vLLM 0.33 (shared/gpu-vllm-0.33) and scripts/gpu_extra:
-#   bash scripts/gpu_issue14.sh STEP...    steps: model e2e-tiers e2e-rest bench app tests
+#   bash scripts/gpu_issue14.sh STEP...    steps: model e2e-tiers e2e-rest e2e bench app tests
+# (e2e: the configurations in $CONFIGS, $PARALLEL at once, MTP counts in $SPEC, results as e2e-$TAG.json)
 # Results and logs under $OUT (the device tool returns 8 files: logs go into one tarball per step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,10 @@ for step in "$@"; do
       python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers 4 --parallel 6 --budget-s "${BUDGET:-400}" \
         --configs unpaged,vramall,vramall-ngram,unpaged-mtp1,vram12-ram50-ssd-ngram-mtp1,unpaged-mtp3,vram12-ram50-ssd-ngram-mtp3 \
         --out "$out/e2e-rest.json" --logs /tmp/logs-e2e-rest; pack logs-e2e-rest /tmp/logs-e2e-rest ;;
+    e2e)
+      python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers 4 --parallel "${PARALLEL:-6}" --budget-s "${BUDGET:-400}" \
+        --configs "$CONFIGS" --spec-tokens "${SPEC:-1,3}" \
+        --out "$out/e2e-${TAG:-run}.json" --logs "/tmp/logs-e2e-${TAG:-run}"; pack "logs-e2e-${TAG:-run}" "/tmp/logs-e2e-${TAG:-run}" ;;
     bench)
       python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json";
       pack logs-bench "$out/bench_logs"; rm -rf "$out/bench_logs" ;;
@@ -29,8 +34,9 @@ for step in "$@"; do
       python3 scripts/gpu_app_run.py --model "$model" --vram-gib "${VRAM_GIB:-8}" --ram-gib "${RAM_GIB:-24}" \
         --out "$out/app-run.json"; cp -r ~/.cache/bigmoe/logs /tmp/app-logs 2>/dev/null; pack logs-app /tmp/app-logs ;;
     tests)
-      python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
-        2>&1 | tail -n 40 > "$out/gpu-tests.txt"; tail -n 5 "$out/gpu-tests.txt" ;;
+      python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
+        --junitxml="$out/gpu-tests.xml" > /tmp/gpu-tests.txt 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" /tmp/gpu-tests.txt > "$out/gpu-tests.txt"; tail -n 5 "$out/gpu-tests.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done
