@@ -1,11 +1,12 @@
 """The reference job's app path on a GPU machine: `bigmoe run DIR --yes` with memory budgets that force every tier.
 
-    python3 scripts/gpu_app_run.py --model DIR --vram-gib 7 --ram-gib 20 --out $OUT/app-run.json
+    python3 scripts/gpu_app_run.py --model DIR --budgets 8:14,6:12,5:10 --out $OUT/app-run.json
 
 DIR is a Qwen4Exp checkpoint (scripts/make_qwen4exp.py). The steps are the ones a person takes, each through the
 `bigmoe` command itself (`python3 -m bigmoe.cli`, since the device machine has no console script):
-1. `bigmoe plan DIR --json` with the budgets: the plan must page (VRAM slots < RAM slots < experts: all three
-   tiers) and serve the n-gram table from SSD;
+1. `bigmoe plan DIR --json` with each VRAM:RAM budget pair (GiB) in turn until one pages through every tier
+   (VRAM slots < RAM slots < experts) with the n-gram table on SSD; the plan's memory table decides, so the
+   pair that does depends on the checkpoint;
 2. `bigmoe run DIR --yes --json` with the same budgets, in its own session, until its `ready` event;
 3. one chat request to the endpoint it printed (the answer and its wall time);
 4. `/metrics`: the pager's `bigmoe_` series, hit rate per tier;
@@ -44,27 +45,36 @@ def child_env() -> dict[str, str]:
 
 
 def plan_step(args) -> dict:
-    proc = subprocess.run(
-        bigmoe("plan", str(args.model), "--json", *budgets(args)),
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode != 0:
-        raise StepFailed(f"bigmoe plan exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
-    plan = json.loads(proc.stdout)
-    tiers = {
-        "experts": plan["experts"],
-        "vram_slots": plan["vram_slots"],
-        "ram_slots": plan["ram_slots"],
-        "ngram": plan["ngram"],
-        "argv": plan["argv"],
-        "env": plan["env"],
-    }
-    if not plan["vram_slots"] < plan["ram_slots"] < plan["experts"]:
-        raise StepFailed(f"the budgets do not force every tier: {tiers}")
-    return tiers
+    """The first budget pair whose plan pages through all three tiers; args.vram_gib/ram_gib become that pair."""
+    tried = []
+    for vram, ram in args.budgets:
+        args.vram_gib, args.ram_gib = vram, ram
+        proc = subprocess.run(
+            bigmoe("plan", str(args.model), "--json", *budgets(args)),
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            tried.append(f"{vram}:{ram} GiB: plan exited {proc.returncode}: {proc.stderr.strip()[-200:]}")
+            continue
+        plan = json.loads(proc.stdout)
+        tiers = {
+            "vram_gib": vram,
+            "ram_gib": ram,
+            "experts": plan["experts"],
+            "vram_slots": plan["vram_slots"],
+            "ram_slots": plan["ram_slots"],
+            "ngram": plan["ngram"],
+            "argv": plan["argv"],
+            "env": plan["env"],
+        }
+        if plan["vram_slots"] < plan["ram_slots"] < plan["experts"]:
+            return {**tiers, "budgets_tried": tried}
+        slots = f"{plan['vram_slots']} VRAM / {plan['ram_slots']} RAM slots of {plan['experts']}"
+        tried.append(f"{vram}:{ram} GiB: {slots}")
+    raise StepFailed("no budget pair forces every tier: " + "; ".join(tried))
 
 
 def budgets(args) -> list[str]:
@@ -163,8 +173,12 @@ def leftovers(session: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--vram-gib", type=float, required=True)
-    p.add_argument("--ram-gib", type=float, required=True)
+    p.add_argument(
+        "--budgets",
+        type=lambda v: [tuple(float(x) for x in pair.split(":")) for pair in v.split(",")],
+        required=True,
+        help="VRAM:RAM GiB pairs to try in order, e.g. 8:14,6:12",
+    )
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--start-timeout", type=float, default=420)
     p.add_argument("--out", type=Path, required=True)

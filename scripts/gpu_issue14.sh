@@ -31,7 +31,7 @@ for step in "$@"; do
       python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json";
       pack logs-bench "$out/bench_logs"; rm -rf "$out/bench_logs" ;;
     app)
-      python3 scripts/gpu_app_run.py --model "$model" --vram-gib "${VRAM_GIB:-8}" --ram-gib "${RAM_GIB:-24}" \
+      python3 scripts/gpu_app_run.py --model "$model" --budgets "${BUDGETS:-8:14,6:12,8:12,5:10,6:16}" \
         --out "$out/app-run.json"; cp -r ~/.cache/bigmoe/logs /tmp/app-logs 2>/dev/null; pack logs-app /tmp/app-logs ;;
     tests)
       python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
