@@ -85,6 +85,9 @@ SHAPES = {
     # indexer head x 128 dims in shared memory; with the generator's default 16 heads that is 303 KB, more than an
     # H200 has (run 1, docs/benchmarks.md). The released config's head count is not public.
     "flash-next": dict(maker="qwen4exp", experts=512, top_k=10, indexer_heads=8, dtype="fp8", device="cuda"),
+    # Flash-Next's layer shapes with fewer experts, for tests/gpu: 320 experts make the 12.5% VRAM tier exactly the
+    # 40 ids a captured 4-token step needs at top-10.
+    "flash-next-small": dict(maker="qwen4exp", experts=320, top_k=10, indexer_heads=8, dtype="fp8", device="cuda"),
     # The same architecture small and bf16, to check this script's plumbing on vLLM's CPU build (not a GPU result).
     "flash-next-smoke": dict(
         maker="qwen4exp", experts=32, top_k=4, hidden=256, moe_intermediate=128, dtype="bf16", device="cpu"
