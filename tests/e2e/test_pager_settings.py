@@ -54,11 +54,16 @@ def test_bad_slot_settings_fail_startup_with_one_clear_line(models, env, message
     assert "TOKENS" not in proc.stdout
 
 
+@pytest.fixture(scope="module")
+def plain(models):
+    """The unpaged model's run, made once for both paging files."""
+    return run(models[0], {})
+
+
 @pytest.mark.parametrize("compress", ["off", "on"])
-def test_paging_file_serves_the_same_tokens_and_refuses_another_model(models, tmp_path, compress):
+def test_paging_file_serves_the_same_tokens_and_refuses_another_model(models, plain, tmp_path, compress):
     model, other = models
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=compress == "on")
-    plain = run(model, {})
     paged = run(
         model,
         {

@@ -55,16 +55,29 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
+class ComputedOnce(dict):
+    """A dict whose missing keys are computed by `compute(key)` when first asked for, then kept."""
+
+    def __init__(self, compute):
+        super().__init__()
+        self.compute = compute
+
+    def __missing__(self, key):
+        self[key] = value = self.compute(key)
+        return value
+
+
+@pytest.fixture(scope="session")
 def shapes(tiny_checkpoint):
     tiny = sys.modules["make_tiny_moe"]
     return {name: tiny_checkpoint(tiny.TinyShape(**kw), "bf16", seed=3) for name, kw in SHAPES.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(shapes):
-    """Greedy tokens of each model without the plugin (it stays off unless BIGMOE_PAGER=1)."""
-    return {name: greedy(path, {})[0] for name, path in shapes.items()}
+    """Greedy tokens of each model without the plugin (it stays off unless BIGMOE_PAGER=1), each made once per
+    session and only where a test asks for it (an xdist worker that runs only one shape's cases runs one engine)."""
+    return ComputedOnce(lambda name: greedy(shapes[name], {})[0])
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
