@@ -10,6 +10,7 @@ phases and two small scratch areas in global memory for the scatters.
 from __future__ import annotations
 
 import torch
+from bigmoe_pager.core import stats
 from bigmoe_pager.core.triton_launch import kernel_for
 
 try:
@@ -96,6 +97,12 @@ def decision_outputs(flat_ids: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
 
 
 if triton is not None:
+    # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
+    _LOOKUPS = tl.constexpr(stats.LOOKUPS)
+    _HITS = tl.constexpr(stats.HITS)
+    _MISSES = tl.constexpr(stats.MISSES)
+    _BYTES = tl.constexpr(stats.BYTES)
+    _ERRORS = tl.constexpr(stats.ERRORS)
 
     @triton.jit
     def _acquire_kernel(
@@ -221,11 +228,11 @@ if triton is not None:
         tl.store(counts_ptr + 4, overflow)
         tl.store(counts_ptr + 5, invalid)
         if HAS_STATS:
-            tl.atomic_add(stats_ptr + 0, lookups)
-            tl.atomic_add(stats_ptr + 1, hits)
-            tl.atomic_add(stats_ptr + 2, misses)
-            tl.atomic_add(stats_ptr + 3, loaded * record_bytes)
-            tl.atomic_add(stats_ptr + 6, invalid)
+            tl.atomic_add(stats_ptr + _LOOKUPS, lookups)
+            tl.atomic_add(stats_ptr + _HITS, hits)
+            tl.atomic_add(stats_ptr + _MISSES, misses)
+            tl.atomic_add(stats_ptr + _BYTES, loaded * record_bytes)
+            tl.atomic_add(stats_ptr + _ERRORS, invalid)
         if HAS_AUX:
-            tl.atomic_add(aux_ptr + 0, loaded)
-            tl.atomic_add(aux_ptr + 1, loaded)
+            tl.atomic_add(aux_ptr + _LOOKUPS, loaded)
+            tl.atomic_add(aux_ptr + _HITS, loaded)

@@ -24,7 +24,7 @@ from bigmoe_pager.core.host_pager import TierCounters, TierSizes, token_ranges
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager, PagerError
 from bigmoe_pager.core.ram_tier import RamTier, SsdFetch
-from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.core.stats import BYTES, ERRORS, HITS, LOOKUPS, MISSES, RAM, READ_NS, SSD, VRAM, PagerStats
 
 
 class DeviceLayerPager:
@@ -247,17 +247,16 @@ class DeviceLayerPager:
         counts: a PagerStats.read() array to take them from (one sync for many layers); None reads now.
         """
         c = self.stats_table.read() if counts is None else counts
-        vram, ram, ssd = (c[self.layer, t] for t in range(3))  # rows: stats.TIERS; columns: stats.COUNTERS
-        lookups, hits, misses, moved, read_ns, errors = 0, 1, 2, 3, 4, 6
-        ssd_reads = int(ram[misses])
+        vram, ram, ssd = (c[self.layer, t] for t in (VRAM, RAM, SSD))
+        ssd_reads = int(ram[MISSES])
         return {
-            "vram": TierCounters(lookups=int(vram[lookups]), hits=int(vram[hits])),
-            "ram": TierCounters(lookups=int(ram[lookups]), hits=int(ram[hits]), bytes_moved=int(vram[moved])),
+            "vram": TierCounters(lookups=int(vram[LOOKUPS]), hits=int(vram[HITS])),
+            "ram": TierCounters(lookups=int(ram[LOOKUPS]), hits=int(ram[HITS]), bytes_moved=int(vram[BYTES])),
             "ssd": TierCounters(
                 lookups=ssd_reads,
-                hits=max(0, ssd_reads - int(ssd[errors])),
-                bytes_moved=int(ram[moved]),
-                read_seconds=int(ssd[read_ns]) / 1e9,
-                errors=int(ssd[errors]),
+                hits=max(0, ssd_reads - int(ssd[ERRORS])),
+                bytes_moved=int(ram[BYTES]),
+                read_seconds=int(ssd[READ_NS]) / 1e9,
+                errors=int(ssd[ERRORS]),
             ),
         }

@@ -34,6 +34,16 @@ from dataclasses import dataclass
 
 import torch
 from bigmoe_pager.core import acquire_kernel, triton_launch
+from bigmoe_pager.core.stats import (
+    BYTES,
+    ERRORS,
+    HITS,
+    LOOKUPS,
+    MISSES,
+    PREFETCH_USED,
+    PREFETCH_WASTED_BYTES,
+    PREFETCHED,
+)
 
 _NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
 POLICIES = ("lru", "lfu", "lfu-fast")
@@ -134,7 +144,7 @@ class SlotTable:
             use_kernel = self.device.type == "cuda" and triton_launch.available()
         self.use_kernel = use_kernel
         """Decide with the one-program Triton kernel (GPU default) instead of torch ops (CPU default)."""
-        self._stat_index = torch.tensor([0, 1, 2, 3, 6], dtype=torch.int64, device=self.device)
+        self._stat_index = torch.tensor([LOOKUPS, HITS, MISSES, BYTES, ERRORS], dtype=torch.int64, device=self.device)
         self.policy = policy
         self.decay = decay
         """lfu, lfu-fast: steps between halvings of every use count (0 = counts never decay)."""
@@ -147,7 +157,9 @@ class SlotTable:
         """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
         self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
         """`step` when the latest `admit` ran."""
-        self._prefetch_stat_index = torch.tensor([3, 7, 8, 9], dtype=torch.int64, device=self.device)
+        self._prefetch_stat_index = torch.tensor(
+            [BYTES, PREFETCHED, PREFETCH_USED, PREFETCH_WASTED_BYTES], dtype=torch.int64, device=self.device
+        )
 
     # ---- views -----------------------------------------------------------------------
 
@@ -197,7 +209,7 @@ class SlotTable:
             parts = [got.lookups, got.hits, got.misses, got.loaded * record_bytes, got.invalid]
             stats_row.index_add_(0, self._stat_index, torch.stack(parts))
         if aux_row is not None:
-            aux_row[:2] += got.loaded
+            aux_row[LOOKUPS : HITS + 1] += got.loaded  # adjacent columns: lookups, hits
         return got
 
     def kernel_state(self) -> dict[str, torch.Tensor]:

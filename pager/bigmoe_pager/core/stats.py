@@ -31,6 +31,19 @@ COUNTERS = (
 read_ns of SSD reads; prefetched: experts copied in ahead of need; prefetch_used: of those, needed by the
 step they were fetched for; prefetch_wasted_bytes: bytes of the others."""
 
+# Index of each tier and counter in the tables (the decision kernels and the torch paths add by index).
+VRAM, RAM, SSD = (TIERS.index(t) for t in ("vram", "ram", "ssd"))
+LOOKUPS = COUNTERS.index("lookups")
+HITS = COUNTERS.index("hits")
+MISSES = COUNTERS.index("misses")
+BYTES = COUNTERS.index("bytes")
+READ_NS = COUNTERS.index("read_ns")
+RETRIES = COUNTERS.index("retries")
+ERRORS = COUNTERS.index("errors")
+PREFETCHED = COUNTERS.index("prefetched")
+PREFETCH_USED = COUNTERS.index("prefetch_used")
+PREFETCH_WASTED_BYTES = COUNTERS.index("prefetch_wasted_bytes")
+
 
 class StatsError(KeyError):
     """A tier or counter name the stats do not know."""

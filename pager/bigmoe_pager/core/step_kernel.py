@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from bigmoe_pager.core import stats
 from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, decision_outputs, next_pow2
 from bigmoe_pager.core.copy_kernel import (
     BLOCK_BYTES,
@@ -166,6 +167,12 @@ def launch_step(
 
 
 if triton is not None:
+    # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
+    _LOOKUPS = tl.constexpr(stats.LOOKUPS)
+    _HITS = tl.constexpr(stats.HITS)
+    _MISSES = tl.constexpr(stats.MISSES)
+    _BYTES = tl.constexpr(stats.BYTES)
+    _ERRORS = tl.constexpr(stats.ERRORS)
 
     @triton.jit
     def _step_kernel(
@@ -283,14 +290,14 @@ if triton is not None:
             tl.store(counts_ptr + 4, tl.maximum(lookups - S, 0))
             tl.store(counts_ptr + 5, invalid)
             if HAS_STATS:
-                tl.atomic_add(stats_ptr + 0, lookups)
-                tl.atomic_add(stats_ptr + 1, hits)
-                tl.atomic_add(stats_ptr + 2, misses)
-                tl.atomic_add(stats_ptr + 3, loaded * record_bytes)
-                tl.atomic_add(stats_ptr + 6, invalid)
+                tl.atomic_add(stats_ptr + _LOOKUPS, lookups)
+                tl.atomic_add(stats_ptr + _HITS, hits)
+                tl.atomic_add(stats_ptr + _MISSES, misses)
+                tl.atomic_add(stats_ptr + _BYTES, loaded * record_bytes)
+                tl.atomic_add(stats_ptr + _ERRORS, invalid)
             if HAS_AUX:
-                tl.atomic_add(aux_ptr + 0, loaded)
-                tl.atomic_add(aux_ptr + 1, loaded)
+                tl.atomic_add(aux_ptr + _LOOKUPS, loaded)
+                tl.atomic_add(aux_ptr + _HITS, loaded)
 
         # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
         # (Written out per component: the interpreter cannot call nested jit helpers.)
