@@ -239,15 +239,15 @@ def _spec_decode_counters(llm) -> dict | None:
 
 
 def _pager_counters() -> dict:
-    from bigmoe_pager.adapters import vllm_stats
+    from bigmoe_pager.adapters.vllm import process
 
-    return vllm_stats.pager_stats()
+    return process.pager_stats()
 
 
 def _experts_kernel() -> str | None:
-    from bigmoe_pager.adapters import vllm_stats
+    from bigmoe_pager.adapters.vllm import process
 
-    return vllm_stats.experts_kernel_name()
+    return process.experts_kernel_name()
 
 
 def _vllm_version() -> str:

@@ -7,6 +7,7 @@ settings enable it.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from bigmoe_pager.settings import PagerSettings
@@ -36,20 +37,26 @@ def _installed_vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
+@functools.cache
+def process_settings() -> PagerSettings:
+    """This process's settings: read from the environment once, at the first entry point vLLM calls."""
+    return PagerSettings.from_env()
+
+
 def register_experts() -> None:
     """Entry point `bigmoe_experts`: swap vLLM's RoutedExperts for the paged one."""
     if "experts" in _done:
         return
-    settings = PagerSettings.from_env()
+    settings = process_settings()
     if not settings.enabled and settings.route_replay is None:
         return
     check_vllm_version(_installed_vllm_version())
-    from bigmoe_pager.adapters import vllm_experts
+    from bigmoe_pager.adapters.vllm import experts
 
     if settings.enabled:
-        vllm_experts.install(settings)
+        experts.install(settings)
     else:
-        vllm_experts.install_replay_only(settings)
+        experts.install_replay_only(settings)
     _done.add("experts")
 
 
@@ -57,11 +64,11 @@ def register_ngram() -> None:
     """Entry point `bigmoe_ngram`: serve the Qwen4Exp n-gram table from SSD."""
     if "ngram" in _done:
         return
-    settings = PagerSettings.from_env()
+    settings = process_settings()
     if not settings.ngram:
         return
     check_vllm_version(_installed_vllm_version())
-    from bigmoe_pager.adapters import vllm_ngram
+    from bigmoe_pager.adapters.vllm import ngram
 
-    vllm_ngram.install(settings)
+    ngram.install(settings)
     _done.add("ngram")

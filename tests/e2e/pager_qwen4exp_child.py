@@ -22,7 +22,7 @@ os.environ.update(BIGMOE_PAGER="1", BIGMOE_VRAM_SLOTS="12", BIGMOE_RAM_SLOTS="20
 def main() -> None:
     import torch
     from bigmoe_pager import plugin
-    from bigmoe_pager.adapters import vllm_glue
+    from bigmoe_pager.adapters.vllm import glue, process
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.engine.arg_utils import EngineArgs
@@ -57,8 +57,8 @@ def main() -> None:
             with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
                 model = initialize_model(vllm_config=config, model_config=model_config)
             get_model_loader(config.load_config).load_weights(model, model_config)
-        count = vllm_glue.paged_layer_count(config)
-    layers = [describe(layer) for layer in vllm_glue.all_layers()]
+        count = glue.paged_layer_count(config)
+    layers = [describe(layer) for layer in process.current().layers()]
     with open(out, "w") as f:
         json.dump({"paged_layer_count": count, "layers": layers}, f)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from bigmoe.tinymoe.fp8 import dequantize_blocks
 from bigmoe.tinymoe.shape import TinyShape
-from bigmoe_pager.adapters.ssd_source import paging_file_source
+from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.host_pager import HostPager, TierSizes
 from bigmoe_pager.core.paging_build import build_paging_file, layout_for_checkpoint
@@ -58,7 +58,7 @@ def test_fp8_slots_hold_the_checkpoint_bytes_and_dequantize_exactly(tiny_checkpo
         if ssd == "checkpoint":
             source = type("Src", (), {"read_record": lambda self, e, dst, l=layer: store.read(l, e, dst)})()
         else:
-            source = paging_file_source(paging, model, layout, layer, shape.experts, compressed=True)
+            source = SsdStores().paging_file_source(paging, model, layout, layer, shape.experts, compressed=True)
         pager = HostPager(layout, TierSizes(shape.experts, vram, ram), source)
         for e in range(shape.experts):
             r = pager.ram_slot_for_load(e)

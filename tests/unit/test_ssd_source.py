@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from bigmoe_pager.adapters import ssd_source
+from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core.paging_build import build_paging_file, layout_for_checkpoint
 from bigmoe_pager.settings import SettingsError
 from ssd_testkit import FakeFaultyIO
@@ -21,42 +21,40 @@ def model(tiny_checkpoint):
     )
 
 
-@pytest.fixture(autouse=True)
-def fresh_stores():
-    ssd_source._stores.clear()
-    yield
-    ssd_source._stores.clear()
+@pytest.fixture
+def stores():
+    return SsdStores()
 
 
-def test_filesystem_without_odirect_is_refused_for_the_checkpoint(model):
+def test_filesystem_without_odirect_is_refused_for_the_checkpoint(stores, model):
     """FakeFaultyIO stands in for a filesystem that refuses O_DIRECT (this machine's all accept it)."""
     layout = layout_for_checkpoint(model)
     with pytest.raises(SettingsError, match="O_DIRECT"):
-        ssd_source.checkpoint_source(model, layout, 0, io=FakeFaultyIO(refuse_open=True))
+        stores.checkpoint_source(model, layout, 0, io=FakeFaultyIO(refuse_open=True))
 
 
-def test_filesystem_without_odirect_is_refused_for_a_paging_file(model, tmp_path):
+def test_filesystem_without_odirect_is_refused_for_a_paging_file(stores, model, tmp_path):
     layout = layout_for_checkpoint(model)
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=False)
     with pytest.raises(SettingsError, match="BIGMOE_PAGING_FILE: .*O_DIRECT"):
-        ssd_source.paging_file_source(paging, model, layout, 0, 4, compressed=False, io=FakeFaultyIO(refuse_open=True))
+        stores.paging_file_source(paging, model, layout, 0, 4, compressed=False, io=FakeFaultyIO(refuse_open=True))
 
 
 @pytest.mark.parametrize("built_compressed,asked_compressed", [(False, True), (True, False)])
-def test_codec_mismatch_is_refused(model, tmp_path, built_compressed, asked_compressed):
+def test_codec_mismatch_is_refused(stores, model, tmp_path, built_compressed, asked_compressed):
     layout = layout_for_checkpoint(model)
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=built_compressed)
     with pytest.raises(SettingsError, match="BIGMOE_PAGING_FILE"):
-        ssd_source.paging_file_source(paging, model, layout, 0, 4, compressed=asked_compressed)
+        stores.paging_file_source(paging, model, layout, 0, 4, compressed=asked_compressed)
 
 
-def test_layers_read_exact_records(model, tmp_path):
+def test_layers_read_exact_records(stores, model, tmp_path):
     import torch
 
     layout = layout_for_checkpoint(model)
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=True)
-    direct = ssd_source.checkpoint_source(model, layout, 1)
-    paged = ssd_source.paging_file_source(paging, model, layout, 1, 4, compressed=True)
+    direct = stores.checkpoint_source(model, layout, 1)
+    paged = stores.paging_file_source(paging, model, layout, 1, 4, compressed=True)
     for expert in range(4):
         a = torch.zeros(layout.pitch, dtype=torch.uint8)
         b = torch.ones(layout.pitch, dtype=torch.uint8)

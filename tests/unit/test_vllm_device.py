@@ -11,8 +11,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed")
 
-from bigmoe_pager.adapters import vllm_device  # noqa: E402
-from bigmoe_pager.adapters.vllm_glue import EngineModeError  # noqa: E402
+from bigmoe_pager.adapters.vllm import device as vllm_device  # noqa: E402
+from bigmoe_pager.adapters.vllm.glue import EngineModeError  # noqa: E402
 from bigmoe_pager.settings import PagerSettings  # noqa: E402
 from vllm.config import CompilationConfig  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
@@ -96,7 +96,7 @@ def test_a_whole_layer_step_runs_the_kernel_over_every_expert_with_the_routers_i
 
     ids = torch.tensor([[5, 1], [7, 5], [0, 3]])
     x = torch.randn(3, 4)
-    assert vllm_device._whole_layer_step(layer, x, torch.ones(3, 2), ids, kernel) is x
+    assert vllm_device._whole_layer_step(vllm_device.DeviceParts(), layer, x, torch.ones(3, 2), ids, kernel) is x
     assert seen["ids"] is ids and set(seen["rows"].values()) == {experts}
     c = layout["w2_weight"]
     for expert in (0, 1, 3, 5, 7):
@@ -167,9 +167,10 @@ def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer
         )
         for i in range(2)
     ]
-    monkeypatch.setitem(vllm_device._state, "stats", PagerStats(2))
-    fetchers = vllm_device._ssd_fetchers(layers)
-    service = vllm_device._state.pop("ssd")
+    parts = vllm_device.DeviceParts()
+    parts.stats = PagerStats(2)
+    fetchers = vllm_device._ssd_fetchers(parts, layers, PagerSettings(enabled=True))
+    service = parts.ssd
     try:
         assert sorted(fetchers) == [0, 1]
         assert [len(rows) for rows in service._rows] == [2, 2, 0]

@@ -21,8 +21,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is needed for its MoE kernel config lookup")
 
-from bigmoe_pager.adapters import vllm_glue  # noqa: E402
-from bigmoe_pager.adapters.vllm_glue import EngineModeError, pinned_kernel_config  # noqa: E402
+from bigmoe_pager.adapters.vllm import glue as vllm_glue  # noqa: E402
+from bigmoe_pager.adapters.vllm.glue import EngineModeError, pinned_kernel_config  # noqa: E402
 from bigmoe_pager.core.host_pager import HostPager, TierSizes  # noqa: E402
 from bigmoe_pager.core.layout import ExpertLayout  # noqa: E402
 

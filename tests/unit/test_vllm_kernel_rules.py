@@ -9,8 +9,9 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed")
 
-from bigmoe_pager.adapters import vllm_device, vllm_glue  # noqa: E402
-from bigmoe_pager.adapters.vllm_glue import EngineModeError  # noqa: E402
+from bigmoe_pager.adapters.vllm import device as vllm_device  # noqa: E402
+from bigmoe_pager.adapters.vllm import glue as vllm_glue  # noqa: E402
+from bigmoe_pager.adapters.vllm.glue import EngineModeError  # noqa: E402
 from vllm.config import CompilationConfig  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 

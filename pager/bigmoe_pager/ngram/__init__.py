@@ -2,7 +2,7 @@
 
 No vLLM here. `NgramTable` gathers rows (bytes) from the page cache or the SSD;
 `dequant.dequantize_rows` and `prefetch.RowPrefetcher` (torch) move them to the
-device; `adapters/vllm_ngram.py` hooks them into vLLM's Qwen4Exp PLE layer.
+device; `adapters/vllm/ngram.py` hooks them into vLLM's Qwen4Exp PLE layer.
 """
 
 from .errors import NgramError, NgramFileError, NgramLayoutError, NgramRangeError, NgramReadError

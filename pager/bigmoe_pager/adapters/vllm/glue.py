@@ -1,6 +1,6 @@
 """What the paged RoutedExperts needs from around it: layer numbering, the engine
 mode it can serve, the SSD source, the kernel's slot layout and tile config
-(routing trace/replay: vllm_routing.py; counters: vllm_stats.py).
+(routing trace/replay: routing.py; counters: stats.py; what the process holds: process.py).
 Imports vLLM only inside functions that run in an engine process; where vLLM
 builds differ (CPU 0.32/0.33, CUDA 0.25), the difference lives in one named
 function here."""
@@ -8,10 +8,8 @@ function here."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -22,10 +20,6 @@ from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.settings import PagerSettings, SettingsError
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
-
-_lock = threading.Lock()
-_layers: list = []
-_replay_layers: list = []
 
 
 class EngineModeError(RuntimeError):
@@ -48,32 +42,6 @@ def describe(settings: PagerSettings, on_device: bool) -> str:
     source = str(settings.paging_file) if settings.paging_file else "the checkpoint in place"
     codec = "on" if settings.use_codec() else "off"
     return f"VRAM slots {vram}, RAM slots {ram}, SSD tier reads {source}, codec {codec}; {mode}"
-
-
-def next_moe_index() -> int:
-    """MoE layers are built in order; the n-th built is MoE layer n."""
-    with _lock:
-        return len(_layers) + len(_replay_layers)
-
-
-def register_layer(layer) -> None:
-    with _lock:
-        _layers.append(layer)
-
-
-def register_replay_layer() -> None:
-    """A routing-replay layer takes the next MoE index (it pages nothing, so it is not in all_layers())."""
-    with _lock:
-        _replay_layers.append(None)
-
-
-def layer(moe_index: int):
-    return _layers[moe_index]
-
-
-def all_layers() -> list:
-    with _lock:
-        return list(_layers)
 
 
 def require_host_driven_mode(vllm_config) -> None:
@@ -229,35 +197,34 @@ def check_shared_experts(layer) -> None:
 # ---- the SSD tier -------------------------------------------------------------------
 
 
-def open_source(settings: PagerSettings, vllm_config, layout: ExpertLayout, decoder_layer: int, experts: int, ram: int):
-    """The SSD source for one layer, or None when every expert has a RAM record."""
+def open_source(process, vllm_config, layout: ExpertLayout, decoder_layer: int, experts: int, ram: int):
+    """The SSD source for one layer (from the process's stores), or None when every expert has a RAM record."""
     if ram >= experts:
         return None
-    from bigmoe_pager.adapters.ssd_source import checkpoint_source, paging_file_source
-
+    settings = process.settings
     model_dir = Path(vllm_config.model_config.model)
     if settings.paging_file is not None:
-        return paging_file_source(settings.paging_file, model_dir, layout, decoder_layer, experts, settings.use_codec())
-    return checkpoint_source(model_dir, layout, decoder_layer)
+        return process.stores.paging_file_source(
+            settings.paging_file, model_dir, layout, decoder_layer, experts, settings.use_codec()
+        )
+    return process.stores.checkpoint_source(model_dir, layout, decoder_layer)
 
 
-def warm_order(settings: PagerSettings, moe_index: int, num_experts: int) -> list[int] | None:
-    """Experts in order of heat from a saved profile (hottest first), to fill RAM at load."""
+def load_hot_profile(settings: PagerSettings, num_experts: int) -> HotProfile | None:
+    """The saved hot-expert profile the settings name, read and checked (None when none is named)."""
     if settings.hot_profile is None:
         return None
-    profile = _hot_profile(settings.hot_profile, num_experts)
-    if moe_index >= profile.num_layers:
-        return None  # a layer the profile did not see (the MTP drafter's, say): filled in expert order
-    return [int(e) for e in profile.hottest(moe_index)]
-
-
-@functools.lru_cache(maxsize=4)
-def _hot_profile(path: Path, num_experts: int) -> HotProfile:
-    """The profile, read and checked once per process (every layer asks for it)."""
     try:
-        return HotProfile.load(path, num_experts=num_experts)
+        return HotProfile.load(settings.hot_profile, num_experts=num_experts)
     except ProfileError as e:
         raise SettingsError(f"BIGMOE_HOT_PROFILE: {e}") from None
+
+
+def warm_order(profile: HotProfile | None, moe_index: int) -> list[int] | None:
+    """Experts in order of heat from a saved profile (hottest first), to fill RAM at load."""
+    if profile is None or moe_index >= profile.num_layers:
+        return None  # no profile, or a layer it did not see (the MTP drafter's, say): filled in expert order
+    return [int(e) for e in profile.hottest(moe_index)]
 
 
 # ---- kernel slots -----------------------------------------------------------------------

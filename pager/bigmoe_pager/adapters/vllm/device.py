@@ -31,7 +31,7 @@ import threading
 import time
 
 import torch
-from bigmoe_pager.adapters import vllm_glue, vllm_routing, vllm_stats
+from bigmoe_pager.adapters.vllm import glue
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.pinned import pinned_empty
@@ -44,8 +44,29 @@ log = logging.getLogger("vllm.bigmoe_pager")
 
 EXPORT_PERIOD_S = 1.0  # seconds between counter exports and SSD health checks
 
-_state: dict[str, object] = {}
-_lock = threading.Lock()
+
+class DeviceParts:
+    """What device-driven paging keeps once per process, beside its layers."""
+
+    def __init__(self) -> None:
+        self.stats: PagerStats | None = None
+        """Counters of every paged layer, one table on the CUDA device (made with the first layer)."""
+        self.mirror: torch.Tensor | None = None
+        """Page-locked host copy of `stats`: the last layer's step copies the table there (a graph replays the
+        copy), so the exporter thread reads plain memory and never calls CUDA, which would break a capture in
+        progress on the engine's thread."""
+        self.last_layer = 0
+        """MoE index of the last paged layer (its step refreshes the mirror)."""
+        self.layer_buffer: dict[str, torch.Tensor] | None = None
+        """One buffer of every expert of a layer, shared by all paged layers (BIGMOE_PREFILL_BUFFER=1)."""
+        self.ssd: SsdService | None = None
+        """The SSD service over every layer whose RAM tier is partial (None without an SSD tier)."""
+        self.started = False
+        """Whether the first forward has started slots, SSD service and exporter."""
+        self.layers: list = []
+        """The device-driven layers, once started."""
+        self.exporter: threading.Thread | None = None
+        self.lock = threading.Lock()
 
 
 def on_cuda() -> bool:
@@ -80,7 +101,7 @@ def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int, spec_
         if spec_tokens
         else ""
     )
-    raise vllm_glue.EngineModeError(
+    raise glue.EngineModeError(
         f"bigmoe: vLLM captures CUDA graphs for batches of up to {biggest} tokens ({biggest * top_k} expert ids), "
         f"more than MoE layer {moe_index}'s {slots} VRAM slots; start vLLM with "
         f"--max-cudagraph-capture-size {fit} (or more VRAM slots, or --enforce-eager){spec}"
@@ -90,49 +111,48 @@ def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int, spec_
 def refuse_trace_in_graphs(settings: PagerSettings, vllm_config) -> None:
     mode = vllm_config.compilation_config.cudagraph_mode
     if settings.trace_path is not None and getattr(mode, "name", str(mode)) != "NONE":
-        raise vllm_glue.EngineModeError(
+        raise glue.EngineModeError(
             "bigmoe: BIGMOE_TRACE_PATH reads each step's routing on the host, which CUDA "
             "graphs cannot replay; record traces with --enforce-eager"
         )
 
 
 def layer_pager(
-    layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order, eviction: str
+    parts: DeviceParts, layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order, eviction: str
 ) -> DeviceLayerPager:
-    """The layer's pager; its counters live in one per-process table on the current CUDA device."""
+    """The layer's pager; its counters live in the process's one table on the current CUDA device."""
     device = torch.device("cuda", torch.cuda.current_device())
-    with _lock:
-        if "stats" not in _state:
-            _state["stats"] = PagerStats(max(num_moe_layers, moe_index + 1), device)
-            # Page-locked host mirror of the counters: the step copies them there (a graph replays the copy),
-            # so the exporter thread reads plain memory and never calls CUDA, which would break a capture
-            # in progress on the engine's thread.
-            _state["mirror"] = pinned_empty(tuple(_state["stats"].device_counts.shape), torch.int64)
-            _state["mirror"].zero_()
-        _state["last_layer"] = max(_state.get("last_layer", 0), moe_index)
+    with parts.lock:
+        if parts.stats is None:
+            parts.stats = PagerStats(max(num_moe_layers, moe_index + 1), device)
+            parts.mirror = pinned_empty(tuple(parts.stats.device_counts.shape), torch.int64)
+            parts.mirror.zero_()
+        parts.last_layer = max(parts.last_layer, moe_index)
     return DeviceLayerPager(
-        layout, sizes, device, layer=moe_index, stats=_state["stats"], warm_order=warm_order, policy=eviction
+        layout, sizes, device, layer=moe_index, stats=parts.stats, warm_order=warm_order, policy=eviction
     )
 
 
 def forward(layer, x, topk_weights, topk_ids, kernel):
     """Page the step's experts in and run vLLM's kernel (kernel(x, weights, slot ids)) on the slots."""
+    process = layer.process
+    parts: DeviceParts = process.device
     pager: DeviceLayerPager = layer.pager
     if not pager.started:
-        start_all()
-    if layer._moe_index == _state["last_layer"]:
-        _state["mirror"].copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
-    with vllm_glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
+        start_all(process)
+    if layer._moe_index == parts.last_layer:
+        parts.mirror.copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
+    with glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
         if pager.fits(topk_ids):  # captured, or run eagerly (then the step has settled its SSD reads)
             return kernel(x, topk_weights, pager.step(topk_ids))
         if torch.cuda.is_current_stream_capturing():
-            raise vllm_glue.EngineModeError(
+            raise glue.EngineModeError(
                 f"bigmoe: a CUDA graph is being captured for {topk_ids.shape[0]} tokens, whose ids can outnumber "
                 f"the {pager.sizes.vram} VRAM slots; lower --max-cudagraph-capture-size"
             )
-        _check_ssd()
-        if vllm_routing.settings().prefill_buffer:
-            return _whole_layer_step(layer, x, topk_weights, topk_ids, kernel)
+        _check_ssd(parts)
+        if process.settings.prefill_buffer:
+            return _whole_layer_step(parts, layer, x, topk_weights, topk_ids, kernel)
         return _chunked_step(pager, x, topk_weights, topk_ids, kernel)
 
 
@@ -146,16 +166,16 @@ def _chunked_step(pager: DeviceLayerPager, x, topk_weights, topk_ids, kernel):
     for rows in pager.token_chunks(topk_ids):
         slot_ids = pager.step(topk_ids[rows])
         outs.append(kernel(x[rows], topk_weights[rows], slot_ids))
-    return outs[0] if len(outs) == 1 else vllm_glue.concat_outputs(outs)
+    return outs[0] if len(outs) == 1 else glue.concat_outputs(outs)
 
 
-def _whole_layer_step(layer, x, topk_weights, topk_ids, kernel):
+def _whole_layer_step(parts: DeviceParts, layer, x, topk_weights, topk_ids, kernel):
     """A big step over one buffer of all E experts: the needed ones copied in, vLLM's kernel run with the router's ids.
 
     The layer's parameters point at the buffer for the call (kernels read them when launched), so the
     kernel sees what the unpaged layer has: E experts, expert ids, the same token count and tiles.
     """
-    buffers = _layer_buffer(layer)
+    buffers = _layer_buffer(parts, layer)
     layer.pager.fill_layer_buffer(topk_ids, buffers)
     params = {name: getattr(layer, name) for name in buffers}
     slots = {name: p.data for name, p in params.items()}
@@ -168,38 +188,37 @@ def _whole_layer_step(layer, x, topk_weights, topk_ids, kernel):
             p.data = slots[name]
 
 
-def _layer_buffer(layer) -> dict[str, torch.Tensor]:
+def _layer_buffer(parts: DeviceParts, layer) -> dict[str, torch.Tensor]:
     """One buffer of every expert of a layer, shared by all paged layers of the process (same shapes)."""
-    with _lock:
-        if "layer_buffer" not in _state:
+    with parts.lock:
+        if parts.layer_buffer is None:
             slots = {name: getattr(layer, name) for name in layer._layout._by_name}
-            _state["layer_buffer"] = {
-                name: p.new_empty((layer._num_experts, *p.shape[1:])) for name, p in slots.items()
-            }
-        return _state["layer_buffer"]
+            parts.layer_buffer = {name: p.new_empty((layer._num_experts, *p.shape[1:])) for name, p in slots.items()}
+        return parts.layer_buffer
 
 
-def start_all() -> None:
+def start_all(process) -> None:
     """After loading, at the first forward (vLLM's profile run, outside graphs):
     SSD tier, slots, warm VRAM, exporter."""
-    with _lock:
-        if _state.get("started"):
+    parts: DeviceParts = process.device
+    with parts.lock:
+        if parts.started:
             return
-        layers = [l for l in vllm_glue.all_layers() if isinstance(l.pager, DeviceLayerPager)]
-        fetchers = _ssd_fetchers(layers)
+        layers = [l for l in process.layers() if isinstance(l.pager, DeviceLayerPager)]
+        fetchers = _ssd_fetchers(parts, layers, process.settings)
         for paged in layers:
             buffers = {name: getattr(paged, name).data for name in paged._layout._by_name}
             paged.pager.start(buffers, fetchers.get(paged._moe_index))
         torch.cuda.synchronize()
-        _state["started"] = True
-        _state["layers"] = layers
-    _start_exporter()
+        parts.started = True
+        parts.layers = layers
+    _start_exporter(process)
     log.warning(
         "bigmoe: device-driven paging started for %d MoE layers%s", len(layers), " with an SSD tier" if fetchers else ""
     )
 
 
-def _ssd_fetchers(layers: list) -> dict[int, ServiceFetch]:
+def _ssd_fetchers(parts: DeviceParts, layers: list, settings: PagerSettings) -> dict[int, ServiceFetch]:
     """One SsdService over every layer whose RAM tier is partial; its fetch per MoE layer index."""
     partial = [l for l in layers if l._ssd_source is not None]
     if not partial:
@@ -207,47 +226,44 @@ def _ssd_fetchers(layers: list) -> dict[int, ServiceFetch]:
     store = partial[0]._ssd_source.store
     rows: dict[int, torch.Tensor] = {}
     sinks: dict[int, object] = {}
-    stats: PagerStats = _state["stats"]
     for paged in layers:
         store_layer = paged._ssd_source.layer if paged._ssd_source is not None else paged._moe_index
         rows[store_layer] = paged.pager.ram.records
-        sinks[store_layer] = stats.tier(paged._moe_index, "ssd")
+        sinks[store_layer] = parts.stats.tier(paged._moe_index, "ssd")
     # Store layers no paged layer reads (the checkpoint's MTP head with speculative decoding off) get no RAM
     # slots; every paged layer found its own store layer by decoder layer number (ssd_source._moe_layer).
     unread = partial[0].pager.ram.records.new_empty((0, *partial[0].pager.ram.records.shape[1:]))
     for i in range(store.num_layers):
         rows.setdefault(i, unread)
         sinks.setdefault(i, None)
-    settings = vllm_routing.settings()
     service = SsdService.from_settings(
         store, [rows[i] for i in range(store.num_layers)], settings, sinks=[sinks[i] for i in range(store.num_layers)]
     )
-    _state["ssd"] = service
+    parts.ssd = service
     return {l._moe_index: ServiceFetch(service, l._ssd_source.layer) for l in partial}
 
 
-def _check_ssd() -> None:
-    service = _state.get("ssd")
-    if service is not None:
-        service.check()
+def _check_ssd(parts: DeviceParts) -> None:
+    if parts.ssd is not None:
+        parts.ssd.check()
 
 
-def _start_exporter() -> None:
-    if _state.get("exporter") is not None:
+def _start_exporter(process) -> None:
+    parts: DeviceParts = process.device
+    if parts.exporter is not None:
         return
-    thread = threading.Thread(target=_export_loop, name="bigmoe-export", daemon=True)
-    _state["exporter"] = thread
-    thread.start()
+    parts.exporter = threading.Thread(target=_export_loop, args=(process,), name="bigmoe-export", daemon=True)
+    parts.exporter.start()
 
 
-def _export_loop() -> None:
+def _export_loop(process) -> None:
     """Every EXPORT_PERIOD_S: stop the server if the SSD tier failed; add counter deltas to the Prometheus series."""
-    stats: PagerStats = _state["stats"]
-    layers = _state["layers"]
-    mirror = _state["mirror"].numpy()
+    parts: DeviceParts = process.device
+    stats: PagerStats = parts.stats
+    mirror = parts.mirror.numpy()
     while True:
         time.sleep(EXPORT_PERIOD_S)
-        service = _state.get("ssd")
+        service = parts.ssd
         if service is not None and service.failed:
             try:
                 service.check()
@@ -261,5 +277,5 @@ def _export_loop() -> None:
             return
         with stats.lock:
             counts = mirror + stats.host_counts
-        for paged in layers:
-            vllm_stats.export_stats(paged, paged.pager.counters(counts))
+        for paged in parts.layers:
+            process.export.export(paged, paged.pager.counters(counts))

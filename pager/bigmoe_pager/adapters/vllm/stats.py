@@ -1,0 +1,76 @@
+"""Counters of the paged layers of this process: summed for callers in-process, and
+exported as Prometheus series (multiprocess mode) so they reach vLLM's /metrics."""
+
+from __future__ import annotations
+
+SERIES = {
+    "lookups": ("bigmoe_expert_lookups", "Experts looked up in a tier"),
+    "hits": ("bigmoe_expert_hits", "Experts found in a tier"),
+    "bytes": ("bigmoe_expert_bytes", "Bytes moved out of a tier into the one above"),
+    "read_seconds": ("bigmoe_expert_read_seconds", "Seconds spent reading from a tier"),
+    "errors": ("bigmoe_expert_errors", "Failed reads from a tier"),
+}
+"""The pager's Prometheus counters (labels: layer, tier): key -> (series name, help)."""
+
+
+class CounterExport:
+    """The process's Prometheus series, made at the first export (None when prometheus_client is missing)."""
+
+    def __init__(self) -> None:
+        self._made = False
+        self._series: dict | None = None
+
+    def export(self, layer, tiers: dict | None = None) -> None:
+        """Add this layer's counter deltas to the pager's Prometheus series.
+
+        tiers: the layer's counters per tier if already read (device-driven layers), else layer.pager.stats.
+        """
+        series = self._counters()
+        if series is None:
+            return
+        last = getattr(layer, "_exported", None)
+        if last is None:
+            last = layer._exported = {}
+        label = str(layer._moe_index)
+        for tier, c in (tiers if tiers is not None else layer.pager.stats).items():
+            now = (c.lookups, c.hits, c.bytes_moved, c.read_seconds, c.errors)
+            before = last.get(tier, (0, 0, 0, 0.0, 0))
+            for key, new, old in zip(SERIES, now, before):
+                if new != old:
+                    series[key].labels(layer=label, tier=tier).inc(new - old)
+            last[tier] = now
+
+    def _counters(self) -> dict | None:
+        if self._made:
+            return self._series
+        self._made = True
+        try:
+            from prometheus_client import Counter
+        except ImportError:
+            return None
+        self._series = {key: Counter(name, doc, ["layer", "tier"]) for key, (name, doc) in SERIES.items()}
+        return self._series
+
+
+def pager_stats(layers: list) -> dict[str, dict[str, float]]:
+    """Counters of the paged layers, summed per tier (empty without layers)."""
+    totals: dict[str, dict[str, float]] = {}
+    for paged in layers:
+        for tier, c in paged.pager.stats.items():
+            t = totals.setdefault(tier, {"lookups": 0, "hits": 0, "bytes_moved": 0, "read_seconds": 0.0, "errors": 0})
+            t["lookups"] += c.lookups
+            t["hits"] += c.hits
+            t["bytes_moved"] += c.bytes_moved
+            t["read_seconds"] += c.read_seconds
+            t["errors"] += c.errors
+    return totals
+
+
+def experts_kernel_name(layers: list) -> str | None:
+    """Class name of the MoE kernel vLLM runs on the paged layers' slots (None without layers)."""
+    first = layers[0] if layers else None
+    if first is None:
+        return None
+    kernel = getattr(first.quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return type(experts if experts is not None else first.quant_method).__name__
