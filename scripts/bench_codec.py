@@ -9,8 +9,8 @@ and the time to copy+expand one expert from pinned RAM against copying it raw.
 GPU times are CUDA-graph replays (what the pager runs), with the eager call's
 time beside them to show the host launch overhead.
 
-    PYTHONPATH=pager:app python scripts/bench_codec.py --out docs/bench/codec.json
-    PYTHONPATH=pager:app python scripts/bench_codec.py --cpu-only --out docs/bench/codec.json
+    PYTHONPATH=pager:app:bench python scripts/bench_codec.py --out docs/bench/codec.json
+    PYTHONPATH=pager:app:bench python scripts/bench_codec.py --cpu-only --out docs/bench/codec.json
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import codec_samples as S  # noqa: E402
+from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import format as F  # noqa: E402
 from bigmoe_pager.codec.encode import encode_record  # noqa: E402
 from bigmoe_pager.codec.reference import decode_record  # noqa: E402
@@ -253,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "codec": F.CODEC_NAME,
         "codec_version": F.CODEC_VERSION,
-        "command": "PYTHONPATH=pager:app python scripts/bench_codec.py "
+        "command": "PYTHONPATH=pager:app:bench python scripts/bench_codec.py "
         + shlex.join(sys.argv[1:] if argv is None else argv),
         "scope": "CPU and GPU" if gpu else "CPU only (ratio and encode speed; no decode numbers)",
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs",

@@ -18,7 +18,7 @@ against the id stamped in it. With CUDA it also
 times the host-to-device copy + FP8 dequant and the full prefetch path. The
 table is deleted afterwards unless --keep.
 
-  PYTHONPATH=pager python scripts/bench_ngram.py --size-gib 8 --out docs/bench/ngram.json
+  PYTHONPATH=pager:bench python scripts/bench_ngram.py --size-gib 8 --out docs/bench/ngram.json
   python scripts/bench_ngram.py --merge h200.json --out docs/bench/ngram.json --md docs/bench/ngram.md
 """
 
@@ -35,11 +35,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pager"))
-
+from bigmoe_bench.ngram_synthetic import write_table  # noqa: E402
 from bigmoe_pager.ngram import NgramTable  # noqa: E402
-from bigmoe_pager.ngram.synthetic import write_table  # noqa: E402
 
 ROW_BYTES, HEADS, PREFILL_TOKENS = 160, 16, 2048
 SWEEP_DEPTHS = (64, 128, 256, 512)  # AIO reads in flight tried for the SSD prefill
@@ -93,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
                 "shards": args.shards,
                 "write_gb_per_s": round(rows * ROW_BYTES / write_s / 1e9, 2),
             },
-            "command": "PYTHONPATH=pager python " + " ".join(sys.argv),
+            "command": "PYTHONPATH=pager:bench python " + " ".join(sys.argv),
             "note": args.note,
         }
         result.update(measure(files, rows, args))

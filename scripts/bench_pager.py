@@ -9,8 +9,8 @@ with predictions made from the trace at each --recalls (precision --precision). 
 each token (all layers) is one CUDA graph, replayed per token, timed with CUDA
 events after a warm-up (tiers warmed from a hot profile of the warm-up tokens).
 
-    H200:  PYTHONPATH=pager:app python scripts/bench_pager.py --out $OUT/pager.json
-    CPU:   PYTHONPATH=pager python scripts/bench_pager.py --device cpu --smoke --out /tmp/pager.json
+    H200:  PYTHONPATH=pager:app:bench python scripts/bench_pager.py --out $OUT/pager.json
+    CPU:   PYTHONPATH=pager:bench python scripts/bench_pager.py --device cpu --smoke --out /tmp/pager.json
 """
 
 from __future__ import annotations
@@ -26,12 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pager"))
-
-import bench_runners as br  # noqa: E402
-import traces  # noqa: E402
+from bigmoe_bench import bench_runners as br  # noqa: E402
+from bigmoe_bench import traces  # noqa: E402
 from bigmoe_pager.core.copy_kernel import copy_records  # noqa: E402
 from bigmoe_pager.core.hot_profile import HotProfile  # noqa: E402
 

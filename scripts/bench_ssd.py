@@ -8,7 +8,7 @@ expert in random order, for each worker count:
 - `load`: SsdService.load() into RAM slots (staging buffer, checks, slot copy): the host-driven path;
 - `gpu`: (CUDA only) SsdService.request() from device tensors through the pinned mailbox, synced per batch.
 
-    PYTHONPATH=pager:app python scripts/bench_ssd.py --dir /tmp --gb 1.5 --out $OUT/bench_ssd.json
+    PYTHONPATH=pager:app:bench python scripts/bench_ssd.py --dir /tmp --gb 1.5 --out $OUT/bench_ssd.json
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synth_experts  # noqa: E402
+from bigmoe_bench import synth_experts
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
 from bigmoe_pager.core.odirect import aligned_empty, odirect_works  # noqa: E402
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402

@@ -1,6 +1,6 @@
 """The expert pager inside real vLLM on a CUDA GPU: greedy tokens equal the unpaged model's in every tier mix.
 
-    PYTHONPATH=/tmp/site:pager:app VLLM_USE_FLASHINFER_SAMPLER=0 \\
+    PYTHONPATH=/tmp/site:pager:app:bench VLLM_USE_FLASHINFER_SAMPLER=0 \\
         python3 scripts/gpu_vllm_e2e.py --out $OUT/vllm_gpu_e2e.json
 
 (vLLM 0.25.1 and the project wheel staged into /tmp/site as shared/gpu-vllm/README.md says.)
@@ -514,9 +514,9 @@ def skipped(config: Config, why: str) -> dict:
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
-    """This environment without BIGMOE_*, plus extra; the checkout's pager/app first on the path."""
+    """This environment without BIGMOE_*, plus extra; the checkout's pager/app/bench first on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
-    path = [str(REPO / "pager"), str(REPO / "app")] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    path = [str(REPO / d) for d in ("pager", "app", "bench")] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
     env.update(
         PYTHONPATH=":".join(path),
         PYTHONUNBUFFERED="1",

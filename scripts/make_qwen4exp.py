@@ -2,15 +2,15 @@
 
     python scripts/make_qwen4exp.py OUT --layers 4 --dtype fp8 --device cuda [--experts 512] ...
 
-Runs from a checkout without installing (the H200 has no bigmoe install): app/ and
-pager/ are put on the path.
+Runs from a checkout without installing (the H200 has no bigmoe install): app/,
+pager/ and bench/ (the n-gram table's synthetic rows) are put on the path.
 """
 
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "app"), str(ROOT / "pager")]
+sys.path[:0] = [str(ROOT / "app"), str(ROOT / "pager"), str(ROOT / "bench")]
 
 from bigmoe.tinymoe.qwen4exp import main  # noqa: E402
 

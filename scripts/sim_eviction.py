@@ -11,7 +11,7 @@ Shapes: the 40-layer Qwen3.6-shaped benchmark (256 experts, top-8) at 32 and 102
 slots and 32 VRAM / 128 RAM; Qwen3.8-Flash-Next (512 experts, top-10) at the slots
 `bigmoe plan qwen3.8-flash-next --vram-gib 24 --ram-gib 64 --disk nvme` chooses.
 
-    python scripts/sim_eviction.py --tokens 1200 --layers 3 --out docs/bench/eviction.json
+    PYTHONPATH=pager:bench python scripts/sim_eviction.py --tokens 1200 --layers 3 --out docs/bench/eviction.json
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import traces  # noqa: E402  (scripts/ is not a package)
+from bigmoe_bench import traces
 from bigmoe_pager.core.slots import POLICIES as SLOT_POLICIES  # noqa: E402
 from bigmoe_pager.core.slots import SlotTable, SlotTableError
 

@@ -28,8 +28,6 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 def import_make_tiny_moe():
     """The scripts/make_tiny_moe.py module (scripts/ is not a package)."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
     import make_tiny_moe
 
     return make_tiny_moe

@@ -130,8 +130,7 @@ def test_fp8_experts_paged_in_through_the_ram_tier_give_the_same_tokens(tiny_che
 def test_recorded_routing_trace_loads_in_the_benchmark_and_replays(shapes, tmp_path):
     """BIGMOE_TRACE_PATH writes the routing of a real run in the format bench_pager.py replays;
     BIGMOE_ROUTE_REPLAY (benchmark only) feeds it back identically."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from traces import load_trace
+    from bigmoe_bench.traces import load_trace
 
     trace = tmp_path / "routing.npz"
     recorded, _ = greedy(

@@ -12,13 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_record
 from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
 from bigmoe_pager.core.layout import ExpertLayout
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import codec_samples as S  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 FILL = 0xA5

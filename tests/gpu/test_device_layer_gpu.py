@@ -36,8 +36,6 @@ def one_layer_on_disk(tmp_path, experts: int):
     from pathlib import Path
 
     from bigmoe_pager.core.odirect import odirect_works
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     from ssd_testkit import make_checkpoint
 
     ok, why = odirect_works(tmp_path)

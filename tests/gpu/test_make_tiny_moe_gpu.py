@@ -7,14 +7,12 @@ import sys
 import time
 from pathlib import Path
 
+import make_tiny_moe as tiny  # scripts/ is on pytest's pythonpath (pyproject)
 import pytest
 import torch
 from safetensors import safe_open
 
 pytestmark = pytest.mark.gpu
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import make_tiny_moe as tiny  # noqa: E402  (scripts/ is not a package)
 
 # Qwen3.6-35B-A3B's routed experts (256 of 2048 -> 512, top-8) in two layers: 1.5 GiB of FP8.
 QWEN36_SLICE = tiny.TinyShape(

@@ -6,10 +6,11 @@ import random
 
 import pytest
 import torch
-from bigmoe_pager.core import moe_ref
+from bigmoe_bench import moe_ref
+from bigmoe_bench.moe_decode import ExpertWeights, moe_combine, moe_decode, moe_pairs
+from bigmoe_bench.streaming import chunk_count, stream_pairs
 from bigmoe_pager.core.copy_kernel import copy_records, copy_records_torch
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.moe_decode import ExpertWeights, moe_combine, moe_decode, moe_pairs
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.ram_tier import RamTier
@@ -193,8 +194,8 @@ def test_streamed_prefill_is_bit_identical_on_gpu(work):
     everything = ExpertWeights.from_records(host.cuda(), layout, 128)
     want = moe_decode(x, ids, w, everything)
     slots = ExpertWeights.from_slots(pager.buffers, 128)
-    pairs = pager.stream_pairs(ids, lambda remapped: moe_pairs(x, remapped, slots))
-    assert pager.chunk_count(ids) > 1
+    pairs = stream_pairs(pager, ids, lambda remapped: moe_pairs(x, remapped, slots))
+    assert chunk_count(pager, ids) > 1
     assert torch.equal(moe_combine(pairs, w), want)
 
 

@@ -17,7 +17,6 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from bigmoe_pager.core import ssd_mailbox as mb  # noqa: E402
 from bigmoe_pager.core.copy_kernel import copy_records  # noqa: E402

@@ -17,16 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bigmoe_bench import synth_experts
+from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.odirect import SystemFileIO
+from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "scripts") not in sys.path:
-    sys.path.insert(0, str(ROOT / "scripts"))
-
-import synth_experts  # noqa: E402  (scripts/ is not a package)
-from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
-from bigmoe_pager.core.layout import ExpertLayout  # noqa: E402
-from bigmoe_pager.core.odirect import SystemFileIO  # noqa: E402
-from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
 
 SHAPES = {
     "fp8": dict(hidden=256, intermediate=128, fp8=True),

@@ -6,10 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import bench_pager  # scripts/ is on pytest's pythonpath (pyproject)
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_pager  # noqa: E402  (scripts/ is not a package)
 
 RUN_KEYS = {
     "model",

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_record
 from bigmoe_pager.codec.reference import decode_record, verify_record
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import codec_samples as S  # noqa: E402
 
 LAYOUT = S.moe_layout(256, 128)
 

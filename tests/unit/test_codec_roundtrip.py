@@ -8,15 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_component, encode_many, encode_record
 from bigmoe_pager.codec.huffman import build_table, verbatim_table
 from bigmoe_pager.codec.reference import decode_record
 from bigmoe_pager.codec.tables import choose_tables
 from bigmoe_pager.core.layout import ExpertLayout
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import codec_samples as S  # noqa: E402
 
 LAYOUTS = {
     "moe_small": S.moe_layout(256, 128),

@@ -16,13 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.encode import encode_record
 from bigmoe_pager.codec.triton_decode import DecodeError, decode_into_slots, new_errors
 from bigmoe_pager.core.layout import ExpertLayout
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import codec_samples as S  # noqa: E402
 
 LAYOUT = ExpertLayout.build(
     [

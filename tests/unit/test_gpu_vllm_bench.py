@@ -7,12 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+import gpu_vllm_bench as bench  # scripts/ is on pytest's pythonpath (pyproject)
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import gpu_vllm_bench as bench  # noqa: E402
-import traces  # noqa: E402
+from bigmoe_bench import traces
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ SCRIPT = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from bigmoe_pager.core import acquire_kernel as ak, copy_kernel as ck, moe_decode as md, step_kernel as sk
+from bigmoe_bench import moe_decode as md
+from bigmoe_pager.core import acquire_kernel as ak, copy_kernel as ck, step_kernel as sk
 
 def build(fn, sig, consts, aligned=()):
     full = dict(sig)
@@ -73,7 +74,8 @@ print(json.dumps(out))
 
 
 def test_kernels_compile_for_sm90_with_wide_accesses():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT / "pager")}
+    path = os.pathsep.join(str(ROOT / d) for d in ("pager", "bench"))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

@@ -16,8 +16,7 @@ from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import make_tiny_moe as tiny  # noqa: E402  (scripts/ is not a package)
+import make_tiny_moe as tiny  # noqa: E402  (scripts/ is on pytest's pythonpath: pyproject)
 
 TinyShape = tiny.TinyShape
 

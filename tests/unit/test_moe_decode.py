@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bigmoe_pager.core import moe_ref
+from bigmoe_bench import moe_ref
+from bigmoe_bench.moe_decode import ExpertWeights, MoeShapeError, moe_decode
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.moe_decode import ExpertWeights, MoeShapeError, moe_decode
 
 
 def _experts(fp8: bool, n: int, seed: int):

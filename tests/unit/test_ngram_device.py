@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bigmoe_bench.ngram_synthetic import expected_rows, write_table
 from bigmoe_pager.ngram import NgramRangeError, NgramTable
 from bigmoe_pager.ngram.dequant import dequantize_rows
 from bigmoe_pager.ngram.prefetch import RowPrefetcher
-from bigmoe_pager.ngram.synthetic import expected_rows, write_table
 
 ROWS = 3001
 

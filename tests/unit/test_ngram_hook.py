@@ -20,9 +20,9 @@ import torch
 
 ne = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ngram_embedding", reason="needs vLLM with Qwen4Exp")
 
+from bigmoe_bench.ngram_synthetic import write_table  # noqa: E402
 from bigmoe_pager.adapters.vllm import ngram as vllm_ngram  # noqa: E402
 from bigmoe_pager.ngram import NgramFileError, NgramLayoutError, TableSpec  # noqa: E402
-from bigmoe_pager.ngram.synthetic import write_table  # noqa: E402
 from bigmoe_pager.settings import PagerSettings  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bigmoe_bench.ngram_synthetic import expected_rows, write_table
 from bigmoe_pager.ngram import NgramTable, TableSpec
 from bigmoe_pager.ngram.byte_gather import cut_rows
 from bigmoe_pager.ngram.read_plan import SMALL_ROWS, plan_reads
-from bigmoe_pager.ngram.synthetic import expected_rows, write_table
 
 ROW = 160
 ROWS, PARTS = 9001, 3  # shards of 3001 rows (480,160 bytes), the last 2999

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bigmoe_bench.ngram_synthetic import DEFAULT_TABLE, expected_rows, write_table
 from bigmoe_pager.ngram import NgramFileError, NgramLayoutError, NgramRangeError, NgramReadError, NgramTable, TableSpec
-from bigmoe_pager.ngram.synthetic import DEFAULT_TABLE, expected_rows, write_table
 from safetensors.numpy import save_file
 
 ROWS, ELEMS, PARTS = 5003, 160, 5  # shards of 1001 rows, the last 999: uneven

@@ -6,7 +6,8 @@ import random
 
 import pytest
 import torch
-from bigmoe_pager.core import moe_ref
+from bigmoe_bench import moe_ref
+from bigmoe_bench.streaming import chunk_count, chunks, stream_pairs
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager, PagerError
 from bigmoe_pager.core.ram_tier import RamTier, RamTierError
@@ -122,7 +123,7 @@ def test_chunked_step_is_bit_identical_to_unchunked(fp8, experts, vram, work, to
     pager.prepare(torch.tensor([[1, 2]]))  # something already resident
     assert not pager.fits(ids)
     pairs, seen = None, torch.zeros_like(ids, dtype=torch.bool)
-    for chunk in pager.chunks(ids):
+    for chunk in chunks(pager, ids):
         assert int((pager.vram.slot_expert >= 0).sum()) <= vram
         assert not (seen & chunk.mask).any()
         seen |= chunk.mask
@@ -130,7 +131,7 @@ def test_chunked_step_is_bit_identical_to_unchunked(fp8, experts, vram, work, to
     assert torch.equal(seen, ids >= 0)
     got = moe_ref.combine(pairs, weights)
     assert torch.equal(got, want)
-    again = pager.stream_pairs(ids, lambda remapped: moe_ref.pair_outputs(x, remapped, pager.buffers, block))
+    again = stream_pairs(pager, ids, lambda remapped: moe_ref.pair_outputs(x, remapped, pager.buffers, block))
     assert torch.equal(moe_ref.combine(again, weights), want)
 
 
@@ -138,10 +139,10 @@ def test_chunk_count_bound_and_exact():
     layout = make_layout(False)
     pager, _ = build(layout, make_records(layout, 16, 0), 4, 16)
     ids = torch.tensor([[0, 1, 2], [2, 3, 4], [5, 0, 1]])
-    assert pager.chunk_count(ids) == 3  # min(16, 9) ids / 4 slots
-    assert pager.chunk_count(ids, sync=True) == 2  # 6 distinct experts
-    assert len(list(pager.chunks(ids, sync=False))) == 3
-    assert len(list(pager.chunks(ids))) == 2
+    assert chunk_count(pager, ids) == 3  # min(16, 9) ids / 4 slots
+    assert chunk_count(pager, ids, sync=True) == 2  # 6 distinct experts
+    assert len(list(chunks(pager, ids, sync=False))) == 3
+    assert len(list(chunks(pager, ids))) == 2
 
 
 def test_overflow_without_chunks_is_reported():

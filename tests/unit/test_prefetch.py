@@ -11,15 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bigmoe_bench import traces
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.prediction import predict_next, recall, replayed_predictions
 from bigmoe_pager.core.ram_tier import RamTier
 from bigmoe_pager.core.slots import SlotTable
 from bigmoe_pager.core.stats import PagerStats
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import traces  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 

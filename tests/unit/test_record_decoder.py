@@ -10,13 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import CodecError, encode_record
 from bigmoe_pager.codec import format as F
 from bigmoe_pager.codec.record_decoder import DeviceDecoder, ReferenceDecoder
 from bigmoe_pager.core.layout import ExpertLayout
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import codec_samples as S  # noqa: E402
 
 LAYOUT = ExpertLayout.for_moe(128, 128, torch.float8_e4m3fn, 128)  # FP8 weights (coded) and float32 scales (raw)
 OTHER = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, 128)

@@ -7,10 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import sim_eviction  # noqa: E402
-import traces  # noqa: E402
+import sim_eviction  # scripts/ is on pytest's pythonpath (pyproject)
+from bigmoe_bench import traces
 
 
 @pytest.mark.parametrize("family,slots", [("standard", 6), ("topic-shift", 10), ("near-uniform", 4)])

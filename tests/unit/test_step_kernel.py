@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from bigmoe_bench.streaming import chunks
 from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager
@@ -200,8 +201,8 @@ def test_large_steps_fall_back_to_two_launches_with_the_same_result():
     ids = torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(20)])
     for pager in (fused, plain):
         pager.prepare(ids[:2])  # fused launch: 8 ids
-    got = [c.remapped for c in fused.chunks(ids)]
-    want = [c.remapped for c in plain.chunks(ids)]
+    got = [c.remapped for c in chunks(fused, ids)]
+    want = [c.remapped for c in chunks(plain, ids)]
     assert len(got) == len(want) > 1 and all(torch.equal(a, b) for a, b in zip(want, got))
     assert torch.equal(fused.vram.slot_expert, plain.vram.slot_expert)
 

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import traces  # noqa: E402  (scripts/ is not a package)
+from bigmoe_bench import traces
 
 
 @pytest.fixture(scope="module")

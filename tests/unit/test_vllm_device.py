@@ -138,11 +138,9 @@ def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer
     import sys
 
     import torch
+    from bigmoe_bench import synth_experts
     from bigmoe_pager.core.expert_store import CheckpointStore
     from bigmoe_pager.core.stats import PagerStats
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import synth_experts
 
     root = tmp_path / "ckpt"
     synth_experts.write_checkpoint(

@@ -23,8 +23,8 @@ from typing import Iterator, Union
 
 import numpy as np
 import torch
+from bigmoe_bench.ngram_synthetic import expected_rows
 from bigmoe_pager.ngram.spec import TableSpec
-from bigmoe_pager.ngram.synthetic import expected_rows
 
 from . import tensors
 from .qwen4exp_shape import NGRAM_ROW_ELEMS, Qwen4ExpShape

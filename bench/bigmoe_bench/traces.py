@@ -25,8 +25,9 @@ vLLM plugin records). It may also carry `predicted_ids` int32 [tokens, layers, P
 padded: row [t, l] is what a next-layer predictor proposes for layer l+1 while layer l
 computes (`predictions`: made at a stated recall and precision from the true ids).
 
-    python scripts/traces.py --family topic-shift --layers 40 --experts 256 --k 8 --check 32,102
-    python scripts/traces.py --family standard --layers 40 --recall 0.8 --precision 0.5 --out t.npz
+    PYTHONPATH=pager:bench python scripts/traces.py --family topic-shift --layers 40 --experts 256 --k 8 --check 32,102
+    PYTHONPATH=pager:bench python scripts/traces.py --family standard --layers 40 --recall 0.8 \
+        --precision 0.5 --out t.npz
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ FAMILIES = {
 }
 """The synthetic families; `recorded` is a file (docs/routing.md)."""
 PULLED_KEY = 1e6  # sort key of a partner a token pulls in: above every drawn key, below a kept expert's inf
-RECORDED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "recorded-tiny64.npz"
+RECORDED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "recorded-tiny64.npz"
 """The trace recorded from real vLLM (CPU build) on the tiny model: 64 experts, top-8, 8 layers."""
 
 

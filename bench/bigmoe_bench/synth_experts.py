@@ -6,7 +6,7 @@ with random bytes: bf16 experts, or FP8 E4M3 experts with float32 128x128 block
 scales. `reference_record` rebuilds the record an SSD read must return, through
 the safetensors package's own loader (an independent path from the pager's).
 
-    PYTHONPATH=pager python scripts/synth_experts.py DIR --hidden 2048 --intermediate 512 --layers 2 --experts 64
+    PYTHONPATH=pager:bench python scripts/synth_experts.py DIR --hidden 2048 --intermediate 512 --layers 2 --experts 64
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
-
-from .spec import ITEM_BYTES
+from bigmoe_pager.ngram.spec import ITEM_BYTES
 
 DEFAULT_TABLE = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
 PATTERN_ROWS = 4096  # rows of distinct pseudo-random content before the pattern repeats

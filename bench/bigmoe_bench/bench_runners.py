@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bigmoe_pager.core import moe_ref
+from bigmoe_bench import moe_ref
+from bigmoe_bench.moe_decode import ExpertWeights, moe_decode
 from bigmoe_pager.core.hot_profile import HotProfile
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.moe_decode import ExpertWeights, moe_decode
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.ram_tier import RamTier, ServiceFetch
 from bigmoe_pager.core.stats import PagerStats
