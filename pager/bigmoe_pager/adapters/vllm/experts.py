@@ -163,7 +163,7 @@ class PagedRoutedExperts(RoutedExperts):
         if not self._kernel_checked:
             glue.check_kernel(self)
             self._kernel_checked = True
-        topk_ids = self.process.routing.hook(self._moe_index, topk_ids, self.process.layer_after(self._moe_index))
+        topk_ids = self.process.routing.hook(self._moe_index, topk_ids)
         if isinstance(self.pager, DeviceLayerPager):
             return device.forward(self, x, topk_weights, topk_ids, super().forward_modular)
         if self._install_slot is None:

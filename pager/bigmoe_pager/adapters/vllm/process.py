@@ -38,7 +38,7 @@ class PagerProcess:
         """Device-driven paging (the GPU decides, decode in CUDA graphs); else host-driven."""
         self.stores = SsdStores(read_retries=settings.read_retries)
         """The SSD tier's open stores (checkpoint or paging file), shared by the layers."""
-        self.routing = Routing(settings)
+        self.routing = Routing(settings, self.layer_after)
         """Routing trace (BIGMOE_TRACE_PATH) and replay (BIGMOE_ROUTE_REPLAY)."""
         self.export = stats.CounterExport()
         """The counters' Prometheus series (multiprocess mode, so they reach vLLM's /metrics)."""

@@ -13,6 +13,7 @@ import atexit
 import logging
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,21 +27,20 @@ log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handl
 class Routing:
     """The process's routing trace (ids recorded per MoE layer) and replay (trace and cursors on the device)."""
 
-    def __init__(self, settings: PagerSettings):
+    def __init__(self, settings: PagerSettings, layer_after: Callable[[int], object] = lambda moe_index: None):
+        """layer_after(i): the paged layer i + 1, if any (a replayed trace's predictions prefetch into it)."""
+        self.layer_after = layer_after
         self.trace_path = settings.trace_path
         self.replay_path = settings.route_replay
         self._lock = threading.Lock()
         self._trace: dict[int, list[np.ndarray]] = {}
         self._replay: tuple[torch.Tensor, torch.Tensor] | None = None  # trace [tokens, layers, k], cursors [1024]
 
-    def hook(self, moe_index: int, topk_ids: torch.Tensor, next_layer=None) -> torch.Tensor:
-        """The ids the layer routes by (replayed when asked), recorded when a trace is asked for.
-
-        next_layer: the paged layer moe_index + 1, if any (a replayed trace's predictions prefetch into it).
-        """
+    def hook(self, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the layer routes by (replayed when asked), recorded when a trace is asked for."""
         if self.replay_path is not None:
             topk_ids = self._replayed(moe_index, topk_ids)
-            nxt = getattr(next_layer, "pager", None)
+            nxt = getattr(self.layer_after(moe_index), "pager", None)
             if isinstance(nxt, DeviceLayerPager):  # a trace with predicted_ids: prefetch as a live predictor would
                 predicted = ReplayedPredictions.for_trace(self.replay_path, topk_ids.device)
                 predicted.feed(moe_index, topk_ids.shape[0], self._replay[1], nxt)
