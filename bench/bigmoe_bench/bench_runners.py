@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bigmoe_bench import moe_ref
-from bigmoe_bench.moe_decode import ExpertWeights, moe_decode
 from bigmoe_pager.core.hot_profile import HotProfile
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.ram_tier import RamTier, ServiceFetch
 from bigmoe_pager.core.stats import PagerStats
+
+from bigmoe_bench import moe_ref
+from bigmoe_bench.moe_decode import ExpertWeights, moe_decode
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 FP8_NO_NAN = 0xF7  # clearing bit 3 keeps every byte's exponent below 1111: no e4m3fn NaN in random weights
