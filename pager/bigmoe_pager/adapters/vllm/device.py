@@ -9,7 +9,7 @@ graphs: the ids are read on the host once and the step is cut into token ranges,
 or (BIGMOE_PREFILL_BUFFER=1) the kernel runs once over a VRAM buffer of the whole
 layer, filled with the experts the step needs.
 
-Around the layers, per process: the SSD service (one for every layer, built at
+Around the layers, per process (DeviceParts, held by the PagerProcess): the SSD service (one for every layer, built at
 the first forward, after loading), and a thread that exports the counters to
 Prometheus every second and stops the server if an SSD read failed for good
 (a replayed graph cannot raise; the failed step's output must not be trusted).
