@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source /tmp/site/env.sh
-export PYTHONPATH="$PWD/pager:$PWD/app:$PYTHONPATH" PYTHONUNBUFFERED=1 VLLM_DEEP_GEMM_WARMUP=skip
+export PYTHONPATH="$PWD/pager:$PWD/app:$PWD/bench:$PYTHONPATH" PYTHONUNBUFFERED=1 VLLM_DEEP_GEMM_WARMUP=skip
 out="${OUT:-/tmp/bigmoe-gpu}"; mkdir -p "$out"
 model=/tmp/bigmoe-vllm-e2e/flash-next-fp8-4l
 pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/null; }
