@@ -104,22 +104,31 @@ def test_more_requests_than_the_mailbox_holds_are_refused(ckpt):
 
 
 def test_request_kernel_compiles_for_hopper_with_system_scope_ordering():
-    """The GPU build of the kernel (not the interpreter's) compiles for sm_90 with ptxas,
-    using acquire/release at sys scope."""
+    """The GPU build of the kernels (request, and read-ahead's post and settle; not the interpreter's)
+    compiles for sm_90 with ptxas, using acquire/release at sys scope."""
     code = (
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "import triton\n"
         "from bigmoe_pager.core import ssd_mailbox as mb\n"
         "sig = {'box': '*i64', 'seq_ptr': '*i64', 'flag_ptr': '*i64', 'experts_ptr': '*i32', 'slots_ptr': '*i32',"
-        " 'layer': 'i32', 'n': 'i32',"
+        " 'rows_ptr': '*i64', 'posted_ptr': '*i64', 'layer': 'i32', 'n': 'i32', 'nrows': 'i32', 'post_entry0': 'i32',"
         " 'timeout_ns': 'i64', 'max_spins': 'i32', 'DONE': 'constexpr', 'BLOCK': 'constexpr', 'ON_GPU': 'constexpr'}\n"
         "src = ASTSource(mb.request_kernel, sig, constexprs={'DONE': mb.done_base(64), 'BLOCK': 64, 'ON_GPU': True})\n"
-        "k = triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 1})\n"
+        "target = GPUTarget('cuda', 90, 32)\n"
+        "k = triton.compile(src, target=target, options={'num_warps': 1})\n"
         "print(k.asm['ptx'])\n"
+        "sig = {'box': '*i64', 'post_seq_ptr': '*i64', 'posted_ptr': '*i64', 'experts_ptr': '*i64',"
+        " 'slots_ptr': '*i64', 'layer': 'i32', 'n': 'i32', 'entry0': 'i32', 'BLOCK': 'constexpr', 'ON_GPU': 'constexpr'}\n"
+        "src = ASTSource(mb.post_kernel, sig, constexprs={'BLOCK': 64, 'ON_GPU': True})\n"
+        "print(triton.compile(src, target=target, options={'num_warps': 1}).asm['ptx'])\n"
+        "sig = {'box': '*i64', 'posted_ptr': '*i64', 'n': 'i32', 'done0': 'i32', 'BLOCK': 'constexpr', 'ON_GPU': 'constexpr'}\n"
+        "src = ASTSource(mb.settle_kernel, sig, constexprs={'BLOCK': 128, 'ON_GPU': True})\n"
+        "print(triton.compile(src, target=target, options={'num_warps': 1}).asm['ptx'])\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT / "pager")}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     ptx = r.stdout
     assert "ld.acquire.sys.global.b64" in ptx and "st.release.sys.global.b64" in ptx and "%globaltimer" in ptx
+    assert ptx.count(".visible .entry") == 3  # post_kernel and settle_kernel compiled too

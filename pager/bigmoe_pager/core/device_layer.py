@@ -9,6 +9,11 @@ parameters, sized for S experts). Behind them a RamTier keeps R pinned records
     layer.start(buffers, ssd)            # after loading: check, attach the SSD tier, warm VRAM
     remapped = layer.step(topk_ids)      # a step whose ids fit the slots: capturable (no host sync in a capture)
     layer.prefetch(predicted_ids, side)  # optional, while the layer before computes: next step's likely experts
+    layer.read_ahead(predicted_ids, side)  # optional, any number of layers ahead: post their SSD reads only
+
+With read_ahead=True (BIGMOE_SSD_READ_AHEAD) over a partial RAM tier, `prefetch` also posts SSD
+reads of the predicted experts neither VRAM nor RAM holds (RamTier.read_ahead): the GPU waits for
+none of them there; the step that needs one waits for the rest of that read only.
 
 A step with more ids than slots (prefill, big batches) runs outside graphs, either
 cut into token ranges (`token_chunks(topk_ids)` reads the ids on the host and cuts
@@ -24,7 +29,19 @@ from bigmoe_pager.core.host_pager import TierCounters, TierSizes, token_ranges
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager, PagerError
 from bigmoe_pager.core.ram_tier import RamTier, SsdFetch
-from bigmoe_pager.core.stats import BYTES, ERRORS, HITS, LOOKUPS, MISSES, RAM, READ_NS, SSD, VRAM, PagerStats
+from bigmoe_pager.core.stats import (
+    BYTES,
+    ERRORS,
+    HITS,
+    LOOKUPS,
+    MISSES,
+    PREFETCHED,
+    RAM,
+    READ_NS,
+    SSD,
+    VRAM,
+    PagerStats,
+)
 
 
 class DeviceLayerPager:
@@ -41,6 +58,7 @@ class DeviceLayerPager:
         warm_order: list[int] | None = None,
         policy: str = "lru",
         pin: bool | None = None,
+        read_ahead: bool = False,
     ):
         self.layout = layout
         self.sizes = sizes
@@ -61,8 +79,10 @@ class DeviceLayerPager:
             self._row_of = dict(zip(self.order[: sizes.ram], rows))
         self.loaded: dict[int, set[str]] = {}
         self.pager: ExpertPager | None = None
-        self._prefetch_stream = None
-        """The side stream of a prefetch the next step must wait for (None: nothing pending)."""
+        self.read_ahead_ssd = read_ahead
+        """`prefetch` also posts SSD reads of predicted experts (a partial RAM tier over SsdService(read_ahead))."""
+        self._side_streams: list = []
+        """Side streams of prefetches and read-aheads the next step must wait for (empty: nothing pending)."""
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -131,9 +151,9 @@ class DeviceLayerPager:
         """
         if self.pager is None:
             raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
-        if self._prefetch_stream is not None:  # a late prefetch copy is waited for, never skipped
-            torch.cuda.current_stream(self.device).wait_stream(self._prefetch_stream)
-            self._prefetch_stream = None
+        for side in self._side_streams:  # a late prefetch copy (or read-ahead post) is waited for, never skipped
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        self._side_streams = []
         remapped = self.pager.prepare(topk_ids).to(topk_ids.dtype)
         if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.settle()
@@ -145,21 +165,48 @@ class DeviceLayerPager:
         predicted_ids: integer [P] or [tokens, P], -1 padded (fixed shape). Rule (SlotTable.admit):
         never evict an expert this layer's latest step used or another predicted one. The router keeps
         the final say: the next `step` decides from its own ids, so a wrong prediction costs a copy.
+        With read_ahead on, the predicted experts only SSD holds have their reads posted too.
         stream: a CUDA side stream to run on, so the copies overlap the layer before's compute; it
         first waits for the current stream (this layer's latest step is done with its slots), and
         the next `step` waits for it (a late copy is waited for). Event waits only: capturable.
         """
-        if self.pager is None:
-            raise PagerError(f"layer {self.layer}: prefetch before start(); the engine must finish loading first")
+        self._on_side(predicted_ids, stream, self._prefetch_now)
+
+    def read_ahead(self, predicted_ids: torch.Tensor, stream=None) -> None:
+        """Post SSD reads of predicted experts for this layer's next step (ExpertPager.read_ahead); no wait.
+
+        For callers that predict several layers ahead; the same stream rules as `prefetch`. Over a
+        full RAM tier it does nothing; over a partial one the SSD tier must be SsdService(read_ahead=True).
+        """
+        self._on_side(predicted_ids, stream, self.pager_started().read_ahead)
+
+    def _prefetch_now(self, predicted_ids: torch.Tensor) -> None:
+        pager = self.pager_started()
+        if self.read_ahead_ssd and not self.ram.full:
+            pager.read_ahead(predicted_ids)  # first: its rows are then left out of the VRAM copies below
+        pager.prefetch(predicted_ids)
+
+    def _on_side(self, predicted_ids: torch.Tensor, stream, work) -> None:
+        """Run work(predicted_ids) now, or on a CUDA side stream ordered after this layer's work so far."""
+        self.pager_started()
         if stream is None or self.device.type != "cuda":
-            self.pager.prefetch(predicted_ids)
+            work(predicted_ids)
             return
         if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
             predicted_ids.record_stream(stream)  # the allocator must not reuse them before the side stream is done
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        for side in self._side_streams:  # one layer's side work runs in order: its tables are not shared safely
+            if side is not stream:
+                stream.wait_stream(side)
         with torch.cuda.stream(stream):
-            self.pager.prefetch(predicted_ids)
-        self._prefetch_stream = stream
+            work(predicted_ids)
+        self._side_streams = [stream]
+
+    def pager_started(self) -> ExpertPager:
+        """The layer's ExpertPager; PagerError before start()."""
+        if self.pager is None:
+            raise PagerError(f"layer {self.layer}: prefetch before start(); the engine must finish loading first")
+        return self.pager
 
     def fill_layer_buffer(self, topk_ids: torch.Tensor, layer_buffers: dict[str, torch.Tensor]) -> None:
         """Copy every expert the step needs into `layer_buffers` at row = expert id.
@@ -248,7 +295,7 @@ class DeviceLayerPager:
         """
         c = self.stats_table.read() if counts is None else counts
         vram, ram, ssd = (c[self.layer, t] for t in (VRAM, RAM, SSD))
-        ssd_reads = int(ram[MISSES])
+        ssd_reads = int(ram[MISSES]) + int(ram[PREFETCHED])  # demand reads and read-ahead reads
         return {
             "vram": TierCounters(lookups=int(vram[LOOKUPS]), hits=int(vram[HITS])),
             "ram": TierCounters(lookups=int(ram[LOOKUPS]), hits=int(ram[HITS]), bytes_moved=int(vram[BYTES])),

@@ -137,13 +137,13 @@ class ExpertPager:
     def prefetch(self, predicted_ids: torch.Tensor) -> Admitted:
         """Copy predicted experts of the next step into VRAM now (SlotTable.admit's rule); no host sync.
 
-        Only experts the RAM tier holds are prefetched (an SSD read is the step's own business); their
-        records are whole, since every read a RAM row waits for was waited for by an earlier step of
-        this layer, which is ordered before this call.
+        Only experts whose RAM records are whole are prefetched (RamTier.complete: an SSD read, even a
+        posted one, is the step's business): a row's demand read was waited for by an earlier step of
+        this layer, ordered before this call, and a row with an unconfirmed posted read is left out.
         The next `acquire` still decides from its real ids: a wrong prediction costs a copy, never a token.
         """
         ram_table = self.ram.table
-        available = None if ram_table is None else ram_table.expert_slot >= 0
+        available = None if ram_table is None else self.ram.complete()
         got = self.vram.admit(predicted_ids, available, self._rows["vram"], self.layout.record_bytes)
         if ram_table is None:
             src = got.experts
@@ -151,6 +151,13 @@ class ExpertPager:
             src = torch.where(got.experts >= 0, ram_table.expert_slot[got.experts.clamp(min=0)], -1)
         copy_records(self.ram.records, src, got.slots, self.layout, self.buffers)
         return got
+
+    def read_ahead(self, predicted_ids: torch.Tensor) -> None:
+        """Post SSD reads of predicted experts that neither VRAM nor RAM holds (RamTier.read_ahead); no wait.
+
+        A later step that needs one waits only for the rest of its read; a wrong one costs a read.
+        """
+        self.ram.read_ahead(predicted_ids, self.vram.expert_slot >= 0, self._rows["ram"])
 
     # ---- start-up ----------------------------------------------------------------------
 

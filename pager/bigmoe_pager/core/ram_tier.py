@@ -5,6 +5,14 @@ GPU so the copy kernel reads them over PCIe directly. When R equals the number
 of experts the tier holds every expert at row = expert id and needs no table;
 otherwise a SlotTable on the model's device decides which experts stay, and
 the SSD tier fills the rows it misses.
+
+Read-ahead (`read_ahead`, a partial tier over an SSD tier that can post): predicted
+experts get rows now (SlotTable.admit: never a row the latest step used, a predicted
+one, or one whose posted read is unconfirmed) and their reads are posted without a
+wait. `posted[row]` keeps the seq of a row's unconfirmed read; `locate` then has the
+SSD tier wait for exactly the posted reads of the rows it returns, and the VRAM
+prefetch takes only `complete()` rows. Rows a step takes for its misses drop their
+posted read (the SSD service supersedes it: its bytes never land).
 """
 
 from __future__ import annotations
@@ -34,6 +42,25 @@ class SsdFetch(Protocol):
         """
 
 
+class SsdReadAhead(SsdFetch, Protocol):
+    """An SSD tier that can also start reads without waiting (SsdService with read_ahead=True)."""
+
+    def fetch(
+        self,
+        experts: torch.Tensor,
+        slots: torch.Tensor,
+        wait_rows: torch.Tensor | None = None,
+        posted: torch.Tensor | None = None,
+    ) -> None:
+        """SsdFetch.fetch; also wait for the posted reads of `wait_rows` (posted[row] != 0), then confirm them."""
+
+    def post(self, experts: torch.Tensor, slots: torch.Tensor, posted: torch.Tensor) -> None:
+        """On the current stream: start reading experts >= 0 into rows `slots`, set posted[slot] = seq; no wait."""
+
+    def settle(self, posted: torch.Tensor) -> None:
+        """On the current stream: clear posted[row] of reads that are done; no wait."""
+
+
 class ServiceFetch:
     """SsdFetch for one layer of an SSD service that serves every layer (`request(layer, experts, slots)`)."""
 
@@ -41,8 +68,20 @@ class ServiceFetch:
         self.service = service
         self.layer = layer
 
-    def fetch(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
-        self.service.request(self.layer, experts, slots)
+    def fetch(
+        self,
+        experts: torch.Tensor,
+        slots: torch.Tensor,
+        wait_rows: torch.Tensor | None = None,
+        posted: torch.Tensor | None = None,
+    ) -> None:
+        self.service.request(self.layer, experts, slots, wait_rows, posted)
+
+    def post(self, experts: torch.Tensor, slots: torch.Tensor, posted: torch.Tensor) -> None:
+        self.service.post(self.layer, experts, slots, posted)
+
+    def settle(self, posted: torch.Tensor) -> None:
+        self.service.settle(self.layer, posted)
 
 
 ExpertReader = Callable[[int, torch.Tensor], None]
@@ -77,6 +116,10 @@ class RamTier:
         self.records = pinned_empty((num_slots, layout.pitch), torch.uint8, pin=pin)
         self.table = None if self.full else SlotTable(num_experts, num_slots, self.device, policy=policy, decay=decay)
         self._filled = not self.full
+        self.posted = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
+        """Per record row: seq of its posted (read-ahead) read not yet confirmed, 0 = none; row R is a sink."""
+        self.reading_ahead = False
+        """Whether `read_ahead` ever ran: from then on `locate` waits for posted reads."""
 
     def attach_ssd(self, ssd: SsdFetch) -> None:
         """Set the SSD tier that fills this tier's misses (it usually needs `records` to be built)."""
@@ -151,5 +194,38 @@ class RamTier:
             return experts
         self.check_ready()
         got = self.table.acquire(experts, stats_row, ssd_row, self.layout.record_bytes)
-        self.ssd.fetch(got.miss_experts, got.miss_slots)
+        if not self.reading_ahead:
+            self.ssd.fetch(got.miss_experts, got.miss_slots)
+            return got.remapped
+        sink = self.num_slots
+        self.posted.index_fill_(0, torch.where(got.miss_slots >= 0, got.miss_slots, sink), 0)  # superseded reads
+        self.ssd.fetch(got.miss_experts, got.miss_slots, got.remapped, self.posted)
         return got.remapped
+
+    def read_ahead(
+        self, predicted: torch.Tensor, skip: torch.Tensor | None = None, stats_row: torch.Tensor | None = None
+    ) -> None:
+        """Give predicted experts (int64, -1 padded) rows and post their SSD reads; no wait, no host sync.
+
+        skip: bool [experts] not to read (those in VRAM). stats_row (this tier's counters) gets the
+        reads as bytes and prefetched, and the previous round's prefetch_used / prefetch_wasted_bytes.
+        A full tier reads nothing ahead.
+        """
+        if self.full:
+            return
+        self.check_ready()
+        if not hasattr(self.ssd, "post"):
+            raise RamTierError("SSD read-ahead needs an SSD tier that can post reads (SsdService(read_ahead=True))")
+        self.reading_ahead = True
+        self.ssd.settle(self.posted)
+        available = None if skip is None else ~skip
+        keep = self.posted[: self.num_slots] != 0  # a row with an unconfirmed read is never taken
+        got = self.table.admit(predicted, available, stats_row, self.layout.record_bytes, keep_slots=keep)
+        self.ssd.post(got.experts, got.slots, self.posted)
+
+    def complete(self) -> torch.Tensor:
+        """bool [experts]: experts whose record row holds all their bytes (in RAM, no unconfirmed read)."""
+        if self.full:
+            return torch.ones(self.num_experts, dtype=torch.bool, device=self.device)
+        rows = self.table.expert_slot
+        return (rows >= 0) & (self.posted[torch.where(rows >= 0, rows, self.num_slots)] == 0)

@@ -330,12 +330,14 @@ class SlotTable:
         available: torch.Tensor | None = None,
         stats_row: torch.Tensor | None = None,
         record_bytes: int = 0,
+        keep_slots: torch.Tensor | None = None,
     ) -> Admitted:
         """Install predicted experts for the next step (see the module's prefetch rule); returns what to copy.
 
         available: bool [experts], experts that may be prefetched (a partial RAM tier: those in RAM).
         stats_row (int64 [10], stats.COUNTERS) gets bytes and prefetched for this round and, for the
         previous round, prefetch_used (experts the step since then needed) and prefetch_wasted_bytes.
+        keep_slots: bool [slots] that must not be taken either (RAM rows whose posted reads are unconfirmed).
         Fixed shapes, no host sync: capturable, also on a side stream.
         """
         e, s = self.num_experts, self.num_slots
@@ -354,6 +356,8 @@ class SlotTable:
         held = self._slot_expert[:s]
         recent = torch.where((held >= 0) & (self._last_use[:s] >= self.step), held, e)
         protect.index_fill_(0, recent, True)  # the latest step's experts and the predicted ones stay
+        if keep_slots is not None:
+            protect.index_fill_(0, torch.where(keep_slots & (held >= 0), held, e), True)
         protect[e:].fill_(False)
         slots, evicted, take = self._choose_slots(protect, experts, m)
         experts = torch.where(take, experts, -1)

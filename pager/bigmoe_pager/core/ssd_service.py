@@ -12,6 +12,13 @@ Two ways in, one machinery (a thread pool of `io_workers` readers):
   and calls `check()`, which raises `SsdError` if any read failed or the GPU gave
   up waiting; that step's outputs must then be thrown away.** Once failed, the
   service stays failed: later kernels return at once and `check()` keeps raising.
+- `post(layer, experts, slots, posted)` (read-ahead, a service built with
+  read_ahead=True): enqueues ssd_mailbox.post_kernel, which publishes the reads
+  and returns; the GPU waits for none of them there. A later `request` given
+  the RAM rows its step reads (`wait_rows`) and the layer's `posted` tensor waits
+  for the posted reads of those rows only, instead of requesting them again;
+  `settle` clears the entries of posted reads that are done, without waiting.
+  A posted read that fails ends like any other: the flag, then `check()` raises.
 - `load(layer, experts, slots)` (host-driven, outside CUDA graphs): reads now,
   in parallel, and returns when every slot holds its expert, raising `SsdError`
   on failure. On CUDA the caller must have synchronized so that no kernel reads
@@ -20,7 +27,10 @@ Two ways in, one machinery (a thread pool of `io_workers` readers):
 Every read lands first in a worker-owned staging buffer and is checked (paging
 file: crc32) before it is copied into the slot, under a per-request lock: a late
 read that completes after its retry (or after the request was given up) is
-discarded, so it can never overwrite a slot that now holds another expert.
+discarded, so it can never overwrite a slot that now holds another expert. A
+new request for a slot supersedes an unfinished earlier one for the same slot
+(a step that took the slot of a read-ahead nobody needed): the earlier read is
+discarded whenever it finishes, so the newer one's bytes are the slot's.
 
 Late reads: an attempt not answered within `read_timeout_s` is issued again on
 another worker (at most `read_retries` times); failed attempts are retried when
@@ -49,6 +59,7 @@ from . import ssd_mailbox as mb
 from .expert_store import ExpertStore
 from .odirect import aligned_empty, as_byte_array
 from .paging_file import ChecksumError
+from .ram_tier import ServiceFetch
 from .read_stats import ReadCounters
 
 IDLE_SLEEP_S = (20e-6, 1e-3)  # seconds between mailbox polls: right after work, and at most when idle
@@ -84,7 +95,7 @@ class _Job:
     issued_at: float = 0.0
     """time.monotonic() of the latest attempt's issue, in seconds."""
     state: str = "pending"
-    """pending, done or failed."""
+    """pending, done, failed, or superseded (a newer job writes its slot)."""
     error: str = ""
     """Why it failed."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -108,6 +119,7 @@ class SsdService:
         mailbox: bool | None = None,
         wait_timeout_s: float | None = None,
         sinks: Sequence[HostCounterSink] | None = None,
+        read_ahead: bool = False,
     ):
         self.store = store
         self.io_workers = io_workers
@@ -118,6 +130,12 @@ class SsdService:
         self._rows = [_slot_rows(buf, store.layout.pitch, layer) for layer, buf in enumerate(ram_slots)]
         if len(self._rows) != store.num_layers:
             raise ValueError(f"{len(self._rows)} RAM slot buffers for a store of {store.num_layers} MoE layers")
+        slots = [len(rows) for rows in self._rows]
+        self.post_base = [max_requests + sum(slots[:layer]) for layer in range(len(slots))]
+        """Mailbox entry of RAM slot 0 of each layer, for posted (read-ahead) reads."""
+        self.entries = max_requests + (sum(slots) if read_ahead else 0)
+        """Mailbox entries: max_requests for blocking requests, then one per RAM slot when reading ahead."""
+        self.read_ahead = read_ahead
         self.counters = [ReadCounters() for _ in range(store.num_layers)]
         """Per MoE layer: expert reads into RAM slots (retries and errors at this level)."""
         self._sinks = list(sinks) if sinks is not None else None
@@ -125,6 +143,9 @@ class SsdService:
         self._staging = threading.local()
         self._inflight: set[_Job] = set()
         self._inflight_lock = threading.Lock()
+        self._owner: dict[tuple[int, int], _Job] = {}
+        """(layer, RAM slot) -> the latest job that writes it; an older unfinished one is superseded."""
+        self._owner_lock = threading.Lock()
         self._error: str | None = None
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -146,18 +167,60 @@ class SsdService:
 
     # ---- the GPU-driven path ---------------------------------------------------------
 
-    def request(self, layer: int, experts: torch.Tensor, slots: torch.Tensor) -> None:
+    def request(
+        self,
+        layer: int,
+        experts: torch.Tensor,
+        slots: torch.Tensor,
+        wait_rows: torch.Tensor | None = None,
+        posted: torch.Tensor | None = None,
+    ) -> None:
         """Bring experts[i] into RAM slot slots[i] of `layer` (-1 entries skipped).
 
         With a mailbox: enqueues the request kernel on the current stream (capturable;
         errors are reported by `check()` after the caller's sync). Without: `load`.
+        wait_rows, posted (read-ahead): the RAM rows the step reads (-1 padded) and the
+        layer's posted seqs (int64 [R + 1], see `post`); the kernel also waits for
+        those rows' posted reads and marks them confirmed.
         """
         if self.box is None:
             self.load(layer, experts, slots)
             return
+        ahead = wait_rows is not None and posted is not None and self.read_ahead
         mb.launch_request(
-            self.box, self._seq, self.error_flag, experts, slots, layer, self.max_requests, self.wait_timeout_s
+            self.box,
+            self._seq,
+            self.error_flag,
+            experts,
+            slots,
+            layer,
+            self.max_requests,
+            self.wait_timeout_s,
+            entries=self.entries,
+            wait_rows=wait_rows if ahead else None,
+            posted=posted if ahead else None,
+            post_entry0=self.post_base[layer],
         )
+
+    def post(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, posted: torch.Tensor) -> None:
+        """Start reading experts[i] into RAM slot slots[i] of `layer` (-1 skipped) and return (read-ahead).
+
+        With a mailbox: enqueues the post kernel (capturable), which writes each read's seq into
+        posted[slot] (int64 [R + 1] on the device, zeros at start); nothing waits for the reads
+        until a `request` whose wait_rows name their slots. Without a mailbox: `load` (reads now).
+        """
+        if not self.read_ahead:
+            raise ValueError("this SSD service was built without read_ahead=True; it has no entries to post to")
+        if self.box is None:
+            self.load(layer, experts, slots)
+            return
+        mb.launch_post(self.box, self._post_seq[layer : layer + 1], posted, experts, slots, layer, self.post_base[layer])
+
+    def settle(self, layer: int, posted: torch.Tensor) -> None:
+        """Clear posted[r] of `layer`'s RAM slots whose posted reads are done (capturable; no wait)."""
+        if self.box is not None and self.read_ahead:
+            slots = len(self._rows[layer])
+            mb.launch_settle(self.box, posted, slots, mb.done_base(self.entries) + self.post_base[layer])
 
     def check(self) -> None:
         """Raise SsdError if any read failed or the GPU gave up waiting (call after syncing the step)."""
@@ -219,19 +282,21 @@ class SsdService:
 
     def _open_mailbox(self) -> None:
         pin = torch.cuda.is_available()
-        self.box = torch.zeros(mb.mailbox_words(self.max_requests), dtype=torch.int64, pin_memory=pin)
+        self.box = torch.zeros(mb.mailbox_words(self.entries), dtype=torch.int64, pin_memory=pin)
         self._box = self.box.numpy()
         device = "cuda" if pin and not mb.interpreting() else "cpu"
         self._seq = torch.zeros(1, dtype=torch.int64, device=device)
         self.error_flag = torch.zeros(1, dtype=torch.int64, device=device)
         """Device copy of the GPU's error code (0 = fine), for on-device reactions; sticky."""
-        self._handled = np.zeros(self.max_requests, dtype=np.int64)
+        self._post_seq = torch.zeros(len(self._rows), dtype=torch.int64, device=device)
+        """Per layer: seq of its latest post (its posts are ordered on one stream, so no atomics)."""
+        self._handled = np.zeros(self.entries, dtype=np.int64)
         self._poller = threading.Thread(target=self._poll, name="bigmoe-ssd-poller", daemon=True)
         self._poller.start()
 
     def _poll(self) -> None:
         """Pick up requests the GPU published; keep an eye on late reads."""
-        req = self._box[mb.REQ : mb.REQ + mb.WORDS_PER_REQUEST * self.max_requests].reshape(self.max_requests, 4)
+        req = self._box[mb.REQ : mb.done_base(self.entries)].reshape(self.entries, mb.WORDS_PER_REQUEST)
         last_work = time.monotonic()
         sleep = IDLE_SLEEP_S[0]
         while not self._stop.is_set():
@@ -257,9 +322,25 @@ class SsdService:
         if self._error is not None:
             self._finish_failed(job, "the SSD tier already failed")
             return
+        self._supersede(job)
         with self._inflight_lock:
             self._inflight.add(job)
         self._issue(job)
+
+    def _supersede(self, job: _Job) -> None:
+        """Make `job` its slot's writer; an unfinished earlier job for the slot will never write it."""
+        with self._owner_lock:
+            earlier = self._owner.get((job.layer, job.slot))
+            self._owner[(job.layer, job.slot)] = job
+        if earlier is None or earlier is job:
+            return
+        with earlier.lock:  # waits out a copy into the slot in progress; later attempts see the state
+            if earlier.state != "pending":
+                return
+            earlier.state = "superseded"
+        with self._inflight_lock:
+            self._inflight.discard(earlier)
+        earlier.finished.set()
 
     def _issue(self, job: _Job) -> None:
         job.attempts += 1
@@ -320,9 +401,7 @@ class SsdService:
         with self._inflight_lock:
             self._inflight.discard(job)
         if job.entry >= 0:
-            self._box[mb.done_base(self.max_requests) + job.entry] = (
-                job.seq
-            )  # after the slot bytes (x86 keeps store order)
+            self._box[mb.done_base(self.entries) + job.entry] = job.seq  # after the slot bytes (x86 keeps order)
         job.finished.set()
 
     def _finish_failed(self, job: _Job, why: str) -> None:
@@ -364,15 +443,8 @@ class SsdService:
         return buf
 
 
-class LayerFetch:
-    """The SSD tier as one layer's RAM tier sees it."""
-
-    def __init__(self, service: SsdService, layer: int):
-        self.service, self.layer = service, layer
-
-    def fetch(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
-        """Read experts[i] into RAM slot slots[i] (-1 skipped): on the stream with a mailbox, else now."""
-        self.service.request(self.layer, experts, slots)
+class LayerFetch(ServiceFetch):
+    """The SSD tier as one layer's RAM tier sees it (fetch, and post/settle for read-ahead)."""
 
 
 def _slot_rows(buf: torch.Tensor, pitch: int, layer: int) -> np.ndarray:
