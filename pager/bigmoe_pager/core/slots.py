@@ -25,7 +25,8 @@ take, in ascending id, empty slots first, then the slots the policy ranks lowest
 among those the table's latest step did not use and no prediction names. They
 are stamped with the latest step (as recent as that step's experts) and add no
 use count. The next `acquire` decides as always: a right prediction is a hit, a
-wrong one is an unneeded slot, usually its first victim. One `admit` per step.
+wrong one is an unneeded slot, usually its first victim. Admits with no step between
+them (a layer's reads posted ahead, then its prefetch) are one round for the counters.
 """
 
 from __future__ import annotations
@@ -373,11 +374,15 @@ class SlotTable:
         return Admitted(experts, slots, evicted)
 
     def _settle_prefetch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(used, wasted) of the latest admit's experts, judged by the steps since; clears the marks."""
+        """(used, wasted) of the latest round's experts, judged by the steps since; clears the marks.
+
+        With no step since the round's admit, nothing is judged yet and the marks stay (same round).
+        """
         s = self.num_slots
-        marked = self._prefetched[:s] >= 0
+        judged = self.step > self._prefetch_step
+        marked = (self._prefetched[:s] >= 0) & judged
         used = marked & (self._slot_expert[:s] == self._prefetched[:s]) & (self._last_use[:s] > self._prefetch_step)
-        self._prefetched.fill_(-1)
+        self._prefetched.copy_(torch.where(judged, -1, self._prefetched))
         return used.sum(), (marked & ~used).sum()
 
     # ---- direct placement (warm start, tests) ------------------------------------------
