@@ -57,8 +57,8 @@ class PagerSettings:
     buffer of one layer's experts (E x expert bytes, shared by all layers; 7x lower TTFT on the H200, same tokens);
     0 = in token ranges through the slots. The device-driven pager only."""
     ssd_read_ahead: bool = False
-    """BIGMOE_SSD_READ_AHEAD: 1 = the device-driven pager's expert predictions also post SSD->RAM reads early (no GPU
-    wait until a step needs one); off by default until measured on a GPU (not yet done: CPU tests prove only identity)."""
+    """BIGMOE_SSD_READ_AHEAD: 1 = the device-driven pager's expert predictions also post SSD->RAM reads early (no
+    GPU wait until a step needs one); off until measured on a GPU (not done yet; CPU tests prove identity only)."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

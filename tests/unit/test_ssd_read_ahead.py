@@ -216,7 +216,7 @@ class FakePostingSsd:
 
 
 def test_wrong_predictions_never_take_rows_a_step_used_or_rows_with_posted_reads():
-    tier = RamTier(LAYOUT_SMALL, 12, 4)
+    tier = RamTier(LAYOUT_SMALL, 12, 4, read_ahead=True)
     ssd = FakePostingSsd(tier)
     tier.attach_ssd(ssd)
     tier.locate(torch.tensor([0, 1]))  # rows 0, 1
@@ -278,9 +278,12 @@ def test_read_ahead_needs_a_service_that_posts_and_is_off_by_default(ckpt):
     assert PagerSettings().ssd_read_ahead is False
     assert PagerSettings.from_env({"BIGMOE_SSD_READ_AHEAD": "1"}).ssd_read_ahead is True
     pagers, svc, _ = build(ckpt, 2, 4, False)
-    with svc, pytest.raises(ValueError, match="read_ahead=True"):
-        pagers[0].read_ahead(torch.tensor([9, -1]))
-    tier = RamTier(ckpt.layout, EXPERTS, 4)
+    with svc:
+        with pytest.raises(RamTierError, match="built without read-ahead"):
+            pagers[0].read_ahead(torch.tensor([9, -1]))
+        with pytest.raises(ValueError, match="read_ahead=True"):
+            svc.post(0, torch.tensor([9]), torch.tensor([0]), torch.zeros(5, dtype=torch.int64))
+    tier = RamTier(ckpt.layout, EXPERTS, 4, read_ahead=True)
     tier.attach_ssd(FetchOnly())
     with pytest.raises(RamTierError, match="post reads"):
         tier.read_ahead(torch.tensor([9]))

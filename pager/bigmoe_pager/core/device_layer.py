@@ -68,7 +68,7 @@ class DeviceLayerPager:
         self.stats_table = stats
         self.buffers: dict[str, torch.Tensor] = {}
         self.policy = policy
-        self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy)
+        self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead)
         hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
         self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]
         """Every expert, hottest first: the first R get RAM records at load, the first S VRAM slots at start."""
@@ -176,7 +176,8 @@ class DeviceLayerPager:
         """Post SSD reads of predicted experts for this layer's next step (ExpertPager.read_ahead); no wait.
 
         For callers that predict several layers ahead; the same stream rules as `prefetch`. Over a
-        full RAM tier it does nothing; over a partial one the SSD tier must be SsdService(read_ahead=True).
+        full RAM tier it does nothing; over a partial one the layer must be built with read_ahead=True
+        and its SSD tier be SsdService(read_ahead=True).
         """
         self._on_side(predicted_ids, stream, self.pager_started().read_ahead)
 

@@ -102,6 +102,7 @@ class RamTier:
         pin: bool | None = None,
         policy: str = "lru",
         decay: int | None = None,
+        read_ahead: bool = False,
     ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise RamTierError(f"RAM slots must be in [1, {num_experts}], got {num_slots}")
@@ -118,8 +119,9 @@ class RamTier:
         self._filled = not self.full
         self.posted = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         """Per record row: seq of its posted (read-ahead) read not yet confirmed, 0 = none; row R is a sink."""
-        self.reading_ahead = False
-        """Whether `read_ahead` ever ran: from then on `locate` waits for posted reads."""
+        self.reading_ahead = read_ahead
+        """`read_ahead` may post reads, so every `locate` waits for the posted reads of its rows. Fixed at
+        build: a step captured in a CUDA graph before the first read-ahead must wait for them as well."""
 
     def attach_ssd(self, ssd: SsdFetch) -> None:
         """Set the SSD tier that fills this tier's misses (it usually needs `records` to be built)."""
@@ -214,9 +216,10 @@ class RamTier:
         if self.full:
             return
         self.check_ready()
+        if not self.reading_ahead:
+            raise RamTierError("this RAM tier was built without read-ahead (RamTier(read_ahead=True))")
         if not hasattr(self.ssd, "post"):
             raise RamTierError("SSD read-ahead needs an SSD tier that can post reads (SsdService(read_ahead=True))")
-        self.reading_ahead = True
         self.ssd.settle(self.posted)
         available = None if skip is None else ~skip
         keep = self.posted[: self.num_slots] != 0  # a row with an unconfirmed read is never taken

@@ -214,7 +214,9 @@ class SsdService:
         if self.box is None:
             self.load(layer, experts, slots)
             return
-        mb.launch_post(self.box, self._post_seq[layer : layer + 1], posted, experts, slots, layer, self.post_base[layer])
+        mb.launch_post(
+            self.box, self._post_seq[layer : layer + 1], posted, experts, slots, layer, self.post_base[layer]
+        )
 
     def settle(self, layer: int, posted: torch.Tensor) -> None:
         """Clear posted[r] of `layer`'s RAM slots whose posted reads are done (capturable; no wait)."""
