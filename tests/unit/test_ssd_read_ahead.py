@@ -294,3 +294,20 @@ class FetchOnly:
 
     def fetch(self, experts, slots) -> None:
         raise AssertionError("not reached")
+
+
+def test_admits_with_no_step_between_are_one_round_for_the_counters():
+    """Reads posted several layers ahead, then the layer's own prefetch, before its step: one round."""
+    from bigmoe_pager.core.slots import SlotTable
+
+    table, row = SlotTable(16, 6), torch.zeros(10, dtype=torch.int64)
+    table.acquire(torch.tensor([0, 1]))
+    table.admit(torch.tensor([4, 5]), stats_row=row, record_bytes=10)  # posted ahead
+    table.admit(torch.tensor([4, 5, 6]), stats_row=row, record_bytes=10)  # the prefetch: only 6 is new
+    table.acquire(torch.tensor([4, 6]))  # 4 and 6 were needed, 5 was not
+    table.admit(torch.tensor([-1]), stats_row=row, record_bytes=10)  # judges the round
+    from bigmoe_pager.core.stats import COUNTERS
+
+    names = ("prefetched", "prefetch_used", "prefetch_wasted_bytes")
+    prefetched, used, wasted = (int(row[COUNTERS.index(n)]) for n in names)
+    assert (prefetched, used, wasted) == (3, 2, 10)
