@@ -45,7 +45,7 @@ def slot_bytes(pager: DeviceLayerPager, slot: int) -> torch.Tensor:
     return torch.cat([pager.buffers[c.name][slot].reshape(-1).view(torch.uint8) for c in pager.layout.components])
 
 
-def build(ckpt, vram: int, ram: int, read_ahead: bool, io=None, **service):
+def build(ckpt, vram: int, ram: int, read_ahead: bool, io=None, service_read_ahead=None, **service):
     """Both layers' pagers, loaded as the engine loads them, over one SSD service (mailbox, interpreter)."""
     stats = PagerStats(LAYERS)
     pagers = []
@@ -65,14 +65,18 @@ def build(ckpt, vram: int, ram: int, read_ahead: bool, io=None, **service):
         ckpt.store(io=io, retries=1),
         [p.ram.records for p in pagers],
         mailbox=True,
-        read_ahead=read_ahead,
+        read_ahead=read_ahead if service_read_ahead is None else service_read_ahead,
         max_requests=8,
         io_workers=2,
         sinks=[stats.tier(layer, "ssd") for layer in range(LAYERS)],
         **service,
     )
-    for layer, p in enumerate(pagers):
-        p.start(ckpt.layout.slot_buffers(vram, "cpu"), svc.fetcher(layer))
+    try:
+        for layer, p in enumerate(pagers):
+            p.start(ckpt.layout.slot_buffers(vram, "cpu"), svc.fetcher(layer))
+    except Exception:
+        svc.close()
+        raise
     return pagers, svc, stats
 
 
@@ -180,6 +184,8 @@ LAYOUT_SMALL = ExpertLayout.for_moe(64, 32, torch.float8_e4m3fn, block=32)
 class FakePostingSsd:
     """An SSD tier for a RamTier alone: posted reads stay in flight until finish_all(); a record's bytes = its id."""
 
+    can_post = True
+
     def __init__(self, tier: RamTier) -> None:
         self.tier, self.posts, self.demand, self._inflight = tier, [], [], {}
 
@@ -277,6 +283,8 @@ def test_read_ahead_needs_a_service_that_posts_and_is_off_by_default(ckpt):
 
     assert PagerSettings().ssd_read_ahead is False
     assert PagerSettings.from_env({"BIGMOE_SSD_READ_AHEAD": "1"}).ssd_read_ahead is True
+    with pytest.raises(RamTierError, match="can post reads"):
+        build(ckpt, 2, 4, True, service_read_ahead=False)
     pagers, svc, _ = build(ckpt, 2, 4, False)
     with svc:
         with pytest.raises(RamTierError, match="built without read-ahead"):
@@ -285,8 +293,11 @@ def test_read_ahead_needs_a_service_that_posts_and_is_off_by_default(ckpt):
             svc.post(0, torch.tensor([9]), torch.tensor([0]), torch.zeros(5, dtype=torch.int64))
     tier = RamTier(ckpt.layout, EXPERTS, 4, read_ahead=True)
     tier.attach_ssd(FetchOnly())
+    tier.table.acquire(torch.tensor([1]))
+    before = tier.table.slot_expert.clone()
     with pytest.raises(RamTierError, match="post reads"):
         tier.read_ahead(torch.tensor([9]))
+    assert torch.equal(tier.table.slot_expert, before)  # refused before any row was given away
 
 
 class FetchOnly:

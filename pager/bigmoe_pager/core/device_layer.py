@@ -118,6 +118,8 @@ class DeviceLayerPager:
             )
         else:
             self.ram.attach_ssd(ssd)
+            if self.read_ahead_ssd:
+                self.ram.check_can_post()
         self.buffers = buffers
         self.pager = ExpertPager(
             self.layout,

@@ -60,6 +60,10 @@ class SsdReadAhead(SsdFetch, Protocol):
     def settle(self, posted: torch.Tensor) -> None:
         """On the current stream: clear posted[row] of reads that are done; no wait."""
 
+    @property
+    def can_post(self) -> bool:
+        """Whether `post` works (checked before a read-ahead changes any table)."""
+
 
 class ServiceFetch:
     """SsdFetch for one layer of an SSD service that serves every layer (`request(layer, experts, slots)`)."""
@@ -82,6 +86,10 @@ class ServiceFetch:
 
     def settle(self, posted: torch.Tensor) -> None:
         self.service.settle(self.layer, posted)
+
+    @property
+    def can_post(self) -> bool:
+        return bool(getattr(self.service, "read_ahead", False))
 
 
 ExpertReader = Callable[[int, torch.Tensor], None]
@@ -218,13 +226,17 @@ class RamTier:
         self.check_ready()
         if not self.reading_ahead:
             raise RamTierError("this RAM tier was built without read-ahead (RamTier(read_ahead=True))")
-        if not hasattr(self.ssd, "post"):
-            raise RamTierError("SSD read-ahead needs an SSD tier that can post reads (SsdService(read_ahead=True))")
+        self.check_can_post()
         self.ssd.settle(self.posted)
         available = None if skip is None else ~skip
         keep = self.posted[: self.num_slots] != 0  # a row with an unconfirmed read is never taken
         got = self.table.admit(predicted, available, stats_row, self.layout.record_bytes, keep_slots=keep)
         self.ssd.post(got.experts, got.slots, self.posted)
+
+    def check_can_post(self) -> None:
+        """Raise RamTierError unless the SSD tier below can post reads (before any table changes)."""
+        if not getattr(self.ssd, "can_post", False):
+            raise RamTierError("SSD read-ahead needs an SSD tier that can post reads (SsdService(read_ahead=True))")
 
     def complete(self) -> torch.Tensor:
         """bool [experts]: experts whose record row holds all their bytes (in RAM, no unconfirmed read)."""
