@@ -304,6 +304,9 @@ class SsdService:
         while not self._stop.is_set():
             seqs = req[:, 0].copy()  # the seq words first: each was written after its payload
             fresh = np.flatnonzero(seqs > self._handled)
+            # posted reads first: a step's request for a slot is always published after the posted read
+            # it supersedes, never before one, so within one scan this is the order the GPU issued them
+            fresh = np.concatenate([fresh[fresh >= self.max_requests], fresh[fresh < self.max_requests]])
             for i in fresh:
                 layer, expert, slot = (int(x) for x in req[i, 1:4])
                 self._handled[i] = seqs[i]
