@@ -1,0 +1,133 @@
+"""SSD read-ahead on a real GPU, inside a captured CUDA graph: reads posted for predicted experts,
+waited for by the step that needs them; what every step reads is its expert's exact bytes.
+
+Run on the H200: PYTHONPATH=pager:app:bench python -m pytest tests/gpu/test_ssd_read_ahead_gpu.py -m gpu -q
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from bigmoe_pager.core import ssd_mailbox as mb  # noqa: E402
+from bigmoe_pager.core.device_layer import DeviceLayerPager  # noqa: E402
+from bigmoe_pager.core.host_pager import TierSizes  # noqa: E402
+from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
+from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
+from bigmoe_pager.core.stats import PagerStats  # noqa: E402
+from ssd_testkit import make_checkpoint  # noqa: E402
+
+LAYERS, EXPERTS, VRAM, RAM, K, P = 2, 16, 3, 6, 2, 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    ok, why = odirect_works(root)
+    if not ok:
+        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
+    return make_checkpoint(root, "fp8", num_layers=LAYERS, num_experts=EXPERTS)
+
+
+def _wanted(ckpt, layer, expert):
+    ref = ckpt.reference(layer, expert)
+    return torch.cat([ref[c.offset : c.offset + c.nbytes] for c in ckpt.layout.components])
+
+
+def _build(ckpt):
+    stats = PagerStats(LAYERS, "cuda")
+    pagers = []
+    for layer in range(LAYERS):
+        p = DeviceLayerPager(
+            ckpt.layout, TierSizes(EXPERTS, VRAM, RAM), "cuda", layer=layer, stats=stats, read_ahead=True
+        )
+        for e in range(EXPERTS):
+            row = p.ram_slot_for_load(e)
+            if row is not None:
+                p.ram.records[row, : ckpt.layout.record_bytes] = ckpt.reference(layer, e)
+                for c in ckpt.layout.components:
+                    p.mark_loaded(e, c.name)
+        pagers.append(p)
+    svc = SsdService(
+        ckpt.store(retries=1),
+        [p.ram.records for p in pagers],
+        read_ahead=True,
+        io_workers=4,
+        max_requests=16,
+        read_timeout_s=5.0,
+        sinks=[stats.tier(layer, "ssd") for layer in range(LAYERS)],
+    )
+    for layer, p in enumerate(pagers):
+        p.start(ckpt.layout.slot_buffers(VRAM, "cuda"), svc.fetcher(layer))
+    return pagers, svc, stats
+
+
+@pytest.mark.parametrize("accuracy", [0.0, 0.8, 1.0])
+def test_graph_replays_read_exact_bytes_with_reads_posted_ahead(ckpt, accuracy):
+    pagers, svc, stats = _build(ckpt)
+    ids = [torch.full((1, K), -1, dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
+    ahead = [torch.full((P,), -1, dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
+    nxt = [torch.full((P,), -1, dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
+    rng = random.Random(int(accuracy * 10))
+
+    def guess(true_ids):
+        right = [e for e in true_ids if rng.random() < accuracy]
+        wrong = [e for e in rng.sample(range(EXPERTS), P) if e not in true_ids]
+        return (right + wrong + [-1] * P)[:P]
+
+    def token():
+        """One decode token: layer 1's reads posted before layer 0 steps, each layer's next step prefetched."""
+        pagers[1].read_ahead(ahead[1])
+        out = []
+        for layer in range(LAYERS):
+            out.append(pagers[layer].step(ids[layer]))
+            pagers[layer].prefetch(nxt[layer])
+        return out
+
+    def set_inputs(plan, following):
+        for layer in range(LAYERS):
+            ids[layer].copy_(torch.tensor([plan[layer]]))
+            ahead[layer].copy_(torch.tensor(guess(plan[layer])))
+            nxt[layer].copy_(torch.tensor(guess(following[layer])))
+
+    plans = [[rng.sample(range(EXPERTS), K) for _ in range(LAYERS)] for _ in range(41)]
+    with svc:
+        set_inputs(plans[0], plans[1])
+        token()  # warm-up outside the graph: compiles the kernels
+        torch.cuda.synchronize()
+        svc.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = token()
+        for t in range(1, 40):
+            set_inputs(plans[t], plans[t + 1])
+            graph.replay()
+            torch.cuda.synchronize()  # releases the GIL: the host workers answer while the GPU waits
+            svc.check()
+            for layer in range(LAYERS):
+                for expert, slot in zip(plans[t][layer], outs[layer].reshape(-1).tolist()):
+                    got = torch.cat(
+                        [
+                            pagers[layer].buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
+                            for c in ckpt.layout.components
+                        ]
+                    )
+                    assert torch.equal(got, _wanted(ckpt, layer, expert)), (t, layer, expert, slot)
+        time.sleep(0.2)  # posted reads nobody waited for land
+        ram = stats.snapshot()["ram"]
+        reads = sum(c["reads"] for c in svc.stats()["layers"])
+        assert reads <= ram.misses + ram.prefetched and int(svc.box[mb.GPU_ERROR]) == 0
+        if accuracy == 1.0:
+            assert ram.prefetch_used > 0
