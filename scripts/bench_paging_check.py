@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bigmoe.prepare import sample_records
+from bigmoe.serve.prepare import sample_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, PagingFileWriter, sample_keys
 

@@ -33,7 +33,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIGMOE = [sys.executable, "-m", "bigmoe.cli"]
-from bigmoe import exit_codes  # noqa: E402
+from bigmoe.cli import exit_codes  # noqa: E402
 
 READY_S = 900.0  # seconds a CPU start may take on a loaded machine
 
@@ -148,7 +148,7 @@ def error_lines(text: str) -> list[str]:
 
 
 def free_port() -> int:
-    from bigmoe.launch import free_port as pick
+    from bigmoe.serve.launch import free_port as pick
 
     return pick()
 
@@ -524,7 +524,7 @@ def case_interrupted_download(c: Case) -> Row:
 def case_paging_file_of_another_model(c: Case) -> Row:
     from types import SimpleNamespace
 
-    from bigmoe.prepare import prepare
+    from bigmoe.serve.prepare import prepare
 
     other = _tiny_copy(c, seed=7)
     path = c.home / "paging" / "tiny-moe-bf16.pages"
@@ -674,8 +674,8 @@ def _flip(path: Path, at: int) -> None:
 
 
 def _tiny_copy(c: Case, seed: int = 0, shard_bytes: int | None = None) -> Path:
-    from bigmoe import presets
-    from bigmoe.tinymoe.make import TinyShape, make_tiny_moe
+    from bigmoe.model import presets
+    from bigmoe.model.tinymoe.make import TinyShape, make_tiny_moe
 
     arch = presets.load("tiny-moe").arch
     shape = TinyShape(

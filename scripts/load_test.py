@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.endpoint:
             endpoint, pid = args.endpoint.rstrip("/"), None
         else:
-            from bigmoe.launch import free_port
+            from bigmoe.serve.launch import free_port
 
             runner, endpoint, pid = start_server(args.model, free_port(), Path(home))
         try:

@@ -1,4 +1,4 @@
-"""Make a synthetic Qwen4Exp (Qwen3.8-Flash-Next architecture) checkpoint (code: bigmoe.tinymoe.qwen4exp).
+"""Make a synthetic Qwen4Exp (Qwen3.8-Flash-Next architecture) checkpoint (code: bigmoe.model.tinymoe.qwen4exp).
 
     python scripts/make_qwen4exp.py OUT --layers 4 --dtype fp8 --device cuda [--experts 512] ...
 
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "app"), str(ROOT / "pager"), str(ROOT / "bench")]
 
-from bigmoe.tinymoe.qwen4exp import main  # noqa: E402
+from bigmoe.model.tinymoe.qwen4exp import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """`bigmoe run --yes`: the pipeline with plain progress lines (or JSON lines). Never imports Textual.
 
-Signals while the server runs (bigmoe.run_signals): the first Ctrl-C or SIGTERM prints that it is
+Signals while the server runs (bigmoe.serve.run_signals): the first Ctrl-C or SIGTERM prints that it is
 stopping the server and stops it (SIGTERM to its group, SIGKILL after a grace period); a second one
 kills the group at once. SIGHUP (the terminal closed) leaves the server running with its record, so
 `bigmoe ps` and `bigmoe stop` find it; the run exits 129 with a line in the server's log.
@@ -18,11 +18,13 @@ from typing import Callable
 
 import httpx
 
-from bigmoe import exit_codes, launch, pipeline, records
-from bigmoe.client import chat
-from bigmoe.prepare import prepare
-from bigmoe.run_signals import Killed, RunSignals, Stop
-from bigmoe.vllm_log import exit_reason
+from bigmoe import run as pipeline
+from bigmoe.cli import exit_codes
+from bigmoe.serve import launch, records
+from bigmoe.serve.client import chat
+from bigmoe.serve.prepare import prepare
+from bigmoe.serve.run_signals import Killed, RunSignals, Stop
+from bigmoe.serve.vllm_log import exit_reason
 
 STATS_EVERY_S = 10.0
 """Seconds between stats lines while serving."""
@@ -165,7 +167,7 @@ def detach(server: launch.Server) -> None:
 def watch(server: launch.Server, say: Printer, every_s: float = STATS_EVERY_S) -> None:
     """Print stats lines until the server stops; return when `bigmoe stop` stopped it, raise when it died.
     Idle windows print one `state=idle` line, not one line per window."""
-    from bigmoe.watch import Watcher
+    from bigmoe.serve.watch import Watcher
 
     watcher, idle, next_stats = Watcher(server.endpoint), False, time.monotonic()
     while server.proc.poll() is None:

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from bigmoe import launch
-from bigmoe.client import chat
-from bigmoe.watch import Watcher
+from bigmoe.serve import launch
+from bigmoe.serve.client import chat
+from bigmoe.serve.watch import Watcher
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed for e2e tests")

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from bigmoe import launch, presets
-from bigmoe.pipeline import RunOptions, make_plan, probe_machine
-from bigmoe.watch import Watcher
+from bigmoe.model import presets
+from bigmoe.run import RunOptions, make_plan, probe_machine
+from bigmoe.serve import launch
+from bigmoe.serve.watch import Watcher
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed for e2e tests")
@@ -39,7 +40,7 @@ def monkeypatch_module():
 
 
 def test_the_demo_plan_pages_with_an_ssd_tier_and_gives_the_resident_tokens(home):
-    from bigmoe.synthetic import ensure_tiny_model
+    from bigmoe.model.synthetic import ensure_tiny_model
 
     preset = presets.load("tiny-moe")
     plan = make_plan(probe_machine(preset, RunOptions(model="tiny-moe")), preset, RunOptions(model="tiny-moe"))

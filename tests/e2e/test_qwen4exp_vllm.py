@@ -56,8 +56,8 @@ sys.modules["transformers.models.qwen2_vl.image_processing_qwen2_vl"] = importli
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     pytest.importorskip("vllm.models.qwen4_exp", reason="needs vLLM with Qwen4Exp")
-    from bigmoe.tinymoe.qwen4exp import make_qwen4exp
-    from bigmoe.tinymoe.qwen4exp_shape import Qwen4ExpShape
+    from bigmoe.model.tinymoe.qwen4exp import make_qwen4exp
+    from bigmoe.model.tinymoe.qwen4exp_shape import Qwen4ExpShape
 
     return make_qwen4exp(tmp_path_factory.mktemp("q4") / "bf16", Qwen4ExpShape(**SHAPE), "bf16", seed=0)
 

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from bigmoe import launch, presets
-from bigmoe.pipeline import RunOptions
+from bigmoe.model import presets
+from bigmoe.run import RunOptions
+from bigmoe.serve import launch
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
 from bigmoe.tui.plan_screen import PlanScreen

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from bigmoe.hardware import Unknown  # noqa: E402
-from bigmoe.measure_pcie import COPY_BYTES, measure_h2d, measure_h2d_in_child  # noqa: E402
+from bigmoe.machine.hardware import Unknown  # noqa: E402
+from bigmoe.machine.measure_pcie import COPY_BYTES, measure_h2d, measure_h2d_in_child  # noqa: E402
 
 PLAUSIBLE_GBPS = (1.0, 200.0)
 """Any PCIe Gen3 x4 .. Gen6 x16 link (or NVLink-C2C) copies within this range."""

@@ -10,8 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from bigmoe import headless, launch, pipeline, records
+from bigmoe import headless
+from bigmoe import run as pipeline
 from bigmoe.errors import BigmoeError
+from bigmoe.serve import launch, records
 
 FAKE = str(Path(__file__).with_name("launch_fake_server.py"))
 
@@ -32,7 +34,7 @@ def main() -> int:
     start = lambda: launch.start([sys.executable, FAKE, str(port), *flags], {}, info)  # noqa: E731
     try:
         return headless.launch_and_serve(start, opts, headless.Printer(as_json=True))
-    except BigmoeError as e:  # as bigmoe.cli.main shows it
+    except BigmoeError as e:  # as bigmoe.cli.commands shows it
         print(f"bigmoe: {e}", file=sys.stderr)
         return e.exit_code
 

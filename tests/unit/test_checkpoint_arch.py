@@ -9,18 +9,19 @@ import re
 import shutil
 
 import pytest
-from bigmoe import pipeline, presets
-from bigmoe.checkpoint_arch import (
+from bigmoe import run as pipeline
+from bigmoe.machine.hardware import Hardware
+from bigmoe.model import presets
+from bigmoe.model.checkpoint_arch import (
     CheckpointConfigError,
     facts_for,
     find_checkpoint,
     fp8_expert_bytes,
     read_facts,
 )
-from bigmoe.hardware import Hardware
-from bigmoe.hubcache import RemoteFile, RepoCache, write_ready, write_ref
-from bigmoe.plan import Overrides, plan
-from bigmoe.tinymoe.shape import TinyShape
+from bigmoe.model.hubcache import RemoteFile, RepoCache, write_ready, write_ref
+from bigmoe.model.tinymoe.shape import TinyShape
+from bigmoe.plan.planner import Overrides, plan
 from test_links import machine
 
 ARCH_KEYS = ("moe_layers", "experts", "top_k", "expert_bytes", "dense_bytes", "ngram_table")
@@ -201,8 +202,8 @@ QWEN4EXP = dict(
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
 def qwen4exp(request, tmp_path_factory):
-    from bigmoe.tinymoe.qwen4exp import make_qwen4exp
-    from bigmoe.tinymoe.qwen4exp_shape import Qwen4ExpShape
+    from bigmoe.model.tinymoe.qwen4exp import make_qwen4exp
+    from bigmoe.model.tinymoe.qwen4exp_shape import Qwen4ExpShape
 
     return make_qwen4exp(
         tmp_path_factory.mktemp("q4") / "ckpt", Qwen4ExpShape(**QWEN4EXP), request.param, seed=0, with_tokenizer=False
@@ -237,7 +238,7 @@ def test_a_checkpoint_directory_as_model_picks_the_preset_by_architecture(qwen4e
 
 
 def test_bigmoe_plan_takes_a_checkpoint_directory(qwen4exp):
-    from bigmoe.cli_plan import plan as plan_command
+    from bigmoe.cli.plan import plan as plan_command
     from click.testing import CliRunner
 
     result = CliRunner().invoke(

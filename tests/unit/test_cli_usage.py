@@ -4,9 +4,9 @@ nonsense numbers for --vram-gib/--context, and the machine shown as words, not P
 from __future__ import annotations
 
 import pytest
-from bigmoe import presets
 from bigmoe.cli import main
-from bigmoe.plan_inputs import MIN_CONTEXT, Overrides, PlanError, check_overrides
+from bigmoe.model import presets
+from bigmoe.plan.inputs import MIN_CONTEXT, Overrides, PlanError, check_overrides
 
 
 def bigmoe(capsys, *args: str) -> tuple[int, str, str]:
@@ -60,7 +60,7 @@ def test_vram_gib_nonsense_is_one_line_on_the_command_line(capsys, value):
 
 @pytest.mark.parametrize("context, ok", [(1, False), (MIN_CONTEXT - 1, False), (MIN_CONTEXT, True)])
 def test_plan_accepts_the_contexts_run_accepts(capsys, context, ok):
-    from bigmoe.cli import run
+    from bigmoe.cli.commands import run
 
     run_min = next(p for p in run.params if p.name == "context").type.min
     assert run_min == MIN_CONTEXT

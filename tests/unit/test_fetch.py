@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from bigmoe import fetch, hubcache
-from bigmoe.cli_pull import pull
+from bigmoe.cli.pull import pull
+from bigmoe.model import fetch, hubcache
 from click.testing import CliRunner
 
 from tests.hubserver import HubServer

@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-from bigmoe.tinymoe.fp8 import dequantize_blocks
-from bigmoe.tinymoe.shape import TinyShape
+from bigmoe.model.tinymoe.fp8 import dequantize_blocks
+from bigmoe.model.tinymoe.shape import TinyShape
 from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.host_pager import HostPager, TierSizes

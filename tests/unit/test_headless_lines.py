@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 from bigmoe.headless import curl_line
-from bigmoe.pipeline import exposure_warning
+from bigmoe.run import exposure_warning
 
 
 def test_the_curl_line_reads_the_key_from_the_environment():

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bigmoe import exit_codes, fetch
-from bigmoe.cli_plan import EXIT_REFUSED
-from bigmoe.pipeline import PlanRefused
+from bigmoe.cli import exit_codes
+from bigmoe.cli.plan import EXIT_REFUSED
+from bigmoe.model import fetch
+from bigmoe.run import PlanRefused
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -9,9 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from bigmoe import launch, pipeline, presets
-from bigmoe.hardware import Hardware
-from bigmoe.synthetic import ensure_tiny_model
+from bigmoe import run as pipeline
+from bigmoe.machine.hardware import Hardware
+from bigmoe.model import presets
+from bigmoe.model.synthetic import ensure_tiny_model
+from bigmoe.serve import launch
 
 HARDWARE = Path(__file__).resolve().parents[1] / "fixtures" / "hardware" / "cpu-laptop.json"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from bigmoe import launch, records
-from bigmoe.cli import cli
+from bigmoe.cli.commands import cli
+from bigmoe.serve import launch, records
 from click.testing import CliRunner
 
 FAKE = str(Path(__file__).with_name("launch_fake_server.py"))

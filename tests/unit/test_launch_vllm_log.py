@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bigmoe.vllm_log import error_line, exit_reason, root_cause, stages_in
+from bigmoe.serve.vllm_log import error_line, exit_reason, root_cause, stages_in
 
 LOGS = Path(__file__).parent / "fixtures" / "vllm_logs"
 ONEDNN = "onednn_verbose,info,cpu,runtime:OpenMP,nthr:2 oneDNN v3.7 (a warning printed on the way down)"

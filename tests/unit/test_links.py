@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from bigmoe import presets
-from bigmoe.cli_plan import probe as probe_command
-from bigmoe.hardware import Hardware, Unknown
-from bigmoe.links import Link, read_cache, with_links, write_cache
-from bigmoe.measure_disk import MAX_BYTES, MIN_BYTES, DiskRead, measure_read_rate
-from bigmoe.measure_pcie import CopyRate, measure_h2d, measure_h2d_in_child, parse_child_output
-from bigmoe.plan import Overrides, plan
-from bigmoe.probe import probe
+from bigmoe.cli.plan import probe as probe_command
+from bigmoe.machine.hardware import Hardware, Unknown
+from bigmoe.machine.links import Link, read_cache, with_links, write_cache
+from bigmoe.machine.measure_disk import MAX_BYTES, MIN_BYTES, DiskRead, measure_read_rate
+from bigmoe.machine.measure_pcie import CopyRate, measure_h2d, measure_h2d_in_child, parse_child_output
+from bigmoe.machine.probe import probe
+from bigmoe.model import presets
+from bigmoe.plan.planner import Overrides, plan
 from click.testing import CliRunner
 
 HARDWARE = Path(__file__).resolve().parents[1] / "fixtures" / "hardware"
@@ -69,7 +69,7 @@ def test_disk_read_stops_at_its_time_limit(tmp_path):
 )
 def test_disk_read_degrades_to_unknown(tmp_path, where, reason):
     if where is None:  # a file too small to judge a disk by, read directly
-        from bigmoe.measure_disk import _measure
+        from bigmoe.machine.measure_disk import _measure
 
         small = tmp_path / "small.bin"
         small.write_bytes(os.urandom(MIB))

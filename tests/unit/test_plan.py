@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from bigmoe import presets
-from bigmoe.cli_plan import EXIT_REFUSED
-from bigmoe.cli_plan import plan as plan_command
-from bigmoe.hardware import Hardware
-from bigmoe.plan import Overrides, PlanError, plan
-from bigmoe.plan_speed import PCIE_EFFICIENCY, PCIE_GBPS_PER_LANE, speeds_for
+from bigmoe.cli.plan import EXIT_REFUSED
+from bigmoe.cli.plan import plan as plan_command
+from bigmoe.machine.hardware import Hardware
+from bigmoe.model import presets
+from bigmoe.plan.planner import Overrides, PlanError, plan
+from bigmoe.plan.speed import PCIE_EFFICIENCY, PCIE_GBPS_PER_LANE, speeds_for
 from bigmoe_pager.settings import PagerSettings
 from click.testing import CliRunner
 

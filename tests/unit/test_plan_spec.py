@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bigmoe.cli_plan import plan as plan_command
+from bigmoe.cli.plan import plan as plan_command
 from click.testing import CliRunner
 
 REFERENCE = ("qwen3.8-flash-next", "--vram-gib", "24", "--ram-gib", "64", "--disk", "nvme", "--json")

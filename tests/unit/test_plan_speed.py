@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from bigmoe import plan_speed
-from bigmoe.plan_speed import Speeds, estimate, family_hit
+from bigmoe.plan import speed as plan_speed
+from bigmoe.plan.speed import Speeds, estimate, family_hit
 
 BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
 H200 = Speeds(

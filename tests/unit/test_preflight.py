@@ -11,8 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from bigmoe import pipeline, presets
-from bigmoe.preflight import (
+from bigmoe import run as pipeline
+from bigmoe.model import presets
+from bigmoe.serve.preflight import (
     PreflightError,
     paging_space_problem,
     port_problem,
@@ -25,7 +26,7 @@ SHARD = "model-00001-of-00001.safetensors"
 
 
 def a_plan(**fields):
-    """The fields of bigmoe.plan.Plan that preflight reads (a stand-in, not the estimator)."""
+    """The fields of bigmoe.plan.planner.Plan that preflight reads (a stand-in, not the estimator)."""
     base = dict(
         env={}, pager=True, layers=4, experts=16, expert_bytes=196608, ssd_source="checkpoint", paging_file=None
     )

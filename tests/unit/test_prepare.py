@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from bigmoe.prepare import paging_file_matches, prepare
-from bigmoe.tinymoe.shape import TinyShape
+from bigmoe.model.tinymoe.shape import TinyShape
+from bigmoe.serve.prepare import paging_file_matches, prepare
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def model(tiny_checkpoint):
 
 
 def plan_for(path, compress: bool, source: str = "paging file"):
-    """The fields of bigmoe.plan.Plan that prepare reads (a stand-in, not the estimator)."""
+    """The fields of bigmoe.plan.planner.Plan that prepare reads (a stand-in, not the estimator)."""
     return SimpleNamespace(ssd_source=source, paging_file=str(path), compress=compress)
 
 
@@ -88,7 +88,7 @@ def flip_middle_record(path, store_meta):
 
 
 def meta_of(model, compress):
-    from bigmoe.prepare import _codec
+    from bigmoe.serve.prepare import _codec
     from bigmoe_pager.core.expert_store import CheckpointStore
     from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch, layout_for_checkpoint
 
@@ -135,7 +135,7 @@ def test_a_record_failing_at_run_time_marks_the_file_for_rebuild(model, tmp_path
 
 
 def test_above_the_full_check_size_a_sample_is_checked(model, tmp_path):
-    from bigmoe.prepare import check_paging_file
+    from bigmoe.serve.prepare import check_paging_file
 
     path = tmp_path / "m.pages"
     prepare(plan_for(path, False), model)
@@ -146,7 +146,7 @@ def test_above_the_full_check_size_a_sample_is_checked(model, tmp_path):
 
 def test_a_directory_refusing_odirect_is_refused_before_anything_is_written(model, tmp_path, monkeypatch):
     import bigmoe_pager.core.odirect as odirect
-    from bigmoe.prepare import PrepareError
+    from bigmoe.serve.prepare import PrepareError
 
     monkeypatch.setattr(odirect, "odirect_works", lambda path, io=None: (False, "open(O_DIRECT) failed: EINVAL"))
     with pytest.raises(PrepareError, match=r"O_DIRECT reads do not work in .*--paging-dir"):

@@ -7,8 +7,8 @@ import json
 import shutil
 
 import pytest
-from bigmoe import presets
-from bigmoe.tinymoe.shape import TinyShape
+from bigmoe.model import presets
+from bigmoe.model.tinymoe.shape import TinyShape
 
 
 @pytest.fixture

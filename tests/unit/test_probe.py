@@ -11,11 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from bigmoe import probe_disk
-from bigmoe.cli_plan import probe as probe_command
-from bigmoe.hardware import Gpu, Hardware, HardwareError, Unknown
-from bigmoe.probe import probe, probe_gpus
-from bigmoe.probe_disk import check_o_direct
+from bigmoe.cli.plan import probe as probe_command
+from bigmoe.machine import probe_disk
+from bigmoe.machine.hardware import Gpu, Hardware, HardwareError, Unknown
+from bigmoe.machine.probe import probe, probe_gpus
+from bigmoe.machine.probe_disk import check_o_direct
 from click.testing import CliRunner
 
 MACHINES = Path(__file__).resolve().parents[1] / "fixtures" / "machines"

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bigmoe.checkpoint_arch import read_facts
-from bigmoe.presets import load as load_preset
-from bigmoe.tinymoe.fp8 import BLOCK
-from bigmoe.tinymoe.qwen4exp import make_qwen4exp
-from bigmoe.tinymoe.qwen4exp_shape import Qwen4ExpShape, Qwen4ExpShapeError
-from bigmoe.tinymoe.qwen4exp_tensors import table_rows
+from bigmoe.model.checkpoint_arch import read_facts
+from bigmoe.model.presets import load as load_preset
+from bigmoe.model.tinymoe.fp8 import BLOCK
+from bigmoe.model.tinymoe.qwen4exp import make_qwen4exp
+from bigmoe.model.tinymoe.qwen4exp_shape import Qwen4ExpShape, Qwen4ExpShapeError
+from bigmoe.model.tinymoe.qwen4exp_tensors import table_rows
 from bigmoe_pager.core.safetensors_index import read_header
 from bigmoe_pager.ngram import NgramLayoutError, TableSpec
 from bigmoe_pager.ngram.shards import find_shards
@@ -248,7 +248,7 @@ def test_cli_refuses_bad_input_in_one_line(tmp_path, argv, message):
 
 
 def test_shape_validation_names_the_field():
-    from bigmoe.tinymoe.qwen4exp_shape import validate
+    from bigmoe.model.tinymoe.qwen4exp_shape import validate
 
     with pytest.raises(Qwen4ExpShapeError, match="indexer_budget"):
         validate(Qwen4ExpShape(indexer_budget=10, indexer_compress_ratio=4), "bf16")

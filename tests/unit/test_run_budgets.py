@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from bigmoe import pipeline, presets
+from bigmoe import run as pipeline
 from bigmoe.cli import main
-from bigmoe.hardware import Hardware
-from bigmoe.plan_inputs import PlanError
+from bigmoe.machine.hardware import Hardware
+from bigmoe.model import presets
+from bigmoe.plan.inputs import PlanError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hardware"
 

@@ -11,7 +11,7 @@ from ssd_testkit import FakeFaultyIO
 
 @pytest.fixture
 def model(tiny_checkpoint):
-    from bigmoe.tinymoe.shape import TinyShape
+    from bigmoe.model.tinymoe.shape import TinyShape
 
     return tiny_checkpoint(
         TinyShape(layers=2, experts=4, top_k=2, hidden=128, moe_intermediate=128, vocab=512),

@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from bigmoe import presets
-from bigmoe.exit_codes import START_FAILED as EXIT_START_FAILED
+from bigmoe.cli.exit_codes import START_FAILED as EXIT_START_FAILED
+from bigmoe.model import presets
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
 from bigmoe.tui.force_screen import ForceScreen

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-from bigmoe import pipeline, presets
+from bigmoe import run as pipeline
+from bigmoe.model import presets
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
 from test_tui_flow import SIZE, drive, planned, until

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bigmoe import fetch
-from bigmoe.cli_pull import pull
-from bigmoe.cli_verify import verify_command
-from bigmoe.shard_check import shard_problem
+from bigmoe.cli.pull import pull
+from bigmoe.cli.verify import verify_command
+from bigmoe.model import fetch
+from bigmoe.model.shard_check import shard_problem
 from click.testing import CliRunner
 
 from tests.unit.test_fetch import BIG, PRESET, REPO, cache, hub, served, start_hub  # noqa: F401 (fixtures)

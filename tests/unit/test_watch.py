@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from bigmoe.headless import stats_line
-from bigmoe.watch import MIN_WINDOW_S, Watcher, parse, window
+from bigmoe.serve.watch import MIN_WINDOW_S, Watcher, parse, window
 
 
 def scrape(tpot_sum, tpot_n, ttft_sum, ttft_n, tokens, vram_lookups, vram_hits, ram_lookups, ram_hits) -> str:

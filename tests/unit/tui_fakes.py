@@ -10,11 +10,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bigmoe import launch, pipeline
-from bigmoe.client import ChatResult
-from bigmoe.hardware import Disk, Gpu, Hardware
+from bigmoe import run as pipeline
+from bigmoe.machine.hardware import Disk, Gpu, Hardware
+from bigmoe.serve import launch
+from bigmoe.serve.client import ChatResult
+from bigmoe.serve.watch import Window
 from bigmoe.tui.steps import Steps
-from bigmoe.watch import Window
 
 GIB = 1 << 30
 HOME = "/home/user/.cache/bigmoe"

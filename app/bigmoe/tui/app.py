@@ -1,6 +1,6 @@
 """The Textual app of `bigmoe run`: plan screen -> progress screen -> dashboard.
 
-The same pipeline steps as `--yes` (bigmoe.pipeline), run in worker threads. Quitting
+The same pipeline steps as `--yes` (bigmoe.run), run in worker threads. Quitting
 (q, or Ctrl+Q) at any point stops the server if one was started, then exits; the exit code
 is 0, or EXIT_START_FAILED when the server did not come up, or 1 when it died or would not stop."""
 
@@ -14,8 +14,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from bigmoe import exit_codes
-from bigmoe.pipeline import RunOptions
+from bigmoe.cli import exit_codes
+from bigmoe.run import RunOptions
 from bigmoe.tui.dashboard import Dashboard
 from bigmoe.tui.messages import ServerStopped
 from bigmoe.tui.plan_screen import PlanScreen

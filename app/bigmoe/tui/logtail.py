@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bigmoe.launch import error_line
+from bigmoe.serve.launch import error_line
 from bigmoe.tui.text import printable
 
 MAX_READ_BYTES = 1 << 20

@@ -8,8 +8,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from bigmoe.hardware import Hardware, Unknown, known
-from bigmoe.plan import Plan
+from bigmoe.machine.hardware import Hardware, Unknown, known
+from bigmoe.plan.planner import Plan
 
 GIB = 1 << 30
 

@@ -13,7 +13,7 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, ProgressBar, RichLog, Static
 
-from bigmoe.launch import STAGES
+from bigmoe.serve.launch import STAGES
 from bigmoe.tui.logtail import LogTail, error_index
 from bigmoe.tui.messages import ServerReady, ServerStarted, StageReached, StartFailed, StepProgress
 from bigmoe.tui.progress_view import describe, finished, fraction

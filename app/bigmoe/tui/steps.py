@@ -1,15 +1,16 @@
 """The pipeline steps the TUI calls, gathered in one object so tests can put fakes in their place.
 
-The defaults are the real steps of bigmoe.pipeline (the same ones `--yes` runs)."""
+The defaults are the real steps of bigmoe.run (the same ones `--yes` runs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from bigmoe import launch, pipeline, prepare
-from bigmoe.client import chat
-from bigmoe.watch import Watcher
+from bigmoe import run as pipeline
+from bigmoe.serve import launch, prepare
+from bigmoe.serve.client import chat
+from bigmoe.serve.watch import Watcher
 
 
 @dataclass

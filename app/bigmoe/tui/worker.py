@@ -14,8 +14,10 @@ from typing import Callable
 
 import httpx
 
-from bigmoe import pipeline, records
+from bigmoe import run as pipeline
 from bigmoe.errors import BigmoeError
+from bigmoe.serve import records
+from bigmoe.serve.vllm_log import exit_reason
 from bigmoe.tui.logtail import LogTail
 from bigmoe.tui.messages import (
     ChatAnswered,
@@ -28,7 +30,6 @@ from bigmoe.tui.messages import (
     StepProgress,
 )
 from bigmoe.tui.steps import Steps
-from bigmoe.vllm_log import exit_reason
 
 Post = Callable[[object], object]
 """Thread-safe delivery of a message to a screen (its post_message)."""

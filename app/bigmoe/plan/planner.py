@@ -13,13 +13,13 @@ from pathlib import Path
 
 from bigmoe_pager.settings import PagerSettings
 
-from bigmoe.checkpoint_arch import ArchFacts, preset_facts, with_facts
-from bigmoe.hardware import Hardware
-from bigmoe.plan_draft import Draft
-from bigmoe.plan_inputs import Overrides, PlanError, check_overrides, default_dirs, stated_machine
-from bigmoe.plan_memory import CODEC_RATIO, MemoryRow, MemoryTable
-from bigmoe.plan_speed import Estimate
-from bigmoe.presets import Preset
+from bigmoe.machine.hardware import Hardware
+from bigmoe.model.checkpoint_arch import ArchFacts, preset_facts, with_facts
+from bigmoe.model.presets import Preset
+from bigmoe.plan.draft import Draft
+from bigmoe.plan.inputs import Overrides, PlanError, check_overrides, default_dirs, stated_machine
+from bigmoe.plan.memory import CODEC_RATIO, MemoryRow, MemoryTable
+from bigmoe.plan.speed import Estimate
 
 __all__ = [
     "CODEC_RATIO",

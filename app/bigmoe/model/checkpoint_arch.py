@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigmoe.presets import CONFIG_KEYS, Arch, Preset, PresetError
+from bigmoe.model.presets import CONFIG_KEYS, Arch, Preset, PresetError
 
 FROM_CONFIG = "from config.json"
 FROM_HEADERS = "from the safetensors headers"
@@ -358,7 +358,7 @@ def find_checkpoint(preset: Preset, given: str | None, dtypes: tuple[str, ...]) 
         return None, "the synthetic model is not made yet"
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    from bigmoe.hubcache import RepoCache, read_ready, read_ref
+    from bigmoe.model.hubcache import RepoCache, read_ready, read_ref
 
     cache = RepoCache(Path(HF_HUB_CACHE).expanduser().resolve(), preset.hub_id)
     commit = preset.revision if re.fullmatch(r"[0-9a-f]{40}", preset.revision) else read_ref(cache, preset.revision)

@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from bigmoe import exit_codes, hubcache
+from bigmoe.cli import exit_codes
 from bigmoe.errors import BigmoeError
-from bigmoe.hubcache import Cancelled, RemoteFile, RepoCache
+from bigmoe.model import hubcache
+from bigmoe.model.hubcache import Cancelled, RemoteFile, RepoCache
 
 HEADROOM_BYTES = 1 << 30  # left free after a download: logs, the tree cache, filesystem metadata
 STALE_PARTIAL_S = 600.0  # a partial file untouched this long belongs to a run that died
@@ -189,7 +190,7 @@ def resolve_model(preset_or_repo: str, revision: str | None) -> tuple[str, str]:
     """(repo id, revision) from 'Org/Name' or a preset name / preset TOML path."""
     if "/" in preset_or_repo and not preset_or_repo.endswith(".toml"):
         return preset_or_repo.strip("/"), revision or "main"
-    from bigmoe import presets
+    from bigmoe.model import presets
 
     preset = presets.load(preset_or_repo)
     if preset.synthetic or not preset.hub_id:

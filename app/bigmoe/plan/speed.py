@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bigmoe.hardware import Disk, Gpu, Unknown
+from bigmoe.machine.hardware import Disk, Gpu, Unknown
 
 GB = 1e9
 MS_PER_S = 1000.0

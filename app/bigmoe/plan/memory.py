@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bigmoe.presets import Arch
+from bigmoe.model.presets import Arch
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -2,7 +2,7 @@
 
 The server is started from the plan's argv exactly (a list, never a shell string), with secrets
 in its environment only. It logs to a file of its own (created 0600) and has a record
-(bigmoe.records) from its start until it is gone, so `bigmoe ps/stop/logs` find it from any
+(bigmoe.serve.records) from its start until it is gone, so `bigmoe ps/stop/logs` find it from any
 shell. Stopping is SIGTERM to its process group, a wait for every member (children included),
 then SIGKILL to whatever is left: nothing it started outlives it.
 """
@@ -23,10 +23,10 @@ from typing import Callable
 import httpx
 import psutil
 
-from bigmoe import records
 from bigmoe.errors import BigmoeError
-from bigmoe.records import RunInfo
-from bigmoe.vllm_log import STAGES, error_line, exit_reason, stages_in
+from bigmoe.serve import records
+from bigmoe.serve.records import RunInfo
+from bigmoe.serve.vllm_log import STAGES, error_line, exit_reason, stages_in
 
 __all__ = [
     "STAGES",

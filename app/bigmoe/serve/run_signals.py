@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 
-from bigmoe import launch
+from bigmoe.serve import launch
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import click
 
-from bigmoe import exit_codes, fetch, hubcache
+from bigmoe.cli import exit_codes
 from bigmoe.errors import BigmoeError
-from bigmoe.hubcache import RemoteFile, RepoCache
-from bigmoe.shard_check import shard_problem
+from bigmoe.model import fetch, hubcache
+from bigmoe.model.hubcache import RemoteFile, RepoCache
+from bigmoe.model.shard_check import shard_problem
 
 
 class NotDownloaded(BigmoeError):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from bigmoe_pager.settings import PagerSettings
 
-from bigmoe.plan_memory import DEFAULT_MAX_SEQS
-from bigmoe.presets import Preset
+from bigmoe.model.presets import Preset
+from bigmoe.plan.memory import DEFAULT_MAX_SEQS
 
 PLUGINS = ("bigmoe_experts", "bigmoe_ngram")
 """bigmoe's vllm.general_plugins entry points; each does nothing when its setting is off."""

@@ -21,8 +21,9 @@ import time
 
 import click
 
-from bigmoe import exit_codes, fetch
+from bigmoe.cli import exit_codes
 from bigmoe.errors import BigmoeError
+from bigmoe.model import fetch
 
 EXIT_USAGE = exit_codes.USAGE
 

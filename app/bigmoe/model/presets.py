@@ -1,4 +1,4 @@
-"""Model presets: plain data read from the TOML files shipped in `bigmoe.presets`."""
+"""Model presets: plain data read from the TOML files shipped in `bigmoe.preset_files`."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def for_checkpoint(directory: Path) -> Preset:
     architecture numbers read from the directory (config.json and safetensors headers) in place of its own."""
     import json
 
-    from bigmoe.checkpoint_arch import read_facts, with_facts
+    from bigmoe.model.checkpoint_arch import read_facts, with_facts
 
     path = Path(directory) / "config.json"
     try:

@@ -11,7 +11,7 @@ import time
 
 import click
 
-from bigmoe import exit_codes
+from bigmoe.cli import exit_codes
 from bigmoe.errors import BigmoeError
 
 
@@ -108,12 +108,12 @@ def cli() -> None:
 def run(model: str, yes: bool, as_json: bool, **options) -> None:
     """Plan, fetch, prepare and serve MODEL (a preset name such as tiny-moe)."""
     from bigmoe import headless
-    from bigmoe.pipeline import RunOptions
+    from bigmoe.run import RunOptions
 
     opts = RunOptions(model=model, **options)
     if yes or not sys.stdin.isatty() or not sys.stdout.isatty():
         sys.exit(headless.run(opts, as_json=as_json))
-    from bigmoe.pipeline import exposure_warning
+    from bigmoe.run import exposure_warning
     from bigmoe.tui.app import run_tui
 
     if warning := exposure_warning(opts.host, opts.api_key):
@@ -124,7 +124,7 @@ def run(model: str, yes: bool, as_json: bool, **options) -> None:
 @cli.command()
 def ps() -> None:
     """List every running bigmoe server (records of servers that are gone are removed)."""
-    from bigmoe import records
+    from bigmoe.serve import records
 
     infos = records.live()
     if not infos:
@@ -142,7 +142,7 @@ def stop(target: str | None, stop_all: bool) -> None:
     """Stop the server TARGET names (model name, port or pid; optional when only one runs), or all of them.
 
     SIGTERM to its process group, a wait for every process (children included), then SIGKILL."""
-    from bigmoe import launch, records
+    from bigmoe.serve import launch, records
 
     if stop_all and target:
         raise click.UsageError("name a server or give --all, not both")
@@ -162,16 +162,16 @@ def stop(target: str | None, stop_all: bool) -> None:
 def logs(target: str | None, lines: int) -> None:
     """Print the end of a server's log: the running one TARGET names (model name, port or pid), else the
     last run's log for that model or port, also after the server has exited."""
-    from bigmoe import records
+    from bigmoe.serve import records
 
     text = records.last_log(target).read_text(errors="replace").splitlines()
     click.echo("\n".join(text[-lines:] if lines else text))
 
 
 def _add_optional_commands() -> None:
-    from bigmoe.cli_plan import list_presets, plan, probe
-    from bigmoe.cli_pull import pull
-    from bigmoe.cli_verify import verify_command
+    from bigmoe.cli.plan import list_presets, plan, probe
+    from bigmoe.cli.pull import pull
+    from bigmoe.cli.verify import verify_command
 
     for command in (probe, plan, pull, verify_command, list_presets):
         cli.add_command(command)
@@ -204,5 +204,5 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exit_codes.INTERRUPTED)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m bigmoe.cli.commands
     main()

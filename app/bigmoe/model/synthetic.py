@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bigmoe.errors import BigmoeError
+from bigmoe.model.presets import Preset
 from bigmoe.paths import models_dir
-from bigmoe.presets import Preset
 
 
 class SyntheticModelError(BigmoeError):
@@ -19,7 +19,7 @@ def tiny_model_path(preset: Preset, dtype: str) -> Path:
 
 def ensure_tiny_model(preset: Preset, dtype: str, seed: int = 0) -> Path:
     """The checkpoint for a synthetic preset, made once (atomically) and reused after."""
-    from bigmoe.tinymoe.make import TinyShape, make_tiny_moe
+    from bigmoe.model.tinymoe.make import TinyShape, make_tiny_moe
 
     arch = preset.arch
     shape = TinyShape(

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bigmoe import exit_codes, launch, presets, records
+from bigmoe.cli import exit_codes
 from bigmoe.errors import BigmoeError
-from bigmoe.preflight import preflight
+from bigmoe.model import presets
+from bigmoe.serve import launch, records
+from bigmoe.serve.preflight import preflight
 
 Progress = Callable[[str, dict], None]
 """Called with (event, fields) as a step advances; the shells render it."""
@@ -99,8 +101,8 @@ def load_preset(opts: RunOptions) -> presets.Preset:
 
 def probe_machine(preset: presets.Preset, opts: RunOptions):
     """The machine, with the disks that will hold the model and the paging file judged."""
-    from bigmoe.plan import default_dirs
-    from bigmoe.probe import probe
+    from bigmoe.machine.probe import probe
+    from bigmoe.plan.planner import default_dirs
 
     model_dir, paging_dir = default_dirs(preset)
     dirs = [
@@ -119,8 +121,8 @@ def _nearest_existing(path: Path) -> Path:
 def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk: bool = False):
     """The plan, with the architecture numbers of the checkpoint's config.json when it is on disk
     (--model-dir, the synthetic model already made, or a finished download), the preset's otherwise."""
-    from bigmoe.checkpoint_arch import facts_for, find_checkpoint
-    from bigmoe.plan import Overrides, plan
+    from bigmoe.model.checkpoint_arch import facts_for, find_checkpoint
+    from bigmoe.plan.planner import Overrides, plan
 
     checkpoint, why_not = find_checkpoint(preset, opts.model_dir, _dtypes_for(hardware, preset))
 
@@ -173,13 +175,13 @@ def _locate_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: 
             raise BigmoeError(f"--model-dir {path}: no readable config.json there")
         return path
     if preset.synthetic:
-        from bigmoe.synthetic import ensure_tiny_model
+        from bigmoe.model.synthetic import ensure_tiny_model
 
         progress("model", {"state": "making", "name": preset.name, "dtype": the_plan.expert_dtype})
         path = ensure_tiny_model(preset, the_plan.expert_dtype)
         progress("model", {"state": "ready", "path": str(path)})
         return path
-    from bigmoe import fetch
+    from bigmoe.model import fetch
 
     fetch_plan = fetch.dry_run(preset.hub_id, preset.revision)
     progress("fetch", {"state": "planned", "bytes": fetch_plan.bytes_to_download, "files": len(fetch_plan.files)})

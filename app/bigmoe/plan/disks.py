@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bigmoe.hardware import Disk, Unknown
-from bigmoe.plan_memory import DISK_HEADROOM_BYTES, MIB, MemoryRow, MemoryTable, gib
+from bigmoe.machine.hardware import Disk, Unknown
+from bigmoe.plan.memory import DISK_HEADROOM_BYTES, MIB, MemoryRow, MemoryTable, gib
 
 if TYPE_CHECKING:
-    from bigmoe.plan_draft import Draft
+    from bigmoe.plan.draft import Draft
 
 
 def disk_tables(d: "Draft") -> None:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from bigmoe_pager.settings import COMPRESS_CHOICES
 
 from bigmoe.errors import BigmoeError
-from bigmoe.hardware import DISK_KINDS, Disk, Gpu, Hardware, Unknown
-from bigmoe.plan_memory import GIB
-from bigmoe.plan_speed import gpu_spec
-from bigmoe.presets import Preset
+from bigmoe.machine.hardware import DISK_KINDS, Disk, Gpu, Hardware, Unknown
+from bigmoe.model.presets import Preset
+from bigmoe.plan.memory import GIB
+from bigmoe.plan.speed import gpu_spec
 
 MIN_CONTEXT = 128
 """Shortest context (tokens) `plan` and `run` accept: below it a chat template alone does not fit."""

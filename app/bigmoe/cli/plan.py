@@ -7,14 +7,15 @@ from pathlib import Path
 
 import click
 
-from bigmoe import exit_codes, presets
-from bigmoe.checkpoint_arch import facts_for, find_checkpoint
-from bigmoe.hardware import DISK_KINDS, Hardware, Unknown
-from bigmoe.plan import Overrides, Plan, PlanError, default_dirs
-from bigmoe.plan import plan as make_plan
-from bigmoe.plan_inputs import MIN_CONTEXT, default_model_dir, default_paging_dir
-from bigmoe.plan_memory import gib
-from bigmoe.probe import probe as probe_machine
+from bigmoe.cli import exit_codes
+from bigmoe.machine.hardware import DISK_KINDS, Hardware, Unknown
+from bigmoe.machine.probe import probe as probe_machine
+from bigmoe.model import presets
+from bigmoe.model.checkpoint_arch import facts_for, find_checkpoint
+from bigmoe.plan.inputs import MIN_CONTEXT, default_model_dir, default_paging_dir
+from bigmoe.plan.memory import gib
+from bigmoe.plan.planner import Overrides, Plan, PlanError, default_dirs
+from bigmoe.plan.planner import plan as make_plan
 
 EXIT_REFUSED = exit_codes.PLAN_REFUSED
 """Exit code of `bigmoe plan` when the plan is refused (matches `bigmoe run`)."""

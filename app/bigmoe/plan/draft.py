@@ -9,12 +9,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bigmoe.checkpoint_arch import ArchFacts
-from bigmoe.hardware import Disk, Gpu, Hardware, Unknown, known
-from bigmoe.plan_disks import disk_tables, ssd_disk
-from bigmoe.plan_inputs import Overrides, default_dirs
-from bigmoe.plan_launch import launch_argv, launch_env, max_seqs_of, pager_settings
-from bigmoe.plan_memory import (
+from bigmoe.machine.hardware import Disk, Gpu, Hardware, Unknown, known
+from bigmoe.model.checkpoint_arch import ArchFacts
+from bigmoe.model.presets import Preset
+from bigmoe.plan.disks import disk_tables, ssd_disk
+from bigmoe.plan.inputs import Overrides, default_dirs
+from bigmoe.plan.memory import (
     CODEC_RATIO,
     CUDA_CONTEXT_BYTES,
     DISK_HEADROOM_BYTES,
@@ -35,10 +35,10 @@ from bigmoe.plan_memory import (
     kv_reason,
     os_reserve_bytes,
 )
-from bigmoe.plan_spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
-from bigmoe.plan_spec import refusal as spec_refusal
-from bigmoe.plan_speed import estimate, speeds_for
-from bigmoe.presets import Preset
+from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
+from bigmoe.plan.spec import refusal as spec_refusal
+from bigmoe.plan.speed import estimate, speeds_for
+from bigmoe.plan.vllm_command import launch_argv, launch_env, max_seqs_of, pager_settings
 
 ARCH_REASONS = {
     "moe_layers": "moe_layers",

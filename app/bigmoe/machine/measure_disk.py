@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigmoe.hardware import Unknown
+from bigmoe.machine.hardware import Unknown
 
 CHUNK_BYTES = 8 << 20
 """Bytes per read: whole experts are MiB-sized, so the SSD tier reads in MiB units too."""

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bigmoe.hardware import Unknown
+from bigmoe.machine.hardware import Unknown
 
 COPY_BYTES = 256 << 20
 """Bytes per timed copy: large enough that launch latency is noise."""
@@ -97,12 +97,12 @@ def _time_copies(torch, index: int, copy_bytes: int, repeats: int) -> CopyRate:
 def measure_h2d_in_child(
     index: int = 0, timeout_s: float = CHILD_TIMEOUT_S, python: str | None = None
 ) -> CopyRate | Unknown:
-    """measure_h2d in a child process (`python -m bigmoe.measure_pcie`), so no CUDA context stays here."""
-    app_dir = str(Path(__file__).resolve().parents[1])
+    """measure_h2d in a child process (`python -m bigmoe.machine.measure_pcie`), so no CUDA context stays here."""
+    app_dir = str(Path(__file__).resolve().parents[2])  # app/, above bigmoe/
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (app_dir, os.environ.get("PYTHONPATH", "")) if p))
     try:
         done = subprocess.run(
-            [python or sys.executable, "-m", "bigmoe.measure_pcie", str(index)],
+            [python or sys.executable, "-m", "bigmoe.machine.measure_pcie", str(index)],
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bigmoe.hardware import Disk, Gpu, Hardware, Unknown
-from bigmoe.measure_disk import measure_read_rate
-from bigmoe.measure_pcie import measure_h2d_in_child
+from bigmoe.machine.hardware import Disk, Gpu, Hardware, Unknown
+from bigmoe.machine.measure_disk import measure_read_rate
+from bigmoe.machine.measure_pcie import measure_h2d_in_child
 from bigmoe.paths import write_atomic
 
 FORMAT = 1

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigmoe.hardware import Disk, Unknown
+from bigmoe.machine.hardware import Disk, Unknown
 
 WINDOWS_FILESYSTEMS = ("9p", "drvfs", "v9fs")
 """Filesystems WSL uses to show Windows drives (/mnt/c) to Linux."""

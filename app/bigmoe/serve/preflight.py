@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from bigmoe.errors import BigmoeError
-from bigmoe.shard_check import checkpoint_problems
+from bigmoe.model.shard_check import checkpoint_problems
 
 PAGING_HEADROOM_BYTES = 1 << 30
 """Free space left on the paging file's disk after it is built (logs, filesystem metadata)."""
@@ -71,7 +71,7 @@ def shards_problem(model_path: Path, synthetic: bool = False, model: str = "") -
 
 
 def port_problem(host: str, port: int) -> str | None:
-    from bigmoe.launch import port_free
+    from bigmoe.serve.launch import port_free
 
     if port_free(host, port):
         return None

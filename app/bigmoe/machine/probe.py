@@ -16,8 +16,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping, Sequence
 
-from bigmoe.hardware import Gpu, Hardware, Unknown
-from bigmoe.probe_disk import probe_disk, read_mounts
+from bigmoe.machine.hardware import Gpu, Hardware, Unknown
+from bigmoe.machine.probe_disk import probe_disk, read_mounts
 
 WSL_ENV_VARS = ("WSL_DISTRO_NAME", "WSL_INTEROP")
 """Variables WSL sets in every Linux process it starts."""
@@ -59,7 +59,7 @@ def probe(
         return hw
     if not live:
         return _not_measured(hw, f"link speeds are measured only on the live machine, not the tree at {root}")
-    from bigmoe.links import with_links
+    from bigmoe.machine.links import with_links
 
     return with_links(hw, {str(p): _nearest_dir(Path(p)) for p in paths}, remeasure=remeasure)
 

@@ -1,0 +1,1 @@
+"""Serving: checks before start, the paging file, the vLLM process, its records, log and metrics."""
