@@ -1,4 +1,4 @@
-"""`bigmoe run --yes`: the pipeline with plain progress lines (or JSON lines). Never imports Textual.
+"""`bigmoe run --yes`: the run's sequence (bigmoe.run) with plain progress lines (or JSON lines). Never imports Textual.
 
 Signals while the server runs (bigmoe.serve.run_signals): the first Ctrl-C or SIGTERM prints that it is
 stopping the server and stops it (SIGTERM to its group, SIGKILL after a grace period); a second one
@@ -9,20 +9,21 @@ kills the group at once. SIGHUP (the terminal closed) leaves the server running 
 from __future__ import annotations
 
 import json
-import shlex
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import httpx
 
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.cli import exit_codes
+from bigmoe.run import RunOptions, Steps
 from bigmoe.serve import launch, records
 from bigmoe.serve.client import chat
-from bigmoe.serve.prepare import prepare
+from bigmoe.serve.preflight import exposure_warning
 from bigmoe.serve.run_signals import Killed, RunSignals, Stop
 from bigmoe.serve.vllm_log import exit_reason
 
@@ -32,8 +33,6 @@ POLL_S = 0.5
 """Seconds between checks that the server still runs (a `bigmoe stop` is noticed within this)."""
 EXIT_FOR_SIGNAL = {signal.SIGINT: exit_codes.INTERRUPTED, signal.SIGTERM: exit_codes.TERMINATED}
 """The run's exit code after a signal stopped its server."""
-
-PlanRefused = pipeline.PlanRefused
 
 
 class Printer:
@@ -63,75 +62,50 @@ class Printer:
         self.line(f"bigmoe: warning: {message}", file=sys.stderr)
 
 
-def run(opts: pipeline.RunOptions, as_json: bool = False) -> int:
-    say = Printer(as_json)
-    warning = pipeline.exposure_warning(opts.host, opts.api_key)
-    if warning:
+def run(opts: RunOptions, as_json: bool = False, steps: Steps | None = None) -> int:
+    """The whole run (bigmoe.run's sequence) with progress lines; returns the exit code."""
+    say, steps = Printer(as_json), steps or Steps()
+    if warning := exposure_warning(opts.host, opts.api_key):
         say.warn(warning)
-    preset = pipeline.load_preset(opts)
-    hardware = pipeline.probe_machine(preset, opts)
-    say("probe", hardware.summary())
-    the_plan = pipeline.make_plan(hardware, preset, opts)
-    say("plan", the_plan.summary())
-    if the_plan.refusal:
-        if not opts.force:
-            raise PlanRefused(f"plan refused: {the_plan.refusal} (rerun with --force to launch anyway)")
-        say("plan", {"forced": True, "refusal": the_plan.refusal})
-    model_path = pipeline.obtain_model(preset, the_plan, opts, say)
-    prepare(the_plan, model_path, say)
-    return launch_and_serve(lambda: pipeline.start_server(preset, the_plan, model_path, opts), opts, say)
+    preset = steps.load_preset(opts)
+    the_plan = sequence.plan(steps, preset, opts, say)
+    model_path = sequence.model_ready(steps, preset, the_plan, opts, say)
+    launch_server = partial(sequence.launch_server, steps, preset, the_plan, model_path, opts, say)
+    return launch_and_serve(launch_server, lambda server: sequence.ready(steps, server, opts, say), opts, say)
 
 
-def launch_and_serve(start: Callable[[], launch.Server], opts: pipeline.RunOptions, say: Printer) -> int:
+def launch_and_serve(
+    start: Callable[[], launch.Server], ready: Callable[[launch.Server], None], opts: RunOptions, say: Printer
+) -> int:
     """Start the server with the signal handlers in place (a signal during the start acts once its record
-    exists), then serve; returns the exit code."""
+    exists), wait until it is `ready`, then serve; the server is stopped on every way out except SIGHUP.
+    Returns the exit code."""
     with RunSignals() as signals:
         server = start()
-        say("launch", {"pid": server.info.pid, "log": server.info.log, "command": shlex.join(server.command)})
-        return serve(server, opts, say, signals)
-
-
-def serve(server: launch.Server, opts: pipeline.RunOptions, say: Printer, signals: RunSignals) -> int:
-    """Wait for the server, answer the prompt or serve until stopped; the server is stopped on every way
-    out except SIGHUP. Returns the exit code."""
-    try:
-        signals.started(server)
         try:
-            launch.wait_ready(server, opts.start_timeout, on_stage=lambda s: say("stage", {"stage": s}))
-        except launch.LaunchError as e:
-            e.exit_code = exit_codes.START_FAILED
+            signals.started(server)
+            ready(server)
+            if opts.prompt is not None:
+                answer(server, opts, say)
+            else:
+                watch(server, say)
+        except Stop as stop:
+            if stop.signum == signal.SIGHUP:
+                detach(server)
+                return exit_codes.HANGUP
+            why = signal.Signals(stop.signum).name
+            stop_server(
+                server, say, signals, {"pid": server.info.pid, "why": why, "hint": "Ctrl-C again kills it at once"}
+            )
+            return EXIT_FOR_SIGNAL.get(stop.signum, exit_codes.INTERRUPTED)
+        except BaseException:
+            stop_server(server, say, signals)
             raise
-        say(
-            "ready",
-            {
-                "endpoint": server.endpoint,
-                "model": server.info.served_name,
-                "curl": curl_line(server.endpoint, server.info.served_name, opts.api_key),
-            },
-        )
-        if opts.prompt is not None:
-            answer(server, opts, say)
-        else:
-            watch(server, say)
-    except Stop as stop:
-        if stop.signum == signal.SIGHUP:
-            detach(server)
-            return exit_codes.HANGUP
-        stop_server(
-            server,
-            say,
-            signals,
-            {"pid": server.info.pid, "why": signal.Signals(stop.signum).name, "hint": "Ctrl-C again kills it at once"},
-        )
-        return EXIT_FOR_SIGNAL.get(stop.signum, exit_codes.INTERRUPTED)
-    except BaseException:
         stop_server(server, say, signals)
-        raise
-    stop_server(server, say, signals)
-    return exit_codes.OK
+        return exit_codes.OK
 
 
-def answer(server: launch.Server, opts: pipeline.RunOptions, say: Printer) -> None:
+def answer(server: launch.Server, opts: RunOptions, say: Printer) -> None:
     result = chat(server.endpoint, server.info.served_name, opts.prompt, opts.max_tokens, api_key=opts.api_key)
     timing = {"tokens": result.tokens, "ttft_ms": round(result.ttft_ms, 2), "tpot_ms": round(result.tpot_ms, 3)}
     if say.as_json:
@@ -198,12 +172,5 @@ def stats_line(watcher, say: Printer, was_idle: bool) -> bool:
     return False
 
 
-def curl_line(endpoint: str, model: str, api_key: str | None) -> str:
-    """A request to paste; the key itself is never printed (the line reads it from $BIGMOE_API_KEY)."""
-    auth = ' -H "Authorization: Bearer $BIGMOE_API_KEY"' if api_key else ""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32})
-    return f"curl -s {endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
-
-
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run(pipeline.RunOptions(model=sys.argv[1]), as_json=False))
+    sys.exit(run(RunOptions(model=sys.argv[1]), as_json=False))

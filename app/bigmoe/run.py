@@ -1,23 +1,29 @@
-"""The steps of `bigmoe run`, shared by the TUI and the headless shell:
-probe -> plan -> obtain the model -> prepare -> launch (-> watch).
+"""run: the one step sequence of `bigmoe run`, which both shells consume:
+
+    probe -> plan -> model (fetch or make) -> prepare -> launch -> ready -> watch
+
+headless.py (`--yes`) prints each step's events as lines; the TUI (tui/worker.py) posts them to its
+screens, with the plan screen between plan and model. Each step reports through `say(event, fields)`
+and is one field of Steps, so tests put fakes in their place. The shells add only what is theirs:
+headless its signal handling and stats lines, the TUI its screens and its quit button.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import ipaddress
-import os
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from bigmoe.cli import exit_codes
 from bigmoe.errors import BigmoeError
-from bigmoe.model import presets
-from bigmoe.serve import launch, records
-from bigmoe.serve.preflight import preflight
+from bigmoe.plan import build
+from bigmoe.plan.inputs import Overrides
+from bigmoe.serve import launch, prepare, records
+from bigmoe.serve.client import chat
+from bigmoe.serve.watch import Watcher
 
 Progress = Callable[[str, dict], None]
 """Called with (event, fields) as a step advances; the shells render it."""
@@ -28,7 +34,7 @@ class RunOptions:
     """What the person asked `bigmoe run` for."""
 
     model: str
-    """Preset name (or a preset TOML path)."""
+    """Preset name (or a preset TOML path, or a checkpoint directory)."""
     prompt: str | None = None
     """One chat request to send once the server is ready; then stop."""
     max_tokens: int = 64
@@ -66,9 +72,13 @@ class RunOptions:
     start_timeout: float = 900.0
     """Seconds to wait for /health."""
 
+    def overrides(self) -> Overrides:
+        """What these options state to the planner (the same as `bigmoe plan` with the same options)."""
+        return build.stated(**{name: getattr(self, name) for name in PLAN_FIELDS})
 
-class VllmMissing(BigmoeError):
-    """vLLM is not importable in this environment."""
+
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Overrides) if f.name in RunOptions.__dataclass_fields__)
+"""RunOptions fields the planner reads (each an Overrides field of the same name)."""
 
 
 class PlanRefused(BigmoeError):
@@ -77,148 +87,40 @@ class PlanRefused(BigmoeError):
     exit_code = exit_codes.PLAN_REFUSED
 
 
-def exposure_warning(host: str, api_key: str | None) -> str | None:
-    """A warning when the API is reachable beyond this machine and needs no key; None otherwise."""
-    if api_key:
-        return None
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:
-        pass  # a host name: it may resolve to any address
-    return (
-        f"--host {host} serves the API beyond this machine without --api-key: anyone who can reach it can use "
-        "the model; add --api-key (or set BIGMOE_API_KEY)"
-    )
+# ---- the steps -------------------------------------------------------------------------------
 
 
-def load_preset(opts: RunOptions) -> presets.Preset:
+def load_preset(opts: RunOptions):
     """The preset MODEL names; a checkpoint directory as MODEL is also the directory served (--model-dir)."""
-    if presets.is_checkpoint_dir(opts.model) and not opts.model_dir:
-        opts.model_dir = str(Path(opts.model).expanduser())
-    return presets.load(opts.model)
+    preset, opts.model_dir = build.load(opts.model, opts.model_dir)
+    return preset
 
 
-def probe_machine(preset: presets.Preset, opts: RunOptions):
+def probe_machine(preset, opts: RunOptions):
     """The machine, with the disks that will hold the model and the paging file judged."""
-    from bigmoe.machine.probe import probe
-    from bigmoe.plan.planner import default_dirs
-
-    model_dir, paging_dir = default_dirs(preset)
-    dirs = [
-        Path(opts.model_dir).expanduser() if opts.model_dir else Path(model_dir),
-        Path(opts.paging_dir).expanduser() if opts.paging_dir else Path(paging_dir),
-    ]
-    return probe(paths=[_nearest_existing(d) for d in dirs], measure=True)
+    return build.probe_for(preset, opts.overrides())
 
 
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+def make_plan(hardware, preset, opts: RunOptions):
+    """The plan, built exactly as `bigmoe plan` builds it from the same options."""
+    return build.build(hardware, preset, opts.overrides())
 
 
-def make_plan(hardware, preset: presets.Preset, opts: RunOptions, model_on_disk: bool = False):
-    """The plan, with the architecture numbers of the checkpoint's config.json when it is on disk
-    (--model-dir, the synthetic model already made, or a finished download), the preset's otherwise."""
-    from bigmoe.model.checkpoint_arch import facts_for, find_checkpoint
-    from bigmoe.plan.planner import Overrides, plan
+def obtain_model(preset, the_plan, opts: RunOptions, say: Progress) -> Path:
+    """The checkpoint directory to serve (given, made locally, or fetched), checked before vLLM sees it."""
+    from bigmoe.model.obtain import obtain
+    from bigmoe.serve.preflight import preflight
 
-    checkpoint, why_not = find_checkpoint(preset, opts.model_dir, _dtypes_for(hardware, preset))
-
-    overrides = Overrides(
-        vram_slots=opts.vram_slots,
-        ram_slots=opts.ram_slots,
-        compress=opts.compress,
-        context=opts.context,
-        force=opts.force,
-        cuda_graphs=opts.cuda_graphs,
-        prefill_buffer=opts.prefill_buffer,
-        speculative_tokens=opts.speculative_tokens,
-        host=opts.host,
-        port=opts.port,
-        vram_gib=opts.vram_gib,
-        ram_gib=opts.ram_gib,
-        model_path=_expanded(opts.model_dir),
-        model_dir=_expanded(opts.model_dir),
-        model_on_disk=model_on_disk or bool(opts.model_dir),
-        paging_dir=str(Path(opts.paging_dir).expanduser()) if opts.paging_dir else None,
-    )
-    return plan(hardware, preset, overrides, facts_for(preset, str(checkpoint) if checkpoint else None, why_not))
-
-
-def _expanded(path: str | None) -> str | None:
-    return str(Path(path).expanduser()) if path else None
-
-
-def _dtypes_for(hardware, preset: presets.Preset) -> tuple[str, ...]:
-    """Expert dtypes in the order the plan will prefer them on this machine."""
-    first, second = (
-        (preset.dtype_gpu, preset.dtype_cpu) if hardware.gpu() is not None else (preset.dtype_cpu, preset.dtype_gpu)
-    )
-    return (first, second) if first != second else (first,)
-
-
-def obtain_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: Progress) -> Path:
-    """The checkpoint directory to serve (given, made locally, or fetched), checked against the preset."""
-    path = _locate_model(preset, the_plan, opts, progress)
-    presets.check_config(preset, path)
+    path = obtain(preset, the_plan.expert_dtype, opts.model_dir, say)
     preflight(the_plan, path, opts.host, opts.port, preset.synthetic, opts.model)  # settings, shards, port, disk
     return path
 
 
-def _locate_model(preset: presets.Preset, the_plan, opts: RunOptions, progress: Progress) -> Path:
-    """The checkpoint directory to serve: given, made locally (synthetic presets), or fetched."""
-    if opts.model_dir:
-        path = Path(opts.model_dir).expanduser()
-        if not (path / "config.json").is_file() or not os.access(path / "config.json", os.R_OK):
-            raise BigmoeError(f"--model-dir {path}: no readable config.json there")
-        return path
-    if preset.synthetic:
-        from bigmoe.model.synthetic import ensure_tiny_model
+def start_server(preset, the_plan, model_path: Path, opts: RunOptions) -> launch.Server:
+    """Start vLLM with the plan's command exactly as `bigmoe plan` prints it (the plan made again when the
+    checkpoint landed where no plan could name it before); the API key goes in its environment."""
+    from bigmoe.serve.preflight import require_vllm
 
-        progress("model", {"state": "making", "name": preset.name, "dtype": the_plan.expert_dtype})
-        path = ensure_tiny_model(preset, the_plan.expert_dtype)
-        progress("model", {"state": "ready", "path": str(path)})
-        return path
-    from bigmoe.model import fetch
-
-    fetch_plan = fetch.dry_run(preset.hub_id, preset.revision)
-    progress("fetch", {"state": "planned", "bytes": fetch_plan.bytes_to_download, "files": len(fetch_plan.files)})
-    return fetch.fetch(
-        fetch_plan, lambda p: progress("fetch", p.__dict__ if hasattr(p, "__dict__") else {"progress": str(p)})
-    )
-
-
-def require_vllm() -> None:
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        raise VllmMissing(
-            "vLLM is not installed in this Python environment; run installer/install.sh "
-            "(or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"
-        )
-
-
-def plan_for_checkpoint(the_plan, preset: presets.Preset, model_path: Path, opts: RunOptions):
-    """The plan whose command serves `model_path`: `the_plan` when it was made for it, else the plan made
-    again now that the checkpoint is on disk (a download lands where no plan could name it before)."""
-    if Path(the_plan.model_path) == Path(model_path):
-        return the_plan
-    again = make_plan(
-        the_plan.hardware, preset, dataclasses.replace(opts, model_dir=str(model_path)), model_on_disk=True
-    )
-    if again.refusals and not opts.force:
-        raise PlanRefused(
-            f"plan refused once the checkpoint was read: {again.refusal} (rerun with --force to launch anyway)"
-        )
-    return again
-
-
-def start_server(preset: presets.Preset, the_plan, model_path: Path, opts: RunOptions) -> launch.Server:
-    """Start vLLM with the plan's command exactly as `bigmoe plan` prints it; the API key goes in its environment."""
     require_vllm()
     the_plan = plan_for_checkpoint(the_plan, preset, model_path, opts)
     info = records.RunInfo(
@@ -233,3 +135,99 @@ def start_server(preset: presets.Preset, the_plan, model_path: Path, opts: RunOp
     )
     secrets = {"VLLM_API_KEY": opts.api_key} if opts.api_key else {}
     return launch.start(list(the_plan.argv), dict(the_plan.env), info, secrets)
+
+
+def plan_for_checkpoint(the_plan, preset, model_path: Path, opts: RunOptions):
+    """The plan whose command serves `model_path`: `the_plan` when it was made for it, else the plan made
+    again now that the checkpoint is on disk (a download lands where no plan could name it before)."""
+    if Path(the_plan.model_path) == Path(model_path):
+        return the_plan
+    again = make_plan(the_plan.hardware, preset, dataclasses.replace(opts, model_dir=str(model_path)))
+    refuse_unless_forced(again, opts, " once the checkpoint was read")
+    return again
+
+
+def refuse_unless_forced(the_plan, opts: RunOptions, when: str = "") -> None:
+    """PlanRefused when the plan was refused and --force was not given."""
+    if the_plan.refusals and not opts.force:
+        raise PlanRefused(f"plan refused{when}: {the_plan.refusal} (rerun with --force to launch anyway)")
+
+
+@dataclass
+class Steps:
+    """One callable per step; each defaults to the real one (the TUI's tests put fakes in their place)."""
+
+    load_preset: Callable[[RunOptions], Any] = load_preset
+    """RunOptions -> Preset."""
+    probe_machine: Callable[[Any, RunOptions], Any] = probe_machine
+    """(Preset, RunOptions) -> Hardware."""
+    make_plan: Callable[..., Any] = make_plan
+    """(Hardware, Preset, RunOptions) -> Plan; raises PlanError for overrides that make no sense."""
+    obtain_model: Callable[..., Any] = obtain_model
+    """(Preset, Plan, RunOptions, say) -> checkpoint Path."""
+    prepare: Callable[..., Any] = prepare.prepare
+    """(Plan, model Path, say) -> paging file Path or None."""
+    start_server: Callable[..., launch.Server] = start_server
+    """(Preset, Plan, model Path, RunOptions) -> Server, returning at once."""
+    wait_ready: Callable[..., None] = launch.wait_ready
+    """(Server, timeout_s, on_stage) -> None once /health answers; LaunchError otherwise."""
+    stop: Callable[[launch.Server], None] = launch.stop
+    """Server -> None: SIGTERM to its group, then SIGKILL; removes its runfile."""
+    watcher: Callable[[str], Any] = Watcher
+    """endpoint -> an object whose poll() returns a watch.Window."""
+    chat: Callable[..., Any] = chat
+    """(endpoint, model, prompt, max_tokens, api_key=) -> ChatResult."""
+
+
+# ---- the sequence ----------------------------------------------------------------------------
+
+NO_PAGING_FILE = {"none": "there is no SSD tier", "checkpoint": "the SSD tier reads the checkpoint in place"}
+"""Why a plan needs no paging file, by its ssd_source."""
+
+
+def plan(steps: Steps, preset, opts: RunOptions, say: Progress):
+    """probe -> plan. PlanRefused when the plan is refused without --force (a forced one says so)."""
+    hardware = steps.probe_machine(preset, opts)
+    say("probe", hardware.summary())
+    the_plan = steps.make_plan(hardware, preset, opts)
+    say("plan", the_plan.summary())
+    refuse_unless_forced(the_plan, opts)
+    if the_plan.refusals:
+        say("plan", {"forced": True, "refusal": the_plan.refusal})
+    return the_plan
+
+
+def model_ready(steps: Steps, preset, the_plan, opts: RunOptions, say: Progress) -> Path:
+    """model -> prepare: the checkpoint on disk and checked, the paging file (when the plan has one) built."""
+    model_path = Path(steps.obtain_model(preset, the_plan, opts, say))
+    say("model", {"state": "ready", "path": str(model_path)})
+    if steps.prepare(the_plan, model_path, say) is None:
+        say("prepare", {"state": "not needed", "why": NO_PAGING_FILE.get(the_plan.ssd_source, the_plan.ssd_source)})
+    return model_path
+
+
+def launch_server(steps: Steps, preset, the_plan, model_path: Path, opts: RunOptions, say: Progress):
+    """launch: vLLM started (not yet ready); its record exists, so `bigmoe ps` and `bigmoe stop` find it."""
+    server = steps.start_server(preset, the_plan, model_path, opts)
+    say("launch", {"pid": server.info.pid, "log": server.info.log, "command": shlex.join(server.command)})
+    return server
+
+
+def ready(steps: Steps, server, opts: RunOptions, say: Progress) -> None:
+    """ready: each start-up stage as the log shows it, then /health answered (LaunchError when it never does)."""
+    try:
+        steps.wait_ready(server, opts.start_timeout, lambda stage: say("stage", {"stage": stage}))
+    except launch.LaunchError as e:
+        e.exit_code = exit_codes.START_FAILED
+        raise
+    endpoint, name = server.endpoint, server.info.served_name
+    say("ready", {"endpoint": endpoint, "model": name, "curl": curl_line(endpoint, name, opts.api_key)})
+
+
+def curl_line(endpoint: str, model: str, api_key: str | None) -> str:
+    """A request to paste; the key itself is never printed (the line reads it from $BIGMOE_API_KEY)."""
+    import json
+
+    auth = ' -H "Authorization: Bearer $BIGMOE_API_KEY"' if api_key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32})
+    return f"curl -s {endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"

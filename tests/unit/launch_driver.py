@@ -1,4 +1,5 @@
-"""`bigmoe run --yes`'s serving half (headless.launch_and_serve) over the fake server, for the signal tests:
+"""`bigmoe run --yes`'s serving half (bigmoe.run's launch and ready steps in headless.launch_and_serve) over
+the fake server, for the signal tests:
 
     python launch_driver.py PORT [fake server flags...]
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 from bigmoe import headless
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.errors import BigmoeError
 from bigmoe.serve import launch, records
 
@@ -20,7 +21,7 @@ FAKE = str(Path(__file__).with_name("launch_fake_server.py"))
 
 def main() -> int:
     port, flags = int(sys.argv[1]), sys.argv[2:]
-    opts = pipeline.RunOptions(model="fake", port=port, start_timeout=120)
+    opts = sequence.RunOptions(model="fake", port=port, start_timeout=120)
     info = records.RunInfo(
         name="fake",
         pid=0,
@@ -31,9 +32,14 @@ def main() -> int:
         served_name="fake",
         started=time.time(),
     )
-    start = lambda: launch.start([sys.executable, FAKE, str(port), *flags], {}, info)  # noqa: E731
+    steps = sequence.Steps(
+        start_server=lambda preset, plan, path, opts: launch.start([sys.executable, FAKE, str(port), *flags], {}, info)
+    )
+    say = headless.Printer(as_json=True)
+    start = lambda: sequence.launch_server(steps, None, None, Path(info.model_path), opts, say)  # noqa: E731
+    ready = lambda server: sequence.ready(steps, server, opts, say)  # noqa: E731
     try:
-        return headless.launch_and_serve(start, opts, headless.Printer(as_json=True))
+        return headless.launch_and_serve(start, ready, opts, say)
     except BigmoeError as e:  # as bigmoe.cli.commands shows it
         print(f"bigmoe: {e}", file=sys.stderr)
         return e.exit_code

@@ -9,7 +9,7 @@ import re
 import shutil
 
 import pytest
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.machine.hardware import Hardware
 from bigmoe.model import presets
 from bigmoe.model.checkpoint_arch import (
@@ -166,10 +166,10 @@ def test_the_pipeline_plans_with_a_given_checkpoint(model, tmp_path, monkeypatch
     monkeypatch.setenv("BIGMOE_HOME", str(tmp_path / "home"))
     preset = presets.load("tiny-moe")
     hw: Hardware = machine("cpu-laptop")
-    given = pipeline.make_plan(hw, preset, pipeline.RunOptions(model="tiny-moe", model_dir=str(model)))
+    given = sequence.make_plan(hw, preset, sequence.RunOptions(model="tiny-moe", model_dir=str(model)))
     assert given.config_path == str(model / "config.json")
     assert given.reasons["top_k"] == "from config.json (num_experts_per_tok)"
-    made_yet = pipeline.make_plan(hw, preset, pipeline.RunOptions(model="tiny-moe"))
+    made_yet = sequence.make_plan(hw, preset, sequence.RunOptions(model="tiny-moe"))
     assert made_yet.config_path is None and "not made yet" in made_yet.reasons["experts"]
 
 
@@ -233,8 +233,8 @@ def test_a_checkpoint_directory_as_model_picks_the_preset_by_architecture(qwen4e
     preset = presets.load(str(qwen4exp))
     assert preset.name == "qwen3.8-flash-next" and preset.arch.experts == 12 and preset.arch.moe_layers == 5
     presets.check_config(preset, qwen4exp)  # the numbers it carries are the directory's: nothing to disagree with
-    opts = pipeline.RunOptions(model=str(qwen4exp))
-    assert pipeline.load_preset(opts).name == "qwen3.8-flash-next" and opts.model_dir == str(qwen4exp)
+    opts = sequence.RunOptions(model=str(qwen4exp))
+    assert sequence.load_preset(opts).name == "qwen3.8-flash-next" and opts.model_dir == str(qwen4exp)
 
 
 def test_bigmoe_plan_takes_a_checkpoint_directory(qwen4exp):

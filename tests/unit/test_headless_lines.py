@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from bigmoe.headless import curl_line
-from bigmoe.run import exposure_warning
+from bigmoe.run import curl_line
+from bigmoe.serve.preflight import exposure_warning
 
 
 def test_the_curl_line_reads_the_key_from_the_environment():

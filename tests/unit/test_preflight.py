@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.model import presets
 from bigmoe.serve.preflight import (
     PreflightError,
@@ -26,9 +26,17 @@ SHARD = "model-00001-of-00001.safetensors"
 
 
 def a_plan(**fields):
-    """The fields of bigmoe.plan.planner.Plan that preflight reads (a stand-in, not the estimator)."""
+    """The fields of bigmoe.plan.planner.Plan that preflight and the run's model step read (a stand-in, not the
+    estimator)."""
     base = dict(
-        env={}, pager=True, layers=4, experts=16, expert_bytes=196608, ssd_source="checkpoint", paging_file=None
+        env={},
+        pager=True,
+        layers=4,
+        experts=16,
+        expert_bytes=196608,
+        expert_dtype="bf16",
+        ssd_source="checkpoint",
+        paging_file=None,
     )
     return SimpleNamespace(**(base | fields))
 
@@ -113,10 +121,10 @@ def test_the_run_pipeline_stops_before_vllm_on_a_truncated_shard(private_checkpo
     shard = private_checkpoint / SHARD
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     preset = presets.load("tiny-moe")
-    opts = pipeline.RunOptions(model="tiny-moe", model_dir=str(private_checkpoint), port=1)
+    opts = sequence.RunOptions(model="tiny-moe", model_dir=str(private_checkpoint), port=1)
     plan = a_plan()
     with pytest.raises(PreflightError, match=f"checkpoint shard {shard}: truncated"):
-        pipeline.obtain_model(preset, plan, opts, lambda e, f: None)
+        sequence.obtain_model(preset, plan, opts, lambda e, f: None)
 
 
 def test_preflight_passes_a_sound_start(private_checkpoint):

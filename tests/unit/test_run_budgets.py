@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.cli import main
 from bigmoe.machine.hardware import Hardware
 from bigmoe.model import presets
@@ -25,8 +25,8 @@ def h200(monkeypatch, tmp_path):
 @pytest.mark.parametrize("model, vram_gib, ram_gib", [("qwen3.6-35b-a3b", 16, 24), ("qwen3.8-flash-next", 24, 64)])
 def test_budgets_shrink_the_tiers_of_the_run_plan(h200, model, vram_gib, ram_gib):
     preset = presets.load(model)
-    whole = pipeline.make_plan(h200, preset, pipeline.RunOptions(model=model))
-    small = pipeline.make_plan(h200, preset, pipeline.RunOptions(model=model, vram_gib=vram_gib, ram_gib=ram_gib))
+    whole = sequence.make_plan(h200, preset, sequence.RunOptions(model=model))
+    small = sequence.make_plan(h200, preset, sequence.RunOptions(model=model, vram_gib=vram_gib, ram_gib=ram_gib))
     assert small.vram_slots < whole.vram_slots
     assert small.vram_slots <= small.ram_slots < small.experts  # all three tiers
     assert small.argv[small.argv.index("--max-cudagraph-capture-size") + 1] == str(small.vram_slots // small.top_k)
@@ -36,7 +36,7 @@ def test_budgets_shrink_the_tiers_of_the_run_plan(h200, model, vram_gib, ram_gib
 def test_a_budget_that_is_no_number_is_refused(h200, value):
     preset = presets.load("qwen3.6-35b-a3b")
     with pytest.raises(PlanError):
-        pipeline.make_plan(h200, preset, pipeline.RunOptions(model="qwen3.6-35b-a3b", vram_gib=value))
+        sequence.make_plan(h200, preset, sequence.RunOptions(model="qwen3.6-35b-a3b", vram_gib=value))
 
 
 def test_run_takes_the_budget_options(capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.model import presets
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
@@ -69,7 +69,7 @@ def test_plan_screen_snapshot(tmp_path):
     fake = FakePipeline(tmp_path, gpu_machine())
 
     def make_app():
-        opts = pipeline.RunOptions(model="qwen3.8-flash-next", paging_dir="/srv/paging")
+        opts = sequence.RunOptions(model="qwen3.8-flash-next", paging_dir="/srv/paging")
         return BigmoeApp(presets.load("qwen3.8-flash-next"), opts, fake.steps(), poll_s=3600)
 
     shots = screenshot_twice(make_app, planned)
@@ -85,7 +85,7 @@ def test_dashboard_snapshot(tmp_path):
 
     def make_app():
         fake.tmp = Path(tmp_path)
-        opts = pipeline.RunOptions(model="tiny-moe", port=8123, vram_slots=6, ram_slots=10)
+        opts = sequence.RunOptions(model="tiny-moe", port=8123, vram_slots=6, ram_slots=10)
         return BigmoeApp(presets.load("tiny-moe"), opts, fake.steps(), poll_s=3600)
 
     async def serve_and_chat(pilot):

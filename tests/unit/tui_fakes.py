@@ -10,12 +10,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.machine.hardware import Disk, Gpu, Hardware
+from bigmoe.run import Steps
 from bigmoe.serve import launch
 from bigmoe.serve.client import ChatResult
 from bigmoe.serve.watch import Window
-from bigmoe.tui.steps import Steps
 
 GIB = 1 << 30
 HOME = "/home/user/.cache/bigmoe"
@@ -214,5 +214,5 @@ class FakePipeline:
         return ChatResult(text="The sea is wide and deep.", tokens=7, ttft_ms=41.0, tpot_ms=12.5)
 
 
-def options(**changes) -> pipeline.RunOptions:
-    return pipeline.RunOptions(model="tiny-moe", port=8123, **changes)
+def options(**changes) -> sequence.RunOptions:
+    return sequence.RunOptions(model="tiny-moe", port=8123, **changes)

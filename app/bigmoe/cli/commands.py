@@ -12,6 +12,7 @@ import time
 import click
 
 from bigmoe.cli import exit_codes
+from bigmoe.cli.options import plan_options
 from bigmoe.errors import BigmoeError
 
 
@@ -32,8 +33,6 @@ def cli() -> None:
     type=click.IntRange(1, 1 << 20),
     help="Tokens to generate for --prompt.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port of the API.")
 @click.option(
     "--api-key",
     default=None,
@@ -41,62 +40,7 @@ def cli() -> None:
     show_envvar=True,
     help="Require this API key (it reaches vLLM by environment, never on a command line; printed lines mask it).",
 )
-@click.option(
-    "--model-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Use this checkpoint directory instead of fetching.",
-)
-@click.option(
-    "--vram-slots", type=click.IntRange(1), default=None, help="VRAM expert slots per layer (beats the plan)."
-)
-@click.option(
-    "--ram-slots", type=click.IntRange(1), default=None, help="Pinned RAM expert slots per layer (beats the plan)."
-)
-@click.option(
-    "--compress",
-    type=click.Choice(["on", "off", "auto"]),
-    default=None,
-    help="Lossless FP8 codec for the SSD tier's paging file (records are expanded as they enter RAM).",
-)
-@click.option(
-    "--paging-dir", type=click.Path(file_okay=False), default=None, help="Directory of the SSD tier's paging file."
-)
-@click.option("--context", type=click.IntRange(128), default=None, help="Context length (tokens).")
-@click.option("--force", is_flag=True, help="Launch a plan the estimator refused.")
-@click.option(
-    "--cuda-graphs/--eager",
-    default=True,
-    show_default=True,
-    help="CUDA: the device-driven pager with decode in CUDA graphs, or the host-driven one in eager mode.",
-)
-@click.option(
-    "--prefill-buffer/--no-prefill-buffer",
-    default=None,
-    help=(
-        "CUDA, device-driven pager: prefill over a VRAM buffer of one whole layer's experts "
-        "(default: when VRAM allows)."
-    ),
-)
-@click.option(
-    "--speculative-tokens",
-    type=click.IntRange(0, 3),
-    default=0,
-    show_default=True,
-    help="Speculative decoding with the model's MTP head: draft tokens per step (0 = off).",
-)
-@click.option(
-    "--vram-gib",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Plan as if the GPU had this much VRAM (GiB): fewer VRAM slots, the same command.",
-)
-@click.option(
-    "--ram-gib",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Plan as if the machine had this much RAM (GiB): fewer RAM slots, more read from SSD.",
-)
+@plan_options
 @click.option("--json", "as_json", is_flag=True, help="With --yes: progress as JSON lines.")
 @click.option(
     "--start-timeout",
@@ -106,14 +50,15 @@ def cli() -> None:
     help="Seconds to wait for the server to be ready.",
 )
 def run(model: str, yes: bool, as_json: bool, **options) -> None:
-    """Plan, fetch, prepare and serve MODEL (a preset name such as tiny-moe)."""
+    """Plan, fetch, prepare and serve MODEL (a preset name such as tiny-moe); `bigmoe plan` with the same
+    options prints the plan and the exact vLLM command this runs."""
     from bigmoe import headless
     from bigmoe.run import RunOptions
 
     opts = RunOptions(model=model, **options)
     if yes or not sys.stdin.isatty() or not sys.stdout.isatty():
         sys.exit(headless.run(opts, as_json=as_json))
-    from bigmoe.run import exposure_warning
+    from bigmoe.serve.preflight import exposure_warning
     from bigmoe.tui.app import run_tui
 
     if warning := exposure_warning(opts.host, opts.api_key):

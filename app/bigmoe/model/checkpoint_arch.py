@@ -347,7 +347,7 @@ def find_checkpoint(preset: Preset, given: str | None, dtypes: tuple[str, ...]) 
     model counts only once bigmoe marked its download ready (every file checked)."""
     if given:
         path = Path(given).expanduser()
-        return (path, "") if (path / "config.json").is_file() else (None, f"{path} has no config.json")
+        return (path, "") if (path / "config.json").is_file() else (None, "no readable config.json there")
     if preset.synthetic:
         from bigmoe.paths import cache_root
 

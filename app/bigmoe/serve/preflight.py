@@ -7,6 +7,8 @@ its cause and what fixes it.
 
 from __future__ import annotations
 
+import importlib.util
+import ipaddress
 import os
 import shutil
 from pathlib import Path
@@ -118,3 +120,35 @@ def _nearest_existing(path: Path) -> Path:
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+class VllmMissing(BigmoeError):
+    """vLLM is not importable in this environment."""
+
+
+def require_vllm() -> None:
+    """VllmMissing, with the install command, when this Python cannot import vLLM."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise VllmMissing(
+            "vLLM is not installed in this Python environment; run installer/install.sh "
+            "(or pip install 'bigmoe[cpu]' / 'bigmoe[cuda]')"
+        )
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A warning when the API is reachable beyond this machine and needs no key; None otherwise."""
+    if api_key:
+        return None
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to any address
+    return (
+        f"--host {host} serves the API beyond this machine without --api-key: anyone who can reach it can use "
+        "the model; add --api-key (or set BIGMOE_API_KEY)"
+    )

@@ -15,12 +15,11 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
 from bigmoe.cli import exit_codes
-from bigmoe.run import RunOptions
+from bigmoe.run import RunOptions, Steps
 from bigmoe.tui.dashboard import Dashboard
 from bigmoe.tui.messages import ServerStopped
 from bigmoe.tui.plan_screen import PlanScreen
 from bigmoe.tui.progress_screen import ProgressScreen
-from bigmoe.tui.steps import Steps
 from bigmoe.tui.worker import Session
 
 EXIT_OK = exit_codes.OK

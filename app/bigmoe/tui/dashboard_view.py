@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from rich.table import Table
 from rich.text import Text
 
-from bigmoe.headless import curl_line
+from bigmoe.run import curl_line
 
 TIER_ORDER = ("vram", "ram", "ssd")
 """Tiers top to bottom (the pager's labels)."""

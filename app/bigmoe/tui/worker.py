@@ -1,5 +1,5 @@
-"""The blocking parts of the run (probe, plan, model, prepare, start, polls, chat), written as
-plain functions that Textual runs in worker threads; they report through `post` (a thread-safe
+"""The blocking parts of the run (bigmoe.run's steps, polls, chat) as plain functions that Textual runs in
+worker threads; they report through `post` (a thread-safe
 post_message) with the typed messages of bigmoe.tui.messages.
 
 A Session holds what one `bigmoe run` has decided and started, so that quitting at any
@@ -14,8 +14,9 @@ from typing import Callable
 
 import httpx
 
-from bigmoe import run as pipeline
+from bigmoe import run as sequence
 from bigmoe.errors import BigmoeError
+from bigmoe.run import RunOptions, Steps
 from bigmoe.serve import records
 from bigmoe.serve.vllm_log import exit_reason
 from bigmoe.tui.logtail import LogTail
@@ -29,7 +30,6 @@ from bigmoe.tui.messages import (
     StatsPolled,
     StepProgress,
 )
-from bigmoe.tui.steps import Steps
 
 Post = Callable[[object], object]
 """Thread-safe delivery of a message to a screen (its post_message)."""
@@ -38,8 +38,8 @@ EDITABLE = ("vram_slots", "ram_slots", "compress", "context", "model_dir", "pagi
 """RunOptions fields the plan screen edits."""
 
 
-NO_PAGING_FILE = {"none": "there is no SSD tier", "checkpoint": "the SSD tier reads the checkpoint in place"}
-"""Why a plan needs no paging file, by its ssd_source."""
+PROGRESS_EVENTS = ("model", "fetch", "prepare")
+"""Events of bigmoe.run's steps the progress screen shows as rows (stages have their own message)."""
 
 
 def one_line(error: BaseException) -> str:
@@ -52,7 +52,7 @@ def one_line(error: BaseException) -> str:
 class Session:
     """One run: its preset and options, the machines probed so far, and the server once started."""
 
-    def __init__(self, steps: Steps, preset, opts: pipeline.RunOptions):
+    def __init__(self, steps: Steps, preset, opts: RunOptions):
         self.steps = steps
         self.preset = preset
         self.opts = opts
@@ -64,13 +64,13 @@ class Session:
 
     # ---- plan -------------------------------------------------------------------------
 
-    def options_with(self, edits: dict) -> pipeline.RunOptions:
+    def options_with(self, edits: dict) -> RunOptions:
         unknown = set(edits) - set(EDITABLE)
         if unknown:
             raise ValueError(f"not an editable plan field: {sorted(unknown)}")
         return dataclasses.replace(self.opts, **edits)
 
-    def hardware_for(self, opts: pipeline.RunOptions):
+    def hardware_for(self, opts: RunOptions):
         """The probed machine for these directories (probed once per pair of directories)."""
         key = (opts.model_dir, opts.paging_dir)
         with self._probe_lock:  # edits re-plan in parallel threads; the disks are probed once
@@ -92,28 +92,25 @@ class Session:
 
     # ---- launch -----------------------------------------------------------------------
 
-    def launch(self, the_plan, opts: pipeline.RunOptions, post: Post) -> None:
-        """Model, paging file, server start, /health; posts progress, then ServerReady or StartFailed."""
+    def launch(self, the_plan, opts: RunOptions, post: Post) -> None:
+        """bigmoe.run's model -> prepare -> launch -> ready; posts progress, then ServerReady or StartFailed."""
         self.opts = opts
-        steps, server = self.steps, None
+        server = None
 
-        def progress(event: str, fields: dict) -> None:
-            post(StepProgress(event, dict(fields)))
+        def say(event: str, fields: dict) -> None:
+            if event == "stage":
+                post(StageReached(fields["stage"]))
+            elif event in PROGRESS_EVENTS:
+                post(StepProgress(event, dict(fields)))
 
         try:
-            model_path = steps.obtain_model(self.preset, the_plan, opts, progress)
-            progress("model", {"state": "ready", "path": str(model_path)})
-            if steps.prepare(the_plan, Path(model_path), progress) is None:
-                progress(
-                    "prepare",
-                    {"state": "not needed", "why": NO_PAGING_FILE.get(the_plan.ssd_source, the_plan.ssd_source)},
-                )
+            model_path = sequence.model_ready(self.steps, self.preset, the_plan, opts, say)
             with self._lock:
                 if self.quitting:
                     return
-                server = self.server = steps.start_server(self.preset, the_plan, Path(model_path), opts)
+                server = self.server = sequence.launch_server(self.steps, self.preset, the_plan, model_path, opts, say)
             post(ServerStarted(server))
-            steps.wait_ready(server, opts.start_timeout, lambda stage: post(StageReached(stage)))
+            sequence.ready(self.steps, server, opts, say)
         except Exception as e:  # every failure of a start is shown, and a started server stopped
             if self.quitting:
                 return
