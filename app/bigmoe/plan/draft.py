@@ -201,6 +201,19 @@ class Draft:
         )
         self.memory.append(MemoryTable("VRAM", total, tuple(rows)))
 
+    @property
+    def host_driven(self) -> bool:
+        """Which pager pages the experts on CUDA, decided here only: the host-driven one (eager, no CUDA graphs)
+        when --eager asks for it or the SSD tier is compressed (only the host-driven pager expands compressed
+        records as they enter RAM); the device-driven one in CUDA graphs otherwise. Read once compression is
+        chosen."""
+        return not self.ov.cuda_graphs or self.compress
+
+    @property
+    def host_driven_because(self) -> str:
+        """Why the pager is host-driven, in a few words (only meaningful when host_driven)."""
+        return "--eager" if not self.ov.cuda_graphs else "the SSD tier is compressed"
+
     def _choose_prefill_buffer(self, left: int, per_slot: int) -> tuple[bool, str]:
         """Whether the device-driven pager gets a whole-layer VRAM buffer for big steps (left: VRAM for experts)."""
         arch = self.preset.arch
@@ -208,10 +221,8 @@ class Draft:
         buffer = arch.experts * self.eb
         if slots >= arch.experts:
             return False, "off: every expert is resident in VRAM, nothing is paged"
-        if not self.ov.cuda_graphs:
-            return False, "off: the host-driven pager (--eager) runs big steps in token ranges"
-        if self.compress:
-            return False, "off: a compressed SSD tier is paged from the host, in token ranges"
+        if self.host_driven:
+            return False, f"off: the host-driven pager ({self.host_driven_because}) runs big steps in token ranges"
         if self.ov.prefill_buffer is not None:
             return self.ov.prefill_buffer, f"set by --{'' if self.ov.prefill_buffer else 'no-'}prefill-buffer"
         if (left - buffer) // per_slot < 2 * arch.top_k:
@@ -501,7 +512,7 @@ class Draft:
         arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
         paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.compress else None
         model_path = self.ov.model_path or self._default_model_path()
-        graphs = self.pager and self.device == "cuda" and self.ov.cuda_graphs and not self.compress
+        graphs = self.pager and self.device == "cuda" and not self.host_driven
         settings = pager_settings(
             self.pager,
             self.vram_slots,
@@ -568,8 +579,7 @@ class Draft:
             argv.append("--enforce-eager")
             self.reasons["argv"] += (
                 "; --enforce-eager because the host-driven expert pager reads each step's ids on the host, "
-                "which CUDA graphs cannot replay"
-                + (" (--eager)" if not self.ov.cuda_graphs else " (a compressed SSD tier is host-driven)")
+                "which CUDA graphs cannot replay" + f" ({self.host_driven_because})"
             )
         return dict(
             model=self.preset.name,
