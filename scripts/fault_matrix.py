@@ -33,7 +33,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIGMOE = [sys.executable, "-m", "bigmoe.cli"]
-from bigmoe.cli import exit_codes  # noqa: E402
+from bigmoe import exit_codes  # noqa: E402
 
 READY_S = 900.0  # seconds a CPU start may take on a loaded machine
 

@@ -151,7 +151,7 @@ CURVE_POLICIES = ("lru", "lfu-fast")
 
 def curves(tokens: int, layers: int, seed: int, workers: int) -> dict:
     """Per family and policy, VRAM hit rate against slots / top-k on the 256-expert top-8 shape: the
-    curves bigmoe plan's speed estimate reads (app/bigmoe/plan_speed.py HIT_CURVES)."""
+    curves bigmoe plan's speed estimate reads (app/bigmoe/plan/speed.py HIT_CURVES)."""
     experts, k = 256, 8
     cases = [(f, traces.named_trace(f, tokens, layers, experts, k, seed)) for f in traces.FAMILIES]
     jobs = [
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "--curves",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also measure the hit-rate curves of the synthetic families (plan_speed's HIT_CURVES)",
+        help="also measure the hit-rate curves of the synthetic families (plan/speed.py's HIT_CURVES)",
     )
     ap.add_argument("--merge", type=Path, help="start from this result file, replacing the families run now")
     ap.add_argument("--out", type=Path, help="write the results as JSON")

@@ -1,6 +1,6 @@
 """The app's error base: anything raised as BigmoeError is shown as one line, exit code 1 unless it says another."""
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 
 
 class BigmoeError(Exception):

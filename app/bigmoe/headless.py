@@ -18,8 +18,8 @@ from typing import Callable
 
 import httpx
 
+from bigmoe import exit_codes
 from bigmoe import run as sequence
-from bigmoe.cli import exit_codes
 from bigmoe.run import RunOptions, Steps
 from bigmoe.serve import launch, records
 from bigmoe.serve.client import chat

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
 from bigmoe.plan import build
 from bigmoe.plan.inputs import Overrides

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.serve import launch, records
 
 DRIVER = str(Path(__file__).with_name("launch_driver.py"))

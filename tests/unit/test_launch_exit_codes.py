@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.cli.plan import EXIT_REFUSED
 from bigmoe.model import fetch
 from bigmoe.run import PlanRefused

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from bigmoe.cli.exit_codes import START_FAILED as EXIT_START_FAILED
+from bigmoe.exit_codes import START_FAILED as EXIT_START_FAILED
 from bigmoe.model import presets
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard

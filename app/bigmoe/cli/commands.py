@@ -11,7 +11,7 @@ import time
 
 import click
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.cli.options import plan_options
 from bigmoe.errors import BigmoeError
 

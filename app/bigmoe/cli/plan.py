@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.cli.options import GIB, plan_options
 from bigmoe.cli.render import render_hardware, render_plan
 from bigmoe.machine.hardware import DISK_KINDS

@@ -21,7 +21,7 @@ import time
 
 import click
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
 from bigmoe.model import fetch
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
 from bigmoe.model import fetch, hubcache
 from bigmoe.model.hubcache import RemoteFile, RepoCache

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
 from bigmoe.model import hubcache
 from bigmoe.model.hubcache import Cancelled, RemoteFile, RepoCache

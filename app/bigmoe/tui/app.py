@@ -14,7 +14,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from bigmoe.cli import exit_codes
+from bigmoe import exit_codes
 from bigmoe.run import RunOptions, Steps
 from bigmoe.tui.dashboard import Dashboard
 from bigmoe.tui.messages import ServerStopped
