@@ -1,16 +1,9 @@
 """`bigmoe pull MODEL`: download a model from the Hugging Face Hub and check it is whole.
 
 Output: plain lines (or JSON lines with --json: events "plan", "progress", "ready",
-"error"). Errors are one line on stderr, never a traceback. Exit codes:
-
-  0    ready (or, with --dry-run, it would fit)
-  1    other failure (e.g. a preset made locally: nothing to download)
-  2    bad usage, unknown or malformed preset
-  3    not enough disk (refused before anything was written)
-  5    a downloaded file did not match the Hub's hash (removed; run again)
-  6    repo or revision not found, or the token was refused (HF_TOKEN)
-  7    the Hub could not be reached or the download broke off (run again to resume)
-  130  interrupted
+"error"). Errors are one line on stderr, never a traceback; the exit codes are those of
+bigmoe.exit_codes (README, "Exit codes"): 8 when the files do not fit on the disk, 5 when a downloaded file
+did not match the Hub's hash, 6 for no such repo or revision, 7 when the Hub could not be reached.
 """
 
 from __future__ import annotations
