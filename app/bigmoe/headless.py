@@ -25,7 +25,6 @@ from bigmoe.serve import launch, records
 from bigmoe.serve.client import chat
 from bigmoe.serve.preflight import exposure_warning
 from bigmoe.serve.run_signals import Killed, RunSignals, Stop
-from bigmoe.serve.vllm_log import exit_reason
 
 STATS_EVERY_S = 10.0
 """Seconds between stats lines while serving."""
@@ -144,15 +143,15 @@ def watch(server: launch.Server, say: Printer, every_s: float = STATS_EVERY_S) -
     from bigmoe.serve.watch import Watcher
 
     watcher, idle, next_stats = Watcher(server.endpoint), False, time.monotonic()
-    while server.proc.poll() is None:
+    while (why := sequence.ended(server)) is None:
         if time.monotonic() >= next_stats:
             next_stats += every_s
             idle = stats_line(watcher, say, idle)
         time.sleep(POLL_S)
-    if records.stopped_elsewhere(server.runfile):
+    if why == sequence.STOPPED_ELSEWHERE:
         say("stopped", {"by": "bigmoe stop"})
         return
-    raise launch.LaunchError(exit_reason(server.proc.returncode, Path(server.info.log), " while serving"))
+    raise launch.LaunchError(why)
 
 
 def stats_line(watcher, say: Printer, was_idle: bool) -> bool:

@@ -1,6 +1,6 @@
 """run: the one step sequence of `bigmoe run`, which both shells consume:
 
-    probe -> plan -> model (fetch or make) -> prepare -> launch -> ready -> watch
+    probe -> plan -> model (fetch or make) -> prepare -> launch -> ready -> watch (until ended)
 
 headless.py (`--yes`) prints each step's events as lines; the TUI (tui/worker.py) posts them to its
 screens, with the plan screen between plan and model. Each step reports through `say(event, fields)`
@@ -222,6 +222,22 @@ def ready(steps: Steps, server, opts: RunOptions, say: Progress) -> None:
         raise
     endpoint, name = server.endpoint, server.info.served_name
     say("ready", {"endpoint": endpoint, "model": name, "curl": curl_line(endpoint, name, opts.api_key)})
+
+
+STOPPED_ELSEWHERE = "the server was stopped from another shell (bigmoe stop)"
+"""What ended() says when `bigmoe stop` stopped the server."""
+
+
+def ended(server) -> str | None:
+    """watch: None while the server's process runs; else why it ended, STOPPED_ELSEWHERE when `bigmoe stop`
+    stopped it, otherwise its exit code and the first error line of its log."""
+    from bigmoe.serve.vllm_log import exit_reason
+
+    if server.proc is None or server.proc.poll() is None:
+        return None
+    if records.stopped_elsewhere(server.runfile):
+        return STOPPED_ELSEWHERE
+    return exit_reason(server.proc.returncode, Path(server.info.log), " while serving")
 
 
 def curl_line(endpoint: str, model: str, api_key: str | None) -> str:

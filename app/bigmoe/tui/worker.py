@@ -17,8 +17,6 @@ import httpx
 from bigmoe import run as sequence
 from bigmoe.errors import BigmoeError
 from bigmoe.run import RunOptions, Steps
-from bigmoe.serve import records
-from bigmoe.serve.vllm_log import exit_reason
 from bigmoe.tui.logtail import LogTail
 from bigmoe.tui.messages import (
     ChatAnswered,
@@ -161,17 +159,11 @@ class Session:
 
 def poll(watcher, server, tail: LogTail, post: Post) -> None:
     """One dashboard refresh: a /metrics window, the new log lines, and whether the server is gone."""
-    window, error, exited = None, None, None
-    proc = server.proc
-    if proc is not None and proc.poll() is not None:
-        exited = (
-            "the server was stopped from another shell (bigmoe stop)"
-            if records.stopped_elsewhere(server.runfile)
-            else exit_reason(proc.returncode, Path(server.info.log), " while serving")
-        )
-    elif not server.runfile.exists():
-        exited = "the server was stopped from another shell (bigmoe stop)"
-    else:
+    window, error = None, None
+    exited = sequence.ended(server)
+    if exited is None and not server.runfile.exists():
+        exited = sequence.STOPPED_ELSEWHERE
+    if exited is None:
         try:
             window = watcher.poll()
         except (httpx.HTTPError, ValueError) as e:
