@@ -431,3 +431,29 @@ def test_compression_is_off_by_default_for_the_device_driven_pager_and_on_for_th
     assert eager.compress and "expanded as it enters RAM" in eager.reasons["compress"]
     assert eager.ram_slots == graphs.ram_slots  # compression buys no RAM slots
     assert graphs.estimate.tpot_ms[0] < eager.estimate.tpot_ms[0]  # eager pays vLLM's per-layer overhead
+
+
+def _utilization(p) -> float:
+    return float(p.argv[p.argv.index("--gpu-memory-utilization") + 1])
+
+
+@pytest.mark.parametrize("machine_name", ["rtx4090-wsl2", "h200", "rtx3060-32g"])
+def test_vllm_is_told_the_share_of_the_card_the_plan_may_use(machine_name):
+    """vLLM refuses to start unless this share of the card is free: never more than the probed free VRAM."""
+    hw = machine(machine_name)
+    p = plan(hw, presets.load("qwen3.6-35b-a3b"), dirs(machine_name))
+    gpu = hw.gpu()
+    assert 0 < _utilization(p) * gpu.vram_total_bytes <= gpu.vram_free_bytes
+
+
+def test_a_stated_vram_budget_on_a_bigger_card_is_its_share_of_that_card():
+    hw = machine("h200")
+    card = hw.gpu().vram_total_bytes
+    p = plan(hw, presets.load("qwen3.6-35b-a3b"), dirs("h200", vram_gib=24))
+    assert p.hardware.gpu().stated and p.refusals == ()
+    assert _utilization(p) == pytest.approx(24 * GIB / card, abs=0.01) and _utilization(p) * card <= 24 * GIB
+
+
+def test_a_cpu_plan_sets_no_gpu_share():
+    p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop"))
+    assert p.device == "cpu" and "--gpu-memory-utilization" not in p.argv

@@ -61,6 +61,8 @@ class Gpu:
     """Measured pinned host-to-device copy rate, GB/s (links.py)."""
     h2d_basis: str = ""
     """How and when h2d_gbps was measured, one line ("" when it was not)."""
+    card_bytes: int | None = None
+    """A stated GPU's budget is part of this probed card (its total bytes); None: the card is the budget."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from bigmoe.plan.memory import (
 from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
 from bigmoe.plan.spec import refusal as spec_refusal
 from bigmoe.plan.speed import estimate, speeds_for
-from bigmoe.plan.vllm_command import launch_argv, launch_env, max_seqs_of, pager_settings
+from bigmoe.plan.vllm_command import launch_argv, launch_env, max_seqs_of, memory_utilization, pager_settings
 
 ARCH_REASONS = {
     "moe_layers": "moe_layers",
@@ -235,6 +235,22 @@ class Draft:
             "expert once per layer instead of once per token range (7x lower TTFT on the H200, docs/benchmarks.md; "
             "--no-prefill-buffer gives the slots back)"
         )
+
+    def _memory_utilization(self) -> list[str]:
+        """--gpu-memory-utilization: the card's share this plan may use (the VRAM budget less other users)."""
+        vram = next((t for t in self.memory if t.tier == "VRAM"), None)
+        gpu = self.hw.gpu()
+        if vram is None or gpu is None or not vram.capacity_bytes:
+            return []
+        others = sum(r.bytes for r in vram.rows if r.item in ("other processes", "Windows desktop"))
+        card = gpu.card_bytes or vram.capacity_bytes
+        util = memory_utilization(vram.capacity_bytes - others, card)
+        self.reasons["argv"] += (
+            f"; --gpu-memory-utilization {util:.2f}: the {gib(vram.capacity_bytes - others)} this plan may use of "
+            f"the card's {gib(card)} (vLLM refuses to start when less than that share is free; "
+            "its KV cache is sized by --kv-cache-memory-bytes)"
+        )
+        return ["--gpu-memory-utilization", f"{util:.2f}"]
 
     def _vram_others(self, gpu: Gpu, total: int) -> MemoryRow:
         if not gpu.stated and isinstance(gpu.vram_free_bytes, int):
@@ -560,6 +576,8 @@ class Draft:
             self.kv,
             batch_tokens(max_seqs_of(self.preset), self.context),
         )
+        if self.device == "cuda":
+            argv += self._memory_utilization()
         spec = self.ov.speculative_tokens
         if why := spec_refusal(spec, self.preset.name, arch.mtp_layers, self.vram_slots, arch.top_k, graphs):
             self.refusals.append(why)

@@ -105,8 +105,21 @@ def stated_machine(hw: Hardware, ov: Overrides) -> Hardware:
         vram = int((ov.vram_gib if ov.vram_gib is not None else gpu_spec(ov.gpu)[0]) * GIB)
         name = ov.gpu or f"GPU with {vram / GIB:g} GiB"
         not_probed = Unknown("the GPU was stated on the command line, not probed")
+        probed = hw.gpu()
+        card = probed.vram_total_bytes if probed is not None and isinstance(probed.vram_total_bytes, int) else None
         changes["gpus"] = (
-            Gpu(0, name, vram, vram, not_probed, not_probed, not_probed, stated=True, h2d_gbps=not_probed),
+            Gpu(
+                0,
+                name,
+                vram,
+                vram,
+                not_probed,
+                not_probed,
+                not_probed,
+                stated=True,
+                h2d_gbps=not_probed,
+                card_bytes=card,
+            ),
         )
     if ov.ram_gib is not None:
         ram = int(ov.ram_gib * GIB)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ PLANNED_FLAGS = (
     "--max-model-len",
     "--kv-cache-memory-bytes",
     "--max-num-batched-tokens",
+    "--gpu-memory-utilization",
 )
 """Flags the plan sets itself; a preset's own value for one of them is dropped."""
 
@@ -51,6 +53,16 @@ def launch_argv(
         "--max-num-batched-tokens",
         str(batch),
     ]
+
+
+def memory_utilization(budget_bytes: int, card_bytes: int) -> float:
+    """--gpu-memory-utilization for an engine allowed `budget_bytes` of a card of `card_bytes`.
+
+    vLLM refuses to start unless the card's free memory is at least this share of it; the KV cache is
+    sized by --kv-cache-memory-bytes, so the share is only that check. Rounded down to 0.01 (a share
+    rounded up could ask for more than is free), at most vLLM's default 0.9.
+    """
+    return min(0.9, max(0.01, math.floor(budget_bytes / card_bytes * 100) / 100))
 
 
 def preset_args(preset: Preset) -> list[str]:
