@@ -45,7 +45,9 @@ def test_side_stream_prefetch_in_a_graph_never_changes_what_a_step_reads(policy)
         pager.warm_vram(torch.arange(slots))
     ids = torch.zeros((2, 1, k), dtype=torch.int32, device="cuda")
     guess = torch.full((p,), -1, dtype=torch.int64, device="cuda")
-    out = [torch.zeros((k, layout.record_bytes), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    # the components' bytes back to back (a record also holds alignment padding between them)
+    component_bytes = sum(c.nbytes for c in layout.components)
+    out = [torch.zeros((k, component_bytes), dtype=torch.uint8, device="cuda") for _ in range(2)]
     side = torch.cuda.Stream()
 
     def token() -> None:

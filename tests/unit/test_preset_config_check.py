@@ -55,3 +55,15 @@ def test_moe_layer_count_follows_qwens_sparse_rules():
     assert moe_layer_count({"num_hidden_layers": 8, "mlp_only_layers": [0, 1]}) == 6
     assert moe_layer_count({"num_hidden_layers": 8, "decoder_sparse_step": 2}) == 4
     assert moe_layer_count({}) is None
+
+
+def test_a_source_checkout_without_an_install_finds_the_presets_folder(monkeypatch):
+    """With PYTHONPATH=app (no install maps bigmoe.preset_files to presets/), the checkout's presets/ are read."""
+    installed = presets.names()
+
+    def not_installed(package):
+        raise ModuleNotFoundError(f"No module named {package!r}")
+
+    monkeypatch.setattr(presets.resources, "files", not_installed)
+    assert presets.names() == installed and "qwen3.8-flash-next" in installed
+    assert presets.load("qwen3.8-flash-next").arch.experts == 512

@@ -169,8 +169,17 @@ def parse(text: str, source: str) -> Preset:
     return preset
 
 
+SOURCE_TREE_PRESETS = Path(__file__).resolve().parents[3] / "presets"
+"""The presets folder of a source checkout, for runs with PYTHONPATH=app (no install maps `bigmoe.preset_files`)."""
+
+
 def _files():
-    return list(resources.files("bigmoe.preset_files").iterdir())
+    try:
+        return list(resources.files("bigmoe.preset_files").iterdir())
+    except ModuleNotFoundError:
+        if not SOURCE_TREE_PRESETS.is_dir():
+            raise
+        return list(SOURCE_TREE_PRESETS.iterdir())
 
 
 # Names the same number goes by in the config.json of different Qwen MoE generations.
