@@ -27,7 +27,7 @@ from bigmoe_pager.core.host_pager import TierSizes  # noqa: E402
 from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 from bigmoe_pager.core.stats import PagerStats  # noqa: E402
-from ssd_testkit import make_checkpoint  # noqa: E402
+from ssd_testkit import loaded_layers, make_checkpoint  # noqa: E402
 
 LAYERS, EXPERTS, VRAM, RAM, K, P = 2, 16, 3, 6, 2, 4
 
@@ -48,18 +48,7 @@ def _wanted(ckpt, layer, expert):
 
 def _build(ckpt):
     stats = PagerStats(LAYERS, "cuda")
-    pagers = []
-    for layer in range(LAYERS):
-        p = DeviceLayerPager(
-            ckpt.layout, TierSizes(EXPERTS, VRAM, RAM), "cuda", layer=layer, stats=stats, read_ahead=True
-        )
-        for e in range(EXPERTS):
-            row = p.ram_slot_for_load(e)
-            if row is not None:
-                p.ram.records[row, : ckpt.layout.record_bytes] = ckpt.reference(layer, e)
-                for c in ckpt.layout.components:
-                    p.mark_loaded(e, c.name)
-        pagers.append(p)
+    pagers = loaded_layers(ckpt, TierSizes(EXPERTS, VRAM, RAM), "cuda", stats, read_ahead=True)
     svc = SsdService(
         ckpt.store(retries=1),
         [p.ram.records for p in pagers],

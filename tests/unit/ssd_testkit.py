@@ -145,6 +145,23 @@ class FakeFullDiskFile:
         return getattr(self._f, name)
 
 
+def loaded_layers(ckpt, sizes, device: str, stats, read_ahead: bool) -> list:
+    """One DeviceLayerPager per checkpoint layer, its RAM records filled as the engine's loader fills them."""
+    from bigmoe_pager.core.device_layer import DeviceLayerPager
+
+    pagers = []
+    for layer in range(ckpt.num_layers):
+        p = DeviceLayerPager(ckpt.layout, sizes, device, layer=layer, stats=stats, read_ahead=read_ahead)
+        for e in range(sizes.experts):
+            row = p.ram_slot_for_load(e)
+            if row is not None:
+                p.ram.records[row, : ckpt.layout.record_bytes] = ckpt.reference(layer, e)
+                for c in ckpt.layout.components:
+                    p.mark_loaded(e, c.name)
+        pagers.append(p)
+    return pagers
+
+
 def mount_small_tmpfs(where: Path, size: str = "1m") -> str:
     """Mount a tmpfs of `size` at where (needs root); returns "" or why it could not."""
     where.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import RamTier, RamTierError
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.core.stats import PagerStats
-from ssd_testkit import FakeFaultyIO, make_checkpoint
+from ssd_testkit import FakeFaultyIO, loaded_layers, make_checkpoint
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -48,18 +48,7 @@ def slot_bytes(pager: DeviceLayerPager, slot: int) -> torch.Tensor:
 def build(ckpt, vram: int, ram: int, read_ahead: bool, io=None, service_read_ahead=None, **service):
     """Both layers' pagers, loaded as the engine loads them, over one SSD service (mailbox, interpreter)."""
     stats = PagerStats(LAYERS)
-    pagers = []
-    for layer in range(LAYERS):
-        p = DeviceLayerPager(
-            ckpt.layout, TierSizes(EXPERTS, vram, ram), "cpu", layer=layer, stats=stats, read_ahead=read_ahead
-        )
-        for e in range(EXPERTS):
-            row = p.ram_slot_for_load(e)
-            if row is not None:
-                p.ram.records[row, : ckpt.layout.record_bytes] = ckpt.reference(layer, e)
-                for c in ckpt.layout.components:
-                    p.mark_loaded(e, c.name)
-        pagers.append(p)
+    pagers = loaded_layers(ckpt, TierSizes(EXPERTS, vram, ram), "cpu", stats, read_ahead=read_ahead)
     service.setdefault("read_timeout_s", 5.0)
     svc = SsdService(
         ckpt.store(io=io, retries=1),
