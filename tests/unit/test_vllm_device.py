@@ -132,7 +132,8 @@ def test_a_chunked_step_runs_vllms_kernel_on_each_range_after_its_paging():
     assert events == [("step", 2), ("kernel", 2), ("step", 1), ("kernel", 1)]
 
 
-def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer_without_slots(tmp_path, monkeypatch):
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer_without_slots(tmp_path, read_ahead):
     """Speculative decoding off: vLLM builds no MTP layer, but the checkpoint's store still names its experts."""
     import json
     import sys
@@ -167,11 +168,23 @@ def test_the_ssd_service_serves_the_paged_layers_and_leaves_an_unbuilt_mtp_layer
     ]
     parts = vllm_device.DeviceParts()
     parts.stats = PagerStats(2)
-    fetchers = vllm_device._ssd_fetchers(parts, layers, PagerSettings(enabled=True))
+    fetchers = vllm_device._ssd_fetchers(parts, layers, PagerSettings(enabled=True, ssd_read_ahead=read_ahead))
     service = parts.ssd
     try:
         assert sorted(fetchers) == [0, 1]
         assert [len(rows) for rows in service._rows] == [2, 2, 0]
+        assert service.read_ahead == read_ahead  # BIGMOE_SSD_READ_AHEAD reaches the service the layers post to
     finally:
         service.close()
         store.close()
+
+
+@pytest.mark.parametrize(
+    "asked,ram,reads_ahead",
+    [(True, 256, True), (True, 512, False), (False, 256, False), (False, 512, False)],
+)
+def test_a_layer_reads_ahead_only_when_asked_and_some_experts_live_only_on_ssd(asked, ram, reads_ahead):
+    from bigmoe_pager.core.host_pager import TierSizes
+
+    sizes = TierSizes(experts=512, vram=64, ram=ram)
+    assert vllm_device.reads_ahead(PagerSettings(enabled=True, ssd_read_ahead=asked), sizes) == reads_ahead

@@ -118,9 +118,18 @@ def refuse_trace_in_graphs(settings: PagerSettings, vllm_config) -> None:
 
 
 def layer_pager(
-    parts: DeviceParts, layout, sizes: TierSizes, moe_index: int, num_moe_layers: int, warm_order, eviction: str
+    parts: DeviceParts,
+    layout,
+    sizes: TierSizes,
+    moe_index: int,
+    num_moe_layers: int,
+    warm_order,
+    settings: PagerSettings,
 ) -> DeviceLayerPager:
-    """The layer's pager; its counters live in the process's one table on the current CUDA device."""
+    """The layer's pager; its counters live in the process's one table on the current CUDA device.
+
+    With BIGMOE_SSD_READ_AHEAD and a partial RAM tier, its predictions (a replayed trace's, through
+    routing.py) also post SSD reads, so the RAM tier and the SSD service are built for posting."""
     device = torch.device("cuda", torch.cuda.current_device())
     with parts.lock:
         if parts.stats is None:
@@ -129,8 +138,20 @@ def layer_pager(
             parts.mirror.zero_()
         parts.last_layer = max(parts.last_layer, moe_index)
     return DeviceLayerPager(
-        layout, sizes, device, layer=moe_index, stats=parts.stats, warm_order=warm_order, policy=eviction
+        layout,
+        sizes,
+        device,
+        layer=moe_index,
+        stats=parts.stats,
+        warm_order=warm_order,
+        policy=settings.eviction,
+        read_ahead=reads_ahead(settings, sizes),
     )
+
+
+def reads_ahead(settings: PagerSettings, sizes: TierSizes) -> bool:
+    """Whether a layer posts SSD reads for predicted experts: asked for, and some experts live only on SSD."""
+    return settings.ssd_read_ahead and sizes.ram < sizes.experts
 
 
 def forward(layer, x, topk_weights, topk_ids, kernel):
@@ -237,7 +258,11 @@ def _ssd_fetchers(parts: DeviceParts, layers: list, settings: PagerSettings) -> 
         rows.setdefault(i, unread)
         sinks.setdefault(i, None)
     service = SsdService.from_settings(
-        store, [rows[i] for i in range(store.num_layers)], settings, sinks=[sinks[i] for i in range(store.num_layers)]
+        store,
+        [rows[i] for i in range(store.num_layers)],
+        settings,
+        sinks=[sinks[i] for i in range(store.num_layers)],
+        read_ahead=settings.ssd_read_ahead,  # entries for posted reads; layers post only when partial
     )
     parts.ssd = service
     return {l._moe_index: ServiceFetch(service, l._ssd_source.layer) for l in partial}

@@ -96,7 +96,7 @@ class PagedRoutedExperts(RoutedExperts):
             self._ssd_source = glue.open_source(proc, vllm_config, self._layout, self._decoder_layer, num_experts, ram)
             if proc.on_device:
                 self.pager = device.layer_pager(
-                    proc.device, self._layout, sizes, moe_index, num_moe_layers, order, settings.eviction
+                    proc.device, self._layout, sizes, moe_index, num_moe_layers, order, settings
                 )
             else:
                 self.pager = HostPager(
