@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial
 
 import click
 
 from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
 from bigmoe.model import fetch
+from bigmoe.units import size_text
 
 EXIT_USAGE = exit_codes.USAGE
 
@@ -112,11 +114,8 @@ class Lines:
         click.echo(json.dumps({"event": event, "time": round(time.time(), 3), **fields}))
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+_size = partial(size_text, digits=2, smallest="B")
+"""Sizes as pull prints them: two decimals, down to plain bytes."""
 
 
 def _duration(s: float) -> str:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bigmoe.machine.hardware import Hardware, Unknown
-from bigmoe.plan.memory import gib
 from bigmoe.plan.planner import Plan
+from bigmoe.units import size_text
 
 
 def render_hardware(hw: Hardware) -> str:
@@ -13,7 +13,7 @@ def render_hardware(hw: Hardware) -> str:
         lines.append(f"GPU        {hw.gpus if isinstance(hw.gpus, Unknown) else 'none (NVML sees no GPU)'}")
     else:
         for g in hw.gpus:
-            free = f" ({gib(g.vram_free_bytes)} free)" if isinstance(g.vram_free_bytes, int) else ""
+            free = f" ({size_text(g.vram_free_bytes)} free)" if isinstance(g.vram_free_bytes, int) else ""
             lines.append(
                 f"GPU {g.index}      {g.name}: {_size(g.vram_total_bytes)} VRAM{free}, compute {g.compute_capability}, "
                 f"PCIe Gen{g.pcie_gen} x{g.pcie_width} (max)"
@@ -47,8 +47,8 @@ def render_plan(p: Plan) -> str:
         f"  experts      {p.experts} per layer: {r['experts']}",
         f"  top-k        {p.top_k}: {r['top_k']}",
         f"  expert size  {p.expert_bytes / (1 << 20):.2f} MiB: {r['expert_bytes']}",
-        f"  dense        {gib(p.dense_bytes)}: {r['dense_bytes']}",
-        f"  n-gram table {gib(p.ngram_table_bytes)}: {r['ngram_table']}",
+        f"  dense        {size_text(p.dense_bytes)}: {r['dense_bytes']}",
+        f"  n-gram table {size_text(p.ngram_table_bytes)}: {r['ngram_table']}",
         f"  context      {p.context} tokens: {r['context']}",
         f"  VRAM slots   {p.vram_slots} of {p.experts} per layer: {r['vram_slots']}",
         f"  RAM slots    {p.ram_slots} of {p.experts} per layer: {r['ram_slots']}",
@@ -61,10 +61,10 @@ def render_plan(p: Plan) -> str:
         f"RAM or better {p.estimate.ram_hit[1]:.0%}-{p.estimate.ram_hit[0]:.0%})",
     ]
     for table in p.memory:
-        capacity = "capacity unknown" if table.capacity_bytes is None else f"of {gib(table.capacity_bytes)}"
+        capacity = "capacity unknown" if table.capacity_bytes is None else f"of {size_text(table.capacity_bytes)}"
         verdict = {True: "fits", False: "DOES NOT FIT", None: "not checked"}[table.fits]
-        lines.append(f"{table.tier}: {gib(table.used_bytes)} {capacity} ({verdict})")
-        lines += [f"  {row.item:<22} {gib(row.bytes):>10}  {row.reason}" for row in table.rows]
+        lines.append(f"{table.tier}: {size_text(table.used_bytes)} {capacity} ({verdict})")
+        lines += [f"  {row.item:<22} {size_text(row.bytes):>10}  {row.reason}" for row in table.rows]
     lines.append("vLLM: " + " ".join(_quote(a) for a in p.argv))
     lines += [f"  {k}={v}" for k, v in p.env.items()]
     lines += ["measured: " + m for m in p.measured]
@@ -76,9 +76,7 @@ def render_plan(p: Plan) -> str:
 
 
 def _size(value: int | Unknown) -> str:
-    if not isinstance(value, int):
-        return str(value)
-    return gib(value) if value >= 1 << 30 else f"{value / (1 << 20):.1f} MiB"
+    return size_text(value, smallest="MiB")
 
 
 def _rate(gbps: float | Unknown, basis: str) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bigmoe.errors import BigmoeError
+from bigmoe.units import size_text
 
 DISK_KINDS = ("nvme", "sata", "hdd", "virtual")
 """Device kinds a disk can be: NVMe SSD, other SSD (SATA/SAS/USB), rotating disk, VM disk."""
@@ -144,12 +145,13 @@ class Hardware:
         gpu = self.gpu()
         gpu_text = str(self.gpus) if isinstance(self.gpus, Unknown) else "none"
         if gpu is not None:
-            gpu_text = f"{gpu.name}, {_gib(gpu.vram_total_bytes)} VRAM"
+            gpu_text = f"{gpu.name}, {size_text(gpu.vram_total_bytes)} VRAM"
         return {
             "gpu": gpu_text,
-            "ram": f"{_gib(self.ram_available_bytes)} available of {_gib(self.ram_total_bytes)}",
+            "ram": f"{size_text(self.ram_available_bytes)} available of {size_text(self.ram_total_bytes)}",
             "wsl2": str(self.wsl2),
-            "disks": "; ".join(f"{d.path}: {d.kind}, {_gib(d.free_bytes)} free" for d in self.disks) or "none probed",
+            "disks": "; ".join(f"{d.path}: {d.kind}, {size_text(d.free_bytes)} free" for d in self.disks)
+            or "none probed",
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,10 +161,6 @@ class Hardware:
     def from_dict(cls, data: Any) -> "Hardware":
         """Inverse of to_dict; raises HardwareError naming the first bad field."""
         return _decode_dataclass(cls, data, "hardware")
-
-
-def _gib(value: int | Unknown) -> str:
-    return f"{value / 2**30:.1f} GiB" if isinstance(value, int) else str(value)
 
 
 # ---- JSON round trip ----------------------------------------------------------------

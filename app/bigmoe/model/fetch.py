@@ -34,6 +34,7 @@ from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
 from bigmoe.model import hubcache
 from bigmoe.model.hubcache import Cancelled, RemoteFile, RepoCache
+from bigmoe.units import size_text
 
 HEADROOM_BYTES = 1 << 30  # left free after a download: logs, the tree cache, filesystem metadata
 STALE_PARTIAL_S = 600.0  # a partial file untouched this long belongs to a run that died
@@ -453,9 +454,10 @@ def _refuse_unless_fits(plan: FetchPlan, cache: RepoCache, free_space: FreeSpace
     )
     if not now.fits:
         raise DiskTooSmall(
-            f"{plan.repo_id} needs {_gib(now.bytes_to_download)} more plus {_gib(now.headroom_bytes)} headroom, "
-            f"but {cache.root} has {_gib(now.free_bytes + now.reclaimable_bytes)} free "
-            f"({_gib(now.shortfall_bytes)} short); free some space or pass another --cache-dir"
+            f"{plan.repo_id} needs {size_text(now.bytes_to_download, 2, 'MiB')} more "
+            f"plus {size_text(now.headroom_bytes, 2, 'MiB')} headroom, "
+            f"but {cache.root} has {size_text(now.free_bytes + now.reclaimable_bytes, 2, 'MiB')} free "
+            f"({size_text(now.shortfall_bytes, 2, 'MiB')} short); free some space or pass another --cache-dir"
         )
 
 
@@ -515,10 +517,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 # -- progress -------------------------------------------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bigmoe.machine.hardware import Disk, Unknown
-from bigmoe.plan.memory import DISK_HEADROOM_BYTES, MIB, MemoryRow, MemoryTable, gib
+from bigmoe.plan.memory import DISK_HEADROOM_BYTES, MemoryRow, MemoryTable
+from bigmoe.units import MIB, size_text
 
 if TYPE_CHECKING:
     from bigmoe.plan.draft import Draft
@@ -33,9 +34,10 @@ def disk_tables(d: "Draft") -> None:
         rows.append(MemoryRow("headroom", DISK_HEADROOM_BYTES, "logs and temporary files"))
         table = MemoryTable(f"disk {path}", _capacity(d, disk, path, checkpoint in rows), tuple(rows))
         if table.fits is False:
-            items = " + ".join(f"{r.item} {gib(r.bytes)}" for r in rows)
+            items = " + ".join(f"{r.item} {size_text(r.bytes)}" for r in rows)
             d.refusals.append(
-                f"disk full: {path} needs {gib(table.used_bytes)} ({items}) but has {gib(table.capacity_bytes)} for it"
+                f"disk full: {path} needs {size_text(table.used_bytes)} ({items}) "
+                f"but has {size_text(table.capacity_bytes)} for it"
             )
         d.memory.append(table)
     _check_safety(d, model_disk, paging_disk)

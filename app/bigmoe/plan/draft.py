@@ -18,7 +18,6 @@ from bigmoe.plan.memory import (
     CODEC_RATIO,
     CUDA_CONTEXT_BYTES,
     DISK_HEADROOM_BYTES,
-    MIB,
     NGRAM_PAGE_CACHE_BYTES,
     RAM_HEADROOM,
     VLLM_HOST_BYTES,
@@ -30,7 +29,6 @@ from bigmoe.plan.memory import (
     activation_reason,
     batch_tokens,
     default_context,
-    gib,
     kv_cache_bytes,
     kv_reason,
     os_reserve_bytes,
@@ -39,6 +37,7 @@ from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers, speculati
 from bigmoe.plan.spec import refusal as spec_refusal
 from bigmoe.plan.speed import estimate, speeds_for
 from bigmoe.plan.vllm_command import launch_argv, launch_env, max_seqs_of, memory_utilization, pager_settings
+from bigmoe.units import MIB, size_text
 
 ARCH_REASONS = {
     "moe_layers": "moe_layers",
@@ -86,8 +85,8 @@ class Draft:
         self.reasons["kv_cache"] = kv_reason(arch, self.context)
         self.ngram = arch.ngram_table_bytes > 0
         self.reasons["ngram"] = (
-            f"the {gib(arch.ngram_table_bytes)} n-gram table is never loaded: each token's rows are read from the "
-            "checkpoint on SSD, with the OS page cache as its RAM tier"
+            f"the {size_text(arch.ngram_table_bytes)} n-gram table is never loaded: each token's rows are read "
+            "from the checkpoint on SSD, with the OS page cache as its RAM tier"
             if self.ngram
             else "the model has no n-gram table"
         )
@@ -137,7 +136,7 @@ class Draft:
         if not self.preset.synthetic:
             total = self.preset.total_expert_bytes("fp8")
             self.refusals.append(
-                f"no GPU ({why}): {self.preset.name}'s {gib(total)} of FP8 experts need an NVIDIA GPU; "
+                f"no GPU ({why}): {self.preset.name}'s {size_text(total)} of FP8 experts need an NVIDIA GPU; "
                 "plan for one with --vram-gib"
             )
 
@@ -179,18 +178,19 @@ class Draft:
         self.reasons["vram_slots"] = why
         if total and left < 0:
             self.refusals.append(
-                f"too little VRAM for the dense weights: {gib(arch.dense_bytes)} of them plus KV cache, "
-                f"activations and reserves need {gib(total - left)}, the GPU has {gib(total)}"
+                f"too little VRAM for the dense weights: {size_text(arch.dense_bytes)} of them plus KV cache, "
+                f"activations and reserves need {size_text(total - left)}, the GPU has {size_text(total)}"
             )
         elif total and left < arch.top_k * per_slot:
             self.refusals.append(
-                f"too little VRAM for expert slots: {gib(left)} is left after the dense weights, KV cache "
-                f"and reserves; {arch.top_k} slots per layer (one token's experts) need {gib(arch.top_k * per_slot)}"
+                f"too little VRAM for expert slots: {size_text(left)} is left after the dense weights, KV cache "
+                f"and reserves; {arch.top_k} slots per layer (one token's experts) "
+                f"need {size_text(arch.top_k * per_slot)}"
             )
         elif self.vram_slots * per_slot > left:
             self.refusals.append(
-                f"out of VRAM: {self.vram_slots} slots per layer need {gib(self.vram_slots * per_slot)}, "
-                f"{gib(left)} is left after dense weights, KV cache and reserves"
+                f"out of VRAM: {self.vram_slots} slots per layer need {size_text(self.vram_slots * per_slot)}, "
+                f"{size_text(left)} is left after dense weights, KV cache and reserves"
             )
         rows.append(
             MemoryRow(
@@ -227,11 +227,11 @@ class Draft:
             return self.ov.prefill_buffer, f"set by --{'' if self.ov.prefill_buffer else 'no-'}prefill-buffer"
         if (left - buffer) // per_slot < 2 * arch.top_k:
             return False, (
-                f"off: its {gib(buffer)} would leave fewer than {2 * arch.top_k} VRAM slots per layer; "
+                f"off: its {size_text(buffer)} would leave fewer than {2 * arch.top_k} VRAM slots per layer; "
                 "big steps run in token ranges through the slots"
             )
         return True, (
-            f"on: {gib(buffer)} of VRAM ({buffer / per_slot:.1f} slots per layer) lets a prefill load each "
+            f"on: {size_text(buffer)} of VRAM ({buffer / per_slot:.1f} slots per layer) lets a prefill load each "
             "expert once per layer instead of once per token range (7x lower TTFT on the H200, docs/benchmarks.md; "
             "--no-prefill-buffer gives the slots back)"
         )
@@ -246,8 +246,8 @@ class Draft:
         card = gpu.card_bytes or vram.capacity_bytes
         util = memory_utilization(vram.capacity_bytes - others, card)
         self.reasons["argv"] += (
-            f"; --gpu-memory-utilization {util:.2f}: the {gib(vram.capacity_bytes - others)} this plan may use of "
-            f"the card's {gib(card)} (vLLM refuses to start when less than that share is free; "
+            f"; --gpu-memory-utilization {util:.2f}: the {size_text(vram.capacity_bytes - others)} this plan "
+            f"may use of the card's {size_text(card)} (vLLM refuses to start when less than that share is free; "
             "its KV cache is sized by --kv-cache-memory-bytes)"
         )
         return ["--gpu-memory-utilization", f"{util:.2f}"]
@@ -268,14 +268,14 @@ class Draft:
         if fit >= arch.experts:
             return (
                 arch.experts,
-                f"{tier} holds all {arch.experts} experts of every layer ({gib(left)} left for experts)",
+                f"{tier} holds all {arch.experts} experts of every layer ({size_text(left)} left for experts)",
             )
         if fit < arch.top_k:
             return (
                 arch.top_k,
                 f"{tier} fits only {fit} slots per layer; planned at top-k {arch.top_k}, the least a token needs",
             )
-        return fit, f"{gib(left)} of {tier} left for experts holds {fit} slots per layer"
+        return fit, f"{size_text(left)} of {tier} left for experts holds {fit} slots per layer"
 
     def _activations(self, device: str) -> MemoryRow:
         seqs = max_seqs_of(self.preset)
@@ -303,7 +303,9 @@ class Draft:
             )
             self.compress, self.reasons["compress"] = False, "off: every expert is resident, nothing is paged"
             if left < 0:
-                self.refusals.append(f"out of memory: RAM needs {gib(total - left)}, the machine has {gib(total)}")
+                self.refusals.append(
+                    f"out of memory: RAM needs {size_text(total - left)}, the machine has {size_text(total)}"
+                )
         self.memory.append(MemoryTable("RAM", total, tuple(rows)))
 
     def _ram_raw_fit(self) -> int:
@@ -401,7 +403,7 @@ class Draft:
         elif self.ram_slots * self.paged_layers * stored > left:
             self.refusals.append(
                 f"out of memory: {self.ram_slots} RAM slots per layer need "
-                f"{gib(self.ram_slots * self.paged_layers * stored)}, {gib(max(left, 0))} is left"
+                f"{size_text(self.ram_slots * self.paged_layers * stored)}, {size_text(max(left, 0))} is left"
             )
         self.reasons["ram_slots"] = why + (" (pinned)" if self.device == "cuda" else "")
         pinned = self.ram_slots * self.paged_layers * stored
@@ -417,7 +419,7 @@ class Draft:
         limit = self.hw.memlock_bytes
         if self.device == "cuda" and isinstance(limit, int) and limit < pinned:
             self.notes.append(
-                f"ulimit -l is {limit // 1024} KiB, below the {gib(pinned)} pinned RAM tier: CUDA pins through "
+                f"ulimit -l is {limit // 1024} KiB, below the {size_text(pinned)} pinned RAM tier: CUDA pins through "
                 "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails"
             )
 
@@ -449,7 +451,7 @@ class Draft:
         if paging is not None and isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
             return (
                 False,
-                f"off: no room for a {gib(self.paging_bytes)} paging file on {paging.path}; "
+                f"off: no room for a {size_text(self.paging_bytes)} paging file on {paging.path}; "
                 "the SSD tier reads the checkpoint",
             )
         if paging is not None and (paging.windows_drive is True or paging.kind == "hdd"):

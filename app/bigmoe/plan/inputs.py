@@ -12,8 +12,8 @@ from bigmoe_pager.settings import COMPRESS_CHOICES
 from bigmoe.errors import BigmoeError
 from bigmoe.machine.hardware import DISK_KINDS, Disk, Gpu, Hardware, Unknown
 from bigmoe.model.presets import Preset
-from bigmoe.plan.memory import GIB
 from bigmoe.plan.speed import gpu_spec
+from bigmoe.units import GIB
 
 MIN_CONTEXT = 128
 """Shortest context (tokens) `plan` and `run` accept: below it a chat template alone does not fit."""

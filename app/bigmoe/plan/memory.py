@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigmoe.model.presets import Arch
-
-GIB = 1 << 30
-MIB = 1 << 20
+from bigmoe.units import GIB, MIB
 
 CODEC_RATIO = 0.86
 """Compressed / raw bytes of an FP8 expert record (the codec's expected ratio until measured)."""
@@ -126,7 +124,3 @@ def activation_reason(device: str, max_seqs: int, batch: int) -> str:
 
 def os_reserve_bytes(total: int) -> int:
     return max(OS_RESERVE_MIN, int(total * OS_RESERVE_FRACTION))
-
-
-def gib(value: float) -> str:
-    return f"{value / GIB:.1f} GiB"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bigmoe.errors import BigmoeError
 from bigmoe.model.shard_check import checkpoint_problems
+from bigmoe.units import size_text
 
 PAGING_HEADROOM_BYTES = 1 << 30
 """Free space left on the paging file's disk after it is built (logs, filesystem metadata)."""
@@ -93,9 +94,9 @@ def paging_space_problem(the_plan) -> str | None:
     if free >= need:
         return None
     return (
-        f"the paging file {path} needs up to {_gib(need - PAGING_HEADROOM_BYTES)} "
-        f"plus {_gib(PAGING_HEADROOM_BYTES)} "
-        f"headroom, but its disk has {_gib(free)} free; free space or pass --paging-dir on another disk"
+        f"the paging file {path} needs up to {size_text(need - PAGING_HEADROOM_BYTES, 2, 'MiB')} "
+        f"plus {size_text(PAGING_HEADROOM_BYTES, 2, 'MiB')} "
+        f"headroom, but its disk has {size_text(free, 2, 'MiB')} free; free space or pass --paging-dir on another disk"
     )
 
 
@@ -116,10 +117,6 @@ def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 class VllmMissing(BigmoeError):

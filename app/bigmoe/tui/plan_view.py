@@ -10,8 +10,7 @@ from rich.text import Text
 
 from bigmoe.machine.hardware import Hardware, Unknown, known
 from bigmoe.plan.planner import Plan
-
-GIB = 1 << 30
+from bigmoe.units import size_text
 
 CHOICE_ORDER = (
     "device",
@@ -35,10 +34,6 @@ CHOICE_ORDER = (
 """Plan.reasons keys in the order a person reads them; keys not listed follow in the plan's order."""
 
 
-def gib(value) -> str:
-    return f"{value / GIB:.1f} GiB" if isinstance(value, int) and not isinstance(value, bool) else str(value)
-
-
 def choice_values(plan: Plan) -> dict[str, str]:
     """Reason key -> the value it explains."""
     on_off = {True: "on", False: "off"}
@@ -49,10 +44,10 @@ def choice_values(plan: Plan) -> dict[str, str]:
         "experts": f"{plan.experts} / layer",
         "top_k": str(plan.top_k),
         "expert_bytes": f"{plan.expert_bytes / (1 << 20):.2f} MiB",
-        "dense_bytes": gib(plan.dense_bytes),
-        "ngram_table": gib(plan.ngram_table_bytes),
+        "dense_bytes": size_text(plan.dense_bytes),
+        "ngram_table": size_text(plan.ngram_table_bytes),
         "context": f"{plan.context} tokens",
-        "kv_cache": gib(plan.kv_cache_bytes),
+        "kv_cache": size_text(plan.kv_cache_bytes),
         "vram_slots": f"{plan.vram_slots} of {plan.experts} / layer",
         "ram_slots": f"{plan.ram_slots} of {plan.experts} / layer",
         "compress": on_off[plan.compress],
@@ -93,10 +88,10 @@ def estimate_table(plan: Plan) -> Table:
 def memory_tables(plan: Plan) -> list[Table]:
     out = []
     for mem in plan.memory:
-        capacity = "capacity unknown" if mem.capacity_bytes is None else f"of {gib(mem.capacity_bytes)}"
+        capacity = "capacity unknown" if mem.capacity_bytes is None else f"of {size_text(mem.capacity_bytes)}"
         fits = {True: "fits", False: "DOES NOT FIT", None: "not checked"}[mem.fits]
         table = Table(
-            title=f"{mem.tier}: {gib(mem.used_bytes)} {capacity} ({fits})",
+            title=f"{mem.tier}: {size_text(mem.used_bytes)} {capacity} ({fits})",
             title_justify="left",
             title_style="bold red" if mem.fits is False else "bold",
             expand=True,
@@ -107,7 +102,7 @@ def memory_tables(plan: Plan) -> list[Table]:
         table.add_column("size", style="cyan", justify="right", no_wrap=True)
         table.add_column("reason", ratio=1, overflow="fold")
         for row in mem.rows:
-            table.add_row(row.item, gib(row.bytes), row.reason)
+            table.add_row(row.item, size_text(row.bytes), row.reason)
         out.append(table)
     return out
 
@@ -131,12 +126,12 @@ def machine_table(hw: Hardware) -> Table:
         stated = " (stated)" if gpu.stated else ""
         table.add_row(
             f"GPU {gpu.index}",
-            f"{gpu.name}{stated}: {gib(gpu.vram_total_bytes)} VRAM, {gib(gpu.vram_free_bytes)} free, "
+            f"{gpu.name}{stated}: {size_text(gpu.vram_total_bytes)} VRAM, {size_text(gpu.vram_free_bytes)} free, "
             f"compute {gpu.compute_capability}, {pcie}; host-to-device {_rate(gpu.h2d_gbps)}",
         )
     table.add_row(
         "RAM",
-        f"{gib(hw.ram_available_bytes)} available of {gib(hw.ram_total_bytes)}"
+        f"{size_text(hw.ram_available_bytes)} available of {size_text(hw.ram_total_bytes)}"
         + (" (stated)" if hw.ram_stated else ""),
     )
     amx = (
@@ -146,7 +141,7 @@ def machine_table(hw: Hardware) -> Table:
     )
     table.add_row("CPU", f"{hw.cpu_cores} cores, {amx}")
     table.add_row("WSL2", f"{yes_no(hw.wsl2)} ({hw.wsl2_basis})")
-    table.add_row("pinned limit", "unlimited" if hw.memlock_bytes is None else gib(hw.memlock_bytes))
+    table.add_row("pinned limit", "unlimited" if hw.memlock_bytes is None else size_text(hw.memlock_bytes))
     for disk in hw.disks:
         o_direct = (
             {True: "works", False: "fails"}.get(disk.o_direct, str(disk.o_direct))
@@ -155,7 +150,7 @@ def machine_table(hw: Hardware) -> Table:
         )
         table.add_row(
             f"disk {disk.path}",
-            f"{disk.kind} ({disk.kind_basis}), {disk.filesystem}, {gib(disk.free_bytes)} free; "
+            f"{disk.kind} ({disk.kind_basis}), {disk.filesystem}, {size_text(disk.free_bytes)} free; "
             f"O_DIRECT {o_direct} ({disk.o_direct_basis}); reads {_rate(disk.read_gbps)}",
         )
     return table
@@ -174,17 +169,17 @@ def machine_lines(hw: Hardware) -> Text:
     """The machine in a few short lines, for the narrow column beside the form."""
     gpu = hw.gpu()
     gpu_text = (
-        f"{gpu.name}, {gib(gpu.vram_total_bytes)}"
+        f"{gpu.name}, {size_text(gpu.vram_total_bytes)}"
         if gpu
         else ("none" if not isinstance(hw.gpus, Unknown) else "unknown")
     )
     lines = [
         f"GPU   {gpu_text}",
-        f"RAM   {gib(hw.ram_available_bytes)} free of {gib(hw.ram_total_bytes)}",
+        f"RAM   {size_text(hw.ram_available_bytes)} free of {size_text(hw.ram_total_bytes)}",
         f"CPU   {hw.cpu_cores} cores",
         f"WSL2  {yes_no(hw.wsl2)}",
     ]
-    lines += [f"disk  {d.path}: {d.kind}, {gib(d.free_bytes)} free" for d in _distinct_disks(hw)]
+    lines += [f"disk  {d.path}: {d.kind}, {size_text(d.free_bytes)} free" for d in _distinct_disks(hw)]
     return Text("\n".join(lines))
 
 

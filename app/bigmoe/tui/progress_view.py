@@ -3,11 +3,7 @@ Pure functions of the (event, fields) pairs the pipeline reports."""
 
 from __future__ import annotations
 
-GIB = 1 << 30
-
-
-def _gib(n) -> str:
-    return f"{n / GIB:.2f} GiB" if isinstance(n, (int, float)) else str(n)
+from bigmoe.units import size_text
 
 
 def describe(event: str, fields: dict) -> str:
@@ -20,13 +16,13 @@ def describe(event: str, fields: dict) -> str:
             return f"ready: {fields.get('path')}"
     if event == "fetch":
         if state == "planned":
-            return f"{_gib(fields.get('bytes', 0))} to download in {fields.get('files')} files"
+            return f"{size_text(fields.get('bytes', 0), 2)} to download in {fields.get('files')} files"
         if state in ("download", "verify"):
             eta = fields.get("eta_s")
             speed = fields.get("speed_bps") or 0.0
             return (
                 f"{state}: {fields.get('files_done')}/{fields.get('files_total')} files, "
-                f"{_gib(fields.get('bytes_done', 0))} of {_gib(fields.get('bytes_total', 0))}, "
+                f"{size_text(fields.get('bytes_done', 0), 2)} of {size_text(fields.get('bytes_total', 0), 2)}, "
                 f"{speed / 1e6:.1f} MB/s, ETA {'?' if eta is None else f'{eta:.0f} s'}"
             )
         if state == "ready":
@@ -40,7 +36,7 @@ def describe(event: str, fields: dict) -> str:
         if state == "building":
             return f"building the paging file {fields.get('path')} (compressed: {fields.get('compressed')})"
         if state == "built":
-            return f"built {fields.get('path')} ({_gib(fields.get('bytes', 0))} in {fields.get('seconds')} s)"
+            return f"built {fields.get('path')} ({size_text(fields.get('bytes', 0), 2)} in {fields.get('seconds')} s)"
         if state == "reused":
             return f"reused {fields.get('path')} (its header matches this checkpoint)"
         if state == "not needed":

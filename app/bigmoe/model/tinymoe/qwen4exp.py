@@ -25,6 +25,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable
 
+from bigmoe.units import size_text
+
 from . import qwen4exp_tensors as qt
 from . import tokenizer
 from .fp8 import SCALE_DTYPES
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     verb = "already complete" if existed else f"written in {time.monotonic() - started:.1f} s"
     print(
         f"{out}: {args.dtype} Qwen4Exp, {shape.layers} layers x {shape.experts} experts (+ shared, "
-        f"{shape.mtp_layers} MTP), {size / 2**30:.2f} GiB, {verb}"
+        f"{shape.mtp_layers} MTP), {size_text(size, 2)}, {verb}"
     )
     return 0
 
