@@ -150,6 +150,15 @@ def test_paged_table_takes_no_memory(paged):
     assert not table.supports_prefetch  # CPU: vLLM calls forward(), the synchronous lookup
 
 
+def test_lookups_read_through_the_reader_install_was_given(paged, request):
+    """The settings handed to install() pick each table's reader: O_DIRECT with a row cache, or the page cache."""
+    readers = {"page-cache": ("PageCacheReader", False), "direct+rows": ("DirectReader", True)}
+    reader, cached = readers[request.node.callspec.params["paged"]]
+    paged(*requests(0))
+    table = paged.ngram_embedding._pager.table
+    assert type(table.reader).__name__ == reader and (table.cache is not None) == cached
+
+
 def test_graph_capture_run_reads_nothing(paged, monkeypatch):
     """While a breakable graph is captured, the eager segments see ids that were never computed."""
     from vllm.compilation import breakable_cudagraph

@@ -3,10 +3,12 @@
 vLLM 0.32/0.33 builds the table as `Qwen4ExpPLEPinnedHostEmbedding` (the whole
 table in pinned host RAM, looked up through UVA; the default) or
 `Qwen4ExpPLEDeviceEmbedding` (the whole table in VRAM), picked by name inside
-`vllm.models.qwen4_exp.nvidia.ngram_embedding`. `install()` binds both names to
-`PagedPLEEmbedding`, whose weight is a meta tensor (no memory at all); lookups
-gather the rows from the checkpoint's shard files through `NgramTable` (page
-cache, or O_DIRECT plus a row cache when BIGMOE_NGRAM_CACHE_ROWS > 0). It also
+`vllm.models.qwen4_exp.nvidia.ngram_embedding`. `install()` keeps the process's
+state in one NgramProcess (settings, checkpoint files) and binds both names to
+`PagedPLEEmbedding` (ngram_layer.py), whose weight is a meta tensor (no memory at
+all); lookups gather the rows from the checkpoint's shard files through
+`NgramTable` (page cache, or O_DIRECT plus a row cache when
+BIGMOE_NGRAM_CACHE_ROWS > 0). It also
 makes vLLM's safetensors loader skip the shard tensors so start-up does not
 read 47.7 GiB it would throw away.
 
@@ -61,11 +63,36 @@ class NgramHookError(NgramError):
     """vLLM or its configuration cannot host the n-gram pager; the message says what to change."""
 
 
-def install(settings: PagerSettings, checkpoint: list[Path] | None = None) -> None:
-    """Serve every Qwen4Exp PLE table of this process from SSD (idempotent).
+class NgramProcess:
+    """The n-gram pager's state in one vLLM process: what `install` was given, handed to every PLE layer."""
 
-    `checkpoint` names the safetensors files to read; default: the served model's.
+    def __init__(self, settings: PagerSettings, checkpoint: list[Path] | None = None):
+        self.settings = settings
+        """Read once when the plugin loaded (reader choice, row cache, read deadline and retries)."""
+        self.checkpoint = checkpoint
+        """The safetensors files to read; None: the served model's (found from vLLM's config)."""
+
+    def prefetcher(
+        self, vllm_config, prefix: str, spec: TableSpec, max_ids: int, device: torch.device
+    ) -> RowPrefetcher:
+        """The rows of vLLM layer `prefix` (table checked against `spec`), staged `max_ids` per step for `device`."""
+        files = self.checkpoint if self.checkpoint is not None else model_checkpoint(vllm_config)
+        table = open_table(self.settings, files, prefix, spec)
+        s = self.settings
+        timeout = s.read_timeout_s * (s.read_retries + 1) + 5.0  # s; the reader's own timeouts fire first
+        return RowPrefetcher(table, max_ids, device, timeout_s=timeout)
+
+
+_installed: NgramProcess | None = None
+
+
+def install(settings: PagerSettings, checkpoint: list[Path] | None = None) -> None:
+    """Serve every Qwen4Exp PLE table of this process from SSD.
+
+    `checkpoint` names the safetensors files to read; default: the served model's. The plugin calls this
+    once per process; a later call's settings serve the PLE layers built after it.
     """
+    global _installed
     try:
         module = importlib.import_module(NGRAM_MODULE)
     except ImportError as e:
@@ -78,9 +105,11 @@ def install(settings: PagerSettings, checkpoint: list[Path] | None = None) -> No
         raise NgramHookError(
             "bigmoe n-gram pager supports vLLM's NVIDIA/CPU Qwen4Exp path only; set BIGMOE_NGRAM=0 on ROCm"
         )
-    paged = paged_class(settings, module, checkpoint)
+    from bigmoe_pager.adapters.vllm.ngram_layer import PagedPLEEmbedding
+
+    _installed = NgramProcess(settings, checkpoint)
     for name in REPLACED:
-        setattr(module, name, paged)
+        setattr(module, name, PagedPLEEmbedding)
     _skip_shards_at_load()
     log.warning(
         "bigmoe: n-gram pager enabled: PLE table read from the checkpoint (%s); needs "
@@ -89,138 +118,15 @@ def install(settings: PagerSettings, checkpoint: list[Path] | None = None) -> No
     )
 
 
+def current() -> NgramProcess | None:
+    """The process's NgramProcess, or None when the n-gram pager was not installed here."""
+    return _installed
+
+
 def describe(settings: PagerSettings) -> str:
     if settings.ngram_cache_rows:
         return f"O_DIRECT reads, row cache of {settings.ngram_cache_rows} rows"
     return "page-cache reads"
-
-
-def paged_class(settings: PagerSettings, module, checkpoint: list[Path] | None = None) -> type:
-    """PagedPLEEmbedding built on this vLLM's Qwen4ExpPLEEmbedding."""
-    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture, eager_break_during_capture
-    from vllm.config import get_current_vllm_config
-
-    fp8_method = module.Qwen4ExpPLEFp8EmbeddingMethod
-    plain_method = module.Qwen4ExpPLEUnquantizedEmbeddingMethod
-
-    class PagedPLEEmbedding(module.Qwen4ExpPLEEmbedding):
-        """The PLE table left in the checkpoint; rows gathered from SSD per step."""
-
-        supports_prefetch = False
-
-        def __init__(
-            self,
-            num_embeddings,
-            embedding_dim,
-            *,
-            params_dtype,
-            padding_size,
-            prefix,
-            embedding_method,
-            num_ngram_heads=1,
-            max_total_tokens=0,
-            data_parallel_rank=0,
-            reduce_results=True,
-        ):
-            super().__init__(
-                num_embeddings,
-                embedding_dim,
-                params_dtype=params_dtype,
-                padding_size=padding_size,
-                prefix=prefix,
-                embedding_method=embedding_method,
-                num_ngram_heads=num_ngram_heads,
-                max_total_tokens=max_total_tokens,
-                data_parallel_rank=data_parallel_rank,
-                reduce_results=reduce_results,
-            )
-            if self.tp_size != 1:
-                raise NgramHookError(
-                    f"bigmoe n-gram pager serves one unsharded table; the PLE table here is split {self.tp_size} ways "
-                    "(TP/ETP); set BIGMOE_NGRAM=0"
-                )
-            vllm_config = get_current_vllm_config()
-            self._stored = stored_dtype(embedding_method, params_dtype, fp8_method, plain_method)
-            self._spec = TableSpec(
-                rows=self.org_vocab_size,
-                row_elems=embedding_dim,
-                dtype=self._stored,
-                parts=split_parts(vllm_config),
-                heads=num_ngram_heads,
-            )
-            self._heads = num_ngram_heads
-            self._max_ids = max(1, max_total_tokens) * num_ngram_heads
-            self._vllm_config = vllm_config
-            self._pager: RowPrefetcher | None = None
-            cuda = torch.cuda.is_available()
-            self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-            mode = graph_mode(vllm_config)
-            if mode.startswith("breakable") and not hasattr(type(self).start_prefetch, "__wrapped__"):
-                # vLLM 0.32 decides at class definition (plugin load) whether eager breaks exist; 0.33 always wraps.
-                raise NgramHookError(
-                    "bigmoe n-gram pager: set VLLM_USE_BREAKABLE_CUDAGRAPH=1 in the environment before "
-                    "vLLM starts (this vLLM reads it when the plugin loads)"
-                )
-            self.supports_prefetch = cuda
-            log.warning(
-                "bigmoe: PLE table %s (%d rows x %d B) stays on SSD; %s",
-                prefix,
-                self._spec.rows,
-                self._spec.row_bytes,
-                mode,
-            )
-
-        def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
-            return torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")  # never materialized
-
-        def weight_loader(self, param, loaded_weight, checkpoint_start=None):
-            if checkpoint_start is not None:
-                return  # a row shard: its rows are read from the file when a step needs them
-            if param is self.weight:
-                raise NgramLayoutError(
-                    f"{self.prefix}: checkpoint stores the PLE table unsharded; "
-                    "the n-gram pager reads shard_<i> tensors only; set BIGMOE_NGRAM=0"
-                )
-            super().weight_loader(param, loaded_weight)
-
-        def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
-            """Rows of ngram_ids [tokens, heads] as the stored dtype [tokens, heads, row_elems], synchronously."""
-            return self._rows().lookup(ngram_ids).view(STORED[self._stored])
-
-        @eager_break_during_capture
-        def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
-            # While a graph is being captured its kernels are recorded, not run: these ids were never
-            # computed. Replays call this segment again with real ids.
-            if BreakableCUDAGraphCapture.current() is not None:
-                return
-            self._rows().start(ngram_ids)
-
-        def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
-            output = torch.empty(
-                (total_tokens, self._heads * self.embedding_dim), dtype=STORED[self._stored], device=self._device
-            )
-            self._finish(output)
-            return output
-
-        @eager_break_during_capture
-        def _finish(self, output: torch.Tensor) -> None:
-            if BreakableCUDAGraphCapture.current() is not None:
-                output.zero_()  # capture-time output is never used; replays fill it
-                return
-            self._rows().finish(output)
-
-        def _rows(self) -> RowPrefetcher:
-            """The table and its staging buffers, opened on first use (vLLM's eager profile run, before any capture)."""
-            if self._pager is None:
-                files = checkpoint if checkpoint is not None else model_checkpoint(self._vllm_config)
-                table = open_table(settings, files, self.prefix, self._spec)
-                timeout = (
-                    settings.read_timeout_s * (settings.read_retries + 1) + 5.0
-                )  # s; the reader's own timeouts fire first
-                self._pager = RowPrefetcher(table, self._max_ids, self._device, timeout_s=timeout)
-            return self._pager
-
-    return PagedPLEEmbedding
 
 
 # ---- pieces (no vLLM classes needed) -------------------------------------------------
