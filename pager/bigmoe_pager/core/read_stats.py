@@ -8,11 +8,26 @@ internals.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
+
+
+class LockedCounters:
+    """Integer dataclass fields behind one lock: many threads add, a reader takes `snapshot()`.
+
+    Subclasses are dataclasses whose fields are the counters; they add under `self._lock`.
+    """
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()  # not a field: kept out of snapshot(), repr and ==
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters as plain numbers, read consistently."""
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass
-class ReadCounters:
+class ReadCounters(LockedCounters):
     """Totals of the SSD reads done for one tier (or one layer of it)."""
 
     reads: int = 0
@@ -25,8 +40,6 @@ class ReadCounters:
     """Reads issued again after a short read, EIO, a checksum mismatch or a late answer."""
     errors: int = 0
     """Reads that failed for good (retries exhausted or not retryable)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    """Guards the counters against concurrent adds."""
 
     def add_read(self, nbytes: int, ns: int) -> None:
         with self._lock:
@@ -41,11 +54,6 @@ class ReadCounters:
     def add_error(self) -> None:
         with self._lock:
             self.errors += 1
-
-    def snapshot(self) -> dict[str, int]:
-        """The counters as plain numbers, read consistently."""
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
     def read_gbps(self) -> float:
         """Bytes per second of read time, in GB/s (per thread, not aggregate)."""

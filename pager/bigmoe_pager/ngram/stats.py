@@ -1,17 +1,18 @@
 """Counters of the n-gram pager: rows asked for, rows served from RAM, rows read from storage.
 
-Plain integers behind a lock (the gather runs on a worker thread while the
-exporter reads); `snapshot()` gives them as a dict of numbers.
+Plain integers behind a lock (core.read_stats.LockedCounters: the gather runs on a
+worker thread while the exporter reads); `snapshot()` gives them as a dict of numbers.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
+
+from bigmoe_pager.core.read_stats import LockedCounters
 
 
 @dataclass
-class ReadTotals:
+class ReadTotals(LockedCounters):
     """What one table's gathers did."""
 
     lookups: int = 0
@@ -30,8 +31,6 @@ class ReadTotals:
     """Reads issued again after a failure or a short read."""
     errors: int = 0
     """Reads that failed for good."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    """Guards the counters."""
 
     def add(self, rows: int, nbytes: int, ns: int, reads: int | None = None) -> None:
         """Count `rows` read in `reads` requests (one per row unless given) moving `nbytes` in `ns`."""
@@ -53,7 +52,3 @@ class ReadTotals:
     def add_errors(self, n: int) -> None:
         with self._lock:
             self.errors += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
