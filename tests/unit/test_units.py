@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from bigmoe.machine.hardware import Unknown
 from bigmoe.units import GIB, KIB, MIB, size_text
 
