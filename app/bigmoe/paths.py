@@ -32,3 +32,12 @@ def log_dir() -> Path:
 
 def models_dir() -> Path:
     return _dir("models")
+
+
+def nearest_dir(path: Path, stop_at: Path | None = None) -> Path:
+    """The directory `path` names, else its nearest ancestor that is one (for a directory still to be made, or a
+    file's own directory), never climbing above `stop_at`: the place to ask which disk `path` is on."""
+    path = Path(path)
+    while not path.is_dir() and path != stop_at and path != path.parent:
+        path = path.parent
+    return path

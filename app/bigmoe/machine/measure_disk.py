@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bigmoe.machine.hardware import Unknown
+from bigmoe.paths import nearest_dir
 
 CHUNK_BYTES = 8 << 20
 """Bytes per read: whole experts are MiB-sized, so the SSD tier reads in MiB units too."""
@@ -64,7 +65,7 @@ def measure_read_rate(
     """The O_DIRECT read rate of the disk holding `directory` (it, or its nearest existing ancestor)."""
     if not hasattr(os, "O_DIRECT"):
         return Unknown("this OS has no O_DIRECT")
-    directory = _existing_dir(Path(directory))
+    directory = nearest_dir(directory)
     sample = find_large_file(directory, MIN_BYTES)
     if sample is not None:
         return _measure(sample, str(sample), max_bytes, max_seconds)
@@ -115,12 +116,6 @@ def find_large_file(directory: Path, min_bytes: int) -> Path | None:
                 if best is None or stat.st_size > best[0]:
                     best = (stat.st_size, path)
     return best[1] if best else None
-
-
-def _existing_dir(path: Path) -> Path:
-    while not path.is_dir() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _measure(path: Path, source: str, max_bytes: int, max_seconds: float) -> DiskRead | Unknown:

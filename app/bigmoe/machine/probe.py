@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from bigmoe.machine.hardware import Gpu, Hardware, Unknown
 from bigmoe.machine.probe_disk import probe_disk, read_mounts
+from bigmoe.paths import nearest_dir
 
 WSL_ENV_VARS = ("WSL_DISTRO_NAME", "WSL_INTEROP")
 """Variables WSL sets in every Linux process it starts."""
@@ -61,20 +62,13 @@ def probe(
         return _not_measured(hw, f"link speeds are measured only on the live machine, not the tree at {root}")
     from bigmoe.machine.links import with_links
 
-    return with_links(hw, {str(p): _nearest_dir(Path(p)) for p in paths}, remeasure=remeasure)
+    return with_links(hw, {str(p): nearest_dir(Path(os.path.realpath(p))) for p in paths}, remeasure=remeasure)
 
 
 def _not_measured(hw: Hardware, why: str) -> Hardware:
     unknown = Unknown(why)
     gpus = hw.gpus if isinstance(hw.gpus, Unknown) else tuple(dataclasses.replace(g, h2d_gbps=unknown) for g in hw.gpus)
     return dataclasses.replace(hw, gpus=gpus, disks=tuple(dataclasses.replace(d, read_gbps=unknown) for d in hw.disks))
-
-
-def _nearest_dir(path: Path) -> Path:
-    path = Path(os.path.realpath(path))
-    while not path.is_dir() and path != path.parent:
-        path = path.parent
-    return path
 
 
 # ---- GPUs ---------------------------------------------------------------------------------

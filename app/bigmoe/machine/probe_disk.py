@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bigmoe.machine.hardware import Disk, Unknown
+from bigmoe.paths import nearest_dir
 
 WINDOWS_FILESYSTEMS = ("9p", "drvfs", "v9fs")
 """Filesystems WSL uses to show Windows drives (/mnt/c) to Linux."""
@@ -53,7 +54,7 @@ def read_mounts(root: Path) -> list[Mount] | Unknown:
 def probe_disk(root: Path, path: Path, mounts: list[Mount] | Unknown, live: bool) -> Disk:
     """Describe the storage of `path` (absolute, as seen inside root); never raises."""
     seen = Path(os.path.realpath(path)) if live else Path("/") / path
-    local = _existing(root / seen.relative_to("/"), root)
+    local = nearest_dir(root / seen.relative_to("/"), stop_at=root)  # a paging dir may not exist yet
     mount = _mount_of(str(seen), mounts)
     fs: str | Unknown = mount if isinstance(mount, Unknown) else mount.fstype
     windows: bool | Unknown = mount if isinstance(mount, Unknown) else _is_windows_drive(mount)
@@ -75,13 +76,6 @@ def probe_disk(root: Path, path: Path, mounts: list[Mount] | Unknown, live: bool
         o_direct=direct,
         o_direct_basis=direct_basis,
     )
-
-
-def _existing(path: Path, root: Path) -> Path:
-    """The path itself or its nearest existing ancestor (a paging dir may not exist yet)."""
-    while not path.exists() and path != root and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _mount_of(path: str, mounts: list[Mount] | Unknown) -> Mount | Unknown:

@@ -34,6 +34,7 @@ from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
 from bigmoe.model import hubcache
 from bigmoe.model.hubcache import Cancelled, RemoteFile, RepoCache
+from bigmoe.paths import nearest_dir
 from bigmoe.units import size_text
 
 HEADROOM_BYTES = 1 << 30  # left free after a download: logs, the tree cache, filesystem metadata
@@ -210,10 +211,7 @@ def hub_endpoint() -> str:
 
 def free_bytes(path: Path) -> int:
     """Free bytes on the filesystem that holds `path` (or would, once it is created)."""
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return shutil.disk_usage(nearest_dir(path)).free
 
 
 def dry_run(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bigmoe.errors import BigmoeError
 from bigmoe.model.shard_check import checkpoint_problems
+from bigmoe.paths import nearest_dir
 from bigmoe.units import size_text
 
 PAGING_HEADROOM_BYTES = 1 << 30
@@ -90,7 +91,7 @@ def paging_space_problem(the_plan) -> str | None:
     path = Path(the_plan.paging_file)
     need = paging_file_bytes(the_plan) + PAGING_HEADROOM_BYTES
     existing = path.stat().st_size if path.is_file() else 0
-    free = shutil.disk_usage(_nearest_existing(path.parent)).free + existing
+    free = shutil.disk_usage(nearest_dir(path.parent)).free + existing
     if free >= need:
         return None
     return (
@@ -111,12 +112,6 @@ def _made_by_bigmoe(model_path: Path) -> bool:
     from bigmoe.paths import models_dir
 
     return model_path.resolve().is_relative_to(models_dir().resolve())
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 class VllmMissing(BigmoeError):
