@@ -20,7 +20,8 @@ file changed after it was listed reaches the client changed.
 Test knobs: `token` (every Hub request must carry `Authorization: Bearer <token>`,
 else 401 GatedRepo), `drop_midway` (a GET of a file sends some bytes, then the
 connection is cut; optionally every later request for it answers 503 until
-`heal`), and `requests`, a log of what the client asked.
+`heal`), `pace` (file bodies are sent in 1 MiB pieces at a set rate, so a download
+takes long enough to watch), and `requests`, a log of what the client asked.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -39,6 +41,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 LFS_MIN_BYTES = 10 * 1000 * 1000  # the Hub stores any file above 10 MB in LFS
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+PACE_PIECE = 1 << 20  # bytes written between pauses when paced
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class _State:
     drops: dict[str, _Drop] = field(default_factory=dict)
     hashes: dict[tuple[str, int, int], Blob] = field(default_factory=dict)
     cdn_url: str = ""
+    pace_bps: float | None = None
 
 
 class HubServer:
@@ -122,6 +126,11 @@ class HubServer:
         """Cut the next GET of `path` after `after_bytes` body bytes."""
         with self.state.lock:
             self.state.drops[path] = _Drop(after_bytes=after_bytes, outage=outage)
+
+    def pace(self, bytes_per_s: float | None) -> None:
+        """Send each file body at most this fast (per request); None: as fast as the socket takes it."""
+        with self.state.lock:
+            self.state.pace_bps = bytes_per_s
 
     def heal(self) -> None:
         """Forget every drop and outage."""
@@ -376,7 +385,7 @@ class _Handler(BaseHTTPRequestHandler):
         drop = self._take_drop(file) if body else None
         if drop is not None:
             return self._reply_and_cut(status, headers, data, drop.after_bytes)
-        self._reply(status, headers, data, body)
+        self._reply(status, headers, data, body, paced=True)
 
     def _take_drop(self, file: str) -> _Drop | None:
         with self.state.lock:
@@ -416,14 +425,21 @@ class _Handler(BaseHTTPRequestHandler):
         with self.state.lock:
             self.state.requests.append(Seen(self.role, self.command, self._seen_path, headers, status))
 
-    def _reply(self, status: int, headers: dict[str, str], data: bytes, body: bool) -> None:
+    def _reply(self, status: int, headers: dict[str, str], data: bytes, body: bool, paced: bool = False) -> None:
         self._record(status)
         self.send_response(status)
         for name, value in headers.items():
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        if body and data:
+        rate = self.state.pace_bps if paced else None
+        if body and data and rate:
+            for start in range(0, len(data), PACE_PIECE):
+                piece = data[start : start + PACE_PIECE]
+                self.wfile.write(piece)
+                self.wfile.flush()
+                time.sleep(len(piece) / rate)
+        elif body and data:
             self.wfile.write(data)
 
     def _reply_and_cut(self, status: int, headers: dict[str, str], data: bytes, after_bytes: int) -> None:

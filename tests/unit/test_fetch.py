@@ -120,6 +120,35 @@ def test_full_download_is_exact_and_ready(hub, served, cache, model):
     assert len([r for r in hub.requests if r.method == "GET"]) == gets_before, "a ready model is not fetched again"
 
 
+@pytest.mark.parametrize("whole_before", [False, True], ids=["fresh", "after-a-cut-run"])
+def test_progress_counts_bytes_as_the_hub_client_writes_them(hub, served, cache, monkeypatch, whole_before):
+    """Download events come from huggingface_hub's own progress bars: the bytes grow in steps while the
+    (paced) download runs and end at the model's size; files already whole count from the first event."""
+    from huggingface_hub import constants
+
+    if whole_before:  # a run cut inside BIG leaves every other file whole
+        hub.drop_midway(BIG, after_bytes=CHUNK + (1 << 20), outage=True)
+        with pytest.raises(fetch.DownloadFailed):
+            fetch.fetch(fetch.dry_run(REPO, cache_dir=cache))
+        hub.heal()
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 1 << 20)  # a bar update per MiB written, not per 10 MiB
+    hub.pace(8 << 20)
+    plan = fetch.dry_run(REPO, cache_dir=cache)
+    whole = plan.bytes_total - plan.bytes_to_download
+    assert (whole > 0) == whole_before
+
+    events: list[fetch.FetchProgress] = []
+    fetch.fetch(plan, events.append, poll_s=0.05)
+
+    download = [e for e in events if e.phase == "download"]
+    done = [e.bytes_done for e in download]
+    assert done == sorted(done) and done[0] >= whole and done[-1] == plan.bytes_total
+    assert len({d for d in done if whole < d < plan.bytes_total}) >= 3, f"no growth seen: {done}"
+    files = [e.files_done for e in download]
+    assert files == sorted(files) and files[-1] == len(plan.files)
+    assert {(e.files_total, e.bytes_total) for e in download} == {(len(plan.files), plan.bytes_total)}
+
+
 def test_dropped_connection_resumes_with_range_in_the_same_run(hub, served, cache):
     hub.drop_midway(BIG, after_bytes=CHUNK + (1 << 20))
     path = fetch.fetch(fetch.dry_run(REPO, cache_dir=cache))

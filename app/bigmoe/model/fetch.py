@@ -3,7 +3,8 @@
 `dry_run()` lists the repo at one commit (`HfApi.model_info(files_metadata=True)`) and
 measures what is still missing against the free disk. `fetch()` refuses a plan that does
 not fit before writing a byte, downloads with `huggingface_hub.snapshot_download` pinned to
-that commit, reports progress from the bytes on disk, then checks every file's size and
+that commit, reports progress from huggingface_hub's own progress bars (a tqdm class it
+is handed), then checks every file's size and
 hash (sha256 for LFS files, the git blob id for the rest) against the listing, and only
 then writes the ready marker. A file that fails the check is deleted and the fetch fails.
 
@@ -40,6 +41,7 @@ from bigmoe.units import size_text
 HEADROOM_BYTES = 1 << 30  # left free after a download: logs, the tree cache, filesystem metadata
 STALE_PARTIAL_S = 600.0  # a partial file untouched this long belongs to a run that died
 POLL_S = 0.5  # seconds between progress reports
+BYTES_BAR = "huggingface_hub.snapshot_download"  # snapshot_download's bar of file bytes written (2.4)
 SPEED_WINDOW_S = 5.0  # download speed is averaged over this many seconds
 MAX_WORKERS = 8  # files downloaded at once (huggingface_hub's default)
 VERIFY_WORKERS = min(4, os.cpu_count() or 1)  # files hashed at once (hashlib releases the GIL)
@@ -170,7 +172,7 @@ class FetchProgress:
     files_total: int
     """Files in the model."""
     bytes_done: int
-    """Bytes on disk (download) or hashed (verify)."""
+    """Bytes of whole files plus bytes written so far (download), or bytes hashed (verify)."""
     bytes_total: int
     """Bytes of the model."""
     speed_bps: float
@@ -271,15 +273,9 @@ def fetch(
     cancel = cancel or threading.Event()
     _refuse_unless_fits(plan, cache, free_space or free_bytes)
     _discard_broken(cache, plan.commit, files)
-    started = time.time()
+    tally = _Tally(whole_bytes=sum(f.size for f in files if hubcache.is_whole(cache, plan.commit, f)))
     _run_with_progress(
-        lambda: _download(plan, cancel),
-        "download",
-        files,
-        emit,
-        cancel,
-        poll_s,
-        measure=lambda: hubcache.bytes_on_disk(cache, plan.commit, files, since=started),
+        lambda: _download(plan, _hub_bar(tally, cancel)), "download", files, emit, cancel, poll_s, tally.read
     )
     hubcache.write_ref(cache, plan.revision, plan.commit)
     _verify(cache, plan.commit, files, emit, cancel, poll_s)
@@ -321,7 +317,7 @@ def _list_repo(repo_id: str, revision: str, endpoint: str) -> tuple[str, list[Re
     return info.sha, files
 
 
-def _download(plan: FetchPlan, cancel: threading.Event) -> None:
+def _download(plan: FetchPlan, bar_class: type) -> None:
     from huggingface_hub import snapshot_download
 
     with _hub_errors(plan.repo_id, plan.revision, plan.endpoint, "download"):
@@ -332,7 +328,7 @@ def _download(plan: FetchPlan, cancel: threading.Event) -> None:
             endpoint=plan.endpoint,
             token=_token(),
             max_workers=MAX_WORKERS,
-            tqdm_class=_stop_bar(cancel),
+            tqdm_class=bar_class,
         )
 
 
@@ -384,23 +380,50 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _stop_bar(cancel: threading.Event) -> type:
-    """A silent tqdm class for snapshot_download whose updates (one per chunk written)
-    raise Cancelled once `cancel` is set; it is the only hook inside its worker threads."""
-    from tqdm.auto import tqdm
+class _Tally:
+    """Files done and bytes written as huggingface_hub's progress bars count them (from its worker threads)."""
 
-    class StopBar(tqdm):
+    def __init__(self, whole_bytes: int):
+        self._lock = threading.Lock()
+        self._files = 0
+        self._bytes = whole_bytes  # files already whole are skipped by snapshot_download without a byte counted
+
+    def add(self, counter: str, n: float) -> None:
+        with self._lock:
+            if counter == "files":
+                self._files += int(n)
+            else:
+                self._bytes += int(n)  # negative when a server ignores a Range and the file restarts
+
+    def read(self) -> tuple[int, int]:
+        """(files done, bytes done)."""
+        with self._lock:
+            return self._files, self._bytes
+
+
+def _hub_bar(tally: _Tally, cancel: threading.Event) -> type:
+    """A silent tqdm class for snapshot_download. It makes three bars of it: bytes written (named BYTES_BAR),
+    bytes received (named BYTES_BAR + ".transfer", not counted: Xet may compress them) and files done (no name);
+    the first and last forward their updates to `tally`. Any update raises Cancelled once `cancel` is set:
+    the bars are the only hook inside its worker threads."""
+    from huggingface_hub.utils import tqdm as hub_tqdm  # its base class hands over the bar's `name`
+
+    counters = {BYTES_BAR: "bytes", None: "files"}
+
+    class HubBar(hub_tqdm):
         def __init__(self, *args, **kwargs):
-            kwargs.pop("name", None)
+            self.counter = counters.get(kwargs.get("name"))
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
         def update(self, n=1):
             if cancel.is_set():
                 raise Cancelled("stopped by request")
+            if self.counter is not None and n:
+                tally.add(self.counter, n)
             return super().update(n)
 
-    return StopBar
+    return HubBar
 
 
 # -- disk -----------------------------------------------------------------------

@@ -114,27 +114,6 @@ def stale_partials(cache: RepoCache, older_than_s: float) -> list[Path]:
     return stale
 
 
-def bytes_on_disk(cache: RepoCache, commit: str, files: list[RemoteFile], since: float) -> tuple[int, int]:
-    """(whole files, bytes) of `files` on disk, counting partial files written after `since`."""
-    partial: dict[str, int] = {}
-    for path in partial_files(cache):
-        try:
-            stat = path.stat()
-        except OSError:
-            continue
-        if stat.st_mtime >= since:
-            etag = path.name.split(".", 1)[0]
-            partial[etag] = max(partial.get(etag, 0), stat.st_size)
-    whole = done = 0
-    for f in files:
-        if is_whole(cache, commit, f):
-            whole += 1
-            done += f.size
-        else:
-            done += min(partial.get(f.etag, 0), f.size)
-    return whole, done
-
-
 def remove_file(cache: RepoCache, commit: str, f: RemoteFile) -> None:
     """Delete a file's snapshot link and the blob it names, so the next run fetches it again."""
     pointer = cache.pointer(commit, f)
