@@ -7,5 +7,6 @@ glue.py      what the paged layer needs from vLLM: numbering, engine mode, kerne
 routing.py   routing trace and replay
 ssd_source.py the SSD tier's stores, seen per layer
 stats.py     counters summed in-process and exported to Prometheus
-ngram.py     the n-gram (PLE) table pager
+ngram.py     the n-gram (PLE) table pager: install and its per-process state (NgramProcess)
+ngram_layer.py the paged PLE embedding layer (imports vLLM's Qwen4Exp, so loaded only once that is checked)
 """
