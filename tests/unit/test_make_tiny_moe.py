@@ -314,8 +314,8 @@ def test_killed_build_leaves_no_out_and_the_next_build_cleans_up(tmp_path):
     out = tmp_path / "ckpt"
     # Kill -9 the builder right after its shards are written, before it can clean up.
     killer = (
-        "import sys, os, signal; import bigmoe.model.tinymoe.make as m\n"
-        "m._write_json = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "import sys, os, signal; import bigmoe.model.tinymoe.make as m, bigmoe.model.tinymoe.checkpoint_dir as d\n"
+        "d.write_json = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
         f"m.main([{str(out)!r}, '--layers', '2', '--experts', '4', '--top-k', '2', '--hidden', '128',"
         " '--moe-intermediate', '128', '--vocab', '1024', '--dtype', 'bf16', '--seed', '0', '--no-tokenizer'])\n"
     )

@@ -16,19 +16,17 @@ for FP8 Qwen's block quantization_config.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .fp8 import BLOCK, SCALE_DTYPES
+from .shape import ShapeError, check_common, check_fp8_blocks, fp8_quantization_config
 
-DTYPES = ("bf16", "fp8")
-"""Checkpoint flavours: bf16 everywhere (vLLM's CPU build), or FP8 128x128 block Linears (the GPU)."""
 NGRAM_ROW_ELEMS = 160
 """FP8 elements (bytes) in one n-gram row, as in the released table."""
 FULL_ATTENTION_INTERVAL = 4
 """Every fourth layer of the released model is full (QSA) attention; the rest are linear attention."""
 
 
-class Qwen4ExpShapeError(ValueError):
+class Qwen4ExpShapeError(ShapeError):
     """Sizes or options that cannot make a valid checkpoint; the message is one line."""
 
 
@@ -107,17 +105,9 @@ class Qwen4ExpShape:
 
 def validate(shape: Qwen4ExpShape, dtype: str, scale_dtype: str = "float32") -> None:
     """Raise Qwen4ExpShapeError with one line when `shape` cannot make a `dtype` checkpoint."""
-    if dtype not in DTYPES:
-        raise Qwen4ExpShapeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if scale_dtype not in SCALE_DTYPES:
-        raise Qwen4ExpShapeError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
-    for name, value in asdict(shape).items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "indexer_heads" else 1):
-            raise Qwen4ExpShapeError(f"{name} must be a positive integer, not {value!r}")
+    check_common(shape, dtype, scale_dtype, Qwen4ExpShapeError, may_be_zero=("indexer_heads",))
     if shape.layers < 2:
         raise Qwen4ExpShapeError(f"layers={shape.layers}: Qwen4Exp needs at least 2 (the PLE layer is layer 2)")
-    if shape.top_k > shape.experts:
-        raise Qwen4ExpShapeError(f"top_k={shape.top_k} exceeds experts={shape.experts}")
     if shape.heads % shape.kv_heads or shape.linear_value_heads % shape.linear_key_heads:
         raise Qwen4ExpShapeError("heads must be a multiple of kv_heads, linear_value_heads of linear_key_heads")
     if shape.hc_count < 2:
@@ -128,8 +118,6 @@ def validate(shape: Qwen4ExpShape, dtype: str, scale_dtype: str = "float32") -> 
         raise Qwen4ExpShapeError(
             f"indexer_head_dim={shape.indexer_head_dim} is below the rotary size {rotary_dim(shape)}"
         )
-    if shape.vocab < 512:
-        raise Qwen4ExpShapeError(f"vocab={shape.vocab} is too small: the byte-level tokenizer needs at least 512")
     if dtype == "fp8":
         _check_fp8_blocks(shape)
 
@@ -146,12 +134,7 @@ def _check_fp8_blocks(shape: Qwen4ExpShape) -> None:
     }
     if shape.indexer_heads:
         sizes["(indexer_heads+1)*indexer_head_dim"] = (shape.indexer_heads + 1) * shape.indexer_head_dim
-    bad = [f"{name}={value}" for name, value in sizes.items() if value % BLOCK]
-    if bad:
-        raise Qwen4ExpShapeError(
-            f"fp8 needs sizes divisible by {BLOCK} (the block size), but {', '.join(bad)}; "
-            f"use multiples of {BLOCK} or --dtype bf16"
-        )
+    check_fp8_blocks(sizes, Qwen4ExpShapeError)
 
 
 PARTIAL_ROTARY_FACTOR = 0.25
@@ -253,11 +236,5 @@ def hf_config(shape: Qwen4ExpShape, dtype: str, special_ids: dict[str, int]) -> 
         "text_config": text_config(shape, dtype, special_ids),
     }
     if dtype == "fp8":
-        config["quantization_config"] = {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "modules_to_not_convert": unconverted_modules(shape),
-            "quant_method": "fp8",
-            "weight_block_size": [BLOCK, BLOCK],
-        }
+        config["quantization_config"] = fp8_quantization_config(unconverted_modules(shape))
     return config

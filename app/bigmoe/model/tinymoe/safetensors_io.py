@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -127,3 +129,25 @@ class ShardWriter:
             future.cancel()
         self.pool.shutdown(wait=True)
         self.file.close()
+
+
+def write_shards(
+    directory: Path,
+    shards: list[Shard],
+    tensors_of: Callable[[Param], Iterable[tuple[Stored, torch.Tensor]]],
+    log: Callable[[str], None],
+) -> None:
+    """Write every shard into `directory`, each weight's tensors as `tensors_of(weight)` makes them, in plan order
+    (on an error the open shard's writer stops; the caller discards the directory). One log line per shard."""
+    started = time.monotonic()
+    for shard in shards:
+        writer = ShardWriter(directory / shard.filename, shard)
+        try:
+            for param in shard.params:
+                for spec, values in tensors_of(param):
+                    writer.write(spec, values)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+        log(f"{shard.filename}: {shard.nbytes / 2**20:.1f} MiB, {time.monotonic() - started:.1f} s")

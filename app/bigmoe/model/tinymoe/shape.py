@@ -46,34 +46,60 @@ class TinyShape:
 
 def validate(shape: TinyShape, dtype: str, scale_dtype: str = "float32") -> None:
     """Raise ShapeError with one line when `shape` cannot make a `dtype` checkpoint."""
-    if dtype not in DTYPES:
-        raise ShapeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if scale_dtype not in SCALE_DTYPES:
-        raise ShapeError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
-    for name, value in asdict(shape).items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ShapeError(f"{name} must be a positive integer, not {value!r}")
-    if shape.top_k > shape.experts:
-        raise ShapeError(f"top_k={shape.top_k} exceeds experts={shape.experts}")
+    check_common(shape, dtype, scale_dtype)
     if shape.heads % shape.kv_heads:
         raise ShapeError(f"heads={shape.heads} is not a multiple of kv_heads={shape.kv_heads}")
     if shape.head_dim % 2:
         raise ShapeError(f"head_dim={shape.head_dim} must be even (rotary embedding pairs)")
-    if shape.vocab < 512:
-        raise ShapeError(f"vocab={shape.vocab} is too small: the byte-level tokenizer needs at least 512")
     if dtype == "fp8":
-        sizes = {
-            "hidden": shape.hidden,
-            "moe_intermediate": shape.moe_intermediate,
-            "heads*head_dim": shape.heads * shape.head_dim,
-            "kv_heads*head_dim": shape.kv_heads * shape.head_dim,
-        }
-        bad = [f"{name}={value}" for name, value in sizes.items() if value % BLOCK]
-        if bad:
-            raise ShapeError(
-                f"fp8 needs sizes divisible by {BLOCK} (the block size), but {', '.join(bad)}; "
-                f"use multiples of {BLOCK} or --dtype bf16"
-            )
+        check_fp8_blocks(
+            {
+                "hidden": shape.hidden,
+                "moe_intermediate": shape.moe_intermediate,
+                "heads*head_dim": shape.heads * shape.head_dim,
+                "kv_heads*head_dim": shape.kv_heads * shape.head_dim,
+            }
+        )
+
+
+def check_common(
+    shape, dtype: str, scale_dtype: str, error: type[ShapeError] = ShapeError, may_be_zero: tuple[str, ...] = ()
+) -> None:
+    """What every synthetic shape must pass (raising `error`): a known dtype and scale dtype, every field a
+    positive integer (those named in `may_be_zero` may be 0), top_k within experts, and a vocabulary the
+    byte-level tokenizer fits in."""
+    if dtype not in DTYPES:
+        raise error(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise error(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
+    for name, value in asdict(shape).items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name in may_be_zero else 1):
+            raise error(f"{name} must be a positive integer, not {value!r}")
+    if shape.top_k > shape.experts:
+        raise error(f"top_k={shape.top_k} exceeds experts={shape.experts}")
+    if shape.vocab < 512:
+        raise error(f"vocab={shape.vocab} is too small: the byte-level tokenizer needs at least 512")
+
+
+def check_fp8_blocks(sizes: dict[str, int], error: type[ShapeError] = ShapeError) -> None:
+    """Raise `error` naming every size (name -> elements) that FP8 blocks do not divide."""
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % BLOCK]
+    if bad:
+        raise error(
+            f"fp8 needs sizes divisible by {BLOCK} (the block size), but {', '.join(bad)}; "
+            f"use multiples of {BLOCK} or --dtype bf16"
+        )
+
+
+def fp8_quantization_config(unconverted: list[str]) -> dict:
+    """config.json's quantization_config of Qwen's FP8 block checkpoints; `unconverted` Linears stay bf16."""
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "modules_to_not_convert": unconverted,
+        "quant_method": "fp8",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
 
 
 def unconverted_modules(shape: TinyShape) -> list[str]:
@@ -124,13 +150,7 @@ def hf_config(shape: TinyShape, dtype: str, special_ids: dict[str, int]) -> dict
         "vocab_size": shape.vocab,
     }
     if dtype == "fp8":
-        config["quantization_config"] = {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "modules_to_not_convert": unconverted_modules(shape),
-            "quant_method": "fp8",
-            "weight_block_size": [BLOCK, BLOCK],
-        }
+        config["quantization_config"] = fp8_quantization_config(unconverted_modules(shape))
     return config
 
 
