@@ -21,7 +21,7 @@ import torch
 from bigmoe.model.checkpoint_arch import read_facts
 from bigmoe.model.presets import load as load_preset
 from bigmoe.model.tinymoe.fp8 import BLOCK
-from bigmoe.model.tinymoe.qwen4exp import make_qwen4exp
+from bigmoe.model.tinymoe.qwen4exp import CheckpointExistsError, make_qwen4exp
 from bigmoe.model.tinymoe.qwen4exp_shape import Qwen4ExpShape, Qwen4ExpShapeError
 from bigmoe.model.tinymoe.qwen4exp_tensors import table_rows
 from bigmoe_pager.core.safetensors_index import read_header
@@ -252,3 +252,22 @@ def test_shape_validation_names_the_field():
 
     with pytest.raises(Qwen4ExpShapeError, match="indexer_budget"):
         validate(Qwen4ExpShape(indexer_budget=10, indexer_compress_ratio=4), "bf16")
+
+
+def test_same_request_is_a_no_op_a_damaged_one_is_remade_a_different_one_refused(tmp_path):
+    """The Qwen4Exp maker keeps the checkpoint directory's rules (tinymoe.checkpoint_dir), as the Qwen3-MoE one."""
+    shape = Qwen4ExpShape(layers=2, **TINY)
+    out = make_qwen4exp(tmp_path / "ckpt", shape, "bf16", seed=0, with_tokenizer=False)
+    shard = sorted(out.glob("*.safetensors"))[0]
+    whole, inode = shard.read_bytes(), shard.stat().st_ino
+    assert make_qwen4exp(out, shape, "bf16", seed=0, with_tokenizer=False) == out
+    assert shard.stat().st_ino == inode, "asked again: nothing is rewritten"
+
+    shard.write_bytes(whole[:-100])
+    lines: list[str] = []
+    assert make_qwen4exp(out, shape, "bf16", seed=0, with_tokenizer=False, log=lines.append) == out
+    assert shard.read_bytes() == whole and "making it again" in lines[0]
+
+    with pytest.raises(CheckpointExistsError, match="seed 0 != 1.*replace it with --force"):
+        make_qwen4exp(out, shape, "bf16", seed=1, with_tokenizer=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

@@ -19,10 +19,10 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -49,16 +49,77 @@ class DeviceError(RuntimeError):
     """The requested device cannot generate weights here; the message is one line."""
 
 
-def request_of(
-    fmt, shape, dtype, seed, device_kind, shard_bytes, scale_dtype, with_tokenizer, error: type[ValueError]
-) -> dict:
-    """What a checkpoint is made for (its bytes are a function of it); `error` for a bad seed or shard size."""
+@dataclass(frozen=True)
+class Architecture:
+    """What one maker's checkpoints have of their own; everything else (directory, files, manifest) is shared."""
+
+    format: Any
+    """The request's "format": bumped whenever the same request would produce different bytes."""
+    validate: Callable[[Any, str, str], None]
+    """validate(shape, dtype, scale_dtype) raises `error` with one line for a shape it cannot make."""
+    error: type[ValueError]
+    """The shape error, also raised for a bad seed or shard size."""
+    config: Callable[[Any, str, dict], dict]
+    """config.json from (shape, dtype, the tokenizer's special token ids)."""
+    plan: Callable[[Any, str, dict], list]
+    """The weights in file order from (shape, dtype, config)."""
+    tensors: ModuleType
+    """The module whose stored(weight, scale dtype) and materialize(weight, seed, device, scale dtype) make them."""
+    hashes: bool
+    """The manifest lists every file's sha256 as well as its size."""
+
+
+def make_checkpoint(
+    arch: Architecture,
+    out: Path,
+    shape,
+    dtype: str,
+    seed: int = 0,
+    device: str = "cpu",
+    *,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    scale_dtype: str = "float32",
+    with_tokenizer: bool = True,
+    force: bool = False,
+    log: Log | None = None,
+) -> Path:
+    """Build an `arch` checkpoint at `out` (or find it there already) and return `out`.
+
+    Bytes are a function of (shape, dtype, seed, device kind, shard_bytes, scale_dtype, with_tokenizer)."""
+    out = Path(out).absolute()
+    arch.validate(shape, dtype, scale_dtype)
+    torch_dev = torch_device(device)
+    request = _request(arch, shape, dtype, seed, torch_dev.type, shard_bytes, scale_dtype, with_tokenizer)
+    log = log or (lambda line: None)
+    config = arch.config(shape, dtype, tokenizer.special_ids(shape.vocab))
+    if occupied(out) and not force:
+        if is_complete(out, request, hashes=True):
+            return out
+        if not made_for(out, request):
+            raise CheckpointExistsError(
+                f"{out} {difference(out, request)}; delete it, or replace it with --force (force=True)"
+            )
+        log(f"{out} {difference(out, request)}; making it again")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.{os.getpid()}.", dir=out.parent))
+    work.chmod(0o755)  # mkdtemp makes it private; the published checkpoint is an ordinary directory
+    try:
+        _write_files(work, arch, request, shape, config, torch_dev, log)
+        return publish(work, out, request)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _request(arch: Architecture, shape, dtype, seed, device_kind, shard_bytes, scale_dtype, with_tokenizer) -> dict:
+    """What a checkpoint is made for: the manifest records it, and a later request is compared with it."""
     if not isinstance(seed, int) or seed < 0:
-        raise error(f"seed must be a non-negative integer, not {seed!r}")
+        raise arch.error(f"seed must be a non-negative integer, not {seed!r}")
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
-        raise error(f"shard size must be a positive number of bytes, not {shard_bytes!r}")
+        raise arch.error(f"shard size must be a positive number of bytes, not {shard_bytes!r}")
     return {
-        "format": fmt,
+        "format": arch.format,
         "shape": asdict(shape),
         "dtype": dtype,
         "seed": seed,
@@ -82,45 +143,21 @@ def torch_device(name: str) -> torch.device:
     return device
 
 
-def make_at(out: Path, request: dict, build: Callable[[Path], None], force: bool, log: Log) -> Path:
-    """The checkpoint `request` names at `out`: found there whole, or built by `build(work dir)` and published."""
-    if occupied(out) and not force:
-        if is_complete(out, request, hashes=True):
-            return out
-        if not made_for(out, request):
-            raise CheckpointExistsError(
-                f"{out} {difference(out, request)}; delete it, or replace it with --force (force=True)"
-            )
-        log(f"{out} {difference(out, request)}; making it again")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(out)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.{os.getpid()}.", dir=out.parent))
-    work.chmod(0o755)  # mkdtemp makes it private; the published checkpoint is an ordinary directory
-    try:
-        build(work)
-        return publish(work, out, request)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-
-
-def write_checkpoint(
-    work: Path, request: dict, shape, config: dict, weights: list, kind: ModuleType, device, log: Log, hashes: bool
-) -> None:
-    """Write every file of a checkpoint into `work`, the manifest last: the tokenizer (first, so a missing
-    `tokenizers` fails before minutes of weight generation), the shards of `weights` as the architecture's
-    tensors module `kind` stores (`stored`) and draws (`materialize`) them, the index, config.json and
-    generation_config.json; the manifest lists every file's size, and with `hashes` its sha256."""
+def _write_files(work: Path, arch: Architecture, request: dict, shape, config: dict, device, log: Log) -> None:
+    """Write every file of the checkpoint into `work`, the manifest last: the tokenizer (first, so a missing
+    `tokenizers` fails before minutes of weight generation), the shards, the index, config.json and
+    generation_config.json."""
     if request["tokenizer"]:
         tokenizer.write(work, shape.vocab, request["seed"], shape.max_position)
     scale_dtype = SCALE_DTYPES[request["scale_dtype"] or "float32"]
-    shards = assign_shards([(w, kind.stored(w, scale_dtype)) for w in weights], request["shard_bytes"])
-    write_shards(work, shards, lambda w: kind.materialize(w, request["seed"], device, scale_dtype), log)
+    weights = arch.plan(shape, request["dtype"], config)
+    shards = assign_shards([(w, arch.tensors.stored(w, scale_dtype)) for w in weights], request["shard_bytes"])
+    write_shards(work, shards, lambda w: arch.tensors.materialize(w, request["seed"], device, scale_dtype), log)
     write_json(work / INDEX_NAME, index(shards))
     write_json(work / "config.json", config)
     write_json(work / "generation_config.json", generation_config(tokenizer.special_ids(shape.vocab)))
     files = {p.name: p.stat().st_size for p in sorted(work.iterdir())}
-    digests = {"sha256": {name: sha256(work / name) for name in files}} if hashes else {}
+    digests = {"sha256": {name: sha256(work / name) for name in files}} if arch.hashes else {}
     write_json(work / MANIFEST, {**request, "files": files, **digests})
     fsync_dir(work)
 

@@ -22,22 +22,19 @@ import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable
 
-from . import tensors, tokenizer
+from . import tensors
 from .checkpoint_dir import (
     DEFAULT_SHARD_BYTES,
     MANIFEST,
+    Architecture,
     CheckpointExistsError,
     DeviceError,
     OneLineParser,
     is_complete,
-    make_at,
+    make_checkpoint,
     parse_bytes,
-    request_of,
     run_cli,
-    torch_device,
-    write_checkpoint,
 )
 from .fp8 import SCALE_DTYPES
 from .shape import DTYPES, ShapeError, TinyShape, hf_config, validate
@@ -53,41 +50,24 @@ __all__ = [
     "tensors",
 ]
 
-FORMAT_VERSION = 1
-"""Bumped whenever the same request would produce different bytes."""
+QWEN3_MOE = Architecture(
+    format=1,
+    validate=validate,
+    error=ShapeError,
+    config=hf_config,
+    plan=lambda shape, dtype, config: tensors.plan(shape, dtype),
+    tensors=tensors,
+    hashes=True,
+)
+"""Qwen3-MoE, every decoder layer MoE (format 1)."""
 
 
 def make_tiny_moe(
-    out: Path,
-    shape: TinyShape = TinyShape(),
-    dtype: str = "bf16",
-    seed: int = 0,
-    device: str = "cpu",
-    *,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    scale_dtype: str = "float32",
-    with_tokenizer: bool = True,
-    force: bool = False,
-    log: Callable[[str], None] | None = None,
+    out: Path, shape: TinyShape = TinyShape(), dtype: str = "bf16", seed: int = 0, device: str = "cpu", **options
 ) -> Path:
-    """Build the checkpoint at `out` (or find it there already) and return `out`.
-
-    Bytes are a function of (shape, dtype, seed, device kind, shard_bytes, scale_dtype).
-    """
-    out = Path(out).absolute()
-    validate(shape, dtype, scale_dtype)
-    torch_dev = torch_device(device)
-    request = request_of(
-        FORMAT_VERSION, shape, dtype, seed, torch_dev.type, shard_bytes, scale_dtype, with_tokenizer, ShapeError
-    )
-    log = log or (lambda line: None)
-    config = hf_config(shape, dtype, tokenizer.special_ids(shape.vocab))
-
-    def build(work: Path) -> None:
-        weights = tensors.plan(shape, dtype)
-        write_checkpoint(work, request, shape, config, weights, tensors, torch_dev, log, hashes=True)
-
-    return make_at(out, request, build, force, log)
+    """Build the Qwen3-MoE checkpoint at `out` (or find it there already) and return `out`; `options` are
+    make_checkpoint's (shard_bytes, scale_dtype, with_tokenizer, force, log)."""
+    return make_checkpoint(QWEN3_MOE, out, shape, dtype, seed, device, **options)
 
 
 def _parser() -> argparse.ArgumentParser:

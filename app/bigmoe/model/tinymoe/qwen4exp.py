@@ -20,23 +20,19 @@ import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable
 
 from bigmoe.units import size_text
 
 from . import qwen4exp_tensors as qt
-from . import tokenizer
 from .checkpoint_dir import (
     DEFAULT_SHARD_BYTES,
+    Architecture,
     CheckpointExistsError,
     OneLineParser,
     is_complete,
-    make_at,
+    make_checkpoint,
     parse_bytes,
-    request_of,
     run_cli,
-    torch_device,
-    write_checkpoint,
 )
 from .fp8 import SCALE_DTYPES
 from .qwen4exp_shape import Qwen4ExpShape, Qwen4ExpShapeError, hf_config, validate
@@ -44,38 +40,24 @@ from .shape import DTYPES
 
 __all__ = ["Qwen4ExpShape", "Qwen4ExpShapeError", "CheckpointExistsError", "make_qwen4exp", "is_complete", "main"]
 
-FORMAT = "qwen4exp-1"
-"""Bumped whenever the same request would produce different bytes."""
+QWEN4EXP = Architecture(
+    format="qwen4exp-1",
+    validate=validate,
+    error=Qwen4ExpShapeError,
+    config=hf_config,
+    plan=qt.plan,
+    tensors=qt,
+    hashes=False,
+)
+"""Qwen4Exp (Qwen3.8-Flash-Next's architecture), format qwen4exp-1."""
 
 
 def make_qwen4exp(
-    out: Path,
-    shape: Qwen4ExpShape = Qwen4ExpShape(),
-    dtype: str = "fp8",
-    seed: int = 0,
-    device: str = "cpu",
-    *,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    scale_dtype: str = "float32",
-    with_tokenizer: bool = True,
-    force: bool = False,
-    log: Callable[[str], None] | None = None,
+    out: Path, shape: Qwen4ExpShape = Qwen4ExpShape(), dtype: str = "fp8", seed: int = 0, device: str = "cpu", **options
 ) -> Path:
-    """Build the checkpoint at `out` (or find it there already) and return `out`."""
-    out = Path(out).absolute()
-    validate(shape, dtype, scale_dtype)
-    torch_dev = torch_device(device)
-    request = request_of(
-        FORMAT, shape, dtype, seed, torch_dev.type, shard_bytes, scale_dtype, with_tokenizer, Qwen4ExpShapeError
-    )
-    log = log or (lambda line: None)
-    config = hf_config(shape, dtype, tokenizer.special_ids(shape.vocab))
-
-    def build(work: Path) -> None:
-        weights = qt.plan(shape, dtype, config)
-        write_checkpoint(work, request, shape, config, weights, qt, torch_dev, log, hashes=False)
-
-    return make_at(out, request, build, force, log)
+    """Build the Qwen4Exp checkpoint at `out` (or find it there already) and return `out`; `options` are
+    make_checkpoint's (shard_bytes, scale_dtype, with_tokenizer, force, log)."""
+    return make_checkpoint(QWEN4EXP, out, shape, dtype, seed, device, **options)
 
 
 # ---- command line ------------------------------------------------------------------------------
