@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -291,9 +291,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def run_cli(prog: str, make: Callable[..., Path], args: argparse.Namespace, shape, what: Callable[[int], str]) -> int:
-    """Make the checkpoint the parsed `args` ask for with `make(out, shape, dtype, seed, device, **options)`;
-    print one line `OUT: what(size in bytes), how long it took` and return 0, or one error line and return 2."""
+def run_cli(
+    argv: list[str] | None,
+    parser: argparse.ArgumentParser,
+    shape_class: type,
+    make: Callable[..., Path],
+    summary: Callable[[argparse.Namespace, Any, int], str],
+) -> int:
+    """A maker script: parse `argv` (one flag per field of `shape_class`, plus dtype, seed, device, shard size,
+    scale dtype, tokenizer and force), make the checkpoint with `make(out, shape, dtype, seed, device, **options)`,
+    print one line `OUT: summary(args, shape, size in bytes), how long it took` and return 0, or one error
+    line and return 2."""
+    args = parser.parse_args(argv)
+    shape = shape_class(**{f.name: getattr(args, f.name) for f in fields(shape_class)})
     started = time.monotonic()
     try:
         existed = is_complete(args.out) and not args.force
@@ -310,9 +320,9 @@ def run_cli(prog: str, make: Callable[..., Path], args: argparse.Namespace, shap
             log=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except (ValueError, RuntimeError, OSError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     size = sum(p.stat().st_size for p in out.iterdir())
     verb = "already complete" if existed else f"written in {time.monotonic() - started:.1f} s"
-    print(f"{out}: {what(size)}, {verb}")
+    print(f"{out}: {summary(args, shape, size)}, {verb}")
     return 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 from . import tensors
@@ -120,15 +119,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    shape = TinyShape(**{f.name: getattr(args, f.name) for f in fields(TinyShape)})
-    return run_cli(
-        "make_tiny_moe.py",
-        make_tiny_moe,
-        args,
-        shape,
-        lambda size: f"{args.dtype} Qwen3-MoE, {shape.layers} layers x {shape.experts} experts, {size / 2**20:.1f} MiB",
-    )
+    return run_cli(argv, _parser(), TinyShape, make_tiny_moe, _summary)
+
+
+def _summary(args, shape: TinyShape, size: int) -> str:
+    return f"{args.dtype} Qwen3-MoE, {shape.layers} layers x {shape.experts} experts, {size / 2**20:.1f} MiB"
 
 
 if __name__ == "__main__":

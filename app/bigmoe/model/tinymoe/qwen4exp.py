@@ -102,17 +102,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    shape = Qwen4ExpShape(**{f.name: getattr(args, f.name) for f in fields(Qwen4ExpShape)})
-    return run_cli(
-        "make_qwen4exp.py",
-        make_qwen4exp,
-        args,
-        shape,
-        lambda size: (
-            f"{args.dtype} Qwen4Exp, {shape.layers} layers x {shape.experts} experts (+ shared, "
-            f"{shape.mtp_layers} MTP), {size_text(size, 2)}"
-        ),
+    return run_cli(argv, _parser(), Qwen4ExpShape, make_qwen4exp, _summary)
+
+
+def _summary(args, shape: Qwen4ExpShape, size: int) -> str:
+    return (
+        f"{args.dtype} Qwen4Exp, {shape.layers} layers x {shape.experts} experts (+ shared, "
+        f"{shape.mtp_layers} MTP), {size_text(size, 2)}"
     )
 
 
