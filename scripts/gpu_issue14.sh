@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's runs on the H200 after staging vLLM 0.33 (shared/gpu-vllm-0.33) and scripts/gpu_extra:
 #   bash scripts/gpu_issue14.sh STEP...    steps: model e2e-tiers e2e-rest e2e bench app tests
-# (e2e: the configurations in $CONFIGS, $PARALLEL at once, MTP counts in $SPEC, results as e2e-$TAG.json)
+# (e2e: the configurations in $CONFIGS, $PARALLEL at once, MTP counts in $SPEC, $LAYERS decoder layers (4),
+#  results as e2e-$TAG.json)
 # Results and logs under $OUT (the device tool returns 8 files: logs go into one tarball per step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +25,13 @@ for step in "$@"; do
         --configs unpaged,vramall,vramall-ngram,unpaged-mtp1,vram12-ram50-ssd-ngram-mtp1,unpaged-mtp3,vram12-ram50-ssd-ngram-mtp3 \
         --out "$out/e2e-rest.json" --logs /tmp/logs-e2e-rest; pack logs-e2e-rest /tmp/logs-e2e-rest ;;
     e2e)
-      python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers 4 --parallel "${PARALLEL:-6}" --budget-s "${BUDGET:-400}" \
+      python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers "${LAYERS:-4}" --parallel "${PARALLEL:-6}" \
+        --budget-s "${BUDGET:-400}" \
         --configs "$CONFIGS" --spec-tokens "${SPEC:-1,3}" \
         --out "$out/e2e-${TAG:-run}.json" --logs "/tmp/logs-e2e-${TAG:-run}"; pack "logs-e2e-${TAG:-run}" "/tmp/logs-e2e-${TAG:-run}" ;;
     bench)
-      python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json";
+      python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json" \
+        --configs "${BENCH_CONFIGS:-resident,offload,bigmoe-4090,bigmoe-4090-nongram}";
       pack logs-bench "$out/bench_logs"; rm -rf "$out/bench_logs" ;;
     app)
       python3 scripts/gpu_app_run.py --model "$model" --budgets "${BUDGETS:-8:14,6:12,8:12,5:10,6:16}" \
