@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,11 @@ def expert_bytes(model: Path) -> int:
     from bigmoe_pager.core.safetensors_index import index_files
 
     index = index_files(sorted(model.glob("*.safetensors")))
-    one = [t for name, t in index.items() if ".layers.0.mlp.experts.0." in name]
+    # Decoder layer 0's expert 0 only: "mtp.layers.0.mlp.experts.0." names the MTP layer's (a first run of this
+    # bench on the H200 counted both, and asked --cpu-offload-gb for twice the expert bytes there are).
+    one = [t for name, t in index.items() if re.match(r"model\.(language_model\.)?layers\.0\.mlp\.experts\.0\.", name)]
+    if not one:
+        raise SystemExit(f"gpu_qwen4exp_bench: {model} has no tensors of decoder layer 0's expert 0")
     return sum(t.nbytes for t in one)
 
 
