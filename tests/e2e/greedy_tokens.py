@@ -1,24 +1,34 @@
 """Run real vLLM (CPU build) in this process on a checkpoint and print greedy token ids as JSON.
 
-Used by the e2e tests in a fresh subprocess per configuration, because the
-plugin's registration is per process. The BIGMOE_* environment decides
-whether the pager is on and how it is set up.
+Used by the e2e tests in a fresh process per configuration, because the plugin's registration is per
+process. The BIGMOE_* environment decides whether the pager is on and how it is set up.
 usage: python greedy_tokens.py MODEL_DIR MAX_TOKENS PROMPT [PROMPT ...]
+       python greedy_tokens.py --fork-server     (vllm_runs.py: one fresh fork per run, imports done once)
+
+The fork server imports vLLM once (about 15 s of one core here), then forks a child per run: the child
+takes the run's environment, runs `main` as the plain command would, and exits. vLLM's plugins are
+loaded by the engine the child builds, never in the server (checked before the first fork), so each
+run registers the plugin under its own settings exactly as a new process does.
 """
 
 import gc
 import json
 import os
+import signal
 import sys
+import tempfile
+import time
+import traceback
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+RUN_TIMEOUT_S = 600  # one run's limit, as the tests' subprocess.run timeout
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     from vllm import LLM, SamplingParams
 
-    model, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    model, max_tokens, prompts = argv[0], int(argv[1]), argv[2:]
     llm = LLM(
         model=model,
         dtype="bfloat16",
@@ -46,5 +56,80 @@ def rss_anon_kb() -> int:
     return -1
 
 
+# ---- the fork server ------------------------------------------------------------------------------------
+
+
+def serve() -> None:
+    """Answer JSON lines {"argv": [...], "env": {...}} on stdin with {"returncode", "stdout", "stderr"} on stdout."""
+    replies = os.fdopen(os.dup(1), "w")  # the answers' own channel: whatever an import prints goes to stderr
+    os.dup2(2, 1)
+    import vllm.plugins
+    from vllm import LLM, SamplingParams  # noqa: F401  (the imports every run would make)
+
+    if vllm.plugins.plugins_loaded or any(name.startswith("bigmoe_pager.adapters") for name in sys.modules):
+        print(json.dumps({"refused": "vLLM's plugins were loaded before the first fork"}), file=replies, flush=True)
+        return
+    print(json.dumps({"ready": True}), file=replies, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        print(json.dumps(_forked_run(request["argv"], request["env"])), file=replies, flush=True)
+
+
+def _forked_run(argv: list[str], env: dict[str, str]) -> dict:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_child(argv, env, out.fileno(), err.fileno()))
+        code, late = _wait(pid, RUN_TIMEOUT_S)
+        out.seek(0)
+        err.seek(0)
+        return {
+            "returncode": code,
+            "stdout": out.read().decode(errors="replace"),
+            "stderr": err.read().decode(errors="replace") + late,
+        }
+
+
+def _wait(pid: int, timeout_s: float) -> tuple[int, str]:
+    """The child's exit code; killed (and said so) once it has run timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), ""
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status), f"\ngreedy_tokens: killed after {timeout_s:g} s"
+        time.sleep(0.05)
+
+
+def _child(argv: list[str], env: dict[str, str], out: int, err: int) -> int:
+    """The run as a new process would make it: its own environment and standard streams, then main."""
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.stdin = open(os.devnull)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--fork-server"]:
+        serve()
+    else:
+        main(sys.argv[1:])

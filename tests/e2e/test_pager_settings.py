@@ -14,19 +14,13 @@ from bigmoe_pager.core.paging_build import build_paging_file
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed for e2e tests")
 
-RUNNER = Path(__file__).with_name("greedy_tokens.py")
+from vllm_runs import greedy_run  # noqa: E402
 
 
 def run(model: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
     full.update(env)
-    return subprocess.run(
-        [sys.executable, str(RUNNER), str(model), "8", "The sea is calm and"],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return greedy_run(model, 8, ["The sea is calm and"], full)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import pytest
 pytestmark = pytest.mark.e2e
 vllm = pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed for e2e tests")
 
-RUNNER = Path(__file__).with_name("greedy_tokens.py")
+from vllm_runs import greedy_run  # noqa: E402
+
 PROMPTS = [
     "The sea is calm and the boats are",
     "Write a short note about the river",
@@ -29,13 +30,7 @@ LONG_PROMPT = " ".join(["the blue river runs past the old stone house and the ta
 def greedy(model: Path, env: dict[str, str], prompts=PROMPTS, max_tokens: int = 64) -> tuple[list[list[int]], int]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
     full.update(env)
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(model), str(max_tokens), *prompts],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = greedy_run(model, max_tokens, list(prompts), full)
     lines = proc.stdout.splitlines()
     tokens = [l for l in lines if l.startswith("TOKENS ")]
     assert proc.returncode == 0 and tokens, f"vLLM run failed:\n{proc.stderr[-3000:]}"
