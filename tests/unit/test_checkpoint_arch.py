@@ -117,7 +117,7 @@ def test_ngram_table_bytes_come_from_the_ple_keys(model, tmp_path):
         ("config", "is not valid JSON"),
         ("experts", "num_experts is 'many', not a non-negative integer"),
         ("block", "weight_block_size is [128], not [rows, cols]"),
-        ("header", "header is truncated"),
+        ("header", "not safetensors or truncated"),
     ],
 )
 def test_a_broken_checkpoint_is_one_clear_error(model, tmp_path, breakage, message):

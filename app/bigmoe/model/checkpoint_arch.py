@@ -13,9 +13,10 @@ import dataclasses
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from bigmoe_pager.core.safetensors_header import CheckpointError, read_header
 
 from bigmoe.model.presets import CONFIG_KEYS, Arch, Preset, PresetError
 
@@ -28,7 +29,6 @@ FP8_SCALE_BYTES = 4
 BF16_BYTES = 2
 PROJECTIONS = 3
 """Matrices of one routed expert: gate, up (intermediate x hidden) and down (hidden x intermediate)."""
-MAX_HEADER_BYTES = 256 << 20
 """Bytes; a safetensors header longer than this is taken for garbage, not read."""
 ROUTED_EXPERT = re.compile(r"\.experts\.")
 """Tensor names of routed experts (shared experts are named shared_expert(s), without the dot)."""
@@ -309,20 +309,11 @@ def _shard_files(model_dir: Path) -> list[Path]:
 
 def _header(path: Path) -> dict:
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
-            if not 0 <= length <= MAX_HEADER_BYTES:
-                raise CheckpointConfigError(f"{path}: not a safetensors file (header length {length})")
-            raw = f.read(length)
+        header, _ = read_header(path)
     except OSError as e:
         raise CheckpointConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        header = None
-    if len(raw) != length or not isinstance(header, dict):
-        raise CheckpointConfigError(f"{path}: the safetensors header is truncated or not a JSON object")
+    except CheckpointError as e:
+        raise CheckpointConfigError(str(e)) from None
     return header
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bigmoe_pager.core.safetensors_index import CheckpointError, read_header
+from bigmoe_pager.core.safetensors_header import CheckpointError, read_header
 
 DTYPE_BITS = {
     "F64": 64,

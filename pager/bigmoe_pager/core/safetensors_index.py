@@ -8,15 +8,13 @@ byte ranges itself with O_DIRECT.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-MAX_HEADER_BYTES = 512 << 20  # bytes; far above any real header, guards against reading garbage as a length
+from .safetensors_header import MAX_HEADER_BYTES, CheckpointError, read_header  # noqa: F401  (one place)
 
 DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -34,10 +32,6 @@ DTYPES = {
 }
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, malformed, truncated or does not match what the pager needs."""
-
-
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor's place in a shard."""
@@ -52,29 +46,6 @@ class TensorEntry:
     """Absolute byte offset of the first element in the file."""
     nbytes: int
     """Bytes of data."""
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """The parsed JSON header of one shard and the absolute offset where its data starts."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(
-                f"{path}: header length {n} does not fit a {size}-byte file; not safetensors or truncated"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(
-                f"{path}: header is not valid JSON ({e.__class__.__name__}); not a safetensors file"
-            ) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object; not a safetensors file")
-    return header, 8 + n
 
 
 def index_files(paths: list[Path]) -> dict[str, TensorEntry]:
