@@ -94,6 +94,8 @@ def check_invariants(p) -> None:
     assert p.argv[p.argv.index("--kv-cache-memory-bytes") + 1] == str(p.kv_cache_bytes)
     assert p.env["VLLM_PLUGINS"] == "bigmoe_experts,bigmoe_ngram"
     assert PagerSettings.from_env(p.env) == p.settings
+    if p.pager and p.device == "cuda":  # the plugin picks the pager the command line was planned for
+        assert p.settings.host_driven == ("--enforce-eager" in p.argv)
     if p.pager:
         for layer in (0, p.layers - 1):
             vram, ram = p.settings.slots_for(layer, p.layers, p.experts)
@@ -101,6 +103,17 @@ def check_invariants(p) -> None:
     low, high = p.estimate.tpot_ms
     assert 0 < low <= high
     assert json.loads(json.dumps(p.to_dict()))["refusal"] == p.refusal
+
+
+@pytest.mark.parametrize("compress", ["on", "off"])
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_the_plan_and_the_plugin_pick_the_same_pager(compress, cuda_graphs):
+    ov = dirs("rtx4090-wsl2", compress=compress, cuda_graphs=cuda_graphs)
+    p = plan(machine("rtx4090-wsl2"), presets.load("qwen3.8-flash-next"), ov)
+    eager = "--enforce-eager" in p.argv
+    assert eager == (not cuda_graphs or p.compress)
+    assert PagerSettings.from_env(p.env).host_driven == eager
+    check_invariants(p)
 
 
 def test_the_reference_job_on_a_4090_under_wsl2():

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bigmoe_pager.settings import host_driven as settings_rule_host_driven
+
 from bigmoe.machine.hardware import Disk, Gpu, Hardware, Unknown, known
 from bigmoe.model.checkpoint_arch import ArchFacts
 from bigmoe.model.presets import Preset
@@ -207,7 +209,7 @@ class Draft:
         when --eager asks for it or the SSD tier is compressed (only the host-driven pager expands compressed
         records as they enter RAM); the device-driven one in CUDA graphs otherwise. Read once compression is
         chosen."""
-        return not self.ov.cuda_graphs or self.compress
+        return settings_rule_host_driven(self.ov.cuda_graphs, codec_records=self.compress)
 
     @property
     def host_driven_because(self) -> str:

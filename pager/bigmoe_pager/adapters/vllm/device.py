@@ -76,9 +76,9 @@ def on_cuda() -> bool:
 
 
 def wanted(settings: PagerSettings) -> bool:
-    """Device-driven paging: on CUDA when BIGMOE_CUDA_GRAPHS=1, unless the SSD tier holds codec records
-    (only the host-driven path expands those). Otherwise the host-driven pager, proven token-identical in eager mode."""
-    return on_cuda() and settings.cuda_graphs and not (settings.paging_file is not None and settings.use_codec())
+    """Device-driven paging: on CUDA, unless the settings' rule picks the host-driven pager (PagerSettings.host_driven,
+    the rule the app's plan also follows). Off CUDA: the host-driven pager, proven token-identical in eager mode."""
+    return on_cuda() and not settings.host_driven
 
 
 def check_graph_sizes(vllm_config, moe_index: int, slots: int, top_k: int, spec_tokens: int = 0) -> None:
