@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         help="VRAM:RAM GiB pairs to try in order, e.g. 8:14,6:12",
     )
     p.add_argument("--port", type=int, default=8011)
-    p.add_argument("--start-timeout", type=float, default=420)
+    # bigmoe run's own default (run.RunOptions.start_timeout, 900 s): a first start on the H200 JIT-compiles
+    # DeepGEMM kernels, and 420 s stopped one there while other engines compiled beside it
+    p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     report: dict = {"command": " ".join(sys.argv), "steps": {}, "passed": False}
