@@ -27,11 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_vllm_bench as bench  # noqa: E402  (scripts/ is not a package)
 import gpu_vllm_e2e as e2e  # noqa: E402
+import numpy as np
 import traces  # noqa: E402
 
 GIB = 1 << 30

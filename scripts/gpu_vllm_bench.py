@@ -46,10 +46,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
+import numpy as np
 import traces  # noqa: E402
 
 SHAPE = dict(

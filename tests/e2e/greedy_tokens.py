@@ -6,11 +6,13 @@ usage: python greedy_tokens.py MODEL_DIR MAX_TOKENS PROMPT [PROMPT ...]
        python greedy_tokens.py --fork-server     (vllm_runs.py: one fresh fork per run, imports done once)
 
 The fork server imports vLLM once (about 15 s of one core here), then forks a child per run: the child
-takes the run's environment, runs `main` as the plain command would, and exits. vLLM's plugins are
+takes the run's environment, runs `main` as the plain command would, runs the exit handlers an interpreter
+runs at exit, and ends. vLLM's plugins are
 loaded by the engine the child builds, never in the server (checked before the first fork), so each
 run registers the plugin under its own settings exactly as a new process does.
 """
 
+import atexit
 import gc
 import json
 import os
@@ -123,6 +125,7 @@ def _child(argv: list[str], env: dict[str, str], out: int, err: int) -> int:
     except BaseException:
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()  # what an interpreter's exit runs (the plugin writes BIGMOE_TRACE_PATH there)
     sys.stdout.flush()
     sys.stderr.flush()
     return code

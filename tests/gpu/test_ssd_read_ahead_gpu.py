@@ -7,9 +7,7 @@ Run on the H200: PYTHONPATH=pager:app:bench python -m pytest tests/gpu/test_ssd_
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,6 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from bigmoe_pager.core import ssd_mailbox as mb  # noqa: E402
 from bigmoe_pager.core.device_layer import DeviceLayerPager  # noqa: E402
