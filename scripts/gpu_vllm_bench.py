@@ -27,7 +27,8 @@ experts 0-7).
 
 A configuration name may carry suffixes: `@rX` replays a trace that also carries next-layer
 predictions at recall X (precision --precision), so the pager prefetches on a side stream
-(docs/routing.md); `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast). --family picks the
+(docs/routing.md); `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast); a last `+ahead` (with @rX) lets the
+same predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1). --family picks the
 routing family of scripts/traces.py (standard, topic-shift, near-uniform; default standard,
 bit for bit the trace of the earlier runs). Example (issue 15):
 
@@ -68,15 +69,20 @@ GEN_TOKENS = 256
 GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~31 GiB of weights)
 
 
+AHEAD = "+ahead"
+"""Name suffix: the predictions also post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1); needs @rRECALL."""
+
+
 def parse_name(name: str) -> tuple[str, float | None, str | None]:
-    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); KeyError for an unknown base or policy, ValueError
-    for a recall outside [0, 1]."""
-    base, _, policy = name.partition("~")
+    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru') (a trailing +ahead is checked, not returned); KeyError
+    for an unknown base or policy, ValueError for a recall outside [0, 1] or +ahead without a recall."""
+    ahead = name.endswith(AHEAD)
+    base, _, policy = name.removesuffix(AHEAD).partition("~")
     base, at, recall = base.partition("@r")
     if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
         raise KeyError(name)
     value = float(recall) if at else None
-    if value is not None and not 0.0 <= value <= 1.0:
+    if (value is not None and not 0.0 <= value <= 1.0) or (ahead and value is None):
         raise ValueError(name)
     return base, value, policy or None
 
@@ -89,6 +95,8 @@ def config_for(name: str, trace: Path, experts: int, family: str, precision: flo
         env["BIGMOE_ROUTE_REPLAY"] = str(predicted_trace(work, trace, family, recall, precision, experts))
     if policy:
         env["BIGMOE_EVICTION"] = policy
+    if name.endswith(AHEAD):
+        env["BIGMOE_SSD_READ_AHEAD"] = "1"
     return e2e.Config(name, env)
 
 
@@ -222,7 +230,7 @@ def parse_args(argv):
                     f"and/or ~POLICY ({', '.join(EVICTIONS)})"
                 )
             except ValueError:
-                p.error(f"configuration {name!r}: @r takes a recall in [0, 1]")
+                p.error(f"configuration {name!r}: @r takes a recall in [0, 1], and {AHEAD} needs one")
     return args
 
 

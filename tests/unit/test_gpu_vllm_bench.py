@@ -20,13 +20,16 @@ from bigmoe_bench import traces
         ("bigmoe-102@r0.8", ("bigmoe-102", 0.8, None)),
         ("bigmoe-32@r1~lru", ("bigmoe-32", 1.0, "lru")),
         ("offload17~lfu-fast", ("offload17", None, "lfu-fast")),
+        ("bigmoe-32-ram128-ssd@r0.8~lru+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
     ],
 )
 def test_names_parse(name, parsed):
     assert bench.parse_name(name) == parsed
 
 
-@pytest.mark.parametrize("name", ["bigmoe-7", "bigmoe-102~mru", "bigmoe-102@r1.5", "bigmoe-102@rx"])
+@pytest.mark.parametrize(
+    "name", ["bigmoe-7", "bigmoe-102~mru", "bigmoe-102@r1.5", "bigmoe-102@rx", "bigmoe-32-ram128-ssd+ahead"]
+)
 def test_bad_names_are_one_line_and_exit_2(name, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--out", str(tmp_path / "o.json"), "--configs", name])
@@ -47,6 +50,18 @@ def test_a_recall_config_replays_a_trace_with_predictions(tmp_path):
     assert bench.config_for("bigmoe-102", trace, 32, "topic-shift", 0.5, tmp_path).env["BIGMOE_ROUTE_REPLAY"] == str(
         trace
     )
+
+
+@pytest.mark.parametrize(
+    "name,ahead", [("bigmoe-32-ram128-ssd@r0.8", False), ("bigmoe-32-ram128-ssd@r0.8+ahead", True)]
+)
+def test_ahead_lets_the_predictions_post_ssd_reads(tmp_path, name, ahead):
+    trace = tmp_path / "standard-trace.npz"
+    traces.save_trace(trace, traces.named_trace("standard", 40, 3, 32, 4))
+    env = bench.config_for(name, trace, 32, "standard", 0.5, tmp_path).env
+    assert env.get("BIGMOE_SSD_READ_AHEAD") == ("1" if ahead else None)
+    assert traces.load_predictions(Path(env["BIGMOE_ROUTE_REPLAY"]), 32) is not None
+    assert env["BIGMOE_RAM_SLOTS"] == "16"  # the SSD tier is there to read ahead from
 
 
 def test_combine_reports_each_familys_ratios_at_recall_0_8(tmp_path):
