@@ -10,7 +10,8 @@ importable by tests: every public name of bigmoe.model.tinymoe.make is here too.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
+for part in ("app", "pager"):  # runs from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / part))
 
 from bigmoe.model.tinymoe.make import *  # noqa: E402,F401,F403
 from bigmoe.model.tinymoe.make import main  # noqa: E402

@@ -1,4 +1,5 @@
-"""One way to write a file that is never seen half-written (used by the pager and, through it, by the app)."""
+"""One way to write a file that is never seen half-written, and to make a rename durable (used by the pager and,
+through it, by the app)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,12 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the entries of `directory` durable (a rename into it survives a crash once this returns)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -33,6 +33,7 @@ from typing import BinaryIO, Callable
 
 import numpy as np
 
+from ..atomic_file import fsync_dir
 from .expert_store import ExpertStore
 from .layout import ExpertLayout
 from .odirect import ALIGN, DirectFile, SystemFileIO, aligned_empty, as_byte_array
@@ -185,7 +186,7 @@ class PagingFileWriter:
         self._file = None
         os.replace(self.tmp, self.path)
         damaged_marker(self.path).unlink(missing_ok=True)  # the marker spoke of the file just replaced
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:
@@ -387,14 +388,6 @@ def _short(value: object) -> str:
 
 def _open_for_write(path: Path) -> BinaryIO:
     return open(path, "wb")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 import torch
+from bigmoe_pager.atomic_file import fsync_dir
 
 from . import tokenizer
 from .fp8 import SCALE_DTYPES
@@ -256,14 +257,6 @@ def _alive(pid: int) -> bool:
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- command line ------------------------------------------------------------------------------
