@@ -16,6 +16,7 @@ random routers route almost uniformly). Configurations run one after another in 
                     512, from `bigmoe plan qwen3.8-flash-next --vram-gib 24 --ram-gib 64 --disk nvme`), the rest read
                     from the checkpoint on SSD, whole-layer prefill buffer, n-gram pager on (as the plan runs it)
     bigmoe-4090-nongram  the same with vLLM's own n-gram table (separates the n-gram pager's cost)
+    bigmoe-allram   bigmoe-4090's VRAM slots with every expert in RAM (no SSD tier): the offload run's RAM
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def configs(trace: Path, numbers: dict, vram: int, ram: int, offload_gib: float)
         (e2e.Config("offload", replay), {**engine, **offload}),
         (e2e.Config("bigmoe-4090", {**paged, "BIGMOE_NGRAM": "1"}), engine),
         (e2e.Config("bigmoe-4090-nongram", paged), engine),
+        # The offload run keeps every offloaded expert in RAM; this is the pager at the same VRAM slots and RAM too.
+        (
+            e2e.Config("bigmoe-allram", {**paged, "BIGMOE_RAM_SLOTS": str(numbers["experts"]), "BIGMOE_NGRAM": "1"}),
+            engine,
+        ),
     ]
 
 
