@@ -7,9 +7,9 @@ usage: python greedy_tokens.py MODEL_DIR MAX_TOKENS PROMPT [PROMPT ...]
 
 The fork server imports vLLM once (about 15 s of one core here), then forks a child per run: the child
 takes the run's environment, runs `main` as the plain command would, runs the exit handlers an interpreter
-runs at exit, and ends. vLLM's plugins are
-loaded by the engine the child builds, never in the server (checked before the first fork), so each
-run registers the plugin under its own settings exactly as a new process does.
+runs at exit, and ends. vLLM's plugins are loaded by the engine the child builds, never in the server
+(checked before the first fork), so each run registers the plugin under its own settings exactly as a new
+process does.
 """
 
 import atexit
@@ -22,8 +22,14 @@ import tempfile
 import time
 import traceback
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+def engine_defaults() -> None:
+    """The engine in this process (no engine-core subprocess), and quiet unless a run asks otherwise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+engine_defaults()
 RUN_TIMEOUT_S = 600  # one run's limit, as the tests' subprocess.run timeout
 
 
@@ -115,8 +121,7 @@ def _child(argv: list[str], env: dict[str, str], out: int, err: int) -> int:
     sys.stdin = open(os.devnull)
     os.environ.clear()
     os.environ.update(env)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    engine_defaults()
     try:
         main(argv)
         code = 0

@@ -75,19 +75,17 @@ class ForkServer:
         os.unlink(self.log.name)
 
 
-_servers: list[ForkServer] = []
+_started: ForkServer | None = None
 _lock = threading.Lock()
 
 
 def _server(env: dict[str, str]) -> ForkServer | None:
     """This pytest process's fork server, started at the first run (None: plain processes only)."""
+    global _started
     if os.environ.get("BIGMOE_TEST_NO_FORK_SERVER") == "1":
         return None
     with _lock:
-        if not _servers:
-            base = {k: v for k, v in env.items() if not k.startswith("BIGMOE_")}
-            server = ForkServer(base)
-            atexit.register(server.close)
-            _servers.append(server)
-        server = _servers[0]
-    return server if server.ready else None
+        if _started is None:
+            _started = ForkServer({k: v for k, v in env.items() if not k.startswith("BIGMOE_")})
+            atexit.register(_started.close)
+    return _started if _started.ready else None
