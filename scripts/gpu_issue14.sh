@@ -2,7 +2,7 @@
 # Issue 14's runs on the H200 after staging vLLM 0.33 (shared/gpu-vllm-0.33) and scripts/gpu_extra:
 #   bash scripts/gpu_issue14.sh STEP...    steps: model e2e-tiers e2e-rest e2e bench app tests
 # (e2e: the configurations in $CONFIGS, $PARALLEL at once, MTP counts in $SPEC, $LAYERS decoder layers (4),
-#  results as e2e-$TAG.json)
+#  results as e2e-$TAG.json; bench: $BENCH_CONFIGS on the routing family $FAMILY; uva: scripts/gpu_uva_probe.py)
 # Results and logs under $OUT (the device tool returns 8 files: logs go into one tarball per step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +31,13 @@ for step in "$@"; do
         --out "$out/e2e-${TAG:-run}.json" --logs "/tmp/logs-e2e-${TAG:-run}"; pack "logs-e2e-${TAG:-run}" "/tmp/logs-e2e-${TAG:-run}" ;;
     bench)
       python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json" \
-        --configs "${BENCH_CONFIGS:-resident,offload,bigmoe-4090,bigmoe-4090-nongram}";
+        --configs "${BENCH_CONFIGS:-resident,offload,bigmoe-4090,bigmoe-4090-nongram}" --family "${FAMILY:-standard}";
       pack logs-bench "$out/bench_logs"; rm -rf "$out/bench_logs" ;;
     app)
       python3 scripts/gpu_app_run.py --model "$model" --budgets "${BUDGETS:-8:14,6:12,8:12,5:10,6:16}" \
         --out "$out/app-run.json"; cp -r ~/.cache/bigmoe/logs /tmp/app-logs 2>/dev/null; pack logs-app /tmp/app-logs ;;
+    uva)
+      python3 scripts/gpu_uva_probe.py --out "$out/uva-probe.json" ;;
     tests)
       python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
         --junitxml="$out/gpu-tests.xml" > /tmp/gpu-tests.txt 2>&1

@@ -17,6 +17,10 @@ random routers route almost uniformly). Configurations run one after another in 
                     from the checkpoint on SSD, whole-layer prefill buffer, n-gram pager on (as the plan runs it)
     bigmoe-4090-nongram  the same with vLLM's own n-gram table (separates the n-gram pager's cost)
     bigmoe-allram   bigmoe-4090's VRAM slots with every expert in RAM (no SSD tier): the offload run's RAM
+
+A bigmoe name may end in @rX (the trace also carries next-layer predictions at recall X, precision --precision:
+the pager prefetches them, issue 15) and then +ahead (the same predictions post SSD reads ahead of need), as in
+scripts/gpu_vllm_bench.py: bigmoe-4090@r0.8+ahead. --family picks the routing family (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -86,6 +90,33 @@ def configs(trace: Path, numbers: dict, vram: int, ram: int, offload_gib: float)
     ]
 
 
+CONFIG_NAMES = ("resident", "offload", "bigmoe-4090", "bigmoe-4090-nongram", "bigmoe-allram")
+
+
+def split_name(name: str) -> tuple[str, float | None]:
+    """'bigmoe-4090@r0.8+ahead' -> ('bigmoe-4090', 0.8); a name without @r has recall None."""
+    base, at, recall = name.removesuffix(bench.AHEAD).partition("@r")
+    try:
+        value = float(recall) if at else None
+    except ValueError:
+        return name, None
+    return (base, value) if value is None or 0.0 <= value <= 1.0 else (name, None)
+
+
+def with_suffixes(name: str, named: dict, work: Path, trace: Path, args, experts: int) -> tuple[e2e.Config, dict]:
+    """The named configuration with its @rX (replayed predictions) and +ahead (SSD read-ahead) applied."""
+    base, recall = split_name(name)
+    config, extra = named[base]
+    env = dict(config.env)
+    if recall is not None:
+        env["BIGMOE_ROUTE_REPLAY"] = str(
+            bench.predicted_trace(work, trace, args.family, recall, args.precision, experts)
+        )
+    if name.endswith(bench.AHEAD):
+        env["BIGMOE_SSD_READ_AHEAD"] = "1"
+    return e2e.Config(name, env), extra
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True, help="a Qwen4Exp checkpoint (scripts/make_qwen4exp.py)")
@@ -95,7 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-slots", type=int, default=218, help="per layer: the plan's for a 4090 with 64 GB")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-qwen4exp-bench"))
     p.add_argument("--budget-s", type=float, default=560.0)
+    p.add_argument("--family", default="standard", help="routing family of scripts/traces.py (docs/routing.md)")
+    p.add_argument("--precision", type=float, default=0.5, help="precision of the predictions of @rX names")
     args = p.parse_args(argv)
+    for name in args.configs.split(","):
+        base, recall = split_name(name)
+        suffixed = recall is not None or name.endswith(bench.AHEAD)
+        if base not in CONFIG_NAMES or (suffixed and (recall is None or not base.startswith("bigmoe"))):
+            p.error(
+                f"configuration {name!r} is unknown: one of {', '.join(CONFIG_NAMES)}, a bigmoe one may end @rX[+ahead]"
+            )
     deadline = time.monotonic() + args.budget_s
     out = args.out.resolve()
     logs = out.with_name(out.stem + "_logs")
@@ -108,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     # Equal VRAM: what the pager keeps on the GPU is its slots and one whole-layer prefill buffer.
     on_gpu = numbers["layers"] * args.vram_slots * record + numbers["experts"] * record
     offload_gib = max(0.0, (total - on_gpu) / GIB)
-    trace = work / "standard-trace.npz"
+    trace = work / f"{args.family}-trace.npz"
     traces.save_trace(
-        trace, traces.standard_trace(16384, numbers["layers"], numbers["experts"], numbers["top_k"], seed=0)
+        trace, traces.named_trace(args.family, 16384, numbers["layers"], numbers["experts"], numbers["top_k"], seed=0)
     )
     ids = np.random.default_rng(0).integers(3, numbers["vocab"] - 3, 2 * bench.PROMPT_TOKENS).tolist()
     spec = {
@@ -126,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         "expert_gib": round(total / GIB, 2),
         "pager_vram_gib": round(on_gpu / GIB, 2),
         "offload_gib": round(offload_gib, 2),
+        "family": args.family,
         "configs": [],
     }
-    wanted = args.configs.split(",")
-    for config, extra in configs(trace, numbers, args.vram_slots, args.ram_slots, offload_gib):
-        if config.name not in wanted:
-            continue
+    named = {
+        config.name: (config, extra)
+        for config, extra in configs(trace, numbers, args.vram_slots, args.ram_slots, offload_gib)
+    }
+    for name in args.configs.split(","):
+        config, extra = with_suffixes(name, named, work, trace, args, numbers["experts"])
         if time.monotonic() >= deadline:
             row = e2e.skipped(config, "time budget spent")
         else:
