@@ -17,7 +17,9 @@ from typing import Mapping
 
 COMPRESS_CHOICES = ("on", "off", "auto")
 EVICTION_CHOICES = ("lfu", "lru", "lfu-fast")
-_CHOICES = {"compress": COMPRESS_CHOICES, "eviction": EVICTION_CHOICES}  # settings that take one of a few words
+PREDICT_CHOICES = ("off", "router")
+# settings that take one of a few words
+_CHOICES = {"compress": COMPRESS_CHOICES, "eviction": EVICTION_CHOICES, "predict": PREDICT_CHOICES}
 
 
 class SettingsError(ValueError):
@@ -59,6 +61,11 @@ class PagerSettings:
     ssd_read_ahead: bool = False
     """BIGMOE_SSD_READ_AHEAD: 1 = the device-driven pager's expert predictions also post SSD->RAM reads early (no
     GPU wait until a step needs one); off until measured on a GPU (not done yet; CPU tests prove identity only)."""
+    predict: str = "off"
+    """BIGMOE_PREDICT: off / router: router = layer l+1's router applied to what layer l's experts receive proposes
+    l+1's experts, which the device-driven pager prefetches on a side stream; off until measured on real weights."""
+    predict_top: int = 0
+    """BIGMOE_PREDICT_TOP: experts the router predictor proposes per token; 0 = the model's top-k."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

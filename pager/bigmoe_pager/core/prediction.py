@@ -5,7 +5,9 @@ proposes l+1's experts (the router's own top-P; the literature's strongest cheap
 Replayed (benchmarks): a trace's `predicted_ids` [tokens, layers, P] row [t, l] is what a
 predictor proposed for layer l+1 of token t; `replayed_predictions` takes the rows of the
 tokens a step is about to run, exactly where the live predictor's output would be used.
-Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable).
+Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable), and both
+hand layer l+1's pager (DeviceLayerPager.prefetch) their proposal on a side stream on CUDA:
+LivePredictions.feed and ReplayedPredictions.feed. `hits` / `recall` score a proposal (host).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ def predict_next(hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: 
 
     hidden: [tokens, H] (layer l's output, before l+1's norm: the norm scales each row, which
     leaves a row's ranking unchanged only up to the norm's weight; callers may pass the normed
-    state instead). next_router_weight: [E, H] (the gate Linear's weight). Softmax keeps order,
-    so the top-P logits are the router's top-P probabilities.
+    state instead). next_router_weight: [E, H] (the gate Linear's weight, a float dtype); the product
+    runs in its dtype. Softmax keeps order, so the top-P logits are the router's top-P probabilities.
     """
-    logits = hidden.float() @ next_router_weight.float().t()
+    logits = hidden.to(next_router_weight.dtype) @ next_router_weight.t()  # in the router's own dtype, as it routes
     return torch.topk(logits, min(top_p, logits.shape[-1]), dim=-1).indices
 
 
@@ -38,14 +40,66 @@ def replayed_predictions(predicted: torch.Tensor, cursor: torch.Tensor, layer: i
     return predicted[:, layer % layers][rows].long()
 
 
-def recall(predicted: torch.Tensor, actual: torch.Tensor) -> float:
-    """Share of the actual distinct ids (per token) that the prediction contains (host; for scoring)."""
-    hit = total = 0
-    for p, a in zip(predicted.tolist(), actual.tolist()):
+def hits(predicted, actual) -> tuple[int, int, int]:
+    """(hits, true, proposed) summed over rows: per row, the distinct actual ids the distinct proposal contains,
+    the distinct actual ids, the distinct proposed ids (-1 is padding in both). Host; for scoring."""
+    hit = true = proposed = 0
+    for p, a in zip(predicted.tolist(), actual.tolist()):  # tensors or numpy arrays [rows, n]
+        guess = {e for e in p if e >= 0}
         truth = {e for e in a if e >= 0}
-        hit += len(truth & set(p))
-        total += len(truth)
-    return hit / total if total else 0.0
+        hit += len(truth & guess)
+        true += len(truth)
+        proposed += len(guess)
+    return hit, true, proposed
+
+
+def recall(predicted, actual) -> float:
+    """Share of the actual distinct ids (per token) that the prediction contains (host; for scoring)."""
+    hit, true, _ = hits(predicted, actual)
+    return hit / true if true else 0.0
+
+
+class LivePredictions:
+    """The live predictor's proposals, handed to the next layer's pager as ReplayedPredictions.feed hands a trace's.
+
+    On CUDA the router product runs on a side stream that first waits for the current one (the
+    hidden state is ready), so it and the prefetch copies overlap layer l's own paging and
+    compute; the next layer's step waits for that stream (DeviceLayerPager). Fixed shapes, event
+    waits only: capturable in a CUDA graph. Off CUDA everything runs in order.
+    """
+
+    def __init__(self) -> None:
+        self._stream = None
+
+    def feed(self, hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int, next_pager=None) -> torch.Tensor:
+        """int64 [tokens, top_p]: predict_next for the rows of `hidden`, prefetched into `next_pager` (a
+        DeviceLayerPager, or None: proposed only). On CUDA the ids are ready on the current stream only after
+        `settled` (or the next layer's step) has made it wait for the side stream."""
+        stream = self._side_stream(hidden.device)
+        if stream is None:
+            ids = predict_next(hidden, next_router_weight, top_p)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            with torch.cuda.stream(stream):
+                ids = predict_next(hidden, next_router_weight, top_p)
+            if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
+                hidden.record_stream(stream)  # the allocator must not reuse it before the side stream is done
+        if next_pager is not None:
+            next_pager.prefetch(ids.reshape(-1), stream)
+        return ids
+
+    def settled(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` from `feed`, readable in the current stream's order (it waits for the side stream)."""
+        if self._stream is not None and ids.is_cuda:
+            torch.cuda.current_stream(ids.device).wait_stream(self._stream)
+        return ids
+
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
 
 
 class ReplayedPredictions:

@@ -89,6 +89,7 @@ class PagedRoutedExperts(RoutedExperts):
             self.global_num_experts = num_experts
         self._full_moe_config = moe_config
         self._decoder_layer = _decoder_layer_index(layer_name)
+        self._runners = vllm_config.compilation_config.static_forward_context  # name -> MoERunner (its .gate)
         self._layout = _layout_of(self)
         sizes = TierSizes(experts=num_experts, vram=vram, ram=ram)
         order = proc.warm_order(moe_index, num_experts)
@@ -164,6 +165,7 @@ class PagedRoutedExperts(RoutedExperts):
             glue.check_kernel(self)
             self._kernel_checked = True
         topk_ids = self.process.routing.hook(self._moe_index, topk_ids)
+        self.process.predictor.propose(self, x)  # BIGMOE_PREDICT: the next layer's experts, on a side stream
         if isinstance(self.pager, DeviceLayerPager):
             return device.forward(self, x, topk_weights, topk_ids, super().forward_modular)
         if self._install_slot is None:

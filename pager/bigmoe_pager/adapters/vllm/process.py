@@ -10,7 +10,7 @@ from it. The custom op a layer's forward runs through finds the layer by MoE ind
 
 The process owns: the settings; the paged layers in build order (the n-th built is MoE
 layer n); the SSD stores the layers read, and the I/O workers of host-driven reads; the
-routing trace and replay; the counters' Prometheus export; and, when paging is
+routing trace and replay; the live next-layer predictor; the counters' Prometheus export; and, when paging is
 device-driven, the per-process device parts (counter table, its pinned mirror, the
 shared whole-layer buffer, the SSD service and the exporter thread), which start at
 the first forward (vLLM's profile run: after loading, before any CUDA graph capture).
@@ -22,6 +22,7 @@ import threading
 
 from bigmoe_pager.adapters.vllm import glue, stats
 from bigmoe_pager.adapters.vllm.device import DeviceParts, wanted
+from bigmoe_pager.adapters.vllm.predictor import Predictor
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core.timed_reads import TimedReads
@@ -40,6 +41,8 @@ class PagerProcess:
         """The SSD tier's open stores (checkpoint or paging file), shared by the layers."""
         self.routing = Routing(settings, self.layer_after)
         """Routing trace (BIGMOE_TRACE_PATH) and replay (BIGMOE_ROUTE_REPLAY)."""
+        self.predictor = Predictor(settings, self.routing, self.layer_after, on_device)
+        """The live next-layer predictor (BIGMOE_PREDICT)."""
         self.export = stats.CounterExport()
         """The counters' Prometheus series (multiprocess mode, so they reach vLLM's /metrics)."""
         self.reads: TimedReads | None = None

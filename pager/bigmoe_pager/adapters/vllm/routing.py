@@ -1,7 +1,8 @@
 """Routing trace and replay for the paged layers: what the router chose, recorded or replaced.
 
 `BIGMOE_TRACE_PATH` records each MoE layer's top-k ids (read on the host, so eager
-only) and writes them at exit in the pager benchmark's trace format.
+only) and writes them at exit in the pager benchmark's trace format, with the live
+predictor's proposals (BIGMOE_PREDICT=router) as its predicted_ids.
 `BIGMOE_ROUTE_REPLAY` (benchmark only) replaces the router's ids with a trace's next
 rows; trace and cursors live on the ids' device, so a replayed CUDA graph takes the
 next rows too.
@@ -34,6 +35,7 @@ class Routing:
         self.replay_path = settings.route_replay
         self._lock = threading.Lock()
         self._trace: dict[int, list[np.ndarray]] = {}
+        self._predicted: dict[int, list[np.ndarray]] = {}  # per MoE layer l: the live proposals for layer l + 1
         self._replay: tuple[torch.Tensor, torch.Tensor] | None = None  # trace [tokens, layers, k], cursors [1024]
 
     def hook(self, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -52,20 +54,42 @@ class Routing:
                 atexit.register(self.save_trace)
         return topk_ids
 
+    def record_predictions(self, moe_index: int, ids: torch.Tensor) -> None:
+        """Record the live proposal [tokens, P] layer moe_index made for layer moe_index + 1 (same rows as its ids)."""
+        with self._lock:
+            self._predicted.setdefault(moe_index, []).append(ids.detach().to("cpu", torch.int32).numpy().copy())
+
+    def replays_predictions(self, device: torch.device) -> bool:
+        """Whether a replayed trace carries predictions (they keep priority over the live predictor's)."""
+        if self.replay_path is None:
+            return False
+        return ReplayedPredictions.for_trace(self.replay_path, device).predicted is not None
+
     def save_trace(self) -> None:
-        """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path."""
+        """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path, and the
+        live proposals as predicted_ids int32 [tokens, layers, P] when there are any (docs/routing.md)."""
         with self._lock:
             if not self._trace:
                 return
             layers = sorted(self._trace)
             per_layer = [np.concatenate(self._trace[l], axis=0) for l in layers]
+            proposed = {l: np.concatenate(self._predicted[l], axis=0) for l in layers if l in self._predicted}
         tokens = min(a.shape[0] for a in per_layer)
         ids = np.stack([a[:tokens] for a in per_layer], axis=1).astype(np.int32)
+        arrays = {"topk_ids": ids}
+        if proposed:
+            arrays["predicted_ids"] = predicted_ids(per_layer, [proposed.get(l) for l in layers], tokens)
         path = Path(self.trace_path)
         tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, topk_ids=ids)
+        np.savez(tmp, **arrays)
         tmp.replace(path)
-        log.warning("bigmoe: wrote routing trace of %d tokens x %d layers to %s", ids.shape[0], ids.shape[1], path)
+        log.warning(
+            "bigmoe: wrote routing trace of %d tokens x %d layers%s to %s",
+            ids.shape[0],
+            ids.shape[1],
+            " with the live predictor's proposals" if proposed else "",
+            path,
+        )
 
     def _replayed(self, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """Benchmark only: the next rows of a recorded trace stand in for the router's choice.
@@ -92,3 +116,21 @@ class Routing:
                 trace = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int32)).to(device)
                 self._replay = trace, torch.zeros(1024, dtype=torch.int64, device=device)  # one cursor per MoE layer
             return self._replay
+
+
+def predicted_ids(topk: list[np.ndarray], proposed: list[np.ndarray | None], tokens: int) -> np.ndarray:
+    """int32 [tokens, layers, P], -1 padded: layer l's proposals (for layer l + 1) beside its ids, row for row.
+
+    A layer without proposals (the last one, one whose next router was not usable) is all -1; so is one
+    whose proposals do not match its ids row for row (not expected: both are taken in the same call).
+    """
+    width = max(p.shape[1] for p in proposed if p is not None)
+    out = np.full((tokens, len(topk), width), -1, dtype=np.int32)
+    for column, (ids, p) in enumerate(zip(topk, proposed)):
+        if p is None:
+            continue
+        if p.shape[0] != ids.shape[0]:
+            log.warning("bigmoe: trace layer %d has %d proposals for %d rows; left out", column, len(p), len(ids))
+            continue
+        out[:, column, : p.shape[1]] = p[:tokens]
+    return out

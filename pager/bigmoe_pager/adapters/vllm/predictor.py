@@ -1,0 +1,108 @@
+"""BIGMOE_PREDICT=router in a vLLM process: while MoE layer l runs, layer l+1's router proposes l+1's experts.
+
+Where: `PagedRoutedExperts.paged_forward` calls `Predictor.propose(layer, x)` after routing and before
+the layer pages its own experts; x is the hidden state layer l's experts receive. The next layer and
+its router are found at the layer's first forward (vLLM's profile run, after loading): the paged
+layer with MoE index l + 1 (neither layer in the MTP drafter, whose layer is no decoder layer's
+successor), and the gate of the MoERunner vLLM registered under that layer's name in
+`compilation_config.static_forward_context` (vLLM 0.32 CPU and 0.33: `MoERunner.gate`, a
+GateLinear whose weight is [E, H]). Where none is usable: one warning line, no predictions there.
+
+The proposal goes to the next layer's DeviceLayerPager, prefetched on a side stream
+(prediction.LivePredictions, as a replayed trace's predictions are fed); a replayed trace that
+carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only) the proposals are recorded
+as the trace's predicted_ids. The host-driven pager prefetches nothing: there the predictor runs
+only to record. The router keeps the final say: a proposal moves weights, never a step's ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.expert_names import is_mtp_layer
+from bigmoe_pager.core.prediction import LivePredictions
+from bigmoe_pager.settings import PagerSettings
+
+log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
+
+
+@dataclass(frozen=True)
+class NextRouter:
+    """What layer l's proposals need: the next paged layer and its router."""
+
+    layer: object
+    """The paged layer l + 1 (its `pager` takes the proposals)."""
+    weight: torch.Tensor
+    """Its router's weight [E, H] (a float dtype)."""
+    top: int
+    """Experts proposed per token."""
+
+
+def next_router(layer, nxt, hidden: torch.Tensor, top: int) -> NextRouter | str | None:
+    """Layer `layer`'s next layer `nxt` (or None) with its router; None where no layer follows in the same model
+    (the last decoder layer, the MTP drafter); a one-line reason where one follows but its router is not usable."""
+    if nxt is None or is_mtp_layer(layer.layer_name) or is_mtp_layer(nxt.layer_name):
+        return None
+    runner = nxt._runners.get(nxt.layer_name)
+    weight = getattr(getattr(runner, "gate", None), "weight", None)
+    where = f"MoE layer {nxt._moe_index} ({nxt.layer_name})"
+    if not isinstance(weight, torch.Tensor):
+        return f"vLLM keeps no router weight for {where} (no MoERunner.gate)"
+    if weight.dim() != 2 or not weight.is_floating_point() or weight.element_size() < 2:
+        return f"the router of {where} is {weight.dtype} {tuple(weight.shape)}, not a float [E, H] matrix"
+    expected = (nxt._num_experts, hidden.shape[-1])
+    if tuple(weight.shape) != expected or weight.device != hidden.device:
+        got = f"{tuple(weight.shape)} on {weight.device}"
+        return f"the router of {where} is {got}, expected {expected} on {hidden.device}"
+    return NextRouter(nxt, weight, top or nxt.moe_config.experts_per_token)
+
+
+class Predictor:
+    """The process's live next-layer predictor (held by the PagerProcess; off unless BIGMOE_PREDICT=router)."""
+
+    def __init__(self, settings: PagerSettings, routing, layer_after: Callable[[int], object], on_device: bool):
+        """routing: the process's Routing (trace recording, replayed predictions); layer_after(i): paged layer i+1."""
+        self.on = settings.predict == "router"
+        self.top = settings.predict_top
+        self.routing = routing
+        self.layer_after = layer_after
+        self.live = LivePredictions()
+        self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
+        self._warned = False
+        if self.on and not on_device:
+            log.warning(
+                "bigmoe: BIGMOE_PREDICT=router feeds the device-driven pager (CUDA) only; the host-driven pager "
+                "prefetches nothing, so proposals are only computed to be recorded (BIGMOE_TRACE_PATH)"
+            )
+
+    def propose(self, layer, hidden: torch.Tensor) -> None:
+        """Layer `layer` is about to run on `hidden` [tokens, H]: propose the next layer's experts for these rows."""
+        if not self.on or self.routing.replays_predictions(hidden.device):
+            return
+        target = self._target(layer, hidden)
+        if target is None:
+            return
+        pager = target.layer.pager
+        prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first (profile) forward
+        recording = self.routing.trace_path is not None
+        if not (prefetch or recording):
+            return
+        ids = self.live.feed(hidden, target.weight, target.top, pager if prefetch else None)
+        if recording:
+            self.routing.record_predictions(layer._moe_index, self.live.settled(ids))
+
+    def _target(self, layer, hidden: torch.Tensor) -> NextRouter | None:
+        index = layer._moe_index
+        if index not in self._next:
+            found = next_router(layer, self.layer_after(index), hidden, self.top)
+            if isinstance(found, str):
+                if not self._warned:
+                    log.warning("bigmoe: BIGMOE_PREDICT=router: %s; MoE layer %d predicts nothing", found, index)
+                    self._warned = True
+                found = None
+            self._next[index] = found
+        return self._next[index]
