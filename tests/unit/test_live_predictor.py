@@ -1,0 +1,263 @@
+"""BIGMOE_PREDICT=router: its settings; how the adapter finds layer l+1's router; the proposals reaching the next
+layer's DeviceLayerPager (CPU tensors, the pager's Triton kernels under Triton's interpreter) without changing
+what any step reads; the priority of a replayed trace's predictions; the recorded predicted_ids and their score.
+
+vLLM's CPU build never drives the pager from the device, so the prefetch path is proven here, one level below
+vLLM; tests/e2e/test_live_predictor_vllm.py runs the predictor inside real vLLM (host-driven: recorded only)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import score_predictor  # scripts/ is on pytest's pythonpath (pyproject)
+import torch
+from bigmoe_bench import traces
+from bigmoe_pager.adapters.vllm.predictor import NextRouter, Predictor, next_router
+from bigmoe_pager.adapters.vllm.routing import Routing
+from bigmoe_pager.core.prediction import predict_next
+from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.settings import PagerSettings, SettingsError
+from test_device_layer import loaded_layer, record_bytes, slot_bytes
+from test_pager import make_layout, make_records
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+
+HIDDEN = 24
+EXPERTS = 16
+
+# ---- settings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env,predict,top",
+    [
+        ({}, "off", 0),
+        ({"BIGMOE_PREDICT": "router"}, "router", 0),
+        ({"BIGMOE_PREDICT": "off", "BIGMOE_PREDICT_TOP": "6"}, "off", 6),
+        ({"BIGMOE_PREDICT": " router ", "BIGMOE_PREDICT_TOP": "12"}, "router", 12),
+    ],
+)
+def test_predict_settings_parse_and_round_trip(env, predict, top):
+    s = PagerSettings.from_env(env)
+    assert (s.predict, s.predict_top) == (predict, top)
+    assert PagerSettings.from_env(s.to_env()) == s
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"BIGMOE_PREDICT": "mlp"}, "BIGMOE_PREDICT='mlp' is not valid; expected off / router"),
+        ({"BIGMOE_PREDICT": "1"}, "BIGMOE_PREDICT='1' is not valid; expected off / router"),
+        ({"BIGMOE_PREDICT_TOP": "-3"}, "BIGMOE_PREDICT_TOP='-3' is not valid; expected a non-negative integer"),
+        ({"BIGMOE_PREDICT_TOP": "many"}, "BIGMOE_PREDICT_TOP='many' is not valid"),
+    ],
+)
+def test_bad_predict_settings_give_one_line(env, message):
+    with pytest.raises(SettingsError) as e:
+        PagerSettings.from_env(env)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- a model of paged layers as the adapter sees them ------------------------------------------
+
+
+def router(seed: int, experts: int = EXPERTS, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(experts, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def fake_layer(index: int, runners: dict, pager=None, name: str | None = None, top_k: int = 2):
+    """What Predictor reads of a PagedRoutedExperts: its names, index, expert count, top-k, pager and runners."""
+    return SimpleNamespace(
+        layer_name=name or f"model.layers.{index}.mlp.experts",
+        _moe_index=index,
+        _num_experts=EXPERTS,
+        moe_config=SimpleNamespace(experts_per_token=top_k),
+        pager=pager,
+        _runners=runners,
+    )
+
+
+def model(layers: int, vram: int, top_k: int = 2, warm=None, gates=None):
+    """Paged layers over started CPU DeviceLayerPagers, one step run; runners[name].gate.weight is each one's router."""
+    layout = make_layout(False)
+    records = make_records(layout, EXPERTS, seed=7)
+    stats = PagerStats(layers)
+    runners, out = {}, []
+    for i in range(layers):
+        pager = loaded_layer(layout, records, vram, EXPERTS, warm=warm)
+        pager.layer, pager.stats_table = i, stats
+        pager.start(layout.slot_buffers(vram, "cpu"))
+        pager.step(torch.tensor([pager.order[:2]]))  # a first step: the other warm experts are now cold
+        layer = fake_layer(i, runners, pager, top_k=top_k)
+        gate = (gates or {}).get(i, SimpleNamespace(weight=router(100 + i)))
+        runners[layer.layer_name] = SimpleNamespace(gate=gate)
+        out.append(layer)
+    return out, records, layout, stats
+
+
+def predictor(layers, env: dict, routing: Routing | None = None) -> Predictor:
+    settings = PagerSettings.from_env({"BIGMOE_PAGER": "1", **env})
+    routing = routing or Routing(settings)
+    after = {l._moe_index: l for l in layers}
+    return Predictor(settings, routing, lambda i: after.get(i + 1), on_device=True)
+
+
+def hidden(tokens: int, seed: int) -> torch.Tensor:
+    return torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def not_proposed(x: torch.Tensor, layer: int, top: int) -> list[int]:
+    """Experts layer `layer`'s router does not propose for x: warmed into VRAM, the proposal must be copied in."""
+    proposed = set(predict_next(x, router(100 + layer), top).reshape(-1).tolist())
+    return [e for e in range(EXPERTS) if e not in proposed]
+
+
+# ---- finding the next layer's router ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("found", "router"),
+        ("top set", "router"),
+        ("bf16 router", "router"),
+        ("last layer", None),
+        ("next is the MTP drafter's", None),
+        ("this is the MTP drafter's", None),
+        ("no runner", "no MoERunner.gate"),
+        ("runner without gate", "no MoERunner.gate"),
+        ("fp8 router", "not a float [E, H] matrix"),
+        ("router of another width", f"expected ({EXPERTS}, {HIDDEN})"),
+        ("router of another expert count", f"expected ({EXPERTS}, {HIDDEN})"),
+    ],
+)
+def test_the_next_layers_router_is_found_or_refused_with_a_reason(case, expect):
+    runners: dict = {}
+    this = fake_layer(3, runners, name="mtp.layers.48.mlp.experts" if case.startswith("this is") else None)
+    nxt = fake_layer(4, runners, name="mtp.layers.48.mlp.experts" if case.startswith("next is") else None, top_k=3)
+    weight = {
+        "bf16 router": router(1, dtype=torch.bfloat16),
+        "fp8 router": router(1).to(torch.float8_e4m3fn),
+        "router of another width": torch.zeros(EXPERTS, HIDDEN + 8),
+        "router of another expert count": torch.zeros(EXPERTS + 1, HIDDEN),
+    }.get(case, router(1))
+    if case != "no runner":
+        runners[nxt.layer_name] = SimpleNamespace(gate=None if case == "runner without gate" else SimpleNamespace(weight=weight))
+    got = next_router(this, None if case == "last layer" else nxt, hidden(2, 0), 5 if case == "top set" else 0)
+    if expect is None:
+        assert got is None
+    elif expect == "router":
+        assert isinstance(got, NextRouter) and got.layer is nxt and got.weight is weight
+        assert got.top == (5 if case == "top set" else 3)  # BIGMOE_PREDICT_TOP, else the next layer's top-k
+    else:
+        assert isinstance(got, str) and expect in got and "MoE layer 4" in got and "\n" not in got
+
+
+# ---- proposals into the next layer's pager --------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens,top,vram", [(1, 2, 8), (2, 3, 10), (1, 4, 6)])
+def test_proposals_land_in_the_next_layers_slots_and_change_no_step(tokens, top, vram):
+    x = hidden(tokens, seed=tokens + top)
+    proposed = sorted(set(predict_next(x, router(101), top).reshape(-1).tolist()))
+    cold = not_proposed(x, 1, top)
+    layers, records, layout, stats = model(2, vram, warm=cold)
+    plain, _, _, plain_stats = model(2, vram, warm=cold)
+    predictor(layers, {"BIGMOE_PREDICT": "router", "BIGMOE_PREDICT_TOP": str(top)}).propose(layers[0], x)
+    nxt = layers[1].pager
+    assert all(int(nxt.pager.vram.expert_slot[e]) >= 0 for e in proposed)
+    assert stats.snapshot(1)["vram"].prefetched == len(proposed)
+    assert stats.snapshot(0)["vram"].prefetched == 0  # only the next layer is fed
+    # The router keeps the final say: the next step pages its own ids; each slot it names holds that expert.
+    ids = torch.tensor([[proposed[0], cold[0]]] * tokens, dtype=torch.int64)
+    for layer_set in (layers, plain):
+        slots = layer_set[1].pager.step(ids)
+        for expert, slot in zip(ids.flatten().tolist(), slots.flatten().tolist()):
+            assert torch.equal(slot_bytes(layer_set[1].pager, slot), record_bytes(layout, records, expert))
+    assert stats.snapshot(1)["vram"].misses < plain_stats.snapshot(1)["vram"].misses  # the proposed one was a hit
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"BIGMOE_PREDICT": "off"}, {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": "with-predictions"}],
+    ids=["default", "off", "replayed predictions win"],
+)
+def test_nothing_is_proposed_when_off_or_when_a_replayed_trace_carries_predictions(env, tmp_path: Path):
+    if env.get("BIGMOE_ROUTE_REPLAY"):
+        trace = traces.named_trace("standard", 8, 2, EXPERTS, 2)
+        traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, EXPERTS))
+        env = {**env, "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz")}
+    layers, _, _, stats = model(2, 6)
+    predictor(layers, env).propose(layers[0], hidden(1, 3))
+    assert stats.snapshot(1)["vram"].prefetched == 0
+
+
+def test_a_replayed_trace_without_predictions_leaves_the_live_predictor_on(tmp_path: Path):
+    traces.save_trace(tmp_path / "plain.npz", traces.named_trace("standard", 8, 2, EXPERTS, 2))
+    x = hidden(1, 3)
+    layers, _, _, stats = model(2, 6, warm=not_proposed(x, 1, 2))
+    env = {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": str(tmp_path / "plain.npz")}
+    predictor(layers, env).propose(layers[0], x)
+    assert stats.snapshot(1)["vram"].prefetched == 2  # top-k (2) proposed, neither resident
+
+
+def test_an_unusable_router_warns_once_and_predicts_nothing_there(caplog):
+    gates = {1: SimpleNamespace(weight=router(1).to(torch.float8_e4m3fn)), 2: None}
+    x = hidden(1, 0)
+    layers, _, _, stats = model(4, 6, warm=not_proposed(x, 3, 2), gates=gates)
+    live = predictor(layers, {"BIGMOE_PREDICT": "router"})
+    with caplog.at_level(logging.WARNING, logger="vllm.bigmoe_pager"):
+        for step in range(3):
+            for layer in layers:
+                live.propose(layer, x)
+    lines = [r.getMessage() for r in caplog.records if "BIGMOE_PREDICT" in r.getMessage()]
+    assert len(lines) == 1 and "MoE layer 0 predicts nothing" in lines[0]
+    assert stats.snapshot(1)["vram"].prefetched == 0 and stats.snapshot(2)["vram"].prefetched == 0
+    assert stats.snapshot(3)["vram"].prefetched == 2  # layer 3's router is usable: layer 2 feeds it
+
+
+@pytest.mark.parametrize("next_pager", ["not started", "host-driven"])
+def test_a_pager_not_yet_started_or_host_driven_is_not_fed(next_pager):
+    x = hidden(1, 0)
+    layers, _, _, stats = model(2, 6, warm=not_proposed(x, 1, 2))
+    if next_pager == "not started":
+        layers[1].pager.pager = None  # as before vLLM's first forward has started the layers
+    else:
+        layers[1].pager = SimpleNamespace()  # a host-driven pager: nothing to prefetch into
+    predictor(layers, {"BIGMOE_PREDICT": "router"}).propose(layers[0], x)
+    assert stats.snapshot(1)["vram"].prefetched == 0
+
+
+# ---- recorded proposals and their score -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers_n,top,steps", [(3, 0, [1, 4, 1, 1]), (4, 5, [2, 1, 3])])
+def test_recorded_proposals_are_the_traces_predicted_ids_and_score(tmp_path: Path, layers_n, top, steps):
+    path = tmp_path / "trace.npz"
+    layers, _, _, _ = model(layers_n, 6)
+    settings = PagerSettings.from_env({"BIGMOE_PAGER": "1", "BIGMOE_TRACE_PATH": str(path)})
+    routing = Routing(settings)
+    env = {"BIGMOE_PREDICT": "router", "BIGMOE_PREDICT_TOP": str(top), "BIGMOE_TRACE_PATH": str(path)}
+    live = predictor(layers, env, routing)
+    states = []
+    for n, tokens in enumerate(steps):
+        x = hidden(tokens, seed=n)
+        states.append(x)
+        for layer in layers:
+            routing.hook(layer._moe_index, torch.topk(x @ router(100 + layer._moe_index).t(), 2).indices)
+            live.propose(layer, x)
+    routing.save_trace()
+    topk, predicted = traces.load_trace(path, EXPERTS), traces.load_predictions(path, EXPERTS)
+    width = top or 2
+    assert predicted.dtype == np.int32 and predicted.shape == (sum(steps), layers_n, width)
+    assert (predicted[:, -1] == -1).all()  # the last layer has no next one
+    x = torch.cat(states)
+    for l in range(layers_n - 1):
+        assert (predicted[:, l] == predict_next(x, router(101 + l), width).numpy()).all()
+    result = score_predictor.score(topk, predicted, EXPERTS)
+    assert [row["layer"] for row in result["per_layer"]] == list(range(layers_n - 1))
+    assert 0.0 <= result["overall"]["recall"] <= 1.0 and result["chance"]["recall"] == pytest.approx(width / EXPERTS)
