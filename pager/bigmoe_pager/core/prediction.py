@@ -7,7 +7,8 @@ predictor proposed for layer l+1 of token t; `replayed_predictions` takes the ro
 tokens a step is about to run, exactly where the live predictor's output would be used.
 Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable), and both
 hand layer l+1's pager (DeviceLayerPager.prefetch) their proposal on a side stream on CUDA:
-LivePredictions.feed and ReplayedPredictions.feed. `hits` / `recall` score a proposal (host).
+LivePredictions.feed (forked and joined within layer l's call) and ReplayedPredictions.feed.
+`hits` / `recall` score a proposal (host).
 """
 
 from __future__ import annotations
@@ -60,38 +61,45 @@ def recall(predicted, actual) -> float:
 
 
 class LivePredictions:
-    """The live predictor's proposals, handed to the next layer's pager as ReplayedPredictions.feed hands a trace's.
+    """The live predictor's proposals, handed to the next layer's pager while layer l runs.
 
-    On CUDA the router product runs on a side stream that first waits for the current one (the
-    hidden state is ready), so it and the prefetch copies overlap layer l's own paging and
-    compute; the next layer's step waits for that stream (DeviceLayerPager). Fixed shapes, event
-    waits only: capturable in a CUDA graph. Off CUDA everything runs in order.
+    On CUDA the router product and the next layer's prefetch (DeviceLayerPager.prefetch, run in
+    order on this side stream) start once the current stream has the hidden state, so they
+    overlap layer l's own paging and compute; `join`, called once layer l's work is issued, makes
+    the current stream wait for them. Forked and joined within layer l's call: a CUDA graph that
+    ends between layers (vLLM's PIECEWISE pieces) captures both ends, and no later step waits on
+    work outside its own graph. Fixed shapes, event waits only. Off CUDA everything runs in order.
     """
 
     def __init__(self) -> None:
         self._stream = None
+        self._forked = False  # the side stream has work the current stream has not joined yet
 
     def feed(self, hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int, next_pager=None) -> torch.Tensor:
         """int64 [tokens, top_p]: predict_next for the rows of `hidden`, prefetched into `next_pager` (a
-        DeviceLayerPager, or None: proposed only). On CUDA the ids are ready on the current stream only after
-        `settled` (or the next layer's step) has made it wait for the side stream."""
+        DeviceLayerPager, or None: proposed only). On CUDA the ids are readable on the current stream after `join`."""
         stream = self._side_stream(hidden.device)
         if stream is None:
-            ids = predict_next(hidden, next_router_weight, top_p)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(hidden.device))
-            with torch.cuda.stream(stream):
-                ids = predict_next(hidden, next_router_weight, top_p)
-            if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
-                hidden.record_stream(stream)  # the allocator must not reuse it before the side stream is done
-        if next_pager is not None:
-            next_pager.prefetch(ids.reshape(-1), stream)
+            return self._propose(hidden, next_router_weight, top_p, next_pager)
+        stream.wait_stream(torch.cuda.current_stream(hidden.device))
+        with torch.cuda.stream(stream):
+            ids = self._propose(hidden, next_router_weight, top_p, next_pager)
+        if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
+            hidden.record_stream(stream)  # the allocator must not reuse it before the side stream is done
+        self._forked = True
         return ids
 
-    def settled(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` from `feed`, readable in the current stream's order (it waits for the side stream)."""
-        if self._stream is not None and ids.is_cuda:
-            torch.cuda.current_stream(ids.device).wait_stream(self._stream)
+    def join(self, device: torch.device) -> None:
+        """The current stream waits for what `feed` put on the side stream since the last join (if anything)."""
+        if self._forked:
+            torch.cuda.current_stream(device).wait_stream(self._stream)
+            self._forked = False
+
+    @staticmethod
+    def _propose(hidden, next_router_weight, top_p, next_pager) -> torch.Tensor:
+        ids = predict_next(hidden, next_router_weight, top_p)
+        if next_pager is not None:
+            next_pager.prefetch(ids.reshape(-1))  # no stream: it runs here, on the stream current now
         return ids
 
     def _side_stream(self, device: torch.device):

@@ -165,7 +165,10 @@ class PagedRoutedExperts(RoutedExperts):
             glue.check_kernel(self)
             self._kernel_checked = True
         topk_ids = self.process.routing.hook(self._moe_index, topk_ids)
-        self.process.predictor.propose(self, x)  # BIGMOE_PREDICT: the next layer's experts, on a side stream
+        with self.process.predictor.ahead(self, x):  # BIGMOE_PREDICT: the next layer's experts copied meanwhile
+            return self._page_and_run(x, topk_weights, topk_ids)
+
+    def _page_and_run(self, x, topk_weights, topk_ids):
         if isinstance(self.pager, DeviceLayerPager):
             return device.forward(self, x, topk_weights, topk_ids, super().forward_modular)
         if self._install_slot is None:

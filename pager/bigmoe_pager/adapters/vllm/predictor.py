@@ -1,15 +1,16 @@
 """BIGMOE_PREDICT=router in a vLLM process: while MoE layer l runs, layer l+1's router proposes l+1's experts.
 
-Where: `PagedRoutedExperts.paged_forward` calls `Predictor.propose(layer, x)` after routing and before
-the layer pages its own experts; x is the hidden state layer l's experts receive. The next layer and
+Where: `PagedRoutedExperts.paged_forward` runs the layer's paging and kernel inside
+`Predictor.ahead(layer, x)`, after routing; x is the hidden state layer l's experts receive. The next layer and
 its router are found at the layer's first forward (vLLM's profile run, after loading): the paged
 layer with MoE index l + 1 (neither layer in the MTP drafter, whose layer is no decoder layer's
 successor), and the gate of the MoERunner vLLM registered under that layer's name in
 `compilation_config.static_forward_context` (vLLM 0.32 CPU and 0.33: `MoERunner.gate`, a
 GateLinear whose weight is [E, H]). Where none is usable: one warning line, no predictions there.
 
-The proposal goes to the next layer's DeviceLayerPager, prefetched on a side stream
-(prediction.LivePredictions, as a replayed trace's predictions are fed); a replayed trace that
+The proposal goes to the next layer's DeviceLayerPager, prefetched on a side stream that the
+layer's call forks and joins (prediction.LivePredictions), so the copies overlap layer l's own
+paging and compute inside any CUDA graph piece; a replayed trace that
 carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only) the proposals are recorded
 as the trace's predicted_ids. The host-driven pager prefetches nothing: there the predictor runs
 only to record. The router keeps the final say: a proposal moves weights, never a step's ids.
@@ -17,6 +18,7 @@ only to record. The router keeps the final say: a proposal moves weights, never 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -79,21 +81,31 @@ class Predictor:
                 "prefetches nothing, so proposals are only computed to be recorded (BIGMOE_TRACE_PATH)"
             )
 
-    def propose(self, layer, hidden: torch.Tensor) -> None:
-        """Layer `layer` is about to run on `hidden` [tokens, H]: propose the next layer's experts for these rows."""
+    @contextlib.contextmanager
+    def ahead(self, layer, hidden: torch.Tensor):
+        """Around layer `layer`'s paging and kernel on `hidden` [tokens, H]: the next layer's experts are proposed
+        (and prefetched) first, on a side stream on CUDA; the layer's call ends by joining that stream."""
+        ids = self.propose(layer, hidden)
+        try:
+            yield
+        finally:
+            if ids is not None:
+                self.live.join(hidden.device)
+                if self.routing.trace_path is not None:
+                    self.routing.record_predictions(layer._moe_index, ids)
+
+    def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
         if not self.on or self.routing.replays_predictions(hidden.device):
-            return
+            return None
         target = self._target(layer, hidden)
         if target is None:
-            return
+            return None
         pager = target.layer.pager
         prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first (profile) forward
-        recording = self.routing.trace_path is not None
-        if not (prefetch or recording):
-            return
-        ids = self.live.feed(hidden, target.weight, target.top, pager if prefetch else None)
-        if recording:
-            self.routing.record_predictions(layer._moe_index, self.live.settled(ids))
+        if not (prefetch or self.routing.trace_path is not None):
+            return None
+        return self.live.feed(hidden, target.weight, target.top, pager if prefetch else None)
 
     def _target(self, layer, hidden: torch.Tensor) -> NextRouter | None:
         index = layer._moe_index
