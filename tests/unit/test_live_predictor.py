@@ -169,7 +169,10 @@ def test_proposals_land_in_the_next_layers_slots_and_change_no_step(tokens, top,
     cold = not_proposed(x, 1, top)
     layers, records, layout, stats = model(2, vram, warm=cold)
     plain, _, _, plain_stats = model(2, vram, warm=cold)
-    predictor(layers, {"BIGMOE_PREDICT": "router", "BIGMOE_PREDICT_TOP": str(top)}).propose(layers[0], x)
+    before = x.clone()
+    with predictor(layers, {"BIGMOE_PREDICT": "router", "BIGMOE_PREDICT_TOP": str(top)}).ahead(layers[0], x):
+        pass  # layer 0's own paging and kernel run here
+    assert torch.equal(x, before)  # the hidden state layer 0 computes with is left as it was
     nxt = layers[1].pager
     assert all(int(nxt.pager.vram.expert_slot[e]) >= 0 for e in proposed)
     assert stats.snapshot(1)["vram"].prefetched == len(proposed)
