@@ -10,10 +10,11 @@ from it. The custom op a layer's forward runs through finds the layer by MoE ind
 
 The process owns: the settings; the paged layers in build order (the n-th built is MoE
 layer n); the SSD stores the layers read, and the I/O workers of host-driven reads; the
-routing trace and replay; the live next-layer predictor; the counters' Prometheus export; and, when paging is
-device-driven, the per-process device parts (counter table, its pinned mirror, the
-shared whole-layer buffer, the SSD service and the exporter thread), which start at
-the first forward (vLLM's profile run: after loading, before any CUDA graph capture).
+routing trace and replay; the live next-layer predictor; the counters' Prometheus
+export; and, when paging is device-driven, the per-process device parts (counter table,
+its pinned mirror, the shared whole-layer buffer, the SSD service and the exporter
+thread), which start at the first forward (vLLM's profile run: after loading, before
+any CUDA graph capture).
 """
 
 from __future__ import annotations
