@@ -1,7 +1,8 @@
 """Next-layer expert predictions: the live predictor, and a trace's recorded predictions replayed.
 
-Live: while layer l computes, layer l+1's router applied to layer l's output hidden state
-proposes l+1's experts (the router's own top-P; the literature's strongest cheap predictor).
+Live: while layer l computes, layer l+1's router applied to a hidden state of layer l (the
+vLLM adapter passes the one layer l's experts receive) proposes l+1's experts (the router's
+own top-P; the literature's strongest cheap predictor).
 Replayed (benchmarks): a trace's `predicted_ids` [tokens, layers, P] row [t, l] is what a
 predictor proposed for layer l+1 of token t; `replayed_predictions` takes the rows of the
 tokens a step is about to run, exactly where the live predictor's output would be used.
@@ -20,10 +21,11 @@ import torch
 def predict_next(hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int) -> torch.Tensor:
     """int64 [tokens, top_p]: the experts layer l+1's router would rank highest for layer l's hidden state.
 
-    hidden: [tokens, H] (layer l's output, before l+1's norm: the norm scales each row, which
-    leaves a row's ranking unchanged only up to the norm's weight; callers may pass the normed
-    state instead). next_router_weight: [E, H] (the gate Linear's weight, a float dtype); the product
-    runs in its dtype. Softmax keeps order, so the top-P logits are the router's top-P probabilities.
+    hidden: [tokens, H], a hidden state of layer l (the vLLM adapter passes what layer l's experts
+    receive, after l's post-attention norm; layer l+1's router sees l+1's normed state, which differs
+    by what layers l and l+1 add and by the norm's weight). next_router_weight: [E, H] (the gate
+    Linear's weight, a float dtype); the product runs in its dtype. Softmax keeps order, so the
+    top-P logits are the router's top-P probabilities.
     """
     logits = hidden.to(next_router_weight.dtype) @ next_router_weight.t()  # in the router's own dtype, as it routes
     return torch.topk(logits, min(top_p, logits.shape[-1]), dim=-1).indices

@@ -1,19 +1,20 @@
 """BIGMOE_PREDICT=router in a vLLM process: while MoE layer l runs, layer l+1's router proposes l+1's experts.
 
 Where: `PagedRoutedExperts.paged_forward` runs the layer's paging and kernel inside
-`Predictor.ahead(layer, x)`, after routing; x is the hidden state layer l's experts receive. The next layer and
-its router are found at the layer's first forward (vLLM's profile run, after loading): the paged
-layer with MoE index l + 1 (neither layer in the MTP drafter, whose layer is no decoder layer's
-successor), and the gate of the MoERunner vLLM registered under that layer's name in
-`compilation_config.static_forward_context` (vLLM 0.32 CPU and 0.33: `MoERunner.gate`, a
-GateLinear whose weight is [E, H]). Where none is usable: one warning line, no predictions there.
+`Predictor.ahead(layer, x)`, after routing; x is the hidden state layer l's experts receive.
+The next layer and its router are found at the layer's first forward (vLLM's profile run,
+after loading): the paged layer with MoE index l + 1 (neither layer in the MTP drafter, whose
+layer is no decoder layer's successor), and the gate of the MoERunner vLLM registered under
+that layer's name in `compilation_config.static_forward_context` (vLLM 0.32 CPU and 0.33:
+`MoERunner.gate`, a GateLinear whose weight is [E, H]). Where none is usable: one warning
+line, no predictions there.
 
 The proposal goes to the next layer's DeviceLayerPager, prefetched on a side stream that the
 layer's call forks and joins (prediction.LivePredictions), so the copies overlap layer l's own
-paging and compute inside any CUDA graph piece; a replayed trace that
-carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only) the proposals are recorded
-as the trace's predicted_ids. The host-driven pager prefetches nothing: there the predictor runs
-only to record. The router keeps the final say: a proposal moves weights, never a step's ids.
+paging and compute inside any CUDA graph piece; a replayed trace that carries predictions keeps
+priority. With BIGMOE_TRACE_PATH (eager only) the proposals are recorded as the trace's
+predicted_ids. The host-driven pager prefetches nothing: there the predictor runs only to
+record. The router keeps the final say: a proposal moves weights, never a step's ids.
 """
 
 from __future__ import annotations
