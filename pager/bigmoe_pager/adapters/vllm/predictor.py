@@ -76,7 +76,10 @@ class Predictor:
         self.live = LivePredictions()
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._warned = False
-        if self.on and not on_device:
+        if self.on and on_device:
+            top = self.top or "the model's top-k"
+            log.warning("bigmoe: next-layer prefetch on: layer l+1's router proposes %s experts per token", top)
+        elif self.on:
             log.warning(
                 "bigmoe: BIGMOE_PREDICT=router feeds the device-driven pager (CUDA) only; the host-driven pager "
                 "prefetches nothing, so proposals are only computed to be recorded (BIGMOE_TRACE_PATH)"
