@@ -69,7 +69,7 @@ class Predictor:
 
     def __init__(self, settings: PagerSettings, routing, layer_after: Callable[[int], object], on_device: bool):
         """routing: the process's Routing (trace recording, replayed predictions); layer_after(i): paged layer i+1."""
-        self.on = settings.predict == "router"
+        self.on = settings.enabled and settings.predict == "router"  # no pager, no layer to prefetch into
         self.top = settings.predict_top
         self.routing = routing
         self.layer_after = layer_after
