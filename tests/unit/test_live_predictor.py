@@ -188,16 +188,22 @@ def test_proposals_land_in_the_next_layers_slots_and_change_no_step(tokens, top,
 
 @pytest.mark.parametrize(
     "env",
-    [{}, {"BIGMOE_PREDICT": "off"}, {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": "with-predictions"}],
-    ids=["default", "off", "replayed predictions win"],
+    [
+        {},
+        {"BIGMOE_PREDICT": "off"},
+        {"BIGMOE_PREDICT": "router", "BIGMOE_PAGER": "0"},
+        {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": "with-predictions"},
+    ],
+    ids=["default", "off", "pager off", "replayed predictions win"],
 )
 def test_nothing_is_proposed_when_off_or_when_a_replayed_trace_carries_predictions(env, tmp_path: Path):
     if env.get("BIGMOE_ROUTE_REPLAY"):
         trace = traces.named_trace("standard", 8, 2, EXPERTS, 2)
         traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, EXPERTS))
         env = {**env, "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz")}
-    layers, _, _, stats = model(2, 6)
-    predictor(layers, env).propose(layers[0], hidden(1, 3))
+    x = hidden(1, 3)
+    layers, _, _, stats = model(2, 6, warm=not_proposed(x, 1, 2))  # a live proposal would copy 2 experts in
+    predictor(layers, env).propose(layers[0], x)
     assert stats.snapshot(1)["vram"].prefetched == 0
 
 
