@@ -216,6 +216,21 @@ def test_a_replayed_trace_without_predictions_leaves_the_live_predictor_on(tmp_p
     assert stats.snapshot(1)["vram"].prefetched == 2  # top-k (2) proposed, neither resident
 
 
+def test_a_replayed_traces_predictions_are_prefetched_into_the_next_layer_after_its_rows_replay(tmp_path: Path):
+    trace = traces.named_trace("standard", 8, 2, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, EXPERTS))
+    settings = PagerSettings.from_env({"BIGMOE_PAGER": "1", "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz")})
+    routing = Routing(settings)
+    wanted = sorted(set(trace[0, 1].tolist()))  # layer 1's experts for row 0: what the trace predicts at recall 1
+    layers, _, _, stats = model(2, 6, warm=[e for e in range(EXPERTS) if e not in wanted])
+    live = predictor(layers, {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz")}, routing)
+    routing.hook(0, torch.zeros(1, 2, dtype=torch.int64))  # layer 0 replays row 0
+    with live.ahead(layers[0], hidden(1, 0)):
+        pass
+    assert stats.snapshot(1)["vram"].prefetched == len(wanted)
+    assert sorted(e for e in wanted if layers[1].pager.pager.vram.expert_slot[e] >= 0) == wanted
+
+
 def test_an_unusable_router_warns_once_and_predicts_nothing_there(caplog):
     gates = {1: SimpleNamespace(weight=router(1).to(torch.float8_e4m3fn)), 2: None}
     x = hidden(1, 0)

@@ -182,15 +182,7 @@ def test_replayed_predictions_wrap_like_route_replay():
     assert np.array_equal(got.numpy(), np.stack([pred[2, 1].numpy(), pred[0, 1].numpy()]))
 
 
-class RecordingPager:
-    def __init__(self) -> None:
-        self.calls = []
-
-    def prefetch(self, ids, stream=None):
-        self.calls.append((ids.tolist(), stream))
-
-
-def test_replayed_predictions_feed_the_next_layer_the_rows_just_replayed(tmp_path):
+def test_replayed_predictions_are_the_next_layers_rows_just_replayed(tmp_path):
     trace = traces.named_trace("standard", 6, 3, 16, 2)
     pred = traces.predictions(trace, 1.0, 1.0, 16)
     traces.save_trace(tmp_path / "p.npz", trace, pred)
@@ -199,10 +191,8 @@ def test_replayed_predictions_feed_the_next_layer_the_rows_just_replayed(tmp_pat
     replay = ReplayedPredictions.for_trace(tmp_path / "p.npz", torch.device("cpu"))
     cursor = torch.zeros(8, dtype=torch.int64)
     cursor[1] = 5  # layer 1 has just replayed rows 3 and 4
-    nxt = RecordingPager()
-    replay.feed(1, 2, cursor, nxt)
-    assert nxt.calls == [(pred[3:5, 1].reshape(-1).tolist(), None)]
-    assert sorted(e for e in nxt.calls[0][0] if e >= 0) == sorted(trace[3:5, 2].reshape(-1).tolist())
+    rows = replay.rows(1, 2, cursor)
+    assert rows.tolist() == pred[3:5, 1].reshape(-1).tolist()
+    assert sorted(e for e in rows.tolist() if e >= 0) == sorted(trace[3:5, 2].reshape(-1).tolist())
     traces.save_trace(tmp_path / "plain.npz", trace)
-    ReplayedPredictions.for_trace(tmp_path / "plain.npz", torch.device("cpu")).feed(1, 2, cursor, nxt)
-    assert len(nxt.calls) == 1  # a trace without predictions prefetches nothing
+    assert ReplayedPredictions.for_trace(tmp_path / "plain.npz", torch.device("cpu")).rows(1, 2, cursor) is None

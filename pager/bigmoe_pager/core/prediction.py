@@ -8,7 +8,7 @@ predictor proposed for layer l+1 of token t; `replayed_predictions` takes the ro
 tokens a step is about to run, exactly where the live predictor's output would be used.
 Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable), and both
 hand layer l+1's pager (DeviceLayerPager.prefetch) their proposal on a side stream on CUDA:
-LivePredictions.feed (forked and joined within layer l's call) and ReplayedPredictions.feed.
+LivePredictions.feed / feed_ids (forked and joined within layer l's call).
 `hits` / `recall` score a proposal (host).
 """
 
@@ -63,7 +63,7 @@ def recall(predicted, actual) -> float:
 
 
 class LivePredictions:
-    """The live predictor's proposals, handed to the next layer's pager while layer l runs.
+    """Proposals for layer l+1 (the live predictor's, or a replayed trace's), handed to its pager while layer l runs.
 
     On CUDA the router product and the next layer's prefetch (DeviceLayerPager.prefetch, run in
     order on this side stream) start once the current stream has the hidden state, so they
@@ -80,29 +80,42 @@ class LivePredictions:
     def feed(self, hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int, next_pager=None) -> torch.Tensor:
         """int64 [tokens, top_p]: predict_next for the rows of `hidden`, prefetched into `next_pager` (a
         DeviceLayerPager, or None: proposed only). On CUDA the ids are readable on the current stream after `join`."""
-        stream = self._side_stream(hidden.device)
+
+        def propose() -> torch.Tensor:
+            ids = predict_next(hidden, next_router_weight, top_p)
+            if next_pager is not None:
+                next_pager.prefetch(ids.reshape(-1))  # no stream: it runs here, on the stream current now
+            return ids
+
+        return self._forked_work(hidden, propose)
+
+    def feed_ids(self, ids: torch.Tensor, next_pager) -> torch.Tensor:
+        """A proposal made elsewhere (a replayed trace's rows) prefetched into `next_pager` the same way."""
+
+        def prefetch() -> torch.Tensor:
+            next_pager.prefetch(ids.reshape(-1))
+            return ids
+
+        return self._forked_work(ids, prefetch)
+
+    def _forked_work(self, source: torch.Tensor, work):
+        """work() on the side stream once the current stream has `source` (in order off CUDA)."""
+        stream = self._side_stream(source.device)
         if stream is None:
-            return self._propose(hidden, next_router_weight, top_p, next_pager)
-        stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            return work()
+        stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
-            ids = self._propose(hidden, next_router_weight, top_p, next_pager)
+            out = work()
         if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
-            hidden.record_stream(stream)  # the allocator must not reuse it before the side stream is done
+            source.record_stream(stream)  # the allocator must not reuse it before the side stream is done
         self._forked = True
-        return ids
+        return out
 
     def join(self, device: torch.device) -> None:
         """The current stream waits for what `feed` put on the side stream since the last join (if anything)."""
         if self._forked:
             torch.cuda.current_stream(device).wait_stream(self._stream)
             self._forked = False
-
-    @staticmethod
-    def _propose(hidden, next_router_weight, top_p, next_pager) -> torch.Tensor:
-        ids = predict_next(hidden, next_router_weight, top_p)
-        if next_pager is not None:
-            next_pager.prefetch(ids.reshape(-1))  # no stream: it runs here, on the stream current now
-        return ids
 
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
@@ -117,7 +130,8 @@ class ReplayedPredictions:
 
     Benchmark only, like route replay: with BIGMOE_ROUTE_REPLAY pointing at a trace that carries
     predictions, layer l's replayed step hands layer l + 1's pager the predictions for the same
-    rows, on a side stream on CUDA (DeviceLayerPager.prefetch): what a live predictor would do.
+    rows (`rows`), which the adapter feeds through LivePredictions.feed_ids: where and how a live
+    predictor's proposal goes.
     A trace without predictions prefetches nothing.
     """
 
@@ -126,7 +140,6 @@ class ReplayedPredictions:
     def __init__(self, predicted: torch.Tensor | None) -> None:
         self.predicted = predicted
         """int32 [tokens, layers, P] on the step's device, or None."""
-        self._stream = None
 
     @classmethod
     def for_trace(cls, path, device: torch.device) -> "ReplayedPredictions":
@@ -139,18 +152,10 @@ class ReplayedPredictions:
             cls._cache[key] = cls(None if ids is None else torch.from_numpy(ids).to(device))
         return cls._cache[key]
 
-    def feed(self, moe_index: int, tokens: int, cursor: torch.Tensor, next_pager) -> None:
-        """After layer `moe_index` replayed `tokens` rows (its cursor already advanced past them), prefetch
-        layer moe_index + 1's predicted experts for those rows into `next_pager` (a DeviceLayerPager)."""
+    def rows(self, moe_index: int, tokens: int, cursor: torch.Tensor) -> torch.Tensor | None:
+        """After layer `moe_index` replayed `tokens` rows (its cursor already advanced past them), layer
+        moe_index + 1's predicted experts for those rows, int64 [tokens * P] (None: the trace has none)."""
         if self.predicted is None:
-            return
-        start = cursor[moe_index] - tokens
-        ids = replayed_predictions(self.predicted, start, moe_index, tokens).reshape(-1)
-        next_pager.prefetch(ids, self._side_stream(ids.device))
-
-    def _side_stream(self, device: torch.device):
-        if device.type != "cuda":
             return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+        start = cursor[moe_index] - tokens
+        return replayed_predictions(self.predicted, start, moe_index, tokens).reshape(-1)

@@ -93,14 +93,15 @@ class Predictor:
         try:
             yield
         finally:
-            if ids is not None:
-                self.live.join(hidden.device)
-                if self.routing.trace_path is not None:
-                    self.routing.record_predictions(layer._moe_index, ids)
+            self.live.join(hidden.device)  # a no-op when nothing was forked
+            if ids is not None and self.routing.trace_path is not None:
+                self.routing.record_predictions(layer._moe_index, ids)
 
     def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
-        if not self.on or self.routing.replays_predictions(hidden.device):
+        if self.routing.replays_predictions(hidden.device):
+            return self._replayed(layer, hidden)
+        if not self.on:
             return None
         target = self._target(layer, hidden)
         if target is None:
@@ -110,6 +111,17 @@ class Predictor:
         if not (prefetch or self.routing.trace_path is not None):
             return None
         return self.live.feed(hidden, target.weight, target.top, pager if prefetch else None)
+
+    def _replayed(self, layer, hidden: torch.Tensor) -> None:
+        """Benchmark: a replayed trace's predictions for the rows this layer just replayed, prefetched into the
+        next layer's started device-driven pager the way a live proposal is (None: they are not recorded)."""
+        pager = getattr(self.layer_after(layer._moe_index), "pager", None)
+        if not (isinstance(pager, DeviceLayerPager) and pager.started):
+            return None
+        ids = self.routing.replayed_proposal(layer._moe_index, hidden.shape[0], hidden.device)
+        if ids is not None:
+            self.live.feed_ids(ids, pager)
+        return None
 
     def _target(self, layer, hidden: torch.Tensor) -> NextRouter | None:
         index = layer._moe_index

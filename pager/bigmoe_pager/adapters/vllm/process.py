@@ -40,7 +40,7 @@ class PagerProcess:
         """Device-driven paging (the GPU decides, decode in CUDA graphs); else host-driven."""
         self.stores = SsdStores(read_retries=settings.read_retries)
         """The SSD tier's open stores (checkpoint or paging file), shared by the layers."""
-        self.routing = Routing(settings, self.layer_after)
+        self.routing = Routing(settings)
         """Routing trace (BIGMOE_TRACE_PATH) and replay (BIGMOE_ROUTE_REPLAY)."""
         self.predictor = Predictor(settings, self.routing, self.layer_after, on_device)
         """The live next-layer predictor (BIGMOE_PREDICT)."""

@@ -14,11 +14,9 @@ import atexit
 import logging
 import threading
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
-from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.prediction import ReplayedPredictions
 from bigmoe_pager.settings import PagerSettings, SettingsError
 
@@ -28,9 +26,7 @@ log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handl
 class Routing:
     """The process's routing trace (ids recorded per MoE layer) and replay (trace and cursors on the device)."""
 
-    def __init__(self, settings: PagerSettings, layer_after: Callable[[int], object] = lambda moe_index: None):
-        """layer_after(i): the paged layer i + 1, if any (a replayed trace's predictions prefetch into it)."""
-        self.layer_after = layer_after
+    def __init__(self, settings: PagerSettings):
         self.trace_path = settings.trace_path
         self.replay_path = settings.route_replay
         self._lock = threading.Lock()
@@ -42,10 +38,6 @@ class Routing:
         """The ids the layer routes by (replayed when asked), recorded when a trace is asked for."""
         if self.replay_path is not None:
             topk_ids = self._replayed(moe_index, topk_ids)
-            nxt = getattr(self.layer_after(moe_index), "pager", None)
-            if isinstance(nxt, DeviceLayerPager):  # a trace with predicted_ids: prefetch as a live predictor would
-                predicted = ReplayedPredictions.for_trace(self.replay_path, topk_ids.device)
-                predicted.feed(moe_index, topk_ids.shape[0], self._replay[1], nxt)
         if self.trace_path is not None:
             with self._lock:
                 first = not self._trace
@@ -64,6 +56,13 @@ class Routing:
         if self.replay_path is None:
             return False
         return ReplayedPredictions.for_trace(self.replay_path, device).predicted is not None
+
+    def replayed_proposal(self, moe_index: int, tokens: int, device: torch.device) -> torch.Tensor | None:
+        """The replayed trace's predictions for layer moe_index + 1 of the rows layer moe_index just replayed
+        (int64 [tokens * P]; None: no replay, or a trace without predictions)."""
+        if self.replay_path is None or self._replay is None:
+            return None
+        return ReplayedPredictions.for_trace(self.replay_path, device).rows(moe_index, tokens, self._replay[1])
 
     def save_trace(self) -> None:
         """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path, and the
