@@ -158,16 +158,33 @@ def pager_metrics(endpoint: str) -> dict:
     return {"series": sorted(names), "lookups": lookups, "hit_rate": rates}
 
 
-def leftovers(session: int) -> list[str]:
-    """Processes still in a session: the `bigmoe run` one, or vLLM's own (bigmoe starts vLLM in a new session)."""
-    left = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+def leftovers(session: int) -> tuple[list[str], list[str]]:
+    """Processes still in a session (the `bigmoe run` one, or vLLM's own: bigmoe starts vLLM in a new session):
+    (running, exited). An exited one is a zombie awaiting its parent's reap: vLLM's multiprocessing resource
+    tracker ignores SIGTERM, ends after its server, and is then the init process's to reap (the H200's first
+    app run, session 8, saw one such, pid with no command line, gone seconds later). Running ones fail the run."""
+    running, exited = [], []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
-            if os.getsid(proc.pid) == session:
-                left.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}")
+            if os.getsid(proc.pid) != session:
+                continue
         except (ProcessLookupError, PermissionError):
             continue
-    return left
+        line = f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}".strip()
+        (exited if proc.info["status"] == psutil.STATUS_ZOMBIE else running).append(line)
+    return running, exited
+
+
+def still_running(sessions: list[int], settle_s: float = 10.0) -> tuple[list[str], list[str]]:
+    """leftovers() of every session, asked again for up to settle_s while some still run (their exit in flight)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = [leftovers(s) for s in sessions]
+        running = [line for r, _ in found for line in r]
+        exited = [line for _, e in found for line in e]
+        if not running or time.monotonic() >= deadline:
+            return running, exited
+        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,9 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         run.wait(timeout=120)
         report["steps"]["run_exit"] = run.returncode
         server_pid = next((e["pid"] for e in events if e.get("event") == "launch"), None)
-        left = leftovers(run.pid) + (leftovers(server_pid) if server_pid else [])
+        left, exited = still_running([run.pid] + ([server_pid] if server_pid else []))
         ps_after = subprocess.run(bigmoe("ps"), env=child_env(), capture_output=True, text=True, timeout=60)
-        report["steps"]["after_stop"] = {"processes_left": left, "ps": ps_after.stdout.strip()}
+        report["steps"]["after_stop"] = {
+            "processes_left": left,
+            "exited_unreaped": exited,
+            "ps": ps_after.stdout.strip(),
+        }
         report["passed"] = stop.returncode == 0 and not left and "no bigmoe server" in ps_after.stdout
     except (StepFailed, httpx.HTTPError, subprocess.TimeoutExpired) as e:
         report["error"] = f"{type(e).__name__}: {e}"
