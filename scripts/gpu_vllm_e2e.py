@@ -163,9 +163,9 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
 
 
 def qwen4exp_configs(experts: int, top_k: int, spec_tokens: list[int]) -> list[Config]:
-    """Issue 14's matrix: three tier mixes, each with the n-gram pager off and on, and MTP runs, in the plan's
-    graph mode (PIECEWISE breakable graphs). References: the unpaged model (n-gram table loaded by vLLM), and the
-    unpaged model with the same MTP setting for each MTP run."""
+    """Issue 14's matrix: three tier mixes, each with the n-gram pager off and on, issue 15's live predictor (with SSD
+    read-ahead over the SSD mix), and MTP runs, in the plan's graph mode (PIECEWISE breakable graphs). References: the
+    unpaged model (n-gram table loaded by vLLM), and the unpaged model with the same MTP setting for each MTP run."""
     vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
     mixes = {
         "vramall": {"BIGMOE_PAGER": "1"},
@@ -183,6 +183,16 @@ def qwen4exp_configs(experts: int, top_k: int, spec_tokens: list[int]) -> list[C
             out.append(
                 Config(label, {**base, **env, **({"BIGMOE_NGRAM": "1"} if ngram else {})}, engine=QWEN4EXP_ENGINE)
             )
+    # Issue 15: the live next-layer predictor prefetching (and, over the SSD tier, reading ahead) under the same graphs.
+    predict = {"BIGMOE_PREDICT": "router", "BIGMOE_NGRAM": "1"}
+    out.append(Config("vram40-ngram-predict", {**base, **mixes["vram40"], **predict}, engine=QWEN4EXP_ENGINE))
+    out.append(
+        Config(
+            "vram12-ram50-ssd-ngram-predict-ahead",
+            {**base, **mixes["vram12-ram50-ssd"], **predict, "BIGMOE_SSD_READ_AHEAD": "1"},
+            engine=QWEN4EXP_ENGINE,
+        )
+    )
     for n in spec_tokens:
         mtp = {**QWEN4EXP_ENGINE, "speculative_config": {"method": "mtp", "num_speculative_tokens": n}}
         out.append(Config(f"unpaged-mtp{n}", dict(QWEN4EXP_ENV), reference=f"unpaged-mtp{n}", engine=mtp))
