@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from bigmoe_pager.core import acquire_kernel, triton_launch
+from bigmoe_pager.core import acquire_kernel, admit_kernel, triton_launch
 from bigmoe_pager.core.stats import (
     BYTES,
     ERRORS,
@@ -158,6 +158,8 @@ class SlotTable:
         """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
         self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
         """`step` when the latest `admit` ran."""
+        self._want_scratch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
+        """The admit kernel's set of predicted experts (its own: a side stream's admit never shares acquire's)."""
         self._prefetch_stat_index = torch.tensor(
             [BYTES, PREFETCHED, PREFETCH_USED, PREFETCH_WASTED_BYTES], dtype=torch.int64, device=self.device
         )
@@ -341,6 +343,35 @@ class SlotTable:
         keep_slots: bool [slots] that must not be taken either (RAM rows whose posted reads are unconfirmed).
         Fixed shapes, no host sync: capturable, also on a side stream.
         """
+        if self.use_kernel:
+            return self._admit_kernel(predicted, available, stats_row, record_bytes, keep_slots)
+        return self._admit_torch(predicted, available, stats_row, record_bytes, keep_slots)
+
+    def admit_state(self) -> dict[str, torch.Tensor]:
+        """The device tensors the admit kernel reads and updates in place."""
+        return {
+            **self.kernel_state(),
+            "prefetched": self._prefetched,
+            "prefetch_step": self._prefetch_step,
+            "want": self._want_scratch,
+        }
+
+    def _admit_kernel(self, predicted, available, stats_row, record_bytes, keep_slots) -> Admitted:
+        out = admit_kernel.launch_admit(
+            self.admit_state(),
+            predicted.to(self.device),
+            self.num_experts,
+            self.num_slots,
+            self.miss_capacity(predicted.numel()),
+            available,
+            keep_slots,
+            stats_row,
+            record_bytes,
+            lfu=self.lfu,
+        )
+        return Admitted(out["experts"], out["slots"], out["evicted"])
+
+    def _admit_torch(self, predicted, available, stats_row, record_bytes, keep_slots) -> Admitted:
         e, s = self.num_experts, self.num_slots
         flat = predicted.reshape(-1).to(device=self.device, dtype=torch.int64)
         m = self.miss_capacity(flat.numel())

@@ -1,0 +1,115 @@
+"""The one-program Triton admit (run by Triton's interpreter here) equals SlotTable's torch admit bit for bit:
+outputs, full table state and counters after every call, over acquire/admit rounds of trace-like routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from bigmoe_bench import traces
+from bigmoe_pager.core.slots import SlotTable
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+
+def state(table: SlotTable) -> dict[str, torch.Tensor]:
+    """Every tensor of a table's decision state (not the write sinks nor the scratch areas: never read)."""
+    return {
+        "expert_slot": table.expert_slot,
+        "slot_expert": table.slot_expert,
+        "last_use": table.last_use,
+        "step": table.step,
+        "use_count": table.use_count,
+        "prefetched": table._prefetched[: table.num_slots],
+        "prefetch_step": table._prefetch_step,
+    }
+
+
+def routing(experts: int, k: int, rounds: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer 1 of a 2-layer topic-shift trace ([rounds, k]) and layer 0's predictions of it ([rounds, P])."""
+    trace = traces.family_trace(traces.FAMILIES["topic-shift"], rounds, 2, experts, k, seed=seed)
+    return trace[:, 1], traces.predictions(trace, 0.7, 0.6, experts, seed=seed)[:, 0]
+
+
+def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], what: str) -> None:
+    want, got = state(ref), state(ker)
+    for name in want:
+        assert torch.equal(want[name], got[name]), (what, name)
+    assert torch.equal(rows["ref"], rows["ker"]), (what, rows["ref"].tolist(), rows["ker"].tolist())
+
+
+@pytest.mark.parametrize(
+    "experts,slots,policy,masks",
+    [
+        (256, 102, "lru", False),
+        (256, 102, "lfu-fast", True),
+        (256, 32, "lru", True),
+        (256, 32, "lfu", False),
+        (512, 35, "lfu-fast", False),
+        (512, 35, "lru", True),
+        (64, 16, "lfu", True),
+        (64, 16, "lru", False),
+    ],
+)
+def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks):
+    """masks: pass `available` (a partial RAM tier) and `keep_slots` (rows with unconfirmed reads)."""
+    k, rounds, rb = 8, 20, 3 << 20
+    rng = np.random.default_rng(experts * 7 + slots)
+    ids, pred = routing(experts, k, 2 * rounds, seed=slots)
+    ref = SlotTable(experts, slots, use_kernel=False, policy=policy, decay=3 if policy == "lfu" else None)
+    ker = SlotTable(experts, slots, use_kernel=True, policy=policy, decay=3 if policy == "lfu" else None)
+    warm = torch.from_numpy(rng.permutation(experts)[:slots].copy())
+    ref.place(warm), ker.place(warm)  # a full table from the start: admits evict
+    rows = {name: torch.zeros(10, dtype=torch.int64) for name in ("ref", "ker")}
+    for t in range(rounds):
+        tokens = slice(2 * t, 2 * t + 1 + t % 2)  # one or two tokens per step
+        guess = torch.from_numpy(pred[tokens].astype(np.int64))  # what the layer before predicts for them
+        if t % 3 == 1:
+            guess[0, 0] = experts + 5  # an invalid prediction is ignored
+        extra = {}
+        if masks:
+            extra["available"] = torch.from_numpy(rng.random(experts) < 0.7)
+            extra["keep_slots"] = torch.from_numpy(rng.random(slots) < 0.25)
+        for _ in range(1 + (t % 4 == 2)):  # now and then a second admit with no step between (one round)
+            a = ref.admit(guess, stats_row=rows["ref"], record_bytes=rb, **extra)
+            b = ker.admit(guess, stats_row=rows["ker"], record_bytes=rb, **extra)
+            for field in ("experts", "slots", "evicted"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (t, field)
+            assert_same(ref, ker, rows, f"admit {t}")
+            guess = torch.roll(guess, 1)
+        step = torch.from_numpy(ids[tokens].copy())
+        for table, name in ((ref, "ref"), (ker, "ker")):
+            table.acquire(step, rows[name], record_bytes=rb)
+        assert_same(ref, ker, rows, f"acquire {t}")
+    assert int(rows["ref"][7]) > rounds and int(rows["ref"][8]) > 0  # many installs, some of them used
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
+def test_admit_kernel_on_a_crowded_table(policy):
+    """More predictions than slots, slots all kept or all recent: the capped and the empty decision agree too."""
+    experts, slots = 64, 16
+    ref = SlotTable(experts, slots, use_kernel=False, policy=policy)
+    ker = SlotTable(experts, slots, use_kernel=True, policy=policy)
+    rows = {name: torch.zeros(10, dtype=torch.int64) for name in ("ref", "ker")}
+    many = torch.arange(40, 0, -1).reshape(2, 20)  # 2 tokens x 20 predictions, m = 16
+    calls = [
+        ("admit", {"predicted": many}),  # an empty table: the 16 lowest predicted ids fill it
+        ("acquire", torch.arange(16).reshape(2, 8)),  # every slot used by the latest step
+        ("admit", {"predicted": many + 20}),  # nothing may be evicted
+        ("acquire", torch.tensor([[1, 2, 3, 40, 41, 42, 43, 44]])),
+        ("admit", {"predicted": many + 3, "keep_slots": torch.ones(slots, dtype=torch.bool)}),  # all kept
+        ("admit", {"predicted": torch.full((3,), -1)}),  # recall 0
+        ("acquire", torch.tensor([[50, 51, -1, 52, 53, 54, 55, 56]])),
+        ("admit", {"predicted": many + 7, "available": torch.zeros(experts, dtype=torch.bool)}),  # nothing in RAM
+        ("admit", {"predicted": torch.tensor([60, 61, 62, 63, 1, 2])}),
+    ]
+    for i, (op, arg) in enumerate(calls):
+        if op == "acquire":
+            ref.acquire(arg, rows["ref"])
+            ker.acquire(arg, rows["ker"])
+        else:
+            a = ref.admit(stats_row=rows["ref"], record_bytes=10, **arg)
+            b = ker.admit(stats_row=rows["ker"], record_bytes=10, **arg)
+            for field in ("experts", "slots", "evicted"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (i, field)
+        assert_same(ref, ker, rows, f"call {i} ({op})")
+    assert int(rows["ker"][7]) == 16 + 4  # the first admit filled the table, the last one four slots
