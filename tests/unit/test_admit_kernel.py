@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 from bigmoe_bench import traces
-from bigmoe_pager.core.slots import SlotTable
+from bigmoe_pager.core.slots import SlotTable, SourceRows
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+
 
 def state(table: SlotTable) -> dict[str, torch.Tensor]:
     """Every tensor of a table's decision state (not the write sinks nor the scratch areas: never read)."""
@@ -28,6 +29,15 @@ def routing(experts: int, k: int, rounds: int, seed: int) -> tuple[np.ndarray, n
     """Layer 1 of a 2-layer topic-shift trace ([rounds, k]) and layer 0's predictions of it ([rounds, P])."""
     trace = traces.family_trace(traces.FAMILIES["topic-shift"], rounds, 2, experts, k, seed=seed)
     return trace[:, 1], traces.predictions(trace, 0.7, 0.6, experts, seed=seed)[:, 0]
+
+
+def source_rows(rng: np.random.Generator, experts: int, rows: int) -> SourceRows:
+    """A partial tier of `rows` records holding random experts, a fifth of its rows awaiting a posted read."""
+    expert_row = np.full(experts, -1, dtype=np.int64)
+    expert_row[rng.permutation(experts)[:rows]] = rng.permutation(rows)
+    posted = np.where(rng.random(rows + 1) < 0.2, rng.integers(1, 99, rows + 1), 0)
+    posted[rows] = 0  # the sink row
+    return SourceRows(torch.from_numpy(expert_row), torch.from_numpy(posted))
 
 
 def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], what: str) -> None:
@@ -51,7 +61,8 @@ def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], w
     ],
 )
 def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks):
-    """masks: pass `available` (a partial RAM tier) and `keep_slots` (rows with unconfirmed reads)."""
+    """masks: pass `available`, `keep_slots` (a RAM tier's rows with unconfirmed reads) and the rows of a
+    partial RAM tier below (some holding unconfirmed reads)."""
     k, rounds, rb = 8, 20, 3 << 20
     rng = np.random.default_rng(experts * 7 + slots)
     ids, pred = routing(experts, k, 2 * rounds, seed=slots)
@@ -69,10 +80,11 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks):
         if masks:
             extra["available"] = torch.from_numpy(rng.random(experts) < 0.7)
             extra["keep_slots"] = torch.from_numpy(rng.random(slots) < 0.25)
+            extra["source"] = source_rows(rng, experts, rows=experts // 2)
         for _ in range(1 + (t % 4 == 2)):  # now and then a second admit with no step between (one round)
             a = ref.admit(guess, stats_row=rows["ref"], record_bytes=rb, **extra)
             b = ker.admit(guess, stats_row=rows["ker"], record_bytes=rb, **extra)
-            for field in ("experts", "slots", "evicted"):
+            for field in ("experts", "slots", "evicted", "rows"):
                 assert torch.equal(getattr(a, field), getattr(b, field)), (t, field)
             assert_same(ref, ker, rows, f"admit {t}")
             guess = torch.roll(guess, 1)
@@ -109,7 +121,7 @@ def test_admit_kernel_on_a_crowded_table(policy):
         else:
             a = ref.admit(stats_row=rows["ref"], record_bytes=10, **arg)
             b = ker.admit(stats_row=rows["ker"], record_bytes=10, **arg)
-            for field in ("experts", "slots", "evicted"):
+            for field in ("experts", "slots", "evicted", "rows"):
                 assert torch.equal(getattr(a, field), getattr(b, field)), (i, field)
         assert_same(ref, ker, rows, f"call {i} ({op})")
     assert int(rows["ker"][7]) == 16 + 4  # the first admit filled the table, the last one four slots

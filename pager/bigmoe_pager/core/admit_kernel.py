@@ -10,10 +10,15 @@ tensors as scratch for the two lists it builds (experts to fetch, slots to take)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from bigmoe_pager.core import stats
 from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, MAX_SLOTS, NEEDED_KEY, PACKED_MAX, next_pow2
 from bigmoe_pager.core.triton_launch import kernel_for
+
+if TYPE_CHECKING:
+    from bigmoe_pager.core.slots import SourceRows
 
 try:
     import triton
@@ -32,20 +37,23 @@ def launch_admit(
     keep_slots: torch.Tensor | None = None,
     stats_row: torch.Tensor | None = None,
     record_bytes: int = 0,
+    source: SourceRows | None = None,
     lfu: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Run the prefetch decision; returns experts, slots, evicted (int64 [m], -1 padded).
+    """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
     table_state: SlotTable.admit_state() (maps, stamps, counts, prefetch marks, want scratch).
     available: bool [experts] that may be fetched; keep_slots: bool [slots] that must not be taken.
     stats_row: int64 [10] counters (stats.COUNTERS) that get bytes, prefetched, prefetch_used and
-    prefetch_wasted_bytes added. lfu: rank candidate slots by (use count, last use, expert).
+    prefetch_wasted_bytes added. source: slots.SourceRows of a partial tier below (only experts in its
+    whole rows are fetched; rows = their record rows); None: rows = experts.
+    lfu: rank candidate slots by (use count, last use, expert).
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
     flat = predicted.reshape(-1)
     device = flat.device
-    out = {name: torch.empty(m, dtype=torch.int64, device=device) for name in ("experts", "slots", "evicted")}
+    out = {name: torch.empty(m, dtype=torch.int64, device=device) for name in ("experts", "slots", "evicted", "rows")}
     dummy = out["experts"]  # pointer for absent inputs (never read: HAS_* is False)
     kernel_for(_admit_kernel, device)[(1,)](
         flat,
@@ -60,6 +68,8 @@ def launch_admit(
         table_state["want"],
         _bytes_of(available, dummy),
         _bytes_of(keep_slots, dummy),
+        dummy if source is None else source.expert_row,
+        dummy if source is None else source.posted,
         *out.values(),
         m,
         stats_row if stats_row is not None else dummy,
@@ -73,10 +83,13 @@ def launch_admit(
         BLOCK_N=IDS_BLOCK,
         HAS_AVAIL=available is not None,
         HAS_KEEP=keep_slots is not None,
+        HAS_SOURCE=source is not None,
         HAS_STATS=stats_row is not None,
         LFU=lfu,
         num_warps=4,
     )
+    if source is None:
+        out["rows"] = out["experts"]  # the records are indexed by expert id
     return out
 
 
@@ -108,9 +121,12 @@ if triton is not None:
         want_ptr,
         avail_ptr,
         keep_ptr,
+        src_row_ptr,
+        src_posted_ptr,
         out_exp_ptr,
         out_slot_ptr,
         out_evicted_ptr,
+        out_row_ptr,
         m,
         stats_ptr,
         record_bytes,
@@ -123,6 +139,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         HAS_AVAIL: tl.constexpr,
         HAS_KEEP: tl.constexpr,
+        HAS_SOURCE: tl.constexpr,
         HAS_STATS: tl.constexpr,
         LFU: tl.constexpr,
     ):
@@ -160,6 +177,9 @@ if triton is not None:
         fetch = want & (tl.load(expert_slot_ptr + e_ar, mask=e_in, other=0) < 0)
         if HAS_AVAIL:
             fetch = fetch & (tl.load(avail_ptr + e_ar, mask=e_in, other=0) != 0)
+        if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
+            row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
+            fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
         n_fetch = tl.sum(fetch.to(tl.int64), 0)
         pos = tl.cumsum(fetch.to(tl.int32), 0) - 1
         tl.store(out_exp_ptr + pos, e_ar.to(tl.int64), mask=fetch & (pos < m))
@@ -198,6 +218,9 @@ if triton is not None:
         tl.store(out_exp_ptr + s_ar, tl.where(take, mexp, -1), mask=m_in)
         tl.store(out_slot_ptr + s_ar, tl.where(take, cand, -1), mask=m_in)
         tl.store(out_evicted_ptr + s_ar, tl.where(take, old, -1), mask=m_in)
+        if HAS_SOURCE:
+            src = tl.load(src_row_ptr + mexp, mask=take, other=-1)
+            tl.store(out_row_ptr + s_ar, tl.where(take, src, -1), mask=m_in)
         tl.store(prefetch_step_ptr, step)
         if HAS_STATS:
             n = tl.sum(take.to(tl.int64), 0)

@@ -137,19 +137,15 @@ class ExpertPager:
     def prefetch(self, predicted_ids: torch.Tensor) -> Admitted:
         """Copy predicted experts of the next step into VRAM now (SlotTable.admit's rule); no host sync.
 
-        Only experts whose RAM records are whole are prefetched (RamTier.complete: an SSD read, even a
-        posted one, is the step's business): a row's demand read was waited for by an earlier step of
-        this layer, ordered before this call, and a row with an unconfirmed posted read is left out.
+        Only experts whose RAM records are whole are prefetched (RamTier.complete's rule, checked by the
+        decision itself from RamTier.source_rows: an SSD read, even a posted one, is the step's business):
+        a row's demand read was waited for by an earlier step of this layer, ordered before this call,
+        and a row with an unconfirmed posted read is left out.
         The next `acquire` still decides from its real ids: a wrong prediction costs a copy, never a token.
         """
-        ram_table = self.ram.table
-        available = None if ram_table is None else self.ram.complete()
-        got = self.vram.admit(predicted_ids, available, self._rows["vram"], self.layout.record_bytes)
-        if ram_table is None:
-            src = got.experts
-        else:
-            src = torch.where(got.experts >= 0, ram_table.expert_slot[got.experts.clamp(min=0)], -1)
-        copy_records(self.ram.records, src, got.slots, self.layout, self.buffers)
+        source = self.ram.source_rows()  # a partial tier's rows: the decision also checks and maps them
+        got = self.vram.admit(predicted_ids, None, self._rows["vram"], self.layout.record_bytes, source=source)
+        copy_records(self.ram.records, got.rows, got.slots, self.layout, self.buffers)
         return got
 
     def read_ahead(self, predicted_ids: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pinned import pinned_empty
-from bigmoe_pager.core.slots import SlotTable
+from bigmoe_pager.core.slots import SlotTable, SourceRows
 
 
 class RamTierError(ValueError):
@@ -237,6 +237,10 @@ class RamTier:
         """Raise RamTierError unless the SSD tier below can post reads (before any table changes)."""
         if not getattr(self.ssd, "can_post", False):
             raise RamTierError("SSD read-ahead needs an SSD tier that can post reads (SsdService(read_ahead=True))")
+
+    def source_rows(self) -> SourceRows | None:
+        """Where a partial tier keeps each expert and which rows await a posted read (None: a full tier)."""
+        return None if self.full else SourceRows(self.table.expert_slot, self.posted)
 
     def complete(self) -> torch.Tensor:
         """bool [experts]: experts whose record row holds all their bytes (in RAM, no unconfirmed read)."""

@@ -69,6 +69,18 @@ class Admitted:
     """int64 [M]: slot each goes to, -1 padded."""
     evicted: torch.Tensor
     """int64 [M]: expert that slot held before (-1 if it was empty)."""
+    rows: torch.Tensor
+    """int64 [M]: record row each expert is copied from (SourceRows' row; the expert id without one), -1 padded."""
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """Where a partial tier below keeps each expert's record, and which of its rows are whole."""
+
+    expert_row: torch.Tensor
+    """int64 [experts]: record row of each expert, -1 when the tier does not hold it."""
+    posted: torch.Tensor
+    """int64 [rows + 1]: nonzero where a row's posted read is unconfirmed (its bytes may not be whole)."""
 
 
 @dataclass(frozen=True)
@@ -334,6 +346,7 @@ class SlotTable:
         stats_row: torch.Tensor | None = None,
         record_bytes: int = 0,
         keep_slots: torch.Tensor | None = None,
+        source: SourceRows | None = None,
     ) -> Admitted:
         """Install predicted experts for the next step (see the module's prefetch rule); returns what to copy.
 
@@ -341,11 +354,13 @@ class SlotTable:
         stats_row (int64 [10], stats.COUNTERS) gets bytes and prefetched for this round and, for the
         previous round, prefetch_used (experts the step since then needed) and prefetch_wasted_bytes.
         keep_slots: bool [slots] that must not be taken either (RAM rows whose posted reads are unconfirmed).
+        source: a partial tier below; only experts whose rows it holds whole are prefetched, and
+        Admitted.rows says which row each is copied from.
         Fixed shapes, no host sync: capturable, also on a side stream.
         """
         if self.use_kernel:
-            return self._admit_kernel(predicted, available, stats_row, record_bytes, keep_slots)
-        return self._admit_torch(predicted, available, stats_row, record_bytes, keep_slots)
+            return self._admit_kernel(predicted, available, stats_row, record_bytes, keep_slots, source)
+        return self._admit_torch(predicted, available, stats_row, record_bytes, keep_slots, source)
 
     def admit_state(self) -> dict[str, torch.Tensor]:
         """The device tensors the admit kernel reads and updates in place."""
@@ -356,7 +371,7 @@ class SlotTable:
             "want": self._want_scratch,
         }
 
-    def _admit_kernel(self, predicted, available, stats_row, record_bytes, keep_slots) -> Admitted:
+    def _admit_kernel(self, predicted, available, stats_row, record_bytes, keep_slots, source) -> Admitted:
         out = admit_kernel.launch_admit(
             self.admit_state(),
             predicted.to(self.device),
@@ -367,11 +382,12 @@ class SlotTable:
             keep_slots,
             stats_row,
             record_bytes,
+            source,
             lfu=self.lfu,
         )
-        return Admitted(out["experts"], out["slots"], out["evicted"])
+        return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
-    def _admit_torch(self, predicted, available, stats_row, record_bytes, keep_slots) -> Admitted:
+    def _admit_torch(self, predicted, available, stats_row, record_bytes, keep_slots, source) -> Admitted:
         e, s = self.num_experts, self.num_slots
         flat = predicted.reshape(-1).to(device=self.device, dtype=torch.int64)
         m = self.miss_capacity(flat.numel())
@@ -383,6 +399,8 @@ class SlotTable:
         fetch = want[:e] & (self._expert_slot[:e] < 0)
         if available is not None:
             fetch &= available.to(device=self.device, dtype=torch.bool)
+        if source is not None:
+            fetch &= self._whole_rows(source)
         experts = self._compact(fetch, m)
         protect = want.clone()
         held = self._slot_expert[:s]
@@ -402,7 +420,16 @@ class SlotTable:
             n = take.sum()
             parts = [n * record_bytes, n, used, wasted * record_bytes]
             stats_row.index_add_(0, self._prefetch_stat_index, torch.stack(parts))
-        return Admitted(experts, slots, evicted)
+        if source is None:
+            return Admitted(experts, slots, evicted, experts)
+        rows = torch.where(experts >= 0, source.expert_row[experts.clamp(min=0)], -1)
+        return Admitted(experts, slots, evicted, rows)
+
+    def _whole_rows(self, source: SourceRows) -> torch.Tensor:
+        """bool [experts]: held by the source tier in a row with no unconfirmed read."""
+        rows = source.expert_row[: self.num_experts]
+        sink = source.posted.numel() - 1
+        return (rows >= 0) & (source.posted[torch.where(rows >= 0, rows, sink)] == 0)
 
     def _settle_prefetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(used, wasted) of the latest round's experts, judged by the steps since; clears the marks.
