@@ -19,7 +19,7 @@ import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bigmoe_bench import moe_decode as md
-from bigmoe_pager.core import acquire_kernel as ak, copy_kernel as ck, step_kernel as sk
+from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_kernel as ck, step_kernel as sk
 
 def build(fn, sig, consts, aligned=()):
     full = dict(sig)
@@ -41,6 +41,13 @@ for lfu in (False, True):
               "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu,
               "DECAY": 256})
     out[f"acquire_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
+adm = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in adk._admit_kernel.arg_names if n.islower()}
+adm |= {"pred_ptr": "*i64", "want_ptr": "*i32", "avail_ptr": "*u8", "keep_ptr": "*u8"}
+for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input present
+    k = build(adk._admit_kernel, adm, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
+              "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_AVAIL": True, "HAS_KEEP": True,
+              "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu})
+    out[f"admit_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
@@ -80,6 +87,7 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["acquire_lfu=False"] and got["acquire_lfu=True"]  # one program, phases separated by block barriers
+    assert got["admit_lfu=False"] and got["admit_lfu=True"]
     assert "ld.global.v2.b64" in got["copy"] and "st.global.v2.b64" in got["copy"]  # 16-byte copies
     assert "ld.global.v4.b32" in got["up"] and "ld.global.v4.b32" in got["down"]  # FP8 weights read 16 bytes at a time
     assert got["combine"]
