@@ -7,7 +7,11 @@ import numpy as np
 import pytest
 import torch
 from bigmoe_bench import traces
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.pager import ExpertPager
+from bigmoe_pager.core.ram_tier import RamTier
 from bigmoe_pager.core.slots import SlotTable, SourceRows
+from bigmoe_pager.core.stats import PagerStats
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 
@@ -125,3 +129,50 @@ def test_admit_kernel_on_a_crowded_table(policy):
                 assert torch.equal(getattr(a, field), getattr(b, field)), (i, field)
         assert_same(ref, ker, rows, f"call {i} ({op})")
     assert int(rows["ker"][7]) == 16 + 4  # the first admit filled the table, the last one four slots
+
+
+class RowsFromRecords:
+    """An SSD tier stand-in: fills record row `slots[i]` with expert `experts[i]`'s bytes at once."""
+
+    def __init__(self, ram: RamTier, records: torch.Tensor) -> None:
+        self.ram, self.records = ram, records
+
+    def fetch(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        for e, s in zip(experts.tolist(), slots.tolist()):
+            if e >= 0:
+                self.ram.records[s].copy_(self.records[e])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
+def test_pager_prefetch_over_a_partial_ram_tier_copies_the_same_rows_with_the_kernel(policy):
+    """ExpertPager.prefetch with the kernel's decision (Admitted.rows from the RAM tier's SourceRows) leaves
+    the same tables and the same slot bytes as with the torch decision; rows with a posted read are left out."""
+    experts, vram, ram_rows, k = 32, 8, 16, 4
+    layout = ExpertLayout.for_moe(64, 32, torch.float8_e4m3fn, block=32)
+    records = torch.randint(
+        0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    pagers = []
+    for use_kernel in (False, True):
+        ram = RamTier(layout, experts, ram_rows)
+        ram.attach_ssd(RowsFromRecords(ram, records))
+        pager = ExpertPager(layout, experts, vram, ram, policy=policy, stats=PagerStats(1))
+        pager.vram.use_kernel = use_kernel
+        pagers.append(pager)
+    rng = np.random.default_rng(5)
+    ids, pred = routing(experts, k, 24, seed=4)
+    for t in range(24):
+        posted = torch.from_numpy(np.where(rng.random(ram_rows) < 0.3, 9, 0))
+        for p in pagers:
+            p.ram.posted[:ram_rows].copy_(posted)  # unconfirmed reads: those rows must not be copied from
+            p.prefetch(torch.from_numpy(pred[t].astype(np.int64)))
+            p.ram.posted.zero_()
+            p.acquire(torch.from_numpy(ids[t : t + 1].copy()))
+        ref, ker = pagers
+        assert_same(ref.vram, ker.vram, {"ref": ref._rows["vram"], "ker": ker._rows["vram"]}, f"round {t}")
+        for slot, expert in enumerate(ker.vram.slot_expert.tolist()):
+            if expert >= 0:
+                for c in layout.components:
+                    got = ker.buffers[c.name].view(vram, -1).view(torch.uint8)[slot]
+                    assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (t, slot, c.name)
+    assert int(ker._rows["vram"][7]) > 0  # the kernel's decision prefetched
