@@ -283,10 +283,26 @@ def summarize(row: dict) -> dict:
         "decode_hit_rate": {tier: rate(c) for tier, c in decode.items()},
         "pcie_gb_per_token": result.get("pcie_gb_per_token"),
         "ssd_gb_per_token": result.get("ssd_gb_per_token"),
+        **prefetch_summary(decode, result.get("decode_tokens")),
         "pager_totals": result.get("pager"),
         "tokens": result.get("tokens"),
         "inductor_deterministic": result.get("inductor_deterministic"),
     }
+
+
+def prefetch_summary(decode: dict, tokens: int | None) -> dict:
+    """Issue 15's prefetch figures of the decode counters: per tier that was prefetched into, the share of the
+    step's non-resident needs a prefetch had brought in (used / (used + misses)), and prefetched GB never used
+    per token. Empty when nothing was prefetched."""
+    out = {}
+    for tier, c in decode.items():
+        if not c.get("prefetched") or not tokens:
+            continue
+        used, misses = c.get("prefetch_used", 0), c["lookups"] - c["hits"]
+        out[f"prefetch_accuracy_{tier}"] = round(used / (used + misses), 4) if used + misses else None
+        out[f"prefetch_wasted_gb_per_token_{tier}"] = round(c.get("prefetch_wasted_bytes", 0) / tokens / 1e9, 5)
+        out[f"prefetched_per_token_{tier}"] = round(c["prefetched"] / tokens, 3)
+    return out
 
 
 def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:

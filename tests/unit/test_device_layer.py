@@ -163,3 +163,18 @@ def test_a_step_outside_a_graph_settles_over_a_partial_ram_tier_only(monkeypatch
     monkeypatch.setattr(DeviceLayerPager, "_wait", staticmethod(lambda device: waits.append(device)))
     layer.step(torch.tensor([[1, 6]], dtype=torch.int32))
     assert waits == ([] if ram == 8 else [layer.device])
+
+
+def test_prefetch_counters_say_what_was_brought_ahead_and_what_came_of_it():
+    layout = make_layout(False)
+    records = make_records(layout, 8, seed=2)
+    layer = loaded_layer(layout, records, vram=4, ram=8, warm=[0, 1, 2, 3])
+    layer.start(layout.slot_buffers(4, "cpu"))
+    layer.step(torch.tensor([[0, 1]], dtype=torch.int64))
+    layer.prefetch(torch.tensor([5, 6], dtype=torch.int64))  # 5 is needed next, 6 is not
+    layer.step(torch.tensor([[0, 5]], dtype=torch.int64))
+    layer.prefetch(torch.tensor([-1, -1], dtype=torch.int64))  # the next round settles the first one's counts
+    vram = layer.counters()["vram"]
+    assert (vram.prefetched, vram.prefetch_used) == (2, 1)
+    assert vram.prefetch_wasted_bytes == layout.record_bytes
+    assert (vram.lookups, vram.hits) == (4, 4)  # the prefetched expert was a hit

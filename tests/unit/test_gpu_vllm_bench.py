@@ -97,3 +97,23 @@ def test_combine_reports_each_familys_ratios_at_recall_0_8(tmp_path):
     assert std["speedup_vs_offload17_at_32"] == 2.5 and std["speedup_vs_offload17_at_102_no_prefetch"] == 3.0
     assert shift == {"speedup_vs_offload17_at_102": 3.0, "tpot_vs_resident_at_102": 1.25}
     assert report["speedup_vs_offload17_at_102"] == 3.0  # the standard family's, as before
+
+
+def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into():
+    plain = {"vram": {"lookups": 100, "hits": 80, "prefetched": 0}, "ram": {"lookups": 20, "hits": 20}}
+    assert bench.prefetch_summary(plain, 10) == {}
+    decode = {
+        "vram": {
+            "lookups": 100,
+            "hits": 90,
+            "prefetched": 40,
+            "prefetch_used": 30,
+            "prefetch_wasted_bytes": 10 * 3_000_000,
+        },
+        "ram": {"lookups": 10, "hits": 10, "prefetched": 0},
+    }
+    assert bench.prefetch_summary(decode, 10) == {
+        "prefetch_accuracy_vram": 0.75,  # 30 needs met ahead of 40 that were not resident otherwise (30 + 10 misses)
+        "prefetch_wasted_gb_per_token_vram": 0.003,
+        "prefetched_per_token_vram": 4.0,
+    }

@@ -35,6 +35,8 @@ from bigmoe_pager.core.stats import (
     HITS,
     LOOKUPS,
     MISSES,
+    PREFETCH_USED,
+    PREFETCH_WASTED_BYTES,
     PREFETCHED,
     RAM,
     READ_NS,
@@ -299,9 +301,19 @@ class DeviceLayerPager:
         c = self.stats_table.read() if counts is None else counts
         vram, ram, ssd = (c[self.layer, t] for t in (VRAM, RAM, SSD))
         ssd_reads = int(ram[MISSES]) + int(ram[PREFETCHED])  # demand reads and read-ahead reads
+
+        def ahead(row) -> dict[str, int]:  # what was brought into the tier ahead of need, and what came of it
+            return {
+                "prefetched": int(row[PREFETCHED]),
+                "prefetch_used": int(row[PREFETCH_USED]),
+                "prefetch_wasted_bytes": int(row[PREFETCH_WASTED_BYTES]),
+            }
+
         return {
-            "vram": TierCounters(lookups=int(vram[LOOKUPS]), hits=int(vram[HITS])),
-            "ram": TierCounters(lookups=int(ram[LOOKUPS]), hits=int(ram[HITS]), bytes_moved=int(vram[BYTES])),
+            "vram": TierCounters(lookups=int(vram[LOOKUPS]), hits=int(vram[HITS]), **ahead(vram)),
+            "ram": TierCounters(
+                lookups=int(ram[LOOKUPS]), hits=int(ram[HITS]), bytes_moved=int(vram[BYTES]), **ahead(ram)
+            ),
             "ssd": TierCounters(
                 lookups=ssd_reads,
                 hits=max(0, ssd_reads - int(ssd[ERRORS])),

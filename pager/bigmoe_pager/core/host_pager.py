@@ -71,6 +71,12 @@ class TierCounters:
     """Time spent reading from this tier (s)."""
     errors: int = 0
     """Reads that failed."""
+    prefetched: int = 0
+    """Experts copied into this tier ahead of need (next-layer prefetch into VRAM, SSD read-ahead into RAM)."""
+    prefetch_used: int = 0
+    """Of those, experts the step they were fetched for needed (counted when the next prefetch round settles)."""
+    prefetch_wasted_bytes: int = 0
+    """Bytes of the others (copied for nothing)."""
 
     @property
     def misses(self) -> int:

@@ -6,11 +6,14 @@ from __future__ import annotations
 SERIES = {
     "lookups": ("bigmoe_expert_lookups", "Experts looked up in a tier"),
     "hits": ("bigmoe_expert_hits", "Experts found in a tier"),
-    "bytes": ("bigmoe_expert_bytes", "Bytes moved out of a tier into the one above"),
+    "bytes_moved": ("bigmoe_expert_bytes", "Bytes moved out of a tier into the one above"),
     "read_seconds": ("bigmoe_expert_read_seconds", "Seconds spent reading from a tier"),
     "errors": ("bigmoe_expert_errors", "Failed reads from a tier"),
+    "prefetched": ("bigmoe_expert_prefetched", "Experts copied into a tier ahead of need"),
+    "prefetch_used": ("bigmoe_expert_prefetch_used", "Prefetched experts the step they were fetched for needed"),
+    "prefetch_wasted_bytes": ("bigmoe_expert_prefetch_wasted_bytes", "Bytes of prefetched experts no step needed"),
 }
-"""The pager's Prometheus counters (labels: layer, tier): key -> (series name, help)."""
+"""The pager's Prometheus counters (labels: layer, tier): TierCounters field -> (series name, help)."""
 
 
 class CounterExport:
@@ -33,8 +36,8 @@ class CounterExport:
             last = layer._exported = {}
         label = str(layer._moe_index)
         for tier, c in (tiers if tiers is not None else layer.pager.stats).items():
-            now = (c.lookups, c.hits, c.bytes_moved, c.read_seconds, c.errors)
-            before = last.get(tier, (0, 0, 0, 0.0, 0))
+            now = tuple(getattr(c, field) for field in SERIES)
+            before = last.get(tier, (0,) * len(SERIES))
             for key, new, old in zip(SERIES, now, before):
                 if new != old:
                     series[key].labels(layer=label, tier=tier).inc(new - old)
@@ -57,12 +60,9 @@ def pager_stats(layers: list) -> dict[str, dict[str, float]]:
     totals: dict[str, dict[str, float]] = {}
     for paged in layers:
         for tier, c in paged.pager.stats.items():
-            t = totals.setdefault(tier, {"lookups": 0, "hits": 0, "bytes_moved": 0, "read_seconds": 0.0, "errors": 0})
-            t["lookups"] += c.lookups
-            t["hits"] += c.hits
-            t["bytes_moved"] += c.bytes_moved
-            t["read_seconds"] += c.read_seconds
-            t["errors"] += c.errors
+            t = totals.setdefault(tier, dict.fromkeys(SERIES, 0))
+            for field in SERIES:
+                t[field] += getattr(c, field)
     return totals
 
 
