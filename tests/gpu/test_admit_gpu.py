@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bigmoe_pager.core.slots import SlotTable, SourceRows
+from graph_timing import replay_us  # tests/gpu, beside this file
 
 pytestmark = pytest.mark.gpu
 
@@ -108,23 +109,12 @@ def test_side_stream_admit_in_a_graph_equals_torch(experts, slots, policy, masks
 def _time_admits(tables: list[SlotTable], inputs: Inputs, replays: int) -> float:
     """Microseconds per admit call, every table's admit captured in one CUDA graph (as in a decode step)."""
     row = torch.zeros(10, dtype=torch.int64, device="cuda")
-    for _ in range(2):
+
+    def admits() -> None:
         for t in tables:
             inputs.admit(t, False, row)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for t in tables:
-            inputs.admit(t, False, row)
-    for _ in range(5):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / replays / len(tables)
+
+    return replay_us(admits, replays) / len(tables)
 
 
 def test_admit_kernel_costs_less_than_torch_admit():

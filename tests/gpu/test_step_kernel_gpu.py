@@ -14,6 +14,7 @@ from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.ram_tier import RamTier
 from bigmoe_pager.core.slots import SlotTable
 from bigmoe_pager.core.stats import PagerStats
+from graph_timing import replay_us  # tests/gpu, beside this file
 
 pytestmark = pytest.mark.gpu
 
@@ -148,21 +149,7 @@ def _time_layers(pagers: list[ExpertPager], trace: torch.Tensor, replays: int) -
             p.prepare(ids[i : i + 1])
         pos.add_(1)
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(5):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / replays / len(pagers)
+    return replay_us(step, replays) / len(pagers)
 
 
 def test_fused_step_costs_less_than_two_launches():
