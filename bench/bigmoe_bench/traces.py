@@ -149,25 +149,36 @@ def named_trace(name: str, tokens: int, layers: int, experts: int, k: int, seed:
     return family_trace(FAMILIES[name], tokens, layers, experts, k, seed)
 
 
-def predictions(topk_ids: np.ndarray, recall: float, precision: float, experts: int, seed: int = 0) -> np.ndarray:
+def predictions(
+    topk_ids: np.ndarray, recall: float, precision: float | None, experts: int, seed: int = 0
+) -> np.ndarray:
     """int32 [tokens, layers, P], -1 padded: row [t, l] proposes layer l+1's experts of token t.
 
     Per row, with T = layer l+1's distinct true ids: recall * |T| of them (rounded up or down at
     random so the mean is exact), chosen at random, plus wrong ids (not in T) so that the right
     share of the proposal is `precision` (likewise rounded);
     P = k + ceil(k * recall * (1 / precision - 1)). The last layer has no next one: all -1.
+    precision None: a top-k predictor's proposal, k ids per row whatever the recall (P = k): the
+    right ones, then wrong ones up to k, so precision = recall (a router's top-k proposes so).
     """
-    if not 0.0 <= recall <= 1.0 or not 0.0 < precision <= 1.0:
+    if precision is None:
+        precision_ok, topk = True, True
+    else:
+        precision_ok, topk = 0.0 < precision <= 1.0, False
+    if not 0.0 <= recall <= 1.0 or not precision_ok:
         raise TraceError(f"recall must be in [0, 1] and precision in (0, 1], got {recall}, {precision}")
     tokens, layers, k = topk_ids.shape
-    wrong_max = int(np.ceil(k * recall * (1.0 / precision - 1.0)))
+    wrong_max = 0 if topk else int(np.ceil(k * recall * (1.0 / precision - 1.0)))
     out = np.full((tokens, layers, k + wrong_max), -1, dtype=np.int32)
     rng = np.random.default_rng(seed)
     for t in range(tokens):
         for layer in range(layers - 1):
             true = np.unique(topk_ids[t, layer + 1][topk_ids[t, layer + 1] >= 0])
             right = rng.permutation(true)[: _stochastic_round(recall * true.size, rng)]
-            n_wrong = min(_stochastic_round(right.size * (1.0 / precision - 1.0), rng), wrong_max, experts - true.size)
+            if topk:
+                n_wrong = min(k - right.size, experts - true.size)
+            else:
+                n_wrong = min(_stochastic_round(right.size * (1.0 / precision - 1.0), rng), wrong_max, experts - true.size)
             others = np.setdiff1d(np.arange(experts), true, assume_unique=True)
             wrong = rng.choice(others, size=n_wrong, replace=False)
             row = np.concatenate([right, wrong])
@@ -262,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corr", type=float, help="override the family's cross-layer correlation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--recall", type=float, help="also write predicted_ids at this recall")
-    ap.add_argument("--precision", type=float, default=1.0, help="precision of the predicted ids (default 1.0)")
+    ap.add_argument(
+        "--precision", type=float, default=None, help="precision of the predicted ids (default: k ids per row, = recall)"
+    )
     ap.add_argument("--out", type=Path, help="write the trace (.npz, topk_ids [+ predicted_ids])")
     ap.add_argument("--check", default="", help="comma list of slot counts: print LRU hit rates")
     args = ap.parse_args(argv)

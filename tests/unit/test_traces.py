@@ -117,6 +117,19 @@ def test_predictions_round_trip_in_the_trace_file(tmp_path):
         traces.predictions(trace, 1.5, 0.5, 32)
 
 
+@pytest.mark.parametrize("recall", [0.0, 0.6, 0.8, 1.0])
+def test_a_top_k_predictor_proposes_k_ids_at_precision_equal_to_recall(recall):
+    """precision None: every row proposes exactly k distinct ids (whatever the recall), recall of them right."""
+    trace = traces.named_trace("topic-shift", 400, 3, 32, 4)
+    pred = traces.predictions(trace, recall, None, 32, seed=1)
+    assert pred.shape == (400, 3, 4)
+    rows = pred[:, :2].reshape(-1, 4)
+    assert (rows >= 0).all() and all(len(set(r)) == 4 for r in rows.tolist())
+    assert (pred[:, 2] == -1).all()  # the last layer has no next one
+    right = np.mean([len(set(p) & set(t)) / 4 for p, t in zip(rows.tolist(), trace[:, 1:].reshape(-1, 4).tolist())])
+    assert abs(right - recall) < 0.03
+
+
 def test_unknown_family_is_one_line_and_exit_2(capsys):
     assert traces.main(["--family", "zipfy"]) == 2
     assert "unknown" in capsys.readouterr().err
