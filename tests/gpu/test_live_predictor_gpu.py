@@ -1,7 +1,8 @@
-"""The live predictor on the GPU as vLLM's PIECEWISE graphs would hold it: layer l's step with the predictor around
-it captured in one graph, layer l+1's step in another. The side stream must be forked and joined inside the first
-capture (else it fails: unjoined work), each replay must leave every id's slot holding its expert, and when layer
-l+1 routes as its router does on layer l's state, the proposals must be what it uses."""
+"""The live predictor on the GPU as vLLM's graphs hold it: as PIECEWISE pieces (layer l's call captured in one graph,
+layer l+1's in another: the side stream must be forked and joined inside the first capture, else it fails with
+unjoined work) and as one FULL graph (both calls in one capture: the join waits for layer l+1's call). Each replay must
+leave every id's slot holding its expert, and when layer l+1 routes as its router does on layer l's state, the
+proposals must be what it uses."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def started(layout, records, index: int, vram: int, stats: PagerStats) -> Device
     return pager
 
 
+@pytest.mark.parametrize("capture", ["pieces", "whole"])
 @pytest.mark.parametrize("experts,vram,k,tokens", [(64, 16, 4, 1), (256, 32, 8, 2)])
-def test_proposals_in_one_captured_piece_feed_the_next_piece(experts, vram, k, tokens):
+def test_proposals_captured_with_a_layer_feed_the_next_layer(experts, vram, k, tokens, capture):
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
     g = torch.Generator().manual_seed(experts)
     records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
@@ -57,17 +59,21 @@ def test_proposals_in_one_captured_piece_feed_the_next_piece(experts, vram, k, t
         runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
         layers.append(layer)
     settings = PagerSettings(enabled=True, predict="router")
-    predictor = Predictor(settings, Routing(settings), lambda i: layers[i + 1] if i == 0 else None, on_device=True)
+    predictor = Predictor(
+        settings,
+        Routing(settings),
+        lambda i: layers[i + 1] if i == 0 else None,
+        on_device=True,
+        whole_forward_captured=lambda: capture == "whole",
+    )
     x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
     ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(2)]
     out = [torch.empty_like(i) for i in ids]
 
-    def piece(i: int) -> None:
-        if i == 0:
-            with predictor.ahead(layers[0], x):
-                out[0].copy_(layers[0].pager.step(ids[0]))
-        else:
-            out[1].copy_(layers[1].pager.step(ids[1]))
+    def piece(i: int) -> None:  # as the adapter runs a layer's call: page, fork the next layer's prefetch, compute
+        with predictor.ahead(layers[i], x) as fork:
+            out[i].copy_(layers[i].pager.step(ids[i]))
+            fork()
 
     rng = random.Random(experts)
 
@@ -82,10 +88,12 @@ def test_proposals_in_one_captured_piece_feed_the_next_piece(experts, vram, k, t
     new_inputs()
     piece(0)  # warm-up outside the graphs (Triton compiles here)
     piece(1)
-    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
-    for i, graph in enumerate(graphs):
-        with torch.cuda.graph(graph):  # each piece its own capture: the side stream must join inside piece 0
-            piece(i)
+    groups = [[0], [1]] if capture == "pieces" else [[0, 1]]  # pieces: the side stream must join inside piece 0
+    graphs = [torch.cuda.CUDAGraph() for _ in groups]
+    for graph, group in zip(graphs, groups):
+        with torch.cuda.graph(graph):
+            for i in group:
+                piece(i)
     before = stats.snapshot(1)["vram"]
     for _ in range(20):
         chosen = new_inputs()

@@ -186,6 +186,20 @@ def test_proposals_land_in_the_next_layers_slots_and_change_no_step(tokens, top,
     assert stats.snapshot(1)["vram"].misses < plain_stats.snapshot(1)["vram"].misses  # the proposed one was a hit
 
 
+@pytest.mark.parametrize("forks", [True, False], ids=["caller forks after its paging", "caller never forks"])
+def test_the_proposal_is_made_where_the_caller_forks_or_at_the_end_of_the_call(forks):
+    x = hidden(1, seed=5)
+    proposed = set(predict_next(x, router(101), 2).reshape(-1).tolist())
+    layers, _, _, stats = model(2, 6, warm=not_proposed(x, 1, 2))
+    with predictor(layers, {"BIGMOE_PREDICT": "router"}).ahead(layers[0], x) as fork:
+        assert stats.snapshot(1)["vram"].prefetched == 0  # nothing yet: layer 0's own paging goes first
+        if forks:
+            fork()
+            assert stats.snapshot(1)["vram"].prefetched == len(proposed)
+            fork()  # once per call
+    assert stats.snapshot(1)["vram"].prefetched == len(proposed)
+
+
 @pytest.mark.parametrize(
     "env",
     [

@@ -8,7 +8,7 @@ predictor proposed for layer l+1 of token t; `replayed_predictions` takes the ro
 tokens a step is about to run, exactly where the live predictor's output would be used.
 Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable), and both
 hand layer l+1's pager (DeviceLayerPager.prefetch) their proposal on a side stream on CUDA:
-LivePredictions.feed / feed_ids (forked and joined within layer l's call).
+LivePredictions.feed / feed_ids (forked in layer l's call, joined by the time layer l+1 pages).
 `hits` / `recall` score a proposal (host).
 """
 
@@ -66,11 +66,12 @@ class LivePredictions:
     """Proposals for layer l+1 (the live predictor's, or a replayed trace's), handed to its pager while layer l runs.
 
     On CUDA the router product and the next layer's prefetch (DeviceLayerPager.prefetch, run in
-    order on this side stream) start once the current stream has the hidden state, so they
-    overlap layer l's own paging and compute; `join`, called once layer l's work is issued, makes
-    the current stream wait for them. Forked and joined within layer l's call: a CUDA graph that
-    ends between layers (vLLM's PIECEWISE pieces) captures both ends, and no later step waits on
-    work outside its own graph. Fixed shapes, event waits only. Off CUDA everything runs in order.
+    order on this side stream) start once the current stream has reached the fork (the vLLM
+    adapter forks once layer l's own paging is issued), so they overlap what the current stream
+    does next; `join` makes the current stream wait for them. Both ends must lie in one CUDA graph
+    capture: the adapter joins within layer l's call inside a capture of one piece (vLLM's
+    PIECEWISE), at layer l+1's call otherwise. Fixed shapes, event waits only. Off CUDA everything
+    runs in order.
     """
 
     def __init__(self) -> None:

@@ -165,12 +165,12 @@ class PagedRoutedExperts(RoutedExperts):
             glue.check_kernel(self)
             self._kernel_checked = True
         topk_ids = self.process.routing.hook(self._moe_index, topk_ids)
-        with self.process.predictor.ahead(self, x):  # BIGMOE_PREDICT: the next layer's experts copied meanwhile
-            return self._page_and_run(x, topk_weights, topk_ids)
+        with self.process.predictor.ahead(self, x) as fork:  # BIGMOE_PREDICT: the next layer's experts copied meanwhile
+            return self._page_and_run(x, topk_weights, topk_ids, fork)
 
-    def _page_and_run(self, x, topk_weights, topk_ids):
+    def _page_and_run(self, x, topk_weights, topk_ids, fork):
         if isinstance(self.pager, DeviceLayerPager):
-            return device.forward(self, x, topk_weights, topk_ids, super().forward_modular)
+            return device.forward(self, x, topk_weights, topk_ids, super().forward_modular, fork)
         if self._install_slot is None:
             self._install_slot = glue.slot_installer(self)
         host_ids = topk_ids.cpu()  # the pager decides on the host; one copy (and sync) per layer and step

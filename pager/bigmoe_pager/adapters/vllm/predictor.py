@@ -9,12 +9,17 @@ that layer's name in `compilation_config.static_forward_context` (vLLM 0.32 CPU 
 `MoERunner.gate`, a GateLinear whose weight is [E, H]). Where none is usable: one warning
 line, no predictions there.
 
-The proposal goes to the next layer's DeviceLayerPager, prefetched on a side stream that the
-layer's call forks and joins (prediction.LivePredictions), so the copies overlap layer l's own
-paging and compute inside any CUDA graph piece; a replayed trace that carries predictions keeps
-priority. With BIGMOE_TRACE_PATH (eager only) the proposals are recorded as the trace's
-predicted_ids. The host-driven pager prefetches nothing: there the predictor runs only to
-record. The router keeps the final say: a proposal moves weights, never a step's ids.
+The proposal goes to the next layer's DeviceLayerPager, prefetched on a side stream
+(prediction.LivePredictions) forked once layer l's own paging is issued, so the copies do not
+compete with the copies layer l waits for and overlap layer l's kernel. Where it is joined:
+- inside a capture that is not the whole forward (vLLM's PIECEWISE pieces; any capture outside a
+  vLLM forward): at the end of layer l's call, since no later piece may wait on this one's work;
+- otherwise (vLLM's FULL graphs, eager steps): at the start of layer l+1's call, before its own
+  paging, so the copies also overlap everything vLLM runs between the two MoE calls (attention).
+A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
+the proposals are recorded as the trace's predicted_ids. The host-driven pager prefetches
+nothing: there the predictor runs only to record. The router keeps the final say: a proposal
+moves weights, never a step's ids.
 """
 
 from __future__ import annotations
@@ -67,8 +72,17 @@ def next_router(layer, nxt, hidden: torch.Tensor, top: int) -> NextRouter | str 
 class Predictor:
     """The process's live next-layer predictor (held by the PagerProcess; off unless BIGMOE_PREDICT=router)."""
 
-    def __init__(self, settings: PagerSettings, routing, layer_after: Callable[[int], object], on_device: bool):
-        """routing: the process's Routing (trace recording, replayed predictions); layer_after(i): paged layer i+1."""
+    def __init__(
+        self,
+        settings: PagerSettings,
+        routing,
+        layer_after: Callable[[int], object],
+        on_device: bool,
+        whole_forward_captured: Callable[[], bool] | None = None,
+    ):
+        """routing: the process's Routing (trace recording, replayed predictions); layer_after(i): paged layer i+1;
+        whole_forward_captured(): whether a capture under way holds the whole forward (default: vLLM's FULL mode)."""
+        self.whole_forward_captured = whole_forward_captured or vllm_full_graph
         self.on = settings.enabled and settings.predict == "router"  # no pager, no layer to prefetch into
         self.top = settings.predict_top
         self.routing = routing
@@ -87,15 +101,33 @@ class Predictor:
 
     @contextlib.contextmanager
     def ahead(self, layer, hidden: torch.Tensor):
-        """Around layer `layer`'s paging and kernel on `hidden` [tokens, H]: the next layer's experts are proposed
-        (and prefetched) first, on a side stream on CUDA; the layer's call ends by joining that stream."""
-        ids = self.propose(layer, hidden)
+        """Around layer `layer`'s paging and kernel on `hidden` [tokens, H]; yields `fork`, which the caller calls
+        once the layer's own paging is issued: the next layer's experts are then proposed and prefetched (on a
+        side stream on CUDA). Uncalled, the fork happens after the whole call (host-driven pager, big steps)."""
+        self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
+        made: list = []
+
+        def fork() -> None:
+            if not made:
+                made.append(self.propose(layer, hidden))
+
         try:
-            yield
-        finally:
+            yield fork
+            fork()
+        except BaseException:
+            self.live.join(hidden.device)  # nothing forked stays behind a failed call
+            raise
+        if not self._join_later(hidden):
             self.live.join(hidden.device)  # a no-op when nothing was forked
-            if ids is not None and self.routing.trace_path is not None:
-                self.routing.record_predictions(layer._moe_index, ids)
+        ids = made[0]
+        if ids is not None and self.routing.trace_path is not None:
+            self.routing.record_predictions(layer._moe_index, ids)
+
+    def _join_later(self, hidden: torch.Tensor) -> bool:
+        """Whether the side stream may stay unjoined until the next layer's call (see the module's docstring)."""
+        if hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return True
+        return self.whole_forward_captured()
 
     def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
@@ -134,3 +166,11 @@ class Predictor:
                 found = None
             self._next[index] = found
         return self._next[index]
+
+
+def vllm_full_graph() -> bool:
+    """Whether vLLM is running (or capturing) the current forward as one FULL CUDA graph."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
