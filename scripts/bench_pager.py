@@ -5,7 +5,8 @@ configuration (resident, static offload, bigmoe at 12.5% and 40% VRAM, bigmoe
 with the SSD tier at RAM 50%), routing from a family of scripts/traces.py (--family,
 default standard) or a recorded one (--trace FILE.npz, topk_ids int32 [tokens, layers, k]).
 bigmoe-prefetch runs next-layer prefetch on a side stream inside the token's graph, fed
-with predictions made from the trace at each --recalls (precision --precision). On a GPU
+with predictions made from the trace at each --recalls (precision --precision; default a top-k
+predictor's: k ids per token, precision = recall). On a GPU
 each token (all layers) is one CUDA graph, replayed per token, timed with CUDA
 events after a warm-up (tiers warmed from a hot profile of the warm-up tokens).
 
@@ -91,7 +92,12 @@ def _parse(argv):
     )
     ap.add_argument("--family", default="standard", help="routing family of scripts/traces.py (when no --trace)")
     ap.add_argument("--recalls", default="0,0.6,0.8,0.95,1.0", help="prediction recalls of bigmoe-prefetch")
-    ap.add_argument("--precision", type=float, default=0.5, help="prediction precision of bigmoe-prefetch")
+    ap.add_argument(
+        "--precision",
+        type=float,
+        default=None,
+        help="prediction precision of bigmoe-prefetch (default: a top-k predictor's, k ids per token, = recall)",
+    )
     ap.add_argument("--policy", default="lfu-fast", help="eviction policy of bigmoe-prefetch")
     ap.add_argument("--ssd-layers", type=int, default=4, help="layers the SSD-tier run uses (disk and time)")
     ap.add_argument("--ssd-dir", type=Path, default=None, help="where the SSD run writes its paging file")
