@@ -160,3 +160,17 @@ class ReplayedPredictions:
             return None
         start = cursor[moe_index] - tokens
         return replayed_predictions(self.predicted, start, moe_index, tokens).reshape(-1)
+
+    def replace(self, predicted: np.ndarray | None) -> None:
+        """Benchmark only: copy another trace's predictions (same shape, or None where these are None) into the
+        device tensor in place, so CUDA graphs that captured it read the new ones. ValueError on another shape."""
+        if (predicted is None) != (self.predicted is None):
+            mine, new = ("none", "some") if self.predicted is None else ("predictions", "none")
+            raise ValueError(f"the replayed trace carries {mine}, the new one {new}")
+        if predicted is None:
+            return
+        if tuple(predicted.shape) != tuple(self.predicted.shape):
+            raise ValueError(
+                f"the new predictions are {tuple(predicted.shape)}, the replayed ones {tuple(self.predicted.shape)}"
+            )
+        self.predicted.copy_(torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int32)))

@@ -5,7 +5,7 @@ only) and writes them at exit in the pager benchmark's trace format, with the li
 predictor's proposals (BIGMOE_PREDICT=router) as its predicted_ids.
 `BIGMOE_ROUTE_REPLAY` (benchmark only) replaces the router's ids with a trace's next
 rows; trace and cursors live on the ids' device, so a replayed CUDA graph takes the
-next rows too.
+next rows too. `load_replay` (benchmark only) swaps in another trace of the same shape in place.
 """
 
 from __future__ import annotations
@@ -89,6 +89,37 @@ class Routing:
             " with the live predictor's proposals" if proposed else "",
             path,
         )
+
+    def load_replay(self, path) -> None:
+        """Benchmark only: replay the trace at `path` from its first row on, in place.
+
+        Its topk_ids (and predicted_ids) are copied into the device tensors the replay already holds, so
+        CUDA graphs captured on them replay the new trace, and every layer's cursor goes back to 0. The
+        new trace must have the shape of the replayed one (and predictions of the same shape, or neither):
+        SettingsError otherwise, with nothing changed. Before the first replayed step it only names the file.
+        """
+        if self.replay_path is None:
+            raise SettingsError("load_replay: this process replays no trace (BIGMOE_ROUTE_REPLAY is not set)")
+        if self._replay is None:
+            self.replay_path = Path(path)  # nothing read or captured yet: the first step reads this one
+            return
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                ids = np.ascontiguousarray(data["topk_ids"], dtype=np.int32)
+                predicted = data["predicted_ids"] if "predicted_ids" in data.files else None
+        except (OSError, KeyError, ValueError) as e:
+            raise SettingsError(f"load_replay: cannot read {path}: {e}") from None
+        trace, cursor = self._replay
+        if tuple(ids.shape) != tuple(trace.shape):
+            raise SettingsError(f"load_replay: {path} is {tuple(ids.shape)}, the replayed trace {tuple(trace.shape)}")
+        try:
+            ReplayedPredictions.for_trace(self.replay_path, trace.device).replace(predicted)
+        except ValueError as e:
+            raise SettingsError(f"load_replay: {path}: {e}") from None
+        trace.copy_(torch.from_numpy(ids))
+        cursor.zero_()
+        if trace.device.type == "cuda":
+            torch.cuda.synchronize(trace.device)  # the copies are done before the next step is issued
 
     def _replayed(self, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """Benchmark only: the next rows of a recorded trace stand in for the router's choice.
