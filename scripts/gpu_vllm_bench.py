@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
@@ -71,28 +73,61 @@ GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~
 
 AHEAD = "+ahead"
 """Name suffix: the predictions also post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1); needs @rRECALL."""
+EVERY = "every"
+"""parse_name's recall of a bare `@r`: the configuration is measured at every recall of --recalls."""
+RECALLS = (0.0, 0.6, 0.8, 0.95, 1.0)
+"""--recalls' default: issue 15's TPOT-against-recall points."""
+REPLAY_TOKENS = 4096
+"""Rows of every replayed trace (the first rows of the family's 16,384-token trace): each measurement replays from
+row 0 and uses about 2.8k (warm-up 1,280, counters 256, timed 1,280); all must have one shape to be swapped in."""
+PARALLEL_KV_BYTES = 2 << 30
+"""--parallel > 1: each engine's fixed KV cache (vLLM's memory profile would count the other engines' memory)."""
+PARALLEL_GPU_MEMORY_UTILIZATION = 0.1
+"""--parallel > 1: the share vLLM checks against the free memory at start (the KV cache is fixed above)."""
 
 
-def parse_name(name: str) -> tuple[str, float | None, str | None]:
-    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru') (a trailing +ahead is checked, not returned); KeyError
-    for an unknown base or policy, ValueError for a recall outside [0, 1] or +ahead without a recall."""
+def parse_name(name: str) -> tuple[str, float | str | None, str | None]:
+    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); a bare '@r' gives EVERY (a trailing +ahead is checked,
+    not returned); KeyError for an unknown base or policy, ValueError for a recall outside [0, 1] or +ahead without
+    @r."""
     ahead = name.endswith(AHEAD)
     base, _, policy = name.removesuffix(AHEAD).partition("~")
     base, at, recall = base.partition("@r")
     if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
         raise KeyError(name)
-    value = float(recall) if at else None
-    if (value is not None and not 0.0 <= value <= 1.0) or (ahead and value is None):
+    value = (float(recall) if recall else EVERY) if at else None
+    if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (ahead and value is None):
         raise ValueError(name)
     return base, value, policy or None
 
 
-def config_for(name: str, trace: Path, experts: int, family: str, precision: float, work: Path) -> e2e.Config:
-    """A named configuration, its suffixes applied (@rX: a trace with predictions at recall X; ~POLICY: eviction)."""
-    base, recall, policy = parse_name(name)
-    env = dict(configs(trace, experts)[base].env)
-    if recall is not None:
-        env["BIGMOE_ROUTE_REPLAY"] = str(predicted_trace(work, trace, family, recall, precision, experts))
+def recalls_of(name: str, recalls: list[float]) -> list[float | None]:
+    """The prediction recalls one engine of this configuration measures (None: no predictions, no prefetch)."""
+    recall = parse_name(name)[1]
+    return list(recalls) if recall == EVERY else [recall]
+
+
+def row_name(name: str, recall: float | None) -> str:
+    """A result row's name: the configuration's with its recall written out ('bigmoe-102@r' at 0.8: '...@r0.8')."""
+    if recall is None:
+        return name
+    base, _, rest = name.partition("@r")
+    suffix = rest[len(rest) - len(rest.lstrip("0123456789.")) :]  # ~POLICY and +ahead after the number
+    return f"{base}@r{recall:g}{suffix}"
+
+
+def measurements(name: str, families: list[str], recalls: list[float], traces_of: dict) -> list[dict]:
+    """One engine's measurements, family by family, each recall in turn: {"family", "recall", "trace"}."""
+    return [
+        {"family": f, "recall": r, "trace": str(traces_of[f, r])} for f in families for r in recalls_of(name, recalls)
+    ]
+
+
+def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
+    """A named configuration starting on `first_trace` (its first measurement's), its suffixes applied (~POLICY:
+    eviction; +ahead: SSD reads ahead)."""
+    base, _, policy = parse_name(name)
+    env = {**configs(first_trace, experts)[base].env}
     if policy:
         env["BIGMOE_EVICTION"] = policy
     if name.endswith(AHEAD):
@@ -104,20 +139,43 @@ EVICTIONS = ("lru", "lfu", "lfu-fast")
 
 
 def family_trace(work: Path, family: str) -> Path:
-    """The family's 16,384-token trace for LAYERS layers, made once per machine (standard: the earlier runs' file)."""
-    path = work / f"{family}-trace.npz"
+    """The family's replayed trace: the first REPLAY_TOKENS rows of its 16,384-token trace for LAYERS layers (the
+    earlier runs' file for standard), made once per machine."""
+    full, path = work / f"{family}-trace.npz", work / f"{family}-{REPLAY_TOKENS}-trace.npz"
+    if not full.exists():
+        traces.save_trace(full, traces.named_trace(family, 16384, LAYERS, SHAPE["experts"], SHAPE["top_k"], seed=0))
     if not path.exists():
-        traces.save_trace(path, traces.named_trace(family, 16384, LAYERS, SHAPE["experts"], SHAPE["top_k"], seed=0))
+        traces.save_trace(path, traces.load_trace(full)[:REPLAY_TOKENS])
     return path
 
 
-def predicted_trace(work: Path, trace: Path, family: str, recall: float, precision: float, experts: int) -> Path:
-    """The family's trace with predicted_ids at (recall, precision), made once per machine."""
-    path = work / f"{family}-r{recall:g}-p{precision:g}-trace.npz"
+def predicted_trace(work: Path, family: str, recall: float, precision: float | None) -> Path:
+    """The family's replayed trace with predicted_ids at (recall, precision; None: a top-k proposal of k ids per row,
+    one shape at every recall), made once per machine."""
+    tag = "topk" if precision is None else f"p{precision:g}"
+    path = work / f"{family}-{REPLAY_TOKENS}-r{recall:g}-{tag}-trace.npz"
     if not path.exists():
-        ids = traces.load_trace(trace)
-        traces.save_trace(path, ids, traces.predictions(ids, recall, precision, experts, seed=0))
+        ids = traces.load_trace(family_trace(work, family))
+        traces.save_trace(path, ids, traces.predictions(ids, recall, precision, SHAPE["experts"], seed=0))
     return path
+
+
+def make_traces(work: Path, names: list[str], families: list[str], recalls: list[float], precision) -> dict:
+    """{(family, recall or None): path} of every trace the configurations replay, made in parallel processes
+    (a prediction trace of REPLAY_TOKENS rows takes tens of seconds of one core)."""
+    wanted = sorted({(f, r) for n in names for f in families for r in recalls_of(n, recalls) if r is not None})
+    workers = max(1, min(len(families) + len(wanted), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, initializer=_shape, initargs=(SHAPE, LAYERS)) as pool:
+        plain = list(pool.map(family_trace, [work] * len(families), families))
+        made = [pool.submit(predicted_trace, work, f, r, precision) for f, r in wanted]
+        predicted = [m.result() for m in made]
+    return {**{(f, None): p for f, p in zip(families, plain)}, **dict(zip(wanted, predicted))}
+
+
+def _shape(shape: dict, layers: int) -> None:
+    """A trace worker takes the parent's shape (--smoke changes it)."""
+    global SHAPE, LAYERS
+    SHAPE, LAYERS = shape, layers
 
 
 def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
@@ -163,31 +221,77 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
+    names = args.configs.split(",")
     report: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "configs": []}
+    started = time.monotonic()
     try:
         model, made_s = checkpoint(work, logs)
     except e2e.CheckpointFailed as e:
         print(f"gpu_vllm_bench: {e}", file=sys.stderr)
         return 1
-    trace = family_trace(work, args.family)
+    traces_of = make_traces(work, names, args.families, args.recalls, args.precision)
     report["checkpoint"] = {"path": str(model), "layers": LAYERS, **SHAPE, "seconds": made_s}
-    report["family"] = args.family
-    spec = bench_spec(model)
-    for name in args.configs.split(","):
-        config = config_for(name, trace, SHAPE["experts"], args.family, args.precision, work)
-        run_spec = (
-            {**spec, "cpu_offload_gb": 17, "cpu_offload_params": ["w13_weight", "w2_weight"]}
-            if name == "offload17"
-            else spec
-        )
+    report["families"], report["precision"] = args.families, args.precision or "top-k"
+    report["prepare_s"] = round(time.monotonic() - started, 1)
+    if any("BIGMOE_RAM_SLOTS" in config_for(n, Path("t"), 256).env for n in names):
+        report["disk"] = disk_bandwidth(model, seconds=2.0 if args.smoke else 4.0)  # before any engine starts
+    plans = [(n, measurements(n, args.families, args.recalls, traces_of)) for n in names]
+    spec = {**bench_spec(model), "turn_file": str(work / "turn.lock"), "quiet_file": str(work / "starting.lock")}
+    if args.parallel > 1 and SHAPE["device"] == "cuda":
+        spec.update(kv_cache_memory_bytes=PARALLEL_KV_BYTES, gpu_memory_utilization=PARALLEL_GPU_MEMORY_UTILIZATION)
+    rows: dict[str, list[dict]] = {}
+
+    def one(plan: tuple[str, list[dict]]) -> None:
+        name, todo = plan
+        config = config_for(name, Path(todo[0]["trace"]), SHAPE["experts"])
+        run_spec = {**spec, "measurements": todo}
+        if name == "offload17":
+            run_spec.update(cpu_offload_gb=17, cpu_offload_params=["w13_weight", "w2_weight"])
         if time.monotonic() >= deadline:
             row = e2e.skipped(config, "time budget spent")
         else:
             row = e2e.run_config(config, run_spec, work, logs, deadline)
-        report["configs"].append({**summarize(row), "family": args.family, "recall": parse_name(name)[1]})
+        rows[name] = engine_rows(row, todo, report.get("disk"))
+        report["configs"] = [r for n, _ in plans if n in rows for r in rows[n]]
         e2e.write_json(out, report)
-        print(json.dumps(report["configs"][-1]), flush=True)
+        for r in rows[name]:
+            print(json.dumps({k: v for k, v in r.items() if k not in ("pager_totals", "tokens", "env")}), flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        list(pool.map(one, plans))
+    report["total_s"] = round(time.monotonic() - started, 1)
+    e2e.write_json(out, report)
     return 0 if all("error" not in r for r in report["configs"]) else 1
+
+
+ENGINE_FIELDS = (
+    "startup_s",
+    "turn_wait_s",
+    "quiet_wait_s",
+    "cudagraph_mode",
+    "experts_kernel",
+    "inductor_deterministic",
+)
+"""What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file)."""
+
+
+def engine_rows(row: dict, todo: list[dict], disk: dict | None) -> list[dict]:
+    """One engine's run as result rows, one per (family, recall) it was to measure (a failed run: each with its
+    error), named configuration@rRECALL, with the engine's startup and turn-wait seconds and the disk floors."""
+    name, result = row["name"], row.pop("result", None)
+    base = {k: v for k, v in row.items() if k != "name"}
+    done = {(m["family"], m["recall"]): m for m in (result or {}).get("measurements", [])}
+    engine = {"configuration": name, **{k: (result or {}).get(k) for k in ENGINE_FIELDS}}
+    engine["pager_totals"] = (result or {}).get("pager")  # the engine's counters over all its measurements
+    out = []
+    for m in todo:
+        key = (m["family"], m["recall"])
+        head = {"name": row_name(name, m["recall"]), "family": m["family"], "recall": m["recall"], **engine, **base}
+        if key not in done:
+            out.append({**head, "error": row.get("error") or "the engine returned no measurement of this trace"})
+            continue
+        out.append({**head, **summarize(done[key]), **disk_floors(done[key], disk)})
+    return out
 
 
 def parse_args(argv):
@@ -214,19 +318,47 @@ def parse_args(argv):
     p.add_argument("--smoke", action="store_true", help="a 2-layer bf16 model on vLLM's CPU build (plumbing check)")
     p.add_argument("--combine", type=Path, nargs="+", help="merge these result files into --out, with the ratios")
     p.add_argument(
-        "--family", default="standard", help="routing family (scripts/traces.py): " + ", ".join(traces.FAMILIES)
+        "--families",
+        default=None,
+        help="comma list of routing families (scripts/traces.py) each engine measures in turn: "
+        + ", ".join(traces.FAMILIES)
+        + " (default standard)",
     )
-    p.add_argument("--precision", type=float, default=0.5, help="precision of the predictions of @rX configurations")
+    p.add_argument("--family", default=None, help="one routing family (the same as a one-item --families)")
+    p.add_argument(
+        "--recalls",
+        default=",".join(f"{r:g}" for r in RECALLS),
+        help="comma list of the prediction recalls a bare @r configuration is measured at",
+    )
+    p.add_argument(
+        "--precision",
+        type=float,
+        default=None,
+        help="precision of the predictions (default: a top-k proposal, k ids per row, so precision = recall)",
+    )
+    p.add_argument("--parallel", type=int, default=1, help="engines started at once (their timings still take turns)")
     args = p.parse_args(argv)
-    if args.family not in traces.FAMILIES:
-        p.error(f"--family {args.family!r} is unknown; choose {', '.join(traces.FAMILIES)}")
+    if args.families and args.family:
+        p.error("give --families or --family, not both")
+    args.families = (args.families or args.family or "standard").split(",")
+    unknown = [f for f in args.families if f not in traces.FAMILIES]
+    if unknown:
+        p.error(f"routing family {unknown[0]!r} is unknown; choose {', '.join(traces.FAMILIES)}")
+    try:
+        args.recalls = [float(r) for r in args.recalls.split(",")]
+    except ValueError:
+        p.error(f"--recalls {args.recalls!r}: a comma list of numbers in [0, 1]")
+    if not all(0.0 <= r <= 1.0 for r in args.recalls) or (args.precision is not None and not 0 < args.precision <= 1):
+        p.error("--recalls take values in [0, 1] and --precision one in (0, 1]")
+    if args.parallel < 1:
+        p.error("--parallel takes a count of at least 1")
     if not args.combine:
         for name in args.configs.split(","):
             try:
                 parse_name(name)
             except KeyError:
                 p.error(
-                    f"configuration {name!r} is unknown: a name of the module's list, then @rRECALL "
+                    f"configuration {name!r} is unknown: a name of the module's list, then @r[RECALL] "
                     f"and/or ~POLICY ({', '.join(EVICTIONS)})"
                 )
             except ValueError:
@@ -266,27 +398,86 @@ def bench_spec(model: Path) -> dict:
     }
 
 
-def summarize(row: dict) -> dict:
-    """One record per configuration: times, hit rates, bytes per decoded token."""
-    result = row.pop("result", None)
-    if result is None:
-        return row
-    decode = result.get("decode_counters") or {}
+def summarize(m: dict) -> dict:
+    """One measurement's record: times, hit rates, bytes per decoded token, prefetch figures, the timed tokens."""
+    decode = m.get("decode_counters") or {}
     rate = lambda c: round(c["hits"] / c["lookups"], 4) if c.get("lookups") else None  # noqa: E731
     return {
-        **row,
-        "tpot_ms": result["tpot_ms"],
-        "ttft_ms": result["ttft_ms"],
-        "startup_s": result["startup_s"],
-        "cudagraph_mode": result.get("cudagraph_mode"),
-        "experts_kernel": result.get("experts_kernel"),
+        "tpot_ms": m["tpot_ms"],
+        "ttft_ms": m["ttft_ms"],
         "decode_hit_rate": {tier: rate(c) for tier, c in decode.items()},
-        "pcie_gb_per_token": result.get("pcie_gb_per_token"),
-        "ssd_gb_per_token": result.get("ssd_gb_per_token"),
-        **prefetch_summary(decode, result.get("decode_tokens")),
-        "pager_totals": result.get("pager"),
-        "tokens": result.get("tokens"),
-        "inductor_deterministic": result.get("inductor_deterministic"),
+        "pcie_gb_per_token": m.get("pcie_gb_per_token"),
+        "ssd_gb_per_token": m.get("ssd_gb_per_token"),
+        **prefetch_summary(decode, m.get("decode_tokens")),
+        "timed_counters": m.get("timed_counters"),
+        "tokens": m.get("tokens"),
+    }
+
+
+def disk_floors(m: dict, disk: dict | None) -> dict:
+    """Issue 15's SSD floors of one measurement, where it read from SSD and the disk was measured: TPOT floor = SSD
+    GB per decoded token / the disk's O_DIRECT GB/s; TTFT floor = the timed request's SSD bytes less its decode
+    tokens' (at the counters request's per-token rate) / the same bandwidth (an estimate of its prefill's reads)."""
+    bw = (disk or {}).get("gb_per_s")
+    per_token = m.get("ssd_gb_per_token")
+    if not bw or not per_token:
+        return {}
+    out = {"disk_floor_tpot_ms": round(per_token / bw * 1e3, 3)}
+    if m.get("tpot_ms"):
+        out["tpot_vs_disk_floor"] = round(m["tpot_ms"] / out["disk_floor_tpot_ms"], 3)
+    timed = ((m.get("timed_counters") or {}).get("ssd") or {}).get("bytes_moved")
+    if timed is not None and m.get("decode_tokens"):
+        prefill_gb = max(timed / 1e9 - per_token * (m["decode_tokens"] - 1), 0.0)
+        out["disk_floor_ttft_ms"] = round(prefill_gb / bw * 1e3, 3)
+        if m.get("ttft_ms") and out["disk_floor_ttft_ms"]:
+            out["ttft_vs_disk_floor"] = round(m["ttft_ms"] / out["disk_floor_ttft_ms"], 3)
+    return out
+
+
+def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> dict:
+    """The disk's O_DIRECT read bandwidth for reads of one expert record, read as the SSD tier reads the checkpoint
+    (CheckpointStore, random (layer, expert), the pager's I/O worker count), for about `seconds`. Run by the parent
+    with no engine timing; {"error": ...} where the checkpoint cannot be read so."""
+    from bigmoe_bench import synth_experts
+    from bigmoe_pager.core.expert_store import CheckpointError, CheckpointStore
+    from bigmoe_pager.core.odirect import ODirectError, ReadError, aligned_empty
+    from bigmoe_pager.settings import PagerSettings
+
+    workers = workers or PagerSettings().io_workers
+    layout = synth_experts.make_layout(SHAPE["hidden"], SHAPE["moe_intermediate"], SHAPE["dtype"] == "fp8")
+    try:
+        store = CheckpointStore(model, layout)
+    except (CheckpointError, ODirectError, OSError) as e:
+        return {"error": f"cannot open the checkpoint for O_DIRECT reads: {e}"}
+    keys = np.random.default_rng(0).integers(0, [store.num_layers, store.num_experts], (1 << 16, 2)).tolist()
+    counts = [0] * workers
+    stop = time.monotonic() + seconds
+    errors: list[str] = []
+
+    def reader(w: int) -> None:
+        buf = aligned_empty(layout.record_bytes)
+        i = w
+        try:
+            while time.monotonic() < stop:
+                store.read(*keys[i % len(keys)], buf)
+                counts[w] += 1
+                i += workers
+        except (ODirectError, ReadError, OSError) as e:
+            errors.append(str(e))
+
+    started = time.monotonic()
+    with store, ThreadPoolExecutor(workers) as pool:
+        list(pool.map(reader, range(workers)))
+    elapsed = time.monotonic() - started
+    if errors:
+        return {"error": f"O_DIRECT reads of the checkpoint failed: {errors[0]}"}
+    reads = sum(counts)
+    return {
+        "gb_per_s": round(reads * layout.record_bytes / elapsed / 1e9, 3),
+        "record_bytes": layout.record_bytes,
+        "reads": reads,
+        "workers": workers,
+        "seconds": round(elapsed, 2),
     }
 
 
@@ -306,12 +497,12 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
 
 
 def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
-    """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, for comparison)."""
+    """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare)."""
     out = {}
     for family in sorted({f for f, _ in rows}):
         t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
         ratios = {}
-        for suffix, key in (("@r0.8", ""), ("", "_no_prefetch")):
+        for suffix, key in (("@r0.8", ""), ("", "_no_prefetch"), ("@r0", "_recall_0")):
             at102, at32 = t.get("bigmoe-102" + suffix), t.get("bigmoe-32" + suffix)
             if at102 and t.get("offload17"):
                 ratios["speedup_vs_offload17_at_102" + key] = round(t["offload17"] / at102, 3)
@@ -323,20 +514,44 @@ def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
     return out
 
 
+def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
+    """Top-level SSD figures: the SSD configuration's TPOT and TTFT over their disk floors, from the standard family
+    (else the first) at recall 0.8 with reads ahead, else at 0.8, else any SSD row; which row is named."""
+    ssd = [(f, n) for (f, n), r in rows.items() if "tpot_vs_disk_floor" in r]
+    if not ssd:
+        return {}
+    rank = lambda key: (key[0] != "standard", "@r0.8" not in key[1], not key[1].endswith(AHEAD), key)  # noqa: E731
+    family, name = min(ssd, key=rank)
+    r = rows[family, name]
+    return {
+        "ssd_tpot_vs_disk_floor": r["tpot_vs_disk_floor"],
+        "ssd_ttft_vs_disk_floor": r.get("ttft_vs_disk_floor"),
+        "ssd_floor_row": {"family": family, "name": name},
+    }
+
+
 def combine(files: list[Path], out: Path) -> int:
+    """Merge result files (one per call) into one: their rows by (family, name), issue 15's ratios per family, the
+    SSD floors, and the targets those ratios meet."""
     rows = {}
     meta = {}
     for f in files:
         part = json.loads(f.read_text())
         meta.setdefault("checkpoint", part.get("checkpoint"))
         meta.setdefault("commands", []).append(part.get("command"))
+        if "gb_per_s" in (part.get("disk") or {}):
+            meta.setdefault("disk", part["disk"])
         rows.update({(r.get("family", "standard"), r["name"]): r for r in part["configs"]})
     tpot = {name: r.get("tpot_ms") for (family, name), r in rows.items() if family == "standard"}
-    for r in rows.values():
-        # Greedy tokens of the timed request: which other configurations produced exactly the same.
+    for (family, _), r in rows.items():
+        # Greedy tokens of the timed request: which other configurations of its family produced exactly the same.
         if r.get("tokens") is not None:
-            r["same_tokens_as"] = [o["name"] for o in rows.values() if o is not r and o.get("tokens") == r["tokens"]]
-    report = {**meta, "configs": list(rows.values()), "families": family_ratios(rows)}
+            r["same_tokens_as"] = [
+                n for (f, n), o in rows.items() if f == family and o is not r and o.get("tokens") == r["tokens"]
+            ]
+    families = family_ratios(rows)
+    report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
+    report["issue15_targets"] = issue15_targets(families, report)
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)
         report["tpot_vs_resident_at_102"] = round(tpot["bigmoe-102"] / tpot["resident"], 3)
@@ -348,12 +563,33 @@ def combine(files: list[Path], out: Path) -> int:
     e2e.write_json(out, report)
     for r in report["configs"]:
         print(
-            f"{r['name']:24s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms  hit {r.get('decode_hit_rate')}"
-            f"  PCIe GB/token {r.get('pcie_gb_per_token')}  SSD GB/token {r.get('ssd_gb_per_token')}"
-            f"  same tokens as: {r.get('same_tokens_as', '-')}  {r.get('error', '')}"
+            f"{r.get('family', 'standard'):12s} {r['name']:28s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms"
+            f"  hit {r.get('decode_hit_rate')}  PCIe GB/token {r.get('pcie_gb_per_token')}"
+            f"  SSD GB/token {r.get('ssd_gb_per_token')}  same tokens as: {r.get('same_tokens_as', '-')}"
+            f"  {r.get('error', '')}"
         )
     print({k: v for k, v in report.items() if k not in ("configs", "checkpoint", "commands")})
     return 0
+
+
+def issue15_targets(families: dict[str, dict], report: dict) -> dict:
+    """Issue 15's targets, each met (True), missed (False) or not measured (absent)."""
+    out = {}
+    for family, r in families.items():
+        checks = {
+            "102 slots <= 1.3x resident at recall 0.8": ("tpot_vs_resident_at_102", lambda v: v <= 1.3),
+            "102 slots >= 3x faster than offload17 at recall 0.8": ("speedup_vs_offload17_at_102", lambda v: v >= 3),
+            "32 slots >= 2x faster than offload17 at recall 0.8": ("speedup_vs_offload17_at_32", lambda v: v >= 2),
+        }
+        got = {label: ok(r[key]) for label, (key, ok) in checks.items() if key in r}
+        at0, plain = r.get("speedup_vs_offload17_at_102_recall_0"), r.get("speedup_vs_offload17_at_102_no_prefetch")
+        if at0 and plain:
+            got["102 slots at recall 0 no slower than without prefetch"] = at0 >= plain
+        out[family] = got
+    for key, label in (("ssd_tpot_vs_disk_floor", "TPOT"), ("ssd_ttft_vs_disk_floor", "TTFT")):
+        if report.get(key):
+            out.setdefault("ssd", {})[f"32/128/SSD {label} within 1.3x of its disk floor"] = report[key] <= 1.3
+    return out
 
 
 if __name__ == "__main__":

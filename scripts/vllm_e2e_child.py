@@ -30,6 +30,8 @@ def main(spec_path: str, result_path: str) -> None:
         deterministic()
     from vllm import LLM
 
+    quiet = Lock(spec.get("quiet_file"))
+    quiet.take(shared=True)  # engines starting hold it shared; a timed request of another engine waits them out
     llm = LLM(
         model=spec["model"],
         dtype="bfloat16",
@@ -45,7 +47,8 @@ def main(spec_path: str, result_path: str) -> None:
         **_memory_args(spec),
         **_engine_extras(spec),
     )
-    startup_s = time.perf_counter() - started
+    quiet.release()
+    startup_s = time.perf_counter() - started - quiet.waited_s
     result = {
         "vllm": _vllm_version(),
         "startup_s": round(startup_s, 2),
@@ -53,7 +56,7 @@ def main(spec_path: str, result_path: str) -> None:
         "inductor_deterministic": _inductor_deterministic(),
     }
     if spec.get("task", "identity") == "bench":
-        result.update(bench(llm, spec))
+        result.update(bench_all(llm, spec, quiet))
     else:
         detokenize = not spec["skip_tokenizer_init"]
         result["short"] = greedy(llm, spec["prompts"], spec["max_tokens"], detokenize)
@@ -118,13 +121,59 @@ def _cudagraph_mode(llm) -> str:
     return getattr(mode, "name", str(mode))
 
 
-def bench(llm, spec: dict) -> dict:
+class Lock:
+    """An flock on a file shared by the engines of one benchmark call (no file: a no-op), with the seconds waited."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.waited_s = 0.0
+        self._fd: int | None = None
+
+    def take(self, shared: bool = False) -> None:
+        import fcntl
+
+        if self.path is None:
+            return
+        started = time.perf_counter()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        self.waited_s += time.perf_counter() - started
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the flock
+            self._fd = None
+
+
+def bench_all(llm, spec: dict, quiet: Lock) -> dict:
+    """Every measurement of the spec (a routing trace each, swapped in before it) in this one engine.
+
+    spec["measurements"]: [{"family", "recall", "trace"}] (absent: one, with the trace the engine
+    started with). Once the engine is up it takes the turn file's exclusive lock (spec["turn_file"])
+    and holds it to the end, so no two engines of a call measure at once; each timed request also
+    waits until no engine is starting (the quiet file, held shared during startup: weight loading and
+    graph capture would share the GPU, PCIe and CPUs with the timing).
+    """
+    turn = Lock(spec.get("turn_file"))
+    turn.take()
+    out = []
+    for m in spec.get("measurements") or [{}]:
+        if m.get("trace"):
+            from bigmoe_pager.adapters.vllm import process
+
+            process.current().routing.load_replay(m["trace"])
+        out.append({"family": m.get("family"), "recall": m.get("recall"), **bench(llm, spec, quiet)})
+    return {"measurements": out, "turn_wait_s": round(turn.waited_s, 2), "quiet_wait_s": round(quiet.waited_s, 2)}
+
+
+def bench(llm, spec: dict, quiet: Lock | None = None) -> dict:
     """Batch-1 TTFT/TPOT of a long prompt, and the pager's counters per decoded token.
 
     A warm-up request of the timed shape runs first. The counters come from a request
     whose prompt is one token, so every step it makes is decode-shaped (one token's
     top-k ids); its deltas over its tokens are the per-token hit rates and bytes.
-    Then the timed request.
+    Then the timed request (once no engine of the call is starting: `quiet`), with the counters'
+    deltas over it (its prefill's SSD bytes are the disk floor of its TTFT).
     """
     from vllm import SamplingParams
 
@@ -135,11 +184,20 @@ def bench(llm, spec: dict) -> dict:
     llm.generate([{"prompt_token_ids": spec["warmup_ids"][:1]}], params, use_tqdm=False)
     after = _pager_counters()
     decode = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
-    timing = batch1_timing(llm, spec["timing_ids"], None, tokens)
+    quiet = quiet or Lock(None)
+    quiet.take()
+    before = _pager_counters()
+    try:
+        timing = batch1_timing(llm, spec["timing_ids"], None, tokens)
+    finally:
+        quiet.release()
+    after = _pager_counters()
+    timed = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
     per_token = lambda tier: round(decode[tier]["bytes_moved"] / tokens / 1e9, 5) if decode else None  # noqa: E731
     return {
         **timing,
         "decode_counters": decode,
+        "timed_counters": timed,
         "decode_tokens": tokens,
         "pcie_gb_per_token": per_token("ram"),
         "ssd_gb_per_token": per_token("ssd"),

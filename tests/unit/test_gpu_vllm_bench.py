@@ -1,10 +1,10 @@
-"""scripts/gpu_vllm_bench.py's configuration names (@rRECALL, ~POLICY), its prediction traces and the per-family
+"""scripts/gpu_vllm_bench.py's configuration names (@r[RECALL], ~POLICY, +ahead), the measurements one engine makes
+(every family, every recall), its prediction traces, the rows of an engine's run, the SSD floors and the per-family
 ratios of --combine (the H200 run itself is the lead's)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import gpu_vllm_bench as bench  # scripts/ is on pytest's pythonpath (pyproject)
@@ -18,9 +18,11 @@ from bigmoe_bench import traces
     [
         ("bigmoe-102", ("bigmoe-102", None, None)),
         ("bigmoe-102@r0.8", ("bigmoe-102", 0.8, None)),
+        ("bigmoe-102@r", ("bigmoe-102", bench.EVERY, None)),
         ("bigmoe-32@r1~lru", ("bigmoe-32", 1.0, "lru")),
         ("offload17~lfu-fast", ("offload17", None, "lfu-fast")),
         ("bigmoe-32-ram128-ssd@r0.8~lru+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
+        ("bigmoe-32-ram128-ssd@r+ahead", ("bigmoe-32-ram128-ssd", bench.EVERY, None)),
     ],
 )
 def test_names_parse(name, parsed):
@@ -28,74 +30,186 @@ def test_names_parse(name, parsed):
 
 
 @pytest.mark.parametrize(
-    "name", ["bigmoe-7", "bigmoe-102~mru", "bigmoe-102@r1.5", "bigmoe-102@rx", "bigmoe-32-ram128-ssd+ahead"]
+    "argv",
+    [
+        ["--configs", "bigmoe-7"],
+        ["--configs", "bigmoe-102~mru"],
+        ["--configs", "bigmoe-102@r1.5"],
+        ["--configs", "bigmoe-102@rx"],
+        ["--configs", "bigmoe-32-ram128-ssd+ahead"],
+        ["--families", "standard,zigzag"],
+        ["--families", "standard", "--family", "topic-shift"],
+        ["--recalls", "0,1.2"],
+        ["--recalls", "0,high"],
+        ["--parallel", "0"],
+    ],
 )
-def test_bad_names_are_one_line_and_exit_2(name, capsys, tmp_path):
+def test_bad_arguments_are_one_line_and_exit_2(argv, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        bench.parse_args(["--out", str(tmp_path / "o.json"), "--configs", name])
-    assert e.value.code == 2 and name in capsys.readouterr().err
-
-
-def test_a_recall_config_replays_a_trace_with_predictions(tmp_path):
-    trace = tmp_path / "topic-shift-trace.npz"
-    ids = traces.named_trace("topic-shift", 40, 3, 32, 4)
-    traces.save_trace(trace, ids)
-    config = bench.config_for("bigmoe-102@r0.8~lru", trace, 32, "topic-shift", 0.5, tmp_path)
-    assert config.env["BIGMOE_EVICTION"] == "lru" and config.env["BIGMOE_PAGER"] == "1"
-    replay = Path(config.env["BIGMOE_ROUTE_REPLAY"])
-    assert replay.name == "topic-shift-r0.8-p0.5-trace.npz"
-    assert np.array_equal(traces.load_trace(replay), ids)
-    predicted = traces.load_predictions(replay, 32)
-    assert predicted.shape[:2] == (40, 3) and (predicted[:, 2] == -1).all()
-    assert bench.config_for("bigmoe-102", trace, 32, "topic-shift", 0.5, tmp_path).env["BIGMOE_ROUTE_REPLAY"] == str(
-        trace
-    )
+        bench.parse_args(["--out", str(tmp_path / "o.json"), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error:" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(
-    "name,ahead", [("bigmoe-32-ram128-ssd@r0.8", False), ("bigmoe-32-ram128-ssd@r0.8+ahead", True)]
+    "argv,families,recalls",
+    [
+        ([], ["standard"], [0.0, 0.6, 0.8, 0.95, 1.0]),
+        (["--family", "topic-shift"], ["topic-shift"], [0.0, 0.6, 0.8, 0.95, 1.0]),
+        (["--families", "standard,topic-shift", "--recalls", "0,0.8"], ["standard", "topic-shift"], [0.0, 0.8]),
+    ],
 )
-def test_ahead_lets_the_predictions_post_ssd_reads(tmp_path, name, ahead):
-    trace = tmp_path / "standard-trace.npz"
-    traces.save_trace(trace, traces.named_trace("standard", 40, 3, 32, 4))
-    env = bench.config_for(name, trace, 32, "standard", 0.5, tmp_path).env
-    assert env.get("BIGMOE_SSD_READ_AHEAD") == ("1" if ahead else None)
-    assert traces.load_predictions(Path(env["BIGMOE_ROUTE_REPLAY"]), 32) is not None
-    assert env["BIGMOE_RAM_SLOTS"] == "16"  # the SSD tier is there to read ahead from
+def test_family_and_recall_lists(argv, families, recalls, tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path / "o.json"), *argv])
+    assert args.families == families and args.recalls == recalls and args.precision is None
 
 
-def test_combine_reports_each_familys_ratios_at_recall_0_8(tmp_path):
-    def part(family, rows):
+@pytest.mark.parametrize(
+    "name,rows",
+    [
+        ("resident", [("resident", "standard", None), ("resident", "topic-shift", None)]),
+        ("bigmoe-102@r0.8", [("bigmoe-102@r0.8", "standard", 0.8), ("bigmoe-102@r0.8", "topic-shift", 0.8)]),
+        (
+            "bigmoe-102@r~lru",
+            [
+                ("bigmoe-102@r0~lru", "standard", 0.0),
+                ("bigmoe-102@r0.8~lru", "standard", 0.8),
+                ("bigmoe-102@r0~lru", "topic-shift", 0.0),
+                ("bigmoe-102@r0.8~lru", "topic-shift", 0.8),
+            ],
+        ),
+        (
+            "bigmoe-32-ram128-ssd@r0.8+ahead",
+            [
+                ("bigmoe-32-ram128-ssd@r0.8+ahead", "standard", 0.8),
+                ("bigmoe-32-ram128-ssd@r0.8+ahead", "topic-shift", 0.8),
+            ],
+        ),
+    ],
+)
+def test_one_engine_measures_every_family_and_recall_in_turn(name, rows):
+    traces_of = {(f, r): Path(f"{f}-{r}") for f in ("standard", "topic-shift") for r in (None, 0.0, 0.8)}
+    todo = bench.measurements(name, ["standard", "topic-shift"], [0.0, 0.8], traces_of)
+    assert [(bench.row_name(name, m["recall"]), m["family"], m["recall"]) for m in todo] == rows
+    assert [m["trace"] for m in todo] == [str(traces_of[f, r]) for _, f, r in rows]
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """A 3-layer, 32-expert top-4 model and 64-row replayed traces."""
+    monkeypatch.setattr(bench, "SHAPE", {**bench.SHAPE, "experts": 32, "top_k": 4})
+    monkeypatch.setattr(bench, "LAYERS", 3)
+    monkeypatch.setattr(bench, "REPLAY_TOKENS", 64)
+
+
+def test_prediction_traces_have_one_shape_at_every_recall_and_the_family_trace_rows(small, tmp_path):
+    plain = traces.load_trace(bench.family_trace(tmp_path, "topic-shift"))
+    assert plain.shape == (64, 3, 4)
+    assert np.array_equal(plain, traces.load_trace(tmp_path / "topic-shift-trace.npz")[:64])
+    shapes = set()
+    for recall in (0.0, 0.6, 1.0):
+        path = bench.predicted_trace(tmp_path, "topic-shift", recall, None)
+        assert path.name == f"topic-shift-64-r{recall:g}-topk-trace.npz"
+        assert np.array_equal(traces.load_trace(path), plain)
+        shapes.add(traces.load_predictions(path, 32).shape)
+    assert shapes == {(64, 3, 4)}  # a top-k proposal: k ids per row at every recall, so traces swap in place
+
+
+def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
+    env = bench.config_for("bigmoe-32-ram128-ssd@r~lru+ahead", tmp_path / "first.npz", 32).env
+    assert env["BIGMOE_ROUTE_REPLAY"] == str(tmp_path / "first.npz") and env["BIGMOE_EVICTION"] == "lru"
+    assert env["BIGMOE_SSD_READ_AHEAD"] == "1" and env["BIGMOE_RAM_SLOTS"] == "16"
+    assert "BIGMOE_SSD_READ_AHEAD" not in bench.config_for("bigmoe-102@r0.8", tmp_path / "f.npz", 32).env
+
+
+def measurement(family, recall, tpot, ssd=None):
+    counters = {"ram": {"lookups": 10, "hits": 8, "bytes_moved": 0}}
+    timed = {"ssd": {"bytes_moved": int(ssd * 1e9 * 3 + 2e9)}} if ssd else {}
+    return {
+        "family": family,
+        "recall": recall,
+        "tpot_ms": tpot,
+        "ttft_ms": 100.0,
+        "decode_counters": counters,
+        "decode_tokens": 4,
+        "timed_counters": timed,
+        "ssd_gb_per_token": ssd,
+        "tokens": [1, 2, 3, 4],
+    }
+
+
+def test_an_engines_run_is_one_row_per_family_and_recall_and_a_failed_one_says_why_in_each():
+    todo = [{"family": f, "recall": r, "trace": "t"} for f in ("standard", "topic-shift") for r in (0.0, 0.8)]
+    done = [measurement(t["family"], t["recall"], 5.0) for t in todo]
+    result = {"startup_s": 90.0, "turn_wait_s": 12.5, "measurements": done}
+    rows = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "seconds": 200.0, "result": result}, todo, None)
+    assert [(r["name"], r["family"]) for r in rows] == [
+        ("bigmoe-102@r0", "standard"),
+        ("bigmoe-102@r0.8", "standard"),
+        ("bigmoe-102@r0", "topic-shift"),
+        ("bigmoe-102@r0.8", "topic-shift"),
+    ]
+    assert all(r["tpot_ms"] == 5.0 and r["turn_wait_s"] == 12.5 and r["configuration"] == "bigmoe-102@r" for r in rows)
+    failed = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "error": "exit 1: CUDA OOM"}, todo, None)
+    assert len(failed) == 4 and all(r["error"] == "exit 1: CUDA OOM" and "tpot_ms" not in r for r in failed)
+
+
+def test_ssd_floors_are_the_disk_time_of_the_bytes_read():
+    m = {**measurement("standard", 0.8, 20.0, ssd=0.1), "ttft_ms": 1000.0}
+    floors = bench.disk_floors(m, {"gb_per_s": 5.0})
+    # decode: 0.1 GB / 5 GB/s = 20 ms; prefill: 0.3 + 2 GB timed less 3 decode tokens' 0.3 GB = 2 GB -> 400 ms
+    assert floors == {
+        "disk_floor_tpot_ms": 20.0,
+        "tpot_vs_disk_floor": 1.0,
+        "disk_floor_ttft_ms": 400.0,
+        "ttft_vs_disk_floor": 2.5,
+    }
+    assert bench.disk_floors(m, {"error": "no O_DIRECT"}) == {}
+    assert bench.disk_floors(measurement("standard", 0.8, 20.0), {"gb_per_s": 5.0}) == {}
+
+
+def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
+    def part(family, rows, disk=None):
         return {
             "command": "x",
             "checkpoint": {},
-            "configs": [{"name": n, "tpot_ms": t, "family": family} for n, t in rows],
+            "disk": disk,
+            "configs": [{"name": n, "tpot_ms": t, "family": family, **extra} for n, t, extra in rows],
         }
 
-    a = tmp_path / "a.json"
-    b = tmp_path / "b.json"
-    a.write_text(
-        json.dumps(
-            part(
-                "standard",
-                [
-                    ("resident", 4.0),
-                    ("offload17", 15.0),
-                    ("bigmoe-102", 5.0),
-                    ("bigmoe-102@r0.8", 4.8),
-                    ("bigmoe-32@r0.8", 6.0),
-                ],
-            )
-        )
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    standard = [
+        ("resident", 4.0, {}),
+        ("offload17", 15.0, {}),
+        ("bigmoe-102", 5.0, {}),
+        ("bigmoe-102@r0", 5.2, {}),
+        ("bigmoe-102@r0.8", 4.8, {}),
+        ("bigmoe-32@r0.8", 6.0, {}),
+        ("bigmoe-32-ram128-ssd@r0.8+ahead", 30.0, {"tpot_vs_disk_floor": 1.2, "ttft_vs_disk_floor": 1.5}),
+        ("bigmoe-32-ram128-ssd", 60.0, {"tpot_vs_disk_floor": 2.4}),
+    ]
+    a.write_text(json.dumps(part("standard", standard, {"gb_per_s": 6.0})))
+    b.write_text(
+        json.dumps(part("topic-shift", [("resident", 4.0, {}), ("offload17", 15.0, {}), ("bigmoe-102@r0.8", 5.0, {})]))
     )
-    b.write_text(json.dumps(part("topic-shift", [("resident", 4.0), ("offload17", 15.0), ("bigmoe-102@r0.8", 5.0)])))
-    out = tmp_path / "c.json"
     assert bench.combine([a, b], out) == 0
     report = json.loads(out.read_text())
     std, shift = report["families"]["standard"], report["families"]["topic-shift"]
     assert std["speedup_vs_offload17_at_102"] == 3.125 and std["tpot_vs_resident_at_102"] == 1.2
     assert std["speedup_vs_offload17_at_32"] == 2.5 and std["speedup_vs_offload17_at_102_no_prefetch"] == 3.0
+    assert std["tpot_vs_resident_at_102_recall_0"] == 1.3
     assert shift == {"speedup_vs_offload17_at_102": 3.0, "tpot_vs_resident_at_102": 1.25}
+    assert report["ssd_tpot_vs_disk_floor"] == 1.2 and report["ssd_ttft_vs_disk_floor"] == 1.5
+    assert report["ssd_floor_row"] == {"family": "standard", "name": "bigmoe-32-ram128-ssd@r0.8+ahead"}
+    assert report["disk"] == {"gb_per_s": 6.0}
+    targets = report["issue15_targets"]
+    assert targets["standard"]["102 slots >= 3x faster than offload17 at recall 0.8"] is True
+    assert targets["topic-shift"]["102 slots <= 1.3x resident at recall 0.8"] is True
+    assert targets["standard"]["102 slots at recall 0 no slower than without prefetch"] is False
+    assert targets["ssd"] == {
+        "32/128/SSD TPOT within 1.3x of its disk floor": True,
+        "32/128/SSD TTFT within 1.3x of its disk floor": False,
+    }
     assert report["speedup_vs_offload17_at_102"] == 3.0  # the standard family's, as before
 
 
