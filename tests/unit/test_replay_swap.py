@@ -26,7 +26,9 @@ def started(tmp_path, predicted: bool = True) -> Routing:
     """A replay that has run one step (its device tensors exist, as after vLLM's profile run and graph capture)."""
     write(tmp_path / "a.npz", 0, predicted)
     routing = Routing(PagerSettings(enabled=True, route_replay=tmp_path / "a.npz"))
-    routing.hook(0, torch.zeros((3, K), dtype=torch.int64))
+    with torch.inference_mode():  # as vLLM runs its forwards: the replay's tensors are inference tensors
+        routing.hook(0, torch.zeros((3, K), dtype=torch.int64))
+        ReplayedPredictions.for_trace(routing.replay_path, torch.device("cpu"))
     return routing
 
 
@@ -40,9 +42,10 @@ def test_a_swap_is_read_through_tensors_taken_before_it_from_row_0(tmp_path, pre
     assert np.array_equal(trace.numpy(), new["topk_ids"])
     if predicted:
         assert np.array_equal(held.numpy(), new["predicted_ids"])
-    router = torch.zeros((2, K), dtype=torch.int64)
-    assert torch.equal(routing.hook(0, router), torch.from_numpy(new["topk_ids"][[0, 1], 0]).long())  # cursor 0
-    proposal = routing.replayed_proposal(0, 2, trace.device)
+    with torch.inference_mode():  # a step, as vLLM runs it
+        got = routing.hook(0, torch.zeros((2, K), dtype=torch.int64))
+        proposal = routing.replayed_proposal(0, 2, trace.device)
+    assert torch.equal(got, torch.from_numpy(new["topk_ids"][[0, 1], 0]).long())  # from row 0
     want = torch.from_numpy(new["predicted_ids"][[0, 1], 0]).long().reshape(-1) if predicted else None
     assert (proposal is None) if not predicted else torch.equal(proposal, want)
 

@@ -173,4 +173,5 @@ class ReplayedPredictions:
             raise ValueError(
                 f"the new predictions are {tuple(predicted.shape)}, the replayed ones {tuple(self.predicted.shape)}"
             )
-        self.predicted.copy_(torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int32)))
+        with torch.inference_mode():  # made in a forward under inference mode (vLLM's), so updated in it
+            self.predicted.copy_(torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int32)))

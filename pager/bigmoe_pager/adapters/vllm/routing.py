@@ -112,12 +112,14 @@ class Routing:
         trace, cursor = self._replay
         if tuple(ids.shape) != tuple(trace.shape):
             raise SettingsError(f"load_replay: {path} is {tuple(ids.shape)}, the replayed trace {tuple(trace.shape)}")
-        try:
-            ReplayedPredictions.for_trace(self.replay_path, trace.device).replace(predicted)
-        except ValueError as e:
-            raise SettingsError(f"load_replay: {path}: {e}") from None
-        trace.copy_(torch.from_numpy(ids))
-        cursor.zero_()
+        # vLLM made these tensors in its forward, under inference mode: in-place updates must run in it too.
+        with torch.inference_mode():
+            try:
+                ReplayedPredictions.for_trace(self.replay_path, trace.device).replace(predicted)
+            except ValueError as e:
+                raise SettingsError(f"load_replay: {path}: {e}") from None
+            trace.copy_(torch.from_numpy(ids))
+            cursor.zero_()
         if trace.device.type == "cuda":
             torch.cuda.synchronize(trace.device)  # the copies are done before the next step is issued
 
