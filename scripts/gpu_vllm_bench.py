@@ -1,19 +1,18 @@
 """TPOT and TTFT of real vLLM on the H200, side by side: resident, vLLM's --cpu-offload-gb, and the pager.
 
-    PYTHONPATH=/tmp/site:pager:app VLLM_USE_FLASHINFER_SAMPLER=0 \\
-        python3 scripts/gpu_vllm_bench.py --out $OUT/vllm-gpu.json [--configs resident,offload17,...]
-    python3 scripts/gpu_vllm_bench.py --combine A.json B.json --out docs/bench/vllm-gpu.json
+    PYTHONPATH=/tmp/site:pager:app:bench VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        python3 scripts/gpu_vllm_bench.py --out $OUT/vllm-gpu.json [--configs resident,offload17,...] \\
+        [--families standard,topic-shift] [--recalls 0,0.6,0.8,0.95,1] [--parallel 3]
+    python3 scripts/gpu_vllm_bench.py --combine A.json B.json --out docs/bench/prefetch.json
 
-(vLLM 0.25.1 and the project wheel staged into /tmp/site as shared/gpu-vllm/README.md says.)
+(vLLM and the project wheel staged into /tmp/site as shared/gpu-vllm/README.md says.)
 Makes (once; reused while the machine lives) a 40-layer FP8 synthetic Qwen3-MoE with
 Qwen3.6-35B-A3B's shapes (256 experts of 2048 -> 512, top-8, 128x128 block scales,
-about 30 GiB of experts) and the standard routing trace (Zipf 1.4, reuse 0.3; 40 layers).
-Each configuration runs in its own process with vLLM's default CUDA-graph mode, batch 1
-(max_num_seqs=1), prefix caching off, a 1,024-token prompt and 256 generated tokens
-after a warm-up request of the same shape. Routing of every configuration, resident and
-offload included, is replaced by the trace through BIGMOE_ROUTE_REPLAY, a benchmark-only
-switch (random routers route almost uniformly; dummy weights route every token to
-experts 0-7).
+about 30 GiB of experts) and the routing traces. Each configuration runs in its own
+process (one vLLM engine) with vLLM's default CUDA-graph mode, batch 1 (max_num_seqs=1),
+prefix caching off. Routing of every configuration, resident and offload included, is
+replaced by a trace through BIGMOE_ROUTE_REPLAY, a benchmark-only switch (random routers
+route almost uniformly; dummy weights route every token to experts 0-7).
 
     resident             every expert in VRAM
     offload17            --cpu-offload-gb 17 --cpu-offload-params w13_weight w2_weight
@@ -25,17 +24,44 @@ experts 0-7).
     bigmoe-32-layerbuf   bigmoe-32 with that buffer
     bigmoe-32-ram128-ssd-layerbuf  bigmoe-32-ram128-ssd with that buffer (experts gathered through the slots)
 
-A configuration name may carry suffixes: `@rX` replays a trace that also carries next-layer
-predictions at recall X (precision --precision), so the pager prefetches on a side stream
-(docs/routing.md); `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast); a last `+ahead` (with @rX) lets the
-same predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1). --family picks the
-routing family of scripts/traces.py (standard, topic-shift, near-uniform; default standard,
-bit for bit the trace of the earlier runs). Example (issue 15):
+Suffixes: `@rX` replays traces that also carry next-layer predictions at recall X, so the
+pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every recall of
+--recalls; `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast); a last `+ahead` (with @r)
+lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1). Predictions
+are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
+unless --precision is given.
 
-    --family topic-shift --configs resident,offload17,bigmoe-102,bigmoe-102@r0.8,bigmoe-32@r0.8
+One engine per configuration measures every family of --families (scripts/traces.py:
+standard, topic-shift, near-uniform) and, for @r, every recall, in turn: before each it
+swaps the replayed trace in place (Routing.load_replay: same shape, so the captured CUDA
+graphs read it; cursors back to row 0), then runs a warm-up request (1,024-token prompt,
+256 tokens), a counters request (one-token prompt: decode-shaped steps, the per-token
+hit rates and bytes) and the timed request (another 1,024-token prompt, 256 tokens).
+Replayed traces are the first 4,096 rows of each family's 16,384-token trace (standard:
+the earlier runs' file). The pager's state (slots, eviction counts) carries over from one
+measurement to the next; the warm-up request is there to settle it.
 
---combine merges result files of several calls (one configuration set each) and computes
-the ratios the issue asks for, per family.
+--parallel N starts up to N engines at once. Each takes the turn file's exclusive flock
+once it is up and holds it to the end, so no two engines measure at once, and each timed
+request also waits until no engine of the call is starting (weight loading and graph
+capture share the GPU, PCIe and CPUs); rows record turn_wait_s and quiet_wait_s. With
+N > 1 each engine gets a fixed 2 GiB KV cache (vLLM's memory profile would count the
+other engines' memory). Host RAM: bigmoe-102/-32 pin every expert (about 30 GiB each),
+offload17 17 GiB, bigmoe-32-ram128-ssd about 16 GiB; the H200 machine has 128 GiB, so
+group the configurations of one call to pin at most about 80 GiB at once. Example
+(issue 15, about 63 and 60 GiB pinned):
+
+    --configs resident,offload17,bigmoe-102,bigmoe-32-ram128-ssd@r0.8+ahead --families standard,topic-shift \\
+        --parallel 4
+    --configs bigmoe-102@r,bigmoe-32@r0.8 --families standard,topic-shift --parallel 2
+
+Where a configuration reads from SSD, the parent first measures the disk's O_DIRECT read
+bandwidth for expert-record reads of the checkpoint (no engine running) and each SSD row
+gets its TPOT and TTFT disk floors. Result rows: one per (configuration@rX, family).
+--combine merges result files of several calls and computes issue 15's ratios per family
+(families.<name>: speedup_vs_offload17_at_102, tpot_vs_resident_at_102,
+speedup_vs_offload17_at_32 at recall 0.8; _no_prefetch and _recall_0 variants), the
+top-level ssd_tpot_vs_disk_floor / ssd_ttft_vs_disk_floor, and issue15_targets.
 """
 
 from __future__ import annotations
@@ -370,8 +396,11 @@ def checkpoint(work: Path, logs: Path) -> tuple[Path, float]:
     """The 40-layer checkpoint (no tokenizer: prompts are token ids), made once per machine."""
     out = work / f"{SHAPE['dtype']}-{SHAPE['experts']}x{SHAPE['hidden']}-{LAYERS}l"
     started = time.monotonic()
-    cmd = [sys.executable, str(e2e.MAKER), str(out), "--layers", str(LAYERS), "--seed", "0", "--no-tokenizer"]
+    maker = e2e.MAKERS["qwen3moe"]
+    cmd = [sys.executable, str(maker), str(out), "--layers", str(LAYERS), "--seed", "0", "--no-tokenizer"]
     for key, value in SHAPE.items():
+        if key == "maker":  # the smoke shape names its generator
+            continue
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     proc = subprocess.run(cmd, env=e2e.child_env({}), capture_output=True, text=True)
     (logs / "prepare.log").write_text(proc.stdout + proc.stderr)

@@ -18,6 +18,9 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram12-ram50-ssd             12.5% in VRAM, 50% in RAM, the SSD tier reads the checkpoint (CUDA graphs)
     vram40-layerbuf              vram40 with big steps run over one whole-layer buffer (BIGMOE_PREFILL_BUFFER=1)
     vram12-ram50-ssd-layerbuf    vram12-ram50-ssd with that buffer (its experts gathered through the slots)
+    vram40-predict               vram40 with the live next-layer predictor prefetching (BIGMOE_PREDICT=router)
+    vram12-ram50-ssd-predict-ahead  vram12-ram50-ssd with that prefetch and SSD reads ahead (BIGMOE_SSD_READ_AHEAD=1)
+    vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs (its reference: unpaged, default graphs)
     unpaged-eager                the reference of eager runs
     vram40-eager-device          the device-driven pager (BIGMOE_CUDA_GRAPHS=1) without graphs
     vram40-eager-host            the host-driven pager, eager
@@ -125,6 +128,10 @@ class Config:
     """Extra vLLM engine arguments (speculative_config for MTP runs)."""
 
 
+PREDICT = {"BIGMOE_PREDICT": "router"}
+"""Issue 15's live next-layer predictor: layer l+1's router on layer l's hidden state proposes, the pager prefetches."""
+
+
 def configs(experts: int, paging_file: Path) -> list[Config]:
     vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
     ssd = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)}
@@ -147,6 +154,19 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(
             f"vram12-ram50-ssd-layerbuf ({vram12}/{ram50}, checkpoint, whole-layer prefill buffer)",
             {**ssd, **graphs, "BIGMOE_PREFILL_BUFFER": "1"},
+        ),
+        # Issue 15: the live next-layer predictor prefetching on its side stream under vLLM's default graphs (FULL
+        # decode graphs), over the SSD mix with reads ahead too, and under PIECEWISE graphs (layer calls between
+        # pieces); the router keeps the final say, so tokens must equal the unpaged reference's.
+        Config(f"vram40-predict ({vram40} slots, live prefetch)", {**vram, **graphs, **PREDICT}),
+        Config(
+            f"vram12-ram50-ssd-predict-ahead ({vram12}/{ram50}, checkpoint, live prefetch, SSD reads ahead)",
+            {**ssd, **graphs, **PREDICT, "BIGMOE_SSD_READ_AHEAD": "1"},
+        ),
+        Config(
+            f"vram40-predict-piecewise ({vram40} slots, live prefetch, PIECEWISE graphs)",
+            {**vram, **graphs, **PREDICT},
+            engine={"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
         ),
         Config("unpaged-eager", eager=True, reference="unpaged-eager"),
         # Which half diverges: the device-driven pager without graphs, and the host-driven one.

@@ -1,0 +1,33 @@
+"""scripts/gpu_vllm_e2e.py's issue-15 configurations: the live predictor prefetching on the default qwen3.6 shape,
+under vLLM's default graphs and under PIECEWISE graphs, each compared with the unpaged reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gpu_vllm_e2e as e2e  # scripts/ is on pytest's pythonpath (pyproject)
+import pytest
+import vllm_e2e_child as child
+
+
+@pytest.fixture
+def matrix() -> dict[str, e2e.Config]:
+    return {c.name.split(" ")[0]: c for c in e2e.configs(256, Path("p.bmpf"))}
+
+
+@pytest.mark.parametrize(
+    "name,slots,extra,mode",
+    [
+        ("vram40-predict", ("102", None), {}, None),
+        ("vram12-ram50-ssd-predict-ahead", ("32", "128"), {"BIGMOE_SSD_READ_AHEAD": "1"}, None),
+        ("vram40-predict-piecewise", ("102", None), {}, "PIECEWISE"),
+    ],
+)
+def test_prefetch_configurations_page_with_the_live_predictor_under_graphs(matrix, name, slots, extra, mode):
+    config = matrix[name]
+    env = config.env
+    assert env["BIGMOE_PREDICT"] == "router" and env["BIGMOE_CUDA_GRAPHS"] == "1" and not config.eager
+    assert (env["BIGMOE_VRAM_SLOTS"], env.get("BIGMOE_RAM_SLOTS")) == slots
+    assert all(env[k] == v for k, v in extra.items()) and config.reference == "unpaged"
+    spec = {"engine": config.engine, "deterministic": True, "enforce_eager": False}
+    assert child._engine_extras(spec).get("compilation_config", {}).get("cudagraph_mode") == mode
