@@ -1,6 +1,11 @@
-"""One configuration of scripts/gpu_vllm_e2e.py: real vLLM in this process, greedy tokens and timings.
+"""One configuration of scripts/gpu_vllm_e2e.py (or gpu_vllm_bench.py): real vLLM in this process, greedy tokens
+and timings.
 
     python scripts/vllm_e2e_child.py SPEC.json RESULT.json
+
+A bench spec ("task": "bench") may list measurements (a routing trace each, swapped into the
+running engine before it: Routing.load_replay) and the lock files by which the engines of one
+call take turns to time (bench_all).
 
 A fresh process per configuration, because the pager plugin registers per
 process; the BIGMOE_* environment decides whether and how it pages. SPEC holds
