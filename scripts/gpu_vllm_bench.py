@@ -71,6 +71,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     traces_of = make_traces(work, names, args.families, args.recalls, args.precision)
     report["checkpoint"] = {"path": str(model), "layers": LAYERS, **SHAPE, "seconds": made_s}
-    report["families"], report["precision"] = args.families, args.precision or "top-k"
+    report["routing_families"], report["precision"] = args.families, args.precision or "top-k"
     report["prepare_s"] = round(time.monotonic() - started, 1)
     if any("BIGMOE_RAM_SLOTS" in config_for(n, Path("t"), 256).env for n in names):
         report["disk"] = disk_bandwidth(model, seconds=2.0 if args.smoke else 4.0)  # before any engine starts
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel > 1 and SHAPE["device"] == "cuda":
         spec.update(kv_cache_memory_bytes=PARALLEL_KV_BYTES, gpu_memory_utilization=PARALLEL_GPU_MEMORY_UTILIZATION)
     rows: dict[str, list[dict]] = {}
+    written = threading.Lock()  # engines finish on several threads; the report is rewritten whole by one at a time
 
     def one(plan: tuple[str, list[dict]]) -> None:
         name, todo = plan
@@ -277,11 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             row = e2e.skipped(config, "time budget spent")
         else:
             row = e2e.run_config(config, run_spec, work, logs, deadline)
-        rows[name] = engine_rows(row, todo, report.get("disk"))
-        report["configs"] = [r for n, _ in plans if n in rows for r in rows[n]]
-        e2e.write_json(out, report)
-        for r in rows[name]:
-            print(json.dumps({k: v for k, v in r.items() if k not in ("pager_totals", "tokens", "env")}), flush=True)
+        with written:
+            rows[name] = engine_rows(row, todo, report.get("disk"))
+            report["configs"] = [r for n, _ in plans if n in rows for r in rows[n]]
+            e2e.write_json(out, report)
+            for r in rows[name]:
+                brief = {k: v for k, v in r.items() if k not in ("pager_totals", "timed_counters", "tokens", "env")}
+                print(json.dumps(brief), flush=True)
 
     with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         list(pool.map(one, plans))
