@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     report["checkpoint"] = {"path": str(model), "layers": LAYERS, **SHAPE, "seconds": made_s}
     report["routing_families"], report["precision"] = args.families, args.precision or "top-k"
     report["prepare_s"] = round(time.monotonic() - started, 1)
+    if args.prepare_only:  # checkpoint and traces made (e.g. while vLLM is still being staged); no engine
+        e2e.write_json(out, report)
+        return 0
     if any("BIGMOE_RAM_SLOTS" in config_for(n, Path("t"), 256).env for n in names):
         report["disk"] = disk_bandwidth(model, seconds=2.0 if args.smoke else 4.0)  # before any engine starts
     plans = [(n, measurements(n, args.families, args.recalls, traces_of)) for n in names]
@@ -345,6 +348,11 @@ def parse_args(argv):
         help="directory of the per-run logs (default: <out stem>_logs beside --out; the device tool returns 8 files)",
     )
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
+    p.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="make the checkpoint and the traces the configurations need, then stop",
+    )
     p.add_argument("--smoke", action="store_true", help="a 2-layer bf16 model on vLLM's CPU build (plumbing check)")
     p.add_argument("--combine", type=Path, nargs="+", help="merge these result files into --out, with the ratios")
     p.add_argument(
@@ -536,7 +544,8 @@ def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
         t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
         ratios = {}
         for suffix, key in (("@r0.8", ""), ("", "_no_prefetch"), ("@r0", "_recall_0")):
-            at102, at32 = t.get("bigmoe-102" + suffix), t.get("bigmoe-32" + suffix)
+            # The plugin's default prefill (the whole-layer buffer) where it ran; decode is the same either way.
+            at102, at32 = (t.get(f"bigmoe-{n}-layerbuf{suffix}") or t.get(f"bigmoe-{n}{suffix}") for n in (102, 32))
             if at102 and t.get("offload17"):
                 ratios["speedup_vs_offload17_at_102" + key] = round(t["offload17"] / at102, 3)
             if at102 and t.get("resident"):

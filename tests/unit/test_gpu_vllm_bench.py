@@ -190,7 +190,12 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
     ]
     a.write_text(json.dumps(part("standard", standard, {"gb_per_s": 6.0})))
     b.write_text(
-        json.dumps(part("topic-shift", [("resident", 4.0, {}), ("offload17", 15.0, {}), ("bigmoe-102@r0.8", 5.0, {})]))
+        json.dumps(
+            part(
+                "topic-shift",  # the plugin's default prefill buffer: its rows stand for the slot count
+                [("resident", 4.0, {}), ("offload17", 15.0, {}), ("bigmoe-102-layerbuf@r0.8", 5.0, {})],
+            )
+        )
     )
     assert bench.combine([a, b], out) == 0
     report = json.loads(out.read_text())

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 15's runs on the H200: bash scripts/gpu_issue15.sh STEP...
+#   early  (before vLLM is staged; the image's torch) in the background: the 40-layer checkpoint and traces, the GPU
+#          kernel tests, then the fast harness (scripts/bench_pager.py) on the topic-shift family; writes $FLAG at the end
+#   wait   block until `early` is done (its results are then under $OUT)
+#   bench  (vLLM 0.33 staged) scripts/gpu_vllm_bench.py over $CONFIGS, $PARALLEL engines started at once, every
+#          family of $FAMILIES, recalls $RECALLS for `@r` names; results as bench-$TAG.json
+#   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, 2 layers)
+# The device tool returns 8 files from $OUT: logs go into one tarball per step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/pager:$PWD/app:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 VLLM_DEEP_GEMM_WARMUP=skip
+out="${OUT:-/tmp/bigmoe-gpu}"; mkdir -p "$out"
+early_out=/tmp/issue15-early; flag=/tmp/issue15-early.done
+work=/tmp/bigmoe-vllm-bench
+families="${FAMILIES:-standard,topic-shift}"
+recalls="${RECALLS:-0,0.6,0.8,0.95,1.0}"
+pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/null; }
+vllm_env() { [ -n "${VLLM_STAGED:-}" ] || { source /tmp/site/env.sh; export VLLM_STAGED=1; }; }
+
+early() {
+  mkdir -p "$early_out"
+  python3 scripts/gpu_vllm_bench.py --prepare-only --workdir "$work" --families "$families" --recalls "$recalls" \
+    --out "$early_out/prepare.json" > "$early_out/prepare.txt" 2>&1 &
+  local prep=$!
+  python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
+    --ignore=tests/gpu/test_qwen4exp_vllm_gpu.py > "$early_out/gpu-kernel-tests.txt" 2>&1
+  wait "$prep"
+  python3 scripts/bench_pager.py --models qwen3.6-35b-a3b --family topic-shift --configs bigmoe,bigmoe-prefetch \
+    --recalls 0,0.8,1.0 --out "$early_out/harness-topic-shift.json" > "$early_out/harness.txt" 2>&1
+  touch "$flag"
+}
+
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case "$step" in
+    early)
+      rm -f "$flag"; (setsid nohup bash -c "$(declare -f early); $(declare -p early_out flag work families recalls); early" \
+        > /tmp/issue15-early.log 2>&1 < /dev/null &) ;;
+    wait)
+      for _ in $(seq 1 "${WAIT_S:-300}"); do [ -f "$flag" ] && break; sleep 1; done
+      [ -f "$flag" ] || echo "early step not done yet"
+      cp "$early_out"/*.json "$out"/ 2>/dev/null
+      grep -E "^(FAILED|ERROR)|passed|failed" "$early_out/gpu-kernel-tests.txt" > "$out/gpu-kernel-tests.txt" 2>/dev/null
+      tail -n 3 "$out/gpu-kernel-tests.txt" ;;
+    bench)
+      vllm_env
+      python3 scripts/gpu_vllm_bench.py --workdir "$work" --families "$families" --recalls "$recalls" \
+        --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-540}" --configs "$CONFIGS" \
+        --out "$out/bench-${TAG:-run}.json" --logs "/tmp/logs-bench-${TAG:-run}"
+      pack "logs-bench-${TAG:-run}" "/tmp/logs-bench-${TAG:-run}" ;;
+    e2e)
+      vllm_env
+      python3 scripts/gpu_vllm_e2e.py --layers 2 --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-400}" \
+        --configs "${E2E_CONFIGS:-unpaged,vram40-predict,vram12-ram50-ssd-predict-ahead,vram40-predict-piecewise}" \
+        --out "$out/e2e-${TAG:-predict}.json" --logs "/tmp/logs-e2e-${TAG:-predict}"
+      pack "logs-e2e-${TAG:-predict}" "/tmp/logs-e2e-${TAG:-predict}" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
