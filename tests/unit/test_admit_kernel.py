@@ -26,6 +26,9 @@ def state(table: SlotTable) -> dict[str, torch.Tensor]:
         "use_count": table.use_count,
         "prefetched": table._prefetched[: table.num_slots],
         "prefetch_step": table._prefetch_step,
+        "used_score": table.used_score,
+        "wasted_score": table.wasted_score,
+        "gate_closed": table.gate_closed,
     }
 
 
@@ -52,26 +55,29 @@ def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], w
 
 
 @pytest.mark.parametrize(
-    "experts,slots,policy,masks",
+    "experts,slots,policy,masks,gate",
     [
-        (256, 102, "lru", False),
-        (256, 102, "lfu-fast", True),
-        (256, 32, "lru", True),
-        (256, 32, "lfu", False),
-        (512, 35, "lfu-fast", False),
-        (512, 35, "lru", True),
-        (64, 16, "lfu", True),
-        (64, 16, "lru", False),
+        (256, 102, "lru", False, (25, 64)),
+        (256, 102, "lfu-fast", True, (60, 5)),
+        (256, 32, "lru", True, (0, 64)),
+        (256, 32, "lfu", False, (60, 5)),
+        (512, 35, "lfu-fast", False, (25, 64)),
+        (512, 35, "lru", True, (55, 3)),
+        (64, 16, "lfu", True, (25, 64)),
+        (64, 16, "lru", False, (60, 4)),
     ],
 )
-def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks):
+def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, gate):
     """masks: pass `available`, `keep_slots` (a RAM tier's rows with unconfirmed reads) and the rows of a
-    partial RAM tier below (some holding unconfirmed reads)."""
+    partial RAM tier below (some holding unconfirmed reads). gate: (min_used_percent, explore_every); the
+    strict ones close the gate on some rounds and reopen it on others."""
     k, rounds, rb = 8, 20, 3 << 20
     rng = np.random.default_rng(experts * 7 + slots)
     ids, pred = routing(experts, k, 2 * rounds, seed=slots)
-    ref = SlotTable(experts, slots, use_kernel=False, policy=policy, decay=3 if policy == "lfu" else None)
-    ker = SlotTable(experts, slots, use_kernel=True, policy=policy, decay=3 if policy == "lfu" else None)
+    decay = 3 if policy == "lfu" else None
+    opts = {"policy": policy, "decay": decay, "min_used_percent": gate[0], "explore_every": gate[1]}
+    ref = SlotTable(experts, slots, use_kernel=False, **opts)
+    ker = SlotTable(experts, slots, use_kernel=True, **opts)
     warm = torch.from_numpy(rng.permutation(experts)[:slots].copy())
     ref.place(warm), ker.place(warm)  # a full table from the start: admits evict
     rows = {name: torch.zeros(10, dtype=torch.int64) for name in ("ref", "ker")}
@@ -96,7 +102,11 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks):
         for table, name in ((ref, "ref"), (ker, "ker")):
             table.acquire(step, rows[name], record_bytes=rb)
         assert_same(ref, ker, rows, f"acquire {t}")
-    assert int(rows["ref"][7]) > rounds and int(rows["ref"][8]) > 0  # many installs, some of them used
+    installed, used, closed = int(rows["ref"][7]), int(rows["ref"][8]), int(ref.gate_closed)
+    if gate[0] == 0:  # no gate: many installs, some of them used
+        assert closed == 0 and installed > rounds and used > 0
+    if gate[0] >= 55:  # the strict gates closed on some rounds and admitted on others: both paths compared
+        assert 0 < closed < rounds and installed > 0 and used > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu-fast"])

@@ -212,6 +212,7 @@ class FakePostingSsd:
 
 def test_wrong_predictions_never_take_rows_a_step_used_or_rows_with_posted_reads():
     tier = RamTier(LAYOUT_SMALL, 12, 4, read_ahead=True)
+    tier.table.min_used_percent = 0  # no prefetch gate: its wasted first read-ahead would close it (test_prefetch_gate)
     ssd = FakePostingSsd(tier)
     tier.attach_ssd(ssd)
     tier.locate(torch.tensor([0, 1]))  # rows 0, 1

@@ -40,6 +40,8 @@ def launch_admit(
     record_bytes: int = 0,
     source: SourceRows | None = None,
     lfu: bool = False,
+    min_used_percent: int = 0,
+    explore_every: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
@@ -49,6 +51,8 @@ def launch_admit(
     prefetch_wasted_bytes added. source: slots.SourceRows of a partial tier below (only experts in its
     whole rows are fetched; rows = their record rows); None: rows = experts.
     lfu: rank candidate slots by (use count, last use, expert).
+    min_used_percent, explore_every: the prefetch gate (slots.MIN_USED_PERCENT, slots.PREFETCH_EXPLORE_EVERY);
+    it reads and updates table_state's used_score, wasted_score and gate_closed.
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -67,6 +71,11 @@ def launch_admit(
         table_state["prefetched"],
         table_state["prefetch_step"],
         table_state["want"],
+        table_state["used_score"],
+        table_state["wasted_score"],
+        table_state["gate_closed"],
+        min_used_percent,
+        explore_every,
         _bytes_of(available, dummy),
         _bytes_of(keep_slots, dummy),
         dummy if source is None else source.expert_row,
@@ -120,6 +129,11 @@ if triton is not None:
         prefetched_ptr,
         prefetch_step_ptr,
         want_ptr,
+        used_score_ptr,
+        wasted_score_ptr,
+        gate_closed_ptr,
+        min_used_percent,
+        explore_every,
         avail_ptr,
         keep_ptr,
         src_row_ptr,
@@ -153,6 +167,10 @@ if triton is not None:
         held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
         last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
         occupied = held >= 0
+        # The gate's state, read before any store: every thread reads the old values, stores come after a barrier.
+        used_score = tl.load(used_score_ptr)
+        wasted_score = tl.load(wasted_score_ptr)
+        gate_closed = tl.load(gate_closed_ptr)
 
         # Phase 1: settle the previous round (judged once a step ran since its admit), clear the
         # want scratch and the fetch list.
@@ -164,6 +182,13 @@ if triton is not None:
         n_used = tl.sum(used.to(tl.int64), 0)
         n_wasted = tl.sum((marked & ~used).to(tl.int64), 0)
         tl.store(prefetched_ptr + s_ar, tl.where(judged, -1, marks), mask=s_in)
+        # The gate: fold a round that judged any into the decayed scores; closed, this round fetches nothing.
+        settled = n_used + n_wasted > 0
+        used_score = tl.where(settled, used_score - (used_score >> 3) + (n_used << 6), used_score)
+        wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (n_wasted << 6), wasted_score)
+        gate_open = (step % explore_every == 0) | (
+            used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
+        )
         tl.store(want_ptr + e_ar, 0, mask=e_in)
         tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
         tl.debug_barrier()
@@ -175,7 +200,7 @@ if triton is not None:
 
         # Phase 2: experts to fetch in ascending id; candidate slots by (empty, policy key, slot).
         want = tl.load(want_ptr + e_ar, mask=e_in, other=0) != 0
-        fetch = want & (tl.load(expert_slot_ptr + e_ar, mask=e_in, other=0) < 0)
+        fetch = want & (tl.load(expert_slot_ptr + e_ar, mask=e_in, other=0) < 0) & gate_open
         if HAS_AVAIL:
             fetch = fetch & (tl.load(avail_ptr + e_ar, mask=e_in, other=0) != 0)
         if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
@@ -223,6 +248,9 @@ if triton is not None:
             src = tl.load(src_row_ptr + mexp, mask=take, other=-1)
             tl.store(out_row_ptr + s_ar, tl.where(take, src, -1), mask=m_in)
         tl.store(prefetch_step_ptr, step)
+        tl.store(used_score_ptr, used_score)
+        tl.store(wasted_score_ptr, wasted_score)
+        tl.store(gate_closed_ptr, gate_closed + (1 - gate_open.to(tl.int64)))
         if HAS_STATS:
             n = tl.sum(take.to(tl.int64), 0)
             tl.atomic_add(stats_ptr + _BYTES, n * record_bytes)

@@ -27,6 +27,13 @@ are stamped with the latest step (as recent as that step's experts) and add no
 use count. The next `acquire` decides as always: a right prediction is a hit, a
 wrong one is an unneeded slot, usually its first victim. Admits with no step between
 them (a layer's reads posted ahead, then its prefetch) are one round for the counters.
+
+Prefetch gate (issue 15: prefetch must never cost more than it saves): each round first settles
+the previous one (n_used of its experts the steps since needed, n_wasted not) and, when it judged
+any, decays two fixed-point scores, score += (count << 6) - (score >> 3). A round admits only
+while used_score is at least MIN_USED_PERCENT of the two together, or on every
+PREFETCH_EXPLORE_EVERY-th step (so a predictor that became useful is noticed); a closed round
+still settles and stamps its step, but takes no slot and copies nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ DEFAULT_DECAY = {"lru": 0, "lfu": 256, "lfu-fast": 16}
 """Steps between halvings of the use counts, per policy (lru keeps none)."""
 LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
+MIN_USED_PERCENT = 25
+"""Prefetch gate: share (percent) of the decayed prefetched experts that must be used for it to stay open."""
+PREFETCH_EXPLORE_EVERY = 64
+"""Prefetch gate: a closed gate still admits at every step that is a multiple of this (its explore rounds)."""
 # LFU key = count << 42 | last_use << 10 | expert: below acquire_kernel.NEEDED_KEY (2**52) while last_use < 2**32
 
 
@@ -128,7 +139,14 @@ class SlotTable:
         use_kernel: bool | None = None,
         policy: str = "lru",
         decay: int | None = None,
+        min_used_percent: int = MIN_USED_PERCENT,
+        explore_every: int = PREFETCH_EXPLORE_EVERY,
     ) -> None:
+        if not (0 <= min_used_percent <= 100 and explore_every >= 1):
+            raise SlotTableError(
+                f"prefetch gate needs 0 <= min_used_percent <= 100 and explore_every >= 1 steps, "
+                f"got {min_used_percent}, {explore_every}"
+            )
         if policy not in POLICIES:
             raise SlotTableError(f"eviction policy {policy!r} is unknown; choose {', '.join(POLICIES)}")
         decay = DEFAULT_DECAY[policy] if decay is None else decay
@@ -172,6 +190,16 @@ class SlotTable:
         """`step` when the latest `admit` ran."""
         self._want_scratch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
         """The admit kernel's set of predicted experts (its own: a side stream's admit never shares acquire's)."""
+        self.min_used_percent = min_used_percent
+        """Prefetch gate threshold (percent); 0 keeps the gate always open."""
+        self.explore_every = explore_every
+        """Steps between the prefetch gate's explore rounds (admits even when closed)."""
+        self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
+        """Decayed count of prefetched experts used (fixed point, x64 per expert): the gate's evidence for."""
+        self.wasted_score = torch.zeros((), dtype=torch.int64, device=self.device)
+        """Decayed count of prefetched experts never used (same scale): the gate's evidence against."""
+        self.gate_closed = torch.zeros((), dtype=torch.int64, device=self.device)
+        """Admit calls the gate kept from admitting, so far."""
         self._prefetch_stat_index = torch.tensor(
             [BYTES, PREFETCHED, PREFETCH_USED, PREFETCH_WASTED_BYTES], dtype=torch.int64, device=self.device
         )
@@ -369,6 +397,9 @@ class SlotTable:
             "prefetched": self._prefetched,
             "prefetch_step": self._prefetch_step,
             "want": self._want_scratch,
+            "used_score": self.used_score,
+            "wasted_score": self.wasted_score,
+            "gate_closed": self.gate_closed,
         }
 
     def _admit_kernel(self, predicted, available, stats_row, record_bytes, keep_slots, source) -> Admitted:
@@ -384,6 +415,8 @@ class SlotTable:
             record_bytes,
             source,
             lfu=self.lfu,
+            min_used_percent=self.min_used_percent,
+            explore_every=self.explore_every,
         )
         return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
@@ -396,7 +429,7 @@ class SlotTable:
         want = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
         want.index_fill_(0, idx, True)
         want[e:].fill_(False)
-        fetch = want[:e] & (self._expert_slot[:e] < 0)
+        fetch = want[:e] & (self._expert_slot[:e] < 0) & self._gate(used, wasted)
         if available is not None:
             fetch &= available.to(device=self.device, dtype=torch.bool)
         if source is not None:
@@ -442,6 +475,18 @@ class SlotTable:
         used = marked & (self._slot_expert[:s] == self._prefetched[:s]) & (self._last_use[:s] > self._prefetch_step)
         self._prefetched.copy_(torch.where(judged, -1, self._prefetched))
         return used.sum(), (marked & ~used).sum()
+
+    def _gate(self, used: torch.Tensor, wasted: torch.Tensor) -> torch.Tensor:
+        """Fold the settled round into the gate's scores; bool []: may this round admit (module doc)."""
+        judged = used + wasted > 0
+        for score, count in ((self.used_score, used), (self.wasted_score, wasted)):
+            score.copy_(torch.where(judged, score - (score >> 3) + (count << 6), score))
+        p = self.min_used_percent
+        is_open = (torch.remainder(self.step, self.explore_every) == 0) | (
+            self.used_score * (100 - p) >= self.wasted_score * p
+        )
+        self.gate_closed.add_((~is_open).to(torch.int64))
+        return is_open
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 
