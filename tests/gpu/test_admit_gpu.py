@@ -10,7 +10,7 @@ from graph_timing import replay_us  # tests/gpu, beside this file
 
 pytestmark = pytest.mark.gpu
 
-STATE = ("expert_slot", "slot_expert", "last_use", "step", "use_count")
+STATE = ("expert_slot", "slot_expert", "last_use", "step", "use_count", "used_score", "wasted_score", "gate_closed")
 
 
 def state(table: SlotTable) -> dict[str, torch.Tensor]:
@@ -58,14 +58,21 @@ class Inputs:
 
 
 @pytest.mark.parametrize(
-    "experts,slots,policy,masks",
-    [(256, 102, "lru", False), (256, 32, "lfu-fast", True), (512, 35, "lfu", True), (64, 16, "lru", True)],
+    "experts,slots,policy,masks,gate",
+    [
+        (256, 102, "lru", False, (0, 64)),
+        (256, 32, "lfu-fast", True, (50, 8)),
+        (512, 35, "lfu", True, (0, 64)),
+        (64, 16, "lru", True, (50, 8)),
+    ],
 )
-def test_side_stream_admit_in_a_graph_equals_torch(experts, slots, policy, masks):
-    """Per replay: acquire on the main stream, admit on a side stream; the torch tables run the same eagerly."""
+def test_side_stream_admit_in_a_graph_equals_torch(experts, slots, policy, masks, gate):
+    """Per replay: acquire on the main stream, admit on a side stream; the torch tables run the same eagerly.
+    gate: (min_used_percent, explore_every); these random rounds close a 50% gate between its explore rounds."""
     tokens, k, predictions = 2, 8, 12
-    ker = SlotTable(experts, slots, "cuda", use_kernel=True, policy=policy)
-    ref = SlotTable(experts, slots, "cuda", use_kernel=False, policy=policy)
+    opts = {"policy": policy, "min_used_percent": gate[0], "explore_every": gate[1]}
+    ker = SlotTable(experts, slots, "cuda", use_kernel=True, **opts)
+    ref = SlotTable(experts, slots, "cuda", use_kernel=False, **opts)
     rows = {name: torch.zeros(10, dtype=torch.int64, device="cuda") for name in ("ker", "ref")}
     inputs = Inputs(experts, slots, tokens, k, predictions, "cuda")
     g = torch.Generator().manual_seed(experts + slots)
@@ -104,6 +111,7 @@ def test_side_stream_admit_in_a_graph_equals_torch(experts, slots, policy, masks
             assert torch.equal(want[name], got[name]), (replay, name)
         assert torch.equal(rows["ref"], rows["ker"]), replay
     assert int(rows["ker"][7]) > 0 and int(rows["ker"][8]) > 0  # prefetched, and some of it used
+    assert (int(ker.gate_closed) > 0) == (gate[0] > 0)  # the gated tables closed on some rounds
 
 
 def _time_admits(tables: list[SlotTable], inputs: Inputs, replays: int) -> float:
