@@ -5,9 +5,11 @@ ids (the demand copies), then `SlotTable.admit` of the predictions for the next 
 prefetch copies), the torch reference the Triton kernels are tested to equal bit for bit. The
 predictions are the trace's own at a stated recall and precision (bigmoe_bench.traces.predictions:
 the wrong ids are drawn uniformly from the experts the step does not need, which is pessimistic:
-a real router's near misses are popular experts, often resident already). Time is not simulated:
-copies per token are what a GPU run pays for, and prefetch can only win back the compute time it
-hides them behind (docs/benchmarks.md, the H200 harness run).
+a real router's near misses are popular experts, often resident already; precision `topk` is a top-k
+predictor's k ids a token, precision = recall). Each prediction case runs with admit's usefulness gate
+at each of --gates (min_used_percent; 0 = no gate); gate_closed is the share of rounds it closed.
+Time is not simulated: copies per token are what a GPU run pays for, and prefetch can only win back
+the compute time it hides them behind (docs/benchmarks.md, the H200 harness run).
 
     PYTHONPATH=pager:bench python scripts/sim_prefetch.py --tokens 600 --layers 3 --out /tmp/sim_prefetch.json
 """
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 from bigmoe_bench import traces
 from bigmoe_pager.core import stats
-from bigmoe_pager.core.slots import SlotTable
+from bigmoe_pager.core.slots import MIN_USED_PERCENT, PREFETCH_EXPLORE_EVERY, SlotTable
 
 RECORD = 1  # admit counts bytes as experts x record bytes: count experts
 
@@ -39,15 +41,28 @@ class Case:
     vram: int
     recall: float | None
     """None: no prefetch (the baseline)."""
-    precision: float
+    precision: float | None
+    """None: a top-k predictor's proposal (k ids per token, precision = recall)."""
+    min_used_percent: int | None
+    """The prefetch gate's threshold (0: no gate); None for the baseline."""
 
 
-def simulate(trace: np.ndarray, predicted: np.ndarray | None, experts: int, vram: int, policy: str) -> dict:
-    """Per token: demand copies, prefetch copies, prefetched experts never used, and the VRAM hit rate."""
+def simulate(
+    trace: np.ndarray,
+    predicted: np.ndarray | None,
+    experts: int,
+    vram: int,
+    policy: str,
+    min_used_percent: int = MIN_USED_PERCENT,
+    explore_every: int = PREFETCH_EXPLORE_EVERY,
+) -> dict:
+    """Per token: demand copies, prefetch copies, prefetched experts never used, and the VRAM hit rate;
+    gate_closed: share of the prefetch rounds the gate closed."""
     tokens, layers, _ = trace.shape
     ids = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
     pred = None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
-    tables = [SlotTable(experts, vram, policy=policy, use_kernel=False) for _ in range(layers)]
+    gate = {"min_used_percent": min_used_percent, "explore_every": explore_every}
+    tables = [SlotTable(experts, vram, policy=policy, use_kernel=False, **gate) for _ in range(layers)]
     rows = torch.zeros(layers, len(stats.COUNTERS), dtype=torch.int64)
     lookups = hits = demand = 0
     for t in range(tokens):
@@ -60,12 +75,15 @@ def simulate(trace: np.ndarray, predicted: np.ndarray | None, experts: int, vram
                 tables[layer + 1].admit(pred[t, layer], stats_row=rows[layer + 1], record_bytes=RECORD)
     prefetched = int(rows[:, stats.COUNTERS.index("prefetched")].sum())
     wasted = int(rows[:, stats.COUNTERS.index("prefetch_wasted_bytes")].sum())
+    closed = sum(int(t.gate_closed) for t in tables)
+    rounds = tokens * (layers - 1) if pred is not None else 0
     return {
         "vram_hit": round(hits / lookups, 4),
         "demand_copies_per_token": round(demand / tokens, 3),
         "prefetch_copies_per_token": round(prefetched / tokens, 3),
         "prefetched_unused_per_token": round(wasted / tokens, 3),
         "copies_per_token": round((demand + prefetched) / tokens, 3),
+        "gate_closed": round(closed / rounds, 3) if rounds else None,
     }
 
 
@@ -73,14 +91,14 @@ RECORDED = (64, 8, (26, 16))
 """The recorded trace's experts, top-k and VRAM slots: the benchmark's 40% and 12.5% shares, at least 2k slots."""
 
 
-def cases(families: list[str], recalls: list[float], precisions: list[float]) -> list[Case]:
+def cases(families: list[str], recalls: list[float], precisions: list[float | None], gates: list[int]) -> list[Case]:
     """The Qwen3.6-shaped 40-layer benchmark's tables (256 experts, top-8) at 102 and 32 VRAM slots."""
     out = []
     for family in families:
         experts, k, sizes = RECORDED if family == "recorded" else (256, 8, (102, 32))
         for vram in sizes:
-            out.append(Case(family, experts, k, vram, None, 1.0))
-            out += [Case(family, experts, k, vram, r, p) for r in recalls for p in precisions]
+            out.append(Case(family, experts, k, vram, None, None, None))
+            out += [Case(family, experts, k, vram, r, p, g) for r in recalls for p in precisions for g in gates]
     return out
 
 
@@ -89,15 +107,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=600)
     p.add_argument("--layers", type=int, default=3, help="consecutive layers simulated (each its own table)")
     p.add_argument("--families", default="standard,topic-shift,near-uniform,recorded")
-    p.add_argument("--recalls", default="0.6,0.8,1.0")
-    p.add_argument("--precisions", default="0.5,0.8,1.0")
+    p.add_argument("--recalls", default="0,0.6,0.8,1.0")
+    p.add_argument("--precisions", default="topk", help="comma list of floats in (0, 1] or topk (k ids a token)")
+    p.add_argument("--gates", default=f"{MIN_USED_PERCENT},0", help="prefetch gate thresholds, percent (0: none)")
+    p.add_argument("--explore-every", type=int, default=PREFETCH_EXPLORE_EVERY, help="the gate's explore period")
     p.add_argument("--policy", default="lfu-fast")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
+    try:
+        grid = cases(args.families.split(","), _floats(args.recalls), _precisions(args.precisions), _ints(args.gates))
+    except ValueError as err:
+        print(f"sim_prefetch: {err}", file=sys.stderr)
+        return 2
     rows = []
     traces_by_family = {}
-    for case in cases(args.families.split(","), _floats(args.recalls), _floats(args.precisions)):
+    for case in grid:
         if case.family not in traces_by_family:
             whole = traces.named_trace(case.family, args.tokens, args.layers, case.experts, case.top_k, args.seed)
             traces_by_family[case.family] = whole[: args.tokens, : args.layers]  # the recorded one has its own size
@@ -107,17 +132,32 @@ def main(argv: list[str] | None = None) -> int:
             if case.recall is None
             else traces.predictions(trace, case.recall, case.precision, case.experts, seed=args.seed)
         )
-        row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy)}
+        gate = {"min_used_percent": case.min_used_percent or 0, "explore_every": args.explore_every}
+        row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy, **gate)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
         report = {"command": " ".join(["sim_prefetch.py", *(argv if argv is not None else sys.argv[1:])])}
-        args.out.write_text(json.dumps({**report, "policy": args.policy, "rows": rows}, indent=1) + "\n")
+        head = {**report, "policy": args.policy, "explore_every": args.explore_every}
+        body = ",\n  ".join(json.dumps(r) for r in rows)  # a row a line: small, and diffs read per case
+        args.out.write_text(json.dumps(head, indent=1)[:-2] + f',\n "rows": [\n  {body}\n ]\n}}\n')
     return 0
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in _floats(text)]
+
+
+def _precisions(text: str) -> list[float | None]:
+    """Floats, with `topk` for a top-k predictor (None)."""
+    return [None if x == "topk" else _floats(x)[0] for x in text.split(",") if x]
 
 
 if __name__ == "__main__":

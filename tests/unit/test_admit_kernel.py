@@ -57,13 +57,13 @@ def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], w
 @pytest.mark.parametrize(
     "experts,slots,policy,masks,gate",
     [
-        (256, 102, "lru", False, (25, 64)),
+        (256, 102, "lru", False, (10, 64)),
         (256, 102, "lfu-fast", True, (60, 5)),
         (256, 32, "lru", True, (0, 64)),
         (256, 32, "lfu", False, (60, 5)),
-        (512, 35, "lfu-fast", False, (25, 64)),
+        (512, 35, "lfu-fast", False, (10, 64)),
         (512, 35, "lru", True, (55, 3)),
-        (64, 16, "lfu", True, (25, 64)),
+        (64, 16, "lfu", True, (10, 64)),
         (64, 16, "lru", False, (60, 4)),
     ],
 )

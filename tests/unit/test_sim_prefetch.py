@@ -7,6 +7,7 @@ import json
 import pytest
 import sim_prefetch  # scripts/ is on pytest's pythonpath (pyproject)
 from bigmoe_bench import traces
+from bigmoe_pager.core.slots import MIN_USED_PERCENT
 
 
 @pytest.mark.parametrize("family", ["standard", "topic-shift", "near-uniform"])
@@ -22,9 +23,37 @@ def test_right_predictions_take_copies_off_the_wait_and_wrong_ones_add_copies_ne
     assert sloppy["copies_per_token"] > plain["copies_per_token"]
 
 
+@pytest.mark.parametrize("family", ["standard", "near-uniform"])
+def test_the_gate_keeps_a_useless_predictor_near_no_prefetch_and_a_good_one_open(family):
+    """Top-k proposals (precision = recall): at recall 0 the gate copies a fraction of what no gate copies;
+    at recall 1 it never closes and copies what no gate copies."""
+    trace = traces.named_trace(family, 200, 3, 64, 4, seed=2)
+    plain = sim_prefetch.simulate(trace, None, 64, 16, "lfu-fast")
+    runs = {}
+    for recall in (0.0, 1.0):
+        pred = traces.predictions(trace, recall, None, 64, seed=2)
+        for gate in (MIN_USED_PERCENT, 0):
+            runs[recall, gate] = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast", min_used_percent=gate)
+    useless, ungated = runs[0.0, MIN_USED_PERCENT], runs[0.0, 0]
+    assert useless["gate_closed"] > 0.9 and ungated["gate_closed"] == 0
+    assert useless["prefetch_copies_per_token"] < 0.2 * ungated["prefetch_copies_per_token"]
+    assert useless["copies_per_token"] < plain["copies_per_token"] + 0.2 * ungated["prefetch_copies_per_token"]
+    assert runs[1.0, MIN_USED_PERCENT]["gate_closed"] == 0 and runs[1.0, MIN_USED_PERCENT] == runs[1.0, 0]
+
+
 def test_the_script_writes_one_row_per_case_with_a_no_prefetch_baseline(tmp_path):
     out = tmp_path / "sim.json"
     argv = ["--tokens", "30", "--layers", "2", "--families", "standard", "--recalls", "0.8", "--precisions", "0.5"]
-    assert sim_prefetch.main([*argv, "--out", str(out)]) == 0
+    assert sim_prefetch.main([*argv, "--gates", "25,0", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["vram"], r["recall"]) for r in rows] == [(102, None), (102, 0.8), (32, None), (32, 0.8)]
+    got = [(r["vram"], r["recall"], r["min_used_percent"]) for r in rows]
+    assert got == [(102, None, None), (102, 0.8, 25), (102, 0.8, 0), (32, None, None), (32, 0.8, 25), (32, 0.8, 0)]
+
+
+def test_topk_is_a_precision_and_bad_lists_are_refused(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    argv = ["--tokens", "20", "--layers", "2", "--families", "standard", "--recalls", "0.5", "--gates", "25"]
+    assert sim_prefetch.main([*argv, "--precisions", "topk", "--out", str(out)]) == 0
+    assert [r["precision"] for r in json.loads(out.read_text())["rows"]] == [None, None, None, None]
+    assert sim_prefetch.main([*argv, "--precisions", "best"]) == 2
+    assert "expected comma-separated numbers" in capsys.readouterr().err
