@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 15's runs on the H200: bash scripts/gpu_issue15.sh STEP...
-#   early  (before vLLM is staged; the image's torch) in the background: the 40-layer checkpoint and traces, the GPU
-#          kernel tests, then the fast harness (scripts/bench_pager.py) on the topic-shift family; writes $FLAG at the end
+#   early  (before vLLM is staged; the image's torch) in the background: the 40-layer checkpoint and traces, and the
+#          GPU kernel tests; touches its flag file at the end
 #   wait   block until `early` is done (its results are then under $OUT)
 #   bench  (vLLM 0.33 staged) scripts/gpu_vllm_bench.py over $CONFIGS, $PARALLEL engines started at once, every
 #          family of $FAMILIES, recalls $RECALLS for `@r` names; results as bench-$TAG.json
+#   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
 #   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, 2 layers)
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
 set -uo pipefail
@@ -21,13 +22,11 @@ vllm_env() { [ -n "${VLLM_STAGED:-}" ] || { source /tmp/site/env.sh; export VLLM
 early() {
   mkdir -p "$early_out"
   python3 scripts/gpu_vllm_bench.py --prepare-only --workdir "$work" --families "$families" --recalls "$recalls" \
-    --out "$early_out/prepare.json" > "$early_out/prepare.txt" 2>&1 &
+    --configs bigmoe-102@r --out "$early_out/prepare.json" > "$early_out/prepare.txt" 2>&1 &
   local prep=$!
   python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
     --ignore=tests/gpu/test_qwen4exp_vllm_gpu.py > "$early_out/gpu-kernel-tests.txt" 2>&1
   wait "$prep"
-  python3 scripts/bench_pager.py --models qwen3.6-35b-a3b --family topic-shift --configs bigmoe,bigmoe-prefetch \
-    --recalls 0,0.8,1.0 --out "$early_out/harness-topic-shift.json" > "$early_out/harness.txt" 2>&1
   touch "$flag"
 }
 
@@ -49,6 +48,9 @@ for step in "$@"; do
         --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-540}" --configs "$CONFIGS" \
         --out "$out/bench-${TAG:-run}.json" --logs "/tmp/logs-bench-${TAG:-run}"
       pack "logs-bench-${TAG:-run}" "/tmp/logs-bench-${TAG:-run}" ;;
+    harness)  # the fast harness (no vLLM), alone on the GPU
+      python3 scripts/bench_pager.py --models qwen3.6-35b-a3b --family "${FAMILY:-topic-shift}" \
+        --configs bigmoe,bigmoe-prefetch --recalls 0,0.8,1.0 --out "$out/harness-${FAMILY:-topic-shift}.json" ;;
     e2e)
       vllm_env
       python3 scripts/gpu_vllm_e2e.py --layers 2 --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-400}" \
