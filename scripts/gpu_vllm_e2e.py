@@ -20,7 +20,9 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram12-ram50-ssd-layerbuf    vram12-ram50-ssd with that buffer (its experts gathered through the slots)
     vram40-predict               vram40 with the live next-layer predictor prefetching (BIGMOE_PREDICT=router)
     vram12-ram50-ssd-predict-ahead  vram12-ram50-ssd with that prefetch and SSD reads ahead (BIGMOE_SSD_READ_AHEAD=1)
-    vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs (its reference: unpaged, default graphs)
+    unpaged-piecewise            the reference of PIECEWISE runs (the graph mode alone changes the engine's numerics)
+    vram40-piecewise             vram40 under PIECEWISE CUDA graphs
+    vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs
     unpaged-eager                the reference of eager runs
     vram40-eager-device          the device-driven pager (BIGMOE_CUDA_GRAPHS=1) without graphs
     vram40-eager-host            the host-driven pager, eager
@@ -132,6 +134,9 @@ PREDICT = {"BIGMOE_PREDICT": "router"}
 """Issue 15's live next-layer predictor: layer l+1's router on layer l's hidden state proposes, the pager prefetches."""
 
 
+PIECEWISE = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+
+
 def configs(experts: int, paging_file: Path) -> list[Config]:
     vram40, vram12, ram50 = round(0.4 * experts), experts // 8, experts // 2
     ssd = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram12), "BIGMOE_RAM_SLOTS": str(ram50)}
@@ -163,10 +168,19 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
             f"vram12-ram50-ssd-predict-ahead ({vram12}/{ram50}, checkpoint, live prefetch, SSD reads ahead)",
             {**ssd, **graphs, **PREDICT, "BIGMOE_SSD_READ_AHEAD": "1"},
         ),
+        # PIECEWISE runs compare with a PIECEWISE reference: the graph mode alone can change the engine's numerics.
+        Config("unpaged-piecewise", reference="unpaged-piecewise", engine=PIECEWISE),
+        Config(
+            f"vram40-piecewise ({vram40} slots, PIECEWISE graphs)",
+            {**vram, **graphs},
+            reference="unpaged-piecewise",
+            engine=PIECEWISE,
+        ),
         Config(
             f"vram40-predict-piecewise ({vram40} slots, live prefetch, PIECEWISE graphs)",
             {**vram, **graphs, **PREDICT},
-            engine={"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+            engine=PIECEWISE,
+            reference="unpaged-piecewise",
         ),
         Config("unpaged-eager", eager=True, reference="unpaged-eager"),
         # Which half diverges: the device-driven pager without graphs, and the host-driven one.
