@@ -14,6 +14,8 @@ LivePredictions.feed / feed_ids (forked in layer l's call, joined by the time la
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -90,14 +92,19 @@ class LivePredictions:
 
         return self._forked_work(hidden, propose)
 
-    def feed_ids(self, ids: torch.Tensor, next_pager) -> torch.Tensor:
-        """A proposal made elsewhere (a replayed trace's rows) prefetched into `next_pager` the same way."""
+    def feed_ids(self, make_ids: Callable[[], torch.Tensor | None], next_pager, source: torch.Tensor):
+        """A proposal made elsewhere (a replayed trace's rows) prefetched into `next_pager` the same way; make_ids()
+        runs on the side stream too, once the current stream has `source`, so its gathers (a handful of small
+        kernels per layer) stay off the current stream's path as the live predictor's router product does.
+        Returns the ids (None: make_ids had none, nothing prefetched)."""
 
-        def prefetch() -> torch.Tensor:
-            next_pager.prefetch(ids.reshape(-1))
+        def prefetch() -> torch.Tensor | None:
+            ids = make_ids()
+            if ids is not None:
+                next_pager.prefetch(ids.reshape(-1))
             return ids
 
-        return self._forked_work(ids, prefetch)
+        return self._forked_work(source, prefetch)
 
     def _forked_work(self, source: torch.Tensor, work):
         """work() on the side stream once the current stream has `source` (in order off CUDA)."""

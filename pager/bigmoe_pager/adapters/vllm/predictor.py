@@ -150,9 +150,8 @@ class Predictor:
         pager = getattr(self.layer_after(layer._moe_index), "pager", None)
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
-        ids = self.routing.replayed_proposal(layer._moe_index, hidden.shape[0], hidden.device)
-        if ids is not None:
-            self.live.feed_ids(ids, pager)
+        index, tokens = layer._moe_index, hidden.shape[0]
+        self.live.feed_ids(lambda: self.routing.replayed_proposal(index, tokens, hidden.device), pager, hidden)
         return None
 
     def _target(self, layer, hidden: torch.Tensor) -> NextRouter | None:
