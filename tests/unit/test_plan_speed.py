@@ -58,6 +58,16 @@ def measured_runs() -> list[tuple[str, str, dict]]:
                 "ram_slots": c.get("ram_slots", 256),
             }
             runs.append(("topic-shift", c.get("eviction", "lfu"), run))
+    for c in json.loads((BENCH / "prefetch.json").read_text())["configs"]:  # run 6, vLLM 0.33, without prefetch
+        if c.get("tpot_ms") and c.get("recall") is None and (c["name"] == "resident" or c["name"].startswith("bigmoe")):
+            env = c["env"]
+            run = {
+                "name": f"{c['name']} (vLLM 0.33)",
+                "tpot_ms": c["tpot_ms"],
+                "vram_slots": int(env.get("BIGMOE_VRAM_SLOTS", 256)),
+                "ram_slots": int(env.get("BIGMOE_RAM_SLOTS", 256)),
+            }
+            runs.append((c["family"], env.get("BIGMOE_EVICTION", "lfu-fast"), run))  # the plugin's default since 8
     return runs
 
 
@@ -101,6 +111,8 @@ def test_every_measured_configuration_is_checked():
         assert (family, "resident") in names
     assert {("standard", n) for n in ("bigmoe-102", "bigmoe-32", "bigmoe-32-ram128-ssd-layerbuf")} <= names
     assert {("topic-shift", n) for n in ("bigmoe-102", "bigmoe-32", "bigmoe-32-ram128-ssd")} <= names
+    on_033 = {(f, n) for f in ("standard", "topic-shift") for n in ("resident", "bigmoe-102-layerbuf")}
+    assert {(f, f"{n} (vLLM 0.33)") for f, n in on_033} <= names
 
 
 def test_hit_curves_are_the_simulators():
