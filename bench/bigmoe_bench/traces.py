@@ -178,7 +178,8 @@ def predictions(
             if topk:
                 n_wrong = min(k - right.size, experts - true.size)
             else:
-                n_wrong = min(_stochastic_round(right.size * (1.0 / precision - 1.0), rng), wrong_max, experts - true.size)
+                wanted = _stochastic_round(right.size * (1.0 / precision - 1.0), rng)
+                n_wrong = min(wanted, wrong_max, experts - true.size)
             others = np.setdiff1d(np.arange(experts), true, assume_unique=True)
             wrong = rng.choice(others, size=n_wrong, replace=False)
             row = np.concatenate([right, wrong])
@@ -274,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--recall", type=float, help="also write predicted_ids at this recall")
     ap.add_argument(
-        "--precision", type=float, default=None, help="precision of the predicted ids (default: k ids per row, = recall)"
+        "--precision",
+        type=float,
+        default=None,
+        help="precision of the predicted ids (default: k ids per row, = recall)",
     )
     ap.add_argument("--out", type=Path, help="write the trace (.npz, topk_ids [+ predicted_ids])")
     ap.add_argument("--check", default="", help="comma list of slot counts: print LRU hit rates")
