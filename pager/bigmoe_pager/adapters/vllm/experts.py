@@ -129,8 +129,7 @@ class PagedRoutedExperts(RoutedExperts):
         ram_slot = self.pager.ram_slot_for_load(int(expert_id))
         if ram_slot is not None:
             ram_param = self._ram_param(name, param)
-            with glue.one_copy_thread():  # into pinned host memory: a memory-bound copy, fastest on one thread
-                super().weight_loader(ram_param, loaded_weight, weight_name, shard_id, ram_slot, True)
+            super().weight_loader(ram_param, loaded_weight, weight_name, shard_id, ram_slot, True)
             self.pager.mark_loaded(int(expert_id), name)
         return True if return_success else None
 

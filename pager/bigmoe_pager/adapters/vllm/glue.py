@@ -72,25 +72,6 @@ def host_allocations():
     return torch.device("cpu")
 
 
-@contextlib.contextmanager
-def one_copy_thread():
-    """A context in which torch's CPU copies run on this thread alone.
-
-    vLLM's weight loader copies each expert into the pinned RAM tier with torch's CPU copy, which
-    splits a copy over torch's intra-op (OpenMP) threads. Beside other busy threads (vLLM's own,
-    another engine loading) those threads wait on each other: on the H200, bigmoe engines loading
-    two at a time moved about 100 MB/s each (vLLM 0.33 loaded the resident model at 1.7 GB/s), and
-    on a busy 2-core machine one thread copies a 2 MiB expert part 10x faster than two
-    (scripts/bench_load_copy.py). The copies are memory-bound: one thread is enough.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def moe_layer_count(hf_config) -> int:
     return model_config.moe_layer_count(hf_config) or 0
 
