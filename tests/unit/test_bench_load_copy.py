@@ -10,7 +10,7 @@ import torch
 
 
 def test_one_copy_thread_restores_the_thread_count_even_when_the_copy_fails():
-    before = torch.get_num_threads()  # (inside, OpenMP may report its own count under pytest-xdist: not asserted)
+    before = torch.get_num_threads()  # (inside it, a CI pytest-xdist worker reported 2: not asserted)
     with pytest.raises(RuntimeError), bench_load_copy.one_copy_thread():
         torch.zeros(2).copy_(torch.zeros(3))  # a shape error passes through
     assert torch.get_num_threads() == before
