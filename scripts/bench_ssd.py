@@ -19,14 +19,14 @@ import os
 import platform
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 from bigmoe_bench import synth_experts
+from bigmoe_bench.disk_reads import read_records
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
-from bigmoe_pager.core.odirect import aligned_empty, odirect_works  # noqa: E402
+from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 
@@ -169,7 +169,7 @@ def _measure(mode: str, source: str, store, workers: int) -> dict:
     keys = _keys(store)
     t0 = time.perf_counter()
     if mode == "store":
-        _store_reads(store, keys, workers)
+        read_records(store, keys, workers)
     else:
         _service_reads(store, keys, workers, gpu=mode == "gpu")
     seconds = time.perf_counter() - t0
@@ -183,19 +183,6 @@ def _measure(mode: str, source: str, store, workers: int) -> dict:
         "seconds": seconds,
         "gbps": nbytes / seconds / 1e9,
     }
-
-
-def _store_reads(store, keys: list[tuple[int, int]], workers: int) -> None:
-    def run(part: list[tuple[int, int]]) -> None:
-        buf = aligned_empty(store.layout.pitch)
-        for layer, expert in part:
-            store.read(layer, expert, buf)
-
-    threads = [threading.Thread(target=run, args=(keys[i::workers],)) for i in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def _service_reads(store, keys: list[tuple[int, int]], workers: int, gpu: bool) -> None:

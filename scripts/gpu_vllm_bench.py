@@ -480,8 +480,9 @@ def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> d
     (CheckpointStore, random (layer, expert), the pager's I/O worker count), for about `seconds`. Run by the parent
     with no engine timing; {"error": ...} where the checkpoint cannot be read so."""
     from bigmoe_bench import synth_experts
+    from bigmoe_bench.disk_reads import read_records
     from bigmoe_pager.core.expert_store import CheckpointError, CheckpointStore
-    from bigmoe_pager.core.odirect import ODirectError, ReadError, aligned_empty
+    from bigmoe_pager.core.odirect import ODirectError, ReadError
     from bigmoe_pager.settings import PagerSettings
 
     workers = workers or PagerSettings().io_workers
@@ -490,29 +491,14 @@ def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> d
         store = CheckpointStore(model, layout)
     except (CheckpointError, ODirectError, OSError) as e:
         return {"error": f"cannot open the checkpoint for O_DIRECT reads: {e}"}
-    keys = np.random.default_rng(0).integers(0, [store.num_layers, store.num_experts], (1 << 16, 2)).tolist()
-    counts = [0] * workers
-    stop = time.monotonic() + seconds
-    errors: list[str] = []
-
-    def reader(w: int) -> None:
-        buf = aligned_empty(layout.record_bytes)
-        i = w
-        try:
-            while time.monotonic() < stop:
-                store.read(*keys[i % len(keys)], buf)
-                counts[w] += 1
-                i += workers
-        except (ODirectError, ReadError, OSError) as e:
-            errors.append(str(e))
-
+    keys = [tuple(k) for k in np.random.default_rng(0).integers(0, [store.num_layers, store.num_experts], (1 << 16, 2))]
     started = time.monotonic()
-    with store, ThreadPoolExecutor(workers) as pool:
-        list(pool.map(reader, range(workers)))
+    try:
+        with store:
+            reads = read_records(store, keys, workers, deadline=started + seconds)
+    except (ODirectError, ReadError, OSError) as e:
+        return {"error": f"O_DIRECT reads of the checkpoint failed: {e}"}
     elapsed = time.monotonic() - started
-    if errors:
-        return {"error": f"O_DIRECT reads of the checkpoint failed: {errors[0]}"}
-    reads = sum(counts)
     return {
         "gb_per_s": round(reads * layout.record_bytes / elapsed / 1e9, 3),
         "record_bytes": layout.record_bytes,
