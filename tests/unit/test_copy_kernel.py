@@ -29,7 +29,8 @@ def _bytes(bufs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("seed", [0])
-def test_kernel_equals_torch_on_random_bytes(name, seed):
+@pytest.mark.parametrize("programs", [0, 1, 3], ids=["program-per-block", "one-program-loops", "three-programs-loop"])
+def test_kernel_equals_torch_on_random_bytes(name, seed, programs):
     layout = LAYOUTS[name]
     g = torch.Generator().manual_seed(seed)
     records = torch.randint(0, 256, (7, layout.pitch), dtype=torch.uint8, generator=g)
@@ -40,7 +41,7 @@ def test_kernel_equals_torch_on_random_bytes(name, seed):
     dst[2] = -1
     ref, got = _sentinel_buffers(layout, slots), _sentinel_buffers(layout, slots)
     copy_records_torch(records, src, dst, layout, ref)
-    copy_records_triton(records, src, dst, layout, got, block_bytes=1024)
+    copy_records_triton(records, src, dst, layout, got, block_bytes=1024, programs_per_record=programs)
     for k in ref:
         assert torch.equal(_bytes(ref)[k], _bytes(got)[k]), k
     # And the torch path really copied: each written slot holds its record's bytes.
@@ -49,6 +50,13 @@ def test_kernel_equals_torch_on_random_bytes(name, seed):
             for c in layout.components:
                 want = records[s, c.offset : c.offset + c.nbytes]
                 assert torch.equal(_bytes(got)[c.name][d], want)
+
+
+def test_negative_program_count_is_refused():
+    layout = LAYOUTS["bf16"]
+    records = torch.zeros((2, layout.pitch), dtype=torch.uint8)
+    with pytest.raises(CopyError, match="programs_per_record"):
+        copy_records_triton(records, torch.tensor([0]), torch.tensor([0]), layout, _sentinel_buffers(layout, 1), 1024, -1)
 
 
 def test_untouched_slots_keep_their_bytes():

@@ -28,7 +28,7 @@ except ImportError:  # the CPU build may run without Triton; the torch path need
     triton = tl = None
 
 MAX_COMPONENTS = 4  # destination tensors one launch writes; larger layouts launch in groups
-BLOCK_BYTES = 8192  # bytes per program: small enough for thousands of programs in flight per expert
+BLOCK_BYTES = 8192  # bytes per program and pass: small enough for thousands of programs in flight per expert
 
 
 class CopyError(ValueError):
@@ -74,18 +74,22 @@ def copy_records(
     layout: ExpertLayout,
     buffers: dict[str, torch.Tensor],
     block_bytes: int = BLOCK_BYTES,
+    programs_per_record: int = 0,
 ) -> None:
     """For each i with src[i] >= 0 and dst[i] >= 0: record src[i] -> slot dst[i] of every component buffer.
 
     records: uint8 [R, pitch] (pinned host memory when the buffers are on a GPU);
     src, dst: integer [M] on the buffers' device; buffers: layout.slot_buffers(...).
+    programs_per_record: at most this many programs per work item, each looping over its share of
+    the blocks (0: one program per block, the fastest copy, which fills every SM while it runs).
+    A copy beside compute (prefetch on a side stream) takes few, leaving the SMs to the compute.
     """
     check_copy_args(records, src, dst, layout, buffers)
     device = next(iter(buffers.values())).device
     if device.type == "cpu":
         copy_records_torch(records, src, dst, layout, buffers)
     else:
-        copy_records_triton(records, src, dst, layout, buffers, block_bytes)
+        copy_records_triton(records, src, dst, layout, buffers, block_bytes, programs_per_record)
 
 
 def copy_records_torch(records, src, dst, layout: ExpertLayout, buffers: dict[str, torch.Tensor]) -> None:
@@ -99,13 +103,22 @@ def copy_records_torch(records, src, dst, layout: ExpertLayout, buffers: dict[st
 
 
 def copy_records_triton(
-    records, src, dst, layout: ExpertLayout, buffers: dict[str, torch.Tensor], block_bytes: int = BLOCK_BYTES
+    records,
+    src,
+    dst,
+    layout: ExpertLayout,
+    buffers: dict[str, torch.Tensor],
+    block_bytes: int = BLOCK_BYTES,
+    programs_per_record: int = 0,
 ) -> None:
     """The kernel path (GPU; on CPU tensors, Triton's interpreter runs the same kernel)."""
+    if programs_per_record < 0:
+        raise CopyError(f"programs_per_record must be >= 0, got {programs_per_record}")
     plan = copy_plan(layout)
     block = max(1, block_bytes // plan.word_bytes)
     for group in component_groups(layout, buffers, block):
-        grid = (src.numel(), sum(group.nblocks))
+        blocks = sum(group.nblocks)
+        grid = (src.numel(), min(blocks, programs_per_record) if programs_per_record else blocks)
         kernel_for(_copy_kernel, src.device)[grid](
             record_words(records, plan),
             src,
@@ -226,28 +239,29 @@ if triton is not None:
         NB3: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (m, b): work item m, block b of the components laid end to end.
-        # (Written out per component: the interpreter cannot call nested jit helpers.)
+        # Program (m, p): work item m, blocks p, p + P, ... of the components laid end to end (P programs per
+        # item; one pass when P is the block count). Written out per component: the interpreter cannot call
+        # nested jit helpers.
         m = tl.program_id(0)
-        b = tl.program_id(1)
         s = tl.load(src_ptr + m).to(tl.int64)
         d = tl.load(dst_ptr + m).to(tl.int64)
         lane = tl.arange(0, BLOCK)
         if (s >= 0) & (d >= 0):
             base = rec_ptr + s * pitch_words
-            if b < NB0:
-                offs = b * BLOCK + lane
-                mask = offs < N0
-                tl.store(out0 + d * N0 + offs, tl.load(base + OFF0 + offs, mask=mask), mask=mask)
-            elif b < NB0 + NB1:
-                offs = (b - NB0) * BLOCK + lane
-                mask = offs < N1
-                tl.store(out1 + d * N1 + offs, tl.load(base + OFF1 + offs, mask=mask), mask=mask)
-            elif b < NB0 + NB1 + NB2:
-                offs = (b - NB0 - NB1) * BLOCK + lane
-                mask = offs < N2
-                tl.store(out2 + d * N2 + offs, tl.load(base + OFF2 + offs, mask=mask), mask=mask)
-            else:
-                offs = (b - NB0 - NB1 - NB2) * BLOCK + lane
-                mask = offs < N3
-                tl.store(out3 + d * N3 + offs, tl.load(base + OFF3 + offs, mask=mask), mask=mask)
+            for b in range(tl.program_id(1), NB0 + NB1 + NB2 + NB3, tl.num_programs(1)):
+                if b < NB0:
+                    offs = b * BLOCK + lane
+                    mask = offs < N0
+                    tl.store(out0 + d * N0 + offs, tl.load(base + OFF0 + offs, mask=mask), mask=mask)
+                elif b < NB0 + NB1:
+                    offs = (b - NB0) * BLOCK + lane
+                    mask = offs < N1
+                    tl.store(out1 + d * N1 + offs, tl.load(base + OFF1 + offs, mask=mask), mask=mask)
+                elif b < NB0 + NB1 + NB2:
+                    offs = (b - NB0 - NB1) * BLOCK + lane
+                    mask = offs < N2
+                    tl.store(out2 + d * N2 + offs, tl.load(base + OFF2 + offs, mask=mask), mask=mask)
+                else:
+                    offs = (b - NB0 - NB1 - NB2) * BLOCK + lane
+                    mask = offs < N3
+                    tl.store(out3 + d * N3 + offs, tl.load(base + OFF3 + offs, mask=mask), mask=mask)

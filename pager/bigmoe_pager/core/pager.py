@@ -21,6 +21,8 @@ from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
 from bigmoe_pager.core.slots import Acquired, Admitted, SlotTable, acquired_from_kernel
 from bigmoe_pager.core.stats import PagerStats
 
+PREFETCH_PROGRAMS_PER_RECORD = 0  # copy programs per prefetched expert (0: one per 8 KiB block, every SM)
+
 
 class PagerError(ValueError):
     """A pager was built with sizes or buffers it cannot serve."""
@@ -45,6 +47,7 @@ class ExpertPager:
         decay: int | None = None,
         fused: bool | None = None,
         step_programs: int = 0,
+        prefetch_programs: int = PREFETCH_PROGRAMS_PER_RECORD,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -76,6 +79,9 @@ class ExpertPager:
         """Serve decode-sized steps over a full RAM tier with step_kernel's single launch (GPU default)."""
         self.step_programs = step_programs or step_kernel.default_programs(self.device)
         """Programs of that launch (default: two per SM)."""
+        self.prefetch_programs = prefetch_programs
+        """Copy programs per prefetched expert (copy_records' programs_per_record; 0: one per block): a prefetch
+        runs beside the layer before's compute, which its programs would otherwise crowd off the SMs."""
 
     # ---- one step --------------------------------------------------------------------
 
@@ -145,7 +151,9 @@ class ExpertPager:
         """
         source = self.ram.source_rows()  # a partial tier's rows: the decision also checks and maps them
         got = self.vram.admit(predicted_ids, None, self._rows["vram"], self.layout.record_bytes, source=source)
-        copy_records(self.ram.records, got.rows, got.slots, self.layout, self.buffers)
+        copy_records(
+            self.ram.records, got.rows, got.slots, self.layout, self.buffers, programs_per_record=self.prefetch_programs
+        )
         return got
 
     def read_ahead(self, predicted_ids: torch.Tensor) -> None:

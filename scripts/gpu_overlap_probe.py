@@ -1,0 +1,273 @@
+"""Where next-layer prefetch spends a decode token's time: one CUDA graph per token, the pager's real parts.
+
+Run 6 (vLLM 0.33, H200) measured prefetch slower than none at every recall: about 0.9 ms a token
+(23 us a layer) even at recall 0, where almost nothing is copied. This probe takes the prefetch
+path apart on the GPU without vLLM (seconds, not an engine start). Each of --layers layers runs
+what vLLM's decode runs, in order:
+  1. --dense small bf16 kernels ([1, H] x [H, H], standing in for norms, attention and projections);
+  2. the layer's paging (DeviceLayerPager.step: the fused step kernel over a full pinned RAM tier);
+  3. the side work for layer l + 1, forked there (LivePredictions.feed_ids, as the vLLM adapter does)
+     and joined at layer l + 1's MoE call, after its dense kernels (as in vLLM's FULL graphs);
+  4. the MoE compute over the slots (bigmoe_bench's Triton decode kernel).
+Routing replays a family trace; predictions are a top-k predictor's at each recall.
+
+Side work (--variants), each adding one part of the prefetch path:
+  none         the plain pager
+  fork         fork and join only, nothing on the side stream
+  gather       the replayed proposal's gather (core.prediction.replayed_predictions)
+  admit        gather + the admit decision (SlotTable.admit), no copy
+  prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs)
+  prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
+plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
+--tokens replays after a warm-up; the VRAM hit rate and PCIe bytes come from the pager's counters.
+
+    H200: PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --out $OUT/overlap.json
+    CPU:  PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --device cpu --smoke (eager, no streams:
+          checks the wiring and the counters, times nothing worth reading)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from bigmoe_bench import traces
+from bigmoe_bench.bench_runners import moe
+from bigmoe_bench.moe_decode import ExpertWeights
+from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.host_pager import TierSizes
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.prediction import LivePredictions, replayed_predictions
+from bigmoe_pager.core.stats import HITS, LOOKUPS, VRAM, PagerStats
+
+BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_overlap_probe: no CUDA GPU is visible; use --device cpu --smoke to check wiring", file=sys.stderr)
+        return 2
+    if args.smoke:
+        args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
+        args.slots, args.dense, args.warmup, args.tokens = 12, 2, 4, 8
+    layout = ExpertLayout.for_moe(args.hidden, args.inter, torch.float8_e4m3fn, block=BLOCK)
+    report = {
+        "command": " ".join(["gpu_overlap_probe.py"] + (argv if argv is not None else sys.argv[1:])),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "layers": args.layers,
+        "experts": args.experts,
+        "slots": args.slots,
+        "expert_mib": round(layout.record_bytes / 2**20, 3),
+        "runs": [],
+    }
+    start = time.perf_counter()
+    model = Model(args, layout, device)
+    report["setup_s"] = round(time.perf_counter() - start, 1)
+    for family in args.families.split(","):
+        trace = traces.named_trace(family, args.warmup + args.tokens, args.layers, args.experts, args.top_k, args.seed)
+        trace_dev = torch.from_numpy(trace).to(device=device, dtype=torch.int64)
+        order = _hottest(trace[: args.warmup])
+        ms = model.time(trace_dev, None, "resident", order, args)
+        report["runs"].append({"family": family, "variant": "resident", "recall": None, "ms_per_token": ms})
+        guesses: dict[float, torch.Tensor] = {}
+        for variant in args.variants.split(","):
+            recalls = [None] if variant in ("none", "fork") else [float(r) for r in args.recalls.split(",")]
+            for recall in recalls:
+                if recall is not None and recall not in guesses:
+                    guess = traces.predictions(trace, recall, None, args.experts, args.seed)
+                    guesses[recall] = torch.from_numpy(guess).to(device)
+                predicted = None if recall is None else guesses[recall]
+                ms = model.time(trace_dev, predicted, variant, order, args)
+                row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **model.counters()}
+                report["runs"].append(row)
+                print(json.dumps(row), flush=True)
+        if args.out:
+            _write(args.out, report)
+    report["total_s"] = round(time.perf_counter() - start, 1)
+    if args.out:
+        _write(args.out, report)
+    return 0
+
+
+class Model:
+    """Dense weights, resident experts, and one DeviceLayerPager per layer over a full pinned RAM tier."""
+
+    def __init__(self, args, layout: ExpertLayout, device: torch.device) -> None:
+        self.args, self.layout, self.device = args, layout, device
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        h = args.hidden
+        self.dense = [
+            torch.randn((h, h), generator=gen, device=device, dtype=torch.bfloat16) / h**0.5 for _ in range(args.dense)
+        ]
+        self.resident = []
+        self.stats = PagerStats(args.layers, device)
+        self.pagers: list[DeviceLayerPager] = []
+        sizes = TierSizes(args.experts, args.slots, args.experts)
+        for layer in range(args.layers):
+            rec = torch.randint(0, 0x78, (args.experts, layout.pitch), dtype=torch.uint8, device=device, generator=gen)
+            for c in layout.components:  # FP8 bytes below 0x78 are finite; scales a small power of two
+                if c.dtype == torch.float32:
+                    rec[:, c.offset : c.offset + c.nbytes].view(torch.float32).fill_(2.0**-8)
+            self.resident.append(ExpertWeights.from_records(rec, layout, BLOCK))
+            pager = DeviceLayerPager(layout, sizes, device, layer=layer, stats=self.stats)
+            pager.ram.records.copy_(rec)
+            for e in range(args.experts):
+                for c in layout.components:
+                    pager.mark_loaded(e, c.name)
+            self.pagers.append(pager)
+        self.buffers = [layout.slot_buffers(args.slots, device) for _ in range(args.layers)]
+        self.slots = [ExpertWeights.from_slots(b, BLOCK) for b in self.buffers]
+        _sync(device)
+
+    def restart(self, order: list[list[int]], prefetch_programs: int) -> None:
+        """Fresh slot tables (VRAM warmed with the warm-up's hottest experts) and zeroed counters, same records."""
+        for layer, pager in enumerate(self.pagers):
+            hottest = order[layer]
+            pager.order = hottest + [e for e in range(self.args.experts) if e not in set(hottest)]
+            pager.pager = None
+            pager.start(self.buffers[layer])
+            pager.pager.prefetch_programs = prefetch_programs
+        self.stats.reset()
+        _sync(self.device)
+
+    def time(self, trace_dev, predicted, variant: str, order, args) -> float:
+        programs = int(variant.split("-p")[1]) if variant.startswith("prefetch-p") else 0
+        if variant != "resident":
+            self.restart(order, programs)
+        live = LivePredictions()
+        pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
+        w = torch.full((1, args.top_k), 1.0 / args.top_k, device=self.device, dtype=torch.float32)
+
+        def token() -> None:
+            x = x0
+            ids_all = trace_dev.index_select(0, pos)[0]
+            for layer in range(args.layers):
+                for d in self.dense:
+                    x = x @ d
+                live.join(self.device)  # where vLLM's FULL graphs join: the MoE call, after attention and routing
+                ids = ids_all[layer : layer + 1]
+                if variant == "resident":
+                    out = moe(x, ids, w, self.resident[layer])
+                else:
+                    slot_ids = self.pagers[layer].step(ids)
+                    if layer + 1 < args.layers and variant != "none":
+                        self._fork(live, variant, predicted, pos, layer, x)
+                    out = moe(x, slot_ids, w, self.slots[layer])
+                x = (x.float() + out).to(torch.bfloat16)
+            live.join(self.device)
+            pos.add_(1)
+
+        self._timed = variant != "resident"
+        if self.device.type != "cuda":
+            return self._time_eager(token, pos, args)
+        for _ in range(2):  # Triton compiles outside the capture
+            token()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            token()
+        pos.zero_()
+        for _ in range(args.warmup):
+            graph.replay()
+        torch.cuda.synchronize()
+        self.stats.reset()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(args.tokens):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return round(begin.elapsed_time(end) / args.tokens, 4)
+
+    def _time_eager(self, token, pos, args) -> float:
+        for _ in range(args.warmup):
+            token()
+        self.stats.reset()
+        start = time.perf_counter()
+        for _ in range(args.tokens):
+            token()
+        return round((time.perf_counter() - start) * 1e3 / args.tokens, 4)
+
+    def _fork(self, live: LivePredictions, variant: str, predicted, pos, layer: int, x) -> None:
+        nxt = self.pagers[layer + 1]
+
+        def gather() -> torch.Tensor:
+            return replayed_predictions(predicted, pos, layer, 1).reshape(-1)
+
+        if variant == "fork":
+            live.feed_ids(lambda: None, nxt, x)
+        elif variant == "gather":
+            live.feed_ids(lambda: (gather(), None)[1], nxt, x)
+        elif variant == "admit":
+            row, nbytes = self.stats.row(layer + 1, "vram"), self.layout.record_bytes
+            live.feed_ids(lambda: (nxt.pager.vram.admit(gather(), None, row, nbytes), None)[1], nxt, x)
+        else:
+            live.feed_ids(gather, nxt, x)
+
+    def counters(self) -> dict:
+        if not self._timed:
+            return {}
+        c = self.stats.read()
+        vram = c[:, VRAM]
+        moved = sum(p.counters(c)["ram"].bytes_moved for p in self.pagers)
+        prefetched = sum(p.counters(c)["vram"].prefetched for p in self.pagers)
+        tokens = self.args.tokens
+        return {
+            "vram_hit": round(float(vram[:, HITS].sum() / max(1, vram[:, LOOKUPS].sum())), 4),
+            "pcie_gb_per_token": round(moved / tokens / 1e9, 5),
+            "prefetched_per_token": round(prefetched / tokens, 2),
+        }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hottest(trace: np.ndarray) -> list[list[int]]:
+    """Per layer, experts by descending use in `trace` [tokens, layers, k]."""
+    out = []
+    for layer in range(trace.shape[1]):
+        counts = np.bincount(trace[:, layer].reshape(-1), minlength=1)
+        out.append([int(e) for e in np.argsort(-counts, kind="stable") if counts[e] > 0])
+    return out
+
+
+def _write(path: str, report: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=40, help="MoE layers (40: the vLLM benchmark's checkpoint)")
+    p.add_argument("--experts", type=int, default=256, help="experts per layer")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size")
+    p.add_argument("--inter", type=int, default=512, help="MoE intermediate size")
+    p.add_argument("--slots", type=int, default=102, help="VRAM slots per layer")
+    p.add_argument("--dense", type=int, default=16, help="small dense kernels per layer before its MoE")
+    p.add_argument("--families", default="standard,topic-shift", help="routing families of scripts/traces.py")
+    p.add_argument("--variants", default="none,fork,gather,admit,prefetch,prefetch-p16,prefetch-p4")
+    p.add_argument("--recalls", default="0,0.8,1.0", help="top-k predictor recalls for the variants that gather")
+    p.add_argument("--warmup", type=int, default=64, help="tokens replayed before timing (and the hot profile)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens timed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu with --smoke")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (a wiring check)")
+    p.add_argument("--out", default=None, help="JSON report path")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
