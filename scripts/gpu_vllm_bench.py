@@ -79,6 +79,7 @@ from pathlib import Path
 import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
 import numpy as np
 import traces  # noqa: E402
+from bigmoe_bench.host_monitor import HostMonitor
 
 SHAPE = dict(
     experts=256,
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                 brief = {k: v for k, v in r.items() if k not in ("pager_totals", "timed_counters", "tokens", "env")}
                 print(json.dumps(brief), flush=True)
 
-    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+    report["host_samples"] = str(logs / "host.jsonl")  # memory, page cache, disk reads, CPU every 5 s (engine loads)
+    with HostMonitor(logs / "host.jsonl", period_s=5.0), ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         list(pool.map(one, plans))
     report["total_s"] = round(time.monotonic() - started, 1)
     e2e.write_json(out, report)

@@ -1,0 +1,51 @@
+"""scripts/gpu_overlap_probe.py's wiring on CPU (eager, in order): each variant runs its part of the prefetch path.
+
+The GPU run times them; here only what each variant moves is checked, through the pager's own counters.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gpu_overlap_probe as probe  # scripts/ is on pytest's pythonpath (pyproject)
+import pytest
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probe") / "overlap.json"
+    argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
+    argv += ["--variants", "none,fork,gather,admit,prefetch,prefetch-p2"]
+    assert probe.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _row(report, variant, recall):
+    return next(r for r in report["runs"] if r["variant"] == variant and r["recall"] == recall)
+
+
+@pytest.mark.parametrize("variant", ["none", "fork"])
+def test_variants_without_proposals_prefetch_nothing(report, variant):
+    assert _row(report, variant, None)["prefetched_per_token"] == 0
+
+
+@pytest.mark.parametrize("recall", [0.0, 1.0])
+def test_gathering_alone_prefetches_nothing(report, recall):
+    assert _row(report, "gather", recall)["prefetched_per_token"] == 0
+
+
+@pytest.mark.parametrize("variant", ["admit", "prefetch", "prefetch-p2"])
+def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
+    plain, right = _row(report, "none", None), _row(report, variant, 1.0)
+    assert right["prefetched_per_token"] > 0
+    assert right["vram_hit"] > plain["vram_hit"]
+
+
+def test_a_bounded_copy_moves_what_the_full_grid_moves(report):
+    full, bounded = _row(report, "prefetch", 1.0), _row(report, "prefetch-p2", 1.0)
+    for key in ("vram_hit", "pcie_gb_per_token", "prefetched_per_token"):
+        assert full[key] == bounded[key]
+
+
+def test_resident_is_reported_once_per_family(report):
+    assert [r["variant"] for r in report["runs"]].count("resident") == 1
