@@ -18,6 +18,9 @@ Side work (--variants), each adding one part of the prefetch path:
   admit        gather + the admit decision (SlotTable.admit), no copy
   prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs)
   prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
+Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
+-joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
+the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
 --tokens replays after a warm-up; the VRAM hit rate and PCIe bytes come from the pager's counters.
 
@@ -32,6 +35,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_overlap_probe: no CUDA GPU is visible; use --device cpu --smoke to check wiring", file=sys.stderr)
+        return 2
+    try:
+        for name in args.variants.split(","):
+            Variant.parse(name)
+    except ValueError as e:
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -79,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"].append({"family": family, "variant": "resident", "recall": None, "ms_per_token": ms})
         guesses: dict[float, torch.Tensor] = {}
         for variant in args.variants.split(","):
-            recalls = [None] if variant in ("none", "fork") else [float(r) for r in args.recalls.split(",")]
+            base = Variant.parse(variant).base
+            recalls = [None] if base in ("none", "fork") else [float(r) for r in args.recalls.split(",")]
             for recall in recalls:
                 if recall is not None and recall not in guesses:
                     guess = traces.predictions(trace, recall, None, args.experts, args.seed)
@@ -95,6 +106,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         _write(args.out, report)
     return 0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A --variants name taken apart: base[-pN][-hi][-joinnow]."""
+
+    base: str
+    """resident, none, fork, gather, admit or prefetch."""
+    programs: int = 0
+    """Copy programs per prefetched expert (0: one per block)."""
+    high_priority: bool = False
+    """The side stream at high priority."""
+    join_now: bool = False
+    """Joined at the end of the forking layer's MoE call, not at the next layer's."""
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        base, *parts = name.split("-")
+        if base not in ("resident", "none", "fork", "gather", "admit", "prefetch"):
+            raise ValueError(f"unknown variant {name!r}")
+        programs, high, now = 0, False, False
+        for part in parts:
+            if part.startswith("p") and part[1:].isdigit() and base == "prefetch":
+                programs = int(part[1:])
+            elif part in ("hi", "joinnow"):
+                high, now = high or part == "hi", now or part == "joinnow"
+            else:
+                raise ValueError(f"unknown part {part!r} of variant {name!r}")
+        return cls(base, programs, high, now)
 
 
 class Model:
@@ -138,11 +178,11 @@ class Model:
         self.stats.reset()
         _sync(self.device)
 
-    def time(self, trace_dev, predicted, variant: str, order, args) -> float:
-        programs = int(variant.split("-p")[1]) if variant.startswith("prefetch-p") else 0
-        if variant != "resident":
-            self.restart(order, programs)
-        live = LivePredictions()
+    def time(self, trace_dev, predicted, name: str, order, args) -> float:
+        variant = Variant.parse(name)
+        if variant.base != "resident":
+            self.restart(order, variant.programs)
+        live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
         w = torch.full((1, args.top_k), 1.0 / args.top_k, device=self.device, dtype=torch.float32)
@@ -155,18 +195,20 @@ class Model:
                     x = x @ d
                 live.join(self.device)  # where vLLM's FULL graphs join: the MoE call, after attention and routing
                 ids = ids_all[layer : layer + 1]
-                if variant == "resident":
+                if variant.base == "resident":
                     out = moe(x, ids, w, self.resident[layer])
                 else:
                     slot_ids = self.pagers[layer].step(ids)
-                    if layer + 1 < args.layers and variant != "none":
-                        self._fork(live, variant, predicted, pos, layer, x)
+                    if layer + 1 < args.layers and variant.base != "none":
+                        self._fork(live, variant.base, predicted, pos, layer, x)
                     out = moe(x, slot_ids, w, self.slots[layer])
+                    if variant.join_now:
+                        live.join(self.device)
                 x = (x.float() + out).to(torch.bfloat16)
             live.join(self.device)
             pos.add_(1)
 
-        self._timed = variant != "resident"
+        self._timed = variant.base != "resident"
         if self.device.type != "cuda":
             return self._time_eager(token, pos, args)
         for _ in range(2):  # Triton compiles outside the capture
@@ -258,7 +300,9 @@ def _parse(argv):
     p.add_argument("--slots", type=int, default=102, help="VRAM slots per layer")
     p.add_argument("--dense", type=int, default=16, help="small dense kernels per layer before its MoE")
     p.add_argument("--families", default="standard,topic-shift", help="routing families of scripts/traces.py")
-    p.add_argument("--variants", default="none,fork,gather,admit,prefetch,prefetch-p16,prefetch-p4")
+    p.add_argument(
+        "--variants", default="none,fork,gather,admit,prefetch,prefetch-p16,prefetch-p16-hi,prefetch-p16-joinnow"
+    )
     p.add_argument("--recalls", default="0,0.8,1.0", help="top-k predictor recalls for the variants that gather")
     p.add_argument("--warmup", type=int, default=64, help="tokens replayed before timing (and the hot profile)")
     p.add_argument("--tokens", type=int, default=256, help="tokens timed")

@@ -27,7 +27,8 @@ route almost uniformly; dummy weights route every token to experts 0-7).
 Suffixes: `@rX` replays traces that also carry next-layer predictions at recall X, so the
 pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every recall of
 --recalls; `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast); a last `+ahead` (with @r)
-lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1). Predictions
+lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), and `+hi` (with @r) runs
+the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1). Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
 
@@ -101,6 +102,10 @@ GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~
 
 AHEAD = "+ahead"
 """Name suffix: the predictions also post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1); needs @rRECALL."""
+HIGH = "+hi"
+"""Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
+PREDICTION_SUFFIXES = {AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"}, HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"}}
+"""The last suffixes a name with @r may carry, in any order, and what each sets."""
 EVERY = "every"
 """parse_name's recall of a bare `@r`: the configuration is measured at every recall of --recalls."""
 RECALLS = (0.0, 0.6, 0.8, 0.95, 1.0)
@@ -115,18 +120,27 @@ PARALLEL_GPU_MEMORY_UTILIZATION = 0.1
 
 
 def parse_name(name: str) -> tuple[str, float | str | None, str | None]:
-    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); a bare '@r' gives EVERY (a trailing +ahead is checked,
-    not returned); KeyError for an unknown base or policy, ValueError for a recall outside [0, 1] or +ahead without
-    @r."""
-    ahead = name.endswith(AHEAD)
-    base, _, policy = name.removesuffix(AHEAD).partition("~")
+    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); a bare '@r' gives EVERY (trailing +ahead / +hi are
+    checked, not returned); KeyError for an unknown base or policy, ValueError for a recall outside [0, 1] or a
+    +ahead / +hi without @r."""
+    stem, suffixes = split_suffixes(name)
+    base, _, policy = stem.partition("~")
     base, at, recall = base.partition("@r")
     if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
         raise KeyError(name)
     value = (float(recall) if recall else EVERY) if at else None
-    if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (ahead and value is None):
+    if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (suffixes and value is None):
         raise ValueError(name)
     return base, value, policy or None
+
+
+def split_suffixes(name: str) -> tuple[str, list[str]]:
+    """('bigmoe-102@r0.8', ['+hi', '+ahead']) for 'bigmoe-102@r0.8+ahead+hi': the trailing PREDICTION_SUFFIXES."""
+    found: list[str] = []
+    while suffix := next((s for s in PREDICTION_SUFFIXES if name.endswith(s)), None):
+        name = name.removesuffix(suffix)
+        found.append(suffix)
+    return name, found
 
 
 def recalls_of(name: str, recalls: list[float]) -> list[float | None]:
@@ -153,13 +167,13 @@ def measurements(name: str, families: list[str], recalls: list[float], traces_of
 
 def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     """A named configuration starting on `first_trace` (its first measurement's), its suffixes applied (~POLICY:
-    eviction; +ahead: SSD reads ahead)."""
+    eviction; PREDICTION_SUFFIXES: SSD reads ahead, side stream priority)."""
     base, _, policy = parse_name(name)
     env = {**configs(first_trace, experts)[base].env}
     if policy:
         env["BIGMOE_EVICTION"] = policy
-    if name.endswith(AHEAD):
-        env["BIGMOE_SSD_READ_AHEAD"] = "1"
+    for suffix in split_suffixes(name)[1]:
+        env.update(PREDICTION_SUFFIXES[suffix])
     return e2e.Config(name, env)
 
 
@@ -402,7 +416,7 @@ def parse_args(argv):
                     f"and/or ~POLICY ({', '.join(EVICTIONS)})"
                 )
             except ValueError:
-                p.error(f"configuration {name!r}: @r takes a recall in [0, 1], and {AHEAD} needs one")
+                p.error(f"configuration {name!r}: @r takes a recall in [0, 1], and {AHEAD} or {HIGH} needs one")
     return args
 
 

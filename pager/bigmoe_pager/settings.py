@@ -66,6 +66,9 @@ class PagerSettings:
     l+1's experts, which the device-driven pager prefetches on a side stream; off until measured on real weights."""
     predict_top: int = 0
     """BIGMOE_PREDICT_TOP: experts the router predictor proposes per token; 0 = the model's top-k."""
+    prefetch_high_priority: bool = False
+    """BIGMOE_PREFETCH_HIGH_PRIORITY: 1 = the prefetch side stream runs at the GPU's high stream priority, so its
+    copies get SMs ahead of vLLM's kernels; 0 = normal priority (the default until measured inside vLLM)."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

@@ -23,6 +23,8 @@ from bigmoe_bench import traces
         ("offload17~lfu-fast", ("offload17", None, "lfu-fast")),
         ("bigmoe-32-ram128-ssd@r0.8~lru+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
         ("bigmoe-32-ram128-ssd@r+ahead", ("bigmoe-32-ram128-ssd", bench.EVERY, None)),
+        ("bigmoe-102-layerbuf@r+hi", ("bigmoe-102-layerbuf", bench.EVERY, None)),
+        ("bigmoe-32-ram128-ssd@r0.8~lru+hi+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
     ],
 )
 def test_names_parse(name, parsed):
@@ -37,6 +39,7 @@ def test_names_parse(name, parsed):
         ["--configs", "bigmoe-102@r1.5"],
         ["--configs", "bigmoe-102@rx"],
         ["--configs", "bigmoe-32-ram128-ssd+ahead"],
+        ["--configs", "bigmoe-102+hi"],
         ["--families", "standard,zigzag"],
         ["--families", "standard", "--family", "topic-shift"],
         ["--recalls", "0,1.2"],
@@ -120,6 +123,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert env["BIGMOE_ROUTE_REPLAY"] == str(tmp_path / "first.npz") and env["BIGMOE_EVICTION"] == "lru"
     assert env["BIGMOE_SSD_READ_AHEAD"] == "1" and env["BIGMOE_RAM_SLOTS"] == "16"
     assert "BIGMOE_SSD_READ_AHEAD" not in bench.config_for("bigmoe-102@r0.8", tmp_path / "f.npz", 32).env
+    high = bench.config_for("bigmoe-102@r0.8+hi", tmp_path / "f.npz", 32).env
+    assert high["BIGMOE_PREFETCH_HIGH_PRIORITY"] == "1" and "BIGMOE_SSD_READ_AHEAD" not in high
+    assert "BIGMOE_PREFETCH_HIGH_PRIORITY" not in env
 
 
 def measurement(family, recall, tpot, ssd=None):

@@ -18,7 +18,7 @@ import torch
 from bigmoe_bench import traces
 from bigmoe_pager.adapters.vllm.predictor import NextRouter, Predictor, next_router
 from bigmoe_pager.adapters.vllm.routing import Routing
-from bigmoe_pager.core.prediction import predict_next
+from bigmoe_pager.core.prediction import LivePredictions, predict_next
 from bigmoe_pager.core.stats import PagerStats
 from bigmoe_pager.settings import PagerSettings, SettingsError
 from test_device_layer import loaded_layer, record_bytes, slot_bytes
@@ -45,6 +45,36 @@ def test_predict_settings_parse_and_round_trip(env, predict, top):
     s = PagerSettings.from_env(env)
     assert (s.predict, s.predict_top) == (predict, top)
     assert PagerSettings.from_env(s.to_env()) == s
+
+
+@pytest.mark.parametrize("value,high", [(None, False), ("0", False), ("1", True)])
+def test_prefetch_stream_priority_is_a_setting(value, high):
+    env = {"BIGMOE_PREDICT": "router"} if value is None else {"BIGMOE_PREFETCH_HIGH_PRIORITY": value}
+    s = PagerSettings.from_env(env)
+    assert s.prefetch_high_priority is high
+    live = Predictor(s, routing=None, layer_after=lambda i: None, on_device=False).live
+    assert live.priority == (LivePredictions.HIGH_PRIORITY if high else 0)
+
+
+def test_each_join_placement_a_capture_uses_is_logged_once(monkeypatch, caplog):
+    """Where a captured prefetch is joined decides how much it overlaps, so the engine's log says it (once each)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    whole = [True]
+    p = Predictor(
+        PagerSettings(),
+        routing=None,
+        layer_after=lambda i: None,
+        on_device=False,
+        whole_forward_captured=lambda: whole[0],
+    )
+    on_gpu = SimpleNamespace(device=torch.device("cuda"))
+    with caplog.at_level(logging.WARNING, logger="vllm.bigmoe_pager"):
+        assert [p._join_later(on_gpu) for _ in range(3)] == [True] * 3
+        whole[0] = False
+        assert [p._join_later(on_gpu) for _ in range(3)] == [False] * 3
+    lines = [r.getMessage() for r in caplog.records if "joined at" in r.getMessage()]
+    assert len(lines) == 2
+    assert "next layer's MoE call" in lines[0] and "end of this layer's MoE call" in lines[1]
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
-    argv += ["--variants", "none,fork,gather,admit,prefetch,prefetch-p2"]
+    argv += ["--variants", "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow"]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
 
@@ -41,10 +41,18 @@ def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
     assert right["vram_hit"] > plain["vram_hit"]
 
 
-def test_a_bounded_copy_moves_what_the_full_grid_moves(report):
-    full, bounded = _row(report, "prefetch", 1.0), _row(report, "prefetch-p2", 1.0)
+@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow"])
+def test_bounded_copies_priority_and_join_place_move_what_the_plain_prefetch_moves(report, other):
+    full, bounded = _row(report, "prefetch", 1.0), _row(report, other, 1.0)
     for key in ("vram_hit", "pcie_gb_per_token", "prefetched_per_token"):
         assert full[key] == bounded[key]
+
+
+@pytest.mark.parametrize("bad", ["prefetch-x3", "warp", "none-p4"])
+def test_an_unknown_variant_is_one_line_and_exit_2(bad, capsys):
+    assert probe.main(["--device", "cpu", "--smoke", "--variants", bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gpu_overlap_probe: unknown") and "\n" not in err
 
 
 def test_resident_is_reported_once_per_family(report):

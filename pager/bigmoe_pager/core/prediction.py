@@ -76,7 +76,12 @@ class LivePredictions:
     runs in order.
     """
 
-    def __init__(self) -> None:
+    HIGH_PRIORITY = -1  # CUDA stream priority: lower is higher; torch maps it into the device's range
+
+    def __init__(self, priority: int = 0) -> None:
+        """priority: the side stream's CUDA priority (0: normal; HIGH_PRIORITY: its blocks are scheduled before
+        those of normal streams whenever SMs free up)."""
+        self.priority = priority
         self._stream = None
         self._forked = False  # the side stream has work the current stream has not joined yet
 
@@ -129,7 +134,7 @@ class LivePredictions:
         if device.type != "cuda":
             return None
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
+            self._stream = torch.cuda.Stream(device, priority=self.priority)
         return self._stream
 
 

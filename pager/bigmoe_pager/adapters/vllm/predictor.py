@@ -87,7 +87,8 @@ class Predictor:
         self.top = settings.predict_top
         self.routing = routing
         self.layer_after = layer_after
-        self.live = LivePredictions()
+        self.live = LivePredictions(LivePredictions.HIGH_PRIORITY if settings.prefetch_high_priority else 0)
+        self._told: set[str] = set()  # join placements already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._warned = False
         if self.on and on_device:
@@ -127,7 +128,19 @@ class Predictor:
         """Whether the side stream may stay unjoined until the next layer's call (see the module's docstring)."""
         if hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             return True
-        return self.whole_forward_captured()
+        later = self.whole_forward_captured()
+        self._tell(
+            "the next layer's MoE call (a whole-forward capture)"
+            if later
+            else "the end of this layer's MoE call (a capture of one graph piece)"
+        )
+        return later
+
+    def _tell(self, where: str) -> None:
+        """One log line per placement a capture used: where the prefetch is waited for decides how much it overlaps."""
+        if where not in self._told:
+            self._told.add(where)
+            log.warning("bigmoe: in CUDA graph captures, the next layer's prefetch is joined at %s", where)
 
     def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
