@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         report["disk"] = disk_bandwidth(model, seconds=2.0 if args.smoke else 4.0)  # before any engine starts
     plans = [(n, measurements(n, args.families, args.recalls, traces_of)) for n in names]
     spec = {**bench_spec(model), "turn_file": str(work / "turn.lock"), "quiet_file": str(work / "starting.lock")}
+    if args.profile_tokens:  # a kernel timeline of a few decode tokens per measurement (traces stay in the logs dir)
+        spec.update(profile_tokens=args.profile_tokens, profile_dir=str(logs / "profiles"))
     if args.parallel > 1 and SHAPE["device"] == "cuda":
         spec.update(kv_cache_memory_bytes=PARALLEL_KV_BYTES, gpu_memory_utilization=PARALLEL_GPU_MEMORY_UTILIZATION)
     rows: dict[str, list[dict]] = {}
@@ -391,6 +393,13 @@ def parse_args(argv):
         help="precision of the predictions (default: a top-k proposal, k ids per row, so precision = recall)",
     )
     p.add_argument("--parallel", type=int, default=1, help="engines started at once (their timings still take turns)")
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=0,
+        help="after each measurement, this many decode tokens under torch.profiler: per-stream kernel time, the "
+        "main stream's wait for the prefetch stream (decode_profile in each row; 0: none)",
+    )
     args = p.parse_args(argv)
     if args.families and args.family:
         p.error("give --families or --family, not both")
@@ -468,6 +477,7 @@ def summarize(m: dict) -> dict:
         **prefetch_summary(decode, m.get("decode_tokens")),
         "timed_counters": m.get("timed_counters"),
         "tokens": m.get("tokens"),
+        **({"decode_profile": m["decode_profile"]} if m.get("decode_profile") else {}),
     }
 
 

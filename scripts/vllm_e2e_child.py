@@ -198,6 +198,7 @@ def bench(llm, spec: dict, quiet: Lock | None = None) -> dict:
         quiet.release()
     after = _pager_counters()
     timed = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
+    profile = decode_profile(llm, spec, quiet)
     per_token = lambda tier: round(decode[tier]["bytes_moved"] / tokens / 1e9, 5) if decode else None  # noqa: E731
     return {
         **timing,
@@ -206,7 +207,36 @@ def bench(llm, spec: dict, quiet: Lock | None = None) -> dict:
         "decode_tokens": tokens,
         "pcie_gb_per_token": per_token("ram"),
         "ssd_gb_per_token": per_token("ssd"),
+        **({"decode_profile": profile} if profile else {}),
     }
+
+
+def decode_profile(llm, spec: dict, quiet: Lock) -> dict | None:
+    """spec["profile_tokens"] decode tokens (a one-token prompt) under torch.profiler's CUDA activity, summarized
+    per stream (bigmoe_bench.kernel_timeline); the Chrome trace stays in spec["profile_dir"]. None when not asked."""
+    tokens = spec.get("profile_tokens") or 0
+    if not tokens:
+        return None
+    import torch
+    from bigmoe_bench.kernel_timeline import summarize_file
+    from vllm import SamplingParams
+
+    out = Path(spec["profile_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode-{os.getpid()}-{len(list(out.glob(f'decode-{os.getpid()}-*.json')))}.json"
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    cuda = torch.cuda.is_available()  # the CPU build's smoke run profiles CPU activity: no kernels to summarize
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    quiet.take()
+    try:
+        with torch.profiler.profile(activities=[activity]) as prof:
+            llm.generate([{"prompt_token_ids": spec["warmup_ids"][:1]}], params, use_tqdm=False)
+        prof.export_chrome_trace(str(path))
+    except Exception as e:  # a diagnostic: the measurement above stands without it
+        return {"error": f"profiling failed: {type(e).__name__}: {e}".splitlines()[0]}
+    finally:
+        quiet.release()
+    return {"trace": str(path), **summarize_file(path, tokens)}
 
 
 def greedy(llm, prompts: list, max_tokens: int, detokenize: bool) -> dict:

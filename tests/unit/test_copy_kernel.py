@@ -56,7 +56,9 @@ def test_negative_program_count_is_refused():
     layout = LAYOUTS["bf16"]
     records = torch.zeros((2, layout.pitch), dtype=torch.uint8)
     with pytest.raises(CopyError, match="programs_per_record"):
-        copy_records_triton(records, torch.tensor([0]), torch.tensor([0]), layout, _sentinel_buffers(layout, 1), 1024, -1)
+        copy_records_triton(
+            records, torch.tensor([0]), torch.tensor([0]), layout, _sentinel_buffers(layout, 1), 1024, -1
+        )
 
 
 def test_untouched_slots_keep_their_bytes():

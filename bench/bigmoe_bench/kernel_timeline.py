@@ -1,0 +1,120 @@
+"""What a torch.profiler trace of decode steps says about streams: does the prefetch overlap the compute?
+
+Run 7 (H200, vLLM 0.33) measured next-layer prefetch hiding its copies in a CUDA-graph probe of the
+pager's own parts but not inside vLLM. A kernel timeline of a few decode tokens answers why: how long
+the main stream sat idle while the side stream still had work (the join waiting for the prefetch),
+how much side-stream time ran beside main-stream kernels, and how long the copies took.
+
+`summarize(trace, tokens)` reads a Chrome trace that torch.profiler exported (kernels are "X" events of
+category "kernel" with args.stream; kernels replayed inside CUDA graphs are listed one by one) and
+returns per-token microseconds. The main stream is the one with the most kernel time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+Interval = tuple[float, float]
+
+
+def kernels(trace: dict) -> list[dict]:
+    """The trace's GPU kernels: {"name", "stream", "start", "end"} in microseconds, by start."""
+    out = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "kernel" and "stream" in e.get("args", {}):
+            start = float(e["ts"])
+            out.append(
+                {
+                    "name": e.get("name", ""),
+                    "stream": int(e["args"]["stream"]),
+                    "start": start,
+                    "end": start + float(e.get("dur", 0.0)),
+                }
+            )
+    return sorted(out, key=lambda k: k["start"])
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
+    """Sorted, merged intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: list[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def intersect(xs: list[Interval], ys: list[Interval]) -> list[Interval]:
+    """Intersection of two merged interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if start < end:
+            out.append((start, end))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def gaps(busy: list[Interval]) -> list[Interval]:
+    """The idle stretches between a merged list's first start and last end."""
+    return [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
+
+
+def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict:
+    """Per-token microseconds of the main stream's busy and idle time, side streams' time beside and outside it,
+    the main stream's idle time while a side stream works (a join waiting for it), and the copy kernels."""
+    ks = kernels(trace)
+    if not ks:
+        return {"error": "the trace holds no GPU kernels"}
+    by_stream: dict[int, list[Interval]] = defaultdict(list)
+    for k in ks:
+        by_stream[k["stream"]].append((k["start"], k["end"]))
+    busy = {s: union(iv) for s, iv in by_stream.items()}
+    main = max(busy, key=lambda s: length(busy[s]))
+    side = union([iv for s, ivs in busy.items() if s != main for iv in ivs])
+    idle = gaps(busy[main])
+    per = 1.0 / max(1, tokens)
+    copies = [k for k in ks if copy_name in k["name"]]
+    copy_streams = defaultdict(lambda: [0, 0.0])
+    for k in copies:
+        entry = copy_streams["main" if k["stream"] == main else "side"]
+        entry[0] += 1
+        entry[1] += k["end"] - k["start"]
+    top: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for k in ks:
+        entry = top[(k["name"][:80], "main" if k["stream"] == main else "side")]
+        entry[0] += 1
+        entry[1] += k["end"] - k["start"]
+    ranked = sorted(top.items(), key=lambda kv: -kv[1][1])[:10]
+    return {
+        "tokens": tokens,
+        "streams": len(busy),
+        "window_us_per_token": round((busy[main][-1][1] - busy[main][0][0]) * per, 1),
+        "main_busy_us_per_token": round(length(busy[main]) * per, 1),
+        "main_idle_us_per_token": round(length(idle) * per, 1),
+        "main_idle_while_side_busy_us_per_token": round(length(intersect(idle, side)) * per, 1),
+        "side_busy_us_per_token": round(length(side) * per, 1),
+        "side_beside_main_us_per_token": round(length(intersect(side, busy[main])) * per, 1),
+        "copy_kernels": {
+            where: {"per_token": round(n * per, 2), "us_per_token": round(us * per, 1), "mean_us": round(us / n, 1)}
+            for where, (n, us) in copy_streams.items()
+        },
+        "top_kernels": [
+            {"name": name, "stream": where, "per_token": round(n * per, 2), "us_per_token": round(us * per, 1)}
+            for (name, where), (n, us) in ranked
+        ],
+    }
+
+
+def summarize_file(path: Path, tokens: int) -> dict:
+    return summarize(json.loads(Path(path).read_text()), tokens)
