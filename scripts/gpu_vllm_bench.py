@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         report["disk"] = disk_bandwidth(model, seconds=2.0 if args.smoke else 4.0)  # before any engine starts
     plans = [(n, measurements(n, args.families, args.recalls, traces_of)) for n in names]
     spec = {**bench_spec(model), "turn_file": str(work / "turn.lock"), "quiet_file": str(work / "starting.lock")}
+    spec["stacks_dir"] = str(logs)  # each engine's start sampled every 10 s: where a slow load spends its time
     if args.profile_tokens:  # a kernel timeline of a few decode tokens per measurement (traces stay in the logs dir)
         spec.update(profile_tokens=args.profile_tokens, profile_dir=str(logs / "profiles"))
     if args.parallel > 1 and SHAPE["device"] == "cuda":

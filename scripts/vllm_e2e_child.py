@@ -18,6 +18,7 @@ No textual/httpx/click: this runs on the GPU machine from a checkout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,25 +34,10 @@ def main(spec_path: str, result_path: str) -> None:
     started = time.perf_counter()
     if spec.get("deterministic"):
         deterministic()
-    from vllm import LLM
-
     quiet = Lock(spec.get("quiet_file"))
     quiet.take(shared=True)  # engines starting hold it shared; a timed request of another engine waits them out
-    llm = LLM(
-        model=spec["model"],
-        dtype="bfloat16",
-        max_model_len=spec["max_model_len"],
-        max_num_seqs=spec.get("max_num_seqs", 8),
-        max_num_batched_tokens=spec["max_model_len"],
-        enforce_eager=spec.get("enforce_eager", True),
-        enable_prefix_caching=False,
-        seed=0,
-        distributed_executor_backend="uni",
-        skip_tokenizer_init=spec["skip_tokenizer_init"],
-        disable_log_stats=False,  # request timestamps for TTFT/TPOT
-        **_memory_args(spec),
-        **_engine_extras(spec),
-    )
+    with _startup_stacks(spec, result_path):
+        llm = _engine(spec)
     quiet.release()
     startup_s = time.perf_counter() - started - quiet.waited_s
     result = {
@@ -90,6 +76,36 @@ def deterministic() -> None:
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def _engine(spec: dict):
+    from vllm import LLM
+
+    return LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec.get("max_num_seqs", 8),
+        max_num_batched_tokens=spec["max_model_len"],
+        enforce_eager=spec.get("enforce_eager", True),
+        enable_prefix_caching=False,
+        seed=0,
+        distributed_executor_backend="uni",
+        skip_tokenizer_init=spec["skip_tokenizer_init"],
+        disable_log_stats=False,  # request timestamps for TTFT/TPOT
+        **_memory_args(spec),
+        **_engine_extras(spec),
+    )
+
+
+def _startup_stacks(spec: dict, result_path: str):
+    """With spec["stacks_dir"]: the engine start's main-thread stack every 10 s, to <config>-startup-stacks.txt."""
+    if not spec.get("stacks_dir"):
+        return contextlib.nullcontext()
+    from bigmoe_bench.stack_sampler import StackSampler
+
+    name = Path(result_path).name.removesuffix(".result.json")
+    return StackSampler(Path(spec["stacks_dir"]) / f"{name}-startup-stacks.txt", period_s=10.0)
 
 
 def _memory_args(spec: dict) -> dict:
