@@ -66,7 +66,8 @@ def test_pinned_buffers_are_locked_and_readable_by_kernels():
 
 
 @pytest.mark.parametrize("name", ["fp8-qwen36", "odd-bytes"])
-def test_copy_kernel_equals_torch(name):
+@pytest.mark.parametrize("programs", [0, 16, 1], ids=["program-per-block", "prefetch-16", "one-program"])
+def test_copy_kernel_equals_torch(name, programs):
     layout = (
         fp8_layout(**QWEN36)
         if name == "fp8-qwen36"
@@ -81,7 +82,7 @@ def test_copy_kernel_equals_torch(name):
     for b in list(want.values()) + list(got.values()):
         b.view(b.shape[0], -1).view(torch.uint8).fill_(0x5A)
     copy_records_torch(records, src, dst, layout, want)
-    copy_records(records, src.cuda(), dst.cuda(), layout, got)
+    copy_records(records, src.cuda(), dst.cuda(), layout, got, programs_per_record=programs)
     for k in want:
         assert torch.equal(want[k].view(6, -1).view(torch.uint8), got[k].cpu().view(6, -1).view(torch.uint8)), k
 
