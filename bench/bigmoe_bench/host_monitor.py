@@ -12,47 +12,32 @@ CPU shows in these samples: disk read MB/s and the page cache's size against CPU
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import psutil
 
+from bigmoe_bench.periodic import PeriodicFile
+
 MB = 1e6
 
 
-class HostMonitor:
-    """A daemon thread appending one sample every `period_s` seconds to `path` until the context exits."""
+class HostMonitor(PeriodicFile):
+    """One JSON line every `period_s` seconds appended to `path` until the context exits."""
+
+    thread_name = "host-monitor"
 
     def __init__(self, path: Path, period_s: float = 5.0) -> None:
-        self.path = Path(path)
-        self.period_s = period_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(path, period_s)
+        self._last = (None, 0.0)
 
-    def __enter__(self) -> "HostMonitor":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
-        self._thread = threading.Thread(target=self._loop, name="host-monitor", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.period_s + 5)
-
-    def _loop(self) -> None:
-        start = time.monotonic()
-        last_disk, last_t = psutil.disk_io_counters(), start
+    def start(self) -> None:
+        self._last = (psutil.disk_io_counters(), 0.0)
         psutil.cpu_percent(interval=None)  # the first call only sets the baseline
-        with self.path.open("a") as out:
-            while not self._stop.wait(self.period_s):
-                now = time.monotonic()
-                disk = psutil.disk_io_counters()
-                out.write(json.dumps(sample(now - start, now - last_t, disk, last_disk)) + "\n")
-                out.flush()
-                last_disk, last_t = disk, now
+
+    def sample(self, out, elapsed_s: float) -> None:
+        disk, (last_disk, last_t) = psutil.disk_io_counters(), self._last
+        out.write(json.dumps(sample(elapsed_s, elapsed_s - last_t, disk, last_disk)) + "\n")
+        self._last = (disk, elapsed_s)
 
 
 def sample(elapsed_s: float, span_s: float, disk, last_disk) -> dict:

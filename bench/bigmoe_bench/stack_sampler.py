@@ -12,53 +12,41 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import traceback
 from collections import Counter
 from pathlib import Path
 
+from bigmoe_bench.periodic import PeriodicFile
+
 DEPTH = 14  # innermost frames kept per sample
 
 
-class StackSampler:
+class StackSampler(PeriodicFile):
     """Samples the thread that enters the context; appends each sample, and a tally of innermost frames at exit."""
 
+    thread_name = "stack-sampler"
+
     def __init__(self, path: Path, period_s: float = 10.0) -> None:
-        self.path = Path(path)
-        self.period_s = period_s
+        super().__init__(path, period_s)
         self.tally: Counter[str] = Counter()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._target = 0
 
-    def __enter__(self) -> "StackSampler":
+    def start(self) -> None:
         self._target = threading.get_ident()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
-        self._thread = threading.Thread(target=self._loop, name="stack-sampler", daemon=True)
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.period_s + 5)
-        with self.path.open("a") as out:
-            out.write("== innermost frames, by samples\n")
-            for frame, n in self.tally.most_common(20):
-                out.write(f"{n:5d}  {frame}\n")
+    def sample(self, out, elapsed_s: float) -> bool | None:
+        frame = sys._current_frames().get(self._target)
+        if frame is None:
+            return False
+        stack = traceback.extract_stack(frame)[-DEPTH:]
+        if stack:
+            last = stack[-1]
+            self.tally[f"{last.filename}:{last.lineno} {last.name}"] += 1
+        out.write(f"== t={elapsed_s:.1f} s\n")
+        out.write("".join(traceback.format_list(stack)))
+        return None
 
-    def _loop(self) -> None:
-        start = time.monotonic()
-        with self.path.open("a") as out:
-            while not self._stop.wait(self.period_s):
-                frame = sys._current_frames().get(self._target)
-                if frame is None:
-                    return
-                stack = traceback.extract_stack(frame)[-DEPTH:]
-                if stack:
-                    last = stack[-1]
-                    self.tally[f"{last.filename}:{last.lineno} {last.name}"] += 1
-                out.write(f"== t={time.monotonic() - start:.1f} s\n")
-                out.write("".join(traceback.format_list(stack)))
-                out.flush()
+    def close(self, out) -> None:
+        out.write("== innermost frames, by samples\n")
+        for frame, n in self.tally.most_common(20):
+            out.write(f"{n:5d}  {frame}\n")
