@@ -5,13 +5,14 @@ A subclass writes one sample in `sample(out, elapsed_s)` and, optionally, a clos
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from pathlib import Path
 from typing import TextIO
 
 
-class PeriodicFile:
+class PeriodicFile(abc.ABC):
     """`path` is emptied on entry; sample() runs every `period_s` seconds until the context exits, then close()."""
 
     thread_name = "periodic-file"
@@ -48,9 +49,9 @@ class PeriodicFile:
     def start(self) -> None:
         """On entry, in the entering thread, before the first sample."""
 
+    @abc.abstractmethod
     def sample(self, out: TextIO, elapsed_s: float) -> bool | None:
         """Write one sample; False stops the sampling."""
-        raise NotImplementedError
 
     def close(self, out: TextIO) -> None:
         """Write what follows the samples (nothing by default)."""
