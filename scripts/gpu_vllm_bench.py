@@ -27,7 +27,9 @@ route almost uniformly; dummy weights route every token to experts 0-7).
 Suffixes: `@rX` replays traces that also carry next-layer predictions at recall X, so the
 pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every recall of
 --recalls; `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast); a last `+ahead` (with @r)
-lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), and `+hi` (with @r) runs
+lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers
+ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
+next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
 the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1). Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
@@ -102,9 +104,15 @@ GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~
 
 AHEAD = "+ahead"
 """Name suffix: the predictions also post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1); needs @rRECALL."""
+AHEAD_DEEP = "+ahead4"
+"""Name suffix: +ahead four layers deep (BIGMOE_SSD_READ_AHEAD_LAYERS=4); needs @rRECALL."""
 HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
-PREDICTION_SUFFIXES = {AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"}, HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"}}
+PREDICTION_SUFFIXES = {
+    AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
+    AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
+    HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
+}
 """The last suffixes a name with @r may carry, in any order, and what each sets."""
 EVERY = "every"
 """parse_name's recall of a bare `@r`: the configuration is measured at every recall of --recalls."""

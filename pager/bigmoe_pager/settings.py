@@ -61,6 +61,10 @@ class PagerSettings:
     ssd_read_ahead: bool = False
     """BIGMOE_SSD_READ_AHEAD: 1 = the device-driven pager's expert predictions also post SSD->RAM reads early (no
     GPU wait until a step needs one); off until measured on a GPU (not done yet; CPU tests prove identity only)."""
+    ssd_read_ahead_layers: int = 1
+    """BIGMOE_SSD_READ_AHEAD_LAYERS: with BIGMOE_SSD_READ_AHEAD=1, how many layers ahead each MoE layer posts the
+    SSD reads of predicted experts (1: the next layer only; 0 counts as 1). Deeper gives the disk more time and
+    more reads in flight, from proposals that are less often right (a layer's router on an earlier hidden state)."""
     predict: str = "off"
     """BIGMOE_PREDICT: off / router: router = layer l+1's router applied to what layer l's experts receive proposes
     l+1's experts, which the device-driven pager prefetches on a side stream; off until measured on real weights."""

@@ -25,6 +25,7 @@ from bigmoe_bench import traces
         ("bigmoe-32-ram128-ssd@r+ahead", ("bigmoe-32-ram128-ssd", bench.EVERY, None)),
         ("bigmoe-102-layerbuf@r+hi", ("bigmoe-102-layerbuf", bench.EVERY, None)),
         ("bigmoe-32-ram128-ssd@r0.8~lru+hi+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
+        ("bigmoe-32-ram128-ssd-layerbuf@r0.8+ahead4", ("bigmoe-32-ram128-ssd-layerbuf", 0.8, None)),
     ],
 )
 def test_names_parse(name, parsed):
@@ -125,7 +126,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert "BIGMOE_SSD_READ_AHEAD" not in bench.config_for("bigmoe-102@r0.8", tmp_path / "f.npz", 32).env
     high = bench.config_for("bigmoe-102@r0.8+hi", tmp_path / "f.npz", 32).env
     assert high["BIGMOE_PREFETCH_HIGH_PRIORITY"] == "1" and "BIGMOE_SSD_READ_AHEAD" not in high
-    assert "BIGMOE_PREFETCH_HIGH_PRIORITY" not in env
+    assert "BIGMOE_PREFETCH_HIGH_PRIORITY" not in env and "BIGMOE_SSD_READ_AHEAD_LAYERS" not in env
+    deep = bench.config_for("bigmoe-32-ram128-ssd@r0.8+ahead4", tmp_path / "f.npz", 32).env
+    assert deep["BIGMOE_SSD_READ_AHEAD"] == "1" and deep["BIGMOE_SSD_READ_AHEAD_LAYERS"] == "4"
 
 
 def measurement(family, recall, tpot, ssd=None):

@@ -111,6 +111,17 @@ class LivePredictions:
 
         return self._forked_work(source, prefetch)
 
+    def feed_read_ahead(self, make_ids: Callable[[], torch.Tensor | None], pager, source: torch.Tensor) -> None:
+        """Like feed_ids for a layer further ahead: its predicted experts' SSD reads are posted
+        (DeviceLayerPager.read_ahead), nothing is copied into its slots."""
+
+        def post() -> None:
+            ids = make_ids()
+            if ids is not None:
+                pager.read_ahead(ids.reshape(-1))
+
+        self._forked_work(source, post)
+
     def _forked_work(self, source: torch.Tensor, work):
         """work() on the side stream once the current stream has `source` (in order off CUDA)."""
         stream = self._side_stream(source.device)
@@ -165,13 +176,15 @@ class ReplayedPredictions:
             cls._cache[key] = cls(None if ids is None else torch.from_numpy(ids).to(device))
         return cls._cache[key]
 
-    def rows(self, moe_index: int, tokens: int, cursor: torch.Tensor) -> torch.Tensor | None:
+    def rows(self, moe_index: int, tokens: int, cursor: torch.Tensor, ahead: int = 1) -> torch.Tensor | None:
         """After layer `moe_index` replayed `tokens` rows (its cursor already advanced past them), layer
-        moe_index + 1's predicted experts for those rows, int64 [tokens * P] (None: the trace has none)."""
+        moe_index + ahead's predicted experts for those rows, int64 [tokens * P] (None: the trace has none).
+        Benchmark only: a trace's row for layer l + ahead is as right as its next-layer rows, where a real
+        predictor looking further ahead is right less often."""
         if self.predicted is None:
             return None
         start = cursor[moe_index] - tokens
-        return replayed_predictions(self.predicted, start, moe_index, tokens).reshape(-1)
+        return replayed_predictions(self.predicted, start, moe_index + ahead - 1, tokens).reshape(-1)
 
     def replace(self, predicted: np.ndarray | None) -> None:
         """Benchmark only: copy another trace's predictions (same shape, or None where these are None) into the

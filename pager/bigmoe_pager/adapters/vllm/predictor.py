@@ -16,7 +16,9 @@ compete with the copies layer l waits for and overlap layer l's kernel. Where it
   vLLM forward): at the end of layer l's call, since no later piece may wait on this one's work;
 - otherwise (vLLM's FULL graphs, eager steps): at the start of layer l+1's call, before its own
   paging, so the copies also overlap everything vLLM runs between the two MoE calls (attention).
-A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
+With BIGMOE_SSD_READ_AHEAD=1 and BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1, the same fork also posts the SSD
+reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden state, or a replayed
+trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
 the proposals are recorded as the trace's predicted_ids. The host-driven pager prefetches
 nothing: there the predictor runs only to record. The router keeps the final say: a proposal
 moves weights, never a step's ids.
@@ -32,7 +34,7 @@ from typing import Callable
 import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
-from bigmoe_pager.core.prediction import LivePredictions
+from bigmoe_pager.core.prediction import LivePredictions, predict_next
 from bigmoe_pager.settings import PagerSettings
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
@@ -85,11 +87,14 @@ class Predictor:
         self.whole_forward_captured = whole_forward_captured or vllm_full_graph
         self.on = settings.enabled and settings.predict == "router"  # no pager, no layer to prefetch into
         self.top = settings.predict_top
+        self.read_ahead_layers = max(1, settings.ssd_read_ahead_layers) if settings.ssd_read_ahead else 1
+        """Layers ahead whose predicted SSD reads each layer posts (BIGMOE_SSD_READ_AHEAD_LAYERS; 1: the next)."""
         self.routing = routing
         self.layer_after = layer_after
         self.live = LivePredictions(LivePredictions.HIGH_PRIORITY if settings.prefetch_high_priority else 0)
         self._told: set[str] = set()  # join placements already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
+        self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
         self._warned = False
         if self.on and on_device:
             top = self.top or "the model's top-k"
@@ -155,7 +160,9 @@ class Predictor:
         prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first (profile) forward
         if not (prefetch or self.routing.trace_path is not None):
             return None
-        return self.live.feed(hidden, target.weight, target.top, pager if prefetch else None)
+        ids = self.live.feed(hidden, target.weight, target.top, pager if prefetch else None)
+        self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
+        return ids
 
     def _replayed(self, layer, hidden: torch.Tensor) -> None:
         """Benchmark: a replayed trace's predictions for the rows this layer just replayed, prefetched into the
@@ -164,8 +171,33 @@ class Predictor:
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
         index, tokens = layer._moe_index, hidden.shape[0]
-        self.live.feed_ids(lambda: self.routing.replayed_proposal(index, tokens, hidden.device), pager, hidden)
+
+        def replayed(ahead: int) -> torch.Tensor | None:
+            return self.routing.replayed_proposal(index, tokens, hidden.device, ahead)
+
+        self.live.feed_ids(lambda: replayed(1), pager, hidden)
+        self._read_further(layer, hidden, replayed)
         return None
+
+    def _read_further(self, layer, hidden: torch.Tensor, proposal: Callable[[int], torch.Tensor | None]) -> None:
+        """BIGMOE_SSD_READ_AHEAD_LAYERS > 1: layers l+2 .. l+depth of the same model post the SSD reads of their
+        proposed experts (proposal(ahead), made on the side stream), so the disk starts that many layers early."""
+        for ahead in range(2, self.read_ahead_layers + 1):
+            target = self.layer_after(layer._moe_index + ahead - 1)
+            if target is None or is_mtp_layer(target.layer_name) != is_mtp_layer(layer.layer_name):
+                return
+            pager = getattr(target, "pager", None)
+            if isinstance(pager, DeviceLayerPager) and pager.started and pager.read_ahead_ssd and not pager.ram.full:
+                self.live.feed_read_ahead(lambda ahead=ahead: proposal(ahead), pager, hidden)
+
+    def _router_ids(self, layer, hidden: torch.Tensor, ahead: int) -> torch.Tensor | None:
+        """The live proposal for layer l + ahead: that layer's router applied to this layer's hidden state."""
+        key = (layer._moe_index, ahead)
+        if key not in self._further:
+            found = next_router(layer, self.layer_after(layer._moe_index + ahead - 1), hidden, self.top)
+            self._further[key] = found if isinstance(found, NextRouter) else None
+        target = self._further[key]
+        return None if target is None else predict_next(hidden, target.weight, target.top)
 
     def _target(self, layer, hidden: torch.Tensor) -> NextRouter | None:
         index = layer._moe_index

@@ -57,12 +57,15 @@ class Routing:
             return False
         return ReplayedPredictions.for_trace(self.replay_path, device).predicted is not None
 
-    def replayed_proposal(self, moe_index: int, tokens: int, device: torch.device) -> torch.Tensor | None:
-        """The replayed trace's predictions for layer moe_index + 1 of the rows layer moe_index just replayed
+    def replayed_proposal(
+        self, moe_index: int, tokens: int, device: torch.device, ahead: int = 1
+    ) -> torch.Tensor | None:
+        """The replayed trace's predictions for layer moe_index + ahead of the rows layer moe_index just replayed
         (int64 [tokens * P]; None: no replay, or a trace without predictions)."""
         if self.replay_path is None or self._replay is None:
             return None
-        return ReplayedPredictions.for_trace(self.replay_path, device).rows(moe_index, tokens, self._replay[1])
+        found = ReplayedPredictions.for_trace(self.replay_path, device)
+        return found.rows(moe_index, tokens, self._replay[1], ahead)
 
     def save_trace(self) -> None:
         """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path, and the
