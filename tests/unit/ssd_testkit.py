@@ -16,14 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from bigmoe_bench import synth_experts
+from bigmoe_pager.core import ssd_mailbox
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.odirect import SystemFileIO
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file
 
 ROOT = Path(__file__).resolve().parents[2]
+
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    not ssd_mailbox.interpreting(),
+    reason="needs TRITON_INTERPRET=1 (tests/unit/conftest.py sets it) to run kernels on CPU",
+)
+"""Mark for tests that run the mailbox's Triton kernels on CPU tensors."""
 
 SHAPES = {
     "fp8": dict(hidden=256, intermediate=128, fp8=True),

@@ -15,20 +15,18 @@ from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.ssd_service import SsdService
 from bigmoe_pager.core.stats import PagerStats
 from bigmoe_pager.settings import PagerSettings, SettingsError
-from ssd_testkit import loaded_layers, make_checkpoint
+from ssd_testkit import NEEDS_INTERPRETER, loaded_layers, make_checkpoint
 from test_ssd_read_ahead import slot_bytes, wanted
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    NEEDS_INTERPRETER,
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 EXPERTS, LAYERS, K, VRAM, RAM, TOKENS = 10, 4, 2, 2, 4, 3
 HIDDEN = TOKENS  # token t's hidden state is the t-th unit vector; every router ranks PAIRS[t] first for it
 PAIRS = [(RAM + 2 * t, RAM + 2 * t + 1) for t in range(TOKENS)]  # experts no tier holds before token t
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    if not mb.interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 (tests/unit/conftest.py sets it) to run kernels on CPU")
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,11 @@ import pytest
 import torch
 from bigmoe_pager.core import ssd_mailbox as mb
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
-from ssd_testkit import ROOT, FakeFaultyIO, make_checkpoint
+from ssd_testkit import NEEDS_INTERPRETER, ROOT, FakeFaultyIO, make_checkpoint
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [NEEDS_INTERPRETER, pytest.mark.timeout(90)]
 
 RAM_SLOTS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    if not mb.interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 (tests/unit/conftest.py sets it) to run kernels on CPU")
 
 
 @pytest.fixture(scope="module")

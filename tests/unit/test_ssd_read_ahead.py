@@ -17,17 +17,15 @@ from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import RamTier, RamTierError
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.core.stats import PagerStats
-from ssd_testkit import FakeFaultyIO, loaded_layers, make_checkpoint
+from ssd_testkit import NEEDS_INTERPRETER, FakeFaultyIO, loaded_layers, make_checkpoint
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    NEEDS_INTERPRETER,
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 EXPERTS, LAYERS, K = 10, 2, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    if not mb.interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 (tests/unit/conftest.py sets it) to run kernels on CPU")
 
 
 @pytest.fixture(scope="module")
