@@ -18,11 +18,7 @@ from bigmoe_pager.settings import PagerSettings, SettingsError
 from ssd_testkit import NEEDS_INTERPRETER, loaded_layers, make_checkpoint
 from test_ssd_read_ahead import slot_bytes, wanted
 
-pytestmark = [
-    NEEDS_INTERPRETER,
-    pytest.mark.timeout(240),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 EXPERTS, LAYERS, K, VRAM, RAM, TOKENS = 10, 4, 2, 2, 4, 3
 HIDDEN = TOKENS  # token t's hidden state is the t-th unit vector; every router ranks PAIRS[t] first for it
@@ -104,6 +100,7 @@ def decode(ckpt, depth: int):
     return seen, early
 
 
+@NEEDS_INTERPRETER
 @pytest.mark.parametrize("depth", [2, 3])
 def test_later_layers_reads_are_posted_as_early_as_the_depth_and_steps_read_the_same_bytes(ckpt, depth):
     one, early_one = decode(ckpt, depth=1)
