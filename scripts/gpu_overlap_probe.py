@@ -23,6 +23,8 @@ Suffixes on any variant that forks: -hi runs the side stream at high priority (B
 the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
 --tokens replays after a warm-up; the VRAM hit rate and PCIe bytes come from the pager's counters.
+--profile-tokens N adds each variant's kernel timeline per token (bigmoe_bench.kernel_timeline), the
+same summary gpu_vllm_bench.py --profile-tokens gives inside vLLM, to compare the two.
 
     H200: PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --out $OUT/overlap.json
     CPU:  PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --device cpu --smoke (eager, no streams:
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 from bigmoe_bench import traces
 from bigmoe_bench.bench_runners import moe
+from bigmoe_bench.kernel_timeline import summarize_file
 from bigmoe_bench.moe_decode import ExpertWeights
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
@@ -82,11 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     model = Model(args, layout, device)
     report["setup_s"] = round(time.perf_counter() - start, 1)
     for family in args.families.split(","):
-        trace = traces.named_trace(family, args.warmup + args.tokens, args.layers, args.experts, args.top_k, args.seed)
+        rows = args.warmup + args.tokens + args.profile_tokens  # the replay position only advances
+        trace = traces.named_trace(family, rows, args.layers, args.experts, args.top_k, args.seed)
         trace_dev = torch.from_numpy(trace).to(device=device, dtype=torch.int64)
         order = _hottest(trace[: args.warmup])
         ms = model.time(trace_dev, None, "resident", order, args)
-        report["runs"].append({"family": family, "variant": "resident", "recall": None, "ms_per_token": ms})
+        resident = {"family": family, "variant": "resident", "recall": None, "ms_per_token": ms}
+        if args.profile_tokens:
+            resident["profile"] = model.profile(args.profile_tokens)
+        report["runs"].append(resident)
         guesses: dict[float, torch.Tensor] = {}
         for variant in args.variants.split(","):
             base = Variant.parse(variant).base
@@ -98,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 predicted = None if recall is None else guesses[recall]
                 ms = model.time(trace_dev, predicted, variant, order, args)
                 row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **model.counters()}
+                if args.profile_tokens:
+                    row["profile"] = model.profile(args.profile_tokens)
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
         if args.out:
@@ -210,6 +220,7 @@ class Model:
 
         self._timed = variant.base != "resident"
         if self.device.type != "cuda":
+            self._replay = token
             return self._time_eager(token, pos, args)
         for _ in range(2):  # Triton compiles outside the capture
             token()
@@ -228,7 +239,22 @@ class Model:
             graph.replay()
         end.record()
         end.synchronize()
+        self._replay = graph.replay
         return round(begin.elapsed_time(end) / args.tokens, 4)
+
+    def profile(self, tokens: int) -> dict:
+        """The timed variant's next `tokens` tokens under torch.profiler, per stream (kernel_timeline): the main
+        stream's idle time while the side stream works is what the join waited; CPU runs have no kernels."""
+        cuda = self.device.type == "cuda"
+        activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            with torch.profiler.profile(activities=[activity]) as prof:
+                for _ in range(tokens):
+                    self._replay()
+                _sync(self.device)
+            prof.export_chrome_trace(str(path))
+            return summarize_file(path, tokens)
 
     def _time_eager(self, token, pos, args) -> float:
         for _ in range(args.warmup):
@@ -307,6 +333,12 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=64, help="tokens replayed before timing (and the hot profile)")
     p.add_argument("--tokens", type=int, default=256, help="tokens timed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=0,
+        help="after timing, this many tokens under torch.profiler per variant (row 'profile': per-stream kernel time)",
+    )
     p.add_argument("--device", default="cuda", help="cuda, or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (a wiring check)")
     p.add_argument("--out", default=None, help="JSON report path")

@@ -15,6 +15,7 @@ import pytest
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
+    argv += ["--profile-tokens", "2"]
     argv += ["--variants", "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow"]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
@@ -53,6 +54,11 @@ def test_an_unknown_variant_is_one_line_and_exit_2(bad, capsys):
     assert probe.main(["--device", "cpu", "--smoke", "--variants", bad]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gpu_overlap_probe: unknown") and "\n" not in err
+
+
+def test_each_variant_is_profiled_and_a_cpu_run_has_no_kernels_to_summarize(report):
+    profiled = report["runs"]
+    assert profiled and all(r["profile"] == {"error": "the trace holds no GPU kernels"} for r in profiled)
 
 
 def test_resident_is_reported_once_per_family(report):
