@@ -22,8 +22,9 @@ from bigmoe_pager.core.slots import Acquired, Admitted, SlotTable, acquired_from
 from bigmoe_pager.core.stats import PagerStats
 
 # Copy programs per prefetched expert (0: one per 8 KiB block, which fills every SM while it copies). On the H200
-# (scripts/gpu_overlap_probe.py, standard and topic-shift routing) 16 beat both 0 and 4 at every recall: at recall 1
-# 5.47 and 6.05 ms a token against 6.39 and 7.76 with one program per block, 6.49 and 8.44 without prefetch.
+# (scripts/gpu_overlap_probe.py, run 7 in docs/benchmarks.md) 16 was best or within 2% of 8 and 32 on the standard,
+# topic-shift and near-uniform families at recalls 0, 0.8 and 1, and beat 0 and 4 everywhere: at recall 1, 5.47 and
+# 6.05 ms a token (standard, topic-shift) against 6.39 and 7.76 with one program per block, 6.49 and 8.44 without.
 PREFETCH_PROGRAMS_PER_RECORD = 16
 
 
