@@ -47,6 +47,7 @@ from bigmoe_bench import traces
 from bigmoe_bench.bench_runners import moe
 from bigmoe_bench.kernel_timeline import summarize_file
 from bigmoe_bench.moe_decode import ExpertWeights
+from bigmoe_pager.atomic_file import write_atomic
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
@@ -311,9 +312,8 @@ def _hottest(trace: np.ndarray) -> list[list[int]]:
 
 
 def _write(path: str, report: dict) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    """The report so far, replacing the last one whole (a run cut short keeps what it finished)."""
+    write_atomic(Path(path), (json.dumps(report, indent=1) + "\n").encode())
 
 
 def _parse(argv):
