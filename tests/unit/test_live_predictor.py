@@ -16,7 +16,7 @@ import pytest
 import score_predictor  # scripts/ is on pytest's pythonpath (pyproject)
 import torch
 from bigmoe_bench import traces
-from bigmoe_pager.adapters.vllm.predictor import NextRouter, Predictor, next_router
+from bigmoe_pager.adapters.vllm.predictor import NextRouter, Predictor, next_router, vllm_whole_forward_capture
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.prediction import LivePredictions, predict_next
 from bigmoe_pager.core.stats import PagerStats
@@ -75,6 +75,18 @@ def test_each_join_placement_a_capture_uses_is_logged_once(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "joined at" in r.getMessage()]
     assert len(lines) == 2
     assert "next layer's MoE call" in lines[0] and "end of this layer's MoE call" in lines[1]
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL"])
+def test_a_capture_is_a_piece_only_under_vllms_piecewise_mode(mode):
+    """vLLM 0.33's V2 model runner captures FULL graphs with the forward context at NONE: those captures hold the
+    whole forward too, so only PIECEWISE (and no forward context at all) joins the prefetch inside the layer."""
+    from vllm.config import CUDAGraphMode, VllmConfig
+    from vllm.forward_context import set_forward_context
+
+    assert vllm_whole_forward_capture() is False  # no vLLM forward: a capture of unknown extent
+    with set_forward_context(None, VllmConfig(), cudagraph_runtime_mode=CUDAGraphMode[mode]):
+        assert vllm_whole_forward_capture() is (mode != "PIECEWISE")
 
 
 @pytest.mark.parametrize(

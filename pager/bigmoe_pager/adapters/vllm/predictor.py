@@ -16,6 +16,9 @@ compete with the copies layer l waits for and overlap layer l's kernel. Where it
   vLLM forward): at the end of layer l's call, since no later piece may wait on this one's work;
 - otherwise (vLLM's FULL graphs, eager steps): at the start of layer l+1's call, before its own
   paging, so the copies also overlap everything vLLM runs between the two MoE calls (attention).
+  vLLM 0.33's default model runner (V2) captures its FULL graphs with the forward context's mode
+  at NONE, so "not the whole forward" is read as "mode PIECEWISE", never as "mode not FULL"
+  (see `whole_forward_capture`).
 With BIGMOE_SSD_READ_AHEAD=1 and BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1, the same fork also posts the SSD
 reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden state, or a replayed
 trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
@@ -83,8 +86,9 @@ class Predictor:
         whole_forward_captured: Callable[[], bool] | None = None,
     ):
         """routing: the process's Routing (trace recording, replayed predictions); layer_after(i): paged layer i+1;
-        whole_forward_captured(): whether a capture under way holds the whole forward (default: vLLM's FULL mode)."""
-        self.whole_forward_captured = whole_forward_captured or vllm_full_graph
+        whole_forward_captured(): whether a capture under way holds the whole forward (default: vLLM's forward
+        context, `vllm_whole_forward_capture`)."""
+        self.whole_forward_captured = whole_forward_captured or vllm_whole_forward_capture
         self.on = settings.enabled and settings.predict == "router"  # no pager, no layer to prefetch into
         self.top = settings.predict_top
         self.read_ahead_layers = max(1, settings.ssd_read_ahead_layers) if settings.ssd_read_ahead else 1
@@ -212,9 +216,22 @@ class Predictor:
         return self._next[index]
 
 
-def vllm_full_graph() -> bool:
-    """Whether vLLM is running (or capturing) the current forward as one FULL CUDA graph."""
-    from vllm.config import CUDAGraphMode
+def whole_forward_capture(mode: str | None) -> bool:
+    """Whether a CUDA graph capture under way holds the whole forward, from the mode name in vLLM's forward
+    context (None: no forward context, a capture outside any vLLM forward, taken as a piece).
+
+    vLLM captures a piece only under mode PIECEWISE (its piecewise backend and breakable graphs set it);
+    a FULL graph is captured under mode FULL by the V1 model runner (0.25) and under mode NONE by the V2
+    model runner (0.33's default), which records the plain eager forward inside torch.cuda.graph.
+    """
+    return mode is not None and mode != "PIECEWISE"
+
+
+def vllm_whole_forward_capture() -> bool:
+    """whole_forward_capture for the forward vLLM is running (or capturing) now."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+    if not is_forward_context_available():
+        return whole_forward_capture(None)
+    mode = get_forward_context().cudagraph_runtime_mode
+    return whole_forward_capture(getattr(mode, "name", str(mode)))
