@@ -121,3 +121,14 @@ def test_host_tiers_land_on_the_cpu_inside_an_accelerator_device_context():
             pager = HostPager(layout, TierSizes(experts=4, vram=2, ram=4), source=None)
         assert torch.empty(1).device.type == "meta"  # the model's own parameters still go to the accelerator
     assert pager.ram.device.type == "cpu" and pager.slot_table.device.type == "cpu"
+
+
+def test_the_start_line_says_how_fast_loading_copied_experts_into_ram():
+    """The engine log's start line carries the loader's copy rate into the RAM tier (how a slow load is told apart)."""
+    from bigmoe_pager.adapters.vllm.process import LoadCopies
+
+    copies = LoadCopies()
+    assert copies.describe() == ""  # nothing copied: every expert stayed on SSD
+    for _ in range(3):
+        copies.add(2**29, 0.25)
+    assert copies.describe() == "; loading copied 1.50 GiB of experts into RAM in 0.8 s (2.15 GB/s)"

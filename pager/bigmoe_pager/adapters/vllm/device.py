@@ -241,7 +241,10 @@ def start_all(process) -> None:
         parts.layers = layers
     _start_exporter(process)
     log.warning(
-        "bigmoe: device-driven paging started for %d MoE layers%s", len(layers), " with an SSD tier" if fetchers else ""
+        "bigmoe: device-driven paging started for %d MoE layers%s%s",
+        len(layers),
+        " with an SSD tier" if fetchers else "",
+        process.load_copies.describe(),
     )
 
 

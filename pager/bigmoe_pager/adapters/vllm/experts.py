@@ -11,8 +11,10 @@ in an engine process, after checking vLLM's version.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import time
 
 import torch
 from bigmoe_pager.adapters.vllm import device, glue, process
@@ -129,7 +131,10 @@ class PagedRoutedExperts(RoutedExperts):
         ram_slot = self.pager.ram_slot_for_load(int(expert_id))
         if ram_slot is not None:
             ram_param = self._ram_param(name, param)
-            super().weight_loader(ram_param, loaded_weight, weight_name, shard_id, ram_slot, True)
+            started = time.perf_counter()
+            with _one_copy_thread():
+                super().weight_loader(ram_param, loaded_weight, weight_name, shard_id, ram_slot, True)
+            self.process.load_copies.add(loaded_weight.nbytes, time.perf_counter() - started)
             self.pager.mark_loaded(int(expert_id), name)
         return True if return_success else None
 
@@ -220,6 +225,26 @@ def replayed_ids(topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
 @replayed_ids.register_fake
 def _(topk_ids, layer):
     return torch.empty_like(topk_ids)
+
+
+@contextlib.contextmanager
+def _one_copy_thread():
+    """torch's CPU copies on the calling thread alone, its intra-op thread count restored after.
+
+    vLLM 0.33 loads the model with torch's full intra-op thread count (it drops to one only for serving), so each
+    1 MiB copy into a RAM record is split over every core, in each of the engines that load at once: on the H200, two
+    bigmoe engines copied at about 100 MB/s each (run 8, docs/benchmarks.md). One thread copies 1 MiB in well under a
+    millisecond and leaves the other cores to the other engines.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _param_name(layer, param) -> str | None:

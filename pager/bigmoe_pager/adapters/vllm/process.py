@@ -20,6 +20,7 @@ any CUDA graph capture).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from bigmoe_pager.adapters.vllm import glue, stats
 from bigmoe_pager.adapters.vllm.device import DeviceParts, wanted
@@ -28,6 +29,27 @@ from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core.timed_reads import TimedReads
 from bigmoe_pager.settings import PagerSettings
+
+
+@dataclass
+class LoadCopies:
+    """What vLLM's weight loader copied into this process's RAM records while the model loaded."""
+
+    nbytes: int = 0
+    """Checkpoint bytes copied (expert weights and their scales)."""
+    seconds: float = 0.0
+    """Time spent inside those weight_loader calls."""
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.nbytes += nbytes
+        self.seconds += seconds
+
+    def describe(self) -> str:
+        """One clause for the start line ('' when nothing was copied: every expert stayed on SSD)."""
+        if not self.nbytes:
+            return ""
+        gib, rate = self.nbytes / 2**30, self.nbytes / max(self.seconds, 1e-9) / 1e9
+        return f"; loading copied {gib:.2f} GiB of experts into RAM in {self.seconds:.1f} s ({rate:.2f} GB/s)"
 
 
 class PagerProcess:
@@ -48,6 +70,8 @@ class PagerProcess:
         """The counters' Prometheus series (multiprocess mode, so they reach vLLM's /metrics)."""
         self.reads: TimedReads | None = None
         """I/O workers of host-driven SSD reads (made with the first layer that has an SSD tier)."""
+        self.load_copies = LoadCopies()
+        """vLLM's loader copies into the RAM records (reported when paging starts)."""
         self.device = DeviceParts() if on_device else None
         """Counter table, whole-layer buffer, SSD service and exporter of device-driven paging."""
         self._layers: list = []
