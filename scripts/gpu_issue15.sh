@@ -18,7 +18,11 @@ work=/tmp/bigmoe-vllm-bench
 families="${FAMILIES:-standard,topic-shift}"
 recalls="${RECALLS:-0,0.6,0.8,0.95,1.0}"
 pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/null; }
-vllm_env() { [ -n "${VLLM_STAGED:-}" ] || { source /tmp/site/env.sh; export VLLM_STAGED=1; }; }
+# env.sh puts /tmp/site first, where the extra kit's bigmoe wheel may be older than this tree: the tree goes first again
+vllm_env() {
+  [ -n "${VLLM_STAGED:-}" ] || { source /tmp/site/env.sh; export VLLM_STAGED=1; }
+  export PYTHONPATH="$PWD/pager:$PWD/app:$PWD/bench:$PYTHONPATH"
+}
 
 early() {
   mkdir -p "$early_out"
