@@ -163,7 +163,9 @@ def test_a_settled_chunked_step_leaves_no_ssd_read_behind_a_gil_holding_wait(tmp
     layer = loaded(layout, records, vram, ram, "lfu")
     slow_disk = FakeFaultyIO(then="slow", delay_s=0.02)  # 20 ms a read: the GPU falls behind the launches
     service = SsdService(
-        ckpt.store(io=slow_disk), [layer.ram.records], io_workers=4, read_timeout_s=1.0, read_retries=0
+        # 5 s: a pending read fails it as surely as 1 s did, and the H200's early step writes a 32 GB checkpoint
+        # beside it (run 8: a read answered after 1.0 s there)
+        ckpt.store(io=slow_disk), [layer.ram.records], io_workers=4, read_timeout_s=5.0, read_retries=0
     )
     try:
         layer.start(layout.slot_buffers(vram, "cuda"), ServiceFetch(service, 0))
