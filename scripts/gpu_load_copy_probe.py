@@ -108,7 +108,7 @@ def measure(checkpoint: Path, gib: float, variant: str, pinned: bool, seconds: f
         "variant": variant,
         "pinned": pinned and torch.cuda.is_available(),
         "threads": 1 if variant == "fp8-1thread" else torch.get_num_threads(),
-        "gb": round(copied / 1e9, 3),
+        "bytes": copied,
         "seconds": round(took, 2),
         "gb_per_s": round(copied / took / 1e9, 3),
     }

@@ -165,7 +165,11 @@ def test_a_settled_chunked_step_leaves_no_ssd_read_behind_a_gil_holding_wait(tmp
     service = SsdService(
         # 5 s: a pending read fails it as surely as 1 s did, and the H200's early step writes a 32 GB checkpoint
         # beside it (run 8: a read answered after 1.0 s there)
-        ckpt.store(io=slow_disk), [layer.ram.records], io_workers=4, read_timeout_s=5.0, read_retries=0
+        ckpt.store(io=slow_disk),
+        [layer.ram.records],
+        io_workers=4,
+        read_timeout_s=5.0,
+        read_retries=0,
     )
     try:
         layer.start(layout.slot_buffers(vram, "cuda"), ServiceFetch(service, 0))
