@@ -134,12 +134,16 @@ def test_the_start_line_says_how_fast_loading_copied_experts_into_ram():
     assert copies.describe() == "; loading copied 1.50 GiB of experts into RAM in 0.8 s (2.15 GB/s)"
 
 
-def test_loader_copies_into_ram_run_on_one_thread_and_give_the_threads_back():
+def test_loader_copies_into_ram_run_on_one_thread_and_give_the_threads_back(monkeypatch):
     """vLLM loads with every core's intra-op thread; two engines splitting each 1 MiB copy 16 ways copied at 0.12 GB/s
-    each on the H200 (run 8), so the paged layer's copies run on one thread, and the count comes back after, even on a
-    failed copy."""
+    each on the H200 (run 8), so on CUDA the paged layer's copies run on one thread, and the count comes back after,
+    even on a failed copy."""
+    from bigmoe_pager.adapters.vllm import device
     from bigmoe_pager.adapters.vllm.experts import _one_copy_thread
 
+    monkeypatch.setattr(device, "on_cuda", lambda: True)
+    # a vLLM CPU engine run earlier in this process may have replaced it with a refusal (see the next test)
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -151,3 +155,18 @@ def test_loader_copies_into_ram_run_on_one_thread_and_give_the_threads_back():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_loader_copies_leave_a_cpu_engines_threads_alone(monkeypatch):
+    """vLLM's CPU worker binds its threads and replaces torch.set_num_threads with a refusal that logs a warning: on
+    CPU the copies must not call it (once per checkpoint tensor, that would be one warning per tensor)."""
+    from bigmoe_pager.adapters.vllm import device
+    from bigmoe_pager.adapters.vllm.experts import _one_copy_thread
+
+    calls = []
+    monkeypatch.setattr(device, "on_cuda", lambda: False)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    with _one_copy_thread():
+        pass
+    assert calls == []

@@ -235,9 +235,11 @@ def _one_copy_thread():
     1 MiB copy into a RAM record is split over every core, in each of the engines that load at once: on the H200, two
     bigmoe engines copied at about 100 MB/s each (run 8, docs/benchmarks.md). One thread copies 1 MiB in well under a
     millisecond and leaves the other cores to the other engines.
+    CUDA engines only: vLLM's CPU worker binds its threads to cores before loading and replaces torch.set_num_threads
+    with a call that refuses (and logs a warning), and its own copies there were not slow (1.7 s for 3.1 GB).
     """
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or not device.on_cuda():
         yield
         return
     torch.set_num_threads(1)
