@@ -331,8 +331,12 @@ ENGINE_FIELDS = (
     "cudagraph_mode",
     "experts_kernel",
     "inductor_deterministic",
+    "prefetch_joins",
+    "load_copy_bytes",
+    "load_copy_s",
 )
-"""What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file)."""
+"""What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file; prefetch_joins:
+where its captures joined the prefetch; load_copy_*: what vLLM's loader copied into the RAM tier, and how long)."""
 
 
 def engine_rows(row: dict, todo: list[dict], disk: dict | None) -> list[dict]:

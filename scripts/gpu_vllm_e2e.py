@@ -594,6 +594,9 @@ def compare(row: dict, reference: dict | None) -> None:
         return
     row["ttft_ms"], row["tpot_ms"] = result["ttft_ms"], result["tpot_ms"]
     row["cudagraph_mode"] = result.get("cudagraph_mode")
+    for fact in ("prefetch_joins", "load_copy_bytes", "load_copy_s"):  # process.engine_facts (absent: pager off)
+        if fact in result:
+            row[fact] = result[fact]
     row["pager"] = {
         tier: {**c, "hit_rate": round(c["hits"] / c["lookups"], 4) if c["lookups"] else None}
         for tier, c in result["pager"].items()

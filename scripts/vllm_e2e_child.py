@@ -55,6 +55,7 @@ def main(spec_path: str, result_path: str) -> None:
         result["long"] = greedy(llm, [spec["long_ids"]], spec["long_max_tokens"], detokenize)
         result.update(batch1_timing(llm, spec["timing_ids"], spec["warmup_ids"], spec["timing_tokens"]))
     result.update(pager=_pager_counters(), experts_kernel=_experts_kernel(), spec_decode=_spec_decode_counters(llm))
+    result.update(_engine_facts())
     tmp = Path(result_path).with_suffix(".partial")
     tmp.write_text(json.dumps(result))
     tmp.replace(result_path)
@@ -351,6 +352,12 @@ def _pager_counters() -> dict:
     from bigmoe_pager.adapters.vllm import process
 
     return process.pager_stats()
+
+
+def _engine_facts() -> dict:
+    from bigmoe_pager.adapters.vllm import process
+
+    return process.engine_facts()
 
 
 def _experts_kernel() -> str | None:

@@ -53,6 +53,14 @@ def main(argv: list[str]) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
     print("RSS_ANON_KB " + str(rss_anon_kb()), flush=True)
+    print("ENGINE_FACTS " + json.dumps(engine_facts()), flush=True)
+
+
+def engine_facts() -> dict:
+    """The pager's facts about this engine (bigmoe_pager.adapters.vllm.process.engine_facts; {} when it is off)."""
+    if "bigmoe_pager.adapters.vllm.process" not in sys.modules:
+        return {}
+    return sys.modules["bigmoe_pager.adapters.vllm.process"].engine_facts()
 
 
 def rss_anon_kb() -> int:

@@ -27,7 +27,9 @@ PROMPTS = [
 LONG_PROMPT = " ".join(["the blue river runs past the old stone house and the tall green tree"] * 40)
 
 
-def greedy(model: Path, env: dict[str, str], prompts=PROMPTS, max_tokens: int = 64) -> tuple[list[list[int]], int]:
+def greedy(model: Path, env: dict[str, str], prompts=PROMPTS, max_tokens: int = 64, facts: list | None = None):
+    """(greedy token ids per prompt, anonymous RSS in kB) of one engine run; its engine facts (the pager's
+    process.engine_facts) are appended to `facts` when given."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("BIGMOE_")}
     full.update(env)
     proc = greedy_run(model, max_tokens, list(prompts), full)
@@ -35,7 +37,28 @@ def greedy(model: Path, env: dict[str, str], prompts=PROMPTS, max_tokens: int = 
     tokens = [l for l in lines if l.startswith("TOKENS ")]
     assert proc.returncode == 0 and tokens, f"vLLM run failed:\n{proc.stderr[-3000:]}"
     rss = [int(l.split()[1]) for l in lines if l.startswith("RSS_ANON_KB ")]
+    if facts is not None:
+        facts.extend(json.loads(l[len("ENGINE_FACTS ") :]) for l in lines if l.startswith("ENGINE_FACTS "))
     return json.loads(tokens[0][7:]), rss[0]
+
+
+def routed_expert_bytes(model: Path) -> tuple[int, int, int]:
+    """(bytes of one routed expert in the checkpoint, experts per layer, MoE layers), from its headers."""
+    from safetensors import safe_open
+
+    per_expert, experts, layers = 0, set(), set()
+    for path in model.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                parts = name.split(".")
+                if "experts" not in parts or parts[parts.index("experts") + 1] in ("gate", "gate_up_proj"):
+                    continue
+                layer, expert = parts[parts.index("layers") + 1], parts[parts.index("experts") + 1]
+                layers.add(layer)
+                experts.add(expert)
+                if layer == "0" and expert == "0":
+                    per_expert += f.get_tensor(name).nbytes
+    return per_expert, len(experts), len(layers)
 
 
 SHAPES = {
@@ -78,9 +101,15 @@ def reference(shapes):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_paged_tokens_equal_resident_tokens(shapes, reference, shape, mode):
-    tokens, _ = greedy(shapes[shape], MODES[mode])
+    facts = []
+    tokens, _ = greedy(shapes[shape], MODES[mode], facts=facts)
     assert tokens == reference[shape]
     assert len({tuple(t) for t in tokens}) > 1, "prompts should not all decode the same"
+    # the engine reports what vLLM's loader copied into the RAM tier: every expert RAM holds, nothing SSD keeps
+    per_expert, experts, layers = routed_expert_bytes(shapes[shape])
+    in_ram = int(MODES[mode].get("BIGMOE_RAM_SLOTS", experts))
+    assert facts and facts[0]["load_copy_bytes"] == layers * in_ram * per_expert
+    assert facts[0]["prefetch_joins"] == []  # no CUDA graphs here
 
 
 def test_compiled_engine_pages_through_an_opaque_op(shapes):

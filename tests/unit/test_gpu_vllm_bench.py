@@ -150,7 +150,9 @@ def measurement(family, recall, tpot, ssd=None):
 def test_an_engines_run_is_one_row_per_family_and_recall_and_a_failed_one_says_why_in_each():
     todo = [{"family": f, "recall": r, "trace": "t"} for f in ("standard", "topic-shift") for r in (0.0, 0.8)]
     done = [measurement(t["family"], t["recall"], 5.0) for t in todo]
-    result = {"startup_s": 90.0, "turn_wait_s": 12.5, "measurements": done}
+    joins = ["the next layer's MoE call (a whole-forward capture)"]
+    result = {"startup_s": 90.0, "turn_wait_s": 12.5, "measurements": done, "prefetch_joins": joins}
+    result.update(load_copy_bytes=3 << 30, load_copy_s=1.5)
     rows = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "seconds": 200.0, "result": result}, todo, None)
     assert [(r["name"], r["family"]) for r in rows] == [
         ("bigmoe-102@r0", "standard"),
@@ -159,6 +161,8 @@ def test_an_engines_run_is_one_row_per_family_and_recall_and_a_failed_one_says_w
         ("bigmoe-102@r0.8", "topic-shift"),
     ]
     assert all(r["tpot_ms"] == 5.0 and r["turn_wait_s"] == 12.5 and r["configuration"] == "bigmoe-102@r" for r in rows)
+    assert all(r["prefetch_joins"] == joins for r in rows)
+    assert all((r["load_copy_bytes"], r["load_copy_s"]) == (3 << 30, 1.5) for r in rows)
     failed = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "error": "exit 1: CUDA OOM"}, todo, None)
     assert len(failed) == 4 and all(r["error"] == "exit 1: CUDA OOM" and "tpot_ms" not in r for r in failed)
 

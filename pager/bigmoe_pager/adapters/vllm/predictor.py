@@ -145,6 +145,11 @@ class Predictor:
         )
         return later
 
+    @property
+    def join_placements(self) -> list[str]:
+        """Where CUDA graph captures of this process joined the prefetch so far (as logged), sorted."""
+        return sorted(self._told)
+
     def _tell(self, where: str) -> None:
         """One log line per placement a capture used: where the prefetch is waited for decides how much it overlaps."""
         if where not in self._told:

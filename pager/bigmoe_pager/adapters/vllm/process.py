@@ -150,6 +150,19 @@ def pager_stats() -> dict[str, dict[str, float]]:
     return stats.pager_stats(_installed.layers() if _installed is not None else [])
 
 
+def engine_facts() -> dict:
+    """What benchmark reports carry per engine beside the counters: where captures joined the prefetch, and what the
+    loader copied into RAM (GiB, seconds); empty when the pager is off here."""
+    if _installed is None:
+        return {}
+    copies = _installed.load_copies
+    return {
+        "prefetch_joins": _installed.predictor.join_placements,
+        "load_copy_bytes": copies.nbytes,
+        "load_copy_s": round(copies.seconds, 2),
+    }
+
+
 def experts_kernel_name() -> str | None:
     """Class name of the MoE kernel vLLM runs on this process's paged layers (None: pager off here)."""
     return stats.experts_kernel_name(_installed.layers() if _installed is not None else [])
