@@ -152,7 +152,7 @@ def pager_stats() -> dict[str, dict[str, float]]:
 
 def engine_facts() -> dict:
     """What benchmark reports carry per engine beside the counters: where captures joined the prefetch, and what the
-    loader copied into RAM (GiB, seconds); empty when the pager is off here."""
+    loader copied into RAM (bytes, seconds); empty when the pager is off here."""
     if _installed is None:
         return {}
     copies = _installed.load_copies
