@@ -19,6 +19,7 @@ Side work (--variants), each adding one part of the prefetch path:
   prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs)
   prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
+-skip puts each round in a CUDA graph conditional node skipped while the gate is closed (BIGMOE_PREFETCH_SKIP_CLOSED);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
 the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-skip][-joinnow]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-hi][-joinnow]."""
+    """A --variants name taken apart: base[-pN][-hi][-skip][-joinnow]."""
 
     base: str
     """resident, none, fork, gather, admit or prefetch."""
@@ -131,21 +132,23 @@ class Variant:
     """The side stream at high priority."""
     join_now: bool = False
     """Joined at the end of the forking layer's MoE call, not at the next layer's."""
+    skip_closed: bool = False
+    """Closed prefetch rounds skipped in the graph (a conditional node on the gate)."""
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         base, *parts = name.split("-")
         if base not in ("resident", "none", "fork", "gather", "admit", "prefetch"):
             raise ValueError(f"unknown variant {name!r}")
-        programs, high, now = 0, False, False
+        programs, flags = 0, set()
         for part in parts:
             if part.startswith("p") and part[1:].isdigit() and base == "prefetch":
                 programs = int(part[1:])
-            elif part in ("hi", "joinnow"):
-                high, now = high or part == "hi", now or part == "joinnow"
+            elif part in ("hi", "joinnow", "skip"):
+                flags.add(part)
             else:
                 raise ValueError(f"unknown part {part!r} of variant {name!r}")
-        return cls(base, programs, high, now)
+        return cls(base, programs, "hi" in flags, "joinnow" in flags, "skip" in flags)
 
 
 class Model:
@@ -193,7 +196,7 @@ class Model:
         variant = Variant.parse(name)
         if variant.base != "resident":
             self.restart(order, variant.programs)
-        live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0)
+        live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0, variant.skip_closed)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
         w = torch.full((1, args.top_k), 1.0 / args.top_k, device=self.device, dtype=torch.float32)

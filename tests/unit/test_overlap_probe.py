@@ -16,7 +16,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
     argv += ["--profile-tokens", "2"]
-    argv += ["--variants", "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow"]
+    argv += ["--variants", "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,prefetch-p2-skip"]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
 
@@ -42,7 +42,7 @@ def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
     assert right["vram_hit"] > plain["vram_hit"]
 
 
-@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow"])
+@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow", "prefetch-p2-skip"])
 def test_bounded_copies_priority_and_join_place_move_what_the_plain_prefetch_moves(report, other):
     full, bounded = _row(report, "prefetch", 1.0), _row(report, other, 1.0)
     for key in ("vram_hit", "pcie_gb_per_token", "prefetched_per_token"):

@@ -93,3 +93,50 @@ def test_min_used_percent_zero_admits_every_round(use_kernel, policy, recall):
 def test_gate_settings_out_of_range_are_refused(gate):
     with pytest.raises(SlotTableError, match="prefetch gate"):
         table(False, "lru", **gate)
+
+
+def _state(t: SlotTable, row: torch.Tensor) -> list:
+    """What a prefetch round may change and anything after it can observe: maps, stamps, counts, gate, counters."""
+    parts = [t.expert_slot, t.slot_expert, t.last_use, t.use_count, t.used_score, t.wasted_score, t.gate_closed, row]
+    return [p.clone() for p in parts]
+
+
+@pytest.mark.parametrize("use_kernel,policy,explore", CASES)
+@pytest.mark.parametrize("recalls", [(0.0, 0.0), (0.5, 0.5), (1.0, 1.0), (0.0, 1.0)])
+def test_skipping_the_rounds_prefetch_wanted_rules_out_changes_nothing(use_kernel, policy, explore, recalls):
+    """A CUDA graph with skip_closed runs admit only where prefetch_wanted() says so; the tables must end each round
+    exactly as admitting every round leaves them (recalls: the predictor's before and after mid-run)."""
+    rounds = 6 * explore
+    ids, first = routing(rounds, recalls[0], seed=11)
+    _, second = routing(rounds, recalls[1], seed=11)
+    pred = np.concatenate([first[: rounds // 2], second[rounds // 2 :]])
+    every, gated = table(use_kernel, policy, explore_every=explore), table(use_kernel, policy, explore_every=explore)
+    rows = [torch.zeros(10, dtype=torch.int64) for _ in range(2)]
+    skipped = 0
+    for t in range(rounds):
+        guess = torch.from_numpy(pred[t].astype(np.int64))
+        got = every.admit(guess, stats_row=rows[0], record_bytes=3)
+        if bool(gated.prefetch_wanted()):
+            gated.admit(guess, stats_row=rows[1], record_bytes=3)
+        else:
+            skipped += 1
+            assert int((got.experts >= 0).sum()) == 0  # a round it rules out would have copied nothing
+        step = torch.from_numpy(ids[t : t + 1].copy())
+        every.acquire(step)
+        gated.acquire(step)
+        for a, b in zip(_state(every, rows[0]), _state(gated, rows[1])):
+            assert torch.equal(a, b), t
+    if recalls == (0.0, 0.0):
+        assert skipped >= rounds // 2  # a useless predictor's rounds are mostly skipped
+    if recalls == (1.0, 1.0):
+        assert skipped == 0
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_a_look_without_counting_leaves_the_gate_count(use_kernel):
+    t0 = table(use_kernel, "lru", explore_every=64)
+    ids, pred = routing(8, 0.0, seed=5)
+    play(t0, ids, pred)  # the gate closes after the first round
+    closed = int(t0.gate_closed)
+    assert not bool(t0.prefetch_wanted(count=False)) and int(t0.gate_closed) == closed
+    assert not bool(t0.prefetch_wanted()) and int(t0.gate_closed) == closed + 1

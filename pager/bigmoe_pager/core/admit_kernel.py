@@ -257,3 +257,57 @@ if triton is not None:
             tl.atomic_add(stats_ptr + _PREFETCHED, n)
             tl.atomic_add(stats_ptr + _PREFETCH_USED, n_used)
             tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
+
+
+def launch_wanted(
+    table_state: dict[str, torch.Tensor], num_slots: int, min_used_percent: int, explore_every: int, count: bool = True
+) -> torch.Tensor:
+    """bool []: whether the next admit could copy or has a round to settle (SlotTable.prefetch_wanted's rule), in
+    one program; with count, a round it rules out is counted in table_state's gate_closed, as the admit would have
+    counted it (count is a runtime argument: a call without it compiles the same kernel, outside any capture)."""
+    wanted = torch.empty((), dtype=torch.bool, device=table_state["step"].device)
+    kernel_for(_wanted_kernel, wanted.device)[(1,)](
+        table_state["step"],
+        table_state["prefetched"],
+        table_state["used_score"],
+        table_state["wasted_score"],
+        table_state["gate_closed"],
+        wanted.view(torch.uint8),
+        min_used_percent,
+        explore_every,
+        int(count),
+        S=num_slots,
+        BLOCK_S=next_pow2(num_slots),
+        num_warps=1,
+    )
+    return wanted
+
+
+if triton is not None:
+
+    @triton.jit
+    def _wanted_kernel(
+        step_ptr,
+        prefetched_ptr,
+        used_score_ptr,
+        wasted_score_ptr,
+        gate_closed_ptr,
+        out_ptr,
+        min_used_percent,
+        explore_every,
+        count,
+        S: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        s_ar = tl.arange(0, BLOCK_S)
+        marks = tl.load(prefetched_ptr + s_ar, mask=s_ar < S, other=-1)
+        to_settle = tl.sum((marks >= 0).to(tl.int32), 0) > 0
+        step = tl.load(step_ptr)
+        used_score = tl.load(used_score_ptr)
+        wasted_score = tl.load(wasted_score_ptr)
+        gate_open = (step % explore_every == 0) | (
+            used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
+        )
+        wanted = to_settle | gate_open
+        tl.store(out_ptr, wanted.to(tl.uint8))
+        tl.store(gate_closed_ptr, tl.load(gate_closed_ptr) + count * (1 - wanted.to(tl.int64)))

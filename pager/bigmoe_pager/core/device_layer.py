@@ -135,6 +135,8 @@ class DeviceLayerPager:
             policy=self.policy,
         )
         self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
+        if self.pager.vram.use_kernel:
+            self.pager.vram.prefetch_wanted(count=False)  # compiled now: a capture may be the first to need it
 
     @property
     def started(self) -> bool:
@@ -175,6 +177,14 @@ class DeviceLayerPager:
         the next `step` waits for it (a late copy is waited for). Event waits only: capturable.
         """
         self._on_side(predicted_ids, stream, self._prefetch_now)
+
+    def prefetch_wanted(self) -> torch.Tensor | None:
+        """bool []: whether this layer's next `prefetch` round can do anything (SlotTable.prefetch_wanted; False counts
+        the round as closed, and the caller must then skip it); None where the round must run whatever the VRAM
+        gate says: SSD reads ahead over a partial RAM tier, which that gate does not govern."""
+        if self.read_ahead_ssd and not self.ram.full:
+            return None
+        return self.pager_started().vram.prefetch_wanted()
 
     def read_ahead(self, predicted_ids: torch.Tensor, stream=None) -> None:
         """Post SSD reads of predicted experts for this layer's next step (ExpertPager.read_ahead); no wait.

@@ -33,7 +33,10 @@ the previous one (n_used of its experts the steps since needed, n_wasted not) an
 any, decays two fixed-point scores, score += (count << 6) - (score >> 3). A round admits only
 while used_score is at least MIN_USED_PERCENT of the two together, or on every
 PREFETCH_EXPLORE_EVERY-th step (so a predictor that became useful is noticed); a closed round
-still settles and stamps its step, but takes no slot and copies nothing.
+still settles and stamps its step, but takes no slot and copies nothing. `prefetch_wanted` tells ahead of a
+round whether it can do anything (a previous round to settle, or an open gate): a CUDA graph may then skip the
+round's proposal, decision and copy altogether (LivePredictions' skip_closed), and the table ends as the admit
+would have left it, its step stamp aside (nothing reads that stamp while no round is marked).
 """
 
 from __future__ import annotations
@@ -487,6 +490,25 @@ class SlotTable:
         )
         self.gate_closed.add_((~is_open).to(torch.int64))
         return is_open
+
+    def prefetch_wanted(self, count: bool = True) -> torch.Tensor:
+        """bool []: whether an `admit` now could copy (the gate open, or an explore step) or has the previous round's
+        marks to settle. With count, False also counts the round in gate_closed, as the skipped admit would have: a
+        caller that gets False must then not admit in this round (count=False: a look only, e.g. to compile the
+        kernel before a capture). Fixed shapes, no host sync (one program on CUDA)."""
+        if self.use_kernel:
+            return admit_kernel.launch_wanted(
+                self.admit_state(), self.num_slots, self.min_used_percent, self.explore_every, count
+            )
+        p = self.min_used_percent
+        to_settle = (self._prefetched[: self.num_slots] >= 0).any()
+        is_open = (torch.remainder(self.step, self.explore_every) == 0) | (
+            self.used_score * (100 - p) >= self.wasted_score * p
+        )
+        wanted = to_settle | is_open
+        if count:
+            self.gate_closed.add_((~wanted).to(torch.int64))
+        return wanted
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 
