@@ -17,7 +17,7 @@ from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.prediction import LivePredictions, predict_next
+from bigmoe_pager.core.prediction import LivePredictions, conditional_nodes_available, predict_next
 from bigmoe_pager.core.stats import PagerStats
 from bigmoe_pager.settings import PagerSettings
 
@@ -119,6 +119,7 @@ def _table_state(pager: DeviceLayerPager) -> list[torch.Tensor]:
     return [x.clone() for x in (t.expert_slot, t.slot_expert, t.last_use, t.use_count, t.used_score, t.wasted_score)]
 
 
+@pytest.mark.skipif(not conditional_nodes_available(), reason="this torch has no CUDA graph conditional nodes")
 @pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
 def test_skipped_closed_rounds_in_a_graph_leave_the_pager_as_running_every_round(policy):
     """skip_closed puts each round in a conditional node on the next pager's gate: replays switching from a useless
