@@ -76,7 +76,8 @@ class PagerSettings:
     prefetch_skip_closed: bool = False
     """BIGMOE_PREFETCH_SKIP_CLOSED: 1 = in CUDA graphs, a layer's prefetch round (proposal, decision, copy) sits in a
     conditional node that replays skip while that layer's prefetch gate is closed (torch with CUDA graph conditional
-    nodes); 0 = every round runs and the decision finds the gate closed (the default until measured inside vLLM)."""
+    nodes); 0 = every round runs and the decision finds the gate closed (the default: 1 was slower at every recall
+    inside vLLM 0.33, docs/benchmarks.md run 9)."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

@@ -58,7 +58,7 @@ def measured_runs() -> list[tuple[str, str, dict]]:
                 "ram_slots": c.get("ram_slots", 256),
             }
             runs.append(("topic-shift", c.get("eviction", "lfu"), run))
-    for c in json.loads((BENCH / "prefetch.json").read_text())["configs"]:  # run 6, vLLM 0.33, without prefetch
+    for c in json.loads((BENCH / "prefetch.json").read_text())["configs"]:  # run 9, vLLM 0.33, without prefetch
         if c.get("tpot_ms") and c.get("recall") is None and (c["name"] == "resident" or c["name"].startswith("bigmoe")):
             env = c["env"]
             run = {
@@ -111,7 +111,10 @@ def test_every_measured_configuration_is_checked():
         assert (family, "resident") in names
     assert {("standard", n) for n in ("bigmoe-102", "bigmoe-32", "bigmoe-32-ram128-ssd-layerbuf")} <= names
     assert {("topic-shift", n) for n in ("bigmoe-102", "bigmoe-32", "bigmoe-32-ram128-ssd")} <= names
-    on_033 = {(f, n) for f in ("standard", "topic-shift") for n in ("resident", "bigmoe-102-layerbuf")}
+    on_033 = {
+        (f, n) for f in ("standard", "topic-shift") for n in ("resident", "bigmoe-102-layerbuf", "bigmoe-32-layerbuf")
+    }
+    on_033.add(("standard", "bigmoe-32-ram128-ssd-layerbuf"))
     assert {(f, f"{n} (vLLM 0.33)") for f, n in on_033} <= names
 
 
