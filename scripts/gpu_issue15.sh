@@ -4,8 +4,8 @@
 #          GPU kernel tests; touches its flag file at the end
 #   wait   block until `early` is done (its results are then under $OUT)
 #   bench  (vLLM 0.33 staged) scripts/gpu_vllm_bench.py over $CONFIGS, $PARALLEL engines started at once, every
-#          family of $FAMILIES, recalls $RECALLS for `@r` names, a kernel timeline of $PROFILE_TOKENS decode tokens
-#          per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball
+#          family of $FAMILIES, recalls $RECALLS for `@r` names (their wrong ids drawn $WRONG: uniform or popular),
+#          a kernel timeline of $PROFILE_TOKENS decode tokens per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball
 #   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
 #   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, 2 layers)
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
@@ -50,7 +50,7 @@ for step in "$@"; do
     bench)
       vllm_env
       python3 scripts/gpu_vllm_bench.py --workdir "$work" --families "$families" --recalls "$recalls" \
-        --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-540}" --configs "$CONFIGS" \
+        --wrong "${WRONG:-uniform}" --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-540}" --configs "$CONFIGS" \
         --profile-tokens "${PROFILE_TOKENS:-0}" --out "$out/bench-${TAG:-run}.json" --logs "/tmp/logs-bench-${TAG:-run}"
       pack "logs-bench-${TAG:-run}" "/tmp/logs-bench-${TAG:-run}" ;;
     harness)  # the fast harness (no vLLM), alone on the GPU

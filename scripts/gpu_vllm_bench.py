@@ -202,25 +202,27 @@ def family_trace(work: Path, family: str) -> Path:
     return path
 
 
-def predicted_trace(work: Path, family: str, recall: float, precision: float | None) -> Path:
+def predicted_trace(work: Path, family: str, recall: float, precision: float | None, wrong: str = "uniform") -> Path:
     """The family's replayed trace with predicted_ids at (recall, precision; None: a top-k proposal of k ids per row,
-    one shape at every recall), made once per machine."""
-    tag = "topk" if precision is None else f"p{precision:g}"
+    one shape at every recall), wrong ids drawn the `wrong` way (traces.WRONG_MODELS), made once per machine."""
+    tag = ("topk" if precision is None else f"p{precision:g}") + ("" if wrong == "uniform" else f"-{wrong}")
     path = work / f"{family}-{REPLAY_TOKENS}-r{recall:g}-{tag}-trace.npz"
     if not path.exists():
         ids = traces.load_trace(family_trace(work, family))
-        traces.save_trace(path, ids, traces.predictions(ids, recall, precision, SHAPE["experts"], seed=0))
+        traces.save_trace(path, ids, traces.predictions(ids, recall, precision, SHAPE["experts"], 0, wrong))
     return path
 
 
-def make_traces(work: Path, names: list[str], families: list[str], recalls: list[float], precision) -> dict:
+def make_traces(
+    work: Path, names: list[str], families: list[str], recalls: list[float], precision, wrong: str = "uniform"
+) -> dict:
     """{(family, recall or None): path} of every trace the configurations replay, made in parallel processes
     (a prediction trace of REPLAY_TOKENS rows takes tens of seconds of one core)."""
     wanted = sorted({(f, r) for n in names for f in families for r in recalls_of(n, recalls) if r is not None})
     workers = max(1, min(len(families) + len(wanted), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, initializer=_shape, initargs=(SHAPE, LAYERS)) as pool:
         plain = list(pool.map(family_trace, [work] * len(families), families))
-        made = [pool.submit(predicted_trace, work, f, r, precision) for f, r in wanted]
+        made = [pool.submit(predicted_trace, work, f, r, precision, wrong) for f, r in wanted]
         predicted = [m.result() for m in made]
     return {**{(f, None): p for f, p in zip(families, plain)}, **dict(zip(wanted, predicted))}
 
@@ -282,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     except e2e.CheckpointFailed as e:
         print(f"gpu_vllm_bench: {e}", file=sys.stderr)
         return 1
-    traces_of = make_traces(work, names, args.families, args.recalls, args.precision)
+    traces_of = make_traces(work, names, args.families, args.recalls, args.precision, args.wrong)
     report["checkpoint"] = {"path": str(model), "layers": LAYERS, **SHAPE, "seconds": made_s}
     report["routing_families"], report["precision"] = args.families, args.precision or "top-k"
+    report["wrong_ids"] = args.wrong
     report["prepare_s"] = round(time.monotonic() - started, 1)
     if args.prepare_only:  # checkpoint and traces made (e.g. while vLLM is still being staged); no engine
         e2e.write_json(out, report)
@@ -407,6 +410,12 @@ def parse_args(argv):
         type=float,
         default=None,
         help="precision of the predictions (default: a top-k proposal, k ids per row, so precision = recall)",
+    )
+    p.add_argument(
+        "--wrong",
+        default="uniform",
+        choices=traces.WRONG_MODELS,
+        help="how a proposal's wrong ids are drawn: uniform (pessimistic) or popular (the layer's recently used ones)",
     )
     p.add_argument("--parallel", type=int, default=1, help="engines started at once (their timings still take turns)")
     p.add_argument(

@@ -4,8 +4,9 @@ Per token, layer by layer as the device-driven pager runs: `SlotTable.acquire` f
 ids (the demand copies), then `SlotTable.admit` of the predictions for the next layer (the
 prefetch copies), the torch reference the Triton kernels are tested to equal bit for bit. The
 predictions are the trace's own at a stated recall and precision (bigmoe_bench.traces.predictions:
-the wrong ids are drawn uniformly from the experts the step does not need, which is pessimistic:
-a real router's near misses are popular experts, often resident already; precision `topk` is a top-k
+with --wrong uniform (the default) the wrong ids are drawn evenly from the experts the step does not
+need, which is pessimistic: a real router's near misses are popular experts, often resident already;
+--wrong popular draws them in proportion to how often the layer uses each; precision `topk` is a top-k
 predictor's k ids a token, precision = recall). Each prediction case runs with admit's usefulness gate
 at each of --gates (min_used_percent; 0 = no gate); gate_closed is the share of rounds it closed.
 Time is not simulated: copies per token are what a GPU run pays for, and prefetch can only win back
@@ -111,11 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precisions", default="topk", help="comma list of floats in (0, 1] or topk (k ids a token)")
     p.add_argument("--gates", default=f"{MIN_USED_PERCENT},0", help="prefetch gate thresholds, percent (0: none)")
     p.add_argument("--explore-every", type=int, default=PREFETCH_EXPLORE_EVERY, help="the gate's explore period")
+    p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform or popular")
     p.add_argument("--policy", default="lfu-fast")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
     try:
+        if args.wrong not in traces.WRONG_MODELS:
+            raise ValueError(f"--wrong takes {' or '.join(traces.WRONG_MODELS)}, got {args.wrong!r}")
         grid = cases(args.families.split(","), _floats(args.recalls), _precisions(args.precisions), _ints(args.gates))
     except ValueError as err:
         print(f"sim_prefetch: {err}", file=sys.stderr)
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted = (
             None
             if case.recall is None
-            else traces.predictions(trace, case.recall, case.precision, case.experts, seed=args.seed)
+            else traces.predictions(trace, case.recall, case.precision, case.experts, args.seed, args.wrong)
         )
         gate = {"min_used_percent": case.min_used_percent or 0, "explore_every": args.explore_every}
         row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy, **gate)}
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
     if args.out:
         report = {"command": " ".join(["sim_prefetch.py", *(argv if argv is not None else sys.argv[1:])])}
-        head = {**report, "policy": args.policy, "explore_every": args.explore_every}
+        head = {**report, "policy": args.policy, "explore_every": args.explore_every, "wrong": args.wrong}
         body = ",\n  ".join(json.dumps(r) for r in rows)  # a row a line: small, and diffs read per case
         args.out.write_text(json.dumps(head, indent=1)[:-2] + f',\n "rows": [\n  {body}\n ]\n}}\n')
     return 0

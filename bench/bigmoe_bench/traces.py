@@ -149,8 +149,19 @@ def named_trace(name: str, tokens: int, layers: int, experts: int, k: int, seed:
     return family_trace(FAMILIES[name], tokens, layers, experts, k, seed)
 
 
+WRONG_MODELS = ("uniform", "popular")
+"""How predictions() draws a proposal's wrong ids (see there)."""
+POPULAR_WINDOW = 64
+"""Tokens before a row whose uses weigh predictions()' popular wrong ids (topic-shift re-ranks every 48)."""
+
+
 def predictions(
-    topk_ids: np.ndarray, recall: float, precision: float | None, experts: int, seed: int = 0
+    topk_ids: np.ndarray,
+    recall: float,
+    precision: float | None,
+    experts: int,
+    seed: int = 0,
+    wrong: str = "uniform",
 ) -> np.ndarray:
     """int32 [tokens, layers, P], -1 padded: row [t, l] proposes layer l+1's experts of token t.
 
@@ -160,7 +171,13 @@ def predictions(
     P = k + ceil(k * recall * (1 / precision - 1)). The last layer has no next one: all -1.
     precision None: a top-k predictor's proposal, k ids per row whatever the recall (P = k): the
     right ones, then wrong ones up to k, so precision = recall (a router's top-k proposes so).
+    wrong: "uniform" draws the wrong ids evenly from the experts not in T (the pessimistic model: most
+    are cold); "popular" draws them in proportion to 1 + how often layer l+1 used each in the
+    POPULAR_WINDOW tokens before t, as a router's near misses tend to be the experts its current
+    context favours.
     """
+    if wrong not in WRONG_MODELS:
+        raise TraceError(f"wrong ids are drawn {' or '.join(WRONG_MODELS)}, not {wrong!r}")
     if precision is None:
         precision_ok, topk = True, True
     else:
@@ -171,6 +188,7 @@ def predictions(
     wrong_max = 0 if topk else int(np.ceil(k * recall * (1.0 / precision - 1.0)))
     out = np.full((tokens, layers, k + wrong_max), -1, dtype=np.int32)
     rng = np.random.default_rng(seed)
+    recent = None if wrong == "uniform" else _cumulative_uses(topk_ids, experts)
     for t in range(tokens):
         for layer in range(layers - 1):
             true = np.unique(topk_ids[t, layer + 1][topk_ids[t, layer + 1] >= 0])
@@ -181,9 +199,24 @@ def predictions(
                 wanted = _stochastic_round(right.size * (1.0 / precision - 1.0), rng)
                 n_wrong = min(wanted, wrong_max, experts - true.size)
             others = np.setdiff1d(np.arange(experts), true, assume_unique=True)
-            wrong = rng.choice(others, size=n_wrong, replace=False)
-            row = np.concatenate([right, wrong])
+            weight = None
+            if recent is not None:
+                uses = 1.0 + recent[layer + 1][t] - recent[layer + 1][max(0, t - POPULAR_WINDOW)]
+                weight = uses[others] / uses[others].sum()
+            row = np.concatenate([right, rng.choice(others, size=n_wrong, replace=False, p=weight)])
             out[t, layer, : row.size] = row
+    return out
+
+
+def _cumulative_uses(topk_ids: np.ndarray, experts: int) -> np.ndarray:
+    """int32 [layers, tokens + 1, experts]: row t counts each expert's uses by the tokens before t, per layer."""
+    tokens, layers, _ = topk_ids.shape
+    out = np.zeros((layers, tokens + 1, experts), dtype=np.int32)
+    for layer in range(layers):
+        ids = topk_ids[:, layer]
+        hits = np.zeros((tokens, experts + 1), dtype=np.int32)
+        np.add.at(hits, (np.repeat(np.arange(tokens), ids.shape[1]), np.where(ids >= 0, ids, experts).ravel()), 1)
+        out[layer, 1:] = np.cumsum(hits[:, :experts], axis=0)
     return out
 
 

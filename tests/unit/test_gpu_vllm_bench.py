@@ -117,6 +117,13 @@ def test_prediction_traces_have_one_shape_at_every_recall_and_the_family_trace_r
         assert np.array_equal(traces.load_trace(path), plain)
         shapes.add(traces.load_predictions(path, 32).shape)
     assert shapes == {(64, 3, 4)}  # a top-k proposal: k ids per row at every recall, so traces swap in place
+    popular = bench.predicted_trace(tmp_path, "topic-shift", 0.6, None, "popular")
+    assert popular.name == "topic-shift-64-r0.6-topk-popular-trace.npz"  # beside the uniform one, never mistaken
+    assert traces.load_predictions(popular, 32).shape == (64, 3, 4)
+    assert not np.array_equal(
+        traces.load_predictions(popular, 32),
+        traces.load_predictions(path.with_name("topic-shift-64-r0.6-topk-trace.npz"), 32),
+    )
 
 
 def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):

@@ -57,3 +57,17 @@ def test_topk_is_a_precision_and_bad_lists_are_refused(tmp_path, capsys):
     assert [r["precision"] for r in json.loads(out.read_text())["rows"]] == [None, None, None, None]
     assert sim_prefetch.main([*argv, "--precisions", "best"]) == 2
     assert "expected comma-separated numbers" in capsys.readouterr().err
+
+
+def test_popular_wrong_ids_cost_fewer_copies_than_uniform_ones_and_bad_models_are_refused(tmp_path, capsys):
+    """At recall 0.8 a top-k proposal's wrong fifth copies less when it names popular experts (often resident)."""
+    out = {w: tmp_path / f"{w}.json" for w in traces.WRONG_MODELS}
+    argv = ["--tokens", "200", "--layers", "3", "--families", "standard", "--recalls", "0.8", "--gates", "0"]
+    for wrong, path in out.items():
+        assert sim_prefetch.main([*argv, "--wrong", wrong, "--out", str(path)]) == 0
+    rows = {w: [r for r in json.loads(p.read_text())["rows"] if r["recall"] == 0.8] for w, p in out.items()}
+    for uniform, popular in zip(rows["uniform"], rows["popular"]):
+        assert popular["prefetched_unused_per_token"] < uniform["prefetched_unused_per_token"]
+    assert json.loads(out["popular"].read_text())["wrong"] == "popular"
+    assert sim_prefetch.main([*argv, "--wrong", "near"]) == 2
+    assert "--wrong takes uniform or popular" in capsys.readouterr().err

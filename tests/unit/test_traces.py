@@ -141,3 +141,32 @@ def test_the_recorded_trace_is_committed_and_well_formed():
     assert trace.shape[1:] == (8, 8) and trace.shape[0] >= 1000
     assert trace.min() >= 0 and trace.max() == 63
     assert all(len(set(row)) == 8 for row in trace.reshape(-1, 8))
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift"])
+def test_popular_wrong_ids_are_the_layers_popular_experts_at_the_same_recall(family):
+    """Both wrong-id models keep k distinct ids at the stated recall; popular ones were used by the layer in the
+    tokens just before far more often than uniform ones (as a router's near misses are)."""
+    trace = traces.named_trace(family, 600, 3, 64, 8, seed=4)
+    window = traces.POPULAR_WINDOW
+
+    def recent_uses(t: int, expert: int) -> int:
+        return int((trace[max(0, t - window) : t, 2] == expert).sum())
+
+    mean_use = {}
+    for wrong in traces.WRONG_MODELS:
+        pred = traces.predictions(trace, 0.5, None, 64, seed=4, wrong=wrong)
+        rows, truth = pred[:, 1].tolist(), trace[:, 2].tolist()  # layer 1 proposes layer 2
+        assert all(len(set(r)) == 8 for r in rows)
+        right = np.mean([len(set(r) & set(t)) / 8 for r, t in zip(rows, truth)])
+        assert abs(right - 0.5) < 0.03
+        mean_use[wrong] = np.mean(
+            [recent_uses(t, e) for t, (r, m) in enumerate(zip(rows, truth)) for e in set(r) - set(m)]
+        )
+    assert mean_use["popular"] > 1.5 * mean_use["uniform"]
+
+
+def test_an_unknown_wrong_id_model_is_refused():
+    trace = traces.named_trace("standard", 20, 2, 32, 4)
+    with pytest.raises(traces.TraceError, match="uniform or popular"):
+        traces.predictions(trace, 0.5, None, 32, wrong="nearby")
