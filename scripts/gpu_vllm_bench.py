@@ -628,6 +628,12 @@ def combine(files: list[Path], out: Path) -> int:
             r["same_tokens_as"] = [
                 n for (f, n), o in rows.items() if f == family and o is not r and o.get("tokens") == r["tokens"]
             ]
+    for (family, name), r in rows.items():
+        resident = rows.get((family, "resident"), {}).get("tpot_ms")
+        if r.get("tpot_ms") and resident and name != "resident":
+            # What the GPU spends per token beyond the resident engine: waits for copies and reads, and the pager's
+            # own kernels (a replayed CUDA graph cannot tell the two apart).
+            r["beyond_resident_ms_per_token"] = round(r["tpot_ms"] - resident, 3)
     families = family_ratios(rows)
     report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
     report["issue15_targets"] = issue15_targets(families, report)

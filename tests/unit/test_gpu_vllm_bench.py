@@ -238,6 +238,9 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
         "32/128/SSD TTFT within 1.3x of its disk floor": False,
     }
     assert report["speedup_vs_offload17_at_102"] == 3.0  # the standard family's, as before
+    beyond = {(r["family"], r["name"]): r.get("beyond_resident_ms_per_token") for r in report["configs"]}
+    assert beyond["standard", "bigmoe-102@r0.8"] == 0.8 and beyond["topic-shift", "bigmoe-102-layerbuf@r0.8"] == 1.0
+    assert beyond["standard", "resident"] is None  # the reference itself
 
 
 def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into():
