@@ -20,6 +20,7 @@ Side work (--variants), each adding one part of the prefetch path:
   prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -skip puts each round in a CUDA graph conditional node skipped while the gate is closed (BIGMOE_PREFETCH_SKIP_CLOSED);
+-together has every layer's gate explore on the same steps (before session 12: the pager staggers them by layer);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
 the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-skip][-joinnow]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-skip][-together][-joinnow]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 predicted = None if recall is None else guesses[recall]
                 ms = model.time(trace_dev, predicted, variant, order, args)
                 row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **model.counters()}
+                row["worst_token_ms"] = model.worst_ms
                 if args.profile_tokens:
                     row["profile"] = model.profile(args.profile_tokens)
                 report["runs"].append(row)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-hi][-skip][-joinnow]."""
+    """A --variants name taken apart: base[-pN][-hi][-skip][-together][-joinnow]."""
 
     base: str
     """resident, none, fork, gather, admit or prefetch."""
@@ -134,6 +136,8 @@ class Variant:
     """Joined at the end of the forking layer's MoE call, not at the next layer's."""
     skip_closed: bool = False
     """Closed prefetch rounds skipped in the graph (a conditional node on the gate)."""
+    explore_together: bool = False
+    """Every layer's gate explores on the same steps (explore_phase 0), not at its own layer's phase."""
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -144,11 +148,11 @@ class Variant:
         for part in parts:
             if part.startswith("p") and part[1:].isdigit() and base == "prefetch":
                 programs = int(part[1:])
-            elif part in ("hi", "joinnow", "skip"):
+            elif part in ("hi", "joinnow", "skip", "together"):
                 flags.add(part)
             else:
                 raise ValueError(f"unknown part {part!r} of variant {name!r}")
-        return cls(base, programs, "hi" in flags, "joinnow" in flags, "skip" in flags)
+        return cls(base, programs, "hi" in flags, "joinnow" in flags, "skip" in flags, "together" in flags)
 
 
 class Model:
@@ -181,7 +185,7 @@ class Model:
         self.slots = [ExpertWeights.from_slots(b, BLOCK) for b in self.buffers]
         _sync(device)
 
-    def restart(self, order: list[list[int]], prefetch_programs: int) -> None:
+    def restart(self, order: list[list[int]], prefetch_programs: int, explore_together: bool = False) -> None:
         """Fresh slot tables (VRAM warmed with the warm-up's hottest experts) and zeroed counters, same records."""
         for layer, pager in enumerate(self.pagers):
             hottest = order[layer]
@@ -189,13 +193,15 @@ class Model:
             pager.pager = None
             pager.start(self.buffers[layer])
             pager.pager.prefetch_programs = prefetch_programs
+            if explore_together:
+                pager.pager.vram.explore_phase = 0
         self.stats.reset()
         _sync(self.device)
 
     def time(self, trace_dev, predicted, name: str, order, args) -> float:
         variant = Variant.parse(name)
         if variant.base != "resident":
-            self.restart(order, variant.programs)
+            self.restart(order, variant.programs, variant.explore_together)
         live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0, variant.skip_closed)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
@@ -237,14 +243,16 @@ class Model:
             graph.replay()
         torch.cuda.synchronize()
         self.stats.reset()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(args.tokens):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.tokens + 1)]
+        marks[0].record()
+        for mark in marks[1:]:
             graph.replay()
-        end.record()
-        end.synchronize()
+            mark.record()
+        marks[-1].synchronize()
         self._replay = graph.replay
-        return round(begin.elapsed_time(end) / args.tokens, 4)
+        per_token = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        self.worst_ms = round(max(per_token), 4)
+        return round(marks[0].elapsed_time(marks[-1]) / args.tokens, 4)
 
     def profile(self, tokens: int) -> dict:
         """The timed variant's next `tokens` tokens under torch.profiler, per stream (kernel_timeline): the main
@@ -264,10 +272,12 @@ class Model:
         for _ in range(args.warmup):
             token()
         self.stats.reset()
-        start = time.perf_counter()
+        times = [time.perf_counter()]
         for _ in range(args.tokens):
             token()
-        return round((time.perf_counter() - start) * 1e3 / args.tokens, 4)
+            times.append(time.perf_counter())
+        self.worst_ms = round(max(b - a for a, b in zip(times, times[1:])) * 1e3, 4)
+        return round((times[-1] - times[0]) * 1e3 / args.tokens, 4)
 
     def _fork(self, live: LivePredictions, variant: str, predicted, pos, layer: int, x) -> None:
         nxt = self.pagers[layer + 1]

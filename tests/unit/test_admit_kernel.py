@@ -58,24 +58,25 @@ def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], w
     "experts,slots,policy,masks,gate",
     [
         (256, 102, "lru", False, (10, 64)),
-        (256, 102, "lfu-fast", True, (60, 5)),
+        (256, 102, "lfu-fast", True, (60, 5, 3)),
         (256, 32, "lru", True, (0, 64)),
         (256, 32, "lfu", False, (60, 5)),
         (512, 35, "lfu-fast", False, (10, 64)),
-        (512, 35, "lru", True, (55, 3)),
+        (512, 35, "lru", True, (55, 3, 1)),
         (64, 16, "lfu", True, (10, 64)),
-        (64, 16, "lru", False, (60, 4)),
+        (64, 16, "lru", False, (60, 4, 2)),
     ],
 )
 def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, gate):
     """masks: pass `available`, `keep_slots` (a RAM tier's rows with unconfirmed reads) and the rows of a
-    partial RAM tier below (some holding unconfirmed reads). gate: (min_used_percent, explore_every); the
-    strict ones close the gate on some rounds and reopen it on others."""
+    partial RAM tier below (some holding unconfirmed reads). gate: (min_used_percent, explore_every[, explore_phase]);
+    the strict ones close the gate on some rounds and reopen it on others."""
     k, rounds, rb = 8, 20, 3 << 20
     rng = np.random.default_rng(experts * 7 + slots)
     ids, pred = routing(experts, k, 2 * rounds, seed=slots)
     decay = 3 if policy == "lfu" else None
     opts = {"policy": policy, "decay": decay, "min_used_percent": gate[0], "explore_every": gate[1]}
+    opts["explore_phase"] = gate[2] if len(gate) > 2 else 0
     ref = SlotTable(experts, slots, use_kernel=False, **opts)
     ker = SlotTable(experts, slots, use_kernel=True, **opts)
     warm = torch.from_numpy(rng.permutation(experts)[:slots].copy())

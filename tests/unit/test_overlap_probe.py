@@ -16,7 +16,9 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
     argv += ["--profile-tokens", "2"]
-    argv += ["--variants", "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,prefetch-p2-skip"]
+    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,prefetch-p2-skip"
+    variants += ",prefetch-p2-together"
+    argv += ["--variants", variants]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
 
@@ -42,7 +44,7 @@ def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
     assert right["vram_hit"] > plain["vram_hit"]
 
 
-@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow", "prefetch-p2-skip"])
+@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow", "prefetch-p2-skip", "prefetch-p2-together"])
 def test_bounded_copies_priority_and_join_place_move_what_the_plain_prefetch_moves(report, other):
     full, bounded = _row(report, "prefetch", 1.0), _row(report, other, 1.0)
     for key in ("vram_hit", "pcie_gb_per_token", "prefetched_per_token"):
@@ -63,3 +65,7 @@ def test_each_variant_is_profiled_and_a_cpu_run_has_no_kernels_to_summarize(repo
 
 def test_resident_is_reported_once_per_family(report):
     assert [r["variant"] for r in report["runs"]].count("resident") == 1
+
+
+def test_every_row_has_its_worst_token(report):
+    assert all(r["worst_token_ms"] >= r["ms_per_token"] > 0 for r in report["runs"] if r["variant"] != "resident")

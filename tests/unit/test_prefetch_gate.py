@@ -46,13 +46,15 @@ CASES = [(False, "lru", 16), (False, "lfu-fast", 8), (True, "lru", 8), (True, "l
 
 
 @pytest.mark.parametrize("use_kernel,policy,explore", CASES)
-def test_all_wrong_proposals_admit_only_on_explore_rounds(use_kernel, policy, explore):
+@pytest.mark.parametrize("phase", [0, 3])
+def test_all_wrong_proposals_admit_only_on_explore_rounds(use_kernel, policy, explore, phase):
+    """phase: the table's explore_phase (a layer's index), which moves its explore rounds to other steps."""
     rounds = 5 * explore
     ids, pred = routing(rounds, 0.0, seed=explore)
-    got = play(table(use_kernel, policy, explore_every=explore), ids, pred)
+    got = play(table(use_kernel, policy, explore_every=explore, explore_phase=phase), ids, pred)
     admitting = [t for t, (n, _) in enumerate(got) if n]
     assert admitting[0] == 0  # the first round admits (no evidence yet)
-    assert all(t % explore == 0 for t in admitting)  # then only explore rounds
+    assert all((t + phase) % explore == 0 for t in admitting[1:])  # then only its explore rounds
     assert len(admitting) >= 4  # and the explore rounds do copy (their proposals are not resident)
 
 

@@ -71,3 +71,16 @@ def test_popular_wrong_ids_cost_fewer_copies_than_uniform_ones_and_bad_models_ar
     assert json.loads(out["popular"].read_text())["wrong"] == "popular"
     assert sim_prefetch.main([*argv, "--wrong", "near"]) == 2
     assert "--wrong takes uniform or popular" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift"])
+def test_staggered_explore_rounds_copy_as_much_but_never_all_on_one_token(family):
+    """A useless predictor (recall 0): the gate's explore rounds are the only copies. With every layer's table at its
+    own phase they are spread over the steps; all on one step, one token in every period pays all the layers' copies."""
+    layers = 8
+    trace = traces.named_trace(family, 256, layers, 64, 4, seed=3)
+    pred = traces.predictions(trace, 0.0, None, 64, seed=3)
+    together = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast", explore_every=16, stagger=False)
+    spread = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast", explore_every=16, stagger=True)
+    assert spread["prefetch_copies_per_token"] == pytest.approx(together["prefetch_copies_per_token"], rel=0.25)
+    assert spread["peak_prefetch_per_token"] * 2 < together["peak_prefetch_per_token"]

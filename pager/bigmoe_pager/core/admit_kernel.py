@@ -42,6 +42,7 @@ def launch_admit(
     lfu: bool = False,
     min_used_percent: int = 0,
     explore_every: int = 1,
+    explore_phase: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
@@ -51,7 +52,8 @@ def launch_admit(
     prefetch_wasted_bytes added. source: slots.SourceRows of a partial tier below (only experts in its
     whole rows are fetched; rows = their record rows); None: rows = experts.
     lfu: rank candidate slots by (use count, last use, expert).
-    min_used_percent, explore_every: the prefetch gate (slots.MIN_USED_PERCENT, slots.PREFETCH_EXPLORE_EVERY);
+    min_used_percent, explore_every, explore_phase: the prefetch gate (slots.MIN_USED_PERCENT,
+    slots.PREFETCH_EXPLORE_EVERY, SlotTable.explore_phase);
     it reads and updates table_state's used_score, wasted_score and gate_closed.
     """
     if num_slots > MAX_SLOTS:
@@ -76,6 +78,7 @@ def launch_admit(
         table_state["gate_closed"],
         min_used_percent,
         explore_every,
+        explore_phase,
         _bytes_of(available, dummy),
         _bytes_of(keep_slots, dummy),
         dummy if source is None else source.expert_row,
@@ -134,6 +137,7 @@ if triton is not None:
         gate_closed_ptr,
         min_used_percent,
         explore_every,
+        explore_phase,
         avail_ptr,
         keep_ptr,
         src_row_ptr,
@@ -186,7 +190,7 @@ if triton is not None:
         settled = n_used + n_wasted > 0
         used_score = tl.where(settled, used_score - (used_score >> 3) + (n_used << 6), used_score)
         wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (n_wasted << 6), wasted_score)
-        gate_open = (step % explore_every == 0) | (
+        gate_open = ((step + explore_phase) % explore_every == 0) | (
             used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
         )
         tl.store(want_ptr + e_ar, 0, mask=e_in)
@@ -260,7 +264,12 @@ if triton is not None:
 
 
 def launch_wanted(
-    table_state: dict[str, torch.Tensor], num_slots: int, min_used_percent: int, explore_every: int, count: bool = True
+    table_state: dict[str, torch.Tensor],
+    num_slots: int,
+    min_used_percent: int,
+    explore_every: int,
+    count: bool = True,
+    explore_phase: int = 0,
 ) -> torch.Tensor:
     """bool []: whether the next admit could copy or has a round to settle (SlotTable.prefetch_wanted's rule), in
     one program; with count, a round it rules out is counted in table_state's gate_closed, as the admit would have
@@ -275,6 +284,7 @@ def launch_wanted(
         wanted.view(torch.uint8),
         min_used_percent,
         explore_every,
+        explore_phase,
         int(count),
         S=num_slots,
         BLOCK_S=next_pow2(num_slots),
@@ -295,6 +305,7 @@ if triton is not None:
         out_ptr,
         min_used_percent,
         explore_every,
+        explore_phase,
         count,
         S: tl.constexpr,
         BLOCK_S: tl.constexpr,
@@ -305,7 +316,7 @@ if triton is not None:
         step = tl.load(step_ptr)
         used_score = tl.load(used_score_ptr)
         wasted_score = tl.load(wasted_score_ptr)
-        gate_open = (step % explore_every == 0) | (
+        gate_open = ((step + explore_phase) % explore_every == 0) | (
             used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
         )
         wanted = to_settle | gate_open

@@ -70,7 +70,9 @@ class DeviceLayerPager:
         self.stats_table = stats
         self.buffers: dict[str, torch.Tensor] = {}
         self.policy = policy
-        self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead)
+        self.ram = RamTier(
+            layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead, layer=layer
+        )
         hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
         self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]
         """Every expert, hottest first: the first R get RAM records at load, the first S VRAM slots at start."""

@@ -32,7 +32,8 @@ Prefetch gate (issue 15: prefetch must never cost more than it saves): each roun
 the previous one (n_used of its experts the steps since needed, n_wasted not) and, when it judged
 any, decays two fixed-point scores, score += (count << 6) - (score >> 3). A round admits only
 while used_score is at least MIN_USED_PERCENT of the two together, or on every
-PREFETCH_EXPLORE_EVERY-th step (so a predictor that became useful is noticed); a closed round
+PREFETCH_EXPLORE_EVERY-th step (so a predictor that became useful is noticed; each table at its own phase, its
+layer's index, so the layers' explore rounds are spread over the steps rather than all on one token); a closed round
 still settles and stamps its step, but takes no slot and copies nothing. `prefetch_wanted` tells ahead of a
 round whether it can do anything (a previous round to settle, or an open gate): a CUDA graph may then skip the
 round's proposal, decision and copy altogether (LivePredictions' skip_closed), and the table ends as the admit
@@ -144,6 +145,7 @@ class SlotTable:
         decay: int | None = None,
         min_used_percent: int = MIN_USED_PERCENT,
         explore_every: int = PREFETCH_EXPLORE_EVERY,
+        explore_phase: int = 0,
     ) -> None:
         if not (0 <= min_used_percent <= 100 and explore_every >= 1):
             raise SlotTableError(
@@ -196,6 +198,9 @@ class SlotTable:
         self.min_used_percent = min_used_percent
         """Prefetch gate threshold (percent); 0 keeps the gate always open."""
         self.explore_every = explore_every
+        self.explore_phase = explore_phase % explore_every
+        """Explore rounds fall on the steps where (step + explore_phase) % explore_every == 0: tables of different
+        layers take different phases (their layer index) so that their explore rounds do not all land on one token."""
         """Steps between the prefetch gate's explore rounds (admits even when closed)."""
         self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
         """Decayed count of prefetched experts used (fixed point, x64 per expert): the gate's evidence for."""
@@ -420,6 +425,7 @@ class SlotTable:
             lfu=self.lfu,
             min_used_percent=self.min_used_percent,
             explore_every=self.explore_every,
+            explore_phase=self.explore_phase,
         )
         return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
@@ -485,9 +491,7 @@ class SlotTable:
         for score, count in ((self.used_score, used), (self.wasted_score, wasted)):
             score.copy_(torch.where(judged, score - (score >> 3) + (count << 6), score))
         p = self.min_used_percent
-        is_open = (torch.remainder(self.step, self.explore_every) == 0) | (
-            self.used_score * (100 - p) >= self.wasted_score * p
-        )
+        is_open = self._explore_step() | (self.used_score * (100 - p) >= self.wasted_score * p)
         self.gate_closed.add_((~is_open).to(torch.int64))
         return is_open
 
@@ -498,17 +502,19 @@ class SlotTable:
         kernel before a capture). Fixed shapes, no host sync (one program on CUDA)."""
         if self.use_kernel:
             return admit_kernel.launch_wanted(
-                self.admit_state(), self.num_slots, self.min_used_percent, self.explore_every, count
+                self.admit_state(), self.num_slots, self.min_used_percent, self.explore_every, count, self.explore_phase
             )
         p = self.min_used_percent
         to_settle = (self._prefetched[: self.num_slots] >= 0).any()
-        is_open = (torch.remainder(self.step, self.explore_every) == 0) | (
-            self.used_score * (100 - p) >= self.wasted_score * p
-        )
+        is_open = self._explore_step() | (self.used_score * (100 - p) >= self.wasted_score * p)
         wanted = to_settle | is_open
         if count:
             self.gate_closed.add_((~wanted).to(torch.int64))
         return wanted
+
+    def _explore_step(self) -> torch.Tensor:
+        """bool []: whether this step is one of the gate's explore rounds (see explore_phase)."""
+        return torch.remainder(self.step + self.explore_phase, self.explore_every) == 0
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 
