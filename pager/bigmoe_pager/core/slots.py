@@ -198,10 +198,10 @@ class SlotTable:
         self.min_used_percent = min_used_percent
         """Prefetch gate threshold (percent); 0 keeps the gate always open."""
         self.explore_every = explore_every
+        """Steps between the prefetch gate's explore rounds (admits even when closed)."""
         self.explore_phase = explore_phase % explore_every
         """Explore rounds fall on the steps where (step + explore_phase) % explore_every == 0: tables of different
         layers take different phases (their layer index) so that their explore rounds do not all land on one token."""
-        """Steps between the prefetch gate's explore rounds (admits even when closed)."""
         self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
         """Decayed count of prefetched experts used (fixed point, x64 per expert): the gate's evidence for."""
         self.wasted_score = torch.zeros((), dtype=torch.int64, device=self.device)
