@@ -4,7 +4,7 @@
 #          GPU kernel tests; touches its flag file at the end
 #   wait   block until `early` is done (its results are then under $OUT)
 #   bench  (vLLM 0.33 staged) scripts/gpu_vllm_bench.py over $CONFIGS, $PARALLEL engines started at once, every
-#          family of $FAMILIES, recalls $RECALLS for `@r` names (their wrong ids drawn $WRONG: uniform or popular),
+#          family of $FAMILIES, recalls $RECALLS for `@r` names (their wrong ids drawn $WRONG: uniform, popular or none),
 #          a kernel timeline of $PROFILE_TOKENS decode tokens per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball
 #   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
 #   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, 2 layers)

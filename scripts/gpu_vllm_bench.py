@@ -415,7 +415,7 @@ def parse_args(argv):
         "--wrong",
         default="uniform",
         choices=traces.WRONG_MODELS,
-        help="how a proposal's wrong ids are drawn: uniform (pessimistic) or popular (the layer's recently used ones)",
+        help="a proposal's wrong ids: uniform (pessimistic), popular (recently used ones) or none (only right ones)",
     )
     p.add_argument("--parallel", type=int, default=1, help="engines started at once (their timings still take turns)")
     p.add_argument(

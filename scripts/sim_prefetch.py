@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every layer's gate explores on the same steps (before session 12) instead of at its own phase",
     )
-    p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform or popular")
+    p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform, popular or none")
     p.add_argument("--policy", default="lfu-fast")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
     try:
         if args.wrong not in traces.WRONG_MODELS:
-            raise ValueError(f"--wrong takes {' or '.join(traces.WRONG_MODELS)}, got {args.wrong!r}")
+            raise ValueError(f"--wrong takes one of {', '.join(traces.WRONG_MODELS)}, got {args.wrong!r}")
         grid = cases(args.families.split(","), _floats(args.recalls), _precisions(args.precisions), _ints(args.gates))
     except ValueError as err:
         print(f"sim_prefetch: {err}", file=sys.stderr)

@@ -149,7 +149,7 @@ def named_trace(name: str, tokens: int, layers: int, experts: int, k: int, seed:
     return family_trace(FAMILIES[name], tokens, layers, experts, k, seed)
 
 
-WRONG_MODELS = ("uniform", "popular")
+WRONG_MODELS = ("uniform", "popular", "none")
 """How predictions() draws a proposal's wrong ids (see there)."""
 POPULAR_WINDOW = 64
 """Tokens before a row whose uses weigh predictions()' popular wrong ids (topic-shift re-ranks every 48)."""
@@ -174,10 +174,11 @@ def predictions(
     wrong: "uniform" draws the wrong ids evenly from the experts not in T (the pessimistic model: most
     are cold); "popular" draws them in proportion to 1 + how often layer l+1 used each in the
     POPULAR_WINDOW tokens before t, as a router's near misses tend to be the experts its current
-    context favours.
+    context favours; "none" proposes no wrong ids at all (a row holds only its right ones, so at recall 0 it
+    is empty: what the prefetch path costs when there is nothing to copy).
     """
     if wrong not in WRONG_MODELS:
-        raise TraceError(f"wrong ids are drawn {' or '.join(WRONG_MODELS)}, not {wrong!r}")
+        raise TraceError(f"the wrong-id model is one of {', '.join(WRONG_MODELS)}, not {wrong!r}")
     if precision is None:
         precision_ok, topk = True, True
     else:
@@ -193,7 +194,9 @@ def predictions(
         for layer in range(layers - 1):
             true = np.unique(topk_ids[t, layer + 1][topk_ids[t, layer + 1] >= 0])
             right = rng.permutation(true)[: _stochastic_round(recall * true.size, rng)]
-            if topk:
+            if wrong == "none":
+                n_wrong = 0
+            elif topk:
                 n_wrong = min(k - right.size, experts - true.size)
             else:
                 wanted = _stochastic_round(right.size * (1.0 / precision - 1.0), rng)

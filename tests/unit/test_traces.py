@@ -154,7 +154,7 @@ def test_popular_wrong_ids_are_the_layers_popular_experts_at_the_same_recall(fam
         return int((trace[max(0, t - window) : t, 2] == expert).sum())
 
     mean_use = {}
-    for wrong in traces.WRONG_MODELS:
+    for wrong in ("uniform", "popular"):
         pred = traces.predictions(trace, 0.5, None, 64, seed=4, wrong=wrong)
         rows, truth = pred[:, 1].tolist(), trace[:, 2].tolist()  # layer 1 proposes layer 2
         assert all(len(set(r)) == 8 for r in rows)
@@ -168,5 +168,17 @@ def test_popular_wrong_ids_are_the_layers_popular_experts_at_the_same_recall(fam
 
 def test_an_unknown_wrong_id_model_is_refused():
     trace = traces.named_trace("standard", 20, 2, 32, 4)
-    with pytest.raises(traces.TraceError, match="uniform or popular"):
+    with pytest.raises(traces.TraceError, match="one of uniform, popular, none"):
         traces.predictions(trace, 0.5, None, 32, wrong="nearby")
+
+
+@pytest.mark.parametrize("recall", [0.0, 0.6])
+def test_proposals_without_wrong_ids_hold_only_right_ones(recall):
+    """wrong="none": a row proposes only its right ids, so at recall 0 nothing at all (-1 padded to k)."""
+    trace = traces.named_trace("standard", 300, 3, 32, 4, seed=2)
+    pred = traces.predictions(trace, recall, None, 32, seed=2, wrong="none")
+    assert pred.shape == (300, 3, 4)
+    rows, truth = pred[:, 1].tolist(), trace[:, 2].tolist()
+    assert all({e for e in r if e >= 0} <= set(t) for r, t in zip(rows, truth))  # precision 1
+    right = np.mean([len({e for e in r if e >= 0}) / 4 for r in rows])
+    assert abs(right - recall) < 0.04
