@@ -138,7 +138,9 @@ class DeviceLayerPager:
         )
         self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
         if self.pager.vram.use_kernel:
-            self.pager.vram.prefetch_wanted(count=False)  # compiled now: a capture may be the first to need it
+            # Compiled now (one tiny kernel, cached by Triton): a capture, which cannot compile, may be the first to
+            # ask (BIGMOE_PREFETCH_SKIP_CLOSED), and the layer's first eager forward may come before its pager starts.
+            self.pager.vram.prefetch_wanted(count=False)
 
     @property
     def started(self) -> bool:
