@@ -31,3 +31,28 @@ def test_two_tiers_count_ssd_reads_and_policies_differ():
 def test_bad_policy_is_one_line_and_exit_2(capsys):
     assert sim_eviction.main(["--policies", "mru"]) == 2
     assert "mru" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "family,slots", [("standard", 8), ("standard", 16), ("topic-shift", 8), ("topic-shift", 16), ("near-uniform", 16)]
+)
+def test_lfu_duel_follows_whichever_of_lfu_and_lfu_fast_suits_the_family(family, slots):
+    """Set dueling: the hit rate within a point of the better count on every family (lfu when routing is stationary,
+    lfu-fast when topics shift), and never below lru."""
+    trace = traces.named_trace(family, 800, 2, 64, 4, seed=1)
+    rate = {
+        p: sim_eviction.simulate(trace, 64, slots, 64, p)["vram_hit"] for p in ("lru", "lfu", "lfu-fast", "lfu-duel")
+    }
+    best = max(rate["lfu"], rate["lfu-fast"])
+    assert rate["lfu-duel"] >= best - 0.01 and rate["lfu-duel"] > rate["lru"]
+    assert abs(rate["lfu"] - rate["lfu-fast"]) > 0.009  # (the two differ here, so following the better one matters)
+
+
+def test_lfu_duel_runs_in_the_torch_reference_only_and_is_no_engine_setting():
+    from bigmoe_pager.core.slots import SlotTable, SlotTableError
+    from bigmoe_pager.settings import PagerSettings, SettingsError
+
+    with pytest.raises(SlotTableError, match="no Triton kernel"):
+        SlotTable(64, 16, policy="lfu-duel", use_kernel=True)
+    with pytest.raises(SettingsError):
+        PagerSettings.from_env({"BIGMOE_EVICTION": "lfu-duel"})

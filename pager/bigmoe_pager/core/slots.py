@@ -14,7 +14,10 @@ Policy (deterministic so a plain-Python model can check it):
   for lfu, 16 for lfu-fast: frequency that forgets within a topic). Chosen by
   scripts/sim_eviction.py over four routing families (docs/bench/eviction.json):
   lfu-fast misses no more than lru on any of them (a tie at 40% slots under
-  topic shifts), lfu loses to lru once the routing shifts;
+  topic shifts), lfu loses to lru once the routing shifts. "lfu-duel" (torch reference only, no kernel yet, so
+  not an engine setting) keeps both counts and two shadow tables that play each step as if ranking by one or the
+  other (set dueling); it ranks by the one whose shadow hit more lately: within 0.002 of the better of lfu and
+  lfu-fast on every family simulated (docs/benchmarks.md);
 - misses are assigned slots in ascending expert id;
 - when a step needs more distinct experts than there are slots (overflow), the
   lowest-id misses get the free and unneeded slots, the rest stay out and their
@@ -58,8 +61,12 @@ from bigmoe_pager.core.stats import (
 )
 
 _NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
-POLICIES = ("lru", "lfu", "lfu-fast")
-DEFAULT_DECAY = {"lru": 0, "lfu": 256, "lfu-fast": 16}
+POLICIES = ("lru", "lfu", "lfu-fast", "lfu-duel")
+DEFAULT_DECAY = {"lru": 0, "lfu": 256, "lfu-fast": 16, "lfu-duel": 16}
+DUEL_SLOW_DECAY = 256
+"""lfu-duel: the halving period (steps) of its slow counts; its fast counts halve every `decay` steps."""
+DUEL_PSEL_MAX = 32
+"""lfu-duel: the selector saturates at +-this many needs (about four steps of full disagreement at top-8)."""
 """Steps between halvings of the use counts, per policy (lru keeps none)."""
 LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
@@ -187,6 +194,19 @@ class SlotTable:
         self.lfu = policy != "lru"
         """Rank eviction candidates by use count first (lfu, lfu-fast)."""
         self._freq = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
+        self.duel = policy == "lfu-duel"
+        """Keep fast and slow decayed counts, rank by whichever would have kept more of the recent needs."""
+        if self.duel and use_kernel:
+            raise SlotTableError("lfu-duel has no Triton kernel yet: it runs in the torch reference only (use_kernel)")
+        self._fast = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
+        self._slow = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
+        self._shadows = [
+            (torch.zeros(e, dtype=torch.bool, device=self.device), torch.full((e,), -1, device=self.device), counts)
+            for counts in (self._fast, self._slow)
+        ]
+        """lfu-duel: (held [E], last-use stamps [E], counts) of a table ranking by the fast counts, then the slow."""
+        self.psel = torch.zeros((), dtype=torch.int64, device=self.device)
+        """lfu-duel's selector: > 0 ranks by the slow counts, else by the fast ones (saturating, +-DUEL_PSEL_MAX)."""
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
         """Programs of a fused decode step that finished reading the table (step_kernel); 0 between steps."""
         self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
@@ -335,10 +355,42 @@ class SlotTable:
         return out[:m]
 
     def _count_uses(self, need: torch.Tensor) -> None:
+        if self.duel:
+            self._duel_count(need)
+            return
         if self.decay:
             halve = torch.remainder(self.step, self.decay) == 0
             self._freq.copy_(torch.where(halve, self._freq >> 1, self._freq))
         self._freq.add_(need.to(torch.int64))
+
+    def _duel_count(self, need: torch.Tensor) -> None:
+        """lfu-duel: count this step's needs in both counts, play the step on two shadow tables (which experts a
+        table ranking by the fast counts, and one ranking by the slow counts, would hold: set dueling), move the
+        selector by the difference of their hits, then rank by the leader's counts (`_freq`, the eviction key's)."""
+        needed = need[: self.num_experts]
+        for counts, period in ((self._fast, self.decay), (self._slow, DUEL_SLOW_DECAY)):
+            if period:
+                halve = torch.remainder(self.step, period) == 0
+                counts.copy_(torch.where(halve, counts >> 1, counts))
+            counts.add_(need.to(torch.int64))
+        hits = [self._shadow_step(held, stamps, counts, needed) for held, stamps, counts in self._shadows]
+        self.psel.copy_((self.psel + hits[1] - hits[0]).clamp(-DUEL_PSEL_MAX, DUEL_PSEL_MAX))
+        self._freq.copy_(torch.where(self.psel > 0, self._slow, self._fast))
+
+    def _shadow_step(self, held, stamps, counts, needed) -> torch.Tensor:
+        """One acquire on a shadow table (experts only, no slots): its hits; misses evict its lowest-ranked."""
+        e, s = self.num_experts, self.num_slots
+        hits = (needed & held).sum()
+        missing = needed & ~held
+        evict = (held.sum() + missing.sum() - s).clamp(min=0)
+        key = (counts[:e].clamp(max=LFU_MAX_COUNT) << 42) | (stamps << 10) | self._arange_e
+        key = torch.where(held & ~needed, key, torch.iinfo(torch.int64).max)
+        order = torch.argsort(key)
+        drop = torch.zeros(e, dtype=torch.bool, device=self.device)
+        drop[order] = torch.arange(e, device=self.device) < evict
+        held.copy_((held & ~drop) | missing)
+        stamps.copy_(torch.where(needed, self.step, stamps))
+        return hits
 
     def _choose_slots(self, need: torch.Tensor, miss_experts: torch.Tensor, m: int):
         """Slots for the misses: empty first, then the unneeded ones the policy ranks lowest."""
