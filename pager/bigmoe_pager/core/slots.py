@@ -198,13 +198,15 @@ class SlotTable:
         """Keep fast and slow decayed counts, rank by whichever would have kept more of the recent needs."""
         if self.duel and use_kernel:
             raise SlotTableError("lfu-duel has no Triton kernel yet: it runs in the torch reference only (use_kernel)")
-        self._fast = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
-        self._slow = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
-        self._shadows = [
-            (torch.zeros(e, dtype=torch.bool, device=self.device), torch.full((e,), -1, device=self.device), counts)
-            for counts in (self._fast, self._slow)
-        ]
+        self._fast = self._slow = None
+        """lfu-duel: use counts halved every `decay` steps, and every DUEL_SLOW_DECAY steps."""
+        self._shadows = []
         """lfu-duel: (held [E], last-use stamps [E], counts) of a table ranking by the fast counts, then the slow."""
+        if self.duel:
+            self._fast, self._slow = (torch.zeros((e + 1,), dtype=torch.int64, device=self.device) for _ in range(2))
+            held = [torch.zeros(e, dtype=torch.bool, device=self.device) for _ in range(2)]
+            stamps = [torch.full((e,), -1, dtype=torch.int64, device=self.device) for _ in range(2)]
+            self._shadows = list(zip(held, stamps, (self._fast, self._slow)))
         self.psel = torch.zeros((), dtype=torch.int64, device=self.device)
         """lfu-duel's selector: > 0 ranks by the slow counts, else by the fast ones (saturating, +-DUEL_PSEL_MAX)."""
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
