@@ -61,16 +61,18 @@ class Inputs:
     "experts,slots,policy,masks,gate",
     [
         (256, 102, "lru", False, (0, 64)),
-        (256, 32, "lfu-fast", True, (50, 8)),
+        (256, 32, "lfu-fast", True, (50, 8, 5)),
         (512, 35, "lfu", True, (0, 64)),
-        (64, 16, "lru", True, (50, 8)),
+        (64, 16, "lru", True, (50, 8, 3)),
     ],
 )
 def test_side_stream_admit_in_a_graph_equals_torch(experts, slots, policy, masks, gate):
     """Per replay: acquire on the main stream, admit on a side stream; the torch tables run the same eagerly.
-    gate: (min_used_percent, explore_every); these random rounds close a 50% gate between its explore rounds."""
+    gate: (min_used_percent, explore_every[, explore_phase]); these random rounds close a 50% gate between its
+    explore rounds."""
     tokens, k, predictions = 2, 8, 12
     opts = {"policy": policy, "min_used_percent": gate[0], "explore_every": gate[1]}
+    opts["explore_phase"] = gate[2] if len(gate) > 2 else 0
     ker = SlotTable(experts, slots, "cuda", use_kernel=True, **opts)
     ref = SlotTable(experts, slots, "cuda", use_kernel=False, **opts)
     rows = {name: torch.zeros(10, dtype=torch.int64, device="cuda") for name in ("ker", "ref")}
