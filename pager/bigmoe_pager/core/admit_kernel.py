@@ -121,6 +121,12 @@ if triton is not None:
     _PREFETCH_WASTED_BYTES = tl.constexpr(stats.PREFETCH_WASTED_BYTES)
 
     @triton.jit
+    def _gate_open(step, explore_phase, explore_every, used_score, wasted_score, min_used_percent):
+        """The prefetch gate's rule (SlotTable._gate_open): an explore step, or used at least min_used_percent."""
+        explore = (step + explore_phase) % explore_every == 0
+        return explore | (used_score * (100 - min_used_percent) >= wasted_score * min_used_percent)
+
+    @triton.jit
     def _admit_kernel(
         pred_ptr,
         n_pred,
@@ -190,9 +196,7 @@ if triton is not None:
         settled = n_used + n_wasted > 0
         used_score = tl.where(settled, used_score - (used_score >> 3) + (n_used << 6), used_score)
         wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (n_wasted << 6), wasted_score)
-        gate_open = ((step + explore_phase) % explore_every == 0) | (
-            used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
-        )
+        gate_open = _gate_open(step, explore_phase, explore_every, used_score, wasted_score, min_used_percent)
         tl.store(want_ptr + e_ar, 0, mask=e_in)
         tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
         tl.debug_barrier()
@@ -316,9 +320,7 @@ if triton is not None:
         step = tl.load(step_ptr)
         used_score = tl.load(used_score_ptr)
         wasted_score = tl.load(wasted_score_ptr)
-        gate_open = ((step + explore_phase) % explore_every == 0) | (
-            used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
-        )
+        gate_open = _gate_open(step, explore_phase, explore_every, used_score, wasted_score, min_used_percent)
         wanted = to_settle | gate_open
         tl.store(out_ptr, wanted.to(tl.uint8))
         tl.store(gate_closed_ptr, tl.load(gate_closed_ptr) + count * (1 - wanted.to(tl.int64)))

@@ -544,8 +544,7 @@ class SlotTable:
         judged = used + wasted > 0
         for score, count in ((self.used_score, used), (self.wasted_score, wasted)):
             score.copy_(torch.where(judged, score - (score >> 3) + (count << 6), score))
-        p = self.min_used_percent
-        is_open = self._explore_step() | (self.used_score * (100 - p) >= self.wasted_score * p)
+        is_open = self._gate_open()
         self.gate_closed.add_((~is_open).to(torch.int64))
         return is_open
 
@@ -558,17 +557,16 @@ class SlotTable:
             return admit_kernel.launch_wanted(
                 self.admit_state(), self.num_slots, self.min_used_percent, self.explore_every, count, self.explore_phase
             )
-        p = self.min_used_percent
-        to_settle = (self._prefetched[: self.num_slots] >= 0).any()
-        is_open = self._explore_step() | (self.used_score * (100 - p) >= self.wasted_score * p)
-        wanted = to_settle | is_open
+        wanted = (self._prefetched[: self.num_slots] >= 0).any() | self._gate_open()
         if count:
             self.gate_closed.add_((~wanted).to(torch.int64))
         return wanted
 
-    def _explore_step(self) -> torch.Tensor:
-        """bool []: whether this step is one of the gate's explore rounds (see explore_phase)."""
-        return torch.remainder(self.step + self.explore_phase, self.explore_every) == 0
+    def _gate_open(self) -> torch.Tensor:
+        """bool []: the gate's rule on its current scores: an explore step (see explore_phase), or enough used."""
+        p = self.min_used_percent
+        explore = torch.remainder(self.step + self.explore_phase, self.explore_every) == 0
+        return explore | (self.used_score * (100 - p) >= self.wasted_score * p)
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 
