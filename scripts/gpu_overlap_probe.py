@@ -19,8 +19,6 @@ Side work (--variants), each adding one part of the prefetch path:
   prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs)
   prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
--skip puts each round in a CUDA graph conditional node skipped while the gate is closed (BIGMOE_PREFETCH_SKIP_CLOSED);
--together has every layer's gate explore on the same steps (before session 12: the pager staggers them by layer);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
 the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-skip][-together][-joinnow]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -124,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-hi][-skip][-together][-joinnow]."""
+    """A --variants name taken apart: base[-pN][-hi][-joinnow]."""
 
     base: str
     """resident, none, fork, gather, admit or prefetch."""
@@ -134,10 +132,6 @@ class Variant:
     """The side stream at high priority."""
     join_now: bool = False
     """Joined at the end of the forking layer's MoE call, not at the next layer's."""
-    skip_closed: bool = False
-    """Closed prefetch rounds skipped in the graph (a conditional node on the gate)."""
-    explore_together: bool = False
-    """Every layer's gate explores on the same steps (explore_phase 0), not at its own layer's phase."""
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -148,11 +142,11 @@ class Variant:
         for part in parts:
             if part.startswith("p") and part[1:].isdigit() and base == "prefetch":
                 programs = int(part[1:])
-            elif part in ("hi", "joinnow", "skip", "together"):
+            elif part in ("hi", "joinnow"):
                 flags.add(part)
             else:
                 raise ValueError(f"unknown part {part!r} of variant {name!r}")
-        return cls(base, programs, "hi" in flags, "joinnow" in flags, "skip" in flags, "together" in flags)
+        return cls(base, programs, "hi" in flags, "joinnow" in flags)
 
 
 class Model:
@@ -185,7 +179,7 @@ class Model:
         self.slots = [ExpertWeights.from_slots(b, BLOCK) for b in self.buffers]
         _sync(device)
 
-    def restart(self, order: list[list[int]], prefetch_programs: int, explore_together: bool = False) -> None:
+    def restart(self, order: list[list[int]], prefetch_programs: int) -> None:
         """Fresh slot tables (VRAM warmed with the warm-up's hottest experts) and zeroed counters, same records."""
         for layer, pager in enumerate(self.pagers):
             hottest = order[layer]
@@ -193,16 +187,14 @@ class Model:
             pager.pager = None
             pager.start(self.buffers[layer])
             pager.pager.prefetch_programs = prefetch_programs
-            if explore_together:
-                pager.pager.vram.explore_phase = 0
         self.stats.reset()
         _sync(self.device)
 
     def time(self, trace_dev, predicted, name: str, order, args) -> float:
         variant = Variant.parse(name)
         if variant.base != "resident":
-            self.restart(order, variant.programs, variant.explore_together)
-        live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0, variant.skip_closed)
+            self.restart(order, variant.programs)
+        live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
         w = torch.full((1, args.top_k), 1.0 / args.top_k, device=self.device, dtype=torch.float32)

@@ -108,13 +108,10 @@ AHEAD_DEEP = "+ahead4"
 """Name suffix: +ahead four layers deep (BIGMOE_SSD_READ_AHEAD_LAYERS=4); needs @rRECALL."""
 HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
-SKIP = "+skip"
-"""Name suffix: closed prefetch rounds skipped in the CUDA graphs (BIGMOE_PREFETCH_SKIP_CLOSED=1); needs @rRECALL."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
     HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
-    SKIP: {"BIGMOE_PREFETCH_SKIP_CLOSED": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets."""
 EVERY = "every"

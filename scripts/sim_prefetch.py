@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from bigmoe_bench import traces
 from bigmoe_pager.core import stats
-from bigmoe_pager.core.slots import MIN_USED_PERCENT, PREFETCH_EXPLORE_EVERY, SlotTable
+from bigmoe_pager.core.slots import MIN_USED_PERCENT, SlotTable
 
 RECORD = 1  # admit counts bytes as experts x record bytes: count experts
 
@@ -55,20 +55,16 @@ def simulate(
     vram: int,
     policy: str,
     min_used_percent: int = MIN_USED_PERCENT,
-    explore_every: int = PREFETCH_EXPLORE_EVERY,
-    stagger: bool = True,
 ) -> dict:
     """Per token: demand copies, prefetch copies, prefetched experts never used, and the VRAM hit rate;
     gate_closed: share of the prefetch rounds the gate closed; peak_prefetch_per_token: the most prefetch copies one
-    token made after the first (whose round every gate opens: no evidence yet).
-    stagger: each layer's table explores at its own phase (its index), as the pager's do; False: all at once."""
+    token made after the first (whose round every gate opens: no evidence yet)."""
     tokens, layers, _ = trace.shape
     ids = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
     pred = None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
-    gate = {"min_used_percent": min_used_percent, "explore_every": explore_every}
     tables = [
-        SlotTable(experts, vram, policy=policy, use_kernel=False, explore_phase=layer if stagger else 0, **gate)
-        for layer in range(layers)
+        SlotTable(experts, vram, policy=policy, use_kernel=False, min_used_percent=min_used_percent)
+        for _ in range(layers)
     ]
     rows = torch.zeros(layers, len(stats.COUNTERS), dtype=torch.int64)
     lookups = hits = demand = peak = 0
@@ -121,12 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recalls", default="0,0.6,0.8,1.0")
     p.add_argument("--precisions", default="topk", help="comma list of floats in (0, 1] or topk (k ids a token)")
     p.add_argument("--gates", default=f"{MIN_USED_PERCENT},0", help="prefetch gate thresholds, percent (0: none)")
-    p.add_argument("--explore-every", type=int, default=PREFETCH_EXPLORE_EVERY, help="the gate's explore period")
-    p.add_argument(
-        "--explore-together",
-        action="store_true",
-        help="every layer's gate explores on the same steps (before session 12) instead of at its own phase",
-    )
     p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform, popular or none")
     p.add_argument("--policy", default="lfu-fast")
     p.add_argument("--seed", type=int, default=0)
@@ -151,15 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             if case.recall is None
             else traces.predictions(trace, case.recall, case.precision, case.experts, args.seed, args.wrong)
         )
-        gate = {"min_used_percent": case.min_used_percent or 0, "explore_every": args.explore_every}
-        gate["stagger"] = not args.explore_together
-        row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy, **gate)}
+        gate = case.min_used_percent or 0
+        row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy, gate)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
         report = {"command": " ".join(["sim_prefetch.py", *(argv if argv is not None else sys.argv[1:])])}
-        head = {**report, "policy": args.policy, "explore_every": args.explore_every, "wrong": args.wrong}
-        head["explore_together"] = args.explore_together
+        head = {**report, "policy": args.policy, "wrong": args.wrong, "gate": "shadow-scored (session 13)"}
         body = ",\n  ".join(json.dumps(r) for r in rows)  # a row a line: small, and diffs read per case
         args.out.write_text(json.dumps(head, indent=1)[:-2] + f',\n "rows": [\n  {body}\n ]\n}}\n')
     return 0

@@ -73,11 +73,6 @@ class PagerSettings:
     prefetch_high_priority: bool = False
     """BIGMOE_PREFETCH_HIGH_PRIORITY: 1 = the prefetch side stream runs at the GPU's high stream priority, so its
     copies get SMs ahead of vLLM's kernels; 0 = normal priority (the default until measured inside vLLM)."""
-    prefetch_skip_closed: bool = False
-    """BIGMOE_PREFETCH_SKIP_CLOSED: 1 = in CUDA graphs, a layer's prefetch round (proposal, decision, copy) sits in a
-    conditional node that replays skip while that layer's prefetch gate is closed (torch with CUDA graph conditional
-    nodes); 0 = every round runs and the decision finds the gate closed (the default: 1 was slower at every recall
-    inside vLLM 0.33, docs/benchmarks.md run 9)."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

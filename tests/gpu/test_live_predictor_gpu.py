@@ -17,7 +17,7 @@ from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.prediction import LivePredictions, conditional_nodes_available, predict_next
+from bigmoe_pager.core.prediction import LivePredictions, predict_next
 from bigmoe_pager.core.stats import PagerStats
 from bigmoe_pager.settings import PagerSettings
 
@@ -112,69 +112,3 @@ def test_proposals_captured_with_a_layer_feed_the_next_layer(experts, vram, k, t
     assert after.prefetched > before.prefetched
     assert after.prefetch_used > before.prefetch_used
     assert after.misses - before.misses < (after.lookups - before.lookups) // 4  # the proposals were what it used
-
-
-def _table_state(pager: DeviceLayerPager) -> list[torch.Tensor]:
-    t = pager.pager.vram
-    return [x.clone() for x in (t.expert_slot, t.slot_expert, t.last_use, t.use_count, t.used_score, t.wasted_score)]
-
-
-@pytest.mark.skipif(not conditional_nodes_available(), reason="this torch has no CUDA graph conditional nodes")
-@pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
-def test_skipped_closed_rounds_in_a_graph_leave_the_pager_as_running_every_round(policy):
-    """skip_closed puts each round in a conditional node on the next pager's gate: replays switching from a useless
-    predictor (the gate closes, rounds are skipped) to a perfect one (explore rounds reopen it) must leave the tables,
-    the counters and every slot's bytes as the same graph without the conditional node does."""
-    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
-    experts, vram, k, explore = 64, 16, 4, 8
-    g = torch.Generator().manual_seed(5)
-    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
-    runs = {}
-    ids = [torch.zeros((1, k), dtype=torch.int32, device="cuda") for _ in range(2)]
-    proposal = torch.full((k,), -1, dtype=torch.int64, device="cuda")
-    x = torch.zeros((1, HIDDEN), dtype=torch.bfloat16, device="cuda")
-    for skip in (False, True):
-        stats = PagerStats(2, "cuda")
-        pagers = [started(layout, records, i, vram, stats, policy) for i in range(2)]
-        for p in pagers:
-            p.pager.vram.explore_every = explore
-        live = LivePredictions(skip_closed=skip)
-        out = [torch.empty_like(i) for i in ids]
-
-        def forward(pagers=pagers, live=live, out=out) -> None:
-            out[0].copy_(pagers[0].step(ids[0]))
-            live.feed_ids(lambda: proposal.clone(), pagers[1], x)
-            live.join(x.device)
-            out[1].copy_(pagers[1].step(ids[1]))
-
-        forward()  # Triton compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
-        runs[skip] = (graph, pagers, stats, out)
-    rng = random.Random(3)
-    skipped_rounds = 0
-    for t in range(12 * explore):
-        chosen = [rng.sample(range(experts), k) for _ in range(2)]
-        useful = t >= 6 * explore
-        guess = chosen[1] if useful else rng.sample([e for e in range(experts) if e not in chosen[1]], k)
-        for target, value in zip(ids, chosen):
-            target.copy_(torch.tensor([value], dtype=torch.int32))
-        proposal.copy_(torch.tensor(guess))
-        for graph, *_ in runs.values():
-            graph.replay()
-        torch.cuda.synchronize()
-        (_, plain, plain_stats, _), (_, skipping, skip_stats, out) = runs[False], runs[True]
-        for a, b in zip(_table_state(plain[1]), _table_state(skipping[1])):
-            assert torch.equal(a, b), t
-        assert np.array_equal(plain_stats.read(), skip_stats.read()), t
-        assert int(plain[1].pager.vram.gate_closed) == int(skipping[1].pager.vram.gate_closed), t
-        for i in range(2):
-            for expert, slot in zip(chosen[i], out[i].flatten().tolist()):
-                for c in layout.components:
-                    got = skipping[i].buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
-                    assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (t, i, expert)
-        skipped_rounds = int(skipping[1].pager.vram.gate_closed)
-    assert skipped_rounds >= 3 * explore  # the useless half closed the gate: those rounds were skipped
-    assert skip_stats.snapshot(1)["vram"].prefetch_used > 0  # and the perfect half reopened it

@@ -134,8 +134,6 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     high = bench.config_for("bigmoe-102@r0.8+hi", tmp_path / "f.npz", 32).env
     assert high["BIGMOE_PREFETCH_HIGH_PRIORITY"] == "1" and "BIGMOE_SSD_READ_AHEAD" not in high
     assert "BIGMOE_PREFETCH_HIGH_PRIORITY" not in env and "BIGMOE_SSD_READ_AHEAD_LAYERS" not in env
-    skip = bench.config_for("bigmoe-102@r0.8+skip", tmp_path / "f.npz", 32).env
-    assert skip["BIGMOE_PREFETCH_SKIP_CLOSED"] == "1" and "BIGMOE_PREFETCH_SKIP_CLOSED" not in high
     deep = bench.config_for("bigmoe-32-ram128-ssd@r0.8+ahead4", tmp_path / "f.npz", 32).env
     assert deep["BIGMOE_SSD_READ_AHEAD"] == "1" and deep["BIGMOE_SSD_READ_AHEAD_LAYERS"] == "4"
 

@@ -57,19 +57,6 @@ def test_prefetch_stream_priority_is_a_setting(value, high):
     assert live.priority == (LivePredictions.HIGH_PRIORITY if high else 0)
 
 
-@pytest.mark.parametrize("value,available", [(None, True), ("1", True), ("1", False), ("0", True)])
-def test_skipping_closed_rounds_is_a_setting_that_needs_conditional_nodes(value, available, monkeypatch, caplog):
-    env = {} if value is None else {"BIGMOE_PREFETCH_SKIP_CLOSED": value}
-    s = PagerSettings.from_env(env)
-    assert s.prefetch_skip_closed is (value == "1")
-    monkeypatch.setattr(predictor_module, "conditional_nodes_available", lambda: available)
-    with caplog.at_level(logging.WARNING, logger="vllm.bigmoe_pager"):
-        live = Predictor(s, routing=None, layer_after=lambda i: None, on_device=False).live
-    assert live.skip_closed is (value == "1" and available)
-    told = [r.getMessage() for r in caplog.records if "SKIP_CLOSED" in r.getMessage()]
-    assert len(told) == (1 if value == "1" and not available else 0)  # asked for and impossible: said, once
-
-
 def test_each_join_placement_a_capture_uses_is_logged_once(monkeypatch, caplog):
     """Where a captured prefetch is joined decides how much it overlaps, so the engine's log says it (once each)."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

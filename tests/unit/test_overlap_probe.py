@@ -16,8 +16,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
     argv += ["--profile-tokens", "2"]
-    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,prefetch-p2-skip"
-    variants += ",prefetch-p2-together"
+    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow"
     argv += ["--variants", variants]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
@@ -44,14 +43,14 @@ def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
     assert right["vram_hit"] > plain["vram_hit"]
 
 
-@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow", "prefetch-p2-skip", "prefetch-p2-together"])
+@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow"])
 def test_bounded_copies_priority_and_join_place_move_what_the_plain_prefetch_moves(report, other):
     full, bounded = _row(report, "prefetch", 1.0), _row(report, other, 1.0)
     for key in ("vram_hit", "pcie_gb_per_token", "prefetched_per_token"):
         assert full[key] == bounded[key]
 
 
-@pytest.mark.parametrize("bad", ["prefetch-x3", "warp", "none-p4"])
+@pytest.mark.parametrize("bad", ["prefetch-x3", "warp", "none-p4", "prefetch-p2-skip"])
 def test_an_unknown_variant_is_one_line_and_exit_2(bad, capsys):
     assert probe.main(["--device", "cpu", "--smoke", "--variants", bad]) == 2
     err = capsys.readouterr().err.strip()

@@ -41,8 +41,6 @@ def launch_admit(
     source: SourceRows | None = None,
     lfu: bool = False,
     min_used_percent: int = 0,
-    explore_every: int = 1,
-    explore_phase: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
@@ -52,9 +50,8 @@ def launch_admit(
     prefetch_wasted_bytes added. source: slots.SourceRows of a partial tier below (only experts in its
     whole rows are fetched; rows = their record rows); None: rows = experts.
     lfu: rank candidate slots by (use count, last use, expert).
-    min_used_percent, explore_every, explore_phase: the prefetch gate (slots.MIN_USED_PERCENT,
-    slots.PREFETCH_EXPLORE_EVERY, SlotTable.explore_phase);
-    it reads and updates table_state's used_score, wasted_score and gate_closed.
+    min_used_percent: the prefetch gate's threshold (slots.MIN_USED_PERCENT); it reads and updates table_state's
+    used_score, wasted_score, gate_closed and shadow marks.
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -71,14 +68,13 @@ def launch_admit(
         table_state["step"],
         table_state["freq"],
         table_state["prefetched"],
+        table_state["shadow"],
         table_state["prefetch_step"],
         table_state["want"],
         table_state["used_score"],
         table_state["wasted_score"],
         table_state["gate_closed"],
         min_used_percent,
-        explore_every,
-        explore_phase,
         _bytes_of(available, dummy),
         _bytes_of(keep_slots, dummy),
         dummy if source is None else source.expert_row,
@@ -121,12 +117,6 @@ if triton is not None:
     _PREFETCH_WASTED_BYTES = tl.constexpr(stats.PREFETCH_WASTED_BYTES)
 
     @triton.jit
-    def _gate_open(step, explore_phase, explore_every, used_score, wasted_score, min_used_percent):
-        """The prefetch gate's rule (SlotTable._gate_open): an explore step, or used at least min_used_percent."""
-        explore = (step + explore_phase) % explore_every == 0
-        return explore | (used_score * (100 - min_used_percent) >= wasted_score * min_used_percent)
-
-    @triton.jit
     def _admit_kernel(
         pred_ptr,
         n_pred,
@@ -136,14 +126,13 @@ if triton is not None:
         step_ptr,
         freq_ptr,
         prefetched_ptr,
+        shadow_ptr,
         prefetch_step_ptr,
         want_ptr,
         used_score_ptr,
         wasted_score_ptr,
         gate_closed_ptr,
         min_used_percent,
-        explore_every,
-        explore_phase,
         avail_ptr,
         keep_ptr,
         src_row_ptr,
@@ -192,11 +181,20 @@ if triton is not None:
         n_used = tl.sum(used.to(tl.int64), 0)
         n_wasted = tl.sum((marked & ~used).to(tl.int64), 0)
         tl.store(prefetched_ptr + s_ar, tl.where(judged, -1, marks), mask=s_in)
+        # The previous closed round's shadow marks, judged alike (used: needed since, so resident with a later stamp).
+        shadow = tl.load(shadow_ptr + e_ar, mask=e_in, other=0)
+        shadowed = (shadow != 0) & judged
+        slot_now = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
+        stamp = tl.load(last_use_ptr + slot_now, mask=shadowed & (slot_now >= 0), other=-1)
+        shadow_used = shadowed & (slot_now >= 0) & (stamp > pstep)
+        gate_used = n_used + tl.sum(shadow_used.to(tl.int64), 0)
+        gate_wasted = n_wasted + tl.sum((shadowed & ~shadow_used).to(tl.int64), 0)
+        shadow = tl.where(judged, 0, shadow)
         # The gate: fold a round that judged any into the decayed scores; closed, this round fetches nothing.
-        settled = n_used + n_wasted > 0
-        used_score = tl.where(settled, used_score - (used_score >> 3) + (n_used << 6), used_score)
-        wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (n_wasted << 6), wasted_score)
-        gate_open = _gate_open(step, explore_phase, explore_every, used_score, wasted_score, min_used_percent)
+        settled = gate_used + gate_wasted > 0
+        used_score = tl.where(settled, used_score - (used_score >> 3) + (gate_used << 6), used_score)
+        wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (gate_wasted << 6), wasted_score)
+        gate_open = used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
         tl.store(want_ptr + e_ar, 0, mask=e_in)
         tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
         tl.debug_barrier()
@@ -208,12 +206,14 @@ if triton is not None:
 
         # Phase 2: experts to fetch in ascending id; candidate slots by (empty, policy key, slot).
         want = tl.load(want_ptr + e_ar, mask=e_in, other=0) != 0
-        fetch = want & (tl.load(expert_slot_ptr + e_ar, mask=e_in, other=0) < 0) & gate_open
+        fetch = want & (slot_now < 0)
         if HAS_AVAIL:
             fetch = fetch & (tl.load(avail_ptr + e_ar, mask=e_in, other=0) != 0)
         if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
             row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
             fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
+        tl.store(shadow_ptr + e_ar, shadow | (fetch & ~gate_open).to(tl.int32), mask=e_in)
+        fetch = fetch & gate_open
         n_fetch = tl.sum(fetch.to(tl.int64), 0)
         pos = tl.cumsum(fetch.to(tl.int32), 0) - 1
         tl.store(out_exp_ptr + pos, e_ar.to(tl.int64), mask=fetch & (pos < m))
@@ -265,62 +265,3 @@ if triton is not None:
             tl.atomic_add(stats_ptr + _PREFETCHED, n)
             tl.atomic_add(stats_ptr + _PREFETCH_USED, n_used)
             tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
-
-
-def launch_wanted(
-    table_state: dict[str, torch.Tensor],
-    num_slots: int,
-    min_used_percent: int,
-    explore_every: int,
-    count: bool = True,
-    explore_phase: int = 0,
-) -> torch.Tensor:
-    """bool []: whether the next admit could copy or has a round to settle (SlotTable.prefetch_wanted's rule), in
-    one program; with count, a round it rules out is counted in table_state's gate_closed, as the admit would have
-    counted it (count is a runtime argument: a call without it compiles the same kernel, outside any capture)."""
-    wanted = torch.empty((), dtype=torch.bool, device=table_state["step"].device)
-    kernel_for(_wanted_kernel, wanted.device)[(1,)](
-        table_state["step"],
-        table_state["prefetched"],
-        table_state["used_score"],
-        table_state["wasted_score"],
-        table_state["gate_closed"],
-        wanted.view(torch.uint8),
-        min_used_percent,
-        explore_every,
-        explore_phase,
-        int(count),
-        S=num_slots,
-        BLOCK_S=next_pow2(num_slots),
-        num_warps=1,
-    )
-    return wanted
-
-
-if triton is not None:
-
-    @triton.jit
-    def _wanted_kernel(
-        step_ptr,
-        prefetched_ptr,
-        used_score_ptr,
-        wasted_score_ptr,
-        gate_closed_ptr,
-        out_ptr,
-        min_used_percent,
-        explore_every,
-        explore_phase,
-        count,
-        S: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-    ):
-        s_ar = tl.arange(0, BLOCK_S)
-        marks = tl.load(prefetched_ptr + s_ar, mask=s_ar < S, other=-1)
-        to_settle = tl.sum((marks >= 0).to(tl.int32), 0) > 0
-        step = tl.load(step_ptr)
-        used_score = tl.load(used_score_ptr)
-        wasted_score = tl.load(wasted_score_ptr)
-        gate_open = _gate_open(step, explore_phase, explore_every, used_score, wasted_score, min_used_percent)
-        wanted = to_settle | gate_open
-        tl.store(out_ptr, wanted.to(tl.uint8))
-        tl.store(gate_closed_ptr, tl.load(gate_closed_ptr) + count * (1 - wanted.to(tl.int64)))

@@ -70,9 +70,7 @@ class DeviceLayerPager:
         self.stats_table = stats
         self.buffers: dict[str, torch.Tensor] = {}
         self.policy = policy
-        self.ram = RamTier(
-            layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead, layer=layer
-        )
+        self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead)
         hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
         self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]
         """Every expert, hottest first: the first R get RAM records at load, the first S VRAM slots at start."""
@@ -137,10 +135,6 @@ class DeviceLayerPager:
             policy=self.policy,
         )
         self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
-        if self.pager.vram.use_kernel:
-            # Compiled now (one tiny kernel, cached by Triton): a capture, which cannot compile, may be the first to
-            # ask (BIGMOE_PREFETCH_SKIP_CLOSED), and the layer's first eager forward may come before its pager starts.
-            self.pager.vram.prefetch_wanted(count=False)
 
     @property
     def started(self) -> bool:
@@ -181,14 +175,6 @@ class DeviceLayerPager:
         the next `step` waits for it (a late copy is waited for). Event waits only: capturable.
         """
         self._on_side(predicted_ids, stream, self._prefetch_now)
-
-    def prefetch_wanted(self) -> torch.Tensor | None:
-        """bool []: whether this layer's next `prefetch` round can do anything (SlotTable.prefetch_wanted; False counts
-        the round as closed, and the caller must then skip it); None where the round must run whatever the VRAM
-        gate says: SSD reads ahead over a partial RAM tier, which that gate does not govern."""
-        if self.read_ahead_ssd and not self.ram.full:
-            return None
-        return self.pager_started().vram.prefetch_wanted()
 
     def read_ahead(self, predicted_ids: torch.Tensor, stream=None) -> None:
         """Post SSD reads of predicted experts for this layer's next step (ExpertPager.read_ahead); no wait.

@@ -73,7 +73,7 @@ class ExpertPager:
         self.device = torch.device(device)
         self.layer = layer
         self.ram = ram
-        self.vram = SlotTable(num_experts, vram_slots, self.device, policy=policy, decay=decay, explore_phase=layer)
+        self.vram = SlotTable(num_experts, vram_slots, self.device, policy=policy, decay=decay)
         self.buffers = buffers if buffers is not None else layout.slot_buffers(vram_slots, self.device)
         _check_buffers(layout, vram_slots, self.buffers, self.device)
         self.work_slots = work_slots or vram_slots

@@ -78,14 +78,10 @@ class LivePredictions:
 
     HIGH_PRIORITY = -1  # CUDA stream priority: lower is higher; torch maps it into the device's range
 
-    def __init__(self, priority: int = 0, skip_closed: bool = False) -> None:
+    def __init__(self, priority: int = 0) -> None:
         """priority: the side stream's CUDA priority (0: normal; HIGH_PRIORITY: its blocks are scheduled before
-        those of normal streams whenever SMs free up). skip_closed: in a CUDA graph capture, put each prefetch round
-        (proposal, decision, copy) inside a conditional node on the next pager's `prefetch_wanted`, so a replay
-        runs one small kernel instead of the round while that pager's gate is closed (needs
-        `conditional_nodes_available()`; a skipped round's returned ids are stale)."""
+        those of normal streams whenever SMs free up)."""
         self.priority = priority
-        self.skip_closed = skip_closed
         self._stream = None
         self._forked = False  # the side stream has work the current stream has not joined yet
 
@@ -99,7 +95,7 @@ class LivePredictions:
                 next_pager.prefetch(ids.reshape(-1))  # no stream: it runs here, on the stream current now
             return ids
 
-        return self._forked_work(hidden, propose, next_pager)
+        return self._forked_work(hidden, propose)
 
     def feed_ids(self, make_ids: Callable[[], torch.Tensor | None], next_pager, source: torch.Tensor):
         """A proposal made elsewhere (a replayed trace's rows) prefetched into `next_pager` the same way; make_ids()
@@ -113,7 +109,7 @@ class LivePredictions:
                 next_pager.prefetch(ids.reshape(-1))
             return ids
 
-        return self._forked_work(source, prefetch, next_pager)
+        return self._forked_work(source, prefetch)
 
     def feed_read_ahead(self, make_ids: Callable[[], torch.Tensor | None], pager, source: torch.Tensor) -> None:
         """Like feed_ids for a layer further ahead: its predicted experts' SSD reads are posted
@@ -126,34 +122,18 @@ class LivePredictions:
 
         self._forked_work(source, post)
 
-    def _forked_work(self, source: torch.Tensor, work, gated_by=None):
-        """work() on the side stream once the current stream has `source` (in order off CUDA); gated_by: the
-        DeviceLayerPager whose prefetch round work() is (see skip_closed)."""
+    def _forked_work(self, source: torch.Tensor, work):
+        """work() on the side stream once the current stream has `source` (in order off CUDA)."""
         stream = self._side_stream(source.device)
         if stream is None:
             return work()
         stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
-            out = self._maybe_skipped(work, gated_by)
+            out = work()
         if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
             source.record_stream(stream)  # the allocator must not reuse it before the side stream is done
         self._forked = True
         return out
-
-    def _maybe_skipped(self, work, pager):
-        """work(), inside a CUDA graph conditional node on pager.prefetch_wanted() when skip_closed is on and a
-        capture is under way; plainly otherwise (an eager admit decides and counts a closed round itself)."""
-        if not (self.skip_closed and pager is not None and torch.cuda.is_current_stream_capturing()):
-            return work()
-        wanted = pager.prefetch_wanted()
-        if wanted is None:
-            return work()
-        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-        graph.begin_capture_to_if_node(wanted)
-        try:
-            return work()
-        finally:
-            graph.end_capture_to_conditional_node()
 
     def join(self, device: torch.device) -> None:
         """The current stream waits for what `feed` put on the side stream since the last join (if anything)."""
@@ -167,12 +147,6 @@ class LivePredictions:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device, priority=self.priority)
         return self._stream
-
-
-def conditional_nodes_available() -> bool:
-    """Whether this torch can capture CUDA graph conditional nodes (LivePredictions' skip_closed)."""
-    graph = getattr(torch.cuda, "CUDAGraph", None)
-    return all(hasattr(graph, name) for name in ("get_currently_capturing_graph", "begin_capture_to_if_node"))
 
 
 class ReplayedPredictions:

@@ -111,7 +111,6 @@ class RamTier:
         policy: str = "lru",
         decay: int | None = None,
         read_ahead: bool = False,
-        layer: int = 0,
     ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise RamTierError(f"RAM slots must be in [1, {num_experts}], got {num_slots}")
@@ -124,12 +123,7 @@ class RamTier:
         # Not zeroed (tens of GiB at start): a full tier refuses steps until fill_all() ran,
         # and a partial tier only points at rows its SSD tier or warm() has written.
         self.records = pinned_empty((num_slots, layout.pitch), torch.uint8, pin=pin)
-        # The layer's index staggers the read-ahead gate's explore rounds across layers (SlotTable.explore_phase).
-        self.table = (
-            None
-            if self.full
-            else SlotTable(num_experts, num_slots, self.device, policy=policy, decay=decay, explore_phase=layer)
-        )
+        self.table = None if self.full else SlotTable(num_experts, num_slots, self.device, policy=policy, decay=decay)
         self._filled = not self.full
         self.posted = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         """Per record row: seq of its posted (read-ahead) read not yet confirmed, 0 = none; row R is a sink."""

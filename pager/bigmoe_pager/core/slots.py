@@ -34,13 +34,11 @@ them (a layer's reads posted ahead, then its prefetch) are one round for the cou
 Prefetch gate (issue 15: prefetch must never cost more than it saves): each round first settles
 the previous one (n_used of its experts the steps since needed, n_wasted not) and, when it judged
 any, decays two fixed-point scores, score += (count << 6) - (score >> 3). A round admits only
-while used_score is at least MIN_USED_PERCENT of the two together, or on every
-PREFETCH_EXPLORE_EVERY-th step (so a predictor that became useful is noticed; each table at its own phase, its
-layer's index, so the layers' explore rounds are spread over the steps rather than all on one token); a closed round
-still settles and stamps its step, but takes no slot and copies nothing. `prefetch_wanted` tells ahead of a
-round whether it can do anything (a previous round to settle, or an open gate): a CUDA graph may then skip the
-round's proposal, decision and copy altogether (LivePredictions' skip_closed), and the table ends as the admit
-would have left it, its step stamp aside (nothing reads that stamp while no round is marked).
+while used_score is at least MIN_USED_PERCENT of the two together. A closed round copies nothing and takes no slot,
+but still scores its proposal: it marks the experts it would have fetched (shadow marks), and the next round judges
+them as it judges copies (used when the step since needed them). So the gate reopens as soon as the predictor becomes
+useful, without copying anything to find out (session 13; before, a closed gate copied a whole proposal every 64th
+step to keep its evidence fresh). Shadow judgments move the gate's scores only, never the prefetch counters.
 """
 
 from __future__ import annotations
@@ -72,8 +70,6 @@ LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
 MIN_USED_PERCENT = 10
 """Prefetch gate: percent of its decayed copies that must be used to stay open (25 closed recall 0.8: sim_prefetch)."""
-PREFETCH_EXPLORE_EVERY = 64
-"""Prefetch gate: a closed gate still admits at every step that is a multiple of this (its explore rounds)."""
 # LFU key = count << 42 | last_use << 10 | expert: below acquire_kernel.NEEDED_KEY (2**52) while last_use < 2**32
 
 
@@ -151,14 +147,9 @@ class SlotTable:
         policy: str = "lru",
         decay: int | None = None,
         min_used_percent: int = MIN_USED_PERCENT,
-        explore_every: int = PREFETCH_EXPLORE_EVERY,
-        explore_phase: int = 0,
     ) -> None:
-        if not (0 <= min_used_percent <= 100 and explore_every >= 1):
-            raise SlotTableError(
-                f"prefetch gate needs 0 <= min_used_percent <= 100 and explore_every >= 1 steps, "
-                f"got {min_used_percent}, {explore_every}"
-            )
+        if not 0 <= min_used_percent <= 100:
+            raise SlotTableError(f"prefetch gate needs 0 <= min_used_percent <= 100, got {min_used_percent}")
         if policy not in POLICIES:
             raise SlotTableError(f"eviction policy {policy!r} is unknown; choose {', '.join(POLICIES)}")
         decay = DEFAULT_DECAY[policy] if decay is None else decay
@@ -219,11 +210,8 @@ class SlotTable:
         """The admit kernel's set of predicted experts (its own: a side stream's admit never shares acquire's)."""
         self.min_used_percent = min_used_percent
         """Prefetch gate threshold (percent); 0 keeps the gate always open."""
-        self.explore_every = explore_every
-        """Steps between the prefetch gate's explore rounds (admits even when closed)."""
-        self.explore_phase = explore_phase % explore_every
-        """Explore rounds fall on the steps where (step + explore_phase) % explore_every == 0: tables of different
-        layers take different phases (their layer index) so that their explore rounds do not all land on one token."""
+        self._shadow = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
+        """1 for each expert the latest round would have fetched had its gate been open (its shadow marks)."""
         self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
         """Decayed count of prefetched experts used (fixed point, x64 per expert): the gate's evidence for."""
         self.wasted_score = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -457,6 +445,7 @@ class SlotTable:
         return {
             **self.kernel_state(),
             "prefetched": self._prefetched,
+            "shadow": self._shadow,
             "prefetch_step": self._prefetch_step,
             "want": self._want_scratch,
             "used_score": self.used_score,
@@ -478,8 +467,6 @@ class SlotTable:
             source,
             lfu=self.lfu,
             min_used_percent=self.min_used_percent,
-            explore_every=self.explore_every,
-            explore_phase=self.explore_phase,
         )
         return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
@@ -488,15 +475,19 @@ class SlotTable:
         flat = predicted.reshape(-1).to(device=self.device, dtype=torch.int64)
         m = self.miss_capacity(flat.numel())
         used, wasted = self._settle_prefetch()
+        shadow_used, shadow_wasted = self._settle_shadow()
         idx = torch.where((flat >= 0) & (flat < e), flat, e)
         want = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
         want.index_fill_(0, idx, True)
         want[e:].fill_(False)
-        fetch = want[:e] & (self._expert_slot[:e] < 0) & self._gate(used, wasted)
+        fetch = want[:e] & (self._expert_slot[:e] < 0)
         if available is not None:
             fetch &= available.to(device=self.device, dtype=torch.bool)
         if source is not None:
             fetch &= self._whole_rows(source)
+        is_open = self._gate(used + shadow_used, wasted + shadow_wasted)
+        self._shadow[:e].bitwise_or_((fetch & ~is_open).to(torch.int32))  # a round's second admit adds to its marks
+        fetch &= is_open
         experts = self._compact(fetch, m)
         protect = want.clone()
         held = self._slot_expert[:s]
@@ -528,7 +519,7 @@ class SlotTable:
         return (rows >= 0) & (source.posted[torch.where(rows >= 0, rows, sink)] == 0)
 
     def _settle_prefetch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(used, wasted) of the latest round's experts, judged by the steps since; clears the marks.
+        """(used, wasted) of the latest round's copied experts, judged by the steps since; clears their marks.
 
         With no step since the round's admit, nothing is judged yet and the marks stay (same round).
         """
@@ -539,8 +530,20 @@ class SlotTable:
         self._prefetched.copy_(torch.where(judged, -1, self._prefetched))
         return used.sum(), (marked & ~used).sum()
 
+    def _settle_shadow(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(used, wasted) of the latest closed round's shadow marks, judged as copies are (used: a step since needed
+        the expert, so it is resident now with a later stamp); clears them once judged."""
+        e = self.num_experts
+        judged = self.step > self._prefetch_step
+        marked = (self._shadow[:e] != 0) & judged
+        slot = self._expert_slot[:e]
+        stamp = self._last_use[torch.where(slot >= 0, slot, self.num_slots)]
+        used = marked & (slot >= 0) & (stamp > self._prefetch_step)
+        self._shadow.copy_(torch.where(judged, 0, self._shadow))
+        return used.sum(), (marked & ~used).sum()
+
     def _gate(self, used: torch.Tensor, wasted: torch.Tensor) -> torch.Tensor:
-        """Fold the settled round into the gate's scores; bool []: may this round admit (module doc)."""
+        """Fold the settled round (copies and shadow marks) into the gate's scores; bool []: may this round admit."""
         judged = used + wasted > 0
         for score, count in ((self.used_score, used), (self.wasted_score, wasted)):
             score.copy_(torch.where(judged, score - (score >> 3) + (count << 6), score))
@@ -548,25 +551,10 @@ class SlotTable:
         self.gate_closed.add_((~is_open).to(torch.int64))
         return is_open
 
-    def prefetch_wanted(self, count: bool = True) -> torch.Tensor:
-        """bool []: whether an `admit` now could copy (the gate open, or an explore step) or has the previous round's
-        marks to settle. With count, False also counts the round in gate_closed, as the skipped admit would have: a
-        caller that gets False must then not admit in this round (count=False: a look only, e.g. to compile the
-        kernel before a capture). Fixed shapes, no host sync (one program on CUDA)."""
-        if self.use_kernel:
-            return admit_kernel.launch_wanted(
-                self.admit_state(), self.num_slots, self.min_used_percent, self.explore_every, count, self.explore_phase
-            )
-        wanted = (self._prefetched[: self.num_slots] >= 0).any() | self._gate_open()
-        if count:
-            self.gate_closed.add_((~wanted).to(torch.int64))
-        return wanted
-
     def _gate_open(self) -> torch.Tensor:
-        """bool []: the gate's rule on its current scores: an explore step (see explore_phase), or enough used."""
+        """bool []: the gate's rule on its current scores: at least min_used_percent of its judged experts used."""
         p = self.min_used_percent
-        explore = torch.remainder(self.step + self.explore_phase, self.explore_every) == 0
-        return explore | (self.used_score * (100 - p) >= self.wasted_score * p)
+        return self.used_score * (100 - p) >= self.wasted_score * p
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 

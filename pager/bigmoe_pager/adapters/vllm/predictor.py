@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
-from bigmoe_pager.core.prediction import LivePredictions, conditional_nodes_available, predict_next
+from bigmoe_pager.core.prediction import LivePredictions, predict_next
 from bigmoe_pager.settings import PagerSettings
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
@@ -95,15 +95,8 @@ class Predictor:
         """Layers ahead whose predicted SSD reads each layer posts (BIGMOE_SSD_READ_AHEAD_LAYERS; 1: the next)."""
         self.routing = routing
         self.layer_after = layer_after
-        skip_closed = settings.prefetch_skip_closed and conditional_nodes_available()
-        if settings.prefetch_skip_closed and not skip_closed:
-            log.warning(
-                "bigmoe: BIGMOE_PREFETCH_SKIP_CLOSED=1 needs CUDA graph conditional nodes, which torch %s lacks; "
-                "every prefetch round runs",
-                torch.__version__,
-            )
         priority = LivePredictions.HIGH_PRIORITY if settings.prefetch_high_priority else 0
-        self.live = LivePredictions(priority, skip_closed=skip_closed)
+        self.live = LivePredictions(priority)
         self._told: set[str] = set()  # join placements already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
