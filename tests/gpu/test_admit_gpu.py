@@ -61,9 +61,9 @@ class Inputs:
     "experts,slots,policy,masks,gate",
     [
         (256, 102, "lru", False, 0),
-        (256, 32, "lfu-fast", True, 50),
+        (256, 32, "lfu-fast", True, 10),
         (512, 35, "lfu", True, 0),
-        (64, 16, "lru", True, 40),
+        (64, 16, "lru", True, 20),
     ],
 )
 def test_side_stream_admit_in_a_graph_equals_torch(experts, slots, policy, masks, gate):
