@@ -83,3 +83,20 @@ def test_a_useless_predictor_stops_copying_after_its_first_rounds(family):
     got = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast")
     assert 0 < got["prefetch_copies_per_token"] * tokens <= 3 * layers * k
     assert got["gate_closed"] > 0.95
+
+
+@pytest.mark.parametrize(
+    "family,recall,closes",
+    [("standard", 0.6, True), ("topic-shift", 0.6, True), ("near-uniform", 0.8, False), ("standard", 1.0, False)],
+)
+def test_the_default_gate_closes_where_most_copies_would_go_unused(family, recall, closes):
+    """The default threshold sits at a copy's measured break-even (about half used): a top-k predictor at recall
+    0.6 on the skewed families copies mostly experts nobody needs, and is shut out; at recall 0.8 on near-uniform
+    routing most of its (many) copies are used, and it stays open."""
+    trace = traces.named_trace(family, 300, 4, 64, 4, seed=1)
+    pred = traces.predictions(trace, recall, None, 64, seed=1)
+    ungated = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast", min_used_percent=0)
+    gated = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast")
+    used_share = 1 - ungated["prefetched_unused_per_token"] / ungated["prefetch_copies_per_token"]
+    assert (used_share < MIN_USED_PERCENT / 100) == closes
+    assert (gated["gate_closed"] > 0.9) if closes else (gated["gate_closed"] < 0.05)

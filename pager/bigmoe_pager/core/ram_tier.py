@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pinned import pinned_empty
-from bigmoe_pager.core.slots import SlotTable, SourceRows
+from bigmoe_pager.core.slots import READ_AHEAD_MIN_USED_PERCENT, SlotTable, SourceRows
 
 
 class RamTierError(ValueError):
@@ -123,7 +123,18 @@ class RamTier:
         # Not zeroed (tens of GiB at start): a full tier refuses steps until fill_all() ran,
         # and a partial tier only points at rows its SSD tier or warm() has written.
         self.records = pinned_empty((num_slots, layout.pitch), torch.uint8, pin=pin)
-        self.table = None if self.full else SlotTable(num_experts, num_slots, self.device, policy=policy, decay=decay)
+        self.table = (
+            None
+            if self.full
+            else SlotTable(
+                num_experts,
+                num_slots,
+                self.device,
+                policy=policy,
+                decay=decay,
+                min_used_percent=READ_AHEAD_MIN_USED_PERCENT,
+            )
+        )
         self._filled = not self.full
         self.posted = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         """Per record row: seq of its posted (read-ahead) read not yet confirmed, 0 = none; row R is a sink."""
