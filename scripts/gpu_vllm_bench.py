@@ -78,6 +78,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
 import numpy as np
@@ -151,25 +152,51 @@ def split_suffixes(name: str) -> tuple[str, list[str]]:
     return name, found
 
 
-def recalls_of(name: str, recalls: list[float]) -> list[float | None]:
-    """The prediction recalls one engine of this configuration measures (None: no predictions, no prefetch)."""
+class Point(NamedTuple):
+    """Where a prediction trace sits: its recall, and how its wrong ids are drawn (traces.WRONG_MODELS)."""
+
+    recall: float
+    wrong: str = "uniform"
+
+
+def parse_points(text: str, wrong: str) -> list[Point]:
+    """'0,0:none,0.8' -> the points a bare @r measures; an item without ':WRONG' takes `wrong`. ValueError if bad."""
+    points = []
+    for item in text.split(","):
+        value, _, model = item.partition(":")
+        point = Point(float(value), model or wrong)
+        if not 0.0 <= point.recall <= 1.0 or point.wrong not in traces.WRONG_MODELS:
+            raise ValueError(item)
+        points.append(point)
+    return points
+
+
+def recalls_of(name: str, points: list[Point], wrong: str = "uniform") -> list[Point | None]:
+    """The prediction points one engine of this configuration measures (None: no predictions, no prefetch): a bare
+    @r every one of --recalls, @rX the point (X, wrong)."""
     recall = parse_name(name)[1]
-    return list(recalls) if recall == EVERY else [recall]
-
-
-def row_name(name: str, recall: float | None) -> str:
-    """A result row's name: the configuration's with its recall written out ('bigmoe-102@r' at 0.8: '...@r0.8')."""
     if recall is None:
+        return [None]
+    return list(points) if recall == EVERY else [Point(recall, wrong)]
+
+
+def row_name(name: str, point: Point | None, wrong: str = "uniform") -> str:
+    """A result row's name: the configuration's with its recall written out ('bigmoe-102@r' at 0.8: '...@r0.8'), and
+    ':WRONG' after it where the point's wrong ids are not the run's --wrong ('...@r0.8:popular')."""
+    if point is None:
         return name
     base, _, rest = name.partition("@r")
     suffix = rest[len(rest) - len(rest.lstrip("0123456789.")) :]  # ~POLICY and +ahead after the number
-    return f"{base}@r{recall:g}{suffix}"
+    tag = "" if point.wrong == wrong else f":{point.wrong}"
+    return f"{base}@r{point.recall:g}{tag}{suffix}"
 
 
-def measurements(name: str, families: list[str], recalls: list[float], traces_of: dict) -> list[dict]:
-    """One engine's measurements, family by family, each recall in turn: {"family", "recall", "trace"}."""
+def measurements(name: str, families: list[str], points: list[Point], traces_of: dict, wrong: str = "uniform"):
+    """One engine's measurements, family by family, each point in turn: {"family", "recall", "wrong", "trace"}."""
     return [
-        {"family": f, "recall": r, "trace": str(traces_of[f, r])} for f in families for r in recalls_of(name, recalls)
+        {"family": f, "recall": p and p.recall, "wrong": p and p.wrong, "trace": str(traces_of[f, p])}
+        for f in families
+        for p in recalls_of(name, points, wrong)
     ]
 
 
@@ -211,15 +238,15 @@ def predicted_trace(work: Path, family: str, recall: float, precision: float | N
 
 
 def make_traces(
-    work: Path, names: list[str], families: list[str], recalls: list[float], precision, wrong: str = "uniform"
+    work: Path, names: list[str], families: list[str], points: list[Point], precision, wrong: str = "uniform"
 ) -> dict:
-    """{(family, recall or None): path} of every trace the configurations replay, made in parallel processes
+    """{(family, Point or None): path} of every trace the configurations replay, made in parallel processes
     (a prediction trace of REPLAY_TOKENS rows takes tens of seconds of one core)."""
-    wanted = sorted({(f, r) for n in names for f in families for r in recalls_of(n, recalls) if r is not None})
+    wanted = sorted({(f, p) for n in names for f in families for p in recalls_of(n, points, wrong) if p is not None})
     workers = max(1, min(len(families) + len(wanted), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, initializer=_shape, initargs=(SHAPE, LAYERS)) as pool:
         plain = list(pool.map(family_trace, [work] * len(families), families))
-        made = [pool.submit(predicted_trace, work, f, r, precision, wrong) for f, r in wanted]
+        made = [pool.submit(predicted_trace, work, f, p.recall, precision, p.wrong) for f, p in wanted]
         predicted = [m.result() for m in made]
     return {**{(f, None): p for f, p in zip(families, plain)}, **dict(zip(wanted, predicted))}
 
@@ -291,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if any("BIGMOE_RAM_SLOTS" in config_for(n, Path("t"), 256).env for n in names):
         report["disk"] = disk_bandwidth(model, seconds=2.0 if args.smoke else 4.0)  # before any engine starts
-    plans = [(n, measurements(n, args.families, args.recalls, traces_of)) for n in names]
+    plans = [(n, measurements(n, args.families, args.recalls, traces_of, args.wrong)) for n in names]
     spec = {**bench_spec(model), "turn_file": str(work / "turn.lock"), "quiet_file": str(work / "starting.lock")}
     spec["stacks_dir"] = str(logs)  # each engine's start sampled every 10 s: where a slow load spends its time
     if args.profile_tokens:  # a kernel timeline of a few decode tokens per measurement (traces stay in the logs dir)
@@ -312,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             row = e2e.run_config(config, run_spec, work, logs, deadline)
         with written:
-            rows[name] = engine_rows(row, todo, report.get("disk"))
+            rows[name] = engine_rows(row, todo, report.get("disk"), args.wrong)
             report["configs"] = [r for n, _ in plans if n in rows for r in rows[n]]
             e2e.write_json(out, report)
             for r in rows[name]:
@@ -342,18 +369,21 @@ ENGINE_FIELDS = (
 where its captures joined the prefetch; load_copy_*: what vLLM's loader copied into the RAM tier, and how long)."""
 
 
-def engine_rows(row: dict, todo: list[dict], disk: dict | None) -> list[dict]:
-    """One engine's run as result rows, one per (family, recall) it was to measure (a failed run: each with its
-    error), named configuration@rRECALL, with the engine's startup and turn-wait seconds and the disk floors."""
+def engine_rows(row: dict, todo: list[dict], disk: dict | None, wrong: str = "uniform") -> list[dict]:
+    """One engine's run as result rows, one per (family, recall, wrong ids) it was to measure (a failed run: each
+    with its error), named as row_name says, with the engine's startup and turn-wait seconds and the disk floors."""
     name, result = row["name"], row.pop("result", None)
     base = {k: v for k, v in row.items() if k != "name"}
-    done = {(m["family"], m["recall"]): m for m in (result or {}).get("measurements", [])}
+    done = {(m["family"], m["recall"], m.get("wrong")): m for m in (result or {}).get("measurements", [])}
     engine = {"configuration": name, **{k: (result or {}).get(k) for k in ENGINE_FIELDS}}
     engine["pager_totals"] = (result or {}).get("pager")  # the engine's counters over all its measurements
     out = []
     for m in todo:
-        key = (m["family"], m["recall"])
-        head = {"name": row_name(name, m["recall"]), "family": m["family"], "recall": m["recall"], **engine, **base}
+        key = (m["family"], m["recall"], m.get("wrong"))
+        point = None if m["recall"] is None else Point(m["recall"], m.get("wrong") or wrong)
+        head = {"name": row_name(name, point, wrong), "family": m["family"], "recall": m["recall"], **engine, **base}
+        if point is not None:
+            head["wrong_ids"] = point.wrong
         if key not in done:
             out.append({**head, "error": row.get("error") or "the engine returned no measurement of this trace"})
             continue
@@ -400,7 +430,8 @@ def parse_args(argv):
     p.add_argument(
         "--recalls",
         default=",".join(f"{r:g}" for r in RECALLS),
-        help="comma list of the prediction recalls a bare @r configuration is measured at",
+        help="comma list of the prediction recalls a bare @r configuration is measured at; RECALL:WRONG draws that "
+        "point's wrong ids another way than --wrong (e.g. 0,0:none,0.8,0.8:popular)",
     )
     p.add_argument(
         "--precision",
@@ -430,11 +461,14 @@ def parse_args(argv):
     if unknown:
         p.error(f"routing family {unknown[0]!r} is unknown; choose {', '.join(traces.FAMILIES)}")
     try:
-        args.recalls = [float(r) for r in args.recalls.split(",")]
+        args.recalls = parse_points(args.recalls, args.wrong)
     except ValueError:
-        p.error(f"--recalls {args.recalls!r}: a comma list of numbers in [0, 1]")
-    if not all(0.0 <= r <= 1.0 for r in args.recalls) or (args.precision is not None and not 0 < args.precision <= 1):
-        p.error("--recalls take values in [0, 1] and --precision one in (0, 1]")
+        p.error(
+            f"--recalls {args.recalls!r}: a comma list of numbers in [0, 1], each maybe with :WRONG "
+            f"({', '.join(traces.WRONG_MODELS)})"
+        )
+    if args.precision is not None and not 0 < args.precision <= 1:
+        p.error("--precision takes a number in (0, 1]")
     if args.parallel < 1:
         p.error("--parallel takes a count of at least 1")
     if not args.combine:

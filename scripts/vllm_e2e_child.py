@@ -170,7 +170,7 @@ class Lock:
 def bench_all(llm, spec: dict, quiet: Lock) -> dict:
     """Every measurement of the spec (a routing trace each, swapped in before it) in this one engine.
 
-    spec["measurements"]: [{"family", "recall", "trace"}] (absent: one, with the trace the engine
+    spec["measurements"]: [{"family", "recall", "wrong", "trace"}] (absent: one, with the trace the engine
     started with). Once the engine is up it takes the turn file's exclusive lock (spec["turn_file"])
     and holds it to the end, so no two engines of a call measure at once; each timed request also
     waits until no engine is starting (the quiet file, held shared during startup: weight loading and
@@ -184,7 +184,8 @@ def bench_all(llm, spec: dict, quiet: Lock) -> dict:
             from bigmoe_pager.adapters.vllm import process
 
             process.current().routing.load_replay(m["trace"])
-        out.append({"family": m.get("family"), "recall": m.get("recall"), **bench(llm, spec, quiet)})
+        point = {k: m.get(k) for k in ("family", "recall", "wrong")}
+        out.append({**point, **bench(llm, spec, quiet)})
     return {"measurements": out, "turn_wait_s": round(turn.waited_s, 2), "quiet_wait_s": round(quiet.waited_s, 2)}
 
 

@@ -45,6 +45,7 @@ def test_names_parse(name, parsed):
         ["--families", "standard", "--family", "topic-shift"],
         ["--recalls", "0,1.2"],
         ["--recalls", "0,high"],
+        ["--recalls", "0,0.8:often"],
         ["--parallel", "0"],
     ],
 )
@@ -58,9 +59,13 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv,families,recalls",
     [
-        ([], ["standard"], [0.0, 0.6, 0.8, 0.95, 1.0]),
-        (["--family", "topic-shift"], ["topic-shift"], [0.0, 0.6, 0.8, 0.95, 1.0]),
-        (["--families", "standard,topic-shift", "--recalls", "0,0.8"], ["standard", "topic-shift"], [0.0, 0.8]),
+        ([], ["standard"], [(0.0, "uniform"), (0.6, "uniform"), (0.8, "uniform"), (0.95, "uniform"), (1.0, "uniform")]),
+        (["--family", "topic-shift", "--recalls", "0,1"], ["topic-shift"], [(0.0, "uniform"), (1.0, "uniform")]),
+        (
+            ["--families", "standard,topic-shift", "--recalls", "0,0:none,0.8:popular", "--wrong", "popular"],
+            ["standard", "topic-shift"],
+            [(0.0, "popular"), (0.0, "none"), (0.8, "popular")],
+        ),
     ],
 )
 def test_family_and_recall_lists(argv, families, recalls, tmp_path):
@@ -92,10 +97,43 @@ def test_family_and_recall_lists(argv, families, recalls, tmp_path):
     ],
 )
 def test_one_engine_measures_every_family_and_recall_in_turn(name, rows):
-    traces_of = {(f, r): Path(f"{f}-{r}") for f in ("standard", "topic-shift") for r in (None, 0.0, 0.8)}
-    todo = bench.measurements(name, ["standard", "topic-shift"], [0.0, 0.8], traces_of)
-    assert [(bench.row_name(name, m["recall"]), m["family"], m["recall"]) for m in todo] == rows
-    assert [m["trace"] for m in todo] == [str(traces_of[f, r]) for _, f, r in rows]
+    points = [bench.Point(0.0), bench.Point(0.8)]
+    traces_of = {(f, p): Path(f"{f}-{p}") for f in ("standard", "topic-shift") for p in (None, *points)}
+    todo = bench.measurements(name, ["standard", "topic-shift"], points, traces_of)
+    named = [
+        (bench.row_name(name, m["recall"] is not None and bench.Point(m["recall"], m["wrong"]) or None), m)
+        for m in todo
+    ]
+    assert [(n, m["family"], m["recall"]) for n, m in named] == rows
+    assert [m["trace"] for m in todo] == [str(traces_of[f, r if r is None else bench.Point(r)]) for _, f, r in rows]
+
+
+def test_points_with_other_wrong_ids_are_measured_by_the_same_engine_and_named_apart():
+    points = bench.parse_points("0,0:none,0.8,0.8:popular", "uniform")
+    traces_of = {("standard", p): Path(f"standard-{p.recall}-{p.wrong}") for p in points}
+    todo = bench.measurements("bigmoe-102@r", ["standard"], points, traces_of)
+    assert [(m["recall"], m["wrong"]) for m in todo] == [
+        (0.0, "uniform"),
+        (0.0, "none"),
+        (0.8, "uniform"),
+        (0.8, "popular"),
+    ]
+    assert len({m["trace"] for m in todo}) == 4
+    names = [bench.row_name("bigmoe-102@r~lru", bench.Point(m["recall"], m["wrong"])) for m in todo]
+    assert names == [
+        "bigmoe-102@r0~lru",
+        "bigmoe-102@r0:none~lru",
+        "bigmoe-102@r0.8~lru",
+        "bigmoe-102@r0.8:popular~lru",
+    ]
+    rows = bench.engine_rows({"name": "bigmoe-102@r", "result": {"measurements": []}}, todo, None)
+    assert [r["name"] for r in rows] == [
+        "bigmoe-102@r0",
+        "bigmoe-102@r0:none",
+        "bigmoe-102@r0.8",
+        "bigmoe-102@r0.8:popular",
+    ]
+    assert [r["wrong_ids"] for r in rows] == ["uniform", "none", "uniform", "popular"]
 
 
 @pytest.fixture
