@@ -20,6 +20,7 @@ from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, conditional_nodes_available, predict_next
 from bigmoe_pager.core.stats import PagerStats
 from bigmoe_pager.settings import PagerSettings
+from duel_testkit import duel_state  # tests/unit (on pytest's pythonpath)
 
 pytestmark = pytest.mark.gpu
 
@@ -116,11 +117,12 @@ def test_proposals_captured_with_a_layer_feed_the_next_layer(experts, vram, k, t
 
 def _table_state(pager: DeviceLayerPager) -> list[torch.Tensor]:
     t = pager.pager.vram
-    return [x.clone() for x in (t.expert_slot, t.slot_expert, t.last_use, t.use_count, t.used_score, t.wasted_score)]
+    kept = [t.expert_slot, t.slot_expert, t.last_use, t.use_count, t.used_score, t.wasted_score]
+    return [x.clone() for x in kept + list(duel_state(t).values())]
 
 
 @pytest.mark.skipif(not conditional_nodes_available(), reason="this torch has no CUDA graph conditional nodes")
-@pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
+@pytest.mark.parametrize("policy", ["lru", "lfu-fast", "lfu-duel"])
 def test_skipped_closed_rounds_in_a_graph_leave_the_pager_as_running_every_round(policy):
     """skip_closed puts each round in a conditional node on the next pager's gate: replays switching from a useless
     predictor (the gate closes, rounds are skipped) to a perfect one (explore rounds reopen it) must leave the tables,
