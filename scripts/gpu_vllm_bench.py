@@ -26,7 +26,7 @@ route almost uniformly; dummy weights route every token to experts 0-7).
 
 Suffixes: `@rX` replays traces that also carry next-layer predictions at recall X, so the
 pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every recall of
---recalls; `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast); a last `+ahead` (with @r)
+--recalls; `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast, lfu-duel); a last `+ahead` (with @r)
 lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers
 ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
@@ -84,6 +84,7 @@ import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
 import numpy as np
 import traces  # noqa: E402
 from bigmoe_bench.host_monitor import HostMonitor
+from bigmoe_pager.settings import EVICTION_CHOICES
 
 SHAPE = dict(
     experts=256,
@@ -212,7 +213,8 @@ def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     return e2e.Config(name, env)
 
 
-EVICTIONS = ("lru", "lfu", "lfu-fast")
+EVICTIONS = EVICTION_CHOICES
+"""What `~POLICY` may name: the engine setting BIGMOE_EVICTION's words."""
 
 
 def family_trace(work: Path, family: str) -> Path:

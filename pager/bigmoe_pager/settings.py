@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 COMPRESS_CHOICES = ("on", "off", "auto")
-EVICTION_CHOICES = ("lfu", "lru", "lfu-fast")
+EVICTION_CHOICES = ("lfu", "lru", "lfu-fast", "lfu-duel")
 PREDICT_CHOICES = ("off", "router")
 # settings that take one of a few words
 _CHOICES = {"compress": COMPRESS_CHOICES, "eviction": EVICTION_CHOICES, "predict": PREDICT_CHOICES}
@@ -51,9 +51,11 @@ class PagerSettings:
     """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (with
     --max-cudagraph-capture-size <= VRAM slots / top-k); 0 = host-driven (--enforce-eager). Codec files: host-driven."""
     eviction: str = "lfu-fast"
-    """BIGMOE_EVICTION: lfu-fast / lfu / lru: which unneeded expert a full tier of the device-driven pager evicts:
-    fewest recent uses (counts halved every 16 / 256 steps) or least recently used; host-driven: lru. lfu-fast is at
-    least lru's hit rate on four routing families (docs/bench/eviction.json), lfu loses to lru when routing shifts."""
+    """BIGMOE_EVICTION: lfu-fast / lfu / lru / lfu-duel: which unneeded expert a full tier of the device-driven pager
+    evicts: fewest recent uses (counts halved every 16 / 256 steps), least recently used, or lfu-duel (both counts,
+    ranking by the one whose shadow table hits more: set dueling); host-driven: lru. lfu-fast is at least lru's hit
+    rate on four routing families (docs/bench/eviction.json), lfu loses to lru when routing shifts; lfu-duel follows
+    the better of the two in simulation (docs/bench/eviction-duel.json), not yet measured on a GPU."""
     prefill_buffer: bool = True
     """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) runs in one call over a VRAM
     buffer of one layer's experts (E x expert bytes, shared by all layers; 7x lower TTFT on the H200, same tokens);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bigmoe_pager.core.slots import SlotTable, SourceRows
+from duel_testkit import duel_state  # tests/unit (on pytest's pythonpath)
 from graph_timing import replay_us  # tests/gpu, beside this file
 
 pytestmark = pytest.mark.gpu
@@ -16,7 +17,8 @@ STATE = ("expert_slot", "slot_expert", "last_use", "step", "use_count", "used_sc
 def state(table: SlotTable) -> dict[str, torch.Tensor]:
     """The decision state both paths keep (write sinks and scratch areas are not state)."""
     got = {name: getattr(table, name) for name in STATE}
-    return got | {"prefetched": table._prefetched[: table.num_slots], "prefetch_step": table._prefetch_step}
+    got |= {"prefetched": table._prefetched[: table.num_slots], "prefetch_step": table._prefetch_step}
+    return got | duel_state(table)
 
 
 class Inputs:
@@ -64,6 +66,7 @@ class Inputs:
         (256, 32, "lfu-fast", True, 10),
         (512, 35, "lfu", True, 0),
         (64, 16, "lru", True, 20),
+        (64, 16, "lfu-duel", True, 20),
     ],
 )
 def test_side_stream_admit_in_a_graph_equals_torch(experts, slots, policy, masks, gate):

@@ -64,7 +64,13 @@ class RecordsSsd:
 
 @pytest.mark.parametrize(
     "experts,vram,k,tokens,policy",
-    [(256, 102, 8, 1, "lfu"), (256, 32, 8, 4, "lfu"), (256, 102, 8, 4, "lru"), (64, 16, 4, 2, "lfu")],
+    [
+        (256, 102, 8, 1, "lfu"),
+        (256, 32, 8, 4, "lfu"),
+        (256, 102, 8, 4, "lru"),
+        (64, 16, 4, 2, "lfu"),
+        (256, 32, 8, 4, "lfu-duel"),
+    ],
 )
 def test_a_captured_step_replays_with_new_ids(experts, vram, k, tokens, policy):
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)

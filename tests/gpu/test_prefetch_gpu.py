@@ -31,7 +31,7 @@ def read_bytes(pager: ExpertPager, remapped: torch.Tensor) -> torch.Tensor:
     return torch.cat([b.view(b.shape[0], -1).view(torch.uint8)[slots] for b in pager.buffers.values()], dim=1)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
+@pytest.mark.parametrize("policy", ["lru", "lfu-fast", "lfu-duel"])
 def test_side_stream_prefetch_in_a_graph_never_changes_what_a_step_reads(policy):
     layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
     experts, slots, k, p = 64, 16, 4, 8

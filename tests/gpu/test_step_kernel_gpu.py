@@ -14,6 +14,7 @@ from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.ram_tier import RamTier
 from bigmoe_pager.core.slots import SlotTable
 from bigmoe_pager.core.stats import PagerStats
+from duel_testkit import duel_state  # tests/unit (on pytest's pythonpath)
 from graph_timing import replay_us  # tests/gpu, beside this file
 
 pytestmark = pytest.mark.gpu
@@ -67,11 +68,18 @@ def random_ids(rng: random.Random, experts: int, tokens: int, k: int, hot: list[
 
 @pytest.mark.parametrize(
     "experts,slots,tokens,k,policy",
-    [(256, 102, 1, 8, "lru"), (512, 205, 1, 10, "lfu"), (64, 16, 4, 4, "lfu"), (300, 40, 8, 8, "lru")],
+    [
+        (256, 102, 1, 8, "lru"),
+        (512, 205, 1, 10, "lfu"),
+        (64, 16, 4, 4, "lfu"),
+        (300, 40, 8, 8, "lru"),
+        (256, 102, 1, 8, "lfu-duel"),
+        (64, 16, 4, 4, "lfu-duel"),
+    ],
 )
 def test_fused_step_equals_two_launch_path_on_gpu(experts, slots, tokens, k, policy):
     layout = fp8_layout()
-    assert step_kernel.fits(experts, slots, tokens * k, layout, policy == "lfu")  # the case runs the fused launch
+    assert step_kernel.fits(experts, slots, tokens * k, layout, policy != "lru")  # the case runs the fused launch
     ram = full_ram(layout, experts, seed=experts)
     pagers, stats = {}, {}
     for fused in (True, False):
@@ -89,6 +97,9 @@ def test_fused_step_equals_two_launch_path_on_gpu(experts, slots, tokens, k, pol
         if step % 20 == 0 or step == 299:
             for field in STATE:
                 assert torch.equal(getattr(pagers[False].vram, field), getattr(pagers[True].vram, field)), (step, field)
+            want_duel, got_duel = duel_state(pagers[False].vram), duel_state(pagers[True].vram)
+            for name in want_duel:
+                assert torch.equal(want_duel[name], got_duel[name]), (step, name)
             want, got = slot_bytes(pagers[False]), slot_bytes(pagers[True])
             full = pagers[True].vram.slot_expert >= 0
             for name in want:

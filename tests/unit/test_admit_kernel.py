@@ -12,6 +12,7 @@ from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.ram_tier import RamTier
 from bigmoe_pager.core.slots import SlotTable, SourceRows
 from bigmoe_pager.core.stats import PagerStats
+from duel_testkit import duel_state, psel_side
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 
@@ -30,6 +31,7 @@ def state(table: SlotTable) -> dict[str, torch.Tensor]:
         "used_score": table.used_score,
         "wasted_score": table.wasted_score,
         "gate_closed": table.gate_closed,
+        **duel_state(table),
     }
 
 
@@ -56,23 +58,25 @@ def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], w
 
 
 @pytest.mark.parametrize(
-    "experts,slots,policy,masks,gate",
+    "experts,slots,policy,masks,gate,rounds",
     [
-        (256, 102, "lru", False, 10),
-        (256, 102, "lfu-fast", True, 60),
-        (256, 32, "lru", True, 0),
-        (256, 32, "lfu", False, 40),
-        (512, 35, "lfu-fast", False, 10),
-        (512, 35, "lru", True, 40),
-        (64, 16, "lfu", True, 10),
-        (64, 16, "lru", False, 40),
+        (256, 102, "lru", False, 10, 20),
+        (256, 102, "lfu-fast", True, 60, 20),
+        (256, 32, "lru", True, 0, 20),
+        (256, 32, "lfu", False, 40, 20),
+        (512, 35, "lfu-fast", False, 10, 20),
+        (512, 35, "lru", True, 40, 20),
+        (64, 16, "lfu", True, 10, 20),
+        (64, 16, "lru", False, 40, 20),
+        (64, 16, "lfu-duel", True, 40, 300),  # past DUEL_SLOW_DECAY (256) steps: the slow counts halve too
     ],
 )
-def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, gate):
+def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, gate, rounds):
     """masks: pass `available`, `keep_slots` (a RAM tier's rows with unconfirmed reads) and the rows of a
     partial RAM tier below (some holding unconfirmed reads). gate: min_used_percent; the strict ones close the gate
-    on some rounds (which then only score their proposals) and reopen it on others."""
-    k, rounds, rb = 8, 20, 3 << 20
+    on some rounds (which then only score their proposals) and reopen it on others. lfu-duel: admits rank by the
+    counts its selector names, which must change sides over the rounds (so admits under both rankings are compared)."""
+    k, rb = 8, 3 << 20
     rng = np.random.default_rng(experts * 7 + slots)
     ids, pred = routing(experts, k, 2 * rounds, seed=slots)
     decay = 3 if policy == "lfu" else None
@@ -83,6 +87,7 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, g
     ref.place(warm), ker.place(warm)  # a full table from the start: admits evict
     rows = {name: torch.zeros(10, dtype=torch.int64) for name in ("ref", "ker")}
     admits = 0
+    sides = set()
     for t in range(rounds):
         tokens = slice(2 * t, 2 * t + 1 + t % 2)  # one or two tokens per step
         guess = torch.from_numpy(pred[tokens].astype(np.int64))  # what the layer before predicts for them
@@ -105,14 +110,17 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, g
         for table, name in ((ref, "ref"), (ker, "ker")):
             table.acquire(step, rows[name], record_bytes=rb)
         assert_same(ref, ker, rows, f"acquire {t}")
+        sides.add(psel_side(ref))
     installed, used, closed = int(rows["ref"][7]), int(rows["ref"][8]), int(ref.gate_closed)
     if gate == 0:  # no gate: many installs, some of them used
         assert closed == 0 and installed > rounds and used > 0
     if gate >= 40:  # the strict gates closed on some rounds and admitted on others: both paths compared
         assert 0 < closed < admits and installed > 0 and used > 0
+    if ref.duel:
+        assert {-1, 1} <= sides  # the selector led with each count at some step
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
+@pytest.mark.parametrize("policy", ["lru", "lfu-fast", "lfu-duel"])
 def test_admit_kernel_on_a_crowded_table(policy):
     """More predictions than slots, slots all kept or all recent: the capped and the empty decision agree too."""
     experts, slots = 64, 16
@@ -156,7 +164,7 @@ class RowsFromRecords:
                 self.ram.records[s].copy_(self.records[e])
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu-fast"])
+@pytest.mark.parametrize("policy", ["lru", "lfu-fast", "lfu-duel"])
 def test_pager_prefetch_over_a_partial_ram_tier_copies_the_same_rows_with_the_kernel(policy):
     """ExpertPager.prefetch with the kernel's decision (Admitted.rows from the RAM tier's SourceRows) leaves
     the same tables and the same slot bytes as with the torch decision; rows with a posted read are left out."""

@@ -11,6 +11,7 @@ import gpu_vllm_bench as bench  # scripts/ is on pytest's pythonpath (pyproject)
 import numpy as np
 import pytest
 from bigmoe_bench import traces
+from bigmoe_pager.settings import PagerSettings
 
 
 @pytest.mark.parametrize(
@@ -21,6 +22,7 @@ from bigmoe_bench import traces
         ("bigmoe-102@r", ("bigmoe-102", bench.EVERY, None)),
         ("bigmoe-32@r1~lru", ("bigmoe-32", 1.0, "lru")),
         ("offload17~lfu-fast", ("offload17", None, "lfu-fast")),
+        ("bigmoe-32-ram128-ssd@r0.8~lfu-duel+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lfu-duel")),
         ("bigmoe-32-ram128-ssd@r0.8~lru+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
         ("bigmoe-32-ram128-ssd@r+ahead", ("bigmoe-32-ram128-ssd", bench.EVERY, None)),
         ("bigmoe-102-layerbuf@r+hi", ("bigmoe-102-layerbuf", bench.EVERY, None)),
@@ -162,6 +164,14 @@ def test_prediction_traces_have_one_shape_at_every_recall_and_the_family_trace_r
         traces.load_predictions(popular, 32),
         traces.load_predictions(path.with_name("topic-shift-64-r0.6-topk-trace.npz"), 32),
     )
+
+
+@pytest.mark.parametrize("policy", bench.EVICTIONS)
+def test_every_policy_suffix_sets_an_eviction_the_engine_takes(policy, tmp_path):
+    name = f"bigmoe-32@r0.8~{policy}"
+    assert bench.row_name(f"bigmoe-32@r~{policy}", 0.8) == name
+    env = bench.config_for(name, tmp_path / "f.npz", 32).env
+    assert PagerSettings.from_env({"BIGMOE_EVICTION": env["BIGMOE_EVICTION"]}).eviction == policy
 
 
 def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):

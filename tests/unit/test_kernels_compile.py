@@ -35,12 +35,17 @@ out = {}
 acq = {"ids_ptr": "*i32", "n_ids": "i32", "expert_slot_ptr": "*i64", "slot_expert_ptr": "*i64", "last_use_ptr": "*i64",
        "step_ptr": "*i64", "need_ptr": "*i32", "freq_ptr": "*i64", "remapped_ptr": "*i32", "miss_exp_ptr": "*i64",
        "miss_slot_ptr": "*i64", "evicted_ptr": "*i64", "counts_ptr": "*i64", "m": "i32", "stats_ptr": "*i64",
-       "aux_ptr": "*i64", "record_bytes": "i32"}
-for lfu in (False, True):
+       "aux_ptr": "*i64", "record_bytes": "i32", "fast_ptr": "*i64", "slow_ptr": "*i64", "fast_held_ptr": "*u8",
+       "fast_stamps_ptr": "*i64", "slow_held_ptr": "*u8", "slow_stamps_ptr": "*i64", "psel_ptr": "*i64"}
+POLICIES = {"lru": (False, False), "lfu": (True, False), "lfu-duel": (True, True)}  # name: (LFU, DUEL)
+def policy(name):
+    lfu, duel = POLICIES[name]
+    return {"LFU": lfu, "DECAY": 16 if lfu else 0, "DUEL": duel, "SLOW_DECAY": 256 if duel else 0,
+            "PSEL_MAX": 32 if duel else 0}
+for name in POLICIES:
     k = build(ak._acquire_kernel, acq, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
-              "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu,
-              "DECAY": 256})
-    out[f"acquire_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
+              "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True} | policy(name))
+    out[f"acquire_{name}"] = "bar.sync" in k.asm["ptx"]
 adm = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in adk._admit_kernel.arg_names if n.islower()}
 adm |= {"pred_ptr": "*i64", "want_ptr": "*i32", "avail_ptr": "*u8", "keep_ptr": "*u8"}
 for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input present
@@ -51,15 +56,15 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
-for lfu in (False, True):  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
+for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
-              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, "LFU": lfu, "DECAY": 256,
+              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy(name),
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
               ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
     ptx = k.asm["ptx"]
-    out[f"step_lfu={lfu}"] = {"bar": "bar.sync" in ptx, "atom": accesses(k, "atom"),
+    out[f"step_{name}"] = {"bar": "bar.sync" in ptx, "atom": accesses(k, "atom"),
                               "copy": sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", ptx))) + accesses(k, "st")}
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
 k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"} | {n: "*i64" for n in ptrs[3:]},
@@ -86,12 +91,12 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["acquire_lfu=False"] and got["acquire_lfu=True"]  # one program, phases separated by block barriers
+    assert got["acquire_lru"] and got["acquire_lfu"] and got["acquire_lfu-duel"]  # one program, block barriers
     assert got["admit_lfu=False"] and got["admit_lfu=True"]
     assert "ld.global.v2.b64" in got["copy"] and "st.global.v2.b64" in got["copy"]  # 16-byte copies
     assert "ld.global.v4.b32" in got["up"] and "ld.global.v4.b32" in got["down"]  # FP8 weights read 16 bytes at a time
     assert got["combine"]
-    for lfu in (False, True):  # the fused step: block barriers, an acq_rel done counter, 16-byte evict-first copies
-        step = got[f"step_lfu={lfu}"]
+    for name in ("lru", "lfu", "lfu-duel"):  # the fused step: block barriers, an acq_rel done counter, 16-byte copies
+        step = got[f"step_{name}"]
         assert step["bar"] and "atom.global.gpu.acq_rel.add.u32" in step["atom"]
         assert any("evict_first" in a for a in step["copy"]) and "st.global.v2.b64" in step["copy"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import sim_eviction  # scripts/ is on pytest's pythonpath (pyproject)
+import torch
 from bigmoe_bench import traces
 
 
@@ -48,11 +49,20 @@ def test_lfu_duel_follows_whichever_of_lfu_and_lfu_fast_suits_the_family(family,
     assert abs(rate["lfu"] - rate["lfu-fast"]) > 0.009  # (the two differ here, so following the better one matters)
 
 
-def test_lfu_duel_runs_in_the_torch_reference_only_and_is_no_engine_setting():
-    from bigmoe_pager.core.slots import SlotTable, SlotTableError
-    from bigmoe_pager.settings import PagerSettings, SettingsError
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_lfu_duel_is_a_slot_table_policy_with_or_without_the_kernel(use_kernel):
+    from bigmoe_pager.core.slots import SlotTable
 
-    with pytest.raises(SlotTableError, match="no Triton kernel"):
-        SlotTable(64, 16, policy="lfu-duel", use_kernel=True)
-    with pytest.raises(SettingsError):
-        PagerSettings.from_env({"BIGMOE_EVICTION": "lfu-duel"})
+    table = SlotTable(64, 16, policy="lfu-duel", use_kernel=use_kernel)
+    assert table.duel and table.lfu and table.kernel_policy()["duel"] is True
+    got = table.acquire(torch.tensor([[1, 2, 3, 4]]))
+    assert int(got.loaded) == 4 and int(table.step) == 1
+
+
+def test_lfu_duel_is_an_engine_setting():
+    from bigmoe_pager.settings import EVICTION_CHOICES, PagerSettings
+
+    assert "lfu-duel" in EVICTION_CHOICES
+    assert PagerSettings.from_env({"BIGMOE_EVICTION": "lfu-duel"}).eviction == "lfu-duel"
+    assert PagerSettings.from_env({}).eviction == "lfu-fast"  # the default waits for a GPU measurement

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from bigmoe_pager.core.slots import SlotTable, SlotTableError
+from duel_testkit import duel_state, psel_side, shifting_ids
 
 
 class PyPolicy:
@@ -220,18 +221,27 @@ def test_bad_sizes_are_refused(experts, slots, policy):
         (300, 24, 8, 1, 12, "lru"),
         (40, 10, 6, 2, 20, "lfu"),
         (40, 10, 6, 2, 36, "lfu-fast"),
+        (64, 16, 6, 2, 300, "lfu-duel"),  # past DUEL_SLOW_DECAY (256): the slow counts halve once too
+        (64, 16, 8, 1, 300, "lfu-duel"),
+        (32, 6, 3, 3, 300, "lfu-duel"),  # a third of its steps need more experts than slots: shadows overflow too
     ],
 )
 def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps, policy):
-    """The one-program Triton acquire (run by Triton's interpreter here) equals the torch ops, output and state."""
+    """The one-program Triton acquire (run by Triton's interpreter here) equals the torch ops, output and state.
+    lfu-duel runs on routing whose stretches favour the slow counts and the fast ones in turn (its selector must
+    change sides, so both rankings and the moves of the selector are compared)."""
     rng = random.Random(experts + slots)
-    decay = None if policy == "lfu-fast" else 8  # lfu-fast: its own period (16), crossed twice in 36 steps
+    decay = None if policy in ("lfu-fast", "lfu-duel") else 8  # their own period (16), crossed twice in 36 steps
     ref = SlotTable(experts, slots, use_kernel=False, policy=policy, decay=decay)
     ker = SlotTable(experts, slots, use_kernel=True, policy=policy, decay=decay)
     rows = {name: torch.zeros(7, dtype=torch.int64) for name in ("ref", "ker", "ref_aux", "ker_aux")}
     hot = rng.sample(range(experts), max(k, experts // 4))
-    for _ in range(steps):
-        ids = torch.tensor(_random_step(rng, experts, tokens, k, hot), dtype=torch.int64)
+    sides = set()
+    for step in range(steps):
+        if ref.duel:
+            ids = torch.tensor(shifting_ids(rng, experts, tokens, k, step), dtype=torch.int64)
+        else:
+            ids = torch.tensor(_random_step(rng, experts, tokens, k, hot), dtype=torch.int64)
         if rng.random() < 0.1:
             ids[0, 0] = experts + 3  # an invalid id
         a = ref.acquire(ids, rows["ref"], rows["ref_aux"], record_bytes=100)
@@ -251,5 +261,11 @@ def test_kernel_matches_torch_decision(experts, slots, k, tokens, steps, policy)
             assert torch.equal(getattr(a, field), getattr(b, field)), field
         for state in ("expert_slot", "slot_expert", "last_use", "step", "use_count"):
             assert torch.equal(getattr(ref, state), getattr(ker, state)), state
+        want, got = duel_state(ref), duel_state(ker)
+        for name in want:
+            assert torch.equal(want[name], got[name]), (step, name)
+        sides.add(psel_side(ref))
     assert torch.equal(rows["ref"], rows["ker"]) and torch.equal(rows["ref_aux"], rows["ker_aux"])
     assert int(rows["ref"][0]) > 0
+    if ref.duel:
+        assert {-1, 1} <= sides  # the selector led with each count at some step

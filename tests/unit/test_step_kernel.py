@@ -14,6 +14,7 @@ from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.ram_tier import RamTier, RamTierError
 from bigmoe_pager.core.slots import SlotTable
 from bigmoe_pager.core.stats import PagerStats
+from duel_testkit import duel_state, psel_side, shifting_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 
@@ -53,7 +54,7 @@ def pager_pair(experts: int, slots: int, policy: str, programs: int, rec: torch.
             ram,
             stats=stats,
             policy=policy,
-            decay=None if policy == "lfu-fast" else 5,
+            decay=None if policy in ("lfu-fast", "lfu-duel") else 5,
             fused=fused,
             step_programs=programs,
         )
@@ -83,28 +84,39 @@ def slot_bytes(pager: ExpertPager) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "experts,slots,tokens,k,policy,programs",
+    "experts,slots,tokens,k,policy,programs,steps",
     [
-        (40, 10, 1, 8, "lru", 3),
-        (24, 6, 2, 4, "lru", 1),
-        (30, 5, 3, 4, "lfu", 5),
-        (64, 16, 1, 10, "lfu", 3),
-        (30, 5, 3, 4, "lfu-fast", 3),
+        (40, 10, 1, 8, "lru", 3, 14),
+        (24, 6, 2, 4, "lru", 1, 14),
+        (30, 5, 3, 4, "lfu", 5, 14),
+        (64, 16, 1, 10, "lfu", 3, 14),
+        (30, 5, 3, 4, "lfu-fast", 3, 14),
+        (64, 16, 2, 4, "lfu-duel", 3, 300),  # past DUEL_SLOW_DECAY (256) steps: the slow counts halve once too
+        (40, 8, 3, 4, "lfu-duel", 2, 300),  # a fifth of its steps need more experts than slots
     ],
 )
-def test_fused_step_equals_two_launch_path(experts, slots, tokens, k, policy, programs):
+def test_fused_step_equals_two_launch_path(experts, slots, tokens, k, policy, programs, steps):
+    """lfu-duel runs on routing whose stretches favour its slow counts and its fast ones in turn: its selector must
+    change sides (so both rankings, the shadows and the selector's moves by the last program are compared)."""
     rng = random.Random(experts * 7 + slots)
     rec = records(experts, seed=experts)
     (fused, fstats), (plain, pstats) = pager_pair(experts, slots, policy, programs, rec)
     hot = rng.sample(range(experts), max(k, experts // 4))
-    loads = 0
-    for step in range(14):
-        ids = step_ids(rng, experts, tokens, k, hot)
+    loads, sides = 0, set()
+    for step in range(steps):
+        if plain.vram.duel:
+            ids = torch.tensor(shifting_ids(rng, experts, tokens, k, step), dtype=torch.int32)
+        else:
+            ids = step_ids(rng, experts, tokens, k, hot)
         a, b = plain.acquire(ids), fused.acquire(ids)
         for field in ACQUIRED:
             assert torch.equal(getattr(a, field), getattr(b, field)), (step, field)
         for field in STATE:
             assert torch.equal(getattr(plain.vram, field), getattr(fused.vram, field)), (step, field)
+        want, got = duel_state(plain.vram), duel_state(fused.vram)
+        for name in want:
+            assert torch.equal(want[name], got[name]), (step, name)
+        sides.add(psel_side(plain.vram))
         want, got = slot_bytes(plain), slot_bytes(fused)
         for name in want:
             assert torch.equal(want[name], got[name]), (step, name)
@@ -112,6 +124,8 @@ def test_fused_step_equals_two_launch_path(experts, slots, tokens, k, policy, pr
         loads += int(b.loaded)
     assert torch.equal(pstats.device_counts, fstats.device_counts)
     assert loads > 0 and fstats.snapshot()["vram"].hits > 0
+    if plain.vram.duel:
+        assert {-1, 1} <= sides  # the selector led with each count at some step
 
 
 @pytest.mark.parametrize("programs,block_bytes", [(2, 512), (7, 256), (40, 1024)])

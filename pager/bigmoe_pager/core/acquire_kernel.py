@@ -5,6 +5,10 @@ decode step that costs more than the copies it decides. This kernel does the
 same decision (same policy, same outputs, same table state: the unit tests run
 both side by side) in a single program of one CTA, with block barriers between
 phases and two small scratch areas in global memory for the scatters.
+
+lfu-duel (SlotTable's module doc) decides with the selector as it stood before
+the step; after the decision the kernel plays the step on the two shadow tables
+(`shadow_step`, which the fused step kernel calls too) and moves the selector.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ NEEDED_KEY = 1 << 52  # key of a slot the step needs; real keys (step * (E+1) + 
 PACKED_MAX = 1 << 62  # above every (key + 1) * BLOCK_S + slot while BLOCK_S <= 1024
 MAX_SLOTS = 1024
 IDS_BLOCK = 256  # ids read per loop iteration
+DUEL_STATE = ("fast", "slow", "fast_held", "fast_stamps", "slow_held", "slow_stamps", "psel")
+"""lfu-duel's tensors in SlotTable.kernel_state(), in the decision kernels' argument order."""
 
 
 def next_pow2(n: int) -> int:
@@ -40,6 +46,9 @@ def launch_acquire(
     record_bytes: int = 0,
     lfu: bool = False,
     decay: int = 0,
+    duel: bool = False,
+    slow_decay: int = 0,
+    psel_max: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Run the decision; returns remapped (ids' shape/dtype), miss_experts, miss_slots, evicted ([m] int64) and counts.
 
@@ -47,6 +56,8 @@ def launch_acquire(
     stats_row: int64 [7] counters (lookups, hits, misses, bytes, ..., errors) to add to;
     aux_row: counters of a full RAM tier, whose lookups and hits grow by the experts loaded.
     lfu: rank eviction candidates by (use count, last use, expert) with counts halved every `decay` steps.
+    duel (with lfu): lfu-duel, its slow counts halved every `slow_decay` steps, its selector within +-psel_max
+    (SlotTable.kernel_policy() gives all five).
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the acquire kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -62,6 +73,7 @@ def launch_acquire(
         table_state["step"],
         table_state["need"],
         table_state["freq"],
+        *duel_tensors(table_state, duel),
         *out.values(),
         m,
         stats_row if stats_row is not None else dummy,
@@ -78,9 +90,19 @@ def launch_acquire(
         HAS_AUX=aux_row is not None,
         LFU=lfu,
         DECAY=decay,
+        DUEL=duel,
+        SLOW_DECAY=slow_decay,
+        PSEL_MAX=psel_max,
         num_warps=4,
     )
     return {**out, "remapped": out["remapped"].reshape(ids.shape)}
+
+
+def duel_tensors(table_state: dict[str, torch.Tensor], duel: bool) -> list[torch.Tensor]:
+    """lfu-duel's state tensors (DUEL_STATE order); without duel, the table's counts stand in (never touched)."""
+    if not duel:
+        return [table_state["freq"]] * len(DUEL_STATE)
+    return [table_state[name] for name in DUEL_STATE]
 
 
 def decision_outputs(flat_ids: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
@@ -103,6 +125,39 @@ if triton is not None:
     _MISSES = tl.constexpr(stats.MISSES)
     _BYTES = tl.constexpr(stats.BYTES)
     _ERRORS = tl.constexpr(stats.ERRORS)
+    _NO_KEY = tl.constexpr(PACKED_MAX)  # above every shadow key (count << 42 | stamp << 10 | expert < 2**52)
+
+    @triton.jit
+    def halved(counts, step, period: tl.constexpr):
+        """Use counts as a step leaves them before adding its needs: halved on every `period`-th step (0: never)."""
+        if period > 0:
+            counts = tl.where(step % period == 0, counts >> 1, counts)
+        return counts
+
+    @triton.jit
+    def shadow_step(held_ptr, stamps_ptr, counts, needed, step, e_ar, E: tl.constexpr, S: tl.constexpr):
+        """One step of an lfu-duel shadow table (SlotTable._shadow_step): updates its held bytes and stamps in
+        place; returns its hits. counts: the step's counts of the shadow's kind (int64 [BLOCK_E]), needed: the
+        step's experts (bool [BLOCK_E]). Each element is read and written by the same thread: no barrier."""
+        e_in = e_ar < E
+        held = tl.load(held_ptr + e_ar, mask=e_in, other=0) != 0
+        stamps = tl.load(stamps_ptr + e_ar, mask=e_in, other=-1)
+        hits = tl.sum((needed & held).to(tl.int64), 0)
+        missing = needed & ~held
+        candidate = held & ~needed
+        over = tl.sum(held.to(tl.int64), 0) + tl.sum(missing.to(tl.int64), 0) - S
+        evict = tl.minimum(tl.maximum(over, 0), tl.sum(candidate.to(tl.int64), 0)).to(tl.int32)
+        key = (tl.minimum(counts, 1023) << 42) | (stamps << 10) | e_ar  # unique per expert, below PACKED_MAX
+        key = tl.where(candidate, key, _NO_KEY)
+        drop = e_ar < 0
+        for _ in range(0, evict):  # the `evict` lowest keys, one block-wide min each (a step's few misses)
+            pick = key == tl.min(key, 0)
+            drop = drop | pick
+            key = tl.where(pick, _NO_KEY, key)
+        held = (held & ~drop) | missing
+        tl.store(held_ptr + e_ar, held.to(tl.uint8), mask=e_in)
+        tl.store(stamps_ptr + e_ar, tl.where(needed, step, stamps), mask=e_in)
+        return hits
 
     @triton.jit
     def _acquire_kernel(
@@ -114,6 +169,13 @@ if triton is not None:
         step_ptr,
         need_ptr,
         freq_ptr,
+        fast_ptr,
+        slow_ptr,
+        fast_held_ptr,
+        fast_stamps_ptr,
+        slow_held_ptr,
+        slow_stamps_ptr,
+        psel_ptr,
         remapped_ptr,
         miss_exp_ptr,
         miss_slot_ptr,
@@ -134,6 +196,9 @@ if triton is not None:
         HAS_AUX: tl.constexpr,
         LFU: tl.constexpr,
         DECAY: tl.constexpr,
+        DUEL: tl.constexpr,
+        SLOW_DECAY: tl.constexpr,
+        PSEL_MAX: tl.constexpr,
     ):
         step = tl.load(step_ptr) + 1
         tl.store(step_ptr, step)
@@ -162,10 +227,16 @@ if triton is not None:
         lookups = tl.sum(need.to(tl.int64), 0)
         hits = tl.sum(hit.to(tl.int64), 0)
         misses = tl.sum(miss.to(tl.int64), 0)
-        if LFU:
-            uses = tl.load(freq_ptr + e_ar, mask=e_in, other=0)
-            if DECAY > 0:
-                uses = tl.where(step % DECAY == 0, uses >> 1, uses)
+        if DUEL:  # both counts; the step ranks by those the selector named before it
+            psel = tl.load(psel_ptr)
+            fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY) + need.to(tl.int64)
+            slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY) + need.to(tl.int64)
+            tl.store(fast_ptr + e_ar, fast, mask=e_in)
+            tl.store(slow_ptr + e_ar, slow, mask=e_in)
+            tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast), mask=e_in)
+            tl.debug_barrier()
+        elif LFU:
+            uses = halved(tl.load(freq_ptr + e_ar, mask=e_in, other=0), step, DECAY)
             tl.store(freq_ptr + e_ar, uses + need.to(tl.int64), mask=e_in)
             tl.debug_barrier()
 
@@ -217,6 +288,14 @@ if triton is not None:
             ok = (ids >= 0) & (ids < E)
             slot = tl.load(expert_slot_ptr + ids, mask=ok, other=-1)
             tl.store(remapped_ptr + offs, slot, mask=offs < n_ids)
+
+        # Phase 5 (lfu-duel): play the step on both shadows, move the selector, follow the leader it names.
+        if DUEL:
+            fast_hits = shadow_step(fast_held_ptr, fast_stamps_ptr, fast, need, step, e_ar, E, S)
+            slow_hits = shadow_step(slow_held_ptr, slow_stamps_ptr, slow, need, step, e_ar, E, S)
+            psel = tl.minimum(tl.maximum(psel + slow_hits - fast_hits, -PSEL_MAX), PSEL_MAX)
+            tl.store(psel_ptr, psel)
+            tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast), mask=e_in)
 
         loaded = tl.sum(take.to(tl.int64), 0)
         invalid = tl.sum(bad, 0)

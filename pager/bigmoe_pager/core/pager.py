@@ -137,8 +137,7 @@ class ExpertPager:
             programs=self.step_programs,
             stats_row=vram_row,
             aux_row=ram_row,
-            lfu=table.lfu,
-            decay=table.decay,
+            **table.kernel_policy(),
         )
         return acquired_from_kernel(out)
 

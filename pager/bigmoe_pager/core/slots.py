@@ -14,10 +14,12 @@ Policy (deterministic so a plain-Python model can check it):
   for lfu, 16 for lfu-fast: frequency that forgets within a topic). Chosen by
   scripts/sim_eviction.py over four routing families (docs/bench/eviction.json):
   lfu-fast misses no more than lru on any of them (a tie at 40% slots under
-  topic shifts), lfu loses to lru once the routing shifts. "lfu-duel" (torch reference only, no kernel yet, so
-  not an engine setting) keeps both counts and two shadow tables that play each step as if ranking by one or the
-  other (set dueling); it ranks by the one whose shadow hit more lately: within 0.002 of the better of lfu and
-  lfu-fast on every family simulated (docs/benchmarks.md);
+  topic shifts), lfu loses to lru once the routing shifts. "lfu-duel" keeps both counts (halved every `decay`
+  and every DUEL_SLOW_DECAY steps) and two shadow tables that play each step as if ranking by one or the other
+  (set dueling); a step ranks by the counts whose shadow hit more before it (the selector as it stood before the
+  step: the shadows play and move it after the decision, so the fused step kernel's programs all decide from
+  the old state). Both decision kernels have it; simulated, its VRAM hit is within 0.0013 of the better of lfu
+  and lfu-fast on every family and shape (docs/benchmarks.md), not yet measured on a GPU (not the default);
 - misses are assigned slots in ascending expert id;
 - when a step needs more distinct experts than there are slots (overflow), the
   lowest-id misses get the free and unneeded slots, the rest stay out and their
@@ -185,18 +187,17 @@ class SlotTable:
         self._stat_index = torch.tensor([LOOKUPS, HITS, MISSES, BYTES, ERRORS], dtype=torch.int64, device=self.device)
         self.policy = policy
         self.decay = decay
-        """lfu, lfu-fast: steps between halvings of every use count (0 = counts never decay)."""
+        """Steps between halvings of every use count (lfu-duel: of its fast counts); 0 = counts never decay."""
         self.lfu = policy != "lru"
-        """Rank eviction candidates by use count first (lfu, lfu-fast)."""
+        """Rank eviction candidates by use count first (lfu, lfu-fast, lfu-duel)."""
         self._freq = torch.zeros((e + 1,), dtype=torch.int64, device=self.device)
         self.duel = policy == "lfu-duel"
         """Keep fast and slow decayed counts, rank by whichever would have kept more of the recent needs."""
-        if self.duel and use_kernel:
-            raise SlotTableError("lfu-duel has no Triton kernel yet: it runs in the torch reference only (use_kernel)")
         self._fast = self._slow = None
         """lfu-duel: use counts halved every `decay` steps, and every DUEL_SLOW_DECAY steps."""
         self._shadows = []
         """lfu-duel: (held [E], last-use stamps [E], counts) of a table ranking by the fast counts, then the slow."""
+        # _freq is always the leader's counts: where(psel > 0, slow, fast) (admit ranks by it, as every step does)
         if self.duel:
             self._fast, self._slow = (torch.zeros((e + 1,), dtype=torch.int64, device=self.device) for _ in range(2))
             held = [torch.zeros(e, dtype=torch.bool, device=self.device) for _ in range(2)]
@@ -278,8 +279,8 @@ class SlotTable:
         return got
 
     def kernel_state(self) -> dict[str, torch.Tensor]:
-        """The device tensors a kernel that decides for this table reads and updates in place."""
-        return {
+        """The device tensors a kernel that decides for this table reads and updates in place (lfu-duel's too)."""
+        state = {
             "expert_slot": self._expert_slot,
             "slot_expert": self._slot_expert,
             "last_use": self._last_use,
@@ -287,6 +288,28 @@ class SlotTable:
             "need": self._need_scratch,
             "freq": self._freq,
             "done": self._done,
+        }
+        if self.duel:
+            (fast_held, fast_stamps, _), (slow_held, slow_stamps, _) = self._shadows
+            state.update(
+                fast=self._fast,
+                slow=self._slow,
+                fast_held=fast_held.view(torch.uint8),  # a kernel reads and writes the bool masks as bytes
+                fast_stamps=fast_stamps,
+                slow_held=slow_held.view(torch.uint8),
+                slow_stamps=slow_stamps,
+                psel=self.psel,
+            )
+        return state
+
+    def kernel_policy(self) -> dict[str, bool | int]:
+        """The decision kernels' policy arguments: lfu, decay, and lfu-duel's duel, slow_decay, psel_max."""
+        return {
+            "lfu": self.lfu,
+            "decay": self.decay,
+            "duel": self.duel,
+            "slow_decay": DUEL_SLOW_DECAY if self.duel else 0,
+            "psel_max": DUEL_PSEL_MAX if self.duel else 0,
         }
 
     def _acquire_kernel(self, ids, stats_row, aux_row, record_bytes) -> Acquired:
@@ -301,8 +324,7 @@ class SlotTable:
             stats_row,
             aux_row,
             record_bytes,
-            lfu=self.lfu,
-            decay=self.decay,
+            **self.kernel_policy(),
         )
         return acquired_from_kernel(out)
 
@@ -333,6 +355,8 @@ class SlotTable:
         miss_experts = torch.where(take, miss_experts, -1)
         self._install(miss_experts, miss_slots, evicted, take)
         self._stamp(need)
+        if self.duel:
+            self._duel_play(need)
 
         remapped = self._expert_slot[idx].reshape(ids.shape).to(ids.dtype)
         overflow = (lookups - s).clamp(min=0)
@@ -358,31 +382,43 @@ class SlotTable:
         self._freq.add_(need.to(torch.int64))
 
     def _duel_count(self, need: torch.Tensor) -> None:
-        """lfu-duel: count this step's needs in both counts, play the step on two shadow tables (which experts a
-        table ranking by the fast counts, and one ranking by the slow counts, would hold: set dueling), move the
-        selector by the difference of their hits, then rank by the leader's counts (`_freq`, the eviction key's)."""
-        needed = need[: self.num_experts]
+        """lfu-duel, before the decision: count this step's needs in both counts; this step ranks by the counts the
+        selector chose before it (`_freq`, the eviction key's)."""
         for counts, period in ((self._fast, self.decay), (self._slow, DUEL_SLOW_DECAY)):
             if period:
                 halve = torch.remainder(self.step, period) == 0
                 counts.copy_(torch.where(halve, counts >> 1, counts))
             counts.add_(need.to(torch.int64))
+        self._follow_leader()
+
+    def _duel_play(self, need: torch.Tensor) -> None:
+        """lfu-duel, after the decision: play the step on two shadow tables (which experts a table ranking by the
+        fast counts, and one ranking by the slow counts, would hold: set dueling), move the selector by the
+        difference of their hits, and follow the leader it now names (for admits and the next step)."""
+        needed = need[: self.num_experts]
         hits = [self._shadow_step(held, stamps, counts, needed) for held, stamps, counts in self._shadows]
         self.psel.copy_((self.psel + hits[1] - hits[0]).clamp(-DUEL_PSEL_MAX, DUEL_PSEL_MAX))
+        self._follow_leader()
+
+    def _follow_leader(self) -> None:
+        """lfu-duel: `_freq` = the counts the selector names (the slow ones while psel > 0)."""
         self._freq.copy_(torch.where(self.psel > 0, self._slow, self._fast))
 
     def _shadow_step(self, held, stamps, counts, needed) -> torch.Tensor:
-        """One acquire on a shadow table (experts only, no slots): its hits; misses evict its lowest-ranked."""
+        """One acquire on a shadow table (experts only, no slots): its hits; its misses come in and push out as many
+        of its unneeded experts as it then holds beyond the slots, lowest-ranked first (a step needing more experts
+        than slots leaves it over-full until later steps push the rest out)."""
         e, s = self.num_experts, self.num_slots
         hits = (needed & held).sum()
         missing = needed & ~held
         evict = (held.sum() + missing.sum() - s).clamp(min=0)
-        key = (counts[:e].clamp(max=LFU_MAX_COUNT) << 42) | (stamps << 10) | self._arange_e
-        key = torch.where(held & ~needed, key, torch.iinfo(torch.int64).max)
+        candidate = held & ~needed
+        key = (counts[:e].clamp(max=LFU_MAX_COUNT) << 42) | (stamps << 10) | self._arange_e  # unique per expert
+        key = torch.where(candidate, key, torch.iinfo(torch.int64).max)
         order = torch.argsort(key)
         drop = torch.zeros(e, dtype=torch.bool, device=self.device)
         drop[order] = torch.arange(e, device=self.device) < evict
-        held.copy_((held & ~drop) | missing)
+        held.copy_((held & ~(drop & candidate)) | missing)
         stamps.copy_(torch.where(needed, self.step, stamps))
         return hits
 

@@ -16,7 +16,9 @@ ever waits for another (so no grid size can deadlock):
 3. program 0 writes the outputs and adds the step's counters;
 4. every program then bumps the table's done counter; the last one writes the
    new table state and resets the counter, after every program has read the
-   old state.
+   old state. Under lfu-duel the decision ranks by the counts the selector named
+   before the step, so only that last program plays the step on the two shadow
+   tables and moves the selector (acquire_kernel.shadow_step), like the counts.
 Outputs, table state, counters and slot bytes equal SlotTable.acquire followed
 by copy_records; the unit tests run both side by side.
 """
@@ -27,7 +29,7 @@ from functools import lru_cache
 
 import torch
 from bigmoe_pager.core import stats
-from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, decision_outputs, next_pow2
+from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, decision_outputs, duel_tensors, next_pow2
 from bigmoe_pager.core.copy_kernel import (
     BLOCK_BYTES,
     MAX_COMPONENTS,
@@ -96,6 +98,9 @@ def launch_step(
     aux_row: torch.Tensor | None = None,
     lfu: bool = False,
     decay: int = 0,
+    duel: bool = False,
+    slow_decay: int = 0,
+    psel_max: int = 0,
     block_bytes: int = BLOCK_BYTES,
 ) -> dict[str, torch.Tensor]:
     """Decide, copy misses from records (row = expert id) into the slot buffers, count; one launch.
@@ -103,7 +108,8 @@ def launch_step(
     Returns what acquire_kernel.launch_acquire returns (remapped, miss_experts,
     miss_slots, evicted, counts). stats_row gets lookups, hits, misses, loaded *
     record_bytes and invalid ids; aux_row (the full RAM tier) gets loaded as
-    lookups and hits. table_state is SlotTable.kernel_state().
+    lookups and hits. table_state is SlotTable.kernel_state(); lfu, decay, duel, slow_decay and psel_max
+    are SlotTable.kernel_policy() (acquire_kernel.launch_acquire says what they mean).
     """
     if not fits(num_experts, num_slots, ids.numel(), layout, lfu):
         raise StepKernelError(
@@ -127,6 +133,7 @@ def launch_step(
         table_state["last_use"],
         table_state["step"],
         table_state["freq"],
+        *duel_tensors(table_state, duel),
         table_state["done"],
         *out.values(),
         m,
@@ -147,6 +154,9 @@ def launch_step(
         HAS_AUX=aux_row is not None,
         LFU=lfu,
         DECAY=decay,
+        DUEL=duel,
+        SLOW_DECAY=slow_decay,
+        PSEL_MAX=psel_max,
         OFF0=group.offsets[0],
         OFF1=group.offsets[1],
         OFF2=group.offsets[2],
@@ -167,6 +177,8 @@ def launch_step(
 
 
 if triton is not None:
+    from bigmoe_pager.core.acquire_kernel import halved, shadow_step
+
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _LOOKUPS = tl.constexpr(stats.LOOKUPS)
     _HITS = tl.constexpr(stats.HITS)
@@ -183,6 +195,13 @@ if triton is not None:
         last_use_ptr,
         step_ptr,
         freq_ptr,
+        fast_ptr,
+        slow_ptr,
+        fast_held_ptr,
+        fast_stamps_ptr,
+        slow_held_ptr,
+        slow_stamps_ptr,
+        psel_ptr,
         done_ptr,
         remapped_ptr,
         miss_exp_ptr,
@@ -210,6 +229,9 @@ if triton is not None:
         HAS_AUX: tl.constexpr,
         LFU: tl.constexpr,
         DECAY: tl.constexpr,
+        DUEL: tl.constexpr,
+        SLOW_DECAY: tl.constexpr,
+        PSEL_MAX: tl.constexpr,
         OFF0: tl.constexpr,
         OFF1: tl.constexpr,
         OFF2: tl.constexpr,
@@ -251,10 +273,13 @@ if triton is not None:
         last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
         occupied = held >= 0
         held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
-        if LFU:
-            count = tl.load(freq_ptr + held, mask=occupied, other=0)
-            if DECAY > 0:
-                count = tl.where(step % DECAY == 0, count >> 1, count)
+        if DUEL:  # the counts the selector named before the step (the last program moves it)
+            held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
+            held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
+            count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
+            rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
+        elif LFU:
+            count = halved(tl.load(freq_ptr + held, mask=occupied, other=0), step, DECAY)
             rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
         else:
             rank_s = last * (E + 1) + held
@@ -343,8 +368,19 @@ if triton is not None:
             if LFU:
                 e_ar = tl.arange(0, BLOCK_E)
                 e_in = e_ar < E
-                uses = tl.load(freq_ptr + e_ar, mask=e_in, other=0)
-                if DECAY > 0:
-                    uses = tl.where(step % DECAY == 0, uses >> 1, uses)
                 needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
-                tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
+                if DUEL:  # both counts, both shadows, the selector; then the leader it names
+                    fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY) + needed.to(tl.int64)
+                    slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY)
+                    slow += needed.to(tl.int64)
+                    tl.store(fast_ptr + e_ar, fast, mask=e_in)
+                    tl.store(slow_ptr + e_ar, slow, mask=e_in)
+                    fast_hits = shadow_step(fast_held_ptr, fast_stamps_ptr, fast, needed, step, e_ar, E, S)
+                    slow_hits = shadow_step(slow_held_ptr, slow_stamps_ptr, slow, needed, step, e_ar, E, S)
+                    psel = tl.load(psel_ptr) + slow_hits - fast_hits
+                    psel = tl.minimum(tl.maximum(psel, -PSEL_MAX), PSEL_MAX)
+                    tl.store(psel_ptr, psel)
+                    tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast), mask=e_in)
+                else:
+                    uses = halved(tl.load(freq_ptr + e_ar, mask=e_in, other=0), step, DECAY)
+                    tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
