@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from bigmoe_pager.adapters.vllm.predictor import Predictor
