@@ -84,7 +84,7 @@ import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
 import numpy as np
 import traces  # noqa: E402
 from bigmoe_bench.host_monitor import HostMonitor
-from bigmoe_pager.settings import EVICTION_CHOICES
+from bigmoe_pager.settings import EVICTION_CHOICES, PagerSettings
 
 SHAPE = dict(
     experts=256,
@@ -567,7 +567,6 @@ def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> d
     from bigmoe_bench.disk_reads import read_records
     from bigmoe_pager.core.expert_store import CheckpointError, CheckpointStore
     from bigmoe_pager.core.odirect import ODirectError, ReadError
-    from bigmoe_pager.settings import PagerSettings
 
     workers = workers or PagerSettings().io_workers
     layout = synth_experts.make_layout(SHAPE["hidden"], SHAPE["moe_intermediate"], SHAPE["dtype"] == "fp8")
@@ -608,21 +607,31 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
 
 
 def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
-    """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare)."""
+    """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare);
+    `rows` names the configuration each 102- and 32-slot ratio used: the plugin's default eviction where a row ran
+    with it named (~POLICY), else the row without a policy (the default of its day)."""
     out = {}
+    default = "~" + PagerSettings().eviction
     for family in sorted({f for f, _ in rows}):
         t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
-        ratios = {}
+        ratios, used = {}, {}
         for suffix, key in (("@r0.8", ""), ("", "_no_prefetch"), ("@r0", "_recall_0")):
             # The plugin's default prefill (the whole-layer buffer) where it ran; decode is the same either way.
-            at102, at32 = (t.get(f"bigmoe-{n}-layerbuf{suffix}") or t.get(f"bigmoe-{n}{suffix}") for n in (102, 32))
+            found = {}
+            for n in (102, 32):
+                names = [f"bigmoe-{n}-layerbuf{suffix}{p}" for p in (default, "")] + [f"bigmoe-{n}{suffix}"]
+                name = next((m for m in names if t.get(m)), None)
+                found[n] = t.get(name)
+                if name:
+                    used[f"{n}{key}"] = name
+            at102, at32 = found[102], found[32]
             if at102 and t.get("offload17"):
                 ratios["speedup_vs_offload17_at_102" + key] = round(t["offload17"] / at102, 3)
             if at102 and t.get("resident"):
                 ratios["tpot_vs_resident_at_102" + key] = round(at102 / t["resident"], 3)
             if at32 and t.get("offload17"):
                 ratios["speedup_vs_offload17_at_32" + key] = round(t["offload17"] / at32, 3)
-        out[family] = ratios
+        out[family] = {**ratios, "rows": used}
     return out
 
 

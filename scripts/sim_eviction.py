@@ -146,10 +146,11 @@ def run(
 
 CURVE_SLOTS_PER_K = (0.5, 1, 2, 4, 8, 12.75, 19, 25.5)
 """Slots / top-k at which `curves` measures hit rates (256 experts, top-8: 4 .. 204 slots)."""
-CURVE_POLICIES = ("lru", "lfu-fast")
+CURVE_POLICIES = ("lru", "lfu-fast", "lfu-duel")
+"""--curve-policies' default: lru, the old default lfu-fast, and the default lfu-duel."""
 
 
-def curves(tokens: int, layers: int, seed: int, workers: int) -> dict:
+def curves(tokens: int, layers: int, seed: int, workers: int, policies: tuple[str, ...] = CURVE_POLICIES) -> dict:
     """Per family and policy, VRAM hit rate against slots / top-k on the 256-expert top-8 shape: the
     curves bigmoe plan's speed estimate reads (app/bigmoe/plan/speed.py HIT_CURVES)."""
     experts, k = 256, 8
@@ -157,12 +158,12 @@ def curves(tokens: int, layers: int, seed: int, workers: int) -> dict:
     jobs = [
         (trace, experts, max(1, round(x * k)), experts, p)
         for _, trace in cases
-        for p in CURVE_POLICIES
+        for p in policies
         for x in CURVE_SLOTS_PER_K
     ]
     with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         rates = iter(pool.starmap(simulate, jobs, chunksize=1))
-    return {f: {p: [[x, next(rates)["vram_hit"]] for x in CURVE_SLOTS_PER_K] for p in CURVE_POLICIES} for f, _ in cases}
+    return {f: {p: [[x, next(rates)["vram_hit"]] for x in CURVE_SLOTS_PER_K] for p in policies} for f, _ in cases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also measure the hit-rate curves of the synthetic families (plan/speed.py's HIT_CURVES)",
+    )
+    ap.add_argument(
+        "--curve-policies", default=",".join(CURVE_POLICIES), help="comma list of the policies the curves measure"
     )
     ap.add_argument("--merge", type=Path, help="start from this result file, replacing the families run now")
     ap.add_argument("--out", type=Path, help="write the results as JSON")
@@ -202,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         result["results"] = kept + run(args.tokens, args.layers, args.seed, policies, max(1, args.workers), families)
         if args.curves:
-            result["curves_256x8"] = curves(args.tokens, args.layers, args.seed, max(1, args.workers))
+            chosen = tuple(p for p in args.curve_policies.split(",") if p)
+            for p in chosen:
+                parse_policy(p)
+            measured = curves(args.tokens, args.layers, args.seed, max(1, args.workers), chosen)
+            old = result.get("curves_256x8", {})
+            result["curves_256x8"] = {f: {**old.get(f, {}), **by_policy} for f, by_policy in measured.items()}
     except (SlotTableError, traces.TraceError) as e:
         print(f"sim_eviction: {e}", file=sys.stderr)
         return 2

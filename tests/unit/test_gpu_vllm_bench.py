@@ -13,6 +13,8 @@ import pytest
 from bigmoe_bench import traces
 from bigmoe_pager.settings import PagerSettings
 
+DEFAULT_EVICTION = PagerSettings().eviction
+
 
 @pytest.mark.parametrize(
     "name,parsed",
@@ -169,7 +171,7 @@ def test_prediction_traces_have_one_shape_at_every_recall_and_the_family_trace_r
 @pytest.mark.parametrize("policy", bench.EVICTIONS)
 def test_every_policy_suffix_sets_an_eviction_the_engine_takes(policy, tmp_path):
     name = f"bigmoe-32@r0.8~{policy}"
-    assert bench.row_name(f"bigmoe-32@r~{policy}", 0.8) == name
+    assert bench.row_name(f"bigmoe-32@r~{policy}", bench.Point(0.8)) == name
     env = bench.config_for(name, tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env({"BIGMOE_EVICTION": env["BIGMOE_EVICTION"]}).eviction == policy
 
@@ -261,7 +263,13 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
         json.dumps(
             part(
                 "topic-shift",  # the plugin's default prefill buffer: its rows stand for the slot count
-                [("resident", 4.0, {}), ("offload17", 15.0, {}), ("bigmoe-102-layerbuf@r0.8", 5.0, {})],
+                [
+                    ("resident", 4.0, {}),
+                    ("offload17", 15.0, {}),
+                    ("bigmoe-102-layerbuf@r0.8", 5.0, {}),
+                    ("bigmoe-32-layerbuf", 7.5, {}),
+                    (f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}", 6.0, {}),  # the default policy's row wins
+                ],
             )
         )
     )
@@ -271,7 +279,12 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
     assert std["speedup_vs_offload17_at_102"] == 3.125 and std["tpot_vs_resident_at_102"] == 1.2
     assert std["speedup_vs_offload17_at_32"] == 2.5 and std["speedup_vs_offload17_at_102_no_prefetch"] == 3.0
     assert std["tpot_vs_resident_at_102_recall_0"] == 1.3
-    assert shift == {"speedup_vs_offload17_at_102": 3.0, "tpot_vs_resident_at_102": 1.25}
+    assert shift == {
+        "speedup_vs_offload17_at_102": 3.0,
+        "tpot_vs_resident_at_102": 1.25,
+        "speedup_vs_offload17_at_32_no_prefetch": 2.5,
+        "rows": {"102": "bigmoe-102-layerbuf@r0.8", "32_no_prefetch": f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}"},
+    }
     assert report["ssd_tpot_vs_disk_floor"] == 1.2 and report["ssd_ttft_vs_disk_floor"] == 1.5
     assert report["ssd_floor_row"] == {"family": "standard", "name": "bigmoe-32-ram128-ssd@r0.8+ahead"}
     assert report["disk"] == {"gb_per_s": 6.0}

@@ -74,25 +74,25 @@ HIT_CURVES = {
     "standard": (
         (0.5, 0.2847),
         (1, 0.5304),
-        (2, 0.7199),
-        (4, 0.7976),
-        (8, 0.8664),
-        (12.75, 0.9168),
-        (19, 0.9504),
-        (25.5, 0.9695),
+        (2, 0.7324),
+        (4, 0.8312),
+        (8, 0.8949),
+        (12.75, 0.9284),
+        (19, 0.9537),
+        (25.5, 0.9694),
     ),
     "topic-shift": (
         (0.5, 0.2753),
         (1, 0.5419),
-        (2, 0.6527),
-        (4, 0.724),
+        (2, 0.6526),
+        (4, 0.7239),
         (8, 0.8003),
-        (12.75, 0.8526),
-        (19, 0.8994),
-        (25.5, 0.9414),
+        (12.75, 0.8525),
+        (19, 0.8988),
+        (25.5, 0.9406),
     ),
 }
-"""VRAM hit rate of the default eviction (lfu-fast) against slots / top-k, per routing family: measured by
+"""VRAM hit rate of the default eviction (lfu-duel) against slots / top-k, per routing family: measured by
 scripts/sim_eviction.py with the pager's SlotTable on 256 experts, top-8 (docs/bench/eviction.json,
 curves_256x8). At slots = experts every lookup hits."""
 HIT_FAMILIES = ("standard", "topic-shift")
@@ -161,7 +161,7 @@ def speeds_for(gpu: Gpu | None, disk: Disk | None) -> Speeds:
         )
     disk_gbps = _disk(disk, measured, notes)
     notes.append(
-        f"tier hit rates of lfu-fast eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
+        f"tier hit rates of lfu-duel eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
         "(pessimistic) routing families, replayed by scripts/sim_eviction.py (real routing may differ)"
     )
     return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes))

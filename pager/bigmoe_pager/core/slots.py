@@ -19,7 +19,8 @@ Policy (deterministic so a plain-Python model can check it):
   (set dueling); a step ranks by the counts whose shadow hit more before it (the selector as it stood before the
   step: the shadows play and move it after the decision, so the fused step kernel's programs all decide from
   the old state). Both decision kernels have it; simulated, its VRAM hit is within 0.0013 of the better of lfu
-  and lfu-fast on every family and shape (docs/benchmarks.md), not yet measured on a GPU (not the default);
+  and lfu-fast on every family and shape (docs/benchmarks.md); the default since vLLM on the H200 measured it
+  (settings.PagerSettings.eviction);
 - misses are assigned slots in ascending expert id;
 - when a step needs more distinct experts than there are slots (overflow), the
   lowest-id misses get the free and unneeded slots, the rest stay out and their
