@@ -6,7 +6,7 @@ path apart on the GPU without vLLM (seconds, not an engine start). Each of --lay
 what vLLM's decode runs, in order:
   1. --dense small bf16 kernels ([1, H] x [H, H], standing in for norms, attention and projections);
   2. the layer's paging (DeviceLayerPager.step: the fused step kernel over a full pinned RAM tier);
-  3. the side work for layer l + 1, forked there (LivePredictions.feed_ids, as the vLLM adapter does)
+  3. the side work for layer l + 1, forked there (LivePredictions.feed_ids or feed, as the vLLM adapter does)
      and joined at layer l + 1's MoE call, after its dense kernels (as in vLLM's FULL graphs);
   4. the MoE compute over the slots (bigmoe_bench's Triton decode kernel).
 Routing replays a family trace; predictions are a top-k predictor's at each recall.
@@ -14,10 +14,17 @@ Routing replays a family trace; predictions are a top-k predictor's at each reca
 Side work (--variants), each adding one part of the prefetch path:
   none         the plain pager
   fork         fork and join only, nothing on the side stream
-  gather       the replayed proposal's gather (core.prediction.replayed_predictions)
+  gather       the replayed proposal's gather (core.prediction.replayed_rows: one kernel on CUDA, as
+               ReplayedPredictions.rows in vLLM)
   admit        gather + the admit decision (SlotTable.admit), no copy
   prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs)
   prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
+  router       a live proposal instead of the replayed one: LivePredictions.feed (predict_next, a GEMV of the
+               layer's hidden state by layer l + 1's router weight, then a top-k) + admit + copy into layer
+               l + 1's pager, as BIGMOE_PREDICT=router runs it. The router weights are random bf16 [experts,
+               hidden]: the proposals are near random, so this is the live path's fixed cost at low recall (the
+               prefetch gate may close for most rounds), not what a trained router's proposals would save
+  router-pN    the same, at most N copy programs per expert
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
 the deferred join buys.
@@ -51,7 +58,7 @@ from bigmoe_pager.atomic_file import write_atomic
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.prediction import LivePredictions, replayed_predictions
+from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
 from bigmoe_pager.core.stats import HITS, LOOKUPS, VRAM, PagerStats
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         guesses: dict[float, torch.Tensor] = {}
         for variant in args.variants.split(","):
             base = Variant.parse(variant).base
-            recalls = [None] if base in ("none", "fork") else [float(r) for r in args.recalls.split(",")]
+            recalls = [None] if base in ("none", "fork", "router") else [float(r) for r in args.recalls.split(",")]
             for recall in recalls:
                 if recall is not None and recall not in guesses:
                     guess = traces.predictions(trace, recall, None, args.experts, args.seed)
@@ -125,7 +132,7 @@ class Variant:
     """A --variants name taken apart: base[-pN][-hi][-joinnow]."""
 
     base: str
-    """resident, none, fork, gather, admit or prefetch."""
+    """resident, none, fork, gather, admit, prefetch or router."""
     programs: int = 0
     """Copy programs per prefetched expert (0: one per block)."""
     high_priority: bool = False
@@ -136,11 +143,11 @@ class Variant:
     @classmethod
     def parse(cls, name: str) -> "Variant":
         base, *parts = name.split("-")
-        if base not in ("resident", "none", "fork", "gather", "admit", "prefetch"):
+        if base not in ("resident", "none", "fork", "gather", "admit", "prefetch", "router"):
             raise ValueError(f"unknown variant {name!r}")
         programs, flags = 0, set()
         for part in parts:
-            if part.startswith("p") and part[1:].isdigit() and base == "prefetch":
+            if part.startswith("p") and part[1:].isdigit() and base in ("prefetch", "router"):
                 programs = int(part[1:])
             elif part in ("hi", "joinnow"):
                 flags.add(part)
@@ -150,7 +157,8 @@ class Variant:
 
 
 class Model:
-    """Dense weights, resident experts, and one DeviceLayerPager per layer over a full pinned RAM tier."""
+    """Dense weights, resident experts, a random router weight and a DeviceLayerPager per layer (over a full pinned
+    RAM tier)."""
 
     def __init__(self, args, layout: ExpertLayout, device: torch.device) -> None:
         self.args, self.layout, self.device = args, layout, device
@@ -177,6 +185,12 @@ class Model:
             self.pagers.append(pager)
         self.buffers = [layout.slot_buffers(args.slots, device) for _ in range(args.layers)]
         self.slots = [ExpertWeights.from_slots(b, BLOCK) for b in self.buffers]
+        # The router variant's [experts, H] gate weights, bf16 as a checkpoint's (random: near random proposals);
+        # drawn last, so the other weights stay those of earlier runs.
+        self.routers = [
+            torch.randn((args.experts, h), generator=gen, device=device, dtype=torch.bfloat16)
+            for _ in range(args.layers)
+        ]
         _sync(device)
 
     def restart(self, order: list[list[int]], prefetch_programs: int) -> None:
@@ -275,9 +289,11 @@ class Model:
         nxt = self.pagers[layer + 1]
 
         def gather() -> torch.Tensor:
-            return replayed_predictions(predicted, pos, layer, 1).reshape(-1)
+            return replayed_rows(predicted, pos, 0, 0, layer, 1)
 
-        if variant == "fork":
+        if variant == "router":
+            live.feed(x, self.routers[layer + 1], self.args.top_k, nxt)
+        elif variant == "fork":
             live.feed_ids(lambda: None, nxt, x)
         elif variant == "gather":
             live.feed_ids(lambda: (gather(), None)[1], nxt, x)

@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bigmoe_bench import moe_decode as md
 from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_kernel as ck, step_kernel as sk
+from bigmoe_pager.core import replay_kernel as rk
 
 def build(fn, sig, consts, aligned=()):
     full = dict(sig)
@@ -71,6 +72,10 @@ k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"
           {"OFF0": 0, "OFF1": 262144, "OFF2": 393216, "OFF3": 393224, "N0": 262144, "N1": 131072, "N2": 8, "N3": 8,
            "NB0": 256, "NB1": 128, "NB2": 1, "NB3": 1, "BLOCK": 1024}, ptrs + ["pitch_words"])
 out["copy"] = accesses(k, "ld") + accesses(k, "st")
+replay = {n: "i32" for n in rk._replayed_rows_kernel.arg_names if n.islower()}
+replay |= {"pred_ptr": "*i32", "cursor_ptr": "*i64", "out_ptr": "*i64"}
+k = build(rk._replayed_rows_kernel, replay, {"P": 8, "BLOCK": rk.BLOCK})  # a trace's int32 ids, P = top-8
+out["replay"] = accesses(k, "ld") + accesses(k, "st")
 up = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "h_ptr": "*fp32",
       "w_stride": "i64", "s_stride": "i64"}
 k = build(md._up_kernel, up, {"K": 10, "H": 2560, "I": 640, "SB": 128, "SC": 20, "BN": 16, "BK": 128}, list(up))
@@ -96,6 +101,7 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     assert "ld.global.v2.b64" in got["copy"] and "st.global.v2.b64" in got["copy"]  # 16-byte copies
     assert "ld.global.v4.b32" in got["up"] and "ld.global.v4.b32" in got["down"]  # FP8 weights read 16 bytes at a time
     assert got["combine"]
+    assert got["replay"] and any(a.startswith("st.global") for a in got["replay"])  # the replayed rows' gather
     for name in ("lru", "lfu", "lfu-duel"):  # the fused step: block barriers, an acq_rel done counter, 16-byte copies
         step = got[f"step_{name}"]
         assert step["bar"] and "atom.global.gpu.acq_rel.add.u32" in step["atom"]

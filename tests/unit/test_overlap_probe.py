@@ -9,6 +9,7 @@ import json
 
 import gpu_overlap_probe as probe  # scripts/ is on pytest's pythonpath (pyproject)
 import pytest
+from bigmoe_pager.core.device_layer import DeviceLayerPager
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
     argv += ["--profile-tokens", "2"]
-    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow"
+    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,router,router-p2-hi"
     argv += ["--variants", variants]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
@@ -50,7 +51,42 @@ def test_bounded_copies_priority_and_join_place_move_what_the_plain_prefetch_mov
         assert full[key] == bounded[key]
 
 
-@pytest.mark.parametrize("bad", ["prefetch-x3", "warp", "none-p4", "prefetch-p2-skip"])
+@pytest.mark.parametrize("variant", ["router", "router-p2-hi"])
+def test_the_live_router_is_one_row_with_counters_in_range(report, variant):
+    """Its proposals come from a random router, not the trace: one row (no recall), and whatever the gate
+    let through, counters that are rates and counts."""
+    rows = [r for r in report["runs"] if r["variant"] == variant]
+    assert [r["recall"] for r in rows] == [None]
+    row = rows[0]
+    assert 0 <= row["vram_hit"] <= 1 and row["pcie_gb_per_token"] >= 0 and row["prefetched_per_token"] >= 0
+
+
+@pytest.mark.parametrize("variant,proposes", [("router", True), ("router-p2", True), ("none", False), ("fork", False)])
+def test_the_live_router_proposes_its_top_k_to_each_next_layer_every_token(monkeypatch, variant, proposes):
+    calls = []
+    real = DeviceLayerPager.prefetch
+
+    def spy(self, predicted_ids, stream=None):
+        calls.append((self.layer, predicted_ids.tolist()))
+        return real(self, predicted_ids, stream)
+
+    monkeypatch.setattr(DeviceLayerPager, "prefetch", spy)
+    argv = ["--device", "cpu", "--smoke", "--families", "standard", "--variants", variant]
+    assert probe.main(argv) == 0
+    if not proposes:
+        assert calls == []
+        return
+    layers, experts, k, tokens = 3, 32, 4, 4 + 8  # the smoke shapes; warm-up and timed tokens
+    assert sorted(layer for layer, _ in calls) == sorted(list(range(1, layers)) * tokens)
+    assert all(len(set(ids)) == k and all(0 <= e < experts for e in ids) for _, ids in calls)
+
+
+@pytest.mark.parametrize("name,programs", [("router", 0), ("router-p16-hi", 16), ("prefetch-p4", 4)])
+def test_copy_programs_parse_for_the_variants_that_copy(name, programs):
+    assert probe.Variant.parse(name).programs == programs
+
+
+@pytest.mark.parametrize("bad", ["prefetch-x3", "warp", "none-p4", "prefetch-p2-skip", "router-x3", "gather-p2"])
 def test_an_unknown_variant_is_one_line_and_exit_2(bad, capsys):
     assert probe.main(["--device", "cpu", "--smoke", "--variants", bad]) == 2
     err = capsys.readouterr().err.strip()

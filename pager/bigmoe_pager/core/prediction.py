@@ -5,7 +5,8 @@ vLLM adapter passes the one layer l's experts receive) proposes l+1's experts (t
 own top-P; the literature's strongest cheap predictor).
 Replayed (benchmarks): a trace's `predicted_ids` [tokens, layers, P] row [t, l] is what a
 predictor proposed for layer l+1 of token t; `replayed_predictions` takes the rows of the
-tokens a step is about to run, exactly where the live predictor's output would be used.
+tokens a step is about to run, exactly where the live predictor's output would be used
+(`replayed_rows`: on CUDA one Triton launch, replay_kernel, that reads the cursor on the device).
 Both return int64 [tokens, P], -1 padded, fixed shapes, no host sync (capturable), and both
 hand layer l+1's pager (DeviceLayerPager.prefetch) their proposal on a side stream on CUDA:
 LivePredictions.feed / feed_ids (forked in layer l's call, joined by the time layer l+1 pages).
@@ -18,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from bigmoe_pager.core import replay_kernel, triton_launch
 
 
 def predict_next(hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int) -> torch.Tensor:
@@ -43,6 +45,19 @@ def replayed_predictions(predicted: torch.Tensor, cursor: torch.Tensor, layer: i
     length, layers, _ = predicted.shape
     rows = (torch.arange(tokens, device=predicted.device) + cursor.reshape(())) % length
     return predicted[:, layer % layers][rows].long()
+
+
+def replayed_rows(
+    predicted: torch.Tensor, cursor: torch.Tensor, index: int, offset: int, layer: int, tokens: int
+) -> torch.Tensor:
+    """int64 [tokens * P]: replayed_predictions from row cursor[index] + offset, flattened.
+
+    On CUDA (with Triton) one kernel launch (replay_kernel) that reads the cursor on the device, where the
+    torch formulation launches six or seven tiny ones; elsewhere replayed_predictions, the reference.
+    """
+    if predicted.device.type == "cuda" and triton_launch.available():
+        return replay_kernel.launch_replayed_rows(predicted, cursor, index, offset, layer, tokens)
+    return replayed_predictions(predicted, cursor[index] + offset, layer, tokens).reshape(-1)
 
 
 def hits(predicted, actual) -> tuple[int, int, int]:
@@ -180,11 +195,10 @@ class ReplayedPredictions:
         """After layer `moe_index` replayed `tokens` rows (its cursor already advanced past them), layer
         moe_index + ahead's predicted experts for those rows, int64 [tokens * P] (None: the trace has none).
         Benchmark only: a trace's row for layer l + ahead is as right as its next-layer rows, where a real
-        predictor looking further ahead is right less often."""
+        predictor looking further ahead is right less often. On CUDA one kernel launch (replayed_rows)."""
         if self.predicted is None:
             return None
-        start = cursor[moe_index] - tokens
-        return replayed_predictions(self.predicted, start, moe_index + ahead - 1, tokens).reshape(-1)
+        return replayed_rows(self.predicted, cursor, moe_index, -tokens, moe_index + ahead - 1, tokens)
 
     def replace(self, predicted: np.ndarray | None) -> None:
         """Benchmark only: copy another trace's predictions (same shape, or None where these are None) into the
