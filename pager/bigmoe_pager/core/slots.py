@@ -71,10 +71,12 @@ DUEL_PSEL_MAX = 32
 """Steps between halvings of the use counts, per policy (lru keeps none)."""
 LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
-MIN_USED_PERCENT = 50
-"""Prefetch gate of the VRAM tables (PCIe copies): percent of its judged experts that must be used to stay open. The
-break-even of a copy: run 9 in vLLM 0.33 at 102 slots, a used prefetch saved 0.060 / 0.041 ms and a wasted one cost
-0.056 / 0.052 ms (standard / topic-shift, fitted to recalls 0, 0.8, 1), so 48% / 56% (docs/benchmarks.md, run 10)."""
+MIN_USED_PERCENT = 60
+"""Prefetch gate of the VRAM tables (PCIe copies): percent of its judged experts that must be used to stay open. A
+copy's break-even measured in vLLM 0.33 on the H200 (docs/benchmarks.md, run 10): 48% / 56% at 102 slots (standard /
+topic-shift, fitted to run 9's recalls 0, 0.8, 1), about 53% / 65% at 32 slots, where demand copies already load the
+link (run 10's proposals with uniform and with popular wrong ids). Wrongly open cost up to 0.7 ms a token there,
+wrongly closed at most 0.12: 60 has the least regret over those eight cases."""
 READ_AHEAD_MIN_USED_PERCENT = 10
 """Gate of the RAM tables' SSD reads ahead (sim_prefetch's session-9 choice; a read's break-even is not measured)."""
 # LFU key = count << 42 | last_use << 10 | expert: below acquire_kernel.NEEDED_KEY (2**52) while last_use < 2**32
