@@ -147,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
     if args.out:
         report = {"command": " ".join(["sim_prefetch.py", *(argv if argv is not None else sys.argv[1:])])}
-        head = {**report, "policy": args.policy, "wrong": args.wrong, "gate": "shadow-scored (session 13)"}
+        head = {
+            **report,
+            "policy": args.policy,
+            "wrong": args.wrong,
+            "gate": "closed rounds judged from would-fetch marks (session 13)",
+        }
         body = ",\n  ".join(json.dumps(r) for r in rows)  # a row a line: small, and diffs read per case
         args.out.write_text(json.dumps(head, indent=1)[:-2] + f',\n "rows": [\n  {body}\n ]\n}}\n')
     return 0

@@ -26,7 +26,7 @@ def state(table: SlotTable) -> dict[str, torch.Tensor]:
         "step": table.step,
         "use_count": table.use_count,
         "prefetched": table._prefetched[: table.num_slots],
-        "shadow": table._shadow[: table.num_experts],
+        "would_fetch": table._would_fetch[: table.num_experts],
         "prefetch_step": table._prefetch_step,
         "used_score": table.used_score,
         "wasted_score": table.wasted_score,

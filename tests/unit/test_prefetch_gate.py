@@ -2,7 +2,7 @@
 
 A top-k predictor at recall 0 proposes k wrong experts a token: the gate closes after the first round and
 copies nothing after that; at recall 1 it never closes; a predictor that turns useful reopens it within a few
-rounds, because a closed round still scores its proposal (shadow marks, judged by the next step) without copying;
+rounds, because a closed round still scores its proposal (would-fetch marks, judged by the next step) without copying;
 min_used_percent=0 admits every round as before the gate. Each runs with the torch reference and with the Triton
 kernel (in Triton's interpreter), which must decide the same.
 """

@@ -51,7 +51,7 @@ def launch_admit(
     whole rows are fetched; rows = their record rows); None: rows = experts.
     lfu: rank candidate slots by (use count, last use, expert).
     min_used_percent: the prefetch gate's threshold (slots.MIN_USED_PERCENT); it reads and updates table_state's
-    used_score, wasted_score, gate_closed and shadow marks.
+    used_score, wasted_score, gate_closed and would-fetch marks.
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -68,7 +68,7 @@ def launch_admit(
         table_state["step"],
         table_state["freq"],
         table_state["prefetched"],
-        table_state["shadow"],
+        table_state["would_fetch"],
         table_state["prefetch_step"],
         table_state["want"],
         table_state["used_score"],
@@ -126,7 +126,7 @@ if triton is not None:
         step_ptr,
         freq_ptr,
         prefetched_ptr,
-        shadow_ptr,
+        would_fetch_ptr,
         prefetch_step_ptr,
         want_ptr,
         used_score_ptr,
@@ -181,15 +181,15 @@ if triton is not None:
         n_used = tl.sum(used.to(tl.int64), 0)
         n_wasted = tl.sum((marked & ~used).to(tl.int64), 0)
         tl.store(prefetched_ptr + s_ar, tl.where(judged, -1, marks), mask=s_in)
-        # The previous closed round's shadow marks, judged alike (used: needed since, so resident with a later stamp).
-        shadow = tl.load(shadow_ptr + e_ar, mask=e_in, other=0)
-        shadowed = (shadow != 0) & judged
+        # The previous closed round's would-fetch marks, judged alike (used: needed since, so resident, stamped later).
+        would_fetch = tl.load(would_fetch_ptr + e_ar, mask=e_in, other=0)
+        marked_now = (would_fetch != 0) & judged
         slot_now = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
-        stamp = tl.load(last_use_ptr + slot_now, mask=shadowed & (slot_now >= 0), other=-1)
-        shadow_used = shadowed & (slot_now >= 0) & (stamp > pstep)
-        gate_used = n_used + tl.sum(shadow_used.to(tl.int64), 0)
-        gate_wasted = n_wasted + tl.sum((shadowed & ~shadow_used).to(tl.int64), 0)
-        shadow = tl.where(judged, 0, shadow)
+        stamp = tl.load(last_use_ptr + slot_now, mask=marked_now & (slot_now >= 0), other=-1)
+        marked_used = marked_now & (slot_now >= 0) & (stamp > pstep)
+        gate_used = n_used + tl.sum(marked_used.to(tl.int64), 0)
+        gate_wasted = n_wasted + tl.sum((marked_now & ~marked_used).to(tl.int64), 0)
+        would_fetch = tl.where(judged, 0, would_fetch)
         # The gate: fold a round that judged any into the decayed scores; closed, this round fetches nothing.
         settled = gate_used + gate_wasted > 0
         used_score = tl.where(settled, used_score - (used_score >> 3) + (gate_used << 6), used_score)
@@ -212,7 +212,7 @@ if triton is not None:
         if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
             row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
             fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
-        tl.store(shadow_ptr + e_ar, shadow | (fetch & ~gate_open).to(tl.int32), mask=e_in)
+        tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & ~gate_open).to(tl.int32), mask=e_in)
         fetch = fetch & gate_open
         n_fetch = tl.sum(fetch.to(tl.int64), 0)
         pos = tl.cumsum(fetch.to(tl.int32), 0) - 1

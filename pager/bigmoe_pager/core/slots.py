@@ -38,7 +38,7 @@ Prefetch gate (issue 15: prefetch must never cost more than it saves): each roun
 the previous one (n_used of its experts the steps since needed, n_wasted not) and, when it judged
 any, decays two fixed-point scores, score += (count << 6) - (score >> 3). A round admits only
 while used_score is at least MIN_USED_PERCENT of the two together. A closed round copies nothing and takes no slot,
-but still scores its proposal: it marks the experts it would have fetched (shadow marks), and the next round judges
+but still scores its proposal: it marks the experts it would have fetched (would-fetch marks), and the next round judges
 them as it judges copies (used when the step since needed them). So the gate reopens as soon as the predictor becomes
 useful, without copying anything to find out (session 13; before, a closed gate copied a whole proposal every 64th
 step to keep its evidence fresh). Shadow judgments move the gate's scores only, never the prefetch counters.
@@ -64,11 +64,11 @@ from bigmoe_pager.core.stats import (
 _NEEDED = torch.iinfo(torch.int64).max  # sort key of a slot the current step needs: never a candidate
 POLICIES = ("lru", "lfu", "lfu-fast", "lfu-duel")
 DEFAULT_DECAY = {"lru": 0, "lfu": 256, "lfu-fast": 16, "lfu-duel": 16}
+"""Steps between halvings of the use counts, per policy (lru keeps none; lfu-duel: its fast counts)."""
 DUEL_SLOW_DECAY = 256
 """lfu-duel: the halving period (steps) of its slow counts; its fast counts halve every `decay` steps."""
 DUEL_PSEL_MAX = 32
 """lfu-duel: the selector saturates at +-this many needs (about four steps of full disagreement at top-8)."""
-"""Steps between halvings of the use counts, per policy (lru keeps none)."""
 LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
 MIN_USED_PERCENT = 60
@@ -218,8 +218,8 @@ class SlotTable:
         """The admit kernel's set of predicted experts (its own: a side stream's admit never shares acquire's)."""
         self.min_used_percent = min_used_percent
         """Prefetch gate threshold (percent); 0 keeps the gate always open."""
-        self._shadow = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
-        """1 for each expert the latest round would have fetched had its gate been open (its shadow marks)."""
+        self._would_fetch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
+        """1 for each expert the latest round would have fetched had its gate been open (its would-fetch marks)."""
         self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
         """Decayed count of prefetched experts used (fixed point, x64 per expert): the gate's evidence for."""
         self.wasted_score = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -488,7 +488,7 @@ class SlotTable:
         return {
             **self.kernel_state(),
             "prefetched": self._prefetched,
-            "shadow": self._shadow,
+            "would_fetch": self._would_fetch,
             "prefetch_step": self._prefetch_step,
             "want": self._want_scratch,
             "used_score": self.used_score,
@@ -518,7 +518,7 @@ class SlotTable:
         flat = predicted.reshape(-1).to(device=self.device, dtype=torch.int64)
         m = self.miss_capacity(flat.numel())
         used, wasted = self._settle_prefetch()
-        shadow_used, shadow_wasted = self._settle_shadow()
+        marked_used, marked_wasted = self._settle_would_fetch()
         idx = torch.where((flat >= 0) & (flat < e), flat, e)
         want = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
         want.index_fill_(0, idx, True)
@@ -528,8 +528,10 @@ class SlotTable:
             fetch &= available.to(device=self.device, dtype=torch.bool)
         if source is not None:
             fetch &= self._whole_rows(source)
-        is_open = self._gate(used + shadow_used, wasted + shadow_wasted)
-        self._shadow[:e].bitwise_or_((fetch & ~is_open).to(torch.int32))  # a round's second admit adds to its marks
+        is_open = self._gate(used + marked_used, wasted + marked_wasted)
+        self._would_fetch[:e].bitwise_or_(
+            (fetch & ~is_open).to(torch.int32)
+        )  # a round's second admit adds to its marks
         fetch &= is_open
         experts = self._compact(fetch, m)
         protect = want.clone()
@@ -573,20 +575,20 @@ class SlotTable:
         self._prefetched.copy_(torch.where(judged, -1, self._prefetched))
         return used.sum(), (marked & ~used).sum()
 
-    def _settle_shadow(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(used, wasted) of the latest closed round's shadow marks, judged as copies are (used: a step since needed
-        the expert, so it is resident now with a later stamp); clears them once judged."""
+    def _settle_would_fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(used, wasted) of the latest closed round's would-fetch marks, judged as copies are (used: a step since
+        needed the expert, so it is resident now with a later stamp); clears them once judged."""
         e = self.num_experts
         judged = self.step > self._prefetch_step
-        marked = (self._shadow[:e] != 0) & judged
+        marked = (self._would_fetch[:e] != 0) & judged
         slot = self._expert_slot[:e]
         stamp = self._last_use[torch.where(slot >= 0, slot, self.num_slots)]
         used = marked & (slot >= 0) & (stamp > self._prefetch_step)
-        self._shadow.copy_(torch.where(judged, 0, self._shadow))
+        self._would_fetch.copy_(torch.where(judged, 0, self._would_fetch))
         return used.sum(), (marked & ~used).sum()
 
     def _gate(self, used: torch.Tensor, wasted: torch.Tensor) -> torch.Tensor:
-        """Fold the settled round (copies and shadow marks) into the gate's scores; bool []: may this round admit."""
+        """Fold the settled round (copies and would-fetch marks) into the gate's scores; bool []: may it admit."""
         judged = used + wasted > 0
         for score, count in ((self.used_score, used), (self.wasted_score, wasted)):
             score.copy_(torch.where(judged, score - (score >> 3) + (count << 6), score))
