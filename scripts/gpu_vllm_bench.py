@@ -30,7 +30,8 @@ pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every 
 lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers
 ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
-the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1). Predictions
+the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+gate50` the VRAM prefetch gate at
+50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50). Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
 
@@ -110,10 +111,13 @@ AHEAD_DEEP = "+ahead4"
 """Name suffix: +ahead four layers deep (BIGMOE_SSD_READ_AHEAD_LAYERS=4); needs @rRECALL."""
 HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
+GATE50 = "+gate50"
+"""Name suffix: the VRAM prefetch gate at 50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50); needs @rRECALL."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
     HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
+    GATE50: {"BIGMOE_PREFETCH_MIN_USED_PERCENT": "50"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets."""
 EVERY = "every"

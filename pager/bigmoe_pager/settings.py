@@ -76,6 +76,10 @@ class PagerSettings:
     prefetch_high_priority: bool = False
     """BIGMOE_PREFETCH_HIGH_PRIORITY: 1 = the prefetch side stream runs at the GPU's high stream priority, so its
     copies get SMs ahead of vLLM's kernels; 0 = normal priority (the default until measured inside vLLM)."""
+    prefetch_min_used_percent: int | None = None
+    """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
+    only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,
+    core.slots.MIN_USED_PERCENT (60, from run 10's measurements). For measuring the gate on other hardware."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None
@@ -198,6 +202,11 @@ def _parse(cls: type, name: str, raw: str) -> object:
             if value < 0:
                 raise ValueError
             return value
+        if kind == "int | None":  # a percent (the one such field)
+            value = int(raw)
+            if not 0 <= value <= 100:
+                raise ValueError
+            return value
         if kind == "float":
             value = float(raw)
             if not value > 0:
@@ -218,6 +227,7 @@ def _expected(kind: str, name: str) -> str:
         "bool": "1 or 0",
         "tuple[int, ...]": "a non-negative integer or a comma list of them, one per MoE layer",
         "int": "a non-negative integer",
+        "int | None": "an integer from 0 to 100",
         "float": "a positive number",
     }.get(kind, " / ".join(_CHOICES.get(name, ("a path",))))
 

@@ -100,3 +100,18 @@ def test_vllm_versions(version, ok):
     else:
         with pytest.raises(UnsupportedVllm, match="supports vLLM 0.25.x, 0.32.x, 0.33.x"):
             check_vllm_version(version)
+
+
+@pytest.mark.parametrize("raw,value", [(None, None), ("0", 0), ("50", 50), (" 100 ", 100)])
+def test_the_prefetch_gate_threshold_is_a_percent_or_the_pagers_default(raw, value):
+    env = {} if raw is None else {"BIGMOE_PREFETCH_MIN_USED_PERCENT": raw}
+    s = PagerSettings.from_env(env)
+    assert s.prefetch_min_used_percent == value and PagerSettings.from_env(s.to_env()) == s
+
+
+@pytest.mark.parametrize("raw", ["101", "-1", "half"])
+def test_a_prefetch_gate_threshold_outside_0_to_100_is_one_line(raw):
+    with pytest.raises(SettingsError) as e:
+        PagerSettings.from_env({"BIGMOE_PREFETCH_MIN_USED_PERCENT": raw})
+    assert "BIGMOE_PREFETCH_MIN_USED_PERCENT" in str(e.value) and "from 0 to 100" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -188,3 +188,25 @@ def test_a_layer_reads_ahead_only_when_asked_and_some_experts_live_only_on_ssd(a
 
     sizes = TierSizes(experts=512, vram=64, ram=ram)
     assert vllm_device.reads_ahead(PagerSettings(enabled=True, ssd_read_ahead=asked), sizes) == reads_ahead
+
+
+@pytest.mark.parametrize("gate", [None, 0, 35])
+def test_a_layers_vram_table_takes_the_prefetch_gate_it_is_given(gate):
+    from bigmoe_pager.core.device_layer import DeviceLayerPager
+    from bigmoe_pager.core.host_pager import TierSizes
+    from bigmoe_pager.core.slots import MIN_USED_PERCENT
+    from bigmoe_pager.core.stats import PagerStats
+    from test_pager import make_layout, make_records
+
+    layout = make_layout(True)
+    experts, vram = 8, 2
+    records = make_records(layout, experts, seed=1)
+    sizes = TierSizes(experts, vram, experts)
+    pager = DeviceLayerPager(layout, sizes, "cpu", layer=0, stats=PagerStats(1), prefetch_gate=gate)
+    for e in range(experts):
+        for name, part in layout.views(records[e]).items():
+            pager.ram_views()[name][e].copy_(part)
+            pager.mark_loaded(e, name)
+    pager.start(layout.slot_buffers(vram, "cpu"))
+    assert pager.pager.vram.min_used_percent == (MIN_USED_PERCENT if gate is None else gate)
+    assert pager.ram.full  # (a full RAM tier has no read-ahead table: the threshold is the VRAM table's alone)

@@ -61,6 +61,7 @@ class DeviceLayerPager:
         policy: str = "lru",
         pin: bool | None = None,
         read_ahead: bool = False,
+        prefetch_gate: int | None = None,
     ):
         self.layout = layout
         self.sizes = sizes
@@ -70,6 +71,8 @@ class DeviceLayerPager:
         self.stats_table = stats
         self.buffers: dict[str, torch.Tensor] = {}
         self.policy = policy
+        self.prefetch_gate = prefetch_gate
+        """The VRAM prefetch gate's threshold, percent (None: slots.MIN_USED_PERCENT)."""
         self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead)
         hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
         self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]
@@ -133,6 +136,7 @@ class DeviceLayerPager:
             stats=self.stats_table,
             buffers=buffers,
             policy=self.policy,
+            prefetch_gate=self.prefetch_gate,
         )
         self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
 

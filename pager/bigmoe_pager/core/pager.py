@@ -18,7 +18,7 @@ from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
-from bigmoe_pager.core.slots import Acquired, Admitted, SlotTable, acquired_from_kernel
+from bigmoe_pager.core.slots import MIN_USED_PERCENT, Acquired, Admitted, SlotTable, acquired_from_kernel
 from bigmoe_pager.core.stats import PagerStats
 
 # Copy programs per prefetched expert (0: one per 8 KiB block, which fills every SM while it copies). On the H200
@@ -52,6 +52,7 @@ class ExpertPager:
         fused: bool | None = None,
         step_programs: int = 0,
         prefetch_programs: int = PREFETCH_PROGRAMS_PER_RECORD,
+        prefetch_gate: int | None = None,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -73,7 +74,8 @@ class ExpertPager:
         self.device = torch.device(device)
         self.layer = layer
         self.ram = ram
-        self.vram = SlotTable(num_experts, vram_slots, self.device, policy=policy, decay=decay)
+        gate = MIN_USED_PERCENT if prefetch_gate is None else prefetch_gate  # percent of judged prefetches used
+        self.vram = SlotTable(num_experts, vram_slots, self.device, policy=policy, decay=decay, min_used_percent=gate)
         self.buffers = buffers if buffers is not None else layout.slot_buffers(vram_slots, self.device)
         _check_buffers(layout, vram_slots, self.buffers, self.device)
         self.work_slots = work_slots or vram_slots

@@ -146,6 +146,7 @@ def layer_pager(
         warm_order=warm_order,
         policy=settings.eviction,
         read_ahead=reads_ahead(settings, sizes),
+        prefetch_gate=settings.prefetch_min_used_percent,
     )
 
 
