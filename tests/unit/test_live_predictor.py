@@ -196,7 +196,7 @@ def test_the_next_layers_router_is_found_or_refused_with_a_reason(case, expect):
     if expect is None:
         assert got is None
     elif expect == "router":
-        assert isinstance(got, NextRouter) and got.layer is nxt and got.weight is weight
+        assert isinstance(got, NextRouter) and got.layer is nxt and got.router is weight
         assert got.top == (5 if case == "top set" else 3)  # BIGMOE_PREDICT_TOP, else the next layer's top-k
     else:
         assert isinstance(got, str) and expect in got and "MoE layer 4" in got and "\n" not in got
@@ -345,3 +345,27 @@ def test_recorded_proposals_are_the_traces_predicted_ids_and_score(tmp_path: Pat
     result = score_predictor.score(topk, predicted, EXPERTS)
     assert [row["layer"] for row in result["per_layer"]] == list(range(layers_n - 1))
     assert 0.0 <= result["overall"]["recall"] <= 1.0 and result["chance"]["recall"] == pytest.approx(width / EXPERTS)
+
+
+@pytest.mark.parametrize("width,expect", [(HIDDEN, "router"), (HIDDEN + 8, "repacked as")])
+def test_a_router_that_vllm_repacked_is_used_through_its_own_product(width, expect):
+    """vLLM's CPU build prepacks the router's GEMM on AVX-512 BF16 hosts and empties `weight`: the proposal then
+    comes from the gate's own `cpu_linear`, and equals the one its unpacked weight gives."""
+    runners: dict = {}
+    this, nxt = fake_layer(3, runners), fake_layer(4, runners, top_k=3)
+    weight = router(7)
+    packed = SimpleNamespace(
+        weight=torch.empty(0),
+        bias=None,
+        output_size=EXPERTS,
+        input_size=width,
+        cpu_linear=lambda x, w, b: x.to(weight.dtype) @ weight.t(),  # stands in for the packed kernel's product
+    )
+    runners[nxt.layer_name] = SimpleNamespace(gate=packed)
+    got = next_router(this, nxt, hidden(2, 0), 0)
+    if expect != "router":
+        assert isinstance(got, str) and expect in got
+        return
+    x = hidden(5, 1)
+    assert isinstance(got, NextRouter) and got.top == 3
+    assert torch.equal(predict_next(x, got.router, 3), predict_next(x, weight, 3))

@@ -21,17 +21,23 @@ import numpy as np
 import torch
 from bigmoe_pager.core import replay_kernel, triton_launch
 
+Router = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+"""Layer l+1's router: its gate Linear's weight [E, H] (a float dtype), or a function giving its logits [tokens, E]
+for a hidden state (a gate whose weight the engine repacked, e.g. vLLM's CPU build on AVX-512 BF16 hosts)."""
 
-def predict_next(hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int) -> torch.Tensor:
+
+def predict_next(hidden: torch.Tensor, next_router: Router, top_p: int) -> torch.Tensor:
     """int64 [tokens, top_p]: the experts layer l+1's router would rank highest for layer l's hidden state.
 
     hidden: [tokens, H], a hidden state of layer l (the vLLM adapter passes what layer l's experts
     receive, after l's post-attention norm; layer l+1's router sees l+1's normed state, which differs
-    by what layers l and l+1 add and by the norm's weight). next_router_weight: [E, H] (the gate
-    Linear's weight, a float dtype); the product runs in its dtype. Softmax keeps order, so the
-    top-P logits are the router's top-P probabilities.
+    by what layers l and l+1 add and by the norm's weight). next_router: a weight's product runs in the
+    weight's dtype. Softmax keeps order, so the top-P logits are the router's top-P probabilities.
     """
-    logits = hidden.to(next_router_weight.dtype) @ next_router_weight.t()  # in the router's own dtype, as it routes
+    if isinstance(next_router, torch.Tensor):
+        logits = hidden.to(next_router.dtype) @ next_router.t()  # in the router's own dtype, as it routes
+    else:
+        logits = next_router(hidden)
     return torch.topk(logits, min(top_p, logits.shape[-1]), dim=-1).indices
 
 
@@ -100,12 +106,12 @@ class LivePredictions:
         self._stream = None
         self._forked = False  # the side stream has work the current stream has not joined yet
 
-    def feed(self, hidden: torch.Tensor, next_router_weight: torch.Tensor, top_p: int, next_pager=None) -> torch.Tensor:
+    def feed(self, hidden: torch.Tensor, next_router: Router, top_p: int, next_pager=None) -> torch.Tensor:
         """int64 [tokens, top_p]: predict_next for the rows of `hidden`, prefetched into `next_pager` (a
         DeviceLayerPager, or None: proposed only). On CUDA the ids are readable on the current stream after `join`."""
 
         def propose() -> torch.Tensor:
-            ids = predict_next(hidden, next_router_weight, top_p)
+            ids = predict_next(hidden, next_router, top_p)
             if next_pager is not None:
                 next_pager.prefetch(ids.reshape(-1))  # no stream: it runs here, on the stream current now
             return ids

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
-from bigmoe_pager.core.prediction import LivePredictions, predict_next
+from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.settings import PagerSettings
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
@@ -49,8 +49,8 @@ class NextRouter:
 
     layer: object
     """The paged layer l + 1 (its `pager` takes the proposals)."""
-    weight: torch.Tensor
-    """Its router's weight [E, H] (a float dtype)."""
+    router: Router
+    """Its router: the gate's weight [E, H] (a float dtype), or the gate's own product where vLLM repacked it."""
     top: int
     """Experts proposed per token."""
 
@@ -61,17 +61,31 @@ def next_router(layer, nxt, hidden: torch.Tensor, top: int) -> NextRouter | str 
     if nxt is None or is_mtp_layer(layer.layer_name) or is_mtp_layer(nxt.layer_name):
         return None
     runner = nxt._runners.get(nxt.layer_name)
-    weight = getattr(getattr(runner, "gate", None), "weight", None)
+    gate = getattr(runner, "gate", None)
+    weight = getattr(gate, "weight", None)
     where = f"MoE layer {nxt._moe_index} ({nxt.layer_name})"
     if not isinstance(weight, torch.Tensor):
         return f"vLLM keeps no router weight for {where} (no MoERunner.gate)"
+    top = top or nxt.moe_config.experts_per_token
+    if weight.numel() == 0 and callable(getattr(gate, "cpu_linear", None)):
+        return _repacked(gate, nxt, hidden, top, where)
     if weight.dim() != 2 or not weight.is_floating_point() or weight.element_size() < 2:
         return f"the router of {where} is {weight.dtype} {tuple(weight.shape)}, not a float [E, H] matrix"
     expected = (nxt._num_experts, hidden.shape[-1])
     if tuple(weight.shape) != expected or weight.device != hidden.device:
         got = f"{tuple(weight.shape)} on {weight.device}"
         return f"the router of {where} is {got}, expected {expected} on {hidden.device}"
-    return NextRouter(nxt, weight, top or nxt.moe_config.experts_per_token)
+    return NextRouter(nxt, weight, top)
+
+
+def _repacked(gate, nxt, hidden: torch.Tensor, top: int, where: str) -> NextRouter | str:
+    """vLLM's CPU build prepacks small GEMMs, routers included, and leaves the gate's `weight` empty (hosts with
+    AVX-512 BF16): the gate's own packed product (`cpu_linear`) then gives the router's logits."""
+    shape = (getattr(gate, "output_size", None), getattr(gate, "input_size", None))
+    expected = (nxt._num_experts, hidden.shape[-1])
+    if shape != expected:
+        return f"the router of {where} is repacked as {shape}, expected {expected}"
+    return NextRouter(nxt, lambda h: gate.cpu_linear(h, gate.weight, getattr(gate, "bias", None)), top)
 
 
 class Predictor:
@@ -170,7 +184,7 @@ class Predictor:
         prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first (profile) forward
         if not (prefetch or self.routing.trace_path is not None):
             return None
-        ids = self.live.feed(hidden, target.weight, target.top, pager if prefetch else None)
+        ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None)
         self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
         return ids
 
@@ -207,7 +221,7 @@ class Predictor:
             found = next_router(layer, self.layer_after(layer._moe_index + ahead - 1), hidden, self.top)
             self._further[key] = found if isinstance(found, NextRouter) else None
         target = self._further[key]
-        return None if target is None else predict_next(hidden, target.weight, target.top)
+        return None if target is None else predict_next(hidden, target.router, target.top)
 
     def _target(self, layer, hidden: torch.Tensor) -> NextRouter | None:
         index = layer._moe_index
