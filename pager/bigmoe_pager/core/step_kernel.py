@@ -325,7 +325,7 @@ if triton is not None:
                 tl.atomic_add(aux_ptr + _HITS, loaded)
 
         # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
-        # (Written out per component: the interpreter cannot call nested jit helpers.)
+        # (Written out per component: a launch takes at most MAX_COMPONENTS of them, each its own pointers.)
         lane = tl.arange(0, BLOCK)
         for i in range(0, n_take):
             src = tl.sum(tl.where(j == i, mexp, 0), 0)  # record row = expert id (the RAM tier is full)
