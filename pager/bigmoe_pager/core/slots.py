@@ -208,6 +208,8 @@ class SlotTable:
             self._shadows = list(zip(held, stamps, (self._fast, self._slow)))
         self.psel = torch.zeros((), dtype=torch.int64, device=self.device)
         """lfu-duel's selector: > 0 ranks by the slow counts, else by the fast ones (saturating, +-DUEL_PSEL_MAX)."""
+        self._psel_next = torch.zeros((), dtype=torch.int64, device=self.device)
+        """lfu-duel: the selector after a fused step's shadow play, until the step's last program installs it."""
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
         """Programs of a fused decode step that finished reading the table (step_kernel); 0 between steps."""
         self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
@@ -302,6 +304,7 @@ class SlotTable:
                 slow_held=slow_held.view(torch.uint8),
                 slow_stamps=slow_stamps,
                 psel=self.psel,
+                psel_next=self._psel_next,
             )
         return state
 
