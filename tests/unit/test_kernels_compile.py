@@ -37,14 +37,16 @@ acq = {"ids_ptr": "*i32", "n_ids": "i32", "expert_slot_ptr": "*i64", "slot_exper
        "step_ptr": "*i64", "need_ptr": "*i32", "freq_ptr": "*i64", "remapped_ptr": "*i32", "miss_exp_ptr": "*i64",
        "miss_slot_ptr": "*i64", "evicted_ptr": "*i64", "counts_ptr": "*i64", "m": "i32", "stats_ptr": "*i64",
        "aux_ptr": "*i64", "record_bytes": "i32", "fast_ptr": "*i64", "slow_ptr": "*i64", "fast_held_ptr": "*u8",
-       "fast_stamps_ptr": "*i64", "slow_held_ptr": "*u8", "slow_stamps_ptr": "*i64", "psel_ptr": "*i64"}
+       "fast_stamps_ptr": "*i64", "slow_held_ptr": "*u8", "slow_stamps_ptr": "*i64", "psel_ptr": "*i64",
+       "psel_next_ptr": "*i64"}
 POLICIES = {"lru": (False, False), "lfu": (True, False), "lfu-duel": (True, True)}  # name: (LFU, DUEL)
 def policy(name):
     lfu, duel = POLICIES[name]
     return {"LFU": lfu, "DECAY": 16 if lfu else 0, "DUEL": duel, "SLOW_DECAY": 256 if duel else 0,
             "PSEL_MAX": 32 if duel else 0}
+acq_only = {n: t for n, t in acq.items() if n in ak._acquire_kernel.arg_names}
 for name in POLICIES:
-    k = build(ak._acquire_kernel, acq, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
+    k = build(ak._acquire_kernel, acq_only, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
               "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True} | policy(name))
     out[f"acquire_{name}"] = "bar.sync" in k.asm["ptx"]
 adm = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in adk._admit_kernel.arg_names if n.islower()}
