@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bigmoe_bench import moe_decode as md
 from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_kernel as ck, step_kernel as sk
-from bigmoe_pager.core import prefetch_kernel as pfk, replay_kernel as rk
+from bigmoe_pager.core import replay_kernel as rk
 
 def build(fn, sig, consts, aligned=()):
     full = dict(sig)
@@ -56,16 +56,6 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
               "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_AVAIL": True, "HAS_KEEP": True,
               "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu})
     out[f"admit_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
-pre = adm | {"sync_ptr": "*i32", "rec_ptr": "*i64", "pitch_words": "i32", "out0": "*i64", "out1": "*i64",
-             "out2": "*i64", "out3": "*i64"}
-pre = {n: pre[n] for n in pfk._prefetch_kernel.arg_names if n in pre}
-k = build(pfk._prefetch_kernel, pre, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
-          "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_AVAIL": False, "HAS_KEEP": False,
-          "HAS_SOURCE": False, "HAS_STATS": True, "LFU": True,
-          "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504, "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
-          "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "BLOCK": 1024},
-          ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
-out["prefetch"] = {"sleep": "nanosleep" in k.asm["ptx"], "atom": accesses(k, "atom")}
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
@@ -118,5 +108,3 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         step = got[f"step_{name}"]
         assert step["bar"] and "atom.global.gpu.acq_rel.add.u32" in step["atom"]
         assert any("evict_first" in a for a in step["copy"]) and "st.global.v2.b64" in step["copy"]
-    # the fused prefetch: waiters sleep between reads of the ready flag; ticket, flag and done are acq_rel atomics
-    assert got["prefetch"]["sleep"] and any("acq_rel" in a for a in got["prefetch"]["atom"])
