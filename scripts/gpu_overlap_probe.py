@@ -17,8 +17,7 @@ Side work (--variants), each adding one part of the prefetch path:
   gather       the replayed proposal's gather (core.prediction.replayed_rows: one kernel on CUDA, as
                ReplayedPredictions.rows in vLLM)
   admit        gather + the admit decision (SlotTable.admit), no copy
-  prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs); over the probe's
-               full RAM tier the admit and the copy are one launch (core.prefetch_kernel), as ExpertPager.prefetch runs
+  prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs)
   prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
   router       a live proposal instead of the replayed one: LivePredictions.feed (predict_next, a GEMV of the
                layer's hidden state by layer l + 1's router weight, then a top-k) + admit + copy into layer
@@ -28,16 +27,13 @@ Side work (--variants), each adding one part of the prefetch path:
   router-pN    the same, at most N copy programs per expert
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
-the deferred join buys. -twolaunch (prefetch and router) turns the fused prefetch off (ExpertPager.fused_prefetch):
-the admit kernel, then copy_records, as before it; prefetch-p16 against prefetch-p16-twolaunch times what the
-single launch saves.
+the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
 --tokens replays after a warm-up; the VRAM hit rate and PCIe bytes come from the pager's counters.
 --profile-tokens N adds each variant's kernel timeline per token (bigmoe_bench.kernel_timeline), the
 same summary gpu_vllm_bench.py --profile-tokens gives inside vLLM, to compare the two.
 
     H200: PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --out $OUT/overlap.json
-          (one launch against two: --variants none,prefetch-p16,prefetch-p16-twolaunch)
     CPU:  PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --device cpu --smoke (eager, no streams:
           checks the wiring and the counters, times nothing worth reading)
 """
@@ -78,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow][-twolaunch]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -133,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-hi][-joinnow][-twolaunch]."""
+    """A --variants name taken apart: base[-pN][-hi][-joinnow]."""
 
     base: str
     """resident, none, fork, gather, admit, prefetch or router."""
@@ -143,8 +139,6 @@ class Variant:
     """The side stream at high priority."""
     join_now: bool = False
     """Joined at the end of the forking layer's MoE call, not at the next layer's."""
-    two_launch: bool = False
-    """The prefetch as the admit kernel then copy_records (ExpertPager.fused_prefetch off), not one launch."""
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -155,11 +149,11 @@ class Variant:
         for part in parts:
             if part.startswith("p") and part[1:].isdigit() and base in ("prefetch", "router"):
                 programs = int(part[1:])
-            elif part in ("hi", "joinnow") or (part == "twolaunch" and base in ("prefetch", "router")):
+            elif part in ("hi", "joinnow"):
                 flags.add(part)
             else:
                 raise ValueError(f"unknown part {part!r} of variant {name!r}")
-        return cls(base, programs, "hi" in flags, "joinnow" in flags, "twolaunch" in flags)
+        return cls(base, programs, "hi" in flags, "joinnow" in flags)
 
 
 class Model:
@@ -199,24 +193,21 @@ class Model:
         ]
         _sync(device)
 
-    def restart(self, order: list[list[int]], prefetch_programs: int, two_launch: bool = False) -> None:
-        """Fresh slot tables (VRAM warmed with the warm-up's hottest experts) and zeroed counters, same records;
-        two_launch: the pagers prefetch with the admit kernel then copy_records (else their default)."""
+    def restart(self, order: list[list[int]], prefetch_programs: int) -> None:
+        """Fresh slot tables (VRAM warmed with the warm-up's hottest experts) and zeroed counters, same records."""
         for layer, pager in enumerate(self.pagers):
             hottest = order[layer]
             pager.order = hottest + [e for e in range(self.args.experts) if e not in set(hottest)]
             pager.pager = None
             pager.start(self.buffers[layer])
             pager.pager.prefetch_programs = prefetch_programs
-            if two_launch:
-                pager.pager.fused_prefetch = False
         self.stats.reset()
         _sync(self.device)
 
     def time(self, trace_dev, predicted, name: str, order, args) -> float:
         variant = Variant.parse(name)
         if variant.base != "resident":
-            self.restart(order, variant.programs, variant.two_launch)
+            self.restart(order, variant.programs)
         live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
@@ -357,8 +348,7 @@ def _parse(argv):
     p.add_argument("--dense", type=int, default=16, help="small dense kernels per layer before its MoE")
     p.add_argument("--families", default="standard,topic-shift", help="routing families of scripts/traces.py")
     p.add_argument(
-        "--variants",
-        default="none,fork,gather,admit,prefetch,prefetch-p16,prefetch-p16-twolaunch,prefetch-p16-hi,prefetch-p16-joinnow",
+        "--variants", default="none,fork,gather,admit,prefetch,prefetch-p16,prefetch-p16-hi,prefetch-p16-joinnow"
     )
     p.add_argument("--recalls", default="0,0.8,1.0", help="top-k predictor recalls for the variants that gather")
     p.add_argument("--warmup", type=int, default=64, help="tokens replayed before timing (and the hot profile)")

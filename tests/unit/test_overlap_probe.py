@@ -9,10 +9,7 @@ import json
 
 import gpu_overlap_probe as probe  # scripts/ is on pytest's pythonpath (pyproject)
 import pytest
-import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
-from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.pager import ExpertPager
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +17,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
     argv += ["--profile-tokens", "2"]
-    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,prefetch-p2-twolaunch,router"
-    variants += ",router-p2-hi"
+    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,router,router-p2-hi"
     argv += ["--variants", variants]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
@@ -48,39 +44,11 @@ def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
     assert right["vram_hit"] > plain["vram_hit"]
 
 
-@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow", "prefetch-p2-twolaunch"])
+@pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow"])
 def test_bounded_copies_priority_and_join_place_move_what_the_plain_prefetch_moves(report, other):
     full, bounded = _row(report, "prefetch", 1.0), _row(report, other, 1.0)
     for key in ("vram_hit", "pcie_gb_per_token", "prefetched_per_token"):
         assert full[key] == bounded[key]
-
-
-@pytest.mark.parametrize(
-    "name,two_launch", [("prefetch-p16", False), ("prefetch-p16-twolaunch", True), ("router-twolaunch", True)]
-)
-def test_twolaunch_suffix_is_parsed_for_the_variants_that_copy(name, two_launch):
-    variant = probe.Variant.parse(name)
-    assert variant.two_launch == two_launch and variant.base in ("prefetch", "router")
-
-
-@pytest.mark.parametrize("name", ["fork-twolaunch", "admit-twolaunch"])
-def test_twolaunch_suffix_is_refused_where_nothing_is_copied(name):
-    with pytest.raises(ValueError):
-        probe.Variant.parse(name)
-
-
-def test_restart_turns_the_fused_prefetch_off_for_twolaunch_only(monkeypatch):
-    real = ExpertPager.__init__
-    monkeypatch.setattr(ExpertPager, "__init__", lambda self, *a, **k: real(self, *a, **k, fused_prefetch=True))
-    args = probe._parse(["--device", "cpu"])  # pagers built fused, as CUDA's default builds them
-    args.layers, args.experts, args.top_k, args.hidden, args.inter, args.slots, args.dense = 2, 16, 2, 128, 64, 8, 1
-    layout = ExpertLayout.for_moe(args.hidden, args.inter, torch.float8_e4m3fn, block=probe.BLOCK)
-    model = probe.Model(args, layout, torch.device("cpu"))
-    order = [list(range(args.experts))] * args.layers
-    model.restart(order, 2)
-    assert [p.pager.fused_prefetch for p in model.pagers] == [True, True]
-    model.restart(order, 2, two_launch=True)
-    assert [p.pager.fused_prefetch for p in model.pagers] == [False, False]
 
 
 @pytest.mark.parametrize("variant", ["router", "router-p2-hi"])

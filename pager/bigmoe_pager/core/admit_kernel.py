@@ -56,41 +56,10 @@ def launch_admit(
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
     flat = predicted.reshape(-1)
-    out = admit_outputs(flat, m)
-    kernel_for(_admit_kernel, flat.device)[(1,)](
-        *admit_args(
-            table_state, flat, out, m, available, keep_slots, source, stats_row, record_bytes, min_used_percent
-        ),
-        **admit_constants(num_experts, num_slots, available, keep_slots, source, stats_row, lfu),
-        num_warps=4,
-    )
-    if source is None:
-        out["rows"] = out["experts"]  # the records are indexed by expert id
-    return out
-
-
-def admit_outputs(flat: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
-    """The decision's output lists (experts, slots, evicted, rows: int64 [m]), on the predictions' device."""
-    return {
-        name: torch.empty(m, dtype=torch.int64, device=flat.device) for name in ("experts", "slots", "evicted", "rows")
-    }
-
-
-def admit_args(
-    table_state: dict[str, torch.Tensor],
-    flat: torch.Tensor,
-    out: dict[str, torch.Tensor],
-    m: int,
-    available: torch.Tensor | None,
-    keep_slots: torch.Tensor | None,
-    source: SourceRows | None,
-    stats_row: torch.Tensor | None,
-    record_bytes: int,
-    min_used_percent: int,
-) -> list:
-    """admit_decision's runtime arguments in order (launch_admit says what each input means)."""
+    device = flat.device
+    out = {name: torch.empty(m, dtype=torch.int64, device=device) for name in ("experts", "slots", "evicted", "rows")}
     dummy = out["experts"]  # pointer for absent inputs (never read: HAS_* is False)
-    return [
+    kernel_for(_admit_kernel, device)[(1,)](
         flat,
         flat.numel(),
         table_state["expert_slot"],
@@ -114,33 +83,23 @@ def admit_args(
         m,
         stats_row if stats_row is not None else dummy,
         record_bytes,
-    ]
-
-
-def admit_constants(
-    num_experts: int,
-    num_slots: int,
-    available: torch.Tensor | None,
-    keep_slots: torch.Tensor | None,
-    source: SourceRows | None,
-    stats_row: torch.Tensor | None,
-    lfu: bool,
-) -> dict[str, int | bool]:
-    """admit_decision's compile-time arguments."""
-    return {
-        "E": num_experts,
-        "S": num_slots,
-        "NEEDED": NEEDED_KEY,
-        "PACKED_MAX": PACKED_MAX,
-        "BLOCK_E": next_pow2(num_experts),
-        "BLOCK_S": next_pow2(num_slots),
-        "BLOCK_N": IDS_BLOCK,
-        "HAS_AVAIL": available is not None,
-        "HAS_KEEP": keep_slots is not None,
-        "HAS_SOURCE": source is not None,
-        "HAS_STATS": stats_row is not None,
-        "LFU": lfu,
-    }
+        E=num_experts,
+        S=num_slots,
+        NEEDED=NEEDED_KEY,
+        PACKED_MAX=PACKED_MAX,
+        BLOCK_E=next_pow2(num_experts),
+        BLOCK_S=next_pow2(num_slots),
+        BLOCK_N=IDS_BLOCK,
+        HAS_AVAIL=available is not None,
+        HAS_KEEP=keep_slots is not None,
+        HAS_SOURCE=source is not None,
+        HAS_STATS=stats_row is not None,
+        LFU=lfu,
+        num_warps=4,
+    )
+    if source is None:
+        out["rows"] = out["experts"]  # the records are indexed by expert id
+    return out
 
 
 def _bytes_of(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
@@ -158,7 +117,7 @@ if triton is not None:
     _PREFETCH_WASTED_BYTES = tl.constexpr(stats.PREFETCH_WASTED_BYTES)
 
     @triton.jit
-    def admit_decision(
+    def _admit_kernel(
         pred_ptr,
         n_pred,
         expert_slot_ptr,
@@ -198,8 +157,6 @@ if triton is not None:
         HAS_STATS: tl.constexpr,
         LFU: tl.constexpr,
     ):
-        """The prefetch decision (launch_admit's), for one program of one CTA: the admit kernel's body, also run by
-        prefetch_kernel's deciding program."""
         step = tl.load(step_ptr)
         e_ar = tl.arange(0, BLOCK_E)
         s_ar = tl.arange(0, BLOCK_S)  # also indexes the output lists (m <= S)
@@ -308,85 +265,3 @@ if triton is not None:
             tl.atomic_add(stats_ptr + _PREFETCHED, n)
             tl.atomic_add(stats_ptr + _PREFETCH_USED, n_used)
             tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
-
-    @triton.jit
-    def _admit_kernel(
-        pred_ptr,
-        n_pred,
-        expert_slot_ptr,
-        slot_expert_ptr,
-        last_use_ptr,
-        step_ptr,
-        freq_ptr,
-        prefetched_ptr,
-        would_fetch_ptr,
-        prefetch_step_ptr,
-        want_ptr,
-        used_score_ptr,
-        wasted_score_ptr,
-        gate_closed_ptr,
-        min_used_percent,
-        avail_ptr,
-        keep_ptr,
-        src_row_ptr,
-        src_posted_ptr,
-        out_exp_ptr,
-        out_slot_ptr,
-        out_evicted_ptr,
-        out_row_ptr,
-        m,
-        stats_ptr,
-        record_bytes,
-        E: tl.constexpr,
-        S: tl.constexpr,
-        NEEDED: tl.constexpr,
-        PACKED_MAX: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        HAS_AVAIL: tl.constexpr,
-        HAS_KEEP: tl.constexpr,
-        HAS_SOURCE: tl.constexpr,
-        HAS_STATS: tl.constexpr,
-        LFU: tl.constexpr,
-    ):
-        admit_decision(
-            pred_ptr,
-            n_pred,
-            expert_slot_ptr,
-            slot_expert_ptr,
-            last_use_ptr,
-            step_ptr,
-            freq_ptr,
-            prefetched_ptr,
-            would_fetch_ptr,
-            prefetch_step_ptr,
-            want_ptr,
-            used_score_ptr,
-            wasted_score_ptr,
-            gate_closed_ptr,
-            min_used_percent,
-            avail_ptr,
-            keep_ptr,
-            src_row_ptr,
-            src_posted_ptr,
-            out_exp_ptr,
-            out_slot_ptr,
-            out_evicted_ptr,
-            out_row_ptr,
-            m,
-            stats_ptr,
-            record_bytes,
-            E,
-            S,
-            NEEDED,
-            PACKED_MAX,
-            BLOCK_E,
-            BLOCK_S,
-            BLOCK_N,
-            HAS_AVAIL,
-            HAS_KEEP,
-            HAS_SOURCE,
-            HAS_STATS,
-            LFU,
-        )

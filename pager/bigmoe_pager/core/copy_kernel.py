@@ -240,68 +240,15 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         # Program (m, p): work item m, blocks p, p + P, ... of the components laid end to end (P programs per
-        # item; one pass when P is the block count).
+        # item; one pass when P is the block count). Written out per component: the interpreter cannot call
+        # nested jit helpers.
         m = tl.program_id(0)
         s = tl.load(src_ptr + m).to(tl.int64)
         d = tl.load(dst_ptr + m).to(tl.int64)
-        copy_blocks(
-            rec_ptr,
-            s,
-            d,
-            pitch_words,
-            out0,
-            out1,
-            out2,
-            out3,
-            tl.program_id(1),
-            tl.num_programs(1),
-            OFF0,
-            OFF1,
-            OFF2,
-            OFF3,
-            N0,
-            N1,
-            N2,
-            N3,
-            NB0,
-            NB1,
-            NB2,
-            NB3,
-            BLOCK,
-        )
-
-    @triton.jit
-    def copy_blocks(
-        rec_ptr,
-        s,
-        d,
-        pitch_words,
-        out0,
-        out1,
-        out2,
-        out3,
-        first,
-        stride,
-        OFF0: tl.constexpr,
-        OFF1: tl.constexpr,
-        OFF2: tl.constexpr,
-        OFF3: tl.constexpr,
-        N0: tl.constexpr,
-        N1: tl.constexpr,
-        N2: tl.constexpr,
-        N3: tl.constexpr,
-        NB0: tl.constexpr,
-        NB1: tl.constexpr,
-        NB2: tl.constexpr,
-        NB3: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        """Record s -> slot d (nothing when either is < 0): blocks first, first + stride, ... of the components laid
-        end to end (written out per component: each has its own pointer). Also prefetch_kernel's copy."""
         lane = tl.arange(0, BLOCK)
         if (s >= 0) & (d >= 0):
             base = rec_ptr + s * pitch_words
-            for b in range(first, NB0 + NB1 + NB2 + NB3, stride):
+            for b in range(tl.program_id(1), NB0 + NB1 + NB2 + NB3, tl.num_programs(1)):
                 if b < NB0:
                     offs = b * BLOCK + lane
                     mask = offs < N0

@@ -14,7 +14,7 @@ or streamed through `work_slots` slots per chunk by the benchmark's models
 from __future__ import annotations
 
 import torch
-from bigmoe_pager.core import prefetch_kernel, step_kernel
+from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
@@ -53,7 +53,6 @@ class ExpertPager:
         step_programs: int = 0,
         prefetch_programs: int = PREFETCH_PROGRAMS_PER_RECORD,
         prefetch_gate: int | None = None,
-        fused_prefetch: bool | None = None,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -89,8 +88,6 @@ class ExpertPager:
         self.prefetch_programs = prefetch_programs
         """Copy programs per prefetched expert (copy_records' programs_per_record; 0: one per block): a prefetch
         runs beside the layer before's compute, which its programs would otherwise crowd off the SMs."""
-        self.fused_prefetch = self.vram.use_kernel if fused_prefetch is None else fused_prefetch
-        """Prefetch over a full RAM tier with prefetch_kernel's single launch (GPU default); False: admit + copy."""
 
     # ---- one step --------------------------------------------------------------------
 
@@ -157,37 +154,12 @@ class ExpertPager:
         and a row with an unconfirmed posted read is left out.
         The next `acquire` still decides from its real ids: a wrong prediction costs a copy, never a token.
         """
-        if self._fused_prefetch():
-            return self._prefetch_fused(predicted_ids)
         source = self.ram.source_rows()  # a partial tier's rows: the decision also checks and maps them
         got = self.vram.admit(predicted_ids, None, self._rows["vram"], self.layout.record_bytes, source=source)
         copy_records(
             self.ram.records, got.rows, got.slots, self.layout, self.buffers, programs_per_record=self.prefetch_programs
         )
         return got
-
-    def _fused_prefetch(self) -> bool:
-        return self.fused_prefetch and self.ram.full and prefetch_kernel.fits(self.num_slots, self.layout)
-
-    def _prefetch_fused(self, predicted_ids: torch.Tensor) -> Admitted:
-        """Decide, count and copy in one launch (the RAM tier is full: record row = expert id)."""
-        self.ram.check_filled()
-        table = self.vram
-        out = prefetch_kernel.launch_prefetch(
-            table.admit_state(),
-            predicted_ids.to(self.device),
-            self.num_experts,
-            self.num_slots,
-            table.miss_capacity(predicted_ids.numel()),
-            self.ram.records,
-            self.layout,
-            self.buffers,
-            programs_per_record=self.prefetch_programs,
-            stats_row=self._rows["vram"],
-            lfu=table.lfu,
-            min_used_percent=table.min_used_percent,
-        )
-        return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
     def read_ahead(self, predicted_ids: torch.Tensor) -> None:
         """Post SSD reads of predicted experts that neither VRAM nor RAM holds (RamTier.read_ahead); no wait.

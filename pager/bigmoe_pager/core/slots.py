@@ -228,9 +228,6 @@ class SlotTable:
         """Decayed count of prefetched experts never used (same scale): the gate's evidence against."""
         self.gate_closed = torch.zeros((), dtype=torch.int64, device=self.device)
         """Admit calls the gate kept from admitting, so far."""
-        self._prefetch_sync = torch.zeros((3,), dtype=torch.int32, device=self.device)
-        """prefetch_kernel's ticket, ready flag and done count (prefetch_kernel.TICKET, READY, DONE); 0 between
-        launches."""
         self._prefetch_stat_index = torch.tensor(
             [BYTES, PREFETCHED, PREFETCH_USED, PREFETCH_WASTED_BYTES], dtype=torch.int64, device=self.device
         )
@@ -490,7 +487,7 @@ class SlotTable:
         return self._admit_torch(predicted, available, stats_row, record_bytes, keep_slots, source)
 
     def admit_state(self) -> dict[str, torch.Tensor]:
-        """The device tensors the admit kernel reads and updates in place (prefetch_kernel also takes sync)."""
+        """The device tensors the admit kernel reads and updates in place."""
         return {
             **self.kernel_state(),
             "prefetched": self._prefetched,
@@ -500,7 +497,6 @@ class SlotTable:
             "used_score": self.used_score,
             "wasted_score": self.wasted_score,
             "gate_closed": self.gate_closed,
-            "sync": self._prefetch_sync,
         }
 
     def _admit_kernel(self, predicted, available, stats_row, record_bytes, keep_slots, source) -> Admitted:
