@@ -8,6 +8,11 @@ how much side-stream time ran beside main-stream kernels, and how long the copie
 `summarize(trace, tokens)` reads a Chrome trace that torch.profiler exported (kernels are "X" events of
 category "kernel" with args.stream; kernels replayed inside CUDA graphs are listed one by one) and
 returns per-token microseconds. The main stream is the one with the most kernel time.
+
+A replayed graph's branches run on streams the driver picks (run 8), so the per-stream figures do not
+separate a prefetch from the compute there; the `prefetch_*` figures go by kernel name instead
+(PREFETCH_KERNELS): how long the prefetch's kernels ran, and how long they ran with no other kernel on
+the GPU, which is what the rest of the step waited for them (the copies a layer's window did not hide).
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ from collections import defaultdict
 from pathlib import Path
 
 Interval = tuple[float, float]
+
+PREFETCH_KERNELS = ("_admit_kernel", "_replayed_rows_kernel", "_copy_kernel")
+"""Names of the prefetch path's kernels: its decision, a replayed trace's proposal, its copy. Over a full RAM tier a
+step copies inside its own _step_kernel, so every _copy_kernel there is a prefetch's; over a partial tier the steps'
+two-launch copies count too."""
 
 
 def kernels(trace: dict) -> list[dict]:
@@ -96,6 +106,9 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
         entry[0] += 1
         entry[1] += k["end"] - k["start"]
     ranked = sorted(top.items(), key=lambda kv: -kv[1][1])[:10]
+    is_prefetch = [any(name in k["name"] for name in PREFETCH_KERNELS) for k in ks]
+    prefetch = union([(k["start"], k["end"]) for k, p in zip(ks, is_prefetch) if p])
+    others = union([(k["start"], k["end"]) for k, p in zip(ks, is_prefetch) if not p])
     return {
         "tokens": tokens,
         "streams": len(busy),
@@ -105,6 +118,8 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
         "main_idle_while_side_busy_us_per_token": round(length(intersect(idle, side)) * per, 1),
         "side_busy_us_per_token": round(length(side) * per, 1),
         "side_beside_main_us_per_token": round(length(intersect(side, busy[main])) * per, 1),
+        "prefetch_busy_us_per_token": round(length(prefetch) * per, 1),
+        "prefetch_alone_us_per_token": round((length(prefetch) - length(intersect(prefetch, others))) * per, 1),
         "copy_kernels": {
             where: {"per_token": round(n * per, 2), "us_per_token": round(us * per, 1), "mean_us": round(us / n, 1)}
             for where, (n, us) in copy_streams.items()

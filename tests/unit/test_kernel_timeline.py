@@ -44,6 +44,27 @@ def test_streams_idle_and_overlap_per_token(order_seed):
     assert s["side_beside_main_us_per_token"] == 4.0  # 5-10 and 12-15
     assert s["copy_kernels"] == {"side": {"per_token": 0.5, "us_per_token": 4.0, "mean_us": 8.0}}
     assert s["top_kernels"][0]["name"] in ("gemv", "admit", "attention")
+    assert s["prefetch_busy_us_per_token"] == 4.0  # by name: only the copy is the prefetch's ("admit" is not a name)
+    assert s["prefetch_alone_us_per_token"] == 4.0  # 20-28: nothing else ran
+
+
+GRAPH = [  # a replayed graph: the driver put prefetch and compute on streams of its choosing, both on each
+    ("attention", 1, 0, 10),
+    ("_replayed_rows_kernel_0d1d", 2, 2, 3),
+    ("_admit_kernel_0d1d", 1, 10, 14),  # alone: nothing else runs
+    ("_copy_kernel_0d1d", 2, 12, 26),  # 12-14 beside the admit only, 14-20 beside the MoE, 20-26 alone
+    ("fused_moe_kernel", 2, 14, 20),
+    ("_step_kernel_0d1d", 1, 26, 28),  # the next layer's step, after the join
+]
+
+
+def test_prefetch_time_by_name_whatever_the_streams():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": n, "ts": a, "dur": b - a, "args": {"stream": st}} for n, st, a, b in GRAPH
+    ]
+    s = summarize({"traceEvents": events}, tokens=1)
+    assert s["prefetch_busy_us_per_token"] == 17.0  # 2-3 and 10-26
+    assert s["prefetch_alone_us_per_token"] == 10.0  # 10-14 and 20-26: what the steps waited for
 
 
 def test_a_trace_without_kernels_says_so(tmp_path):
