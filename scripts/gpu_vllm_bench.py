@@ -210,8 +210,8 @@ def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     eviction; PREDICTION_SUFFIXES: SSD reads ahead, side stream priority)."""
     base, _, policy = parse_name(name)
     env = {**configs(first_trace, experts)[base].env}
-    if policy:
-        env["BIGMOE_EVICTION"] = policy
+    if base.startswith("bigmoe"):  # named even when it is the default, so the row says which policy ran
+        env["BIGMOE_EVICTION"] = policy or PagerSettings().eviction
     for suffix in split_suffixes(name)[1]:
         env.update(PREDICTION_SUFFIXES[suffix])
     return e2e.Config(name, env)
@@ -666,7 +666,7 @@ def combine(files: list[Path], out: Path) -> int:
         meta.setdefault("commands", []).append(part.get("command"))
         if "gb_per_s" in (part.get("disk") or {}):
             meta.setdefault("disk", part["disk"])
-        rows.update({(r.get("family", "standard"), r["name"]): r for r in part["configs"]})
+        rows.update({(r.get("family", "standard"), r["name"]): {**r, "source": f.name} for r in part["configs"]})
     tpot = {name: r.get("tpot_ms") for (family, name), r in rows.items() if family == "standard"}
     for (family, _), r in rows.items():
         # Greedy tokens of the timed request: which other configurations of its family produced exactly the same.

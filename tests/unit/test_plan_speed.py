@@ -61,7 +61,7 @@ def measured_runs() -> list[tuple[str, str, dict]]:
                 "ram_slots": c.get("ram_slots", 256),
             }
             runs.append(("topic-shift", c.get("eviction", "lfu"), run))
-    for c in json.loads((BENCH / "prefetch.json").read_text())["configs"]:  # run 9, vLLM 0.33, without prefetch
+    for c in json.loads((BENCH / "prefetch.json").read_text())["configs"]:  # runs 9-11, vLLM 0.33, without prefetch
         if c.get("tpot_ms") and c.get("recall") is None and (c["name"] == "resident" or c["name"].startswith("bigmoe")):
             env = c["env"]
             run = {
@@ -70,8 +70,15 @@ def measured_runs() -> list[tuple[str, str, dict]]:
                 "vram_slots": int(env.get("BIGMOE_VRAM_SLOTS", 256)),
                 "ram_slots": int(env.get("BIGMOE_RAM_SLOTS", 256)),
             }
-            runs.append((c["family"], env.get("BIGMOE_EVICTION", "lfu-fast"), run))  # the plugin's default since 8
+            runs.append((c["family"], env.get("BIGMOE_EVICTION") or default_eviction(c["source"]), run))
     return runs
+
+
+def default_eviction(source: str) -> str:
+    """The plugin's default eviction when the combined row's file (`source`, e.g. run10-bench-b.json) was measured; rows
+    name their policy in env since run 11's calls (gpu_vllm_bench.config_for), not before."""
+    run = int(source.removeprefix("run").split("-")[0])
+    return "lfu-fast" if run <= 10 else "lfu-duel"  # lfu-duel became the default after run 10 (session 13)
 
 
 def simulated_hits(family: str, policy: str, vram: int, ram: int) -> tuple[float, float]:
