@@ -31,7 +31,8 @@ lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+a
 ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
 the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+gate50` the VRAM prefetch gate at
-50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50). Predictions
+50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50). A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same
+configuration whose rows keep the tag: how far two engines of one build land apart (run 11: up to 0.6 ms). Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
 
@@ -133,11 +134,18 @@ PARALLEL_GPU_MEMORY_UTILIZATION = 0.1
 """--parallel > 1: the share vLLM checks against the free memory at start (the KV cache is fixed above)."""
 
 
+def untagged(name: str) -> tuple[str, str]:
+    """('bigmoe-102@r', '#2') for 'bigmoe-102@r#2': a name and its last `#N` (another engine of the same
+    configuration), or '' without one."""
+    stem, mark, number = name.rpartition("#")
+    return (stem, mark + number) if mark and number.isdigit() else (name, "")
+
+
 def parse_name(name: str) -> tuple[str, float | str | None, str | None]:
-    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); a bare '@r' gives EVERY (trailing +ahead / +hi are
-    checked, not returned); KeyError for an unknown base or policy, ValueError for a recall outside [0, 1] or a
-    +ahead / +hi without @r."""
-    stem, suffixes = split_suffixes(name)
+    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); a bare '@r' gives EVERY (trailing +ahead / +hi and a
+    last #N are checked, not returned); KeyError for an unknown base or policy, ValueError for a recall outside
+    [0, 1] or a +ahead / +hi without @r."""
+    stem, suffixes = split_suffixes(untagged(name)[0])
     base, _, policy = stem.partition("~")
     base, at, recall = base.partition("@r")
     if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
@@ -190,10 +198,11 @@ def row_name(name: str, point: Point | None, wrong: str = "uniform") -> str:
     ':WRONG' after it where the point's wrong ids are not the run's --wrong ('...@r0.8:popular')."""
     if point is None:
         return name
+    name, copy = untagged(name)
     base, _, rest = name.partition("@r")
     suffix = rest[len(rest) - len(rest.lstrip("0123456789.")) :]  # ~POLICY and +ahead after the number
     tag = "" if point.wrong == wrong else f":{point.wrong}"
-    return f"{base}@r{point.recall:g}{tag}{suffix}"
+    return f"{base}@r{point.recall:g}{tag}{suffix}{copy}"
 
 
 def measurements(name: str, families: list[str], points: list[Point], traces_of: dict, wrong: str = "uniform"):
@@ -212,7 +221,7 @@ def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     env = {**configs(first_trace, experts)[base].env}
     if base.startswith("bigmoe"):  # named even when it is the default, so the row says which policy ran
         env["BIGMOE_EVICTION"] = policy or PagerSettings().eviction
-    for suffix in split_suffixes(name)[1]:
+    for suffix in split_suffixes(untagged(name)[0])[1]:
         env.update(PREDICTION_SUFFIXES[suffix])
     return e2e.Config(name, env)
 

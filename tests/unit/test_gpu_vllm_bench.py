@@ -30,10 +30,26 @@ DEFAULT_EVICTION = PagerSettings().eviction
         ("bigmoe-102-layerbuf@r+hi", ("bigmoe-102-layerbuf", bench.EVERY, None)),
         ("bigmoe-32-ram128-ssd@r0.8~lru+hi+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
         ("bigmoe-32-ram128-ssd-layerbuf@r0.8+ahead4", ("bigmoe-32-ram128-ssd-layerbuf", 0.8, None)),
+        ("bigmoe-102-layerbuf#2", ("bigmoe-102-layerbuf", None, None)),
+        ("bigmoe-102-layerbuf@r~lru+gate50#12", ("bigmoe-102-layerbuf", bench.EVERY, "lru")),
     ],
 )
 def test_names_parse(name, parsed):
     assert bench.parse_name(name) == parsed
+
+
+def test_a_second_engine_of_one_configuration_runs_it_alike_under_its_own_rows(tmp_path):
+    one, two = (
+        bench.config_for(n, tmp_path / "f.npz", 32) for n in ("bigmoe-32@r~lru+gate50", "bigmoe-32@r~lru+gate50#2")
+    )
+    assert one.env == two.env and one.name != two.name
+    assert (
+        bench.row_name("bigmoe-32@r~lru+gate50#2", bench.Point(0.8, "popular")) == "bigmoe-32@r0.8:popular~lru+gate50#2"
+    )
+    assert bench.recalls_of("bigmoe-32@r#2", [bench.Point(0.0), bench.Point(1.0)]) == [
+        bench.Point(0.0),
+        bench.Point(1.0),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -45,6 +61,7 @@ def test_names_parse(name, parsed):
         ["--configs", "bigmoe-102@rx"],
         ["--configs", "bigmoe-32-ram128-ssd+ahead"],
         ["--configs", "bigmoe-102+hi"],
+        ["--configs", "bigmoe-102#two"],
         ["--families", "standard,zigzag"],
         ["--families", "standard", "--family", "topic-shift"],
         ["--recalls", "0,1.2"],
