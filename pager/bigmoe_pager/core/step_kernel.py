@@ -279,7 +279,7 @@ if triton is not None:
         last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
         occupied = held >= 0
         held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
-        if DUEL:  # the counts the selector named before the step (the last program moves it)
+        if DUEL:  # the counts the selector named before the step (program P moves it, the last one installs it)
             held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
             held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
             count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
