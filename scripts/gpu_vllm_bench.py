@@ -31,7 +31,8 @@ lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+a
 ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
 the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+gate50` the VRAM prefetch gate at
-50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50). A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same
+50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50), `+gate0` none, `+b1` / `+b2` a prefetch budget of 1 or 2 experts a
+layer's round (BIGMOE_PREFETCH_BUDGET). A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same
 configuration whose rows keep the tag: how far two engines of one build land apart (run 11: up to 0.6 ms). Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
@@ -114,11 +115,18 @@ HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
 GATE50 = "+gate50"
 """Name suffix: the VRAM prefetch gate at 50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50); needs @rRECALL."""
+GATE0 = "+gate0"
+"""Name suffix: no VRAM prefetch gate (BIGMOE_PREFETCH_MIN_USED_PERCENT=0); needs @rRECALL."""
+BUDGETS = {f"+b{n}": {"BIGMOE_PREFETCH_BUDGET": str(n)} for n in (1, 2)}
+"""Name suffixes: a layer's prefetch round copies at most 1 or 2 experts, the most used first (BIGMOE_PREFETCH_BUDGET);
+need @rRECALL."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
     HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
     GATE50: {"BIGMOE_PREFETCH_MIN_USED_PERCENT": "50"},
+    GATE0: {"BIGMOE_PREFETCH_MIN_USED_PERCENT": "0"},
+    **BUDGETS,
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets."""
 EVERY = "every"

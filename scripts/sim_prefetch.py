@@ -8,7 +8,8 @@ with --wrong uniform (the default) the wrong ids are drawn evenly from the exper
 need, which is pessimistic: a real router's near misses are popular experts, often resident already;
 --wrong popular draws them in proportion to how often the layer uses each; precision `topk` is a top-k
 predictor's k ids a token, precision = recall). Each prediction case runs with admit's usefulness gate
-at each of --gates (min_used_percent; 0 = no gate); gate_closed is the share of rounds it closed.
+at each of --gates (min_used_percent; 0 = no gate) and each of --budgets (prefetch_budget: experts a round
+copies at most, the most used first; 0 = none); gate_closed is the share of rounds it closed.
 Time is not simulated: copies per token are what a GPU run pays for, and prefetch can only win back
 the compute time it hides them behind (docs/benchmarks.md, the H200 harness run).
 
@@ -46,6 +47,8 @@ class Case:
     """None: a top-k predictor's proposal (k ids per token, precision = recall)."""
     min_used_percent: int | None
     """The prefetch gate's threshold (0: no gate); None for the baseline."""
+    budget: int | None = None
+    """Experts one prefetch round copies at most (0: no limit); None for the baseline."""
 
 
 def simulate(
@@ -55,6 +58,7 @@ def simulate(
     vram: int,
     policy: str,
     min_used_percent: int = MIN_USED_PERCENT,
+    budget: int = 0,
 ) -> dict:
     """Per token: demand copies, prefetch copies, prefetched experts never used, and the VRAM hit rate;
     gate_closed: share of the prefetch rounds the gate closed; peak_prefetch_per_token: the most prefetch copies one
@@ -63,7 +67,9 @@ def simulate(
     ids = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
     pred = None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
     tables = [
-        SlotTable(experts, vram, policy=policy, use_kernel=False, min_used_percent=min_used_percent)
+        SlotTable(
+            experts, vram, policy=policy, use_kernel=False, min_used_percent=min_used_percent, prefetch_budget=budget
+        )
         for _ in range(layers)
     ]
     rows = torch.zeros(layers, len(stats.COUNTERS), dtype=torch.int64)
@@ -98,14 +104,22 @@ RECORDED = (64, 8, (26, 16))
 """The recorded trace's experts, top-k and VRAM slots: the benchmark's 40% and 12.5% shares, at least 2k slots."""
 
 
-def cases(families: list[str], recalls: list[float], precisions: list[float | None], gates: list[int]) -> list[Case]:
+def cases(
+    families: list[str], recalls: list[float], precisions: list[float | None], gates: list[int], budgets: list[int]
+) -> list[Case]:
     """The Qwen3.6-shaped 40-layer benchmark's tables (256 experts, top-8) at 102 and 32 VRAM slots."""
     out = []
     for family in families:
         experts, k, sizes = RECORDED if family == "recorded" else (256, 8, (102, 32))
         for vram in sizes:
             out.append(Case(family, experts, k, vram, None, None, None))
-            out += [Case(family, experts, k, vram, r, p, g) for r in recalls for p in precisions for g in gates]
+            out += [
+                Case(family, experts, k, vram, r, p, g, b)
+                for r in recalls
+                for p in precisions
+                for g in gates
+                for b in budgets
+            ]
     return out
 
 
@@ -117,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recalls", default="0,0.6,0.8,1.0")
     p.add_argument("--precisions", default="topk", help="comma list of floats in (0, 1] or topk (k ids a token)")
     p.add_argument("--gates", default=f"{MIN_USED_PERCENT},0", help="prefetch gate thresholds, percent (0: none)")
+    p.add_argument("--budgets", default="0", help="prefetch budgets, experts a round copies at most (0: none)")
     p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform, popular or none")
     p.add_argument("--policy", default="lfu-fast")
     p.add_argument("--seed", type=int, default=0)
@@ -125,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.wrong not in traces.WRONG_MODELS:
             raise ValueError(f"--wrong takes one of {', '.join(traces.WRONG_MODELS)}, got {args.wrong!r}")
-        grid = cases(args.families.split(","), _floats(args.recalls), _precisions(args.precisions), _ints(args.gates))
+        budgets = _ints(args.budgets)
+        if any(b < 0 for b in budgets):
+            raise ValueError(f"--budgets are numbers of experts >= 0, got {args.budgets!r}")
+        grid = cases(
+            args.families.split(","), _floats(args.recalls), _precisions(args.precisions), _ints(args.gates), budgets
+        )
     except ValueError as err:
         print(f"sim_prefetch: {err}", file=sys.stderr)
         return 2
@@ -141,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             if case.recall is None
             else traces.predictions(trace, case.recall, case.precision, case.experts, args.seed, args.wrong)
         )
-        gate = case.min_used_percent or 0
-        row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy, gate)}
+        gate, budget = case.min_used_percent or 0, case.budget or 0
+        row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy, gate, budget)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

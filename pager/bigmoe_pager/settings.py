@@ -80,6 +80,9 @@ class PagerSettings:
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,
     core.slots.MIN_USED_PERCENT (60, from run 10's measurements). For measuring the gate on other hardware."""
+    prefetch_budget: int = 0
+    """BIGMOE_PREFETCH_BUDGET: experts one layer's VRAM prefetch round copies at most, those with the highest use
+    counts first (0: no limit, the default until measured inside vLLM; simulated in docs/benchmarks.md, session 14)."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

@@ -31,6 +31,7 @@ DEFAULT_EVICTION = PagerSettings().eviction
         ("bigmoe-32-ram128-ssd@r0.8~lru+hi+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
         ("bigmoe-32-ram128-ssd-layerbuf@r0.8+ahead4", ("bigmoe-32-ram128-ssd-layerbuf", 0.8, None)),
         ("bigmoe-102-layerbuf#2", ("bigmoe-102-layerbuf", None, None)),
+        ("bigmoe-102-layerbuf@r0.8+b1+gate0", ("bigmoe-102-layerbuf", 0.8, None)),
         ("bigmoe-102-layerbuf@r~lru+gate50#12", ("bigmoe-102-layerbuf", bench.EVERY, "lru")),
     ],
 )
@@ -205,6 +206,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert gate["BIGMOE_PREFETCH_MIN_USED_PERCENT"] == "50" and "BIGMOE_PREFETCH_MIN_USED_PERCENT" not in high
     deep = bench.config_for("bigmoe-32-ram128-ssd@r0.8+ahead4", tmp_path / "f.npz", 32).env
     assert deep["BIGMOE_SSD_READ_AHEAD"] == "1" and deep["BIGMOE_SSD_READ_AHEAD_LAYERS"] == "4"
+    budget = bench.config_for("bigmoe-102@r0.8+b2+gate0", tmp_path / "f.npz", 32).env
+    assert budget["BIGMOE_PREFETCH_BUDGET"] == "2" and budget["BIGMOE_PREFETCH_MIN_USED_PERCENT"] == "0"
+    assert PagerSettings.from_env(budget).prefetch_budget == 2 and "BIGMOE_PREFETCH_BUDGET" not in gate
 
 
 def measurement(family, recall, tpot, ssd=None):

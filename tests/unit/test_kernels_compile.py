@@ -54,7 +54,7 @@ adm |= {"pred_ptr": "*i64", "want_ptr": "*i32", "avail_ptr": "*u8", "keep_ptr": 
 for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input present
     k = build(adk._admit_kernel, adm, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
               "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_AVAIL": True, "HAS_KEEP": True,
-              "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu})
+              "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu, "BUDGET": 2})
     out[f"admit_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}

@@ -110,6 +110,28 @@ def test_prefetch_never_evicts_the_latest_steps_or_predicted_experts():
     assert again.experts.tolist() == [-1, -1, -1]
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize(
+    "policy,budget,fetched",
+    [
+        ("lfu-fast", 0, [8, 9, 10, 11]),  # no budget: every candidate
+        ("lfu-fast", 2, [9, 11]),  # the two most used (11: 3 uses, 9 and 10: 2, 8: 1): 9 beats 10 on the lower id
+        ("lfu-fast", 1, [11]),
+        ("lfu-duel", 2, [9, 11]),  # the leader's counts, the same here (nothing has decayed)
+        ("lru", 2, [8, 9]),  # no counts: the lowest ids
+    ],
+)
+def test_a_prefetch_budget_takes_the_most_used_candidates(policy, budget, fetched, use_kernel):
+    table = SlotTable(16, 8, policy=policy, prefetch_budget=budget, use_kernel=use_kernel, min_used_percent=0)
+    for ids in ([8, 9, 10, 11], [9, 10, 11], [11]):  # uses: 8 once, 9 and 10 twice, 11 three times
+        table.acquire(torch.tensor(ids))
+    table.acquire(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))  # fills the 8 slots: 8-11 are out again
+    table.acquire(torch.tensor([0, 1, 2, 3]))  # 4-7 are free to take now
+    got = table.admit(torch.tensor([11, 10, 9, 8, 2]))  # 2 is resident: never a candidate, always kept
+    assert sorted(e for e in got.experts.tolist() if e >= 0) == fetched
+    assert table.expert_slot[2] >= 0
+
+
 def test_prefetch_counters_add_up():
     experts, slots = 20, 6
     rec = records(experts, seed=5)

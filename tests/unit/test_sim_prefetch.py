@@ -100,3 +100,25 @@ def test_the_default_gate_closes_where_most_copies_would_go_unused(family, recal
     used_share = 1 - ungated["prefetched_unused_per_token"] / ungated["prefetch_copies_per_token"]
     assert (used_share < MIN_USED_PERCENT / 100) == closes
     assert (gated["gate_closed"] > 0.9) if closes else (gated["gate_closed"] < 0.05)
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift"])
+def test_a_budget_caps_each_round(family):
+    """Top-k proposals at recall 0.8, no gate: a budget of one copies at most one expert a round (two rounds a token
+    over three layers), fewer than without a budget, and still takes some copies off the steps."""
+    trace = traces.named_trace(family, 200, 3, 64, 4, seed=3)
+    pred = traces.predictions(trace, 0.8, None, 64, seed=3)
+    plain = sim_prefetch.simulate(trace, None, 64, 16, "lfu-duel")
+    free, one = (sim_prefetch.simulate(trace, pred, 64, 16, "lfu-duel", min_used_percent=0, budget=b) for b in (0, 1))
+    assert 0 < one["prefetch_copies_per_token"] <= 2 < free["prefetch_copies_per_token"]
+    assert free["demand_copies_per_token"] < one["demand_copies_per_token"] < plain["demand_copies_per_token"]
+
+
+def test_budgets_are_cases_and_negative_ones_are_refused(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    argv = ["--tokens", "20", "--layers", "2", "--families", "standard", "--recalls", "0.8", "--gates", "0"]
+    assert sim_prefetch.main([*argv, "--budgets", "0,1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["vram"], r["budget"]) for r in rows] == [(102, None), (102, 0), (102, 1), (32, None), (32, 0), (32, 1)]
+    assert sim_prefetch.main([*argv, "--budgets", "-1"]) == 2
+    assert "--budgets" in capsys.readouterr().err

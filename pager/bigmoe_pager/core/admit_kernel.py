@@ -41,6 +41,7 @@ def launch_admit(
     source: SourceRows | None = None,
     lfu: bool = False,
     min_used_percent: int = 0,
+    budget: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
@@ -52,6 +53,7 @@ def launch_admit(
     lfu: rank candidate slots by (use count, last use, expert).
     min_used_percent: the prefetch gate's threshold (slots.MIN_USED_PERCENT); it reads and updates table_state's
     used_score, wasted_score, gate_closed and would-fetch marks.
+    budget: SlotTable.prefetch_budget (at most this many fetched, the highest use counts first; 0: no limit).
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -95,6 +97,7 @@ def launch_admit(
         HAS_SOURCE=source is not None,
         HAS_STATS=stats_row is not None,
         LFU=lfu,
+        BUDGET=budget,
         num_warps=4,
     )
     if source is None:
@@ -156,6 +159,7 @@ if triton is not None:
         HAS_SOURCE: tl.constexpr,
         HAS_STATS: tl.constexpr,
         LFU: tl.constexpr,
+        BUDGET: tl.constexpr,
     ):
         step = tl.load(step_ptr)
         e_ar = tl.arange(0, BLOCK_E)
@@ -212,6 +216,16 @@ if triton is not None:
         if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
             row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
             fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
+        if BUDGET > 0:  # the BUDGET candidates with the highest use counts (ties: lower id), one block-wide max each
+            uses = tl.minimum(tl.load(freq_ptr + e_ar, mask=e_in, other=0), 1023)
+            key = tl.where(fetch, uses * E + (E - 1 - e_ar), -1)
+            keep = e_ar < 0
+            for _ in tl.static_range(BUDGET):
+                best = tl.max(key, 0)
+                pick = (key == best) & (best >= 0)
+                keep = keep | pick
+                key = tl.where(pick, -1, key)
+            fetch = fetch & keep
         tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & ~gate_open).to(tl.int32), mask=e_in)
         fetch = fetch & gate_open
         n_fetch = tl.sum(fetch.to(tl.int64), 0)

@@ -53,6 +53,7 @@ class ExpertPager:
         step_programs: int = 0,
         prefetch_programs: int = PREFETCH_PROGRAMS_PER_RECORD,
         prefetch_gate: int | None = None,
+        prefetch_budget: int = 0,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -75,7 +76,15 @@ class ExpertPager:
         self.layer = layer
         self.ram = ram
         gate = MIN_USED_PERCENT if prefetch_gate is None else prefetch_gate  # percent of judged prefetches used
-        self.vram = SlotTable(num_experts, vram_slots, self.device, policy=policy, decay=decay, min_used_percent=gate)
+        self.vram = SlotTable(
+            num_experts,
+            vram_slots,
+            self.device,
+            policy=policy,
+            decay=decay,
+            min_used_percent=gate,
+            prefetch_budget=prefetch_budget,  # experts one prefetch round copies at most (0: no limit)
+        )
         self.buffers = buffers if buffers is not None else layout.slot_buffers(vram_slots, self.device)
         _check_buffers(layout, vram_slots, self.buffers, self.device)
         self.work_slots = work_slots or vram_slots

@@ -42,6 +42,11 @@ but still scores its proposal: it marks the experts it would have fetched (would
 them as it judges copies (used when the step since needed them). So the gate reopens as soon as the predictor becomes
 useful, without copying anything to find out (session 13; before, a closed gate copied a whole proposal every 64th
 step to keep its evidence fresh). Shadow judgments move the gate's scores only, never the prefetch counters.
+
+Prefetch budget (`prefetch_budget`, 0 = none): a round fetches at most this many of its candidates, those the policy's
+use counts rank highest (ties: lower id; lru keeps no counts, so the lowest ids). The gate and its would-fetch marks
+judge the budgeted set. It bounds what one round copies to what a layer's compute can hide, and a proposal's right
+ids are more often the frequently used experts than its wrong ones are (sim_prefetch --budgets, session 14).
 """
 
 from __future__ import annotations
@@ -156,9 +161,12 @@ class SlotTable:
         policy: str = "lru",
         decay: int | None = None,
         min_used_percent: int = MIN_USED_PERCENT,
+        prefetch_budget: int = 0,
     ) -> None:
         if not 0 <= min_used_percent <= 100:
             raise SlotTableError(f"prefetch gate needs 0 <= min_used_percent <= 100, got {min_used_percent}")
+        if prefetch_budget < 0:
+            raise SlotTableError(f"a prefetch budget is a number of experts >= 0 (0: none), got {prefetch_budget}")
         if policy not in POLICIES:
             raise SlotTableError(f"eviction policy {policy!r} is unknown; choose {', '.join(POLICIES)}")
         decay = DEFAULT_DECAY[policy] if decay is None else decay
@@ -220,6 +228,8 @@ class SlotTable:
         """The admit kernel's set of predicted experts (its own: a side stream's admit never shares acquire's)."""
         self.min_used_percent = min_used_percent
         """Prefetch gate threshold (percent); 0 keeps the gate always open."""
+        self.prefetch_budget = prefetch_budget
+        """Most experts one admit round fetches, the most used first (0: no limit)."""
         self._would_fetch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
         """1 for each expert the latest round would have fetched had its gate been open (its would-fetch marks)."""
         self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -513,6 +523,7 @@ class SlotTable:
             source,
             lfu=self.lfu,
             min_used_percent=self.min_used_percent,
+            budget=self.prefetch_budget,
         )
         return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
@@ -531,6 +542,7 @@ class SlotTable:
             fetch &= available.to(device=self.device, dtype=torch.bool)
         if source is not None:
             fetch &= self._whole_rows(source)
+        fetch = self._within_budget(fetch)
         is_open = self._gate(used + marked_used, wasted + marked_wasted)
         self._would_fetch[:e].bitwise_or_(
             (fetch & ~is_open).to(torch.int32)
@@ -559,6 +571,17 @@ class SlotTable:
             return Admitted(experts, slots, evicted, experts)
         rows = torch.where(experts >= 0, source.expert_row[experts.clamp(min=0)], -1)
         return Admitted(experts, slots, evicted, rows)
+
+    def _within_budget(self, fetch: torch.Tensor) -> torch.Tensor:
+        """bool [experts]: the prefetch_budget candidates of `fetch` with the highest use counts (ties: lower id)."""
+        if not self.prefetch_budget:
+            return fetch
+        e = self.num_experts
+        count = self._freq[:e].clamp(max=LFU_MAX_COUNT)
+        key = torch.where(fetch, count * e + (e - 1 - self._arange_e), -1)  # unique among candidates
+        rank = torch.empty_like(key)
+        rank[torch.argsort(key, descending=True)] = self._arange_e
+        return fetch & (rank < self.prefetch_budget)
 
     def _whole_rows(self, source: SourceRows) -> torch.Tensor:
         """bool [experts]: held by the source tier in a row with no unconfirmed read."""

@@ -147,6 +147,7 @@ def layer_pager(
         policy=settings.eviction,
         read_ahead=reads_ahead(settings, sizes),
         prefetch_gate=settings.prefetch_min_used_percent,
+        prefetch_budget=settings.prefetch_budget,
     )
 
 
