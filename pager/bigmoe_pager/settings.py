@@ -82,7 +82,7 @@ class PagerSettings:
     core.slots.MIN_USED_PERCENT (60, from run 10's measurements). For measuring the gate on other hardware."""
     prefetch_budget: int = 0
     """BIGMOE_PREFETCH_BUDGET: experts one layer's VRAM prefetch round copies at most, those with the highest use
-    counts first (0: no limit, the default until measured inside vLLM; simulated in docs/benchmarks.md, session 14)."""
+    counts first (0: no limit, the default: simulated in docs/benchmarks.md run 11, not yet timed inside vLLM)."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None

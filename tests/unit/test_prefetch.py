@@ -132,6 +132,24 @@ def test_a_prefetch_budget_takes_the_most_used_candidates(policy, budget, fetche
     assert table.expert_slot[2] >= 0
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("budget", [0, 2])
+def test_the_order_of_a_proposal_is_never_read(budget, use_kernel):
+    """A replayed trace's rows list their right ids first: a pager that read the order would prefetch better than
+    any real predictor lets it. Every permutation of a proposal admits the same experts into the same slots."""
+    results = set()
+    for seed in range(4):
+        table = SlotTable(32, 8, policy="lfu-fast", prefetch_budget=budget, use_kernel=use_kernel, min_used_percent=0)
+        for ids in ([20, 21, 22, 23], [21, 22, 23], [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3]):
+            table.acquire(torch.tensor(ids))
+        proposal = torch.tensor([23, 9, 21, 11, 20, 22, 2])[
+            torch.randperm(7, generator=torch.Generator().manual_seed(seed))
+        ]
+        got = table.admit(proposal)
+        results.add((tuple(got.experts.tolist()), tuple(got.slots.tolist()), tuple(table.slot_expert.tolist())))
+    assert len(results) == 1
+
+
 def test_prefetch_counters_add_up():
     experts, slots = 20, 6
     rec = records(experts, seed=5)

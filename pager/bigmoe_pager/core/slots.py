@@ -45,8 +45,11 @@ step to keep its evidence fresh). Shadow judgments move the gate's scores only, 
 
 Prefetch budget (`prefetch_budget`, 0 = none): a round fetches at most this many of its candidates, those the policy's
 use counts rank highest (ties: lower id; lru keeps no counts, so the lowest ids). The gate and its would-fetch marks
-judge the budgeted set. It bounds what one round copies to what a layer's compute can hide, and a proposal's right
-ids are more often the frequently used experts than its wrong ones are (sim_prefetch --budgets, session 14).
+judge the budgeted set. It bounds what one round copies to what a layer's compute may hide. Simulated over four
+routing families (sim_prefetch --budgets, session 14), the share of copies used stays about what it is without a
+budget, and part of the demand copies prefetch saves are given up: whether it pays depends on how much of an
+unbounded round the GPU fails to hide, which only a timing in vLLM can say. The order of a proposal's ids is never
+read (a replayed row lists its right ids first).
 """
 
 from __future__ import annotations
