@@ -33,7 +33,8 @@ next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
 the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+gate50` the VRAM prefetch gate at
 50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50), `+gate0` none, `+b1` / `+b2` a prefetch budget of 1 or 2 experts a
 layer's round (BIGMOE_PREFETCH_BUDGET). A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same
-configuration whose rows keep the tag: how far two engines of one build land apart (run 11: up to 0.6 ms). Predictions
+configuration whose rows keep the tag: how far two engines of one build land apart (run 11: up to 0.6 ms); a point
+--recalls names twice is measured twice in turn (its second row ends in /2): the drift within one engine. Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
 
@@ -394,23 +395,36 @@ where its captures joined the prefetch; load_copy_*: what vLLM's loader copied i
 
 def engine_rows(row: dict, todo: list[dict], disk: dict | None, wrong: str = "uniform") -> list[dict]:
     """One engine's run as result rows, one per (family, recall, wrong ids) it was to measure (a failed run: each
-    with its error), named as row_name says, with the engine's startup and turn-wait seconds and the disk floors."""
+    with its error), named as row_name says, with the engine's startup and turn-wait seconds and the disk floors.
+    A point --recalls names twice is measured twice, in turn; its second row's name ends in /2 (the third /3)."""
     name, result = row["name"], row.pop("result", None)
     base = {k: v for k, v in row.items() if k != "name"}
-    done = {(m["family"], m["recall"], m.get("wrong")): m for m in (result or {}).get("measurements", [])}
+    done: dict[tuple, list[dict]] = {}
+    for m in (result or {}).get("measurements", []):
+        done.setdefault((m["family"], m["recall"], m.get("wrong")), []).append(m)
+    seen: dict[tuple, int] = {}
     engine = {"configuration": name, **{k: (result or {}).get(k) for k in ENGINE_FIELDS}}
     engine["pager_totals"] = (result or {}).get("pager")  # the engine's counters over all its measurements
     out = []
     for m in todo:
         key = (m["family"], m["recall"], m.get("wrong"))
         point = None if m["recall"] is None else Point(m["recall"], m.get("wrong") or wrong)
-        head = {"name": row_name(name, point, wrong), "family": m["family"], "recall": m["recall"], **engine, **base}
+        seen[key] = seen.get(key, 0) + 1
+        repeat = f"/{seen[key]}" if seen[key] > 1 else ""
+        head = {
+            "name": row_name(name, point, wrong) + repeat,
+            "family": m["family"],
+            "recall": m["recall"],
+            **engine,
+            **base,
+        }
         if point is not None:
             head["wrong_ids"] = point.wrong
-        if key not in done:
+        if len(done.get(key, [])) < seen[key]:
             out.append({**head, "error": row.get("error") or "the engine returned no measurement of this trace"})
             continue
-        out.append({**head, **summarize(done[key]), **disk_floors(done[key], disk)})
+        got = done[key][seen[key] - 1]
+        out.append({**head, **summarize(got), **disk_floors(got, disk)})
     return out
 
 

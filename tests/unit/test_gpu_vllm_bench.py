@@ -247,6 +247,20 @@ def test_an_engines_run_is_one_row_per_family_and_recall_and_a_failed_one_says_w
     assert len(failed) == 4 and all(r["error"] == "exit 1: CUDA OOM" and "tpot_ms" not in r for r in failed)
 
 
+def test_a_point_named_twice_is_measured_twice_under_its_own_rows():
+    """RECALLS=0.8,1,0.8: the engine measures 0.8, 1, then 0.8 again (its drift within one engine)."""
+    todo = [{"family": "standard", "recall": r, "trace": "t"} for r in (0.8, 1.0, 0.8)]
+    done = [measurement("standard", r, tpot) for r, tpot in ((0.8, 5.0), (1.0, 4.0), (0.8, 5.5))]
+    rows = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "result": {"measurements": done}}, todo, None)
+    assert [(r["name"], r["tpot_ms"]) for r in rows] == [
+        ("bigmoe-102@r0.8", 5.0),
+        ("bigmoe-102@r1", 4.0),
+        ("bigmoe-102@r0.8/2", 5.5),
+    ]
+    short = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "result": {"measurements": done[:2]}}, todo, None)
+    assert "error" in short[2] and "tpot_ms" not in short[2]
+
+
 def test_ssd_floors_are_the_disk_time_of_the_bytes_read():
     m = {**measurement("standard", 0.8, 20.0, ssd=0.1), "ttft_ms": 1000.0}
     floors = bench.disk_floors(m, {"gb_per_s": 5.0})
