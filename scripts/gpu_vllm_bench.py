@@ -230,7 +230,8 @@ def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     env = {**configs(first_trace, experts)[base].env}
     if base.startswith("bigmoe"):  # named even when it is the default, so the row says which policy ran
         env["BIGMOE_EVICTION"] = policy or PagerSettings().eviction
-    for suffix in split_suffixes(untagged(name)[0])[1]:
+    stem, _ = untagged(name)  # the engine's #N tag sets nothing
+    for suffix in split_suffixes(stem)[1]:
         env.update(PREDICTION_SUFFIXES[suffix])
     return e2e.Config(name, env)
 

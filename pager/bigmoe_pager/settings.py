@@ -56,7 +56,8 @@ class PagerSettings:
     more (set dueling); lfu-fast / lfu: fewest recent uses (counts halved every 16 / 256 steps); lru: least recently
     used; host-driven: lru. lfu-duel follows the better of lfu and lfu-fast in simulation on four routing families
     (docs/bench/eviction-duel.json) and in vLLM on the H200 (run 10: 7.17 against lfu-fast's 7.79 ms at 32 slots,
-    standard; 0.2 ms slower where both hit the same, topic-shift: its shadow play in every step)."""
+    standard; where both hit the same, topic-shift, 0.18 ms slower in run 10 and 0.12 ms in run 11, once its shadow
+    play ran beside the step's copy)."""
     prefill_buffer: bool = True
     """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) runs in one call over a VRAM
     buffer of one layer's experts (E x expert bytes, shared by all layers; 7x lower TTFT on the H200, same tokens);

@@ -547,9 +547,8 @@ class SlotTable:
             fetch &= self._whole_rows(source)
         fetch = self._within_budget(fetch)
         is_open = self._gate(used + marked_used, wasted + marked_wasted)
-        self._would_fetch[:e].bitwise_or_(
-            (fetch & ~is_open).to(torch.int32)
-        )  # a round's second admit adds to its marks
+        marks = (fetch & ~is_open).to(torch.int32)
+        self._would_fetch[:e].bitwise_or_(marks)  # a round's second admit adds to its marks
         fetch &= is_open
         experts = self._compact(fetch, m)
         protect = want.clone()
