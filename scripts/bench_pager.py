@@ -99,6 +99,12 @@ def _parse(argv):
         help="prediction precision of bigmoe-prefetch (default: a top-k predictor's, k ids per token, = recall)",
     )
     ap.add_argument("--policy", default="lfu-fast", help="eviction policy of bigmoe-prefetch")
+    ap.add_argument(
+        "--prefetch-budget",
+        type=int,
+        default=None,
+        help="experts a bigmoe-prefetch layer's round copies at most (0: no limit; default: the pager's)",
+    )
     ap.add_argument("--ssd-layers", type=int, default=4, help="layers the SSD-tier run uses (disk and time)")
     ap.add_argument("--ssd-dir", type=Path, default=None, help="where the SSD run writes its paging file")
     ap.add_argument("--seed", type=int, default=0)
@@ -111,6 +117,8 @@ def _parse(argv):
         ap.error(f"--recalls takes a comma list of numbers in [0, 1], got {args.recalls!r}")
     if args.family not in (*traces.FAMILIES, "recorded"):
         ap.error(f"--family {args.family!r} is unknown; choose {', '.join([*traces.FAMILIES, 'recorded'])}")
+    if args.prefetch_budget is not None and args.prefetch_budget < 0:
+        ap.error(f"--prefetch-budget takes a number of experts >= 0 (0: no limit), got {args.prefetch_budget}")
     args.tokens = args.tokens or (12 if args.smoke else 256)
     args.warmup = args.warmup or (6 if args.smoke else 64)
     return args
@@ -178,6 +186,7 @@ def _bench_model(shape: br.ModelShape, args, device: torch.device, report: dict)
                         profile,
                         shape.top_k,
                         policy=args.policy,
+                        prefetch_budget=args.prefetch_budget,
                         predicted=predicted.to(device),
                         recall=recall,
                     ),

@@ -59,6 +59,7 @@ from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
+from bigmoe_pager.core.slots import POLICIES
 from bigmoe_pager.core.stats import HITS, LOOKUPS, VRAM, PagerStats
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "experts": args.experts,
         "slots": args.slots,
+        "eviction": args.eviction,
+        "gate": args.gate,
+        "prefetch_budget": args.prefetch_budget,
         "expert_mib": round(layout.record_bytes / 2**20, 3),
         "runs": [],
     }
@@ -177,7 +181,16 @@ class Model:
                 if c.dtype == torch.float32:
                     rec[:, c.offset : c.offset + c.nbytes].view(torch.float32).fill_(2.0**-8)
             self.resident.append(ExpertWeights.from_records(rec, layout, BLOCK))
-            pager = DeviceLayerPager(layout, sizes, device, layer=layer, stats=self.stats)
+            pager = DeviceLayerPager(
+                layout,
+                sizes,
+                device,
+                layer=layer,
+                stats=self.stats,
+                policy=args.eviction,
+                prefetch_gate=args.gate,
+                prefetch_budget=args.prefetch_budget,
+            )
             pager.ram.records.copy_(rec)
             for e in range(args.experts):
                 for c in layout.components:
@@ -345,6 +358,26 @@ def _parse(argv):
     p.add_argument("--hidden", type=int, default=2048, help="hidden size")
     p.add_argument("--inter", type=int, default=512, help="MoE intermediate size")
     p.add_argument("--slots", type=int, default=102, help="VRAM slots per layer")
+    p.add_argument(
+        "--eviction",
+        default="lru",
+        choices=POLICIES,
+        help="the pager's eviction (lru: what runs 6-11 probed; vLLM's default is the settings' lfu-duel)",
+    )
+    p.add_argument(
+        "--gate",
+        type=int,
+        default=None,
+        choices=range(101),
+        metavar="0-100",
+        help="the VRAM prefetch gate's threshold, percent (default: the pager's, slots.MIN_USED_PERCENT)",
+    )
+    p.add_argument(
+        "--prefetch-budget",
+        type=int,
+        default=None,
+        help="experts a prefetch round copies at most (0: no limit; default: the pager's, slots.PREFETCH_BUDGET)",
+    )
     p.add_argument("--dense", type=int, default=16, help="small dense kernels per layer before its MoE")
     p.add_argument("--families", default="standard,topic-shift", help="routing families of scripts/traces.py")
     p.add_argument(
@@ -363,7 +396,10 @@ def _parse(argv):
     p.add_argument("--device", default="cuda", help="cuda, or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (a wiring check)")
     p.add_argument("--out", default=None, help="JSON report path")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prefetch_budget is not None and args.prefetch_budget < 0:
+        p.error(f"--prefetch-budget takes a number of experts >= 0 (0: no limit), got {args.prefetch_budget}")
+    return args
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every 
 lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers
 ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
-the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+gate50` the VRAM prefetch gate at
-50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50), `+gate0` none, `+b1` / `+b2` a prefetch budget of 1 or 2 experts a
-layer's round (BIGMOE_PREFETCH_BUDGET). A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same
-configuration whose rows keep the tag: how far two engines of one build land apart (run 11: up to 0.6 ms); a point
+the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+gateN` the VRAM prefetch gate at
+N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
+(BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names the gate and budget it ran even where they are the
+plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same
+configuration whose rows keep the tag: how far two engines of one build land apart (run 11: up to 0.6 ms, run 12:
+0.04 ms); a point
 --recalls names twice is measured twice in turn (its second row ends in /2): the drift within one engine. Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
@@ -88,6 +90,7 @@ import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
 import numpy as np
 import traces  # noqa: E402
 from bigmoe_bench.host_monitor import HostMonitor
+from bigmoe_pager.core.slots import MIN_USED_PERCENT, PREFETCH_BUDGET
 from bigmoe_pager.settings import EVICTION_CHOICES, PagerSettings
 
 SHAPE = dict(
@@ -114,22 +117,18 @@ AHEAD_DEEP = "+ahead4"
 """Name suffix: +ahead four layers deep (BIGMOE_SSD_READ_AHEAD_LAYERS=4); needs @rRECALL."""
 HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
-GATE50 = "+gate50"
-"""Name suffix: the VRAM prefetch gate at 50% (BIGMOE_PREFETCH_MIN_USED_PERCENT=50); needs @rRECALL."""
-GATE0 = "+gate0"
-"""Name suffix: no VRAM prefetch gate (BIGMOE_PREFETCH_MIN_USED_PERCENT=0); needs @rRECALL."""
-BUDGETS = {f"+b{n}": {"BIGMOE_PREFETCH_BUDGET": str(n)} for n in (1, 2)}
-"""Name suffixes: a layer's prefetch round copies at most 1 or 2 experts, the most used first (BIGMOE_PREFETCH_BUDGET);
-need @rRECALL."""
+SETTING_SUFFIXES = {
+    "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
+    "+b": "BIGMOE_PREFETCH_BUDGET",
+}
+"""Name suffixes that carry a number, and the setting it sets (need @rRECALL): `+gateN` the VRAM prefetch gate at N%
+(0: none), `+bN` a prefetch budget of N experts a layer's round (0: none)."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
     HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
-    GATE50: {"BIGMOE_PREFETCH_MIN_USED_PERCENT": "50"},
-    GATE0: {"BIGMOE_PREFETCH_MIN_USED_PERCENT": "0"},
-    **BUDGETS,
 }
-"""The last suffixes a name with @r may carry, in any order, and what each sets."""
+"""The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"
 """parse_name's recall of a bare `@r`: the configuration is measured at every recall of --recalls."""
 RECALLS = (0.0, 0.6, 0.8, 0.95, 1.0)
@@ -162,16 +161,37 @@ def parse_name(name: str) -> tuple[str, float | str | None, str | None]:
     value = (float(recall) if recall else EVERY) if at else None
     if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (suffixes and value is None):
         raise ValueError(name)
+    if any(int(s.removeprefix("+gate")) > 100 for s in suffixes if s.startswith("+gate")):
+        raise ValueError(name)
     return base, value, policy or None
 
 
 def split_suffixes(name: str) -> tuple[str, list[str]]:
-    """('bigmoe-102@r0.8', ['+hi', '+ahead']) for 'bigmoe-102@r0.8+ahead+hi': the trailing PREDICTION_SUFFIXES."""
+    """('bigmoe-102@r0.8', ['+hi', '+b1']) for 'bigmoe-102@r0.8+b1+hi': the trailing PREDICTION_SUFFIXES and
+    SETTING_SUFFIXES (each with its number)."""
     found: list[str] = []
-    while suffix := next((s for s in PREDICTION_SUFFIXES if name.endswith(s)), None):
+    while suffix := _last_suffix(name):
         name = name.removesuffix(suffix)
         found.append(suffix)
     return name, found
+
+
+def _last_suffix(name: str) -> str | None:
+    fixed = next((s for s in PREDICTION_SUFFIXES if name.endswith(s)), None)
+    if fixed:
+        return fixed
+    stem = name.rstrip("0123456789")
+    number = name[len(stem) :]
+    prefix = next((p for p in SETTING_SUFFIXES if stem.endswith(p)), None)
+    return prefix + number if prefix and number else None
+
+
+def suffix_env(suffix: str) -> dict[str, str]:
+    """What one suffix of split_suffixes sets: '+gate25' -> {'BIGMOE_PREFETCH_MIN_USED_PERCENT': '25'}."""
+    if suffix in PREDICTION_SUFFIXES:
+        return PREDICTION_SUFFIXES[suffix]
+    prefix = next(p for p in SETTING_SUFFIXES if suffix.startswith(p) and suffix[len(p) :].isdigit())
+    return {SETTING_SUFFIXES[prefix]: str(int(suffix[len(prefix) :]))}
 
 
 class Point(NamedTuple):
@@ -226,14 +246,32 @@ def measurements(name: str, families: list[str], points: list[Point], traces_of:
 def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     """A named configuration starting on `first_trace` (its first measurement's), its suffixes applied (~POLICY:
     eviction; PREDICTION_SUFFIXES: SSD reads ahead, side stream priority)."""
-    base, _, policy = parse_name(name)
+    base, recall, policy = parse_name(name)
     env = {**configs(first_trace, experts)[base].env}
     if base.startswith("bigmoe"):  # named even when it is the default, so the row says which policy ran
         env["BIGMOE_EVICTION"] = policy or PagerSettings().eviction
+    if base.startswith("bigmoe") and recall is not None:  # and the prefetch's gate and budget, likewise
+        env.update(prefetch_defaults())
     stem, _ = untagged(name)  # the engine's #N tag sets nothing
     for suffix in split_suffixes(stem)[1]:
-        env.update(PREDICTION_SUFFIXES[suffix])
+        env.update(suffix_env(suffix))
     return e2e.Config(name, env)
+
+
+def prefetch_defaults() -> dict[str, str]:
+    """The plugin's default prefetch gate and budget, as the settings an engine's env would name them."""
+    settings = PagerSettings()
+    gate, budget = settings.prefetch_min_used_percent, settings.prefetch_budget
+    return {
+        "BIGMOE_PREFETCH_MIN_USED_PERCENT": str(MIN_USED_PERCENT if gate is None else gate),
+        "BIGMOE_PREFETCH_BUDGET": str(PREFETCH_BUDGET if budget is None else budget),
+    }
+
+
+def default_prefetch_suffix() -> str:
+    """The name suffixes that spell the plugin's default gate and budget ('+b1+gate25')."""
+    env = prefetch_defaults()
+    return f"+b{env['BIGMOE_PREFETCH_BUDGET']}+gate{env['BIGMOE_PREFETCH_MIN_USED_PERCENT']}"
 
 
 EVICTIONS = EVICTION_CHOICES
@@ -644,10 +682,12 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
 
 def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
     """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare);
-    `rows` names the configuration each 102- and 32-slot ratio used: the plugin's default eviction where a row ran
-    with it named (~POLICY), else the row without a policy (the default of its day)."""
+    `rows` names the configuration each 102- and 32-slot ratio used: a prefetching row that ran the plugin's default
+    gate and budget named (default_prefetch_suffix) where there is one, and the plugin's default eviction where a row
+    ran with it named (~POLICY), else the row without them (the defaults of its day)."""
     out = {}
     default = "~" + PagerSettings().eviction
+    prefetch = default_prefetch_suffix()
     for family in sorted({f for f, _ in rows}):
         t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
         ratios, used = {}, {}
@@ -656,6 +696,8 @@ def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
             found = {}
             for n in (102, 32):
                 names = [f"bigmoe-{n}-layerbuf{suffix}{p}" for p in (default, "")] + [f"bigmoe-{n}{suffix}"]
+                if suffix:
+                    names = [f"bigmoe-{n}-layerbuf{suffix}{p}{prefetch}" for p in (default, "")] + names
                 name = next((m for m in names if t.get(m)), None)
                 found[n] = t.get(name)
                 if name:

@@ -9,7 +9,8 @@ need, which is pessimistic: a real router's near misses are popular experts, oft
 --wrong popular draws them in proportion to how often the layer uses each; precision `topk` is a top-k
 predictor's k ids a token, precision = recall). Each prediction case runs with admit's usefulness gate
 at each of --gates (min_used_percent; 0 = no gate) and each of --budgets (prefetch_budget: experts a round
-copies at most, the most used first; 0 = none); gate_closed is the share of rounds it closed.
+copies at most, the most used first; 0 = none), a budget lifted while --lift percent of the gate's judged copies were
+used (slots.LIFT_PERCENT; none: never); gate_closed is the share of rounds it closed.
 Time is not simulated: copies per token are what a GPU run pays for, and prefetch can only win back
 the compute time it hides them behind (docs/benchmarks.md, the H200 harness run).
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from bigmoe_bench import traces
 from bigmoe_pager.core import stats
-from bigmoe_pager.core.slots import MIN_USED_PERCENT, SlotTable
+from bigmoe_pager.core.slots import LIFT_PERCENT, MIN_USED_PERCENT, PREFETCH_BUDGET, SlotTable
 
 RECORD = 1  # admit counts bytes as experts x record bytes: count experts
 
@@ -58,7 +59,8 @@ def simulate(
     vram: int,
     policy: str,
     min_used_percent: int = MIN_USED_PERCENT,
-    budget: int = 0,
+    budget: int = PREFETCH_BUDGET,
+    lift: int | None = LIFT_PERCENT,
 ) -> dict:
     """Per token: demand copies, prefetch copies, prefetched experts never used, and the VRAM hit rate;
     gate_closed: share of the prefetch rounds the gate closed; peak_prefetch_per_token: the most prefetch copies one
@@ -68,7 +70,13 @@ def simulate(
     pred = None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
     tables = [
         SlotTable(
-            experts, vram, policy=policy, use_kernel=False, min_used_percent=min_used_percent, prefetch_budget=budget
+            experts,
+            vram,
+            policy=policy,
+            use_kernel=False,
+            min_used_percent=min_used_percent,
+            prefetch_budget=budget,
+            lift_percent=lift,
         )
         for _ in range(layers)
     ]
@@ -131,10 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recalls", default="0,0.6,0.8,1.0")
     p.add_argument("--precisions", default="topk", help="comma list of floats in (0, 1] or topk (k ids a token)")
     p.add_argument("--gates", default=f"{MIN_USED_PERCENT},0", help="prefetch gate thresholds, percent (0: none)")
-    p.add_argument("--budgets", default="0", help="prefetch budgets, experts a round copies at most (0: none)")
+    p.add_argument(
+        "--budgets", default=f"{PREFETCH_BUDGET}", help="prefetch budgets, experts a round copies at most (0: none)"
+    )
     p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform, popular or none")
     p.add_argument("--policy", default="lfu-fast")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lift",
+        default=str(LIFT_PERCENT),
+        help="percent of judged copies used at which a round ignores its budget (none: never; slots.LIFT_PERCENT)",
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
     try:
@@ -143,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         budgets = _ints(args.budgets)
         if any(b < 0 for b in budgets):
             raise ValueError(f"--budgets are numbers of experts >= 0, got {args.budgets!r}")
+        lift = None if args.lift == "none" else _ints(args.lift)
+        if lift is not None and (len(lift) != 1 or not 0 <= lift[0] <= 100):
+            raise ValueError(f"--lift takes one percent from 0 to 100, or none; got {args.lift!r}")
+        lift = None if lift is None else lift[0]
         grid = cases(
             args.families.split(","), _floats(args.recalls), _precisions(args.precisions), _ints(args.gates), budgets
         )
@@ -162,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             else traces.predictions(trace, case.recall, case.precision, case.experts, args.seed, args.wrong)
         )
         gate, budget = case.min_used_percent or 0, case.budget or 0
-        row = {**case.__dict__, **simulate(trace, predicted, case.experts, case.vram, args.policy, gate, budget)}
+        got = simulate(trace, predicted, case.experts, case.vram, args.policy, gate, budget, lift)
+        row = {**case.__dict__, "lift": lift if case.budget else None, **got}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

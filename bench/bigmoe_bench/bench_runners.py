@@ -198,7 +198,9 @@ class Bigmoe:
         store=None,
         policy: str = "lru",
         fused: bool | None = None,
+        prefetch_budget: int | None = None,
     ) -> None:
+        """prefetch_budget: ExpertPager's (None: the pager's default)."""
         self.vram_frac, self.ram_frac = vram_frac, ram_frac
         self.name = ("bigmoe" if policy == "lru" else f"bigmoe-{policy}") + ("-unfused" if fused is False else "")
         self.policy = policy
@@ -210,7 +212,16 @@ class Bigmoe:
             if ssd is not None:
                 ram.attach_ssd(ServiceFetch(ssd, layer))
             pager = ExpertPager(
-                layout, experts, slots, ram, device=device, layer=layer, stats=self.stats, policy=policy, fused=fused
+                layout,
+                experts,
+                slots,
+                ram,
+                device=device,
+                layer=layer,
+                stats=self.stats,
+                policy=policy,
+                fused=fused,
+                prefetch_budget=prefetch_budget,
             )
             if profile is not None:
                 hot = torch.from_numpy(profile.hottest(layer))

@@ -23,6 +23,9 @@ from pathlib import Path
 
 Interval = tuple[float, float]
 
+TOP_KERNELS = 16
+"""Kernels (by name and stream) the summary ranks by their time per token."""
+
 PREFETCH_KERNELS = ("_admit_kernel", "_replayed_rows_kernel", "_copy_kernel")
 """Names of the prefetch path's kernels: its decision, a replayed trace's proposal, its copy. Over a full RAM tier a
 step copies inside its own _step_kernel, so every _copy_kernel there is a prefetch's; over a partial tier the steps'
@@ -82,7 +85,8 @@ def gaps(busy: list[Interval]) -> list[Interval]:
 
 def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict:
     """Per-token microseconds of the main stream's busy and idle time, side streams' time beside and outside it,
-    the main stream's idle time while a side stream works (a join waiting for it), and the copy kernels."""
+    the main stream's idle time while a side stream works (a join waiting for it), the time no kernel ran anywhere
+    (launch and dependency latency between graph nodes), and the copy kernels."""
     ks = kernels(trace)
     if not ks:
         return {"error": "the trace holds no GPU kernels"}
@@ -105,7 +109,8 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
         entry = top[(k["name"][:80], "main" if k["stream"] == main else "side")]
         entry[0] += 1
         entry[1] += k["end"] - k["start"]
-    ranked = sorted(top.items(), key=lambda kv: -kv[1][1])[:10]
+    ranked = sorted(top.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    everything = union([(k["start"], k["end"]) for k in ks])
     is_prefetch = [any(name in k["name"] for name in PREFETCH_KERNELS) for k in ks]
     prefetch = union([(k["start"], k["end"]) for k, p in zip(ks, is_prefetch) if p])
     others = union([(k["start"], k["end"]) for k, p in zip(ks, is_prefetch) if not p])
@@ -115,6 +120,7 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
         "window_us_per_token": round((busy[main][-1][1] - busy[main][0][0]) * per, 1),
         "main_busy_us_per_token": round(length(busy[main]) * per, 1),
         "main_idle_us_per_token": round(length(idle) * per, 1),
+        "gpu_idle_us_per_token": round(length(gaps(everything)) * per, 1),
         "main_idle_while_side_busy_us_per_token": round(length(intersect(idle, side)) * per, 1),
         "side_busy_us_per_token": round(length(side) * per, 1),
         "side_beside_main_us_per_token": round(length(intersect(side, busy[main])) * per, 1),
@@ -125,7 +131,13 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
             for where, (n, us) in copy_streams.items()
         },
         "top_kernels": [
-            {"name": name, "stream": where, "per_token": round(n * per, 2), "us_per_token": round(us * per, 1)}
+            {
+                "name": name,
+                "stream": where,
+                "per_token": round(n * per, 2),
+                "us_per_token": round(us * per, 1),
+                "mean_us": round(us / n, 2),
+            }
             for (name, where), (n, us) in ranked
         ],
     }

@@ -80,10 +80,10 @@ class PagerSettings:
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,
-    core.slots.MIN_USED_PERCENT (60, from run 10's measurements). For measuring the gate on other hardware."""
-    prefetch_budget: int = 0
+    core.slots.MIN_USED_PERCENT (25, run 12's choice with a budget of 1; without a budget 60 was)."""
+    prefetch_budget: int | None = None
     """BIGMOE_PREFETCH_BUDGET: experts one layer's VRAM prefetch round copies at most, those with the highest use
-    counts first (0: no limit, the default: simulated in docs/benchmarks.md run 11, not yet timed inside vLLM)."""
+    counts first (0: no limit); unset: the pager's default, core.slots.PREFETCH_BUDGET (1, run 12)."""
     hot_profile: Path | None = None
     """BIGMOE_HOT_PROFILE: saved hot-expert profile (.npz) that warms the tiers at start."""
     trace_path: Path | None = None
@@ -201,14 +201,9 @@ def _parse(cls: type, name: str, raw: str) -> object:
             if any(x < 0 for x in items):
                 raise ValueError
             return items
-        if kind == "int":
+        if kind in ("int", "int | None"):  # None: unset, the pager's default
             value = int(raw)
-            if value < 0:
-                raise ValueError
-            return value
-        if kind == "int | None":  # a percent (the one such field)
-            value = int(raw)
-            if not 0 <= value <= 100:
+            if value < 0 or (name.endswith("_percent") and value > 100):
                 raise ValueError
             return value
         if kind == "float":
@@ -227,11 +222,13 @@ def _parse(cls: type, name: str, raw: str) -> object:
 
 
 def _expected(kind: str, name: str) -> str:
+    if name.endswith("_percent"):
+        return "an integer from 0 to 100"
     return {
         "bool": "1 or 0",
         "tuple[int, ...]": "a non-negative integer or a comma list of them, one per MoE layer",
         "int": "a non-negative integer",
-        "int | None": "an integer from 0 to 100",
+        "int | None": "a non-negative integer",
         "float": "a positive number",
     }.get(kind, " / ".join(_CHOICES.get(name, ("a path",))))
 

@@ -58,33 +58,36 @@ def assert_same(ref: SlotTable, ker: SlotTable, rows: dict[str, torch.Tensor], w
 
 
 @pytest.mark.parametrize(
-    "experts,slots,policy,masks,gate,rounds,budget",
+    "experts,slots,policy,masks,gate,rounds,budget,lift",
     [
-        (256, 102, "lru", False, 10, 20, 0),
-        (256, 102, "lfu-fast", True, 60, 20, 0),
-        (256, 32, "lru", True, 0, 20, 0),
-        (256, 32, "lfu", False, 40, 20, 0),
-        (512, 35, "lfu-fast", False, 10, 20, 0),
-        (512, 35, "lru", True, 40, 20, 0),
-        (64, 16, "lfu", True, 10, 20, 0),
-        (64, 16, "lru", False, 40, 20, 0),
-        (64, 16, "lfu-duel", True, 40, 300, 0),  # past DUEL_SLOW_DECAY (256) steps: the slow counts halve too
-        (256, 102, "lfu-duel", False, 0, 40, 1),  # budgets: the most used candidates (ties: lower id) only
-        (256, 32, "lfu-fast", True, 40, 20, 2),
-        (64, 16, "lru", False, 0, 20, 3),
+        (256, 102, "lru", False, 10, 20, 0, None),
+        (256, 102, "lfu-fast", True, 60, 20, 0, None),
+        (256, 32, "lru", True, 0, 20, 0, None),
+        (256, 32, "lfu", False, 40, 20, 0, None),
+        (512, 35, "lfu-fast", False, 10, 20, 0, None),
+        (512, 35, "lru", True, 40, 20, 0, None),
+        (64, 16, "lfu", True, 10, 20, 0, None),
+        (64, 16, "lru", False, 40, 20, 0, None),
+        (64, 16, "lfu-duel", True, 40, 300, 0, None),  # past DUEL_SLOW_DECAY (256) steps: the slow counts halve too
+        (256, 102, "lfu-duel", False, 0, 40, 1, None),  # budgets: the most used candidates (ties: lower id) only
+        (256, 32, "lfu-fast", True, 40, 20, 2, None),
+        (64, 16, "lru", False, 0, 20, 3, None),
+        (256, 102, "lfu-duel", False, 25, 40, 1, 30),  # the budget lifted on the rounds whose scores reach 30%
+        (64, 16, "lfu-fast", True, 10, 40, 1, 45),
     ],
 )
-def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, gate, rounds, budget):
+def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, gate, rounds, budget, lift):
     """masks: pass `available`, `keep_slots` (a RAM tier's rows with unconfirmed reads) and the rows of a
     partial RAM tier below (some holding unconfirmed reads). gate: min_used_percent; the strict ones close the gate
     on some rounds (which then only score their proposals) and reopen it on others. lfu-duel: admits rank by the
     counts its selector names, which must change sides over the rounds (so admits under both rankings are compared).
-    budget: prefetch_budget (0: none); no admit fetches more."""
+    budget: prefetch_budget (0: none); lift: lift_percent (None: the budget always holds, and no admit fetches more;
+    else some rounds are lifted and fetch more, some are not)."""
     k, rb = 8, 3 << 20
     rng = np.random.default_rng(experts * 7 + slots)
     ids, pred = routing(experts, k, 2 * rounds, seed=slots)
     decay = 3 if policy == "lfu" else None
-    opts = {"policy": policy, "decay": decay, "min_used_percent": gate, "prefetch_budget": budget}
+    opts = {"policy": policy, "decay": decay, "min_used_percent": gate, "prefetch_budget": budget, "lift_percent": lift}
     ref = SlotTable(experts, slots, use_kernel=False, **opts)
     ker = SlotTable(experts, slots, use_kernel=True, **opts)
     warm = torch.from_numpy(rng.permutation(experts)[:slots].copy())
@@ -92,6 +95,7 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, g
     rows = {name: torch.zeros(10, dtype=torch.int64) for name in ("ref", "ker")}
     admits = 0
     sides = set()
+    sizes = []  # experts each admit fetched
     for t in range(rounds):
         tokens = slice(2 * t, 2 * t + 1 + t % 2)  # one or two tokens per step
         guess = torch.from_numpy(pred[tokens].astype(np.int64))  # what the layer before predicts for them
@@ -108,8 +112,10 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, g
             b = ker.admit(guess, stats_row=rows["ker"], record_bytes=rb, **extra)
             for field in ("experts", "slots", "evicted", "rows"):
                 assert torch.equal(getattr(a, field), getattr(b, field)), (t, field)
-            if budget:
-                assert int((a.experts >= 0).sum()) <= budget
+            fetched = int((a.experts >= 0).sum())
+            if budget and lift is None:
+                assert fetched <= budget
+            sizes.append(fetched)
             assert_same(ref, ker, rows, f"admit {t}")
             guess = torch.roll(guess, 1)
         step = torch.from_numpy(ids[tokens].copy())
@@ -122,6 +128,8 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, g
         assert closed == 0 and installed > rounds and used > 0
     if gate >= 40:  # the strict gates closed on some rounds and admitted on others: both paths compared
         assert 0 < closed < admits and installed > 0 and used > 0
+    if budget and lift is not None:  # lifted rounds and budgeted ones both compared
+        assert max(sizes) > budget and sizes.count(budget) > 0
     if ref.duel and rounds >= 300:
         assert {-1, 1} <= sides  # the selector led with each count at some step
 
@@ -130,8 +138,8 @@ def test_admit_kernel_matches_torch_over_rounds(experts, slots, policy, masks, g
 def test_admit_kernel_on_a_crowded_table(policy):
     """More predictions than slots, slots all kept or all recent: the capped and the empty decision agree too."""
     experts, slots = 64, 16
-    ref = SlotTable(experts, slots, use_kernel=False, policy=policy)
-    ker = SlotTable(experts, slots, use_kernel=True, policy=policy)
+    ref = SlotTable(experts, slots, use_kernel=False, policy=policy, prefetch_budget=0)
+    ker = SlotTable(experts, slots, use_kernel=True, policy=policy, prefetch_budget=0)
     rows = {name: torch.zeros(10, dtype=torch.int64) for name in ("ref", "ker")}
     many = torch.arange(40, 0, -1).reshape(2, 20)  # 2 tokens x 20 predictions, m = 16
     calls = [

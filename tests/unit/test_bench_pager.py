@@ -109,6 +109,8 @@ def test_prefetch_runs_report_accuracy_that_grows_with_recall(tmp_path):
             "0,1",
             "--precision",
             "1",
+            "--prefetch-budget",
+            "0",
             "--out",
             str(out),
         ]

@@ -15,11 +15,13 @@ from bigmoe_pager.core.stats import PagerStats
 from test_pager import FakeSsdService, make_layout, make_records
 
 
-def loaded_layer(layout, records, vram, ram, warm=None, skip=None, policy="lru"):
-    """A layer whose RAM records were written the way vLLM's weight loader writes them: component views."""
+def loaded_layer(layout, records, vram, ram, warm=None, skip=None, policy="lru", budget=0):
+    """A layer whose RAM records were written the way vLLM's weight loader writes them: component views. budget: its
+    prefetch budget (0: a whole proposal a round, what these tests check; the budget has tests of its own)."""
     experts = records.shape[0]
+    sizes = TierSizes(experts, vram, ram)
     layer = DeviceLayerPager(
-        layout, TierSizes(experts, vram, ram), "cpu", layer=1, stats=PagerStats(2), warm_order=warm, policy=policy
+        layout, sizes, "cpu", layer=1, stats=PagerStats(2), warm_order=warm, policy=policy, prefetch_budget=budget
     )
     views = layer.ram_views()
     for e in range(experts):

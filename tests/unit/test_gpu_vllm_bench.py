@@ -11,6 +11,7 @@ import gpu_vllm_bench as bench  # scripts/ is on pytest's pythonpath (pyproject)
 import numpy as np
 import pytest
 from bigmoe_bench import traces
+from bigmoe_pager.core.slots import MIN_USED_PERCENT, PREFETCH_BUDGET
 from bigmoe_pager.settings import PagerSettings
 
 DEFAULT_EVICTION = PagerSettings().eviction
@@ -33,6 +34,8 @@ DEFAULT_EVICTION = PagerSettings().eviction
         ("bigmoe-102-layerbuf#2", ("bigmoe-102-layerbuf", None, None)),
         ("bigmoe-102-layerbuf@r0.8+b1+gate0", ("bigmoe-102-layerbuf", 0.8, None)),
         ("bigmoe-102-layerbuf@r~lru+gate50#12", ("bigmoe-102-layerbuf", bench.EVERY, "lru")),
+        ("bigmoe-102-layerbuf@r0.8+b1+gate25", ("bigmoe-102-layerbuf", 0.8, None)),
+        ("bigmoe-102-layerbuf@r+gate100+b12+hi", ("bigmoe-102-layerbuf", bench.EVERY, None)),
     ],
 )
 def test_names_parse(name, parsed):
@@ -62,6 +65,9 @@ def test_a_second_engine_of_one_configuration_runs_it_alike_under_its_own_rows(t
         ["--configs", "bigmoe-102@rx"],
         ["--configs", "bigmoe-32-ram128-ssd+ahead"],
         ["--configs", "bigmoe-102+hi"],
+        ["--configs", "bigmoe-102+b1"],
+        ["--configs", "bigmoe-102@r0.8+gate101"],
+        ["--configs", "bigmoe-102@r0.8+gate"],
         ["--configs", "bigmoe-102#two"],
         ["--families", "standard,zigzag"],
         ["--families", "standard", "--family", "topic-shift"],
@@ -203,12 +209,24 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert high["BIGMOE_PREFETCH_HIGH_PRIORITY"] == "1" and "BIGMOE_SSD_READ_AHEAD" not in high
     assert "BIGMOE_PREFETCH_HIGH_PRIORITY" not in env and "BIGMOE_SSD_READ_AHEAD_LAYERS" not in env
     gate = bench.config_for("bigmoe-102@r0.8+gate50", tmp_path / "f.npz", 32).env
-    assert gate["BIGMOE_PREFETCH_MIN_USED_PERCENT"] == "50" and "BIGMOE_PREFETCH_MIN_USED_PERCENT" not in high
+    assert gate["BIGMOE_PREFETCH_MIN_USED_PERCENT"] == "50"
     deep = bench.config_for("bigmoe-32-ram128-ssd@r0.8+ahead4", tmp_path / "f.npz", 32).env
     assert deep["BIGMOE_SSD_READ_AHEAD"] == "1" and deep["BIGMOE_SSD_READ_AHEAD_LAYERS"] == "4"
     budget = bench.config_for("bigmoe-102@r0.8+b2+gate0", tmp_path / "f.npz", 32).env
     assert budget["BIGMOE_PREFETCH_BUDGET"] == "2" and budget["BIGMOE_PREFETCH_MIN_USED_PERCENT"] == "0"
-    assert PagerSettings.from_env(budget).prefetch_budget == 2 and "BIGMOE_PREFETCH_BUDGET" not in gate
+    assert PagerSettings.from_env(budget).prefetch_budget == 2
+
+
+def test_a_prefetching_engine_names_the_gate_and_budget_it_ran_even_the_defaults(tmp_path):
+    plain = bench.config_for("bigmoe-102@r0.8", tmp_path / "f.npz", 32).env
+    settings = PagerSettings.from_env(plain)
+    assert (
+        settings.prefetch_budget == PREFETCH_BUDGET
+        and bench.default_prefetch_suffix() == f"+b{PREFETCH_BUDGET}+gate{MIN_USED_PERCENT}"
+    )
+    assert settings.prefetch_min_used_percent == int(plain["BIGMOE_PREFETCH_MIN_USED_PERCENT"])
+    assert "BIGMOE_PREFETCH_BUDGET" not in bench.config_for("bigmoe-102", tmp_path / "f.npz", 32).env
+    assert bench.config_for("bigmoe-102@r0.8+b0+gate25", tmp_path / "f.npz", 32).env["BIGMOE_PREFETCH_BUDGET"] == "0"
 
 
 def measurement(family, recall, tpot, ssd=None):
@@ -303,7 +321,8 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
                 [
                     ("resident", 4.0, {}),
                     ("offload17", 15.0, {}),
-                    ("bigmoe-102-layerbuf@r0.8", 5.0, {}),
+                    ("bigmoe-102-layerbuf@r0.8", 5.6, {}),
+                    (f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}", 5.0, {}),  # ran the defaults
                     ("bigmoe-32-layerbuf", 7.5, {}),
                     (f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}", 6.0, {}),  # the default policy's row wins
                 ],
@@ -320,7 +339,10 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
         "speedup_vs_offload17_at_102": 3.0,
         "tpot_vs_resident_at_102": 1.25,
         "speedup_vs_offload17_at_32_no_prefetch": 2.5,
-        "rows": {"102": "bigmoe-102-layerbuf@r0.8", "32_no_prefetch": f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}"},
+        "rows": {
+            "102": f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}",
+            "32_no_prefetch": f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}",
+        },
     }
     assert report["ssd_tpot_vs_disk_floor"] == 1.2 and report["ssd_ttft_vs_disk_floor"] == 1.5
     assert report["ssd_floor_row"] == {"family": "standard", "name": "bigmoe-32-ram128-ssd@r0.8+ahead"}
@@ -335,7 +357,7 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
     }
     assert report["speedup_vs_offload17_at_102"] == 3.0  # the standard family's, as before
     beyond = {(r["family"], r["name"]): r.get("beyond_resident_ms_per_token") for r in report["configs"]}
-    assert beyond["standard", "bigmoe-102@r0.8"] == 0.8 and beyond["topic-shift", "bigmoe-102-layerbuf@r0.8"] == 1.0
+    assert beyond["standard", "bigmoe-102@r0.8"] == 0.8 and beyond["topic-shift", "bigmoe-102-layerbuf@r0.8"] == 1.6
     assert beyond["standard", "resident"] is None  # the reference itself
 
 

@@ -46,6 +46,9 @@ def test_streams_idle_and_overlap_per_token(order_seed):
     assert s["top_kernels"][0]["name"] in ("gemv", "admit", "attention")
     assert s["prefetch_busy_us_per_token"] == 4.0  # by name: only the copy is the prefetch's ("admit" is not a name)
     assert s["prefetch_alone_us_per_token"] == 4.0  # 20-28: nothing else ran
+    assert s["gpu_idle_us_per_token"] == 1.0  # 28-30: no kernel on any stream
+    gemv = next(k for k in s["top_kernels"] if k["name"] == "gemv")
+    assert (gemv["per_token"], gemv["us_per_token"], gemv["mean_us"]) == (0.5, 5.0, 10.0)
 
 
 GRAPH = [  # a replayed graph: the driver put prefetch and compute on streams of its choosing, both on each

@@ -22,6 +22,8 @@ from bigmoe_pager.core.stats import PagerStats
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 
 LAYOUT = ExpertLayout.for_moe(64, 32, torch.float8_e4m3fn, block=32)
+WHOLE = {"prefetch_budget": 0}
+"""Tests of a whole proposal's round (the budget has its own tests) run without the pager's default budget."""
 
 
 def records(experts: int, seed: int) -> torch.Tensor:
@@ -30,11 +32,14 @@ def records(experts: int, seed: int) -> torch.Tensor:
     )
 
 
-def make_pager(experts: int, slots: int, policy: str, rec: torch.Tensor, fused: bool = True):
+def make_pager(experts: int, slots: int, policy: str, rec: torch.Tensor, fused: bool = True, budget: dict = WHOLE):
+    """budget: ExpertPager's prefetch_budget keyword (WHOLE: none; {}: the pager's default, lifted as it decides)."""
     ram = RamTier(LAYOUT, experts, experts)
     ram.load_all(rec)
     stats = PagerStats(1)
-    pager = ExpertPager(LAYOUT, experts, slots, ram, stats=stats, policy=policy, decay=5, fused=fused, step_programs=3)
+    pager = ExpertPager(
+        LAYOUT, experts, slots, ram, stats=stats, policy=policy, decay=5, fused=fused, step_programs=3, **budget
+    )
     pager.warm_vram(torch.arange(slots))
     return pager, stats
 
@@ -63,12 +68,13 @@ def check_consistent(pager: ExpertPager, rec: torch.Tensor) -> None:
     assert int((table.expert_slot >= 0).sum()) == int((table.slot_expert >= 0).sum())
 
 
+@pytest.mark.parametrize("budget", [WHOLE, {}], ids=["whole rounds", "the default budget"])
 @pytest.mark.parametrize("experts,slots,k,policy", [(32, 10, 4, "lru"), (40, 12, 6, "lfu"), (24, 8, 2, "lru")])
-def test_prefetch_changes_residency_never_what_a_step_reads(experts, slots, k, policy):
+def test_prefetch_changes_residency_never_what_a_step_reads(experts, slots, k, policy, budget):
     rng = random.Random(experts + slots)
     rec = records(experts, seed=experts)
     plain, _ = make_pager(experts, slots, policy, rec)
-    eager, _ = make_pager(experts, slots, policy, rec)
+    eager, _ = make_pager(experts, slots, policy, rec, budget=budget)
     hot = rng.sample(range(experts), experts // 3)
     for step in range(16):
         ids = torch.tensor([rng.sample(hot if rng.random() < 0.7 else range(experts), k)], dtype=torch.int32)
@@ -99,7 +105,7 @@ def test_no_prediction_leaves_the_pager_exactly_as_without_prefetch():
 
 
 def test_prefetch_never_evicts_the_latest_steps_or_predicted_experts():
-    table = SlotTable(16, 4)
+    table = SlotTable(16, 4, **WHOLE)
     table.acquire(torch.tensor([0, 1, 2, 3]))
     table.acquire(torch.tensor([0, 1]))  # 2 and 3 are now cold, 0 and 1 were just used
     got = table.admit(torch.tensor([5, 6, 7, 0]))
@@ -122,7 +128,9 @@ def test_prefetch_never_evicts_the_latest_steps_or_predicted_experts():
     ],
 )
 def test_a_prefetch_budget_takes_the_most_used_candidates(policy, budget, fetched, use_kernel):
-    table = SlotTable(16, 8, policy=policy, prefetch_budget=budget, use_kernel=use_kernel, min_used_percent=0)
+    table = SlotTable(
+        16, 8, policy=policy, prefetch_budget=budget, use_kernel=use_kernel, min_used_percent=0, lift_percent=None
+    )  # the budget never lifted (a first round, with no evidence yet, would be)
     for ids in ([8, 9, 10, 11], [9, 10, 11], [11]):  # uses: 8 once, 9 and 10 twice, 11 three times
         table.acquire(torch.tensor(ids))
     table.acquire(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))  # fills the 8 slots: 8-11 are out again
@@ -139,7 +147,15 @@ def test_the_order_of_a_proposal_is_never_read(budget, use_kernel):
     any real predictor lets it. Every permutation of a proposal admits the same experts into the same slots."""
     results = set()
     for seed in range(4):
-        table = SlotTable(32, 8, policy="lfu-fast", prefetch_budget=budget, use_kernel=use_kernel, min_used_percent=0)
+        table = SlotTable(
+            32,
+            8,
+            policy="lfu-fast",
+            prefetch_budget=budget,
+            use_kernel=use_kernel,
+            min_used_percent=0,
+            lift_percent=None,
+        )
         for ids in ([20, 21, 22, 23], [21, 22, 23], [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3]):
             table.acquire(torch.tensor(ids))
         proposal = torch.tensor([23, 9, 21, 11, 20, 22, 2])[
@@ -166,7 +182,7 @@ def test_prefetch_counters_add_up():
 
 def test_prefetch_takes_only_available_experts():
     """A partial RAM tier passes the experts it holds: the others are left to the step (and the SSD)."""
-    table = SlotTable(16, 4)
+    table = SlotTable(16, 4, **WHOLE)
     table.acquire(torch.tensor([0]))
     available = torch.zeros(16, dtype=torch.bool)
     available[:8] = True

@@ -40,7 +40,9 @@ def play(table: SlotTable, ids: np.ndarray, pred: np.ndarray) -> list[tuple[int,
 
 
 def table(use_kernel: bool, policy: str, **gate) -> SlotTable:
-    return SlotTable(EXPERTS, SLOTS, use_kernel=use_kernel, policy=policy, **gate)
+    """A whole proposal a round (no budget: the gate judges every copy a round makes), the gate's default unless
+    `gate` names one."""
+    return SlotTable(EXPERTS, SLOTS, use_kernel=use_kernel, policy=policy, **{"prefetch_budget": 0, **gate})
 
 
 CASES = [(False, "lru"), (False, "lfu-fast"), (True, "lru"), (True, "lfu-fast")]
@@ -106,7 +108,29 @@ def test_min_used_percent_zero_admits_every_round(use_kernel, policy, recall):
     assert int(t0.gate_closed) == 0 and int(t0.wasted_score) > 0  # scored, never closed
 
 
-@pytest.mark.parametrize("gate", [{"min_used_percent": -1}, {"min_used_percent": 101}])
-def test_gate_settings_out_of_range_are_refused(gate):
-    with pytest.raises(SlotTableError, match="prefetch gate"):
+@pytest.mark.parametrize("use_kernel,policy", CASES)
+@pytest.mark.parametrize("recall,lifted", [(1.0, True), (0.5, False)])
+def test_the_budget_is_lifted_only_for_a_predictor_that_is_nearly_always_right(use_kernel, policy, recall, lifted):
+    """The pager's defaults (a budget of one, lifted at LIFT_PERCENT used): past the first rounds a predictor that is
+    always right copies every absent expert it names, one that is right half the time at most one a round."""
+    ids, pred = routing(40, recall, seed=11)
+    t0 = SlotTable(EXPERTS, SLOTS, use_kernel=use_kernel, policy=policy, min_used_percent=0)
+    got = play(t0, ids, pred)[4:]
+    if lifted:
+        assert all(n == absent for n, absent in got) and any(n > 1 for n, _ in got)
+    else:
+        assert all(n <= 1 for n, _ in got) and any(absent > 1 for _, absent in got)
+
+
+@pytest.mark.parametrize(
+    "gate,error",
+    [
+        ({"min_used_percent": -1}, "prefetch gate"),
+        ({"min_used_percent": 101}, "prefetch gate"),
+        ({"lift_percent": 101}, "lift"),
+        ({"lift_percent": -5}, "lift"),
+    ],
+)
+def test_gate_settings_out_of_range_are_refused(gate, error):
+    with pytest.raises(SlotTableError, match=error):
         table(False, "lru", **gate)

@@ -9,6 +9,9 @@ import sim_prefetch  # scripts/ is on pytest's pythonpath (pyproject)
 from bigmoe_bench import traces
 from bigmoe_pager.core.slots import MIN_USED_PERCENT
 
+WHOLE_ROUND_GATE = 60
+"""The gate's threshold chosen for rounds without a budget (run 10; slots.MIN_USED_PERCENT's doc)."""
+
 
 @pytest.mark.parametrize("family", ["standard", "topic-shift", "near-uniform"])
 def test_right_predictions_take_copies_off_the_wait_and_wrong_ones_add_copies_never_used(family):
@@ -89,16 +92,16 @@ def test_a_useless_predictor_stops_copying_after_its_first_rounds(family):
     "family,recall,closes",
     [("standard", 0.6, True), ("topic-shift", 0.6, True), ("near-uniform", 0.8, False), ("standard", 1.0, False)],
 )
-def test_the_default_gate_closes_where_most_copies_would_go_unused(family, recall, closes):
-    """The default threshold sits at a copy's measured break-even (about half used): a top-k predictor at recall
-    0.6 on the skewed families copies mostly experts nobody needs, and is shut out; at recall 0.8 on near-uniform
-    routing most of its (many) copies are used, and it stays open."""
+def test_a_whole_round_gate_closes_where_most_copies_would_go_unused(family, recall, closes):
+    """Without a budget the gate's threshold sat at a whole proposal's measured break-even (60: about half used): a
+    top-k predictor at recall 0.6 on the skewed families copies mostly experts nobody needs, and is shut out; at
+    recall 0.8 on near-uniform routing most of its (many) copies are used, and it stays open."""
     trace = traces.named_trace(family, 300, 4, 64, 4, seed=1)
     pred = traces.predictions(trace, recall, None, 64, seed=1)
-    ungated = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast", min_used_percent=0)
-    gated = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast")
+    ungated = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast", min_used_percent=0, budget=0)
+    gated = sim_prefetch.simulate(trace, pred, 64, 16, "lfu-fast", min_used_percent=WHOLE_ROUND_GATE, budget=0)
     used_share = 1 - ungated["prefetched_unused_per_token"] / ungated["prefetch_copies_per_token"]
-    assert (used_share < MIN_USED_PERCENT / 100) == closes
+    assert (used_share < WHOLE_ROUND_GATE / 100) == closes
     assert (gated["gate_closed"] > 0.9) if closes else (gated["gate_closed"] < 0.05)
 
 
@@ -114,6 +117,22 @@ def test_a_budget_caps_each_round(family):
     assert free["demand_copies_per_token"] < one["demand_copies_per_token"] < plain["demand_copies_per_token"]
 
 
+@pytest.mark.parametrize("family", ["near-uniform", "topic-shift"])
+def test_a_right_predictor_lifts_the_budget_and_a_sloppy_one_keeps_it(family):
+    """Recall 1: lifted, the budget's rounds copy what unbounded ones do; recall 0.6: the budget holds (a round, two
+    a token over three layers)."""
+    trace = traces.named_trace(family, 200, 3, 64, 4, seed=3)
+    right, sloppy = (traces.predictions(trace, r, None, 64, seed=3) for r in (1.0, 0.6))
+    free = sim_prefetch.simulate(trace, right, 64, 16, "lfu-duel", min_used_percent=0, budget=0)
+    lifted = sim_prefetch.simulate(trace, right, 64, 16, "lfu-duel", min_used_percent=0, budget=1)
+    held = sim_prefetch.simulate(trace, right, 64, 16, "lfu-duel", min_used_percent=0, budget=1, lift=None)
+    assert lifted["demand_copies_per_token"] < held["demand_copies_per_token"]
+    assert lifted["prefetch_copies_per_token"] > 2 >= held["prefetch_copies_per_token"]
+    assert abs(lifted["demand_copies_per_token"] - free["demand_copies_per_token"]) < 0.5
+    capped = sim_prefetch.simulate(trace, sloppy, 64, 16, "lfu-duel", min_used_percent=0, budget=1)
+    assert capped["prefetch_copies_per_token"] <= 2 + 8 / 200  # the first round, with no evidence, is whole
+
+
 def test_budgets_are_cases_and_negative_ones_are_refused(tmp_path, capsys):
     out = tmp_path / "sim.json"
     argv = ["--tokens", "20", "--layers", "2", "--families", "standard", "--recalls", "0.8", "--gates", "0"]
@@ -122,3 +141,5 @@ def test_budgets_are_cases_and_negative_ones_are_refused(tmp_path, capsys):
     assert [(r["vram"], r["budget"]) for r in rows] == [(102, None), (102, 0), (102, 1), (32, None), (32, 0), (32, 1)]
     assert sim_prefetch.main([*argv, "--budgets", "-1"]) == 2
     assert "--budgets" in capsys.readouterr().err
+    assert sim_prefetch.main([*argv, "--budgets", "1", "--lift", "120"]) == 2
+    assert "--lift" in capsys.readouterr().err

@@ -299,7 +299,7 @@ def test_admits_with_no_step_between_are_one_round_for_the_counters():
     """Reads posted several layers ahead, then the layer's own prefetch, before its step: one round."""
     from bigmoe_pager.core.slots import SlotTable
 
-    table, row = SlotTable(16, 6), torch.zeros(10, dtype=torch.int64)
+    table, row = SlotTable(16, 6, prefetch_budget=0), torch.zeros(10, dtype=torch.int64)
     table.acquire(torch.tensor([0, 1]))
     table.admit(torch.tensor([4, 5]), stats_row=row, record_bytes=10)  # posted ahead
     table.admit(torch.tensor([4, 5, 6]), stats_row=row, record_bytes=10)  # the prefetch: only 6 is new

@@ -42,6 +42,7 @@ def launch_admit(
     lfu: bool = False,
     min_used_percent: int = 0,
     budget: int = 0,
+    lift_percent: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
@@ -54,6 +55,7 @@ def launch_admit(
     min_used_percent: the prefetch gate's threshold (slots.MIN_USED_PERCENT); it reads and updates table_state's
     used_score, wasted_score, gate_closed and would-fetch marks.
     budget: SlotTable.prefetch_budget (at most this many fetched, the highest use counts first; 0: no limit).
+    lift_percent: SlotTable.lift_percent (the budget is ignored while the gate's scores reach it; None: never).
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -77,6 +79,7 @@ def launch_admit(
         table_state["wasted_score"],
         table_state["gate_closed"],
         min_used_percent,
+        -1 if lift_percent is None else lift_percent,
         _bytes_of(available, dummy),
         _bytes_of(keep_slots, dummy),
         dummy if source is None else source.expert_row,
@@ -136,6 +139,7 @@ if triton is not None:
         wasted_score_ptr,
         gate_closed_ptr,
         min_used_percent,
+        lift_percent,
         avail_ptr,
         keep_ptr,
         src_row_ptr,
@@ -199,6 +203,7 @@ if triton is not None:
         used_score = tl.where(settled, used_score - (used_score >> 3) + (gate_used << 6), used_score)
         wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (gate_wasted << 6), wasted_score)
         gate_open = used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
+        lifted = (lift_percent >= 0) & (used_score * (100 - lift_percent) >= wasted_score * lift_percent)
         tl.store(want_ptr + e_ar, 0, mask=e_in)
         tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
         tl.debug_barrier()
@@ -225,7 +230,7 @@ if triton is not None:
                 pick = (key == best) & (best >= 0)
                 keep = keep | pick
                 key = tl.where(pick, -1, key)
-            fetch = fetch & keep
+            fetch = fetch & (keep | lifted)
         tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & ~gate_open).to(tl.int32), mask=e_in)
         fetch = fetch & gate_open
         n_fetch = tl.sum(fetch.to(tl.int64), 0)

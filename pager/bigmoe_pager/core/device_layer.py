@@ -62,7 +62,7 @@ class DeviceLayerPager:
         pin: bool | None = None,
         read_ahead: bool = False,
         prefetch_gate: int | None = None,
-        prefetch_budget: int = 0,
+        prefetch_budget: int | None = None,
     ):
         self.layout = layout
         self.sizes = sizes
@@ -75,7 +75,8 @@ class DeviceLayerPager:
         self.prefetch_gate = prefetch_gate
         """The VRAM prefetch gate's threshold, percent (None: slots.MIN_USED_PERCENT)."""
         self.prefetch_budget = prefetch_budget
-        """Experts one VRAM prefetch round copies at most, the most used first (0: no limit)."""
+        """Experts one VRAM prefetch round copies at most, the most used first (0: no limit; None:
+        slots.PREFETCH_BUDGET)."""
         self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead)
         hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
         self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]

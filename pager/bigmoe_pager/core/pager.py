@@ -18,7 +18,14 @@ from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
-from bigmoe_pager.core.slots import MIN_USED_PERCENT, Acquired, Admitted, SlotTable, acquired_from_kernel
+from bigmoe_pager.core.slots import (
+    MIN_USED_PERCENT,
+    PREFETCH_BUDGET,
+    Acquired,
+    Admitted,
+    SlotTable,
+    acquired_from_kernel,
+)
 from bigmoe_pager.core.stats import PagerStats
 
 # Copy programs per prefetched expert (0: one per 8 KiB block, which fills every SM while it copies). On the H200
@@ -53,7 +60,7 @@ class ExpertPager:
         step_programs: int = 0,
         prefetch_programs: int = PREFETCH_PROGRAMS_PER_RECORD,
         prefetch_gate: int | None = None,
-        prefetch_budget: int = 0,
+        prefetch_budget: int | None = None,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -83,7 +90,8 @@ class ExpertPager:
             policy=policy,
             decay=decay,
             min_used_percent=gate,
-            prefetch_budget=prefetch_budget,  # experts one prefetch round copies at most (0: no limit)
+            # experts one prefetch round copies at most (0: no limit)
+            prefetch_budget=PREFETCH_BUDGET if prefetch_budget is None else prefetch_budget,
         )
         self.buffers = buffers if buffers is not None else layout.slot_buffers(vram_slots, self.device)
         _check_buffers(layout, vram_slots, self.buffers, self.device)

@@ -133,6 +133,7 @@ class RamTier:
                 policy=policy,
                 decay=decay,
                 min_used_percent=READ_AHEAD_MIN_USED_PERCENT,
+                prefetch_budget=0,  # a round of SSD reads ahead is not bounded: the disk queue wants depth
             )
         )
         self._filled = not self.full

@@ -43,13 +43,13 @@ them as it judges copies (used when the step since needed them). So the gate reo
 useful, without copying anything to find out (session 13; before, a closed gate copied a whole proposal every 64th
 step to keep its evidence fresh). Shadow judgments move the gate's scores only, never the prefetch counters.
 
-Prefetch budget (`prefetch_budget`, 0 = none): a round fetches at most this many of its candidates, those the policy's
-use counts rank highest (ties: lower id; lru keeps no counts, so the lowest ids). The gate and its would-fetch marks
-judge the budgeted set. It bounds what one round copies to what a layer's compute may hide. Simulated over four
-routing families (sim_prefetch --budgets, session 14), the share of copies used stays about what it is without a
-budget, and part of the demand copies prefetch saves are given up: whether it pays depends on how much of an
-unbounded round the GPU fails to hide, which only a timing in vLLM can say. The order of a proposal's ids is never
-read (a replayed row lists its right ids first).
+Prefetch budget (`prefetch_budget`, 0 = none; PREFETCH_BUDGET = 1 by default since run 12): a round fetches at most
+this many of its candidates, those the policy's use counts rank highest (ties: lower id; lru keeps no counts, so the
+lowest ids). The gate and its would-fetch marks judge the budgeted set. It bounds what one round copies to what a
+layer's compute may hide. While the gate's scores show at least `lift_percent` (LIFT_PERCENT) of the judged experts
+used, the budget is lifted and a round fetches its whole proposal: a predictor that is nearly always right keeps every
+copy it can hide, one that is often wrong copies at most the budget. The order of a proposal's ids is never read (a
+replayed row lists its right ids first).
 """
 
 from __future__ import annotations
@@ -79,12 +79,27 @@ DUEL_PSEL_MAX = 32
 """lfu-duel: the selector saturates at +-this many needs (about four steps of full disagreement at top-8)."""
 LFU_MAX_COUNT = 1023  # counts are clamped to 10 bits in the eviction key
 LFU_MAX_EXPERTS = 1024  # expert ids take the key's low 10 bits
-MIN_USED_PERCENT = 60
-"""Prefetch gate of the VRAM tables (PCIe copies): percent of its judged experts that must be used to stay open. A
-copy's break-even measured in vLLM 0.33 on the H200 (docs/benchmarks.md, run 10): 48% / 56% at 102 slots (standard /
-topic-shift, fitted to run 9's recalls 0, 0.8, 1), about 53% / 65% at 32 slots, where demand copies already load the
-link (run 10's proposals with uniform and with popular wrong ids). Wrongly open cost up to 0.7 ms a token there,
-wrongly closed at most 0.12: 60 has the least regret over those eight cases."""
+MIN_USED_PERCENT = 25
+"""Prefetch gate of the VRAM tables (PCIe copies): percent of its judged experts that must be used to stay open. Chosen
+with PREFETCH_BUDGET = 1 in vLLM 0.33 on the H200 (docs/benchmarks.md, run 12: 102 slots, standard / topic-shift,
+ms a token): at recall 0.8 with uniform wrong ids, 5.19 / 6.72 at 25 (call f), 5.37 / 7.15 at 50 (call e), 5.03 /
+6.71 with no gate (calls b, d), against 5.14 / 7.20 without prefetch (call f); at recall 0, 25 stays shut as 50 does
+(5.45 / 7.56) where no gate copies a wrong expert every round (5.69 / 7.91, call d). Rounds without a budget want 60
+(run 10: there a wrong round cost about twice its transfer time): set BIGMOE_PREFETCH_MIN_USED_PERCENT=60 with
+BIGMOE_PREFETCH_BUDGET=0."""
+PREFETCH_BUDGET = 1
+"""Experts one VRAM prefetch round copies at most (0: no limit), the most used first, until the gate's evidence lifts
+it (LIFT_PERCENT). One copy (3.2 MB, about 60 us at 55 GB/s) fits the compute of the layer it hides behind, a whole
+proposal often does not: at recall 0.8 a budget of 1 gave 5.03 / 6.71 ms where 2 gave 5.46 / 7.03 and none 5.71 /
+7.52 (run 12, no gate). What it gives up where routing is flat (near-uniform, recorded) is simulated in
+docs/bench/sim-prefetch-lift-*.json and probed on the GPU in run 12's overlap-b files."""
+LIFT_PERCENT = 90
+"""A round copies its whole proposal, budget or not, while at least this percent of the gate's judged experts were
+used. At recall 1 the budget costs: 4.50 / 5.79 ms a token against 4.49 / 5.54 without (run 12 calls b and a), and
+14.02 against 12.25 on near-uniform routing in the probe (overlap-b); at recall 0.8, 27-49% of the budgeted copies
+were used with uniform wrong ids and 44-67% with popular ones (calls d, f), at recall 1 all of them. Any value from 70
+to 95 splits those measured points alike; None never lifts it. Not yet
+timed inside vLLM as one engine (session 15): its rounds are the budgeted ones below the threshold, whole ones above."""
 READ_AHEAD_MIN_USED_PERCENT = 10
 """Gate of the RAM tables' SSD reads ahead (sim_prefetch's session-9 choice; a read's break-even is not measured)."""
 # LFU key = count << 42 | last_use << 10 | expert: below acquire_kernel.NEEDED_KEY (2**52) while last_use < 2**32
@@ -164,10 +179,13 @@ class SlotTable:
         policy: str = "lru",
         decay: int | None = None,
         min_used_percent: int = MIN_USED_PERCENT,
-        prefetch_budget: int = 0,
+        prefetch_budget: int = PREFETCH_BUDGET,
+        lift_percent: int | None = LIFT_PERCENT,
     ) -> None:
         if not 0 <= min_used_percent <= 100:
             raise SlotTableError(f"prefetch gate needs 0 <= min_used_percent <= 100, got {min_used_percent}")
+        if lift_percent is not None and not 0 <= lift_percent <= 100:
+            raise SlotTableError(f"the budget's lift needs 0 <= lift_percent <= 100 (or None), got {lift_percent}")
         if prefetch_budget < 0:
             raise SlotTableError(f"a prefetch budget is a number of experts >= 0 (0: none), got {prefetch_budget}")
         if policy not in POLICIES:
@@ -233,6 +251,9 @@ class SlotTable:
         """Prefetch gate threshold (percent); 0 keeps the gate always open."""
         self.prefetch_budget = prefetch_budget
         """Most experts one admit round fetches, the most used first (0: no limit)."""
+        self.lift_percent = lift_percent
+        """A round ignores the budget while at least this percent of the gate's judged experts were used (None:
+        never)."""
         self._would_fetch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
         """1 for each expert the latest round would have fetched had its gate been open (its would-fetch marks)."""
         self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -527,6 +548,7 @@ class SlotTable:
             lfu=self.lfu,
             min_used_percent=self.min_used_percent,
             budget=self.prefetch_budget,
+            lift_percent=self.lift_percent,
         )
         return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
@@ -545,8 +567,8 @@ class SlotTable:
             fetch &= available.to(device=self.device, dtype=torch.bool)
         if source is not None:
             fetch &= self._whole_rows(source)
-        fetch = self._within_budget(fetch)
         is_open = self._gate(used + marked_used, wasted + marked_wasted)
+        fetch = torch.where(self._budget_lifted(), fetch, self._within_budget(fetch))
         marks = (fetch & ~is_open).to(torch.int32)
         self._would_fetch[:e].bitwise_or_(marks)  # a round's second admit adds to its marks
         fetch &= is_open
@@ -626,8 +648,16 @@ class SlotTable:
 
     def _gate_open(self) -> torch.Tensor:
         """bool []: the gate's rule on its current scores: at least min_used_percent of its judged experts used."""
-        p = self.min_used_percent
-        return self.used_score * (100 - p) >= self.wasted_score * p
+        return self._scores_at_least(self.min_used_percent)
+
+    def _budget_lifted(self) -> torch.Tensor:
+        """bool []: whether this round copies its whole proposal whatever the budget (lift_percent's rule)."""
+        if self.lift_percent is None:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        return self._scores_at_least(self.lift_percent)
+
+    def _scores_at_least(self, percent: int) -> torch.Tensor:
+        return self.used_score * (100 - percent) >= self.wasted_score * percent
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 
