@@ -33,10 +33,9 @@ next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
 the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+gateN` the VRAM prefetch gate at
 N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
 (BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names the gate and budget it ran even where they are the
-plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same
-configuration whose rows keep the tag: how far two engines of one build land apart (run 11: up to 0.6 ms, run 12:
-0.04 ms); a point
---recalls names twice is measured twice in turn (its second row ends in /2): the drift within one engine. Predictions
+plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same configuration whose rows
+keep the tag: how far two engines of one build land apart (run 12: 0.04 ms); a point --recalls names twice is measured
+twice in turn (its second row ends in /2): the drift within one engine. Predictions
 are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
 
@@ -245,7 +244,8 @@ def measurements(name: str, families: list[str], points: list[Point], traces_of:
 
 def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     """A named configuration starting on `first_trace` (its first measurement's), its suffixes applied (~POLICY:
-    eviction; PREDICTION_SUFFIXES: SSD reads ahead, side stream priority)."""
+    eviction; PREDICTION_SUFFIXES: SSD reads ahead, side stream priority; SETTING_SUFFIXES: the prefetch's gate and
+    budget, which an @r engine names even at their defaults)."""
     base, recall, policy = parse_name(name)
     env = {**configs(first_trace, experts)[base].env}
     if base.startswith("bigmoe"):  # named even when it is the default, so the row says which policy ran

@@ -138,17 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default="standard,topic-shift,near-uniform,recorded")
     p.add_argument("--recalls", default="0,0.6,0.8,1.0")
     p.add_argument("--precisions", default="topk", help="comma list of floats in (0, 1] or topk (k ids a token)")
-    p.add_argument("--gates", default=f"{MIN_USED_PERCENT},0", help="prefetch gate thresholds, percent (0: none)")
+    # The defaults below are those the committed runs of sessions 12-14 were made with, so their commands reproduce as
+    # written; the pager's own are in core.slots (MIN_USED_PERCENT, PREFETCH_BUDGET, LIFT_PERCENT) and the settings.
     p.add_argument(
-        "--budgets", default=f"{PREFETCH_BUDGET}", help="prefetch budgets, experts a round copies at most (0: none)"
+        "--gates", default="60,0", help=f"prefetch gate thresholds, percent (0: none; the pager's: {MIN_USED_PERCENT})"
+    )
+    p.add_argument(
+        "--budgets",
+        default="0",
+        help=f"prefetch budgets, experts a round copies at most (0: none; the pager's: {PREFETCH_BUDGET})",
     )
     p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform, popular or none")
-    p.add_argument("--policy", default="lfu-fast")
+    p.add_argument("--policy", default="lfu-fast", help="eviction policy (the pager's default is lfu-duel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--lift",
-        default=str(LIFT_PERCENT),
-        help="percent of judged copies used at which a round ignores its budget (none: never; slots.LIFT_PERCENT)",
+        default="none",
+        help=f"percent of judged copies used at which a round ignores its budget (none: never; pager: {LIFT_PERCENT})",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)

@@ -98,8 +98,8 @@ LIFT_PERCENT = 90
 used. At recall 1 the budget costs: 4.50 / 5.79 ms a token against 4.49 / 5.54 without (run 12 calls b and a), and
 14.02 against 12.25 on near-uniform routing in the probe (overlap-b); at recall 0.8, 27-49% of the budgeted copies
 were used with uniform wrong ids and 44-67% with popular ones (calls d, f), at recall 1 all of them. Any value from 70
-to 95 splits those measured points alike; None never lifts it. Not yet
-timed inside vLLM as one engine (session 15): its rounds are the budgeted ones below the threshold, whole ones above."""
+to 95 splits those measured points alike; None never lifts it. Not yet timed inside vLLM as one engine (session 15):
+its rounds are the budgeted ones below the threshold, whole ones above."""
 READ_AHEAD_MIN_USED_PERCENT = 10
 """Gate of the RAM tables' SSD reads ahead (sim_prefetch's session-9 choice; a read's break-even is not measured)."""
 # LFU key = count << 42 | last_use << 10 | expert: below acquire_kernel.NEEDED_KEY (2**52) while last_use < 2**32
