@@ -14,16 +14,19 @@ ever waits for another (so no grid size can deadlock):
 2. it copies its share of the missing experts' blocks (grid-stride over
    misses x blocks: with no miss, a program is done after the decision);
 3. program 0 writes the outputs and adds the step's counters;
-4. every program then bumps the table's done counter; the last one writes the
-   new table state and resets the counter, after every program has read the
-   old state.
+4. if the step loads an expert, every program then bumps the table's done
+   counter; the last one writes the new table state and resets the counter,
+   after every program has read the old state. If it loads none, the programs
+   use nothing the new state changes, so one of them writes it at once and
+   nobody waits: a hit costs one round of reads (the counts are read with the
+   rest, and the victims' counts are gathered only when victims are ranked).
 Under lfu-duel the decision ranks by the counts the selector named before the
 step, and one more program (P + 1 in all) plays the step on the two shadow
 tables (acquire_kernel.shadow_step) instead of copying: it runs beside the
 copy, not after it (played in the tail, lfu-duel cost 0.18 ms a token over
 lfu-fast where the two rank alike, 40 layers, run 10; beside it, 0.12 ms, run
-11). It leaves the moved selector in a scratch word that the last program
-installs with the counts.
+11). It leaves the moved selector in a scratch word that the program writing
+the state installs with the counts.
 Outputs, table state, counters and slot bytes equal SlotTable.acquire followed
 by copy_records; the unit tests run both side by side.
 """
@@ -278,30 +281,39 @@ if triton is not None:
         s_in = s_ar < S
         held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
         last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
+        e_ar = tl.arange(0, BLOCK_E)
+        e_in = e_ar < E
+        if LFU:  # the counts the state writer adds to, read with the rest (nobody writes them before it)
+            if DUEL:
+                fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY)
+                slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY)
+            else:
+                uses = halved(tl.load(freq_ptr + e_ar, mask=e_in, other=0), step, DECAY)
         occupied = held >= 0
         held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
-        if DUEL:  # the counts the selector named before the step (program P moves it, the last one installs it)
-            held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
-            held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
-            count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
-            rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
-        elif LFU:
-            count = halved(tl.load(freq_ptr + held, mask=occupied, other=0), step, DECAY)
-            rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
-        else:
-            rank_s = last * (E + 1) + held
-        key = tl.where(occupied, rank_s, -1)  # empty slots first, in slot order
         avail = s_in & ~held_needed
         n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
-        packed = tl.where(avail, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
         cand = tl.full([BLOCK_I], -1, tl.int64)
         old = tl.full([BLOCK_I], -1, tl.int64)
-        for i in range(0, n_take):
-            best = tl.min(packed, 0)
-            pick = packed == best
-            cand = tl.where(j == i, best % BLOCK_S, cand)
-            old = tl.where(j == i, tl.sum(tl.where(pick, held, 0), 0), old)
-            packed = tl.where(pick, PACKED_MAX, packed)
+        if n_take > 0:  # rank the victims only when there are some: a hit waits for no gather of the counts
+            if DUEL:  # the counts the selector named before the step (program P moves it, the writer installs it)
+                held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
+                held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
+                count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
+                rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
+            elif LFU:
+                count = halved(tl.load(freq_ptr + held, mask=occupied, other=0), step, DECAY)
+                rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
+            else:
+                rank_s = last * (E + 1) + held
+            key = tl.where(occupied, rank_s, -1)  # empty slots first, in slot order
+            packed = tl.where(avail, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
+            for i in range(0, n_take):
+                best = tl.min(packed, 0)
+                pick = packed == best
+                cand = tl.where(j == i, best % BLOCK_S, cand)
+                old = tl.where(j == i, tl.sum(tl.where(pick, held, 0), 0), old)
+                packed = tl.where(pick, PACKED_MAX, packed)
         take = j < n_take
         mexp = tl.sum(tl.where(fresh[None, :] & (rank[None, :] == j[:, None]), ids[None, :], 0), 1)  # [i]
         mexp = tl.where(take, mexp, -1)
@@ -334,17 +346,17 @@ if triton is not None:
         # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
         # (Written out per component: a launch takes at most MAX_COMPONENTS of them, each its own pointers.)
         # Under lfu-duel, program P plays the shadows instead: nobody else reads or writes them.
-        e_ar = tl.arange(0, BLOCK_E)
-        e_in = e_ar < E
         copies = n_take
         if DUEL:
             copies = tl.where(pid < programs, n_take, 0)
             if pid == programs:
                 needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
-                fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY) + needed.to(tl.int64)
-                slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY) + needed.to(tl.int64)
-                fast_hits = shadow_step(fast_held_ptr, fast_stamps_ptr, fast, needed, step, e_ar, E, S)
-                slow_hits = shadow_step(slow_held_ptr, slow_stamps_ptr, slow, needed, step, e_ar, E, S)
+                fast_hits = shadow_step(
+                    fast_held_ptr, fast_stamps_ptr, fast + needed.to(tl.int64), needed, step, e_ar, E, S
+                )
+                slow_hits = shadow_step(
+                    slow_held_ptr, slow_stamps_ptr, slow + needed.to(tl.int64), needed, step, e_ar, E, S
+                )
                 psel = tl.load(psel_ptr) + slow_hits - fast_hits
                 tl.store(psel_next_ptr, tl.minimum(tl.maximum(psel, -PSEL_MAX), PSEL_MAX))
         lane = tl.arange(0, BLOCK)
@@ -375,13 +387,17 @@ if triton is not None:
                     w = tl.load(base + OFF3 + offs, mask=mask, eviction_policy="evict_first")
                     tl.store(out3 + dst * N3 + offs, w, mask=mask)
 
-        # 4. The last program to get here writes the new table state: by then every program
-        # has read the old one (the barrier orders this program's reads before its count).
+        # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it
+        # at once: the others use nothing it changes (the ranking was skipped and the slot map stays), so none need
+        # be waited for. Under lfu-duel that program is the shadow player, which holds the new selector. Otherwise
+        # the last program to get here writes it: by then every program has read the old state (the barrier orders
+        # this program's reads before its count).
         tl.debug_barrier()
-        last_count = programs - 1
-        if DUEL:
-            last_count = programs  # and the shadow player
-        if tl.atomic_add(done_ptr, 1) == last_count:
+        if n_take == 0:
+            writes = pid == (programs if DUEL else 0)
+        else:
+            writes = tl.atomic_add(done_ptr, 1) == (programs if DUEL else programs - 1)  # the shadow player counts
+        if writes:
             tl.store(done_ptr, 0)
             tl.store(step_ptr, step)
             tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
@@ -393,14 +409,10 @@ if triton is not None:
                 needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
                 if DUEL:  # both counts, the selector the shadow player left (an atomic read: it may have run on
                     # another SM), and the leader it names
-                    fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY) + needed.to(tl.int64)
-                    slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY)
-                    slow += needed.to(tl.int64)
-                    tl.store(fast_ptr + e_ar, fast, mask=e_in)
-                    tl.store(slow_ptr + e_ar, slow, mask=e_in)
+                    tl.store(fast_ptr + e_ar, fast + needed.to(tl.int64), mask=e_in)
+                    tl.store(slow_ptr + e_ar, slow + needed.to(tl.int64), mask=e_in)
                     psel = tl.atomic_add(psel_next_ptr, 0)
                     tl.store(psel_ptr, psel)
-                    tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast), mask=e_in)
+                    tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast) + needed.to(tl.int64), mask=e_in)
                 else:
-                    uses = halved(tl.load(freq_ptr + e_ar, mask=e_in, other=0), step, DECAY)
                     tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
