@@ -268,6 +268,14 @@ def prefetch_defaults() -> dict[str, str]:
     }
 
 
+def ran_current_defaults(row: dict, prefetch: bool) -> bool:
+    """Whether a row's engine named the plugin's current default eviction (and, for a prefetching row, its default
+    gate and budget) in its env. Engines name them since runs 12 and 13; older rows ran the defaults of their day."""
+    env = row.get("env") or {}
+    wanted = {"BIGMOE_EVICTION": PagerSettings().eviction, **(prefetch_defaults() if prefetch else {})}
+    return all(env.get(key) == value for key, value in wanted.items())
+
+
 def default_prefetch_suffix() -> str:
     """The name suffixes that spell the plugin's default gate and budget ('+b1+gate25')."""
     env = prefetch_defaults()
@@ -682,12 +690,16 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
 
 def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
     """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare);
-    `rows` names the configuration each 102- and 32-slot ratio used: a prefetching row that ran the plugin's default
-    gate and budget named (default_prefetch_suffix) where there is one, and the plugin's default eviction where a row
-    ran with it named (~POLICY), else the row without them (the defaults of its day)."""
+    `rows` ((family, name) -> row) is in recency order. Each family's output names under "rows" the configuration
+    each 102- and 32-slot ratio used, the first there is of:
+    - a plain name whose env names the plugin's current defaults (ran_current_defaults), the most recent;
+    - a prefetching row that names the default gate and budget in its suffix (default_prefetch_suffix);
+    - a row that names the default eviction (~POLICY);
+    - the plain name (the defaults of its day)."""
     out = {}
     default = "~" + PagerSettings().eviction
     prefetch = default_prefetch_suffix()
+    order = {key: i for i, key in enumerate(rows)}
     for family in sorted({f for f, _ in rows}):
         t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
         ratios, used = {}, {}
@@ -695,9 +707,11 @@ def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
             # The plugin's default prefill (the whole-layer buffer) where it ran; decode is the same either way.
             found = {}
             for n in (102, 32):
-                names = [f"bigmoe-{n}-layerbuf{suffix}{p}" for p in (default, "")] + [f"bigmoe-{n}{suffix}"]
-                if suffix:
-                    names = [f"bigmoe-{n}-layerbuf{suffix}{p}{prefetch}" for p in (default, "")] + names
+                plain = [f"bigmoe-{n}-layerbuf{suffix}{p}" for p in (default, "")] + [f"bigmoe-{n}{suffix}"]
+                current = [m for m in plain if ran_current_defaults(rows.get((family, m), {}), bool(suffix))]
+                current.sort(key=lambda m: order[family, m], reverse=True)  # the latest first
+                named = [f"bigmoe-{n}-layerbuf{suffix}{p}{prefetch}" for p in (default, "")] if suffix else []
+                names = current + named + plain
                 name = next((m for m in names if t.get(m)), None)
                 found[n] = t.get(name)
                 if name:
@@ -740,7 +754,10 @@ def combine(files: list[Path], out: Path) -> int:
         meta.setdefault("commands", []).append(part.get("command"))
         if "gb_per_s" in (part.get("disk") or {}):
             meta.setdefault("disk", part["disk"])
-        rows.update({(r.get("family", "standard"), r["name"]): {**r, "source": f.name} for r in part["configs"]})
+        for r in part["configs"]:  # a later file's row replaces an earlier one's and moves to the end (recency)
+            key = (r.get("family", "standard"), r["name"])
+            rows.pop(key, None)
+            rows[key] = {**r, "source": f.name}
     tpot = {name: r.get("tpot_ms") for (family, name), r in rows.items() if family == "standard"}
     for (family, _), r in rows.items():
         # Greedy tokens of the timed request: which other configurations of its family produced exactly the same.

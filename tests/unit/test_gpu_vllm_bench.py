@@ -303,13 +303,18 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
         }
 
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    current = {"BIGMOE_EVICTION": DEFAULT_EVICTION, **bench.prefetch_defaults()}
     standard = [
         ("resident", 4.0, {}),
         ("offload17", 15.0, {}),
         ("bigmoe-102", 5.0, {}),
         ("bigmoe-102@r0", 5.2, {}),
-        ("bigmoe-102@r0.8", 4.8, {}),
+        ("bigmoe-102@r0.8", 4.9, {}),
+        (f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}", 5.0, {}),
+        ("bigmoe-102-layerbuf@r0.8", 4.8, {"env": current}),  # a later engine's plain name wins
         ("bigmoe-32@r0.8", 6.0, {}),
+        (f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}", 7.5, {"env": {"BIGMOE_EVICTION": DEFAULT_EVICTION}}),
+        ("bigmoe-32-layerbuf", 6.0, {"env": {"BIGMOE_EVICTION": DEFAULT_EVICTION}}),  # both named it: the later wins
         ("bigmoe-32-ram128-ssd@r0.8+ahead", 30.0, {"tpot_vs_disk_floor": 1.2, "ttft_vs_disk_floor": 1.5}),
         ("bigmoe-32-ram128-ssd", 60.0, {"tpot_vs_disk_floor": 2.4}),
     ]
@@ -325,6 +330,8 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
                     (f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}", 5.0, {}),  # ran the defaults
                     ("bigmoe-32-layerbuf", 7.5, {}),
                     (f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}", 6.0, {}),  # the default policy's row wins
+                    ("bigmoe-102-layerbuf", 5.2, {"env": {"BIGMOE_EVICTION": "lru"}}),  # not today's default
+                    (f"bigmoe-102-layerbuf~{DEFAULT_EVICTION}", 5.4, {}),
                 ],
             )
         )
@@ -335,13 +342,18 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
     assert std["speedup_vs_offload17_at_102"] == 3.125 and std["tpot_vs_resident_at_102"] == 1.2
     assert std["speedup_vs_offload17_at_32"] == 2.5 and std["speedup_vs_offload17_at_102_no_prefetch"] == 3.0
     assert std["tpot_vs_resident_at_102_recall_0"] == 1.3
+    assert std["rows"]["102"] == "bigmoe-102-layerbuf@r0.8" and std["rows"]["32_no_prefetch"] == "bigmoe-32-layerbuf"
+    assert std["speedup_vs_offload17_at_32_no_prefetch"] == 2.5
     assert shift == {
         "speedup_vs_offload17_at_102": 3.0,
         "tpot_vs_resident_at_102": 1.25,
         "speedup_vs_offload17_at_32_no_prefetch": 2.5,
+        "speedup_vs_offload17_at_102_no_prefetch": 2.778,
+        "tpot_vs_resident_at_102_no_prefetch": 1.35,
         "rows": {
             "102": f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}",
             "32_no_prefetch": f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}",
+            "102_no_prefetch": f"bigmoe-102-layerbuf~{DEFAULT_EVICTION}",
         },
     }
     assert report["ssd_tpot_vs_disk_floor"] == 1.2 and report["ssd_ttft_vs_disk_floor"] == 1.5
@@ -357,7 +369,7 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
     }
     assert report["speedup_vs_offload17_at_102"] == 3.0  # the standard family's, as before
     beyond = {(r["family"], r["name"]): r.get("beyond_resident_ms_per_token") for r in report["configs"]}
-    assert beyond["standard", "bigmoe-102@r0.8"] == 0.8 and beyond["topic-shift", "bigmoe-102-layerbuf@r0.8"] == 1.6
+    assert beyond["standard", "bigmoe-102@r0.8"] == 0.9 and beyond["topic-shift", "bigmoe-102-layerbuf@r0.8"] == 1.6
     assert beyond["standard", "resident"] is None  # the reference itself
 
 
