@@ -238,9 +238,11 @@ class SlotTable:
         self.psel = torch.zeros((), dtype=torch.int64, device=self.device)
         """lfu-duel's selector: > 0 ranks by the slow counts, else by the fast ones (saturating, +-DUEL_PSEL_MAX)."""
         self._psel_next = torch.zeros((), dtype=torch.int64, device=self.device)
-        """lfu-duel: the selector after a fused step's shadow play, until the step's last program installs it."""
+        """lfu-duel: the selector after a fused step's shadow play, until the program that writes the step's state
+        installs it."""
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
-        """Programs of a fused decode step that finished reading the table (step_kernel); 0 between steps."""
+        """Programs of a fused decode step that loads experts that finished reading the table (step_kernel); 0
+        between steps."""
         self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
         """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
         self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
