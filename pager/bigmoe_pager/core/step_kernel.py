@@ -18,8 +18,8 @@ ever waits for another (so no grid size can deadlock):
    counter; the last one writes the new table state and resets the counter,
    after every program has read the old state. If it loads none, the programs
    use nothing the new state changes, so one of them writes it at once and
-   nobody waits: a hit costs one round of reads (the counts are read with the
-   rest, and the victims' counts are gathered only when victims are ranked).
+   nobody waits: a hit waits only for the ids and then their slots (the counts
+   are read with the rest, the victims' counts only when victims are ranked).
 Under lfu-duel the decision ranks by the counts the selector named before the
 step, and one more program (P + 1 in all) plays the step on the two shadow
 tables (acquire_kernel.shadow_step) instead of copying: it runs beside the
