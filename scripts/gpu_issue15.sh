@@ -8,6 +8,8 @@
 #          a kernel timeline of $PROFILE_TOKENS decode tokens per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball
 #   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
 #   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, 2 layers)
+#   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
+#          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,14 @@ for step in "$@"; do
         --configs "${E2E_CONFIGS:-unpaged,vram40-predict,vram12-ram50-ssd-predict-ahead,vram40-predict-piecewise}" \
         --out "$out/e2e-${TAG:-predict}.json" --logs "/tmp/logs-e2e-${TAG:-predict}"
       pack "logs-e2e-${TAG:-predict}" "/tmp/logs-e2e-${TAG:-predict}" ;;
+    step-probe)
+      for policy in lru lfu-fast lfu-duel; do
+        python3 scripts/gpu_overlap_probe.py --families standard --slots 256 --eviction "$policy" --variants none \
+          --tokens 64 --profile-tokens 8 --out "$out/step-hit-$policy.json" 2>&1 | grep -o '"_step_kernel"[^}]*'
+      done
+      python3 scripts/gpu_overlap_probe.py --families standard --eviction lfu-duel --variants none --tokens 64 \
+        --profile-tokens 8 --out "$out/step-miss-lfu-duel.json" 2>&1 | grep -o '"_step_kernel"[^}]*'
+      python3 -m pytest tests/gpu/test_step_kernel_gpu.py -m gpu -q -s -p no:cacheprovider -k costs_less | grep "per layer" ;;
     *) echo "unknown step $step" ;;
   esac
 done
