@@ -65,12 +65,10 @@ for step in "$@"; do
         --out "$out/e2e-${TAG:-predict}.json" --logs "/tmp/logs-e2e-${TAG:-predict}"
       pack "logs-e2e-${TAG:-predict}" "/tmp/logs-e2e-${TAG:-predict}" ;;
     step-probe)
-      for policy in lru lfu-fast lfu-duel; do
-        python3 scripts/gpu_overlap_probe.py --families standard --slots 256 --eviction "$policy" --variants none \
-          --tokens 64 --profile-tokens 8 --out "$out/step-hit-$policy.json" 2>&1 | grep -o '"_step_kernel"[^}]*'
+      for run in 256:lru 256:lfu-fast 256:lfu-duel 102:lfu-duel; do  # slots:eviction (256: every id hits)
+        python3 scripts/gpu_overlap_probe.py --families standard --slots "${run%%:*}" --eviction "${run#*:}" \
+          --variants none --tokens 64 --profile-tokens 8 --out "$out/step-${run/:/-}.json" 2>&1 | grep -o '"_step_kernel"[^}]*'
       done
-      python3 scripts/gpu_overlap_probe.py --families standard --eviction lfu-duel --variants none --tokens 64 \
-        --profile-tokens 8 --out "$out/step-miss-lfu-duel.json" 2>&1 | grep -o '"_step_kernel"[^}]*'
       python3 -m pytest tests/gpu/test_step_kernel_gpu.py -m gpu -q -s -p no:cacheprovider -k costs_less | grep "per layer" ;;
     *) echo "unknown step $step" ;;
   esac
