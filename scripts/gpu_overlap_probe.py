@@ -14,6 +14,8 @@ Routing replays a family trace; predictions are a top-k predictor's at each reca
 Side work (--variants), each adding one part of the prefetch path:
   none         the plain pager
   fork         fork and join only, nothing on the side stream
+  kN           fork, N trivial kernels on the side stream (a one-element add each), join: what a branch of N graph
+               nodes costs the main stream apart from what the nodes do (k1 against k3: the branch against its nodes)
   gather       the replayed proposal's gather (core.prediction.replayed_rows: one kernel on CUDA, as
                ReplayedPredictions.rows in vLLM)
   admit        gather + the admit decision (SlotTable.admit), no copy
@@ -26,6 +28,11 @@ Side work (--variants), each adding one part of the prefetch path:
                prefetch gate may close for most rounds), not what a trained router's proposals would save
   router-pN    the same, at most N copy programs per expert
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
+-late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
+the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
+(kN only), joined at the end of the token: a side chain that waits on no layer;
+-split decides and copies in two launches (SlotTable.admit, then copy_records: the round before session 17's
+prefetch_kernel);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
 the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow][-split]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -110,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         guesses: dict[float, torch.Tensor] = {}
         for variant in args.variants.split(","):
             base = Variant.parse(variant).base
-            recalls = [None] if base in ("none", "fork", "router") else [float(r) for r in args.recalls.split(",")]
+            recalls = (
+                [None]
+                if base in ("none", "fork", "router") or _trivial(base)
+                else [float(r) for r in args.recalls.split(",")]
+            )
             for recall in recalls:
                 if recall is not None and recall not in guesses:
                     guess = traces.predictions(trace, recall, None, args.experts, args.seed)
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-hi][-joinnow]."""
+    """A --variants name taken apart: base[-pN][-hi][-joinnow][-split]."""
 
     base: str
     """resident, none, fork, gather, admit, prefetch or router."""
@@ -143,21 +154,35 @@ class Variant:
     """The side stream at high priority."""
     join_now: bool = False
     """Joined at the end of the forking layer's MoE call, not at the next layer's."""
+    once: bool = False
+    """kN: one fork per token, at the first layer, with every layer's kernels (timing only)."""
+    late: bool = False
+    """Joined once per token, after the last layer (timing only: nothing orders a step after its prefetch)."""
+    split: bool = False
+    """A prefetch round in two launches (admit, then copy) instead of prefetch_kernel's one."""
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         base, *parts = name.split("-")
-        if base not in ("resident", "none", "fork", "gather", "admit", "prefetch", "router"):
+        if base not in ("resident", "none", "fork", "gather", "admit", "prefetch", "router") and not _trivial(base):
             raise ValueError(f"unknown variant {name!r}")
         programs, flags = 0, set()
         for part in parts:
             if part.startswith("p") and part[1:].isdigit() and base in ("prefetch", "router"):
                 programs = int(part[1:])
-            elif part in ("hi", "joinnow"):
+            elif part in ("hi", "joinnow", "split") or (part in ("late", "once") and _trivial(base)):
                 flags.add(part)
             else:
                 raise ValueError(f"unknown part {part!r} of variant {name!r}")
-        return cls(base, programs, "hi" in flags, "joinnow" in flags)
+        return cls(
+            base,
+            programs,
+            high_priority="hi" in flags,
+            join_now="joinnow" in flags,
+            once="once" in parts,
+            late="late" in parts or "once" in parts,
+            split="split" in flags,
+        )
 
 
 class Model:
@@ -173,6 +198,7 @@ class Model:
         ]
         self.resident = []
         self.stats = PagerStats(args.layers, device)
+        self._scratch = torch.zeros(1, dtype=torch.int32, device=device)  # the kN variants' side kernels add to it
         self.pagers: list[DeviceLayerPager] = []
         sizes = TierSizes(args.experts, args.slots, args.experts)
         for layer in range(args.layers):
@@ -206,7 +232,7 @@ class Model:
         ]
         _sync(device)
 
-    def restart(self, order: list[list[int]], prefetch_programs: int) -> None:
+    def restart(self, order: list[list[int]], prefetch_programs: int, split: bool = False) -> None:
         """Fresh slot tables (VRAM warmed with the warm-up's hottest experts) and zeroed counters, same records."""
         for layer, pager in enumerate(self.pagers):
             hottest = order[layer]
@@ -214,13 +240,14 @@ class Model:
             pager.pager = None
             pager.start(self.buffers[layer])
             pager.pager.prefetch_programs = prefetch_programs
+            pager.pager.fused_prefetch = pager.pager.fused and not split
         self.stats.reset()
         _sync(self.device)
 
     def time(self, trace_dev, predicted, name: str, order, args) -> float:
         variant = Variant.parse(name)
         if variant.base != "resident":
-            self.restart(order, variant.programs)
+            self.restart(order, variant.programs, variant.split)
         live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
@@ -232,13 +259,16 @@ class Model:
             for layer in range(args.layers):
                 for d in self.dense:
                     x = x @ d
-                live.join(self.device)  # where vLLM's FULL graphs join: the MoE call, after attention and routing
+                if not variant.late:
+                    live.join(self.device)  # where vLLM's FULL graphs join: the MoE call, after attention and routing
                 ids = ids_all[layer : layer + 1]
                 if variant.base == "resident":
                     out = moe(x, ids, w, self.resident[layer])
                 else:
                     slot_ids = self.pagers[layer].step(ids)
-                    if layer + 1 < args.layers and variant.base != "none":
+                    if variant.once and layer == 0:
+                        self._fork(live, f"k{int(variant.base[1:]) * (args.layers - 1)}", predicted, pos, layer, x)
+                    elif layer + 1 < args.layers and variant.base != "none" and not variant.once:
                         self._fork(live, variant.base, predicted, pos, layer, x)
                     out = moe(x, slot_ids, w, self.slots[layer])
                     if variant.join_now:
@@ -308,6 +338,8 @@ class Model:
             live.feed(x, self.routers[layer + 1], self.args.top_k, nxt)
         elif variant == "fork":
             live.feed_ids(lambda: None, nxt, x)
+        elif _trivial(variant):
+            live.feed_ids(lambda: [self._scratch.add_(1) for _ in range(int(variant[1:]))] and None, nxt, x)
         elif variant == "gather":
             live.feed_ids(lambda: (gather(), None)[1], nxt, x)
         elif variant == "admit":
@@ -329,6 +361,11 @@ class Model:
             "pcie_gb_per_token": round(moved / tokens / 1e9, 5),
             "prefetched_per_token": round(prefetched / tokens, 2),
         }
+
+
+def _trivial(base: str) -> bool:
+    """Whether a variant's base is kN (N trivial side kernels)."""
+    return base[:1] == "k" and base[1:].isdigit() and int(base[1:]) > 0
 
 
 def _sync(device: torch.device) -> None:

@@ -240,28 +240,81 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         # Program (m, p): work item m, blocks p, p + P, ... of the components laid end to end (P programs per
-        # item; one pass when P is the block count). Written out per component: the interpreter cannot call
-        # nested jit helpers.
+        # item; one pass when P is the block count).
         m = tl.program_id(0)
         s = tl.load(src_ptr + m).to(tl.int64)
         d = tl.load(dst_ptr + m).to(tl.int64)
-        lane = tl.arange(0, BLOCK)
         if (s >= 0) & (d >= 0):
-            base = rec_ptr + s * pitch_words
-            for b in range(tl.program_id(1), NB0 + NB1 + NB2 + NB3, tl.num_programs(1)):
-                if b < NB0:
-                    offs = b * BLOCK + lane
-                    mask = offs < N0
-                    tl.store(out0 + d * N0 + offs, tl.load(base + OFF0 + offs, mask=mask), mask=mask)
-                elif b < NB0 + NB1:
-                    offs = (b - NB0) * BLOCK + lane
-                    mask = offs < N1
-                    tl.store(out1 + d * N1 + offs, tl.load(base + OFF1 + offs, mask=mask), mask=mask)
-                elif b < NB0 + NB1 + NB2:
-                    offs = (b - NB0 - NB1) * BLOCK + lane
-                    mask = offs < N2
-                    tl.store(out2 + d * N2 + offs, tl.load(base + OFF2 + offs, mask=mask), mask=mask)
-                else:
-                    offs = (b - NB0 - NB1 - NB2) * BLOCK + lane
-                    mask = offs < N3
-                    tl.store(out3 + d * N3 + offs, tl.load(base + OFF3 + offs, mask=mask), mask=mask)
+            copy_record_blocks(
+                rec_ptr + s * pitch_words,
+                d,
+                tl.program_id(1),
+                tl.num_programs(1),
+                out0,
+                out1,
+                out2,
+                out3,
+                OFF0,
+                OFF1,
+                OFF2,
+                OFF3,
+                N0,
+                N1,
+                N2,
+                N3,
+                NB0,
+                NB1,
+                NB2,
+                NB3,
+                BLOCK,
+            )
+
+    @triton.jit
+    def copy_record_blocks(
+        base,
+        dst,
+        first,
+        stride,
+        out0,
+        out1,
+        out2,
+        out3,
+        OFF0: tl.constexpr,
+        OFF1: tl.constexpr,
+        OFF2: tl.constexpr,
+        OFF3: tl.constexpr,
+        N0: tl.constexpr,
+        N1: tl.constexpr,
+        N2: tl.constexpr,
+        N3: tl.constexpr,
+        NB0: tl.constexpr,
+        NB1: tl.constexpr,
+        NB2: tl.constexpr,
+        NB3: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Blocks first, first + stride, ... of one record (words at `base`; its components laid end to end) into
+        slot `dst` of the component buffers. The records are read once (pinned host memory, over PCIe): their
+        lines are evicted first. Written out per component: each has its own pointer."""
+        lane = tl.arange(0, BLOCK)
+        for b in range(first, NB0 + NB1 + NB2 + NB3, stride):
+            if b < NB0:
+                offs = b * BLOCK + lane
+                mask = offs < N0
+                w = tl.load(base + OFF0 + offs, mask=mask, eviction_policy="evict_first")
+                tl.store(out0 + dst * N0 + offs, w, mask=mask)
+            elif b < NB0 + NB1:
+                offs = (b - NB0) * BLOCK + lane
+                mask = offs < N1
+                w = tl.load(base + OFF1 + offs, mask=mask, eviction_policy="evict_first")
+                tl.store(out1 + dst * N1 + offs, w, mask=mask)
+            elif b < NB0 + NB1 + NB2:
+                offs = (b - NB0 - NB1) * BLOCK + lane
+                mask = offs < N2
+                w = tl.load(base + OFF2 + offs, mask=mask, eviction_policy="evict_first")
+                tl.store(out2 + dst * N2 + offs, w, mask=mask)
+            else:
+                offs = (b - NB0 - NB1 - NB2) * BLOCK + lane
+                mask = offs < N3
+                w = tl.load(base + OFF3 + offs, mask=mask, eviction_policy="evict_first")
+                tl.store(out3 + dst * N3 + offs, w, mask=mask)

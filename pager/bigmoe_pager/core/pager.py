@@ -14,7 +14,7 @@ or streamed through `work_slots` slots per chunk by the benchmark's models
 from __future__ import annotations
 
 import torch
-from bigmoe_pager.core import step_kernel
+from bigmoe_pager.core import prefetch_kernel, step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
@@ -102,6 +102,8 @@ class ExpertPager:
         """Serve decode-sized steps over a full RAM tier with step_kernel's single launch (GPU default)."""
         self.step_programs = step_programs or step_kernel.default_programs(self.device)
         """Programs of that launch (default: two per SM)."""
+        self.fused_prefetch = self.fused
+        """Serve prefetch rounds over a full RAM tier with prefetch_kernel's single launch (GPU default)."""
         self.prefetch_programs = prefetch_programs
         """Copy programs per prefetched expert (copy_records' programs_per_record; 0: one per block): a prefetch
         runs beside the layer before's compute, which its programs would otherwise crowd off the SMs."""
@@ -171,12 +173,43 @@ class ExpertPager:
         and a row with an unconfirmed posted read is left out.
         The next `acquire` still decides from its real ids: a wrong prediction costs a copy, never a token.
         """
+        if self._fused_prefetch(predicted_ids):
+            return self._prefetch_fused(predicted_ids)
         source = self.ram.source_rows()  # a partial tier's rows: the decision also checks and maps them
         got = self.vram.admit(predicted_ids, None, self._rows["vram"], self.layout.record_bytes, source=source)
         copy_records(
             self.ram.records, got.rows, got.slots, self.layout, self.buffers, programs_per_record=self.prefetch_programs
         )
         return got
+
+    def _fused_prefetch(self, predicted_ids: torch.Tensor) -> bool:
+        return (
+            self.fused_prefetch
+            and self.ram.full
+            and prefetch_kernel.fits(self.num_experts, self.num_slots, predicted_ids.numel(), self.layout)
+        )
+
+    def _prefetch_fused(self, predicted_ids: torch.Tensor) -> Admitted:
+        """Decide, copy and count in one launch of prefetch_programs programs (row = expert id): one graph node."""
+        self.ram.check_filled()
+        table = self.vram
+        out = prefetch_kernel.launch_prefetch(
+            table.admit_state(),
+            predicted_ids.to(self.device),
+            self.num_experts,
+            self.num_slots,
+            table.miss_capacity(predicted_ids.numel()),
+            self.ram.records,
+            self.layout,
+            self.buffers,
+            programs=self.prefetch_programs or step_kernel.default_programs(self.device),
+            stats_row=self._rows["vram"],
+            lfu=table.lfu,
+            min_used_percent=table.min_used_percent,
+            budget=table.prefetch_budget,
+            lift_percent=table.lift_percent,
+        )
+        return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
     def read_ahead(self, predicted_ids: torch.Tensor) -> None:
         """Post SSD reads of predicted experts that neither VRAM nor RAM holds (RamTier.read_ahead); no wait.

@@ -243,6 +243,8 @@ class SlotTable:
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
         """Programs of a fused decode step that loads experts that finished reading the table (step_kernel); 0
         between steps."""
+        self._prefetch_done = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        """Programs of a fused prefetch round (prefetch_kernel) that finished reading the table; 0 between rounds."""
         self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
         """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
         self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -533,6 +535,7 @@ class SlotTable:
             "used_score": self.used_score,
             "wasted_score": self.wasted_score,
             "gate_closed": self.gate_closed,
+            "prefetch_done": self._prefetch_done,
         }
 
     def _admit_kernel(self, predicted, available, stats_row, record_bytes, keep_slots, source) -> Admitted:

@@ -187,6 +187,7 @@ def launch_step(
 
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, shadow_step
+    from bigmoe_pager.core.copy_kernel import copy_record_blocks
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _LOOKUPS = tl.constexpr(stats.LOOKUPS)
@@ -344,7 +345,6 @@ if triton is not None:
                 tl.atomic_add(aux_ptr + _HITS, loaded)
 
         # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
-        # (Written out per component: a launch takes at most MAX_COMPONENTS of them, each its own pointers.)
         # Under lfu-duel, program P plays the shadows instead: nobody else reads or writes them.
         copies = n_take
         if DUEL:
@@ -359,33 +359,33 @@ if triton is not None:
                 )
                 psel = tl.load(psel_ptr) + slow_hits - fast_hits
                 tl.store(psel_next_ptr, tl.minimum(tl.maximum(psel, -PSEL_MAX), PSEL_MAX))
-        lane = tl.arange(0, BLOCK)
         for i in range(0, copies):
             src = tl.sum(tl.where(j == i, mexp, 0), 0)  # record row = expert id (the RAM tier is full)
             dst = tl.sum(tl.where(j == i, cand, 0), 0)
-            base = rec_ptr + src * pitch_words
             first_b = ((pid - i * NBLK) % programs + programs) % programs
-            for b in range(first_b, NBLK, programs):
-                if b < NB0:
-                    offs = b * BLOCK + lane
-                    mask = offs < N0
-                    w = tl.load(base + OFF0 + offs, mask=mask, eviction_policy="evict_first")
-                    tl.store(out0 + dst * N0 + offs, w, mask=mask)
-                elif b < NB0 + NB1:
-                    offs = (b - NB0) * BLOCK + lane
-                    mask = offs < N1
-                    w = tl.load(base + OFF1 + offs, mask=mask, eviction_policy="evict_first")
-                    tl.store(out1 + dst * N1 + offs, w, mask=mask)
-                elif b < NB0 + NB1 + NB2:
-                    offs = (b - NB0 - NB1) * BLOCK + lane
-                    mask = offs < N2
-                    w = tl.load(base + OFF2 + offs, mask=mask, eviction_policy="evict_first")
-                    tl.store(out2 + dst * N2 + offs, w, mask=mask)
-                else:
-                    offs = (b - NB0 - NB1 - NB2) * BLOCK + lane
-                    mask = offs < N3
-                    w = tl.load(base + OFF3 + offs, mask=mask, eviction_policy="evict_first")
-                    tl.store(out3 + dst * N3 + offs, w, mask=mask)
+            copy_record_blocks(
+                rec_ptr + src * pitch_words,
+                dst,
+                first_b,
+                programs,
+                out0,
+                out1,
+                out2,
+                out3,
+                OFF0,
+                OFF1,
+                OFF2,
+                OFF3,
+                N0,
+                N1,
+                N2,
+                N3,
+                NB0,
+                NB1,
+                NB2,
+                NB3,
+                BLOCK,
+            )
 
         # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it
         # at once: the others use nothing it changes (the ranking was skipped and the slot map stays), so none need
