@@ -84,24 +84,20 @@ def slot_bytes(pager: ExpertPager) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "experts,slots,tokens,k,policy,programs,steps,row_read",
+    "experts,slots,tokens,k,policy,programs,steps",
     [
-        (40, 10, 1, 8, "lru", 3, 14, True),
-        (40, 10, 1, 8, "lru", 3, 14, False),  # the slots of the ids gathered (steps wider than a row read takes)
-        (24, 6, 2, 4, "lru", 1, 14, True),
-        (30, 5, 3, 4, "lfu", 5, 14, True),
-        (64, 16, 1, 10, "lfu", 3, 14, True),
-        (30, 5, 3, 4, "lfu-fast", 3, 14, True),
-        (64, 16, 2, 4, "lfu-duel", 3, 300, True),  # past DUEL_SLOW_DECAY (256) steps: the slow counts halve once too
-        (40, 8, 3, 4, "lfu-duel", 2, 300, True),  # a fifth of its steps need more experts than slots
-        (40, 8, 3, 4, "lfu-duel", 2, 300, False),
+        (40, 10, 1, 8, "lru", 3, 14),
+        (24, 6, 2, 4, "lru", 1, 14),
+        (30, 5, 3, 4, "lfu", 5, 14),
+        (64, 16, 1, 10, "lfu", 3, 14),
+        (30, 5, 3, 4, "lfu-fast", 3, 14),
+        (64, 16, 2, 4, "lfu-duel", 3, 300),  # past DUEL_SLOW_DECAY (256) steps: the slow counts halve once too
+        (40, 8, 3, 4, "lfu-duel", 2, 300),  # a fifth of its steps need more experts than slots
     ],
 )
-def test_fused_step_equals_two_launch_path(experts, slots, tokens, k, policy, programs, steps, row_read, monkeypatch):
+def test_fused_step_equals_two_launch_path(experts, slots, tokens, k, policy, programs, steps):
     """lfu-duel runs on routing whose stretches favour its slow counts and its fast ones in turn: its selector must
     change sides (so both rankings, the shadows and the selector's moves by the last program are compared)."""
-    if not row_read:
-        monkeypatch.setattr(step_kernel, "ROW_READ_CELLS", 0)
     rng = random.Random(experts * 7 + slots)
     rec = records(experts, seed=experts)
     (fused, fstats), (plain, pstats) = pager_pair(experts, slots, policy, programs, rec)

@@ -18,9 +18,8 @@ ever waits for another (so no grid size can deadlock):
    counter; the last one writes the new table state and resets the counter,
    after every program has read the old state. If it loads none, the programs
    use nothing the new state changes, so one of them writes it at once and
-   nobody waits: a hit waits only for the ids and the expert-to-slot row, read
-   side by side where [ids x experts] fits in registers (the counts are read
-   with the rest, the victims' counts only when victims are ranked).
+   nobody waits: a hit waits only for the ids and then their slots (the counts
+   are read with the rest, the victims' counts only when victims are ranked).
 Under lfu-duel the decision ranks by the counts the selector named before the
 step, and one more program (P + 1 in all) plays the step on the two shadow
 tables (acquire_kernel.shadow_step) instead of copying: it runs beside the
@@ -58,7 +57,6 @@ except ImportError:
 
 MAX_IDS = 64  # ids per step the fused path takes (decode batches); larger steps use the two-launch path
 MAX_CELLS = 16384  # elements of a program's (slots x ids) or (experts x ids) comparison: stays in registers
-ROW_READ_CELLS = MAX_CELLS  # up to this many (experts x ids), a step reads the whole expert-to-slot row (else gathers)
 PROGRAMS_PER_SM = 2  # 264 programs x 8 KiB on an H200: ~2 MB of PCIe reads in flight, ~10x the link's need
 INTERPRETER_PROGRAMS = 3  # CPU tensors (Triton's interpreter): a few programs exercise the sharing
 
@@ -161,7 +159,6 @@ def launch_step(
         BLOCK_E=next_pow2(num_experts),
         BLOCK_S=next_pow2(num_slots),
         BLOCK_I=ids_block(flat.numel()),
-        ROW_READ=next_pow2(num_experts) * ids_block(flat.numel()) <= ROW_READ_CELLS,
         HAS_STATS=stats_row is not None,
         HAS_AUX=aux_row is not None,
         LFU=lfu,
@@ -239,7 +236,6 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_I: tl.constexpr,
-        ROW_READ: tl.constexpr,
         HAS_STATS: tl.constexpr,
         HAS_AUX: tl.constexpr,
         LFU: tl.constexpr,
@@ -272,13 +268,7 @@ if triton is not None:
         invalid = tl.sum(((ids < -1) | (ids >= E)).to(tl.int64), 0)
         same = (ids[:, None] == ids[None, :]) & valid[:, None]  # [j, k]
         first = valid & (tl.sum((same & (j[None, :] < j[:, None])).to(tl.int32), 1) == 0)
-        e_ar = tl.arange(0, BLOCK_E)
-        e_in = e_ar < E
-        if ROW_READ:  # the whole expert-to-slot row, read beside the ids: a hit waits for one read, not two in turn
-            slot_row = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
-            where_now = tl.max(tl.where(e_ar[None, :] == ids[:, None], slot_row[None, :], -1), 1)
-        else:
-            where_now = tl.load(expert_slot_ptr + ids, mask=valid, other=-1)
+        where_now = tl.load(expert_slot_ptr + ids, mask=valid, other=-1)
         hit = valid & (where_now >= 0)
         miss = valid & (where_now < 0)
         fresh = first & miss  # each missing expert once
@@ -292,6 +282,8 @@ if triton is not None:
         s_in = s_ar < S
         held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
         last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
+        e_ar = tl.arange(0, BLOCK_E)
+        e_in = e_ar < E
         if LFU:  # the counts the state writer adds to, read with the rest (nobody writes them before it)
             if DUEL:
                 fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY)
