@@ -182,3 +182,35 @@ def test_a_shape_that_does_not_fit_is_refused():
             fused.buffers,
             programs=2,
         )
+
+
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_the_setting_picks_one_launch_or_two_for_a_device_layer(one_launch, monkeypatch):
+    """BIGMOE_PREFETCH_ONE_LAUNCH reaches the layer's pager: its rounds take one launch only where it says so."""
+    from bigmoe_pager.core import device_layer
+    from bigmoe_pager.core.host_pager import TierSizes
+
+    class KernelPager(ExpertPager):  # as on CUDA, where steps and rounds default to their kernels
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, fused=True, **kwargs)
+
+    monkeypatch.setattr(device_layer, "ExpertPager", KernelPager)
+    sizes = TierSizes(8, 4, 8)
+    layer = device_layer.DeviceLayerPager(
+        LAYOUT, sizes, "cpu", layer=0, stats=PagerStats(1), prefetch_one_launch=one_launch
+    )
+    views = layer.ram_views()
+    for e in range(8):
+        for c in LAYOUT.components:
+            views[c.name][layer.ram_slot_for_load(e)].view(torch.uint8).fill_(e)
+            layer.mark_loaded(e, c.name)
+    layer.start(LAYOUT.slot_buffers(4, "cpu"))
+    launches = []
+    monkeypatch.setattr(prefetch_kernel, "launch_prefetch", lambda *a, **k: launches.append(1) or _none(4))
+    layer.prefetch(torch.tensor([5, 6]))
+    assert bool(launches) is one_launch
+
+
+def _none(m: int) -> dict[str, torch.Tensor]:
+    empty = torch.full((m,), -1, dtype=torch.int64)
+    return {"experts": empty, "slots": empty, "evicted": empty, "rows": empty}

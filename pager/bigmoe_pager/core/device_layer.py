@@ -63,6 +63,7 @@ class DeviceLayerPager:
         read_ahead: bool = False,
         prefetch_gate: int | None = None,
         prefetch_budget: int | None = None,
+        prefetch_one_launch: bool = True,
     ):
         self.layout = layout
         self.sizes = sizes
@@ -77,6 +78,8 @@ class DeviceLayerPager:
         self.prefetch_budget = prefetch_budget
         """Experts one VRAM prefetch round copies at most, the most used first (0: no limit; None:
         slots.PREFETCH_BUDGET)."""
+        self.prefetch_one_launch = prefetch_one_launch
+        """A prefetch round in one launch where the pager can (ExpertPager.fused_prefetch); False: two."""
         self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead)
         hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
         self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]
@@ -143,6 +146,7 @@ class DeviceLayerPager:
             prefetch_gate=self.prefetch_gate,
             prefetch_budget=self.prefetch_budget,
         )
+        self.pager.fused_prefetch = self.pager.fused_prefetch and self.prefetch_one_launch
         self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
 
     @property
