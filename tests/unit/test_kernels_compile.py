@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bigmoe_bench import moe_decode as md
 from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_kernel as ck, step_kernel as sk
+from bigmoe_pager.core import prefetch_kernel as pk
 from bigmoe_pager.core import replay_kernel as rk
 
 def build(fn, sig, consts, aligned=()):
@@ -73,7 +74,19 @@ ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
 k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"} | {n: "*i64" for n in ptrs[3:]},
           {"OFF0": 0, "OFF1": 262144, "OFF2": 393216, "OFF3": 393224, "N0": 262144, "N1": 131072, "N2": 8, "N3": 8,
            "NB0": 256, "NB1": 128, "NB2": 1, "NB3": 1, "BLOCK": 1024}, ptrs + ["pitch_words"])
-out["copy"] = accesses(k, "ld") + accesses(k, "st")
+def wide_copy(k):
+    return sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", k.asm["ptx"]))) + accesses(k, "st")
+out["copy"] = wide_copy(k)
+pre = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in pk._prefetch_kernel.arg_names if n.islower()}
+pre |= {"done_ptr": "*i32", "rec_ptr": "*i64", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
+for lfu in (False, True):  # Flash-Next at 40% VRAM, a top-10 proposal, the default budget
+    k = build(pk._prefetch_kernel, pre, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
+              "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_I": 16, "HAS_STATS": True, "LFU": lfu, "BUDGET": 1,
+              "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
+              "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
+              "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
+              ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
+    out[f"prefetch_lfu={lfu}"] = {"atom": accesses(k, "atom"), "copy": wide_copy(k)}
 replay = {n: "i32" for n in rk._replayed_rows_kernel.arg_names if n.islower()}
 replay |= {"pred_ptr": "*i32", "cursor_ptr": "*i64", "out_ptr": "*i64"}
 k = build(rk._replayed_rows_kernel, replay, {"P": 8, "BLOCK": rk.BLOCK})  # a trace's int32 ids, P = top-8
@@ -100,7 +113,11 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["acquire_lru"] and got["acquire_lfu"] and got["acquire_lfu-duel"]  # one program, block barriers
     assert got["admit_lfu=False"] and got["admit_lfu=True"]
-    assert "ld.global.v2.b64" in got["copy"] and "st.global.v2.b64" in got["copy"]  # 16-byte copies
+    assert any(".v2.b64" in a for a in got["copy"] if a.startswith("ld")) and "st.global.v2.b64" in got["copy"]
+    for lfu in (False, True):  # the fused prefetch round: an acq_rel done counter, 16-byte copies
+        round_ = got[f"prefetch_lfu={lfu}"]
+        assert "atom.global.gpu.acq_rel.add.u32" in round_["atom"]
+        assert any("evict_first" in a for a in round_["copy"]) and "st.global.v2.b64" in round_["copy"]
     assert "ld.global.v4.b32" in got["up"] and "ld.global.v4.b32" in got["down"]  # FP8 weights read 16 bytes at a time
     assert got["combine"]
     assert got["replay"] and any(a.startswith("st.global") for a in got["replay"])  # the replayed rows' gather
