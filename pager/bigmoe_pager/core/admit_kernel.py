@@ -123,6 +123,64 @@ if triton is not None:
     _PREFETCH_WASTED_BYTES = tl.constexpr(stats.PREFETCH_WASTED_BYTES)
 
     @triton.jit
+    def judge_round(held, last, marks, would_fetch, slot_now, last_use_ptr, pstep, judged):
+        """The previous round, judged once a step ran since its admit: (copies used, copies wasted, and both counts
+        with a closed round's would-fetch marks added, judged alike: used = needed since, so resident now with a
+        later stamp). held, last, marks: [slots]; would_fetch, slot_now: [experts]."""
+        marked = (marks >= 0) & judged
+        used = marked & (held == marks) & (last > pstep)
+        n_used = tl.sum(used.to(tl.int64), 0)
+        n_wasted = tl.sum((marked & ~used).to(tl.int64), 0)
+        marked_now = (would_fetch != 0) & judged
+        stamp = tl.load(last_use_ptr + slot_now, mask=marked_now & (slot_now >= 0), other=-1)
+        marked_used = marked_now & (slot_now >= 0) & (stamp > pstep)
+        gate_used = n_used + tl.sum(marked_used.to(tl.int64), 0)
+        gate_wasted = n_wasted + tl.sum((marked_now & ~marked_used).to(tl.int64), 0)
+        return n_used, n_wasted, gate_used, gate_wasted
+
+    @triton.jit
+    def gate_scores(used_score, wasted_score, gate_used, gate_wasted, min_used_percent, lift_percent):
+        """The gate: a round that judged any folds into the decayed scores (x64 fixed point, 1/8 decay). Returns the
+        new scores, whether this round may fetch, and whether the budget is lifted (lift_percent < 0: never)."""
+        settled = gate_used + gate_wasted > 0
+        used_score = tl.where(settled, used_score - (used_score >> 3) + (gate_used << 6), used_score)
+        wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (gate_wasted << 6), wasted_score)
+        gate_open = used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
+        lifted = (lift_percent >= 0) & (used_score * (100 - lift_percent) >= wasted_score * lift_percent)
+        return used_score, wasted_score, gate_open, lifted
+
+    @triton.jit
+    def within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E: tl.constexpr, BUDGET: tl.constexpr):
+        """fetch [experts] cut to the BUDGET candidates with the highest use counts (ties: lower id), one block-wide
+        max each; whole while lifted; BUDGET 0: no limit."""
+        if BUDGET > 0:
+            uses = tl.minimum(tl.load(freq_ptr + e_ar, mask=e_in, other=0), 1023)
+            key = tl.where(fetch, uses * E + (E - 1 - e_ar), -1)
+            keep = e_ar < 0
+            for _ in tl.static_range(BUDGET):
+                best = tl.max(key, 0)
+                pick = (key == best) & (best >= 0)
+                keep = keep | pick
+                key = tl.where(pick, -1, key)
+            fetch = fetch & (keep | lifted)
+        return fetch
+
+    @triton.jit
+    def victim_keys(
+        held, last, protect, s_ar, freq_ptr, E: tl.constexpr, S: tl.constexpr, NEEDED: tl.constexpr, LFU: tl.constexpr
+    ):
+        """Each slot's eviction key for a prefetch round: -1 empty, NEEDED protected (or past S), else the policy's
+        rank (lfu: use count, then last use, then expert; lru: last use, then expert)."""
+        occupied = held >= 0
+        if LFU:
+            count = tl.minimum(tl.load(freq_ptr + held, mask=occupied, other=0), 1023)
+            rank = (count << 42) | (last << 10) | held
+        else:
+            rank = last * (E + 1) + held
+        key = tl.where(occupied, rank, -1)
+        return tl.where((occupied & protect) | (s_ar >= S), NEEDED, key)
+
+    @triton.jit
     def _admit_kernel(
         pred_ptr,
         n_pred,
@@ -184,26 +242,16 @@ if triton is not None:
         pstep = tl.load(prefetch_step_ptr)
         judged = step > pstep
         marks = tl.load(prefetched_ptr + s_ar, mask=s_in, other=-1)
-        marked = (marks >= 0) & judged
-        used = marked & (held == marks) & (last > pstep)
-        n_used = tl.sum(used.to(tl.int64), 0)
-        n_wasted = tl.sum((marked & ~used).to(tl.int64), 0)
-        tl.store(prefetched_ptr + s_ar, tl.where(judged, -1, marks), mask=s_in)
-        # The previous closed round's would-fetch marks, judged alike (used: needed since, so resident, stamped later).
         would_fetch = tl.load(would_fetch_ptr + e_ar, mask=e_in, other=0)
-        marked_now = (would_fetch != 0) & judged
         slot_now = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
-        stamp = tl.load(last_use_ptr + slot_now, mask=marked_now & (slot_now >= 0), other=-1)
-        marked_used = marked_now & (slot_now >= 0) & (stamp > pstep)
-        gate_used = n_used + tl.sum(marked_used.to(tl.int64), 0)
-        gate_wasted = n_wasted + tl.sum((marked_now & ~marked_used).to(tl.int64), 0)
+        n_used, n_wasted, gate_used, gate_wasted = judge_round(
+            held, last, marks, would_fetch, slot_now, last_use_ptr, pstep, judged
+        )
+        tl.store(prefetched_ptr + s_ar, tl.where(judged, -1, marks), mask=s_in)
         would_fetch = tl.where(judged, 0, would_fetch)
-        # The gate: fold a round that judged any into the decayed scores; closed, this round fetches nothing.
-        settled = gate_used + gate_wasted > 0
-        used_score = tl.where(settled, used_score - (used_score >> 3) + (gate_used << 6), used_score)
-        wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (gate_wasted << 6), wasted_score)
-        gate_open = used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
-        lifted = (lift_percent >= 0) & (used_score * (100 - lift_percent) >= wasted_score * lift_percent)
+        used_score, wasted_score, gate_open, lifted = gate_scores(
+            used_score, wasted_score, gate_used, gate_wasted, min_used_percent, lift_percent
+        )
         tl.store(want_ptr + e_ar, 0, mask=e_in)
         tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
         tl.debug_barrier()
@@ -221,16 +269,7 @@ if triton is not None:
         if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
             row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
             fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
-        if BUDGET > 0:  # the BUDGET candidates with the highest use counts (ties: lower id), one block-wide max each
-            uses = tl.minimum(tl.load(freq_ptr + e_ar, mask=e_in, other=0), 1023)
-            key = tl.where(fetch, uses * E + (E - 1 - e_ar), -1)
-            keep = e_ar < 0
-            for _ in tl.static_range(BUDGET):
-                best = tl.max(key, 0)
-                pick = (key == best) & (best >= 0)
-                keep = keep | pick
-                key = tl.where(pick, -1, key)
-            fetch = fetch & (keep | lifted)
+        fetch = within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E, BUDGET)
         tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & ~gate_open).to(tl.int32), mask=e_in)
         fetch = fetch & gate_open
         n_fetch = tl.sum(fetch.to(tl.int64), 0)
@@ -240,13 +279,7 @@ if triton is not None:
         protect = (tl.load(want_ptr + held, mask=occupied, other=0) != 0) | (last >= step)
         if HAS_KEEP:
             protect = protect | (tl.load(keep_ptr + s_ar, mask=s_in, other=0) != 0)
-        if LFU:
-            count = tl.minimum(tl.load(freq_ptr + held, mask=occupied, other=0), 1023)
-            rank = (count << 42) | (last << 10) | held
-        else:
-            rank = last * (E + 1) + held
-        key = tl.where(occupied, rank, -1)
-        key = tl.where((occupied & protect) | (s_ar >= S), NEEDED, key)
+        key = victim_keys(held, last, protect, s_ar, freq_ptr, E, S, NEEDED, LFU)
         free = key != NEEDED
         n_take = tl.minimum(tl.minimum(n_fetch, m), tl.sum(free.to(tl.int64), 0)).to(tl.int32)
         packed = tl.where(free, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot

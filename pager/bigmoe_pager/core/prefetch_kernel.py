@@ -147,6 +147,7 @@ def launch_prefetch(
 
 
 if triton is not None:
+    from bigmoe_pager.core.admit_kernel import gate_scores, judge_round, victim_keys, within_budget
     from bigmoe_pager.core.copy_kernel import copy_record_blocks
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
@@ -220,7 +221,6 @@ if triton is not None:
         s_in = s_ar < S
         held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
         last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
-        occupied = held >= 0
         slot_now = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
 
         # 1. Settle the previous round (judged once a step ran since its admit): its copies, and a closed round's
@@ -228,40 +228,20 @@ if triton is not None:
         pstep = tl.load(prefetch_step_ptr)
         judged = step > pstep
         marks = tl.load(prefetched_ptr + s_ar, mask=s_in, other=-1)
-        marked = (marks >= 0) & judged
-        used = marked & (held == marks) & (last > pstep)
-        n_used = tl.sum(used.to(tl.int64), 0)
-        n_wasted = tl.sum((marked & ~used).to(tl.int64), 0)
         would_fetch = tl.load(would_fetch_ptr + e_ar, mask=e_in, other=0)
-        marked_now = (would_fetch != 0) & judged
-        stamp = tl.load(last_use_ptr + slot_now, mask=marked_now & (slot_now >= 0), other=-1)
-        marked_used = marked_now & (slot_now >= 0) & (stamp > pstep)
-        gate_used = n_used + tl.sum(marked_used.to(tl.int64), 0)
-        gate_wasted = n_wasted + tl.sum((marked_now & ~marked_used).to(tl.int64), 0)
-        # The gate: fold a round that judged any into the decayed scores; closed, this round fetches nothing.
-        used_score = tl.load(used_score_ptr)
-        wasted_score = tl.load(wasted_score_ptr)
-        settled = gate_used + gate_wasted > 0
-        used_score = tl.where(settled, used_score - (used_score >> 3) + (gate_used << 6), used_score)
-        wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (gate_wasted << 6), wasted_score)
-        gate_open = used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
-        lifted = (lift_percent >= 0) & (used_score * (100 - lift_percent) >= wasted_score * lift_percent)
+        n_used, n_wasted, gate_used, gate_wasted = judge_round(
+            held, last, marks, would_fetch, slot_now, last_use_ptr, pstep, judged
+        )
+        used_score, wasted_score, gate_open, lifted = gate_scores(
+            tl.load(used_score_ptr), tl.load(wasted_score_ptr), gate_used, gate_wasted, min_used_percent, lift_percent
+        )
 
         # 2. The experts to fetch: proposed, not resident, within the budget (the highest use counts, ties: lower id).
         ids = tl.load(pred_ptr + j, mask=j < n_pred, other=-1).to(tl.int64)
         valid = (ids >= 0) & (ids < E)
         want = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
         fetch = want & (slot_now < 0)
-        if BUDGET > 0:
-            uses = tl.minimum(tl.load(freq_ptr + e_ar, mask=e_in, other=0), 1023)
-            key = tl.where(fetch, uses * E + (E - 1 - e_ar), -1)
-            keep = e_ar < 0
-            for _ in tl.static_range(BUDGET):
-                best = tl.max(key, 0)
-                pick = (key == best) & (best >= 0)
-                keep = keep | pick
-                key = tl.where(pick, -1, key)
-            fetch = fetch & (keep | lifted)
+        fetch = within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E, BUDGET)
         would_fetch = tl.where(judged, 0, would_fetch) | (fetch & ~gate_open).to(tl.int32)
         fetch = fetch & gate_open
         n_fetch = tl.sum(fetch.to(tl.int64), 0)
@@ -272,13 +252,7 @@ if triton is not None:
 
         # 3. Slots: never one holding a proposed expert or one the latest step used; then by (empty, policy key, slot).
         protect = (tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0) | (last >= step)
-        if LFU:
-            count = tl.minimum(tl.load(freq_ptr + held, mask=occupied, other=0), 1023)
-            rank = (count << 42) | (last << 10) | held
-        else:
-            rank = last * (E + 1) + held
-        key = tl.where(occupied, rank, -1)
-        key = tl.where((occupied & protect) | (s_ar >= S), NEEDED, key)
+        key = victim_keys(held, last, protect, s_ar, freq_ptr, E, S, NEEDED, LFU)
         free = key != NEEDED
         n_take = tl.minimum(tl.minimum(n_fetch, m), tl.sum(free.to(tl.int64), 0)).to(tl.int32)
         cand = tl.full([BLOCK_I], -1, tl.int64)
