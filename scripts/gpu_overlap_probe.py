@@ -31,8 +31,8 @@ Suffixes on any variant that forks: -hi runs the side stream at high priority (B
 -late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
 the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
 (kN only), joined at the end of the token: a side chain that waits on no layer;
--split decides and copies in two launches (SlotTable.admit, then copy_records: the round before session 17's
-prefetch_kernel);
+-split decides and copies in two launches (SlotTable.admit, then copy_records); without it the probe's rounds take
+prefetch_kernel's one launch (the engine's default is two: BIGMOE_PREFETCH_ONE_LAUNCH=0);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
 the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over

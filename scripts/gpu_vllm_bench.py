@@ -30,8 +30,8 @@ pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every 
 lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers
 ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
-the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+split` decides and copies a
-prefetch round in two launches (BIGMOE_PREFETCH_ONE_LAUNCH=0), `+gateN` the VRAM prefetch gate at
+the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` decides and copies a
+prefetch round in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+gateN` the VRAM prefetch gate at
 N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
 (BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names the gate and budget it ran even where they are the
 plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same configuration whose rows
@@ -115,8 +115,8 @@ AHEAD = "+ahead"
 """Name suffix: the predictions also post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1); needs @rRECALL."""
 AHEAD_DEEP = "+ahead4"
 """Name suffix: +ahead four layers deep (BIGMOE_SSD_READ_AHEAD_LAYERS=4); needs @rRECALL."""
-SPLIT = "+split"
-"""Name suffix: a prefetch round in two launches, the decision then the copy (BIGMOE_PREFETCH_ONE_LAUNCH=0); needs
+ONE = "+one"
+"""Name suffix: a prefetch round in one launch, decision and copy together (BIGMOE_PREFETCH_ONE_LAUNCH=1); needs
 @rRECALL."""
 HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
@@ -130,7 +130,7 @@ PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
     HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
-    SPLIT: {"BIGMOE_PREFETCH_ONE_LAUNCH": "0"},
+    ONE: {"BIGMOE_PREFETCH_ONE_LAUNCH": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"

@@ -208,9 +208,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     high = bench.config_for("bigmoe-102@r0.8+hi", tmp_path / "f.npz", 32).env
     assert high["BIGMOE_PREFETCH_HIGH_PRIORITY"] == "1" and "BIGMOE_SSD_READ_AHEAD" not in high
     assert "BIGMOE_PREFETCH_HIGH_PRIORITY" not in env and "BIGMOE_SSD_READ_AHEAD_LAYERS" not in env
-    split = bench.config_for("bigmoe-102@r0.8+split", tmp_path / "f.npz", 32).env
-    assert PagerSettings.from_env(split).prefetch_one_launch is False
-    assert PagerSettings.from_env(env).prefetch_one_launch is True
+    one = bench.config_for("bigmoe-102@r0.8+one", tmp_path / "f.npz", 32).env
+    assert PagerSettings.from_env(one).prefetch_one_launch is True
+    assert PagerSettings.from_env(env).prefetch_one_launch is False
     gate = bench.config_for("bigmoe-102@r0.8+gate50", tmp_path / "f.npz", 32).env
     assert gate["BIGMOE_PREFETCH_MIN_USED_PERCENT"] == "50"
     deep = bench.config_for("bigmoe-32-ram128-ssd@r0.8+ahead4", tmp_path / "f.npz", 32).env

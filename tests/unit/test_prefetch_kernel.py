@@ -43,6 +43,7 @@ def pager_pair(experts, slots, policy, programs, gate, budget, lift):
             prefetch_programs=programs,
             prefetch_gate=gate,
             prefetch_budget=budget,
+            prefetch_one_launch=True,
         )
         pager.vram.lift_percent = lift
         for b in pager.buffers.values():
@@ -116,7 +117,9 @@ def test_every_block_of_every_chosen_expert_is_copied_whatever_the_grid(programs
     rec = torch.randint(0, 256, (experts, LAYOUT.pitch), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     ram = RamTier(LAYOUT, experts, experts)
     ram.load_all(rec)
-    pager = ExpertPager(LAYOUT, experts, slots, ram, fused=True, prefetch_gate=0, prefetch_budget=0)
+    pager = ExpertPager(
+        LAYOUT, experts, slots, ram, fused=True, prefetch_gate=0, prefetch_budget=0, prefetch_one_launch=True
+    )
     pager.warm_vram(torch.arange(slots - 3))
     before = {n: b.clone() for n, b in pager.buffers.items()}
     table = pager.vram

@@ -61,6 +61,7 @@ class ExpertPager:
         prefetch_programs: int = PREFETCH_PROGRAMS_PER_RECORD,
         prefetch_gate: int | None = None,
         prefetch_budget: int | None = None,
+        prefetch_one_launch: bool = False,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -102,8 +103,9 @@ class ExpertPager:
         """Serve decode-sized steps over a full RAM tier with step_kernel's single launch (GPU default)."""
         self.step_programs = step_programs or step_kernel.default_programs(self.device)
         """Programs of that launch (default: two per SM)."""
-        self.fused_prefetch = self.fused
-        """Serve prefetch rounds over a full RAM tier with prefetch_kernel's single launch (GPU default)."""
+        self.fused_prefetch = self.fused and prefetch_one_launch
+        """Serve prefetch rounds over a full RAM tier with prefetch_kernel's single launch (where the step kernel
+        runs, and asked for: BIGMOE_PREFETCH_ONE_LAUNCH)."""
         self.prefetch_programs = prefetch_programs
         """Copy programs per prefetched expert (copy_records' programs_per_record; 0: one per block): a prefetch
         runs beside the layer before's compute, which its programs would otherwise crowd off the SMs."""
