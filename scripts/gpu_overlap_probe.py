@@ -240,6 +240,7 @@ class Model:
             pager.pager = None
             pager.start(self.buffers[layer])
             pager.pager.prefetch_programs = prefetch_programs
+            pager.pager.step_programs = self.args.step_programs or pager.pager.step_programs
             pager.pager.fused_prefetch = pager.pager.fused and not split
         self.stats.reset()
         _sync(self.device)
@@ -414,6 +415,9 @@ def _parse(argv):
         type=int,
         default=None,
         help="experts a prefetch round copies at most (0: no limit; default: the pager's, slots.PREFETCH_BUDGET)",
+    )
+    p.add_argument(
+        "--step-programs", type=int, default=0, help="programs of the fused step's launch (0: the pager's, two a SM)"
     )
     p.add_argument("--dense", type=int, default=16, help="small dense kernels per layer before its MoE")
     p.add_argument("--families", default="standard,topic-shift", help="routing families of scripts/traces.py")
