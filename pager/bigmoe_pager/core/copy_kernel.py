@@ -270,6 +270,66 @@ if triton is not None:
             )
 
     @triton.jit
+    def copy_listed_share(
+        pid,
+        programs,
+        count,
+        j,
+        rows,
+        slots,
+        rec_ptr,
+        pitch_words,
+        out0,
+        out1,
+        out2,
+        out3,
+        OFF0: tl.constexpr,
+        OFF1: tl.constexpr,
+        OFF2: tl.constexpr,
+        OFF3: tl.constexpr,
+        N0: tl.constexpr,
+        N1: tl.constexpr,
+        N2: tl.constexpr,
+        N3: tl.constexpr,
+        NB0: tl.constexpr,
+        NB1: tl.constexpr,
+        NB2: tl.constexpr,
+        NB3: tl.constexpr,
+        NBLK: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Program `pid` of `programs`' share of copying list entries 0 .. count - 1 (record rows[i] -> slot
+        slots[i]; j: the lists' positions): unit u = entry * NBLK + block, units pid, pid + programs, ... (the fused
+        step's and the fused prefetch round's copy)."""
+        for i in range(0, count):
+            src = tl.sum(tl.where(j == i, rows, 0), 0)
+            dst = tl.sum(tl.where(j == i, slots, 0), 0)
+            first_b = ((pid - i * NBLK) % programs + programs) % programs
+            copy_record_blocks(
+                rec_ptr + src * pitch_words,
+                dst,
+                first_b,
+                programs,
+                out0,
+                out1,
+                out2,
+                out3,
+                OFF0,
+                OFF1,
+                OFF2,
+                OFF3,
+                N0,
+                N1,
+                N2,
+                N3,
+                NB0,
+                NB1,
+                NB2,
+                NB3,
+                BLOCK,
+            )
+
+    @triton.jit
     def copy_record_blocks(
         base,
         dst,

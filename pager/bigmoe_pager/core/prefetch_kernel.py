@@ -148,7 +148,7 @@ def launch_prefetch(
 
 if triton is not None:
     from bigmoe_pager.core.admit_kernel import gate_scores, judge_round, victim_keys, within_budget
-    from bigmoe_pager.core.copy_kernel import copy_record_blocks
+    from bigmoe_pager.core.copy_kernel import copy_listed_share
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _BYTES = tl.constexpr(stats.BYTES)
@@ -296,30 +296,31 @@ if triton is not None:
                 tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
 
         # 5. This program's blocks of the copy: unit u = chosen * NBLK + block, units pid, pid + P, ...
-        for i in range(0, n_take):
-            src = tl.sum(tl.where(j == i, mexp, 0), 0)  # record row = expert id (the RAM tier is full)
-            dst = tl.sum(tl.where(j == i, cand, 0), 0)
-            first_b = ((pid - i * NBLK) % programs + programs) % programs
-            copy_record_blocks(
-                rec_ptr + src * pitch_words,
-                dst,
-                first_b,
-                programs,
-                out0,
-                out1,
-                out2,
-                out3,
-                OFF0,
-                OFF1,
-                OFF2,
-                OFF3,
-                N0,
-                N1,
-                N2,
-                N3,
-                NB0,
-                NB1,
-                NB2,
-                NB3,
-                BLOCK,
-            )
+        copy_listed_share(
+            pid,
+            programs,
+            n_take,
+            j,
+            mexp,  # record row = expert id (the RAM tier is full)
+            cand,
+            rec_ptr,
+            pitch_words,
+            out0,
+            out1,
+            out2,
+            out3,
+            OFF0,
+            OFF1,
+            OFF2,
+            OFF3,
+            N0,
+            N1,
+            N2,
+            N3,
+            NB0,
+            NB1,
+            NB2,
+            NB3,
+            NBLK,
+            BLOCK,
+        )

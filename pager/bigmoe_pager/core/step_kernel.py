@@ -187,7 +187,7 @@ def launch_step(
 
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, shadow_step
-    from bigmoe_pager.core.copy_kernel import copy_record_blocks
+    from bigmoe_pager.core.copy_kernel import copy_listed_share
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _LOOKUPS = tl.constexpr(stats.LOOKUPS)
@@ -359,33 +359,34 @@ if triton is not None:
                 )
                 psel = tl.load(psel_ptr) + slow_hits - fast_hits
                 tl.store(psel_next_ptr, tl.minimum(tl.maximum(psel, -PSEL_MAX), PSEL_MAX))
-        for i in range(0, copies):
-            src = tl.sum(tl.where(j == i, mexp, 0), 0)  # record row = expert id (the RAM tier is full)
-            dst = tl.sum(tl.where(j == i, cand, 0), 0)
-            first_b = ((pid - i * NBLK) % programs + programs) % programs
-            copy_record_blocks(
-                rec_ptr + src * pitch_words,
-                dst,
-                first_b,
-                programs,
-                out0,
-                out1,
-                out2,
-                out3,
-                OFF0,
-                OFF1,
-                OFF2,
-                OFF3,
-                N0,
-                N1,
-                N2,
-                N3,
-                NB0,
-                NB1,
-                NB2,
-                NB3,
-                BLOCK,
-            )
+        copy_listed_share(
+            pid,
+            programs,
+            copies,
+            j,
+            mexp,  # record row = expert id (the RAM tier is full)
+            cand,
+            rec_ptr,
+            pitch_words,
+            out0,
+            out1,
+            out2,
+            out3,
+            OFF0,
+            OFF1,
+            OFF2,
+            OFF3,
+            N0,
+            N1,
+            N2,
+            N3,
+            NB0,
+            NB1,
+            NB2,
+            NB3,
+            NBLK,
+            BLOCK,
+        )
 
         # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it
         # at once: the others use nothing it changes (the ranking was skipped and the slot map stays), so none need
