@@ -31,7 +31,9 @@ lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+a
 ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
 the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` decides and copies a
-prefetch round in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+gateN` the VRAM prefetch gate at
+prefetch round in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each
+round by a one-element kernel on the side stream joined where a round is / once after the last layer
+(BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+gateN` the VRAM prefetch gate at
 N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
 (BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names the gate and budget it ran even where they are the
 plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same configuration whose rows
@@ -120,6 +122,11 @@ ONE = "+one"
 @rRECALL."""
 HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
+EDGES = "+edges"
+"""Name suffix, benchmark only: each prefetch round replaced by a one-element kernel on the side stream, joined where
+a round is (BIGMOE_SIDE_BRANCH_PROBE=edges): what a branch a layer costs with no work; needs @rRECALL."""
+EDGES_LATE = "+edges-late"
+"""Name suffix: +edges with the branches joined once, after the last MoE layer (BIGMOE_SIDE_BRANCH_PROBE=edges-late)."""
 SETTING_SUFFIXES = {
     "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
     "+b": "BIGMOE_PREFETCH_BUDGET",
@@ -131,6 +138,8 @@ PREDICTION_SUFFIXES = {
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
     HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
     ONE: {"BIGMOE_PREFETCH_ONE_LAUNCH": "1"},
+    EDGES: {"BIGMOE_SIDE_BRANCH_PROBE": "edges"},
+    EDGES_LATE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-late"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"

@@ -18,8 +18,14 @@ from typing import Mapping
 COMPRESS_CHOICES = ("on", "off", "auto")
 EVICTION_CHOICES = ("lfu", "lru", "lfu-fast", "lfu-duel")
 PREDICT_CHOICES = ("off", "router")
+SIDE_BRANCH_PROBE_CHOICES = ("off", "edges", "edges-late")
 # settings that take one of a few words
-_CHOICES = {"compress": COMPRESS_CHOICES, "eviction": EVICTION_CHOICES, "predict": PREDICT_CHOICES}
+_CHOICES = {
+    "compress": COMPRESS_CHOICES,
+    "eviction": EVICTION_CHOICES,
+    "predict": PREDICT_CHOICES,
+    "side_branch_probe": SIDE_BRANCH_PROBE_CHOICES,
+}
 
 
 class SettingsError(ValueError):
@@ -94,6 +100,10 @@ class PagerSettings:
     """BIGMOE_TRACE_PATH: record routing (topk_ids int32 [tokens, layers, k]) to this .npz at shutdown."""
     route_replay: Path | None = None
     """BIGMOE_ROUTE_REPLAY: benchmark only: replace the router's top-k ids with this trace's, in order."""
+    side_branch_probe: str = "off"
+    """BIGMOE_SIDE_BRANCH_PROBE: benchmark only, with a replayed trace's predictions: off / edges / edges-late: each
+    layer's prefetch round becomes one one-element kernel on the side stream, joined where a round is (edges) or
+    once after the model's last MoE layer (edges-late), so the engine's TPOT shows what the fork and join cost."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

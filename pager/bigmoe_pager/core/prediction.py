@@ -105,6 +105,7 @@ class LivePredictions:
         self.priority = priority
         self._stream = None
         self._forked = False  # the side stream has work the current stream has not joined yet
+        self._marker: torch.Tensor | None = None  # fork_marker's counter
 
     def feed(self, hidden: torch.Tensor, next_router: Router, top_p: int, next_pager=None) -> torch.Tensor:
         """int64 [tokens, top_p]: predict_next for the rows of `hidden`, prefetched into `next_pager` (a
@@ -142,6 +143,17 @@ class LivePredictions:
                 pager.read_ahead(ids.reshape(-1))
 
         self._forked_work(source, post)
+
+    def fork_marker(self, source: torch.Tensor) -> None:
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE): fork a branch that adds one to a one-element counter, in
+        place of a round, so an engine's TPOT shows what a branch's fork and join cost with (almost) no work."""
+
+        def mark() -> None:
+            if self._marker is None or self._marker.device != source.device:
+                self._marker = torch.zeros(1, dtype=torch.int32, device=source.device)
+            self._marker.add_(1)
+
+        self._forked_work(source, mark)
 
     def _forked_work(self, source: torch.Tensor, work):
         """work() on the side stream once the current stream has `source` (in order off CUDA)."""

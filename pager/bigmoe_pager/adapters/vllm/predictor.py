@@ -111,6 +111,8 @@ class Predictor:
         self.layer_after = layer_after
         priority = LivePredictions.HIGH_PRIORITY if settings.prefetch_high_priority else 0
         self.live = LivePredictions(priority)
+        self.side_branch_probe = settings.side_branch_probe
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE): replayed rounds become marker branches (see `propose`)."""
         self._told: set[str] = set()  # join placements already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
@@ -129,7 +131,9 @@ class Predictor:
         """Around layer `layer`'s paging and kernel on `hidden` [tokens, H]; yields `fork`, which the caller calls
         once the layer's own paging is issued: the next layer's experts are then proposed and prefetched (on a
         side stream on CUDA). Uncalled, the fork happens after the whole call (host-driven pager, big steps)."""
-        self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
+        late = self.side_branch_probe == "edges-late"
+        if not late:
+            self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
         made: list = []
 
         def fork() -> None:
@@ -142,11 +146,16 @@ class Predictor:
         except BaseException:
             self.live.join(hidden.device)  # nothing forked stays behind a failed call
             raise
-        if not self._join_later(hidden):
+        if not self._join_later(hidden) or (late and self._last_of_its_model(layer)):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
         if ids is not None and self.routing.trace_path is not None:
             self.routing.record_predictions(layer._moe_index, ids)
+
+    def _last_of_its_model(self, layer) -> bool:
+        """Whether no paged layer of the same model (the decoder, or the MTP drafter) follows `layer`."""
+        nxt = self.layer_after(layer._moe_index)
+        return nxt is None or is_mtp_layer(nxt.layer_name) != is_mtp_layer(layer.layer_name)
 
     def _join_later(self, hidden: torch.Tensor) -> bool:
         """Whether the side stream may stay unjoined until the next layer's call (see the module's docstring)."""
@@ -174,6 +183,9 @@ class Predictor:
     def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
         if self.routing.replays_predictions(hidden.device):
+            if self.side_branch_probe != "off":
+                self.live.fork_marker(hidden)  # a branch, no round: nothing moves, the tokens cannot change
+                return None
             return self._replayed(layer, hidden)
         if not self.on:
             return None
