@@ -32,8 +32,9 @@ ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layer
 next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
 the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` decides and copies a
 prefetch round in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each
-round by a one-element kernel on the side stream joined where a round is / once after the last layer
-(BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+gateN` the VRAM prefetch gate at
+round by a one-element kernel on the side stream joined where a round is / once after the last layer,
+`+edges-early` forks each at its layer's entry, `+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE:
+what the branches themselves cost), `+gateN` the VRAM prefetch gate at
 N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
 (BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names the gate and budget it ran even where they are the
 plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same configuration whose rows
@@ -127,6 +128,10 @@ EDGES = "+edges"
 a round is (BIGMOE_SIDE_BRANCH_PROBE=edges): what a branch a layer costs with no work; needs @rRECALL."""
 EDGES_LATE = "+edges-late"
 """Name suffix: +edges with the branches joined once, after the last MoE layer (BIGMOE_SIDE_BRANCH_PROBE=edges-late)."""
+EDGES_EARLY = "+edges-early"
+"""Name suffix: +edges with each branch forked at its layer's entry, before the paging (edges-early)."""
+EDGES_ONCE = "+edges-once"
+"""Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
 SETTING_SUFFIXES = {
     "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
     "+b": "BIGMOE_PREFETCH_BUDGET",
@@ -140,6 +145,8 @@ PREDICTION_SUFFIXES = {
     ONE: {"BIGMOE_PREFETCH_ONE_LAUNCH": "1"},
     EDGES: {"BIGMOE_SIDE_BRANCH_PROBE": "edges"},
     EDGES_LATE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-late"},
+    EDGES_EARLY: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-early"},
+    EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"

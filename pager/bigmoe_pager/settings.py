@@ -18,7 +18,7 @@ from typing import Mapping
 COMPRESS_CHOICES = ("on", "off", "auto")
 EVICTION_CHOICES = ("lfu", "lru", "lfu-fast", "lfu-duel")
 PREDICT_CHOICES = ("off", "router")
-SIDE_BRANCH_PROBE_CHOICES = ("off", "edges", "edges-late")
+SIDE_BRANCH_PROBE_CHOICES = ("off", "edges", "edges-late", "edges-early", "edges-once")
 # settings that take one of a few words
 _CHOICES = {
     "compress": COMPRESS_CHOICES,
@@ -101,9 +101,11 @@ class PagerSettings:
     route_replay: Path | None = None
     """BIGMOE_ROUTE_REPLAY: benchmark only: replace the router's top-k ids with this trace's, in order."""
     side_branch_probe: str = "off"
-    """BIGMOE_SIDE_BRANCH_PROBE: benchmark only, with a replayed trace's predictions: off / edges / edges-late: each
-    layer's prefetch round becomes one one-element kernel on the side stream, joined where a round is (edges) or
-    once after the model's last MoE layer (edges-late), so the engine's TPOT shows what the fork and join cost."""
+    """BIGMOE_SIDE_BRANCH_PROBE: benchmark only, with a replayed trace's predictions, no round runs; instead one
+    one-element kernel on the side stream per layer that has a next one: forked where a round is and joined where a
+    round is (edges) or once after the model's last MoE layer (edges-late); forked at the layer's entry, before its
+    paging (edges-early); or one for the whole forward, forked at its first MoE layer and joined after its last
+    (edges-once). The engine's TPOT then shows what the fork and join cost."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

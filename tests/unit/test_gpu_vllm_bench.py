@@ -211,7 +211,10 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     one = bench.config_for("bigmoe-102@r0.8+one", tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env(one).prefetch_one_launch is True
     assert PagerSettings.from_env(env).prefetch_one_launch is False
-    for suffix, probe in (("+edges", "edges"), ("+edges-late", "edges-late"), ("+one", "off")):
+    for probe in ("edges", "edges-late", "edges-early", "edges-once"):
+        probed = bench.config_for(f"bigmoe-102@r0+{probe}", tmp_path / "f.npz", 32).env
+        assert PagerSettings.from_env(probed).side_branch_probe == probe
+    for suffix, probe in (("+one", "off"), ("+edges+hi", "edges")):
         probed = bench.config_for(f"bigmoe-102@r0{suffix}", tmp_path / "f.npz", 32).env
         assert PagerSettings.from_env(probed).side_branch_probe == probe
     gate = bench.config_for("bigmoe-102@r0.8+gate50", tmp_path / "f.npz", 32).env

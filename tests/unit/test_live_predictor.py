@@ -374,8 +374,17 @@ def test_a_router_that_vllm_repacked_is_used_through_its_own_product(width, expe
 # ---- BIGMOE_SIDE_BRANCH_PROBE: a branch per layer with no round, joined per layer or once --------------------------
 
 
-@pytest.mark.parametrize("probe", ["edges", "edges-late"])
-def test_the_side_branch_probe_forks_a_marker_instead_of_a_round_and_joins_where_it_says(
+# probe: (the layer last run when each marker was forked, and when each join came; -1: none yet)
+PROBES = {
+    "edges": ([0, 1], [-1, 0, 1]),  # after each layer's paging, where a round is; joined at the next layer's entry
+    "edges-late": ([0, 1], [2]),  # the same forks; one join, after the last layer
+    "edges-early": ([-1, 0], [-1, 0, 1]),  # at each layer's entry, before its paging
+    "edges-once": ([-1], [2]),  # one fork at the first layer's entry, one join after the last
+}
+
+
+@pytest.mark.parametrize("probe", PROBES)
+def test_the_side_branch_probe_forks_markers_instead_of_rounds_and_joins_where_it_says(
     tmp_path: Path, monkeypatch, probe
 ):
     trace = traces.named_trace("standard", 8, 3, EXPERTS, 2)
@@ -385,22 +394,22 @@ def test_the_side_branch_probe_forks_a_marker_instead_of_a_round_and_joins_where
     wanted = set(trace[0, 1].tolist()) | set(trace[0, 2].tolist())  # a round would copy these in
     layers, _, _, stats = model(3, 6, warm=[e for e in range(EXPERTS) if e not in wanted])
     live = predictor(layers, env, routing)
-    joined: list[int] = []  # the layer whose call had run (entirely or up to its paging) when a join came
-    ran: list[int] = []
+    forked: list[int] = []
+    joined: list[int] = []
+    ran: list[int] = []  # layers whose call body (their paging and kernel) has run
+    mark = live.live.fork_marker
+    monkeypatch.setattr(live.live, "fork_marker", lambda x: (forked.append(ran[-1] if ran else -1), mark(x)))
     monkeypatch.setattr(live.live, "join", lambda device: joined.append(ran[-1] if ran else -1))
     for layer in layers:
         routing.hook(layer._moe_index, torch.zeros(1, 2, dtype=torch.int64))
         with live.ahead(layer, hidden(1, layer._moe_index)):
             ran.append(layer._moe_index)
     assert [stats.snapshot(i)["vram"].prefetched for i in range(3)] == [0, 0, 0]  # no round ran
-    assert int(live.live._marker.item()) == 3  # one marker branch per layer
-    # A join at a layer's entry comes after the layer before ran: per layer for edges (the first finds nothing
-    # forked yet, its join is a no-op), only after the last layer for edges-late.
-    expected = {"edges": [-1, 0, 1], "edges-late": [2]}[probe]
-    assert joined == expected
+    assert (forked, joined) == PROBES[probe]
+    assert int(live.live._marker.item()) == len(forked)
 
 
-def test_the_side_branch_probe_is_a_setting_with_three_values():
+def test_the_side_branch_probe_is_a_setting_of_five_values():
     assert PagerSettings.from_env({}).side_branch_probe == "off"
     assert PagerSettings.from_env({"BIGMOE_SIDE_BRANCH_PROBE": "edges-late"}).side_branch_probe == "edges-late"
     with pytest.raises(SettingsError, match="BIGMOE_SIDE_BRANCH_PROBE='late' is not valid"):

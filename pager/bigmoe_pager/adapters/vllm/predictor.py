@@ -131,9 +131,14 @@ class Predictor:
         """Around layer `layer`'s paging and kernel on `hidden` [tokens, H]; yields `fork`, which the caller calls
         once the layer's own paging is issued: the next layer's experts are then proposed and prefetched (on a
         side stream on CUDA). Uncalled, the fork happens after the whole call (host-driven pager, big steps)."""
-        late = self.side_branch_probe == "edges-late"
-        if not late:
+        probe = self.side_branch_probe
+        once = probe in ("edges-late", "edges-once")  # benchmark only: branches joined after the last layer
+        if not once:
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
+        if (probe == "edges-early" and not self._last_of_its_model(layer)) or (
+            probe == "edges-once" and self._first_of_its_model(layer)
+        ):
+            self.live.fork_marker(hidden)  # before this layer's paging
         made: list = []
 
         def fork() -> None:
@@ -146,11 +151,17 @@ class Predictor:
         except BaseException:
             self.live.join(hidden.device)  # nothing forked stays behind a failed call
             raise
-        if not self._join_later(hidden) or (late and self._last_of_its_model(layer)):
+        if not self._join_later(hidden) or (once and self._last_of_its_model(layer)):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
         if ids is not None and self.routing.trace_path is not None:
             self.routing.record_predictions(layer._moe_index, ids)
+
+    def _first_of_its_model(self, layer) -> bool:
+        """Whether no paged layer of the same model comes before `layer`."""
+        index = layer._moe_index
+        before = self.layer_after(index - 2) if index > 0 else None
+        return before is None or is_mtp_layer(before.layer_name) != is_mtp_layer(layer.layer_name)
 
     def _last_of_its_model(self, layer) -> bool:
         """Whether no paged layer of the same model (the decoder, or the MTP drafter) follows `layer`."""
@@ -184,7 +195,8 @@ class Predictor:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
         if self.routing.replays_predictions(hidden.device):
             if self.side_branch_probe != "off":
-                self.live.fork_marker(hidden)  # a branch, no round: nothing moves, the tokens cannot change
+                if self.side_branch_probe in ("edges", "edges-late") and not self._last_of_its_model(layer):
+                    self.live.fork_marker(hidden)  # a branch, no round: nothing moves, the tokens cannot change
                 return None
             return self._replayed(layer, hidden)
         if not self.on:
