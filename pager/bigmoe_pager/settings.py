@@ -85,8 +85,8 @@ class PagerSettings:
     copies get SMs ahead of vLLM's kernels; 0 = normal priority (the default until measured inside vLLM)."""
     prefetch_one_launch: bool = False
     """BIGMOE_PREFETCH_ONE_LAUNCH: 1 = on CUDA over a full RAM tier, a VRAM prefetch round decides, copies and counts
-    in one kernel (core.prefetch_kernel: one graph node a layer); 0 = the decision, then the copy (two). Off until
-    timed inside vLLM: level with two launches in run 14's CUDA-graph probe."""
+    in one kernel (core.prefetch_kernel: one graph node a layer); 0 = the decision, then the copy (two). Off: level
+    with two launches in run 14's CUDA-graph probe and inside vLLM 0.33 (run 15), where a round costs its fork."""
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,
