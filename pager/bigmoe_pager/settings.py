@@ -18,7 +18,7 @@ from typing import Mapping
 COMPRESS_CHOICES = ("on", "off", "auto")
 EVICTION_CHOICES = ("lfu", "lru", "lfu-fast", "lfu-duel")
 PREDICT_CHOICES = ("off", "router")
-SIDE_BRANCH_PROBE_CHOICES = ("off", "edges", "edges-late", "edges-early", "edges-once")
+SIDE_BRANCH_PROBE_CHOICES = ("off", "edges", "edges-late", "edges-early", "edges-once")  # adapters.vllm.predictor
 # settings that take one of a few words
 _CHOICES = {
     "compress": COMPRESS_CHOICES,

@@ -410,6 +410,9 @@ def test_the_side_branch_probe_forks_markers_instead_of_rounds_and_joins_where_i
 
 
 def test_the_side_branch_probe_is_a_setting_of_five_values():
+    from bigmoe_pager.settings import SIDE_BRANCH_PROBE_CHOICES
+
+    assert set(predictor_module.SIDE_BRANCH_PROBES) == set(SIDE_BRANCH_PROBE_CHOICES)  # the adapter reads each one
     assert PagerSettings.from_env({}).side_branch_probe == "off"
     assert PagerSettings.from_env({"BIGMOE_SIDE_BRANCH_PROBE": "edges-late"}).side_branch_probe == "edges-late"
     with pytest.raises(SettingsError, match="BIGMOE_SIDE_BRANCH_PROBE='late' is not valid"):

@@ -42,6 +42,17 @@ from bigmoe_pager.settings import PagerSettings
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
 
+SIDE_BRANCH_PROBES = {
+    "off": (None, False),
+    "edges": ("round", False),
+    "edges-late": ("round", True),
+    "edges-early": ("entry", False),
+    "edges-once": ("first", True),
+}
+"""BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
+round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
+the model's last layer)."""
+
 
 @dataclass(frozen=True)
 class NextRouter:
@@ -111,8 +122,8 @@ class Predictor:
         self.layer_after = layer_after
         priority = LivePredictions.HIGH_PRIORITY if settings.prefetch_high_priority else 0
         self.live = LivePredictions(priority)
-        self.side_branch_probe = settings.side_branch_probe
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE): replayed rounds become marker branches (see `propose`)."""
+        self.probe_fork, self.probe_joins_once = SIDE_BRANCH_PROBES[settings.side_branch_probe]
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE, SIDE_BRANCH_PROBES): replayed rounds become marker branches."""
         self._told: set[str] = set()  # join placements already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
@@ -131,12 +142,10 @@ class Predictor:
         """Around layer `layer`'s paging and kernel on `hidden` [tokens, H]; yields `fork`, which the caller calls
         once the layer's own paging is issued: the next layer's experts are then proposed and prefetched (on a
         side stream on CUDA). Uncalled, the fork happens after the whole call (host-driven pager, big steps)."""
-        probe = self.side_branch_probe
-        once = probe in ("edges-late", "edges-once")  # benchmark only: branches joined after the last layer
-        if not once:
+        if not self.probe_joins_once:
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
-        if (probe == "edges-early" and not self._last_of_its_model(layer)) or (
-            probe == "edges-once" and self._first_of_its_model(layer)
+        if (self.probe_fork == "entry" and not self._last_of_its_model(layer)) or (
+            self.probe_fork == "first" and self._first_of_its_model(layer)
         ):
             self.live.fork_marker(hidden)  # before this layer's paging
         made: list = []
@@ -151,7 +160,7 @@ class Predictor:
         except BaseException:
             self.live.join(hidden.device)  # nothing forked stays behind a failed call
             raise
-        if not self._join_later(hidden) or (once and self._last_of_its_model(layer)):
+        if not self._join_later(hidden) or (self.probe_joins_once and self._last_of_its_model(layer)):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
         if ids is not None and self.routing.trace_path is not None:
@@ -194,9 +203,9 @@ class Predictor:
     def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
         if self.routing.replays_predictions(hidden.device):
-            if self.side_branch_probe != "off":
-                if self.side_branch_probe in ("edges", "edges-late") and not self._last_of_its_model(layer):
-                    self.live.fork_marker(hidden)  # a branch, no round: nothing moves, the tokens cannot change
+            if self.probe_fork is not None:  # a branch, no round: nothing moves, the tokens cannot change
+                if self.probe_fork == "round" and not self._last_of_its_model(layer):
+                    self.live.fork_marker(hidden)
                 return None
             return self._replayed(layer, hidden)
         if not self.on:
