@@ -128,6 +128,12 @@ if triton is not None:
     _NO_KEY = tl.constexpr(PACKED_MAX)  # above every shadow key (count << 42 | stamp << 10 | expert < 2**52)
 
     @triton.jit
+    def lfu_key(counts, stamps, experts):
+        """The LFU eviction order as one int64 (SlotTable's key): fewest uses (capped at 1023), then least recently
+        used, then lowest id; unique per expert and below NEEDED_KEY while stamps < 2**32."""
+        return (tl.minimum(counts, 1023) << 42) | (stamps << 10) | experts
+
+    @triton.jit
     def halved(counts, step, period: tl.constexpr):
         """Use counts as a step leaves them before adding its needs: halved on every `period`-th step (0: never)."""
         if period > 0:
@@ -147,7 +153,7 @@ if triton is not None:
         candidate = held & ~needed
         over = tl.sum(held.to(tl.int64), 0) + tl.sum(missing.to(tl.int64), 0) - S
         evict = tl.minimum(tl.maximum(over, 0), tl.sum(candidate.to(tl.int64), 0)).to(tl.int32)
-        key = (tl.minimum(counts, 1023) << 42) | (stamps << 10) | e_ar  # unique per expert, below PACKED_MAX
+        key = lfu_key(counts, stamps, e_ar)  # unique per expert, below PACKED_MAX
         key = tl.where(candidate, key, _NO_KEY)
         drop = e_ar < 0
         for _ in range(0, evict):  # the `evict` lowest keys, one block-wide min each (a step's few misses)
@@ -248,8 +254,7 @@ if triton is not None:
         occupied = held >= 0
         held_needed = tl.load(need_ptr + held, mask=occupied, other=0) != 0
         if LFU:
-            count = tl.minimum(tl.load(freq_ptr + held, mask=occupied, other=0), 1023)
-            rank = (count << 42) | (last << 10) | held
+            rank = lfu_key(tl.load(freq_ptr + held, mask=occupied, other=0), last, held)
         else:
             rank = last * (E + 1) + held
         key = tl.where(occupied, rank, -1)

@@ -116,6 +116,8 @@ def _bytes_of(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from bigmoe_pager.core.acquire_kernel import lfu_key
+
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _BYTES = tl.constexpr(stats.BYTES)
     _PREFETCHED = tl.constexpr(stats.PREFETCHED)
@@ -173,8 +175,7 @@ if triton is not None:
         rank (lfu: use count, then last use, then expert; lru: last use, then expert)."""
         occupied = held >= 0
         if LFU:
-            count = tl.minimum(tl.load(freq_ptr + held, mask=occupied, other=0), 1023)
-            rank = (count << 42) | (last << 10) | held
+            rank = lfu_key(tl.load(freq_ptr + held, mask=occupied, other=0), last, held)
         else:
             rank = last * (E + 1) + held
         key = tl.where(occupied, rank, -1)

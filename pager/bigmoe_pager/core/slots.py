@@ -102,7 +102,13 @@ to 95 splits those measured points alike; None never lifts it. Not yet timed ins
 its rounds are the budgeted ones below the threshold, whole ones above."""
 READ_AHEAD_MIN_USED_PERCENT = 10
 """Gate of the RAM tables' SSD reads ahead (sim_prefetch's session-9 choice; a read's break-even is not measured)."""
-# LFU key = count << 42 | last_use << 10 | expert: below acquire_kernel.NEEDED_KEY (2**52) while last_use < 2**32
+
+
+def lfu_key(counts: torch.Tensor, stamps: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The LFU eviction order as one int64 (acquire_kernel.lfu_key on the device): fewest uses (capped at
+    LFU_MAX_COUNT), then least recently used, then lowest id; below acquire_kernel.NEEDED_KEY (2**52) while
+    stamps < 2**32."""
+    return (counts.clamp(max=LFU_MAX_COUNT) << 42) | (stamps << 10) | experts
 
 
 class SlotTableError(ValueError):
@@ -457,7 +463,7 @@ class SlotTable:
         missing = needed & ~held
         evict = (held.sum() + missing.sum() - s).clamp(min=0)
         candidate = held & ~needed
-        key = (counts[:e].clamp(max=LFU_MAX_COUNT) << 42) | (stamps << 10) | self._arange_e  # unique per expert
+        key = lfu_key(counts[:e], stamps, self._arange_e)  # unique per expert
         key = torch.where(candidate, key, torch.iinfo(torch.int64).max)
         order = torch.argsort(key)
         drop = torch.zeros(e, dtype=torch.bool, device=self.device)
@@ -474,8 +480,7 @@ class SlotTable:
         held_idx = torch.where(occupied, held, e)
         slot_needed = need[held_idx]
         if self.lfu:
-            count = self._freq[held_idx].clamp(max=LFU_MAX_COUNT)
-            rank = (count << 42) | (self._last_use[:s] << 10) | held
+            rank = lfu_key(self._freq[held_idx], self._last_use[:s], held)
         else:
             rank = self._last_use[:s] * (e + 1) + held
         key = torch.where(occupied, rank, -1)

@@ -186,7 +186,7 @@ def launch_step(
 
 
 if triton is not None:
-    from bigmoe_pager.core.acquire_kernel import halved, shadow_step
+    from bigmoe_pager.core.acquire_kernel import halved, lfu_key, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
@@ -301,10 +301,10 @@ if triton is not None:
                 held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
                 held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
                 count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
-                rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
+                rank_s = lfu_key(count, last, held)
             elif LFU:
                 count = halved(tl.load(freq_ptr + held, mask=occupied, other=0), step, DECAY)
-                rank_s = (tl.minimum(count, 1023) << 42) | (last << 10) | held
+                rank_s = lfu_key(count, last, held)
             else:
                 rank_s = last * (E + 1) + held
             key = tl.where(occupied, rank_s, -1)  # empty slots first, in slot order
