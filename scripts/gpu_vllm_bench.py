@@ -34,7 +34,8 @@ the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+o
 prefetch round in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each
 round by a one-element kernel on the side stream joined where a round is / once after the last layer,
 `+edges-early` forks each at its layer's entry, `+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE:
-what the branches themselves cost), `+gateN` the VRAM prefetch gate at
+what the branches themselves cost), `+chain` forks the rounds once a forward and orders them by device flags
+(BIGMOE_PREFETCH_CHAIN=1), `+gateN` the VRAM prefetch gate at
 N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
 (BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names the gate and budget it ran even where they are the
 plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same configuration whose rows
@@ -132,6 +133,9 @@ EDGES_EARLY = "+edges-early"
 """Name suffix: +edges with each branch forked at its layer's entry, before the paging (edges-early)."""
 EDGES_ONCE = "+edges-once"
 """Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
+CHAIN = "+chain"
+"""Name suffix: the rounds of a forward captured whole on one side-stream branch, forked once, each waiting for its
+layer's step on the device (BIGMOE_PREFETCH_CHAIN=1); needs @rRECALL."""
 SETTING_SUFFIXES = {
     "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
     "+b": "BIGMOE_PREFETCH_BUDGET",
@@ -147,6 +151,7 @@ PREDICTION_SUFFIXES = {
     EDGES_LATE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-late"},
     EDGES_EARLY: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-early"},
     EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
+    CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"
@@ -454,11 +459,15 @@ ENGINE_FIELDS = (
     "experts_kernel",
     "inductor_deterministic",
     "prefetch_joins",
+    "prefetch_forks",
+    "prefetch_chain_timeouts",
     "load_copy_bytes",
     "load_copy_s",
 )
-"""What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file; prefetch_joins:
-where its captures joined the prefetch; load_copy_*: what vLLM's loader copied into the RAM tier, and how long)."""
+"""What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file; prefetch_joins /
+prefetch_forks: where its captures joined the prefetch and how often they forked it; prefetch_chain_timeouts: chained
+rounds whose device wait gave up, None where none was chained; load_copy_*: what vLLM's loader copied into the RAM
+tier, and how long)."""
 
 
 def engine_rows(row: dict, todo: list[dict], disk: dict | None, wrong: str = "uniform") -> list[dict]:

@@ -20,6 +20,7 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram12-ram50-ssd-layerbuf    vram12-ram50-ssd with that buffer (its experts gathered through the slots)
     vram40-predict               vram40 with the live next-layer predictor prefetching (BIGMOE_PREDICT=router)
     vram12-ram50-ssd-predict-ahead  vram12-ram50-ssd with that prefetch and SSD reads ahead (BIGMOE_SSD_READ_AHEAD=1)
+    vram40-predict-chain         vram40-predict with each forward's rounds chained (BIGMOE_PREFETCH_CHAIN=1)
     unpaged-piecewise            the reference of PIECEWISE runs (the graph mode alone changes the engine's numerics)
     vram40-piecewise             vram40 under PIECEWISE CUDA graphs
     vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs
@@ -164,6 +165,11 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         # decode graphs), over the SSD mix with reads ahead too, and under PIECEWISE graphs (layer calls between
         # pieces); the router keeps the final say, so tokens must equal the unpaged reference's.
         Config(f"vram40-predict ({vram40} slots, live prefetch)", {**vram, **graphs, **PREDICT}),
+        # The same with each FULL graph's rounds on one side-stream branch, ordered by device flags.
+        Config(
+            f"vram40-predict-chain ({vram40} slots, live prefetch, chained rounds)",
+            {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_CHAIN": "1"},
+        ),
         Config(
             f"vram12-ram50-ssd-predict-ahead ({vram12}/{ram50}, checkpoint, live prefetch, SSD reads ahead)",
             {**ssd, **graphs, **PREDICT, "BIGMOE_SSD_READ_AHEAD": "1"},
@@ -594,7 +600,13 @@ def compare(row: dict, reference: dict | None) -> None:
         return
     row["ttft_ms"], row["tpot_ms"] = result["ttft_ms"], result["tpot_ms"]
     row["cudagraph_mode"] = result.get("cudagraph_mode")
-    for fact in ("prefetch_joins", "load_copy_bytes", "load_copy_s"):  # process.engine_facts (absent: pager off)
+    for fact in (
+        "prefetch_joins",
+        "prefetch_forks",
+        "prefetch_chain_timeouts",
+        "load_copy_bytes",
+        "load_copy_s",
+    ):  # process.engine_facts (absent: pager off)
         if fact in result:
             row[fact] = result[fact]
     row["pager"] = {

@@ -87,6 +87,10 @@ class PagerSettings:
     """BIGMOE_PREFETCH_ONE_LAUNCH: 1 = on CUDA over a full RAM tier, a VRAM prefetch round decides, copies and counts
     in one kernel (core.prefetch_kernel: one graph node a layer); 0 = the decision, then the copy (two). Off: level
     with two launches in run 14's CUDA-graph probe and inside vLLM 0.33 (run 15), where a round costs its fork."""
+    prefetch_chain: bool = False
+    """BIGMOE_PREFETCH_CHAIN: 1 = in a forward captured whole (vLLM's FULL graphs) over full RAM tiers, the side
+    stream is forked once and each later round waits for its layer's step on the device (core.prefetch_chain)
+    instead of a graph fork a layer; 0 = a fork a round. Off until measured inside vLLM."""
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,

@@ -22,6 +22,7 @@ from bigmoe_bench import moe_decode as md
 from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_kernel as ck, step_kernel as sk
 from bigmoe_pager.core import prefetch_kernel as pk
 from bigmoe_pager.core import replay_kernel as rk
+from bigmoe_pager.core import prefetch_chain as chain
 
 def build(fn, sig, consts, aligned=()):
     full = dict(sig)
@@ -58,18 +59,23 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
               "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu, "BUDGET": 2})
     out[f"admit_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
-        "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
+        "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
+        "chain_layer": "i32"}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
 for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
               "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy(name),
+              "CHAIN": 2 if name == "lru" else 0, "ON_GPU": True,
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
               ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
     ptx = k.asm["ptx"]
     out[f"step_{name}"] = {"bar": "bar.sync" in ptx, "atom": accesses(k, "atom"),
+                              "release": accesses(k, "st.release.gpu"),
                               "copy": sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", ptx))) + accesses(k, "st")}
+k = build(chain._wait_kernel, {"flags_ptr": "*i64", "layer": "i32", "max_spins": "i32"}, {"ON_GPU": True})
+out["chain_wait"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
 k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"} | {n: "*i64" for n in ptrs[3:]},
           {"OFF0": 0, "OFF1": 262144, "OFF2": 393216, "OFF3": 393224, "N0": 262144, "N1": 131072, "N2": 8, "N3": 8,
@@ -125,3 +131,9 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         step = got[f"step_{name}"]
         assert step["bar"] and "atom.global.gpu.acq_rel.add.u32" in step["atom"]
         assert any("evict_first" in a for a in step["copy"]) and "st.global.v2.b64" in step["copy"]
+        # a chained step publishes with a release store at GPU scope (lru here); the others store nothing so
+        assert step["release"] == (["st.release.gpu.global.b64"] if name == "lru" else [])
+    assert got["chain_wait"] == {
+        "acquire": ["ld.acquire.gpu.global.b64"],
+        "sleep": True,
+    }  # the round's wait polls gently

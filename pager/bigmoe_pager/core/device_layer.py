@@ -28,6 +28,7 @@ from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.host_pager import TierCounters, TierSizes, token_ranges
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager, PagerError
+from bigmoe_pager.core.prefetch_chain import ChainSignal
 from bigmoe_pager.core.ram_tier import RamTier, SsdFetch
 from bigmoe_pager.core.stats import (
     BYTES,
@@ -159,19 +160,24 @@ class DeviceLayerPager:
         """Whether a step of this shape is served by `step` alone (decided by shape: capturable)."""
         return topk_ids.numel() <= self.sizes.vram
 
-    def step(self, topk_ids: torch.Tensor) -> torch.Tensor:
+    def publishes(self, num_ids: int) -> bool:
+        """Whether a step of `num_ids` ids can publish itself to a prefetch chain (core.prefetch_chain)."""
+        return self.pager is not None and num_ids <= self.sizes.vram and self.pager.publishes(num_ids)
+
+    def step(self, topk_ids: torch.Tensor, chain: ChainSignal | None = None) -> torch.Tensor:
         """Make the step's experts resident; topk_ids remapped to slots, in their dtype.
 
         The step's distinct experts must fit in the slots: true when `fits`, and for every
         range `token_chunks` returns. Captured into a CUDA graph: no host sync. Run outside
         one over a partial RAM tier: it returns once the GPU has finished it (`settle`).
+        chain: the step, once done, publishes itself to the forward's chained prefetch rounds (where `publishes`).
         """
         if self.pager is None:
             raise PagerError(f"layer {self.layer}: step before start(); the engine must finish loading first")
         for side in self._side_streams:  # a late prefetch copy (or read-ahead post) is waited for, never skipped
             torch.cuda.current_stream(self.device).wait_stream(side)
         self._side_streams = []
-        remapped = self.pager.prepare(topk_ids).to(topk_ids.dtype)
+        remapped = self.pager.prepare(topk_ids, chain).to(topk_ids.dtype)
         if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.settle()
         return remapped

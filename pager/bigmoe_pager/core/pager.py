@@ -17,6 +17,7 @@ import torch
 from bigmoe_pager.core import prefetch_kernel, step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records
 from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.prefetch_chain import ChainSignal
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
 from bigmoe_pager.core.slots import (
     MIN_USED_PERCENT,
@@ -116,35 +117,42 @@ class ExpertPager:
         """True when no step of this shape can need more distinct experts than slots (decided by shape alone)."""
         return topk_ids.numel() <= self.num_slots
 
-    def prepare(self, topk_ids: torch.Tensor) -> torch.Tensor:
+    def prepare(self, topk_ids: torch.Tensor, chain: ChainSignal | None = None) -> torch.Tensor:
         """Bring every expert of `topk_ids` into VRAM; returns the ids remapped to slots (-1 stays -1).
 
         No host sync; capturable in a CUDA graph. If the step needs more distinct
         experts than slots, the lowest-id misses that do not fit remap to -1 and
         `acquire(...).overflow` says so: use `chunks()` for such shapes.
+        chain: the step then publishes itself to chained prefetch rounds (only where `publishes`).
         """
-        return self.acquire(topk_ids).remapped
+        return self.acquire(topk_ids, chain).remapped
 
-    def acquire(self, topk_ids: torch.Tensor) -> Acquired:
+    def acquire(self, topk_ids: torch.Tensor, chain: ChainSignal | None = None) -> Acquired:
         """`prepare` with the full decision (miss list, counts, overflow) returned."""
         rows = self._rows
         below = rows["ram"] if self.ram.full else None  # a full RAM tier hits every expert VRAM loads
-        if self._fused_step(topk_ids):
-            return self._acquire_fused(topk_ids, rows["vram"], below)
+        if self._fused_step(topk_ids.numel()):
+            return self._acquire_fused(topk_ids, rows["vram"], below, chain)
+        if chain is not None:
+            raise PagerError(f"layer {self.layer}: only a fused step publishes to a prefetch chain (see `publishes`)")
         got = self.vram.acquire(topk_ids, rows["vram"], below, self.layout.record_bytes)
         src = self.ram.locate(got.miss_experts, rows["ram"], rows["ssd"])
         copy_records(self.ram.records, src, got.miss_slots, self.layout, self.buffers)
         return got
 
-    def _fused_step(self, topk_ids: torch.Tensor) -> bool:
+    def publishes(self, num_ids: int) -> bool:
+        """Whether a step of `num_ids` ids can publish itself to a prefetch chain (it runs as one fused launch)."""
+        return self._fused_step(num_ids)
+
+    def _fused_step(self, num_ids: int) -> bool:
         lfu = self.vram.lfu
         return (
             self.fused
             and self.ram.full
-            and step_kernel.fits(self.num_experts, self.num_slots, topk_ids.numel(), self.layout, lfu)
+            and step_kernel.fits(self.num_experts, self.num_slots, num_ids, self.layout, lfu)
         )
 
-    def _acquire_fused(self, topk_ids: torch.Tensor, vram_row, ram_row) -> Acquired:
+    def _acquire_fused(self, topk_ids: torch.Tensor, vram_row, ram_row, chain: ChainSignal | None) -> Acquired:
         """Decide, copy and count in one launch (the RAM tier is full: record row = expert id)."""
         self.ram.check_filled()
         table = self.vram
@@ -160,6 +168,7 @@ class ExpertPager:
             programs=self.step_programs,
             stats_row=vram_row,
             aux_row=ram_row,
+            chain=chain,
             **table.kernel_policy(),
         )
         return acquired_from_kernel(out)

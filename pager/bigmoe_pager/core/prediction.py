@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 from bigmoe_pager.core import replay_kernel, triton_launch
+from bigmoe_pager.core.prefetch_chain import PrefetchChain
 
 Router = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 """Layer l+1's router: its gate Linear's weight [E, H] (a float dtype), or a function giving its logits [tokens, E]
@@ -94,7 +95,8 @@ class LivePredictions:
     does next; `join` makes the current stream wait for them. Both ends must lie in one CUDA graph
     capture: the adapter joins within layer l's call inside a capture of one piece (vLLM's
     PIECEWISE), at layer l+1's call otherwise. Fixed shapes, event waits only. Off CUDA everything
-    runs in order.
+    runs in order. In a chained forward (`open_chain`, a FULL graph) the side stream is forked once
+    and each later round waits for its layer's step on the device (core.prefetch_chain).
     """
 
     HIGH_PRIORITY = -1  # CUDA stream priority: lower is higher; torch maps it into the device's range
@@ -106,10 +108,31 @@ class LivePredictions:
         self._stream = None
         self._forked = False  # the side stream has work the current stream has not joined yet
         self._marker: torch.Tensor | None = None  # fork_marker's counter
+        self._chain: PrefetchChain | None = None  # open_chain's flags, while a chained forward is under way
+        self._branch = False  # that forward's side-stream branch was forked (its first round)
 
-    def feed(self, hidden: torch.Tensor, next_router: Router, top_p: int, next_pager=None) -> torch.Tensor:
+    def open_chain(self, chain: PrefetchChain) -> None:
+        """A forward captured whole begins (its first layer's step publishes with `first`): until close_chain,
+        the side stream is forked once, at the first round, and each later round given `after` = l waits on the
+        device for layer l's step instead (core.prefetch_chain). Joins stay where the caller puts them."""
+        self._chain, self._branch = chain, False
+
+    def close_chain(self, device: torch.device) -> None:
+        """The chained forward's last layer is done: join what is left, and fork again from the next round on."""
+        self.join(device)
+        self._chain, self._branch = None, False
+
+    @property
+    def chained(self) -> bool:
+        """Whether a chained forward is under way."""
+        return self._chain is not None
+
+    def feed(
+        self, hidden: torch.Tensor, next_router: Router, top_p: int, next_pager=None, after: int | None = None
+    ) -> torch.Tensor:
         """int64 [tokens, top_p]: predict_next for the rows of `hidden`, prefetched into `next_pager` (a
-        DeviceLayerPager, or None: proposed only). On CUDA the ids are readable on the current stream after `join`."""
+        DeviceLayerPager, or None: proposed only). On CUDA the ids are readable on the current stream after `join`.
+        after: in a chained forward, the MoE index whose step the work must follow (the layer `hidden` is from)."""
 
         def propose() -> torch.Tensor:
             ids = predict_next(hidden, next_router, top_p)
@@ -117,13 +140,15 @@ class LivePredictions:
                 next_pager.prefetch(ids.reshape(-1))  # no stream: it runs here, on the stream current now
             return ids
 
-        return self._forked_work(hidden, propose)
+        return self._forked_work(hidden, propose, after)
 
-    def feed_ids(self, make_ids: Callable[[], torch.Tensor | None], next_pager, source: torch.Tensor):
+    def feed_ids(
+        self, make_ids: Callable[[], torch.Tensor | None], next_pager, source: torch.Tensor, after: int | None = None
+    ):
         """A proposal made elsewhere (a replayed trace's rows) prefetched into `next_pager` the same way; make_ids()
         runs on the side stream too, once the current stream has `source`, so its gathers (a handful of small
         kernels per layer) stay off the current stream's path as the live predictor's router product does.
-        Returns the ids (None: make_ids had none, nothing prefetched)."""
+        Returns the ids (None: make_ids had none, nothing prefetched). after: as in `feed`."""
 
         def prefetch() -> torch.Tensor | None:
             ids = make_ids()
@@ -131,7 +156,7 @@ class LivePredictions:
                 next_pager.prefetch(ids.reshape(-1))
             return ids
 
-        return self._forked_work(source, prefetch)
+        return self._forked_work(source, prefetch, after)
 
     def feed_read_ahead(self, make_ids: Callable[[], torch.Tensor | None], pager, source: torch.Tensor) -> None:
         """Like feed_ids for a layer further ahead: its predicted experts' SSD reads are posted
@@ -155,13 +180,22 @@ class LivePredictions:
 
         self._forked_work(source, mark)
 
-    def _forked_work(self, source: torch.Tensor, work):
-        """work() on the side stream once the current stream has `source` (in order off CUDA)."""
+    def _forked_work(self, source: torch.Tensor, work, after: int | None = None):
+        """work() on the side stream once the current stream has `source` (in order off CUDA); in a chained
+        forward, after the branch's first round, once layer `after`'s step is done (a device wait, no fork)."""
+        chained = self._chain is not None and after is not None and self._branch
+        if not chained:  # a fork: in a chained forward, its first round's
+            self._branch = self._chain is not None and after is not None
         stream = self._side_stream(source.device)
         if stream is None:
+            if chained:
+                self._chain.wait_stepped(after)  # in order already: returns at once (it runs in the interpreter)
             return work()
-        stream.wait_stream(torch.cuda.current_stream(source.device))
+        if not chained:
+            stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
+            if chained:
+                self._chain.wait_stepped(after)
             out = work()
         if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive
             source.record_stream(stream)  # the allocator must not reuse it before the side stream is done

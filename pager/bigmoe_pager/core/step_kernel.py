@@ -27,6 +27,9 @@ copy, not after it (played in the tail, lfu-duel cost 0.18 ms a token over
 lfu-fast where the two rank alike, 40 layers, run 10; beside it, 0.12 ms, run
 11). It leaves the moved selector in a scratch word that the program writing
 the state installs with the counts.
+Given a ChainSignal (a forward captured whole, core.prefetch_chain), the
+program writing the state, last of all, publishes the step to the forward's
+chained prefetch rounds.
 Outputs, table state, counters and slot bytes equal SlotTable.acquire followed
 by copy_records; the unit tests run both side by side.
 """
@@ -47,6 +50,7 @@ from bigmoe_pager.core.copy_kernel import (
     record_words,
 )
 from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.prefetch_chain import NO_CHAIN, ChainSignal
 from bigmoe_pager.core.triton_launch import kernel_for
 
 try:
@@ -109,6 +113,7 @@ def launch_step(
     duel: bool = False,
     slow_decay: int = 0,
     psel_max: int = 0,
+    chain: ChainSignal | None = None,
     block_bytes: int = BLOCK_BYTES,
 ) -> dict[str, torch.Tensor]:
     """Decide, copy misses from records (row = expert id) into the slot buffers, count; one launch.
@@ -117,7 +122,8 @@ def launch_step(
     miss_slots, evicted, counts). stats_row gets lookups, hits, misses, loaded *
     record_bytes and invalid ids; aux_row (the full RAM tier) gets loaded as
     lookups and hits. table_state is SlotTable.kernel_state(); lfu, decay, duel, slow_decay and psel_max
-    are SlotTable.kernel_policy() (acquire_kernel.launch_acquire says what they mean).
+    are SlotTable.kernel_policy() (acquire_kernel.launch_acquire says what they mean). chain: the step, once done
+    (its copies too), publishes itself to the forward's chained prefetch rounds (core.prefetch_chain).
     """
     if not fits(num_experts, num_slots, ids.numel(), layout, lfu):
         raise StepKernelError(
@@ -148,6 +154,8 @@ def launch_step(
         m,
         stats_row if stats_row is not None else dummy,
         aux_row if aux_row is not None else dummy,
+        chain.flags if chain is not None else dummy,
+        chain.layer if chain is not None else 0,
         layout.record_bytes,
         programs,
         record_words(records, plan),
@@ -166,6 +174,8 @@ def launch_step(
         DUEL=duel,
         SLOW_DECAY=slow_decay,
         PSEL_MAX=psel_max,
+        CHAIN=NO_CHAIN if chain is None else chain.mode,
+        ON_GPU=flat.is_cuda,
         OFF0=group.offsets[0],
         OFF1=group.offsets[1],
         OFF2=group.offsets[2],
@@ -188,6 +198,7 @@ def launch_step(
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, lfu_key, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
+    from bigmoe_pager.core.prefetch_chain import publish_step
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _LOOKUPS = tl.constexpr(stats.LOOKUPS)
@@ -222,6 +233,8 @@ if triton is not None:
         m,
         stats_ptr,
         aux_ptr,
+        chain_ptr,
+        chain_layer,
         record_bytes,
         programs,
         rec_ptr,
@@ -243,6 +256,8 @@ if triton is not None:
         DUEL: tl.constexpr,
         SLOW_DECAY: tl.constexpr,
         PSEL_MAX: tl.constexpr,
+        CHAIN: tl.constexpr,
+        ON_GPU: tl.constexpr,
         OFF0: tl.constexpr,
         OFF1: tl.constexpr,
         OFF2: tl.constexpr,
@@ -417,3 +432,5 @@ if triton is not None:
                     tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast) + needed.to(tl.int64), mask=e_in)
                 else:
                     tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
+            if CHAIN != 0:  # last: every program's copies are done (their counts were acquired above)
+                publish_step(chain_ptr, chain_layer, CHAIN, ON_GPU)

@@ -157,11 +157,12 @@ def reads_ahead(settings: PagerSettings, sizes: TierSizes) -> bool:
     return settings.ssd_read_ahead and sizes.ram < sizes.experts
 
 
-def forward(layer, x, topk_weights, topk_ids, kernel, after_paging=lambda: None):
+def forward(layer, x, topk_weights, topk_ids, kernel, turn=None):
     """Page the step's experts in and run vLLM's kernel (kernel(x, weights, slot ids)) on the slots.
 
-    after_paging() runs once a step that fits the slots has issued its paging, before the kernel
-    (Predictor.ahead's fork: the next layer's prefetch then overlaps this kernel, not these copies).
+    turn: Predictor.ahead's Turn (None: no predictor): turn() runs once a step that fits the slots has
+    issued its paging, before the kernel (the next layer's prefetch then overlaps this kernel, not these
+    copies); a step that fits publishes itself to turn.chain (a chained forward's rounds).
     """
     process = layer.process
     parts: DeviceParts = process.device
@@ -172,8 +173,9 @@ def forward(layer, x, topk_weights, topk_ids, kernel, after_paging=lambda: None)
         parts.mirror.copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
     with glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
         if pager.fits(topk_ids):  # captured, or run eagerly (then the step has settled its SSD reads)
-            slot_ids = pager.step(topk_ids)
-            after_paging()
+            slot_ids = pager.step(topk_ids, None if turn is None else turn.chain)
+            if turn is not None:
+                turn()
             return kernel(x, topk_weights, slot_ids)
         if torch.cuda.is_current_stream_capturing():
             raise glue.EngineModeError(

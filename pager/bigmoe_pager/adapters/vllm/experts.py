@@ -170,12 +170,13 @@ class PagedRoutedExperts(RoutedExperts):
             glue.check_kernel(self)
             self._kernel_checked = True
         topk_ids = self.process.routing.hook(self._moe_index, topk_ids)
-        with self.process.predictor.ahead(self, x) as fork:  # BIGMOE_PREDICT: the next layer's experts copied meanwhile
-            return self._page_and_run(x, topk_weights, topk_ids, fork)
+        # BIGMOE_PREDICT: the next layer's experts are copied meanwhile
+        with self.process.predictor.ahead(self, x, topk_ids.numel()) as turn:
+            return self._page_and_run(x, topk_weights, topk_ids, turn)
 
-    def _page_and_run(self, x, topk_weights, topk_ids, fork):
+    def _page_and_run(self, x, topk_weights, topk_ids, turn):
         if isinstance(self.pager, DeviceLayerPager):
-            return device.forward(self, x, topk_weights, topk_ids, super().forward_modular, fork)
+            return device.forward(self, x, topk_weights, topk_ids, super().forward_modular, turn)
         if self._install_slot is None:
             self._install_slot = glue.slot_installer(self)
         host_ids = topk_ids.cpu()  # the pager decides on the host; one copy (and sync) per layer and step

@@ -38,6 +38,7 @@ import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
+from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
 from bigmoe_pager.settings import PagerSettings
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
@@ -52,6 +53,22 @@ SIDE_BRANCH_PROBES = {
 """BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
 round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
 the model's last layer)."""
+
+
+class Turn:
+    """What `Predictor.ahead` hands a layer's call: the chain signal its step publishes (None: none), and the fork,
+    called once the layer's own paging is issued (`turn()`)."""
+
+    def __init__(self, fork: Callable[[], None], chain: ChainSignal | None = None):
+        self._fork = fork
+        self.chain = chain
+
+    def __call__(self) -> None:
+        self._fork()
+
+
+JOINED = "the next layer's prefetch is joined at"
+FORKED = "prefetch rounds are forked"
 
 
 @dataclass(frozen=True)
@@ -124,7 +141,10 @@ class Predictor:
         self.live = LivePredictions(priority)
         self.probe_fork, self.probe_joins_once = SIDE_BRANCH_PROBES[settings.side_branch_probe]
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE, SIDE_BRANCH_PROBES): replayed rounds become marker branches."""
-        self._told: set[str] = set()  # join placements already logged
+        self.chain_on = settings.prefetch_chain and self.probe_fork is None
+        """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
+        self._chain: PrefetchChain | None = None  # the flags, made at the first chained forward
+        self._told: set[tuple[str, str]] = set()  # (JOINED or FORKED, placement) already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
         self._warned = False
@@ -138,10 +158,11 @@ class Predictor:
             )
 
     @contextlib.contextmanager
-    def ahead(self, layer, hidden: torch.Tensor):
-        """Around layer `layer`'s paging and kernel on `hidden` [tokens, H]; yields `fork`, which the caller calls
-        once the layer's own paging is issued: the next layer's experts are then proposed and prefetched (on a
-        side stream on CUDA). Uncalled, the fork happens after the whole call (host-driven pager, big steps)."""
+    def ahead(self, layer, hidden: torch.Tensor, num_ids: int | None = None):
+        """Around layer `layer`'s paging and kernel on `hidden` [tokens, H] (num_ids: the step's ids, when known);
+        yields a Turn, which the caller calls once the layer's own paging is issued: the next layer's experts are
+        then proposed and prefetched (on a side stream on CUDA). Uncalled, the fork happens after the whole call
+        (host-driven pager, big steps). The Turn's `chain` is what the layer's step publishes (a chained forward)."""
         if not self.probe_joins_once:
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
         if (self.probe_fork == "entry" and not self._last_of_its_model(layer)) or (
@@ -155,16 +176,55 @@ class Predictor:
                 made.append(self.propose(layer, hidden))
 
         try:
-            yield fork
+            yield Turn(fork, self._chain_signal(layer, hidden, num_ids))
             fork()
         except BaseException:
-            self.live.join(hidden.device)  # nothing forked stays behind a failed call
+            self.live.close_chain(hidden.device) if self.live.chained else self.live.join(hidden.device)
             raise
+        if self.live.chained and self._last_of_its_model(layer):
+            self.live.close_chain(hidden.device)
         if not self._join_later(hidden) or (self.probe_joins_once and self._last_of_its_model(layer)):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
         if ids is not None and self.routing.trace_path is not None:
             self.routing.record_predictions(layer._moe_index, ids)
+
+    def _chain_signal(self, layer, hidden: torch.Tensor, num_ids: int | None) -> ChainSignal | None:
+        """What layer `layer`'s step publishes: a chained forward opens at its model's first layer when the forward
+        is captured whole and every layer of the model steps fused (core.prefetch_chain); None otherwise."""
+        if self.live.chained:
+            return self._chain.signal(layer._moe_index, first=False)
+        if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
+            return None
+        if not (torch.cuda.is_current_stream_capturing() and self.whole_forward_captured()):
+            return None
+        if not all(self._publishes(each, num_ids) for each in self._layers_of_its_model(layer)):
+            self._tell("once a layer (not every layer's step is fused, so the rounds cannot be chained)", what=FORKED)
+            return None
+        if self._chain is None or self._chain.flags.device != hidden.device:
+            self._chain = PrefetchChain(self._layer_count(), hidden.device)
+        self._tell("once a forward (chained rounds)", what=FORKED)
+        self.live.open_chain(self._chain)
+        return self._chain.signal(layer._moe_index, first=True)
+
+    @staticmethod
+    def _publishes(layer, num_ids: int) -> bool:
+        pager = getattr(layer, "pager", None)
+        return isinstance(pager, DeviceLayerPager) and pager.publishes(num_ids)
+
+    def _layers_of_its_model(self, layer) -> list:
+        """`layer` and the paged layers of the same model after it."""
+        found = [layer]
+        while not self._last_of_its_model(found[-1]):
+            found.append(self.layer_after(found[-1]._moe_index))
+        return found
+
+    def _layer_count(self) -> int:
+        """Paged layers of the process (MoE indices 0 .. count - 1)."""
+        count = 1
+        while self.layer_after(count - 1) is not None:
+            count += 1
+        return count
 
     def _first_of_its_model(self, layer) -> bool:
         """Whether no paged layer of the same model comes before `layer`."""
@@ -192,13 +252,24 @@ class Predictor:
     @property
     def join_placements(self) -> list[str]:
         """Where CUDA graph captures of this process joined the prefetch so far (as logged), sorted."""
-        return sorted(self._told)
+        return sorted(where for what, where in self._told if what == JOINED)
 
-    def _tell(self, where: str) -> None:
-        """One log line per placement a capture used: where the prefetch is waited for decides how much it overlaps."""
-        if where not in self._told:
-            self._told.add(where)
-            log.warning("bigmoe: in CUDA graph captures, the next layer's prefetch is joined at %s", where)
+    @property
+    def fork_placements(self) -> list[str]:
+        """How often captures of this process that could chain their rounds forked them (as logged), sorted."""
+        return sorted(where for what, where in self._told if what == FORKED)
+
+    @property
+    def chain_timeouts(self) -> int | None:
+        """Chained rounds whose wait for their layer's step gave up (None: no forward was chained; one sync)."""
+        return None if self._chain is None else self._chain.timeouts
+
+    def _tell(self, where: str, what: str = JOINED) -> None:
+        """One log line per placement a capture used: where the prefetch is forked and waited for decides how much
+        it overlaps and what it costs."""
+        if (what, where) not in self._told:
+            self._told.add((what, where))
+            log.warning("bigmoe: in CUDA graph captures, %s %s", what, where)
 
     def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
@@ -217,7 +288,7 @@ class Predictor:
         prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first (profile) forward
         if not (prefetch or self.routing.trace_path is not None):
             return None
-        ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None)
+        ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None, self._after(layer))
         self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
         return ids
 
@@ -232,9 +303,13 @@ class Predictor:
         def replayed(ahead: int) -> torch.Tensor | None:
             return self.routing.replayed_proposal(index, tokens, hidden.device, ahead)
 
-        self.live.feed_ids(lambda: replayed(1), pager, hidden)
+        self.live.feed_ids(lambda: replayed(1), pager, hidden, self._after(layer))
         self._read_further(layer, hidden, replayed)
         return None
+
+    def _after(self, layer) -> int | None:
+        """In a chained forward, the MoE index whose step a round proposed in `layer`'s call must follow."""
+        return layer._moe_index if self.live.chained else None
 
     def _read_further(self, layer, hidden: torch.Tensor, proposal: Callable[[int], torch.Tensor | None]) -> None:
         """BIGMOE_SSD_READ_AHEAD_LAYERS > 1: layers l+2 .. l+depth of the same model post the SSD reads of their

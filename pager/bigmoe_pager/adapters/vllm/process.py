@@ -151,13 +151,16 @@ def pager_stats() -> dict[str, dict[str, float]]:
 
 
 def engine_facts() -> dict:
-    """What benchmark reports carry per engine beside the counters: where captures joined the prefetch, and what the
-    loader copied into RAM (bytes, seconds); empty when the pager is off here."""
+    """What benchmark reports carry per engine beside the counters: where captures forked and joined the prefetch
+    (and chained waits that gave up), and what the loader copied into RAM (bytes, seconds); empty when the pager is
+    off here."""
     if _installed is None:
         return {}
     copies = _installed.load_copies
     return {
         "prefetch_joins": _installed.predictor.join_placements,
+        "prefetch_forks": _installed.predictor.fork_placements,
+        "prefetch_chain_timeouts": _installed.predictor.chain_timeouts,
         "load_copy_bytes": copies.nbytes,
         "load_copy_s": round(copies.seconds, 2),
     }

@@ -1,0 +1,154 @@
+"""One forward's prefetch rounds on one side-stream branch, ordered after their layers' steps by device flags.
+
+A round that prefetches layer l+1's experts reads what layer l's step left behind on the current
+stream (the hidden state its router product takes, the replay cursor) and should not compete with
+l's own misses for the link, so it starts once layer l's step is done. With one CUDA graph fork
+per round that costs about 9 us a layer on vLLM's main path (run 15 in docs/benchmarks.md: 0.36
+ms a token at 40 layers), where one fork a forward costs 0.03 ms. So a forward captured whole
+forks the side stream once, after its first layer's step, and orders each later round by flags
+in device memory instead of graph edges:
+
+    flags[FORWARD]      forwards counted so far (the first layer's step adds one)
+    flags[TIMEOUTS]     waits that gave up (see below)
+    flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
+
+The fused step kernel (step_kernel, a `ChainSignal`) publishes `STEPPED + l` with a release store
+when its last program is done; `launch_wait` enqueues, on the side stream before round l+1, one
+program that spins (acquire loads) until that word holds this forward's number. The rounds' joins
+stay as they are (the main stream waits for round l+1 before step l+1: joins cost little, run 15),
+so the flags order nothing that tokens depend on: a round that started early would read a stale
+hidden state or cursor and propose the wrong experts, which costs bandwidth, never a token. That is
+why a wait may give up: after `max_spins` polls (about a second on a GPU) it counts a timeout and
+lets the round run, where a hang would lose the engine.
+
+In Triton's CPU interpreter the same kernels run with plain volatile loads and stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from bigmoe_pager.core.triton_launch import kernel_for
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+FORWARD, TIMEOUTS, STEPPED = 0, 1, 2
+GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
+NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
+"""What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
+
+
+@dataclass(frozen=True)
+class ChainSignal:
+    """What one layer's fused step publishes: its MoE index's STEPPED word in `flags`, once done."""
+
+    flags: torch.Tensor
+    """int64 [STEPPED + layers] on the step's device (PrefetchChain.flags)."""
+    layer: int
+    """The MoE index l: the step publishes flags[STEPPED + l]."""
+    first: bool
+    """The forward's first chained layer: its step also counts the forward (flags[FORWARD] + 1)."""
+
+    @property
+    def mode(self) -> int:
+        return COUNT_AND_PUBLISH if self.first else PUBLISH
+
+
+class PrefetchChain:
+    """The device flags of one process's chained prefetch rounds (one per device; any number of layers)."""
+
+    def __init__(self, layers: int, device: torch.device | str) -> None:
+        self.flags = torch.zeros(STEPPED + layers, dtype=torch.int64, device=device)
+
+    def signal(self, layer: int, first: bool) -> ChainSignal:
+        if not 0 <= layer < self.flags.numel() - STEPPED:
+            raise IndexError(f"MoE layer {layer} is outside the chain's {self.flags.numel() - STEPPED} layers")
+        return ChainSignal(self.flags, layer, first)
+
+    def wait_stepped(self, layer: int, max_spins: int | None = None) -> None:
+        """Enqueue, on the current stream, one program that waits until layer `layer`'s step of the forward
+        under way is done (capturable; gives up after max_spins polls, default GPU_MAX_SPINS, counting a timeout)."""
+        if not 0 <= layer < self.flags.numel() - STEPPED:
+            raise IndexError(f"MoE layer {layer} is outside the chain's {self.flags.numel() - STEPPED} layers")
+        on_gpu = self.flags.is_cuda
+        spins = (GPU_MAX_SPINS if on_gpu else 1) if max_spins is None else max_spins
+        kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu)
+
+    @property
+    def forwards(self) -> int:
+        """Forwards counted so far (reads the device: one sync)."""
+        return int(self.flags[FORWARD])
+
+    @property
+    def timeouts(self) -> int:
+        """Waits that gave up so far (reads the device: one sync)."""
+        return int(self.flags[TIMEOUTS])
+
+    def stepped(self, layer: int) -> int:
+        """The forward whose step of `layer` was last published (reads the device: one sync)."""
+        return int(self.flags[STEPPED + layer])
+
+
+if triton is not None:
+    _FORWARD, _TIMEOUTS, _STEPPED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, STEPPED))
+    _COUNT_AND_PUBLISH = tl.constexpr(COUNT_AND_PUBLISH)
+
+    @triton.jit
+    def _load_acquire(ptr, ON_GPU: tl.constexpr):
+        if ON_GPU:
+            # acquire at GPU scope: both ends are kernels of this device
+            value = tl.inline_asm_elementwise(
+                "ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
+            )
+        else:
+            value = tl.load(ptr, volatile=True)
+        return value
+
+    @triton.jit
+    def _store_release(ptr, value, ON_GPU: tl.constexpr):
+        if ON_GPU:
+            # release at GPU scope: what this program (and those whose counts it acquired) wrote lands first
+            tl.inline_asm_elementwise(
+                "st.release.gpu.global.b64 [$1], $2; mov.b32 $0, 0;",
+                "=r,l,l",
+                [ptr, value],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:
+            tl.store(ptr, value)
+
+    @triton.jit
+    def _pause(ON_GPU: tl.constexpr):
+        if ON_GPU:  # ~0.25 us between polls: one SM's worth of L2 traffic stays negligible
+            tl.inline_asm_elementwise(
+                "nanosleep.u32 256; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
+
+    @triton.jit
+    def publish_step(flags_ptr, layer, MODE: tl.constexpr, ON_GPU: tl.constexpr):
+        """Called by the program of a fused step that finishes it (every copy done): count the forward if the
+        step is the forward's first chained one, then publish its number as layer `layer`'s STEPPED word."""
+        forward = tl.load(flags_ptr + _FORWARD)
+        if MODE == _COUNT_AND_PUBLISH:
+            forward += 1
+            tl.store(flags_ptr + _FORWARD, forward)
+        _store_release(flags_ptr + _STEPPED + layer, forward, ON_GPU)
+
+    @triton.jit
+    def _wait_kernel(flags_ptr, layer, max_spins, ON_GPU: tl.constexpr):
+        forward = tl.load(flags_ptr + _FORWARD)  # counted by the first step, which the side stream was forked after
+        seen = _load_acquire(flags_ptr + _STEPPED + layer, ON_GPU)
+        spins = 0
+        while (seen != forward) & (spins < max_spins):
+            _pause(ON_GPU)
+            seen = _load_acquire(flags_ptr + _STEPPED + layer, ON_GPU)
+            spins += 1
+        if seen != forward:
+            tl.atomic_add(flags_ptr + _TIMEOUTS, 1)

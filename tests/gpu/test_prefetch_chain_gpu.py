@@ -1,0 +1,115 @@
+"""BIGMOE_PREFETCH_CHAIN on the GPU: a whole forward of paged layers captured in one CUDA graph, its live router's
+rounds on one side-stream branch (one fork, each round waiting on the device for the step before it), replayed with
+new hidden states and ids: every replay leaves each id's slot holding its expert, and the chained graph makes the
+same decisions (slots, counters) as the graph that forks a round a layer, fed the same inputs. No wait gives up."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from bigmoe_pager.adapters.vllm.predictor import Predictor
+from bigmoe_pager.adapters.vllm.routing import Routing
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.prediction import predict_next
+from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.settings import PagerSettings
+from test_live_predictor_gpu import HIDDEN, started
+
+pytestmark = pytest.mark.gpu
+
+
+def paged_model(layout, records, layers_n: int, vram: int, k: int, chained: bool, weights, policy: str):
+    stats = PagerStats(layers_n, "cuda")
+    runners: dict = {}
+    layers = []
+    for i in range(layers_n):
+        layer = SimpleNamespace(
+            layer_name=f"model.layers.{i}.mlp.experts",
+            _moe_index=i,
+            _num_experts=records.shape[0],
+            moe_config=SimpleNamespace(experts_per_token=k),
+            pager=started(layout, records, i, vram, stats, policy),
+            _runners=runners,
+        )
+        runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
+        layers.append(layer)
+    settings = PagerSettings(enabled=True, predict="router", prefetch_chain=chained)
+    predictor = Predictor(
+        settings,
+        Routing(settings),
+        lambda i: layers[i + 1] if i + 1 < layers_n else None,
+        on_device=True,
+        whole_forward_captured=lambda: True,
+    )
+    return layers, predictor, stats
+
+
+@pytest.mark.parametrize("experts,vram,k,tokens,policy", [(64, 16, 4, 1, "lru"), (128, 32, 8, 2, "lfu-duel")])
+def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slot_right(
+    experts, vram, k, tokens, policy
+):
+    layers_n = 6
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    g = torch.Generator().manual_seed(experts)
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
+    weights = [torch.randn(experts, HIDDEN, generator=g).to("cuda", torch.bfloat16) for _ in range(layers_n)]
+    x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
+    runs = {}
+    for chained in (False, True):
+        layers, predictor, stats = paged_model(layout, records, layers_n, vram, k, chained, weights, policy)
+        out = [torch.empty_like(i) for i in ids]
+
+        def forward() -> None:  # as the adapter runs each layer's call: page (publishing), fork or chain, compute
+            for i, layer in enumerate(layers):
+                with predictor.ahead(layer, x, ids[i].numel()) as turn:
+                    out[i].copy_(layer.pager.step(ids[i], turn.chain))
+                    turn()
+
+        rng = random.Random(experts)
+
+        def new_inputs() -> list[torch.Tensor]:
+            x.copy_(torch.randn(tokens, HIDDEN, generator=g).to("cuda", torch.bfloat16))
+            chosen = [torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)], dtype=torch.int32)]
+            for i in range(1, layers_n):  # layer i routes much as its router does on the shared state
+                routed = predict_next(x, weights[i], k).to("cpu", torch.int32)
+                if rng.random() < 0.3:
+                    routed[:, -1] = torch.tensor(rng.sample([e for e in range(experts)], tokens))
+                chosen.append(routed)
+            for target, value in zip(ids, chosen):
+                target.copy_(value)
+            return chosen
+
+        g.manual_seed(1000 + experts)
+        new_inputs()
+        forward()  # eager (Triton compiles here; nothing chains outside a capture)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        slots = []
+        for _ in range(30):
+            chosen = new_inputs()
+            graph.replay()
+            torch.cuda.synchronize()
+            slots.append([o.cpu() for o in out])
+            for i, layer in enumerate(layers):
+                pager = layer.pager
+                for expert, slot in zip(chosen[i].flatten().tolist(), out[i].flatten().cpu().tolist()):
+                    for c in layout.components:
+                        got = pager.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
+                        assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (i, expert, slot)
+        runs[chained] = slots, [stats.snapshot(i)["vram"] for i in range(layers_n)]
+        if chained:
+            assert predictor.fork_placements == ["once a forward (chained rounds)"]
+            assert predictor._chain.forwards == 30 and predictor.chain_timeouts == 0
+            assert all(predictor._chain.stepped(i) == 30 for i in range(layers_n))
+        else:
+            assert predictor.fork_placements == [] and predictor.chain_timeouts is None
+    (plain_slots, plain_counts), (chain_slots, chain_counts) = runs[False], runs[True]
+    assert all(torch.equal(a, b) for fa, fb in zip(plain_slots, chain_slots) for a, b in zip(fa, fb))
+    assert plain_counts == chain_counts
+    assert sum(c.prefetch_used for c in chain_counts) > 0  # the rounds ran and were used
