@@ -117,7 +117,8 @@ def test_a_chained_forward_orders_each_round_after_the_step_before_and_prefetche
 ):
     trace = traces.named_trace("topic-shift", 64, layers_n, EXPERTS, 2)
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # as in vLLM's FULL capture
+    capturing = [False]  # an eager forward first, as vLLM's profile run and warm-up come before its captures
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     results = {}
     chain_wait = PrefetchChain.wait_stepped
     for chained in (False, True):
@@ -133,6 +134,9 @@ def test_a_chained_forward_orders_each_round_after_the_step_before_and_prefetche
             chain_wait(self, layer, max_spins)
 
         monkeypatch.setattr(PrefetchChain, "wait_stepped", waited)
+        capturing[0] = False
+        run_forwards(live, layers, routing, 1)  # eager: nothing chains; the flags are made
+        capturing[0] = True  # then as in vLLM's FULL captures
         run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))
         results[chained] = (
             [stats.snapshot(i)["vram"] for i in range(layers_n)],
@@ -152,7 +156,9 @@ def test_a_chained_forward_orders_each_round_after_the_step_before_and_prefetche
         assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes)
 
 
-@pytest.mark.parametrize("case", ["piece", "eager", "a layer not fused", "too many ids", "setting off"])
+@pytest.mark.parametrize(
+    "case", ["piece", "eager", "a layer not fused", "too many ids", "setting off", "no uncaptured forward first"]
+)
 def test_a_forward_that_cannot_chain_forks_a_round_a_layer(tmp_path: Path, monkeypatch, caplog, case):
     trace = traces.named_trace("standard", 16, 3, EXPERTS, 2)
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, EXPERTS))
@@ -167,6 +173,10 @@ def test_a_forward_that_cannot_chain_forks_a_round_a_layer(tmp_path: Path, monke
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: case != "eager")
     live = predictor(layers, env, routing)
     live.whole_forward_captured = lambda: case != "piece"
+    if case != "no uncaptured forward first":
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+            run_forwards(live, layers, routing, 1)  # vLLM's profile run: makes the chain's flags (where on)
     signals = []
     tokens = 4 if case == "too many ids" else 1  # 8 ids, more than the 6 slots: no fused step
     with caplog.at_level(logging.WARNING, logger="vllm.bigmoe_pager"):
@@ -176,12 +186,18 @@ def test_a_forward_that_cannot_chain_forks_a_round_a_layer(tmp_path: Path, monke
                     signals.append(turn.chain)
         else:
             run_forwards(live, layers, routing, 2, on_step=lambda layer, turn: signals.append(turn.chain))
-    assert all(s is None for s in signals) and live._chain is None and not live.live.chained
+    assert all(s is None for s in signals) and not live.live.chained
+    assert (live._chain is None) is (case in ("setting off", "no uncaptured forward first"))
     told = [r.getMessage() for r in caplog.records if "forked" in r.getMessage()]
     if case in ("a layer not fused", "too many ids"):
         assert told == [
             "bigmoe: in CUDA graph captures, prefetch rounds are forked once a layer (not every layer's "
             "step is fused, so the rounds cannot be chained)"
+        ]
+    elif case == "no uncaptured forward first":
+        assert told == [
+            "bigmoe: in CUDA graph captures, prefetch rounds are forked once a layer (the chain's flags were not "
+            "made by an uncaptured forward first)"
         ]
     else:
         assert told == []

@@ -191,18 +191,24 @@ class Predictor:
 
     def _chain_signal(self, layer, hidden: torch.Tensor, num_ids: int | None) -> ChainSignal | None:
         """What layer `layer`'s step publishes: a chained forward opens at its model's first layer when the forward
-        is captured whole and every layer of the model steps fused (core.prefetch_chain); None otherwise."""
+        is captured whole and every layer of the model steps fused (core.prefetch_chain); None otherwise. The flags
+        are made at the first forward outside a capture (vLLM's profile run and warm-up come before its captures)."""
         if self.live.chained:
             return self._chain.signal(layer._moe_index, first=False)
         if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
             return None
-        if not (torch.cuda.is_current_stream_capturing() and self.whole_forward_captured()):
+        if not torch.cuda.is_current_stream_capturing():
+            if self._chain is None:  # made outside captures: one made inside would be zeroed by every replay
+                self._chain = PrefetchChain(self._layer_count(), hidden.device)
+            return None
+        if not self.whole_forward_captured():
+            return None
+        if self._chain is None or self._chain.flags.device != hidden.device:
+            self._tell("once a layer (the chain's flags were not made by an uncaptured forward first)", what=FORKED)
             return None
         if not all(self._publishes(each, num_ids) for each in self._layers_of_its_model(layer)):
             self._tell("once a layer (not every layer's step is fused, so the rounds cannot be chained)", what=FORKED)
             return None
-        if self._chain is None or self._chain.flags.device != hidden.device:
-            self._chain = PrefetchChain(self._layer_count(), hidden.device)
         self._tell("once a forward (chained rounds)", what=FORKED)
         self.live.open_chain(self._chain)
         return self._chain.signal(layer._moe_index, first=True)
