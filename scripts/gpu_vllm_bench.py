@@ -24,24 +24,22 @@ route almost uniformly; dummy weights route every token to experts 0-7).
     bigmoe-32-layerbuf   bigmoe-32 with that buffer
     bigmoe-32-ram128-ssd-layerbuf  bigmoe-32-ram128-ssd with that buffer (experts gathered through the slots)
 
-Suffixes: `@rX` replays traces that also carry next-layer predictions at recall X, so the
-pager prefetches on a side stream (docs/routing.md); a bare `@r` measures every recall of
---recalls; `~POLICY` sets BIGMOE_EVICTION (lru, lfu, lfu-fast, lfu-duel); a last `+ahead` (with @r)
-lets the predictions post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers
-ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for further layers are as right as its
-next-layer rows, which a real predictor is not), and `+hi` (with @r) runs
-the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` decides and copies a
-prefetch round in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each
-round by a one-element kernel on the side stream joined where a round is / once after the last layer,
-`+edges-early` forks each at its layer's entry, `+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE:
-what the branches themselves cost), `+chain` forks the rounds once a forward and orders them by device flags
-(BIGMOE_PREFETCH_CHAIN=1), `+gateN` the VRAM prefetch gate at
-N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
-(BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names the gate and budget it ran even where they are the
-plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts another engine of the same configuration whose rows
-keep the tag: how far two engines of one build land apart (run 12: 0.04 ms); a point --recalls names twice is measured
-twice in turn (its second row ends in /2): the drift within one engine. Predictions
-are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
+Suffixes: `@rX` replays traces that also carry next-layer predictions at recall X, so the pager prefetches on a side
+stream (docs/routing.md); a bare `@r` measures every recall of --recalls; `~POLICY` sets BIGMOE_EVICTION (lru, lfu,
+lfu-fast, lfu-duel); a last `+ahead` (with @r) lets the predictions post SSD reads ahead of need
+(BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for
+further layers are as right as its next-layer rows, which a real predictor is not), and `+hi` (with @r) runs the
+prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` decides and copies a prefetch round
+in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each round by a one-element kernel on
+the side stream joined where a round is / once after the last layer, `+edges-early` forks each at its layer's entry,
+`+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+chain` forks the
+rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; `+nowait` with it skips the rounds'
+device wait, to time it), `+gateN` the VRAM prefetch gate at N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none),
+`+bN` a prefetch budget of N experts a layer's round (BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names
+the gate and budget it ran even where they are the plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts
+another engine of the same configuration whose rows keep the tag: how far two engines of one build land apart (run
+12: 0.04 ms); a point --recalls names twice is measured twice in turn (its second row ends in /2): the drift within
+one engine. Predictions are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
 unless --precision is given.
 
 One engine per configuration measures every family of --families (scripts/traces.py:
@@ -136,6 +134,8 @@ EDGES_ONCE = "+edges-once"
 CHAIN = "+chain"
 """Name suffix: the rounds of a forward captured whole on one side-stream branch, forked once, each waiting for its
 layer's step on the device (BIGMOE_PREFETCH_CHAIN=1); needs @rRECALL."""
+NOWAIT = "+nowait"
+"""Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {
     "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
     "+b": "BIGMOE_PREFETCH_BUDGET",
@@ -152,6 +152,7 @@ PREDICTION_SUFFIXES = {
     EDGES_EARLY: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-early"},
     EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
+    NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"

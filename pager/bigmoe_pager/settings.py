@@ -104,6 +104,10 @@ class PagerSettings:
     """BIGMOE_TRACE_PATH: record routing (topk_ids int32 [tokens, layers, k]) to this .npz at shutdown."""
     route_replay: Path | None = None
     """BIGMOE_ROUTE_REPLAY: benchmark only: replace the router's top-k ids with this trace's, in order."""
+    chain_skip_wait: bool = False
+    """BIGMOE_CHAIN_SKIP_WAIT: benchmark only, with BIGMOE_PREFETCH_CHAIN=1: chained rounds skip their device wait for
+    the layer before's step, so they may read its hidden state or replay cursor too early (wrong proposals, never
+    wrong tokens); the engine's TPOT then shows what the waiting program costs."""
     side_branch_probe: str = "off"
     """BIGMOE_SIDE_BRANCH_PROBE: benchmark only, with a replayed trace's predictions, no round runs; instead one
     one-element kernel on the side stream per layer that has a next one: forked where a round is and joined where a

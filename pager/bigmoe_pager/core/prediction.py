@@ -110,12 +110,14 @@ class LivePredictions:
         self._marker: torch.Tensor | None = None  # fork_marker's counter
         self._chain: PrefetchChain | None = None  # open_chain's flags, while a chained forward is under way
         self._branch = False  # that forward's side-stream branch was forked (its first round)
+        self._chain_waits = True  # its later rounds wait for the step before them (False: benchmark only)
 
-    def open_chain(self, chain: PrefetchChain) -> None:
+    def open_chain(self, chain: PrefetchChain, wait: bool = True) -> None:
         """A forward captured whole begins (its first layer's step publishes with `first`): until close_chain,
         the side stream is forked once, at the first round, and each later round given `after` = l waits on the
-        device for layer l's step instead (core.prefetch_chain). Joins stay where the caller puts them."""
-        self._chain, self._branch = chain, False
+        device for layer l's step instead (core.prefetch_chain). Joins stay where the caller puts them.
+        wait=False: benchmark only (BIGMOE_CHAIN_SKIP_WAIT): the rounds do not wait, to time the wait."""
+        self._chain, self._branch, self._chain_waits = chain, False, wait
 
     def close_chain(self, device: torch.device) -> None:
         """The chained forward's last layer is done: join what is left, and fork again from the next round on."""
@@ -187,14 +189,15 @@ class LivePredictions:
         if not chained:  # a fork: in a chained forward, its first round's
             self._branch = self._chain is not None and after is not None
         stream = self._side_stream(source.device)
+        waits = chained and self._chain_waits
         if stream is None:
-            if chained:
+            if waits:
                 self._chain.wait_stepped(after)  # in order already: returns at once (it runs in the interpreter)
             return work()
         if not chained:
             stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
-            if chained:
+            if waits:
                 self._chain.wait_stepped(after)
             out = work()
         if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive

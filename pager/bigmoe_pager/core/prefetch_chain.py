@@ -77,7 +77,8 @@ class PrefetchChain:
             raise IndexError(f"MoE layer {layer} is outside the chain's {self.flags.numel() - STEPPED} layers")
         on_gpu = self.flags.is_cuda
         spins = (GPU_MAX_SPINS if on_gpu else 1) if max_spins is None else max_spins
-        kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu)
+        # one warp: it only polls, and leaves the SM's registers and threads to the kernels beside it
+        kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu, num_warps=1)
 
     @property
     def forwards(self) -> int:

@@ -143,7 +143,9 @@ class Predictor:
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE, SIDE_BRANCH_PROBES): replayed rounds become marker branches."""
         self.chain_on = settings.prefetch_chain and self.probe_fork is None
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
-        self._chain: PrefetchChain | None = None  # the flags, made at the first chained forward
+        self.chain_skips_wait = settings.chain_skip_wait
+        """Benchmark only (BIGMOE_CHAIN_SKIP_WAIT): chained rounds do not wait for the step before them."""
+        self._chain: PrefetchChain | None = None  # the flags, made by the first uncaptured forward
         self._told: set[tuple[str, str]] = set()  # (JOINED or FORKED, placement) already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
@@ -210,7 +212,7 @@ class Predictor:
             self._tell("once a layer (not every layer's step is fused, so the rounds cannot be chained)", what=FORKED)
             return None
         self._tell("once a forward (chained rounds)", what=FORKED)
-        self.live.open_chain(self._chain)
+        self.live.open_chain(self._chain, wait=not self.chain_skips_wait)
         return self._chain.signal(layer._moe_index, first=True)
 
     @staticmethod
