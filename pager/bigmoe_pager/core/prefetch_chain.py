@@ -4,22 +4,27 @@ A round that prefetches layer l+1's experts reads what layer l's step left behin
 stream (the hidden state its router product takes, the replay cursor) and should not compete with
 l's own misses for the link, so it starts once layer l's step is done. With one CUDA graph fork
 per round that costs about 9 us a layer on vLLM's main path (run 15 in docs/benchmarks.md: 0.36
-ms a token at 40 layers), where one fork a forward costs 0.03 ms. So a forward captured whole
-forks the side stream once, after its first layer's step, and orders each later round by flags
-in device memory instead of graph edges:
+ms a token at 40 layers), where one fork a forward cost 0.03 ms. So a forward captured whole can
+fork the side stream once, after its first layer's step, and order each later round by flags in
+device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured slower, below):
 
     flags[FORWARD]      forwards counted so far (the first layer's step adds one)
     flags[TIMEOUTS]     waits that gave up (see below)
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
 
 The fused step kernel (step_kernel, a `ChainSignal`) publishes `STEPPED + l` with a release store
-when its last program is done; `launch_wait` enqueues, on the side stream before round l+1, one
+when its last program is done; `wait_stepped` enqueues, on the side stream before round l+1, one
 program that spins (acquire loads) until that word holds this forward's number. The rounds' joins
-stay as they are (the main stream waits for round l+1 before step l+1: joins cost little, run 15),
-so the flags order nothing that tokens depend on: a round that started early would read a stale
+stay as they are (the main stream waits for round l+1 before step l+1), so the flags order nothing
+that tokens depend on: a round that started early would read a stale
 hidden state or cursor and propose the wrong experts, which costs bandwidth, never a token. That is
 why a wait may give up: after `max_spins` polls (about a second on a GPU) it counts a timeout and
 lets the round run, where a hang would lose the engine.
+
+Measured inside vLLM 0.33 (run 16), an idle chain costs what 39 forks cost: the joins a layer
+cost as much as the forks did (0.40 ms a token with no wait at all), and the waiting programs
+add 0.10-0.50 ms more. Only a forward with no cross-stream edge a layer (the joins replaced by
+flags too) could be cheaper; docs/benchmarks.md says what that needs.
 
 In Triton's CPU interpreter the same kernels run with plain volatile loads and stores.
 """
@@ -77,8 +82,9 @@ class PrefetchChain:
             raise IndexError(f"MoE layer {layer} is outside the chain's {self.flags.numel() - STEPPED} layers")
         on_gpu = self.flags.is_cuda
         spins = (GPU_MAX_SPINS if on_gpu else 1) if max_spins is None else max_spins
-        # one warp: it only polls, and leaves the SM's registers and threads to the kernels beside it
-        kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu, num_warps=1)
+        # Triton's default four warps: with one warp the chained engine ran 0.50 ms a token slower than forks, with
+        # four 0.10 (run 16 in docs/benchmarks.md, calls b and a; two machines)
+        kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu)
 
     @property
     def forwards(self) -> int:
