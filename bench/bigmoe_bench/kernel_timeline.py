@@ -13,6 +13,8 @@ A replayed graph's branches run on streams the driver picks (run 8), so the per-
 separate a prefetch from the compute there; the `prefetch_*` figures go by kernel name instead
 (PREFETCH_KERNELS): how long the prefetch's kernels ran, and how long they ran with no other kernel on
 the GPU, which is what the rest of the step waited for them (the copies a layer's window did not hide).
+The GPU's idle time just before and after each fused step (where a prefetch path's joins and forks sit)
+tells launch latency at those edges from kernels slowed by what runs beside them (run 16's open question).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ Interval = tuple[float, float]
 
 TOP_KERNELS = 16
 """Kernels (by name and stream) the summary ranks by their time per token."""
+
+STEP_KERNEL = "_step_kernel"
+"""The fused step's kernel: a prefetch path's cross-stream edges sit next to it (forks after, joins before)."""
 
 PREFETCH_KERNELS = ("_admit_kernel", "_replayed_rows_kernel", "_copy_kernel")
 """Names of the prefetch path's kernels: its decision, a replayed trace's proposal, its copy. Over a full RAM tier a
@@ -83,6 +88,28 @@ def gaps(busy: list[Interval]) -> list[Interval]:
     return [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
 
 
+def idle_around(ks: list[dict], name: str) -> tuple[int, float, float]:
+    """(count, microseconds, microseconds): how many kernels named `name` ran, and the GPU-wide idle time (no kernel
+    on any stream) just before and just after them, summed. A cross-stream edge that costs launch latency shows up
+    there; one that slows the kernels beside it does not."""
+    ends = sorted(k["end"] for k in ks)
+    starts = sorted(k["start"] for k in ks)
+    count, before, after = 0, 0.0, 0.0
+    for k in ks:
+        if name not in k["name"]:
+            continue
+        count += 1
+        ended = [e for e in ends if e <= k["start"]]
+        running = any(o["start"] < k["start"] < o["end"] for o in ks)
+        if ended and not running:
+            before += k["start"] - ended[-1]
+        later = [b for b in starts if b >= k["end"]]
+        busy = any(o["start"] < k["end"] < o["end"] for o in ks)
+        if later and not busy:
+            after += later[0] - k["end"]
+    return count, before, after
+
+
 def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict:
     """Per-token microseconds of the main stream's busy and idle time, side streams' time beside and outside it,
     the main stream's idle time while a side stream works (a join waiting for it), the time no kernel ran anywhere
@@ -114,6 +141,7 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
     is_prefetch = [any(name in k["name"] for name in PREFETCH_KERNELS) for k in ks]
     prefetch = union([(k["start"], k["end"]) for k, p in zip(ks, is_prefetch) if p])
     others = union([(k["start"], k["end"]) for k, p in zip(ks, is_prefetch) if not p])
+    steps, before_step, after_step = idle_around(ks, STEP_KERNEL)
     return {
         "tokens": tokens,
         "streams": len(busy),
@@ -126,6 +154,9 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
         "side_beside_main_us_per_token": round(length(intersect(side, busy[main])) * per, 1),
         "prefetch_busy_us_per_token": round(length(prefetch) * per, 1),
         "prefetch_alone_us_per_token": round((length(prefetch) - length(intersect(prefetch, others))) * per, 1),
+        "steps_per_token": round(steps * per, 2),
+        "gpu_idle_before_steps_us_per_token": round(before_step * per, 1),
+        "gpu_idle_after_steps_us_per_token": round(after_step * per, 1),
         "copy_kernels": {
             where: {"per_token": round(n * per, 2), "us_per_token": round(us * per, 1), "mean_us": round(us / n, 1)}
             for where, (n, us) in copy_streams.items()

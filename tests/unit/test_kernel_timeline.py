@@ -74,3 +74,23 @@ def test_a_trace_without_kernels_says_so(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]}))
     assert summarize_file(path, tokens=4) == {"error": "the trace holds no GPU kernels"}
+
+
+def test_gpu_idle_around_each_step_is_summed_where_no_kernel_runs():
+    """Idle just before a step (a join's latency) and just after it (a fork's), counted only where nothing ran."""
+    timeline = [
+        ("attention", 1, 0, 10),
+        ("_step_kernel_0d1d", 1, 13, 15),  # 3 us idle before (10-13), 4 after (15-19)
+        ("fused_moe_kernel", 1, 19, 30),
+        ("_copy_kernel_0d1d", 2, 25, 40),  # runs across the next step's start: no idle before it
+        ("_step_kernel_0d1d", 1, 32, 34),  # 32-34 beside the copy; after: the copy runs on, so no idle
+        ("attention", 1, 41, 50),
+    ]
+    events = [
+        {"ph": "X", "cat": "kernel", "name": n, "ts": a, "dur": b - a, "args": {"stream": st}}
+        for n, st, a, b in timeline
+    ]
+    s = summarize({"traceEvents": events}, tokens=2)
+    assert s["steps_per_token"] == 1.0
+    assert s["gpu_idle_before_steps_us_per_token"] == 1.5  # 3 us over 2 tokens
+    assert s["gpu_idle_after_steps_us_per_token"] == 2.0  # 4 us over 2 tokens
