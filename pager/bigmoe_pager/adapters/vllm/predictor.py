@@ -19,6 +19,9 @@ compete with the copies layer l waits for and overlap layer l's kernel. Where it
   vLLM 0.33's default model runner (V2) captures its FULL graphs with the forward context's mode
   at NONE, so "not the whole forward" is read as "mode PIECEWISE", never as "mode not FULL"
   (see `whole_forward_capture`).
+With BIGMOE_PREFETCH_CHAIN=1 (off: measured slower, run 16) a forward captured whole forks the side stream once:
+its model's first layer opens a chain (core.prefetch_chain) when every layer of the model steps fused, each step
+publishes itself (the Turn's `chain`), and each later round waits on the device for the step before it.
 With BIGMOE_SSD_READ_AHEAD=1 and BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1, the same fork also posts the SSD
 reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden state, or a replayed
 trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
@@ -180,8 +183,11 @@ class Predictor:
         try:
             yield Turn(fork, self._chain_signal(layer, hidden, num_ids))
             fork()
-        except BaseException:
-            self.live.close_chain(hidden.device) if self.live.chained else self.live.join(hidden.device)
+        except BaseException:  # nothing forked stays behind a failed call, and no chained forward stays open
+            if self.live.chained:
+                self.live.close_chain(hidden.device)
+            else:
+                self.live.join(hidden.device)
             raise
         if self.live.chained and self._last_of_its_model(layer):
             self.live.close_chain(hidden.device)
