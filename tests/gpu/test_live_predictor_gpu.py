@@ -38,6 +38,17 @@ def started(layout, records, index: int, vram: int, stats: PagerStats, policy: s
     return pager
 
 
+def whole_forward_predictor(settings: PagerSettings, layers: list) -> Predictor:
+    """The process's predictor over `layers` (in MoE order) in forwards captured whole (vLLM's FULL graphs)."""
+    return Predictor(
+        settings,
+        Routing(settings),
+        lambda i: layers[i + 1] if i + 1 < len(layers) else None,
+        on_device=True,
+        whole_forward_captured=lambda: True,
+    )
+
+
 @pytest.mark.parametrize("capture", ["pieces", "whole"])
 @pytest.mark.parametrize("experts,vram,k,tokens", [(64, 16, 4, 1), (256, 32, 8, 2)])
 def test_proposals_captured_with_a_layer_feed_the_next_layer(experts, vram, k, tokens, capture):
@@ -124,13 +135,7 @@ def test_side_branch_probe_branches_are_joined_inside_one_whole_forward_capture(
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, experts))
     settings = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", side_branch_probe=probe)
     layers = [SimpleNamespace(layer_name=f"model.layers.{i}.mlp.experts", _moe_index=i) for i in range(layers_n)]
-    predictor = Predictor(
-        settings,
-        Routing(settings),
-        lambda i: layers[i + 1] if i + 1 < layers_n else None,
-        on_device=True,
-        whole_forward_captured=lambda: True,
-    )
+    predictor = whole_forward_predictor(settings, layers)
     x = torch.ones((1, HIDDEN), device="cuda")
     y = torch.zeros_like(x)
 

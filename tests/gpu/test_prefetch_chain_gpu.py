@@ -10,13 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from bigmoe_pager.adapters.vllm.predictor import Predictor
-from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import predict_next
 from bigmoe_pager.core.stats import PagerStats
 from bigmoe_pager.settings import PagerSettings
-from test_live_predictor_gpu import HIDDEN, started
+from test_live_predictor_gpu import HIDDEN, started, whole_forward_predictor
 
 pytestmark = pytest.mark.gpu
 
@@ -37,14 +35,7 @@ def paged_model(layout, records, layers_n: int, vram: int, k: int, chained: bool
         runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
         layers.append(layer)
     settings = PagerSettings(enabled=True, predict="router", prefetch_chain=chained)
-    predictor = Predictor(
-        settings,
-        Routing(settings),
-        lambda i: layers[i + 1] if i + 1 < layers_n else None,
-        on_device=True,
-        whole_forward_captured=lambda: True,
-    )
-    return layers, predictor, stats
+    return layers, whole_forward_predictor(settings, layers), stats
 
 
 @pytest.mark.parametrize("experts,vram,k,tokens,policy", [(64, 16, 4, 1, "lru"), (128, 32, 8, 2, "lfu-duel")])

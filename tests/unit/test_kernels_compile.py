@@ -23,6 +23,7 @@ from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_ke
 from bigmoe_pager.core import prefetch_kernel as pk
 from bigmoe_pager.core import replay_kernel as rk
 from bigmoe_pager.core import prefetch_chain as chain
+from bigmoe_pager.core import ssd_mailbox as mb
 
 def build(fn, sig, consts, aligned=()):
     full = dict(sig)
@@ -74,6 +75,11 @@ for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     out[f"step_{name}"] = {"bar": "bar.sync" in ptx, "atom": accesses(k, "atom"),
                               "release": accesses(k, "st.release.gpu"),
                               "copy": sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", ptx))) + accesses(k, "st")}
+box = {n: "*i64" for n in ("box", "seq_ptr", "flag_ptr", "experts_ptr", "slots_ptr", "rows_ptr", "posted_ptr")}
+box |= {"layer": "i32", "n": "i32", "nrows": "i32", "post_entry0": "i32", "timeout_ns": "i64", "max_spins": "i32"}
+k = build(mb.request_kernel, box, {"DONE": 72, "BLOCK": 16, "ON_GPU": True})
+out["mailbox"] = {"acquire": accesses(k, "ld.acquire.sys"), "release": accesses(k, "st.release.sys"),
+                  "sleep": "nanosleep" in k.asm["ptx"]}
 k = build(chain._wait_kernel, {"flags_ptr": "*i64", "layer": "i32", "max_spins": "i32"}, {"ON_GPU": True})
 out["chain_wait"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
@@ -133,7 +139,10 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         assert any("evict_first" in a for a in step["copy"]) and "st.global.v2.b64" in step["copy"]
         # a chained step publishes with a release store at GPU scope (lru here); the others store nothing so
         assert step["release"] == (["st.release.gpu.global.b64"] if name == "lru" else [])
-    assert got["chain_wait"] == {
-        "acquire": ["ld.acquire.gpu.global.b64"],
+    assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
+    # the SSD mailbox's request: acquire loads and release stores at system scope (the host is the other end)
+    assert got["mailbox"] == {
+        "acquire": ["ld.acquire.sys.global.b64"],
+        "release": ["st.release.sys.global.b64"],
         "sleep": True,
-    }  # the round's wait polls gently
+    }

@@ -102,41 +102,10 @@ class PrefetchChain:
 
 
 if triton is not None:
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause, store_release
+
     _FORWARD, _TIMEOUTS, _STEPPED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, STEPPED))
     _COUNT_AND_PUBLISH = tl.constexpr(COUNT_AND_PUBLISH)
-
-    @triton.jit
-    def _load_acquire(ptr, ON_GPU: tl.constexpr):
-        if ON_GPU:
-            # acquire at GPU scope: both ends are kernels of this device
-            value = tl.inline_asm_elementwise(
-                "ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
-            )
-        else:
-            value = tl.load(ptr, volatile=True)
-        return value
-
-    @triton.jit
-    def _store_release(ptr, value, ON_GPU: tl.constexpr):
-        if ON_GPU:
-            # release at GPU scope: what this program (and those whose counts it acquired) wrote lands first
-            tl.inline_asm_elementwise(
-                "st.release.gpu.global.b64 [$1], $2; mov.b32 $0, 0;",
-                "=r,l,l",
-                [ptr, value],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        else:
-            tl.store(ptr, value)
-
-    @triton.jit
-    def _pause(ON_GPU: tl.constexpr):
-        if ON_GPU:  # ~0.25 us between polls: one SM's worth of L2 traffic stays negligible
-            tl.inline_asm_elementwise(
-                "nanosleep.u32 256; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-            )
 
     @triton.jit
     def publish_step(flags_ptr, layer, MODE: tl.constexpr, ON_GPU: tl.constexpr):
@@ -146,16 +115,16 @@ if triton is not None:
         if MODE == _COUNT_AND_PUBLISH:
             forward += 1
             tl.store(flags_ptr + _FORWARD, forward)
-        _store_release(flags_ptr + _STEPPED + layer, forward, ON_GPU)
+        store_release(flags_ptr + _STEPPED + layer, forward, GPU_SCOPE, ON_GPU)
 
     @triton.jit
     def _wait_kernel(flags_ptr, layer, max_spins, ON_GPU: tl.constexpr):
         forward = tl.load(flags_ptr + _FORWARD)  # counted by the first step, which the side stream was forked after
-        seen = _load_acquire(flags_ptr + _STEPPED + layer, ON_GPU)
+        seen = load_acquire(flags_ptr + _STEPPED + layer, GPU_SCOPE, ON_GPU)
         spins = 0
         while (seen != forward) & (spins < max_spins):
-            _pause(ON_GPU)
-            seen = _load_acquire(flags_ptr + _STEPPED + layer, ON_GPU)
+            pause(ON_GPU)
+            seen = load_acquire(flags_ptr + _STEPPED + layer, GPU_SCOPE, ON_GPU)
             spins += 1
         if seen != forward:
             tl.atomic_add(flags_ptr + _TIMEOUTS, 1)

@@ -38,6 +38,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from bigmoe_pager.core.memory_order import SYS_SCOPE, load_acquire, pause, store_release
 
 HOST_ERROR, GPU_ERROR, GPU_ERROR_SEQ, SINK = 0, 1, 2, 3
 REQ = 8  # first request word (after the control words, one 64-byte line)
@@ -64,41 +65,6 @@ def mailbox_words(capacity: int) -> int:
 def interpreting() -> bool:
     """Whether Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@triton.jit
-def _load_acquire(ptrs, ON_GPU: tl.constexpr):
-    if ON_GPU:
-        # acquire at system scope: sees host stores in order and is never served from a stale cache line
-        value = tl.inline_asm_elementwise(
-            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
-        )
-    else:
-        value = tl.load(ptrs, volatile=True)
-    return value
-
-
-@triton.jit
-def _store_release(ptrs, values, ON_GPU: tl.constexpr):
-    if ON_GPU:
-        # release at system scope: the request's payload words are visible to the host before its seq word
-        tl.inline_asm_elementwise(
-            "st.release.sys.global.b64 [$1], $2; mov.b32 $0, 0;",
-            "=r,l,l",
-            [ptrs, values],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.store(ptrs, values)
-
-
-@triton.jit
-def _pause(ON_GPU: tl.constexpr):
-    if ON_GPU:
-        # ~0.25 us between polls keeps PCIe read traffic low; reads take milliseconds
-        tl.inline_asm_elementwise("nanosleep.u32 256; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -139,8 +105,8 @@ def request_kernel(
     seq = tl.load(seq_ptr) + 1
     tl.store(seq_ptr, seq)
 
-    host_err = tl.max(_load_acquire(box + _HOST_ERROR + zero, ON_GPU), axis=0)
-    gpu_err = tl.max(_load_acquire(box + _GPU_ERROR + zero, ON_GPU), axis=0)
+    host_err = tl.max(load_acquire(box + _HOST_ERROR + zero, SYS_SCOPE, ON_GPU), axis=0)
+    gpu_err = tl.max(load_acquire(box + _GPU_ERROR + zero, SYS_SCOPE, ON_GPU), axis=0)
     valid = inb & (experts >= 0) & (host_err == 0) & (gpu_err == 0)
 
     entry = box + _REQ + offs * 4
@@ -149,7 +115,7 @@ def request_kernel(
     tl.store(entry + 2, experts, mask=valid)
     tl.store(entry + 3, slots, mask=valid)
     tl.debug_barrier()
-    _store_release(tl.where(valid, entry, sink), zero + seq, ON_GPU)
+    store_release(tl.where(valid, entry, sink), zero + seq, SYS_SCOPE, ON_GPU)
 
     # rows the step reads whose bytes a posted (read-ahead) read still brings: wait for those reads too
     rows = tl.load(rows_ptr + offs, mask=offs < nrows, other=-1).to(tl.int64)
@@ -166,12 +132,12 @@ def request_kernel(
     spins = npending * 0
     late = npending < 0
     while (npending > 0) & (host_err == 0) & (late == 0):
-        _pause(ON_GPU)
-        done = _load_acquire(done_ptrs, ON_GPU)
+        pause(ON_GPU)
+        done = load_acquire(done_ptrs, SYS_SCOPE, ON_GPU)
         pending = pending & (done != seq)
-        behind = behind & (_load_acquire(ahead_ptrs, ON_GPU) != ahead)
+        behind = behind & (load_acquire(ahead_ptrs, SYS_SCOPE, ON_GPU) != ahead)
         npending = tl.sum(pending.to(tl.int32), axis=0) + tl.sum(behind.to(tl.int32), axis=0)
-        host_err = tl.max(_load_acquire(box + _HOST_ERROR + zero, ON_GPU), axis=0)
+        host_err = tl.max(load_acquire(box + _HOST_ERROR + zero, SYS_SCOPE, ON_GPU), axis=0)
         spins += 1
         late = (tl.max(_now(zero, ON_GPU), axis=0) - start > timeout_ns) | (spins > max_spins)
     tl.store(posted_ptr + rows, zero, mask=waits & (behind.to(tl.int32) == 0))  # confirmed: later steps need not wait
@@ -182,7 +148,7 @@ def request_kernel(
     tl.store(flag_ptr + zero, zero + code, mask=first & (code != 0))  # device copy, for on-device reactions
     tl.store(box + _GPU_ERROR_SEQ + zero, zero + seq, mask=first & flag)
     tl.debug_barrier()
-    _store_release(tl.where(first & flag, box + _GPU_ERROR + zero, sink), zero + code, ON_GPU)
+    store_release(tl.where(first & flag, box + _GPU_ERROR + zero, sink), zero + code, SYS_SCOPE, ON_GPU)
 
 
 @triton.jit
@@ -197,8 +163,8 @@ def post_kernel(
     slots = tl.load(slots_ptr + offs, mask=inb, other=-1).to(tl.int64)
     seq = tl.load(post_seq_ptr) + 1  # the layer's own counter: its posts are ordered on one stream
     tl.store(post_seq_ptr, seq)
-    host_err = tl.max(_load_acquire(box + _HOST_ERROR + zero, ON_GPU), axis=0)
-    gpu_err = tl.max(_load_acquire(box + _GPU_ERROR + zero, ON_GPU), axis=0)
+    host_err = tl.max(load_acquire(box + _HOST_ERROR + zero, SYS_SCOPE, ON_GPU), axis=0)
+    gpu_err = tl.max(load_acquire(box + _GPU_ERROR + zero, SYS_SCOPE, ON_GPU), axis=0)
     valid = inb & (experts >= 0) & (slots >= 0) & (host_err == 0) & (gpu_err == 0)
     entry = box + _REQ + (entry0 + slots) * 4
     sink = box + _SINK + zero
@@ -206,7 +172,7 @@ def post_kernel(
     tl.store(entry + 2, experts, mask=valid)
     tl.store(entry + 3, slots, mask=valid)
     tl.debug_barrier()
-    _store_release(tl.where(valid, entry, sink), zero + seq, ON_GPU)
+    store_release(tl.where(valid, entry, sink), zero + seq, SYS_SCOPE, ON_GPU)
     tl.store(posted_ptr + slots, zero + seq, mask=valid)
 
 
@@ -218,7 +184,7 @@ def settle_kernel(box, posted_ptr, n, done0, BLOCK: tl.constexpr, ON_GPU: tl.con
     inb = offs < n
     ahead = tl.load(posted_ptr + offs, mask=inb, other=0)
     waiting = inb & (ahead != 0)
-    done = _load_acquire(tl.where(waiting, box + done0 + offs, box + _SINK + zero), ON_GPU)
+    done = load_acquire(tl.where(waiting, box + done0 + offs, box + _SINK + zero), SYS_SCOPE, ON_GPU)
     tl.store(posted_ptr + offs, zero, mask=waiting & (done == ahead))
 
 
