@@ -16,17 +16,20 @@ GPU_SCOPE = tl.constexpr(False)
 """SYSTEM for a word only this device's kernels use."""
 
 
+# The PTX of each, by scope (a kernel reads only constexpr globals).
+_LOAD_SYS = tl.constexpr("ld.acquire.sys.global.b64 $0, [$1];")
+_LOAD_GPU = tl.constexpr("ld.acquire.gpu.global.b64 $0, [$1];")
+_STORE_SYS = tl.constexpr("st.release.sys.global.b64 [$1], $2; mov.b32 $0, 0;")
+_STORE_GPU = tl.constexpr("st.release.gpu.global.b64 [$1], $2; mov.b32 $0, 0;")
+
+
 @triton.jit
 def load_acquire(ptrs, SYSTEM: tl.constexpr, ON_GPU: tl.constexpr):
+    """Never served from a stale line; at system scope it sees host stores in order."""
     if ON_GPU:
-        if SYSTEM:  # sees host stores in order and is never served from a stale cache line
-            value = tl.inline_asm_elementwise(
-                "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
-            )
-        else:
-            value = tl.inline_asm_elementwise(
-                "ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
-            )
+        value = tl.inline_asm_elementwise(
+            _LOAD_SYS if SYSTEM else _LOAD_GPU, "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
+        )
     else:
         value = tl.load(ptrs, volatile=True)
     return value
@@ -34,25 +37,11 @@ def load_acquire(ptrs, SYSTEM: tl.constexpr, ON_GPU: tl.constexpr):
 
 @triton.jit
 def store_release(ptrs, values, SYSTEM: tl.constexpr, ON_GPU: tl.constexpr):
+    """What this program wrote before is visible to the other end (the host, at system scope) before this word."""
     if ON_GPU:
-        if SYSTEM:  # what this program wrote before is visible to the host before this word
-            tl.inline_asm_elementwise(
-                "st.release.sys.global.b64 [$1], $2; mov.b32 $0, 0;",
-                "=r,l,l",
-                [ptrs, values],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        else:
-            tl.inline_asm_elementwise(
-                "st.release.gpu.global.b64 [$1], $2; mov.b32 $0, 0;",
-                "=r,l,l",
-                [ptrs, values],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+        tl.inline_asm_elementwise(
+            _STORE_SYS if SYSTEM else _STORE_GPU, "=r,l,l", [ptrs, values], dtype=tl.int32, is_pure=False, pack=1
+        )
     else:
         tl.store(ptrs, values)
 
