@@ -70,21 +70,27 @@ class PrefetchChain:
     def __init__(self, layers: int, device: torch.device | str) -> None:
         self.flags = torch.zeros(STEPPED + layers, dtype=torch.int64, device=device)
 
+    @property
+    def layers(self) -> int:
+        return self.flags.numel() - STEPPED
+
     def signal(self, layer: int, first: bool) -> ChainSignal:
-        if not 0 <= layer < self.flags.numel() - STEPPED:
-            raise IndexError(f"MoE layer {layer} is outside the chain's {self.flags.numel() - STEPPED} layers")
-        return ChainSignal(self.flags, layer, first)
+        return ChainSignal(self.flags, self._checked(layer), first)
 
     def wait_stepped(self, layer: int, max_spins: int | None = None) -> None:
         """Enqueue, on the current stream, one program that waits until layer `layer`'s step of the forward
         under way is done (capturable; gives up after max_spins polls, default GPU_MAX_SPINS, counting a timeout)."""
-        if not 0 <= layer < self.flags.numel() - STEPPED:
-            raise IndexError(f"MoE layer {layer} is outside the chain's {self.flags.numel() - STEPPED} layers")
+        self._checked(layer)
         on_gpu = self.flags.is_cuda
         spins = (GPU_MAX_SPINS if on_gpu else 1) if max_spins is None else max_spins
         # Triton's default four warps: with one warp the chained engine ran 0.50 ms a token slower than forks, with
         # four 0.10 (run 16 in docs/benchmarks.md, calls b and a; two machines)
         kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu)
+
+    def _checked(self, layer: int) -> int:
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"MoE layer {layer} is outside the chain's {self.layers} layers")
+        return layer
 
     @property
     def forwards(self) -> int:
