@@ -34,8 +34,10 @@ in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace e
 the side stream joined where a round is / once after the last layer, `+edges-early` forks each at its layer's entry,
 `+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+chain` forks the
 rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; `+nowait` with it skips the rounds'
-device wait, to time it), `+gateN` the VRAM prefetch gate at N% (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none),
-`+bN` a prefetch budget of N experts a layer's round (BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names
+device wait, to time it), `+joinless` chains them and joins the side stream once a forward, each step settling its
+round on the device (BIGMOE_PREFETCH_JOINLESS=1), `+gateN` the VRAM prefetch gate at N%
+(BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
+(BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names
 the gate and budget it ran even where they are the plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts
 another engine of the same configuration whose rows keep the tag: how far two engines of one build land apart (run
 12: 0.04 ms); a point --recalls names twice is measured twice in turn (its second row ends in /2): the drift within
@@ -134,6 +136,9 @@ EDGES_ONCE = "+edges-once"
 CHAIN = "+chain"
 """Name suffix: the rounds of a forward captured whole on one side-stream branch, forked once, each waiting for its
 layer's step on the device (BIGMOE_PREFETCH_CHAIN=1); needs @rRECALL."""
+JOINLESS = "+joinless"
+"""Name suffix: chained rounds with no join before each step, which settles its round and waits only for the copies
+it needs on the device (BIGMOE_PREFETCH_JOINLESS=1, core.round_sync); needs @rRECALL."""
 NOWAIT = "+nowait"
 """Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {
@@ -152,6 +157,7 @@ PREDICTION_SUFFIXES = {
     EDGES_EARLY: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-early"},
     EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
+    JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
@@ -462,12 +468,14 @@ ENGINE_FIELDS = (
     "prefetch_joins",
     "prefetch_forks",
     "prefetch_chain_timeouts",
+    "prefetch_chain_cancels",
     "load_copy_bytes",
     "load_copy_s",
 )
 """What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file; prefetch_joins /
 prefetch_forks: where its captures joined the prefetch and how often they forked it; prefetch_chain_timeouts: chained
-rounds whose device wait gave up, None where none was chained; load_copy_*: what vLLM's loader copied into the RAM
+rounds whose device wait gave up, None where none was chained; prefetch_chain_cancels: joinless rounds their step
+came before; load_copy_*: what vLLM's loader copied into the RAM
 tier, and how long)."""
 
 

@@ -21,6 +21,7 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram40-predict               vram40 with the live next-layer predictor prefetching (BIGMOE_PREDICT=router)
     vram12-ram50-ssd-predict-ahead  vram12-ram50-ssd with that prefetch and SSD reads ahead (BIGMOE_SSD_READ_AHEAD=1)
     vram40-predict-chain         vram40-predict with each forward's rounds chained (BIGMOE_PREFETCH_CHAIN=1)
+    vram40-predict-joinless      vram40-predict chained and joined once a forward (BIGMOE_PREFETCH_JOINLESS=1)
     unpaged-piecewise            the reference of PIECEWISE runs (the graph mode alone changes the engine's numerics)
     vram40-piecewise             vram40 under PIECEWISE CUDA graphs
     vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs
@@ -169,6 +170,11 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(
             f"vram40-predict-chain ({vram40} slots, live prefetch, chained rounds)",
             {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_CHAIN": "1"},
+        ),
+        # And joined once a forward: each step settles its round on the device (core.round_sync).
+        Config(
+            f"vram40-predict-joinless ({vram40} slots, live prefetch, chained rounds joined once)",
+            {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
         ),
         Config(
             f"vram12-ram50-ssd-predict-ahead ({vram12}/{ram50}, checkpoint, live prefetch, SSD reads ahead)",
@@ -604,6 +610,7 @@ def compare(row: dict, reference: dict | None) -> None:
         "prefetch_joins",
         "prefetch_forks",
         "prefetch_chain_timeouts",
+        "prefetch_chain_cancels",
         "load_copy_bytes",
         "load_copy_s",
     ):  # process.engine_facts (absent: pager off)

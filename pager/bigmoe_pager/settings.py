@@ -92,6 +92,10 @@ class PagerSettings:
     stream is forked once and each later round waits for its layer's step on the device (core.prefetch_chain)
     instead of a graph fork a layer; 0 = a fork a round. Off: inside vLLM 0.33 it ran 0.10 ms a token slower at recall
     0 (run 16: its joins a layer cost what the forks did)."""
+    prefetch_joinless: bool = False
+    """BIGMOE_PREFETCH_JOINLESS: 1 = a chained forward (as BIGMOE_PREFETCH_CHAIN=1, which this implies) joins its
+    side stream only at its end: each step settles the round into its table on the device and waits only for the
+    copies it needs (core.round_sync); 0 = a join before each step."""
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,

@@ -21,6 +21,13 @@ def matrix() -> dict[str, e2e.Config]:
     [
         ("vram40-predict", ("102", None), {}, None, "unpaged"),
         ("vram40-predict-chain", ("102", None), {"BIGMOE_PREFETCH_CHAIN": "1"}, None, "unpaged"),
+        (
+            "vram40-predict-joinless",
+            ("102", None),
+            {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
+            None,
+            "unpaged",
+        ),
         ("vram12-ram50-ssd-predict-ahead", ("32", "128"), {"BIGMOE_SSD_READ_AHEAD": "1"}, None, "unpaged"),
         ("vram40-predict-piecewise", ("102", None), {}, "PIECEWISE", "unpaged-piecewise"),
     ],

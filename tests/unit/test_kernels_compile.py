@@ -57,23 +57,25 @@ adm |= {"pred_ptr": "*i64", "want_ptr": "*i32", "avail_ptr": "*u8", "keep_ptr": 
 for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input present
     k = build(adk._admit_kernel, adm, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
               "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_AVAIL": True, "HAS_KEEP": True,
-              "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu, "BUDGET": 2})
-    out[f"admit_lfu={lfu}"] = "bar.sync" in k.asm["ptx"]
+              "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu, "BUDGET": 2, "SYNC": lfu, "ON_GPU": True})
+    out[f"admit_lfu={lfu}"] = {"bar": "bar.sync" in k.asm["ptx"], "atom": accesses(k, "atom"),
+                               "release": accesses(k, "st.release.gpu")}
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
-        "chain_layer": "i32"}
+        "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64", "max_spins": "i32"}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
 for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
               "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy(name),
-              "CHAIN": 2 if name == "lru" else 0, "ON_GPU": True,
+              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1}[name], "SYNC": name == "lfu-duel", "ON_GPU": True,
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
               ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
     ptx = k.asm["ptx"]
     out[f"step_{name}"] = {"bar": "bar.sync" in ptx, "atom": accesses(k, "atom"),
-                              "release": accesses(k, "st.release.gpu"),
+                              "release": accesses(k, "st.release.gpu"), "acquire": accesses(k, "ld.acquire.gpu"),
+                              "sleep": "nanosleep" in ptx,
                               "copy": sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", ptx))) + accesses(k, "st")}
 box = {n: "*i64" for n in ("box", "seq_ptr", "flag_ptr", "experts_ptr", "slots_ptr", "rows_ptr", "posted_ptr")}
 box |= {"layer": "i32", "n": "i32", "nrows": "i32", "post_entry0": "i32", "timeout_ns": "i64", "max_spins": "i32"}
@@ -83,12 +85,15 @@ out["mailbox"] = {"acquire": accesses(k, "ld.acquire.sys"), "release": accesses(
 k = build(chain._wait_kernel, {"flags_ptr": "*i64", "layer": "i32", "max_spins": "i32"}, {"ON_GPU": True})
 out["chain_wait"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
-k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"} | {n: "*i64" for n in ptrs[3:]},
-          {"OFF0": 0, "OFF1": 262144, "OFF2": 393216, "OFF3": 393224, "N0": 262144, "N1": 131072, "N2": 8, "N3": 8,
-           "NB0": 256, "NB1": 128, "NB2": 1, "NB3": 1, "BLOCK": 1024}, ptrs + ["pitch_words"])
 def wide_copy(k):
     return sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", k.asm["ptx"]))) + accesses(k, "st")
-out["copy"] = wide_copy(k)
+for count in (False, True):  # a joinless round's copy counts each program's blocks into the slot's word
+    k = build(ck._copy_kernel, {n: "*i64" for n in ptrs[:3]} | {"pitch_words": "i32"} | {n: "*i64" for n in ptrs[3:]}
+              | {"copied_ptr": "*i64"},
+              {"OFF0": 0, "OFF1": 262144, "OFF2": 393216, "OFF3": 393224, "N0": 262144, "N1": 131072, "N2": 8,
+               "N3": 8, "NB0": 256, "NB1": 128, "NB2": 1, "NB3": 1, "BLOCK": 1024, "COUNT": count},
+              ptrs + ["pitch_words"])
+    out[f"copy_count={count}"] = {"copy": wide_copy(k), "atom": accesses(k, "atom")}
 pre = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in pk._prefetch_kernel.arg_names if n.islower()}
 pre |= {"done_ptr": "*i32", "rec_ptr": "*i64", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
 for lfu in (False, True):  # Flash-Next at 40% VRAM, a top-10 proposal, the default budget
@@ -124,8 +129,20 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["acquire_lru"] and got["acquire_lfu"] and got["acquire_lfu-duel"]  # one program, block barriers
-    assert got["admit_lfu=False"] and got["admit_lfu=True"]
-    assert any(".v2.b64" in a for a in got["copy"] if a.startswith("ld")) and "st.global.v2.b64" in got["copy"]
+    # the admit kernel: one program with block barriers; a joinless round's (lfu here) claims the table (an acq_rel
+    # max) and releases its decision with a release store at GPU scope; the other touches neither
+    plain, joinless = got["admit_lfu=False"], got["admit_lfu=True"]
+    assert (
+        plain["bar"]
+        and joinless["bar"]
+        and plain["release"] == []
+        and joinless["release"] == ["st.release.gpu.global.b64"]
+    )
+    assert not any("max" in a for a in plain["atom"]) and "atom.global.gpu.acq_rel.max.s64" in joinless["atom"]
+    for count in (False, True):  # 16-byte copies; a counting copy adds its share with a release atomic
+        copy = got[f"copy_count={count}"]
+        assert any(".v2.b64" in a for a in copy["copy"] if a.startswith("ld")) and "st.global.v2.b64" in copy["copy"]
+        assert copy["atom"] == (["atom.global.gpu.release.add.u64"] if count else [])
     for lfu in (False, True):  # the fused prefetch round: an acq_rel done counter, 16-byte copies
         round_ = got[f"prefetch_lfu={lfu}"]
         assert "atom.global.gpu.acq_rel.add.u32" in round_["atom"]
@@ -138,7 +155,12 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         assert step["bar"] and "atom.global.gpu.acq_rel.add.u32" in step["atom"]
         assert any("evict_first" in a for a in step["copy"]) and "st.global.v2.b64" in step["copy"]
         # a chained step publishes with a release store at GPU scope (lru here); the others store nothing so
-        assert step["release"] == (["st.release.gpu.global.b64"] if name == "lru" else [])
+        assert step["release"] == (["st.release.gpu.global.b64"] if name != "lfu" else [])
+        # a joinless step (lfu-duel here) settles its round: a compare-and-swap, acquire loads of the claim and the
+        # copies' progress, sleeps between polls; the others poll nothing
+        assert ("atom.global.acq_rel.gpu.cas.b64" in step["atom"]) == (name == "lfu-duel")
+        assert step["acquire"] == (["ld.acquire.gpu.global.b64"] if name == "lfu-duel" else [])
+        assert step["sleep"] == (name == "lfu-duel")
     assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
     # the SSD mailbox's request: acquire loads and release stores at system scope (the host is the other end)
     assert got["mailbox"] == {

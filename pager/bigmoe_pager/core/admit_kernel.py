@@ -43,6 +43,8 @@ def launch_admit(
     min_used_percent: int = 0,
     budget: int = 0,
     lift_percent: int | None = None,
+    chain_flags: torch.Tensor | None = None,
+    record_blocks: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
@@ -56,6 +58,9 @@ def launch_admit(
     used_score, wasted_score, gate_closed and would-fetch marks.
     budget: SlotTable.prefetch_budget (at most this many fetched, the highest use counts first; 0: no limit).
     lift_percent: SlotTable.lift_percent (the budget is ignored while the gate's scores reach it; None: never).
+    chain_flags: a joinless chained forward's flags (core.round_sync): the round first claims the table for the
+    forward (a step that came first has cancelled it: then nothing is decided and every output is -1), and marks
+    each slot it fills as `record_blocks` copy blocks short of done before it releases the decision.
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -88,6 +93,11 @@ def launch_admit(
         m,
         stats_row if stats_row is not None else dummy,
         record_bytes,
+        dummy if chain_flags is None else chain_flags,
+        table_state["claim"],
+        table_state["copied"],
+        table_state["target"],
+        record_blocks,
         E=num_experts,
         S=num_slots,
         NEEDED=NEEDED_KEY,
@@ -101,6 +111,8 @@ def launch_admit(
         HAS_STATS=stats_row is not None,
         LFU=lfu,
         BUDGET=budget,
+        SYNC=chain_flags is not None,
+        ON_GPU=flat.is_cuda,
         num_warps=4,
     )
     if source is None:
@@ -117,6 +129,10 @@ def _bytes_of(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import lfu_key
+    from bigmoe_pager.core.prefetch_chain import FORWARD
+    from bigmoe_pager.core.round_sync import claim_round, release_round
+
+    _FORWARD = tl.constexpr(FORWARD)
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _BYTES = tl.constexpr(stats.BYTES)
@@ -210,6 +226,11 @@ if triton is not None:
         m,
         stats_ptr,
         record_bytes,
+        flags_ptr,
+        claim_ptr,
+        copied_ptr,
+        target_ptr,
+        record_blocks,
         E: tl.constexpr,
         S: tl.constexpr,
         NEEDED: tl.constexpr,
@@ -223,6 +244,117 @@ if triton is not None:
         HAS_STATS: tl.constexpr,
         LFU: tl.constexpr,
         BUDGET: tl.constexpr,
+        SYNC: tl.constexpr,
+        ON_GPU: tl.constexpr,
+    ):
+        claimed = True
+        if SYNC:  # a joinless forward: hold the table before reading it, or find the step came first
+            forward = tl.load(flags_ptr + _FORWARD)
+            claimed = claim_round(claim_ptr, forward)
+        if claimed:
+            _decide(
+                pred_ptr,
+                n_pred,
+                expert_slot_ptr,
+                slot_expert_ptr,
+                last_use_ptr,
+                step_ptr,
+                freq_ptr,
+                prefetched_ptr,
+                would_fetch_ptr,
+                prefetch_step_ptr,
+                want_ptr,
+                used_score_ptr,
+                wasted_score_ptr,
+                gate_closed_ptr,
+                min_used_percent,
+                lift_percent,
+                avail_ptr,
+                keep_ptr,
+                src_row_ptr,
+                src_posted_ptr,
+                out_exp_ptr,
+                out_slot_ptr,
+                out_evicted_ptr,
+                out_row_ptr,
+                m,
+                stats_ptr,
+                record_bytes,
+                copied_ptr,
+                target_ptr,
+                record_blocks,
+                E,
+                S,
+                NEEDED,
+                PACKED_MAX,
+                BLOCK_E,
+                BLOCK_S,
+                BLOCK_N,
+                HAS_AVAIL,
+                HAS_KEEP,
+                HAS_SOURCE,
+                HAS_STATS,
+                LFU,
+                BUDGET,
+                SYNC,
+            )
+            if SYNC:
+                tl.debug_barrier()  # every store of the decision is made before the release
+                release_round(claim_ptr, forward, ON_GPU)
+        else:  # cancelled: nothing to copy
+            s_ar = tl.arange(0, BLOCK_S)
+            m_in = s_ar < m
+            tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
+            tl.store(out_slot_ptr + s_ar, -1, mask=m_in)
+            tl.store(out_evicted_ptr + s_ar, -1, mask=m_in)
+            tl.store(out_row_ptr + s_ar, -1, mask=m_in)
+
+    @triton.jit
+    def _decide(
+        pred_ptr,
+        n_pred,
+        expert_slot_ptr,
+        slot_expert_ptr,
+        last_use_ptr,
+        step_ptr,
+        freq_ptr,
+        prefetched_ptr,
+        would_fetch_ptr,
+        prefetch_step_ptr,
+        want_ptr,
+        used_score_ptr,
+        wasted_score_ptr,
+        gate_closed_ptr,
+        min_used_percent,
+        lift_percent,
+        avail_ptr,
+        keep_ptr,
+        src_row_ptr,
+        src_posted_ptr,
+        out_exp_ptr,
+        out_slot_ptr,
+        out_evicted_ptr,
+        out_row_ptr,
+        m,
+        stats_ptr,
+        record_bytes,
+        copied_ptr,
+        target_ptr,
+        record_blocks,
+        E: tl.constexpr,
+        S: tl.constexpr,
+        NEEDED: tl.constexpr,
+        PACKED_MAX: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_AVAIL: tl.constexpr,
+        HAS_KEEP: tl.constexpr,
+        HAS_SOURCE: tl.constexpr,
+        HAS_STATS: tl.constexpr,
+        LFU: tl.constexpr,
+        BUDGET: tl.constexpr,
+        SYNC: tl.constexpr,
     ):
         step = tl.load(step_ptr)
         e_ar = tl.arange(0, BLOCK_E)
@@ -318,3 +450,6 @@ if triton is not None:
             tl.atomic_add(stats_ptr + _PREFETCHED, n)
             tl.atomic_add(stats_ptr + _PREFETCH_USED, n_used)
             tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
+        if SYNC:  # each filled slot is record_blocks short of done until the round's copy has written it
+            goal = tl.load(copied_ptr + cand, mask=take, other=0) + record_blocks
+            tl.store(target_ptr + cand, goal, mask=take)

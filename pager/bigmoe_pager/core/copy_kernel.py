@@ -75,6 +75,7 @@ def copy_records(
     buffers: dict[str, torch.Tensor],
     block_bytes: int = BLOCK_BYTES,
     programs_per_record: int = 0,
+    copied: torch.Tensor | None = None,
 ) -> None:
     """For each i with src[i] >= 0 and dst[i] >= 0: record src[i] -> slot dst[i] of every component buffer.
 
@@ -83,13 +84,25 @@ def copy_records(
     programs_per_record: at most this many programs per work item, each looping over its share of
     the blocks (0: one program per block, the fastest copy, which fills every SM while it runs).
     A copy beside compute (prefetch on a side stream) takes few, leaving the SMs to the compute.
+    copied: int64 [slots] that gets, per slot, the blocks written into it (record_blocks of them per record;
+    each program adds its share once its stores are made: a joinless round's progress, core.round_sync).
     """
     check_copy_args(records, src, dst, layout, buffers)
     device = next(iter(buffers.values())).device
     if device.type == "cpu":
         copy_records_torch(records, src, dst, layout, buffers)
+        if copied is not None:
+            filled = dst[(src >= 0) & (dst >= 0)].long()
+            copied.index_add_(0, filled, torch.full_like(filled, record_blocks(layout, block_bytes)))
     else:
-        copy_records_triton(records, src, dst, layout, buffers, block_bytes, programs_per_record)
+        copy_records_triton(records, src, dst, layout, buffers, block_bytes, programs_per_record, copied)
+
+
+def record_blocks(layout: ExpertLayout, block_bytes: int = BLOCK_BYTES) -> int:
+    """Copy blocks of one record, over all its components (what `copied` gets per record copied)."""
+    plan = copy_plan(layout)
+    block = max(1, block_bytes // plan.word_bytes)
+    return sum(-(-words // block) for words in plan.sizes)
 
 
 def copy_records_torch(records, src, dst, layout: ExpertLayout, buffers: dict[str, torch.Tensor]) -> None:
@@ -110,6 +123,7 @@ def copy_records_triton(
     buffers: dict[str, torch.Tensor],
     block_bytes: int = BLOCK_BYTES,
     programs_per_record: int = 0,
+    copied: torch.Tensor | None = None,
 ) -> None:
     """The kernel path (GPU; on CPU tensors, Triton's interpreter runs the same kernel)."""
     if programs_per_record < 0:
@@ -128,7 +142,9 @@ def copy_records_triton(
             *group.offsets,
             *group.sizes,
             *group.nblocks,
+            src if copied is None else copied,
             BLOCK=block,
+            COUNT=copied is not None,
             num_warps=4,
         )
 
@@ -214,6 +230,7 @@ def check_slot_buffers(layout: ExpertLayout, buffers) -> None:
 
 
 if triton is not None:
+    from bigmoe_pager.core.round_sync import count_copied
 
     @triton.jit
     def _copy_kernel(
@@ -237,7 +254,9 @@ if triton is not None:
         NB1: tl.constexpr,
         NB2: tl.constexpr,
         NB3: tl.constexpr,
+        copied_ptr,
         BLOCK: tl.constexpr,
+        COUNT: tl.constexpr,
     ):
         # Program (m, p): work item m, blocks p, p + P, ... of the components laid end to end (P programs per
         # item; one pass when P is the block count).
@@ -245,11 +264,13 @@ if triton is not None:
         s = tl.load(src_ptr + m).to(tl.int64)
         d = tl.load(dst_ptr + m).to(tl.int64)
         if (s >= 0) & (d >= 0):
+            p = tl.program_id(1)
+            stride = tl.num_programs(1)
             copy_record_blocks(
                 rec_ptr + s * pitch_words,
                 d,
-                tl.program_id(1),
-                tl.num_programs(1),
+                p,
+                stride,
                 out0,
                 out1,
                 out2,
@@ -268,6 +289,10 @@ if triton is not None:
                 NB3,
                 BLOCK,
             )
+            if COUNT:
+                tl.debug_barrier()  # this program's stores are made before its count
+                nblk = NB0 + NB1 + NB2 + NB3
+                count_copied(copied_ptr, d, tl.maximum((nblk - p + stride - 1) // stride, 0))
 
     @triton.jit
     def copy_listed_share(

@@ -182,7 +182,7 @@ class DeviceLayerPager:
             self.settle()
         return remapped
 
-    def prefetch(self, predicted_ids: torch.Tensor, stream=None) -> None:
+    def prefetch(self, predicted_ids: torch.Tensor, stream=None, chain_flags: torch.Tensor | None = None) -> None:
         """Copy the experts a predictor proposes for this layer's next step into free or cold VRAM slots.
 
         predicted_ids: integer [P] or [tokens, P], -1 padded (fixed shape). Rule (SlotTable.admit):
@@ -192,7 +192,12 @@ class DeviceLayerPager:
         stream: a CUDA side stream to run on, so the copies overlap the layer before's compute; it
         first waits for the current stream (this layer's latest step is done with its slots), and
         the next `step` waits for it (a late copy is waited for). Event waits only: capturable.
+        chain_flags: a joinless chained forward's round (core.round_sync; run on the stream current now, stream
+        None): the next step settles it and waits for the copies it needs on the device, not by a join.
         """
+        if chain_flags is not None:
+            self.pager_started().prefetch(predicted_ids, chain_flags)
+            return
         self._on_side(predicted_ids, stream, self._prefetch_now)
 
     def read_ahead(self, predicted_ids: torch.Tensor, stream=None) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 from bigmoe_pager.core import prefetch_kernel, step_kernel
-from bigmoe_pager.core.copy_kernel import copy_records
+from bigmoe_pager.core.copy_kernel import copy_records, record_blocks
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prefetch_chain import ChainSignal
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
@@ -110,6 +110,9 @@ class ExpertPager:
         self.prefetch_programs = prefetch_programs
         """Copy programs per prefetched expert (copy_records' programs_per_record; 0: one per block): a prefetch
         runs beside the layer before's compute, which its programs would otherwise crowd off the SMs."""
+        self.sync_max_spins: int | None = None
+        """Polls a joinless step makes before it gives up on a round (core.round_sync; None: step_kernel's default,
+        about a second on a GPU, one in the interpreter). Tests lower it."""
 
     # ---- one step --------------------------------------------------------------------
 
@@ -169,13 +172,14 @@ class ExpertPager:
             stats_row=vram_row,
             aux_row=ram_row,
             chain=chain,
+            max_spins=self.sync_max_spins,
             **table.kernel_policy(),
         )
         return acquired_from_kernel(out)
 
     # ---- prefetch ----------------------------------------------------------------------
 
-    def prefetch(self, predicted_ids: torch.Tensor) -> Admitted:
+    def prefetch(self, predicted_ids: torch.Tensor, chain_flags: torch.Tensor | None = None) -> Admitted:
         """Copy predicted experts of the next step into VRAM now (SlotTable.admit's rule); no host sync.
 
         Only experts whose RAM records are whole are prefetched (RamTier.complete's rule, checked by the
@@ -183,13 +187,30 @@ class ExpertPager:
         a row's demand read was waited for by an earlier step of this layer, ordered before this call,
         and a row with an unconfirmed posted read is left out.
         The next `acquire` still decides from its real ids: a wrong prediction costs a copy, never a token.
+        chain_flags: a joinless chained forward's round (core.round_sync): decided and copied in two launches, it
+        claims the table first and counts its copy's progress per slot, which the next fused step waits on.
         """
-        if self._fused_prefetch(predicted_ids):
+        if chain_flags is None and self._fused_prefetch(predicted_ids):
             return self._prefetch_fused(predicted_ids)
         source = self.ram.source_rows()  # a partial tier's rows: the decision also checks and maps them
-        got = self.vram.admit(predicted_ids, None, self._rows["vram"], self.layout.record_bytes, source=source)
+        blocks = record_blocks(self.layout)
+        got = self.vram.admit(
+            predicted_ids,
+            None,
+            self._rows["vram"],
+            self.layout.record_bytes,
+            source=source,
+            chain_flags=chain_flags,
+            record_blocks=blocks,
+        )
         copy_records(
-            self.ram.records, got.rows, got.slots, self.layout, self.buffers, programs_per_record=self.prefetch_programs
+            self.ram.records,
+            got.rows,
+            got.slots,
+            self.layout,
+            self.buffers,
+            programs_per_record=self.prefetch_programs,
+            copied=None if chain_flags is None else self.vram.kernel_state()["copied"],
         )
         return got
 

@@ -111,23 +111,35 @@ class LivePredictions:
         self._chain: PrefetchChain | None = None  # open_chain's flags, while a chained forward is under way
         self._branch = False  # that forward's side-stream branch was forked (its first round)
         self._chain_waits = True  # its later rounds wait for the step before them (False: benchmark only)
+        self._joinless = False  # that forward's rounds are settled by the steps on the device, not joined
 
-    def open_chain(self, chain: PrefetchChain, wait: bool = True) -> None:
+    def open_chain(self, chain: PrefetchChain, wait: bool = True, joinless: bool = False) -> None:
         """A forward captured whole begins (its first layer's step publishes with `first`): until close_chain,
         the side stream is forked once, at the first round, and each later round given `after` = l waits on the
-        device for layer l's step instead (core.prefetch_chain). Joins stay where the caller puts them.
+        device for layer l's step instead (core.prefetch_chain). Joins stay where the caller puts them, unless
+        joinless: then every round given `after` claims its table for the forward and counts its copies, the next
+        step settles it on the device (core.round_sync), and the caller joins only at close_chain.
         wait=False: benchmark only (BIGMOE_CHAIN_SKIP_WAIT): the rounds do not wait, to time the wait."""
-        self._chain, self._branch, self._chain_waits = chain, False, wait
+        self._chain, self._branch, self._chain_waits, self._joinless = chain, False, wait, joinless
 
     def close_chain(self, device: torch.device) -> None:
         """The chained forward's last layer is done: join what is left, and fork again from the next round on."""
         self.join(device)
-        self._chain, self._branch = None, False
+        self._chain, self._branch, self._joinless = None, False, False
 
     @property
     def chained(self) -> bool:
         """Whether a chained forward is under way."""
         return self._chain is not None
+
+    @property
+    def joinless(self) -> bool:
+        """Whether a joinless chained forward is under way (nothing to join before close_chain)."""
+        return self._chain is not None and self._joinless
+
+    def _round_flags(self, after: int | None) -> torch.Tensor | None:
+        """The chain flags a round given `after` claims its table with (None: the round is joined as usual)."""
+        return self._chain.flags if self.joinless and after is not None else None
 
     def feed(
         self, hidden: torch.Tensor, next_router: Router, top_p: int, next_pager=None, after: int | None = None
@@ -136,10 +148,12 @@ class LivePredictions:
         DeviceLayerPager, or None: proposed only). On CUDA the ids are readable on the current stream after `join`.
         after: in a chained forward, the MoE index whose step the work must follow (the layer `hidden` is from)."""
 
+        flags = self._round_flags(after)
+
         def propose() -> torch.Tensor:
             ids = predict_next(hidden, next_router, top_p)
-            if next_pager is not None:
-                next_pager.prefetch(ids.reshape(-1))  # no stream: it runs here, on the stream current now
+            if next_pager is not None:  # no stream: it runs here, on the stream current now
+                next_pager.prefetch(ids.reshape(-1), chain_flags=flags)
             return ids
 
         return self._forked_work(hidden, propose, after)
@@ -152,10 +166,12 @@ class LivePredictions:
         kernels per layer) stay off the current stream's path as the live predictor's router product does.
         Returns the ids (None: make_ids had none, nothing prefetched). after: as in `feed`."""
 
+        flags = self._round_flags(after)
+
         def prefetch() -> torch.Tensor | None:
             ids = make_ids()
             if ids is not None:
-                next_pager.prefetch(ids.reshape(-1))
+                next_pager.prefetch(ids.reshape(-1), chain_flags=flags)
             return ids
 
         return self._forked_work(source, prefetch, after)

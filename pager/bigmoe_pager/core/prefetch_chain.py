@@ -9,14 +9,16 @@ fork the side stream once, after its first layer's step, and order each later ro
 device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured slower, below):
 
     flags[FORWARD]      forwards counted so far (the first layer's step adds one)
-    flags[TIMEOUTS]     waits that gave up (see below)
+    flags[TIMEOUTS]     waits that gave up (see below; core.round_sync's too)
+    flags[CANCELS]      rounds a joinless forward's step cancelled because it came first (core.round_sync)
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
 
 The fused step kernel (step_kernel, a `ChainSignal`) publishes `STEPPED + l` with a release store
 when its last program is done; `wait_stepped` enqueues, on the side stream before round l+1, one
 program that spins (acquire loads) until that word holds this forward's number. The rounds' joins
-stay as they are (the main stream waits for round l+1 before step l+1), so the flags order nothing
-that tokens depend on: a round that started early would read a stale
+stay as they are (the main stream waits for round l+1 before step l+1) unless the forward is joinless
+(core.round_sync: then the step and the round meet through words in device memory); the STEPPED flags
+order nothing that tokens depend on: a round that started early would read a stale
 hidden state or cursor and propose the wrong experts, which costs bandwidth, never a token. That is
 why a wait may give up: after `max_spins` polls (about a second on a GPU) it counts a timeout and
 lets the round run, where a hang would lose the engine.
@@ -42,7 +44,7 @@ try:
 except ImportError:
     triton = tl = None
 
-FORWARD, TIMEOUTS, STEPPED = 0, 1, 2
+FORWARD, TIMEOUTS, CANCELS, STEPPED = 0, 1, 2, 3
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
@@ -58,6 +60,9 @@ class ChainSignal:
     """The MoE index l: the step publishes flags[STEPPED + l]."""
     first: bool
     """The forward's first chained layer: its step also counts the forward (flags[FORWARD] + 1)."""
+    joinless: bool = False
+    """Nothing joins the round into this layer before its step: the step settles it on the device
+    (core.round_sync). Never for the first layer, which no round of the forward precedes."""
 
     @property
     def mode(self) -> int:
@@ -74,8 +79,8 @@ class PrefetchChain:
     def layers(self) -> int:
         return self.flags.numel() - STEPPED
 
-    def signal(self, layer: int, first: bool) -> ChainSignal:
-        return ChainSignal(self.flags, self._checked(layer), first)
+    def signal(self, layer: int, first: bool, joinless: bool = False) -> ChainSignal:
+        return ChainSignal(self.flags, self._checked(layer), first, joinless and not first)
 
     def wait_stepped(self, layer: int, max_spins: int | None = None) -> None:
         """Enqueue, on the current stream, one program that waits until layer `layer`'s step of the forward
@@ -101,6 +106,11 @@ class PrefetchChain:
     def timeouts(self) -> int:
         """Waits that gave up so far (reads the device: one sync)."""
         return int(self.flags[TIMEOUTS])
+
+    @property
+    def cancels(self) -> int:
+        """Rounds a joinless forward's steps cancelled so far (reads the device: one sync)."""
+        return int(self.flags[CANCELS])
 
     def stepped(self, layer: int) -> int:
         """The forward whose step of `layer` was last published (reads the device: one sync)."""

@@ -251,6 +251,12 @@ class SlotTable:
         between steps."""
         self._prefetch_done = torch.zeros((1,), dtype=torch.int32, device=self.device)
         """Programs of a fused prefetch round (prefetch_kernel) that finished reading the table; 0 between rounds."""
+        self._claim = torch.zeros((1,), dtype=torch.int64, device=self.device)
+        """Joinless chained forwards (core.round_sync): forward * 4 + the state of that forward's round."""
+        self._copied = torch.zeros((s + 1,), dtype=torch.int64, device=self.device)
+        """Joinless rounds: copy blocks finished into each slot, ever (round_sync)."""
+        self._target = torch.zeros((s + 1,), dtype=torch.int64, device=self.device)
+        """Joinless rounds: `copied` once the latest round's copy into each slot is done (round_sync)."""
         self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
         """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
         self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -337,6 +343,9 @@ class SlotTable:
             "need": self._need_scratch,
             "freq": self._freq,
             "done": self._done,
+            "claim": self._claim,
+            "copied": self._copied,
+            "target": self._target,
         }
         if self.duel:
             (fast_held, fast_stamps, _), (slow_held, slow_stamps, _) = self._shadows
@@ -514,6 +523,8 @@ class SlotTable:
         record_bytes: int = 0,
         keep_slots: torch.Tensor | None = None,
         source: SourceRows | None = None,
+        chain_flags: torch.Tensor | None = None,
+        record_blocks: int = 0,
     ) -> Admitted:
         """Install predicted experts for the next step (see the module's prefetch rule); returns what to copy.
 
@@ -523,10 +534,16 @@ class SlotTable:
         keep_slots: bool [slots] that must not be taken either (RAM rows whose posted reads are unconfirmed).
         source: a partial tier below; only experts whose rows it holds whole are prefetched, and
         Admitted.rows says which row each is copied from.
+        chain_flags, record_blocks: a joinless chained forward's round (core.round_sync; the kernel only): it claims
+        the table first and marks the slots it fills as record_blocks copy blocks short of done.
         Fixed shapes, no host sync: capturable, also on a side stream.
         """
         if self.use_kernel:
-            return self._admit_kernel(predicted, available, stats_row, record_bytes, keep_slots, source)
+            return self._admit_kernel(
+                predicted, available, stats_row, record_bytes, keep_slots, source, chain_flags, record_blocks
+            )
+        if chain_flags is not None:
+            raise ValueError("a joinless round (chain_flags) is decided by the admit kernel only")
         return self._admit_torch(predicted, available, stats_row, record_bytes, keep_slots, source)
 
     def admit_state(self) -> dict[str, torch.Tensor]:
@@ -543,7 +560,9 @@ class SlotTable:
             "prefetch_done": self._prefetch_done,
         }
 
-    def _admit_kernel(self, predicted, available, stats_row, record_bytes, keep_slots, source) -> Admitted:
+    def _admit_kernel(
+        self, predicted, available, stats_row, record_bytes, keep_slots, source, chain_flags=None, record_blocks=0
+    ) -> Admitted:
         out = admit_kernel.launch_admit(
             self.admit_state(),
             predicted.to(self.device),
@@ -559,6 +578,8 @@ class SlotTable:
             min_used_percent=self.min_used_percent,
             budget=self.prefetch_budget,
             lift_percent=self.lift_percent,
+            chain_flags=chain_flags,
+            record_blocks=record_blocks,
         )
         return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 

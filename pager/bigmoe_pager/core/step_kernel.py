@@ -50,7 +50,7 @@ from bigmoe_pager.core.copy_kernel import (
     record_words,
 )
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.prefetch_chain import NO_CHAIN, ChainSignal
+from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS, NO_CHAIN, ChainSignal
 from bigmoe_pager.core.triton_launch import kernel_for
 
 try:
@@ -115,6 +115,7 @@ def launch_step(
     psel_max: int = 0,
     chain: ChainSignal | None = None,
     block_bytes: int = BLOCK_BYTES,
+    max_spins: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decide, copy misses from records (row = expert id) into the slot buffers, count; one launch.
 
@@ -123,7 +124,9 @@ def launch_step(
     record_bytes and invalid ids; aux_row (the full RAM tier) gets loaded as
     lookups and hits. table_state is SlotTable.kernel_state(); lfu, decay, duel, slow_decay and psel_max
     are SlotTable.kernel_policy() (acquire_kernel.launch_acquire says what they mean). chain: the step, once done
-    (its copies too), publishes itself to the forward's chained prefetch rounds (core.prefetch_chain).
+    (its copies too), publishes itself to the forward's chained prefetch rounds (core.prefetch_chain); a
+    joinless one first settles the round into its table and waits for the copies it needs (core.round_sync),
+    giving up after max_spins polls (default GPU_MAX_SPINS on a GPU: about a second).
     """
     if not fits(num_experts, num_slots, ids.numel(), layout, lfu):
         raise StepKernelError(
@@ -139,6 +142,9 @@ def launch_step(
     flat = ids.reshape(-1)
     out = decision_outputs(flat, m)
     dummy = out["counts"]  # pointer for absent stats rows (never touched: HAS_* is False)
+    joinless = chain is not None and chain.joinless
+    if max_spins is None:
+        max_spins = GPU_MAX_SPINS if flat.is_cuda else 1
     kernel_for(_step_kernel, flat.device)[(programs + int(duel),)](
         flat,
         flat.numel(),
@@ -156,6 +162,10 @@ def launch_step(
         aux_row if aux_row is not None else dummy,
         chain.flags if chain is not None else dummy,
         chain.layer if chain is not None else 0,
+        table_state["claim"],
+        table_state["copied"],
+        table_state["target"],
+        max_spins,
         layout.record_bytes,
         programs,
         record_words(records, plan),
@@ -175,6 +185,7 @@ def launch_step(
         SLOW_DECAY=slow_decay,
         PSEL_MAX=psel_max,
         CHAIN=NO_CHAIN if chain is None else chain.mode,
+        SYNC=joinless,
         ON_GPU=flat.is_cuda,
         OFF0=group.offsets[0],
         OFF1=group.offsets[1],
@@ -198,7 +209,10 @@ def launch_step(
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, lfu_key, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
-    from bigmoe_pager.core.prefetch_chain import publish_step
+    from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
+    from bigmoe_pager.core.round_sync import copies_under_way, settle_round, wait_copies
+
+    _FORWARD, _TIMEOUTS, _CANCELS = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS))
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _LOOKUPS = tl.constexpr(stats.LOOKUPS)
@@ -235,6 +249,10 @@ if triton is not None:
         aux_ptr,
         chain_ptr,
         chain_layer,
+        claim_ptr,
+        copied_ptr,
+        target_ptr,
+        max_spins,
         record_bytes,
         programs,
         rec_ptr,
@@ -257,6 +275,7 @@ if triton is not None:
         SLOW_DECAY: tl.constexpr,
         PSEL_MAX: tl.constexpr,
         CHAIN: tl.constexpr,
+        SYNC: tl.constexpr,
         ON_GPU: tl.constexpr,
         OFF0: tl.constexpr,
         OFF1: tl.constexpr,
@@ -274,6 +293,13 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
+        if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync)
+            forward = tl.load(chain_ptr + _FORWARD)
+            cancelled, stuck = settle_round(claim_ptr, forward, max_spins, ON_GPU)
+            if cancelled:
+                tl.atomic_add(chain_ptr + _CANCELS, 1)
+            if stuck & (pid == 0):
+                tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
         step = tl.load(step_ptr) + 1
 
         # 1. The decision, from the table as it stood before the step (written only at the end).
@@ -308,6 +334,17 @@ if triton is not None:
         occupied = held >= 0
         held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
         avail = s_in & ~held_needed
+        if SYNC:  # a slot the round is still copying into is not taken, unless too few others are left
+            busy = copies_under_way(copied_ptr, target_ptr, s_ar, avail, ON_GPU)
+            short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
+            if short > 0:
+                busy = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
+                short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
+                if (short > 0) & (pid == 0):  # misses left unplaced: counted as errors, never hidden
+                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+                    if HAS_STATS:
+                        tl.atomic_add(stats_ptr + _ERRORS, short)
+            avail = avail & ~busy
         n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
         cand = tl.full([BLOCK_I], -1, tl.int64)
         old = tl.full([BLOCK_I], -1, tl.int64)
@@ -402,6 +439,48 @@ if triton is not None:
             NBLK,
             BLOCK,
         )
+
+        # 3b. A joinless forward: vLLM's kernel reads the slots once this launch ends, so one program waits for the
+        # round's copies into the slots this step hits, and copies any still under way after max_spins itself
+        # (the same expert's bytes into the same slot: the race with the round is harmless).
+        if SYNC:
+            if pid == 0:
+                late = wait_copies(copied_ptr, target_ptr, where_now, first & hit, max_spins, ON_GPU)
+                n_late = tl.sum(late.to(tl.int32), 0)
+                if n_late > 0:
+                    late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)
+                    pick = late[None, :] & (late_rank[None, :] == j[:, None])  # [i, j]: list position i holds id j
+                    late_exp = tl.sum(tl.where(pick, ids[None, :], 0), 1)
+                    late_slot = tl.sum(tl.where(pick, where_now[None, :], 0), 1)
+                    copy_listed_share(
+                        0,
+                        1,
+                        n_late,
+                        j,
+                        late_exp,
+                        late_slot,
+                        rec_ptr,
+                        pitch_words,
+                        out0,
+                        out1,
+                        out2,
+                        out3,
+                        OFF0,
+                        OFF1,
+                        OFF2,
+                        OFF3,
+                        N0,
+                        N1,
+                        N2,
+                        N3,
+                        NB0,
+                        NB1,
+                        NB2,
+                        NB3,
+                        NBLK,
+                        BLOCK,
+                    )
+                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
 
         # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it
         # at once: the others use nothing it changes (the ranking was skipped and the slot map stays), so none need

@@ -144,8 +144,10 @@ class Predictor:
         self.live = LivePredictions(priority)
         self.probe_fork, self.probe_joins_once = SIDE_BRANCH_PROBES[settings.side_branch_probe]
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE, SIDE_BRANCH_PROBES): replayed rounds become marker branches."""
-        self.chain_on = settings.prefetch_chain and self.probe_fork is None
+        self.chain_on = (settings.prefetch_chain or settings.prefetch_joinless) and self.probe_fork is None
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
+        self.joinless = settings.prefetch_joinless
+        """BIGMOE_PREFETCH_JOINLESS: and joins it once, at its end; the steps settle the rounds (core.round_sync)."""
         self.chain_skips_wait = settings.chain_skip_wait
         """Benchmark only (BIGMOE_CHAIN_SKIP_WAIT): chained rounds do not wait for the step before them."""
         self._chain: PrefetchChain | None = None  # the flags, made by the first uncaptured forward
@@ -168,7 +170,7 @@ class Predictor:
         yields a Turn, which the caller calls once the layer's own paging is issued: the next layer's experts are
         then proposed and prefetched (on a side stream on CUDA). Uncalled, the fork happens after the whole call
         (host-driven pager, big steps). The Turn's `chain` is what the layer's step publishes (a chained forward)."""
-        if not self.probe_joins_once:
+        if not (self.probe_joins_once or self.live.joinless):
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
         if (self.probe_fork == "entry" and not self._last_of_its_model(layer)) or (
             self.probe_fork == "first" and self._first_of_its_model(layer)
@@ -202,7 +204,7 @@ class Predictor:
         is captured whole and every layer of the model steps fused (core.prefetch_chain); None otherwise. The flags
         are made at the first forward outside a capture (vLLM's profile run and warm-up come before its captures)."""
         if self.live.chained:
-            return self._chain.signal(layer._moe_index, first=False)
+            return self._chain.signal(layer._moe_index, first=False, joinless=self.live.joinless)
         if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
             return None
         if not torch.cuda.is_current_stream_capturing():
@@ -217,8 +219,8 @@ class Predictor:
         if not all(self._publishes(each, num_ids) for each in self._layers_of_its_model(layer)):
             self._tell("once a layer (not every layer's step is fused, so the rounds cannot be chained)", what=FORKED)
             return None
-        self._tell("once a forward (chained rounds)", what=FORKED)
-        self.live.open_chain(self._chain, wait=not self.chain_skips_wait)
+        self._tell("once a forward (chained rounds" + (", joined once)" if self.joinless else ")"), what=FORKED)
+        self.live.open_chain(self._chain, wait=not self.chain_skips_wait, joinless=self.joinless)
         return self._chain.signal(layer._moe_index, first=True)
 
     @staticmethod
@@ -272,6 +274,11 @@ class Predictor:
     def fork_placements(self) -> list[str]:
         """How often captures of this process that could chain their rounds forked them (as logged), sorted."""
         return sorted(where for what, where in self._told if what == FORKED)
+
+    @property
+    def chain_cancels(self) -> int | None:
+        """Rounds a joinless forward's steps cancelled because they came first (None: no forward was chained)."""
+        return None if self._chain is None else self._chain.cancels
 
     @property
     def chain_timeouts(self) -> int | None:

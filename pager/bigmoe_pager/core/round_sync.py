@@ -1,0 +1,104 @@
+"""A prefetch round and the next layer's step, ordered on the device instead of by a graph join.
+
+A round (layer l's proposal for layer l+1: the admit decision, then the copy, on the side stream)
+and layer l+1's step both change layer l+1's slot table. With a graph join before each step the
+step always comes second, and it waits for the whole round, wrong copies included; each join costs
+about 9 us on vLLM's main path (runs 15-16 in docs/benchmarks.md: 0.37 ms a token at 40 layers).
+In a joinless chained forward (BIGMOE_PREFETCH_JOINLESS) nothing joins the side stream until the
+forward's end, and the two meet through words in device memory instead:
+
+    claim          one word per table: forward * 4 + CLAIMED | DECIDED | CANCELLED
+    copied[slot]   copy blocks finished into the slot, ever (the copy adds each program's share)
+    target[slot]   what copied[slot] will be once the latest round's copy into it is done
+
+- The round's admit claims the table for this forward (atomic max) before it reads it. If the step
+  came first and cancelled the round, the round changes and copies nothing. Otherwise it decides as
+  always, sets target = copied + blocks for each slot it fills, and releases DECIDED.
+- The step, before it reads the table, settles the round: an unclaimed round is cancelled
+  (compare-and-swap), a claimed one is waited for until DECIDED (a one-CTA decision that is already
+  running: microseconds). So the two never interleave, and the step decides from either the table
+  the round left or the one no round touched: both are states the joined path can reach.
+- The step never evicts a slot whose copy is still under way (copied < target), and before vLLM's
+  MoE kernel may read a slot it needs, it waits until that slot's copy is done: a late copy is
+  waited for, never skipped, and a wrong one is no longer waited for at all.
+- No wait is unbounded. If a needed slot's copy has not finished after about a second (a side stream
+  that cannot run beside the step, e.g. one hardware queue), the step copies that expert into the
+  slot itself: the round writes the same bytes into the same slot, so the race is harmless. It is
+  counted (the chain's TIMEOUTS word), as is a claimed round that never decided (then the step
+  proceeds: that round's kernel would have to be stuck, which no test has seen).
+
+The forward's number is the chain's FORWARD word (core.prefetch_chain), which the forward's first
+step counts before any round or later step reads it.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+CLAIMED, DECIDED, CANCELLED = 1, 2, 3
+"""A claim word's state in its low two bits (forward * 4 + state)."""
+
+
+if triton is not None:
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause, store_release
+
+    _CLAIMED, _DECIDED, _CANCELLED = (tl.constexpr(v) for v in (CLAIMED, DECIDED, CANCELLED))
+
+    @triton.jit
+    def claim_round(claim_ptr, forward):
+        """The round's side: True when it holds the table for `forward` (False: the step cancelled it first)."""
+        before = tl.atomic_max(claim_ptr, forward * 4 + _CLAIMED, sem="acq_rel")
+        return before < forward * 4
+
+    @triton.jit
+    def release_round(claim_ptr, forward, ON_GPU: tl.constexpr):
+        """The round's decision is written (the caller has fenced its stores with a barrier): the step may read."""
+        store_release(claim_ptr, forward * 4 + _DECIDED, GPU_SCOPE, ON_GPU)
+
+    @triton.jit
+    def settle_round(claim_ptr, forward, max_spins, ON_GPU: tl.constexpr):
+        """The step's side, before it reads the table: cancel an unclaimed round or wait for a claimed one's
+        decision. Returns (cancelled by this program, gave up waiting)."""
+        mine = forward * 4
+        seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+        cancelled = seen < 0  # False, as a tensor: the loop carries it
+        spins = 0
+        while (seen < mine + _DECIDED) & (spins < max_spins):
+            if seen < mine:  # unclaimed for this forward: cancel it
+                found = tl.atomic_cas(claim_ptr, seen, mine + _CANCELLED, sem="acq_rel")
+                cancelled = found == seen
+                seen = tl.where(cancelled, mine + _CANCELLED, found)
+            else:  # claimed: its one program is deciding
+                pause(ON_GPU)
+                spins += 1
+                seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+        return cancelled, seen < mine + _DECIDED
+
+    @triton.jit
+    def copies_under_way(copied_ptr, target_ptr, slots, mask, ON_GPU: tl.constexpr):
+        """Which of `slots` (where mask) a round is still copying into (read afresh: another kernel writes them)."""
+        safe = tl.where(mask, slots, 0)
+        goal = tl.load(target_ptr + safe, volatile=True)
+        done = load_acquire(copied_ptr + safe, GPU_SCOPE, ON_GPU)
+        return mask & (done < goal)
+
+    @triton.jit
+    def wait_copies(copied_ptr, target_ptr, slots, mask, max_spins, ON_GPU: tl.constexpr):
+        """Wait until no slot of `slots` (where mask) is being copied into; returns those still under way when
+        it gave up (after max_spins polls)."""
+        busy = copies_under_way(copied_ptr, target_ptr, slots, mask, ON_GPU)
+        spins = 0
+        while (tl.sum(busy.to(tl.int32), 0) > 0) & (spins < max_spins):
+            pause(ON_GPU)
+            spins += 1
+            busy = copies_under_way(copied_ptr, target_ptr, slots, busy, ON_GPU)
+        return busy
+
+    @triton.jit
+    def count_copied(copied_ptr, slot, blocks):
+        """A copy program's share of a slot is written (the caller has fenced its stores with a barrier)."""
+        tl.atomic_add(copied_ptr + slot, blocks, sem="release")

@@ -1,0 +1,114 @@
+"""BIGMOE_PREFETCH_JOINLESS on the GPU: a whole forward of paged layers captured in one CUDA graph, its live router's
+rounds on one side-stream branch joined once, at the forward's end; each step settles the round into its table on
+the device (core.round_sync). Replayed with new hidden states and ids, with a stand-in for each layer's compute
+between the steps (so rounds land in time, or late, as inside vLLM): every replay leaves each id's slot holding its
+expert's bytes, every round is decided or cancelled exactly once, no wait gives up, and rounds that landed were used.
+The joinless graph may decide otherwise than a joined one (a late round is cancelled, a slot under copy is not
+taken), so what is compared is what tokens depend on: the bytes each id's slot holds."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.prediction import predict_next
+from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
+from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.settings import PagerSettings
+from test_live_predictor_gpu import HIDDEN, started, whole_forward_predictor
+
+pytestmark = pytest.mark.gpu
+
+
+def joinless_model(layout, records, layers_n: int, vram: int, k: int, weights, policy: str):
+    stats = PagerStats(layers_n, "cuda")
+    runners: dict = {}
+    layers = []
+    for i in range(layers_n):
+        layer = SimpleNamespace(
+            layer_name=f"model.layers.{i}.mlp.experts",
+            _moe_index=i,
+            _num_experts=records.shape[0],
+            moe_config=SimpleNamespace(experts_per_token=k),
+            pager=started(layout, records, i, vram, stats, policy),
+            _runners=runners,
+        )
+        runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
+        layers.append(layer)
+    settings = PagerSettings(enabled=True, predict="router", prefetch_chain=True, prefetch_joinless=True)
+    return layers, whole_forward_predictor(settings, layers), stats
+
+
+@pytest.mark.parametrize(
+    "experts,vram,k,tokens,policy,compute",
+    [(64, 16, 4, 1, "lru", 4), (128, 32, 8, 2, "lfu-duel", 4), (128, 24, 8, 1, "lfu-duel", 0)],
+)
+def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_every_round(
+    experts, vram, k, tokens, policy, compute
+):
+    """compute: matmuls of 2048 x 2048 between a layer's step and the next (0: the steps back to back, so most
+    rounds come late and are cancelled)."""
+    layers_n = 6
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    g = torch.Generator().manual_seed(experts)
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
+    weights = [torch.randn(experts, HIDDEN, generator=g).to("cuda", torch.bfloat16) for _ in range(layers_n)]
+    x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
+    work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    layers, predictor, stats = joinless_model(layout, records, layers_n, vram, k, weights, policy)
+    out = [torch.empty_like(i) for i in ids]
+
+    def forward() -> None:  # as the adapter runs each layer's call: page (settling, publishing), fork or chain, compute
+        for i, layer in enumerate(layers):
+            with predictor.ahead(layer, x, ids[i].numel()) as turn:
+                out[i].copy_(layer.pager.step(ids[i], turn.chain))
+                turn()
+                for _ in range(compute):
+                    torch.mm(work, work)
+
+    rng = random.Random(experts)
+
+    def new_inputs() -> list[torch.Tensor]:
+        x.copy_(torch.randn(tokens, HIDDEN, generator=g).to("cuda", torch.bfloat16))
+        chosen = [torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)], dtype=torch.int32)]
+        for i in range(1, layers_n):  # layer i routes much as its router does on the shared state
+            routed = predict_next(x, weights[i], k).to("cpu", torch.int32)
+            if rng.random() < 0.3:
+                routed[:, -1] = torch.tensor(rng.sample(range(experts), tokens))
+            chosen.append(routed)
+        for target, value in zip(ids, chosen):
+            target.copy_(value)
+        return chosen
+
+    new_inputs()
+    forward()  # eager (Triton compiles here; nothing chains outside a capture, and the flags are made)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    replays = 30
+    for _ in range(replays):
+        chosen = new_inputs()
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, layer in enumerate(layers):
+            pager = layer.pager
+            for expert, slot in zip(chosen[i].flatten().tolist(), out[i].flatten().cpu().tolist()):
+                for c in layout.components:
+                    got = pager.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
+                    assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (i, expert, slot)
+    assert predictor.fork_placements == ["once a forward (chained rounds, joined once)"]
+    assert predictor._chain.forwards == replays and predictor.chain_timeouts == 0
+    for layer in layers[1:]:  # the last forward's round into each later layer was decided or cancelled
+        claim = int(layer.pager.pager.vram.kernel_state()["claim"])
+        assert claim in (replays * 4 + DECIDED, replays * 4 + CANCELLED)
+        state = layer.pager.pager.vram.kernel_state()
+        assert torch.equal(state["copied"], state["target"])  # every copy finished by the forward's end
+    counts = [stats.snapshot(i)["vram"] for i in range(layers_n)]
+    if compute:
+        assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
+    assert predictor.chain_cancels <= replays * (layers_n - 1)

@@ -1,0 +1,232 @@
+"""BIGMOE_PREFETCH_JOINLESS: a round and the next layer's step meet through device words, not a graph join
+(core.round_sync). Here in Triton's interpreter, where every launch runs to its end in order, each interleaving
+a GPU can produce is set up by hand: the round decides first (the step then decides and copies exactly as after a
+join), the step comes first (the round is cancelled and changes nothing), a copy the step needs is still under way
+(the step waits, then copies it itself, counted), a slot under copy is never taken, and a claimed round that never
+decides is given up on, counted. The adapter's joinless forward prefetches what a joined one does and joins once.
+tests/gpu/test_round_sync_gpu.py runs it captured on the GPU."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from bigmoe_bench import traces
+from bigmoe_pager.adapters.vllm.routing import Routing
+from bigmoe_pager.core.copy_kernel import record_blocks
+from bigmoe_pager.core.prediction import LivePredictions
+from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.round_sync import CANCELLED, CLAIMED, DECIDED
+from bigmoe_pager.settings import PagerSettings
+from test_live_predictor import EXPERTS, predictor
+from test_prefetch_chain import fused_model, run_forwards
+from test_step_kernel import ACQUIRED, LAYOUT, STATE, pager_pair, records, slot_bytes, step_ids
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+
+FORWARD_NO = 5  # the forward under way (counted by its first layer's step)
+
+
+def joined_and_joinless(experts: int, slots: int, policy: str, seed: int):
+    """The same layer twice, both fused with the admit kernel: one joined as today, one joinless."""
+    (joinless, jstats), (joined, pstats) = pager_pair(experts, slots, policy, 3, records(experts, seed=seed))
+    for pager in (joinless, joined):
+        pager.fused = True
+        pager.vram.use_kernel = True
+    chain = PrefetchChain(layers=2, device="cpu")
+    chain.flags[FORWARD] = FORWARD_NO
+    return (joined, pstats), (joinless, jstats), chain
+
+
+def assert_same(a, b, got_a, got_b, note):
+    for field in ACQUIRED:
+        assert torch.equal(getattr(got_a, field), getattr(got_b, field)), (note, field)
+    for field in STATE:
+        assert torch.equal(getattr(a.vram, field), getattr(b.vram, field)), (note, field)
+    want, got = slot_bytes(a), slot_bytes(b)
+    assert all(torch.equal(want[n], got[n]) for n in want), note
+
+
+def sync_words(pager):
+    state = pager.vram.kernel_state()
+    return state["claim"], state["copied"], state["target"]
+
+
+def next_forward(chain):
+    """As the forward's first step would: count the next forward (the claim word of the one before stays)."""
+    chain.flags[FORWARD] += 1
+
+
+def step_giving_up(pager, ids, chain, spins: int):
+    """A joinless step of layer 1 that polls `spins` times before it gives up on a round."""
+    pager.sync_max_spins = spins
+    return pager.acquire(ids, chain.signal(1, first=False, joinless=True))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-duel"])
+def test_a_round_that_decides_first_is_stepped_on_as_after_a_join(policy):
+    rng = random.Random(3)
+    (joined, pstats), (joinless, jstats), chain = joined_and_joinless(40, 12, policy, seed=3)
+    hot = rng.sample(range(40), 10)
+    for forward in range(12):
+        predicted = torch.tensor(rng.sample(range(40), 6), dtype=torch.int64)
+        ids = step_ids(rng, 40, 1, 4, hot)
+        joined.prefetch(predicted)
+        joinless.prefetch(predicted, chain_flags=chain.flags)
+        claim, copied, target = sync_words(joinless)
+        assert int(claim) == int(chain.flags[FORWARD]) * 4 + DECIDED
+        assert torch.equal(copied, target)  # the interpreter's copy is done when the launch returns
+        got_a = joined.acquire(ids)
+        got_b = joinless.acquire(ids, chain.signal(1, first=False, joinless=True))
+        assert_same(joined, joinless, got_a, got_b, forward)
+        next_forward(chain)
+    assert torch.equal(pstats.device_counts, jstats.device_counts) and int(pstats.snapshot(0)["vram"].prefetched) > 0
+    assert int(chain.flags[CANCELS]) == int(chain.flags[TIMEOUTS]) == 0
+    filled = int(pstats.snapshot(0)["vram"].prefetched)
+    assert int(sync_words(joinless)[1].sum()) == filled * record_blocks(LAYOUT)
+
+
+def test_a_step_that_comes_first_cancels_the_round_which_then_changes_nothing():
+    rng = random.Random(5)
+    (alone, astats), (joinless, jstats), chain = joined_and_joinless(40, 12, "lfu-duel", seed=5)
+    hot = rng.sample(range(40), 10)
+    for forward in range(8):
+        ids = step_ids(rng, 40, 1, 4, hot)
+        got_a = alone.acquire(ids)  # no round at all
+        got_b = joinless.acquire(ids, chain.signal(1, first=False, joinless=True))
+        assert int(sync_words(joinless)[0]) == int(chain.flags[FORWARD]) * 4 + CANCELLED
+        late = joinless.prefetch(torch.tensor(rng.sample(range(40), 6)), chain_flags=chain.flags)
+        assert (late.slots < 0).all() and (late.experts < 0).all()
+        assert_same(alone, joinless, got_a, got_b, forward)
+        next_forward(chain)
+    assert int(chain.flags[CANCELS]) == 8 and int(chain.flags[TIMEOUTS]) == 0
+    assert torch.equal(astats.device_counts, jstats.device_counts)
+
+
+def test_a_needed_copy_still_under_way_is_waited_for_then_copied_by_the_step_itself():
+    (joined, _), (joinless, _), chain = joined_and_joinless(40, 12, "lru", seed=7)
+    predicted = torch.tensor([3, 9, 21, 30])
+    joined.prefetch(predicted)
+    joinless.prefetch(predicted, chain_flags=chain.flags)
+    slot = int(joinless.vram.expert_slot[21])
+    _, copied, target = sync_words(joinless)
+    target[slot] = copied[slot] + 7  # as if the round's copy had written only part of the slot
+    for buf in slot_bytes(joinless).values():
+        buf[slot].fill_(0)
+    ids = torch.tensor([[21, 3, 1, 2]], dtype=torch.int32)
+    got_a = joined.acquire(ids)
+    got_b = step_giving_up(joinless, ids, chain, 4)
+    assert_same(joined, joinless, got_a, got_b, "late copy")  # the step's own copy of expert 21
+    assert int(chain.flags[TIMEOUTS]) == 1
+
+
+def test_a_slot_under_copy_is_never_taken_for_a_miss():
+    (_, _), (joinless, _), chain = joined_and_joinless(40, 6, "lru", seed=9)
+    joinless.acquire(torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=torch.int32))  # slots 0-5 hold experts 0-5
+    _, copied, target = sync_words(joinless)
+    oldest = int(joinless.vram.expert_slot[0])  # LRU's victim: all six were used at the same step, lowest first
+    target[oldest] = copied[oldest] + 3
+    got = step_giving_up(joinless, torch.tensor([[1, 2, 10, -1, -1, -1]], dtype=torch.int32), chain, 4)
+    assert int(got.loaded) == 1 and int(got.miss_slots[0]) != oldest
+    assert int(joinless.vram.expert_slot[0]) == oldest  # expert 0 stays where its copy goes on
+    assert int(chain.flags[TIMEOUTS]) == 0
+
+
+def test_a_step_with_too_few_idle_slots_waits_for_the_copies_and_gives_up_counted():
+    (_, _), (joinless, _), chain = joined_and_joinless(40, 4, "lru", seed=11)
+    joinless.acquire(torch.tensor([[0, 1, 2, 3]], dtype=torch.int32))
+    _, copied, target = sync_words(joinless)
+    target[:4] = copied[:4] + 2  # every slot under copy: a miss has nowhere to go until one is done
+    got = step_giving_up(joinless, torch.tensor([[8, -1, -1, -1]], dtype=torch.int32), chain, 3)
+    assert int(got.loaded) == 0 and int(got.remapped[0, 0]) == -1
+    assert int(chain.flags[TIMEOUTS]) == 1
+    target[:4] = copied[:4]  # the copies finish: the next step takes a slot
+    got = step_giving_up(joinless, torch.tensor([[8, -1, -1, -1]], dtype=torch.int32), chain, 3)
+    assert int(got.loaded) == 1 and int(chain.flags[TIMEOUTS]) == 1
+
+
+def test_a_claimed_round_that_never_decides_is_given_up_on_counted():
+    (_, _), (joinless, _), chain = joined_and_joinless(40, 8, "lru", seed=13)
+    claim, _, _ = sync_words(joinless)
+    claim.fill_(FORWARD_NO * 4 + CLAIMED)
+    got = step_giving_up(joinless, torch.tensor([[1, 2]], dtype=torch.int32), chain, 3)
+    assert int(got.loaded) == 2 and int(chain.flags[TIMEOUTS]) == 1 and int(chain.flags[CANCELS]) == 0
+    assert int(claim) == FORWARD_NO * 4 + CLAIMED
+
+
+def test_the_first_layer_of_a_forward_never_settles_a_round():
+    chain = PrefetchChain(layers=2, device="cpu")
+    assert chain.signal(0, first=True, joinless=True).joinless is False
+    assert chain.signal(1, first=False, joinless=True).joinless is True
+    assert chain.signal(1, first=False).joinless is False
+
+
+def test_a_joinless_round_needs_the_admit_kernel():
+    (joined, _), _, chain = joined_and_joinless(20, 6, "lru", seed=1)
+    joined.vram.use_kernel = False
+    with pytest.raises(ValueError, match="decided by the admit kernel only"):
+        joined.prefetch(torch.tensor([1, 2]), chain_flags=chain.flags)
+
+
+def test_the_setting_reads_and_round_trips():
+    assert PagerSettings.from_env({}).prefetch_joinless is False
+    on = PagerSettings.from_env({"BIGMOE_PREFETCH_JOINLESS": "1"})
+    assert on.prefetch_joinless is True and PagerSettings.from_env(on.to_env()) == on
+
+
+# ---- the adapter's joinless forward ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers_n,forwards,family", [(3, 4, "topic-shift"), (5, 3, "standard")])
+def test_a_joinless_forward_prefetches_what_a_joined_one_does_and_joins_once(
+    tmp_path: Path, monkeypatch, layers_n, forwards, family
+):
+    trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    joins = []
+    plain_join = LivePredictions.join
+
+    def counted(self, device):
+        joins.append(self.chained)
+        plain_join(self, device)
+
+    monkeypatch.setattr(LivePredictions, "join", counted)
+    results = {}
+    for mode in ("joined", "joinless"):
+        env = {
+            "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
+            "BIGMOE_PREFETCH_CHAIN": "1",
+            "BIGMOE_PREFETCH_JOINLESS": "1" if mode == "joinless" else "0",
+        }
+        routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
+        layers, _, _, stats = fused_model(layers_n, 6)
+        for layer in layers:
+            layer.pager.pager.vram.use_kernel = True
+        live = predictor(layers, env, routing)
+        live.whole_forward_captured = lambda: True
+        signals = []
+        capturing[0] = False
+        run_forwards(live, layers, routing, 1)  # eager: the flags are made
+        capturing[0] = True
+        joins.clear()
+        run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))
+        results[mode] = (
+            [stats.snapshot(i)["vram"] for i in range(layers_n)],
+            [(layer.pager.pager.vram.expert_slot.clone(), slot_bytes(layer.pager.pager)) for layer in layers],
+        )
+        assert [s.joinless for s in signals] == [mode == "joinless" and i > 0 for i in range(layers_n)] * forwards
+        if mode == "joinless":  # joined only by close_chain, while the chain is still open, once a forward
+            assert joins.count(True) == forwards
+            claims = [int(layer.pager.pager.vram.kernel_state()["claim"]) for layer in layers]
+            assert claims[1:] == [forwards * 4 + DECIDED] * (layers_n - 1)  # every round decided before its step
+        else:
+            assert joins.count(True) >= forwards * (layers_n - 1)
+        assert live._chain.timeouts == 0 and live.chain_cancels == 0 and not live.live.chained
+    (plain_counts, plain_layers), (sync_counts, sync_layers) = results["joined"], results["joinless"]
+    assert plain_counts == sync_counts and sum(c.prefetched for c in sync_counts) > 0
+    for (a_slots, a_bytes), (b_slots, b_bytes) in zip(plain_layers, sync_layers):
+        assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes)
