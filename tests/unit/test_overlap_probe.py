@@ -66,9 +66,9 @@ def test_the_live_router_proposes_its_top_k_to_each_next_layer_every_token(monke
     calls = []
     real = DeviceLayerPager.prefetch
 
-    def spy(self, predicted_ids, stream=None):
+    def spy(self, predicted_ids, stream=None, chain_flags=None):
         calls.append((self.layer, predicted_ids.tolist()))
-        return real(self, predicted_ids, stream)
+        return real(self, predicted_ids, stream, chain_flags)
 
     monkeypatch.setattr(DeviceLayerPager, "prefetch", spy)
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--variants", variant]
