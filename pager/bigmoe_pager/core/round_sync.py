@@ -27,6 +27,12 @@ forward's end, and the two meet through words in device memory instead:
   counted (the chain's TIMEOUTS word), as is a claimed round that never decided (then the step
   proceeds: that round's kernel would have to be stuck, which no test has seen).
 
+Measured inside vLLM 0.33 (run 17 in docs/benchmarks.md), a joinless forward decides, copies and produces tokens
+as a joined one, and is 0.09 ms a token slower: with no graph edge a layer the idle path still costs 0.43 ms, so
+the cost of a prefetch path in vLLM's graph follows the side branch's nodes, not its edges. What is built here (per
+slot copy progress, no slot under copy taken, only needed copies waited for) is what a path with one side node a
+forward needs: decisions made in the steps, one copier kernel a forward.
+
 The forward's number is the chain's FORWARD word (core.prefetch_chain), which the forward's first
 step counts before any round or later step reads it.
 """
