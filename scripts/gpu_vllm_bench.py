@@ -32,7 +32,8 @@ further layers are as right as its next-layer rows, which a real predictor is no
 prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` decides and copies a prefetch round
 in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each round by a one-element kernel on
 the side stream joined where a round is / once after the last layer, `+edges-early` forks each at its layer's entry,
-`+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+chain` forks the
+`+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+poll-once` a
+chained forward's one polling branch, `+chain` forks the
 rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; `+nowait` with it skips the rounds'
 device wait, to time it), `+joinless` chains them and joins the side stream once a forward, each step settling its
 round on the device (BIGMOE_PREFETCH_JOINLESS=1), `+gateN` the VRAM prefetch gate at N%
@@ -131,6 +132,9 @@ EDGES_LATE = "+edges-late"
 """Name suffix: +edges with the branches joined once, after the last MoE layer (BIGMOE_SIDE_BRANCH_PROBE=edges-late)."""
 EDGES_EARLY = "+edges-early"
 """Name suffix: +edges with each branch forked at its layer's entry, before the paging (edges-early)."""
+POLL_ONCE = "+poll-once"
+"""Name suffix: a chained forward whose side branch is one program polling for every step in turn, joined once, and
+no round (BIGMOE_SIDE_BRANCH_PROBE=poll-once): what one polling node a forward costs."""
 EDGES_ONCE = "+edges-once"
 """Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
 CHAIN = "+chain"
@@ -156,6 +160,7 @@ PREDICTION_SUFFIXES = {
     EDGES_LATE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-late"},
     EDGES_EARLY: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-early"},
     EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
+    POLL_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-once"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},

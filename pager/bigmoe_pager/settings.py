@@ -18,7 +18,14 @@ from typing import Mapping
 COMPRESS_CHOICES = ("on", "off", "auto")
 EVICTION_CHOICES = ("lfu", "lru", "lfu-fast", "lfu-duel")
 PREDICT_CHOICES = ("off", "router")
-SIDE_BRANCH_PROBE_CHOICES = ("off", "edges", "edges-late", "edges-early", "edges-once")  # adapters.vllm.predictor
+SIDE_BRANCH_PROBE_CHOICES = (
+    "off",
+    "edges",
+    "edges-late",
+    "edges-early",
+    "edges-once",
+    "poll-once",
+)  # adapters.vllm.predictor
 # settings that take one of a few words
 _CHOICES = {
     "compress": COMPRESS_CHOICES,
@@ -119,7 +126,9 @@ class PagerSettings:
     one-element kernel on the side stream per layer that has a next one: forked where a round is and joined where a
     round is (edges) or once after the model's last MoE layer (edges-late); forked at the layer's entry, before its
     paging (edges-early); or one for the whole forward, forked at its first MoE layer and joined after its last
-    (edges-once). The engine's TPOT then shows what the fork and join cost."""
+    (edges-once). The engine's TPOT then shows what the fork and join cost. poll-once: a chained forward (as
+    BIGMOE_PREFETCH_CHAIN=1, its steps publishing) whose side branch is one program that polls for every step in
+    turn, joined once: what one polling node a forward costs."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

@@ -84,6 +84,9 @@ out["mailbox"] = {"acquire": accesses(k, "ld.acquire.sys"), "release": accesses(
                   "sleep": "nanosleep" in k.asm["ptx"]}
 k = build(chain._wait_kernel, {"flags_ptr": "*i64", "layer": "i32", "max_spins": "i32"}, {"ON_GPU": True})
 out["chain_wait"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
+k = build(chain._wait_all_kernel, {"flags_ptr": "*i64", "first": "i32", "last": "i32", "max_spins": "i32"},
+          {"ON_GPU": True})
+out["chain_wait_all"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
 def wide_copy(k):
     return sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", k.asm["ptx"]))) + accesses(k, "st")
@@ -162,6 +165,7 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         assert step["acquire"] == (["ld.acquire.gpu.global.b64"] if name == "lfu-duel" else [])
         assert step["sleep"] == (name == "lfu-duel")
     assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
+    assert got["chain_wait_all"] == got["chain_wait"]  # the poll-once probe polls as a chained round does
     # the SSD mailbox's request: acquire loads and release stores at system scope (the host is the other end)
     assert got["mailbox"] == {
         "acquire": ["ld.acquire.sys.global.b64"],

@@ -201,3 +201,49 @@ def test_a_forward_that_cannot_chain_forks_a_round_a_layer(tmp_path: Path, monke
         ]
     else:
         assert told == []
+
+
+# ---- the one-polling-node probe (BIGMOE_SIDE_BRANCH_PROBE=poll-once) ------------------------------------------------
+
+
+@pytest.mark.parametrize("missing,timeouts", [(None, 0), (2, 1)])
+def test_the_probe_s_one_program_waits_for_every_step_in_turn(missing, timeouts):
+    chain = PrefetchChain(layers=4, device="cpu")
+    chain.flags[FORWARD] = 3
+    for layer in range(1, 4):
+        chain.flags[STEPPED + layer] = 2 if layer == missing else 3
+    chain.wait_all_stepped(1, 3, max_spins=4)
+    assert int(chain.flags[TIMEOUTS]) == timeouts
+
+
+@pytest.mark.parametrize("layers_n,forwards", [(3, 2), (5, 3)])
+def test_a_poll_once_forward_forks_one_polling_program_and_joins_once(tmp_path: Path, monkeypatch, layers_n, forwards):
+    from bigmoe_pager.core.prediction import LivePredictions
+
+    trace = traces.named_trace("standard", 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, EXPERTS))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    polls, joins = [], []
+    wait_all, join = PrefetchChain.wait_all_stepped, LivePredictions.join
+    monkeypatch.setattr(
+        PrefetchChain,
+        "wait_all_stepped",
+        lambda self, a, b, max_spins=None: (polls.append((a, b)), wait_all(self, a, b)),
+    )
+    monkeypatch.setattr(LivePredictions, "join", lambda self, device: (joins.append(self.chained), join(self, device)))
+    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_SIDE_BRANCH_PROBE": "poll-once"}
+    routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
+    layers, _, _, stats = fused_model(layers_n, 6)
+    live = predictor(layers, env, routing)
+    live.whole_forward_captured = lambda: True
+    run_forwards(live, layers, routing, 1)  # eager: the flags are made, nothing chains
+    capturing[0] = True
+    polls.clear(), joins.clear()
+    signals = []
+    run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))
+    assert polls == [(1, layers_n - 1)] * forwards  # one program a forward, for every later layer's step
+    assert joins.count(True) == forwards  # joined by close_chain only
+    assert [(s.layer, s.first, s.joinless) for s in signals] == [(i, i == 0, False) for i in range(layers_n)] * forwards
+    assert live._chain.forwards == forwards and not live.live.chained
+    assert sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n)) == 0  # no round ran

@@ -187,6 +187,11 @@ class LivePredictions:
 
         self._forked_work(source, post)
 
+    def fork_poller(self, source: torch.Tensor, first: int, last: int) -> None:
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once), in a chained forward: fork its side branch with one
+        program that waits for the steps of layers first .. last in turn, and nothing else."""
+        self._forked_work(source, lambda: self._chain.wait_all_stepped(first, last), after=first - 1)
+
     def fork_marker(self, source: torch.Tensor) -> None:
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE): fork a branch that adds one to a one-element counter, in
         place of a round, so an engine's TPOT shows what a branch's fork and join cost with (almost) no work."""

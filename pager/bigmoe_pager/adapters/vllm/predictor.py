@@ -52,10 +52,12 @@ SIDE_BRANCH_PROBES = {
     "edges-late": ("round", True),
     "edges-early": ("entry", False),
     "edges-once": ("first", True),
+    "poll-once": ("poll", False),
 }
 """BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
 round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
-the model's last layer)."""
+the model's last layer). "poll": a chained forward's one polling branch, forked at its first round, joined at its
+end (LivePredictions.fork_poller)."""
 
 
 class Turn:
@@ -144,7 +146,10 @@ class Predictor:
         self.live = LivePredictions(priority)
         self.probe_fork, self.probe_joins_once = SIDE_BRANCH_PROBES[settings.side_branch_probe]
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE, SIDE_BRANCH_PROBES): replayed rounds become marker branches."""
-        self.chain_on = (settings.prefetch_chain or settings.prefetch_joinless) and self.probe_fork is None
+        self.poll_probe = self.probe_fork == "poll"
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once): chained forwards whose side branch only polls."""
+        chained = settings.prefetch_chain or settings.prefetch_joinless or self.poll_probe
+        self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
         self.joinless = settings.prefetch_joinless
         """BIGMOE_PREFETCH_JOINLESS: and joins it once, at its end; the steps settle the rounds (core.round_sync)."""
@@ -170,7 +175,7 @@ class Predictor:
         yields a Turn, which the caller calls once the layer's own paging is issued: the next layer's experts are
         then proposed and prefetched (on a side stream on CUDA). Uncalled, the fork happens after the whole call
         (host-driven pager, big steps). The Turn's `chain` is what the layer's step publishes (a chained forward)."""
-        if not (self.probe_joins_once or self.live.joinless):
+        if not (self.probe_joins_once or self.live.joinless or (self.poll_probe and self.live.chained)):
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
         if (self.probe_fork == "entry" and not self._last_of_its_model(layer)) or (
             self.probe_fork == "first" and self._first_of_its_model(layer)
@@ -296,6 +301,10 @@ class Predictor:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
         if self.routing.replays_predictions(hidden.device):
             if self.probe_fork is not None:  # a branch, no round: nothing moves, the tokens cannot change
+                if self.poll_probe and self.live.chained and self._first_of_its_model(layer):
+                    last = self._layers_of_its_model(layer)[-1]._moe_index
+                    if last > layer._moe_index:
+                        self.live.fork_poller(hidden, layer._moe_index + 1, last)
                 if self.probe_fork == "round" and not self._last_of_its_model(layer):
                     self.live.fork_marker(hidden)
                 return None
