@@ -62,7 +62,8 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
                                "release": accesses(k, "st.release.gpu")}
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
-        "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64", "max_spins": "i32"}
+        "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64",
+        "filled_ptr": "*i64", "max_spins": "i32"}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
 for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,

@@ -54,6 +54,10 @@ def sync_words(pager):
     return state["claim"], state["copied"], state["target"]
 
 
+def filled(pager):
+    return pager.vram.kernel_state()["filled"]
+
+
 def next_forward(chain):
     """As the forward's first step would: count the next forward (the claim word of the one before stays)."""
     chain.flags[FORWARD] += 1
@@ -122,12 +126,15 @@ def test_a_needed_copy_still_under_way_is_waited_for_then_copied_by_the_step_its
     assert int(chain.flags[TIMEOUTS]) == 1
 
 
-def test_a_slot_under_copy_is_never_taken_for_a_miss():
+@pytest.mark.parametrize("copying", [True, False])
+def test_a_slot_this_forward_s_round_filled_is_never_taken_for_a_miss(copying):
+    """Whether its copy is still under way or done: every program of the step must exclude the same slots."""
     (_, _), (joinless, _), chain = joined_and_joinless(40, 6, "lru", seed=9)
     joinless.acquire(torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=torch.int32))  # slots 0-5 hold experts 0-5
     _, copied, target = sync_words(joinless)
     oldest = int(joinless.vram.expert_slot[0])  # LRU's victim: all six were used at the same step, lowest first
-    target[oldest] = copied[oldest] + 3
+    filled(joinless)[oldest] = FORWARD_NO
+    target[oldest] = copied[oldest] + (3 if copying else 0)
     got = step_giving_up(joinless, torch.tensor([[1, 2, 10, -1, -1, -1]], dtype=torch.int32), chain, 4)
     assert int(got.loaded) == 1 and int(got.miss_slots[0]) != oldest
     assert int(joinless.vram.expert_slot[0]) == oldest  # expert 0 stays where its copy goes on
@@ -138,11 +145,12 @@ def test_a_step_with_too_few_idle_slots_waits_for_the_copies_and_gives_up_counte
     (_, _), (joinless, _), chain = joined_and_joinless(40, 4, "lru", seed=11)
     joinless.acquire(torch.tensor([[0, 1, 2, 3]], dtype=torch.int32))
     _, copied, target = sync_words(joinless)
-    target[:4] = copied[:4] + 2  # every slot under copy: a miss has nowhere to go until one is done
+    filled(joinless)[:4] = FORWARD_NO  # every slot filled by this forward's round, and still under copy:
+    target[:4] = copied[:4] + 2  # a miss has nowhere to go until those copies are done
     got = step_giving_up(joinless, torch.tensor([[8, -1, -1, -1]], dtype=torch.int32), chain, 3)
     assert int(got.loaded) == 0 and int(got.remapped[0, 0]) == -1
     assert int(chain.flags[TIMEOUTS]) == 1
-    target[:4] = copied[:4]  # the copies finish: the next step takes a slot
+    target[:4] = copied[:4]  # the copies finish: the next step waits for none and takes a slot
     got = step_giving_up(joinless, torch.tensor([[8, -1, -1, -1]], dtype=torch.int32), chain, 3)
     assert int(got.loaded) == 1 and int(chain.flags[TIMEOUTS]) == 1
 

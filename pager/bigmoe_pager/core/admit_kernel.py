@@ -97,6 +97,7 @@ def launch_admit(
         table_state["claim"],
         table_state["copied"],
         table_state["target"],
+        table_state["filled"],
         record_blocks,
         E=num_experts,
         S=num_slots,
@@ -230,6 +231,7 @@ if triton is not None:
         claim_ptr,
         copied_ptr,
         target_ptr,
+        filled_ptr,
         record_blocks,
         E: tl.constexpr,
         S: tl.constexpr,
@@ -248,6 +250,7 @@ if triton is not None:
         ON_GPU: tl.constexpr,
     ):
         claimed = True
+        forward = 0
         if SYNC:  # a joinless forward: hold the table before reading it, or find the step came first
             forward = tl.load(flags_ptr + _FORWARD)
             claimed = claim_round(claim_ptr, forward)
@@ -282,7 +285,9 @@ if triton is not None:
                 record_bytes,
                 copied_ptr,
                 target_ptr,
+                filled_ptr,
                 record_blocks,
+                forward,
                 E,
                 S,
                 NEEDED,
@@ -340,7 +345,9 @@ if triton is not None:
         record_bytes,
         copied_ptr,
         target_ptr,
+        filled_ptr,
         record_blocks,
+        forward,
         E: tl.constexpr,
         S: tl.constexpr,
         NEEDED: tl.constexpr,
@@ -450,6 +457,8 @@ if triton is not None:
             tl.atomic_add(stats_ptr + _PREFETCHED, n)
             tl.atomic_add(stats_ptr + _PREFETCH_USED, n_used)
             tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
-        if SYNC:  # each filled slot is record_blocks short of done until the round's copy has written it
+        if SYNC:  # each filled slot is record_blocks short of done until the round's copy has written it, and
+            # marked as this forward's (the step's programs all exclude the same slots from their victims)
             goal = tl.load(copied_ptr + cand, mask=take, other=0) + record_blocks
             tl.store(target_ptr + cand, goal, mask=take)
+            tl.store(filled_ptr + cand, forward, mask=take)

@@ -10,6 +10,7 @@ forward's end, and the two meet through words in device memory instead:
     claim          one word per table: forward * 4 + CLAIMED | DECIDED | CANCELLED
     copied[slot]   copy blocks finished into the slot, ever (the copy adds each program's share)
     target[slot]   what copied[slot] will be once the latest round's copy into it is done
+    filled[slot]   the forward whose round last filled the slot
 
 - The round's admit claims the table for this forward (atomic max) before it reads it. If the step
   came first and cancelled the round, the round changes and copies nothing. Otherwise it decides as
@@ -18,9 +19,11 @@ forward's end, and the two meet through words in device memory instead:
   (compare-and-swap), a claimed one is waited for until DECIDED (a one-CTA decision that is already
   running: microseconds). So the two never interleave, and the step decides from either the table
   the round left or the one no round touched: both are states the joined path can reach.
-- The step never evicts a slot whose copy is still under way (copied < target), and before vLLM's
-  MoE kernel may read a slot it needs, it waits until that slot's copy is done: a late copy is
-  waited for, never skipped, and a wrong one is no longer waited for at all.
+- The step never evicts a slot this forward's round filled (every program of the step reads the
+  same `filled` words, where a copy's progress can change between two programs' reads and split
+  their decisions), unless too few other slots are left: then it waits until those copies are
+  done. Before vLLM's MoE kernel may read a slot it needs, it waits until that slot's copy is
+  done: a late copy is waited for, never skipped, and a wrong one is no longer waited for at all.
 - No wait is unbounded. If a needed slot's copy has not finished after about a second (a side stream
   that cannot run beside the step, e.g. one hardware queue), the step copies that expert into the
   slot itself: the round writes the same bytes into the same slot, so the race is harmless. It is
@@ -83,6 +86,12 @@ if triton is not None:
                 spins += 1
                 seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
         return cancelled, seen < mine + _DECIDED
+
+    @triton.jit
+    def round_filled(filled_ptr, forward, slots, mask):
+        """Which of `slots` (where mask) this forward's round filled (read afresh: the round's kernel wrote them)."""
+        safe = tl.where(mask, slots, 0)
+        return mask & (tl.load(filled_ptr + safe, volatile=True) == forward)
 
     @triton.jit
     def copies_under_way(copied_ptr, target_ptr, slots, mask, ON_GPU: tl.constexpr):

@@ -257,6 +257,8 @@ class SlotTable:
         """Joinless rounds: copy blocks finished into each slot, ever (round_sync)."""
         self._target = torch.zeros((s + 1,), dtype=torch.int64, device=self.device)
         """Joinless rounds: `copied` once the latest round's copy into each slot is done (round_sync)."""
+        self._filled = torch.zeros((s + 1,), dtype=torch.int64, device=self.device)
+        """Joinless rounds: the forward whose round last filled each slot (round_sync)."""
         self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
         """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
         self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -346,6 +348,7 @@ class SlotTable:
             "claim": self._claim,
             "copied": self._copied,
             "target": self._target,
+            "filled": self._filled,
         }
         if self.duel:
             (fast_held, fast_stamps, _), (slow_held, slow_stamps, _) = self._shadows

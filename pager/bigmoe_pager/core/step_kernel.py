@@ -165,6 +165,7 @@ def launch_step(
         table_state["claim"],
         table_state["copied"],
         table_state["target"],
+        table_state["filled"],
         max_spins,
         layout.record_bytes,
         programs,
@@ -210,7 +211,7 @@ if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, lfu_key, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
-    from bigmoe_pager.core.round_sync import copies_under_way, settle_round, wait_copies
+    from bigmoe_pager.core.round_sync import round_filled, settle_round, wait_copies
 
     _FORWARD, _TIMEOUTS, _CANCELS = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS))
 
@@ -252,6 +253,7 @@ if triton is not None:
         claim_ptr,
         copied_ptr,
         target_ptr,
+        filled_ptr,
         max_spins,
         record_bytes,
         programs,
@@ -334,13 +336,15 @@ if triton is not None:
         occupied = held >= 0
         held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
         avail = s_in & ~held_needed
-        if SYNC:  # a slot the round is still copying into is not taken, unless too few others are left
-            busy = copies_under_way(copied_ptr, target_ptr, s_ar, avail, ON_GPU)
+        if SYNC:  # the slots this forward's round filled are not taken (a set every program reads alike, where
+            # the copies' progress is not), unless too few others are left: then once those copies are all done
+            busy = round_filled(filled_ptr, forward, s_ar, avail)
             short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
             if short > 0:
-                busy = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
-                short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
-                if (short > 0) & (pid == 0):  # misses left unplaced: counted as errors, never hidden
+                late = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
+                if tl.sum(late.to(tl.int32), 0) == 0:
+                    busy = late
+                elif pid == 0:  # misses left unplaced: counted as errors, never hidden
                     tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
                     if HAS_STATS:
                         tl.atomic_add(stats_ptr + _ERRORS, short)
