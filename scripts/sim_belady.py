@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from bigmoe_bench import traces
-from sim_eviction import SHAPES, Shape, family_traces, scaled, simulate
+from sim_eviction import Shape, cases, simulate
 
 FAMILIES = (*traces.FAMILIES, "recorded")
 """The synthetic families and the trace recorded from the tiny model in vLLM."""
@@ -74,21 +74,6 @@ def reference(trace: np.ndarray, experts: int, vram: int) -> dict[str, float]:
         got = belady(trace[:, layer], experts, vram)
         lookups, hits = lookups + got[0], hits + got[1]
     return {"vram_hit": round(hits / lookups, 4), "vram_misses_per_token": round((lookups - hits) / trace.shape[0], 3)}
-
-
-def cases(tokens: int, layers: int, seed: int, families: tuple[str, ...]) -> list[tuple[str, Shape, np.ndarray]]:
-    """(family, shape, trace) for every family and shape (the recorded trace at its own size), VRAM tier only."""
-    out = [
-        (family, shape, trace)
-        for (family, name), trace in family_traces(tokens, layers, seed).items()
-        for shape in SHAPES
-        if shape.name == name and family in families
-    ]
-    if "recorded" in families:
-        recorded = traces.load_trace(traces.RECORDED)[:tokens, :layers]
-        r_experts, r_k = int(recorded.max()) + 1, recorded.shape[2]
-        out += [("recorded", scaled(shape, r_experts, r_k), recorded) for shape in SHAPES]
-    return out
 
 
 def _row(family: str, shape: Shape, trace: np.ndarray) -> dict:

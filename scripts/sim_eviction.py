@@ -108,10 +108,9 @@ def scaled(shape: Shape, experts: int, k: int) -> Shape:
     return Shape(shape.name, experts, k, vram, ram)
 
 
-def run(
-    tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers: int, families: tuple[str, ...]
-) -> list:
-    cases = [
+def cases(tokens: int, layers: int, seed: int, families: tuple[str, ...]) -> list[tuple[str, Shape, np.ndarray]]:
+    """(family, shape, trace) for every family of `families` and shape; the recorded trace at its own size."""
+    found = [
         (fam, shape, trace)
         for (fam, name), trace in family_traces(tokens, layers, seed).items()
         for shape in SHAPES
@@ -120,12 +119,19 @@ def run(
     if "recorded" in families:
         recorded = traces.load_trace(traces.RECORDED)[:tokens, :layers]
         r_experts, r_k = int(recorded.max()) + 1, recorded.shape[2]
-        cases += [("recorded", scaled(shape, r_experts, r_k), recorded) for shape in SHAPES]
-    jobs = [(trace, shape.experts, shape.vram, shape.ram, p) for _, shape, trace in cases for p in policies]
+        found += [("recorded", scaled(shape, r_experts, r_k), recorded) for shape in SHAPES]
+    return found
+
+
+def run(
+    tokens: int, layers: int, seed: int, policies: tuple[str, ...], workers: int, families: tuple[str, ...]
+) -> list:
+    cases_ = cases(tokens, layers, seed, families)
+    jobs = [(trace, shape.experts, shape.vram, shape.ram, p) for _, shape, trace in cases_ for p in policies]
     with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         rates = iter(pool.starmap(simulate, jobs, chunksize=1))
     results = []
-    for family, shape, trace in cases:
+    for family, shape, trace in cases_:
         row = {
             "family": family,
             "shape": shape.name,

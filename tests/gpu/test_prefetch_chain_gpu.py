@@ -19,7 +19,11 @@ from test_live_predictor_gpu import HIDDEN, started, whole_forward_predictor
 pytestmark = pytest.mark.gpu
 
 
-def paged_model(layout, records, layers_n: int, vram: int, k: int, chained: bool, weights, policy: str):
+def paged_model(
+    layout, records, layers_n: int, vram: int, k: int, chained: bool, weights, policy: str, joinless: bool = False
+):
+    """Paged layers with routers, and the process's predictor over them (live router proposals; chained rounds,
+    and joined once a forward with `joinless`)."""
     stats = PagerStats(layers_n, "cuda")
     runners: dict = {}
     layers = []
@@ -34,7 +38,7 @@ def paged_model(layout, records, layers_n: int, vram: int, k: int, chained: bool
         )
         runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
         layers.append(layer)
-    settings = PagerSettings(enabled=True, predict="router", prefetch_chain=chained)
+    settings = PagerSettings(enabled=True, predict="router", prefetch_chain=chained, prefetch_joinless=joinless)
     return layers, whole_forward_predictor(settings, layers), stats
 
 

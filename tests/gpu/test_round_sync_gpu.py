@@ -9,37 +9,16 @@ taken), so what is compared is what tokens depend on: the bytes each id's slot h
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import predict_next
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
-from bigmoe_pager.core.stats import PagerStats
-from bigmoe_pager.settings import PagerSettings
-from test_live_predictor_gpu import HIDDEN, started, whole_forward_predictor
+from test_live_predictor_gpu import HIDDEN
+from test_prefetch_chain_gpu import paged_model
 
 pytestmark = pytest.mark.gpu
-
-
-def joinless_model(layout, records, layers_n: int, vram: int, k: int, weights, policy: str):
-    stats = PagerStats(layers_n, "cuda")
-    runners: dict = {}
-    layers = []
-    for i in range(layers_n):
-        layer = SimpleNamespace(
-            layer_name=f"model.layers.{i}.mlp.experts",
-            _moe_index=i,
-            _num_experts=records.shape[0],
-            moe_config=SimpleNamespace(experts_per_token=k),
-            pager=started(layout, records, i, vram, stats, policy),
-            _runners=runners,
-        )
-        runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
-        layers.append(layer)
-    settings = PagerSettings(enabled=True, predict="router", prefetch_chain=True, prefetch_joinless=True)
-    return layers, whole_forward_predictor(settings, layers), stats
 
 
 @pytest.mark.parametrize(
@@ -59,7 +38,7 @@ def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_eve
     x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
     ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
     work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    layers, predictor, stats = joinless_model(layout, records, layers_n, vram, k, weights, policy)
+    layers, predictor, stats = paged_model(layout, records, layers_n, vram, k, True, weights, policy, joinless=True)
     out = [torch.empty_like(i) for i in ids]
 
     def forward() -> None:  # as the adapter runs each layer's call: page (settling, publishing), fork or chain, compute

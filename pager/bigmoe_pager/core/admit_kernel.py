@@ -255,55 +255,105 @@ if triton is not None:
             forward = tl.load(flags_ptr + _FORWARD)
             claimed = claim_round(claim_ptr, forward)
         if claimed:
-            _decide(
-                pred_ptr,
-                n_pred,
-                expert_slot_ptr,
-                slot_expert_ptr,
-                last_use_ptr,
-                step_ptr,
-                freq_ptr,
-                prefetched_ptr,
-                would_fetch_ptr,
-                prefetch_step_ptr,
-                want_ptr,
-                used_score_ptr,
-                wasted_score_ptr,
-                gate_closed_ptr,
-                min_used_percent,
-                lift_percent,
-                avail_ptr,
-                keep_ptr,
-                src_row_ptr,
-                src_posted_ptr,
-                out_exp_ptr,
-                out_slot_ptr,
-                out_evicted_ptr,
-                out_row_ptr,
-                m,
-                stats_ptr,
-                record_bytes,
-                copied_ptr,
-                target_ptr,
-                filled_ptr,
-                record_blocks,
-                forward,
-                E,
-                S,
-                NEEDED,
-                PACKED_MAX,
-                BLOCK_E,
-                BLOCK_S,
-                BLOCK_N,
-                HAS_AVAIL,
-                HAS_KEEP,
-                HAS_SOURCE,
-                HAS_STATS,
-                LFU,
-                BUDGET,
-                SYNC,
+            step = tl.load(step_ptr)
+            e_ar = tl.arange(0, BLOCK_E)
+            s_ar = tl.arange(0, BLOCK_S)  # also indexes the output lists (m <= S)
+            e_in = e_ar < E
+            s_in = s_ar < S
+            m_in = s_ar < m
+            held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
+            last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
+            occupied = held >= 0
+            # The gate's state, read before any store: every thread reads the old values, stores come after a barrier.
+            used_score = tl.load(used_score_ptr)
+            wasted_score = tl.load(wasted_score_ptr)
+            gate_closed = tl.load(gate_closed_ptr)
+
+            # Phase 1: settle the previous round (judged once a step ran since its admit), clear the
+            # want scratch and the fetch list.
+            pstep = tl.load(prefetch_step_ptr)
+            judged = step > pstep
+            marks = tl.load(prefetched_ptr + s_ar, mask=s_in, other=-1)
+            would_fetch = tl.load(would_fetch_ptr + e_ar, mask=e_in, other=0)
+            slot_now = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
+            n_used, n_wasted, gate_used, gate_wasted = judge_round(
+                held, last, marks, would_fetch, slot_now, last_use_ptr, pstep, judged
             )
-            if SYNC:
+            tl.store(prefetched_ptr + s_ar, tl.where(judged, -1, marks), mask=s_in)
+            would_fetch = tl.where(judged, 0, would_fetch)
+            used_score, wasted_score, gate_open, lifted = gate_scores(
+                used_score, wasted_score, gate_used, gate_wasted, min_used_percent, lift_percent
+            )
+            tl.store(want_ptr + e_ar, 0, mask=e_in)
+            tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
+            tl.debug_barrier()
+            for n0 in range(0, n_pred, BLOCK_N):
+                offs = n0 + tl.arange(0, BLOCK_N)
+                ids = tl.load(pred_ptr + offs, mask=offs < n_pred, other=-1).to(tl.int64)
+                tl.store(want_ptr + ids, 1, mask=(ids >= 0) & (ids < E))
+            tl.debug_barrier()
+
+            # Phase 2: experts to fetch in ascending id; candidate slots by (empty, policy key, slot).
+            want = tl.load(want_ptr + e_ar, mask=e_in, other=0) != 0
+            fetch = want & (slot_now < 0)
+            if HAS_AVAIL:
+                fetch = fetch & (tl.load(avail_ptr + e_ar, mask=e_in, other=0) != 0)
+            if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
+                row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
+                fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
+            fetch = within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E, BUDGET)
+            tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & ~gate_open).to(tl.int32), mask=e_in)
+            fetch = fetch & gate_open
+            n_fetch = tl.sum(fetch.to(tl.int64), 0)
+            pos = tl.cumsum(fetch.to(tl.int32), 0) - 1
+            tl.store(out_exp_ptr + pos, e_ar.to(tl.int64), mask=fetch & (pos < m))
+            # Protected: predicted, used by the latest step, or in a slot the caller keeps.
+            protect = (tl.load(want_ptr + held, mask=occupied, other=0) != 0) | (last >= step)
+            if HAS_KEEP:
+                protect = protect | (tl.load(keep_ptr + s_ar, mask=s_in, other=0) != 0)
+            key = victim_keys(held, last, protect, s_ar, freq_ptr, E, S, NEEDED, LFU)
+            free = key != NEEDED
+            n_take = tl.minimum(tl.minimum(n_fetch, m), tl.sum(free.to(tl.int64), 0)).to(tl.int32)
+            packed = tl.where(free, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
+            # The n_take smallest keys, one block-wide min each (a few per layer); candidate i -> out_slot row i.
+            for i in range(0, n_take):
+                best = tl.min(packed, 0)
+                tl.store(out_slot_ptr + i, best % BLOCK_S)
+                packed = tl.where(packed == best, PACKED_MAX, packed)
+            tl.debug_barrier()
+            take = s_ar < n_take
+            mexp = tl.load(out_exp_ptr + s_ar, mask=take, other=-1)
+            cand = tl.load(out_slot_ptr + s_ar, mask=take, other=0)
+            old = tl.load(slot_expert_ptr + cand, mask=take, other=-1)
+            tl.debug_barrier()
+
+            # Phase 3: install, stamp with the latest step, mark for the next round's counters.
+            tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
+            tl.store(expert_slot_ptr + mexp, cand, mask=take)
+            tl.store(slot_expert_ptr + cand, mexp, mask=take)
+            tl.store(last_use_ptr + cand, step, mask=take)
+            tl.store(prefetched_ptr + cand, mexp, mask=take)
+            tl.store(out_exp_ptr + s_ar, tl.where(take, mexp, -1), mask=m_in)
+            tl.store(out_slot_ptr + s_ar, tl.where(take, cand, -1), mask=m_in)
+            tl.store(out_evicted_ptr + s_ar, tl.where(take, old, -1), mask=m_in)
+            if HAS_SOURCE:
+                src = tl.load(src_row_ptr + mexp, mask=take, other=-1)
+                tl.store(out_row_ptr + s_ar, tl.where(take, src, -1), mask=m_in)
+            tl.store(prefetch_step_ptr, step)
+            tl.store(used_score_ptr, used_score)
+            tl.store(wasted_score_ptr, wasted_score)
+            tl.store(gate_closed_ptr, gate_closed + (1 - gate_open.to(tl.int64)))
+            if HAS_STATS:
+                n = tl.sum(take.to(tl.int64), 0)
+                tl.atomic_add(stats_ptr + _BYTES, n * record_bytes)
+                tl.atomic_add(stats_ptr + _PREFETCHED, n)
+                tl.atomic_add(stats_ptr + _PREFETCH_USED, n_used)
+                tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
+            if SYNC:  # each filled slot is record_blocks short of done until the round's copy has written it, and
+                # marked as this forward's (the step's programs all exclude the same slots from their victims)
+                goal = tl.load(copied_ptr + cand, mask=take, other=0) + record_blocks
+                tl.store(target_ptr + cand, goal, mask=take)
+                tl.store(filled_ptr + cand, forward, mask=take)
                 tl.debug_barrier()  # every store of the decision is made before the release
                 release_round(claim_ptr, forward, ON_GPU)
         else:  # cancelled: nothing to copy
@@ -313,152 +363,3 @@ if triton is not None:
             tl.store(out_slot_ptr + s_ar, -1, mask=m_in)
             tl.store(out_evicted_ptr + s_ar, -1, mask=m_in)
             tl.store(out_row_ptr + s_ar, -1, mask=m_in)
-
-    @triton.jit
-    def _decide(
-        pred_ptr,
-        n_pred,
-        expert_slot_ptr,
-        slot_expert_ptr,
-        last_use_ptr,
-        step_ptr,
-        freq_ptr,
-        prefetched_ptr,
-        would_fetch_ptr,
-        prefetch_step_ptr,
-        want_ptr,
-        used_score_ptr,
-        wasted_score_ptr,
-        gate_closed_ptr,
-        min_used_percent,
-        lift_percent,
-        avail_ptr,
-        keep_ptr,
-        src_row_ptr,
-        src_posted_ptr,
-        out_exp_ptr,
-        out_slot_ptr,
-        out_evicted_ptr,
-        out_row_ptr,
-        m,
-        stats_ptr,
-        record_bytes,
-        copied_ptr,
-        target_ptr,
-        filled_ptr,
-        record_blocks,
-        forward,
-        E: tl.constexpr,
-        S: tl.constexpr,
-        NEEDED: tl.constexpr,
-        PACKED_MAX: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        HAS_AVAIL: tl.constexpr,
-        HAS_KEEP: tl.constexpr,
-        HAS_SOURCE: tl.constexpr,
-        HAS_STATS: tl.constexpr,
-        LFU: tl.constexpr,
-        BUDGET: tl.constexpr,
-        SYNC: tl.constexpr,
-    ):
-        step = tl.load(step_ptr)
-        e_ar = tl.arange(0, BLOCK_E)
-        s_ar = tl.arange(0, BLOCK_S)  # also indexes the output lists (m <= S)
-        e_in = e_ar < E
-        s_in = s_ar < S
-        m_in = s_ar < m
-        held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
-        last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
-        occupied = held >= 0
-        # The gate's state, read before any store: every thread reads the old values, stores come after a barrier.
-        used_score = tl.load(used_score_ptr)
-        wasted_score = tl.load(wasted_score_ptr)
-        gate_closed = tl.load(gate_closed_ptr)
-
-        # Phase 1: settle the previous round (judged once a step ran since its admit), clear the
-        # want scratch and the fetch list.
-        pstep = tl.load(prefetch_step_ptr)
-        judged = step > pstep
-        marks = tl.load(prefetched_ptr + s_ar, mask=s_in, other=-1)
-        would_fetch = tl.load(would_fetch_ptr + e_ar, mask=e_in, other=0)
-        slot_now = tl.load(expert_slot_ptr + e_ar, mask=e_in, other=-1)
-        n_used, n_wasted, gate_used, gate_wasted = judge_round(
-            held, last, marks, would_fetch, slot_now, last_use_ptr, pstep, judged
-        )
-        tl.store(prefetched_ptr + s_ar, tl.where(judged, -1, marks), mask=s_in)
-        would_fetch = tl.where(judged, 0, would_fetch)
-        used_score, wasted_score, gate_open, lifted = gate_scores(
-            used_score, wasted_score, gate_used, gate_wasted, min_used_percent, lift_percent
-        )
-        tl.store(want_ptr + e_ar, 0, mask=e_in)
-        tl.store(out_exp_ptr + s_ar, -1, mask=m_in)
-        tl.debug_barrier()
-        for n0 in range(0, n_pred, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            ids = tl.load(pred_ptr + offs, mask=offs < n_pred, other=-1).to(tl.int64)
-            tl.store(want_ptr + ids, 1, mask=(ids >= 0) & (ids < E))
-        tl.debug_barrier()
-
-        # Phase 2: experts to fetch in ascending id; candidate slots by (empty, policy key, slot).
-        want = tl.load(want_ptr + e_ar, mask=e_in, other=0) != 0
-        fetch = want & (slot_now < 0)
-        if HAS_AVAIL:
-            fetch = fetch & (tl.load(avail_ptr + e_ar, mask=e_in, other=0) != 0)
-        if HAS_SOURCE:  # held by the tier below in a row with no unconfirmed read
-            row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
-            fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
-        fetch = within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E, BUDGET)
-        tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & ~gate_open).to(tl.int32), mask=e_in)
-        fetch = fetch & gate_open
-        n_fetch = tl.sum(fetch.to(tl.int64), 0)
-        pos = tl.cumsum(fetch.to(tl.int32), 0) - 1
-        tl.store(out_exp_ptr + pos, e_ar.to(tl.int64), mask=fetch & (pos < m))
-        # Protected: predicted, used by the latest step, or in a slot the caller keeps.
-        protect = (tl.load(want_ptr + held, mask=occupied, other=0) != 0) | (last >= step)
-        if HAS_KEEP:
-            protect = protect | (tl.load(keep_ptr + s_ar, mask=s_in, other=0) != 0)
-        key = victim_keys(held, last, protect, s_ar, freq_ptr, E, S, NEEDED, LFU)
-        free = key != NEEDED
-        n_take = tl.minimum(tl.minimum(n_fetch, m), tl.sum(free.to(tl.int64), 0)).to(tl.int32)
-        packed = tl.where(free, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
-        # The n_take smallest keys, one block-wide min each (a few per layer); candidate i -> out_slot row i.
-        for i in range(0, n_take):
-            best = tl.min(packed, 0)
-            tl.store(out_slot_ptr + i, best % BLOCK_S)
-            packed = tl.where(packed == best, PACKED_MAX, packed)
-        tl.debug_barrier()
-        take = s_ar < n_take
-        mexp = tl.load(out_exp_ptr + s_ar, mask=take, other=-1)
-        cand = tl.load(out_slot_ptr + s_ar, mask=take, other=0)
-        old = tl.load(slot_expert_ptr + cand, mask=take, other=-1)
-        tl.debug_barrier()
-
-        # Phase 3: install, stamp with the latest step, mark for the next round's counters.
-        tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
-        tl.store(expert_slot_ptr + mexp, cand, mask=take)
-        tl.store(slot_expert_ptr + cand, mexp, mask=take)
-        tl.store(last_use_ptr + cand, step, mask=take)
-        tl.store(prefetched_ptr + cand, mexp, mask=take)
-        tl.store(out_exp_ptr + s_ar, tl.where(take, mexp, -1), mask=m_in)
-        tl.store(out_slot_ptr + s_ar, tl.where(take, cand, -1), mask=m_in)
-        tl.store(out_evicted_ptr + s_ar, tl.where(take, old, -1), mask=m_in)
-        if HAS_SOURCE:
-            src = tl.load(src_row_ptr + mexp, mask=take, other=-1)
-            tl.store(out_row_ptr + s_ar, tl.where(take, src, -1), mask=m_in)
-        tl.store(prefetch_step_ptr, step)
-        tl.store(used_score_ptr, used_score)
-        tl.store(wasted_score_ptr, wasted_score)
-        tl.store(gate_closed_ptr, gate_closed + (1 - gate_open.to(tl.int64)))
-        if HAS_STATS:
-            n = tl.sum(take.to(tl.int64), 0)
-            tl.atomic_add(stats_ptr + _BYTES, n * record_bytes)
-            tl.atomic_add(stats_ptr + _PREFETCHED, n)
-            tl.atomic_add(stats_ptr + _PREFETCH_USED, n_used)
-            tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
-        if SYNC:  # each filled slot is record_blocks short of done until the round's copy has written it, and
-            # marked as this forward's (the step's programs all exclude the same slots from their victims)
-            goal = tl.load(copied_ptr + cand, mask=take, other=0) + record_blocks
-            tl.store(target_ptr + cand, goal, mask=take)
-            tl.store(filled_ptr + cand, forward, mask=take)
