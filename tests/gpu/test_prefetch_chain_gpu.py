@@ -42,6 +42,22 @@ def paged_model(
     return layers, whole_forward_predictor(settings, layers), stats
 
 
+def routed_inputs(x, ids, weights, experts: int, k: int, g, rng) -> list[torch.Tensor]:
+    """New hidden states into x and each layer's ids into ids: random for the first layer, much as its router routes
+    the shared state for the others (three times in ten one id replaced). Returns the ids, on the CPU."""
+    tokens = x.shape[0]
+    x.copy_(torch.randn(tokens, HIDDEN, generator=g).to("cuda", torch.bfloat16))
+    chosen = [torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)], dtype=torch.int32)]
+    for i in range(1, len(ids)):
+        routed = predict_next(x, weights[i], k).to("cpu", torch.int32)
+        if rng.random() < 0.3:
+            routed[:, -1] = torch.tensor(rng.sample(range(experts), tokens))
+        chosen.append(routed)
+    for target, value in zip(ids, chosen):
+        target.copy_(value)
+    return chosen
+
+
 @pytest.mark.parametrize("experts,vram,k,tokens,policy", [(64, 16, 4, 1, "lru"), (128, 32, 8, 2, "lfu-duel")])
 def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slot_right(
     experts, vram, k, tokens, policy
@@ -67,16 +83,7 @@ def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slo
         rng = random.Random(experts)
 
         def new_inputs() -> list[torch.Tensor]:
-            x.copy_(torch.randn(tokens, HIDDEN, generator=g).to("cuda", torch.bfloat16))
-            chosen = [torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)], dtype=torch.int32)]
-            for i in range(1, layers_n):  # layer i routes much as its router does on the shared state
-                routed = predict_next(x, weights[i], k).to("cpu", torch.int32)
-                if rng.random() < 0.3:
-                    routed[:, -1] = torch.tensor(rng.sample([e for e in range(experts)], tokens))
-                chosen.append(routed)
-            for target, value in zip(ids, chosen):
-                target.copy_(value)
-            return chosen
+            return routed_inputs(x, ids, weights, experts, k, g, rng)
 
         g.manual_seed(1000 + experts)
         new_inputs()

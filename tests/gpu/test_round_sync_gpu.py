@@ -16,7 +16,7 @@ from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import predict_next
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from test_live_predictor_gpu import HIDDEN
-from test_prefetch_chain_gpu import paged_model
+from test_prefetch_chain_gpu import paged_model, routed_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -52,16 +52,7 @@ def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_eve
     rng = random.Random(experts)
 
     def new_inputs() -> list[torch.Tensor]:
-        x.copy_(torch.randn(tokens, HIDDEN, generator=g).to("cuda", torch.bfloat16))
-        chosen = [torch.tensor([rng.sample(range(experts), k) for _ in range(tokens)], dtype=torch.int32)]
-        for i in range(1, layers_n):  # layer i routes much as its router does on the shared state
-            routed = predict_next(x, weights[i], k).to("cpu", torch.int32)
-            if rng.random() < 0.3:
-                routed[:, -1] = torch.tensor(rng.sample(range(experts), tokens))
-            chosen.append(routed)
-        for target, value in zip(ids, chosen):
-            target.copy_(value)
-        return chosen
+        return routed_inputs(x, ids, weights, experts, k, g, rng)
 
     new_inputs()
     forward()  # eager (Triton compiles here; nothing chains outside a capture, and the flags are made)
