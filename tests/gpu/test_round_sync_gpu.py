@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.prediction import predict_next
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from test_live_predictor_gpu import HIDDEN
 from test_prefetch_chain_gpu import paged_model, routed_inputs
