@@ -22,6 +22,20 @@ def test_a_recorded_trace_is_tokens_by_layers_by_k(tmp_path):
     assert got.dtype == np.int32 and np.array_equal(got, want)
 
 
+def test_a_trace_is_written_again_only_when_more_was_recorded(tmp_path, monkeypatch):
+    """The exit hook after an explicit save (or a second save) rewrites nothing and says nothing."""
+    writes = []
+    monkeypatch.setattr(np, "savez", lambda path, **arrays: writes.append(arrays["topk_ids"].shape))
+    monkeypatch.setattr("pathlib.Path.replace", lambda self, target: None)
+    routing = Routing(PagerSettings(enabled=True, trace_path=tmp_path / "t.npz"))
+    routing.hook(0, torch.tensor([[1, 2]]))
+    routing.save_trace()
+    routing.save_trace()
+    routing.hook(0, torch.tensor([[3, 4]]))
+    routing.save_trace()
+    assert writes == [(1, 1, 2), (2, 1, 2)]
+
+
 def test_a_replay_hands_each_layer_the_next_rows(tmp_path):
     trace = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)  # 3 tokens, 2 layers, top-2
     np.savez(tmp_path / "r.npz", topk_ids=trace)

@@ -33,6 +33,7 @@ class Routing:
         self._trace: dict[int, list[np.ndarray]] = {}
         self._predicted: dict[int, list[np.ndarray]] = {}  # per MoE layer l: the live proposals for layer l + 1
         self._replay: tuple[torch.Tensor, torch.Tensor] | None = None  # trace [tokens, layers, k], cursors [1024]
+        self._saved: tuple[int, int] | None = None  # (ids, proposals) recorded when save_trace last wrote
 
     def hook(self, moe_index: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The ids the layer routes by (replayed when asked), recorded when a trace is asked for."""
@@ -69,10 +70,13 @@ class Routing:
 
     def save_trace(self) -> None:
         """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path, and the
-        live proposals as predicted_ids int32 [tokens, layers, P] when there are any (docs/routing.md)."""
+        live proposals as predicted_ids int32 [tokens, layers, P] when there are any (docs/routing.md). Nothing is
+        rewritten when nothing was recorded since the last write (the exit hook after an explicit save)."""
         with self._lock:
-            if not self._trace:
+            recorded = (sum(map(len, self._trace.values())), sum(map(len, self._predicted.values())))
+            if not self._trace or recorded == self._saved:
                 return
+            self._saved = recorded
             layers = sorted(self._trace)
             per_layer = [np.concatenate(self._trace[l], axis=0) for l in layers]
             proposed = {l: np.concatenate(self._predicted[l], axis=0) for l in layers if l in self._predicted}
