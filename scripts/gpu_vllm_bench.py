@@ -470,12 +470,7 @@ ENGINE_FIELDS = (
     "cudagraph_mode",
     "experts_kernel",
     "inductor_deterministic",
-    "prefetch_joins",
-    "prefetch_forks",
-    "prefetch_chain_timeouts",
-    "prefetch_chain_cancels",
-    "load_copy_bytes",
-    "load_copy_s",
+    *e2e.ENGINE_FACTS,
 )
 """What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file; prefetch_joins /
 prefetch_forks: where its captures joined the prefetch and how often they forked it; prefetch_chain_timeouts: chained

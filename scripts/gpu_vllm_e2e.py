@@ -599,6 +599,17 @@ def last_error_line(log: Path) -> str:
 # ---- comparison and output ---------------------------------------------------------------------
 
 
+ENGINE_FACTS = (
+    "prefetch_joins",
+    "prefetch_forks",
+    "prefetch_chain_timeouts",
+    "prefetch_chain_cancels",
+    "load_copy_bytes",
+    "load_copy_s",
+)
+"""What an engine's run reports beside its counters (adapters.vllm.process.engine_facts), copied into its row."""
+
+
 def compare(row: dict, reference: dict | None) -> None:
     """Token and logprob identity of a run with the reference, and its pager hit rates."""
     result = row.get("result")
@@ -606,14 +617,7 @@ def compare(row: dict, reference: dict | None) -> None:
         return
     row["ttft_ms"], row["tpot_ms"] = result["ttft_ms"], result["tpot_ms"]
     row["cudagraph_mode"] = result.get("cudagraph_mode")
-    for fact in (
-        "prefetch_joins",
-        "prefetch_forks",
-        "prefetch_chain_timeouts",
-        "prefetch_chain_cancels",
-        "load_copy_bytes",
-        "load_copy_s",
-    ):  # process.engine_facts (absent: pager off)
+    for fact in ENGINE_FACTS:  # absent: pager off
         if fact in result:
             row[fact] = result[fact]
     row["pager"] = {
