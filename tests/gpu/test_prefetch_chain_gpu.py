@@ -42,6 +42,18 @@ def paged_model(
     return layers, whole_forward_predictor(settings, layers), stats
 
 
+def model_inputs(experts: int, k: int, tokens: int, layers_n: int):
+    """A small FP8 layout, its experts' records, one router per layer, and the hidden-state and id buffers a captured
+    forward reads (layout, generator, records, weights, x, ids)."""
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    g = torch.Generator().manual_seed(experts)
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
+    weights = [torch.randn(experts, HIDDEN, generator=g).to("cuda", torch.bfloat16) for _ in range(layers_n)]
+    x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
+    return layout, g, records, weights, x, ids
+
+
 def routed_inputs(x, ids, weights, experts: int, k: int, g, rng) -> list[torch.Tensor]:
     """New hidden states into x and each layer's ids into ids: random for the first layer, much as its router routes
     the shared state for the others (three times in ten one id replaced). Returns the ids, on the CPU."""
@@ -63,12 +75,7 @@ def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slo
     experts, vram, k, tokens, policy
 ):
     layers_n = 6
-    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
-    g = torch.Generator().manual_seed(experts)
-    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
-    weights = [torch.randn(experts, HIDDEN, generator=g).to("cuda", torch.bfloat16) for _ in range(layers_n)]
-    x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
-    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
+    layout, g, records, weights, x, ids = model_inputs(experts, k, tokens, layers_n)
     runs = {}
     for chained in (False, True):
         layers, predictor, stats = paged_model(layout, records, layers_n, vram, k, chained, weights, policy)

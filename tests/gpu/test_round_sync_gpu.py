@@ -12,10 +12,8 @@ import random
 
 import pytest
 import torch
-from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
-from test_live_predictor_gpu import HIDDEN
-from test_prefetch_chain_gpu import paged_model, routed_inputs
+from test_prefetch_chain_gpu import model_inputs, paged_model, routed_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -30,12 +28,7 @@ def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_eve
     """compute: matmuls of 2048 x 2048 between a layer's step and the next (0: the steps back to back, so most
     rounds come late and are cancelled)."""
     layers_n = 6
-    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
-    g = torch.Generator().manual_seed(experts)
-    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
-    weights = [torch.randn(experts, HIDDEN, generator=g).to("cuda", torch.bfloat16) for _ in range(layers_n)]
-    x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
-    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
+    layout, g, records, weights, x, ids = model_inputs(experts, k, tokens, layers_n)
     work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     layers, predictor, stats = paged_model(layout, records, layers_n, vram, k, True, weights, policy, joinless=True)
     out = [torch.empty_like(i) for i in ids]
