@@ -54,6 +54,15 @@ def model_inputs(experts: int, k: int, tokens: int, layers_n: int):
     return layout, g, records, weights, x, ids
 
 
+def assert_slots_hold(layers, layout, records, chosen: list[torch.Tensor], out: list[torch.Tensor]) -> None:
+    """Every layer's slot for each id it was given (out: the step's remapped ids) holds that expert's bytes."""
+    for i, layer in enumerate(layers):
+        for expert, slot in zip(chosen[i].flatten().tolist(), out[i].flatten().cpu().tolist()):
+            for c in layout.components:
+                got = layer.pager.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
+                assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (i, expert, slot)
+
+
 def routed_inputs(x, ids, weights, experts: int, k: int, g, rng) -> list[torch.Tensor]:
     """New hidden states into x and each layer's ids into ids: random for the first layer, much as its router routes
     the shared state for the others (three times in ten one id replaced). Returns the ids, on the CPU."""
@@ -105,12 +114,7 @@ def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slo
             graph.replay()
             torch.cuda.synchronize()
             slots.append([o.cpu() for o in out])
-            for i, layer in enumerate(layers):
-                pager = layer.pager
-                for expert, slot in zip(chosen[i].flatten().tolist(), out[i].flatten().cpu().tolist()):
-                    for c in layout.components:
-                        got = pager.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
-                        assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (i, expert, slot)
+            assert_slots_hold(layers, layout, records, chosen, out)
         runs[chained] = slots, [stats.snapshot(i)["vram"] for i in range(layers_n)]
         if chained:
             assert predictor.fork_placements == ["once a forward (chained rounds)"]

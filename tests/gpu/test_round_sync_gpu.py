@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
-from test_prefetch_chain_gpu import model_inputs, paged_model, routed_inputs
+from test_prefetch_chain_gpu import assert_slots_hold, model_inputs, paged_model, routed_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -57,12 +57,7 @@ def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_eve
         chosen = new_inputs()
         graph.replay()
         torch.cuda.synchronize()
-        for i, layer in enumerate(layers):
-            pager = layer.pager
-            for expert, slot in zip(chosen[i].flatten().tolist(), out[i].flatten().cpu().tolist()):
-                for c in layout.components:
-                    got = pager.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
-                    assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (i, expert, slot)
+        assert_slots_hold(layers, layout, records, chosen, out)
     assert predictor.fork_placements == ["once a forward (chained rounds, joined once)"]
     assert predictor._chain.forwards == replays and predictor.chain_timeouts == 0
     for layer in layers[1:]:  # the last forward's round into each later layer was decided or cancelled
