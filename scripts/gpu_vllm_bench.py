@@ -135,6 +135,9 @@ EDGES_EARLY = "+edges-early"
 POLL_ONCE = "+poll-once"
 """Name suffix: a chained forward whose side branch is one program polling for every step in turn, joined once, and
 no round (BIGMOE_SIDE_BRANCH_PROBE=poll-once): what one polling node a forward costs."""
+POLL_WIDE = "+poll-wide"
+"""Name suffix: +poll-once with 16 polling programs, as many CTAs as a forward-long copier would hold
+(BIGMOE_SIDE_BRANCH_PROBE=poll-wide): what holding those SMs for the forward costs."""
 EDGES_ONCE = "+edges-once"
 """Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
 CHAIN = "+chain"
@@ -161,6 +164,7 @@ PREDICTION_SUFFIXES = {
     EDGES_EARLY: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-early"},
     EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
     POLL_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-once"},
+    POLL_WIDE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-wide"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},

@@ -25,6 +25,7 @@ SIDE_BRANCH_PROBE_CHOICES = (
     "edges-early",
     "edges-once",
     "poll-once",
+    "poll-wide",
 )  # adapters.vllm.predictor
 # settings that take one of a few words
 _CHOICES = {
@@ -128,7 +129,8 @@ class PagerSettings:
     paging (edges-early); or one for the whole forward, forked at its first MoE layer and joined after its last
     (edges-once). The engine's TPOT then shows what the fork and join cost. poll-once: a chained forward (as
     BIGMOE_PREFETCH_CHAIN=1, its steps publishing) whose side branch is one program that polls for every step in
-    turn, joined once: what one polling node a forward costs."""
+    turn, joined once: what one polling node a forward costs. poll-wide: the same node with one polling program per
+    CTA a forward-long copier would hold (adapters.vllm.predictor.POLL_WIDE_PROGRAMS): what holding those SMs costs."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

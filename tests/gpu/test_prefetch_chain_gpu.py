@@ -128,7 +128,8 @@ def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slo
     assert sum(c.prefetch_used for c in chain_counts) > 0  # the rounds ran and were used
 
 
-def test_a_poll_once_probe_forward_polls_every_step_of_every_replay(tmp_path):
+@pytest.mark.parametrize("probe", ["poll-once", "poll-wide"])
+def test_a_poll_once_probe_forward_polls_every_step_of_every_replay(tmp_path, probe):
     """BIGMOE_SIDE_BRANCH_PROBE=poll-once (benchmark only): a whole-forward capture whose side branch is one program
     polling for every later layer's step in turn; every replay's polls find their steps (no wait gives up)."""
     from bigmoe_bench import traces
@@ -141,7 +142,7 @@ def test_a_poll_once_probe_forward_polls_every_step_of_every_replay(tmp_path):
     records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
     trace = traces.named_trace("standard", 64, layers_n, experts, k)
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, experts))
-    settings = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", side_branch_probe="poll-once")
+    settings = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", side_branch_probe=probe)
     stats = PagerStats(layers_n, "cuda")
     layers = [
         SimpleNamespace(

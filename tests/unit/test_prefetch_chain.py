@@ -206,18 +206,22 @@ def test_a_forward_that_cannot_chain_forks_a_round_a_layer(tmp_path: Path, monke
 # ---- the one-polling-node probe (BIGMOE_SIDE_BRANCH_PROBE=poll-once) ------------------------------------------------
 
 
+@pytest.mark.parametrize("programs", [1, 2])
 @pytest.mark.parametrize("missing,timeouts", [(None, 0), (2, 1)])
-def test_the_probe_s_one_program_waits_for_every_step_in_turn(missing, timeouts):
+def test_the_probe_s_programs_each_wait_for_every_step_in_turn(missing, timeouts, programs):
     chain = PrefetchChain(layers=4, device="cpu")
     chain.flags[FORWARD] = 3
     for layer in range(1, 4):
         chain.flags[STEPPED + layer] = 2 if layer == missing else 3
-    chain.wait_all_stepped(1, 3, max_spins=4)
-    assert int(chain.flags[TIMEOUTS]) == timeouts
+    chain.wait_all_stepped(1, 3, max_spins=4, programs=programs)
+    assert int(chain.flags[TIMEOUTS]) == timeouts * programs  # each program gives up on the missing step
 
 
+@pytest.mark.parametrize("probe,programs", [("poll-once", 1), ("poll-wide", 16)])
 @pytest.mark.parametrize("layers_n,forwards", [(3, 2), (5, 3)])
-def test_a_poll_once_forward_forks_one_polling_program_and_joins_once(tmp_path: Path, monkeypatch, layers_n, forwards):
+def test_a_poll_once_forward_forks_one_polling_node_and_joins_once(
+    tmp_path: Path, monkeypatch, layers_n, forwards, probe, programs
+):
     from bigmoe_pager.core.prediction import LivePredictions
 
     trace = traces.named_trace("standard", 64, layers_n, EXPERTS, 2)
@@ -229,10 +233,10 @@ def test_a_poll_once_forward_forks_one_polling_program_and_joins_once(tmp_path: 
     monkeypatch.setattr(
         PrefetchChain,
         "wait_all_stepped",
-        lambda self, a, b, max_spins=None: (polls.append((a, b)), wait_all(self, a, b)),
+        lambda self, a, b, max_spins=None, programs=1: (polls.append((a, b, programs)), wait_all(self, a, b)),
     )
     monkeypatch.setattr(LivePredictions, "join", lambda self, device: (joins.append(self.chained), join(self, device)))
-    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_SIDE_BRANCH_PROBE": "poll-once"}
+    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_SIDE_BRANCH_PROBE": probe}
     routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
     layers, _, _, stats = fused_model(layers_n, 6)
     live = predictor(layers, env, routing)
@@ -242,7 +246,7 @@ def test_a_poll_once_forward_forks_one_polling_program_and_joins_once(tmp_path: 
     polls.clear(), joins.clear()
     signals = []
     run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))
-    assert polls == [(1, layers_n - 1)] * forwards  # one program a forward, for every later layer's step
+    assert polls == [(1, layers_n - 1, programs)] * forwards  # one node a forward, for every later layer's step
     assert joins.count(True) == forwards  # joined by close_chain only
     assert [(s.layer, s.first, s.joinless) for s in signals] == [(i, i == 0, False) for i in range(layers_n)] * forwards
     assert live._chain.forwards == forwards and not live.live.chained

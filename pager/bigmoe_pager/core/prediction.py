@@ -187,10 +187,10 @@ class LivePredictions:
 
         self._forked_work(source, post)
 
-    def fork_poller(self, source: torch.Tensor, first: int, last: int) -> None:
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once), in a chained forward: fork its side branch with one
-        program that waits for the steps of layers first .. last in turn, and nothing else."""
-        self._forked_work(source, lambda: self._chain.wait_all_stepped(first, last), after=first - 1)
+    def fork_poller(self, source: torch.Tensor, first: int, last: int, programs: int = 1) -> None:
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once/-wide), in a chained forward: fork its side branch with
+        one node of `programs` programs, each waiting for the steps of layers first .. last in turn, nothing else."""
+        self._forked_work(source, lambda: self._chain.wait_all_stepped(first, last, programs=programs), after=first - 1)
 
     def fork_marker(self, source: torch.Tensor) -> None:
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE): fork a branch that adds one to a one-element counter, in

@@ -53,11 +53,15 @@ SIDE_BRANCH_PROBES = {
     "edges-early": ("entry", False),
     "edges-once": ("first", True),
     "poll-once": ("poll", False),
+    "poll-wide": ("poll", False),
 }
 """BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
 round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
 the model's last layer). "poll": a chained forward's one polling branch, forked at its first round, joined at its
 end (LivePredictions.fork_poller)."""
+POLL_WIDE_PROGRAMS = 16
+"""Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-wide): the polling node's programs, one per SM, as many as a copier
+kernel spanning the forward would need for its PCIe reads in flight (16 x 4 warps x 8 KiB blocks: ~128 KiB)."""
 
 
 class Turn:
@@ -147,7 +151,9 @@ class Predictor:
         self.probe_fork, self.probe_joins_once = SIDE_BRANCH_PROBES[settings.side_branch_probe]
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE, SIDE_BRANCH_PROBES): replayed rounds become marker branches."""
         self.poll_probe = self.probe_fork == "poll"
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once): chained forwards whose side branch only polls."""
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once/-wide): chained forwards whose side branch only polls."""
+        self.poll_programs = POLL_WIDE_PROGRAMS if settings.side_branch_probe == "poll-wide" else 1
+        """Benchmark only: the polling node's programs (1, or POLL_WIDE_PROGRAMS for poll-wide)."""
         chained = settings.prefetch_chain or settings.prefetch_joinless or self.poll_probe
         self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
@@ -304,7 +310,7 @@ class Predictor:
                 if self.poll_probe and self.live.chained and self._first_of_its_model(layer):
                     last = self._layers_of_its_model(layer)[-1]._moe_index
                     if last > layer._moe_index:
-                        self.live.fork_poller(hidden, layer._moe_index + 1, last)
+                        self.live.fork_poller(hidden, layer._moe_index + 1, last, self.poll_programs)
                 if self.probe_fork == "round" and not self._last_of_its_model(layer):
                     self.live.fork_marker(hidden)
                 return None
