@@ -33,7 +33,8 @@ prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` 
 in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each round by a one-element kernel on
 the side stream joined where a round is / once after the last layer, `+edges-early` forks each at its layer's entry,
 `+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+poll-once` a
-chained forward's one polling branch, `+chain` forks the
+chained forward's one polling branch (`+poll-wide` with 16 programs), `+one-node` runs a joinless forward's rounds
+as one kernel (BIGMOE_PREFETCH_ONE_NODE=1), `+chain` forks the
 rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; `+nowait` with it skips the rounds'
 device wait, to time it), `+joinless` chains them and joins the side stream once a forward, each step settling its
 round on the device (BIGMOE_PREFETCH_JOINLESS=1), `+gateN` the VRAM prefetch gate at N%
@@ -146,6 +147,9 @@ layer's step on the device (BIGMOE_PREFETCH_CHAIN=1); needs @rRECALL."""
 JOINLESS = "+joinless"
 """Name suffix: chained rounds with no join before each step, which settles its round and waits only for the copies
 it needs on the device (BIGMOE_PREFETCH_JOINLESS=1, core.round_sync); needs @rRECALL."""
+ONE_NODE = "+one-node"
+"""Name suffix: a joinless forward's replayed rounds as one kernel a forward, forked once (BIGMOE_PREFETCH_ONE_NODE=1,
+core.forward_rounds); needs @rRECALL."""
 NOWAIT = "+nowait"
 """Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {
@@ -168,6 +172,7 @@ PREDICTION_SUFFIXES = {
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},
+    ONE_NODE: {"BIGMOE_PREFETCH_ONE_NODE": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"

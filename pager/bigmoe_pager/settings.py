@@ -105,6 +105,11 @@ class PagerSettings:
     side stream only at its end: each step settles the round into its table on the device and waits only for the
     copies it needs (core.round_sync); 0 = a join before each step. Off: inside vLLM 0.33 it saved nothing (run 17:
     0.09 ms a token slower than forks at recall 0; with no edge a layer the side branch's nodes still cost 0.43)."""
+    prefetch_one_node: bool = False
+    """BIGMOE_PREFETCH_ONE_NODE: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
+    with a replayed trace's proposals runs its rounds as one kernel forked once (core.forward_rounds: one side node a
+    forward instead of three a layer); layers that cannot share it (partial RAM tiers) keep per-layer rounds. The
+    live predictor's rounds stay per layer. Benchmark only until measured inside vLLM."""
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,

@@ -23,6 +23,7 @@ from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_ke
 from bigmoe_pager.core import prefetch_kernel as pk
 from bigmoe_pager.core import replay_kernel as rk
 from bigmoe_pager.core import prefetch_chain as chain
+from bigmoe_pager.core import forward_rounds as fr
 from bigmoe_pager.core import ssd_mailbox as mb
 
 def build(fn, sig, consts, aligned=()):
@@ -108,6 +109,16 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, a top-10 proposal, the defa
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
               ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
     out[f"prefetch_lfu={lfu}"] = {"atom": accesses(k, "atom"), "copy": wide_copy(k)}
+rounds = {n: "i32" for n in fr._forward_rounds_kernel.arg_names if n.islower()}
+rounds |= {"table_ptr": "*i64", "flags_ptr": "*i64", "predicted_ptr": "*i32", "cursor_ptr": "*i64"}
+k = build(fr._forward_rounds_kernel, rounds, {"FIELDS": len(fr.FIELDS), "WORD": triton.language.int64, "P": 8,
+          "E": 256, "S": 102, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 256, "BLOCK_S": 128,
+          "BLOCK_N": 256, "BLOCK_P": 8, "LFU": True, "BUDGET": 1, "ON_GPU": True,
+          "OFF0": 0, "OFF1": 131072, "OFF2": 196608, "OFF3": 196672, "N0": 131072, "N1": 65536, "N2": 64, "N3": 32,
+          "NB0": 128, "NB1": 64, "NB2": 1, "NB3": 1, "NBLK": 194, "BLOCK": 1024})  # a 40-layer bench layer's shape
+out["forward_rounds"] = {"acquire": accesses(k, "ld.acquire.gpu"), "release": accesses(k, "st.release.gpu"),
+                         "atom": accesses(k, "atom"), "sleep": "nanosleep" in k.asm["ptx"], "bar": "bar.sync" in
+                         k.asm["ptx"]}
 replay = {n: "i32" for n in rk._replayed_rows_kernel.arg_names if n.islower()}
 replay |= {"pred_ptr": "*i32", "cursor_ptr": "*i64", "out_ptr": "*i64"}
 k = build(rk._replayed_rows_kernel, replay, {"P": 8, "BLOCK": rk.BLOCK})  # a trace's int32 ids, P = top-8
@@ -167,6 +178,12 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         assert step["sleep"] == (name == "lfu-duel")
     assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
     assert got["chain_wait_all"] == got["chain_wait"]  # the poll-once probe polls as a chained round does
+    # the one-node rounds: poll the steps' and the claims' words (acquire, sleeping), claim with an acq_rel max,
+    # release each decision, count each program's copied blocks with a release add; block barriers between phases
+    rounds = got["forward_rounds"]
+    assert rounds["acquire"] == ["ld.acquire.gpu.global.b64"] and rounds["sleep"] and rounds["bar"]
+    assert rounds["release"] == ["st.release.gpu.global.b64"]
+    assert "atom.global.gpu.acq_rel.max.s64" in rounds["atom"] and "atom.global.gpu.release.add.u64" in rounds["atom"]
     # the SSD mailbox's request: acquire loads and release stores at system scope (the host is the other end)
     assert got["mailbox"] == {
         "acquire": ["ld.acquire.sys.global.b64"],

@@ -27,7 +27,7 @@ from bigmoe_pager.core.slots import (
     SlotTable,
     acquired_from_kernel,
 )
-from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.core.stats import COUNTERS, PagerStats
 
 # Copy programs per prefetched expert (0: one per 8 KiB block, which fills every SM while it copies). On the H200
 # (scripts/gpu_overlap_probe.py, run 7 in docs/benchmarks.md) 16 was best or within 2% of 8 and 32 on the standard,
@@ -100,6 +100,7 @@ class ExpertPager:
         self.work_slots = work_slots or vram_slots
         """Distinct experts per chunk when a step is streamed."""
         self._rows = {t: None if stats is None else stats.row(layer, t) for t in ("vram", "ram", "ssd")}
+        self._private_rows: dict[str, torch.Tensor] = {}  # stats_row's, for a pager built without stats
         self.fused = self.vram.use_kernel if fused is None else fused
         """Serve decode-sized steps over a full RAM tier with step_kernel's single launch (GPU default)."""
         self.step_programs = step_programs or step_kernel.default_programs(self.device)
@@ -178,6 +179,15 @@ class ExpertPager:
         return acquired_from_kernel(out)
 
     # ---- prefetch ----------------------------------------------------------------------
+
+    def stats_row(self, tier: str) -> torch.Tensor:
+        """The int64 stats.COUNTERS row this pager adds `tier`'s counts to (a private one when built without stats,
+        made once, so kernels that always count have somewhere to)."""
+        if self._rows[tier] is not None:
+            return self._rows[tier]
+        if tier not in self._private_rows:
+            self._private_rows[tier] = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
+        return self._private_rows[tier]
 
     def prefetch(self, predicted_ids: torch.Tensor, chain_flags: torch.Tensor | None = None) -> Admitted:
         """Copy predicted experts of the next step into VRAM now (SlotTable.admit's rule); no host sync.

@@ -192,6 +192,12 @@ class LivePredictions:
         one node of `programs` programs, each waiting for the steps of layers first .. last in turn, nothing else."""
         self._forked_work(source, lambda: self._chain.wait_all_stepped(first, last, programs=programs), after=first - 1)
 
+    def fork_rounds(self, source: torch.Tensor, launch: Callable[[torch.Tensor], None], after: int) -> None:
+        """In a joinless chained forward: launch(flags) on the side stream, ordered after layer `after`'s step as a
+        round given `after` is (forked at the forward's first round; the launch waits for later steps itself).
+        core.forward_rounds' one kernel for a forward's rounds."""
+        self._forked_work(source, lambda: launch(self._chain.flags), after=after)
+
     def fork_marker(self, source: torch.Tensor) -> None:
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE): fork a branch that adds one to a one-element counter, in
         place of a round, so an engine's TPOT shows what a branch's fork and join cost with (almost) no work."""

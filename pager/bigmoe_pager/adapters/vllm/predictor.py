@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
+from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
 from bigmoe_pager.settings import PagerSettings
@@ -154,10 +155,12 @@ class Predictor:
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once/-wide): chained forwards whose side branch only polls."""
         self.poll_programs = POLL_WIDE_PROGRAMS if settings.side_branch_probe == "poll-wide" else 1
         """Benchmark only: the polling node's programs (1, or POLL_WIDE_PROGRAMS for poll-wide)."""
-        chained = settings.prefetch_chain or settings.prefetch_joinless or self.poll_probe
+        self.one_node = settings.prefetch_one_node
+        """BIGMOE_PREFETCH_ONE_NODE: a joinless forward's replayed rounds as one kernel (core.forward_rounds)."""
+        chained = settings.prefetch_chain or settings.prefetch_joinless or self.one_node or self.poll_probe
         self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
-        self.joinless = settings.prefetch_joinless
+        self.joinless = settings.prefetch_joinless or self.one_node
         """BIGMOE_PREFETCH_JOINLESS: and joins it once, at its end; the steps settle the rounds (core.round_sync)."""
         self.chain_skips_wait = settings.chain_skip_wait
         """Benchmark only (BIGMOE_CHAIN_SKIP_WAIT): chained rounds do not wait for the step before them."""
@@ -165,6 +168,7 @@ class Predictor:
         self._told: set[tuple[str, str]] = set()  # (JOINED or FORKED, placement) already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
+        self._rounds: dict[tuple[int, int, str], ForwardRounds | None] = {}  # (MoE index, tokens, device) -> kernel
         self._warned = False
         if self.on and on_device:
             top = self.top or "the model's top-k"
@@ -335,6 +339,8 @@ class Predictor:
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
         index, tokens = layer._moe_index, hidden.shape[0]
+        if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
+            return None
 
         def replayed(ahead: int) -> torch.Tensor | None:
             return self.routing.replayed_proposal(index, tokens, hidden.device, ahead)
@@ -342,6 +348,54 @@ class Predictor:
         self.live.feed_ids(lambda: replayed(1), pager, hidden, self._after(layer))
         self._read_further(layer, hidden, replayed)
         return None
+
+    def _one_node_rounds(self, layer, hidden: torch.Tensor) -> bool:
+        """BIGMOE_PREFETCH_ONE_NODE: the rounds of this forward after `layer` as one kernel (core.forward_rounds),
+        launched at the model's first layer on CUDA (one side node a forward) and at each layer in Triton's
+        interpreter (where a launch runs to its end before the next step could publish). False: these layers cannot
+        share the kernel (logged once), and their rounds stay per layer."""
+        on_gpu = hidden.device.type == "cuda"
+        if on_gpu and not self._first_of_its_model(layer):
+            return self._rounds.get(self._rounds_key(self._layers_of_its_model_from_first(layer), hidden)) is not None
+        key = self._rounds_key(layer, hidden)
+        if key not in self._rounds:
+            self._rounds[key] = self._build_rounds(layer, hidden, whole=on_gpu)
+        rounds = self._rounds[key]
+        if rounds is not None:
+            self.live.fork_rounds(hidden, rounds.launch, after=layer._moe_index)
+        return rounds is not None
+
+    def _rounds_key(self, layer, hidden: torch.Tensor) -> tuple[int, int, str]:
+        return layer._moe_index, hidden.shape[0], str(hidden.device)
+
+    def _layers_of_its_model_from_first(self, layer):
+        """The first paged layer of `layer`'s model."""
+        while not self._first_of_its_model(layer):
+            layer = self.layer_after(layer._moe_index - 2)
+        return layer
+
+    def _build_rounds(self, layer, hidden: torch.Tensor, whole: bool) -> ForwardRounds | None:
+        """The kernel of the rounds after `layer` (every later layer of its model when `whole`, else the next one)."""
+        targets = self._layers_of_its_model(layer)[1:]
+        if not whole:
+            targets = targets[:1]
+        replay = self.routing.replayed_tensors(hidden.device)
+        pagers = [getattr(t, "pager", None) for t in targets]
+        if not targets or replay is None:
+            return None
+        if not all(isinstance(p, DeviceLayerPager) and p.started for p in pagers):
+            return None
+        try:
+            return ForwardRounds(
+                [p.pager_started() for p in pagers],
+                targets[0]._moe_index,
+                *replay,
+                hidden.shape[0],
+                pagers[0].pager_started().prefetch_programs or 16,
+            )
+        except ForwardRoundsError as exc:
+            self._tell(f"once a layer, not as one kernel a forward ({exc})", what=FORKED)
+            return None
 
     def _after(self, layer) -> int | None:
         """In a chained forward, the MoE index whose step a round proposed in `layer`'s call must follow."""

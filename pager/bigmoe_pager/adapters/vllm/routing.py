@@ -68,6 +68,15 @@ class Routing:
         found = ReplayedPredictions.for_trace(self.replay_path, device)
         return found.rows(moe_index, tokens, self._replay[1], ahead)
 
+    def replayed_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Benchmark only: the replayed trace's predictions (int32 [tokens, layers, P] on `device`) and the replay
+        cursors (int64, one per MoE layer: layer l's has moved past the rows its step replayed); None: no replay
+        under way, or a trace without predictions."""
+        if self.replay_path is None or self._replay is None:
+            return None
+        predicted = ReplayedPredictions.for_trace(self.replay_path, device).predicted
+        return None if predicted is None else (predicted, self._replay[1])
+
     def save_trace(self) -> None:
         """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path, and the
         live proposals as predicted_ids int32 [tokens, layers, P] when there are any (docs/routing.md). Nothing is

@@ -1,0 +1,99 @@
+"""BIGMOE_PREFETCH_ONE_NODE on the GPU: a whole forward of paged layers captured in one CUDA graph whose replayed
+rounds run as one kernel on the side stream (core.forward_rounds), forked after the first step and joined once.
+Replayed with a routing trace (the routing hook's rows, its proposals at recall 0.8), with a stand-in for each
+layer's compute between the steps: every replay leaves each id's slot holding its expert's bytes, the kernel is one
+launch a forward, every round is decided or cancelled, no wait gives up, copies finish, and rounds are used."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from bigmoe_bench import traces
+from bigmoe_pager.adapters.vllm.predictor import Predictor
+from bigmoe_pager.adapters.vllm.routing import Routing
+from bigmoe_pager.core.forward_rounds import ForwardRounds
+from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
+from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.settings import PagerSettings
+from test_live_predictor_gpu import started
+from test_prefetch_chain_gpu import assert_slots_hold
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(
+    "experts,vram,k,tokens,policy,compute",
+    [(64, 16, 4, 1, "lru", 4), (128, 32, 8, 2, "lfu-duel", 4), (128, 24, 8, 1, "lfu-duel", 0)],
+)
+def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
+    tmp_path, monkeypatch, experts, vram, k, tokens, policy, compute
+):
+    layers_n, replays = 6, 30
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    g = torch.Generator().manual_seed(experts)
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
+    trace = traces.named_trace("topic-shift", 200, layers_n, experts, k)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, experts))
+    settings = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", prefetch_one_node=True)
+    stats = PagerStats(layers_n, "cuda")
+    layers = [
+        SimpleNamespace(
+            layer_name=f"model.layers.{i}.mlp.experts",
+            _moe_index=i,
+            pager=started(layout, records, i, vram, stats, policy),
+        )
+        for i in range(layers_n)
+    ]
+    routing = Routing(settings)
+    predictor = Predictor(
+        settings,
+        routing,
+        lambda i: layers[i + 1] if i + 1 < len(layers) else None,
+        on_device=True,
+        whole_forward_captured=lambda: True,
+    )
+    launches = []
+    plain_launch = ForwardRounds.launch
+    monkeypatch.setattr(
+        ForwardRounds,
+        "launch",
+        lambda self, flags, **kw: (launches.append((self.first, self.last)), plain_launch(self, flags, **kw)),
+    )
+    work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros((tokens, 64), dtype=torch.bfloat16, device="cuda")
+    placeholder = torch.zeros((tokens, k), dtype=torch.int64, device="cuda")
+    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
+    out = [torch.empty_like(i) for i in ids]
+
+    def forward() -> None:  # as the adapter runs each layer's call: replay the rows, page, fork, compute
+        for i, layer in enumerate(layers):
+            ids[i].copy_(routing.hook(i, placeholder))
+            with predictor.ahead(layer, x, ids[i].numel()) as turn:
+                out[i].copy_(layer.pager.step(ids[i], turn.chain))
+                turn()
+                for _ in range(compute):
+                    torch.mm(work, work)
+
+    forward()  # eager (Triton compiles here; nothing chains outside a capture, and the flags are made)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    assert launches == [(1, layers_n - 1)]  # captured once: one kernel a forward
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        chosen = [i.cpu() for i in ids]
+        assert_slots_hold(layers, layout, records, chosen, out)
+    assert predictor._chain.forwards == replays and predictor.chain_timeouts == 0
+    for layer in layers[1:]:
+        state = layer.pager.pager.vram.kernel_state()
+        assert int(state["claim"]) in (replays * 4 + DECIDED, replays * 4 + CANCELLED)
+        assert torch.equal(state["copied"], state["target"])  # every copy finished by the forward's end
+    counts = [stats.snapshot(i)["vram"] for i in range(layers_n)]
+    if compute:
+        assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
+    assert predictor.chain_cancels <= replays * (layers_n - 1)

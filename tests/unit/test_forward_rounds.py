@@ -1,0 +1,192 @@
+"""BIGMOE_PREFETCH_ONE_NODE: a joinless forward's rounds as one kernel (core.forward_rounds), in Triton's interpreter.
+
+The kernel's rounds must equal the joinless forward's per-layer rounds (admit with a claim, then a counting copy) in
+every output: the decided lists, the table state, the claim and copy-progress words, the counters and the slot bytes;
+and the steps after them must decide alike. A step that came first cancels its round, which then copies nothing; a
+step that never published is waited for, then given up on, counted. Interleavings are set by hand: in the interpreter
+a launch runs to its end before the next. tests/gpu/test_round_sync_gpu.py runs the kernel captured on the GPU."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from bigmoe_bench import traces
+from bigmoe_pager.adapters.vllm.routing import Routing
+from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, shared_shape
+from bigmoe_pager.core.prediction import replayed_predictions
+from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
+from bigmoe_pager.settings import PagerSettings
+from test_live_predictor import EXPERTS, predictor
+from test_prefetch_chain import fused_model, run_forwards
+from test_step_kernel import STATE, pager_pair, records, slot_bytes, step_ids
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+
+SYNC_WORDS = ("claim", "copied", "target", "filled")
+
+
+def layers_twice(n: int, experts: int, slots: int, policy: str):
+    """n layers twice over (the kernel's, the per-layer rounds'), each pair alike; each pager with its own stats."""
+    ours, theirs = [], []
+    for i in range(n):
+        (a, sa), (b, sb) = pager_pair(experts, slots, policy, 3, records(experts, seed=10 + i))
+        for pager in (a, b):
+            pager.fused = True
+            pager.vram.use_kernel = True
+        ours.append((a, sa))
+        theirs.append((b, sb))
+    return ours, theirs
+
+
+def chain_at(layers: int, forward: int, stepped_upto: int) -> PrefetchChain:
+    chain = PrefetchChain(layers, "cpu")
+    chain.flags[FORWARD] = forward
+    chain.flags[STEPPED : STEPPED + stepped_upto + 1] = forward
+    return chain
+
+
+def assert_layers_alike(ours, theirs, note):
+    for i, ((a, sa), (b, sb)) in enumerate(zip(ours, theirs)):
+        for field in STATE:
+            assert torch.equal(getattr(a.vram, field), getattr(b.vram, field)), (note, i, field)
+        sa_state, sb_state = a.vram.kernel_state(), b.vram.kernel_state()
+        for word in SYNC_WORDS:
+            assert torch.equal(sa_state[word], sb_state[word]), (note, i, word)
+        want, got = slot_bytes(b), slot_bytes(a)
+        assert all(torch.equal(want[n], got[n]) for n in want), (note, i)
+        assert torch.equal(sa.device_counts, sb.device_counts), (note, i)
+
+
+@pytest.mark.parametrize(
+    "policy,layers_n,tokens,programs", [("lru", 3, 1, 3), ("lfu-duel", 4, 2, 2), ("lfu", 3, 1, 5), ("lru", 2, 3, 1)]
+)
+def test_the_kernel_s_rounds_equal_the_per_layer_joinless_rounds_and_the_steps_after_them(
+    policy, layers_n, tokens, programs
+):
+    experts, slots, width, trace_tokens = 40, 10, 6, 23
+    rng = random.Random(layers_n * 7 + tokens)
+    predicted = torch.randint(-1, experts, (trace_tokens, layers_n, width), dtype=torch.int32)
+    ours, theirs = layers_twice(layers_n, experts, slots, policy)
+    cursor = torch.zeros(layers_n, dtype=torch.int64)
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, tokens, programs)
+    hot = rng.sample(range(experts), 12)
+    for forward in range(1, 9):
+        cursor += tokens  # every layer's step replayed `tokens` rows
+        chain, ref_chain = chain_at(layers_n, forward, layers_n - 1), chain_at(layers_n, forward, layers_n - 1)
+        rounds.launch(chain.flags)
+        for layer in range(1, layers_n):
+            ids = replayed_predictions(predicted, cursor[layer - 1] - tokens, layer - 1, tokens).reshape(-1)
+            got = theirs[layer][0].prefetch(ids, chain_flags=ref_chain.flags)
+            lists = rounds.lists[layer - 1]
+            assert torch.equal(lists["exp"], got.experts) and torch.equal(lists["slot"], got.slots), (forward, layer)
+            assert torch.equal(lists["evicted"], got.evicted), (forward, layer)
+            assert int(ours[layer][0].vram.kernel_state()["claim"]) == forward * 4 + DECIDED
+        assert_layers_alike(ours, theirs, forward)
+        chain.flags[FORWARD] = ref_chain.flags[FORWARD] = forward - 1  # the forward's first step counts it
+        for layer in range(layers_n):  # the steps, settling the decided rounds
+            ids = step_ids(rng, experts, tokens, 4, hot)
+            signal_a = chain.signal(layer, first=layer == 0, joinless=True)
+            signal_b = ref_chain.signal(layer, first=layer == 0, joinless=True)
+            a, b = ours[layer][0].acquire(ids, signal_a), theirs[layer][0].acquire(ids, signal_b)
+            assert torch.equal(a.remapped, b.remapped) and torch.equal(a.miss_slots, b.miss_slots)
+        assert_layers_alike(ours, theirs, f"{forward} after its steps")
+        assert int(chain.flags[TIMEOUTS]) == 0
+    assert sum(int(s.snapshot(0)["vram"].prefetched) for _, s in ours) > 0  # the rounds copied
+
+
+def test_a_round_its_step_cancelled_first_copies_nothing_and_the_others_go_on():
+    experts, slots = 40, 8
+    predicted = torch.randint(0, experts, (9, 3, 5), dtype=torch.int32)
+    ours, theirs = layers_twice(3, experts, slots, "lru")
+    cursor = torch.ones(3, dtype=torch.int64)
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 1, 3)
+    chain = chain_at(3, 4, 2)
+    ours[2][0].vram.kernel_state()["claim"].fill_(4 * 4 + CANCELLED)  # layer 2's step settled first
+    before = {k: v.clone() for k, v in slot_bytes(ours[2][0]).items()}
+    rounds.launch(chain.flags)
+    assert (rounds.lists[1]["exp"] < 0).all() and all(
+        torch.equal(before[k], v) for k, v in slot_bytes(ours[2][0]).items()
+    )
+    assert int(ours[2][0].vram.kernel_state()["copied"].sum()) == 0
+    assert int(ours[1][0].vram.kernel_state()["claim"]) == 4 * 4 + DECIDED and (rounds.lists[0]["exp"] >= 0).any()
+    assert int(chain.flags[TIMEOUTS]) == 0
+
+
+def test_a_step_that_never_publishes_is_given_up_on_counted():
+    predicted = torch.randint(0, 40, (9, 3, 5), dtype=torch.int32)
+    ours, _ = layers_twice(3, 40, 8, "lru")
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, torch.ones(3, dtype=torch.int64), 1, 2)
+    chain = chain_at(3, 4, 0)  # layer 1's step has not published
+    rounds.launch(chain.flags, max_spins=3)
+    assert int(chain.flags[TIMEOUTS]) == 1  # the round into layer 2 waited, gave up, and ran (a wrong proposal)
+    assert int(ours[2][0].vram.kernel_state()["claim"]) == 4 * 4 + DECIDED
+
+
+def test_layers_that_cannot_share_the_kernel_are_named():
+    ours, _ = layers_twice(2, 40, 8, "lru")
+    other, _ = layers_twice(1, 40, 6, "lru")
+    with pytest.raises(ForwardRoundsError, match="differs"):
+        shared_shape([ours[0][0], other[0][0]])
+    with pytest.raises(ForwardRoundsError, match="at least one round"):
+        ForwardRounds([], 1, torch.zeros((2, 2, 2), dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1, 1)
+
+
+# ---- the adapter: a forward's rounds through the kernel --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers_n,forwards,family", [(3, 4, "topic-shift"), (5, 3, "standard")])
+def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
+    tmp_path: Path, monkeypatch, layers_n, forwards, family
+):
+    """Off CUDA the adapter launches the kernel once a layer (in the interpreter a launch runs to its end before the
+    next step); the counts, tables and slot bytes must equal the per-layer joinless rounds'."""
+    trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    launches = []
+    plain_launch = ForwardRounds.launch
+    monkeypatch.setattr(
+        ForwardRounds,
+        "launch",
+        lambda self, flags, **kw: (launches.append((self.first, self.last)), plain_launch(self, flags, **kw)),
+    )
+    results = {}
+    for mode in ("joinless", "one-node"):
+        env = {
+            "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
+            "BIGMOE_PREFETCH_JOINLESS": "1",
+            "BIGMOE_PREFETCH_ONE_NODE": "1" if mode == "one-node" else "0",
+        }
+        routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
+        layers, _, _, stats = fused_model(layers_n, 6)
+        for layer in layers:
+            layer.pager.pager.vram.use_kernel = True
+        live = predictor(layers, env, routing)
+        live.whole_forward_captured = lambda: True
+        capturing[0] = False
+        run_forwards(live, layers, routing, 1)  # eager: the flags are made
+        capturing[0] = True
+        launches.clear()
+        run_forwards(live, layers, routing, forwards)
+        results[mode] = (
+            [stats.snapshot(i)["vram"] for i in range(layers_n)],
+            [(layer.pager.pager.vram.expert_slot.clone(), slot_bytes(layer.pager.pager)) for layer in layers],
+        )
+        expected = [(i, i) for i in range(1, layers_n)] * forwards if mode == "one-node" else []
+        assert launches == expected  # one launch a round here; one a forward on CUDA (tests/gpu)
+        assert live._chain.timeouts == 0 and live.chain_cancels == 0 and not live.live.chained
+    (plain_counts, plain_layers), (node_counts, node_layers) = results["joinless"], results["one-node"]
+    assert plain_counts == node_counts and sum(c.prefetched for c in node_counts) > 0
+    for (a_slots, a_bytes), (b_slots, b_bytes) in zip(plain_layers, node_layers):
+        assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes)
+
+
+def test_the_setting_implies_a_joinless_chain_and_round_trips():
+    on = PagerSettings.from_env({"BIGMOE_PREFETCH_ONE_NODE": "1"})
+    assert on.prefetch_one_node is True and PagerSettings.from_env(on.to_env()) == on
+    assert PagerSettings.from_env({}).prefetch_one_node is False
