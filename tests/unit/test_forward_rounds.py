@@ -190,3 +190,27 @@ def test_the_setting_implies_a_joinless_chain_and_round_trips():
     on = PagerSettings.from_env({"BIGMOE_PREFETCH_ONE_NODE": "1"})
     assert on.prefetch_one_node is True and PagerSettings.from_env(on.to_env()) == on
     assert PagerSettings.from_env({}).prefetch_one_node is False
+
+
+def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer(tmp_path: Path, monkeypatch):
+    """The CUDA placement, forced in the interpreter: one launch at the first layer for rounds 1 .. L-1 (here its
+    waits for the later steps give up, counted, since the interpreter runs the launch to its end first)."""
+    from bigmoe_pager.adapters.vllm.predictor import Predictor
+
+    layers_n, forwards = 4, 3
+    trace = traces.named_trace("standard", 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(Predictor, "_one_kernel_a_forward", staticmethod(lambda hidden: True))
+    launches = []
+    monkeypatch.setattr(ForwardRounds, "launch", lambda self, flags, **kw: launches.append((self.first, self.last)))
+    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
+    routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
+    layers, _, _, _ = fused_model(layers_n, 6)
+    live = predictor(layers, env, routing)
+    live.whole_forward_captured = lambda: True
+    run_forwards(live, layers, routing, 1)
+    capturing[0] = True
+    run_forwards(live, layers, routing, forwards)
+    assert launches == [(1, layers_n - 1)] * forwards

@@ -354,7 +354,7 @@ class Predictor:
         launched at the model's first layer on CUDA (one side node a forward) and at each layer in Triton's
         interpreter (where a launch runs to its end before the next step could publish). False: these layers cannot
         share the kernel (logged once), and their rounds stay per layer."""
-        on_gpu = hidden.device.type == "cuda"
+        on_gpu = self._one_kernel_a_forward(hidden)
         if on_gpu and not self._first_of_its_model(layer):
             return self._rounds.get(self._rounds_key(self._layers_of_its_model_from_first(layer), hidden)) is not None
         key = self._rounds_key(layer, hidden)
@@ -364,6 +364,12 @@ class Predictor:
         if rounds is not None:
             self.live.fork_rounds(hidden, rounds.launch, after=layer._moe_index)
         return rounds is not None
+
+    @staticmethod
+    def _one_kernel_a_forward(hidden: torch.Tensor) -> bool:
+        """Whether a forward's rounds are launched once (CUDA: the launch waits for each step on the device) rather
+        than once a layer (Triton's interpreter: a launch runs to its end before the next step)."""
+        return hidden.device.type == "cuda"
 
     def _rounds_key(self, layer, hidden: torch.Tensor) -> tuple[int, int, str]:
         return layer._moe_index, hidden.shape[0], str(hidden.device)
