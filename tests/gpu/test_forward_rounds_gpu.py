@@ -60,7 +60,10 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     monkeypatch.setattr(
         ForwardRounds,
         "launch",
-        lambda self, flags, **kw: (launches.append((self.first, self.last)), plain_launch(self, flags, **kw)),
+        lambda self, flags, tokens, **kw: (
+            launches.append((self.first, self.last)),
+            plain_launch(self, flags, tokens, **kw),
+        ),
     )
     work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros((tokens, 64), dtype=torch.bfloat16, device="cuda")

@@ -72,16 +72,17 @@ def test_the_kernel_s_rounds_equal_the_per_layer_joinless_rounds_and_the_steps_a
     predicted = torch.randint(-1, experts, (trace_tokens, layers_n, width), dtype=torch.int32)
     ours, theirs = layers_twice(layers_n, experts, slots, policy)
     cursor = torch.zeros(layers_n, dtype=torch.int64)
-    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, tokens, programs)
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, programs)
     hot = rng.sample(range(experts), 12)
     for forward in range(1, 9):
         cursor += tokens  # every layer's step replayed `tokens` rows
         chain, ref_chain = chain_at(layers_n, forward, layers_n - 1), chain_at(layers_n, forward, layers_n - 1)
-        rounds.launch(chain.flags)
+        rounds.launch(chain.flags, tokens)
         for layer in range(1, layers_n):
             ids = replayed_predictions(predicted, cursor[layer - 1] - tokens, layer - 1, tokens).reshape(-1)
             got = theirs[layer][0].prefetch(ids, chain_flags=ref_chain.flags)
-            lists = rounds.lists[layer - 1]
+            m = got.experts.numel()
+            lists = {name: made[:m] for name, made in rounds.lists[layer - 1].items()}
             assert torch.equal(lists["exp"], got.experts) and torch.equal(lists["slot"], got.slots), (forward, layer)
             assert torch.equal(lists["evicted"], got.evicted), (forward, layer)
             assert int(ours[layer][0].vram.kernel_state()["claim"]) == forward * 4 + DECIDED
@@ -103,11 +104,11 @@ def test_a_round_its_step_cancelled_first_copies_nothing_and_the_others_go_on():
     predicted = torch.randint(0, experts, (9, 3, 5), dtype=torch.int32)
     ours, theirs = layers_twice(3, experts, slots, "lru")
     cursor = torch.ones(3, dtype=torch.int64)
-    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 1, 3)
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 3)
     chain = chain_at(3, 4, 2)
     ours[2][0].vram.kernel_state()["claim"].fill_(4 * 4 + CANCELLED)  # layer 2's step settled first
     before = {k: v.clone() for k, v in slot_bytes(ours[2][0]).items()}
-    rounds.launch(chain.flags)
+    rounds.launch(chain.flags, 1)
     assert (rounds.lists[1]["exp"] < 0).all() and all(
         torch.equal(before[k], v) for k, v in slot_bytes(ours[2][0]).items()
     )
@@ -119,9 +120,9 @@ def test_a_round_its_step_cancelled_first_copies_nothing_and_the_others_go_on():
 def test_a_step_that_never_publishes_is_given_up_on_counted():
     predicted = torch.randint(0, 40, (9, 3, 5), dtype=torch.int32)
     ours, _ = layers_twice(3, 40, 8, "lru")
-    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, torch.ones(3, dtype=torch.int64), 1, 2)
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, torch.ones(3, dtype=torch.int64), 2)
     chain = chain_at(3, 4, 0)  # layer 1's step has not published
-    rounds.launch(chain.flags, max_spins=3)
+    rounds.launch(chain.flags, 1, max_spins=3)
     assert int(chain.flags[TIMEOUTS]) == 1  # the round into layer 2 waited, gave up, and ran (a wrong proposal)
     assert int(ours[2][0].vram.kernel_state()["claim"]) == 4 * 4 + DECIDED
 
@@ -132,7 +133,7 @@ def test_layers_that_cannot_share_the_kernel_are_named():
     with pytest.raises(ForwardRoundsError, match="differs"):
         shared_shape([ours[0][0], other[0][0]])
     with pytest.raises(ForwardRoundsError, match="at least one round"):
-        ForwardRounds([], 1, torch.zeros((2, 2, 2), dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1, 1)
+        ForwardRounds([], 1, torch.zeros((2, 2, 2), dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1)
 
 
 # ---- the adapter: a forward's rounds through the kernel --------------------------------------------------------------
@@ -153,7 +154,10 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
     monkeypatch.setattr(
         ForwardRounds,
         "launch",
-        lambda self, flags, **kw: (launches.append((self.first, self.last)), plain_launch(self, flags, **kw)),
+        lambda self, flags, tokens, **kw: (
+            launches.append((self.first, self.last)),
+            plain_launch(self, flags, tokens, **kw),
+        ),
     )
     results = {}
     for mode in ("joinless", "one-node"):
@@ -204,7 +208,9 @@ def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(Predictor, "_one_kernel_a_forward", staticmethod(lambda hidden: True))
     launches = []
-    monkeypatch.setattr(ForwardRounds, "launch", lambda self, flags, **kw: launches.append((self.first, self.last)))
+    monkeypatch.setattr(
+        ForwardRounds, "launch", lambda self, flags, tokens, **kw: launches.append((self.first, self.last))
+    )
     env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
     routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
     layers, _, _, _ = fused_model(layers_n, 6)

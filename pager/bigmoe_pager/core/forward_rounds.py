@@ -30,6 +30,7 @@ import torch
 from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, NEEDED_KEY, PACKED_MAX, next_pow2
 from bigmoe_pager.core.copy_kernel import BLOCK_BYTES, component_groups, copy_plan, record_blocks, record_words
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
+from bigmoe_pager.core.step_kernel import MAX_IDS
 from bigmoe_pager.core.triton_launch import kernel_for
 
 try:
@@ -93,36 +94,29 @@ class ForwardRounds:
 
     pagers[i] is layer first + i's ExpertPager over a full RAM tier; predicted: the replayed trace's
     proposals, int32 [trace tokens, trace layers, P] on the device; cursor: the replay cursors, int64
-    [MoE layers] (layer l's moves past the rows its step replays); tokens: rows a step replays (fixed per
-    captured graph)."""
+    [MoE layers] (layer l's moves past the rows its step replays). Built outside any CUDA graph capture (the
+    table is copied from the host once); `launch` takes any decode step's rows (at most MAX_IDS)."""
 
-    def __init__(
-        self,
-        pagers: list,
-        first: int,
-        predicted: torch.Tensor,
-        cursor: torch.Tensor,
-        tokens: int,
-        programs: int,
-    ) -> None:
+    def __init__(self, pagers: list, first: int, predicted: torch.Tensor, cursor: torch.Tensor, programs: int) -> None:
         if not pagers:
             raise ForwardRoundsError("a one-node forward needs at least one round")
         if programs < 1:
             raise ForwardRoundsError(f"a one-node forward needs >= 1 program, got {programs}")
         self.first, self.last = first, first + len(pagers) - 1
         self.shape = shared_shape(pagers)
-        self.predicted, self.cursor, self.tokens, self.programs = predicted, cursor, tokens, programs
+        self.predicted, self.cursor, self.programs = predicted, cursor, programs
         lead = pagers[0]
         self.layout = lead.layout
         self.plan = copy_plan(lead.layout)
         self.block = max(1, BLOCK_BYTES // self.plan.word_bytes)
         self.record_blocks = record_blocks(lead.layout)
-        self.n_pred = tokens * predicted.shape[2]
-        self.m = lead.vram.miss_capacity(self.n_pred)
+        self.max_pred = MAX_IDS * predicted.shape[2]  # a fused step's rows (<= MAX_IDS) times the proposal's width
+        self.miss_capacity = lead.vram.miss_capacity
         device = predicted.device
         self._keep: list[torch.Tensor] = []  # every tensor the table points into stays alive with it
         self.lists: list[dict[str, torch.Tensor]] = []
-        """Per round: its decided lists (exp, slot, evicted: int64 [m], -1 padded), as the admit kernel's outputs."""
+        """Per round: its decided lists (exp, slot, evicted: int64 [slots], -1 padded; the first m are the admit
+        kernel's outputs)."""
         rows = [self._row(p, device) for p in pagers]
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         (self.group,) = component_groups(lead.layout, lead.buffers, self.block)
@@ -131,8 +125,9 @@ class ForwardRounds:
         state = pager.vram.admit_state()
         plan = self.plan
         (group,) = component_groups(pager.layout, pager.buffers, self.block)
-        scratch = torch.full((self.n_pred,), -1, dtype=torch.int64, device=device)
-        lists = {n: torch.full((self.m,), -1, dtype=torch.int64, device=device) for n in ("exp", "slot", "evicted")}
+        scratch = torch.full((self.max_pred,), -1, dtype=torch.int64, device=device)
+        slots = self.shape.slots
+        lists = {n: torch.full((slots,), -1, dtype=torch.int64, device=device) for n in ("exp", "slot", "evicted")}
         self.lists.append(lists)
         tensors = {
             "scratch": scratch,
@@ -152,8 +147,14 @@ class ForwardRounds:
         self._keep += list(tensors.values())
         return [tensors[name].data_ptr() for name in FIELDS]
 
-    def launch(self, flags: torch.Tensor, max_spins: int | None = None) -> None:
-        """Enqueue the forward's rounds on the current stream (the side stream, forked after the first step)."""
+    def launch(self, flags: torch.Tensor, tokens: int, max_spins: int | None = None) -> None:
+        """Enqueue the forward's rounds on the current stream (the side stream, forked after the first step), for
+        steps of `tokens` rows each (capturable: no host copy)."""
+        n_pred = tokens * self.predicted.shape[2]
+        if not 1 <= n_pred <= self.max_pred:
+            raise ForwardRoundsError(
+                f"a step of {tokens} rows proposes {n_pred} ids, the kernel takes 1..{self.max_pred}"
+            )
         on_gpu = flags.is_cuda
         if max_spins is None:
             max_spins = GPU_MAX_SPINS if on_gpu else 1
@@ -166,13 +167,13 @@ class ForwardRounds:
             self.cursor,
             self.first,
             self.last,
-            self.tokens,
+            tokens,
             length,
             layers,
             self.predicted.stride(0),
             self.predicted.stride(1),
-            self.n_pred,
-            self.m,
+            n_pred,
+            self.miss_capacity(n_pred),
             s.min_used_percent,
             -1 if s.lift_percent is None else s.lift_percent,
             self.layout.record_bytes,
@@ -190,7 +191,7 @@ class ForwardRounds:
             BLOCK_E=next_pow2(s.experts),
             BLOCK_S=next_pow2(s.slots),
             BLOCK_N=IDS_BLOCK,
-            BLOCK_P=next_pow2(max(2, self.n_pred)),
+            BLOCK_P=next_pow2(max(2, n_pred)),
             LFU=s.lfu,
             BUDGET=s.budget,
             ON_GPU=on_gpu,

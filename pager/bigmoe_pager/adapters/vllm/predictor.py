@@ -41,6 +41,7 @@ import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
 from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError
+from bigmoe_pager.core.pager import PREFETCH_PROGRAMS_PER_RECORD
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
 from bigmoe_pager.settings import PagerSettings
@@ -168,7 +169,8 @@ class Predictor:
         self._told: set[tuple[str, str]] = set()  # (JOINED or FORKED, placement) already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
         self._further: dict[tuple[int, int], NextRouter | None] = {}  # (MoE index, layers ahead) -> that router
-        self._rounds: dict[tuple[int, int, str], ForwardRounds | None] = {}  # (MoE index, tokens, device) -> kernel
+        self._rounds: dict[tuple[int, bool, str], ForwardRounds | None] = {}
+        """BIGMOE_PREFETCH_ONE_NODE: (MoE index it launches at, one a forward, device) -> its kernel (None: cannot)."""
         self._warned = False
         if self.on and on_device:
             top = self.top or "the model's top-k"
@@ -339,6 +341,8 @@ class Predictor:
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
         index, tokens = layer._moe_index, hidden.shape[0]
+        if self.one_node and not torch.cuda.is_current_stream_capturing():
+            self._prepare_rounds(layer, hidden)
         if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
 
@@ -352,18 +356,46 @@ class Predictor:
     def _one_node_rounds(self, layer, hidden: torch.Tensor) -> bool:
         """BIGMOE_PREFETCH_ONE_NODE: the rounds of this forward after `layer` as one kernel (core.forward_rounds),
         launched at the model's first layer on CUDA (one side node a forward) and at each layer in Triton's
-        interpreter (where a launch runs to its end before the next step could publish). False: these layers cannot
-        share the kernel (logged once), and their rounds stay per layer."""
-        on_gpu = self._one_kernel_a_forward(hidden)
-        if on_gpu and not self._first_of_its_model(layer):
-            return self._rounds.get(self._rounds_key(self._layers_of_its_model_from_first(layer), hidden)) is not None
-        key = self._rounds_key(layer, hidden)
-        if key not in self._rounds:
-            self._rounds[key] = self._build_rounds(layer, hidden, whole=on_gpu)
-        rounds = self._rounds[key]
-        if rounds is not None:
-            self.live.fork_rounds(hidden, rounds.launch, after=layer._moe_index)
-        return rounds is not None
+        interpreter (where a launch runs to its end before the next step could publish). False: these layers' rounds
+        stay per layer (they cannot share the kernel, or its tables were not made by an uncaptured forward; logged)."""
+        whole = self._one_kernel_a_forward(hidden)
+        starts = self._model_first(layer) if whole else layer
+        rounds = self._rounds.get((starts._moe_index, whole, str(hidden.device)))
+        if rounds is None:
+            if starts is layer:
+                self._tell(
+                    "once a layer (the one-node kernel's tables were not made by an uncaptured forward first)",
+                    what=FORKED,
+                )
+            return False
+        if starts is layer:
+            self.live.fork_rounds(hidden, lambda flags: rounds.launch(flags, hidden.shape[0]), after=layer._moe_index)
+        return True
+
+    def _prepare_rounds(self, layer, hidden: torch.Tensor) -> None:
+        """In an uncaptured forward (its table is copied from the host, which a capture forbids): make the one-node
+        kernel that a captured forward launches at `layer`, once every layer it prefetches into is started."""
+        whole = self._one_kernel_a_forward(hidden)
+        key = (layer._moe_index, whole, str(hidden.device))
+        if key in self._rounds or (whole and not self._first_of_its_model(layer)):
+            return
+        targets = self._layers_of_its_model(layer)[1:]
+        if not whole:
+            targets = targets[:1]
+        replay = self.routing.replayed_tensors(hidden.device)
+        pagers = [getattr(t, "pager", None) for t in targets]
+        if not targets or replay is None or not all(isinstance(p, DeviceLayerPager) and p.started for p in pagers):
+            return  # tried again at the next uncaptured forward
+        try:
+            self._rounds[key] = ForwardRounds(
+                [p.pager_started() for p in pagers],
+                targets[0]._moe_index,
+                *replay,
+                pagers[0].pager_started().prefetch_programs or PREFETCH_PROGRAMS_PER_RECORD,
+            )
+        except ForwardRoundsError as exc:
+            self._rounds[key] = None
+            self._tell(f"once a layer, not as one kernel a forward ({exc})", what=FORKED)
 
     @staticmethod
     def _one_kernel_a_forward(hidden: torch.Tensor) -> bool:
@@ -371,37 +403,11 @@ class Predictor:
         than once a layer (Triton's interpreter: a launch runs to its end before the next step)."""
         return hidden.device.type == "cuda"
 
-    def _rounds_key(self, layer, hidden: torch.Tensor) -> tuple[int, int, str]:
-        return layer._moe_index, hidden.shape[0], str(hidden.device)
-
-    def _layers_of_its_model_from_first(self, layer):
+    def _model_first(self, layer):
         """The first paged layer of `layer`'s model."""
         while not self._first_of_its_model(layer):
             layer = self.layer_after(layer._moe_index - 2)
         return layer
-
-    def _build_rounds(self, layer, hidden: torch.Tensor, whole: bool) -> ForwardRounds | None:
-        """The kernel of the rounds after `layer` (every later layer of its model when `whole`, else the next one)."""
-        targets = self._layers_of_its_model(layer)[1:]
-        if not whole:
-            targets = targets[:1]
-        replay = self.routing.replayed_tensors(hidden.device)
-        pagers = [getattr(t, "pager", None) for t in targets]
-        if not targets or replay is None:
-            return None
-        if not all(isinstance(p, DeviceLayerPager) and p.started for p in pagers):
-            return None
-        try:
-            return ForwardRounds(
-                [p.pager_started() for p in pagers],
-                targets[0]._moe_index,
-                *replay,
-                hidden.shape[0],
-                pagers[0].pager_started().prefetch_programs or 16,
-            )
-        except ForwardRoundsError as exc:
-            self._tell(f"once a layer, not as one kernel a forward ({exc})", what=FORKED)
-            return None
 
     def _after(self, layer) -> int | None:
         """In a chained forward, the MoE index whose step a round proposed in `layer`'s call must follow."""
