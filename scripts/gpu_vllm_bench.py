@@ -155,9 +155,11 @@ NOWAIT = "+nowait"
 SETTING_SUFFIXES = {
     "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
     "+b": "BIGMOE_PREFETCH_BUDGET",
+    "+nodes": "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS",
 }
 """Name suffixes that carry a number, and the setting it sets (need @rRECALL): `+gateN` the VRAM prefetch gate at N%
-(0: none), `+bN` a prefetch budget of N experts a layer's round (0: none)."""
+(0: none), `+bN` a prefetch budget of N experts a layer's round (0: none), `+nodesN` the one-node kernel's
+programs (with +one-node)."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},

@@ -109,7 +109,11 @@ class PagerSettings:
     """BIGMOE_PREFETCH_ONE_NODE: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     with a replayed trace's proposals runs its rounds as one kernel forked once (core.forward_rounds: one side node a
     forward instead of three a layer); layers that cannot share it (partial RAM tiers) keep per-layer rounds. The
-    live predictor's rounds stay per layer. Benchmark only until measured inside vLLM."""
+    live predictor's rounds stay per layer. Off: inside vLLM 0.33 it cost 0.59 ms a token at recall 0 where forks
+    cost 0.43 (run 18: a kernel held for the whole forward takes SMs from vLLM's)."""
+    prefetch_one_node_programs: int = 0
+    """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: programs (CTAs) of the one-node kernel, held for the whole forward; fewer
+    hold fewer SMs and copy slower (0: the pagers' prefetch programs, 16)."""
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,

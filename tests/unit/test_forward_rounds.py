@@ -209,9 +209,15 @@ def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer
     monkeypatch.setattr(Predictor, "_one_kernel_a_forward", staticmethod(lambda hidden: True))
     launches = []
     monkeypatch.setattr(
-        ForwardRounds, "launch", lambda self, flags, tokens, **kw: launches.append((self.first, self.last))
+        ForwardRounds,
+        "launch",
+        lambda self, flags, tokens, **kw: launches.append((self.first, self.last, self.programs)),
     )
-    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
+    env = {
+        "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
+        "BIGMOE_PREFETCH_ONE_NODE": "1",
+        "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS": "2",
+    }
     routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
     layers, _, _, _ = fused_model(layers_n, 6)
     live = predictor(layers, env, routing)
@@ -219,4 +225,4 @@ def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer
     run_forwards(live, layers, routing, 1)
     capturing[0] = True
     run_forwards(live, layers, routing, forwards)
-    assert launches == [(1, layers_n - 1)] * forwards
+    assert launches == [(1, layers_n - 1, 2)] * forwards  # with the programs asked for

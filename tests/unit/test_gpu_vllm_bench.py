@@ -218,7 +218,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
         probed = bench.config_for(f"bigmoe-102@r0{suffix}", tmp_path / "f.npz", 32).env
         assert PagerSettings.from_env(probed).side_branch_probe == probe
     node = PagerSettings.from_env(bench.config_for("bigmoe-102@r0.8+one-node", tmp_path / "f.npz", 32).env)
-    assert node.prefetch_one_node is True and node.prefetch_one_launch is False
+    assert node.prefetch_one_node is True and node.prefetch_one_launch is False and node.prefetch_one_node_programs == 0
+    narrow = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+nodes4", tmp_path / "f.npz", 32).env)
+    assert narrow.prefetch_one_node is True and narrow.prefetch_one_node_programs == 4
     gate = bench.config_for("bigmoe-102@r0.8+gate50", tmp_path / "f.npz", 32).env
     assert gate["BIGMOE_PREFETCH_MIN_USED_PERCENT"] == "50"
     deep = bench.config_for("bigmoe-32-ram128-ssd@r0.8+ahead4", tmp_path / "f.npz", 32).env

@@ -157,6 +157,7 @@ class Predictor:
         self.poll_programs = POLL_WIDE_PROGRAMS if settings.side_branch_probe == "poll-wide" else 1
         """Benchmark only: the polling node's programs (1, or POLL_WIDE_PROGRAMS for poll-wide)."""
         self.one_node = settings.prefetch_one_node
+        self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE: a joinless forward's replayed rounds as one kernel (core.forward_rounds)."""
         chained = settings.prefetch_chain or settings.prefetch_joinless or self.one_node or self.poll_probe
         self.chain_on = chained and self.probe_fork in (None, "poll")
@@ -391,7 +392,7 @@ class Predictor:
                 [p.pager_started() for p in pagers],
                 targets[0]._moe_index,
                 *replay,
-                pagers[0].pager_started().prefetch_programs or PREFETCH_PROGRAMS_PER_RECORD,
+                self.one_node_programs or pagers[0].pager_started().prefetch_programs or PREFETCH_PROGRAMS_PER_RECORD,
             )
         except ForwardRoundsError as exc:
             self._rounds[key] = None
