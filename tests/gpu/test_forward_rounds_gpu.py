@@ -6,20 +6,11 @@ launch a forward, every round is decided or cancelled, no wait gives up, copies 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from bigmoe_bench import traces
-from bigmoe_pager.adapters.vllm.predictor import Predictor
-from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.forward_rounds import ForwardRounds
-from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
-from bigmoe_pager.core.stats import PagerStats
-from bigmoe_pager.settings import PagerSettings
-from test_live_predictor_gpu import started
-from test_prefetch_chain_gpu import assert_slots_hold
+from test_prefetch_chain_gpu import assert_slots_hold, replayed_model
 
 pytestmark = pytest.mark.gpu
 
@@ -32,28 +23,8 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     tmp_path, monkeypatch, experts, vram, k, tokens, policy, compute
 ):
     layers_n, replays = 6, 30
-    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
-    g = torch.Generator().manual_seed(experts)
-    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
-    trace = traces.named_trace("topic-shift", 200, layers_n, experts, k)
-    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, experts))
-    settings = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", prefetch_one_node=True)
-    stats = PagerStats(layers_n, "cuda")
-    layers = [
-        SimpleNamespace(
-            layer_name=f"model.layers.{i}.mlp.experts",
-            _moe_index=i,
-            pager=started(layout, records, i, vram, stats, policy),
-        )
-        for i in range(layers_n)
-    ]
-    routing = Routing(settings)
-    predictor = Predictor(
-        settings,
-        routing,
-        lambda i: layers[i + 1] if i + 1 < len(layers) else None,
-        on_device=True,
-        whole_forward_captured=lambda: True,
+    layout, records, layers, routing, predictor, stats = replayed_model(
+        tmp_path, layers_n, experts, vram, k, "topic-shift", 0.8, policy, prefetch_one_node=True
     )
     launches = []
     plain_launch = ForwardRounds.launch

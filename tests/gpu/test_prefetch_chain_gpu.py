@@ -63,6 +63,43 @@ def assert_slots_hold(layers, layout, records, chosen: list[torch.Tensor], out: 
                 assert torch.equal(got, records[expert, c.offset : c.offset + c.nbytes]), (i, expert, slot)
 
 
+def replayed_model(
+    tmp_path, layers_n: int, experts: int, vram: int, k: int, family: str, recall: float, policy: str, **settings
+):
+    """Paged layers over a routing family's trace replayed with its proposals at `recall` (precision 0.5; 1.0 with
+    recall 1), and the process's routing and predictor over them in forwards captured whole; `settings`: more
+    PagerSettings. Returns (layout, records, layers, routing, predictor, stats)."""
+    from bigmoe_bench import traces
+    from bigmoe_pager.adapters.vllm.predictor import Predictor
+    from bigmoe_pager.adapters.vllm.routing import Routing
+
+    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
+    g = torch.Generator().manual_seed(experts)
+    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
+    trace = traces.named_trace(family, 200, layers_n, experts, k)
+    precision = 1.0 if recall == 1.0 else 0.5
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, recall, precision, experts))
+    config = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", **settings)
+    stats = PagerStats(layers_n, "cuda")
+    layers = [
+        SimpleNamespace(
+            layer_name=f"model.layers.{i}.mlp.experts",
+            _moe_index=i,
+            pager=started(layout, records, i, vram, stats, policy),
+        )
+        for i in range(layers_n)
+    ]
+    routing = Routing(config)
+    predictor = Predictor(
+        config,
+        routing,
+        lambda i: layers[i + 1] if i + 1 < len(layers) else None,
+        on_device=True,
+        whole_forward_captured=lambda: True,
+    )
+    return layout, records, layers, routing, predictor, stats
+
+
 def routed_inputs(x, ids, weights, experts: int, k: int, g, rng) -> list[torch.Tensor]:
     """New hidden states into x and each layer's ids into ids: random for the first layer, much as its router routes
     the shared state for the others (three times in ten one id replaced). Returns the ids, on the CPU."""
@@ -132,31 +169,9 @@ def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slo
 def test_a_poll_once_probe_forward_polls_every_step_of_every_replay(tmp_path, probe):
     """BIGMOE_SIDE_BRANCH_PROBE=poll-once (benchmark only): a whole-forward capture whose side branch is one program
     polling for every later layer's step in turn; every replay's polls find their steps (no wait gives up)."""
-    from bigmoe_bench import traces
-    from bigmoe_pager.adapters.vllm.predictor import Predictor
-    from bigmoe_pager.adapters.vllm.routing import Routing
-
     layers_n, experts, vram, k = 5, 64, 16, 4
-    layout = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, block=128)
-    g = torch.Generator().manual_seed(5)
-    records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
-    trace = traces.named_trace("standard", 64, layers_n, experts, k)
-    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, experts))
-    settings = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", side_branch_probe=probe)
-    stats = PagerStats(layers_n, "cuda")
-    layers = [
-        SimpleNamespace(
-            layer_name=f"model.layers.{i}.mlp.experts", _moe_index=i, pager=started(layout, records, i, vram, stats)
-        )
-        for i in range(layers_n)
-    ]
-    routing = Routing(settings)
-    predictor = Predictor(
-        settings,
-        routing,
-        lambda i: layers[i + 1] if i + 1 < len(layers) else None,
-        on_device=True,
-        whole_forward_captured=lambda: True,
+    layout, records, layers, routing, predictor, stats = replayed_model(
+        tmp_path, layers_n, experts, vram, k, "standard", 1.0, "lru", side_branch_probe=probe
     )
     x = torch.zeros((1, HIDDEN), dtype=torch.bfloat16, device="cuda")
     ids = [

@@ -53,10 +53,10 @@ for name in POLICIES:
     k = build(ak._acquire_kernel, acq_only, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
               "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_STATS": True, "HAS_AUX": True} | policy(name))
     out[f"acquire_{name}"] = "bar.sync" in k.asm["ptx"]
-adm = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in adk._admit_kernel.arg_names if n.islower()}
+adm = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in adk.decide_round.arg_names if n.islower()}
 adm |= {"pred_ptr": "*i64", "want_ptr": "*i32", "avail_ptr": "*u8", "keep_ptr": "*u8"}
 for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input present
-    k = build(adk._admit_kernel, adm, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
+    k = build(adk.decide_round, adm, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
               "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_N": 256, "HAS_AVAIL": True, "HAS_KEEP": True,
               "HAS_SOURCE": True, "HAS_STATS": True, "LFU": lfu, "BUDGET": 2, "SYNC": lfu, "ON_GPU": True})
     out[f"admit_lfu={lfu}"] = {"bar": "bar.sync" in k.asm["ptx"], "atom": accesses(k, "atom"),

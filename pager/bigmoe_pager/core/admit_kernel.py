@@ -68,7 +68,7 @@ def launch_admit(
     device = flat.device
     out = {name: torch.empty(m, dtype=torch.int64, device=device) for name in ("experts", "slots", "evicted", "rows")}
     dummy = out["experts"]  # pointer for absent inputs (never read: HAS_* is False)
-    kernel_for(_admit_kernel, device)[(1,)](
+    kernel_for(decide_round, device)[(1,)](
         flat,
         flat.numel(),
         table_state["expert_slot"],
@@ -199,108 +199,6 @@ if triton is not None:
         return tl.where((occupied & protect) | (s_ar >= S), NEEDED, key)
 
     @triton.jit
-    def _admit_kernel(
-        pred_ptr,
-        n_pred,
-        expert_slot_ptr,
-        slot_expert_ptr,
-        last_use_ptr,
-        step_ptr,
-        freq_ptr,
-        prefetched_ptr,
-        would_fetch_ptr,
-        prefetch_step_ptr,
-        want_ptr,
-        used_score_ptr,
-        wasted_score_ptr,
-        gate_closed_ptr,
-        min_used_percent,
-        lift_percent,
-        avail_ptr,
-        keep_ptr,
-        src_row_ptr,
-        src_posted_ptr,
-        out_exp_ptr,
-        out_slot_ptr,
-        out_evicted_ptr,
-        out_row_ptr,
-        m,
-        stats_ptr,
-        record_bytes,
-        flags_ptr,
-        claim_ptr,
-        copied_ptr,
-        target_ptr,
-        filled_ptr,
-        record_blocks,
-        E: tl.constexpr,
-        S: tl.constexpr,
-        NEEDED: tl.constexpr,
-        PACKED_MAX: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        HAS_AVAIL: tl.constexpr,
-        HAS_KEEP: tl.constexpr,
-        HAS_SOURCE: tl.constexpr,
-        HAS_STATS: tl.constexpr,
-        LFU: tl.constexpr,
-        BUDGET: tl.constexpr,
-        SYNC: tl.constexpr,
-        ON_GPU: tl.constexpr,
-    ):
-        decide_round(
-            pred_ptr,
-            n_pred,
-            expert_slot_ptr,
-            slot_expert_ptr,
-            last_use_ptr,
-            step_ptr,
-            freq_ptr,
-            prefetched_ptr,
-            would_fetch_ptr,
-            prefetch_step_ptr,
-            want_ptr,
-            used_score_ptr,
-            wasted_score_ptr,
-            gate_closed_ptr,
-            min_used_percent,
-            lift_percent,
-            avail_ptr,
-            keep_ptr,
-            src_row_ptr,
-            src_posted_ptr,
-            out_exp_ptr,
-            out_slot_ptr,
-            out_evicted_ptr,
-            out_row_ptr,
-            m,
-            stats_ptr,
-            record_bytes,
-            flags_ptr,
-            claim_ptr,
-            copied_ptr,
-            target_ptr,
-            filled_ptr,
-            record_blocks,
-            E,
-            S,
-            NEEDED,
-            PACKED_MAX,
-            BLOCK_E,
-            BLOCK_S,
-            BLOCK_N,
-            HAS_AVAIL,
-            HAS_KEEP,
-            HAS_SOURCE,
-            HAS_STATS,
-            LFU,
-            BUDGET,
-            SYNC,
-            ON_GPU,
-        )
-
-    @triton.jit
     def decide_round(
         pred_ptr,
         n_pred,
@@ -351,9 +249,9 @@ if triton is not None:
         SYNC: tl.constexpr,
         ON_GPU: tl.constexpr,
     ):
-        """The admit decision of one round (launch_admit says what it reads and writes), in the calling program:
-        the admit kernel's one program, or the one that decides each round of a forward's one-node rounds
-        (core.forward_rounds)."""
+        """The admit decision of one round (launch_admit says what it reads and writes) in one program: launched
+        alone as the admit kernel (one CTA), or called by the program that decides each round of a forward's
+        one-node rounds (core.forward_rounds)."""
         claimed = True
         forward = 0
         if SYNC:  # a joinless forward: hold the table before reading it, or find the step came first
