@@ -157,8 +157,9 @@ class Predictor:
         self.poll_programs = POLL_WIDE_PROGRAMS if settings.side_branch_probe == "poll-wide" else 1
         """Benchmark only: the polling node's programs (1, or POLL_WIDE_PROGRAMS for poll-wide)."""
         self.one_node = settings.prefetch_one_node
-        self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE: a joinless forward's replayed rounds as one kernel (core.forward_rounds)."""
+        self.one_node_programs = settings.prefetch_one_node_programs
+        """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
         chained = settings.prefetch_chain or settings.prefetch_joinless or self.one_node or self.poll_probe
         self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
@@ -361,9 +362,10 @@ class Predictor:
         stay per layer (they cannot share the kernel, or its tables were not made by an uncaptured forward; logged)."""
         whole = self._one_kernel_a_forward(hidden)
         starts = self._model_first(layer) if whole else layer
-        rounds = self._rounds.get((starts._moe_index, whole, str(hidden.device)))
+        key = (starts._moe_index, whole, str(hidden.device))
+        rounds = self._rounds.get(key)
         if rounds is None:
-            if starts is layer:
+            if starts is layer and key not in self._rounds:  # (a kernel the layers cannot share was logged when made)
                 self._tell(
                     "once a layer (the one-node kernel's tables were not made by an uncaptured forward first)",
                     what=FORKED,
