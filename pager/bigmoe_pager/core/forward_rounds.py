@@ -262,6 +262,34 @@ if triton is not None:
 
     _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
 
+    # The address table's columns by name, as constexpr globals (all a kernel may read); FIELDS fixes their order.
+    _SCRATCH = tl.constexpr(FIELDS.index("scratch"))
+    _EXPERT_SLOT = tl.constexpr(FIELDS.index("expert_slot"))
+    _SLOT_EXPERT = tl.constexpr(FIELDS.index("slot_expert"))
+    _LAST_USE = tl.constexpr(FIELDS.index("last_use"))
+    _STEP = tl.constexpr(FIELDS.index("step"))
+    _FREQ = tl.constexpr(FIELDS.index("freq"))
+    _PREFETCHED = tl.constexpr(FIELDS.index("prefetched"))
+    _WOULD_FETCH = tl.constexpr(FIELDS.index("would_fetch"))
+    _PREFETCH_STEP = tl.constexpr(FIELDS.index("prefetch_step"))
+    _WANT = tl.constexpr(FIELDS.index("want"))
+    _USED_SCORE = tl.constexpr(FIELDS.index("used_score"))
+    _WASTED_SCORE = tl.constexpr(FIELDS.index("wasted_score"))
+    _GATE_CLOSED = tl.constexpr(FIELDS.index("gate_closed"))
+    _OUT_EXP = tl.constexpr(FIELDS.index("out_exp"))
+    _OUT_SLOT = tl.constexpr(FIELDS.index("out_slot"))
+    _OUT_EVICTED = tl.constexpr(FIELDS.index("out_evicted"))
+    _STATS = tl.constexpr(FIELDS.index("stats"))
+    _CLAIM = tl.constexpr(FIELDS.index("claim"))
+    _COPIED = tl.constexpr(FIELDS.index("copied"))
+    _TARGET = tl.constexpr(FIELDS.index("target"))
+    _FILLED = tl.constexpr(FIELDS.index("filled"))
+    _RECORDS = tl.constexpr(FIELDS.index("records"))
+    _OUT0 = tl.constexpr(FIELDS.index("out0"))
+    _OUT1 = tl.constexpr(FIELDS.index("out1"))
+    _OUT2 = tl.constexpr(FIELDS.index("out2"))
+    _OUT3 = tl.constexpr(FIELDS.index("out3"))
+
     @triton.jit
     def _field(row_ptr, index: tl.constexpr, DTYPE: tl.constexpr):
         return tl.load(row_ptr + index).to(tl.pointer_type(DTYPE))
@@ -322,11 +350,11 @@ if triton is not None:
         j = tl.arange(0, BLOCK_S)  # list positions (m <= S)
         for layer in range(first, last + 1):
             row = table_ptr + (layer - first) * FIELDS
-            claim_ptr = _field(row, 17, tl.int64)
+            claim_ptr = _field(row, _CLAIM, tl.int64)
             if pid == 0:
                 # 1. The proposal of layer - 1's step, once that step is done, and the decision.
                 wait_for_step(flags_ptr, forward, layer - 1, max_spins, ON_GPU)
-                scratch = _field(row, 0, tl.int64)
+                scratch = _field(row, _SCRATCH, tl.int64)
                 q = tl.arange(0, BLOCK_P)
                 start = tl.load(cursor_ptr + layer - 1, volatile=True) - tokens
                 trace_row = (start + q // P) % length
@@ -338,36 +366,36 @@ if triton is not None:
                 decide_round(
                     scratch,
                     n_pred,
-                    _field(row, 1, tl.int64),
-                    _field(row, 2, tl.int64),
-                    _field(row, 3, tl.int64),
-                    _field(row, 4, tl.int64),
-                    _field(row, 5, tl.int64),
-                    _field(row, 6, tl.int64),
-                    _field(row, 7, tl.int32),
-                    _field(row, 8, tl.int64),
-                    _field(row, 9, tl.int32),
-                    _field(row, 10, tl.int64),
-                    _field(row, 11, tl.int64),
-                    _field(row, 12, tl.int64),
+                    _field(row, _EXPERT_SLOT, tl.int64),
+                    _field(row, _SLOT_EXPERT, tl.int64),
+                    _field(row, _LAST_USE, tl.int64),
+                    _field(row, _STEP, tl.int64),
+                    _field(row, _FREQ, tl.int64),
+                    _field(row, _PREFETCHED, tl.int64),
+                    _field(row, _WOULD_FETCH, tl.int32),
+                    _field(row, _PREFETCH_STEP, tl.int64),
+                    _field(row, _WANT, tl.int32),
+                    _field(row, _USED_SCORE, tl.int64),
+                    _field(row, _WASTED_SCORE, tl.int64),
+                    _field(row, _GATE_CLOSED, tl.int64),
                     min_used_percent,
                     lift_percent,
                     scratch,  # no available mask, kept slots or source rows: a full RAM tier (never read)
                     scratch,
                     scratch,
                     scratch,
-                    _field(row, 13, tl.int64),
-                    _field(row, 14, tl.int64),
-                    _field(row, 15, tl.int64),
-                    _field(row, 13, tl.int64),
+                    _field(row, _OUT_EXP, tl.int64),
+                    _field(row, _OUT_SLOT, tl.int64),
+                    _field(row, _OUT_EVICTED, tl.int64),
+                    _field(row, _OUT_EXP, tl.int64),
                     m,
-                    _field(row, 16, tl.int64),
+                    _field(row, _STATS, tl.int64),
                     record_bytes,
                     flags_ptr,
                     claim_ptr,
-                    _field(row, 18, tl.int64),
-                    _field(row, 19, tl.int64),
-                    _field(row, 20, tl.int64),
+                    _field(row, _COPIED, tl.int64),
+                    _field(row, _TARGET, tl.int64),
+                    _field(row, _FILLED, tl.int64),
                     record_blocks,
                     E,
                     S,
@@ -394,8 +422,8 @@ if triton is not None:
                 spins += 1
                 seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
             if seen == mine + _DECIDED:
-                mexp = tl.load(_field(row, 13, tl.int64) + j, mask=j < m, other=-1, volatile=True)
-                cand = tl.load(_field(row, 14, tl.int64) + j, mask=j < m, other=-1, volatile=True)
+                mexp = tl.load(_field(row, _OUT_EXP, tl.int64) + j, mask=j < m, other=-1, volatile=True)
+                cand = tl.load(_field(row, _OUT_SLOT, tl.int64) + j, mask=j < m, other=-1, volatile=True)
                 count = tl.sum((mexp >= 0).to(tl.int32), 0)  # the decided list is a prefix
                 copy_listed_share(
                     pid,
@@ -404,12 +432,12 @@ if triton is not None:
                     j,
                     mexp,  # record row = expert id (the RAM tier is full)
                     cand,
-                    _field(row, 21, WORD),
+                    _field(row, _RECORDS, WORD),
                     pitch_words,
-                    _field(row, 22, WORD),
-                    _field(row, 23, WORD),
-                    _field(row, 24, WORD),
-                    _field(row, 25, WORD),
+                    _field(row, _OUT0, WORD),
+                    _field(row, _OUT1, WORD),
+                    _field(row, _OUT2, WORD),
+                    _field(row, _OUT3, WORD),
                     OFF0,
                     OFF1,
                     OFF2,
@@ -426,7 +454,7 @@ if triton is not None:
                     BLOCK,
                 )
                 tl.debug_barrier()  # this program's stores are made before its counts
-                copied_ptr = _field(row, 18, tl.int64)
+                copied_ptr = _field(row, _COPIED, tl.int64)
                 for i in range(0, count):
                     slot = tl.sum(tl.where(j == i, cand, 0), 0)
                     first_b = ((pid - i * NBLK) % programs + programs) % programs
