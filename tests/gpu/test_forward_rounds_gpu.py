@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bigmoe_pager.core.forward_rounds import ForwardRounds
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
+from test_forward_rounds import recorded_launches
 from test_prefetch_chain_gpu import assert_slots_hold, replayed_model
 
 pytestmark = pytest.mark.gpu
@@ -26,16 +26,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     layout, records, layers, routing, predictor, stats = replayed_model(
         tmp_path, layers_n, experts, vram, k, "topic-shift", 0.8, policy, prefetch_one_node=True
     )
-    launches = []
-    plain_launch = ForwardRounds.launch
-    monkeypatch.setattr(
-        ForwardRounds,
-        "launch",
-        lambda self, flags, tokens, **kw: (
-            launches.append((self.first, self.last)),
-            plain_launch(self, flags, tokens, **kw),
-        ),
-    )
+    launches = recorded_launches(monkeypatch)
     work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros((tokens, 64), dtype=torch.bfloat16, device="cuda")
     placeholder = torch.zeros((tokens, k), dtype=torch.int64, device="cuda")
@@ -56,7 +47,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    assert launches == [(1, layers_n - 1)]  # captured once: one kernel a forward
+    assert [(first, last) for first, last, _ in launches] == [(1, layers_n - 1)]  # captured once: one a forward
     for _ in range(replays):
         graph.replay()
         torch.cuda.synchronize()
