@@ -34,7 +34,8 @@ in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace e
 the side stream joined where a round is / once after the last layer, `+edges-early` forks each at its layer's entry,
 `+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+poll-once` a
 chained forward's one polling branch (`+poll-wide` with 16 programs), `+one-node` runs a joinless forward's rounds
-as one kernel (BIGMOE_PREFETCH_ONE_NODE=1), `+chain` forks the
+as one kernel (BIGMOE_PREFETCH_ONE_NODE=1), `+host` decides them in line and has a host thread copy them through the
+copy engines (BIGMOE_PREFETCH_HOST_COPIER=1), `+chain` forks the
 rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; `+nowait` with it skips the rounds'
 device wait, to time it), `+joinless` chains them and joins the side stream once a forward, each step settling its
 round on the device (BIGMOE_PREFETCH_JOINLESS=1), `+gateN` the VRAM prefetch gate at N%
@@ -150,6 +151,9 @@ it needs on the device (BIGMOE_PREFETCH_JOINLESS=1, core.round_sync); needs @rRE
 ONE_NODE = "+one-node"
 """Name suffix: a joinless forward's replayed rounds as one kernel a forward, forked once (BIGMOE_PREFETCH_ONE_NODE=1,
 core.forward_rounds); needs @rRECALL."""
+HOST_COPIER = "+host"
+"""Name suffix: a joinless forward's replayed rounds decided in line, copied by a host thread through the copy
+engines (BIGMOE_PREFETCH_HOST_COPIER=1, core.host_copier); needs @rRECALL."""
 NOWAIT = "+nowait"
 """Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {
@@ -175,6 +179,7 @@ PREDICTION_SUFFIXES = {
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},
     ONE_NODE: {"BIGMOE_PREFETCH_ONE_NODE": "1"},
+    HOST_COPIER: {"BIGMOE_PREFETCH_HOST_COPIER": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"

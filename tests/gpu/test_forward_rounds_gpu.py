@@ -2,7 +2,9 @@
 rounds run as one kernel on the side stream (core.forward_rounds), forked after the first step and joined once.
 Replayed with a routing trace (the routing hook's rows, its proposals at recall 0.8), with a stand-in for each
 layer's compute between the steps: every replay leaves each id's slot holding its expert's bytes, the kernel is one
-launch a forward, every round is decided or cancelled, no wait gives up, copies finish, and rounds are used."""
+launch a forward, every round is decided or cancelled, no wait gives up, copies finish, and rounds are used.
+BIGMOE_PREFETCH_HOST_COPIER (mode "host"): the same forward with each round decided in line, one launch a layer, and
+copied by the host thread (core.host_copier) with the copy engines; it must keep every slot as right."""
 
 from __future__ import annotations
 
@@ -15,16 +17,20 @@ from test_prefetch_chain_gpu import assert_slots_hold, replayed_model
 pytestmark = pytest.mark.gpu
 
 
+MODES = {"one-node": {"prefetch_one_node": True}, "host": {"prefetch_host_copier": True}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize(
     "experts,vram,k,tokens,policy,compute",
     [(64, 16, 4, 1, "lru", 4), (128, 32, 8, 2, "lfu-duel", 4), (128, 24, 8, 1, "lfu-duel", 0)],
 )
 def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
-    tmp_path, monkeypatch, experts, vram, k, tokens, policy, compute
+    tmp_path, monkeypatch, experts, vram, k, tokens, policy, compute, mode
 ):
     layers_n, replays = 6, 30
     layout, records, layers, routing, predictor, stats = replayed_model(
-        tmp_path, layers_n, experts, vram, k, "topic-shift", 0.8, policy, prefetch_one_node=True
+        tmp_path, layers_n, experts, vram, k, "topic-shift", 0.8, policy, **MODES[mode]
     )
     launches = recorded_launches(monkeypatch)
     work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
@@ -47,7 +53,8 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    assert [(first, last) for first, last, _ in launches] == [(1, layers_n - 1)]  # captured once: one a forward
+    once = [(1, layers_n - 1)] if mode == "one-node" else [(i, i) for i in range(1, layers_n)]
+    assert [(first, last) for first, last, _ in launches] == once  # captured once: one a forward, or one a layer
     for _ in range(replays):
         graph.replay()
         torch.cuda.synchronize()
@@ -62,3 +69,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     if compute:
         assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
     assert predictor.chain_cancels <= replays * (layers_n - 1)
+    if mode == "host":
+        served = predictor.copier.stats()
+        assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
+        assert predictor.chain_cancels == 0  # decided in line, before the step: never cancelled

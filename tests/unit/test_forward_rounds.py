@@ -9,6 +9,7 @@ a launch runs to its end before the next. tests/gpu/test_round_sync_gpu.py runs 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,28 @@ def recorded_launches(monkeypatch, run: bool = True) -> list:
 
     monkeypatch.setattr(ForwardRounds, "launch", launch)
     return launches
+
+
+def host_copies_waited_for(monkeypatch) -> list:
+    """After each launch of published rounds, wait (up to 10 s) until the host copier has served them, as a GPU
+    step's polls would; returns the rounds waited for."""
+    served = []
+    plain = ForwardRounds.launch
+
+    def launch(self, flags, tokens, **kw):
+        plain(self, flags, tokens, **kw)
+        if self.mailboxes is None:
+            return
+        box = self.mailboxes[0]
+        copied, target = self.progress[0]
+        deadline = time.monotonic() + 10
+        while int(box[0]) and not torch.all(copied >= target) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert torch.all(copied >= target), "the host copier did not serve a published round within 10 s"
+        served.append(int(box[0]))
+
+    monkeypatch.setattr(ForwardRounds, "launch", launch)
+    return served
 
 
 @pytest.mark.parametrize(
@@ -159,18 +182,22 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
     tmp_path: Path, monkeypatch, layers_n, forwards, family
 ):
     """Off CUDA the adapter launches the kernel once a layer (in the interpreter a launch runs to its end before the
-    next step); the counts, tables and slot bytes must equal the per-layer joinless rounds'."""
+    next step); the counts, tables and slot bytes must equal the per-layer joinless rounds'. So must those of rounds
+    decided in line and copied by the host thread (BIGMOE_PREFETCH_HOST_COPIER): there the test waits for the thread
+    after each launch, as the GPU's step polls for it (the interpreter's step polls once)."""
     trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     launches = recorded_launches(monkeypatch)
+    served = host_copies_waited_for(monkeypatch)
     results = {}
-    for mode in ("joinless", "one-node"):
+    for mode in ("joinless", "one-node", "host"):
         env = {
             "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
             "BIGMOE_PREFETCH_JOINLESS": "1",
             "BIGMOE_PREFETCH_ONE_NODE": "1" if mode == "one-node" else "0",
+            "BIGMOE_PREFETCH_HOST_COPIER": "1" if mode == "host" else "0",
         }
         routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
         layers, _, _, stats = fused_model(layers_n, 6)
@@ -187,13 +214,18 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
             [stats.snapshot(i)["vram"] for i in range(layers_n)],
             [(layer.pager.pager.vram.expert_slot.clone(), slot_bytes(layer.pager.pager)) for layer in layers],
         )
-        expected = [(i, i) for i in range(1, layers_n)] * forwards if mode == "one-node" else []
+        expected = [(i, i) for i in range(1, layers_n)] * forwards if mode != "joinless" else []
         assert [(first, last) for first, last, _ in launches] == expected  # a launch a round here (a forward on CUDA)
         assert live._chain.timeouts == 0 and live.chain_cancels == 0 and not live.live.chained
-    (plain_counts, plain_layers), (node_counts, node_layers) = results["joinless"], results["one-node"]
-    assert plain_counts == node_counts and sum(c.prefetched for c in node_counts) > 0
-    for (a_slots, a_bytes), (b_slots, b_bytes) in zip(plain_layers, node_layers):
-        assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes)
+        if mode == "host":
+            assert live.copier.stats()["rounds"] == forwards * (layers_n - 1) == len(served)
+            live.copier.close()
+    plain_counts, plain_layers = results["joinless"]
+    for mode in ("one-node", "host"):
+        counts, kept = results[mode]
+        assert plain_counts == counts and sum(c.prefetched for c in counts) > 0, mode
+        for (a_slots, a_bytes), (b_slots, b_bytes) in zip(plain_layers, kept):
+            assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes), mode
 
 
 def test_the_setting_implies_a_joinless_chain_and_round_trips():

@@ -102,7 +102,18 @@ class ForwardRounds:
     [MoE layers] (layer l's moves past the rows its step replays). Built outside any CUDA graph capture (the
     table is copied from the host once); `launch` takes any decode step's rows (at most MAX_IDS)."""
 
-    def __init__(self, pagers: list, first: int, predicted: torch.Tensor, cursor: torch.Tensor, programs: int) -> None:
+    def __init__(
+        self,
+        pagers: list,
+        first: int,
+        predicted: torch.Tensor,
+        cursor: torch.Tensor,
+        programs: int,
+        mailboxes: torch.Tensor | None = None,
+    ) -> None:
+        """mailboxes: BIGMOE_PREFETCH_HOST_COPIER, int64 [layers, MAILBOX_WORDS(slots)] in pinned host memory (one
+        program; see `publish_round`): each decided list is published there for core.host_copier instead of
+        copied by the kernel."""
         if not pagers:
             raise ForwardRoundsError("a one-node forward needs at least one round")
         if programs < 1:
@@ -110,6 +121,14 @@ class ForwardRounds:
         self.first, self.last = first, first + len(pagers) - 1
         self.shape = shared_shape(pagers)
         self.predicted, self.cursor, self.programs = predicted, cursor, programs
+        self.mailboxes = mailboxes
+        if mailboxes is not None and (
+            programs != 1 or tuple(mailboxes.shape) != (len(pagers), mailbox_words(self.shape.slots))
+        ):
+            raise ForwardRoundsError(
+                f"published rounds take one program and int64 [{len(pagers)}, {mailbox_words(self.shape.slots)}] "
+                f"mailboxes, got {programs} and {tuple(mailboxes.shape)}"
+            )
         lead = pagers[0]
         self.layout = lead.layout
         self.plan = copy_plan(lead.layout)
@@ -122,6 +141,9 @@ class ForwardRounds:
         self.lists: list[dict[str, torch.Tensor]] = []
         """Per round: its decided lists (exp, slot, evicted: int64 [slots], -1 padded; the first m are the admit
         kernel's outputs)."""
+        self.progress: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Per round: its table's (copied, target) words (core.round_sync): a slot's copy is done once copied >=
+        target."""
         rows = [self._row(p, device) for p in pagers]
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         (self.group,) = component_groups(lead.layout, lead.buffers, self.block)
@@ -134,6 +156,7 @@ class ForwardRounds:
         slots = self.shape.slots
         lists = {n: torch.full((slots,), -1, dtype=torch.int64, device=device) for n in ("exp", "slot", "evicted")}
         self.lists.append(lists)
+        self.progress.append((state["copied"], state["target"]))
         tensors = {
             "scratch": scratch,
             **{k: state[k] for k in FIELDS if k in state},
@@ -186,6 +209,7 @@ class ForwardRounds:
             self.plan.pitch_words,
             max_spins,
             self.programs,
+            self.table if self.mailboxes is None else self.mailboxes,
             FIELDS=len(FIELDS),
             WORD=_tl_word(self.plan.word),
             P=width,
@@ -214,8 +238,28 @@ class ForwardRounds:
             NB3=g.nblocks[3],
             NBLK=sum(g.nblocks),
             BLOCK=self.block,
+            HOST=self.mailboxes is not None,
+            BOX=mailbox_words(s.slots),
             num_warps=4,
         )
+
+
+def drain_published(tables: torch.Tensor, slots: int, flags: torch.Tensor, max_spins: int | None = None) -> None:
+    """Enqueue a wait until no copy of a published round is under way in any layer of `tables` (ForwardRounds
+    tables stacked, int64 [layers, FIELDS]): the end of a forward whose rounds the host copies, so that no copy
+    lands in a slot after that forward (a later step that takes the slot would race with it). Bounded (max_spins
+    polls, about a second on a GPU); a wait given up is counted in the chain's TIMEOUTS word."""
+    on_gpu = tables.is_cuda
+    if max_spins is None:
+        max_spins = GPU_MAX_SPINS if on_gpu else 1
+    kernel_for(_drain_kernel, tables.device)[(1,)](
+        tables, tables.shape[0], flags, max_spins, FIELDS=len(FIELDS), S=slots, BLOCK_S=next_pow2(slots), ON_GPU=on_gpu
+    )
+
+
+def mailbox_words(slots: int) -> int:
+    """int64 words of one layer's mailbox: seq, count, a spare word, then rows, slots and goals [slots] each."""
+    return 3 + 3 * slots
 
 
 def shared_shape(pagers: list) -> Shape:
@@ -256,9 +300,9 @@ def _tl_word(word: torch.dtype):
 if triton is not None:
     from bigmoe_pager.core.admit_kernel import decide_round
     from bigmoe_pager.core.copy_kernel import copy_listed_share
-    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, SYS_SCOPE, load_acquire, pause, store_release
     from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS, wait_for_step
-    from bigmoe_pager.core.round_sync import DECIDED, count_copied
+    from bigmoe_pager.core.round_sync import DECIDED, count_copied, wait_copies
 
     _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
 
@@ -295,6 +339,26 @@ if triton is not None:
         return tl.load(row_ptr + index).to(tl.pointer_type(DTYPE))
 
     @triton.jit
+    def publish_round(
+        box_ptr, seq, exp_ptr, slot_ptr, target_ptr, m, S: tl.constexpr, BLOCK_S: tl.constexpr, ON_GPU: tl.constexpr
+    ):
+        """A decided round's list, for the host copier (core.host_copier): rows (= experts, a full RAM tier), slots
+        and each slot's goal (the `copied` value that says its copy is done) at words 3, 3 + S and 3 + 2S of the
+        layer's mailbox, the count at word 1, then `seq` at word 0 with a system-scope release: the host reads the
+        list only after it sees a new seq."""
+        j = tl.arange(0, BLOCK_S)
+        rows = tl.load(exp_ptr + j, mask=j < m, other=-1, volatile=True)
+        slots = tl.load(slot_ptr + j, mask=j < m, other=-1, volatile=True)
+        listed = (rows >= 0) & (slots >= 0)
+        goals = tl.load(target_ptr + tl.where(listed, slots, 0), mask=listed, other=-1, volatile=True)
+        tl.store(box_ptr + 3 + j, tl.where(listed, rows, -1), mask=j < S)
+        tl.store(box_ptr + 3 + S + j, tl.where(listed, slots, -1), mask=j < S)
+        tl.store(box_ptr + 3 + 2 * S + j, goals, mask=j < S)
+        tl.store(box_ptr + 1, tl.sum(listed.to(tl.int64), 0))
+        tl.debug_barrier()  # every list word is written before the seq that hands them over
+        store_release(box_ptr, seq, SYS_SCOPE, ON_GPU)
+
+    @triton.jit
     def _forward_rounds_kernel(
         table_ptr,
         flags_ptr,
@@ -316,6 +380,7 @@ if triton is not None:
         pitch_words,
         max_spins,
         programs,
+        mailbox_ptr,
         FIELDS: tl.constexpr,
         WORD: tl.constexpr,
         P: tl.constexpr,
@@ -344,6 +409,8 @@ if triton is not None:
         NB3: tl.constexpr,
         NBLK: tl.constexpr,
         BLOCK: tl.constexpr,
+        HOST: tl.constexpr,
+        BOX: tl.constexpr,
     ):
         pid = tl.program_id(0)
         forward = tl.load(flags_ptr + _FORWARD)  # counted by the first step, which this launch was forked after
@@ -413,53 +480,87 @@ if triton is not None:
                     True,
                     ON_GPU,
                 )
-            # 2. Every program: once decided (or cancelled by the step: then nothing), its share of the copy.
-            mine = forward * 4
-            seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
-            spins = 0
-            while (seen < mine + _DECIDED) & (spins < max_spins):
-                pause(ON_GPU)
-                spins += 1
+                if HOST:  # 2'. the host copies it: the list to the layer's mailbox
+                    tl.debug_barrier()
+                    publish_round(
+                        mailbox_ptr + (layer - first) * BOX,
+                        forward,
+                        _field(row, _OUT_EXP, tl.int64),
+                        _field(row, _OUT_SLOT, tl.int64),
+                        _field(row, _TARGET, tl.int64),
+                        m,
+                        S,
+                        BLOCK_S,
+                        ON_GPU,
+                    )
+            if not HOST:  # (a kernel cannot `continue`)
+                # 2. Every program: once decided (or cancelled by the step: then nothing), its share of the copy.
+                mine = forward * 4
                 seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
-            if seen == mine + _DECIDED:
-                mexp = tl.load(_field(row, _OUT_EXP, tl.int64) + j, mask=j < m, other=-1, volatile=True)
-                cand = tl.load(_field(row, _OUT_SLOT, tl.int64) + j, mask=j < m, other=-1, volatile=True)
-                count = tl.sum((mexp >= 0).to(tl.int32), 0)  # the decided list is a prefix
-                copy_listed_share(
-                    pid,
-                    programs,
-                    count,
-                    j,
-                    mexp,  # record row = expert id (the RAM tier is full)
-                    cand,
-                    _field(row, _RECORDS, WORD),
-                    pitch_words,
-                    _field(row, _OUT0, WORD),
-                    _field(row, _OUT1, WORD),
-                    _field(row, _OUT2, WORD),
-                    _field(row, _OUT3, WORD),
-                    OFF0,
-                    OFF1,
-                    OFF2,
-                    OFF3,
-                    N0,
-                    N1,
-                    N2,
-                    N3,
-                    NB0,
-                    NB1,
-                    NB2,
-                    NB3,
-                    NBLK,
-                    BLOCK,
-                )
-                tl.debug_barrier()  # this program's stores are made before its counts
-                copied_ptr = _field(row, _COPIED, tl.int64)
-                for i in range(0, count):
-                    slot = tl.sum(tl.where(j == i, cand, 0), 0)
-                    first_b = ((pid - i * NBLK) % programs + programs) % programs
-                    blocks = tl.maximum((NBLK - first_b + programs - 1) // programs, 0)
-                    if blocks > 0:
-                        count_copied(copied_ptr, slot, blocks)
-            elif seen < mine + _DECIDED:  # gave up on a decision that never came: counted (the step copies)
+                spins = 0
+                while (seen < mine + _DECIDED) & (spins < max_spins):
+                    pause(ON_GPU)
+                    spins += 1
+                    seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+                if seen == mine + _DECIDED:
+                    mexp = tl.load(_field(row, _OUT_EXP, tl.int64) + j, mask=j < m, other=-1, volatile=True)
+                    cand = tl.load(_field(row, _OUT_SLOT, tl.int64) + j, mask=j < m, other=-1, volatile=True)
+                    count = tl.sum((mexp >= 0).to(tl.int32), 0)  # the decided list is a prefix
+                    copy_listed_share(
+                        pid,
+                        programs,
+                        count,
+                        j,
+                        mexp,  # record row = expert id (the RAM tier is full)
+                        cand,
+                        _field(row, _RECORDS, WORD),
+                        pitch_words,
+                        _field(row, _OUT0, WORD),
+                        _field(row, _OUT1, WORD),
+                        _field(row, _OUT2, WORD),
+                        _field(row, _OUT3, WORD),
+                        OFF0,
+                        OFF1,
+                        OFF2,
+                        OFF3,
+                        N0,
+                        N1,
+                        N2,
+                        N3,
+                        NB0,
+                        NB1,
+                        NB2,
+                        NB3,
+                        NBLK,
+                        BLOCK,
+                    )
+                    tl.debug_barrier()  # this program's stores are made before its counts
+                    copied_ptr = _field(row, _COPIED, tl.int64)
+                    for i in range(0, count):
+                        slot = tl.sum(tl.where(j == i, cand, 0), 0)
+                        first_b = ((pid - i * NBLK) % programs + programs) % programs
+                        blocks = tl.maximum((NBLK - first_b + programs - 1) // programs, 0)
+                        if blocks > 0:
+                            count_copied(copied_ptr, slot, blocks)
+                elif seen < mine + _DECIDED:  # gave up on a decision that never came: counted (the step copies)
+                    tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
+
+    @triton.jit
+    def _drain_kernel(
+        table_ptr,
+        layers,
+        flags_ptr,
+        max_spins,
+        FIELDS: tl.constexpr,
+        S: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        ON_GPU: tl.constexpr,
+    ):
+        slots = tl.arange(0, BLOCK_S)
+        for layer in range(0, layers):
+            row = table_ptr + layer * FIELDS
+            late = wait_copies(
+                _field(row, _COPIED, tl.int64), _field(row, _TARGET, tl.int64), slots, slots < S, max_spins, ON_GPU
+            )
+            if tl.sum(late.to(tl.int32), 0) > 0:
                 tl.atomic_add(flags_ptr + _TIMEOUTS, 1)

@@ -133,6 +133,11 @@ class LivePredictions:
         return self._chain is not None
 
     @property
+    def chain_flags(self) -> torch.Tensor:
+        """The chained forward's flags (core.prefetch_chain); only while one is under way."""
+        return self._chain.flags
+
+    @property
     def joinless(self) -> bool:
         """Whether a joinless chained forward is under way (nothing to join before close_chain)."""
         return self._chain is not None and self._joinless

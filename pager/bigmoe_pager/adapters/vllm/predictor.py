@@ -40,7 +40,8 @@ from typing import Callable
 import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
-from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError
+from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, drain_published
+from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.pager import PREFETCH_PROGRAMS_PER_RECORD
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
@@ -160,10 +161,17 @@ class Predictor:
         """BIGMOE_PREFETCH_ONE_NODE: a joinless forward's replayed rounds as one kernel (core.forward_rounds)."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
-        chained = settings.prefetch_chain or settings.prefetch_joinless or self.one_node or self.poll_probe
+        self.host = settings.prefetch_host_copier
+        """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's replayed rounds decided in line, copied by `copier`."""
+        self.copier: HostCopier | None = None
+        """The host thread that copies published rounds (made with the first of them)."""
+        self._published: dict[tuple[str, int], torch.Tensor] = {}
+        """Per (device, slots): the stacked tables of the layers whose rounds the host copies (a forward's end drains
+        them)."""
+        chained = settings.prefetch_chain or settings.prefetch_joinless or self.one_node or self.poll_probe or self.host
         self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
-        self.joinless = settings.prefetch_joinless or self.one_node
+        self.joinless = settings.prefetch_joinless or self.one_node or self.host
         """BIGMOE_PREFETCH_JOINLESS: and joins it once, at its end; the steps settle the rounds (core.round_sync)."""
         self.chain_skips_wait = settings.chain_skip_wait
         """Benchmark only (BIGMOE_CHAIN_SKIP_WAIT): chained rounds do not wait for the step before them."""
@@ -189,6 +197,8 @@ class Predictor:
         yields a Turn, which the caller calls once the layer's own paging is issued: the next layer's experts are
         then proposed and prefetched (on a side stream on CUDA). Uncalled, the fork happens after the whole call
         (host-driven pager, big steps). The Turn's `chain` is what the layer's step publishes (a chained forward)."""
+        if self.copier is not None and not torch.cuda.is_current_stream_capturing():
+            self.copier.check()  # a copy the host thread failed to issue: one clear error, not a slow wrong forward
         if not (self.probe_joins_once or self.live.joinless or (self.poll_probe and self.live.chained)):
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
         if (self.probe_fork == "entry" and not self._last_of_its_model(layer)) or (
@@ -211,6 +221,7 @@ class Predictor:
                 self.live.join(hidden.device)
             raise
         if self.live.chained and self._last_of_its_model(layer):
+            self._drain_published(hidden)
             self.live.close_chain(hidden.device)
         if not self._join_later(hidden) or (self.probe_joins_once and self._last_of_its_model(layer)):
             self.live.join(hidden.device)  # a no-op when nothing was forked
@@ -343,9 +354,10 @@ class Predictor:
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
         index, tokens = layer._moe_index, hidden.shape[0]
-        if self.one_node and not torch.cuda.is_current_stream_capturing():
+        kernel_rounds = self.one_node or self.host
+        if kernel_rounds and not torch.cuda.is_current_stream_capturing():
             self._prepare_rounds(layer, hidden)
-        if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
+        if kernel_rounds and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
 
         def replayed(ahead: int) -> torch.Tensor | None:
@@ -371,7 +383,9 @@ class Predictor:
                     what=FORKED,
                 )
             return False
-        if starts is layer:
+        if starts is layer and self.host:  # in line, right after this layer's step: no side-stream node
+            rounds.launch(self.live.chain_flags, hidden.shape[0])
+        elif starts is layer:
             self.live.fork_rounds(hidden, lambda flags: rounds.launch(flags, hidden.shape[0]), after=layer._moe_index)
         return True
 
@@ -389,22 +403,47 @@ class Predictor:
         pagers = [getattr(t, "pager", None) for t in targets]
         if not targets or replay is None or not all(isinstance(p, DeviceLayerPager) and p.started for p in pagers):
             return  # tried again at the next uncaptured forward
+        started = [p.pager_started() for p in pagers]
+        programs = self.one_node_programs or started[0].prefetch_programs or PREFETCH_PROGRAMS_PER_RECORD
+        mailboxes = None
+        if self.host:
+            programs = 1
+            mailboxes = HostCopier.mailbox(started[0].num_slots, hidden.device).view(1, -1)
         try:
-            self._rounds[key] = ForwardRounds(
-                [p.pager_started() for p in pagers],
-                targets[0]._moe_index,
-                *replay,
-                self.one_node_programs or pagers[0].pager_started().prefetch_programs or PREFETCH_PROGRAMS_PER_RECORD,
-            )
+            self._rounds[key] = rounds = ForwardRounds(started, targets[0]._moe_index, *replay, programs, mailboxes)
         except ForwardRoundsError as exc:
             self._rounds[key] = None
             self._tell(f"once a layer, not as one kernel a forward ({exc})", what=FORKED)
+            return
+        if self.host:
+            self._publish_to_host(rounds, started[0], hidden)
 
-    @staticmethod
-    def _one_kernel_a_forward(hidden: torch.Tensor) -> bool:
+    def _publish_to_host(self, rounds: ForwardRounds, pager, hidden: torch.Tensor) -> None:
+        """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `rounds`' mailbox into `pager`'s slots, and a forward's
+        end drains its copies."""
+        if self.copier is None:
+            self.copier = HostCopier(hidden.device)
+            log.warning("bigmoe: prefetch rounds are copied by a host thread through the GPU's copy engines")
+        components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
+        state = pager.vram.kernel_state()
+        self.copier.add_layer(
+            rounds.mailboxes[0], pager.ram.records, pager.layout.pitch, components, state["copied"], pager.num_slots
+        )
+        key = (str(hidden.device), pager.num_slots)
+        before = self._published.get(key)
+        self._published[key] = rounds.table if before is None else torch.cat([before, rounds.table])
+
+    def _drain_published(self, hidden: torch.Tensor) -> None:
+        """At a chained forward's end: wait on the device until the host's copies of its rounds are done."""
+        for (device, slots), tables in self._published.items():
+            if device == str(hidden.device):
+                drain_published(tables, slots, self.live.chain_flags)
+
+    def _one_kernel_a_forward(self, hidden: torch.Tensor) -> bool:
         """Whether a forward's rounds are launched once (CUDA: the launch waits for each step on the device) rather
-        than once a layer (Triton's interpreter: a launch runs to its end before the next step)."""
-        return hidden.device.type == "cuda"
+        than once a layer (Triton's interpreter: a launch runs to its end before the next step; published rounds,
+        decided in line)."""
+        return hidden.device.type == "cuda" and not self.host
 
     def _model_first(self, layer):
         """The first paged layer of `layer`'s model."""
