@@ -118,7 +118,9 @@ class PagerSettings:
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     with a replayed trace's proposals decides each round in one program on vLLM's own stream, right after the step
     before it, and publishes the list to a host thread (core.host_copier) that copies it with the GPU's copy engines:
-    no side-stream node, no SM spent on copies. Layers that cannot take part keep per-layer rounds."""
+    no side-stream node, no SM spent on copies. With BIGMOE_PREFETCH_ONE_NODE=1 too, the one-node kernel (one program,
+    forked once a forward) decides the rounds instead and publishes them alike. Layers that cannot take part keep
+    per-layer rounds."""
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,

@@ -4,7 +4,9 @@ Replayed with a routing trace (the routing hook's rows, its proposals at recall 
 layer's compute between the steps: every replay leaves each id's slot holding its expert's bytes, the kernel is one
 launch a forward, every round is decided or cancelled, no wait gives up, copies finish, and rounds are used.
 BIGMOE_PREFETCH_HOST_COPIER (mode "host"): the same forward with each round decided in line, one launch a layer, and
-copied by the host thread (core.host_copier) with the copy engines; it must keep every slot as right."""
+copied by the host thread (core.host_copier) with the copy engines; with BIGMOE_PREFETCH_ONE_NODE too
+("one-node-host"), decided by the one-node kernel's one program and copied by the host thread. Both must keep every
+slot as right."""
 
 from __future__ import annotations
 
@@ -17,7 +19,11 @@ from test_prefetch_chain_gpu import assert_slots_hold, replayed_model
 pytestmark = pytest.mark.gpu
 
 
-MODES = {"one-node": {"prefetch_one_node": True}, "host": {"prefetch_host_copier": True}}
+MODES = {
+    "one-node": {"prefetch_one_node": True},
+    "host": {"prefetch_host_copier": True},
+    "one-node-host": {"prefetch_one_node": True, "prefetch_host_copier": True},
+}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -53,7 +59,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    once = [(1, layers_n - 1)] if mode == "one-node" else [(i, i) for i in range(1, layers_n)]
+    once = [(i, i) for i in range(1, layers_n)] if mode == "host" else [(1, layers_n - 1)]
     assert [(first, last) for first, last, _ in launches] == once  # captured once: one a forward, or one a layer
     for _ in range(replays):
         graph.replay()
@@ -69,7 +75,8 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     if compute:
         assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
     assert predictor.chain_cancels <= replays * (layers_n - 1)
-    if mode == "host":
+    if mode != "one-node":
         served = predictor.copier.stats()
         assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
+    if mode == "host":
         assert predictor.chain_cancels == 0  # decided in line, before the step: never cancelled

@@ -234,9 +234,11 @@ def test_the_setting_implies_a_joinless_chain_and_round_trips():
     assert PagerSettings.from_env({}).prefetch_one_node is False
 
 
-def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("host", [False, True])
+def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer(tmp_path: Path, monkeypatch, host):
     """The CUDA placement, forced in the interpreter: one launch at the first layer for rounds 1 .. L-1 (here its
-    waits for the later steps give up, counted, since the interpreter runs the launch to its end first)."""
+    waits for the later steps give up, counted, since the interpreter runs the launch to its end first). With the
+    host copier (BIGMOE_PREFETCH_HOST_COPIER) the kernel only decides and publishes: one program."""
     from bigmoe_pager.adapters.vllm.predictor import Predictor
 
     layers_n, forwards = 4, 3
@@ -250,6 +252,7 @@ def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer
         "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
         "BIGMOE_PREFETCH_ONE_NODE": "1",
         "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS": "2",
+        "BIGMOE_PREFETCH_HOST_COPIER": "1" if host else "0",
     }
     routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
     layers, _, _, _ = fused_model(layers_n, 6)
@@ -258,4 +261,7 @@ def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer
     run_forwards(live, layers, routing, 1)
     capturing[0] = True
     run_forwards(live, layers, routing, forwards)
-    assert launches == [(1, layers_n - 1, 2)] * forwards  # with the programs asked for
+    assert launches == [(1, layers_n - 1, 1 if host else 2)] * forwards  # with the programs asked for
+    if host:
+        assert live.copier.stats()["layers"] == layers_n - 1
+        live.copier.close()

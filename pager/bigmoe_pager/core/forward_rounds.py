@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, NEEDED_KEY, PACKED_MAX, next_pow2
 from bigmoe_pager.core.copy_kernel import BLOCK_BYTES, component_groups, copy_plan, record_blocks, record_words
+from bigmoe_pager.core.host_copier import mailbox_words
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
 from bigmoe_pager.core.step_kernel import MAX_IDS
 from bigmoe_pager.core.triton_launch import kernel_for
@@ -255,11 +256,6 @@ def drain_published(tables: torch.Tensor, slots: int, flags: torch.Tensor, max_s
     kernel_for(_drain_kernel, tables.device)[(1,)](
         tables, tables.shape[0], flags, max_spins, FIELDS=len(FIELDS), S=slots, BLOCK_S=next_pow2(slots), ON_GPU=on_gpu
     )
-
-
-def mailbox_words(slots: int) -> int:
-    """int64 words of one layer's mailbox: seq, count, a spare word, then rows, slots and goals [slots] each."""
-    return 3 + 3 * slots
 
 
 def shared_shape(pagers: list) -> Shape:

@@ -37,6 +37,13 @@ SOURCE = Path(__file__).with_name("host_copier.c")
 MAX_LAYERS = 256  # host_copier.c's MAX_LAYERS
 MAX_COMPONENTS = 4  # host_copier.c's MAX_COMPONENTS
 HEADER_WORDS = 3  # seq, count, reserved
+
+
+def mailbox_words(slots: int) -> int:
+    """int64 words of the mailbox of a layer of `slots` slots: the header, then rows, slots and goals [slots] each."""
+    return HEADER_WORDS + 3 * slots
+
+
 STATS = ("rounds", "experts", "bytes", "error", "layers", "passes")
 """copier_stats' words: layer rounds served, entries copied, bytes copied (issued, on CUDA), first error code
 (0: none; > 0: a CUresult; < 0: the copier's own, see host_copier.c), layers added, full polls of all layers."""
@@ -184,10 +191,12 @@ class HostCopier:
             raise
 
     @staticmethod
-    def mailbox(slots: int, device: torch.device) -> torch.Tensor:
-        """A zeroed mailbox for a layer of `slots` slots; pinned when `device` is CUDA (the GPU writes it)."""
+    def mailbox(slots: int, device: torch.device, layers: int | None = None) -> torch.Tensor:
+        """A zeroed mailbox for a layer of `slots` slots ([layers, words]: one a layer, each row a mailbox); pinned
+        when `device` is CUDA (the GPU writes it)."""
         pin = torch.device(device).type == "cuda"
-        return torch.zeros(HEADER_WORDS + 3 * slots, dtype=torch.int64, pin_memory=pin)
+        shape = (mailbox_words(slots),) if layers is None else (layers, mailbox_words(slots))
+        return torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
 
     def add_layer(
         self,
@@ -209,8 +218,8 @@ class HostCopier:
         if pitch < 1:
             raise ValueError(f"{where}: pitch must be >= 1 byte, got {pitch}")
         self._check_host(where, "mailbox", mailbox, torch.int64)
-        if mailbox.numel() != HEADER_WORDS + 3 * slots:
-            raise ValueError(f"{where}: mailbox has {mailbox.numel()} words, want {HEADER_WORDS + 3 * slots}")
+        if mailbox.numel() != mailbox_words(slots):
+            raise ValueError(f"{where}: mailbox has {mailbox.numel()} words, want {mailbox_words(slots)}")
         self._check_host(where, "records", records, torch.uint8)
         if records.numel() < pitch:
             raise ValueError(f"{where}: records hold {records.numel()} bytes, less than one {pitch}-byte record")

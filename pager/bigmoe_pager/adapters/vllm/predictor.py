@@ -383,7 +383,7 @@ class Predictor:
                     what=FORKED,
                 )
             return False
-        if starts is layer and self.host:  # in line, right after this layer's step: no side-stream node
+        if starts is layer and self.host and not whole:  # in line, right after this layer's step: no side node
             rounds.launch(self.live.chain_flags, hidden.shape[0])
         elif starts is layer:
             self.live.fork_rounds(hidden, lambda flags: rounds.launch(flags, hidden.shape[0]), after=layer._moe_index)
@@ -408,7 +408,7 @@ class Predictor:
         mailboxes = None
         if self.host:
             programs = 1
-            mailboxes = HostCopier.mailbox(started[0].num_slots, hidden.device).view(1, -1)
+            mailboxes = HostCopier.mailbox(started[0].num_slots, hidden.device, len(started))
         try:
             self._rounds[key] = rounds = ForwardRounds(started, targets[0]._moe_index, *replay, programs, mailboxes)
         except ForwardRoundsError as exc:
@@ -416,20 +416,19 @@ class Predictor:
             self._tell(f"once a layer, not as one kernel a forward ({exc})", what=FORKED)
             return
         if self.host:
-            self._publish_to_host(rounds, started[0], hidden)
+            self._publish_to_host(rounds, started, hidden)
 
-    def _publish_to_host(self, rounds: ForwardRounds, pager, hidden: torch.Tensor) -> None:
-        """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `rounds`' mailbox into `pager`'s slots, and a forward's
-        end drains its copies."""
+    def _publish_to_host(self, rounds: ForwardRounds, pagers: list, hidden: torch.Tensor) -> None:
+        """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `rounds`' mailboxes into their `pagers`' slots, and a
+        forward's end drains their copies."""
         if self.copier is None:
             self.copier = HostCopier(hidden.device)
             log.warning("bigmoe: prefetch rounds are copied by a host thread through the GPU's copy engines")
-        components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
-        state = pager.vram.kernel_state()
-        self.copier.add_layer(
-            rounds.mailboxes[0], pager.ram.records, pager.layout.pitch, components, state["copied"], pager.num_slots
-        )
-        key = (str(hidden.device), pager.num_slots)
+        for pager, mailbox in zip(pagers, rounds.mailboxes):
+            components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
+            copied = pager.vram.kernel_state()["copied"]
+            self.copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
+        key = (str(hidden.device), pagers[0].num_slots)
         before = self._published.get(key)
         self._published[key] = rounds.table if before is None else torch.cat([before, rounds.table])
 
@@ -441,9 +440,9 @@ class Predictor:
 
     def _one_kernel_a_forward(self, hidden: torch.Tensor) -> bool:
         """Whether a forward's rounds are launched once (CUDA: the launch waits for each step on the device) rather
-        than once a layer (Triton's interpreter: a launch runs to its end before the next step; published rounds,
-        decided in line)."""
-        return hidden.device.type == "cuda" and not self.host
+        than once a layer (Triton's interpreter: a launch runs to its end before the next step; rounds the host copies,
+        decided in line, unless BIGMOE_PREFETCH_ONE_NODE too)."""
+        return hidden.device.type == "cuda" and (self.one_node or not self.host)
 
     def _model_first(self, layer):
         """The first paged layer of `layer`'s model."""
