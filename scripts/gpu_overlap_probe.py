@@ -19,6 +19,9 @@ Side work (--variants), each adding one part of the prefetch path:
   gather       the replayed proposal's gather (core.prediction.replayed_rows: one kernel on CUDA, as
                ReplayedPredictions.rows in vLLM)
   admit        gather + the admit decision (SlotTable.admit), no copy
+  inline       gather + the admit decision on the main stream, right after the step (no fork, no copy): what a
+               round's decision costs on the critical path (BIGMOE_PREFETCH_HOST_COPIER without the one-node kernel
+               decides there)
   prefetch     gather + admit + copy, one copy program per 8 KiB block (every SM while it runs)
   prefetch-pN  the same, at most N copy programs per expert (copy_records' programs_per_record)
   router       a live proposal instead of the replayed one: LivePredictions.feed (predict_next, a GEMV of the
@@ -147,7 +150,7 @@ class Variant:
     """A --variants name taken apart: base[-pN][-hi][-joinnow][-split]."""
 
     base: str
-    """resident, none, fork, gather, admit, prefetch or router."""
+    """resident, none, fork, gather, admit, inline, prefetch or router."""
     programs: int = 0
     """Copy programs per prefetched expert (0: one per block)."""
     high_priority: bool = False
@@ -164,7 +167,9 @@ class Variant:
     @classmethod
     def parse(cls, name: str) -> "Variant":
         base, *parts = name.split("-")
-        if base not in ("resident", "none", "fork", "gather", "admit", "prefetch", "router") and not _trivial(base):
+        if base not in ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router") and not _trivial(
+            base
+        ):
             raise ValueError(f"unknown variant {name!r}")
         programs, flags = 0, set()
         for part in parts:
@@ -343,9 +348,16 @@ class Model:
             live.feed_ids(lambda: [self._scratch.add_(1) for _ in range(int(variant[1:]))] and None, nxt, x)
         elif variant == "gather":
             live.feed_ids(lambda: (gather(), None)[1], nxt, x)
-        elif variant == "admit":
+        elif variant in ("admit", "inline"):
             row, nbytes = self.stats.row(layer + 1, "vram"), self.layout.record_bytes
-            live.feed_ids(lambda: (nxt.pager.vram.admit(gather(), None, row, nbytes), None)[1], nxt, x)
+
+            def decide() -> None:
+                nxt.pager.vram.admit(gather(), None, row, nbytes)
+
+            if variant == "inline":
+                decide()
+            else:
+                live.feed_ids(decide, nxt, x)
         else:
             live.feed_ids(gather, nxt, x)
 

@@ -17,7 +17,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
     argv += ["--profile-tokens", "2"]
-    variants = "none,fork,gather,admit,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,router,router-p2-hi"
+    variants = "none,fork,gather,admit,inline,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,router,router-p2-hi"
     argv += ["--variants", variants]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
@@ -37,11 +37,16 @@ def test_gathering_alone_prefetches_nothing(report, recall):
     assert _row(report, "gather", recall)["prefetched_per_token"] == 0
 
 
-@pytest.mark.parametrize("variant", ["admit", "prefetch", "prefetch-p2"])
+@pytest.mark.parametrize("variant", ["admit", "inline", "prefetch", "prefetch-p2"])
 def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
     plain, right = _row(report, "none", None), _row(report, variant, 1.0)
     assert right["prefetched_per_token"] > 0
     assert right["vram_hit"] > plain["vram_hit"]
+
+
+def test_a_decision_in_line_believes_what_one_on_the_side_stream_does(report):
+    side, inline = _row(report, "admit", 1.0), _row(report, "inline", 1.0)
+    assert side["vram_hit"] == inline["vram_hit"] and side["prefetched_per_token"] == inline["prefetched_per_token"]
 
 
 @pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow"])
