@@ -25,7 +25,10 @@ publishes itself (the Turn's `chain`), and each later round waits on the device 
 With BIGMOE_SSD_READ_AHEAD=1 and BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1, the same fork also posts the SSD
 reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden state, or a replayed
 trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
-the proposals are recorded as the trace's predicted_ids. The host-driven pager prefetches
+the proposals are recorded as the trace's predicted_ids.
+With BIGMOE_PREFETCH_HOST_COPIER=1 a joinless forward's replayed rounds are published to a host thread that copies
+them with the copy engines (core.host_copier; the Predictor owns it), decided in line after each step, or by the
+one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE=1. The host-driven pager prefetches
 nothing: there the predictor runs only to record. The router keeps the final say: a proposal
 moves weights, never a step's ids.
 """
