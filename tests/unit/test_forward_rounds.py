@@ -17,6 +17,7 @@ import torch
 from bigmoe_bench import traces
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, shared_shape
+from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
 from bigmoe_pager.core.prediction import replayed_predictions
 from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
@@ -75,6 +76,10 @@ def recorded_launches(monkeypatch, run: bool = True) -> list:
 
     monkeypatch.setattr(ForwardRounds, "launch", launch)
     return launches
+
+
+def unbuildable(self, device, ring_words=0):
+    raise HostCopierError("host copier: no C compiler")
 
 
 def host_copies_waited_for(monkeypatch) -> list:
@@ -179,12 +184,13 @@ def test_layers_that_cannot_share_the_kernel_are_named():
 
 @pytest.mark.parametrize("layers_n,forwards,family", [(3, 4, "topic-shift"), (5, 3, "standard")])
 def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
-    tmp_path: Path, monkeypatch, layers_n, forwards, family
+    tmp_path: Path, monkeypatch, caplog, layers_n, forwards, family
 ):
     """Off CUDA the adapter launches the kernel once a layer (in the interpreter a launch runs to its end before the
     next step); the counts, tables and slot bytes must equal the per-layer joinless rounds'. So must those of rounds
     decided in line and copied by the host thread (BIGMOE_PREFETCH_HOST_COPIER): there the test waits for the thread
-    after each launch, as the GPU's step polls for it (the interpreter's step polls once)."""
+    after each launch, as the GPU's step polls for it (the interpreter's step polls once). A host copier that cannot
+    be built ("host-unbuilt") leaves one warning line and the joinless rounds."""
     trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
     capturing = [False]
@@ -192,12 +198,14 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
     launches = recorded_launches(monkeypatch)
     served = host_copies_waited_for(monkeypatch)
     results = {}
-    for mode in ("joinless", "one-node", "host"):
+    for mode in ("joinless", "one-node", "host", "host-unbuilt"):
+        if mode == "host-unbuilt":
+            monkeypatch.setattr(HostCopier, "__init__", unbuildable)
         env = {
             "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
             "BIGMOE_PREFETCH_JOINLESS": "1",
             "BIGMOE_PREFETCH_ONE_NODE": "1" if mode == "one-node" else "0",
-            "BIGMOE_PREFETCH_HOST_COPIER": "1" if mode == "host" else "0",
+            "BIGMOE_PREFETCH_HOST_COPIER": "1" if mode.startswith("host") else "0",
         }
         routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
         layers, _, _, stats = fused_model(layers_n, 6)
@@ -214,14 +222,20 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
             [stats.snapshot(i)["vram"] for i in range(layers_n)],
             [(layer.pager.pager.vram.expert_slot.clone(), slot_bytes(layer.pager.pager)) for layer in layers],
         )
-        expected = [(i, i) for i in range(1, layers_n)] * forwards if mode != "joinless" else []
+        expected = [(i, i) for i in range(1, layers_n)] * forwards if mode in ("one-node", "host") else []
         assert [(first, last) for first, last, _ in launches] == expected  # a launch a round here (a forward on CUDA)
         assert live._chain.timeouts == 0 and live.chain_cancels == 0 and not live.live.chained
         if mode == "host":
             assert live.copier.stats()["rounds"] == forwards * (layers_n - 1) == len(served)
             live.copier.close()
+        if mode == "host-unbuilt":
+            assert live.copier is None and not live.host
+            assert [r.message for r in caplog.records if "HOST_COPIER" in r.message] == [
+                "bigmoe: BIGMOE_PREFETCH_HOST_COPIER: host copier: no C compiler; prefetch rounds are copied on the "
+                "GPU instead"
+            ]
     plain_counts, plain_layers = results["joinless"]
-    for mode in ("one-node", "host"):
+    for mode in ("one-node", "host", "host-unbuilt"):
         counts, kept = results[mode]
         assert plain_counts == counts and sum(c.prefetched for c in counts) > 0, mode
         for (a_slots, a_bytes), (b_slots, b_bytes) in zip(plain_layers, kept):

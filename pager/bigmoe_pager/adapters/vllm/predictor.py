@@ -44,7 +44,7 @@ import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
 from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, drain_published
-from bigmoe_pager.core.host_copier import HostCopier
+from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
 from bigmoe_pager.core.pager import PREFETCH_PROGRAMS_PER_RECORD
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
@@ -419,7 +419,22 @@ class Predictor:
             self._tell(f"once a layer, not as one kernel a forward ({exc})", what=FORKED)
             return
         if self.host:
-            self._publish_to_host(rounds, started, hidden)
+            try:
+                self._publish_to_host(rounds, started, hidden)
+            except (HostCopierError, ValueError) as exc:
+                self._without_host_copier(exc)
+
+    def _without_host_copier(self, exc: Exception) -> None:
+        """The host copier cannot serve these layers (no C compiler, memory it cannot copy from): one line, and every
+        round goes back to the GPU's own copies (a joinless forward's, or the one-node kernel's). Happens in an
+        uncaptured forward, before any capture could have published a round."""
+        log.warning("bigmoe: BIGMOE_PREFETCH_HOST_COPIER: %s; prefetch rounds are copied on the GPU instead", exc)
+        self.host = False
+        self._rounds = {key: r for key, r in self._rounds.items() if r is None or r.mailboxes is None}
+        self._published.clear()
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
 
     def _publish_to_host(self, rounds: ForwardRounds, pagers: list, hidden: torch.Tensor) -> None:
         """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `rounds`' mailboxes into their `pagers`' slots, and a
