@@ -604,6 +604,7 @@ ENGINE_FACTS = (
     "prefetch_forks",
     "prefetch_chain_timeouts",
     "prefetch_chain_cancels",
+    "prefetch_host_copier",
     "load_copy_bytes",
     "load_copy_s",
 )

@@ -230,6 +230,22 @@ def test_bad_inputs_raise_value_error(copier, case):
     assert copier.stats()["layers"] == 0
 
 
+def test_a_failed_copier_stops_the_server_with_one_line(copier):
+    """The vLLM adapter's health check (its export thread SIGTERMs the process on a failure)."""
+    from types import SimpleNamespace
+
+    from bigmoe_pager.adapters.vllm.device import failed_part
+
+    process = SimpleNamespace(device=SimpleNamespace(ssd=None), predictor=SimpleNamespace(copier=copier))
+    layer = Layer("one", 4, seed=5)
+    layer.add_to(copier)
+    assert failed_part(process) is None
+    publish(layer.mailbox, 1, [RECORDS], [0], [1])
+    wait_for(lambda: copier.stats()["error"] != 0, "the error")
+    why = failed_part(process)
+    assert "row 9, slot 0 out of range" in why and "stopping the server" in why and "\n" not in why
+
+
 def test_out_of_range_entry_stops_the_copier(copier):
     layer = Layer("one", 4, seed=5)
     layer.add_to(copier)

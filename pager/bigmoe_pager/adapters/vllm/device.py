@@ -33,6 +33,7 @@ import time
 import torch
 from bigmoe_pager.adapters.vllm import glue
 from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.host_copier import HostCopierError
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.ram_tier import ServiceFetch
@@ -295,23 +296,38 @@ def _start_exporter(process) -> None:
     parts.exporter.start()
 
 
+def failed_part(process) -> str | None:
+    """Why the server must stop now, in one line (None: nothing failed): an SSD read failed (a step would compute
+    without its expert), or the host copier's thread stopped copying (every step would wait about a second for each
+    prefetched slot it needs, then copy it itself)."""
+    service = process.device.ssd
+    if service is not None and service.failed:
+        stop = "stopping the server rather than serving steps computed without it"
+        try:
+            service.check()
+        except SsdError as e:
+            return f"an expert could not be read from SSD ({e}); {stop}"
+        return f"the SSD tier failed; {stop}"
+    copier = process.predictor.copier
+    if copier is not None:
+        try:
+            copier.check()
+        except HostCopierError as e:
+            return f"{e}; stopping the server rather than serving every step at the pace of its timeouts"
+    return None
+
+
 def _export_loop(process) -> None:
-    """Every EXPORT_PERIOD_S: stop the server if the SSD tier failed; add counter deltas to the Prometheus series."""
+    """Every EXPORT_PERIOD_S: stop the server if the SSD tier or the host copier failed; add counter deltas to the
+    Prometheus series."""
     parts: DeviceParts = process.device
     stats: PagerStats = parts.stats
     mirror = parts.mirror.numpy()
     while True:
         time.sleep(EXPORT_PERIOD_S)
-        service = parts.ssd
-        if service is not None and service.failed:
-            try:
-                service.check()
-            except SsdError as e:
-                log.error(
-                    "bigmoe: an expert could not be read from SSD (%s); stopping the server rather than "
-                    "serving steps computed without it",
-                    e,
-                )
+        failure = failed_part(process)
+        if failure is not None:
+            log.error("bigmoe: %s", failure)
             os.kill(os.getpid(), signal.SIGTERM)
             return
         with stats.lock:

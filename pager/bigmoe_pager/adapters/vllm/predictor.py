@@ -314,6 +314,11 @@ class Predictor:
         return None if self._chain is None else self._chain.cancels
 
     @property
+    def copier_stats(self) -> dict[str, int] | None:
+        """The host copier's counters (rounds, experts, bytes it served, its error code); None: no copier runs."""
+        return None if self.copier is None else self.copier.stats()
+
+    @property
     def chain_timeouts(self) -> int | None:
         """Chained rounds whose wait for their layer's step gave up (None: no forward was chained; one sync)."""
         return None if self._chain is None else self._chain.timeouts

@@ -162,6 +162,7 @@ def engine_facts() -> dict:
         "prefetch_forks": _installed.predictor.fork_placements,
         "prefetch_chain_timeouts": _installed.predictor.chain_timeouts,
         "prefetch_chain_cancels": _installed.predictor.chain_cancels,
+        "prefetch_host_copier": _installed.predictor.copier_stats,
         "load_copy_bytes": copies.nbytes,
         "load_copy_s": round(copies.seconds, 2),
     }
