@@ -110,15 +110,22 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, a top-10 proposal, the defa
               ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
     out[f"prefetch_lfu={lfu}"] = {"atom": accesses(k, "atom"), "copy": wide_copy(k)}
 rounds = {n: "i32" for n in fr._forward_rounds_kernel.arg_names if n.islower()}
-rounds |= {"table_ptr": "*i64", "flags_ptr": "*i64", "predicted_ptr": "*i32", "cursor_ptr": "*i64"}
-k = build(fr._forward_rounds_kernel, rounds, {"FIELDS": len(fr.FIELDS), "WORD": triton.language.int64, "P": 8,
-          "E": 256, "S": 102, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 256, "BLOCK_S": 128,
-          "BLOCK_N": 256, "BLOCK_P": 8, "LFU": True, "BUDGET": 1, "ON_GPU": True,
-          "OFF0": 0, "OFF1": 131072, "OFF2": 196608, "OFF3": 196672, "N0": 131072, "N1": 65536, "N2": 64, "N3": 32,
-          "NB0": 128, "NB1": 64, "NB2": 1, "NB3": 1, "NBLK": 194, "BLOCK": 1024})  # a 40-layer bench layer's shape
-out["forward_rounds"] = {"acquire": accesses(k, "ld.acquire.gpu"), "release": accesses(k, "st.release.gpu"),
-                         "atom": accesses(k, "atom"), "sleep": "nanosleep" in k.asm["ptx"], "bar": "bar.sync" in
-                         k.asm["ptx"]}
+rounds |= {"table_ptr": "*i64", "flags_ptr": "*i64", "predicted_ptr": "*i32", "cursor_ptr": "*i64",
+           "mailbox_ptr": "*i64"}
+for host in (False, True):  # copied by its programs / published to the host copier
+    k = build(fr._forward_rounds_kernel, rounds, {"FIELDS": len(fr.FIELDS), "WORD": triton.language.int64, "P": 8,
+              "E": 256, "S": 102, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 256,
+              "BLOCK_S": 128, "BLOCK_N": 256, "BLOCK_P": 8, "LFU": True, "BUDGET": 1, "ON_GPU": True,
+              "OFF0": 0, "OFF1": 131072, "OFF2": 196608, "OFF3": 196672, "N0": 131072, "N1": 65536, "N2": 64,
+              "N3": 32, "NB0": 128, "NB1": 64, "NB2": 1, "NB3": 1, "NBLK": 194, "BLOCK": 1024, "HOST": host,
+              "BOX": 3 + 3 * 102})  # a 40-layer bench layer's shape
+    out["forward_rounds" + ("_host" if host else "")] = {
+        "acquire": accesses(k, "ld.acquire.gpu"),
+        "release": accesses(k, "st.release.gpu") + accesses(k, "st.release.sys"),
+        "atom": accesses(k, "atom"), "sleep": "nanosleep" in k.asm["ptx"], "bar": "bar.sync" in k.asm["ptx"]}
+k = build(fr._drain_kernel, {"table_ptr": "*i64", "layers": "i32", "flags_ptr": "*i64", "max_spins": "i32"},
+          {"FIELDS": len(fr.FIELDS), "S": 102, "BLOCK_S": 128, "ON_GPU": True})
+out["drain"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
 replay = {n: "i32" for n in rk._replayed_rows_kernel.arg_names if n.islower()}
 replay |= {"pred_ptr": "*i32", "cursor_ptr": "*i64", "out_ptr": "*i64"}
 k = build(rk._replayed_rows_kernel, replay, {"P": 8, "BLOCK": rk.BLOCK})  # a trace's int32 ids, P = top-8
@@ -184,6 +191,13 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     assert rounds["acquire"] == ["ld.acquire.gpu.global.b64"] and rounds["sleep"] and rounds["bar"]
     assert rounds["release"] == ["st.release.gpu.global.b64"]
     assert "atom.global.gpu.acq_rel.max.s64" in rounds["atom"] and "atom.global.gpu.release.add.u64" in rounds["atom"]
+    # published to the host copier: the decision's release at GPU scope, the mailbox's sequence word at system scope
+    # (the host is the other end); no program counts copies
+    host = got["forward_rounds_host"]
+    assert host["release"] == ["st.release.gpu.global.b64", "st.release.sys.global.b64"]
+    assert "atom.global.gpu.release.add.u64" not in host["atom"] and host["sleep"]
+    # a forward's drain of the host's copies: acquire loads of their progress, sleeping between polls
+    assert got["drain"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}
     # the SSD mailbox's request: acquire loads and release stores at system scope (the host is the other end)
     assert got["mailbox"] == {
         "acquire": ["ld.acquire.sys.global.b64"],

@@ -255,8 +255,9 @@ class ForwardRounds:
 def drain_published(tables: torch.Tensor, slots: int, flags: torch.Tensor, max_spins: int | None = None) -> None:
     """Enqueue a wait until no copy of a published round is under way in any layer of `tables` (ForwardRounds
     tables stacked, int64 [layers, FIELDS]): the end of a forward whose rounds the host copies, so that no copy
-    lands in a slot after that forward (a later step that takes the slot would race with it). Bounded (max_spins
-    polls, about a second on a GPU); a wait given up is counted in the chain's TIMEOUTS word."""
+    lands in a slot after that forward (a later step that takes the slot would race with it). Bounded: max_spins polls
+    in all (about a second on a GPU); each layer whose copies were still under way when the wait gave up is counted in
+    the chain's TIMEOUTS word."""
     on_gpu = tables.is_cuda
     if max_spins is None:
         max_spins = GPU_MAX_SPINS if on_gpu else 1
@@ -560,10 +561,12 @@ if triton is not None:
         ON_GPU: tl.constexpr,
     ):
         slots = tl.arange(0, BLOCK_S)
+        budget = max_spins  # for the whole drain: once a wait gives up, the later layers are only looked at
         for layer in range(0, layers):
             row = table_ptr + layer * FIELDS
             late = wait_copies(
-                _field(row, _COPIED, tl.int64), _field(row, _TARGET, tl.int64), slots, slots < S, max_spins, ON_GPU
+                _field(row, _COPIED, tl.int64), _field(row, _TARGET, tl.int64), slots, slots < S, budget, ON_GPU
             )
             if tl.sum(late.to(tl.int32), 0) > 0:
                 tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
+                budget = 0
