@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, NEEDED_KEY, PACKED_MAX, next_pow2
 from bigmoe_pager.core.copy_kernel import BLOCK_BYTES, component_groups, copy_plan, record_blocks, record_words
-from bigmoe_pager.core.host_copier import mailbox_words
+from bigmoe_pager.core.host_copier import HEADER_WORDS, mailbox_words
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
 from bigmoe_pager.core.step_kernel import MAX_IDS
 from bigmoe_pager.core.triton_launch import kernel_for
@@ -119,8 +119,8 @@ class ForwardRounds:
         programs: int,
         mailboxes: torch.Tensor | None = None,
     ) -> None:
-        """mailboxes: BIGMOE_PREFETCH_HOST_COPIER, int64 [layers, MAILBOX_WORDS(slots)] in pinned host memory (one
-        program; see `publish_round`): each decided list is published there for core.host_copier instead of
+        """mailboxes: BIGMOE_PREFETCH_HOST_COPIER, int64 [layers, host_copier.mailbox_words(slots)] in pinned memory
+        (one program; see `publish_round`): each decided list is published there for core.host_copier instead of
         copied by the kernel."""
         if not pagers:
             raise ForwardRoundsError("a one-node forward needs at least one round")
@@ -217,7 +217,7 @@ class ForwardRounds:
             self.plan.pitch_words,
             max_spins,
             self.programs,
-            self.table if self.mailboxes is None else self.mailboxes,
+            self.table if self.mailboxes is None else self.mailboxes,  # (a pointer never read without HOST)
             FIELDS=len(FIELDS),
             WORD=_tl_word(self.plan.word),
             P=width,
@@ -309,6 +309,7 @@ if triton is not None:
     from bigmoe_pager.core.round_sync import DECIDED, count_copied, wait_copies
 
     _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
+    _HEADER = tl.constexpr(HEADER_WORDS)  # a mailbox's words before its lists (seq, count, a spare)
 
     # The address table's columns by name, as constexpr globals (all a kernel may read); FIELDS fixes their order.
     _SCRATCH = tl.constexpr(FIELDS.index("scratch"))
@@ -347,17 +348,17 @@ if triton is not None:
         box_ptr, seq, exp_ptr, slot_ptr, target_ptr, m, S: tl.constexpr, BLOCK_S: tl.constexpr, ON_GPU: tl.constexpr
     ):
         """A decided round's list, for the host copier (core.host_copier): rows (= experts, a full RAM tier), slots
-        and each slot's goal (the `copied` value that says its copy is done) at words 3, 3 + S and 3 + 2S of the
-        layer's mailbox, the count at word 1, then `seq` at word 0 with a system-scope release: the host reads the
+        and each slot's goal (the `copied` value that says its copy is done) after the layer's mailbox header (see
+        core.host_copier), the count at word 1, then `seq` at word 0 with a system-scope release: the host reads the
         list only after it sees a new seq."""
         j = tl.arange(0, BLOCK_S)
         rows = tl.load(exp_ptr + j, mask=j < m, other=-1, volatile=True)
         slots = tl.load(slot_ptr + j, mask=j < m, other=-1, volatile=True)
         listed = (rows >= 0) & (slots >= 0)
         goals = tl.load(target_ptr + tl.where(listed, slots, 0), mask=listed, other=-1, volatile=True)
-        tl.store(box_ptr + 3 + j, tl.where(listed, rows, -1), mask=j < S)
-        tl.store(box_ptr + 3 + S + j, tl.where(listed, slots, -1), mask=j < S)
-        tl.store(box_ptr + 3 + 2 * S + j, goals, mask=j < S)
+        tl.store(box_ptr + _HEADER + j, tl.where(listed, rows, -1), mask=j < S)
+        tl.store(box_ptr + _HEADER + S + j, tl.where(listed, slots, -1), mask=j < S)
+        tl.store(box_ptr + _HEADER + 2 * S + j, goals, mask=j < S)
         tl.store(box_ptr + 1, tl.sum(listed.to(tl.int64), 0))
         tl.debug_barrier()  # every list word is written before the seq that hands them over
         store_release(box_ptr, seq, SYS_SCOPE, ON_GPU)

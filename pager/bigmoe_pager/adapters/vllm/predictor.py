@@ -165,7 +165,9 @@ class Predictor:
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
         self.host = settings.prefetch_host_copier
-        """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's replayed rounds decided in line, copied by `copier`."""
+        """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's replayed rounds are copied by `copier` (decided in line, or
+        by the one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE); a failed copier is the export thread's to
+        report (adapters.vllm.device.failed_part)."""
         self.copier: HostCopier | None = None
         """The host thread that copies published rounds (made with the first of them)."""
         self._published: dict[tuple[str, int], torch.Tensor] = {}
@@ -200,8 +202,6 @@ class Predictor:
         yields a Turn, which the caller calls once the layer's own paging is issued: the next layer's experts are
         then proposed and prefetched (on a side stream on CUDA). Uncalled, the fork happens after the whole call
         (host-driven pager, big steps). The Turn's `chain` is what the layer's step publishes (a chained forward)."""
-        if self.copier is not None and not torch.cuda.is_current_stream_capturing():
-            self.copier.check()  # a copy the host thread failed to issue: one clear error, not a slow wrong forward
         if not (self.probe_joins_once or self.live.joinless or (self.poll_probe and self.live.chained)):
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
         if (self.probe_fork == "entry" and not self._last_of_its_model(layer)) or (
