@@ -34,7 +34,7 @@ in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace e
 the side stream joined where a round is / once after the last layer, `+edges-early` forks each at its layer's entry,
 `+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+poll-once` a
 chained forward's one polling branch (`+poll-wide` with 16 programs), `+one-node` runs a joinless forward's rounds
-as one kernel (BIGMOE_PREFETCH_ONE_NODE=1), `+host` decides them in line and has a host thread copy them through the
+as one kernel (BIGMOE_PREFETCH_ONE_NODE=1), `+host` has a host thread copy the rounds through the
 copy engines (BIGMOE_PREFETCH_HOST_COPIER=1), `+chain` forks the
 rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; `+nowait` with it skips the rounds'
 device wait, to time it), `+joinless` chains them and joins the side stream once a forward, each step settling its
@@ -152,8 +152,9 @@ ONE_NODE = "+one-node"
 """Name suffix: a joinless forward's replayed rounds as one kernel a forward, forked once (BIGMOE_PREFETCH_ONE_NODE=1,
 core.forward_rounds); needs @rRECALL."""
 HOST_COPIER = "+host"
-"""Name suffix: a joinless forward's replayed rounds decided in line, copied by a host thread through the copy
-engines (BIGMOE_PREFETCH_HOST_COPIER=1, core.host_copier); needs @rRECALL."""
+"""Name suffix: a joinless forward's rounds copied by a host thread through the copy engines, each publishing its list
+(BIGMOE_PREFETCH_HOST_COPIER=1, core.host_copier; with +one-node, the one-node kernel's one program decides and
+publishes); needs @rRECALL. Run 19's `+host` rows decided each round in line instead (removed since: slower)."""
 NOWAIT = "+nowait"
 """Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {

@@ -22,6 +22,8 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram12-ram50-ssd-predict-ahead  vram12-ram50-ssd with that prefetch and SSD reads ahead (BIGMOE_SSD_READ_AHEAD=1)
     vram40-predict-chain         vram40-predict with each forward's rounds chained (BIGMOE_PREFETCH_CHAIN=1)
     vram40-predict-joinless      vram40-predict chained and joined once a forward (BIGMOE_PREFETCH_JOINLESS=1)
+    vram40-predict-host          vram40-predict-joinless with its copies made by the host copier's thread through the
+                                 copy engines (BIGMOE_PREFETCH_HOST_COPIER=1)
     unpaged-piecewise            the reference of PIECEWISE runs (the graph mode alone changes the engine's numerics)
     vram40-piecewise             vram40 under PIECEWISE CUDA graphs
     vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs
@@ -175,6 +177,11 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(
             f"vram40-predict-joinless ({vram40} slots, live prefetch, chained rounds joined once)",
             {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
+        ),
+        # And copied by the host thread through the copy engines (core.host_copier).
+        Config(
+            f"vram40-predict-host ({vram40} slots, live prefetch, joinless rounds copied by the host thread)",
+            {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_JOINLESS": "1", "BIGMOE_PREFETCH_HOST_COPIER": "1"},
         ),
         Config(
             f"vram12-ram50-ssd-predict-ahead ({vram12}/{ram50}, checkpoint, live prefetch, SSD reads ahead)",

@@ -16,8 +16,10 @@ import pytest
 import torch
 from bigmoe_bench import traces
 from bigmoe_pager.adapters.vllm.routing import Routing
-from bigmoe_pager.core.forward_rounds import FIELDS, ForwardRounds, ForwardRoundsError, drain_published, shared_shape
+from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, shared_shape
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
+from bigmoe_pager.core.host_rounds import drain_published
+from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.prediction import replayed_predictions
 from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
@@ -83,24 +85,33 @@ def unbuildable(self, device, ring_words=0):
 
 
 def host_copies_waited_for(monkeypatch) -> list:
-    """After each launch of published rounds, wait (up to 10 s) until the host copier has served them, as a GPU
-    step's polls would; returns the rounds waited for."""
+    """After each launch of rounds that publish (the one-node kernel's, or a pager's round with a mailbox), wait (up
+    to 10 s) until the host copier has served them, as a GPU step's polls would; returns the rounds waited for."""
     served = []
-    plain = ForwardRounds.launch
 
-    def launch(self, flags, tokens, **kw):
-        plain(self, flags, tokens, **kw)
-        if self.mailboxes is None:
-            return
-        box = self.mailboxes[0]
-        copied, target = self.progress[0]
+    def wait(box: torch.Tensor, copied: torch.Tensor, target: torch.Tensor) -> None:
         deadline = time.monotonic() + 10
-        while int(box[0]) and not torch.all(copied >= target) and time.monotonic() < deadline:
+        while not torch.all(copied >= target) and time.monotonic() < deadline:
             time.sleep(0.0005)
         assert torch.all(copied >= target), "the host copier did not serve a published round within 10 s"
         served.append(int(box[0]))
 
+    plain_launch, plain_prefetch = ForwardRounds.launch, ExpertPager.prefetch
+
+    def launch(self, flags, tokens, **kw):
+        plain_launch(self, flags, tokens, **kw)
+        if self.mailboxes is not None:
+            wait(self.mailboxes[0], *self.progress[0])
+
+    def prefetch(self, predicted_ids, chain_flags=None):
+        got = plain_prefetch(self, predicted_ids, chain_flags)
+        if chain_flags is not None and self.mailbox is not None:
+            state = self.vram.kernel_state()
+            wait(self.mailbox, state["copied"], state["target"])
+        return got
+
     monkeypatch.setattr(ForwardRounds, "launch", launch)
+    monkeypatch.setattr(ExpertPager, "prefetch", prefetch)
     return served
 
 
@@ -180,12 +191,9 @@ def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
         (torch.tensor([0, 0, 0, 3, 0]), torch.tensor([0, 0, 0, 3, 0])),  # done
         (torch.tensor([0, 0, 0, 0, 0]), torch.tensor([0, 0, 0, 1, 0])),  # slot 3 still copying
     ]
-    table = torch.zeros((len(progress), len(FIELDS)), dtype=torch.int64)
-    for row, (copied, target) in zip(table, progress):
-        row[FIELDS.index("copied")] = copied.data_ptr()
-        row[FIELDS.index("target")] = target.data_ptr()
+    words = torch.tensor([[copied.data_ptr(), target.data_ptr()] for copied, target in progress])
     chain = chain_at(4, forward=3, stepped_upto=3)
-    drain_published(table, slots, chain.flags, max_spins=2)
+    drain_published(words, slots, chain.flags, max_spins=2)
     assert int(chain.flags[TIMEOUTS]) == 2
 
 
@@ -207,9 +215,10 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
 ):
     """Off CUDA the adapter launches the kernel once a layer (in the interpreter a launch runs to its end before the
     next step); the counts, tables and slot bytes must equal the per-layer joinless rounds'. So must those of rounds
-    decided in line and copied by the host thread (BIGMOE_PREFETCH_HOST_COPIER): there the test waits for the thread
-    after each launch, as the GPU's step polls for it (the interpreter's step polls once). A host copier that cannot
-    be built ("host-unbuilt") leaves one warning line and the joinless rounds."""
+    copied by the host thread (BIGMOE_PREFETCH_HOST_COPIER), published by each layer's round ("host") or by the
+    one-node kernel ("one-node-host"): there the test waits for the thread after each round, as the GPU's step polls
+    for it (the interpreter's step polls once). A host copier that cannot be built ("host-unbuilt") leaves one
+    warning line and the joinless rounds."""
     trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
     capturing = [False]
@@ -217,14 +226,14 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
     launches = recorded_launches(monkeypatch)
     served = host_copies_waited_for(monkeypatch)
     results = {}
-    for mode in ("joinless", "one-node", "host", "host-unbuilt"):
+    for mode in ("joinless", "one-node", "host", "one-node-host", "host-unbuilt"):
         if mode == "host-unbuilt":
             monkeypatch.setattr(HostCopier, "__init__", unbuildable)
         env = {
             "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
             "BIGMOE_PREFETCH_JOINLESS": "1",
-            "BIGMOE_PREFETCH_ONE_NODE": "1" if mode == "one-node" else "0",
-            "BIGMOE_PREFETCH_HOST_COPIER": "1" if mode.startswith("host") else "0",
+            "BIGMOE_PREFETCH_ONE_NODE": "1" if mode.startswith("one-node") else "0",
+            "BIGMOE_PREFETCH_HOST_COPIER": "1" if "host" in mode else "0",
         }
         routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
         layers, _, _, stats = fused_model(layers_n, 6)
@@ -241,12 +250,13 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
             [stats.snapshot(i)["vram"] for i in range(layers_n)],
             [(layer.pager.pager.vram.expert_slot.clone(), slot_bytes(layer.pager.pager)) for layer in layers],
         )
-        expected = [(i, i) for i in range(1, layers_n)] * forwards if mode in ("one-node", "host") else []
+        expected = [(i, i) for i in range(1, layers_n)] * forwards if mode.startswith("one-node") else []
         assert [(first, last) for first, last, _ in launches] == expected  # a launch a round here (a forward on CUDA)
         assert live._chain.timeouts == 0 and live.chain_cancels == 0 and not live.live.chained
-        if mode == "host":
+        if mode in ("host", "one-node-host"):
             assert live.copier.stats()["rounds"] == forwards * (layers_n - 1) == len(served)
             live.copier.close()
+            served.clear()
         if mode == "host-unbuilt":
             assert live.copier is None and not live.host
             assert [r.message for r in caplog.records if "HOST_COPIER" in r.message] == [
@@ -254,7 +264,7 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
                 "GPU instead"
             ]
     plain_counts, plain_layers = results["joinless"]
-    for mode in ("one-node", "host", "host-unbuilt"):
+    for mode in ("one-node", "host", "one-node-host", "host-unbuilt"):
         counts, kept = results[mode]
         assert plain_counts == counts and sum(c.prefetched for c in counts) > 0, mode
         for (a_slots, a_bytes), (b_slots, b_bytes) in zip(plain_layers, kept):

@@ -24,6 +24,7 @@ from bigmoe_pager.core import prefetch_kernel as pk
 from bigmoe_pager.core import replay_kernel as rk
 from bigmoe_pager.core import prefetch_chain as chain
 from bigmoe_pager.core import forward_rounds as fr
+from bigmoe_pager.core import host_rounds as hr
 from bigmoe_pager.core import ssd_mailbox as mb
 
 def build(fn, sig, consts, aligned=()):
@@ -123,9 +124,12 @@ for host in (False, True):  # copied by its programs / published to the host cop
         "acquire": accesses(k, "ld.acquire.gpu"),
         "release": accesses(k, "st.release.gpu") + accesses(k, "st.release.sys"),
         "atom": accesses(k, "atom"), "sleep": "nanosleep" in k.asm["ptx"], "bar": "bar.sync" in k.asm["ptx"]}
-k = build(fr._drain_kernel, {"table_ptr": "*i64", "layers": "i32", "flags_ptr": "*i64", "max_spins": "i32"},
-          {"FIELDS": len(fr.FIELDS), "S": 102, "BLOCK_S": 128, "ON_GPU": True})
+k = build(hr._drain_kernel, {"words_ptr": "*i64", "layers": "i32", "flags_ptr": "*i64", "max_spins": "i32"},
+          {"S": 102, "BLOCK_S": 128, "ON_GPU": True})
 out["drain"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
+k = build(hr._publish_kernel, {"box_ptr": "*i64", "flags_ptr": "*i64", "rows_ptr": "*i64", "slot_ptr": "*i64",
+          "target_ptr": "*i64", "m": "i32"}, {"S": 102, "BLOCK_S": 128, "ON_GPU": True})
+out["publish"] = accesses(k, "st.release.sys")
 replay = {n: "i32" for n in rk._replayed_rows_kernel.arg_names if n.islower()}
 replay |= {"pred_ptr": "*i32", "cursor_ptr": "*i64", "out_ptr": "*i64"}
 k = build(rk._replayed_rows_kernel, replay, {"P": 8, "BLOCK": rk.BLOCK})  # a trace's int32 ids, P = top-8
@@ -198,6 +202,7 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     assert "atom.global.gpu.release.add.u64" not in host["atom"] and host["sleep"]
     # a forward's drain of the host's copies: acquire loads of their progress, sleeping between polls
     assert got["drain"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}
+    assert got["publish"] == ["st.release.sys.global.b64"]  # a pager's round, published to the host copier
     # the SSD mailbox's request: acquire loads and release stores at system scope (the host is the other end)
     assert got["mailbox"] == {
         "acquire": ["ld.acquire.sys.global.b64"],

@@ -28,10 +28,8 @@ sixteen 0.20). So it is off (BIGMOE_PREFETCH_ONE_NODE), with its program count a
 
 With mailboxes (BIGMOE_PREFETCH_HOST_COPIER) the kernel has one program and copies nothing: after each decision it
 publishes the decided list to the layer's mailbox in pinned memory (`publish_round`), and core.host_copier's thread
-copies it with the copy engines and moves `copied` as the kernel's programs would. `drain_published`, at the
-forward's end, waits until those copies are done. Launched per layer on vLLM's own stream (decided in line) it cost
-0.88 ms a token at recall 0; forked once a forward (with BIGMOE_PREFETCH_ONE_NODE) it was level with a fork a round at
-recall 0 and 0.07-0.21 ms faster at recall 0.8 (run 19).
+copies it with the copy engines and moves `copied` as the kernel's programs would (core.host_rounds). Inside vLLM
+0.33 (run 19) that was level with a fork a round at recall 0 and 0.07-0.21 ms a token faster at recall 0.8.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, NEEDED_KEY, PACKED_MAX, next_pow2
 from bigmoe_pager.core.copy_kernel import BLOCK_BYTES, component_groups, copy_plan, record_blocks, record_words
-from bigmoe_pager.core.host_copier import HEADER_WORDS, mailbox_words
+from bigmoe_pager.core.host_copier import mailbox_words
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
 from bigmoe_pager.core.step_kernel import MAX_IDS
 from bigmoe_pager.core.triton_launch import kernel_for
@@ -252,20 +250,6 @@ class ForwardRounds:
         )
 
 
-def drain_published(tables: torch.Tensor, slots: int, flags: torch.Tensor, max_spins: int | None = None) -> None:
-    """Enqueue a wait until no copy of a published round is under way in any layer of `tables` (ForwardRounds
-    tables stacked, int64 [layers, FIELDS]): the end of a forward whose rounds the host copies, so that no copy
-    lands in a slot after that forward (a later step that takes the slot would race with it). Bounded: max_spins polls
-    in all (about a second on a GPU); each layer whose copies were still under way when the wait gave up is counted in
-    the chain's TIMEOUTS word."""
-    on_gpu = tables.is_cuda
-    if max_spins is None:
-        max_spins = GPU_MAX_SPINS if on_gpu else 1
-    kernel_for(_drain_kernel, tables.device)[(1,)](
-        tables, tables.shape[0], flags, max_spins, FIELDS=len(FIELDS), S=slots, BLOCK_S=next_pow2(slots), ON_GPU=on_gpu
-    )
-
-
 def shared_shape(pagers: list) -> Shape:
     """The Shape every pager shares; ForwardRoundsError naming the first layer that differs, or that cannot take
     part (a partial RAM tier: its rounds read source rows, which the one-node kernel does not)."""
@@ -304,12 +288,12 @@ def _tl_word(word: torch.dtype):
 if triton is not None:
     from bigmoe_pager.core.admit_kernel import decide_round
     from bigmoe_pager.core.copy_kernel import copy_listed_share
-    from bigmoe_pager.core.memory_order import GPU_SCOPE, SYS_SCOPE, load_acquire, pause, store_release
+    from bigmoe_pager.core.host_rounds import publish_round
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
     from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS, wait_for_step
-    from bigmoe_pager.core.round_sync import DECIDED, count_copied, wait_copies
+    from bigmoe_pager.core.round_sync import DECIDED, count_copied
 
     _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
-    _HEADER = tl.constexpr(HEADER_WORDS)  # a mailbox's words before its lists (seq, count, a spare)
 
     # The address table's columns by name, as constexpr globals (all a kernel may read); FIELDS fixes their order.
     _SCRATCH = tl.constexpr(FIELDS.index("scratch"))
@@ -342,26 +326,6 @@ if triton is not None:
     @triton.jit
     def _field(row_ptr, index: tl.constexpr, DTYPE: tl.constexpr):
         return tl.load(row_ptr + index).to(tl.pointer_type(DTYPE))
-
-    @triton.jit
-    def publish_round(
-        box_ptr, seq, exp_ptr, slot_ptr, target_ptr, m, S: tl.constexpr, BLOCK_S: tl.constexpr, ON_GPU: tl.constexpr
-    ):
-        """A decided round's list, for the host copier (core.host_copier): rows (= experts, a full RAM tier), slots
-        and each slot's goal (the `copied` value that says its copy is done) after the layer's mailbox header (see
-        core.host_copier), the count at word 1, then `seq` at word 0 with a system-scope release: the host reads the
-        list only after it sees a new seq."""
-        j = tl.arange(0, BLOCK_S)
-        rows = tl.load(exp_ptr + j, mask=j < m, other=-1, volatile=True)
-        slots = tl.load(slot_ptr + j, mask=j < m, other=-1, volatile=True)
-        listed = (rows >= 0) & (slots >= 0)
-        goals = tl.load(target_ptr + tl.where(listed, slots, 0), mask=listed, other=-1, volatile=True)
-        tl.store(box_ptr + _HEADER + j, tl.where(listed, rows, -1), mask=j < S)
-        tl.store(box_ptr + _HEADER + S + j, tl.where(listed, slots, -1), mask=j < S)
-        tl.store(box_ptr + _HEADER + 2 * S + j, goals, mask=j < S)
-        tl.store(box_ptr + 1, tl.sum(listed.to(tl.int64), 0))
-        tl.debug_barrier()  # every list word is written before the seq that hands them over
-        store_release(box_ptr, seq, SYS_SCOPE, ON_GPU)
 
     @triton.jit
     def _forward_rounds_kernel(
@@ -549,25 +513,3 @@ if triton is not None:
                             count_copied(copied_ptr, slot, blocks)
                 elif seen < mine + _DECIDED:  # gave up on a decision that never came: counted (the step copies)
                     tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
-
-    @triton.jit
-    def _drain_kernel(
-        table_ptr,
-        layers,
-        flags_ptr,
-        max_spins,
-        FIELDS: tl.constexpr,
-        S: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        ON_GPU: tl.constexpr,
-    ):
-        slots = tl.arange(0, BLOCK_S)
-        budget = max_spins  # for the whole drain: once a wait gives up, the later layers are only looked at
-        for layer in range(0, layers):
-            row = table_ptr + layer * FIELDS
-            late = wait_copies(
-                _field(row, _COPIED, tl.int64), _field(row, _TARGET, tl.int64), slots, slots < S, budget, ON_GPU
-            )
-            if tl.sum(late.to(tl.int32), 0) > 0:
-                tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
-                budget = 0

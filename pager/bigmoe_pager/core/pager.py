@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from bigmoe_pager.core import prefetch_kernel, step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records, record_blocks
+from bigmoe_pager.core.host_rounds import publish_admitted
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prefetch_chain import ChainSignal
 from bigmoe_pager.core.ram_tier import ExpertReader, RamTier
@@ -111,6 +112,10 @@ class ExpertPager:
         self.prefetch_programs = prefetch_programs
         """Copy programs per prefetched expert (copy_records' programs_per_record; 0: one per block): a prefetch
         runs beside the layer before's compute, which its programs would otherwise crowd off the SMs."""
+        self.mailbox: torch.Tensor | None = None
+        """BIGMOE_PREFETCH_HOST_COPIER: where a joinless round's decided list goes for core.host_copier's thread, which
+        then copies it (int64 [host_copier.mailbox_words(slots)], pinned; set by the adapter; None: the round copies
+        with a kernel)."""
         self.sync_max_spins: int | None = None
         """Polls a joinless step makes before it gives up on a round (core.round_sync; None: step_kernel's default,
         about a second on a GPU, one in the interpreter). Tests lower it."""
@@ -198,7 +203,8 @@ class ExpertPager:
         and a row with an unconfirmed posted read is left out.
         The next `acquire` still decides from its real ids: a wrong prediction costs a copy, never a token.
         chain_flags: a joinless chained forward's round (core.round_sync): decided and copied in two launches, it
-        claims the table first and counts its copy's progress per slot, which the next fused step waits on.
+        claims the table first and counts its copy's progress per slot, which the next fused step waits on. With a
+        `mailbox` the second launch publishes the list instead, and the host copier copies it and moves the progress.
         """
         if chain_flags is None and self._fused_prefetch(predicted_ids):
             return self._prefetch_fused(predicted_ids)
@@ -213,6 +219,9 @@ class ExpertPager:
             chain_flags=chain_flags,
             record_blocks=blocks,
         )
+        if chain_flags is not None and self.mailbox is not None:
+            publish_admitted(self.mailbox, chain_flags, got.rows, got.slots, self.vram.kernel_state()["target"])
+            return got
         copy_records(
             self.ram.records,
             got.rows,

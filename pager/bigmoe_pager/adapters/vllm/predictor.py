@@ -26,8 +26,8 @@ With BIGMOE_SSD_READ_AHEAD=1 and BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1, the same fo
 reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden state, or a replayed
 trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
 the proposals are recorded as the trace's predicted_ids.
-With BIGMOE_PREFETCH_HOST_COPIER=1 a joinless forward's replayed rounds are published to a host thread that copies
-them with the copy engines (core.host_copier; the Predictor owns it), decided in line after each step, or by the
+With BIGMOE_PREFETCH_HOST_COPIER=1 a joinless forward's rounds over full RAM tiers publish their lists to a host
+thread that copies them with the copy engines (core.host_copier; the Predictor owns it): each layer's round, or the
 one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE=1. The host-driven pager prefetches
 nothing: there the predictor runs only to record. The router keeps the final say: a proposal
 moves weights, never a step's ids.
@@ -43,8 +43,9 @@ from typing import Callable
 import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
-from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, drain_published
+from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
+from bigmoe_pager.core.host_rounds import drain_published, progress_words
 from bigmoe_pager.core.pager import PREFETCH_PROGRAMS_PER_RECORD
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
@@ -165,14 +166,14 @@ class Predictor:
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
         self.host = settings.prefetch_host_copier
-        """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's replayed rounds are copied by `copier` (decided in line, or
-        by the one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE); a failed copier is the export thread's to
-        report (adapters.vllm.device.failed_part)."""
+        """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's rounds over full RAM tiers are copied by `copier` (each
+        layer's round publishes its list, or the one-node kernel's one program does with BIGMOE_PREFETCH_ONE_NODE); a
+        failed copier is the export thread's to report (adapters.vllm.device.failed_part)."""
         self.copier: HostCopier | None = None
         """The host thread that copies published rounds (made with the first of them)."""
         self._published: dict[tuple[str, int], torch.Tensor] = {}
-        """Per (device, slots): the stacked tables of the layers whose rounds the host copies (a forward's end drains
-        them)."""
+        """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose rounds the host
+        copies, which a forward's end drains."""
         chained = settings.prefetch_chain or settings.prefetch_joinless or self.one_node or self.poll_probe or self.host
         self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
@@ -268,6 +269,10 @@ class Predictor:
             found.append(self.layer_after(found[-1]._moe_index))
         return found
 
+    def _all_layers(self) -> list:
+        """The process's paged layers, MoE index 0 first."""
+        return [self.layer_after(i - 1) for i in range(self._layer_count())]
+
     def _layer_count(self) -> int:
         """Paged layers of the process (MoE indices 0 .. count - 1)."""
         count = 1
@@ -351,6 +356,8 @@ class Predictor:
         prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first (profile) forward
         if not (prefetch or self.routing.trace_path is not None):
             return None
+        if prefetch:
+            self._served_by_host(pager, hidden)
         ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None, self._after(layer))
         self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
         return ids
@@ -362,11 +369,11 @@ class Predictor:
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
         index, tokens = layer._moe_index, hidden.shape[0]
-        kernel_rounds = self.one_node or self.host
-        if kernel_rounds and not torch.cuda.is_current_stream_capturing():
+        if self.one_node and not torch.cuda.is_current_stream_capturing():
             self._prepare_rounds(layer, hidden)
-        if kernel_rounds and self.live.joinless and self._one_node_rounds(layer, hidden):
+        if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
+        self._served_by_host(pager, hidden)
 
         def replayed(ahead: int) -> torch.Tensor | None:
             return self.routing.replayed_proposal(index, tokens, hidden.device, ahead)
@@ -391,9 +398,7 @@ class Predictor:
                     what=FORKED,
                 )
             return False
-        if starts is layer and self.host and not whole:  # in line, right after this layer's step: no side node
-            rounds.launch(self.live.chain_flags, hidden.shape[0])
-        elif starts is layer:
+        if starts is layer:
             self.live.fork_rounds(hidden, lambda flags: rounds.launch(flags, hidden.shape[0]), after=layer._moe_index)
         return True
 
@@ -425,7 +430,7 @@ class Predictor:
             return
         if self.host:
             try:
-                self._publish_to_host(rounds, started, hidden)
+                self._publish_to_host(started, rounds.mailboxes, hidden)
             except (HostCopierError, ValueError) as exc:
                 self._without_host_copier(exc)
 
@@ -437,35 +442,57 @@ class Predictor:
         self.host = False
         self._rounds = {key: r for key, r in self._rounds.items() if r is None or r.mailboxes is None}
         self._published.clear()
+        for layer in self._all_layers():
+            pager = getattr(layer, "pager", None)
+            if isinstance(pager, DeviceLayerPager) and pager.started:
+                pager.pager_started().mailbox = None
         if self.copier is not None:
             self.copier.close()
             self.copier = None
 
-    def _publish_to_host(self, rounds: ForwardRounds, pagers: list, hidden: torch.Tensor) -> None:
-        """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `rounds`' mailboxes into their `pagers`' slots, and a
-        forward's end drains their copies."""
+    def _served_by_host(self, layer_pager: DeviceLayerPager, hidden: torch.Tensor) -> None:
+        """BIGMOE_PREFETCH_HOST_COPIER without the one-node kernel, in an uncaptured forward: from now on the joinless
+        rounds into `layer_pager` publish their lists to a mailbox the host copier serves (ExpertPager.mailbox). Over a
+        partial RAM tier they keep copying with a kernel: an SSD read may rewrite a RAM row while a DMA reads it."""
+        if not self.host or self.one_node or torch.cuda.is_current_stream_capturing():
+            return
+        pager = layer_pager.pager_started()
+        if pager.mailbox is not None or not pager.ram.full:
+            return
+        mailbox = HostCopier.mailbox(pager.num_slots, hidden.device)
+        try:
+            self._publish_to_host([pager], [mailbox], hidden)
+        except (HostCopierError, ValueError) as exc:
+            self._without_host_copier(exc)
+            return
+        pager.mailbox = mailbox
+
+    def _publish_to_host(self, pagers: list, mailboxes, hidden: torch.Tensor) -> None:
+        """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `mailboxes` into their `pagers`' slots, and a forward's
+        end drains their copies."""
         if self.copier is None:
             self.copier = HostCopier(hidden.device)
             log.warning("bigmoe: prefetch rounds are copied by a host thread through the GPU's copy engines")
-        for pager, mailbox in zip(pagers, rounds.mailboxes):
+        for pager, mailbox in zip(pagers, mailboxes):
             components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
             copied = pager.vram.kernel_state()["copied"]
             self.copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
         key = (str(hidden.device), pagers[0].num_slots)
+        words = progress_words(pagers, hidden.device)
         before = self._published.get(key)
-        self._published[key] = rounds.table if before is None else torch.cat([before, rounds.table])
+        self._published[key] = words if before is None else torch.cat([before, words])
 
     def _drain_published(self, hidden: torch.Tensor) -> None:
         """At a chained forward's end: wait on the device until the host's copies of its rounds are done."""
-        for (device, slots), tables in self._published.items():
+        for (device, slots), words in self._published.items():
             if device == str(hidden.device):
-                drain_published(tables, slots, self.live.chain_flags)
+                drain_published(words, slots, self.live.chain_flags)
 
-    def _one_kernel_a_forward(self, hidden: torch.Tensor) -> bool:
+    @staticmethod
+    def _one_kernel_a_forward(hidden: torch.Tensor) -> bool:
         """Whether a forward's rounds are launched once (CUDA: the launch waits for each step on the device) rather
-        than once a layer (Triton's interpreter: a launch runs to its end before the next step; rounds the host copies,
-        decided in line, unless BIGMOE_PREFETCH_ONE_NODE too)."""
-        return hidden.device.type == "cuda" and (self.one_node or not self.host)
+        than once a layer (Triton's interpreter: a launch runs to its end before the next step)."""
+        return hidden.device.type == "cuda"
 
     def _model_first(self, layer):
         """The first paged layer of `layer`'s model."""

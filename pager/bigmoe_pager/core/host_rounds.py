@@ -1,0 +1,124 @@
+"""The device side of a prefetch round the host copies (BIGMOE_PREFETCH_HOST_COPIER): its publication, and a
+forward's drain.
+
+A joinless round (core.round_sync) decides on the GPU which experts go into which slots, and sets each filled slot's
+`target`: the `copied` value that says its copy is done. Instead of copying with SM programs, the round publishes the
+list to the layer's mailbox in pinned memory (`publish_round`), and core.host_copier's thread copies it with the copy
+engines, then writes each slot's goal into `copied`. The next step waits for the slots it needs exactly as for a
+kernel's copy.
+
+Nothing else orders the host's copies, so a forward whose rounds the host copies ends with `drain_published`: a
+device wait until no published copy is under way in any of those layers. Otherwise a copy could land in a slot that
+a later step (of the next forward, or an eager one) took for another expert.
+
+Two publishers: the one-node kernel (core.forward_rounds, its one program after each decision) and a per-layer round
+(ExpertPager.prefetch with a mailbox: the admit kernel, then `publish_admitted`'s one-program launch).
+"""
+
+from __future__ import annotations
+
+import torch
+from bigmoe_pager.core.acquire_kernel import next_pow2
+from bigmoe_pager.core.host_copier import HEADER_WORDS
+from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
+from bigmoe_pager.core.triton_launch import kernel_for
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+
+def publish_admitted(
+    mailbox: torch.Tensor, flags: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, target: torch.Tensor
+) -> None:
+    """Enqueue the publication of an admitted round (rows, slots: int64 [m], -1 padded; target: the table's int64
+    goals) to `mailbox`, under the chained forward's number (flags: core.prefetch_chain's words)."""
+    num_slots = (mailbox.numel() - HEADER_WORDS) // 3
+    m = rows.numel()
+    kernel_for(_publish_kernel, flags.device)[(1,)](
+        mailbox, flags, rows, slots, target, m, S=num_slots, BLOCK_S=next_pow2(max(m, num_slots)), ON_GPU=flags.is_cuda
+    )
+
+
+def progress_words(pagers: list, device: torch.device) -> torch.Tensor:
+    """int64 [layers, 2]: the addresses of each pager's joinless `copied` and `target` words (what a drain reads).
+    Made outside any capture (a host copy)."""
+    rows = [[p.vram.kernel_state()[w].data_ptr() for w in ("copied", "target")] for p in pagers]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_spins: int | None = None) -> None:
+    """Enqueue a wait until no slot of the layers in `words` (progress_words, all with `slots` slots) is still being
+    copied. Bounded: max_spins polls in all (about a second on a GPU); each layer whose copies were still under way
+    when the wait gave up is counted in the chain's TIMEOUTS word."""
+    on_gpu = words.is_cuda
+    if max_spins is None:
+        max_spins = GPU_MAX_SPINS if on_gpu else 1
+    kernel_for(_drain_kernel, words.device)[(1,)](
+        words, words.shape[0], flags, max_spins, S=slots, BLOCK_S=next_pow2(slots), ON_GPU=on_gpu
+    )
+
+
+if triton is not None:
+    from bigmoe_pager.core.memory_order import SYS_SCOPE, store_release
+    from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS
+    from bigmoe_pager.core.round_sync import wait_copies
+
+    _HEADER = tl.constexpr(HEADER_WORDS)  # a mailbox's words before its lists (seq, count, a spare)
+    _FORWARD, _TIMEOUTS = tl.constexpr(FORWARD), tl.constexpr(TIMEOUTS)
+
+    @triton.jit
+    def publish_round(
+        box_ptr, seq, rows_ptr, slot_ptr, target_ptr, m, S: tl.constexpr, BLOCK_S: tl.constexpr, ON_GPU: tl.constexpr
+    ):
+        """A decided round's list for the host copier: record rows, slots and each slot's goal after the mailbox's
+        header, the count at word 1, then `seq` at word 0 with a system-scope release (the caller has fenced the
+        decision's stores with a barrier): the host reads the list only after it sees a new seq."""
+        j = tl.arange(0, BLOCK_S)
+        rows = tl.load(rows_ptr + j, mask=j < m, other=-1, volatile=True)
+        slots = tl.load(slot_ptr + j, mask=j < m, other=-1, volatile=True)
+        listed = (rows >= 0) & (slots >= 0)
+        goals = tl.load(target_ptr + tl.where(listed, slots, 0), mask=listed, other=-1, volatile=True)
+        tl.store(box_ptr + _HEADER + j, tl.where(listed, rows, -1), mask=j < S)
+        tl.store(box_ptr + _HEADER + S + j, tl.where(listed, slots, -1), mask=j < S)
+        tl.store(box_ptr + _HEADER + 2 * S + j, goals, mask=j < S)
+        tl.store(box_ptr + 1, tl.sum(listed.to(tl.int64), 0))
+        tl.debug_barrier()  # every list word is written before the seq that hands them over
+        store_release(box_ptr, seq, SYS_SCOPE, ON_GPU)
+
+    @triton.jit
+    def _publish_kernel(
+        box_ptr,
+        flags_ptr,
+        rows_ptr,
+        slot_ptr,
+        target_ptr,
+        m,
+        S: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        ON_GPU: tl.constexpr,
+    ):
+        # after the admit kernel on the same stream: its lists and targets are written
+        publish_round(box_ptr, tl.load(flags_ptr + _FORWARD), rows_ptr, slot_ptr, target_ptr, m, S, BLOCK_S, ON_GPU)
+
+    @triton.jit
+    def _drain_kernel(
+        words_ptr,
+        layers,
+        flags_ptr,
+        max_spins,
+        S: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        ON_GPU: tl.constexpr,
+    ):
+        slots = tl.arange(0, BLOCK_S)
+        budget = max_spins  # for the whole drain: once a wait gives up, the later layers are only looked at
+        for layer in range(0, layers):
+            copied_ptr = tl.load(words_ptr + layer * 2).to(tl.pointer_type(tl.int64))
+            target_ptr = tl.load(words_ptr + layer * 2 + 1).to(tl.pointer_type(tl.int64))
+            late = wait_copies(copied_ptr, target_ptr, slots, slots < S, budget, ON_GPU)
+            if tl.sum(late.to(tl.int32), 0) > 0:
+                tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
+                budget = 0
