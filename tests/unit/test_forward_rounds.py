@@ -18,7 +18,6 @@ from bigmoe_bench import traces
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, shared_shape
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
-from bigmoe_pager.core.host_rounds import drain_published
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.prediction import replayed_predictions
 from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
@@ -179,22 +178,6 @@ def test_a_step_that_never_publishes_is_given_up_on_counted():
     rounds.launch(chain.flags, 1, max_spins=3)
     assert int(chain.flags[TIMEOUTS]) == 1  # the round into layer 2 waited, gave up, and ran (a wrong proposal)
     assert int(ours[2][0].vram.kernel_state()["claim"]) == 4 * 4 + DECIDED
-
-
-def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
-    """drain_published at a forward's end: layers whose copies are done pass, each one still under way is counted in
-    TIMEOUTS once the drain's polls are spent (the interpreter polls once)."""
-    slots = 4
-    progress = [
-        (torch.tensor([5, 2, 0, 0, 0]), torch.tensor([5, 2, 0, 0, 0])),  # done
-        (torch.tensor([5, 1, 0, 0, 0]), torch.tensor([5, 2, 0, 0, 0])),  # slot 1 still copying
-        (torch.tensor([0, 0, 0, 3, 0]), torch.tensor([0, 0, 0, 3, 0])),  # done
-        (torch.tensor([0, 0, 0, 0, 0]), torch.tensor([0, 0, 0, 1, 0])),  # slot 3 still copying
-    ]
-    words = torch.tensor([[copied.data_ptr(), target.data_ptr()] for copied, target in progress])
-    chain = chain_at(4, forward=3, stepped_upto=3)
-    drain_published(words, slots, chain.flags, max_spins=2)
-    assert int(chain.flags[TIMEOUTS]) == 2
 
 
 def test_layers_that_cannot_share_the_kernel_are_named():

@@ -1,0 +1,85 @@
+"""BIGMOE_PREFETCH_HOST_COPIER at the pager (core.host_rounds): a joinless round publishes its decided list, the host
+copier's thread copies it, a forward's end drains the copies. In Triton's interpreter, with the copier's CPU mode.
+
+The live predictor's rounds (BIGMOE_PREDICT=router) published to the host must move exactly what joinless rounds that
+copy with a kernel move: the same counters, tables and slot bytes. tests/unit/test_forward_rounds.py runs the replayed
+rounds and the one-node kernel's publication the same way; tests/gpu/test_forward_rounds_gpu.py runs them captured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from bigmoe_bench import traces
+from bigmoe_pager.adapters.vllm.routing import Routing
+from bigmoe_pager.core.host_rounds import drain_published
+from bigmoe_pager.core.prefetch_chain import TIMEOUTS
+from bigmoe_pager.settings import PagerSettings
+from test_forward_rounds import chain_at, host_copies_waited_for
+from test_live_predictor import EXPERTS, predictor
+from test_prefetch_chain import fused_model, run_forwards
+from test_step_kernel import slot_bytes
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
+
+
+@pytest.mark.parametrize("layers_n,forwards,family", [(3, 4, "topic-shift"), (4, 3, "standard")])
+def test_the_live_predictor_s_rounds_copied_by_the_host_move_what_kernel_copies_move(
+    tmp_path: Path, monkeypatch, layers_n, forwards, family
+):
+    trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace)  # no predictions: the live predictor proposes
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    served = host_copies_waited_for(monkeypatch)
+    results = {}
+    for host in (False, True):
+        env = {
+            "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
+            "BIGMOE_PREDICT": "router",
+            "BIGMOE_PREFETCH_JOINLESS": "1",
+            "BIGMOE_PREFETCH_HOST_COPIER": "1" if host else "0",
+        }
+        routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
+        layers, _, _, stats = fused_model(layers_n, 6)
+        for layer in layers:
+            layer.pager.pager.vram.use_kernel = True
+        live = predictor(layers, env, routing)
+        live.whole_forward_captured = lambda: True
+        capturing[0] = False
+        run_forwards(live, layers, routing, 1)  # eager: the flags are made, the mailboxes attached
+        capturing[0] = True
+        run_forwards(live, layers, routing, forwards)
+        results[host] = (
+            [stats.snapshot(i)["vram"] for i in range(layers_n)],
+            [(layer.pager.pager.vram.expert_slot.clone(), slot_bytes(layer.pager.pager)) for layer in layers],
+        )
+        assert live._chain.timeouts == 0 and live.chain_cancels == 0
+        if host:
+            assert live.copier.stats()["rounds"] == forwards * (layers_n - 1) == len(served)
+            assert all(layer.pager.pager.mailbox is not None for layer in layers[1:])
+            live.copier.close()
+    (kernel_counts, kernel_layers), (host_counts, host_layers) = results[False], results[True]
+    assert kernel_counts == host_counts and sum(c.prefetched for c in host_counts) > 0
+    for (a_slots, a_bytes), (b_slots, b_bytes) in zip(kernel_layers, host_layers):
+        assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes)
+
+
+def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
+    """drain_published at a forward's end: layers whose copies are done pass, each one still under way is counted in
+    TIMEOUTS once the drain's polls are spent (the interpreter polls once)."""
+    slots = 4
+    progress = [
+        ([5, 2, 0, 0, 0], [5, 2, 0, 0, 0]),  # done
+        ([5, 1, 0, 0, 0], [5, 2, 0, 0, 0]),  # slot 1 still copying
+        ([0, 0, 0, 3, 0], [0, 0, 0, 3, 0]),  # done
+        ([0, 0, 0, 0, 0], [0, 0, 0, 1, 0]),  # slot 3 still copying
+    ]
+    tensors = [(torch.tensor(c), torch.tensor(t)) for c, t in progress]
+    words = torch.tensor([[c.data_ptr(), t.data_ptr()] for c, t in tensors])
+    chain = chain_at(4, forward=3, stepped_upto=3)
+    drain_published(words, slots, chain.flags, max_spins=2)
+    assert int(chain.flags[TIMEOUTS]) == 2
+    assert np.array_equal(tensors[1][0].numpy(), [5, 1, 0, 0, 0])  # a drain only waits: it writes no progress
