@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from bigmoe_bench import traces
-from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, shared_shape
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
 from bigmoe_pager.core.pager import ExpertPager
@@ -23,8 +22,8 @@ from bigmoe_pager.core.prediction import replayed_predictions
 from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from bigmoe_pager.settings import PagerSettings
-from test_live_predictor import EXPERTS, predictor
-from test_prefetch_chain import fused_model, run_forwards
+from test_live_predictor import EXPERTS
+from test_prefetch_chain import captured_model, run_forwards
 from test_step_kernel import STATE, pager_pair, records, slot_bytes, step_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
@@ -218,12 +217,7 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
             "BIGMOE_PREFETCH_ONE_NODE": "1" if mode.startswith("one-node") else "0",
             "BIGMOE_PREFETCH_HOST_COPIER": "1" if "host" in mode else "0",
         }
-        routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
-        layers, _, _, stats = fused_model(layers_n, 6)
-        for layer in layers:
-            layer.pager.pager.vram.use_kernel = True
-        live = predictor(layers, env, routing)
-        live.whole_forward_captured = lambda: True
+        layers, stats, routing, live = captured_model(env, layers_n, admit_kernel=True)
         capturing[0] = False
         run_forwards(live, layers, routing, 1)  # eager: the flags are made
         capturing[0] = True
@@ -280,10 +274,7 @@ def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer
         "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS": "2",
         "BIGMOE_PREFETCH_HOST_COPIER": "1" if host else "0",
     }
-    routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
-    layers, _, _, _ = fused_model(layers_n, 6)
-    live = predictor(layers, env, routing)
-    live.whole_forward_captured = lambda: True
+    layers, _, routing, live = captured_model(env, layers_n)
     run_forwards(live, layers, routing, 1)
     capturing[0] = True
     run_forwards(live, layers, routing, forwards)

@@ -13,13 +13,11 @@ import numpy as np
 import pytest
 import torch
 from bigmoe_bench import traces
-from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.host_rounds import drain_published
 from bigmoe_pager.core.prefetch_chain import TIMEOUTS
-from bigmoe_pager.settings import PagerSettings
 from test_forward_rounds import chain_at, host_copies_waited_for
-from test_live_predictor import EXPERTS, predictor
-from test_prefetch_chain import fused_model, run_forwards
+from test_live_predictor import EXPERTS
+from test_prefetch_chain import captured_model, run_forwards
 from test_step_kernel import slot_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
@@ -42,12 +40,7 @@ def test_the_live_predictor_s_rounds_copied_by_the_host_move_what_kernel_copies_
             "BIGMOE_PREFETCH_JOINLESS": "1",
             "BIGMOE_PREFETCH_HOST_COPIER": "1" if host else "0",
         }
-        routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
-        layers, _, _, stats = fused_model(layers_n, 6)
-        for layer in layers:
-            layer.pager.pager.vram.use_kernel = True
-        live = predictor(layers, env, routing)
-        live.whole_forward_captured = lambda: True
+        layers, stats, routing, live = captured_model(env, layers_n, admit_kernel=True)
         capturing[0] = False
         run_forwards(live, layers, routing, 1)  # eager: the flags are made, the mailboxes attached
         capturing[0] = True

@@ -99,6 +99,19 @@ def fused_model(layers: int, vram: int):
     return made
 
 
+def captured_model(env: dict, layers_n: int, admit_kernel: bool = False):
+    """Fused paged layers, and the process's routing and predictor over them, in forwards taken as captured whole
+    (env: more BIGMOE_* settings); admit_kernel: rounds decide with the admit kernel (a joinless round needs it).
+    Returns (layers, stats, routing, predictor)."""
+    routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
+    layers, _, _, stats = fused_model(layers_n, 6)
+    for layer in layers if admit_kernel else ():
+        layer.pager.pager.vram.use_kernel = True
+    live = predictor(layers, env, routing)
+    live.whole_forward_captured = lambda: True
+    return layers, stats, routing, live
+
+
 def run_forwards(live, layers, routing, forwards: int, tokens: int = 1, top: int = 2, on_step=None):
     """As the adapter runs a whole forward: each layer replays its rows, steps with its Turn's signal, forks."""
     for f in range(forwards):
@@ -123,10 +136,7 @@ def test_a_chained_forward_orders_each_round_after_the_step_before_and_prefetche
     chain_wait = PrefetchChain.wait_stepped
     for chained in (False, True):
         env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_CHAIN": "1" if chained else "0"}
-        routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
-        layers, _, _, stats = fused_model(layers_n, 6)
-        live = predictor(layers, env, routing)
-        live.whole_forward_captured = lambda: True
+        layers, stats, routing, live = captured_model(env, layers_n)
         signals, waits = [], []
 
         def waited(self, layer, max_spins=None):
@@ -237,10 +247,7 @@ def test_a_poll_once_forward_forks_one_polling_node_and_joins_once(
     )
     monkeypatch.setattr(LivePredictions, "join", lambda self, device: (joins.append(self.chained), join(self, device)))
     env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_SIDE_BRANCH_PROBE": probe}
-    routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
-    layers, _, _, stats = fused_model(layers_n, 6)
-    live = predictor(layers, env, routing)
-    live.whole_forward_captured = lambda: True
+    layers, stats, routing, live = captured_model(env, layers_n)
     run_forwards(live, layers, routing, 1)  # eager: the flags are made, nothing chains
     capturing[0] = True
     polls.clear(), joins.clear()

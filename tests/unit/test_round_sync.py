@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from bigmoe_bench import traces
-from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.copy_kernel import record_blocks
 from bigmoe_pager.core.prediction import LivePredictions
 from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, CLAIMED, DECIDED
 from bigmoe_pager.settings import PagerSettings
-from test_live_predictor import EXPERTS, predictor
-from test_prefetch_chain import fused_model, run_forwards
+from test_live_predictor import EXPERTS
+from test_prefetch_chain import captured_model, run_forwards
 from test_step_kernel import ACQUIRED, LAYOUT, STATE, pager_pair, records, slot_bytes, step_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
@@ -210,12 +209,7 @@ def test_a_joinless_forward_prefetches_what_a_joined_one_does_and_joins_once(
             "BIGMOE_PREFETCH_CHAIN": "1",
             "BIGMOE_PREFETCH_JOINLESS": "1" if mode == "joinless" else "0",
         }
-        routing = Routing(PagerSettings.from_env({"BIGMOE_PAGER": "1", **env}))
-        layers, _, _, stats = fused_model(layers_n, 6)
-        for layer in layers:
-            layer.pager.pager.vram.use_kernel = True
-        live = predictor(layers, env, routing)
-        live.whole_forward_captured = lambda: True
+        layers, stats, routing, live = captured_model(env, layers_n, admit_kernel=True)
         signals = []
         capturing[0] = False
         run_forwards(live, layers, routing, 1)  # eager: the flags are made
