@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import os
+import time
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -16,6 +17,8 @@ from bigmoe import run as sequence
 from bigmoe.model import presets
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
+from textual.widgets import Footer
+from textual.widgets._footer import FooterKey
 from test_tui_flow import SIZE, drive, planned, until
 from tui_fakes import HOME, WINDOWS, FakePipeline, cpu_machine, gpu_machine
 
@@ -49,15 +52,37 @@ def matches_snapshot(svg: str, name: str, tmp_path: Path) -> None:
         )
 
 
+def footer_keys_shown(screen) -> bool:
+    """Whether the screen's footer holds a key for each shown binding: Textual rebuilds the footer
+    after a focus change (remove, then mount), and a screenshot between the two has an empty footer."""
+    shown = {binding.action for _, binding, _, _ in screen.active_bindings.values() if binding.show}
+    keys = screen.query_one(Footer).query(FooterKey)
+    return {key.action for key in keys} == shown
+
+
+async def settled_screenshot(pilot, timeout_s: float = 5.0) -> str:
+    """The screen once two screenshots 20 ms apart agree and the footer is whole; a loaded CI worker can
+    leave a footer rebuild pending across one pause."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        await pilot.pause(0.02)
+        shot = pilot.app.export_screenshot(title="bigmoe")
+        if shot == last and footer_keys_shown(pilot.app.screen):
+            return shot
+        if time.monotonic() > deadline:
+            raise AssertionError("the screen did not settle within 5 s (footer rebuilding or content changing)")
+        last = shot
+
+
 def screenshot_twice(make_app, scenario) -> list[str]:
-    """Two independent runs of the same scenario, each ending in a screenshot."""
+    """Two independent runs of the same scenario, each ending in a settled screenshot."""
     shots = []
 
     async def shoot(pilot):
         await scenario(pilot)
         pilot.app.set_focus(None)
-        await pilot.pause()
-        shots.append(pilot.app.export_screenshot(title="bigmoe"))
+        shots.append(await settled_screenshot(pilot))
 
     for _ in range(2):
         drive(make_app(), shoot)
