@@ -20,10 +20,19 @@ pytestmark = pytest.mark.gpu
 
 
 def paged_model(
-    layout, records, layers_n: int, vram: int, k: int, chained: bool, weights, policy: str, joinless: bool = False
+    layout,
+    records,
+    layers_n: int,
+    vram: int,
+    k: int,
+    chained: bool,
+    weights,
+    policy: str,
+    joinless: bool = False,
+    host: bool = False,
 ):
     """Paged layers with routers, and the process's predictor over them (live router proposals; chained rounds,
-    and joined once a forward with `joinless`)."""
+    and joined once a forward with `joinless`; copied by the host copier's thread with `host`)."""
     stats = PagerStats(layers_n, "cuda")
     runners: dict = {}
     layers = []
@@ -38,7 +47,9 @@ def paged_model(
         )
         runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
         layers.append(layer)
-    settings = PagerSettings(enabled=True, predict="router", prefetch_chain=chained, prefetch_joinless=joinless)
+    settings = PagerSettings(
+        enabled=True, predict="router", prefetch_chain=chained, prefetch_joinless=joinless, prefetch_host_copier=host
+    )
     return layers, whole_forward_predictor(settings, layers), stats
 
 

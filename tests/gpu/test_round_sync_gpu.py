@@ -4,7 +4,9 @@ the device (core.round_sync). Replayed with new hidden states and ids, with a st
 between the steps (so rounds land in time, or late, as inside vLLM): every replay leaves each id's slot holding its
 expert's bytes, every round is decided or cancelled exactly once, no wait gives up, and rounds that landed were used.
 The joinless graph may decide otherwise than a joined one (a late round is cancelled, a slot under copy is not
-taken), so what is compared is what tokens depend on: the bytes each id's slot holds."""
+taken), so what is compared is what tokens depend on: the bytes each id's slot holds. With copies="host"
+(BIGMOE_PREFETCH_HOST_COPIER) each round publishes its list after its admit and the host copier's thread copies it
+with the copy engines: the slots must hold as right, and the thread must serve every round without an error."""
 
 from __future__ import annotations
 
@@ -18,19 +20,22 @@ from test_prefetch_chain_gpu import assert_slots_hold, model_inputs, paged_model
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("copies", ["kernel", "host"])
 @pytest.mark.parametrize(
     "experts,vram,k,tokens,policy,compute",
     [(64, 16, 4, 1, "lru", 4), (128, 32, 8, 2, "lfu-duel", 4), (128, 24, 8, 1, "lfu-duel", 0)],
 )
 def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_every_round(
-    experts, vram, k, tokens, policy, compute
+    experts, vram, k, tokens, policy, compute, copies
 ):
     """compute: matmuls of 2048 x 2048 between a layer's step and the next (0: the steps back to back, so most
     rounds come late and are cancelled)."""
     layers_n = 6
     layout, g, records, weights, x, ids = model_inputs(experts, k, tokens, layers_n)
     work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    layers, predictor, stats = paged_model(layout, records, layers_n, vram, k, True, weights, policy, joinless=True)
+    layers, predictor, stats = paged_model(
+        layout, records, layers_n, vram, k, True, weights, policy, joinless=True, host=copies == "host"
+    )
     out = [torch.empty_like(i) for i in ids]
 
     def forward() -> None:  # as the adapter runs each layer's call: page (settling, publishing), fork or chain, compute
@@ -69,3 +74,7 @@ def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_eve
     if compute:
         assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
     assert predictor.chain_cancels <= replays * (layers_n - 1)
+    if copies == "host":
+        served = predictor.copier.stats()
+        assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
+        predictor.copier.close()
