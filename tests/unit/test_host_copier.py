@@ -173,6 +173,21 @@ def test_same_seq_is_not_served_twice(copier):
     layer.assert_matches_model()
 
 
+def test_an_idle_copier_naps_and_still_serves_the_next_round(copier):
+    """Idle for over a second (no decode under way), the thread polls about once a millisecond rather than every
+    20 us (about a fifth of a core); a round published then is still served."""
+    layer = Layer("one", 4, seed=5)
+    layer.add_to(copier)
+    time.sleep(1.2)  # past the 50 ms of busy polling and the first second of 20 us naps
+    start, t0 = copier.stats()["passes"], time.monotonic()
+    time.sleep(1.0)
+    rate = (copier.stats()["passes"] - start) / (time.monotonic() - t0)
+    assert rate < 1500, f"{rate:.0f} polls a second while idle"
+    layer.publish([2, 3], [1, 0], [8, 9])
+    wait_for(layer.landed, "a round after the idle second")
+    layer.assert_matches_model()
+
+
 def test_ring_must_hold_twice_the_slots():
     with pytest.raises(ValueError, match="ring_words"):
         HostCopier(CPU, ring_words=1)

@@ -27,7 +27,9 @@
 #define MAX_LAYERS 256
 #define MAX_COMPONENTS 4
 #define HOT_NS 50000000L /* busy-poll this long (50 ms: longer than any gap between two decode steps) after the last work, then nap */
-#define NAP_NS 20000L    /* 20 us: an idle server costs next to no CPU, a new round waits at most this */
+#define NAP_NS 20000L    /* 20 us naps for the first second idle: a round after a pause waits at most this */
+#define COLD_NS 1000000000L /* after 1 s idle (no decode under way) ... */
+#define COLD_NAP_NS 1000000L /* ... 1 ms naps: 20 us naps cost about a fifth of a core, 1 ms ones under 1% */
 #define STREAM_NON_BLOCKING 1u /* CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream */
 
 /* Error codes of the copier's own (CUDA's are positive CUresult values). */
@@ -106,8 +108,8 @@ static void cpu_relax(void) {
 #endif
 }
 
-static void nap(void) {
-    struct timespec t = {0, NAP_NS};
+static void nap(long ns) {
+    struct timespec t = {0, ns};
     nanosleep(&t, NULL);
 }
 
@@ -191,7 +193,7 @@ static void *run(void *arg) {
         if (t - idle_since < HOT_NS)
             cpu_relax();
         else
-            nap();
+            nap(t - idle_since < COLD_NS ? NAP_NS : COLD_NAP_NS);
     }
     if (h->stream) { /* copies still in flight read the records and the ring: let them land first */
         CU(h, stream_synchronize(h->stream), "cuStreamSynchronize");
@@ -244,7 +246,7 @@ void *copier_start(int cuda, int64_t *ring, int64_t ring_words) {
         free(h);
         return NULL;
     }
-    while (!__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE)) nap(); /* so start's caller sees setup errors */
+    while (!__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE)) nap(NAP_NS); /* so start's caller sees setup errors */
     return h;
 }
 
