@@ -7,13 +7,15 @@ rounds and the one-node kernel's publication the same way; tests/gpu/test_forwar
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from bigmoe_bench import traces
-from bigmoe_pager.core.host_rounds import drain_published
+from bigmoe_pager.core.host_copier import HostCopier
+from bigmoe_pager.core.host_rounds import drain_published, publish_admitted
 from bigmoe_pager.core.prefetch_chain import TIMEOUTS
 from test_forward_rounds import chain_at, host_copies_waited_for
 from test_live_predictor import EXPERTS
@@ -76,3 +78,30 @@ def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
     drain_published(words, slots, chain.flags, max_spins=2)
     assert int(chain.flags[TIMEOUTS]) == 2
     assert np.array_equal(tensors[1][0].numpy(), [5, 1, 0, 0, 0])  # a drain only waits: it writes no progress
+
+
+def test_a_published_list_with_holes_is_copied_whole(tmp_path: Path):
+    """publish_admitted with -1 entries between listed ones (admit's lists are prefixes; a list with holes must
+    still lose nothing): the count reaches the last listed entry and the copier copies every listed one."""
+    slots, pitch = 6, 64
+    records = torch.arange(8 * pitch, dtype=torch.int64).remainder(251).to(torch.uint8).view(8, pitch)
+    dst = torch.zeros(slots, pitch, dtype=torch.uint8)
+    copied = torch.zeros(slots, dtype=torch.int64)
+    target = torch.tensor([0, 11, 0, 13, 0, 0], dtype=torch.int64)
+    mailbox = HostCopier.mailbox(slots, torch.device("cpu"))
+    copier = HostCopier(torch.device("cpu"))
+    try:
+        copier.add_layer(mailbox, records, pitch, [(0, pitch, dst)], copied, slots)
+        chain = chain_at(2, forward=7, stepped_upto=0)
+        rows = torch.tensor([-1, 5, -1, 2], dtype=torch.int64)
+        listed = torch.tensor([-1, 1, -1, 3], dtype=torch.int64)
+        publish_admitted(mailbox, chain.flags, rows, listed, target)
+        assert int(mailbox[0]) == 7 and int(mailbox[1]) == 4
+        end = time.monotonic() + 5
+        while copier.stats()["rounds"] < 1:
+            assert time.monotonic() < end, "the copier did not serve the round"
+            time.sleep(0.001)
+        assert torch.equal(dst[1], records[5]) and torch.equal(dst[3], records[2])
+        assert torch.equal(copied, target) and not dst[[0, 2, 4, 5]].any()
+    finally:
+        copier.close()

@@ -17,9 +17,9 @@ from bigmoe import run as sequence
 from bigmoe.model import presets
 from bigmoe.tui.app import BigmoeApp
 from bigmoe.tui.dashboard import Dashboard
+from test_tui_flow import SIZE, drive, planned, until
 from textual.widgets import Footer
 from textual.widgets._footer import FooterKey
-from test_tui_flow import SIZE, drive, planned, until
 from tui_fakes import HOME, WINDOWS, FakePipeline, cpu_machine, gpu_machine
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "snapshots"

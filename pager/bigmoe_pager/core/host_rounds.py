@@ -75,7 +75,8 @@ if triton is not None:
     ):
         """A decided round's list for the host copier: record rows, slots and each slot's goal after the mailbox's
         header, the count at word 1, then `seq` at word 0 with a system-scope release (the caller has fenced the
-        decision's stores with a barrier): the host reads the list only after it sees a new seq."""
+        decision's stores with a barrier): the host reads the list only after it sees a new seq. The count reaches
+        the last listed entry, so a list with -1 holes loses nothing (the host skips the holes)."""
         j = tl.arange(0, BLOCK_S)
         rows = tl.load(rows_ptr + j, mask=j < m, other=-1, volatile=True)
         slots = tl.load(slot_ptr + j, mask=j < m, other=-1, volatile=True)
@@ -84,7 +85,7 @@ if triton is not None:
         tl.store(box_ptr + _HEADER + j, tl.where(listed, rows, -1), mask=j < S)
         tl.store(box_ptr + _HEADER + S + j, tl.where(listed, slots, -1), mask=j < S)
         tl.store(box_ptr + _HEADER + 2 * S + j, goals, mask=j < S)
-        tl.store(box_ptr + 1, tl.sum(listed.to(tl.int64), 0))
+        tl.store(box_ptr + 1, tl.max(tl.where(listed, j + 1, 0), 0).to(tl.int64))
         tl.debug_barrier()  # every list word is written before the seq that hands them over
         store_release(box_ptr, seq, SYS_SCOPE, ON_GPU)
 
