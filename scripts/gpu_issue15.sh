@@ -7,7 +7,7 @@
 #          family of $FAMILIES, recalls $RECALLS for `@r` names (their wrong ids drawn $WRONG: uniform, popular or none),
 #          a kernel timeline of $PROFILE_TOKENS decode tokens per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball
 #   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
-#   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, 2 layers)
+#   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, $E2E_LAYERS layers, 2)
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
@@ -60,7 +60,7 @@ for step in "$@"; do
         --configs bigmoe,bigmoe-prefetch --recalls 0,0.8,1.0 --out "$out/harness-${FAMILY:-topic-shift}.json" ;;
     e2e)
       vllm_env
-      python3 scripts/gpu_vllm_e2e.py --layers 2 --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-400}" \
+      python3 scripts/gpu_vllm_e2e.py --layers "${E2E_LAYERS:-2}" --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-400}" \
         --configs "${E2E_CONFIGS:-unpaged,vram40-predict,vram12-ram50-ssd-predict-ahead,vram40-predict-piecewise}" \
         --out "$out/e2e-${TAG:-predict}.json" --logs "/tmp/logs-e2e-${TAG:-predict}"
       pack "logs-e2e-${TAG:-predict}" "/tmp/logs-e2e-${TAG:-predict}" ;;

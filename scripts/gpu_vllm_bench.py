@@ -40,7 +40,8 @@ rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; 
 device wait, to time it), `+joinless` chains them and joins the side stream once a forward, each step settling its
 round on the device (BIGMOE_PREFETCH_JOINLESS=1), `+gateN` the VRAM prefetch gate at N%
 (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
-(BIGMOE_PREFETCH_BUDGET; `+b0` none); an @r engine's env names
+(BIGMOE_PREFETCH_BUDGET; `+b0` none), `+distN` a joinless forward's rounds N layers ahead
+(BIGMOE_PREFETCH_DISTANCE=N, which implies +joinless); an @r engine's env names
 the gate and budget it ran even where they are the plugin's defaults. A last `#N` (`bigmoe-102-layerbuf#2`) starts
 another engine of the same configuration whose rows keep the tag: how far two engines of one build land apart (run
 12: 0.04 ms); a point --recalls names twice is measured twice in turn (its second row ends in /2): the drift within
@@ -161,10 +162,12 @@ SETTING_SUFFIXES = {
     "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
     "+b": "BIGMOE_PREFETCH_BUDGET",
     "+nodes": "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS",
+    "+dist": "BIGMOE_PREFETCH_DISTANCE",
 }
 """Name suffixes that carry a number, and the setting it sets (need @rRECALL): `+gateN` the VRAM prefetch gate at N%
 (0: none), `+bN` a prefetch budget of N experts a layer's round (0: none), `+nodesN` the one-node kernel's
-programs (with +one-node)."""
+programs (with +one-node), `+distN` a joinless forward's rounds N layers ahead (the replayed rows for layer l+N are
+as right as the next layer's, which a real predictor's are not)."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},

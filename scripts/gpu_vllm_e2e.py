@@ -24,6 +24,8 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram40-predict-joinless      vram40-predict chained and joined once a forward (BIGMOE_PREFETCH_JOINLESS=1)
     vram40-predict-host          vram40-predict-joinless with its copies made by the host copier's thread through the
                                  copy engines (BIGMOE_PREFETCH_HOST_COPIER=1)
+    vram40-predict-host-dist2    vram40-predict-host with each round two layers ahead (BIGMOE_PREFETCH_DISTANCE=2;
+                                 needs --layers 3 or more to reach past the first layer's rounds)
     unpaged-piecewise            the reference of PIECEWISE runs (the graph mode alone changes the engine's numerics)
     vram40-piecewise             vram40 under PIECEWISE CUDA graphs
     vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs
@@ -182,6 +184,11 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(
             f"vram40-predict-host ({vram40} slots, live prefetch, joinless rounds copied by the host thread)",
             {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_JOINLESS": "1", "BIGMOE_PREFETCH_HOST_COPIER": "1"},
+        ),
+        # And each round two layers ahead of its step (the router of l+2 on layer l's state).
+        Config(
+            f"vram40-predict-host-dist2 ({vram40} slots, live prefetch two layers ahead, copied by the host thread)",
+            {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_HOST_COPIER": "1", "BIGMOE_PREFETCH_DISTANCE": "2"},
         ),
         Config(
             f"vram12-ram50-ssd-predict-ahead ({vram12}/{ram50}, checkpoint, live prefetch, SSD reads ahead)",

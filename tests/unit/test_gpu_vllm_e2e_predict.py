@@ -35,6 +35,13 @@ def matrix() -> dict[str, e2e.Config]:
             None,
             "unpaged",
         ),
+        (
+            "vram40-predict-host-dist2",
+            ("102", None),
+            {"BIGMOE_PREFETCH_HOST_COPIER": "1", "BIGMOE_PREFETCH_DISTANCE": "2"},
+            None,
+            "unpaged",
+        ),
         ("vram12-ram50-ssd-predict-ahead", ("32", "128"), {"BIGMOE_SSD_READ_AHEAD": "1"}, None, "unpaged"),
         ("vram40-predict-piecewise", ("102", None), {}, "PIECEWISE", "unpaged-piecewise"),
     ],

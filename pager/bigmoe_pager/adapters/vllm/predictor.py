@@ -28,7 +28,9 @@ trace's rows for them). A replayed trace that carries predictions keeps priority
 the proposals are recorded as the trace's predicted_ids.
 With BIGMOE_PREFETCH_HOST_COPIER=1 a joinless forward's rounds over full RAM tiers publish their lists to a host
 thread that copies them with the copy engines (core.host_copier; the Predictor owns it): each layer's round, or the
-one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE=1. The host-driven pager prefetches
+one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE=1. With BIGMOE_PREFETCH_DISTANCE=D > 1 a joinless
+forward's layer l prefetches into layer l+D (the router of l+D on l's hidden state), so the copies have D layers of
+compute to land in; its first layer also fills layers 1 .. D-1. The host-driven pager prefetches
 nothing: there the predictor runs only to record. The router keeps the final say: a proposal
 moves weights, never a step's ids.
 """
@@ -171,13 +173,23 @@ class Predictor:
         failed copier is the export thread's to report (adapters.vllm.device.failed_part)."""
         self.copier: HostCopier | None = None
         """The host thread that copies published rounds (made with the first of them)."""
+        self.distance = max(1, settings.prefetch_distance)
+        """BIGMOE_PREFETCH_DISTANCE: in a joinless forward, layer l's round prefetches into layer l + distance."""
+        if self.distance > 1 and self.one_node:
+            log.warning(
+                "bigmoe: BIGMOE_PREFETCH_DISTANCE=%d is not built into the one-node kernel "
+                "(BIGMOE_PREFETCH_ONE_NODE=1); its rounds prefetch into the next layer",
+                self.distance,
+            )
+            self.distance = 1
         self._published: dict[tuple[str, int], torch.Tensor] = {}
         """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose rounds the host
         copies, which a forward's end drains."""
-        chained = settings.prefetch_chain or settings.prefetch_joinless or self.one_node or self.poll_probe or self.host
+        joinless = settings.prefetch_joinless or self.one_node or self.host or self.distance > 1
+        chained = settings.prefetch_chain or joinless or self.poll_probe
         self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
-        self.joinless = settings.prefetch_joinless or self.one_node or self.host
+        self.joinless = joinless
         """BIGMOE_PREFETCH_JOINLESS: and joins it once, at its end; the steps settle the rounds (core.round_sync)."""
         self.chain_skips_wait = settings.chain_skip_wait
         """Benchmark only (BIGMOE_CHAIN_SKIP_WAIT): chained rounds do not wait for the step before them."""
@@ -347,20 +359,23 @@ class Predictor:
                     self.live.fork_marker(hidden)
                 return None
             return self._replayed(layer, hidden)
-        if not self.on:
+        if not self.on or self._target(layer, hidden) is None:
             return None
-        target = self._target(layer, hidden)
-        if target is None:
-            return None
-        pager = target.layer.pager
-        prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first (profile) forward
-        if not (prefetch or self.routing.trace_path is not None):
-            return None
-        if prefetch:
-            self._served_by_host(pager, hidden)
-        ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None, self._after(layer))
+        proposed = None
+        for ahead in self._round_distances(layer):
+            target = self._router_ahead(layer, hidden, ahead)
+            if target is None:
+                continue
+            pager = target.layer.pager
+            prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first forward
+            if not (prefetch or self.routing.trace_path is not None):
+                continue
+            if prefetch:
+                self._served_by_host(pager, hidden)
+            ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None, self._after(layer))
+            proposed = ids if ahead == 1 else proposed
         self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
-        return ids
+        return proposed
 
     def _replayed(self, layer, hidden: torch.Tensor) -> None:
         """Benchmark: a replayed trace's predictions for the rows this layer just replayed, prefetched into the
@@ -373,12 +388,15 @@ class Predictor:
             self._prepare_rounds(layer, hidden)
         if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
-        self._served_by_host(pager, hidden)
 
         def replayed(ahead: int) -> torch.Tensor | None:
             return self.routing.replayed_proposal(index, tokens, hidden.device, ahead)
 
-        self.live.feed_ids(lambda: replayed(1), pager, hidden, self._after(layer))
+        for ahead in self._round_distances(layer):
+            target = getattr(self.layer_after(index + ahead - 1), "pager", None)
+            if isinstance(target, DeviceLayerPager) and target.started:
+                self._served_by_host(target, hidden)
+                self.live.feed_ids(lambda ahead=ahead: replayed(ahead), target, hidden, self._after(layer))
         self._read_further(layer, hidden, replayed)
         return None
 
@@ -500,6 +518,20 @@ class Predictor:
             layer = self.layer_after(layer._moe_index - 2)
         return layer
 
+    def _round_distances(self, layer) -> list[int]:
+        """How many layers ahead the rounds forked in `layer`'s call prefetch into: the next one; in a joinless
+        forward with BIGMOE_PREFETCH_DISTANCE=D the D-th (from the model's first layer, each of 1 .. D), never past
+        the last layer of `layer`'s model."""
+        if self.distance == 1 or not self.live.joinless:
+            return [1]
+        wanted = range(1, self.distance + 1) if self._first_of_its_model(layer) else [self.distance]
+        return [ahead for ahead in wanted if self._in_its_model(layer, ahead)]
+
+    def _in_its_model(self, layer, ahead: int) -> bool:
+        """Whether the paged layer `ahead` layers after `layer` exists in the same model (decoder or MTP drafter)."""
+        target = self.layer_after(layer._moe_index + ahead - 1)
+        return target is not None and is_mtp_layer(target.layer_name) == is_mtp_layer(layer.layer_name)
+
     def _after(self, layer) -> int | None:
         """In a chained forward, the MoE index whose step a round proposed in `layer`'s call must follow."""
         return layer._moe_index if self.live.chained else None
@@ -517,12 +549,18 @@ class Predictor:
 
     def _router_ids(self, layer, hidden: torch.Tensor, ahead: int) -> torch.Tensor | None:
         """The live proposal for layer l + ahead: that layer's router applied to this layer's hidden state."""
+        target = self._router_ahead(layer, hidden, ahead)
+        return None if target is None else predict_next(hidden, target.router, target.top)
+
+    def _router_ahead(self, layer, hidden: torch.Tensor, ahead: int) -> NextRouter | None:
+        """Layer l + ahead and its router, for proposals made on layer l's hidden state (None: none usable)."""
+        if ahead == 1:
+            return self._target(layer, hidden)
         key = (layer._moe_index, ahead)
         if key not in self._further:
             found = next_router(layer, self.layer_after(layer._moe_index + ahead - 1), hidden, self.top)
             self._further[key] = found if isinstance(found, NextRouter) else None
-        target = self._further[key]
-        return None if target is None else predict_next(hidden, target.router, target.top)
+        return self._further[key]
 
     def _target(self, layer, hidden: torch.Tensor) -> NextRouter | None:
         index = layer._moe_index
