@@ -30,9 +30,11 @@ def paged_model(
     policy: str,
     joinless: bool = False,
     host: bool = False,
+    distance: int = 1,
 ):
     """Paged layers with routers, and the process's predictor over them (live router proposals; chained rounds,
-    and joined once a forward with `joinless`; copied by the host copier's thread with `host`)."""
+    and joined once a forward with `joinless`; copied by the host copier's thread with `host`; each joinless round
+    `distance` layers ahead)."""
     stats = PagerStats(layers_n, "cuda")
     runners: dict = {}
     layers = []
@@ -48,7 +50,12 @@ def paged_model(
         runners[layer.layer_name] = SimpleNamespace(gate=SimpleNamespace(weight=weights[i]))
         layers.append(layer)
     settings = PagerSettings(
-        enabled=True, predict="router", prefetch_chain=chained, prefetch_joinless=joinless, prefetch_host_copier=host
+        enabled=True,
+        predict="router",
+        prefetch_chain=chained,
+        prefetch_joinless=joinless,
+        prefetch_host_copier=host,
+        prefetch_distance=distance,
     )
     return layers, whole_forward_predictor(settings, layers), stats
 

@@ -6,7 +6,9 @@ expert's bytes, every round is decided or cancelled exactly once, no wait gives 
 The joinless graph may decide otherwise than a joined one (a late round is cancelled, a slot under copy is not
 taken), so what is compared is what tokens depend on: the bytes each id's slot holds. With copies="host"
 (BIGMOE_PREFETCH_HOST_COPIER) each round publishes its list after its admit and the host copier's thread copies it
-with the copy engines: the slots must hold as right, and the thread must serve every round without an error."""
+with the copy engines: the slots must hold as right, and the thread must serve every round without an error. With
+distance=2 (BIGMOE_PREFETCH_DISTANCE) each round is made two layers ahead of its step, from the router of that layer on
+the state two layers before."""
 
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ from test_prefetch_chain_gpu import assert_slots_hold, model_inputs, paged_model
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("copies", ["kernel", "host"])
+@pytest.mark.parametrize("copies,distance", [("kernel", 1), ("host", 1), ("kernel", 2), ("host", 2)])
 @pytest.mark.parametrize(
     "experts,vram,k,tokens,policy,compute",
     [(64, 16, 4, 1, "lru", 4), (128, 32, 8, 2, "lfu-duel", 4), (128, 24, 8, 1, "lfu-duel", 0)],
 )
 def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_every_round(
-    experts, vram, k, tokens, policy, compute, copies
+    experts, vram, k, tokens, policy, compute, copies, distance
 ):
     """compute: matmuls of 2048 x 2048 between a layer's step and the next (0: the steps back to back, so most
     rounds come late and are cancelled)."""
@@ -34,7 +36,17 @@ def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_eve
     layout, g, records, weights, x, ids = model_inputs(experts, k, tokens, layers_n)
     work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     layers, predictor, stats = paged_model(
-        layout, records, layers_n, vram, k, True, weights, policy, joinless=True, host=copies == "host"
+        layout,
+        records,
+        layers_n,
+        vram,
+        k,
+        True,
+        weights,
+        policy,
+        joinless=True,
+        host=copies == "host",
+        distance=distance,
     )
     out = [torch.empty_like(i) for i in ids]
 
