@@ -125,7 +125,8 @@ class PagerSettings:
     """BIGMOE_PREFETCH_DISTANCE: D > 1 = in a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this
     implies), layer l's round prefetches into layer l+D (its router on layer l's hidden state, or a replayed trace's
     rows for it), so its copies have D layers of compute to land in; the model's first layer also fills layers 1 ..
-    D-1. 0 or 1 = the next layer; other forwards and the one-node kernel keep the next layer. Not yet measured."""
+    D-1 (the one-node kernel likewise decides layer l's round once layer l-D's step is done). 0 or 1 = the next layer;
+    forwards that are not joinless keep the next layer. Not yet measured."""
     prefetch_min_used_percent: int | None = None
     """BIGMOE_PREFETCH_MIN_USED_PERCENT: 0-100, the VRAM prefetch gate's threshold: a layer copies predicted experts
     only while at least this percent of those it judged were used (0: always copy); unset: the pager's default,

@@ -5,8 +5,9 @@ layer's compute between the steps: every replay leaves each id's slot holding it
 launch a forward, every round is decided or cancelled, no wait gives up, copies finish, and rounds are used.
 BIGMOE_PREFETCH_HOST_COPIER (mode "host"): the same forward with a round forked a layer, each publishing its list to
 the host thread (core.host_copier), which copies it with the copy engines; with BIGMOE_PREFETCH_ONE_NODE too
-("one-node-host"), decided by the one-node kernel's one program and copied by the host thread. Both must keep every
-slot as right."""
+("one-node-host"), decided by the one-node kernel's one program and copied by the host thread; and so with each round
+decided two layers ahead of its step (BIGMOE_PREFETCH_DISTANCE=2, "one-node-host-dist2"). All must keep every slot as
+right."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ MODES = {
     "one-node": {"prefetch_one_node": True},
     "host": {"prefetch_host_copier": True},
     "one-node-host": {"prefetch_one_node": True, "prefetch_host_copier": True},
+    "one-node-host-dist2": {"prefetch_one_node": True, "prefetch_host_copier": True, "prefetch_distance": 2},
 }
 
 

@@ -99,7 +99,8 @@ def host_copies_waited_for(monkeypatch) -> list:
     def launch(self, flags, tokens, **kw):
         plain_launch(self, flags, tokens, **kw)
         if self.mailboxes is not None:
-            wait(self.mailboxes[0], *self.progress[0])
+            for box, (copied, target) in zip(self.mailboxes, self.progress):
+                wait(box, copied, target)
 
     def prefetch(self, predicted_ids, chain_flags=None):
         got = plain_prefetch(self, predicted_ids, chain_flags)

@@ -7,7 +7,8 @@ forward (BIGMOE_PREFETCH_ONE_NODE, replayed proposals, full RAM tiers) are one l
 forked after the forward's first step and joined once at its end. For each layer l in turn:
 
 1. program 0 waits for layer l-1's step (core.prefetch_chain's STEPPED word: its replay cursor has moved
-   and its own copies are done), writes that step's replayed proposal for layer l into the layer's
+   and its own copies are done; with a distance D, layer l-D's, or the step the launch follows), writes that step's
+   rows' replayed proposal for layer l into the layer's
    scratch, and decides the round exactly as a joinless admit does (admit_kernel.decide_round with
    core.round_sync's claim: a step that came first has cancelled it, and then nothing is copied);
 2. every program waits until the round is decided or cancelled (the claim word, acquire loads), reads
@@ -116,15 +117,23 @@ class ForwardRounds:
         cursor: torch.Tensor,
         programs: int,
         mailboxes: torch.Tensor | None = None,
+        after: int | None = None,
+        distance: int = 1,
     ) -> None:
         """mailboxes: BIGMOE_PREFETCH_HOST_COPIER, int64 [layers, host_copier.mailbox_words(slots)] in pinned memory
         (one program; see `publish_round`): each decided list is published there for core.host_copier instead of
-        copied by the kernel."""
+        copied by the kernel. after: the MoE index of the step the launch follows (default first - 1); distance:
+        BIGMOE_PREFETCH_DISTANCE, layer l's round waits for the step of layer max(l - distance, after) and proposes
+        from its rows."""
         if not pagers:
             raise ForwardRoundsError("a one-node forward needs at least one round")
         if programs < 1:
             raise ForwardRoundsError(f"a one-node forward needs >= 1 program, got {programs}")
         self.first, self.last = first, first + len(pagers) - 1
+        self.after = first - 1 if after is None else after
+        self.distance = max(1, distance)
+        if not self.after < first:
+            raise ForwardRoundsError(f"a launch after layer {self.after}'s step cannot decide layer {first}'s round")
         self.shape = shared_shape(pagers)
         self.predicted, self.cursor, self.programs = predicted, cursor, programs
         self.mailboxes = mailboxes
@@ -201,6 +210,8 @@ class ForwardRounds:
             self.cursor,
             self.first,
             self.last,
+            self.after,
+            self.distance,
             tokens,
             length,
             layers,
@@ -335,6 +346,8 @@ if triton is not None:
         cursor_ptr,
         first,
         last,
+        after,
+        distance,
         tokens,
         length,
         trace_layers,
@@ -388,11 +401,13 @@ if triton is not None:
             row = table_ptr + (layer - first) * FIELDS
             claim_ptr = _field(row, _CLAIM, tl.int64)
             if pid == 0:
-                # 1. The proposal of layer - 1's step, once that step is done, and the decision.
-                wait_for_step(flags_ptr, forward, layer - 1, max_spins, ON_GPU)
+                # 1. Once the step it proposes from is done (layer - 1's; with a distance, an earlier one's: its
+                # cursor has moved past this forward's rows), the rows' proposal for this layer, and the decision.
+                source = tl.maximum(layer - distance, after)
+                wait_for_step(flags_ptr, forward, source, max_spins, ON_GPU)
                 scratch = _field(row, _SCRATCH, tl.int64)
                 q = tl.arange(0, BLOCK_P)
-                start = tl.load(cursor_ptr + layer - 1, volatile=True) - tokens
+                start = tl.load(cursor_ptr + source, volatile=True) - tokens
                 trace_row = (start + q // P) % length
                 trace_row = tl.where(trace_row < 0, trace_row + length, trace_row)
                 at = trace_row * row_stride + ((layer - 1) % trace_layers) * layer_stride + q % P

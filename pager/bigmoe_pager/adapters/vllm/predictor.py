@@ -175,13 +175,6 @@ class Predictor:
         """The host thread that copies published rounds (made with the first of them)."""
         self.distance = max(1, settings.prefetch_distance)
         """BIGMOE_PREFETCH_DISTANCE: in a joinless forward, layer l's round prefetches into layer l + distance."""
-        if self.distance > 1 and self.one_node:
-            log.warning(
-                "bigmoe: BIGMOE_PREFETCH_DISTANCE=%d is not built into the one-node kernel "
-                "(BIGMOE_PREFETCH_ONE_NODE=1); its rounds prefetch into the next layer",
-                self.distance,
-            )
-            self.distance = 1
         self._published: dict[tuple[str, int], torch.Tensor] = {}
         """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose rounds the host
         copies, which a forward's end drains."""
@@ -428,8 +421,12 @@ class Predictor:
         if key in self._rounds or (whole and not self._first_of_its_model(layer)):
             return
         targets = self._layers_of_its_model(layer)[1:]
-        if not whole:
-            targets = targets[:1]
+        if not whole:  # the rounds this layer's call makes (see _round_distances)
+            d = self.distance
+            targets = targets[:d] if self._first_of_its_model(layer) else targets[d - 1 : d]
+            if not targets:
+                self._rounds[key] = None  # none: this layer is within `distance` of its model's last
+                return
         replay = self.routing.replayed_tensors(hidden.device)
         pagers = [getattr(t, "pager", None) for t in targets]
         if not targets or replay is None or not all(isinstance(p, DeviceLayerPager) and p.started for p in pagers):
@@ -441,7 +438,9 @@ class Predictor:
             programs = 1
             mailboxes = HostCopier.mailbox(started[0].num_slots, hidden.device, len(started))
         try:
-            self._rounds[key] = rounds = ForwardRounds(started, targets[0]._moe_index, *replay, programs, mailboxes)
+            self._rounds[key] = rounds = ForwardRounds(
+                started, targets[0]._moe_index, *replay, programs, mailboxes, layer._moe_index, self.distance
+            )
         except ForwardRoundsError as exc:
             self._rounds[key] = None
             self._tell(f"once a layer, not as one kernel a forward ({exc})", what=FORKED)
