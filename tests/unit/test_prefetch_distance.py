@@ -102,6 +102,41 @@ def test_rounds_d_layers_ahead_fill_every_later_layer_once_and_keep_every_slot_r
         live.copier.close()
 
 
+@pytest.mark.parametrize("distance", [2, 3])
+def test_a_replayed_round_decides_the_same_at_any_distance(tmp_path: Path, monkeypatch, distance):
+    """Only layer l's own step and round touch layer l's table, and a replayed round proposes the same rows from any
+    earlier step of the forward: so in order (the interpreter) rounds D layers ahead decide and copy exactly what
+    next-layer rounds do. The distance changes when a round runs, never what it does."""
+    layers_n, forwards = 5, 3
+    trace = traces.named_trace("topic-shift", 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    results = []
+    for d in (1, distance):
+        env = {
+            "BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"),
+            "BIGMOE_PREFETCH_JOINLESS": "1",
+            "BIGMOE_PREFETCH_DISTANCE": str(d),
+        }
+        layers, stats, routing, live = captured_model(env, layers_n, admit_kernel=True)
+        capturing[0] = False
+        run_forwards(live, layers, routing, 1)
+        capturing[0] = True
+        run_forwards(live, layers, routing, forwards)
+        assert live._chain.timeouts == 0 and live.chain_cancels == 0
+        results.append(
+            (
+                [stats.snapshot(i)["vram"] for i in range(layers_n)],
+                [(layer.pager.pager.vram.expert_slot.clone(), slot_bytes(layer.pager.pager)) for layer in layers],
+            )
+        )
+    (near_counts, near_layers), (far_counts, far_layers) = results
+    assert near_counts == far_counts and sum(c.prefetched for c in far_counts) > 0
+    for (a_slots, a_bytes), (b_slots, b_bytes) in zip(near_layers, far_layers):
+        assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes)
+
+
 @pytest.mark.parametrize("host", [False, True])
 def test_one_node_rounds_at_a_distance_decide_what_per_layer_rounds_do(tmp_path: Path, monkeypatch, host):
     """BIGMOE_PREFETCH_ONE_NODE with a distance of 2 (launched a layer at a time here, as off CUDA): the same counts,
