@@ -1,0 +1,227 @@
+"""What a step still waits for when prefetch rounds are made D layers ahead: a timeline over the pager's own decisions.
+
+A forecast to check against the H200, not an H200 figure. The decisions are the pager's (`SlotTable.acquire` for each
+layer's ids, `SlotTable.admit` of the trace's proposals for the next layer, as scripts/sim_prefetch.py plays them);
+a distance changes when a round runs, never what it decides (tests/unit/test_prefetch_distance.py), so one play of
+the decisions serves every distance. The time is a model with five stated constants:
+
+- each layer computes for --compute-us after its step (vLLM's own kernels; resident TPOT / layers);
+- a step decides for --step-us, then copies its misses over the link, --demand-us each (SM copies);
+- prefetch copies take --copy-us each (copy engines), issued when the round's source step ends: layer l's round is
+  made after layer l-D's step (the first layer's step makes rounds 1 .. D);
+- one link, first come first served: a step's misses queue behind the prefetch copies issued before them;
+- with prefetch on, each layer pays --side-us more (the side branch's nodes, run 13's idle cost / layers).
+
+A step waits for the prefetched experts it uses (the joinless protocol: only those). TPOT = elapsed / tokens.
+
+    PYTHONPATH=pager:bench python scripts/sim_window.py --families standard,topic-shift --recalls 0,0.8,1 \\
+        --distances 1,2 --tokens 200 --warmup 100 --out docs/bench/sim-window.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from bigmoe_bench import traces
+from bigmoe_pager.core.slots import LIFT_PERCENT, MIN_USED_PERCENT, PREFETCH_BUDGET, SlotTable
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The model's constants, in microseconds (defaults: the 40-layer H200 benchmark, run 13)."""
+
+    compute_us: float = 86.65
+    """A layer's own kernels after its step: resident 3.466 ms a token / 40 layers."""
+    step_us: float = 7.85
+    """A step's decision when every id hits (run 13's probe, lfu-duel)."""
+    demand_us: float = 72.0
+    """One miss copied by the step's programs: 3.15 MB at the 42-45 GB/s they moved (run 12)."""
+    copy_us: float = 57.3
+    """One prefetch copy by the copy engines: 3.15 MB at 55 GB/s pinned H2D."""
+    side_us: float = 9.4
+    """A layer's share of the idle prefetch path (run 13: +0.37-0.38 ms a token at recall 0, 40 layers)."""
+
+
+@dataclass
+class Decisions:
+    """Per token and layer: the step's misses, the experts its round copied in, and those of them the step used."""
+
+    demand: list[list[int]]
+    prefetched: list[list[list[int]]]
+    used: list[list[list[int]]]
+
+
+def decide(
+    trace: np.ndarray,
+    predicted: np.ndarray | None,
+    experts: int,
+    vram: int,
+    policy: str,
+    budget: int = PREFETCH_BUDGET,
+) -> Decisions:
+    """The pager's decisions over the trace (next-layer rounds; the same at any distance); budget: experts a round
+    copies at most (0: none; the gate's lift still applies)."""
+    tokens, layers, _ = trace.shape
+    ids = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
+    pred = None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
+    tables = [
+        SlotTable(
+            experts,
+            vram,
+            policy=policy,
+            use_kernel=False,
+            min_used_percent=MIN_USED_PERCENT,
+            prefetch_budget=budget,
+            lift_percent=LIFT_PERCENT,
+        )
+        for _ in range(layers)
+    ]
+    demand = [[0] * layers for _ in range(tokens)]
+    prefetched = [[[] for _ in range(layers)] for _ in range(tokens)]
+    used = [[[] for _ in range(layers)] for _ in range(tokens)]
+    for t in range(tokens):
+        for layer in range(layers):
+            got = tables[layer].acquire(ids[t, layer])
+            demand[t][layer] = int(got.loaded)
+            need = set(ids[t, layer].tolist())
+            used[t][layer] = [e for e in prefetched[t][layer] if e in need]
+            if pred is not None and layer + 1 < layers:
+                admitted = tables[layer + 1].admit(pred[t, layer])
+                prefetched[t][layer + 1] = [e for e in admitted.experts.tolist() if e >= 0]
+    return Decisions(demand, prefetched, used)
+
+
+def timeline(decisions: Decisions, distance: int, timing: Timing, prefetch: bool, warmup: int = 0) -> dict:
+    """Play the decisions on the model's clock; returns TPOT (ms) and the steps' mean wait for prefetch (us a token),
+    over the tokens after the first `warmup` (the tables start empty)."""
+    tokens, layers = len(decisions.demand), len(decisions.demand[0])
+    now = link_free = 0.0
+    waited = 0.0
+    for t in range(tokens):
+        if t == warmup:
+            began, waited = now, 0.0
+        ready: dict[int, float] = {}  # expert -> when its prefetch copy lands, for this token's layers
+        for layer in range(layers):
+            lands = [ready[(layer, e)] for e in decisions.used[t][layer]] if layer else []
+            start = max([now, *lands])
+            waited += start - now
+            decided = start + timing.step_us
+            n = decisions.demand[t][layer]
+            end = decided
+            if n:
+                end = max(decided, link_free) + n * timing.demand_us
+                link_free = end
+            targets = range(1, distance + 1) if layer == 0 else [layer + distance]
+            for target in targets if prefetch else ():
+                if target < layers:
+                    for e in decisions.prefetched[t][target]:
+                        link_free = max(end, link_free) + timing.copy_us
+                        ready[(target, e)] = link_free
+            now = end + timing.compute_us + (timing.side_us if prefetch else 0.0)
+    timed = tokens - warmup
+    return {"tpot_ms": round((now - began) / timed / 1000, 3), "prefetch_wait_us_per_token": round(waited / timed, 1)}
+
+
+def run(
+    families,
+    recalls,
+    distances,
+    tokens,
+    warmup,
+    layers,
+    vram,
+    policy,
+    timing: Timing,
+    budgets=(PREFETCH_BUDGET,),
+    wrong: str = "uniform",
+) -> list:
+    """One row per family without prefetch, and per recall, budget and distance with it (top-k proposals)."""
+    rows = []
+    experts, top_k = 256, 8
+    for family in families:
+        trace = traces.named_trace(family, warmup + tokens, layers, experts, top_k)
+        plain = decide(trace, None, experts, vram, policy)
+        misses = round(sum(sum(per) for per in plain.demand[warmup:]) / tokens, 2)
+        got = timeline(plain, 1, timing, False, warmup)
+        rows.append({"family": family, "recall": None, "misses_per_token": misses, **got})
+        for recall in recalls:
+            predicted = traces.predictions(trace, recall, None, experts, wrong=wrong)
+            for budget in budgets:
+                made = decide(trace, predicted, experts, vram, policy, budget)
+                copies = round(sum(len(p) for per in made.prefetched[warmup:] for p in per) / tokens, 2)
+                misses = round(sum(sum(per) for per in made.demand[warmup:]) / tokens, 2)
+                for distance in distances:
+                    got = timeline(made, distance, timing, True, warmup)
+                    rows.append(
+                        {
+                            "family": family,
+                            "recall": recall,
+                            "budget": budget,
+                            "distance": distance,
+                            "prefetch_per_token": copies,
+                            "misses_per_token": misses,
+                            **got,
+                        }
+                    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--families", default="standard,topic-shift")
+    p.add_argument("--recalls", default="0,0.8,1")
+    p.add_argument("--distances", default="1,2")
+    p.add_argument("--budgets", default=str(PREFETCH_BUDGET), help="experts a round copies at most (0: none)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens timed")
+    p.add_argument("--warmup", type=int, default=100, help="tokens played first, not timed (the tables start empty)")
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--vram", type=int, default=102, help="VRAM slots per layer of 256 experts")
+    p.add_argument("--policy", default="lfu-duel")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    try:
+        recalls = [float(x) for x in args.recalls.split(",")]
+        distances = [int(x) for x in args.distances.split(",")]
+        budgets = [int(x) for x in args.budgets.split(",")]
+    except ValueError:
+        print(
+            "sim_window: --recalls takes numbers, --distances and --budgets integers, comma separated", file=sys.stderr
+        )
+        return 2
+    if (
+        any(d < 1 for d in distances)
+        or any(b < 0 for b in budgets)
+        or not 1 <= args.vram <= 256
+        or args.tokens < 1
+        or args.layers < 2
+    ):
+        print(
+            "sim_window: distances >= 1, budgets >= 0, 1 <= --vram <= 256, --tokens >= 1, --layers >= 2",
+            file=sys.stderr,
+        )
+        return 2
+    if args.warmup < 0:
+        print("sim_window: --warmup >= 0", file=sys.stderr)
+        return 2
+    timing = Timing()
+    families = args.families.split(",")
+    rows = run(
+        families, recalls, distances, args.tokens, args.warmup, args.layers, args.vram, args.policy, timing, budgets
+    )
+    result = {"command": "sim_window.py " + " ".join(argv or sys.argv[1:]), "timing_us": asdict(timing), "rows": rows}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    for row in rows:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

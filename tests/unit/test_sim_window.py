@@ -1,0 +1,61 @@
+"""scripts/sim_window.py: the timeline model of prefetch rounds made D layers ahead, on hand-made decisions (the clock's
+rules) and on a trace (the pager's decisions)."""
+
+from __future__ import annotations
+
+import pytest
+import sim_window  # scripts/ is on pytest's pythonpath (pyproject)
+from bigmoe_bench import traces
+from sim_window import Decisions, Timing, decide, timeline
+
+TIMING = Timing(compute_us=100.0, step_us=10.0, demand_us=50.0, copy_us=40.0, side_us=5.0)
+
+
+def made(demand, prefetched=None, used=None) -> Decisions:
+    tokens, layers = len(demand), len(demand[0])
+    empty = [[[] for _ in range(layers)] for _ in range(tokens)]
+    return Decisions(demand, prefetched or empty, used or [[list(x) for x in row] for row in empty])
+
+
+def test_without_prefetch_a_token_is_its_layers_steps_computes_and_misses():
+    got = timeline(made([[1, 0, 2], [0, 1, 0]]), 1, TIMING, prefetch=False)
+    # 6 layers of (10 + 100) us, 4 misses of 50 us, over 2 tokens; nothing queues on the link
+    assert got == {"tpot_ms": round((6 * 110 + 4 * 50) / 2 / 1000, 3), "prefetch_wait_us_per_token": 0.0}
+
+
+@pytest.mark.parametrize("distance,wait_us", [(1, 95.0), (2, 0.0)])
+def test_a_round_made_further_ahead_lands_before_its_step(distance, wait_us):
+    """Layer 3 uses 5 prefetched experts: 200 us of copies. Made after step 2 (ends at 240 us; distance 1) they land
+    at 440 us, 95 us after step 3 could start (345 us); made after step 1 (distance 2) they land at 325 us."""
+    prefetched = [[[], [], [], [1, 2, 3, 4, 5]]]
+    used = [[[], [], [], [1, 2, 3, 4, 5]]]
+    got = timeline(made([[0, 0, 0, 0]], prefetched, used), distance, TIMING, prefetch=True)
+    assert got["prefetch_wait_us_per_token"] == pytest.approx(wait_us)
+    assert got["tpot_ms"] == pytest.approx((4 * 115 + wait_us) / 1000, abs=1e-3)
+
+
+def test_a_step_s_misses_queue_behind_the_prefetch_copies_issued_before_them():
+    """Layer 1's round (4 unused copies, 160 us) is on the link when layer 1's step copies its miss."""
+    prefetched = [[[], [7, 8, 9, 10], []]]
+    plain = timeline(made([[0, 1, 0]]), 1, TIMING, prefetch=True)
+    queued = timeline(made([[0, 1, 0]], prefetched), 1, TIMING, prefetch=True)
+    # the round starts at step 0's end (10 us) and holds the link to 170 us; step 1 decides at 125 us
+    assert queued["tpot_ms"] - plain["tpot_ms"] == pytest.approx((170 - 125) / 1000, abs=1e-3)
+
+
+def test_the_pager_s_decisions_use_only_what_they_prefetched_and_a_right_proposal_saves_misses():
+    trace = traces.named_trace("standard", 60, 4, 256, 8)
+    plain = decide(trace, None, 256, 32, "lru")
+    right = decide(trace, traces.predictions(trace, 1.0, None, 256), 256, 32, "lru")
+    assert all(not p for row in plain.prefetched for p in row)
+    for t in range(60):
+        for layer in range(4):
+            assert set(right.used[t][layer]) <= set(right.prefetched[t][layer]) <= set(trace[t, layer].tolist())
+    assert sum(map(sum, right.demand)) < sum(map(sum, plain.demand))
+
+
+def test_bad_arguments_are_one_line_and_exit_2(capsys):
+    assert sim_window.main(["--distances", "0"]) == 2
+    assert sim_window.main(["--recalls", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("sim_window: ") for line in err)
