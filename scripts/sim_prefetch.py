@@ -52,6 +52,36 @@ class Case:
     """Experts one prefetch round copies at most (0: no limit); None for the baseline."""
 
 
+def as_tensors(trace: np.ndarray, predicted: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trace's ids and proposals as int64 tensors, as SlotTable takes them."""
+    ids = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
+    return ids, None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
+
+
+def layer_tables(
+    layers: int,
+    experts: int,
+    vram: int,
+    policy: str,
+    min_used_percent: int = MIN_USED_PERCENT,
+    budget: int = PREFETCH_BUDGET,
+    lift: int | None = LIFT_PERCENT,
+) -> list[SlotTable]:
+    """One VRAM slot table a layer, deciding with the torch reference the Triton kernels are tested to equal."""
+    return [
+        SlotTable(
+            experts,
+            vram,
+            policy=policy,
+            use_kernel=False,
+            min_used_percent=min_used_percent,
+            prefetch_budget=budget,
+            lift_percent=lift,
+        )
+        for _ in range(layers)
+    ]
+
+
 def simulate(
     trace: np.ndarray,
     predicted: np.ndarray | None,
@@ -66,20 +96,8 @@ def simulate(
     gate_closed: share of the prefetch rounds the gate closed; peak_prefetch_per_token: the most prefetch copies one
     token made after the first (whose round every gate opens: no evidence yet)."""
     tokens, layers, _ = trace.shape
-    ids = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
-    pred = None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
-    tables = [
-        SlotTable(
-            experts,
-            vram,
-            policy=policy,
-            use_kernel=False,
-            min_used_percent=min_used_percent,
-            prefetch_budget=budget,
-            lift_percent=lift,
-        )
-        for _ in range(layers)
-    ]
+    ids, pred = as_tensors(trace, predicted)
+    tables = layer_tables(layers, experts, vram, policy, min_used_percent, budget, lift)
     rows = torch.zeros(layers, len(stats.COUNTERS), dtype=torch.int64)
     lookups = hits = demand = peak = 0
     prefetched_col = rows[:, stats.COUNTERS.index("prefetched")]  # a view: it follows the admits

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from bigmoe_bench import traces
-from bigmoe_pager.core.slots import LIFT_PERCENT, MIN_USED_PERCENT, PREFETCH_BUDGET, SlotTable
+from bigmoe_pager.core.slots import PREFETCH_BUDGET
+from sim_prefetch import as_tensors, layer_tables  # scripts/ beside this one
 
 
 @dataclass(frozen=True)
@@ -68,20 +68,8 @@ def decide(
     """The pager's decisions over the trace (next-layer rounds; the same at any distance); budget: experts a round
     copies at most (0: none; the gate's lift still applies)."""
     tokens, layers, _ = trace.shape
-    ids = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
-    pred = None if predicted is None else torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int64))
-    tables = [
-        SlotTable(
-            experts,
-            vram,
-            policy=policy,
-            use_kernel=False,
-            min_used_percent=MIN_USED_PERCENT,
-            prefetch_budget=budget,
-            lift_percent=LIFT_PERCENT,
-        )
-        for _ in range(layers)
-    ]
+    ids, pred = as_tensors(trace, predicted)
+    tables = layer_tables(layers, experts, vram, policy, budget=budget)
     demand = [[0] * layers for _ in range(tokens)]
     prefetched = [[[] for _ in range(layers)] for _ in range(tokens)]
     used = [[[] for _ in range(layers)] for _ in range(tokens)]
