@@ -13,6 +13,7 @@ process does.
 """
 
 import atexit
+import ctypes
 import gc
 import json
 import os
@@ -64,8 +65,10 @@ def engine_facts() -> dict:
 
 
 def rss_anon_kb() -> int:
-    """Anonymous resident memory of this process (kB): weights we hold, not file pages mapped."""
+    """Anonymous resident memory of this process (kB): weights we hold, not file pages mapped, nor the free
+    memory glibc's allocator keeps in its arenas (malloc_trim gives those pages back first)."""
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             return int(line.split()[1])

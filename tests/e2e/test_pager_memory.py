@@ -1,5 +1,10 @@
-"""Experts that leave RAM leave the engine's memory: with RAM slots at half the
-experts, the engine's anonymous resident memory drops by about their bytes."""
+"""Experts that leave RAM leave the engine's memory: with RAM slots for a quarter of the
+experts, the engine's anonymous resident memory drops by about the bytes of the rest.
+
+The measure is RssAnon after a garbage collection and malloc_trim (greedy_tokens.rss_anon_kb), so memory the
+allocator keeps after a free is not counted as held. The saving is 70% of the model's experts, so that the two
+engines' other memory, which varies by some tens of MiB from run to run (CI once saw 85 MiB when half the
+experts left), stays small beside it."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ def test_rss_drops_by_the_experts_that_left(tiny_checkpoint):
     shape = tiny.TinyShape(layers=LAYERS, experts=EXPERTS, top_k=4, hidden=HIDDEN, moe_intermediate=INTER)
     assert LAYERS * EXPERTS * EXPERT_BYTES >= 512 << 20
     model = tiny_checkpoint(shape, "bf16", seed=5)
-    vram, ram = 4, EXPERTS // 2
+    vram, ram = 4, EXPERTS // 4
     plain_tokens, plain_kb = greedy(model, {}, max_tokens=8)
     paged_tokens, paged_kb = greedy(
         model, {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": str(vram), "BIGMOE_RAM_SLOTS": str(ram)}, max_tokens=8
