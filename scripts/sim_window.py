@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from bigmoe_bench import traces
 from bigmoe_pager.core.slots import PREFETCH_BUDGET
-from sim_prefetch import as_tensors, layer_tables  # scripts/ beside this one
+from sim_prefetch import RECORDED, as_tensors, layer_tables  # scripts/ beside this one
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,18 @@ def timeline(decisions: Decisions, distance: int, timing: Timing, prefetch: bool
     return {"tpot_ms": round((now - began) / timed / 1000, 3), "prefetch_wait_us_per_token": round(waited / timed, 1)}
 
 
+def family_trace(family: str, tokens: int, layers: int, vram: int) -> tuple[np.ndarray, int, int]:
+    """(trace [tokens, layers, k], experts, VRAM slots) of a family: the synthetic ones at 256 experts, top-8, `vram`
+    slots; `recorded` at its own 64 experts and 8 layers with the same share of them as slots (26 at 102 of 256)."""
+    if family != "recorded":
+        return traces.named_trace(family, tokens, layers, 256, 8), 256, vram
+    whole = traces.named_trace(family, tokens, layers, 256, 8)
+    if whole.shape[0] < tokens:
+        raise traces.TraceError(f"the recorded trace holds {whole.shape[0]} tokens; --warmup + --tokens is {tokens}")
+    experts = RECORDED[0]
+    return whole[:tokens, :layers], experts, max(whole.shape[2], round(vram * experts / 256))
+
+
 def run(
     families,
     recalls,
@@ -131,17 +143,17 @@ def run(
 ) -> list:
     """One row per family without prefetch, and per recall, budget and distance with it (top-k proposals)."""
     rows = []
-    experts, top_k = 256, 8
     for family in families:
-        trace = traces.named_trace(family, warmup + tokens, layers, experts, top_k)
-        plain = decide(trace, None, experts, vram, policy)
+        trace, experts, slots = family_trace(family, warmup + tokens, layers, vram)
+        plain = decide(trace, None, experts, slots, policy)
         misses = round(sum(sum(per) for per in plain.demand[warmup:]) / tokens, 2)
         got = timeline(plain, 1, timing, False, warmup)
-        rows.append({"family": family, "recall": None, "misses_per_token": misses, **got})
+        shape = {"experts": experts, "vram": slots, "layers": trace.shape[1]}
+        rows.append({"family": family, **shape, "recall": None, "misses_per_token": misses, **got})
         for recall in recalls:
             predicted = traces.predictions(trace, recall, None, experts, wrong=wrong)
             for budget in budgets:
-                made = decide(trace, predicted, experts, vram, policy, budget)
+                made = decide(trace, predicted, experts, slots, policy, budget)
                 copies = round(sum(len(p) for per in made.prefetched[warmup:] for p in per) / tokens, 2)
                 misses = round(sum(sum(per) for per in made.demand[warmup:]) / tokens, 2)
                 for distance in distances:
@@ -149,6 +161,7 @@ def run(
                     rows.append(
                         {
                             "family": family,
+                            **shape,
                             "recall": recall,
                             "budget": budget,
                             "distance": distance,
@@ -169,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=200, help="tokens timed")
     p.add_argument("--warmup", type=int, default=100, help="tokens played first, not timed (the tables start empty)")
     p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--vram", type=int, default=102, help="VRAM slots per layer of 256 experts")
+    p.add_argument(
+        "--vram", type=int, default=102, help="VRAM slots per layer of 256 experts (recorded: the same share of its 64)"
+    )
     p.add_argument("--policy", default="lfu-duel")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -199,9 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     timing = Timing()
     families = args.families.split(",")
-    rows = run(
-        families, recalls, distances, args.tokens, args.warmup, args.layers, args.vram, args.policy, timing, budgets
-    )
+    try:
+        rows = run(
+            families, recalls, distances, args.tokens, args.warmup, args.layers, args.vram, args.policy, timing, budgets
+        )
+    except traces.TraceError as err:
+        print(f"sim_window: {err}", file=sys.stderr)
+        return 2
     result = {"command": "sim_window.py " + " ".join(argv or sys.argv[1:]), "timing_us": asdict(timing), "rows": rows}
     text = json.dumps(result, indent=1)
     if args.out:

@@ -59,3 +59,15 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys):
     assert sim_window.main(["--recalls", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("sim_window: ") for line in err)
+
+
+def test_the_recorded_family_plays_at_its_own_experts_with_the_same_share_as_slots():
+    rows = sim_window.run(["recorded"], [0.8], [1, 2], 20, 10, 40, 102, "lru", TIMING)
+    assert {(r["experts"], r["vram"], r["layers"]) for r in rows} == {(64, 26, 8)}
+    assert [r["recall"] for r in rows] == [None, 0.8, 0.8]
+
+
+def test_a_recorded_trace_too_short_for_the_tokens_asked_is_one_line_and_exit_2(capsys):
+    assert sim_window.main(["--families", "recorded", "--tokens", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sim_window: the recorded trace holds")
