@@ -5,14 +5,16 @@ layer's ids, `SlotTable.admit` of the trace's proposals for the next layer, as s
 a distance changes when a round runs, never what it decides (tests/unit/test_prefetch_distance.py), so one play of
 the decisions serves every distance. The time is a model with five stated constants:
 
-- each layer computes for --compute-us after its step (vLLM's own kernels; resident TPOT / layers);
-- a step decides for --step-us, then copies its misses over the link, --demand-us each (SM copies);
-- prefetch copies take --copy-us each (copy engines), issued when the round's source step ends: layer l's round is
+- each layer computes for compute_us after its step (vLLM's own kernels; resident TPOT / layers);
+- a step decides for step_us, then copies its misses over the link, demand_us each (SM copies);
+- prefetch copies take copy_us each (copy engines), issued when the round's source step ends: layer l's round is
   made after layer l-D's step (the first layer's step makes rounds 1 .. D);
 - one link, first come first served: a step's misses queue behind the prefetch copies issued before them;
-- with prefetch on, each layer pays --side-us more (the side branch's nodes, run 13's idle cost / layers).
+- with prefetch on, each layer pays side_us more (the side branch's nodes, run 13's idle cost / layers).
 
 A step waits for the prefetched experts it uses (the joinless protocol: only those). TPOT = elapsed / tokens.
+The constants are `Timing`'s (rows named "measured"); `--timing NAME:KEY=US,...` adds rows on changed ones over the
+same decisions, to see which cost a target hangs on.
 
     PYTHONPATH=pager:bench python scripts/sim_window.py --families standard,topic-shift --recalls 0,0.8,1 \\
         --distances 1,2 --tokens 200 --warmup 100 --out docs/bench/sim-window.json
@@ -23,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,10 @@ class Timing:
     """One prefetch copy by the copy engines: 3.15 MB at 55 GB/s pinned H2D."""
     side_us: float = 9.4
     """A layer's share of the idle prefetch path (run 13: +0.37-0.38 ms a token at recall 0, 40 layers)."""
+
+
+MEASURED = "measured"
+"""The name of the default constants' rows."""
 
 
 @dataclass
@@ -137,19 +143,21 @@ def run(
     layers,
     vram,
     policy,
-    timing: Timing,
+    timings: dict[str, Timing],
     budgets=(PREFETCH_BUDGET,),
     wrong: str = "uniform",
 ) -> list:
-    """One row per family without prefetch, and per recall, budget and distance with it (top-k proposals)."""
+    """One row per family and timing without prefetch, and per recall, budget, distance and timing with it (top-k
+    proposals); timings: name -> the clock's constants (the decisions do not depend on them)."""
     rows = []
     for family in families:
         trace, experts, slots = family_trace(family, warmup + tokens, layers, vram)
         plain = decide(trace, None, experts, slots, policy)
         misses = round(sum(sum(per) for per in plain.demand[warmup:]) / tokens, 2)
-        got = timeline(plain, 1, timing, False, warmup)
         shape = {"experts": experts, "vram": slots, "layers": trace.shape[1]}
-        rows.append({"family": family, **shape, "recall": None, "misses_per_token": misses, **got})
+        for name, timing in timings.items():
+            got = timeline(plain, 1, timing, False, warmup)
+            rows.append({"family": family, **shape, "timing": name, "recall": None, "misses_per_token": misses, **got})
         for recall in recalls:
             predicted = traces.predictions(trace, recall, None, experts, wrong=wrong)
             for budget in budgets:
@@ -157,20 +165,41 @@ def run(
                 copies = round(sum(len(p) for per in made.prefetched[warmup:] for p in per) / tokens, 2)
                 misses = round(sum(sum(per) for per in made.demand[warmup:]) / tokens, 2)
                 for distance in distances:
-                    got = timeline(made, distance, timing, True, warmup)
-                    rows.append(
-                        {
-                            "family": family,
-                            **shape,
-                            "recall": recall,
-                            "budget": budget,
-                            "distance": distance,
-                            "prefetch_per_token": copies,
-                            "misses_per_token": misses,
-                            **got,
-                        }
-                    )
+                    for name, timing in timings.items():
+                        got = timeline(made, distance, timing, True, warmup)
+                        rows.append(
+                            {
+                                "family": family,
+                                **shape,
+                                "timing": name,
+                                "recall": recall,
+                                "budget": budget,
+                                "distance": distance,
+                                "prefetch_per_token": copies,
+                                "misses_per_token": misses,
+                                **got,
+                            }
+                        )
     return rows
+
+
+def parse_timing(text: str) -> tuple[str, Timing]:
+    """NAME:KEY=US[,KEY=US...] (e.g. `noside:side_us=0`) -> (NAME, the measured constants with those changed)."""
+    name, sep, changes = text.partition(":")
+    keys = {f.name for f in fields(Timing)}
+    try:
+        pairs = dict(change.split("=", 1) for change in changes.split(","))
+        values = {key: float(value) for key, value in pairs.items()}
+    except ValueError:
+        values = None
+    if not name or name == MEASURED or not sep or values is None or not set(values) <= keys:
+        raise ValueError(
+            f"--timing takes NAME:KEY=US[,KEY=US...] with a NAME other than {MEASURED!r} and keys among "
+            f"{', '.join(sorted(keys))}; got {text!r}"
+        )
+    if any(v < 0 for v in values.values()):
+        raise ValueError(f"--timing's microseconds are >= 0; got {text!r}")
+    return name, replace(Timing(), **values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         "--vram", type=int, default=102, help="VRAM slots per layer of 256 experts (recorded: the same share of its 64)"
     )
     p.add_argument("--policy", default="lfu-duel")
+    p.add_argument(
+        "--timing",
+        action="append",
+        default=[],
+        help="NAME:KEY=US[,KEY=US...]: rows on changed constants too, beside the measured ones (e.g. noside:side_us=0)",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     try:
@@ -212,16 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0:
         print("sim_window: --warmup >= 0", file=sys.stderr)
         return 2
-    timing = Timing()
+    try:
+        timings = {MEASURED: Timing(), **dict(parse_timing(text) for text in args.timing)}
+    except ValueError as err:
+        print(f"sim_window: {err}", file=sys.stderr)
+        return 2
     families = args.families.split(",")
     try:
         rows = run(
-            families, recalls, distances, args.tokens, args.warmup, args.layers, args.vram, args.policy, timing, budgets
+            families,
+            recalls,
+            distances,
+            args.tokens,
+            args.warmup,
+            args.layers,
+            args.vram,
+            args.policy,
+            timings,
+            budgets,
         )
     except traces.TraceError as err:
         print(f"sim_window: {err}", file=sys.stderr)
         return 2
-    result = {"command": "sim_window.py " + " ".join(argv or sys.argv[1:]), "timing_us": asdict(timing), "rows": rows}
+    result = {
+        "command": "sim_window.py " + " ".join(argv or sys.argv[1:]),
+        "timing_us": {name: asdict(timing) for name, timing in timings.items()},
+        "rows": rows,
+    }
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

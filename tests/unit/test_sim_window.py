@@ -62,7 +62,7 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys):
 
 
 def test_the_recorded_family_plays_at_its_own_experts_with_the_same_share_as_slots():
-    rows = sim_window.run(["recorded"], [0.8], [1, 2], 20, 10, 40, 102, "lru", TIMING)
+    rows = sim_window.run(["recorded"], [0.8], [1, 2], 20, 10, 40, 102, "lru", {"t": TIMING})
     assert {(r["experts"], r["vram"], r["layers"]) for r in rows} == {(64, 26, 8)}
     assert [r["recall"] for r in rows] == [None, 0.8, 0.8]
 
@@ -71,3 +71,30 @@ def test_a_recorded_trace_too_short_for_the_tokens_asked_is_one_line_and_exit_2(
     assert sim_window.main(["--families", "recorded", "--tokens", "100000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sim_window: the recorded trace holds")
+
+
+def test_a_changed_timing_replays_the_same_decisions_on_its_own_clock():
+    """Without the side branch's cost, every prefetch row is side_us a layer cheaper (no waits, no misses moved:
+    the decisions are the same); rows without prefetch do not pay it either way."""
+    free = sim_window.parse_timing("free:side_us=0")[1]
+    rows = sim_window.run(["standard"], [0.0], [1], 30, 10, 4, 64, "lru", {"m": Timing(), "free": free})
+    by = {(r["timing"], r["recall"]): r for r in rows}
+    assert by[("m", None)]["tpot_ms"] == by[("free", None)]["tpot_ms"]
+    assert by[("m", 0.0)]["tpot_ms"] - by[("free", 0.0)]["tpot_ms"] == pytest.approx(
+        4 * Timing().side_us / 1000, abs=1e-3
+    )
+    assert by[("m", 0.0)]["misses_per_token"] == by[("free", 0.0)]["misses_per_token"]
+
+
+@pytest.mark.parametrize(
+    "text", ["noside", "measured:side_us=0", "x:sideus=0", "x:side_us=fast", "x:side_us=-1", ":side_us=0"]
+)
+def test_a_bad_timing_is_one_line_and_exit_2(capsys, text):
+    assert sim_window.main(["--timing", text]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sim_window: --timing")
+
+
+def test_a_timing_changes_only_the_keys_it_names():
+    name, timing = sim_window.parse_timing("fast:step_us=4,demand_us=57.3")
+    assert name == "fast" and timing == Timing(step_us=4.0, demand_us=57.3)
