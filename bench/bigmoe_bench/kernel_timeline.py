@@ -15,11 +15,18 @@ separate a prefetch from the compute there; the `prefetch_*` figures go by kerne
 the GPU, which is what the rest of the step waited for them (the copies a layer's window did not hide).
 The GPU's idle time just before and after each fused step (where a prefetch path's joins and forks sit)
 tells launch latency at those edges from kernels slowed by what runs beside them (run 16's open question).
+
+`chain_gaps` (run 20): the launch gaps between the engine's own back-to-back kernels (everything not a prefetch
+path's), split by whether a prefetch-path kernel ran during the gap. Run 20 found them 0.10 us apart (median)
+with no prefetch and 0.42 us while a side kernel ran, about 0.3 ms a token over some 1,000 kernels: the cost of an
+idle prefetch path that no single kernel's time shows.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,6 +42,21 @@ PREFETCH_KERNELS = ("_admit_kernel", "_replayed_rows_kernel", "_copy_kernel")
 """Names of the prefetch path's kernels: its decision, a replayed trace's proposal, its copy. Over a full RAM tier a
 step copies inside its own _step_kernel, so every _copy_kernel there is a prefetch's; over a partial tier the steps'
 two-launch copies count too."""
+
+
+SIDE_PATH_KERNELS = PREFETCH_KERNELS + (
+    "_forward_rounds_kernel",
+    "_wait_kernel",
+    "_wait_all_kernel",
+    "decide_round",
+    "_publish_kernel",
+)
+"""Every kernel a prefetch path runs beside the engine's chain: its decisions, proposals, copies, one-node program,
+waits and mailbox publications (the drain at a forward's end runs on the engine's stream, in the chain)."""
+
+LAUNCH_GAP_US = 5.0
+"""Gaps between chain kernels up to this long are launch gaps; longer ones are waits (the host, a join, a token's
+end) and are left out of chain_gaps."""
 
 
 def kernels(trace: dict) -> list[dict]:
@@ -110,6 +132,38 @@ def idle_around(ks: list[dict], name: str) -> tuple[int, float, float]:
     return count, before, after
 
 
+def chain_gaps(ks: list[dict], tokens: int) -> dict:
+    """The engine chain's launch gaps (microseconds, up to LAUNCH_GAP_US), as {"beside_side", "alone"}: each with
+    gaps per token, their median and mean, and their sum per token. A gap is `beside_side` where a prefetch-path
+    kernel (SIDE_PATH_KERNELS) ran during any part of it. Overlapping chain kernels (two graph branches of the
+    engine's own) count no gap."""
+    is_side = [any(name in k["name"] for name in SIDE_PATH_KERNELS) for k in ks]
+    side = union([(k["start"], k["end"]) for k, s in zip(ks, is_side) if s])
+    chain = [k for k, s in zip(ks, is_side) if not s]
+    starts = [a for a, _ in side]
+    found: dict[str, list[float]] = {"beside_side": [], "alone": []}
+    reached = chain[0]["end"] if chain else 0.0
+    for k in chain[1:]:
+        gap = k["start"] - reached
+        if 0.0 <= gap <= LAUNCH_GAP_US:
+            i = bisect.bisect_right(starts, k["start"]) - 1
+            beside = i >= 0 and side[i][1] > reached
+            if not beside and i + 1 < len(side):  # a side kernel that starts inside the gap
+                beside = side[i + 1][0] < k["start"]
+            found["beside_side" if beside else "alone"].append(gap)
+        reached = max(reached, k["end"])
+    per = 1.0 / max(1, tokens)
+    return {
+        where: {
+            "per_token": round(len(xs) * per, 1),
+            "median_us": round(statistics.median(xs), 3) if xs else None,
+            "mean_us": round(statistics.fmean(xs), 3) if xs else None,
+            "us_per_token": round(sum(xs) * per, 1),
+        }
+        for where, xs in found.items()
+    }
+
+
 def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict:
     """Per-token microseconds of the main stream's busy and idle time, side streams' time beside and outside it,
     the main stream's idle time while a side stream works (a join waiting for it), the time no kernel ran anywhere
@@ -157,6 +211,7 @@ def summarize(trace: dict, tokens: int, copy_name: str = "_copy_kernel") -> dict
         "steps_per_token": round(steps * per, 2),
         "gpu_idle_before_steps_us_per_token": round(before_step * per, 1),
         "gpu_idle_after_steps_us_per_token": round(after_step * per, 1),
+        "chain_gaps": chain_gaps(ks, tokens),
         "copy_kernels": {
             where: {"per_token": round(n * per, 2), "us_per_token": round(us * per, 1), "mean_us": round(us / n, 1)}
             for where, (n, us) in copy_streams.items()

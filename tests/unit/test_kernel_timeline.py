@@ -94,3 +94,44 @@ def test_gpu_idle_around_each_step_is_summed_where_no_kernel_runs():
     assert s["steps_per_token"] == 1.0
     assert s["gpu_idle_before_steps_us_per_token"] == 1.5  # 3 us over 2 tokens
     assert s["gpu_idle_after_steps_us_per_token"] == 2.0  # 4 us over 2 tokens
+
+
+def chain_with_side(gap_alone: float, gap_beside: float, side: tuple[str, float, float] | None) -> dict:
+    """Ten 2-us chain kernels: gaps of gap_alone, except gap_beside from the fifth kernel on where a side kernel
+    runs (start/end in us); one longer wait (a token's end) between the fifth and sixth."""
+    events, t = [], 0.0
+    for i in range(10):
+        name = "_step_kernel_0d1d" if i % 2 else "fused_moe_kernel"
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": 2.0, "args": {"stream": 1}})
+        t += 2.0 + (50.0 if i == 4 else gap_beside if side and i >= 5 else gap_alone)
+    if side:
+        name, start, end = side
+        events.append(
+            {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start, "args": {"stream": 2}}
+        )
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize("side_kernel", ["_forward_rounds_kernel", "_wait_kernel", "_copy_kernel_0d1d"])
+def test_chain_gaps_split_by_a_side_kernel_running_beside(side_kernel):
+    t = chain_with_side(0.1, 0.4, (side_kernel, 60.0, 200.0))
+    gaps = summarize(t, tokens=2)["chain_gaps"]
+    assert gaps["alone"]["per_token"] == 2.0  # four gaps before the wait
+    assert gaps["alone"]["median_us"] == pytest.approx(0.1)
+    assert gaps["beside_side"]["per_token"] == 2.0  # four gaps while the side kernel runs; the 50-us wait is not one
+    assert gaps["beside_side"]["median_us"] == pytest.approx(0.4)
+    assert gaps["beside_side"]["us_per_token"] == pytest.approx(0.8)
+
+
+def test_chain_gaps_without_a_prefetch_path_are_all_alone():
+    gaps = summarize(chain_with_side(0.1, 0.4, None), tokens=1)["chain_gaps"]
+    assert gaps["beside_side"] == {"per_token": 0.0, "median_us": None, "mean_us": None, "us_per_token": 0.0}
+    assert gaps["alone"]["per_token"] == 8.0
+    assert gaps["alone"]["mean_us"] == pytest.approx(0.1)
+
+
+def test_a_side_kernel_that_starts_inside_a_gap_makes_it_beside():
+    t = chain_with_side(0.1, 0.4, ("decide_round", 2.05, 2.08))  # inside the first gap only, 2.0-2.1
+    gaps = summarize(t, tokens=1)["chain_gaps"]
+    assert gaps["beside_side"]["per_token"] == 1.0
+    assert gaps["alone"]["per_token"] == 3.0 + 4.0

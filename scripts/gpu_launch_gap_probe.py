@@ -1,0 +1,145 @@
+"""Does a kernel running beside a CUDA graph's chain slow the chain's launches? (run 20's question)
+
+Run 20's kernel timelines (docs/benchmarks.md) found vLLM's back-to-back kernels 0.10 us apart with no prefetch
+and 0.42 us apart while any prefetch kernel ran beside them, about 0.3 ms a token over some 1,000 kernels. This
+probe tells the possible causes apart without vLLM: one captured chain of N tiny kernels on the main stream, and
+beside it, in the same graph,
+
+    linear      nothing (no side branch)
+    fork        a side branch of one tiny kernel, forked at the start and joined at the end (the topology alone)
+    sleep       a side kernel that sleeps on the SM clock for half the chain (resident, no memory traffic)
+    spin        a side kernel that polls a device word until the chain's middle kernel bumps it (as a prefetch
+                path's waits do)
+    outside-sleep, outside-spin
+                the same kernels launched on another stream just before each replay, outside the graph: if these
+                cost nothing where sleep and spin cost, the graph's shape is what costs, and a decider that lives
+                outside vLLM's graphs would be free of it
+
+Each variant's graph is replayed REPLAYS times; the result is microseconds per chain kernel, and against linear.
+Every side kernel ends before the chain does, so a slower replay is a slower chain.
+
+    python3 scripts/gpu_launch_gap_probe.py --kernels 1000 --out /tmp/gap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+VARIANTS = ("linear", "fork", "sleep", "spin", "outside-sleep", "outside-spin")
+SLEEP_CYCLES_PER_US = 1980  # H200 SM clock, about 1.98 GHz
+MAX_SPINS = 1 << 24  # polls: a second or more, so a missed bump slows one replay rather than hanging the probe
+
+if triton is not None:
+
+    @triton.jit
+    def _spin_kernel(flag_ptr, target, max_spins):
+        seen = tl.load(flag_ptr, volatile=True)
+        if target < 0:  # captured: wait for the next bump of whatever the word holds now
+            target = seen + 1
+        spins = 0
+        while (seen < target) & (spins < max_spins):
+            seen = tl.load(flag_ptr, volatile=True)
+            spins += 1
+
+
+def chain_us(variant: str, kernels: int, replays: int, sleep_us: float) -> float:
+    """Microseconds per replay of one captured graph: the chain and, beside it, the variant's side branch."""
+    x = torch.zeros(1, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        x.add_(1.0)
+        if variant in ("fork", "sleep", "spin"):
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                if variant == "fork":
+                    x.mul_(1.0)
+                elif variant == "sleep":
+                    torch.cuda._sleep(int(sleep_us * SLEEP_CYCLES_PER_US))
+                else:
+                    _spin_kernel[(1,)](flag, -1, MAX_SPINS)
+        for i in range(kernels - 1):
+            x.add_(1.0)
+            if i == kernels // 2:
+                flag.add_(1)
+        if variant in ("fork", "sleep", "spin"):
+            main.wait_stream(side)
+    torch.cuda.synchronize()
+    bumps = int(flag.item())
+
+    def replay() -> None:
+        nonlocal bumps
+        if variant == "outside-sleep":
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(sleep_us * SLEEP_CYCLES_PER_US))
+        elif variant == "outside-spin":
+            with torch.cuda.stream(side):
+                _spin_kernel[(1,)](flag, bumps + 1, MAX_SPINS)
+        graph.replay()
+        bumps += 1
+
+    for _ in range(5):
+        replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0 / replays
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", type=int, default=1000, help="tiny kernels in the main chain")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3, help="every variant this many times, interleaved")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or triton is None:
+        print("gpu_launch_gap_probe: needs a CUDA GPU and Triton", file=sys.stderr)
+        return 2
+    linear = chain_us("linear", args.kernels, args.replays, 0.0)
+    sleep_us = linear / 2
+    rows: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            rows[variant].append(chain_us(variant, args.kernels, args.replays, sleep_us))
+    base = min(rows["linear"])
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "kernels": args.kernels,
+        "replays": args.replays,
+        "sleep_us": sleep_us,
+        "variants": {
+            v: {
+                "replay_us": [round(t, 2) for t in ts],
+                "us_per_kernel": round(min(ts) / args.kernels, 4),
+                "extra_us_per_kernel": round((min(ts) - base) / args.kernels, 4),
+            }
+            for v, ts in rows.items()
+        },
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for v, r in result["variants"].items():
+        print(f"{v:8s} {r['us_per_kernel']:.4f} us a kernel ({r['extra_us_per_kernel']:+.4f}) {r['replay_us']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
