@@ -8,12 +8,14 @@ beside it, in the same graph,
     linear      nothing (no side branch)
     fork        a side branch of one tiny kernel, forked at the start and joined at the end (the topology alone)
     sleep       a side kernel that sleeps on the SM clock for half the chain (resident, no memory traffic)
-    spin        a side kernel that polls a device word until the chain's middle kernel bumps it (as a prefetch
-                path's waits do)
+    spin        a side kernel that polls a device word until the chain's middle kernel bumps it, as the pager's
+                waits do (GPU-scope acquire loads, 256 ns naps between polls: core.memory_order)
+    spin-hard   the same with plain volatile loads and no nap
     outside-sleep, outside-spin
                 the same kernels launched on another stream just before each replay, outside the graph: if these
                 cost nothing where sleep and spin cost, the graph's shape is what costs, and a decider that lives
-                outside vLLM's graphs would be free of it
+                outside vLLM's graphs would be free of it (the host runs ahead of the replays, so these side
+                kernels queue on their stream: outside-spin is resident through most of the timed replays)
 
 Each variant's graph is replayed REPLAYS times; the result is microseconds per chain kernel, and against linear.
 Every side kernel ends before the chain does, so a slower replay is a slower chain.
@@ -26,29 +28,37 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pager"))
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = tl = None
 
-VARIANTS = ("linear", "fork", "sleep", "spin", "outside-sleep", "outside-spin")
+VARIANTS = ("linear", "fork", "sleep", "spin", "spin-hard", "outside-sleep", "outside-spin")
+IN_GRAPH_SIDE = ("fork", "sleep", "spin", "spin-hard")
 SLEEP_CYCLES_PER_US = 1980  # H200 SM clock, about 1.98 GHz
 MAX_SPINS = 1 << 24  # polls: a second or more, so a missed bump slows one replay rather than hanging the probe
 
 if triton is not None:
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
 
     @triton.jit
-    def _spin_kernel(flag_ptr, target, max_spins):
+    def _spin_kernel(flag_ptr, target, max_spins, PAGER_POLL: tl.constexpr, ON_GPU: tl.constexpr):
         seen = tl.load(flag_ptr, volatile=True)
         if target < 0:  # captured: wait for the next bump of whatever the word holds now
             target = seen + 1
         spins = 0
         while (seen < target) & (spins < max_spins):
-            seen = tl.load(flag_ptr, volatile=True)
+            if PAGER_POLL:
+                pause(ON_GPU)
+                seen = load_acquire(flag_ptr, GPU_SCOPE, ON_GPU)
+            else:
+                seen = tl.load(flag_ptr, volatile=True)
             spins += 1
 
 
@@ -57,11 +67,14 @@ def chain_us(variant: str, kernels: int, replays: int, sleep_us: float) -> float
     x = torch.zeros(1, device="cuda")
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")
     side = torch.cuda.Stream()
+    for pager_poll in (True, False):  # compiled before the capture: a module load inside one is not allowed
+        _spin_kernel[(1,)](flag, 0, 1, PAGER_POLL=pager_poll, ON_GPU=True)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         main = torch.cuda.current_stream()
         x.add_(1.0)
-        if variant in ("fork", "sleep", "spin"):
+        if variant in IN_GRAPH_SIDE:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 if variant == "fork":
@@ -69,12 +82,12 @@ def chain_us(variant: str, kernels: int, replays: int, sleep_us: float) -> float
                 elif variant == "sleep":
                     torch.cuda._sleep(int(sleep_us * SLEEP_CYCLES_PER_US))
                 else:
-                    _spin_kernel[(1,)](flag, -1, MAX_SPINS)
+                    _spin_kernel[(1,)](flag, -1, MAX_SPINS, PAGER_POLL=variant == "spin", ON_GPU=True)
         for i in range(kernels - 1):
             x.add_(1.0)
             if i == kernels // 2:
                 flag.add_(1)
-        if variant in ("fork", "sleep", "spin"):
+        if variant in IN_GRAPH_SIDE:
             main.wait_stream(side)
     torch.cuda.synchronize()
     bumps = int(flag.item())
@@ -86,7 +99,7 @@ def chain_us(variant: str, kernels: int, replays: int, sleep_us: float) -> float
                 torch.cuda._sleep(int(sleep_us * SLEEP_CYCLES_PER_US))
         elif variant == "outside-spin":
             with torch.cuda.stream(side):
-                _spin_kernel[(1,)](flag, bumps + 1, MAX_SPINS)
+                _spin_kernel[(1,)](flag, bumps + 1, MAX_SPINS, PAGER_POLL=True, ON_GPU=True)
         graph.replay()
         bumps += 1
 

@@ -82,11 +82,13 @@ def test_the_launch_gap_probe_refuses_without_a_gpu(tmp_path):
     assert done.stderr.strip() == "gpu_launch_gap_probe: needs a CUDA GPU and Triton"
 
 
+@pytest.mark.parametrize("pager_poll", [True, False])
 @pytest.mark.parametrize(
     ("word", "target", "max_spins"),
     [(3, 3, 1 << 20), (3, 1, 1 << 20), (3, 9, 5), (3, -1, 5)],  # reached, passed, never reached, captured form
 )
-def test_the_probe_spin_kernel_ends_once_its_word_arrives_or_its_spins_run_out(word, target, max_spins):
+def test_the_probe_spin_kernel_ends_once_its_word_arrives_or_its_spins_run_out(word, target, max_spins, pager_poll):
     flag = torch.tensor([word], dtype=torch.int64)
-    gpu_launch_gap_probe._spin_kernel[(1,)](flag, target, max_spins)  # Triton's interpreter here
+    # Triton's interpreter here
+    gpu_launch_gap_probe._spin_kernel[(1,)](flag, target, max_spins, PAGER_POLL=pager_poll, ON_GPU=False)
     assert int(flag[0]) == word  # it only reads
