@@ -1,9 +1,10 @@
-"""Does a kernel running beside a CUDA graph's chain slow the chain's launches? (run 20's question)
+"""Does a kernel running beside a CUDA graph's chain slow the chain's launches, and which of its habits? (run 20)
 
 Run 20's kernel timelines (docs/benchmarks.md) found vLLM's back-to-back kernels 0.10 us apart with no prefetch
-and 0.42 us apart while any prefetch kernel ran beside them, about 0.3 ms a token over some 1,000 kernels. This
-probe tells the possible causes apart without vLLM: one captured chain of N tiny kernels on the main stream, and
-beside it, in the same graph,
+and 0.42 us apart while a prefetch placement's kernel ran beside them, about 0.3 ms a token over some 1,000
+kernels; yet run 18 measured one program that only polled for the forward's steps at 0.05 ms a token. This probe
+tells the possible causes apart without vLLM and without the profiler: one captured chain of N tiny kernels on the
+main stream, and beside it, in the same graph,
 
     linear      nothing (no side branch)
     fork        a side branch of one tiny kernel, forked at the start and joined at the end (the topology alone)
@@ -11,8 +12,11 @@ beside it, in the same graph,
     spin        a side kernel that polls a device word until the chain's middle kernel bumps it, as the pager's
                 waits do (GPU-scope acquire loads, 256 ns naps between polls: core.memory_order)
     spin-hard   the same with plain volatile loads and no nap
+    spin-sys    spin, each poll also reading a pinned host word at system scope (as the SSD mailbox's waits do)
+    store-sys   spin, each poll also storing to a pinned host word at system scope (as a round's publication does)
+    atomics     spin, each poll also adding to a device word atomically (as the rounds' claims do)
     outside-sleep, outside-spin
-                the same kernels launched on another stream just before each replay, outside the graph: if these
+                sleep and spin launched on another stream just before each replay, outside the graph: if these
                 cost nothing where sleep and spin cost, the graph's shape is what costs, and a decider that lives
                 outside vLLM's graphs would be free of it (the host runs ahead of the replays, so these side
                 kernels queue on their stream: outside-spin is resident through most of the timed replays)
@@ -39,36 +43,66 @@ try:
 except ImportError:
     triton = tl = None
 
-VARIANTS = ("linear", "fork", "sleep", "spin", "spin-hard", "outside-sleep", "outside-spin")
-IN_GRAPH_SIDE = ("fork", "sleep", "spin", "spin-hard")
+VARIANTS = (
+    "linear",
+    "fork",
+    "sleep",
+    "spin",
+    "spin-hard",
+    "spin-sys",
+    "store-sys",
+    "atomics",
+    "outside-sleep",
+    "outside-spin",
+)
+POLL_MODES = {"spin": 0, "spin-hard": 1, "spin-sys": 2, "store-sys": 3, "atomics": 4, "outside-spin": 0}
+"""The side kernel's MODE for each polling variant (_side_kernel)."""
+IN_GRAPH_SIDE = ("fork", "sleep", "spin", "spin-hard", "spin-sys", "store-sys", "atomics")
 SLEEP_CYCLES_PER_US = 1980  # H200 SM clock, about 1.98 GHz
 MAX_SPINS = 1 << 24  # polls: a second or more, so a missed bump slows one replay rather than hanging the probe
 
 if triton is not None:
-    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, SYS_SCOPE, load_acquire, pause, store_release
 
     @triton.jit
-    def _spin_kernel(flag_ptr, target, max_spins, PAGER_POLL: tl.constexpr, ON_GPU: tl.constexpr):
+    def _side_kernel(flag_ptr, host_ptr, word_ptr, target, max_spins, MODE: tl.constexpr, ON_GPU: tl.constexpr):
+        """Poll flag_ptr until it reaches `target` (-1: one more than it holds at the start), doing MODE's extra
+        memory operation each time; gives up after max_spins polls."""
         seen = tl.load(flag_ptr, volatile=True)
-        if target < 0:  # captured: wait for the next bump of whatever the word holds now
-            target = seen + 1
+        goal = seen + 1  # captured: wait for the next bump of whatever the word holds now
+        if target >= 0:
+            goal = seen * 0 + target  # int64, as the word
         spins = 0
-        while (seen < target) & (spins < max_spins):
-            if PAGER_POLL:
-                pause(ON_GPU)
-                seen = load_acquire(flag_ptr, GPU_SCOPE, ON_GPU)
-            else:
+        kept = seen * 0
+        while (seen < goal) & (spins < max_spins):
+            if MODE == 1:
                 seen = tl.load(flag_ptr, volatile=True)
+            else:
+                pause(ON_GPU)
+                if MODE == 2:
+                    kept += load_acquire(host_ptr, SYS_SCOPE, ON_GPU)
+                if MODE == 3:
+                    store_release(host_ptr, spins.to(tl.int64), SYS_SCOPE, ON_GPU)
+                if MODE == 4:
+                    tl.atomic_add(word_ptr, 1)
+                seen = load_acquire(flag_ptr, GPU_SCOPE, ON_GPU)
             spins += 1
+        tl.store(word_ptr + 1, kept)  # keeps the system-scope reads
 
 
 def chain_us(variant: str, kernels: int, replays: int, sleep_us: float) -> float:
     """Microseconds per replay of one captured graph: the chain and, beside it, the variant's side branch."""
     x = torch.zeros(1, device="cuda")
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+    word = torch.zeros(2, dtype=torch.int64, device="cuda")
+    host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
     side = torch.cuda.Stream()
-    for pager_poll in (True, False):  # compiled before the capture: a module load inside one is not allowed
-        _spin_kernel[(1,)](flag, 0, 1, PAGER_POLL=pager_poll, ON_GPU=True)
+
+    def side_kernel(target: int) -> None:
+        _side_kernel[(1,)](flag, host, word, target, MAX_SPINS, MODE=POLL_MODES[variant], ON_GPU=True)
+
+    if variant in POLL_MODES:  # compiled before the capture: a module load inside one is not allowed
+        _side_kernel[(1,)](flag, host, word, 0, 1, MODE=POLL_MODES[variant], ON_GPU=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -82,7 +116,7 @@ def chain_us(variant: str, kernels: int, replays: int, sleep_us: float) -> float
                 elif variant == "sleep":
                     torch.cuda._sleep(int(sleep_us * SLEEP_CYCLES_PER_US))
                 else:
-                    _spin_kernel[(1,)](flag, -1, MAX_SPINS, PAGER_POLL=variant == "spin", ON_GPU=True)
+                    side_kernel(-1)
         for i in range(kernels - 1):
             x.add_(1.0)
             if i == kernels // 2:
@@ -99,7 +133,7 @@ def chain_us(variant: str, kernels: int, replays: int, sleep_us: float) -> float
                 torch.cuda._sleep(int(sleep_us * SLEEP_CYCLES_PER_US))
         elif variant == "outside-spin":
             with torch.cuda.stream(side):
-                _spin_kernel[(1,)](flag, bumps + 1, MAX_SPINS, PAGER_POLL=True, ON_GPU=True)
+                side_kernel(bumps + 1)
         graph.replay()
         bumps += 1
 

@@ -144,12 +144,19 @@ k = build(md._down_kernel, down, {"H": 2560, "I": 640, "SB": 128, "SC": 5, "BN":
 out["down"] = accesses(k, "ld")
 k = build(md._combine_kernel, {"y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}, {"K": 10, "H": 2560, "BH": 512})
 out["combine"] = accesses(k, "st")
+import gpu_launch_gap_probe as gp
+for variant, mode in sorted(gp.POLL_MODES.items()):
+    k = build(gp._side_kernel, {"flag_ptr": "*i64", "host_ptr": "*i64", "word_ptr": "*i64", "target": "i32",
+              "max_spins": "i32"}, {"MODE": mode, "ON_GPU": True})
+    out[f"gap_probe_{variant}"] = {"acquire": accesses(k, "ld.acquire.gpu") + accesses(k, "ld.acquire.sys"),
+                                   "release": accesses(k, "st.release.sys"), "atom": accesses(k, "atom"),
+                                   "sleep": "nanosleep" in k.asm["ptx"]}
 print(json.dumps(out))
 """
 
 
 def test_kernels_compile_for_sm90_with_wide_accesses():
-    path = os.pathsep.join(str(ROOT / d) for d in ("pager", "bench"))
+    path = os.pathsep.join(str(ROOT / d) for d in ("pager", "bench", "scripts"))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -209,3 +216,12 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         "release": ["st.release.sys.global.b64"],
         "sleep": True,
     }
+    # the launch-gap probe's side kernels (scripts/gpu_launch_gap_probe.py) poll as the pager's waits do, each with
+    # the one extra memory habit it is named for
+    gpu_acquire = "ld.acquire.gpu.global.b64"
+    assert got["gap_probe_spin"] == {"acquire": [gpu_acquire], "release": [], "atom": [], "sleep": True}
+    assert got["gap_probe_outside-spin"] == got["gap_probe_spin"]
+    assert got["gap_probe_spin-hard"] == {"acquire": [], "release": [], "atom": [], "sleep": False}
+    assert got["gap_probe_spin-sys"]["acquire"] == [gpu_acquire, "ld.acquire.sys.global.b64"]
+    assert got["gap_probe_store-sys"]["release"] == ["st.release.sys.global.b64"]
+    assert got["gap_probe_atomics"]["atom"] and got["gap_probe_atomics"]["sleep"]

@@ -82,13 +82,19 @@ def test_the_launch_gap_probe_refuses_without_a_gpu(tmp_path):
     assert done.stderr.strip() == "gpu_launch_gap_probe: needs a CUDA GPU and Triton"
 
 
-@pytest.mark.parametrize("pager_poll", [True, False])
+@pytest.mark.parametrize("variant", sorted(set(gpu_launch_gap_probe.POLL_MODES)))
 @pytest.mark.parametrize(
     ("word", "target", "max_spins"),
     [(3, 3, 1 << 20), (3, 1, 1 << 20), (3, 9, 5), (3, -1, 5)],  # reached, passed, never reached, captured form
 )
-def test_the_probe_spin_kernel_ends_once_its_word_arrives_or_its_spins_run_out(word, target, max_spins, pager_poll):
+def test_the_probe_side_kernel_ends_once_its_word_arrives_or_its_spins_run_out(word, target, max_spins, variant):
     flag = torch.tensor([word], dtype=torch.int64)
+    host = torch.zeros(1, dtype=torch.int64)
+    counter = torch.zeros(2, dtype=torch.int64)
+    mode = gpu_launch_gap_probe.POLL_MODES[variant]
     # Triton's interpreter here
-    gpu_launch_gap_probe._spin_kernel[(1,)](flag, target, max_spins, PAGER_POLL=pager_poll, ON_GPU=False)
-    assert int(flag[0]) == word  # it only reads
+    gpu_launch_gap_probe._side_kernel[(1,)](flag, host, counter, target, max_spins, MODE=mode, ON_GPU=False)
+    assert int(flag[0]) == word  # the polled word is only read
+    polls = max_spins if target > word or target < 0 else 0
+    assert int(counter[0]) == (polls if variant == "atomics" else 0)
+    assert int(host[0]) == (polls - 1 if variant == "store-sys" and polls else 0)
