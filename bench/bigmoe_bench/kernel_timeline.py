@@ -18,8 +18,8 @@ tells launch latency at those edges from kernels slowed by what runs beside them
 
 `chain_gaps` (run 20): the launch gaps between the engine's own back-to-back kernels (everything not a prefetch
 path's), split by whether a prefetch-path kernel ran during the gap. Run 20 found them 0.10 us apart (median)
-with no prefetch and 0.42 us while a side kernel ran, about 0.3 ms a token over some 1,000 kernels: the cost of an
-idle prefetch path that no single kernel's time shows.
+with no prefetch and 0.42 us while a side kernel ran, about 0.3 ms a token over some 1,000 kernels, in profiled
+tokens; whether the untraced engine pays that too is scripts/gpu_launch_gap_probe.py's question.
 """
 
 from __future__ import annotations
