@@ -5,7 +5,8 @@
 #   wait   block until `early` is done (its results are then under $OUT)
 #   bench  (vLLM 0.33 staged) scripts/gpu_vllm_bench.py over $CONFIGS, $PARALLEL engines started at once, every
 #          family of $FAMILIES, recalls $RECALLS for `@r` names (their wrong ids drawn $WRONG: uniform, popular or none),
-#          a kernel timeline of $PROFILE_TOKENS decode tokens per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball
+#          a kernel timeline of $PROFILE_TOKENS decode tokens per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball;
+#          then one line a row on stdout (scripts/bench_table.py)
 #   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
 #   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, $E2E_LAYERS layers, 2)
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
@@ -54,7 +55,8 @@ for step in "$@"; do
       python3 scripts/gpu_vllm_bench.py --workdir "$work" --families "$families" --recalls "$recalls" \
         --wrong "${WRONG:-uniform}" --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-540}" --configs "$CONFIGS" \
         --profile-tokens "${PROFILE_TOKENS:-0}" --out "$out/bench-${TAG:-run}.json" --logs "/tmp/logs-bench-${TAG:-run}"
-      pack "logs-bench-${TAG:-run}" "/tmp/logs-bench-${TAG:-run}" ;;
+      pack "logs-bench-${TAG:-run}" "/tmp/logs-bench-${TAG:-run}"
+      python3 scripts/bench_table.py "$out/bench-${TAG:-run}.json" ;;
     harness)  # the fast harness (no vLLM), alone on the GPU
       python3 scripts/bench_pager.py --models qwen3.6-35b-a3b --family "${FAMILY:-topic-shift}" \
         --configs bigmoe,bigmoe-prefetch --recalls 0,0.8,1.0 --out "$out/harness-${FAMILY:-topic-shift}.json" ;;

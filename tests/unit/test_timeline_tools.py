@@ -98,3 +98,49 @@ def test_the_probe_side_kernel_ends_once_its_word_arrives_or_its_spins_run_out(w
     polls = max_spins if target > word or target < 0 else 0
     assert int(counter[0]) == (polls if variant == "atomics" else 0)
     assert int(host[0]) == (polls - 1 if variant == "store-sys" and polls else 0)
+
+
+def bench_rows(paged_tokens: list[int]) -> dict:
+    gaps = {"beside_side": {"median_us": 0.416}, "alone": {"median_us": 0.097}}
+    return {
+        "configs": [
+            {"name": "resident", "family": "standard", "tpot_ms": 3.5, "tokens": [1, 2, 3]},
+            {"name": "offload17", "family": "standard", "tpot_ms": 14.0, "tokens": [1, 2, 3]},
+            {
+                "name": "bigmoe-102@r0",
+                "family": "standard",
+                "tpot_ms": 5.0,
+                "tokens": paged_tokens,
+                "decode_hit_rate": {"vram": 0.93},
+                "pcie_gb_per_token": 0.07,
+                "decode_profile": {"chain_gaps": gaps},
+            },
+            {"name": "bigmoe-102", "family": "topic-shift", "tpot_ms": 7.0, "tokens": [4]},  # no reference there
+        ]
+    }
+
+
+@pytest.mark.parametrize(("paged_tokens", "verdict"), [([1, 2, 3], "tokens same"), ([1, 2, 4], "TOKENS DIFFER")])
+def test_bench_table_gives_each_row_its_ratios_identity_and_gaps(tmp_path, paged_tokens, verdict):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench_rows(paged_tokens)))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_table.py"), str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    paged = next(line for line in done.stdout.splitlines() if line.startswith("bigmoe-102@r0"))
+    assert "1.43x res" in paged and "2.80x off" in paged and "vram 0.93" in paged and "pcie 0.07 GB" in paged
+    assert verdict in paged and "gaps beside 0.416 alone 0.097 us" in paged
+    other = next(line for line in done.stdout.splitlines() if "topic-shift" in line)
+    assert "x res" not in other and "tokens" not in other  # nothing to compare it with in its family
+
+
+@pytest.mark.parametrize("content", ["not json", json.dumps({"rows": []}), json.dumps({"configs": [{"x": 1}]})])
+def test_bench_table_refuses_what_is_not_a_bench_run(tmp_path, content):
+    path = tmp_path / "bench.json"
+    path.write_text(content)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_table.py"), str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("bench_table: ") and len(done.stderr.strip().splitlines()) == 1
