@@ -64,7 +64,9 @@ MAX_SPINS = 1 << 24  # polls: a second or more, so a missed bump slows one repla
 if triton is not None:
     from bigmoe_pager.core.memory_order import GPU_SCOPE, SYS_SCOPE, load_acquire, pause, store_release
 
-    @triton.jit
+    # one compiled kernel for every target and spin bound: the warm-up before a capture must be the kernel the
+    # capture launches, and the outside variants' targets (1, 2, ... 16 ...) must not compile mid-timing
+    @triton.jit(do_not_specialize=["target", "max_spins"])
     def _side_kernel(flag_ptr, host_ptr, word_ptr, target, max_spins, MODE: tl.constexpr, ON_GPU: tl.constexpr):
         """Poll flag_ptr until it reaches `target` (-1: one more than it holds at the start), doing MODE's extra
         memory operation each time; gives up after max_spins polls."""
