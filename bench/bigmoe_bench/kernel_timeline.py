@@ -146,10 +146,9 @@ def chain_gaps(ks: list[dict], tokens: int) -> dict:
     for k in chain[1:]:
         gap = k["start"] - reached
         if 0.0 <= gap <= LAUNCH_GAP_US:
-            i = bisect.bisect_right(starts, k["start"]) - 1
+            # the last side stretch that starts before the gap ends (merged and sorted, so no other can reach into it)
+            i = bisect.bisect_left(starts, k["start"]) - 1
             beside = i >= 0 and side[i][1] > reached
-            if not beside and i + 1 < len(side):  # a side kernel that starts inside the gap
-                beside = side[i + 1][0] < k["start"]
             found["beside_side" if beside else "alone"].append(gap)
         reached = max(reached, k["end"])
     per = 1.0 / max(1, tokens)

@@ -135,3 +135,19 @@ def test_a_side_kernel_that_starts_inside_a_gap_makes_it_beside():
     gaps = summarize(t, tokens=1)["chain_gaps"]
     assert gaps["beside_side"]["per_token"] == 1.0
     assert gaps["alone"]["per_token"] == 3.0 + 4.0
+
+
+@pytest.mark.parametrize(
+    ("side", "beside"),
+    [
+        ((1.0, 2.05), 1),  # ends inside the first gap (2.0-2.1)
+        ((2.05, 2.08), 1),  # wholly inside it
+        ((2.1, 3.0), 0),  # starts as the gap ends: no part of the gap
+        ((0.5, 2.0), 0),  # ends as the gap starts
+    ],
+)
+def test_a_gap_is_beside_only_where_a_side_kernel_runs_during_part_of_it(side, beside):
+    t = chain_with_side(0.1, 0.1, ("_admit_kernel", *side))
+    gaps = summarize(t, tokens=1)["chain_gaps"]
+    assert gaps["beside_side"]["per_token"] == beside
+    assert gaps["alone"]["per_token"] == 8 - beside
