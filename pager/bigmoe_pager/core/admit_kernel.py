@@ -45,6 +45,7 @@ def launch_admit(
     lift_percent: int | None = None,
     chain_flags: torch.Tensor | None = None,
     record_blocks: int = 0,
+    num_warps: int = 4,
 ) -> dict[str, torch.Tensor]:
     """Run the prefetch decision; returns experts, slots, evicted, rows (int64 [m], -1 padded).
 
@@ -61,6 +62,7 @@ def launch_admit(
     chain_flags: a joinless chained forward's flags (core.round_sync): the round first claims the table for the
     forward (a step that came first has cancelled it: then nothing is decided and every output is -1), and marks
     each slot it fills as `record_blocks` copy blocks short of done before it releases the decision.
+    num_warps: the CTA's warps (scripts/gpu_decide_timing.py times the choices).
     """
     if num_slots > MAX_SLOTS:
         raise ValueError(f"the admit kernel handles up to {MAX_SLOTS} slots per table, got {num_slots}")
@@ -114,7 +116,7 @@ def launch_admit(
         BUDGET=budget,
         SYNC=chain_flags is not None,
         ON_GPU=flat.is_cuda,
-        num_warps=4,
+        num_warps=num_warps,
     )
     if source is None:
         out["rows"] = out["experts"]  # the records are indexed by expert id
