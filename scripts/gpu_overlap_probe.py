@@ -30,6 +30,11 @@ Side work (--variants), each adding one part of the prefetch path:
                hidden]: the proposals are near random, so this is the live path's fixed cost at low recall (the
                prefetch gate may close for most rounds), not what a trained router's proposals would save
   router-pN    the same, at most N copy programs per expert
+  instep       no side stream at all: layer l's fused step runs one more program that decides layer l+1's round
+               from the replayed proposal and publishes it to the host copier's thread, which copies it with the
+               copy engines (BIGMOE_PREFETCH_IN_STEP: core.forward_rounds.StepRound); the steps settle their rounds
+               and wait for the copies they need on the device (a joinless forward), the token's end drains the
+               copies. Unlike admit and inline, this one copies
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
 the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
@@ -66,9 +71,13 @@ from bigmoe_bench.kernel_timeline import summarize_file
 from bigmoe_bench.moe_decode import ExpertWeights
 from bigmoe_pager.atomic_file import write_atomic
 from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.forward_rounds import ForwardRounds
+from bigmoe_pager.core.host_copier import HostCopier
+from bigmoe_pager.core.host_rounds import drain_published, progress_words
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
+from bigmoe_pager.core.prefetch_chain import PrefetchChain
 from bigmoe_pager.core.slots import POLICIES
 from bigmoe_pager.core.stats import HITS, LOOKUPS, VRAM, PagerStats
 
@@ -145,12 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+BASES = ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router", "instep")
+
+
 @dataclass(frozen=True)
 class Variant:
     """A --variants name taken apart: base[-pN][-hi][-joinnow][-split]."""
 
     base: str
-    """resident, none, fork, gather, admit, inline, prefetch or router."""
+    """One of BASES, or kN."""
     programs: int = 0
     """Copy programs per prefetched expert (0: one per block)."""
     high_priority: bool = False
@@ -167,9 +179,7 @@ class Variant:
     @classmethod
     def parse(cls, name: str) -> "Variant":
         base, *parts = name.split("-")
-        if base not in ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router") and not _trivial(
-            base
-        ):
+        if base not in BASES and not _trivial(base):
             raise ValueError(f"unknown variant {name!r}")
         programs, flags = 0, set()
         for part in parts:
@@ -254,6 +264,14 @@ class Model:
         variant = Variant.parse(name)
         if variant.base != "resident":
             self.restart(order, variant.programs, variant.split)
+        rounds = InStepRounds(self, predicted) if variant.base == "instep" else None
+        try:
+            return self._time(trace_dev, predicted, variant, rounds, args)
+        finally:
+            if rounds is not None:
+                rounds.close()
+
+    def _time(self, trace_dev, predicted, variant, rounds, args) -> float:
         live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
@@ -262,6 +280,8 @@ class Model:
         def token() -> None:
             x = x0
             ids_all = trace_dev.index_select(0, pos)[0]
+            if rounds is not None:
+                rounds.replayed(pos)
             for layer in range(args.layers):
                 for d in self.dense:
                     x = x @ d
@@ -271,16 +291,18 @@ class Model:
                 if variant.base == "resident":
                     out = moe(x, ids, w, self.resident[layer])
                 else:
-                    slot_ids = self.pagers[layer].step(ids)
+                    slot_ids = self.pagers[layer].step(ids, None if rounds is None else rounds.signal(layer))
                     if variant.once and layer == 0:
                         self._fork(live, f"k{int(variant.base[1:]) * (args.layers - 1)}", predicted, pos, layer, x)
-                    elif layer + 1 < args.layers and variant.base != "none" and not variant.once:
+                    elif layer + 1 < args.layers and variant.base not in ("none", "instep") and not variant.once:
                         self._fork(live, variant.base, predicted, pos, layer, x)
                     out = moe(x, slot_ids, w, self.slots[layer])
                     if variant.join_now:
                         live.join(self.device)
                 x = (x.float() + out).to(torch.bfloat16)
             live.join(self.device)
+            if rounds is not None:
+                rounds.drain()
             pos.add_(1)
 
         self._timed = variant.base != "resident"
@@ -307,6 +329,8 @@ class Model:
         self._replay = graph.replay
         per_token = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
         self.worst_ms = round(max(per_token), 4)
+        if rounds is not None:
+            rounds.check()
         return round(marks[0].elapsed_time(marks[-1]) / args.tokens, 4)
 
     def profile(self, tokens: int) -> dict:
@@ -374,6 +398,50 @@ class Model:
             "pcie_gb_per_token": round(moved / tokens / 1e9, 5),
             "prefetched_per_token": round(prefetched / tokens, 2),
         }
+
+
+class InStepRounds:
+    """The instep variant's parts: the chain's flags, the replay cursors its rounds read, the rounds' address table
+    and mailboxes (layers 1 .. L-1), and the host copier serving them."""
+
+    def __init__(self, model: "Model", predicted: torch.Tensor) -> None:
+        layers = model.args.layers
+        device = model.device
+        for each in model.pagers:  # fused steps (a GPU's default; the interpreter's --smoke needs asking)
+            each.pager_started().fused = each.pager_started().vram.use_kernel = True
+        pagers = [p.pager_started() for p in model.pagers[1:]]
+        self.chain = PrefetchChain(layers, device)
+        self.cursor = torch.zeros(layers, dtype=torch.int64, device=device)
+        self.slots = pagers[0].num_slots
+        boxes = HostCopier.mailbox(self.slots, device, len(pagers))
+        self.rounds = ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0)
+        self.copier = HostCopier(device)
+        for pager, box in zip(pagers, boxes):
+            components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
+            copied = pager.vram.kernel_state()["copied"]
+            self.copier.add_layer(box, pager.ram.records, pager.layout.pitch, components, copied, self.slots)
+        self.words = progress_words(pagers, device)
+        self.layers = layers
+
+    def replayed(self, pos: torch.Tensor) -> None:
+        """Every layer's cursor past the token's row, as the routing replay leaves it before each step."""
+        torch.add(pos.expand(self.layers), 1, out=self.cursor)
+
+    def signal(self, layer: int):
+        step_round = self.rounds.in_step(layer + 1) if layer + 1 < self.layers else None
+        return self.chain.signal(layer, first=layer == 0, joinless=True, round=step_round)
+
+    def drain(self) -> None:
+        drain_published(self.words, self.slots, self.chain.flags)
+
+    def check(self) -> None:
+        """No wait gave up, the copier served a round a layer a token and reports no error."""
+        served = self.copier.stats()
+        if self.chain.timeouts or served["error"]:
+            raise RuntimeError(f"instep: {self.chain.timeouts} waits gave up; host copier {served}")
+
+    def close(self) -> None:
+        self.copier.close()
 
 
 def _trivial(base: str) -> bool:

@@ -156,6 +156,10 @@ HOST_COPIER = "+host"
 """Name suffix: a joinless forward's rounds copied by a host thread through the copy engines, each publishing its list
 (BIGMOE_PREFETCH_HOST_COPIER=1, core.host_copier; with +one-node, the one-node kernel's one program decides and
 publishes); needs @rRECALL. Run 19's `+host` rows decided each round in line instead (removed since: slower)."""
+IN_STEP = "+instep"
+"""Name suffix: a joinless forward's replayed rounds decided inside the steps, one more program of layer l's step
+deciding layer l+1's round, copied by the host thread (BIGMOE_PREFETCH_IN_STEP=1, core.forward_rounds.StepRound);
+needs @rRECALL."""
 NOWAIT = "+nowait"
 """Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {
@@ -184,6 +188,7 @@ PREDICTION_SUFFIXES = {
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},
     ONE_NODE: {"BIGMOE_PREFETCH_ONE_NODE": "1"},
     HOST_COPIER: {"BIGMOE_PREFETCH_HOST_COPIER": "1"},
+    IN_STEP: {"BIGMOE_PREFETCH_IN_STEP": "1"},
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"

@@ -121,6 +121,12 @@ class PagerSettings:
     BIGMOE_PREFETCH_ONE_NODE=1 too, the one-node kernel (one program, forked once a forward) decides the replayed
     rounds and publishes them. Off: level with forks at recall 0 inside vLLM 0.33, 0.07-0.21 ms faster at 0.8 (run
     19, the one-node placement)."""
+    prefetch_in_step: bool = False
+    """BIGMOE_PREFETCH_IN_STEP: 1 = a joinless chained forward copied by the host thread (as
+    BIGMOE_PREFETCH_HOST_COPIER=1, which this implies) whose replayed rounds are decided inside the steps: layer l's
+    fused step runs one more program that decides layer l+1's round and publishes it (core.forward_rounds.StepRound),
+    so no prefetch kernel runs beside vLLM's; the next layer only. The live predictor's rounds stay per layer. Not yet
+    measured inside vLLM."""
     prefetch_distance: int = 1
     """BIGMOE_PREFETCH_DISTANCE: D > 1 = in a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this
     implies), layer l's round prefetches into layer l+D (its router on layer l's hidden state, or a replayed trace's

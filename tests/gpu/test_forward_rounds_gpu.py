@@ -6,8 +6,8 @@ launch a forward, every round is decided or cancelled, no wait gives up, copies 
 BIGMOE_PREFETCH_HOST_COPIER (mode "host"): the same forward with a round forked a layer, each publishing its list to
 the host thread (core.host_copier), which copies it with the copy engines; with BIGMOE_PREFETCH_ONE_NODE too
 ("one-node-host"), decided by the one-node kernel's one program and copied by the host thread; and so with each round
-decided two layers ahead of its step (BIGMOE_PREFETCH_DISTANCE=2, "one-node-host-dist2"). All must keep every slot as
-right."""
+decided two layers ahead of its step (BIGMOE_PREFETCH_DISTANCE=2, "one-node-host-dist2"); and with each round decided
+by one more program of the step before it (BIGMOE_PREFETCH_IN_STEP, "in-step"). All must keep every slot as right."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ MODES = {
     "host": {"prefetch_host_copier": True},
     "one-node-host": {"prefetch_one_node": True, "prefetch_host_copier": True},
     "one-node-host-dist2": {"prefetch_one_node": True, "prefetch_host_copier": True, "prefetch_distance": 2},
+    "in-step": {"prefetch_in_step": True},
 }
 
 
@@ -61,7 +62,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    once = [] if mode == "host" else [(1, layers_n - 1)]
+    once = [] if mode in ("host", "in-step") else [(1, layers_n - 1)]
     assert [(first, last) for first, last, _ in launches] == once  # captured once: one a forward (none: per layer)
     for _ in range(replays):
         graph.replay()

@@ -21,6 +21,7 @@ from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.prediction import replayed_predictions
 from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
+from bigmoe_pager.core.step_kernel import StepKernelError
 from bigmoe_pager.settings import PagerSettings
 from test_live_predictor import EXPERTS
 from test_prefetch_chain import captured_model, run_forwards
@@ -94,7 +95,7 @@ def host_copies_waited_for(monkeypatch) -> list:
         assert torch.all(copied >= target), "the host copier did not serve a published round within 10 s"
         served.append(int(box[0]))
 
-    plain_launch, plain_prefetch = ForwardRounds.launch, ExpertPager.prefetch
+    plain_launch, plain_prefetch, plain_acquire = ForwardRounds.launch, ExpertPager.prefetch, ExpertPager.acquire
 
     def launch(self, flags, tokens, **kw):
         plain_launch(self, flags, tokens, **kw)
@@ -109,8 +110,16 @@ def host_copies_waited_for(monkeypatch) -> list:
             wait(self.mailbox, state["copied"], state["target"])
         return got
 
+    def acquire(self, topk_ids, chain=None):
+        got = plain_acquire(self, topk_ids, chain)
+        if chain is not None and chain.round is not None:  # the step decided and published the next layer's round
+            rounds, index = chain.round.rounds, chain.round.target - chain.round.rounds.first
+            wait(rounds.mailboxes[index], *rounds.progress[index])
+        return got
+
     monkeypatch.setattr(ForwardRounds, "launch", launch)
     monkeypatch.setattr(ExpertPager, "prefetch", prefetch)
+    monkeypatch.setattr(ExpertPager, "acquire", acquire)
     return served
 
 
@@ -180,6 +189,46 @@ def test_a_step_that_never_publishes_is_given_up_on_counted():
     assert int(ours[2][0].vram.kernel_state()["claim"]) == 4 * 4 + DECIDED
 
 
+@pytest.mark.parametrize("policy,tokens", [("lru", 1), ("lfu-duel", 2)])
+def test_a_step_decides_and_publishes_the_next_layer_s_round_as_the_kernel_would(policy, tokens):
+    """BIGMOE_PREFETCH_IN_STEP: layer 0's step, with layer 1's round riding on it, counts the forward once (its round
+    program, not the step's end), and decides and publishes what the one-node kernel's round into layer 1 does."""
+    experts, slots, layers_n = 40, 10, 3
+    predicted = torch.randint(-1, experts, (11, layers_n, 6), dtype=torch.int32)
+    ours, theirs = layers_twice(layers_n, experts, slots, policy)
+    cursor = torch.full((layers_n,), 3 + tokens, dtype=torch.int64)
+    boxes = [HostCopier.mailbox(slots, torch.device("cpu"), layers_n - 1) for _ in range(2)]
+    in_step = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 1, boxes[0], 0)
+    kernel = ForwardRounds([p for p, _ in theirs[1:]], 1, predicted, cursor, 1, boxes[1], 0)
+    ids = step_ids(random.Random(tokens), experts, tokens, 4, list(range(12)))
+    chain, ref_chain = PrefetchChain(layers_n, "cpu"), chain_at(layers_n, 1, 0)
+    ours[0][0].acquire(ids, chain.signal(0, first=True, round=in_step.in_step(1)))
+    theirs[0][0].acquire(ids, ref_chain.signal(0, first=False))  # (the forward is counted already)
+    kernel.launch(ref_chain.flags, tokens, max_spins=1)  # layer 2's round gives up on layer 1's step: not compared
+    assert chain.forwards == 1 and chain.stepped(0) == 0  # counted once; a step with a round publishes no STEPPED
+    assert int(ours[1][0].vram.kernel_state()["claim"]) == 1 * 4 + DECIDED
+    for field in STATE:
+        assert torch.equal(getattr(ours[1][0].vram, field), getattr(theirs[1][0].vram, field)), field
+    for word in SYNC_WORDS:
+        assert torch.equal(ours[1][0].vram.kernel_state()[word], theirs[1][0].vram.kernel_state()[word]), word
+    assert torch.equal(boxes[0][0], boxes[1][0]) and int(boxes[0][0][0]) == 1  # the same list, under forward 1
+    assert int(ours[2][0].vram.kernel_state()["claim"]) == 0  # layer 2's round is layer 1's step's business
+
+
+def test_a_round_rides_only_on_the_step_before_it_with_mailboxes():
+    predicted = torch.randint(0, 40, (9, 3, 5), dtype=torch.int32)
+    ours, _ = layers_twice(3, 40, 8, "lru")
+    cursor = torch.ones(3, dtype=torch.int64)
+    with pytest.raises(ForwardRoundsError, match="need mailboxes"):
+        ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 1).in_step(1)
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 1, HostCopier.mailbox(8, "cpu", 2), 0)
+    with pytest.raises(ForwardRoundsError, match="no round here"):
+        rounds.in_step(3)
+    chain = PrefetchChain(3, "cpu")
+    with pytest.raises(StepKernelError, match="decides layer 1's round, not 2's"):
+        ours[0][0].acquire(torch.tensor([[1, 2]]), chain.signal(0, first=True, round=rounds.in_step(2)))
+
+
 def test_layers_that_cannot_share_the_kernel_are_named():
     ours, _ = layers_twice(2, 40, 8, "lru")
     other, _ = layers_twice(1, 40, 6, "lru")
@@ -198,10 +247,11 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
 ):
     """Off CUDA the adapter launches the kernel once a layer (in the interpreter a launch runs to its end before the
     next step); the counts, tables and slot bytes must equal the per-layer joinless rounds'. So must those of rounds
-    copied by the host thread (BIGMOE_PREFETCH_HOST_COPIER), published by each layer's round ("host") or by the
-    one-node kernel ("one-node-host"): there the test waits for the thread after each round, as the GPU's step polls
-    for it (the interpreter's step polls once). A host copier that cannot be built ("host-unbuilt") leaves one
-    warning line and the joinless rounds."""
+    copied by the host thread (BIGMOE_PREFETCH_HOST_COPIER), published by each layer's round ("host"), by the
+    one-node kernel ("one-node-host") or by the step before each round (BIGMOE_PREFETCH_IN_STEP, "in-step"): there
+    the test waits for the thread after each round, as the GPU's step polls for it (the interpreter's step polls
+    once). A host copier that cannot be built ("host-unbuilt", "in-step-unbuilt") leaves one warning line and the
+    joinless rounds."""
     trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
     capturing = [False]
@@ -209,7 +259,8 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
     launches = recorded_launches(monkeypatch)
     served = host_copies_waited_for(monkeypatch)
     results = {}
-    for mode in ("joinless", "one-node", "host", "one-node-host", "host-unbuilt"):
+    modes = ("joinless", "one-node", "host", "one-node-host", "in-step", "host-unbuilt", "in-step-unbuilt")
+    for mode in modes:
         if mode == "host-unbuilt":
             monkeypatch.setattr(HostCopier, "__init__", unbuildable)
         env = {
@@ -217,6 +268,7 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
             "BIGMOE_PREFETCH_JOINLESS": "1",
             "BIGMOE_PREFETCH_ONE_NODE": "1" if mode.startswith("one-node") else "0",
             "BIGMOE_PREFETCH_HOST_COPIER": "1" if "host" in mode else "0",
+            "BIGMOE_PREFETCH_IN_STEP": "1" if mode.startswith("in-step") else "0",
         }
         layers, stats, routing, live = captured_model(env, layers_n, admit_kernel=True)
         capturing[0] = False
@@ -231,18 +283,18 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
         expected = [(i, i) for i in range(1, layers_n)] * forwards if mode.startswith("one-node") else []
         assert [(first, last) for first, last, _ in launches] == expected  # a launch a round here (a forward on CUDA)
         assert live._chain.timeouts == 0 and live.chain_cancels == 0 and not live.live.chained
-        if mode in ("host", "one-node-host"):
+        if mode in ("host", "one-node-host", "in-step"):
             assert live.copier.stats()["rounds"] == forwards * (layers_n - 1) == len(served)
             live.copier.close()
             served.clear()
-        if mode == "host-unbuilt":
-            assert live.copier is None and not live.host
-            assert [r.message for r in caplog.records if "HOST_COPIER" in r.message] == [
+        if mode.endswith("-unbuilt"):
+            assert live.copier is None and not live.host and not live.in_step
+            assert [r.message for r in caplog.records if "HOST_COPIER" in r.message][-1:] == [
                 "bigmoe: BIGMOE_PREFETCH_HOST_COPIER: host copier: no C compiler; prefetch rounds are copied on the "
                 "GPU instead"
             ]
     plain_counts, plain_layers = results["joinless"]
-    for mode in ("one-node", "host", "one-node-host", "host-unbuilt"):
+    for mode in modes[1:]:
         counts, kept = results[mode]
         assert plain_counts == counts and sum(c.prefetched for c in counts) > 0, mode
         for (a_slots, a_bytes), (b_slots, b_bytes) in zip(plain_layers, kept):

@@ -65,12 +65,18 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
         "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64",
-        "filled_ptr": "*i64", "max_spins": "i32"}
+        "filled_ptr": "*i64", "max_spins": "i32", "round_row_ptr": "*i64", "round_box_ptr": "*i64",
+        "round_pred_ptr": "*i32", "round_cursor_ptr": "*i64"}
+step |= {n: "i32" for n in sk._step_kernel.arg_names if n.startswith("round_") and n not in step}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
-for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
+ROUNDED = {"ROUND": True, "ROUND_COUNTS": False, "RP": 8, "RS": 205, "NEEDED": ak.NEEDED_KEY, "RBLOCK_S": 256,
+           "BLOCK_N": 256, "RBLOCK_P": 8, "RLFU": True, "RBUDGET": 1}
+for name in [*POLICIES, "round"]:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
+    rounds_ = ROUNDED if name == "round" else {"ROUND": False, "ROUND_COUNTS": False, **sk.NO_ROUND}
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
-              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy(name),
-              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1}[name], "SYNC": name == "lfu-duel", "ON_GPU": True,
+              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy("lfu-duel" if name == "round" else name),
+              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1, "round": 0}[name], "SYNC": name in ("lfu-duel", "round"),
+              "ON_GPU": True, **rounds_,
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
@@ -79,7 +85,8 @@ for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     out[f"step_{name}"] = {"bar": "bar.sync" in ptx, "atom": accesses(k, "atom"),
                               "release": accesses(k, "st.release.gpu"), "acquire": accesses(k, "ld.acquire.gpu"),
                               "sleep": "nanosleep" in ptx,
-                              "copy": sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", ptx))) + accesses(k, "st")}
+                              "copy": sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", ptx))) + accesses(k, "st"),
+                              "release_sys": accesses(k, "st.release.sys")}
 box = {n: "*i64" for n in ("box", "seq_ptr", "flag_ptr", "experts_ptr", "slots_ptr", "rows_ptr", "posted_ptr")}
 box |= {"layer": "i32", "n": "i32", "nrows": "i32", "post_entry0": "i32", "timeout_ns": "i64", "max_spins": "i32"}
 k = build(mb.request_kernel, box, {"DONE": 72, "BLOCK": 16, "ON_GPU": True})
@@ -194,6 +201,16 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         assert ("atom.global.acq_rel.gpu.cas.b64" in step["atom"]) == (name == "lfu-duel")
         assert step["acquire"] == (["ld.acquire.gpu.global.b64"] if name == "lfu-duel" else [])
         assert step["sleep"] == (name == "lfu-duel")
+        assert step["release_sys"] == []  # no step publishes to the host
+    # a step with the next layer's round (BIGMOE_PREFETCH_IN_STEP): a joinless lfu-duel step whose extra program
+    # claims the next table (an acq_rel max), releases its decision at GPU scope and publishes the list to the host
+    # copier's mailbox with a system-scope release; the step's own path is as before
+    rounded = got["step_round"]
+    assert "atom.global.gpu.acq_rel.max.s64" in rounded["atom"] and "atom.global.acq_rel.gpu.cas.b64" in rounded["atom"]
+    assert rounded["release"] == ["st.release.gpu.global.b64"] and rounded["release_sys"] == [
+        "st.release.sys.global.b64"
+    ]
+    assert rounded["bar"] and any("evict_first" in a for a in rounded["copy"])
     assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
     assert got["chain_wait_all"] == got["chain_wait"]  # the poll-once probe polls as a chained round does
     # the one-node rounds: poll the steps' and the claims' words (acquire, sleeping), claim with an acq_rel max,

@@ -42,7 +42,6 @@ from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, NEEDED_KEY, PACKED_MAX, 
 from bigmoe_pager.core.copy_kernel import BLOCK_BYTES, component_groups, copy_plan, record_blocks, record_words
 from bigmoe_pager.core.host_copier import mailbox_words
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
-from bigmoe_pager.core.step_kernel import MAX_IDS
 from bigmoe_pager.core.triton_launch import kernel_for
 
 try:
@@ -149,6 +148,8 @@ class ForwardRounds:
         self.plan = copy_plan(lead.layout)
         self.block = max(1, BLOCK_BYTES // self.plan.word_bytes)
         self.record_blocks = record_blocks(lead.layout)
+        from bigmoe_pager.core.step_kernel import MAX_IDS  # (step_kernel's rounds import this module)
+
         self.max_pred = MAX_IDS * predicted.shape[2]  # a fused step's rows (<= MAX_IDS) times the proposal's width
         self.miss_capacity = lead.vram.miss_capacity
         device = predicted.device
@@ -260,6 +261,67 @@ class ForwardRounds:
             num_warps=4,
         )
 
+    def in_step(self, layer: int) -> StepRound:
+        """The round into layer `layer` (first .. last) as the extra program of layer `layer` - 1's fused step
+        (BIGMOE_PREFETCH_IN_STEP): published to the host copier, which this kernel's tables must have mailboxes for."""
+        if self.mailboxes is None:
+            raise ForwardRoundsError("rounds decided in the steps are copied by the host copier: they need mailboxes")
+        if not self.first <= layer <= self.last:
+            raise ForwardRoundsError(f"layer {layer} has no round here (layers {self.first} .. {self.last})")
+        return StepRound(self, layer)
+
+
+@dataclass(frozen=True)
+class StepRound:
+    """Layer `target`'s round, decided by one more program of layer `target` - 1's fused step (step_kernel) instead
+    of a kernel beside vLLM's: no side branch, no program resident while vLLM's kernels run (run 21 in
+    docs/benchmarks.md: a resident side CTA slows the SM-filling kernels it sits beside). It proposes from the rows
+    that step replays (distance 1), claims and decides as a joinless round does, and publishes the list for the host
+    copier; layer `target`'s step settles it and waits for the copies it needs (core.round_sync)."""
+
+    rounds: ForwardRounds
+    target: int
+    """The MoE index of the round's layer (the step's index + 1)."""
+
+    def step_args(self, tokens: int) -> tuple[list, dict]:
+        """The step kernel's runtime arguments and compile-time constants for a step of `tokens` rows."""
+        rounds, s = self.rounds, self.rounds.shape
+        n_pred = tokens * rounds.predicted.shape[2]
+        if not 1 <= n_pred <= rounds.max_pred:
+            raise ForwardRoundsError(
+                f"a step of {tokens} rows proposes {n_pred} ids, the kernel takes 1..{rounds.max_pred}"
+            )
+        length, layers, width = rounds.predicted.shape
+        index = self.target - rounds.first
+        args = [
+            rounds.table[index],
+            rounds.mailboxes[index],
+            rounds.predicted,
+            rounds.cursor,
+            tokens,
+            length,
+            layers,
+            rounds.predicted.stride(0),
+            rounds.predicted.stride(1),
+            n_pred,
+            rounds.miss_capacity(n_pred),
+            s.min_used_percent,
+            -1 if s.lift_percent is None else s.lift_percent,
+            rounds.layout.record_bytes,
+            rounds.record_blocks,
+        ]
+        consts = dict(
+            RP=width,
+            RS=s.slots,
+            NEEDED=NEEDED_KEY,
+            RBLOCK_S=next_pow2(s.slots),
+            BLOCK_N=IDS_BLOCK,
+            RBLOCK_P=next_pow2(max(2, n_pred)),
+            RLFU=s.lfu,
+            RBUDGET=s.budget,
+        )
+        return args, consts
+
 
 def shared_shape(pagers: list) -> Shape:
     """The Shape every pager shares; ForwardRoundsError naming the first layer that differs, or that cannot take
@@ -339,6 +401,116 @@ if triton is not None:
         return tl.load(row_ptr + index).to(tl.pointer_type(DTYPE))
 
     @triton.jit
+    def round_of_layer(
+        row,
+        box_ptr,
+        flags_ptr,
+        forward,
+        predicted_ptr,
+        start,
+        column,
+        length,
+        trace_layers,
+        row_stride,
+        layer_stride,
+        n_pred,
+        m,
+        min_used_percent,
+        lift_percent,
+        record_bytes,
+        record_blocks,
+        P: tl.constexpr,
+        E: tl.constexpr,
+        S: tl.constexpr,
+        NEEDED: tl.constexpr,
+        PACKED_MAX: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        LFU: tl.constexpr,
+        BUDGET: tl.constexpr,
+        HOST: tl.constexpr,
+        ON_GPU: tl.constexpr,
+    ):
+        """One joinless round, by one program: the replayed proposal of the trace rows start .. start + tokens - 1
+        (column `column`: the proposals made at that MoE index for the next) into the row's scratch, the decision
+        with round_sync's claim for `forward` (admit_kernel.decide_round), and with HOST the decided list published
+        to the layer's mailbox `box_ptr` for the host copier. row: the layer's address-table row (FIELDS)."""
+        scratch = _field(row, _SCRATCH, tl.int64)
+        q = tl.arange(0, BLOCK_P)
+        trace_row = (start + q // P) % length
+        trace_row = tl.where(trace_row < 0, trace_row + length, trace_row)
+        at = trace_row * row_stride + (column % trace_layers) * layer_stride + q % P
+        ids = tl.load(predicted_ptr + at, mask=q < n_pred, other=-1)
+        tl.store(scratch + q, ids.to(tl.int64), mask=q < n_pred)
+        tl.debug_barrier()
+        claim_ptr = _field(row, _CLAIM, tl.int64)
+        decide_round(
+            scratch,
+            n_pred,
+            _field(row, _EXPERT_SLOT, tl.int64),
+            _field(row, _SLOT_EXPERT, tl.int64),
+            _field(row, _LAST_USE, tl.int64),
+            _field(row, _STEP, tl.int64),
+            _field(row, _FREQ, tl.int64),
+            _field(row, _PREFETCHED, tl.int64),
+            _field(row, _WOULD_FETCH, tl.int32),
+            _field(row, _PREFETCH_STEP, tl.int64),
+            _field(row, _WANT, tl.int32),
+            _field(row, _USED_SCORE, tl.int64),
+            _field(row, _WASTED_SCORE, tl.int64),
+            _field(row, _GATE_CLOSED, tl.int64),
+            min_used_percent,
+            lift_percent,
+            scratch,  # no available mask, kept slots or source rows: a full RAM tier (never read)
+            scratch,
+            scratch,
+            scratch,
+            _field(row, _OUT_EXP, tl.int64),
+            _field(row, _OUT_SLOT, tl.int64),
+            _field(row, _OUT_EVICTED, tl.int64),
+            _field(row, _OUT_EXP, tl.int64),
+            m,
+            _field(row, _STATS, tl.int64),
+            record_bytes,
+            flags_ptr,
+            claim_ptr,
+            _field(row, _COPIED, tl.int64),
+            _field(row, _TARGET, tl.int64),
+            _field(row, _FILLED, tl.int64),
+            record_blocks,
+            E,
+            S,
+            NEEDED,
+            PACKED_MAX,
+            BLOCK_E,
+            BLOCK_S,
+            BLOCK_N,
+            False,
+            False,
+            False,
+            True,
+            LFU,
+            BUDGET,
+            True,
+            ON_GPU,
+        )
+        if HOST:
+            tl.debug_barrier()
+            publish_round(
+                box_ptr,
+                forward,
+                _field(row, _OUT_EXP, tl.int64),
+                _field(row, _OUT_SLOT, tl.int64),
+                _field(row, _TARGET, tl.int64),
+                m,
+                S,
+                BLOCK_S,
+                ON_GPU,
+            )
+
+    @triton.jit
     def _forward_rounds_kernel(
         table_ptr,
         flags_ptr,
@@ -402,52 +574,29 @@ if triton is not None:
             claim_ptr = _field(row, _CLAIM, tl.int64)
             if pid == 0:
                 # 1. Once the step it proposes from is done (layer - 1's; with a distance, an earlier one's: its
-                # cursor has moved past this forward's rows), the rows' proposal for this layer, and the decision.
+                # cursor has moved past this forward's rows), the rows' proposal for this layer, and the decision;
+                # 2'. with HOST, the host copies it.
                 source = tl.maximum(layer - distance, after)
                 wait_for_step(flags_ptr, forward, source, max_spins, ON_GPU)
-                scratch = _field(row, _SCRATCH, tl.int64)
-                q = tl.arange(0, BLOCK_P)
-                start = tl.load(cursor_ptr + source, volatile=True) - tokens
-                trace_row = (start + q // P) % length
-                trace_row = tl.where(trace_row < 0, trace_row + length, trace_row)
-                at = trace_row * row_stride + ((layer - 1) % trace_layers) * layer_stride + q % P
-                ids = tl.load(predicted_ptr + at, mask=q < n_pred, other=-1)
-                tl.store(scratch + q, ids.to(tl.int64), mask=q < n_pred)
-                tl.debug_barrier()
-                decide_round(
-                    scratch,
+                round_of_layer(
+                    row,
+                    mailbox_ptr + (layer - first) * BOX,
+                    flags_ptr,
+                    forward,
+                    predicted_ptr,
+                    tl.load(cursor_ptr + source, volatile=True) - tokens,
+                    layer - 1,
+                    length,
+                    trace_layers,
+                    row_stride,
+                    layer_stride,
                     n_pred,
-                    _field(row, _EXPERT_SLOT, tl.int64),
-                    _field(row, _SLOT_EXPERT, tl.int64),
-                    _field(row, _LAST_USE, tl.int64),
-                    _field(row, _STEP, tl.int64),
-                    _field(row, _FREQ, tl.int64),
-                    _field(row, _PREFETCHED, tl.int64),
-                    _field(row, _WOULD_FETCH, tl.int32),
-                    _field(row, _PREFETCH_STEP, tl.int64),
-                    _field(row, _WANT, tl.int32),
-                    _field(row, _USED_SCORE, tl.int64),
-                    _field(row, _WASTED_SCORE, tl.int64),
-                    _field(row, _GATE_CLOSED, tl.int64),
+                    m,
                     min_used_percent,
                     lift_percent,
-                    scratch,  # no available mask, kept slots or source rows: a full RAM tier (never read)
-                    scratch,
-                    scratch,
-                    scratch,
-                    _field(row, _OUT_EXP, tl.int64),
-                    _field(row, _OUT_SLOT, tl.int64),
-                    _field(row, _OUT_EVICTED, tl.int64),
-                    _field(row, _OUT_EXP, tl.int64),
-                    m,
-                    _field(row, _STATS, tl.int64),
                     record_bytes,
-                    flags_ptr,
-                    claim_ptr,
-                    _field(row, _COPIED, tl.int64),
-                    _field(row, _TARGET, tl.int64),
-                    _field(row, _FILLED, tl.int64),
                     record_blocks,
+                    P,
                     E,
                     S,
                     NEEDED,
@@ -455,28 +604,12 @@ if triton is not None:
                     BLOCK_E,
                     BLOCK_S,
                     BLOCK_N,
-                    False,
-                    False,
-                    False,
-                    True,
+                    BLOCK_P,
                     LFU,
                     BUDGET,
-                    True,
+                    HOST,
                     ON_GPU,
                 )
-                if HOST:  # 2'. the host copies it: the list to the layer's mailbox
-                    tl.debug_barrier()
-                    publish_round(
-                        mailbox_ptr + (layer - first) * BOX,
-                        forward,
-                        _field(row, _OUT_EXP, tl.int64),
-                        _field(row, _OUT_SLOT, tl.int64),
-                        _field(row, _TARGET, tl.int64),
-                        m,
-                        S,
-                        BLOCK_S,
-                        ON_GPU,
-                    )
             if not HOST:  # (a kernel cannot `continue`)
                 # 2. Every program: once decided (or cancelled by the step: then nothing), its share of the copy.
                 mine = forward * 4

@@ -34,9 +34,13 @@ In Triton's CPU interpreter the same kernels run with plain volatile loads and s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from bigmoe_pager.core.triton_launch import kernel_for
+
+if TYPE_CHECKING:
+    from bigmoe_pager.core.forward_rounds import StepRound
 
 try:
     import triton
@@ -63,6 +67,10 @@ class ChainSignal:
     joinless: bool = False
     """Nothing joins the round into this layer before its step: the step settles it on the device
     (core.round_sync). Never for the first layer, which no round of the forward precedes."""
+    round: StepRound | None = None
+    """BIGMOE_PREFETCH_IN_STEP: the next layer's round, which one more program of this step decides and publishes
+    (core.forward_rounds.StepRound). The step then publishes no STEPPED word (nothing waits for one), and in the
+    forward's first layer that program counts the forward."""
 
     @property
     def mode(self) -> int:
@@ -79,8 +87,8 @@ class PrefetchChain:
     def layers(self) -> int:
         return self.flags.numel() - STEPPED
 
-    def signal(self, layer: int, first: bool, joinless: bool = False) -> ChainSignal:
-        return ChainSignal(self.flags, self._checked(layer), first, joinless and not first)
+    def signal(self, layer: int, first: bool, joinless: bool = False, round: StepRound | None = None) -> ChainSignal:
+        return ChainSignal(self.flags, self._checked(layer), first, joinless and not first, round)
 
     def wait_stepped(self, layer: int, max_spins: int | None = None) -> None:
         """Enqueue, on the current stream, one program that waits until layer `layer`'s step of the forward
