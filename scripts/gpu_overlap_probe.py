@@ -73,8 +73,8 @@ from bigmoe_pager.atomic_file import write_atomic
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.forward_rounds import ForwardRounds
 from bigmoe_pager.core.host_copier import HostCopier
-from bigmoe_pager.core.host_rounds import drain_published, progress_words
 from bigmoe_pager.core.host_pager import TierSizes
+from bigmoe_pager.core.host_rounds import drain_published, progress_words
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
 from bigmoe_pager.core.prefetch_chain import PrefetchChain
