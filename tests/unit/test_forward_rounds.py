@@ -301,6 +301,23 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
             assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes), mode
 
 
+@pytest.mark.parametrize(
+    "env,in_step",
+    [
+        ({"BIGMOE_PREFETCH_IN_STEP": "1"}, True),
+        ({"BIGMOE_PREFETCH_IN_STEP": "1", "BIGMOE_PREFETCH_ONE_NODE": "1"}, False),  # the one-node kernel decides
+        ({"BIGMOE_PREFETCH_IN_STEP": "1", "BIGMOE_PREFETCH_DISTANCE": "2"}, False),  # a step decides the next only
+    ],
+)
+def test_rounds_in_the_steps_imply_the_host_copier_unless_another_placement_is_asked(tmp_path: Path, env, in_step):
+    trace = traces.named_trace("standard", 16, 3, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    _, _, _, live = captured_model({"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), **env}, 3)
+    assert live.in_step is in_step and live.host is True and live.joinless is True
+    settings = PagerSettings.from_env(env)
+    assert PagerSettings.from_env(settings.to_env()) == settings
+
+
 def test_the_setting_implies_a_joinless_chain_and_round_trips():
     on = PagerSettings.from_env({"BIGMOE_PREFETCH_ONE_NODE": "1"})
     assert on.prefetch_one_node is True and PagerSettings.from_env(on.to_env()) == on

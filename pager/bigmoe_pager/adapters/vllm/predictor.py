@@ -171,7 +171,7 @@ class Predictor:
         """BIGMOE_PREFETCH_IN_STEP: a joinless forward's replayed rounds are decided by the steps before them, one more
         program each (core.forward_rounds.StepRound), and copied by `copier` (not with the one-node kernel or a
         distance, which place the rounds otherwise)."""
-        self.host = settings.prefetch_host_copier or self.in_step
+        self.host = settings.prefetch_host_copier or settings.prefetch_in_step
         """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's rounds over full RAM tiers are copied by `copier` (each
         layer's round publishes its list, or the one-node kernel's one program does with BIGMOE_PREFETCH_ONE_NODE); a
         failed copier is the export thread's to report (adapters.vllm.device.failed_part)."""
