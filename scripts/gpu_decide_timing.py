@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pager"))
+from bigmoe_pager.atomic_file import write_atomic  # noqa: E402
 from bigmoe_pager.core.admit_kernel import launch_admit  # noqa: E402
 from bigmoe_pager.core.slots import SlotTable  # noqa: E402
 
@@ -141,8 +142,9 @@ def main() -> int:
                     f"+rounds {row['token_us_with_rounds']:8.1f}: {row['round_us_per_layer']:6.2f} us a round",
                     flush=True,
                 )
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+                report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+                # after every row, whole: a run cut short (a call's time limit) keeps the rows it finished
+                write_atomic(Path(args.out), (json.dumps(report, indent=1) + "\n").encode())
     return 0
 
 

@@ -31,6 +31,9 @@ With mailboxes (BIGMOE_PREFETCH_HOST_COPIER) the kernel has one program and copi
 publishes the decided list to the layer's mailbox in pinned memory (`publish_round`), and core.host_copier's thread
 copies it with the copy engines and moves `copied` as the kernel's programs would (core.host_rounds). Inside vLLM
 0.33 (run 19) that was level with a fork a round at recall 0 and 0.07-0.21 ms a token faster at recall 0.8.
+
+The same per-layer round (`round_of_layer`) can instead ride on the step before it, as one more program of that
+launch (`StepRound`, BIGMOE_PREFETCH_IN_STEP): no side branch and no resident program at all.
 """
 
 from __future__ import annotations
@@ -277,7 +280,9 @@ class StepRound:
     of a kernel beside vLLM's: no side branch, no program resident while vLLM's kernels run (run 21 in
     docs/benchmarks.md: a resident side CTA slows the SM-filling kernels it sits beside). It proposes from the rows
     that step replays (distance 1), claims and decides as a joinless round does, and publishes the list for the host
-    copier; layer `target`'s step settles it and waits for the copies it needs (core.round_sync)."""
+    copier; layer `target`'s step settles it and waits for the copies it needs (core.round_sync). Measured in the
+    probe without vLLM (run 22): the idle path cost more than a decision beside the chain, since a step with few
+    misses ends before its round program does; so it is off (BIGMOE_PREFETCH_IN_STEP)."""
 
     rounds: ForwardRounds
     target: int

@@ -30,6 +30,10 @@ the state installs with the counts.
 Given a ChainSignal (a forward captured whole, core.prefetch_chain), the
 program writing the state, last of all, publishes the step to the forward's
 chained prefetch rounds.
+Given a ChainSignal with a round (BIGMOE_PREFETCH_IN_STEP, core.forward_rounds.StepRound), one
+more program decides the next layer's round and publishes it to the host copier while the others
+do the step; it touches only the next layer's table, so nobody waits for it, and the launch lasts
+as long as the longer of the two (run 22 in docs/benchmarks.md: longer than a mostly-hit step).
 Outputs, table state, counters and slot bytes equal SlotTable.acquire followed
 by copy_records; the unit tests run both side by side.
 """
