@@ -61,9 +61,14 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) * 1000.0 / replays
 
 
-def measure(experts: int, slots: int, policy: str, warps: int, tokens: int, replays: int) -> dict:
+def measure(
+    experts: int, slots: int, policy: str, warps: int, tokens: int, replays: int, recall: float = 0.8, gate: int = 0
+) -> dict:
+    """One configuration's two graphs, timed; recall: the proposals' (0: every id wrong); gate: the rounds' prefetch
+    gate in percent (0: held open, every round decides and installs; 25 with recall 0: closed after the first rounds,
+    as an idle prefetch path runs)."""
     ids = torch.from_numpy(routed(tokens, experts, seed=slots)).cuda()
-    guess = torch.from_numpy(proposals(routed(tokens, experts, seed=slots), experts, 0.8, seed=1)).cuda()
+    guess = torch.from_numpy(proposals(routed(tokens, experts, seed=slots), experts, recall, seed=1)).cuda()
     tables = [SlotTable(experts, slots, "cuda", use_kernel=True, policy=policy) for _ in range(LAYERS)]
     for t in range(min(tokens, 64)):  # filled slots and counts, as after a prompt
         for layer, table in enumerate(tables):
@@ -83,10 +88,10 @@ def measure(experts: int, slots: int, policy: str, warps: int, tokens: int, repl
                     slots,
                     table.miss_capacity(TOP_K),
                     lfu=table.lfu,
-                    min_used_percent=0,
+                    min_used_percent=gate,
                     budget=table.prefetch_budget,
                     num_warps=warps,
-                )  # gate held open (min_used_percent 0): every round decides and installs, the slower case
+                )
         cursor.add_(1)
 
     graphs = {}
@@ -108,6 +113,8 @@ def measure(experts: int, slots: int, policy: str, warps: int, tokens: int, repl
         "slots": slots,
         "policy": policy,
         "warps": warps,
+        "recall": recall,
+        "gate": gate,
         "token_us_steps_only": round(base, 2),
         "token_us_with_rounds": round(with_round, 2),
         "round_us_per_layer": round((with_round - base) / LAYERS, 3),
@@ -126,6 +133,13 @@ def main() -> int:
     parser.add_argument("--warps", default="1,2,4,8")
     parser.add_argument("--tokens", type=int, default=256, help="routed tokens the graphs cycle through")
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--recall", type=float, default=0.8, help="the proposals' recall (0: every id wrong)")
+    parser.add_argument(
+        "--gate",
+        type=int,
+        default=0,
+        help="the rounds' prefetch gate, percent (0: held open; 25 with --recall 0: closed)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -135,7 +149,7 @@ def main() -> int:
     for slots in (int(s) for s in args.slots.split(",")):
         for policy in args.policies.split(","):
             for warps in (int(w) for w in args.warps.split(",")):
-                row = measure(args.experts, slots, policy, warps, args.tokens, args.replays)
+                row = measure(args.experts, slots, policy, warps, args.tokens, args.replays, args.recall, args.gate)
                 rows.append(row)
                 print(
                     f"S={slots:4d} {policy:9s} warps={warps}: steps {row['token_us_steps_only']:8.1f} us a token, "

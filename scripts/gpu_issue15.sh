@@ -9,6 +9,8 @@
 #          then one line a row on stdout (scripts/bench_table.py)
 #   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
 #   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, $E2E_LAYERS layers, 2)
+#   probes (the image's torch is enough) run 21's side-kernel probes, the decision's time with the gate open and
+#          closed, and the overlap probe's in-step rounds against none and a decision beside the chain; each bounded
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
@@ -66,6 +68,14 @@ for step in "$@"; do
         --configs "${E2E_CONFIGS:-unpaged,vram40-predict,vram12-ram50-ssd-predict-ahead,vram40-predict-piecewise}" \
         --out "$out/e2e-${TAG:-predict}.json" --logs "/tmp/logs-e2e-${TAG:-predict}"
       pack "logs-e2e-${TAG:-predict}" "/tmp/logs-e2e-${TAG:-predict}" ;;
+    probes)
+      timeout 60 python3 scripts/gpu_launch_gap_probe.py --kernels 1000 --replays 50 --rounds 3 --out "$out/gap.json"
+      timeout 60 python3 scripts/gpu_launch_gap_probe.py --chain add --width 4194304 --kernels 400 --replays 20 \
+        --rounds 2 --out "$out/gap-add.json"
+      timeout 60 python3 scripts/gpu_decide_timing.py --warps 4 --out "$out/decide-open.json"
+      timeout 60 python3 scripts/gpu_decide_timing.py --warps 4 --recall 0 --gate 25 --out "$out/decide-closed.json"
+      timeout 240 python3 scripts/gpu_overlap_probe.py --families standard,topic-shift --variants none,admit,instep \
+        --recalls 0,0.8 --out "$out/overlap.json" ;;
     step-probe)
       for run in 256:lru 256:lfu-fast 256:lfu-duel 102:lfu-duel; do  # slots:eviction (256: every id hits)
         python3 scripts/gpu_overlap_probe.py --families standard --slots "${run%%:*}" --eviction "${run#*:}" \
