@@ -17,7 +17,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "overlap.json"
     argv = ["--device", "cpu", "--smoke", "--families", "standard", "--recalls", "0,1.0", "--out", str(out)]
     argv += ["--profile-tokens", "2"]
-    variants = "none,fork,gather,admit,inline,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,router,router-p2-hi"
+    variants = "none,fork,gather,admit,inline,prefetch,prefetch-p2,prefetch-p2-hi-joinnow,router,router-p2-hi,instep"
     argv += ["--variants", variants]
     assert probe.main(argv) == 0
     return json.loads(out.read_text())
@@ -47,6 +47,14 @@ def test_right_proposals_are_admitted_and_raise_the_hit_rate(report, variant):
 def test_a_decision_in_line_believes_what_one_on_the_side_stream_does(report):
     side, inline = _row(report, "admit", 1.0), _row(report, "inline", 1.0)
     assert side["vram_hit"] == inline["vram_hit"] and side["prefetched_per_token"] == inline["prefetched_per_token"]
+
+
+@pytest.mark.parametrize("recall", [0.0, 1.0])
+def test_rounds_decided_in_the_steps_admit_what_a_decision_beside_them_does(report, recall):
+    """instep: the same proposals, decided by one more program of each step before, copied by the host thread."""
+    side, stepped = _row(report, "admit", recall), _row(report, "instep", recall)
+    assert side["vram_hit"] == stepped["vram_hit"] and side["prefetched_per_token"] == stepped["prefetched_per_token"]
+    assert (stepped["prefetched_per_token"] > 0) == (recall > 0)
 
 
 @pytest.mark.parametrize("other", ["prefetch-p2", "prefetch-p2-hi-joinnow"])
