@@ -227,6 +227,9 @@ def test_a_round_rides_only_on_the_step_before_it_with_mailboxes():
     chain = PrefetchChain(3, "cpu")
     with pytest.raises(StepKernelError, match="decides layer 1's round, not 2's"):
         ours[0][0].acquire(torch.tensor([[1, 2]]), chain.signal(0, first=True, round=rounds.in_step(2)))
+    other, _ = layers_twice(1, 48, 8, "lru")
+    with pytest.raises(StepKernelError, match="has 48 experts, its next layer 40"):
+        other[0][0].acquire(torch.tensor([[1, 2]]), chain.signal(0, first=True, round=rounds.in_step(1)))
 
 
 def test_layers_that_cannot_share_the_kernel_are_named():

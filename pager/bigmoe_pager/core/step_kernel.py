@@ -160,6 +160,10 @@ def launch_step(
             raise StepKernelError(
                 f"layer {chain.layer}'s step decides layer {chain.layer + 1}'s round, not {step_round.target}'s"
             )
+        if step_round.rounds.shape.experts != num_experts:  # the kernel's E serves both tables
+            raise StepKernelError(
+                f"layer {chain.layer} has {num_experts} experts, its next layer {step_round.rounds.shape.experts}"
+            )
         round_args, round_consts = step_round.step_args(ids.shape[0] if ids.dim() > 1 else 1)
         mode = NO_CHAIN  # nothing waits for the step's STEPPED word; the round program counts a first step's forward
     kernel_for(_step_kernel, flat.device)[(programs + int(duel) + int(step_round is not None),)](
