@@ -74,7 +74,7 @@ from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.forward_rounds import ForwardRounds
 from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.host_pager import TierSizes
-from bigmoe_pager.core.host_rounds import drain_published, progress_words
+from bigmoe_pager.core.host_rounds import drain_published, progress_words, serve_pager
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
 from bigmoe_pager.core.prefetch_chain import PrefetchChain
@@ -417,9 +417,7 @@ class InStepRounds:
         self.rounds = ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0)
         self.copier = HostCopier(device)
         for pager, box in zip(pagers, boxes):
-            components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
-            copied = pager.vram.kernel_state()["copied"]
-            self.copier.add_layer(box, pager.ram.records, pager.layout.pitch, components, copied, self.slots)
+            serve_pager(self.copier, pager, box)
         self.words = progress_words(pagers, device)
         self.layers = layers
 

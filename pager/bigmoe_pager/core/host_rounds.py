@@ -42,6 +42,14 @@ def publish_admitted(
     )
 
 
+def serve_pager(copier, pager, mailbox: torch.Tensor) -> None:
+    """Have `copier` (core.host_copier.HostCopier) serve `mailbox`'s rounds into `pager`'s slots (an ExpertPager over a
+    full RAM tier): its records, each component's place in a record and slot buffer, and its joinless `copied` words."""
+    components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
+    copied = pager.vram.kernel_state()["copied"]
+    copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
+
+
 def progress_words(pagers: list, device: torch.device) -> torch.Tensor:
     """int64 [layers, 2]: the addresses of each pager's joinless `copied` and `target` words (what a drain reads).
     Made outside any capture (a host copy)."""

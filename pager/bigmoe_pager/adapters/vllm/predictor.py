@@ -47,7 +47,7 @@ from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
 from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, StepRound
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
-from bigmoe_pager.core.host_rounds import drain_published, progress_words
+from bigmoe_pager.core.host_rounds import drain_published, progress_words, serve_pager
 from bigmoe_pager.core.pager import PREFETCH_PROGRAMS_PER_RECORD
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
@@ -506,9 +506,7 @@ class Predictor:
             self.copier = HostCopier(hidden.device)
             log.warning("bigmoe: prefetch rounds are copied by a host thread through the GPU's copy engines")
         for pager, mailbox in zip(pagers, mailboxes):
-            components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
-            copied = pager.vram.kernel_state()["copied"]
-            self.copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
+            serve_pager(self.copier, pager, mailbox)
         key = (str(hidden.device), pagers[0].num_slots)
         words = progress_words(pagers, hidden.device)
         before = self._published.get(key)
