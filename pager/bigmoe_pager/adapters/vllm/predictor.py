@@ -182,7 +182,7 @@ class Predictor:
         self._published: dict[tuple[str, int], torch.Tensor] = {}
         """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose rounds the host
         copies, which a forward's end drains."""
-        joinless = settings.prefetch_joinless or self.one_node or self.host or self.in_step or self.distance > 1
+        joinless = settings.prefetch_joinless or self.one_node or self.host or self.distance > 1  # (in-step: host)
         chained = settings.prefetch_chain or joinless or self.poll_probe
         self.chain_on = chained and self.probe_fork in (None, "poll")
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
