@@ -35,6 +35,11 @@ Side work (--variants), each adding one part of the prefetch path:
                copy engines (BIGMOE_PREFETCH_IN_STEP: core.forward_rounds.StepRound); the steps settle their rounds
                and wait for the copies they need on the device (a joinless forward), the token's end drains the
                copies. Unlike admit and inline, this one copies
+  onenode      the one-node kernel with the host copier, as `+one-node+host` runs in vLLM: one program forked after the
+               first layer's step decides every later layer's round once the step before it is done and publishes it
+               to the host copier's thread (BIGMOE_PREFETCH_ONE_NODE + BIGMOE_PREFETCH_HOST_COPIER), joined at the
+               token's end; -idleN: while every gate is closed it decides two tokens in every N and leaves at once in
+               the others (BIGMOE_PREFETCH_IDLE_EVERY=N). Off CUDA the kernel is launched once a layer, after its step
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
 the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow][-split]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-idleN][-hi][-joinnow][-split]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -154,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-BASES = ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router", "instep")
+BASES = ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router", "instep", "onenode")
+HOST_ROUNDS = ("instep", "onenode")
+"""Variants whose rounds the host copier's thread copies (HostRounds)."""
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-hi][-joinnow][-split]."""
+    """A --variants name taken apart: base[-pN][-idleN][-hi][-joinnow][-split]."""
 
     base: str
     """One of BASES, or kN."""
@@ -175,16 +182,20 @@ class Variant:
     """Joined once per token, after the last layer (timing only: nothing orders a step after its prefetch)."""
     split: bool = False
     """A prefetch round in two launches (admit, then copy) instead of prefetch_kernel's one."""
+    idle: int = 0
+    """onenode: BIGMOE_PREFETCH_IDLE_EVERY (0: the kernel decides every token)."""
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         base, *parts = name.split("-")
         if base not in BASES and not _trivial(base):
             raise ValueError(f"unknown variant {name!r}")
-        programs, flags = 0, set()
+        programs, idle, flags = 0, 0, set()
         for part in parts:
             if part.startswith("p") and part[1:].isdigit() and base in ("prefetch", "router"):
                 programs = int(part[1:])
+            elif part.startswith("idle") and part[4:].isdigit() and int(part[4:]) >= 3 and base == "onenode":
+                idle = int(part[4:])
             elif part in ("hi", "joinnow", "split") or (part in ("late", "once") and _trivial(base)):
                 flags.add(part)
             else:
@@ -197,6 +208,7 @@ class Variant:
             once="once" in parts,
             late="late" in parts or "once" in parts,
             split="split" in flags,
+            idle=idle,
         )
 
 
@@ -264,7 +276,7 @@ class Model:
         variant = Variant.parse(name)
         if variant.base != "resident":
             self.restart(order, variant.programs, variant.split)
-        rounds = InStepRounds(self, predicted) if variant.base == "instep" else None
+        rounds = HostRounds(self, predicted, variant) if variant.base in HOST_ROUNDS else None
         try:
             return self._time(trace_dev, predicted, variant, rounds, args)
         finally:
@@ -292,9 +304,11 @@ class Model:
                     out = moe(x, ids, w, self.resident[layer])
                 else:
                     slot_ids = self.pagers[layer].step(ids, None if rounds is None else rounds.signal(layer))
+                    if rounds is not None:
+                        rounds.stepped(layer)
                     if variant.once and layer == 0:
                         self._fork(live, f"k{int(variant.base[1:]) * (args.layers - 1)}", predicted, pos, layer, x)
-                    elif layer + 1 < args.layers and variant.base not in ("none", "instep") and not variant.once:
+                    elif layer + 1 < args.layers and variant.base not in ("none", *HOST_ROUNDS) and not variant.once:
                         self._fork(live, variant.base, predicted, pos, layer, x)
                     out = moe(x, slot_ids, w, self.slots[layer])
                     if variant.join_now:
@@ -400,11 +414,11 @@ class Model:
         }
 
 
-class InStepRounds:
-    """The instep variant's parts: the chain's flags, the replay cursors its rounds read, the rounds' address table
-    and mailboxes (layers 1 .. L-1), and the host copier serving them."""
+class HostRounds:
+    """The rounds the host copier's thread copies (instep, onenode): the chain's flags, the replay cursors the rounds
+    read, the rounds' address table and mailboxes (layers 1 .. L-1), and the host copier serving them."""
 
-    def __init__(self, model: "Model", predicted: torch.Tensor) -> None:
+    def __init__(self, model: "Model", predicted: torch.Tensor, variant: Variant) -> None:
         layers = model.args.layers
         device = model.device
         for each in model.pagers:  # fused steps (a GPU's default; the interpreter's --smoke needs asking)
@@ -414,7 +428,15 @@ class InStepRounds:
         self.cursor = torch.zeros(layers, dtype=torch.int64, device=device)
         self.slots = pagers[0].num_slots
         boxes = HostCopier.mailbox(self.slots, device, len(pagers))
-        self.rounds = ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0)
+        self.in_step = variant.base == "instep"
+        if self.in_step or device.type == "cuda":  # one kernel a forward; off CUDA one a layer (see the docstring)
+            self.rounds = [ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0, idle_every=variant.idle)]
+        else:
+            self.rounds = [
+                ForwardRounds([p], i + 1, predicted, self.cursor, 1, boxes[i : i + 1], i, idle_every=variant.idle)
+                for i, p in enumerate(pagers)
+            ]
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and not self.in_step else None
         self.copier = HostCopier(device)
         for pager, box in zip(pagers, boxes):
             serve_pager(self.copier, pager, box)
@@ -426,17 +448,32 @@ class InStepRounds:
         torch.add(pos.expand(self.layers), 1, out=self.cursor)
 
     def signal(self, layer: int):
-        step_round = self.rounds.in_step(layer + 1) if layer + 1 < self.layers else None
+        step_round = self.rounds[0].in_step(layer + 1) if self.in_step and layer + 1 < self.layers else None
         return self.chain.signal(layer, first=layer == 0, joinless=True, round=step_round)
 
+    def stepped(self, layer: int) -> None:
+        """onenode, after layer `layer`'s step: on CUDA the forward's kernel forked after the first step; off CUDA
+        the next layer's round."""
+        if self.in_step:
+            return
+        if self.side is None:
+            if layer + 1 < self.layers:
+                self.rounds[layer].launch(self.chain.flags, 1)
+        elif layer == 0:
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                self.rounds[0].launch(self.chain.flags, 1)
+
     def drain(self) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
         drain_published(self.words, self.slots, self.chain.flags)
 
     def check(self) -> None:
-        """No wait gave up, the copier served a round a layer a token and reports no error."""
+        """No wait gave up and the host copier reports no error."""
         served = self.copier.stats()
         if self.chain.timeouts or served["error"]:
-            raise RuntimeError(f"instep: {self.chain.timeouts} waits gave up; host copier {served}")
+            raise RuntimeError(f"host rounds: {self.chain.timeouts} waits gave up; host copier {served}")
 
     def close(self) -> None:
         self.copier.close()

@@ -114,6 +114,11 @@ class PagerSettings:
     prefetch_one_node_programs: int = 0
     """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: programs (CTAs) of the one-node kernel, held for the whole forward; fewer
     hold fewer SMs and copy slower (0: the pagers' prefetch programs, 16)."""
+    prefetch_idle_every: int = 0
+    """BIGMOE_PREFETCH_IDLE_EVERY: N >= 3 = with the host copier, while every layer's prefetch gate is closed the
+    one-node kernel decides the rounds of two forwards in every N (to judge the proposals again) and leaves at once in
+    the others, so an idle prefetch path holds no program beside vLLM's kernels (core.forward_rounds.idle_forward);
+    0 = it decides every forward."""
     prefetch_host_copier: bool = False
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     whose rounds over full RAM tiers publish their decided lists to a host thread (core.host_copier) that copies them
@@ -274,7 +279,7 @@ def _parse(cls: type, name: str, raw: str) -> object:
             return items
         if kind in ("int", "int | None"):  # None: unset, the pager's default
             value = int(raw)
-            if value < 0 or (name.endswith("_percent") and value > 100):
+            if value < 0 or (name.endswith("_percent") and value > 100) or (name in _AT_LEAST_3 and 0 < value < 3):
                 raise ValueError
             return value
         if kind == "float":
@@ -292,9 +297,15 @@ def _parse(cls: type, name: str, raw: str) -> object:
     return raw
 
 
+_AT_LEAST_3 = {"prefetch_idle_every"}
+"""int settings whose 0 means off and whose other values start at 3."""
+
+
 def _expected(kind: str, name: str) -> str:
     if name.endswith("_percent"):
         return "an integer from 0 to 100"
+    if name in _AT_LEAST_3:
+        return "0 (off) or an integer >= 3"
     return {
         "bool": "1 or 0",
         "tuple[int, ...]": "a non-negative integer or a comma list of them, one per MoE layer",

@@ -81,3 +81,54 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     if mode != "one-node":
         served = predictor.copier.stats()
         assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-duel"])
+def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_path, monkeypatch, policy):
+    """BIGMOE_PREFETCH_IDLE_EVERY=4 at recall 0: the gates close, then the kernel decides two forwards in four and
+    leaves at once in the others, whose steps cancel the rounds; every slot stays right and no wait gives up."""
+    layers_n, replays, experts, vram, k = 6, 40, 64, 16, 4
+    layout, records, layers, routing, predictor, stats = replayed_model(
+        tmp_path,
+        layers_n,
+        experts,
+        vram,
+        k,
+        "topic-shift",
+        0.0,
+        policy,
+        prefetch_one_node=True,
+        prefetch_host_copier=True,
+        prefetch_idle_every=4,
+    )
+    work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros((1, 64), dtype=torch.bfloat16, device="cuda")
+    placeholder = torch.zeros((1, k), dtype=torch.int64, device="cuda")
+    ids = [torch.zeros((1, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
+    out = [torch.empty_like(i) for i in ids]
+
+    def forward() -> None:
+        for i, layer in enumerate(layers):
+            ids[i].copy_(routing.hook(i, placeholder))
+            with predictor.ahead(layer, x, ids[i].numel()) as turn:
+                out[i].copy_(layer.pager.step(ids[i], turn.chain))
+                turn()
+                for _ in range(4):
+                    torch.mm(work, work)
+
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    cancelled = 0
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
+        claims = [int(layer.pager.pager.vram.kernel_state()["claim"]) for layer in layers[1:]]
+        cancelled += all(c % 4 == CANCELLED for c in claims)
+    assert predictor.chain_timeouts == 0
+    served = predictor.copier.stats()
+    assert served["error"] == 0 and 0 < served["rounds"] < replays * (layers_n - 1)
+    assert cancelled >= replays // 4  # whole forwards sat out (half of them, once the gates closed)

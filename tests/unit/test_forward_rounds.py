@@ -22,7 +22,7 @@ from bigmoe_pager.core.prediction import replayed_predictions
 from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from bigmoe_pager.core.step_kernel import StepKernelError
-from bigmoe_pager.settings import PagerSettings
+from bigmoe_pager.settings import PagerSettings, SettingsError
 from test_live_predictor import EXPERTS
 from test_prefetch_chain import captured_model, run_forwards
 from test_step_kernel import STATE, pager_pair, records, slot_bytes, step_ids
@@ -159,6 +159,93 @@ def test_the_kernel_s_rounds_equal_the_per_layer_joinless_rounds_and_the_steps_a
         assert_layers_alike(ours, theirs, f"{forward} after its steps")
         assert int(chain.flags[TIMEOUTS]) == 0
     assert sum(int(s.snapshot(0)["vram"].prefetched) for _, s in ours) > 0  # the rounds copied
+
+
+def cold_trace(length: int, layers_n: int, width: int, experts: int, seed: int) -> torch.Tensor:
+    """Proposals of `width` distinct experts from the upper half of the ids, per row and layer."""
+    rng = random.Random(seed)
+    rows = [[rng.sample(range(experts // 2, experts), width) for _ in range(layers_n)] for _ in range(length)]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("idle_every,policy", [(4, "lru"), (5, "lfu-duel")])
+def test_while_every_gate_is_closed_the_kernel_decides_two_forwards_in_n_and_a_useful_predictor_reopens_them(
+    idle_every, policy
+):
+    """BIGMOE_PREFETCH_IDLE_EVERY: proposals that are never used close every layer's gate; from then on the kernel
+    claims no round in the forwards it sits out (the steps cancel them), drops the stale would-fetch marks in the
+    first forward of each pair (its round leaves the gate's scores as they were) and judges in the second. The steps
+    decide exactly as with a round every forward. Once the steps use what was proposed, the gates reopen and the
+    rounds copy every forward again."""
+    experts, slots, layers_n, width, closed_half, forwards = 40, 10, 3, 4, 24, 56
+    predicted = cold_trace(forwards + 1, layers_n, width, experts, idle_every)
+    ours, theirs = layers_twice(layers_n, experts, slots, policy)
+    cursor = torch.zeros(layers_n, dtype=torch.int64)
+    idle = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 1, idle_every=idle_every)
+    every = ForwardRounds([p for p, _ in theirs[1:]], 1, predicted, cursor, 1)
+    rng = random.Random(idle_every)
+    skipped, dropped, decided_at_the_end = 0, 0, []
+
+    def scores(layers):
+        return [(int(p.vram.used_score), int(p.vram.wasted_score)) for p, _ in layers[1:]]
+
+    def gates_closed(layers) -> bool:
+        return all(u * 75 < w * 25 for u, w in scores(layers))
+
+    for forward in range(1, forwards + 1):
+        cursor += 1
+        closed_before, before = gates_closed(ours), scores(ours)
+        chain, ref_chain = chain_at(layers_n, forward, layers_n - 1), chain_at(layers_n, forward, layers_n - 1)
+        idle.launch(chain.flags, 1)
+        every.launch(ref_chain.flags, 1)
+        claims = [int(p.vram.kernel_state()["claim"]) for p, _ in ours[1:]]
+        phase = forward % idle_every
+        if closed_before and phase >= 2:
+            assert all(c < forward * 4 for c in claims), (forward, claims)  # no round claimed this forward
+            skipped += 1
+        else:
+            assert all(c == forward * 4 + DECIDED for c in claims), (forward, claims)
+            if closed_before and phase == 0:
+                assert scores(ours) == before, forward  # stale marks dropped, nothing judged
+                dropped += 1
+        if forward > forwards - 8:
+            decided_at_the_end.append(closed_before)
+        chain.flags[FORWARD] = ref_chain.flags[FORWARD] = forward - 1  # the forward's first step counts it
+        for layer in range(layers_n):
+            row = int(cursor[layer]) - 1
+            if layer == 0 or forward <= closed_half:  # routing that never uses what was proposed
+                proposed = set(predicted[row, max(0, layer - 1)].tolist())
+                ids = [rng.choice([e for e in range(experts // 2 + 6) if e not in proposed]) for _ in range(width)]
+            else:  # routing that uses exactly what was proposed for this layer
+                ids = predicted[row, layer - 1].tolist()
+            ids = torch.tensor([ids], dtype=torch.int32)
+            a = ours[layer][0].acquire(ids, chain.signal(layer, first=layer == 0, joinless=True))
+            b = theirs[layer][0].acquire(ids, ref_chain.signal(layer, first=layer == 0, joinless=True))
+            if forward <= closed_half:
+                assert torch.equal(a.remapped, b.remapped) and torch.equal(a.miss_slots, b.miss_slots), forward
+        assert int(chain.flags[TIMEOUTS]) == 0
+        if forward == closed_half:
+            assert gates_closed(ours) and gates_closed(theirs)
+            for (a, sa), (b, sb) in zip(ours, theirs):  # closed rounds move no expert: the same tables and hits
+                assert torch.equal(a.vram.expert_slot, b.vram.expert_slot)
+                assert torch.equal(sa.device_counts, sb.device_counts)  # (the open gate's first rounds copied)
+            copied_when_closed = [int(s.snapshot(0)["vram"].prefetched) for _, s in ours[1:]]
+    assert skipped >= 6 and dropped >= 2
+    assert not any(decided_at_the_end)  # the gates reopened: every forward decides again
+    copied = [int(s.snapshot(0)["vram"].prefetched) for _, s in ours[1:]]
+    assert all(now > then for now, then in zip(copied, copied_when_closed)), (copied, copied_when_closed)
+
+
+def test_idle_forwards_are_skipped_by_one_program_every_n_of_at_least_3():
+    predicted = torch.randint(0, 40, (9, 3, 5), dtype=torch.int32)
+    ours, _ = layers_twice(3, 40, 8, "lru")
+    cursor = torch.ones(3, dtype=torch.int64)
+    for programs, every in ((1, 2), (2, 4), (1, 1)):
+        with pytest.raises(ForwardRoundsError, match="every N >= 3"):
+            ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, programs, idle_every=every)
+    assert PagerSettings.from_env({"BIGMOE_PREFETCH_IDLE_EVERY": "16"}).prefetch_idle_every == 16
+    with pytest.raises(SettingsError, match=r"BIGMOE_PREFETCH_IDLE_EVERY='2' is not valid; expected 0 \(off\)"):
+        PagerSettings.from_env({"BIGMOE_PREFETCH_IDLE_EVERY": "2"})
 
 
 def test_a_round_its_step_cancelled_first_copies_nothing_and_the_others_go_on():
@@ -346,12 +433,15 @@ def test_on_cuda_the_adapter_launches_one_kernel_a_forward_for_every_later_layer
         "BIGMOE_PREFETCH_ONE_NODE": "1",
         "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS": "2",
         "BIGMOE_PREFETCH_HOST_COPIER": "1" if host else "0",
+        "BIGMOE_PREFETCH_IDLE_EVERY": "8",
     }
     layers, _, routing, live = captured_model(env, layers_n)
     run_forwards(live, layers, routing, 1)
     capturing[0] = True
     run_forwards(live, layers, routing, forwards)
     assert launches == [(1, layers_n - 1, 1 if host else 2)] * forwards  # with the programs asked for
+    made = [r for r in live._rounds.values() if r is not None]
+    assert [r.idle_every for r in made] == [8 if host else 0]  # idle forwards are skipped by the one program only
     if host:
         assert live.copier.stats()["layers"] == layers_n - 1
         live.copier.close()

@@ -123,7 +123,7 @@ rounds |= {"table_ptr": "*i64", "flags_ptr": "*i64", "predicted_ptr": "*i32", "c
 for host in (False, True):  # copied by its programs / published to the host copier
     k = build(fr._forward_rounds_kernel, rounds, {"FIELDS": len(fr.FIELDS), "WORD": triton.language.int64, "P": 8,
               "E": 256, "S": 102, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 256,
-              "BLOCK_S": 128, "BLOCK_N": 256, "BLOCK_P": 8, "LFU": True, "BUDGET": 1, "ON_GPU": True,
+              "BLOCK_S": 128, "BLOCK_N": 256, "BLOCK_P": 8, "BLOCK_L": 64, "LFU": True, "BUDGET": 1, "ON_GPU": True,
               "OFF0": 0, "OFF1": 131072, "OFF2": 196608, "OFF3": 196672, "N0": 131072, "N1": 65536, "N2": 64,
               "N3": 32, "NB0": 128, "NB1": 64, "NB2": 1, "NB3": 1, "NBLK": 194, "BLOCK": 1024, "HOST": host,
               "BOX": 3 + 3 * 102})  # a 40-layer bench layer's shape

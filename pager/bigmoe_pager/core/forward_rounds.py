@@ -121,12 +121,13 @@ class ForwardRounds:
         mailboxes: torch.Tensor | None = None,
         after: int | None = None,
         distance: int = 1,
+        idle_every: int = 0,
     ) -> None:
         """mailboxes: BIGMOE_PREFETCH_HOST_COPIER, int64 [layers, host_copier.mailbox_words(slots)] in pinned memory
         (one program; see `publish_round`): each decided list is published there for core.host_copier instead of
         copied by the kernel. after: the MoE index of the step the launch follows (default first - 1); distance:
         BIGMOE_PREFETCH_DISTANCE, layer l's round waits for the step of layer max(l - distance, after) and proposes
-        from its rows."""
+        from its rows. idle_every: BIGMOE_PREFETCH_IDLE_EVERY (one program only; 0: off), see `idle_forward`."""
         if not pagers:
             raise ForwardRoundsError("a one-node forward needs at least one round")
         if programs < 1:
@@ -139,6 +140,12 @@ class ForwardRounds:
         self.shape = shared_shape(pagers)
         self.predicted, self.cursor, self.programs = predicted, cursor, programs
         self.mailboxes = mailboxes
+        if idle_every != 0 and (idle_every < 3 or programs != 1):
+            raise ForwardRoundsError(
+                f"an idle forward's rounds are skipped by one program, every N >= 3 forwards; got N = {idle_every} "
+                f"with {programs} programs"
+            )
+        self.idle_every = idle_every
         if mailboxes is not None and (
             programs != 1 or tuple(mailboxes.shape) != (len(pagers), mailbox_words(self.shape.slots))
         ):
@@ -231,6 +238,7 @@ class ForwardRounds:
             max_spins,
             self.programs,
             self.table if self.mailboxes is None else self.mailboxes,  # (a pointer never read without HOST)
+            self.idle_every,
             FIELDS=len(FIELDS),
             WORD=_tl_word(self.plan.word),
             P=width,
@@ -242,6 +250,7 @@ class ForwardRounds:
             BLOCK_S=next_pow2(s.slots),
             BLOCK_N=IDS_BLOCK,
             BLOCK_P=next_pow2(max(2, n_pred)),
+            BLOCK_L=next_pow2(max(2, self.last - self.first + 1)),
             LFU=s.lfu,
             BUDGET=s.budget,
             ON_GPU=on_gpu,
@@ -516,6 +525,46 @@ if triton is not None:
             )
 
     @triton.jit
+    def idle_forward(
+        table_ptr,
+        layers,
+        forward,
+        idle_every,
+        min_used_percent,
+        FIELDS: tl.constexpr,
+        E: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+    ):
+        """BIGMOE_PREFETCH_IDLE_EVERY: whether this forward's rounds are skipped, by the one program that decides them.
+        While every layer's gate is closed (its decayed scores, as the last round left them, below the threshold), the
+        rounds run in two forwards of every `idle_every` and the kernel leaves at once in the others: the steps then
+        cancel their unclaimed rounds, as when they come first. The first forward of the two drops the would-fetch marks
+        the last pair left (judged now, they would count every use since, many forwards ago, as a hit); the second
+        judges the first's marks one step later, as every round does, so a predictor that turns useful reopens the gate
+        within a cycle or two."""
+        k = tl.arange(0, BLOCK_L)
+        rows = table_ptr + k * FIELDS
+        used = tl.load(
+            tl.load(rows + _USED_SCORE, mask=k < layers, other=0).to(tl.pointer_type(tl.int64)),
+            mask=k < layers,
+            other=0,
+        )
+        wasted = tl.load(
+            tl.load(rows + _WASTED_SCORE, mask=k < layers, other=0).to(tl.pointer_type(tl.int64)),
+            mask=k < layers,
+            other=0,
+        )
+        open_now = (k < layers) & (used * (100 - min_used_percent) >= wasted * min_used_percent)
+        closed = tl.sum(open_now.to(tl.int32), 0) == 0
+        phase = forward % idle_every
+        if closed & (phase == 0):
+            e = tl.arange(0, BLOCK_E)
+            for i in range(0, layers):
+                tl.store(_field(table_ptr + i * FIELDS, _WOULD_FETCH, tl.int32) + e, 0, mask=e < E)
+        return closed & (phase >= 2)
+
+    @triton.jit
     def _forward_rounds_kernel(
         table_ptr,
         flags_ptr,
@@ -540,6 +589,7 @@ if triton is not None:
         max_spins,
         programs,
         mailbox_ptr,
+        idle_every,
         FIELDS: tl.constexpr,
         WORD: tl.constexpr,
         P: tl.constexpr,
@@ -551,6 +601,7 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_P: tl.constexpr,
+        BLOCK_L: tl.constexpr,
         LFU: tl.constexpr,
         BUDGET: tl.constexpr,
         ON_GPU: tl.constexpr,
@@ -574,7 +625,13 @@ if triton is not None:
         pid = tl.program_id(0)
         forward = tl.load(flags_ptr + _FORWARD)  # counted by the first step, which this launch was forked after
         j = tl.arange(0, BLOCK_S)  # list positions (m <= S)
-        for layer in range(first, last + 1):
+        stop = last + 1
+        if idle_every > 0:
+            idle = idle_forward(
+                table_ptr, last - first + 1, forward, idle_every, min_used_percent, FIELDS, E, BLOCK_E, BLOCK_L
+            )
+            stop = tl.where(idle, first, stop)
+        for layer in range(first, stop):
             row = table_ptr + (layer - first) * FIELDS
             claim_ptr = _field(row, _CLAIM, tl.int64)
             if pid == 0:

@@ -167,6 +167,9 @@ class Predictor:
         """BIGMOE_PREFETCH_ONE_NODE: a joinless forward's replayed rounds as one kernel (core.forward_rounds)."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
+        self.idle_every = settings.prefetch_idle_every
+        """BIGMOE_PREFETCH_IDLE_EVERY: the one-node kernel, with the host copier, decides two forwards in every N while
+        every gate is closed (0: every forward)."""
         self.in_step = settings.prefetch_in_step and not self.one_node and settings.prefetch_distance <= 1
         """BIGMOE_PREFETCH_IN_STEP: a joinless forward's replayed rounds are decided by the steps before them, one more
         program each (core.forward_rounds.StepRound), and copied by `copier` (not with the one-node kernel or a
@@ -448,13 +451,20 @@ class Predictor:
             return  # tried again at the next uncaptured forward
         started = [p.pager_started() for p in pagers]
         programs = self.one_node_programs or started[0].prefetch_programs or PREFETCH_PROGRAMS_PER_RECORD
-        mailboxes = None
+        mailboxes, idle_every = None, 0
         if self.host:
-            programs = 1
+            programs, idle_every = 1, self.idle_every  # (idle skipping takes the one program)
             mailboxes = HostCopier.mailbox(started[0].num_slots, hidden.device, len(started))
         try:
             self._rounds[key] = rounds = ForwardRounds(
-                started, targets[0]._moe_index, *replay, programs, mailboxes, layer._moe_index, self.distance
+                started,
+                targets[0]._moe_index,
+                *replay,
+                programs,
+                mailboxes,
+                layer._moe_index,
+                self.distance,
+                idle_every=idle_every,
             )
         except ForwardRoundsError as exc:
             self._rounds[key] = None
