@@ -82,7 +82,7 @@ from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.host_rounds import drain_published, progress_words, serve_pager
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
-from bigmoe_pager.core.prefetch_chain import PrefetchChain
+from bigmoe_pager.core.prefetch_chain import TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.slots import POLICIES
 from bigmoe_pager.core.stats import HITS, LOOKUPS, VRAM, PagerStats
 
@@ -326,6 +326,8 @@ class Model:
         for _ in range(2):  # Triton compiles outside the capture
             token()
         torch.cuda.synchronize()
+        if rounds is not None:
+            rounds.compiled()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             token()
@@ -463,6 +465,11 @@ class HostRounds:
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 self.rounds[0].launch(self.chain.flags, 1)
+
+    def compiled(self) -> None:
+        """After the eager tokens that compile the kernels: their waits given up are forgotten (onenode's first
+        kernel waits for steps that the host is still compiling the kernels before)."""
+        self.chain.flags[TIMEOUTS] = 0
 
     def drain(self) -> None:
         if self.side is not None:

@@ -82,11 +82,21 @@ def assert_slots_hold(layers, layout, records, chosen: list[torch.Tensor], out: 
 
 
 def replayed_model(
-    tmp_path, layers_n: int, experts: int, vram: int, k: int, family: str, recall: float, policy: str, **settings
+    tmp_path,
+    layers_n: int,
+    experts: int,
+    vram: int,
+    k: int,
+    family: str,
+    recall: float,
+    policy: str,
+    topk: bool = False,
+    **settings,
 ):
     """Paged layers over a routing family's trace replayed with its proposals at `recall` (precision 0.5; 1.0 with
-    recall 1), and the process's routing and predictor over them in forwards captured whole; `settings`: more
-    PagerSettings. Returns (layout, records, layers, routing, predictor, stats)."""
+    recall 1; with `topk`, k ids a row as a router's top-k, so at recall 0 all wrong), and the process's routing and
+    predictor over them in forwards captured whole; `settings`: more PagerSettings. Returns (layout, records, layers,
+    routing, predictor, stats)."""
     from bigmoe_bench import traces
     from bigmoe_pager.adapters.vllm.predictor import Predictor
     from bigmoe_pager.adapters.vllm.routing import Routing
@@ -95,7 +105,7 @@ def replayed_model(
     g = torch.Generator().manual_seed(experts)
     records = torch.randint(0, 256, (experts, layout.pitch), dtype=torch.uint8, generator=g) & 0x77
     trace = traces.named_trace(family, 200, layers_n, experts, k)
-    precision = 1.0 if recall == 1.0 else 0.5
+    precision = None if topk else 1.0 if recall == 1.0 else 0.5
     traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, recall, precision, experts))
     config = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", **settings)
     stats = PagerStats(layers_n, "cuda")
