@@ -39,7 +39,8 @@ Side work (--variants), each adding one part of the prefetch path:
                first layer's step decides every later layer's round once the step before it is done and publishes it
                to the host copier's thread (BIGMOE_PREFETCH_ONE_NODE + BIGMOE_PREFETCH_HOST_COPIER), joined at the
                token's end; -idleN: while every gate is closed it decides two tokens in every N and leaves at once in
-               the others (BIGMOE_PREFETCH_IDLE_EVERY=N). Off CUDA the kernel is launched once a layer, after its step
+               the others (BIGMOE_PREFETCH_IDLE_EVERY=N); -bare launches no kernel at all (the joinless steps, their
+               settling and the token's drain alone). Off CUDA the kernel is launched once a layer, after its step
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
 the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
@@ -184,6 +185,8 @@ class Variant:
     """A prefetch round in two launches (admit, then copy) instead of prefetch_kernel's one."""
     idle: int = 0
     """onenode: BIGMOE_PREFETCH_IDLE_EVERY (0: the kernel decides every token)."""
+    bare: bool = False
+    """onenode: no kernel launched, the joinless steps and the drain only (timing only: nothing is prefetched)."""
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -198,6 +201,8 @@ class Variant:
                 idle = int(part[4:])
             elif part in ("hi", "joinnow", "split") or (part in ("late", "once") and _trivial(base)):
                 flags.add(part)
+            elif part == "bare" and base == "onenode":
+                flags.add(part)
             else:
                 raise ValueError(f"unknown part {part!r} of variant {name!r}")
         return cls(
@@ -209,6 +214,7 @@ class Variant:
             late="late" in parts or "once" in parts,
             split="split" in flags,
             idle=idle,
+            bare="bare" in flags,
         )
 
 
@@ -320,9 +326,10 @@ class Model:
             pos.add_(1)
 
         self._timed = variant.base != "resident"
+        self.host = {}
         if self.device.type != "cuda":
             self._replay = token
-            return self._time_eager(token, pos, args)
+            return self._time_eager(token, pos, args, rounds)
         for _ in range(2):  # Triton compiles outside the capture
             token()
         torch.cuda.synchronize()
@@ -336,6 +343,8 @@ class Model:
             graph.replay()
         torch.cuda.synchronize()
         self.stats.reset()
+        if rounds is not None:
+            rounds.mark()
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.tokens + 1)]
         marks[0].record()
         for mark in marks[1:]:
@@ -347,6 +356,7 @@ class Model:
         self.worst_ms = round(max(per_token), 4)
         if rounds is not None:
             rounds.check()
+            self.host = rounds.summary(args.tokens)
         return round(marks[0].elapsed_time(marks[-1]) / args.tokens, 4)
 
     def profile(self, tokens: int) -> dict:
@@ -363,15 +373,19 @@ class Model:
             prof.export_chrome_trace(str(path))
             return summarize_file(path, tokens)
 
-    def _time_eager(self, token, pos, args) -> float:
+    def _time_eager(self, token, pos, args, rounds) -> float:
         for _ in range(args.warmup):
             token()
         self.stats.reset()
+        if rounds is not None:
+            rounds.mark()
         times = [time.perf_counter()]
         for _ in range(args.tokens):
             token()
             times.append(time.perf_counter())
         self.worst_ms = round(max(b - a for a, b in zip(times, times[1:])) * 1e3, 4)
+        if rounds is not None:
+            self.host = rounds.summary(args.tokens)
         return round((times[-1] - times[0]) * 1e3 / args.tokens, 4)
 
     def _fork(self, live: LivePredictions, variant: str, predicted, pos, layer: int, x) -> None:
@@ -413,6 +427,7 @@ class Model:
             "vram_hit": round(float(vram[:, HITS].sum() / max(1, vram[:, LOOKUPS].sum())), 4),
             "pcie_gb_per_token": round(moved / tokens / 1e9, 5),
             "prefetched_per_token": round(prefetched / tokens, 2),
+            **self.host,
         }
 
 
@@ -425,12 +440,13 @@ class HostRounds:
         device = model.device
         for each in model.pagers:  # fused steps (a GPU's default; the interpreter's --smoke needs asking)
             each.pager_started().fused = each.pager_started().vram.use_kernel = True
-        pagers = [p.pager_started() for p in model.pagers[1:]]
+        self.pagers = pagers = [p.pager_started() for p in model.pagers[1:]]
         self.chain = PrefetchChain(layers, device)
         self.cursor = torch.zeros(layers, dtype=torch.int64, device=device)
         self.slots = pagers[0].num_slots
         boxes = HostCopier.mailbox(self.slots, device, len(pagers))
         self.in_step = variant.base == "instep"
+        self.bare = variant.bare
         if self.in_step or device.type == "cuda":  # one kernel a forward; off CUDA one a layer (see the docstring)
             self.rounds = [ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0, idle_every=variant.idle)]
         else:
@@ -456,7 +472,7 @@ class HostRounds:
     def stepped(self, layer: int) -> None:
         """onenode, after layer `layer`'s step: on CUDA the forward's kernel forked after the first step; off CUDA
         the next layer's round."""
-        if self.in_step:
+        if self.in_step or self.bare:
             return
         if self.side is None:
             if layer + 1 < self.layers:
@@ -465,6 +481,19 @@ class HostRounds:
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 self.rounds[0].launch(self.chain.flags, 1)
+
+    def mark(self) -> None:
+        """Before the timed tokens: the rounds the host copier has served so far."""
+        time.sleep(0.05)  # (no step waits for an empty round: let the thread read the last ones)
+        self._served = self.copier.stats()["rounds"]
+
+    def summary(self, tokens: int) -> dict:
+        """Rounds the host copier served per timed token (empty ones too; the idle forwards' are none) and the
+        layers whose prefetch gate is closed now."""
+        time.sleep(0.05)
+        served = self.copier.stats()["rounds"] - self._served
+        closed = sum(not p.vram.gate_is_open() for p in self.pagers)
+        return {"rounds_per_token": round(served / tokens, 2), "gates_closed": closed}
 
     def compiled(self) -> None:
         """After the eager tokens that compile the kernels: their waits given up are forgotten (onenode's first

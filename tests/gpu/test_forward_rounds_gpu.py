@@ -96,8 +96,8 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
         assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu-duel"])
-def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_path, monkeypatch, policy):
+@pytest.mark.parametrize("policy,family", [("lru", "topic-shift"), ("lfu-duel", "near-uniform")])
+def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_path, monkeypatch, policy, family):
     """BIGMOE_PREFETCH_IDLE_EVERY=4 at recall 0: the gates close, then the kernel decides two forwards in four and
     leaves at once in the others, whose steps cancel the rounds; every slot stays right and no wait gives up."""
     layers_n, replays, experts, vram, k = 6, 40, 64, 16, 4
@@ -107,7 +107,7 @@ def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_
         experts,
         vram,
         k,
-        "topic-shift",
+        family,
         0.0,
         policy,
         topk=True,

@@ -680,6 +680,10 @@ class SlotTable:
         self.gate_closed.add_((~is_open).to(torch.int64))
         return is_open
 
+    def gate_is_open(self) -> bool:
+        """Whether the prefetch gate's current scores let the next round copy (reads the device: one sync)."""
+        return bool(self._gate_open())
+
     def _gate_open(self) -> torch.Tensor:
         """bool []: the gate's rule on its current scores: at least min_used_percent of its judged experts used."""
         return self._scores_at_least(self.min_used_percent)
