@@ -454,7 +454,7 @@ class HostRounds:
                 ForwardRounds([p], i + 1, predicted, self.cursor, 1, boxes[i : i + 1], i, idle_every=variant.idle)
                 for i, p in enumerate(pagers)
             ]
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" and not self.in_step else None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and not (self.in_step or self.bare) else None
         self.copier = HostCopier(device)
         for pager, box in zip(pagers, boxes):
             serve_pager(self.copier, pager, box)
