@@ -378,9 +378,9 @@ if triton is not None:
     from bigmoe_pager.core.host_rounds import publish_round
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
     from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS, wait_for_step
-    from bigmoe_pager.core.round_sync import DECIDED, count_copied
+    from bigmoe_pager.core.round_sync import CANCELLED, DECIDED, count_copied
 
-    _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
+    _FORWARD, _TIMEOUTS, _DECIDED, _CANCELLED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED, CANCELLED))
 
     # The address table's columns by name, as constexpr globals (all a kernel may read); FIELDS fixes their order.
     _SCRATCH = tl.constexpr(FIELDS.index("scratch"))
@@ -538,11 +538,11 @@ if triton is not None:
     ):
         """BIGMOE_PREFETCH_IDLE_EVERY: whether this forward's rounds are skipped, by the one program that decides them.
         While every layer's gate is closed (its decayed scores, as the last round left them, below the threshold), the
-        rounds run in two forwards of every `idle_every` and the kernel leaves at once in the others: the steps then
-        cancel their unclaimed rounds, as when they come first. The first forward of the two drops the would-fetch marks
-        the last pair left (judged now, they would count every use since, many forwards ago, as a hit); the second
-        judges the first's marks one step later, as every round does, so a predictor that turns useful reopens the gate
-        within a cycle or two."""
+        rounds run in two forwards of every `idle_every` and the kernel leaves at once in the others, cancelling their
+        rounds as a step that came first does (once each, where every program of a step would race to). The first
+        forward of the two drops the would-fetch marks the last pair left (judged now, they would count every use since,
+        many forwards ago, as a hit); the second judges the first's marks one step later, as every round does, so a
+        predictor that turns useful reopens the gate within a cycle or two."""
         k = tl.arange(0, BLOCK_L)
         rows = table_ptr + k * FIELDS
         used = tl.load(
@@ -631,6 +631,12 @@ if triton is not None:
                 table_ptr, last - first + 1, forward, idle_every, min_used_percent, FIELDS, E, BLOCK_E, BLOCK_L
             )
             stop = tl.where(idle, first, stop)
+            if idle:  # the rounds cancelled here, once each: every program of a step then reads a settled claim
+                for i in range(0, last - first + 1):  # (a step that came first has cancelled its own already)
+                    claim_ptr = _field(table_ptr + i * FIELDS, _CLAIM, tl.int64)
+                    seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+                    if seen < forward * 4:
+                        tl.atomic_cas(claim_ptr, seen, forward * 4 + _CANCELLED, sem="acq_rel")
         for layer in range(first, stop):
             row = table_ptr + (layer - first) * FIELDS
             claim_ptr = _field(row, _CLAIM, tl.int64)
