@@ -292,7 +292,7 @@ class Model:
     def _time(self, trace_dev, predicted, variant, rounds, args) -> float:
         live = LivePredictions(LivePredictions.HIGH_PRIORITY if variant.high_priority else 0)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
-        x0 = torch.randn((1, args.hidden), device=self.device, dtype=torch.bfloat16)
+        x0 = torch.randn((args.dense_rows, args.hidden), device=self.device, dtype=torch.bfloat16)
         w = torch.full((1, args.top_k), 1.0 / args.top_k, device=self.device, dtype=torch.float32)
 
         def token() -> None:
@@ -303,6 +303,7 @@ class Model:
             for layer in range(args.layers):
                 for d in self.dense:
                     x = x @ d
+                rows, x = x, x[:1]  # (the dense chain's extra rows stand in for kernels that fill the SMs)
                 if not variant.late:
                     live.join(self.device)  # where vLLM's FULL graphs join: the MoE call, after attention and routing
                 ids = ids_all[layer : layer + 1]
@@ -320,6 +321,8 @@ class Model:
                     if variant.join_now:
                         live.join(self.device)
                 x = (x.float() + out).to(torch.bfloat16)
+                if args.dense_rows > 1:
+                    x = torch.cat([x, rows[1:]])
             live.join(self.device)
             if rounds is not None:
                 rounds.drain()
@@ -571,6 +574,12 @@ def _parse(argv):
         "--step-programs", type=int, default=0, help="programs of the fused step's launch (0: the pager's, two a SM)"
     )
     p.add_argument("--dense", type=int, default=16, help="small dense kernels per layer before its MoE")
+    p.add_argument(
+        "--dense-rows",
+        type=int,
+        default=1,
+        help="rows of the dense kernels ([R, H] x [H, H]; 1: GEMVs, 64: GEMMs that fill the SMs as vLLM's mostly do)",
+    )
     p.add_argument("--families", default="standard,topic-shift", help="routing families of scripts/traces.py")
     p.add_argument(
         "--variants", default="none,fork,gather,admit,prefetch,prefetch-p16,prefetch-p16-hi,prefetch-p16-joinnow"
