@@ -62,6 +62,7 @@ same summary gpu_vllm_bench.py --profile-tokens gives inside vLLM, to compare th
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import tempfile
@@ -145,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                     guess = traces.predictions(trace, recall, None, args.experts, args.seed)
                     guesses[recall] = torch.from_numpy(guess).to(device)
                 predicted = None if recall is None else guesses[recall]
+                print(f"gpu_overlap_probe: {family} {variant} recall {recall}", file=sys.stderr, flush=True)
+                if args.dump_after:  # where a variant that never ends waits (session 28 saw two such runs)
+                    faulthandler.dump_traceback_later(args.dump_after, repeat=True)
                 ms = model.time(trace_dev, predicted, variant, order, args)
+                faulthandler.cancel_dump_traceback_later()
                 row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **model.counters()}
                 row["worst_token_ms"] = model.worst_ms
                 if args.profile_tokens:
@@ -596,6 +601,13 @@ def _parse(argv):
     )
     p.add_argument("--device", default="cuda", help="cuda, or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (a wiring check)")
+    p.add_argument(
+        "--dump-after",
+        type=float,
+        default=60.0,
+        help="seconds a variant may run before every thread's Python stack is printed to stderr (again each period; "
+        "0: never)",
+    )
     p.add_argument("--out", default=None, help="JSON report path")
     args = p.parse_args(argv)
     if args.prefetch_budget is not None and args.prefetch_budget < 0:
