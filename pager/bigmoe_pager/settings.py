@@ -118,7 +118,8 @@ class PagerSettings:
     """BIGMOE_PREFETCH_IDLE_EVERY: N >= 3 = with the host copier, while every layer's prefetch gate is closed the
     one-node kernel decides the rounds of two forwards in every N (to judge the proposals again) and leaves at once in
     the others, so an idle prefetch path holds no program beside vLLM's kernels (core.forward_rounds.idle_forward);
-    0 = it decides every forward."""
+    0 = it decides every forward. Off: in the probe without vLLM (run 23) it saved nothing measurable; not measured
+    inside vLLM."""
     prefetch_host_copier: bool = False
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     whose rounds over full RAM tiers publish their decided lists to a host thread (core.host_copier) that copies them
@@ -132,7 +133,7 @@ class PagerSettings:
     fused step runs one more program that decides layer l+1's round and publishes it (core.forward_rounds.StepRound),
     so no prefetch kernel runs beside vLLM's; the next layer only. The live predictor's rounds stay per layer. Not yet
     measured inside vLLM; off: in the probe without vLLM (run 22) its idle path cost 0.14-0.48 ms a token against
-    0.03-0.37 for a decision beside the chain (the decision lands on the critical path)."""
+    0.03-0.37 for a decision beside the chain, which ran among the probe's fast first graphs (run 23): not alike."""
     prefetch_distance: int = 1
     """BIGMOE_PREFETCH_DISTANCE: D > 1 = in a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this
     implies), layer l's round prefetches into layer l+D (its router on layer l's hidden state, or a replayed trace's

@@ -290,8 +290,8 @@ class StepRound:
     docs/benchmarks.md: a resident side CTA slows the SM-filling kernels it sits beside). It proposes from the rows
     that step replays (distance 1), claims and decides as a joinless round does, and publishes the list for the host
     copier; layer `target`'s step settles it and waits for the copies it needs (core.round_sync). Measured in the
-    probe without vLLM (run 22): the idle path cost more than a decision beside the chain, since a step with few
-    misses ends before its round program does; so it is off (BIGMOE_PREFETCH_IN_STEP)."""
+    probe without vLLM (run 22): the idle path cost more than a decision beside the chain, which however ran among the
+    probe's fast first graphs (run 23), so the two were not compared alike; it is off (BIGMOE_PREFETCH_IN_STEP)."""
 
     rounds: ForwardRounds
     target: int
