@@ -455,6 +455,9 @@ class HostRounds:
         boxes = HostCopier.mailbox(self.slots, device, len(pagers))
         self.in_step = variant.base == "instep"
         self.bare = variant.bare
+        self._compiling = True
+        """onenode on CUDA: the first token launches no kernel. Launched then, it would wait for each later step
+        while the host compiles the kernels before them, giving up after a second each (up to a second a layer)."""
         if self.in_step or device.type == "cuda":  # one kernel a forward; off CUDA one a layer (see the docstring)
             self.rounds = [ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0, idle_every=variant.idle)]
         else:
@@ -485,6 +488,8 @@ class HostRounds:
         if self.side is None:
             if layer + 1 < self.layers:
                 self.rounds[layer].launch(self.chain.flags, 1)
+        elif layer == 0 and self._compiling:  # the token that compiles the steps and the drain runs without it
+            self._compiling = False
         elif layer == 0:
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
