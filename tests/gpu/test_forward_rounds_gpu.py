@@ -42,6 +42,33 @@ def caught_up(copier, rounds: int, seconds: float = 2.0) -> dict:
     return served
 
 
+def whole_forward(layers, routing, predictor, tokens: int, k: int, compute: int):
+    """Each layer's call as the adapter runs it (replay the rows, page, fork, `compute` GEMMs), once eagerly (Triton
+    compiles; nothing chains outside a capture, and the flags are made), then captured whole. Returns (graph, the
+    replayed ids a layer, the steps' slot ids a layer)."""
+    work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros((tokens, 64), dtype=torch.bfloat16, device="cuda")
+    placeholder = torch.zeros((tokens, k), dtype=torch.int64, device="cuda")
+    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in layers]
+    out = [torch.empty_like(i) for i in ids]
+
+    def forward() -> None:
+        for i, layer in enumerate(layers):
+            ids[i].copy_(routing.hook(i, placeholder))
+            with predictor.ahead(layer, x, ids[i].numel()) as turn:
+                out[i].copy_(layer.pager.step(ids[i], turn.chain))
+                turn()
+                for _ in range(compute):
+                    torch.mm(work, work)
+
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph, ids, out
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize(
     "experts,vram,k,tokens,policy,compute",
@@ -55,26 +82,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
         tmp_path, layers_n, experts, vram, k, "topic-shift", 0.8, policy, **MODES[mode]
     )
     launches = recorded_launches(monkeypatch)
-    work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    x = torch.zeros((tokens, 64), dtype=torch.bfloat16, device="cuda")
-    placeholder = torch.zeros((tokens, k), dtype=torch.int64, device="cuda")
-    ids = [torch.zeros((tokens, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
-    out = [torch.empty_like(i) for i in ids]
-
-    def forward() -> None:  # as the adapter runs each layer's call: replay the rows, page, fork, compute
-        for i, layer in enumerate(layers):
-            ids[i].copy_(routing.hook(i, placeholder))
-            with predictor.ahead(layer, x, ids[i].numel()) as turn:
-                out[i].copy_(layer.pager.step(ids[i], turn.chain))
-                turn()
-                for _ in range(compute):
-                    torch.mm(work, work)
-
-    forward()  # eager (Triton compiles here; nothing chains outside a capture, and the flags are made)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph, ids, out = whole_forward(layers, routing, predictor, tokens, k, compute)
     once = [] if mode in ("host", "in-step") else [(1, layers_n - 1)]
     assert [(first, last) for first, last, _ in launches] == once  # captured once: one a forward (none: per layer)
     for _ in range(replays):
@@ -99,7 +107,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
 @pytest.mark.parametrize("policy,family", [("lru", "topic-shift"), ("lfu-duel", "near-uniform")])
 def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_path, monkeypatch, policy, family):
     """BIGMOE_PREFETCH_IDLE_EVERY=4 at recall 0: the gates close, then the kernel decides two forwards in four and
-    leaves at once in the others, whose steps cancel the rounds; every slot stays right and no wait gives up."""
+    leaves at once in the others, cancelling their rounds; every slot stays right and no wait gives up."""
     layers_n, replays, experts, vram, k = 6, 40, 64, 16, 4
     layout, records, layers, routing, predictor, stats = replayed_model(
         tmp_path,
@@ -115,26 +123,7 @@ def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_
         prefetch_host_copier=True,
         prefetch_idle_every=4,
     )
-    work = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    x = torch.zeros((1, 64), dtype=torch.bfloat16, device="cuda")
-    placeholder = torch.zeros((1, k), dtype=torch.int64, device="cuda")
-    ids = [torch.zeros((1, k), dtype=torch.int32, device="cuda") for _ in range(layers_n)]
-    out = [torch.empty_like(i) for i in ids]
-
-    def forward() -> None:
-        for i, layer in enumerate(layers):
-            ids[i].copy_(routing.hook(i, placeholder))
-            with predictor.ahead(layer, x, ids[i].numel()) as turn:
-                out[i].copy_(layer.pager.step(ids[i], turn.chain))
-                turn()
-                for _ in range(4):
-                    torch.mm(work, work)
-
-    forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph, ids, out = whole_forward(layers, routing, predictor, 1, k, 4)
     cancelled = 0
     for _ in range(replays):
         graph.replay()
