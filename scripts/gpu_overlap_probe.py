@@ -149,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gpu_overlap_probe: {family} {variant} recall {recall}", file=sys.stderr, flush=True)
                 if args.dump_after:  # where a variant that never ends waits (session 28 saw two such runs)
                     faulthandler.dump_traceback_later(args.dump_after, repeat=True)
-                ms = model.time(trace_dev, predicted, variant, order, args)
-                faulthandler.cancel_dump_traceback_later()
+                try:
+                    ms = model.time(trace_dev, predicted, variant, order, args)
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
                 row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **model.counters()}
                 row["worst_token_ms"] = model.worst_ms
                 if args.profile_tokens:
