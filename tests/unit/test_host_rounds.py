@@ -16,7 +16,7 @@ import torch
 from bigmoe_bench import traces
 from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.host_rounds import drain_published, publish_admitted
-from bigmoe_pager.core.prefetch_chain import TIMEOUTS
+from bigmoe_pager.core.prefetch_chain import PUBLISHED, TIMEOUTS
 from test_forward_rounds import chain_at, host_copies_waited_for
 from test_live_predictor import EXPERTS
 from test_prefetch_chain import captured_model, run_forwards
@@ -62,22 +62,53 @@ def test_the_live_predictor_s_rounds_copied_by_the_host_move_what_kernel_copies_
         assert torch.equal(a_slots, b_slots) and all(torch.equal(a_bytes[n], b_bytes[n]) for n in a_bytes)
 
 
-def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
-    """drain_published at a forward's end: layers whose copies are done pass, each one still under way is counted in
-    TIMEOUTS once the drain's polls are spent (the interpreter polls once)."""
-    slots = 4
-    progress = [
-        ([5, 2, 0, 0, 0], [5, 2, 0, 0, 0]),  # done
-        ([5, 1, 0, 0, 0], [5, 2, 0, 0, 0]),  # slot 1 still copying
-        ([0, 0, 0, 3, 0], [0, 0, 0, 3, 0]),  # done
-        ([0, 0, 0, 0, 0], [0, 0, 0, 1, 0]),  # slot 3 still copying
-    ]
+def drain_words(progress: list) -> tuple[list, torch.Tensor]:
+    """Per layer (copied, target) tensors from lists, and their progress_words."""
     tensors = [(torch.tensor(c), torch.tensor(t)) for c, t in progress]
-    words = torch.tensor([[c.data_ptr(), t.data_ptr()] for c, t in tensors])
+    return tensors, torch.tensor([[c.data_ptr(), t.data_ptr()] for c, t in tensors])
+
+
+def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
+    """drain_published at a forward's end, after a publication with entries: layers whose copies are done pass, each
+    one still under way is counted in TIMEOUTS once the drain's polls are spent (the interpreter polls once), and the
+    PUBLISHED word stays set, so the next drain looks again."""
+    slots = 4
+    tensors, words = drain_words(
+        [
+            ([5, 2, 0, 0, 0], [5, 2, 0, 0, 0]),  # done
+            ([5, 1, 0, 0, 0], [5, 2, 0, 0, 0]),  # slot 1 still copying
+            ([0, 0, 0, 3, 0], [0, 0, 0, 3, 0]),  # done
+            ([0, 0, 0, 0, 0], [0, 0, 0, 1, 0]),  # slot 3 still copying
+        ]
+    )
     chain = chain_at(4, forward=3, stepped_upto=3)
+    chain.flags[PUBLISHED] = 1
     drain_published(words, slots, chain.flags, max_spins=2)
-    assert int(chain.flags[TIMEOUTS]) == 2
+    assert int(chain.flags[TIMEOUTS]) == 2 and int(chain.flags[PUBLISHED]) == 1
     assert np.array_equal(tensors[1][0].numpy(), [5, 1, 0, 0, 0])  # a drain only waits: it writes no progress
+    drain_published(words, slots, chain.flags, max_spins=2)
+    assert int(chain.flags[TIMEOUTS]) == 4  # looked again: those copies are still not seen done
+
+
+def test_a_drain_looks_only_after_a_publication_with_entries_and_clears_it_once_all_are_done():
+    """PUBLISHED: set by a published list with entries (not by an empty one), cleared by a drain that saw every copy
+    done; a drain that finds it clear returns at once, even where a copy would look under way."""
+    slots = 4
+    _, busy = drain_words([([0, 0, 0, 0, 0], [0, 1, 0, 0, 0])])  # would look under way
+    done_tensors, done = drain_words([([0, 3, 0, 0, 0], [0, 3, 0, 0, 0])])
+    chain = chain_at(2, forward=5, stepped_upto=1)
+    drain_published(busy, slots, chain.flags, max_spins=2)
+    assert int(chain.flags[TIMEOUTS]) == 0  # nothing published since the last full drain: not looked at
+    mailbox = HostCopier.mailbox(slots, torch.device("cpu"))
+    none = torch.full((slots,), -1, dtype=torch.int64)
+    publish_admitted(mailbox, chain.flags, none, none, done_tensors[0][1])  # an empty list
+    assert int(chain.flags[PUBLISHED]) == 0 and int(mailbox[0]) == 5
+    publish_admitted(
+        mailbox, chain.flags, torch.tensor([2, -1, -1, -1]), torch.tensor([1, -1, -1, -1]), done_tensors[0][1]
+    )
+    assert int(chain.flags[PUBLISHED]) == 1
+    drain_published(done, slots, chain.flags, max_spins=2)
+    assert int(chain.flags[PUBLISHED]) == 0 and int(chain.flags[TIMEOUTS]) == 0
 
 
 def test_a_published_list_with_holes_is_copied_whole(tmp_path: Path):

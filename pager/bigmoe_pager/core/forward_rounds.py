@@ -514,6 +514,7 @@ if triton is not None:
             tl.debug_barrier()
             publish_round(
                 box_ptr,
+                flags_ptr,
                 forward,
                 _field(row, _OUT_EXP, tl.int64),
                 _field(row, _OUT_SLOT, tl.int64),

@@ -9,7 +9,10 @@ kernel's copy.
 
 Nothing else orders the host's copies, so a forward whose rounds the host copies ends with `drain_published`: a
 device wait until no published copy is under way in any of those layers. Otherwise a copy could land in a slot that
-a later step (of the next forward, or an eager one) took for another expert.
+a later step (of the next forward, or an eager one) took for another expert. A publication with entries sets the
+chain's PUBLISHED word; a drain that finds it clear returns at once (every earlier copy was seen done by an earlier
+drain, and nothing published since), which is every forward of an idle prefetch path (its gates closed, its lists
+empty): one load instead of a pass over every layer's slots.
 
 Two publishers: the one-node kernel (core.forward_rounds, its one program after each decision) and a per-layer round
 (ExpertPager.prefetch with a mailbox: the admit kernel, then `publish_admitted`'s one-program launch).
@@ -71,20 +74,31 @@ def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_sp
 
 if triton is not None:
     from bigmoe_pager.core.memory_order import SYS_SCOPE, store_release
-    from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS
+    from bigmoe_pager.core.prefetch_chain import FORWARD, PUBLISHED, TIMEOUTS
     from bigmoe_pager.core.round_sync import wait_copies
 
     _HEADER = tl.constexpr(HEADER_WORDS)  # a mailbox's words before its lists (seq, count, a spare)
-    _FORWARD, _TIMEOUTS = tl.constexpr(FORWARD), tl.constexpr(TIMEOUTS)
+    _FORWARD, _TIMEOUTS, _PUBLISHED = tl.constexpr(FORWARD), tl.constexpr(TIMEOUTS), tl.constexpr(PUBLISHED)
 
     @triton.jit
     def publish_round(
-        box_ptr, seq, rows_ptr, slot_ptr, target_ptr, m, S: tl.constexpr, BLOCK_S: tl.constexpr, ON_GPU: tl.constexpr
+        box_ptr,
+        flags_ptr,
+        seq,
+        rows_ptr,
+        slot_ptr,
+        target_ptr,
+        m,
+        S: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        ON_GPU: tl.constexpr,
     ):
         """A decided round's list for the host copier: record rows, slots and each slot's goal after the mailbox's
         header, the count at word 1, then `seq` at word 0 with a system-scope release (the caller has fenced the
         decision's stores with a barrier): the host reads the list only after it sees a new seq. The count reaches
-        the last listed entry, so a list with -1 holes loses nothing (the host skips the holes)."""
+        the last listed entry, so a list with -1 holes loses nothing (the host skips the holes). A list with entries
+        sets the chain's PUBLISHED word (flags_ptr: core.prefetch_chain's words), which the forward's drain reads
+        after this kernel in stream order."""
         j = tl.arange(0, BLOCK_S)
         rows = tl.load(rows_ptr + j, mask=j < m, other=-1, volatile=True)
         slots = tl.load(slot_ptr + j, mask=j < m, other=-1, volatile=True)
@@ -93,7 +107,10 @@ if triton is not None:
         tl.store(box_ptr + _HEADER + j, tl.where(listed, rows, -1), mask=j < S)
         tl.store(box_ptr + _HEADER + S + j, tl.where(listed, slots, -1), mask=j < S)
         tl.store(box_ptr + _HEADER + 2 * S + j, goals, mask=j < S)
-        tl.store(box_ptr + 1, tl.max(tl.where(listed, j + 1, 0), 0).to(tl.int64))
+        count = tl.max(tl.where(listed, j + 1, 0), 0).to(tl.int64)
+        tl.store(box_ptr + 1, count)
+        if count > 0:
+            tl.store(flags_ptr + _PUBLISHED, 1)
         tl.debug_barrier()  # every list word is written before the seq that hands them over
         store_release(box_ptr, seq, SYS_SCOPE, ON_GPU)
 
@@ -110,7 +127,8 @@ if triton is not None:
         ON_GPU: tl.constexpr,
     ):
         # after the admit kernel on the same stream: its lists and targets are written
-        publish_round(box_ptr, tl.load(flags_ptr + _FORWARD), rows_ptr, slot_ptr, target_ptr, m, S, BLOCK_S, ON_GPU)
+        forward = tl.load(flags_ptr + _FORWARD)
+        publish_round(box_ptr, flags_ptr, forward, rows_ptr, slot_ptr, target_ptr, m, S, BLOCK_S, ON_GPU)
 
     @triton.jit
     def _drain_kernel(
@@ -123,11 +141,14 @@ if triton is not None:
         ON_GPU: tl.constexpr,
     ):
         slots = tl.arange(0, BLOCK_S)
-        budget = max_spins  # for the whole drain: once a wait gives up, the later layers are only looked at
-        for layer in range(0, layers):
-            copied_ptr = tl.load(words_ptr + layer * 2).to(tl.pointer_type(tl.int64))
-            target_ptr = tl.load(words_ptr + layer * 2 + 1).to(tl.pointer_type(tl.int64))
-            late = wait_copies(copied_ptr, target_ptr, slots, slots < S, budget, ON_GPU)
-            if tl.sum(late.to(tl.int32), 0) > 0:
-                tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
-                budget = 0
+        if tl.load(flags_ptr + _PUBLISHED, volatile=True) != 0:  # (clear: nothing published since the last full drain)
+            budget = max_spins  # for the whole drain: once a wait gives up, the later layers are only looked at
+            for layer in range(0, layers):
+                copied_ptr = tl.load(words_ptr + layer * 2).to(tl.pointer_type(tl.int64))
+                target_ptr = tl.load(words_ptr + layer * 2 + 1).to(tl.pointer_type(tl.int64))
+                late = wait_copies(copied_ptr, target_ptr, slots, slots < S, budget, ON_GPU)
+                if tl.sum(late.to(tl.int32), 0) > 0:
+                    tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
+                    budget = 0
+            if budget > 0:  # every copy seen done: the next drain may skip until something is published again
+                tl.store(flags_ptr + _PUBLISHED, 0)

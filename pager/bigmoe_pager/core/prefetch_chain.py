@@ -11,6 +11,8 @@ device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured sl
     flags[FORWARD]      forwards counted so far (the first layer's step adds one)
     flags[TIMEOUTS]     waits that gave up (see below; core.round_sync's too)
     flags[CANCELS]      rounds a joinless forward's step cancelled because it came first (core.round_sync)
+    flags[PUBLISHED]    1 once a round published a list with entries for the host copier, 0 again once a forward's
+                        drain saw every copy done (core.host_rounds)
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
 
 The fused step kernel (step_kernel, a `ChainSignal`) publishes `STEPPED + l` with a release store
@@ -48,7 +50,7 @@ try:
 except ImportError:
     triton = tl = None
 
-FORWARD, TIMEOUTS, CANCELS, STEPPED = 0, 1, 2, 3
+FORWARD, TIMEOUTS, CANCELS, PUBLISHED, STEPPED = 0, 1, 2, 3, 4
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
