@@ -409,6 +409,32 @@ def test_rounds_in_the_steps_imply_the_host_copier_unless_another_placement_is_a
     assert PagerSettings.from_env(settings.to_env()) == settings
 
 
+@pytest.mark.parametrize(
+    "env,ignored",
+    [
+        ({"BIGMOE_PREFETCH_ONE_NODE": "1", "BIGMOE_PREFETCH_HOST_COPIER": "1"}, False),
+        ({"BIGMOE_PREFETCH_ONE_NODE": "1"}, True),  # its several copy programs cannot sit out alike
+        ({"BIGMOE_PREFETCH_HOST_COPIER": "1"}, True),  # per-layer rounds: no kernel a forward to skip
+    ],
+)
+def test_idle_skipping_outside_the_one_node_kernel_with_the_host_copier_says_it_is_ignored(
+    tmp_path: Path, caplog, env, ignored
+):
+    trace = traces.named_trace("standard", 16, 3, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_IDLE_EVERY": "8", **env}
+    captured_model(env, 3)
+    lines = [r.message for r in caplog.records if "IDLE_EVERY" in r.message]
+    assert lines == (
+        [
+            "bigmoe: BIGMOE_PREFETCH_IDLE_EVERY=8 is ignored: it applies to the one-node kernel with the host copier "
+            "(BIGMOE_PREFETCH_ONE_NODE=1 and BIGMOE_PREFETCH_HOST_COPIER=1)"
+        ]
+        if ignored
+        else []
+    )
+
+
 def test_the_setting_implies_a_joinless_chain_and_round_trips():
     on = PagerSettings.from_env({"BIGMOE_PREFETCH_ONE_NODE": "1"})
     assert on.prefetch_one_node is True and PagerSettings.from_env(on.to_env()) == on

@@ -208,6 +208,12 @@ class Predictor:
                 "bigmoe: BIGMOE_PREDICT=router feeds the device-driven pager (CUDA) only; the host-driven pager "
                 "prefetches nothing, so proposals are only computed to be recorded (BIGMOE_TRACE_PATH)"
             )
+        if self.idle_every and not (self.one_node and self.host):
+            log.warning(
+                "bigmoe: BIGMOE_PREFETCH_IDLE_EVERY=%d is ignored: it applies to the one-node kernel with the host "
+                "copier (BIGMOE_PREFETCH_ONE_NODE=1 and BIGMOE_PREFETCH_HOST_COPIER=1)",
+                self.idle_every,
+            )
 
     @contextlib.contextmanager
     def ahead(self, layer, hidden: torch.Tensor, num_ids: int | None = None):
