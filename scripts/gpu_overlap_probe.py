@@ -511,8 +511,8 @@ class HostRounds:
         return {"rounds_per_token": round(served / tokens, 2), "gates_closed": closed}
 
     def compiled(self) -> None:
-        """After the eager tokens that compile the kernels: their waits given up are forgotten (onenode's first
-        kernel waits for steps that the host is still compiling the kernels before)."""
+        """After the eager tokens that compile the kernels: any wait they gave up is forgotten (`check` judges the
+        timed tokens')."""
         self.chain.flags[TIMEOUTS] = 0
 
     def drain(self) -> None:
