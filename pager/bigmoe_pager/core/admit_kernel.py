@@ -160,14 +160,19 @@ if triton is not None:
         return n_used, n_wasted, gate_used, gate_wasted
 
     @triton.jit
+    def scores_at_least(used_score, wasted_score, percent):
+        """The gate's rule (SlotTable._scores_at_least on the device): at least `percent` of the judged were used."""
+        return used_score * (100 - percent) >= wasted_score * percent
+
+    @triton.jit
     def gate_scores(used_score, wasted_score, gate_used, gate_wasted, min_used_percent, lift_percent):
         """The gate: a round that judged any folds into the decayed scores (x64 fixed point, 1/8 decay). Returns the
         new scores, whether this round may fetch, and whether the budget is lifted (lift_percent < 0: never)."""
         settled = gate_used + gate_wasted > 0
         used_score = tl.where(settled, used_score - (used_score >> 3) + (gate_used << 6), used_score)
         wasted_score = tl.where(settled, wasted_score - (wasted_score >> 3) + (gate_wasted << 6), wasted_score)
-        gate_open = used_score * (100 - min_used_percent) >= wasted_score * min_used_percent
-        lifted = (lift_percent >= 0) & (used_score * (100 - lift_percent) >= wasted_score * lift_percent)
+        gate_open = scores_at_least(used_score, wasted_score, min_used_percent)
+        lifted = (lift_percent >= 0) & scores_at_least(used_score, wasted_score, lift_percent)
         return used_score, wasted_score, gate_open, lifted
 
     @triton.jit

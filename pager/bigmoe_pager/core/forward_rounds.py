@@ -373,14 +373,14 @@ def _tl_word(word: torch.dtype):
 
 
 if triton is not None:
-    from bigmoe_pager.core.admit_kernel import decide_round
+    from bigmoe_pager.core.admit_kernel import decide_round, scores_at_least
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.host_rounds import publish_round
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
     from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS, wait_for_step
-    from bigmoe_pager.core.round_sync import CANCELLED, DECIDED, count_copied
+    from bigmoe_pager.core.round_sync import DECIDED, cancel_round, count_copied
 
-    _FORWARD, _TIMEOUTS, _DECIDED, _CANCELLED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED, CANCELLED))
+    _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
 
     # The address table's columns by name, as constexpr globals (all a kernel may read); FIELDS fixes their order.
     _SCRATCH = tl.constexpr(FIELDS.index("scratch"))
@@ -413,6 +413,11 @@ if triton is not None:
     @triton.jit
     def _field(row_ptr, index: tl.constexpr, DTYPE: tl.constexpr):
         return tl.load(row_ptr + index).to(tl.pointer_type(DTYPE))
+
+    @triton.jit
+    def _word_of_rows(rows, index: tl.constexpr, mask):
+        """The int64 word each of `rows` (address-table rows, where mask) points to in column `index`; 0 elsewhere."""
+        return tl.load(tl.load(rows + index, mask=mask, other=0).to(tl.pointer_type(tl.int64)), mask=mask, other=0)
 
     @triton.jit
     def round_of_layer(
@@ -546,17 +551,9 @@ if triton is not None:
         predictor that turns useful reopens the gate within a cycle or two."""
         k = tl.arange(0, BLOCK_L)
         rows = table_ptr + k * FIELDS
-        used = tl.load(
-            tl.load(rows + _USED_SCORE, mask=k < layers, other=0).to(tl.pointer_type(tl.int64)),
-            mask=k < layers,
-            other=0,
-        )
-        wasted = tl.load(
-            tl.load(rows + _WASTED_SCORE, mask=k < layers, other=0).to(tl.pointer_type(tl.int64)),
-            mask=k < layers,
-            other=0,
-        )
-        open_now = (k < layers) & (used * (100 - min_used_percent) >= wasted * min_used_percent)
+        used = _word_of_rows(rows, _USED_SCORE, k < layers)
+        wasted = _word_of_rows(rows, _WASTED_SCORE, k < layers)
+        open_now = (k < layers) & scores_at_least(used, wasted, min_used_percent)
         closed = tl.sum(open_now.to(tl.int32), 0) == 0
         phase = forward % idle_every
         if closed & (phase == 0):
@@ -633,11 +630,8 @@ if triton is not None:
             )
             stop = tl.where(idle, first, stop)
             if idle:  # the rounds cancelled here, once each: every program of a step then reads a settled claim
-                for i in range(0, last - first + 1):  # (a step that came first has cancelled its own already)
-                    claim_ptr = _field(table_ptr + i * FIELDS, _CLAIM, tl.int64)
-                    seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
-                    if seen < forward * 4:
-                        tl.atomic_cas(claim_ptr, seen, forward * 4 + _CANCELLED, sem="acq_rel")
+                for i in range(0, last - first + 1):
+                    cancel_round(_field(table_ptr + i * FIELDS, _CLAIM, tl.int64), forward, ON_GPU)
         for layer in range(first, stop):
             row = table_ptr + (layer - first) * FIELDS
             claim_ptr = _field(row, _CLAIM, tl.int64)

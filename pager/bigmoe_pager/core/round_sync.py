@@ -69,6 +69,14 @@ if triton is not None:
         store_release(claim_ptr, forward * 4 + _DECIDED, GPU_SCOPE, ON_GPU)
 
     @triton.jit
+    def cancel_round(claim_ptr, forward, ON_GPU: tl.constexpr):
+        """Cancel the round into this table for `forward` unless it was claimed or settled already, as a step that
+        came first does (used by a decider that sits the forward out: core.forward_rounds.idle_forward)."""
+        seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+        if seen < forward * 4:
+            tl.atomic_cas(claim_ptr, seen, forward * 4 + _CANCELLED, sem="acq_rel")
+
+    @triton.jit
     def settle_round(claim_ptr, forward, max_spins, ON_GPU: tl.constexpr):
         """The step's side, before it reads the table: cancel an unclaimed round or wait for a claimed one's
         decision. Returns (cancelled by this program, gave up waiting)."""
