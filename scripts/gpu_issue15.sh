@@ -31,6 +31,13 @@ pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/nu
 vllm_env() {
   [ -n "${VLLM_STAGED:-}" ] || { source /tmp/site/env.sh; export VLLM_STAGED=1; }
   export PYTHONPATH="$PWD/pager:$PWD/app:$PWD/bench:$PYTHONPATH"
+  # vLLM finds the plugin by its entry points, which only an installed copy carries (the tree's egg-info is ignored
+  # by git, so it never travels): the carried wheel (.whlx/own, see below) or scripts/gpu_extra's pieces install one
+  if ls .whlx/own/bigmoe-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .whlx/own/bigmoe-*.whl
+  fi
+  python3 -c "from importlib.metadata import entry_points as e; import sys; sys.exit(not any(p.value.startswith('bigmoe') for p in e(group='vllm.general_plugins')))" \
+    || { echo "gpu_issue15.sh: bigmoe's vLLM plugin is not installed on the device: carry .whlx/own (python -m pip wheel --no-deps -w .whlx/own .) or stage scripts/gpu_extra"; exit 2; }
 }
 
 early() {
