@@ -117,9 +117,9 @@ class PagerSettings:
     prefetch_idle_every: int = 0
     """BIGMOE_PREFETCH_IDLE_EVERY: N >= 3 = with the host copier, while every layer's prefetch gate is closed the
     one-node kernel decides the rounds of two forwards in every N (to judge the proposals again) and leaves at once in
-    the others, so an idle prefetch path holds no program beside vLLM's kernels (core.forward_rounds.idle_forward);
-    0 = it decides every forward. Off: in the probe without vLLM (run 23) it saved nothing measurable; not measured
-    inside vLLM."""
+    the others, which the forward before declares quiet: no round of them claims a table and their steps settle
+    nothing (core.forward_rounds.declare_next_quiet, core.round_sync); 0 = it decides every forward. Off: inside vLLM
+    (run 24) sitting the decider out alone saved nothing; the quiet steps are not yet measured."""
     prefetch_host_copier: bool = False
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     whose rounds over full RAM tiers publish their decided lists to a host thread (core.host_copier) that copies them

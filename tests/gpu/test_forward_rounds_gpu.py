@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from bigmoe_pager.core.prefetch_chain import FORWARD, QUIET
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from test_forward_rounds import recorded_launches
 from test_prefetch_chain_gpu import assert_slots_hold, replayed_model
@@ -107,7 +108,8 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
 @pytest.mark.parametrize("policy,family", [("lru", "topic-shift"), ("lfu-duel", "near-uniform")])
 def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_path, monkeypatch, policy, family):
     """BIGMOE_PREFETCH_IDLE_EVERY=4 at recall 0: the gates close, then the kernel decides two forwards in four and
-    leaves at once in the others, cancelling their rounds; every slot stays right and no wait gives up."""
+    leaves at once in the others, each declared quiet by the forward before (no round claims, no step settles:
+    core.round_sync); every slot stays right and no wait gives up."""
     layers_n, replays, experts, vram, k = 6, 40, 64, 16, 4
     layout, records, layers, routing, predictor, stats = replayed_model(
         tmp_path,
@@ -124,14 +126,18 @@ def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_
         prefetch_idle_every=4,
     )
     graph, ids, out = whole_forward(layers, routing, predictor, 1, k, 4)
-    cancelled = 0
+    sat_out, quiet = 0, 0
     for _ in range(replays):
         graph.replay()
         torch.cuda.synchronize()
         assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
+        flags = predictor._chain.flags
+        forward = int(flags[FORWARD])
         claims = [int(layer.pager.pager.vram.kernel_state()["claim"]) for layer in layers[1:]]
-        cancelled += all(c % 4 == CANCELLED for c in claims)
+        sat_out += all(c != forward * 4 + DECIDED for c in claims)
+        quiet += int(flags[QUIET + forward % 2]) == forward
     assert predictor.chain_timeouts == 0
     served = caught_up(predictor.copier, replays * (layers_n - 1))
     assert served["error"] == 0 and 0 < served["rounds"] < replays * (layers_n - 1)
-    assert cancelled >= replays // 4  # whole forwards sat out (half of them, once the gates closed)
+    assert sat_out >= replays // 4  # whole forwards sat out (half of them, once the gates closed)
+    assert quiet >= replays // 4 - 2  # nearly all declared quiet before they began (the first by the kernel itself)

@@ -19,7 +19,7 @@ from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, 
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.prediction import replayed_predictions
-from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, PUBLISHED, QUIET, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from bigmoe_pager.core.step_kernel import StepKernelError
 from bigmoe_pager.settings import PagerSettings, SettingsError
@@ -168,16 +168,18 @@ def cold_trace(length: int, layers_n: int, width: int, experts: int, seed: int) 
     return torch.tensor(rows, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("idle_every,policy", [(4, "lru"), (5, "lfu-duel")])
+@pytest.mark.parametrize("idle_every,policy,carried", [(4, "lru", True), (5, "lfu-duel", True), (4, "lfu-duel", False)])
 def test_while_every_gate_is_closed_the_kernel_decides_two_forwards_in_n_and_a_useful_predictor_reopens_them(
-    idle_every, policy
+    idle_every, policy, carried
 ):
     """BIGMOE_PREFETCH_IDLE_EVERY: proposals that are never used close every layer's gate; from then on the kernel
-    claims no round in the forwards it sits out (the steps cancel them), drops the stale would-fetch marks in the
-    first forward of each pair (its round leaves the gate's scores as they were) and judges in the second; it cancels
-    the rounds it sits out itself, so the steps find them settled. The steps
-    decide exactly as with a round every forward. Once the steps use what was proposed, the gates reopen and the
-    rounds copy every forward again."""
+    claims no round in the forwards it sits out, drops the stale would-fetch marks in the first forward of each pair
+    (its round leaves the gate's scores as they were) and judges in the second. With the chain's words carried from
+    forward to forward (as on the device), each forward it will sit out is declared quiet at the end of the one before:
+    the kernel then leaves at once and the steps settle nothing (no claim word moves, no round is cancelled); with a
+    fresh chain each forward (no declaration seen) it cancels the rounds it sits out itself, so the steps find them
+    settled. Either way the steps decide exactly as with a round every forward. Once the steps use what was proposed,
+    the gates reopen and the rounds copy every forward again."""
     experts, slots, layers_n, width, closed_half, forwards = 40, 10, 3, 4, 24, 56
     predicted = cold_trace(forwards + 1, layers_n, width, experts, idle_every)
     ours, theirs = layers_twice(layers_n, experts, slots, policy)
@@ -185,7 +187,8 @@ def test_while_every_gate_is_closed_the_kernel_decides_two_forwards_in_n_and_a_u
     idle = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, cursor, 1, idle_every=idle_every)
     every = ForwardRounds([p for p, _ in theirs[1:]], 1, predicted, cursor, 1)
     rng = random.Random(idle_every)
-    skipped, dropped, decided_at_the_end = 0, 0, []
+    skipped, dropped, quiet, decided_at_the_end = 0, 0, 0, []
+    chain = chain_at(layers_n, 0, -1)
 
     def scores(layers):
         return [(int(p.vram.used_score), int(p.vram.wasted_score)) for p, _ in layers[1:]]
@@ -196,12 +199,21 @@ def test_while_every_gate_is_closed_the_kernel_decides_two_forwards_in_n_and_a_u
     for forward in range(1, forwards + 1):
         cursor += 1
         closed_before, before = gates_closed(ours), scores(ours)
-        chain, ref_chain = chain_at(layers_n, forward, layers_n - 1), chain_at(layers_n, forward, layers_n - 1)
+        phase = forward % idle_every
+        if not carried:
+            chain = chain_at(layers_n, forward, layers_n - 1)
+        chain.flags[FORWARD], chain.flags[STEPPED:] = forward, forward
+        ref_chain = chain_at(layers_n, forward, layers_n - 1)
+        declared = int(chain.flags[QUIET + forward % 2]) == forward
+        assert declared == (carried and forward > 1 and closed_before and phase >= 2), forward
+        claims_before = [int(p.vram.kernel_state()["claim"]) for p, _ in ours[1:]]
         idle.launch(chain.flags, 1)
         every.launch(ref_chain.flags, 1)
         claims = [int(p.vram.kernel_state()["claim"]) for p, _ in ours[1:]]
-        phase = forward % idle_every
-        if closed_before and phase >= 2:
+        if declared:
+            assert claims == claims_before, (forward, claims)  # left at once: nothing claimed, nothing cancelled
+            skipped, quiet = skipped + 1, quiet + 1
+        elif closed_before and phase >= 2:
             assert claims == [forward * 4 + CANCELLED] * (layers_n - 1), (forward, claims)  # cancelled, not claimed
             skipped += 1
         else:
@@ -212,6 +224,7 @@ def test_while_every_gate_is_closed_the_kernel_decides_two_forwards_in_n_and_a_u
         if forward > forwards - 8:
             decided_at_the_end.append(closed_before)
         chain.flags[FORWARD] = ref_chain.flags[FORWARD] = forward - 1  # the forward's first step counts it
+        cancels = int(chain.flags[CANCELS])
         for layer in range(layers_n):
             row = int(cursor[layer]) - 1
             if layer == 0 or forward <= closed_half:  # routing that never uses what was proposed
@@ -225,6 +238,8 @@ def test_while_every_gate_is_closed_the_kernel_decides_two_forwards_in_n_and_a_u
             if forward <= closed_half:
                 assert torch.equal(a.remapped, b.remapped) and torch.equal(a.miss_slots, b.miss_slots), forward
         assert int(chain.flags[TIMEOUTS]) == 0
+        if declared:  # the steps settled nothing
+            assert int(chain.flags[CANCELS]) == cancels and claims == claims_before, forward
         if forward == closed_half:
             assert gates_closed(ours) and gates_closed(theirs)
             for (a, sa), (b, sb) in zip(ours, theirs):  # closed rounds move no expert: the same tables and hits
@@ -232,6 +247,7 @@ def test_while_every_gate_is_closed_the_kernel_decides_two_forwards_in_n_and_a_u
                 assert torch.equal(sa.device_counts, sb.device_counts)  # (the open gate's first rounds copied)
             copied_when_closed = [int(s.snapshot(0)["vram"].prefetched) for _, s in ours[1:]]
     assert skipped >= 6 and dropped >= 2
+    assert quiet >= 6 if carried else quiet == 0
     assert not any(decided_at_the_end)  # the gates reopened: every forward decides again
     copied = [int(s.snapshot(0)["vram"].prefetched) for _, s in ours[1:]]
     assert all(now > then for now, then in zip(copied, copied_when_closed)), (copied, copied_when_closed)
@@ -264,6 +280,55 @@ def test_a_round_its_step_cancelled_first_copies_nothing_and_the_others_go_on():
     )
     assert int(ours[2][0].vram.kernel_state()["copied"].sum()) == 0
     assert int(ours[1][0].vram.kernel_state()["claim"]) == 4 * 4 + DECIDED and (rounds.lists[0]["exp"] >= 0).any()
+    assert int(chain.flags[TIMEOUTS]) == 0
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_a_round_of_a_quiet_forward_claims_nothing_and_cancels_itself(programs):
+    """A forward declared quiet (its QUIET word holds its number) has no rounds, whoever runs them: each round cancels
+    itself instead of claiming (so the copying programs stop waiting for a decision), copies nothing, and nothing
+    times out."""
+    predicted = torch.randint(0, 40, (9, 3, 5), dtype=torch.int32)
+    ours, _ = layers_twice(3, 40, 8, "lru")
+    rounds = ForwardRounds([p for p, _ in ours[1:]], 1, predicted, torch.ones(3, dtype=torch.int64), programs)
+    chain = chain_at(3, 5, 2)
+    chain.flags[QUIET + 5 % 2] = 5
+    rounds.launch(chain.flags, 1, max_spins=3)
+    assert [int(p.vram.kernel_state()["claim"]) for p, _ in ours[1:]] == [5 * 4 + CANCELLED] * 2
+    assert all((lists["exp"] < 0).all() for lists in rounds.lists)
+    assert all(int(p.vram.kernel_state()["copied"].sum()) == 0 for p, _ in ours[1:])
+    assert int(chain.flags[TIMEOUTS]) == 0
+    chain = chain_at(3, 6, 2)
+    chain.flags[QUIET + 6 % 2] = 4  # an older forward's declaration: this one's rounds claim and decide
+    rounds.launch(chain.flags, 1, max_spins=3)
+    assert [int(p.vram.kernel_state()["claim"]) for p, _ in ours[1:]] == [6 * 4 + DECIDED] * 2
+
+
+@pytest.mark.parametrize("published", [0, 1])
+def test_the_steps_of_a_quiet_forward_settle_only_while_a_host_copy_may_be_under_way(published):
+    """In a quiet forward the joinless steps settle nothing (no claim moves, none is cancelled) and decide as they
+    would after a cancelled round; while an earlier forward's host copy may still be under way (PUBLISHED set) they
+    settle as in any joinless forward, cancelling the unclaimed rounds."""
+    experts, slots, layers_n = 40, 8, 3
+    ours, theirs = layers_twice(layers_n, experts, slots, "lru")
+    chain, ref = chain_at(layers_n, 6, -1), chain_at(layers_n, 6, -1)
+    chain.flags[QUIET + 7 % 2], chain.flags[PUBLISHED] = 7, published
+    rng = random.Random(published)
+    for forward in (7, 9):
+        chain.flags[FORWARD], ref.flags[FORWARD] = forward - 1, forward - 1
+        chain.flags[QUIET + forward % 2] = forward
+        claims = [int(p.vram.kernel_state()["claim"]) for p, _ in ours[1:]]
+        for layer in range(layers_n):
+            ids = step_ids(rng, experts, 1, 4, list(range(8)))
+            a = ours[layer][0].acquire(ids, chain.signal(layer, first=layer == 0, joinless=True))
+            b = theirs[layer][0].acquire(ids, ref.signal(layer, first=layer == 0, joinless=True))
+            assert torch.equal(a.remapped, b.remapped) and torch.equal(a.miss_slots, b.miss_slots), (forward, layer)
+        after = [int(p.vram.kernel_state()["claim"]) for p, _ in ours[1:]]
+        if published:
+            assert after == [forward * 4 + CANCELLED] * 2 and int(chain.flags[CANCELS]) == 2 * (1 + (forward == 9))
+        else:
+            assert after == claims and int(chain.flags[CANCELS]) == 0
+        assert [int(p.vram.kernel_state()["claim"]) for p, _ in theirs[1:]] == [forward * 4 + CANCELLED] * 2
     assert int(chain.flags[TIMEOUTS]) == 0
 
 

@@ -27,6 +27,11 @@ rounds do, with the same tokens, but costs 0.59 ms a token at recall 0 where a f
 sixteen programs held beside vLLM's kernels for the whole forward (one polling program alone cost 0.05 ms,
 sixteen 0.20). So it is off (BIGMOE_PREFETCH_ONE_NODE), with its program count a setting to measure.
 
+With BIGMOE_PREFETCH_IDLE_EVERY (one program, the host copier) the kernel sits out forwards while every gate is
+closed (`idle_forward`), and at each forward's end declares the next one quiet when it will sit that one out
+(`declare_next_quiet`): a quiet forward's kernel leaves at once, none of its rounds claims a table, and its steps
+settle nothing (core.round_sync). Inside vLLM 0.33 (run 24) sitting out the decider alone saved nothing.
+
 With mailboxes (BIGMOE_PREFETCH_HOST_COPIER) the kernel has one program and copies nothing: after each decision it
 publishes the decided list to the layer's mailbox in pinned memory (`publish_round`), and core.host_copier's thread
 copies it with the copy engines and moves `copied` as the kernel's programs would (core.host_rounds). Inside vLLM
@@ -377,10 +382,10 @@ if triton is not None:
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.host_rounds import publish_round
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
-    from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS, wait_for_step
-    from bigmoe_pager.core.round_sync import DECIDED, cancel_round, count_copied
+    from bigmoe_pager.core.prefetch_chain import FORWARD, QUIET, TIMEOUTS, wait_for_step
+    from bigmoe_pager.core.round_sync import DECIDED, cancel_round, count_copied, forward_is_quiet
 
-    _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
+    _FORWARD, _TIMEOUTS, _DECIDED, _QUIET = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED, QUIET))
 
     # The address table's columns by name, as constexpr globals (all a kernel may read); FIELDS fixes their order.
     _SCRATCH = tl.constexpr(FIELDS.index("scratch"))
@@ -531,6 +536,30 @@ if triton is not None:
             )
 
     @triton.jit
+    def gates_closed(table_ptr, layers, min_used_percent, FIELDS: tl.constexpr, BLOCK_L: tl.constexpr):
+        """Whether every layer's prefetch gate is closed, its decayed scores (as the last round left them) below the
+        threshold."""
+        k = tl.arange(0, BLOCK_L)
+        rows = table_ptr + k * FIELDS
+        used = _word_of_rows(rows, _USED_SCORE, k < layers)
+        wasted = _word_of_rows(rows, _WASTED_SCORE, k < layers)
+        open_now = (k < layers) & scores_at_least(used, wasted, min_used_percent)
+        return tl.sum(open_now.to(tl.int32), 0) == 0
+
+    @triton.jit
+    def declare_next_quiet(
+        table_ptr, flags_ptr, layers, forward, idle_every, min_used_percent, FIELDS: tl.constexpr, BLOCK_L: tl.constexpr
+    ):
+        """At a forward's end, once its rounds are all decided: declare the next forward quiet (the chain's QUIET word)
+        when `idle_forward` would sit it out, so that it does not even begin its rounds and its steps settle nothing
+        (core.round_sync). Read before it begins, in stream order: the kernel is joined at this forward's end. With two
+        chained models on one chain (an MTP drafter's forwards between the decoder's), the next forward may be the
+        other model's, which then sits out its rounds too: a prefetch lost, never a token."""
+        nxt = forward + 1
+        if gates_closed(table_ptr, layers, min_used_percent, FIELDS, BLOCK_L) & (nxt % idle_every >= 2):
+            tl.store(flags_ptr + _QUIET + nxt % 2, nxt)  # (this forward's steps may still read the other word)
+
+    @triton.jit
     def idle_forward(
         table_ptr,
         layers,
@@ -548,13 +577,10 @@ if triton is not None:
         rounds as a step that came first does (once each, where every program of a step would race to). The first
         forward of the two drops the would-fetch marks the last pair left (judged now, they would count every use since,
         many forwards ago, as a hit); the second judges the first's marks one step later, as every round does, so a
-        predictor that turns useful reopens the gate within a cycle or two."""
-        k = tl.arange(0, BLOCK_L)
-        rows = table_ptr + k * FIELDS
-        used = _word_of_rows(rows, _USED_SCORE, k < layers)
-        wasted = _word_of_rows(rows, _WASTED_SCORE, k < layers)
-        open_now = (k < layers) & scores_at_least(used, wasted, min_used_percent)
-        closed = tl.sum(open_now.to(tl.int32), 0) == 0
+        predictor that turns useful reopens the gate within a cycle or two. A forward that `declare_next_quiet` marked
+        never gets here: the kernel leaves before, and its steps do not settle (core.round_sync); this is for the
+        forwards nothing declared (the first after the gates closed, or one after an uncaptured forward)."""
+        closed = gates_closed(table_ptr, layers, min_used_percent, FIELDS, BLOCK_L)
         phase = forward % idle_every
         if closed & (phase == 0):
             e = tl.arange(0, BLOCK_E)
@@ -625,13 +651,17 @@ if triton is not None:
         j = tl.arange(0, BLOCK_S)  # list positions (m <= S)
         stop = last + 1
         if idle_every > 0:
-            idle = idle_forward(
-                table_ptr, last - first + 1, forward, idle_every, min_used_percent, FIELDS, E, BLOCK_E, BLOCK_L
-            )
+            # Declared quiet by the last forward's kernel: no round claims and no step settles, so leave at once.
+            # Otherwise (the first forward, or gates that closed since) sit it out here, cancelling its rounds.
+            idle = forward_is_quiet(flags_ptr, forward)
+            if ~idle:
+                idle = idle_forward(
+                    table_ptr, last - first + 1, forward, idle_every, min_used_percent, FIELDS, E, BLOCK_E, BLOCK_L
+                )
+                if idle:  # the rounds cancelled here, once each: every program of a step then reads a settled claim
+                    for i in range(0, last - first + 1):
+                        cancel_round(_field(table_ptr + i * FIELDS, _CLAIM, tl.int64), forward, ON_GPU)
             stop = tl.where(idle, first, stop)
-            if idle:  # the rounds cancelled here, once each: every program of a step then reads a settled claim
-                for i in range(0, last - first + 1):
-                    cancel_round(_field(table_ptr + i * FIELDS, _CLAIM, tl.int64), forward, ON_GPU)
         for layer in range(first, stop):
             row = table_ptr + (layer - first) * FIELDS
             claim_ptr = _field(row, _CLAIM, tl.int64)
@@ -724,3 +754,8 @@ if triton is not None:
                             count_copied(copied_ptr, slot, blocks)
                 elif seen < mine + _DECIDED:  # gave up on a decision that never came: counted (the step copies)
                     tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
+        if idle_every > 0:  # (one program)
+            tl.debug_barrier()  # the rounds' score stores are made before they are read
+            declare_next_quiet(
+                table_ptr, flags_ptr, last - first + 1, forward, idle_every, min_used_percent, FIELDS, BLOCK_L
+            )

@@ -13,6 +13,9 @@ device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured sl
     flags[CANCELS]      rounds a joinless forward's step cancelled because it came first (core.round_sync)
     flags[PUBLISHED]    1 once a round published a list with entries for the host copier, 0 again once a forward's
                         drain saw every copy done (core.host_rounds)
+    flags[QUIET + f % 2]  forward f if it was declared quiet before it began: no round of it claims a table, and its
+                        steps skip the settling (core.round_sync; declared by core.forward_rounds' idle skipping, by
+                        the forward before, while that one's steps may still read their own word: hence two)
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
 
 The fused step kernel (step_kernel, a `ChainSignal`) publishes `STEPPED + l` with a release store
@@ -50,7 +53,7 @@ try:
 except ImportError:
     triton = tl = None
 
-FORWARD, TIMEOUTS, CANCELS, PUBLISHED, STEPPED = 0, 1, 2, 3, 4
+FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, STEPPED = 0, 1, 2, 3, 4, 6
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""

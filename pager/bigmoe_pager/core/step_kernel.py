@@ -237,7 +237,7 @@ if triton is not None:
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.forward_rounds import round_of_layer
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
-    from bigmoe_pager.core.round_sync import round_filled, settle_round, wait_copies
+    from bigmoe_pager.core.round_sync import round_filled, settle_round, step_settles, wait_copies
 
     _FORWARD, _TIMEOUTS, _CANCELS = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS))
 
@@ -347,13 +347,16 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         if pid < programs + DUEL:  # the step's programs (P, and the shadow player)
-            if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync)
+            if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync);
+                # a quiet one has no round, and no earlier copy under way: nothing to settle or wait for
                 forward = tl.load(chain_ptr + _FORWARD)
-                cancelled, stuck = settle_round(claim_ptr, forward, max_spins, ON_GPU)
-                if cancelled:
-                    tl.atomic_add(chain_ptr + _CANCELS, 1)
-                if stuck & (pid == 0):
-                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+                settles = step_settles(chain_ptr, forward)
+                if settles:
+                    cancelled, stuck = settle_round(claim_ptr, forward, max_spins, ON_GPU)
+                    if cancelled:
+                        tl.atomic_add(chain_ptr + _CANCELS, 1)
+                    if stuck & (pid == 0):
+                        tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
             step = tl.load(step_ptr) + 1
 
             # 1. The decision, from the table as it stood before the step (written only at the end).
@@ -390,17 +393,18 @@ if triton is not None:
             avail = s_in & ~held_needed
             if SYNC:  # the slots this forward's round filled are not taken (a set every program reads alike, where
                 # the copies' progress is not), unless too few others are left: then once those copies are all done
-                busy = round_filled(filled_ptr, forward, s_ar, avail)
-                short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
-                if short > 0:
-                    late = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
-                    if tl.sum(late.to(tl.int32), 0) == 0:
-                        busy = late
-                    elif pid == 0:  # misses left unplaced: counted as errors, never hidden
-                        tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
-                        if HAS_STATS:
-                            tl.atomic_add(stats_ptr + _ERRORS, short)
-                avail = avail & ~busy
+                if settles:
+                    busy = round_filled(filled_ptr, forward, s_ar, avail)
+                    short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
+                    if short > 0:
+                        late = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
+                        if tl.sum(late.to(tl.int32), 0) == 0:
+                            busy = late
+                        elif pid == 0:  # misses left unplaced: counted as errors, never hidden
+                            tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+                            if HAS_STATS:
+                                tl.atomic_add(stats_ptr + _ERRORS, short)
+                    avail = avail & ~busy
             n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
             cand = tl.full([BLOCK_I], -1, tl.int64)
             old = tl.full([BLOCK_I], -1, tl.int64)
@@ -500,7 +504,7 @@ if triton is not None:
             # round's copies into the slots this step hits, and copies any still under way after max_spins itself
             # (the same expert's bytes into the same slot: the race with the round is harmless).
             if SYNC:
-                if pid == 0:
+                if (pid == 0) & settles:
                     late = wait_copies(copied_ptr, target_ptr, where_now, first & hit, max_spins, ON_GPU)
                     n_late = tl.sum(late.to(tl.int32), 0)
                     if n_late > 0:
