@@ -168,12 +168,14 @@ SETTING_SUFFIXES = {
     "+nodes": "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS",
     "+dist": "BIGMOE_PREFETCH_DISTANCE",
     "+idle": "BIGMOE_PREFETCH_IDLE_EVERY",
+    "+hot": "BIGMOE_HOST_COPIER_HOT_MS",
 }
 """Name suffixes that carry a number, and the setting it sets (need @rRECALL): `+gateN` the VRAM prefetch gate at N%
 (0: none), `+bN` a prefetch budget of N experts a layer's round (0: none), `+nodesN` the one-node kernel's
 programs (with +one-node), `+distN` a joinless forward's rounds N layers ahead (the replayed rows for layer l+N are
 as right as the next layer's, which a real predictor's are not), `+idleN` the one-node kernel (with +one-node+host)
-deciding two forwards in every N while every gate is closed."""
+deciding two forwards in every N while every gate is closed, `+hotN` the host copier's thread busy-polling N ms
+after its last round (0: it naps at once)."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},

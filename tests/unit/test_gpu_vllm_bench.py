@@ -234,6 +234,8 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert stepped.prefetch_in_step is True and stepped.prefetch_host_copier is False  # (the Predictor implies it)
     idle = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+host+idle16#2", tmp_path / "f.npz", 32).env)
     assert idle.prefetch_idle_every == 16 and idle.prefetch_one_node is True and idle.prefetch_host_copier is True
+    cold = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+host+hot0", tmp_path / "f.npz", 32).env)
+    assert cold.host_copier_hot_ms == 0 and PagerSettings.from_env({}).host_copier_hot_ms == 50
 
 
 def test_a_prefetching_engine_names_the_gate_and_budget_it_ran_even_the_defaults(tmp_path):

@@ -188,6 +188,27 @@ def test_an_idle_copier_naps_and_still_serves_the_next_round(copier):
     layer.assert_matches_model()
 
 
+def test_a_copier_with_no_busy_polling_naps_at_once_and_still_serves_every_round():
+    """BIGMOE_HOST_COPIER_HOT_MS=0: right after a round the thread naps (20 us naps: a few thousand polls a second
+    at most, where busy polling makes hundreds of thousands), and the next rounds are still served."""
+    quiet = HostCopier(CPU, ring_words=64, hot_ms=0)
+    try:
+        layer = Layer("one", 4, seed=6)
+        layer.add_to(quiet)
+        for rows in ([1, 2], [3, 0]):
+            layer.publish(rows, [0, 1], [7, 8] if rows[0] == 1 else [9, 10])
+            wait_for(layer.landed, "a round of a copier that naps")
+            layer.assert_matches_model()
+        start, t0 = quiet.stats()["passes"], time.monotonic()
+        time.sleep(0.3)  # within what would be busy polling (50 ms) only at its start; the rest naps either way
+        rate = (quiet.stats()["passes"] - start) / (time.monotonic() - t0)
+        assert rate < 60_000, f"{rate:.0f} polls a second"  # 20 us naps: at most 50,000
+    finally:
+        quiet.close()
+    with pytest.raises(ValueError, match="hot_ms"):
+        HostCopier(CPU, hot_ms=-1)
+
+
 def test_ring_must_hold_twice_the_slots():
     with pytest.raises(ValueError, match="ring_words"):
         HostCopier(CPU, ring_words=1)

@@ -26,7 +26,6 @@
 
 #define MAX_LAYERS 256
 #define MAX_COMPONENTS 4
-#define HOT_NS 50000000L /* busy-poll this long (50 ms: longer than any gap between two decode steps) after the last work, then nap */
 #define NAP_NS 20000L    /* 20 us naps for the first second idle: a round after a pause waits at most this */
 #define COLD_NS 1000000000L /* after 1 s idle (no decode under way) ... */
 #define COLD_NAP_NS 1000000L /* ... 1 ms naps: 20 us naps cost about a fifth of a core, 1 ms ones under 1% */
@@ -73,6 +72,7 @@ typedef struct {
     int64_t nlayers; /* descriptors below this are complete (release store by add_layer) */
     layer layers[MAX_LAYERS];
     int64_t *ring, ring_words, ring_next; /* pinned goal words the completion copies read from (CUDA) */
+    int64_t hot_ns; /* busy-poll this long after the last work, then nap (host_copier.py: HOT_MS) */
     cuda_api api;
     CUcontext ctx;
     CUstream stream;
@@ -190,7 +190,7 @@ static void *run(void *arg) {
         }
         int64_t t = now_ns();
         if (idle_since < 0) idle_since = t;
-        if (t - idle_since < HOT_NS)
+        if (t - idle_since < h->hot_ns)
             cpu_relax();
         else
             nap(t - idle_since < COLD_NS ? NAP_NS : COLD_NAP_NS);
@@ -232,9 +232,10 @@ static int load_driver(copier *h) {
 
 /* Start the thread. CUDA mode captures the calling thread's current context. NULL only if out of memory or
  * threads; any other failure is recorded in the handle (copier_stats) and leaves the thread idle. */
-void *copier_start(int cuda, int64_t *ring, int64_t ring_words) {
+void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns) {
     copier *h = calloc(1, sizeof *h);
     if (!h) return NULL;
+    h->hot_ns = hot_ns;
     h->cuda = cuda != 0;
     h->ring = ring;
     h->ring_words = ring_words;

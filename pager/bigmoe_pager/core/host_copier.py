@@ -37,6 +37,7 @@ SOURCE = Path(__file__).with_name("host_copier.c")
 MAX_LAYERS = 256  # host_copier.c's MAX_LAYERS
 MAX_COMPONENTS = 4  # host_copier.c's MAX_COMPONENTS
 HEADER_WORDS = 3  # seq, count, reserved
+HOT_MS = 50  # busy polling after the last round (ms): longer than any gap between two decode steps
 
 
 def mailbox_words(slots: int) -> int:
@@ -104,7 +105,7 @@ def _build(argv: list[str], exe: str, out: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64p = ctypes.POINTER(ctypes.c_int64)
-    lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.copier_start.restype = ctypes.c_void_p
     lib.copier_add_layer.argtypes = [ctypes.c_void_p, i64p, ctypes.c_int64]
     lib.copier_add_layer.restype = ctypes.c_int
@@ -153,14 +154,18 @@ class HostCopier:
 
     ring_words: pinned int64 words the completion copies read from on CUDA, used round-robin; at most one
     forward's copies are in flight, so twice the slots of all layers never overwrites one a DMA still reads.
+    hot_ms: how long the thread busy-polls after its last round before it naps (20 us naps, 1 ms ones after a
+    second); 0: it naps at once, and a round waits for the end of a nap (tens of microseconds) before it is copied.
     """
 
-    def __init__(self, device: torch.device, ring_words: int = 1 << 16):
+    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int = HOT_MS):
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"HostCopier: device must be cpu or cuda, got {device}")
         if ring_words < 2:
             raise ValueError(f"HostCopier: ring_words must be >= 2, got {ring_words}")
+        if hot_ms < 0:
+            raise ValueError(f"HostCopier: hot_ms must be >= 0, got {hot_ms}")
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -175,9 +180,9 @@ class HostCopier:
             torch.cuda.init()
             with torch.cuda.device(device):
                 torch.zeros(1, device=device)
-                handle = self._lib.copier_start(1, self.ring.data_ptr(), ring_words)
+                handle = self._lib.copier_start(1, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000)
         else:
-            handle = self._lib.copier_start(0, self.ring.data_ptr(), ring_words)
+            handle = self._lib.copier_start(0, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000)
         if not handle:
             raise HostCopierError("host copier: could not allocate the copier or start its thread")
         self._handle: int | None = handle

@@ -180,6 +180,8 @@ class Predictor:
         failed copier is the export thread's to report (adapters.vllm.device.failed_part)."""
         self.copier: HostCopier | None = None
         """The host thread that copies published rounds (made with the first of them)."""
+        self.copier_hot_ms = settings.host_copier_hot_ms
+        """BIGMOE_HOST_COPIER_HOT_MS: how long the copier's thread busy-polls after its last round."""
         self.distance = max(1, settings.prefetch_distance)
         """BIGMOE_PREFETCH_DISTANCE: in a joinless forward, layer l's round prefetches into layer l + distance."""
         self._published: dict[tuple[str, int], torch.Tensor] = {}
@@ -519,7 +521,7 @@ class Predictor:
         """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `mailboxes` into their `pagers`' slots, and a forward's
         end drains their copies."""
         if self.copier is None:
-            self.copier = HostCopier(hidden.device)
+            self.copier = HostCopier(hidden.device, hot_ms=self.copier_hot_ms)
             log.warning("bigmoe: prefetch rounds are copied by a host thread through the GPU's copy engines")
         for pager, mailbox in zip(pagers, mailboxes):
             serve_pager(self.copier, pager, mailbox)
