@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-from bigmoe_pager.core.prefetch_chain import FORWARD, QUIET
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from test_forward_rounds import recorded_launches
 from test_prefetch_chain_gpu import assert_slots_hold, replayed_model
@@ -131,11 +130,9 @@ def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_
         graph.replay()
         torch.cuda.synchronize()
         assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
-        flags = predictor._chain.flags
-        forward = int(flags[FORWARD])
         claims = [int(layer.pager.pager.vram.kernel_state()["claim"]) for layer in layers[1:]]
-        sat_out += all(c != forward * 4 + DECIDED for c in claims)
-        quiet += int(flags[QUIET + forward % 2]) == forward
+        sat_out += all(c != predictor.chain_forwards * 4 + DECIDED for c in claims)
+        quiet += predictor.chain_last_quiet
     assert predictor.chain_timeouts == 0
     served = caught_up(predictor.copier, replays * (layers_n - 1))
     assert served["error"] == 0 and 0 < served["rounds"] < replays * (layers_n - 1)

@@ -135,6 +135,12 @@ class PrefetchChain:
         """Rounds a joinless forward's steps cancelled so far (reads the device: one sync)."""
         return int(self.flags[CANCELS])
 
+    @property
+    def quiet(self) -> bool:
+        """Whether the last forward counted was declared quiet before it began (reads the device: one sync)."""
+        forward = int(self.flags[FORWARD])
+        return int(self.flags[QUIET + forward % 2]) == forward
+
     def stepped(self, layer: int) -> int:
         """The forward whose step of `layer` was last published (reads the device: one sync)."""
         return int(self.flags[STEPPED + layer])

@@ -348,6 +348,17 @@ class Predictor:
         return None if self._chain is None else self._chain.cancels
 
     @property
+    def chain_forwards(self) -> int | None:
+        """Chained forwards counted so far (None: none was chained; one sync)."""
+        return None if self._chain is None else self._chain.forwards
+
+    @property
+    def chain_last_quiet(self) -> bool | None:
+        """Whether the last chained forward was declared quiet (BIGMOE_PREFETCH_IDLE_EVERY; None: no forward was
+        chained; one sync)."""
+        return None if self._chain is None else self._chain.quiet
+
+    @property
     def copier_stats(self) -> dict[str, int] | None:
         """The host copier's counters (rounds, experts, bytes it served, its error code); None: no copier runs."""
         return None if self.copier is None else self.copier.stats()
