@@ -141,6 +141,11 @@ no round (BIGMOE_SIDE_BRANCH_PROBE=poll-once): what one polling node a forward c
 POLL_WIDE = "+poll-wide"
 """Name suffix: +poll-once with 16 polling programs, as many CTAs as a forward-long copier would hold
 (BIGMOE_SIDE_BRANCH_PROBE=poll-wide): what holding those SMs for the forward costs."""
+BARE = "+bare"
+"""Name suffix, benchmark only, with +one-node: the one-node kernel never launched, so the joinless steps cancel every
+round (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): what the steps, the join and the drain cost without it."""
+BARE_NODRAIN = "+bare-nodrain"
+"""Name suffix: +bare without the forward's drain (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nodrain)."""
 EDGES_ONCE = "+edges-once"
 """Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
 CHAIN = "+chain"
@@ -187,6 +192,8 @@ PREDICTION_SUFFIXES = {
     EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
     POLL_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-once"},
     POLL_WIDE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-wide"},
+    BARE: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare"},
+    BARE_NODRAIN: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nodrain"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},

@@ -26,6 +26,8 @@ SIDE_BRANCH_PROBE_CHOICES = (
     "edges-once",
     "poll-once",
     "poll-wide",
+    "one-node-bare",
+    "one-node-bare-nodrain",
 )  # adapters.vllm.predictor
 # settings that take one of a few words
 _CHOICES = {
@@ -171,7 +173,10 @@ class PagerSettings:
     (edges-once). The engine's TPOT then shows what the fork and join cost. poll-once: a chained forward (as
     BIGMOE_PREFETCH_CHAIN=1, its steps publishing) whose side branch is one program that polls for every step in
     turn, joined once: what one polling node a forward costs. poll-wide: the same node with one polling program per
-    CTA a forward-long copier would hold (adapters.vllm.predictor.POLL_WIDE_PROGRAMS): what holding those SMs costs."""
+    CTA a forward-long copier would hold (adapters.vllm.predictor.POLL_WIDE_PROGRAMS): what holding those SMs costs.
+    one-node-bare (with BIGMOE_PREFETCH_ONE_NODE=1): the one-node kernel is never launched, so the joinless steps
+    cancel every round and copy nothing: what the steps, the fork's join and the forward's drain cost without it;
+    one-node-bare-nodrain: the same without the drain."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

@@ -63,6 +63,8 @@ SIDE_BRANCH_PROBES = {
     "edges-once": ("first", True),
     "poll-once": ("poll", False),
     "poll-wide": ("poll", False),
+    "one-node-bare": (None, False),
+    "one-node-bare-nodrain": (None, False),
 }
 """BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
 round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
@@ -165,6 +167,10 @@ class Predictor:
         """Benchmark only: the polling node's programs (1, or POLL_WIDE_PROGRAMS for poll-wide)."""
         self.one_node = settings.prefetch_one_node
         """BIGMOE_PREFETCH_ONE_NODE: a joinless forward's replayed rounds as one kernel (core.forward_rounds)."""
+        self.bare_probe = settings.side_branch_probe.startswith("one-node-bare")
+        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): the one-node kernel is made but never launched."""
+        self.drains = settings.side_branch_probe != "one-node-bare-nodrain"
+        """False, benchmark only (one-node-bare-nodrain): a chained forward's end drains no host copies (none run)."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
         self.idle_every = settings.prefetch_idle_every
@@ -245,7 +251,8 @@ class Predictor:
                 self.live.join(hidden.device)
             raise
         if self.live.chained and self._last_of_its_model(layer):
-            self._drain_published(hidden)
+            if self.drains:
+                self._drain_published(hidden)
             self.live.close_chain(hidden.device)
         if not self._join_later(hidden) or (self.probe_joins_once and self._last_of_its_model(layer)):
             self.live.join(hidden.device)  # a no-op when nothing was forked
@@ -446,7 +453,7 @@ class Predictor:
                     what=FORKED,
                 )
             return False
-        if starts is layer:
+        if starts is layer and not self.bare_probe:
             self.live.fork_rounds(hidden, lambda flags: rounds.launch(flags, hidden.shape[0]), after=layer._moe_index)
         return True
 
