@@ -144,3 +144,39 @@ def test_bench_table_refuses_what_is_not_a_bench_run(tmp_path, content):
     )
     assert done.returncode == 2
     assert done.stderr.startswith("bench_table: ") and len(done.stderr.strip().splitlines()) == 1
+
+
+def forward_trace(tokens: int, layers: int, gap_first_half: float, gap_second_half: float) -> dict:
+    """Each token: per layer a GEMM then the fused step, then the lm_head once; launch gaps by where the layer is."""
+    events, t = [], 0.0
+    for _ in range(tokens):
+        for layer in range(layers):
+            gap = gap_first_half if layer < layers // 2 else gap_second_half
+            for name in ("gemm", "_step_kernel"):
+                events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": 3.0, "args": {"stream": 7}})
+                t += 3.0 + gap
+        events.append({"ph": "X", "cat": "kernel", "name": "lm_head", "ts": t, "dur": 3.0, "args": {"stream": 7}})
+        t += 3.0 + 40.0  # the host's turn between tokens: not a launch gap
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize("first,second", [(0.1, 0.1), (0.1, 0.4)])
+def test_the_gap_spread_tells_a_uniform_widening_from_one_in_part_of_the_forward(tmp_path: Path, first, second):
+    import trace_gap_spread
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(forward_trace(4, 10, first, second)))
+    assert trace_gap_spread.main([f"x={path}", "--out", str(tmp_path / "out.json")]) == 0
+    got = json.loads((tmp_path / "out.json").read_text())["x"]
+    by_tenth = got["median_gap_us_by_tenth"]
+    # a tenth opens with the gap after the step before it, so each half's inner tenths are its own alone
+    assert by_tenth[1:5] == pytest.approx([first] * 4) and by_tenth[6:] == pytest.approx([second] * 4)
+    assert got["steps"] == 40 and got["pairs"][0]["count"] >= 36
+
+
+def test_the_gap_spread_refuses_an_unreadable_trace_in_one_line(tmp_path: Path, capsys):
+    import trace_gap_spread
+
+    (tmp_path / "bad.json").write_text("{not json")
+    assert trace_gap_spread.main([f"x={tmp_path / 'bad.json'}", "--out", str(tmp_path / "o.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "o.json").exists()
