@@ -146,9 +146,6 @@ BARE = "+bare"
 round (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): what the steps, the join and the drain cost without it."""
 BARE_NODRAIN = "+bare-nodrain"
 """Name suffix: +bare without the forward's drain (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nodrain)."""
-BARE_NOLATE = "+bare-nolate"
-"""Name suffix: +bare with the joinless steps compiled without their late copy (one-node-bare-nolate), which leaves
-the step kernel without a stack frame: whether that frame is what widens every launch gap of the graph (run 25)."""
 EDGES_ONCE = "+edges-once"
 """Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
 CHAIN = "+chain"
@@ -197,7 +194,6 @@ PREDICTION_SUFFIXES = {
     POLL_WIDE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-wide"},
     BARE: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare"},
     BARE_NODRAIN: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nodrain"},
-    BARE_NOLATE: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nolate"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},

@@ -28,7 +28,6 @@ SIDE_BRANCH_PROBE_CHOICES = (
     "poll-wide",
     "one-node-bare",
     "one-node-bare-nodrain",
-    "one-node-bare-nolate",
 )  # adapters.vllm.predictor
 # settings that take one of a few words
 _CHOICES = {
@@ -177,8 +176,7 @@ class PagerSettings:
     CTA a forward-long copier would hold (adapters.vllm.predictor.POLL_WIDE_PROGRAMS): what holding those SMs costs.
     one-node-bare (with BIGMOE_PREFETCH_ONE_NODE=1): the one-node kernel is never launched, so the joinless steps
     cancel every round and copy nothing: what the steps, the fork's join and the forward's drain cost without it;
-    one-node-bare-nodrain: the same without the drain; one-node-bare-nolate: the same with the steps compiled without
-    their own copy of a late round's experts (a timeout is counted instead: run 25's stack-frame question)."""
+    one-node-bare-nodrain: the same without the drain."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

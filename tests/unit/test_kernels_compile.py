@@ -76,7 +76,7 @@ for name in [*POLICIES, "round"]:  # Flash-Next at 40% VRAM: 512 experts, 205 sl
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
               "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy("lfu-duel" if name == "round" else name),
               "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1, "round": 0}[name], "SYNC": name in ("lfu-duel", "round"),
-              "LATE_COPY": True, "ON_GPU": True, **rounds_,
+              "ON_GPU": True, **rounds_,
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},

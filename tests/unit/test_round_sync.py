@@ -125,22 +125,6 @@ def test_a_needed_copy_still_under_way_is_waited_for_then_copied_by_the_step_its
     assert int(chain.flags[TIMEOUTS]) == 1
 
 
-def test_with_late_copies_off_a_needed_copy_still_under_way_is_counted_and_left_to_its_round():
-    """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nolate): the step kernel compiled without its own copy
-    of a late round's experts, which is what gives it a stack frame on sm_90 (run 25)."""
-    (_, _), (joinless, _), chain = joined_and_joinless(40, 12, "lru", seed=7)
-    joinless.prefetch(torch.tensor([3, 9, 21, 30]), chain_flags=chain.flags)
-    slot = int(joinless.vram.expert_slot[21])
-    _, copied, target = sync_words(joinless)
-    target[slot] = copied[slot] + 7
-    for buf in slot_bytes(joinless).values():
-        buf[slot].fill_(0)
-    joinless.sync_max_spins = 4
-    joinless.acquire(torch.tensor([[21, 3, 1, 2]], dtype=torch.int32), chain.signal(1, False, True, late_copy=False))
-    assert int(chain.flags[TIMEOUTS]) == 1
-    assert all(bool((buf[slot] == 0).all()) for buf in slot_bytes(joinless).values())  # nobody copied it
-
-
 @pytest.mark.parametrize("copying", [True, False])
 def test_a_slot_this_forward_s_round_filled_is_never_taken_for_a_miss(copying):
     """Whether its copy is still under way or done: every program of the step must exclude the same slots."""

@@ -76,10 +76,6 @@ class ChainSignal:
     """BIGMOE_PREFETCH_IN_STEP: the next layer's round, which one more program of this step decides and publishes
     (core.forward_rounds.StepRound). The step then publishes no STEPPED word (nothing waits for one), and in the
     forward's first layer that program counts the forward."""
-    late_copy: bool = True
-    """A joinless step copies itself what a round still copies after max_spins (core.round_sync). False, benchmark
-    only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nolate): it counts a timeout and leaves the copy, so the step kernel
-    is compiled without its second copy loop (with it, ptxas gives the kernel a stack frame: run 25)."""
 
     @property
     def mode(self) -> int:
@@ -96,10 +92,8 @@ class PrefetchChain:
     def layers(self) -> int:
         return self.flags.numel() - STEPPED
 
-    def signal(
-        self, layer: int, first: bool, joinless: bool = False, round: StepRound | None = None, late_copy: bool = True
-    ) -> ChainSignal:
-        return ChainSignal(self.flags, self._checked(layer), first, joinless and not first, round, late_copy)
+    def signal(self, layer: int, first: bool, joinless: bool = False, round: StepRound | None = None) -> ChainSignal:
+        return ChainSignal(self.flags, self._checked(layer), first, joinless and not first, round)
 
     def wait_stepped(self, layer: int, max_spins: int | None = None) -> None:
         """Enqueue, on the current stream, one program that waits until layer `layer`'s step of the forward

@@ -209,7 +209,6 @@ def launch_step(
         PSEL_MAX=psel_max,
         CHAIN=mode,
         SYNC=joinless,
-        LATE_COPY=chain is None or chain.late_copy,
         ON_GPU=flat.is_cuda,
         OFF0=group.offsets[0],
         OFF1=group.offsets[1],
@@ -320,7 +319,6 @@ if triton is not None:
         PSEL_MAX: tl.constexpr,
         CHAIN: tl.constexpr,
         SYNC: tl.constexpr,
-        LATE_COPY: tl.constexpr,
         ON_GPU: tl.constexpr,
         OFF0: tl.constexpr,
         OFF1: tl.constexpr,
@@ -509,43 +507,39 @@ if triton is not None:
                 if (pid == 0) & settles:
                     late = wait_copies(copied_ptr, target_ptr, where_now, first & hit, max_spins, ON_GPU)
                     n_late = tl.sum(late.to(tl.int32), 0)
-                    if LATE_COPY:
-                        if n_late > 0:
-                            late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)
-                            # [i, j]: list position i holds id j
-                            pick = late[None, :] & (late_rank[None, :] == j[:, None])
-                            late_exp = tl.sum(tl.where(pick, ids[None, :], 0), 1)
-                            late_slot = tl.sum(tl.where(pick, where_now[None, :], 0), 1)
-                            copy_listed_share(
-                                0,
-                                1,
-                                n_late,
-                                j,
-                                late_exp,
-                                late_slot,
-                                rec_ptr,
-                                pitch_words,
-                                out0,
-                                out1,
-                                out2,
-                                out3,
-                                OFF0,
-                                OFF1,
-                                OFF2,
-                                OFF3,
-                                N0,
-                                N1,
-                                N2,
-                                N3,
-                                NB0,
-                                NB1,
-                                NB2,
-                                NB3,
-                                NBLK,
-                                BLOCK,
-                            )
-                            tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
-                    elif n_late > 0:  # benchmark only (ChainSignal.late_copy): left to the round, counted
+                    if n_late > 0:
+                        late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)
+                        pick = late[None, :] & (late_rank[None, :] == j[:, None])  # [i, j]: list position i holds id j
+                        late_exp = tl.sum(tl.where(pick, ids[None, :], 0), 1)
+                        late_slot = tl.sum(tl.where(pick, where_now[None, :], 0), 1)
+                        copy_listed_share(
+                            0,
+                            1,
+                            n_late,
+                            j,
+                            late_exp,
+                            late_slot,
+                            rec_ptr,
+                            pitch_words,
+                            out0,
+                            out1,
+                            out2,
+                            out3,
+                            OFF0,
+                            OFF1,
+                            OFF2,
+                            OFF3,
+                            N0,
+                            N1,
+                            N2,
+                            N3,
+                            NB0,
+                            NB1,
+                            NB2,
+                            NB3,
+                            NBLK,
+                            BLOCK,
+                        )
                         tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
 
             # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it

@@ -65,7 +65,6 @@ SIDE_BRANCH_PROBES = {
     "poll-wide": ("poll", False),
     "one-node-bare": (None, False),
     "one-node-bare-nodrain": (None, False),
-    "one-node-bare-nolate": (None, False),
 }
 """BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
 round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
@@ -171,8 +170,6 @@ class Predictor:
         self.bare_probe = settings.side_branch_probe.startswith("one-node-bare")
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): the one-node kernel is made but never launched."""
         self.drains = settings.side_branch_probe != "one-node-bare-nodrain"
-        self.late_copy = settings.side_branch_probe != "one-node-bare-nolate"
-        """False, benchmark only (one-node-bare-nolate): joinless steps leave a late copy to its round, counted."""
         """False, benchmark only (one-node-bare-nodrain): a chained forward's end drains no host copies (none run)."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
@@ -269,9 +266,7 @@ class Predictor:
         are made at the first forward outside a capture (vLLM's profile run and warm-up come before its captures)."""
         if self.live.chained:
             index = layer._moe_index
-            return self._chain.signal(
-                index, first=False, joinless=self.live.joinless, round=self._step_round(layer), late_copy=self.late_copy
-            )
+            return self._chain.signal(index, first=False, joinless=self.live.joinless, round=self._step_round(layer))
         if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
             return None
         if not torch.cuda.is_current_stream_capturing():
