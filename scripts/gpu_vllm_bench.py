@@ -146,6 +146,12 @@ BARE = "+bare"
 round (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): what the steps, the join and the drain cost without it."""
 BARE_NODRAIN = "+bare-nodrain"
 """Name suffix: +bare without the forward's drain (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nodrain)."""
+BARE_NOEAGER = "+bare-noeager"
+"""Name suffix: +bare with no round in forwards that are not chained (prefill), so no side stream is ever used
+(one-node-bare-noeager)."""
+BARE_NOSYNC = "+bare-nosync"
+"""Name suffix: +bare with chained steps that publish but do not settle (one-node-bare-nosync): the joinless steps'
+kernel out of the graph, all else as +bare."""
 EDGES_ONCE = "+edges-once"
 """Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
 CHAIN = "+chain"
@@ -194,6 +200,8 @@ PREDICTION_SUFFIXES = {
     POLL_WIDE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-wide"},
     BARE: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare"},
     BARE_NODRAIN: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nodrain"},
+    BARE_NOEAGER: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-noeager"},
+    BARE_NOSYNC: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nosync"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
     NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},

@@ -28,6 +28,8 @@ SIDE_BRANCH_PROBE_CHOICES = (
     "poll-wide",
     "one-node-bare",
     "one-node-bare-nodrain",
+    "one-node-bare-noeager",
+    "one-node-bare-nosync",
 )  # adapters.vllm.predictor
 # settings that take one of a few words
 _CHOICES = {
@@ -176,7 +178,9 @@ class PagerSettings:
     CTA a forward-long copier would hold (adapters.vllm.predictor.POLL_WIDE_PROGRAMS): what holding those SMs costs.
     one-node-bare (with BIGMOE_PREFETCH_ONE_NODE=1): the one-node kernel is never launched, so the joinless steps
     cancel every round and copy nothing: what the steps, the fork's join and the forward's drain cost without it;
-    one-node-bare-nodrain: the same without the drain."""
+    one-node-bare-nodrain: the same without the drain; one-node-bare-noeager: the same with no round in forwards that
+    are not chained (prefill); one-node-bare-nosync: the same with the chained forward's steps publishing but not
+    settling (poll-once's steps, not joinless ones)."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

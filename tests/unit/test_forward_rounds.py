@@ -458,6 +458,39 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
 
 
 @pytest.mark.parametrize(
+    "probe", ["one-node-bare", "one-node-bare-nodrain", "one-node-bare-noeager", "one-node-bare-nosync"]
+)
+def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more(tmp_path: Path, monkeypatch, probe):
+    """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare...), run 25's split of recall 0's cost inside vLLM:
+    the one-node kernel is made but never launched, so the joinless steps cancel every round and nothing is
+    prefetched in a captured forward; -nodrain also skips the forward's drain, -noeager the rounds of forwards that
+    are not chained, -nosync the steps' settling (they publish as chained steps do)."""
+    from bigmoe_pager.adapters.vllm.predictor import Predictor
+
+    layers_n, forwards = 3, 4
+    trace = traces.named_trace("standard", 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    launches = recorded_launches(monkeypatch)
+    drains = []
+    monkeypatch.setattr(Predictor, "_drain_published", lambda self, hidden: drains.append(1))
+    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
+    layers, stats, routing, live = captured_model({**env, "BIGMOE_SIDE_BRANCH_PROBE": probe}, layers_n, True)
+    run_forwards(live, layers, routing, 1)  # eager: the flags and the kernel's tables are made
+    eager = sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n))
+    assert (eager == 0) == (probe == "one-node-bare-noeager")
+    capturing[0] = True
+    signals = []
+    run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))
+    assert launches == [] and sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n)) == eager
+    settles = probe != "one-node-bare-nosync"
+    assert [s.joinless for s in signals] == [settles and i > 0 for i in range(layers_n)] * forwards
+    assert live.chain_cancels == (forwards * (layers_n - 1) if settles else 0) and live.chain_timeouts == 0
+    assert len(drains) == (0 if probe == "one-node-bare-nodrain" else forwards)
+
+
+@pytest.mark.parametrize(
     "env,in_step",
     [
         ({"BIGMOE_PREFETCH_IN_STEP": "1"}, True),

@@ -214,7 +214,12 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     for probe in ("edges", "edges-late", "edges-early", "edges-once", "poll-once", "poll-wide"):
         probed = bench.config_for(f"bigmoe-102@r0+{probe}", tmp_path / "f.npz", 32).env
         assert PagerSettings.from_env(probed).side_branch_probe == probe
-    for suffix, probe in (("+bare", "one-node-bare"), ("+bare-nodrain", "one-node-bare-nodrain")):
+    for suffix, probe in (
+        ("+bare", "one-node-bare"),
+        ("+bare-nodrain", "one-node-bare-nodrain"),
+        ("+bare-noeager", "one-node-bare-noeager"),
+        ("+bare-nosync", "one-node-bare-nosync"),
+    ):
         probed = bench.config_for(f"bigmoe-102@r0+one-node+host{suffix}", tmp_path / "f.npz", 32).env
         assert PagerSettings.from_env(probed).side_branch_probe == probe and probed["BIGMOE_PREFETCH_ONE_NODE"] == "1"
     for suffix, probe in (("+one", "off"), ("+edges+hi", "edges")):

@@ -65,6 +65,8 @@ SIDE_BRANCH_PROBES = {
     "poll-wide": ("poll", False),
     "one-node-bare": (None, False),
     "one-node-bare-nodrain": (None, False),
+    "one-node-bare-noeager": (None, False),
+    "one-node-bare-nosync": (None, False),
 }
 """BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
 round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
@@ -170,6 +172,12 @@ class Predictor:
         self.bare_probe = settings.side_branch_probe.startswith("one-node-bare")
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): the one-node kernel is made but never launched."""
         self.drains = settings.side_branch_probe != "one-node-bare-nodrain"
+        self.eager_rounds = settings.side_branch_probe != "one-node-bare-noeager"
+        """False, benchmark only (one-node-bare-noeager): forwards that are not chained (vLLM's eager and piecewise
+        ones: prefill) run no round either, so no side stream is ever used."""
+        self.sync_steps = settings.side_branch_probe != "one-node-bare-nosync"
+        """False, benchmark only (one-node-bare-nosync): a chained forward's steps publish but do not settle rounds
+        (none runs), so its graph holds the chained steps of poll-once, not joinless ones."""
         """False, benchmark only (one-node-bare-nodrain): a chained forward's end drains no host copies (none run)."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
@@ -266,7 +274,8 @@ class Predictor:
         are made at the first forward outside a capture (vLLM's profile run and warm-up come before its captures)."""
         if self.live.chained:
             index = layer._moe_index
-            return self._chain.signal(index, first=False, joinless=self.live.joinless, round=self._step_round(layer))
+            joinless = self.live.joinless and self.sync_steps
+            return self._chain.signal(index, first=False, joinless=joinless, round=self._step_round(layer))
         if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
             return None
         if not torch.cuda.is_current_stream_capturing():
@@ -422,6 +431,8 @@ class Predictor:
         if (self.one_node or self.in_step) and not torch.cuda.is_current_stream_capturing():
             self._prepare_rounds(layer, hidden)
         if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
+            return None
+        if not (self.eager_rounds or self.live.chained):
             return None
         if self.live.chained and self._step_round(layer) is not None:
             return None  # this layer's step decided the round (BIGMOE_PREFETCH_IN_STEP)
