@@ -123,7 +123,7 @@ class PagerSettings:
     one-node kernel decides the rounds of two forwards in every N (to judge the proposals again) and leaves at once in
     the others, which the forward before declares quiet: no round of them claims a table and their steps settle
     nothing (core.forward_rounds.declare_next_quiet, core.round_sync); 0 = it decides every forward. Off: inside vLLM
-    (run 24) sitting the decider out alone saved nothing; the quiet steps are not yet measured."""
+    neither sitting the decider out (run 24) nor quiet forwards (run 25) saved anything at recall 0."""
     prefetch_host_copier: bool = False
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     whose rounds over full RAM tiers publish their decided lists to a host thread (core.host_copier) that copies them
@@ -134,8 +134,8 @@ class PagerSettings:
     host_copier_hot_ms: int = 50
     """BIGMOE_HOST_COPIER_HOT_MS: how long (ms) the host copier's thread busy-polls its mailboxes after its last
     round before it naps (20 us naps, 1 ms after a second idle); 0 = it naps at once, each round waiting up to a nap
-    before it is copied. A benchmark knob: what the spinning thread costs the engine beside it (run 24 left it one of
-    the idle path's candidates); 50 (core.host_copier.HOT_MS) by default."""
+    before it is copied. A benchmark knob: what the spinning thread costs the engine beside it; run 25: 0 was 0.08 ms
+    a token faster at recall 0 and 0.32-0.59 slower at 0.8, so 50 (core.host_copier.HOT_MS) stays."""
     prefetch_in_step: bool = False
     """BIGMOE_PREFETCH_IN_STEP: 1 = a joinless chained forward copied by the host thread (as
     BIGMOE_PREFETCH_HOST_COPIER=1, which this implies) whose replayed rounds are decided inside the steps: layer l's
