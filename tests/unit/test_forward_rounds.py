@@ -64,6 +64,16 @@ def assert_layers_alike(ours, theirs, note):
         assert torch.equal(sa.device_counts, sb.device_counts), (note, i)
 
 
+def replay_and_capture(tmp_path: Path, monkeypatch, layers_n: int, family: str = "standard") -> list[bool]:
+    """A replayed trace of `family` with recall-0.8 predictions at tmp_path / "r.npz", and torch's capture flag
+    patched to a one-element list the test sets (False: an eager forward, True: a captured one)."""
+    trace = traces.named_trace(family, 64, layers_n, EXPERTS, 2)
+    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    return capturing
+
+
 def recorded_launches(monkeypatch, run: bool = True) -> list:
     """Every ForwardRounds.launch from now on, as (first, last, programs) of the kernel launched; each still runs when
     `run` (False: recorded only)."""
@@ -468,10 +478,7 @@ def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more
     from bigmoe_pager.adapters.vllm.predictor import Predictor
 
     layers_n, forwards = 3, 4
-    trace = traces.named_trace("standard", 64, layers_n, EXPERTS, 2)
-    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    capturing = replay_and_capture(tmp_path, monkeypatch, layers_n)
     launches = recorded_launches(monkeypatch)
     drains = []
     monkeypatch.setattr(Predictor, "_drain_published", lambda self, hidden: drains.append(1))

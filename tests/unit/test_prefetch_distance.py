@@ -17,7 +17,7 @@ from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError
 from bigmoe_pager.core.prediction import LivePredictions, replayed_predictions
 from bigmoe_pager.core.prefetch_chain import TIMEOUTS
 from bigmoe_pager.core.round_sync import DECIDED
-from test_forward_rounds import chain_at, host_copies_waited_for, layers_twice, recorded_launches
+from test_forward_rounds import chain_at, host_copies_waited_for, layers_twice, recorded_launches, replay_and_capture
 from test_live_predictor import EXPERTS
 from test_pager import make_layout, make_records
 from test_prefetch_chain import captured_model, run_forwards
@@ -142,10 +142,7 @@ def test_one_node_rounds_at_a_distance_decide_what_per_layer_rounds_do(tmp_path:
     """BIGMOE_PREFETCH_ONE_NODE with a distance of 2 (launched a layer at a time here, as off CUDA): the same counts,
     tables and slot bytes as the per-layer joinless rounds two layers ahead, kernel copies or the host copier's."""
     layers_n, forwards = 5, 3
-    trace = traces.named_trace("standard", 64, layers_n, EXPERTS, 2)
-    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 0.8, 0.5, EXPERTS))
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    capturing = replay_and_capture(tmp_path, monkeypatch, layers_n)
     launches = recorded_launches(monkeypatch)
     served = host_copies_waited_for(monkeypatch) if host else []
     results = {}
