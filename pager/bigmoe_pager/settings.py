@@ -131,11 +131,11 @@ class PagerSettings:
     BIGMOE_PREFETCH_ONE_NODE=1 too, the one-node kernel (one program, forked once a forward) decides the replayed
     rounds and publishes them. Off: level with forks at recall 0 inside vLLM 0.33, 0.07-0.21 ms faster at 0.8 (run
     19, the one-node placement)."""
-    host_copier_hot_ms: int = 50
+    host_copier_hot_ms: int | None = None
     """BIGMOE_HOST_COPIER_HOT_MS: how long (ms) the host copier's thread busy-polls its mailboxes after its last
     round before it naps (20 us naps, 1 ms after a second idle); 0 = it naps at once, each round waiting up to a nap
-    before it is copied. A benchmark knob: what the spinning thread costs the engine beside it; run 25: 0 was 0.08 ms
-    a token faster at recall 0 and 0.32-0.59 slower at 0.8, so 50 (core.host_copier.HOT_MS) stays."""
+    before it is copied; unset: core.host_copier.HOT_MS. A benchmark knob: what the spinning thread costs the engine
+    beside it; run 25: 0 was 0.08 ms a token faster at recall 0 and 0.32-0.59 slower at 0.8, so the default stays."""
     prefetch_in_step: bool = False
     """BIGMOE_PREFETCH_IN_STEP: 1 = a joinless chained forward copied by the host thread (as
     BIGMOE_PREFETCH_HOST_COPIER=1, which this implies) whose replayed rounds are decided inside the steps: layer l's

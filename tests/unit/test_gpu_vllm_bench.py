@@ -243,7 +243,7 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     idle = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+host+idle16#2", tmp_path / "f.npz", 32).env)
     assert idle.prefetch_idle_every == 16 and idle.prefetch_one_node is True and idle.prefetch_host_copier is True
     cold = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+host+hot0", tmp_path / "f.npz", 32).env)
-    assert cold.host_copier_hot_ms == 0 and PagerSettings.from_env({}).host_copier_hot_ms == 50
+    assert cold.host_copier_hot_ms == 0 and PagerSettings.from_env({}).host_copier_hot_ms is None
 
 
 def test_a_prefetching_engine_names_the_gate_and_budget_it_ran_even_the_defaults(tmp_path):

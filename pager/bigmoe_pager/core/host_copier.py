@@ -155,10 +155,12 @@ class HostCopier:
     ring_words: pinned int64 words the completion copies read from on CUDA, used round-robin; at most one
     forward's copies are in flight, so twice the slots of all layers never overwrites one a DMA still reads.
     hot_ms: how long the thread busy-polls after its last round before it naps (20 us naps, 1 ms ones after a
-    second); 0: it naps at once, and a round waits for the end of a nap (tens of microseconds) before it is copied.
+    second); 0: it naps at once, and a round waits for the end of a nap (tens of microseconds) before it is copied;
+    None: HOT_MS.
     """
 
-    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int = HOT_MS):
+    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None):
+        hot_ms = HOT_MS if hot_ms is None else hot_ms
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"HostCopier: device must be cpu or cuda, got {device}")
