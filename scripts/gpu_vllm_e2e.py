@@ -619,6 +619,7 @@ ENGINE_FACTS = (
     "prefetch_chain_timeouts",
     "prefetch_chain_cancels",
     "prefetch_host_copier",
+    "step_kernels",
     "load_copy_bytes",
     "load_copy_s",
 )

@@ -225,3 +225,19 @@ def test_an_unfilled_ram_tier_is_refused_on_the_fused_path():
     pager = ExpertPager(LAYOUT, 16, 4, RamTier(LAYOUT, 16, 16), fused=True)
     with pytest.raises(RamTierError, match="fill_all"):
         pager.prepare(torch.tensor([[1, 2]]))
+
+
+def test_each_step_variant_keeps_the_first_compiled_kernels_registers_and_local_memory(monkeypatch):
+    """core.step_kernel.COMPILED, which benchmark rows carry: a variant's first loaded kernel counts, a launch that
+    returns no loaded kernel (Triton's interpreter) adds nothing."""
+    from bigmoe_pager.core import step_kernel as sk
+    from bigmoe_pager.core.prefetch_chain import PrefetchChain
+
+    monkeypatch.setattr(sk, "COMPILED", {})
+    chain = PrefetchChain(layers=3, device="cpu")
+    variants = [sk.step_variant(s) for s in (None, chain.signal(0, True), chain.signal(1, False, joinless=True))]
+    assert variants == ["plain", "chained", "joinless"]
+    sk.note_compiled("joinless", type("Loaded", (), {"n_regs": 80, "n_spills": 8})())
+    sk.note_compiled("joinless", type("Later", (), {"n_regs": 96, "n_spills": 0})())
+    sk.note_compiled("plain", None)
+    assert sk.COMPILED == {"joinless": {"registers": 80, "local_bytes": 8}}

@@ -75,6 +75,30 @@ class StepKernelError(ValueError):
     """The fused step was asked for a shape it does not take (callers check `fits` first)."""
 
 
+COMPILED: dict[str, dict[str, int]] = {}
+"""What the GPU's loader reports for each step variant this process compiled first ('plain', 'chained', 'joinless',
+'in-step'): registers per thread and local memory bytes per thread (spills and stack). Benchmark rows carry it
+(adapters.vllm.process.engine_facts): run 25 found every launch of a decode graph slower with joinless steps in it.
+Empty in Triton's interpreter."""
+
+
+def step_variant(chain: ChainSignal | None) -> str:
+    """The name COMPILED files a step launched with `chain` under."""
+    if chain is None:
+        return "plain"
+    if chain.round is not None:
+        return "in-step"
+    return "joinless" if chain.joinless else "chained"
+
+
+def note_compiled(variant: str, kernel) -> None:
+    """Keep the first compiled kernel's figures for `variant` (Triton's CompiledKernel once launched: n_regs,
+    n_spills, which its CUDA driver fills from the function's local-memory size; anything else is ignored)."""
+    regs, local = getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)
+    if variant not in COMPILED and isinstance(regs, int) and isinstance(local, int):
+        COMPILED[variant] = {"registers": regs, "local_bytes": local}
+
+
 def ids_block(num_ids: int) -> int:
     """Width of the kernel's id vector: a power of two >= num_ids (>= 2)."""
     return max(2, next_pow2(num_ids))
@@ -166,7 +190,7 @@ def launch_step(
             )
         round_args, round_consts = step_round.step_args(ids.shape[0] if ids.dim() > 1 else 1)
         mode = NO_CHAIN  # nothing waits for the step's STEPPED word; the round program counts a first step's forward
-    kernel_for(_step_kernel, flat.device)[(programs + int(duel) + int(step_round is not None),)](
+    compiled = kernel_for(_step_kernel, flat.device)[(programs + int(duel) + int(step_round is not None),)](
         flat,
         flat.numel(),
         table_state["expert_slot"],
@@ -229,6 +253,7 @@ def launch_step(
         **round_consts,
         num_warps=4,
     )
+    note_compiled(step_variant(chain), compiled)
     return {**out, "remapped": out["remapped"].reshape(ids.shape)}
 
 

@@ -27,6 +27,7 @@ from bigmoe_pager.adapters.vllm.device import DeviceParts, wanted
 from bigmoe_pager.adapters.vllm.predictor import Predictor
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
+from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.timed_reads import TimedReads
 from bigmoe_pager.settings import PagerSettings
 
@@ -163,6 +164,7 @@ def engine_facts() -> dict:
         "prefetch_chain_timeouts": _installed.predictor.chain_timeouts,
         "prefetch_chain_cancels": _installed.predictor.chain_cancels,
         "prefetch_host_copier": _installed.predictor.copier_stats,
+        "step_kernels": dict(step_kernel.COMPILED),
         "load_copy_bytes": copies.nbytes,
         "load_copy_s": round(copies.seconds, 2),
     }
