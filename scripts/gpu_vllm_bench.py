@@ -146,9 +146,9 @@ BARE = "+bare"
 round (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): what the steps, the join and the drain cost without it."""
 BARE_NODRAIN = "+bare-nodrain"
 """Name suffix: +bare without the forward's drain (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nodrain)."""
-BARE_NOEAGER = "+bare-noeager"
-"""Name suffix: +bare with no round in forwards that are not chained (prefill), so no side stream is ever used
-(one-node-bare-noeager)."""
+CHAINED_ONLY = "+chained-only"
+"""Name suffix: forwards that are not chained (prefill) propose and prefetch nothing, so no side stream is used
+outside the decode graph (BIGMOE_PREFETCH_CHAINED_ONLY=1); needs @rRECALL."""
 BARE_NOSYNC = "+bare-nosync"
 """Name suffix: +bare with chained steps that publish but do not settle (one-node-bare-nosync): the joinless steps'
 kernel out of the graph, all else as +bare."""
@@ -200,7 +200,7 @@ PREDICTION_SUFFIXES = {
     POLL_WIDE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-wide"},
     BARE: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare"},
     BARE_NODRAIN: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nodrain"},
-    BARE_NOEAGER: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-noeager"},
+    CHAINED_ONLY: {"BIGMOE_PREFETCH_CHAINED_ONLY": "1"},
     BARE_NOSYNC: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nosync"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},

@@ -28,7 +28,6 @@ SIDE_BRANCH_PROBE_CHOICES = (
     "poll-wide",
     "one-node-bare",
     "one-node-bare-nodrain",
-    "one-node-bare-noeager",
     "one-node-bare-nosync",
 )  # adapters.vllm.predictor
 # settings that take one of a few words
@@ -124,6 +123,11 @@ class PagerSettings:
     the others, which the forward before declares quiet: no round of them claims a table and their steps settle
     nothing (core.forward_rounds.declare_next_quiet, core.round_sync); 0 = it decides every forward. Off: inside vLLM
     neither sitting the decider out (run 24) nor quiet forwards (run 25) saved anything at recall 0."""
+    prefetch_chained_only: bool = False
+    """BIGMOE_PREFETCH_CHAINED_ONLY: 1 = forwards that are not chained (vLLM's eager and piecewise ones: prefill and
+    the sizes no full graph holds) propose and prefetch nothing; their steps page on demand. So no side stream is
+    used outside the decode graph, which run 25 left a candidate for the slower launches of that graph (bench
+    suffix +chained-only; not yet measured)."""
     prefetch_host_copier: bool = False
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     whose rounds over full RAM tiers publish their decided lists to a host thread (core.host_copier) that copies them
@@ -178,9 +182,8 @@ class PagerSettings:
     CTA a forward-long copier would hold (adapters.vllm.predictor.POLL_WIDE_PROGRAMS): what holding those SMs costs.
     one-node-bare (with BIGMOE_PREFETCH_ONE_NODE=1): the one-node kernel is never launched, so the joinless steps
     cancel every round and copy nothing: what the steps, the fork's join and the forward's drain cost without it;
-    one-node-bare-nodrain: the same without the drain; one-node-bare-noeager: the same with no round in forwards that
-    are not chained (prefill); one-node-bare-nosync: the same with the chained forward's steps publishing but not
-    settling (poll-once's steps, not joinless ones)."""
+    one-node-bare-nodrain: the same without the drain; one-node-bare-nosync: the same with the chained forward's steps
+    publishing but not settling (poll-once's steps, not joinless ones)."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

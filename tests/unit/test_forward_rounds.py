@@ -468,13 +468,22 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
 
 
 @pytest.mark.parametrize(
-    "probe", ["one-node-bare", "one-node-bare-nodrain", "one-node-bare-noeager", "one-node-bare-nosync"]
+    "probe,chained_only",
+    [
+        ("one-node-bare", False),
+        ("one-node-bare-nodrain", False),
+        ("one-node-bare", True),
+        ("one-node-bare-nosync", False),
+    ],
 )
-def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more(tmp_path: Path, monkeypatch, probe):
+def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more(
+    tmp_path: Path, monkeypatch, probe, chained_only
+):
     """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare...), run 25's split of recall 0's cost inside vLLM:
     the one-node kernel is made but never launched, so the joinless steps cancel every round and nothing is
-    prefetched in a captured forward; -nodrain also skips the forward's drain, -noeager the rounds of forwards that
-    are not chained, -nosync the steps' settling (they publish as chained steps do)."""
+    prefetched in a captured forward; -nodrain also skips the forward's drain, -nosync the steps' settling (they
+    publish as chained steps do); with BIGMOE_PREFETCH_CHAINED_ONLY=1 the forwards that are not chained run no round
+    either."""
     from bigmoe_pager.adapters.vllm.predictor import Predictor
 
     layers_n, forwards = 3, 4
@@ -483,10 +492,11 @@ def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more
     drains = []
     monkeypatch.setattr(Predictor, "_drain_published", lambda self, hidden: drains.append(1))
     env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
-    layers, stats, routing, live = captured_model({**env, "BIGMOE_SIDE_BRANCH_PROBE": probe}, layers_n, True)
+    env |= {"BIGMOE_SIDE_BRANCH_PROBE": probe, "BIGMOE_PREFETCH_CHAINED_ONLY": "1" if chained_only else "0"}
+    layers, stats, routing, live = captured_model(env, layers_n, True)
     run_forwards(live, layers, routing, 1)  # eager: the flags and the kernel's tables are made
     eager = sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n))
-    assert (eager == 0) == (probe == "one-node-bare-noeager")
+    assert (eager == 0) == chained_only
     capturing[0] = True
     signals = []
     run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))

@@ -217,7 +217,6 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     for suffix, probe in (
         ("+bare", "one-node-bare"),
         ("+bare-nodrain", "one-node-bare-nodrain"),
-        ("+bare-noeager", "one-node-bare-noeager"),
         ("+bare-nosync", "one-node-bare-nosync"),
     ):
         probed = bench.config_for(f"bigmoe-102@r0+one-node+host{suffix}", tmp_path / "f.npz", 32).env
@@ -244,6 +243,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert idle.prefetch_idle_every == 16 and idle.prefetch_one_node is True and idle.prefetch_host_copier is True
     cold = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+host+hot0", tmp_path / "f.npz", 32).env)
     assert cold.host_copier_hot_ms == 0 and PagerSettings.from_env({}).host_copier_hot_ms is None
+    only = bench.config_for("bigmoe-102@r0+one-node+host+bare+chained-only", tmp_path / "f.npz", 32).env
+    assert PagerSettings.from_env(only).prefetch_chained_only
+    assert PagerSettings.from_env(only).side_branch_probe == "one-node-bare"
 
 
 def test_a_prefetching_engine_names_the_gate_and_budget_it_ran_even_the_defaults(tmp_path):

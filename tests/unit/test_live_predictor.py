@@ -250,8 +250,9 @@ def test_the_proposal_is_made_where_the_caller_forks_or_at_the_end_of_the_call(f
         {"BIGMOE_PREDICT": "off"},
         {"BIGMOE_PREDICT": "router", "BIGMOE_PAGER": "0"},
         {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": "with-predictions"},
+        {"BIGMOE_PREDICT": "router", "BIGMOE_PREFETCH_CHAINED_ONLY": "1"},
     ],
-    ids=["default", "off", "pager off", "replayed predictions win"],
+    ids=["default", "off", "pager off", "replayed predictions win", "chained forwards only"],
 )
 def test_nothing_is_proposed_when_off_or_when_a_replayed_trace_carries_predictions(env, tmp_path: Path):
     if env.get("BIGMOE_ROUTE_REPLAY"):

@@ -65,7 +65,6 @@ SIDE_BRANCH_PROBES = {
     "poll-wide": ("poll", False),
     "one-node-bare": (None, False),
     "one-node-bare-nodrain": (None, False),
-    "one-node-bare-noeager": (None, False),
     "one-node-bare-nosync": (None, False),
 }
 """BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
@@ -172,9 +171,8 @@ class Predictor:
         self.bare_probe = settings.side_branch_probe.startswith("one-node-bare")
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): the one-node kernel is made but never launched."""
         self.drains = settings.side_branch_probe != "one-node-bare-nodrain"
-        self.eager_rounds = settings.side_branch_probe != "one-node-bare-noeager"
-        """False, benchmark only (one-node-bare-noeager): forwards that are not chained (vLLM's eager and piecewise
-        ones: prefill) run no round either, so no side stream is ever used."""
+        self.eager_rounds = not settings.prefetch_chained_only
+        """BIGMOE_PREFETCH_CHAINED_ONLY unset: forwards that are not chained propose and prefetch too."""
         self.sync_steps = settings.side_branch_probe != "one-node-bare-nosync"
         """False, benchmark only (one-node-bare-nosync): a chained forward's steps publish but do not settle rounds
         (none runs), so its graph holds the chained steps of poll-once, not joinless ones."""
@@ -403,7 +401,7 @@ class Predictor:
                     self.live.fork_marker(hidden)
                 return None
             return self._replayed(layer, hidden)
-        if not self.on or self._target(layer, hidden) is None:
+        if not (self.on and (self.eager_rounds or self.live.chained)) or self._target(layer, hidden) is None:
             return None
         proposed = None
         for ahead in self._round_distances(layer):
