@@ -4,7 +4,8 @@
 
 Per row: TPOT, its ratio to the same call's resident and --cpu-offload-gb 17 rows of its family (where they ran),
 the VRAM hit rate, GB a token over PCIe, whether its greedy tokens equal resident's, and, for profiled rows, the
-median launch gap of vLLM's chain beside a prefetch kernel and alone (kernel_timeline's chain_gaps). A file that
+median launch gap of vLLM's chain beside a prefetch kernel and alone (kernel_timeline's chain_gaps), and the
+registers and local-memory bytes a thread of each fused step variant the engine compiled (step_kernels). A file that
 is not a bench run is one line and exit 2.
 """
 
@@ -37,6 +38,11 @@ def lines(bench: dict) -> list[str]:
         if gaps:
             beside, alone = gaps["beside_side"]["median_us"], gaps["alone"]["median_us"]
             cells.append(f"gaps beside {beside} alone {alone} us")
+        steps = r.get("step_kernels") or {}
+        if steps:
+            cells.append(
+                "steps " + ", ".join(f"{v} {k['registers']}r {k['local_bytes']}B" for v, k in sorted(steps.items()))
+            )
         out.append("  ".join(c for c in cells if c))
     return out
 

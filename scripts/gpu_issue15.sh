@@ -69,7 +69,9 @@ for step in "$@"; do
         --wrong "${WRONG:-uniform}" --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-540}" --configs "$CONFIGS" \
         --profile-tokens "${PROFILE_TOKENS:-0}" --out "$out/bench-${TAG:-run}.json" --logs "/tmp/logs-bench-${TAG:-run}"
       pack "logs-bench-${TAG:-run}" "/tmp/logs-bench-${TAG:-run}"
-      python3 scripts/bench_table.py "$out/bench-${TAG:-run}.json" ;;
+      python3 scripts/bench_table.py "$out/bench-${TAG:-run}.json"
+      [ "${PROFILE_TOKENS:-0}" = 0 ] || python3 scripts/trace_gap_spread.py --bench "$out/bench-${TAG:-run}.json" \
+        --out "$out/gap-spread-${TAG:-run}.json" ;;
     harness)  # the fast harness (no vLLM), alone on the GPU
       python3 scripts/bench_pager.py --models qwen3.6-35b-a3b --family "${FAMILY:-topic-shift}" \
         --configs bigmoe,bigmoe-prefetch --recalls 0,0.8,1.0 --out "$out/harness-${FAMILY:-topic-shift}.json" ;;

@@ -5,6 +5,8 @@ gap after the step before them), and for the kernel pairs that follow each other
 used it to tell a uniform widening of every launch (a property of the whole graph) from one around the steps.
 
     python scripts/trace_gap_spread.py NAME=TRACE.json ... --out gaps.json
+    python scripts/trace_gap_spread.py --bench bench-o.json --out gaps.json   (every profiled row's trace, where the
+                                                                              bench left it: on the machine)
 """
 
 from __future__ import annotations
@@ -63,11 +65,22 @@ def _forward_steps(chain: list[dict]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("traces", nargs="+", help="NAME=PATH of a profiled trace")
+    parser.add_argument("traces", nargs="*", help="NAME=PATH of a profiled trace")
+    parser.add_argument("--bench", type=Path, help="a bench run (gpu_vllm_bench.py --out): its rows' traces")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    items = list(args.traces)
+    if args.bench is not None:
+        try:
+            rows = json.loads(args.bench.read_text())["configs"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"trace_gap_spread: {args.bench}: not a bench run ({e})", file=sys.stderr)
+            return 2
+        items += [f"{r['name']}/{r['family']}={r['decode_profile']['trace']}" for r in rows if r.get("decode_profile")]
+    if not items:
+        parser.error("give NAME=PATH traces or --bench")
     result = {}
-    for item in args.traces:
+    for item in items:
         name, _, path = item.partition("=")
         if not path:
             parser.error(f"{item!r}: give NAME=PATH")

@@ -114,6 +114,10 @@ def bench_rows(paged_tokens: list[int]) -> dict:
                 "decode_hit_rate": {"vram": 0.93},
                 "pcie_gb_per_token": 0.07,
                 "decode_profile": {"chain_gaps": gaps},
+                "step_kernels": {
+                    "joinless": {"registers": 80, "local_bytes": 8},
+                    "plain": {"registers": 72, "local_bytes": 0},
+                },
             },
             {"name": "bigmoe-102", "family": "topic-shift", "tpot_ms": 7.0, "tokens": [4]},  # no reference there
         ]
@@ -131,6 +135,7 @@ def test_bench_table_gives_each_row_its_ratios_identity_and_gaps(tmp_path, paged
     paged = next(line for line in done.stdout.splitlines() if line.startswith("bigmoe-102@r0"))
     assert "1.43x res" in paged and "2.80x off" in paged and "vram 0.93" in paged and "pcie 0.07 GB" in paged
     assert verdict in paged and "gaps beside 0.416 alone 0.097 us" in paged
+    assert "steps joinless 80r 8B, plain 72r 0B" in paged
     other = next(line for line in done.stdout.splitlines() if "topic-shift" in line)
     assert "x res" not in other and "tokens" not in other  # nothing to compare it with in its family
 
@@ -180,3 +185,15 @@ def test_the_gap_spread_refuses_an_unreadable_trace_in_one_line(tmp_path: Path, 
     (tmp_path / "bad.json").write_text("{not json")
     assert trace_gap_spread.main([f"x={tmp_path / 'bad.json'}", "--out", str(tmp_path / "o.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "o.json").exists()
+
+
+def test_the_gap_spread_reads_every_profiled_row_of_a_bench_run(tmp_path: Path):
+    import trace_gap_spread
+
+    trace = tmp_path / "decode-1-0.json"
+    trace.write_text(json.dumps(forward_trace(4, 10, 0.4, 0.4)))
+    rows = [{"name": "bigmoe", "family": "standard", "decode_profile": {"trace": str(trace)}}, {"name": "resident"}]
+    (tmp_path / "bench.json").write_text(json.dumps({"configs": rows}))
+    assert trace_gap_spread.main(["--bench", str(tmp_path / "bench.json"), "--out", str(tmp_path / "o.json")]) == 0
+    got = json.loads((tmp_path / "o.json").read_text())
+    assert list(got) == ["bigmoe/standard"] and got["bigmoe/standard"]["median_gap_us"] == pytest.approx(0.4)
