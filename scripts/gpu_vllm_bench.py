@@ -521,9 +521,7 @@ prefetch_forks: where its captures joined the prefetch and how often they forked
 rounds whose device wait gave up, None where none was chained; prefetch_chain_cancels: joinless rounds their step
 came before; prefetch_host_copier: the host copier's counters, None where none ran; step_kernels: registers and
 local memory bytes a thread of each fused step variant the engine compiled (core.step_kernel.COMPILED); load_copy_*:
-what vLLM's loader
-copied into the RAM
-tier, and how long)."""
+what vLLM's loader copied into the RAM tier, and how long)."""
 
 
 def engine_rows(row: dict, todo: list[dict], disk: dict | None, wrong: str = "uniform") -> list[dict]:

@@ -171,12 +171,12 @@ class Predictor:
         self.bare_probe = settings.side_branch_probe.startswith("one-node-bare")
         """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): the one-node kernel is made but never launched."""
         self.drains = settings.side_branch_probe != "one-node-bare-nodrain"
-        self.eager_rounds = not settings.prefetch_chained_only
-        """BIGMOE_PREFETCH_CHAINED_ONLY unset: forwards that are not chained propose and prefetch too."""
+        """False, benchmark only (one-node-bare-nodrain): a chained forward's end drains no host copies (none run)."""
         self.sync_steps = settings.side_branch_probe != "one-node-bare-nosync"
         """False, benchmark only (one-node-bare-nosync): a chained forward's steps publish but do not settle rounds
         (none runs), so its graph holds the chained steps of poll-once, not joinless ones."""
-        """False, benchmark only (one-node-bare-nodrain): a chained forward's end drains no host copies (none run)."""
+        self.eager_rounds = not settings.prefetch_chained_only
+        """BIGMOE_PREFETCH_CHAINED_ONLY unset: forwards that are not chained propose and prefetch too."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
         self.idle_every = settings.prefetch_idle_every
