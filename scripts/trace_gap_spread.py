@@ -30,11 +30,11 @@ def spread(trace: dict) -> dict:
     ks = kernels(trace)
     main = collections.Counter(k["stream"] for k in ks).most_common(1)[0][0]
     chain = [k for k in ks if k["stream"] == main]
-    per_layer = max(1, sum(STEP_KERNEL in k["name"] for k in chain))
+    total_steps = sum(STEP_KERNEL in k["name"] for k in chain)
     tenths: list[list[float]] = [[] for _ in range(10)]
     pairs: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     steps = 0
-    forward = _forward_steps(chain)
+    forward = _forward_steps(chain, total_steps)
     for a, b in zip(chain, chain[1:]):
         steps += STEP_KERNEL in a["name"]
         gap = b["start"] - a["end"]
@@ -45,7 +45,7 @@ def spread(trace: dict) -> dict:
     top = sorted(pairs.items(), key=lambda kv: -len(kv[1]))[:PAIRS]
     return {
         "kernels": len(chain),
-        "steps": per_layer,
+        "steps": total_steps,
         "median_gap_us": round(statistics.median(g for t in tenths for g in t), 3),
         "median_gap_us_by_tenth": [round(statistics.median(t), 3) if t else None for t in tenths],
         "pairs": [
@@ -54,11 +54,10 @@ def spread(trace: dict) -> dict:
     }
 
 
-def _forward_steps(chain: list[dict]) -> int:
-    """Fused steps in one forward: the steps between two launches of the forward's rarest frequent kernel (the
-    lm_head GEMM, once a token), or all of them when there is no such marker."""
+def _forward_steps(chain: list[dict], steps: int) -> int:
+    """Fused steps in one forward, of `steps` in the trace: the steps between two launches of the forward's rarest
+    frequent kernel (the lm_head GEMM, once a token), or all of them when there is no such marker."""
     counts = collections.Counter(k["name"] for k in chain)
-    steps = counts.get(next((n for n in counts if STEP_KERNEL in n), ""), 0)
     once = [n for n, c in counts.items() if 4 <= c and steps and steps % c == 0 and steps // c >= 2]
     return steps // counts[min(once, key=lambda n: counts[n])] if once else max(1, steps)
 

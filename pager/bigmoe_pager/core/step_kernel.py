@@ -94,8 +94,10 @@ def step_variant(chain: ChainSignal | None) -> str:
 def note_compiled(variant: str, kernel) -> None:
     """Keep the first compiled kernel's figures for `variant` (Triton's CompiledKernel once launched: n_regs,
     n_spills, which its CUDA driver fills from the function's local-memory size; anything else is ignored)."""
+    if variant in COMPILED:  # every launch after the first of a variant (steps launched outside graphs)
+        return
     regs, local = getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)
-    if variant not in COMPILED and isinstance(regs, int) and isinstance(local, int):
+    if isinstance(regs, int) and isinstance(local, int):
         COMPILED[variant] = {"registers": regs, "local_bytes": local}
 
 
