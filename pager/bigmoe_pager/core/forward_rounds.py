@@ -381,7 +381,7 @@ if triton is not None:
     from bigmoe_pager.core.admit_kernel import decide_round, scores_at_least
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.host_rounds import publish_round
-    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause
     from bigmoe_pager.core.prefetch_chain import FORWARD, QUIET, TIMEOUTS, wait_for_step
     from bigmoe_pager.core.round_sync import DECIDED, cancel_round, count_copied, forward_is_quiet
 
@@ -712,6 +712,7 @@ if triton is not None:
                     pause(ON_GPU)
                     spins += 1
                     seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+                seen = load_uniform(claim_ptr)  # the threads may part only at the give-up: one answer to branch on
                 if seen == mine + _DECIDED:
                     mexp = tl.load(_field(row, _OUT_EXP, tl.int64) + j, mask=j < m, other=-1, volatile=True)
                     cand = tl.load(_field(row, _OUT_SLOT, tl.int64) + j, mask=j < m, other=-1, volatile=True)

@@ -147,7 +147,7 @@ class PrefetchChain:
 
 
 if triton is not None:
-    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause, store_release
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
 
     _FORWARD, _TIMEOUTS, _STEPPED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, STEPPED))
     _COUNT_AND_PUBLISH = tl.constexpr(COUNT_AND_PUBLISH)
@@ -182,5 +182,5 @@ if triton is not None:
             pause(ON_GPU)
             seen = load_acquire(flags_ptr + _STEPPED + layer, GPU_SCOPE, ON_GPU)
             spins += 1
-        if seen != forward:
+        if load_uniform(flags_ptr + _STEPPED + layer) != forward:  # (one answer for every thread: core.memory_order)
             tl.atomic_add(flags_ptr + _TIMEOUTS, 1)

@@ -60,7 +60,7 @@ CLAIMED, DECIDED, CANCELLED = 1, 2, 3
 
 
 if triton is not None:
-    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, pause, store_release
+    from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
     from bigmoe_pager.core.prefetch_chain import PUBLISHED, QUIET
 
     _CLAIMED, _DECIDED, _CANCELLED = (tl.constexpr(v) for v in (CLAIMED, DECIDED, CANCELLED))
@@ -75,7 +75,10 @@ if triton is not None:
     def step_settles(flags_ptr, forward):
         """Whether a joinless step of `forward` must settle its round and wait for its copies: not in a quiet forward
         with no host copy of an earlier one left under way."""
-        return ~forward_is_quiet(flags_ptr, forward) | (tl.load(flags_ptr + _PUBLISHED, volatile=True) != 0)
+        settles = ~forward_is_quiet(flags_ptr, forward)
+        if not settles:  # PUBLISHED changes while the step runs (a round publishes): one value for the whole program
+            settles = load_uniform(flags_ptr + _PUBLISHED) != 0
+        return settles
 
     @triton.jit
     def claim_round(claim_ptr, flags_ptr, forward, ON_GPU: tl.constexpr):
@@ -97,27 +100,31 @@ if triton is not None:
     def cancel_round(claim_ptr, forward, ON_GPU: tl.constexpr):
         """Cancel the round into this table for `forward` unless it was claimed or settled already, as a step that
         came first does (used by a decider that sits the forward out: core.forward_rounds.idle_forward)."""
-        seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+        seen = load_uniform(claim_ptr)
         if seen < forward * 4:
             tl.atomic_cas(claim_ptr, seen, forward * 4 + _CANCELLED, sem="acq_rel")
 
     @triton.jit
     def settle_round(claim_ptr, forward, max_spins, ON_GPU: tl.constexpr):
         """The step's side, before it reads the table: cancel an unclaimed round or wait for a claimed one's
-        decision. Returns (cancelled by this program, gave up waiting)."""
+        decision. Returns (cancelled by this program, gave up waiting), alike in every thread of the program: the
+        cancelling is branched on atomics only, the wait polls without a barrier and is judged by one more atomic
+        read (core.memory_order says why)."""
         mine = forward * 4
-        seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+        seen = load_uniform(claim_ptr)
         cancelled = seen < 0  # False, as a tensor: the loop carries it
-        spins = 0
-        while (seen < mine + _DECIDED) & (spins < max_spins):
-            if seen < mine:  # unclaimed for this forward: cancel it
-                found = tl.atomic_cas(claim_ptr, seen, mine + _CANCELLED, sem="acq_rel")
-                cancelled = found == seen
-                seen = tl.where(cancelled, mine + _CANCELLED, found)
-            else:  # claimed: its one program is deciding
+        while seen < mine:  # unclaimed for this forward: cancel it (a failed swap returns a later word: it ends)
+            found = tl.atomic_cas(claim_ptr, seen, mine + _CANCELLED, sem="acq_rel")
+            cancelled = found == seen
+            seen = tl.where(cancelled, mine + _CANCELLED, found)
+        if seen < mine + _DECIDED:  # claimed: its one program is deciding (microseconds)
+            polled = seen
+            spins = 0
+            while (polled < mine + _DECIDED) & (spins < max_spins):
                 pause(ON_GPU)
                 spins += 1
-                seen = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+                polled = load_acquire(claim_ptr, GPU_SCOPE, ON_GPU)
+            seen = load_uniform(claim_ptr)
         return cancelled, seen < mine + _DECIDED
 
     @triton.jit
