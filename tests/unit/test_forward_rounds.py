@@ -490,7 +490,8 @@ def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more
     capturing = replay_and_capture(tmp_path, monkeypatch, layers_n)
     launches = recorded_launches(monkeypatch)
     drains = []
-    monkeypatch.setattr(Predictor, "_drain_published", lambda self, hidden: drains.append(1))
+    # each drain: whether the forward's side stream was still open (it must be joined first: see ahead())
+    monkeypatch.setattr(Predictor, "_drain_published", lambda self, hidden, flags: drains.append(self.live.chained))
     env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
     env |= {"BIGMOE_SIDE_BRANCH_PROBE": probe, "BIGMOE_PREFETCH_CHAINED_ONLY": "1" if chained_only else "0"}
     layers, stats, routing, live = captured_model(env, layers_n, True)
@@ -504,7 +505,7 @@ def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more
     settles = probe != "one-node-bare-nosync"
     assert [s.joinless for s in signals] == [settles and i > 0 for i in range(layers_n)] * forwards
     assert live.chain_cancels == (forwards * (layers_n - 1) if settles else 0) and live.chain_timeouts == 0
-    assert len(drains) == (0 if probe == "one-node-bare-nodrain" else forwards)
+    assert drains == ([] if probe == "one-node-bare-nodrain" else [False] * forwards)
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,30 @@ def test_a_round_that_decides_first_is_stepped_on_as_after_a_join(policy):
     assert int(sync_words(joinless)[1].sum()) == filled * record_blocks(LAYOUT)
 
 
+@pytest.mark.parametrize("behind", [0, 5])
+def test_a_round_into_a_slot_still_being_copied_sets_its_goal_past_that_copy(behind):
+    """An earlier round's copy into a slot may still be under way when the next forward's round takes it (the
+    host's copies are ordered by nothing but the drain): the new goal must lie past the old one, or a step would
+    take the old copy's end for the new expert's bytes."""
+    rng = random.Random(9)
+    _, (joinless, _), chain = joined_and_joinless(40, 12, "lru", seed=9)
+    blocks = record_blocks(LAYOUT)
+    took = 0
+    for _ in range(8):
+        _, copied, target = sync_words(joinless)
+        target.copy_(copied + behind)  # every slot `behind` blocks short of its last goal
+        old = target.clone()
+        got = joinless.prefetch(torch.tensor(rng.sample(range(40), 6)), chain_flags=chain.flags)
+        taken = got.slots[got.slots >= 0]
+        took += taken.numel()
+        assert torch.equal(target[taken], old[taken] + blocks)
+        assert torch.equal(copied[taken], old[taken] - behind + blocks)  # the interpreter's copy is done at return
+        joinless.acquire(step_ids(rng, 40, 1, 4, list(range(40))), chain.signal(1, first=False, joinless=True))
+        target.copy_(copied)
+        next_forward(chain)
+    assert took > 0
+
+
 def test_a_step_that_comes_first_cancels_the_round_which_then_changes_nothing():
     rng = random.Random(5)
     (alone, astats), (joinless, jstats), chain = joined_and_joinless(40, 12, "lfu-duel", seed=5)

@@ -361,7 +361,10 @@ if triton is not None:
                 tl.atomic_add(stats_ptr + _PREFETCH_WASTED_BYTES, n_wasted * record_bytes)
             if SYNC:  # each filled slot is record_blocks short of done until the round's copy has written it, and
                 # marked as this forward's (the step's programs all exclude the same slots from their victims)
-                goal = tl.load(copied_ptr + cand, mask=take, other=0) + record_blocks
+                # (past any earlier copy into the slot still under way, e.g. the host's: copies into a slot land
+                # in order, so `copied` passes the old goal before it reaches this one)
+                done = tl.load(copied_ptr + cand, mask=take, other=0)
+                goal = tl.maximum(done, tl.load(target_ptr + cand, mask=take, other=0)) + record_blocks
                 tl.store(target_ptr + cand, goal, mask=take)
                 tl.store(filled_ptr + cand, forward, mask=take)
                 tl.debug_barrier()  # every store of the decision is made before the release

@@ -7,9 +7,10 @@ list to the layer's mailbox in pinned memory (`publish_round`), and core.host_co
 engines, then writes each slot's goal into `copied`. The next step waits for the slots it needs exactly as for a
 kernel's copy.
 
-Nothing else orders the host's copies, so a forward whose rounds the host copies ends with `drain_published`: a
-device wait until no published copy is under way in any of those layers. Otherwise a copy could land in a slot that
-a later step (of the next forward, or an eager one) took for another expert. A publication with entries sets the
+Nothing else orders the host's copies, so a forward whose rounds the host copies ends, once its side stream is
+joined (so that every publication of the forward is in), with `drain_published`: a device wait until no published
+copy is under way in any of those layers. Otherwise a copy could land in a slot that a later step (of the next
+forward, or an eager one) took for another expert. A publication with entries sets the
 chain's PUBLISHED word; a drain that finds it clear returns at once (every earlier copy was seen done by an earlier
 drain, and nothing published since), which is every forward of an idle prefetch path (its gates closed, its lists
 empty): one load instead of a pass over every layer's slots.

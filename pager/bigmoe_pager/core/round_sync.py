@@ -14,7 +14,8 @@ forward's end, and the two meet through words in device memory instead:
 
 - The round's admit claims the table for this forward (atomic max) before it reads it. If the step
   came first and cancelled the round, the round changes and copies nothing. Otherwise it decides as
-  always, sets target = copied + blocks for each slot it fills, and releases DECIDED.
+  always, sets target = max(copied, target) + blocks for each slot it fills (past an earlier copy into the slot
+  that may still be under way: the host's), and releases DECIDED.
 - The step, before it reads the table, settles the round: an unclaimed round is cancelled
   (compare-and-swap), a claimed one is waited for until DECIDED (a one-CTA decision that is already
   running: microseconds). So the two never interleave, and the step decides from either the table

@@ -257,9 +257,10 @@ class Predictor:
                 self.live.join(hidden.device)
             raise
         if self.live.chained and self._last_of_its_model(layer):
-            if self.drains:
-                self._drain_published(hidden)
+            flags = self.live.chain_flags
             self.live.close_chain(hidden.device)
+            if self.drains:  # after the join: every round's publication is in, so its PUBLISHED word is final
+                self._drain_published(hidden, flags)
         if not self._join_later(hidden) or (self.probe_joins_once and self._last_of_its_model(layer)):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
@@ -557,11 +558,12 @@ class Predictor:
         before = self._published.get(key)
         self._published[key] = words if before is None else torch.cat([before, words])
 
-    def _drain_published(self, hidden: torch.Tensor) -> None:
-        """At a chained forward's end: wait on the device until the host's copies of its rounds are done."""
+    def _drain_published(self, hidden: torch.Tensor, flags: torch.Tensor) -> None:
+        """At a chained forward's end, once its side stream is joined: wait on the device until the host's copies of
+        its rounds are done (flags: the forward's chain words)."""
         for (device, slots), words in self._published.items():
             if device == str(hidden.device):
-                drain_published(words, slots, self.live.chain_flags)
+                drain_published(words, slots, flags)
 
     @staticmethod
     def _one_kernel_a_forward(hidden: torch.Tensor) -> bool:
