@@ -17,6 +17,9 @@
 #          thread's stack printed after 30 s
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
+#   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
+#          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
+#          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,6 +103,16 @@ for step in "$@"; do
           --variants none --tokens 64 --profile-tokens 8 --out "$out/step-${run/:/-}.json" 2>&1 | grep -o '"_step_kernel"[^}]*'
       done
       python3 -m pytest tests/gpu/test_step_kernel_gpu.py -m gpu -q -s -p no:cacheprovider -k costs_less | grep "per layer" ;;
+    sync-tests)
+      mkdir -p /tmp/sync-tests
+      for i in $(seq 1 "${RUNS:-4}"); do
+        python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_round_sync_gpu.py tests/gpu/test_prefetch_chain_gpu.py \
+          tests/gpu/test_forward_rounds_gpu.py > "/tmp/sync-tests/run-$i.txt" 2>&1
+        echo "run $i: $(tail -n 1 "/tmp/sync-tests/run-$i.txt")"; grep -E "^FAILED|illegal memory" "/tmp/sync-tests/run-$i.txt"
+      done
+      python3 scripts/gpu_slot_tear_probe.py --cases lfu-duel:joinless:0,lru:joinless:0,lfu:joinless:0 \
+        --reps "${TEAR_REPS:-40}" --out "$out/tear.json" 2>&1 | grep '^{'
+      pack sync-tests /tmp/sync-tests ;;
     *) echo "unknown step $step" ;;
   esac
 done
