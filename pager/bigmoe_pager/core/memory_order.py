@@ -4,12 +4,14 @@ Two users: the SSD mailbox (ssd_mailbox: GPU and host threads, so system scope) 
 (prefetch_chain: kernels of one device, so GPU scope). SYSTEM picks the scope. In Triton's CPU interpreter
 (ON_GPU=False) they are plain volatile loads and stores, and the pause does nothing.
 
-A load runs in every thread of a program, each at its own moment, so threads can read different values of a word
-that another kernel is changing. Branching on such a value splits the program: a branch that holds a barrier (a
-scalar atomic, a reduction across warps) then deadlocks or pairs the wrong barriers, and warps go on with different
-decisions (seen on the H200 as slots holding parts of two experts, and as illegal addresses). A loop that only polls
-(no barrier inside) until a word that only grows reaches a value is safe: every thread leaves it having seen that
-value. Anything else branches on `load_uniform`, one atomic read whose value every thread of the program shares.
+A load runs in every warp of a program, each at its own moment, so warps can read different values of a word that
+another kernel is changing (the converged lanes of one warp load an address in one instruction and see one value: a
+one-warp kernel, as the SSD mailbox's, does not part this way). Branching on such a value splits the program: a
+branch that holds a barrier (a scalar atomic, a reduction across warps) then deadlocks or pairs the wrong barriers,
+and warps go on with different decisions (seen on the H200 as slots holding parts of two experts, and as illegal
+addresses). A loop that only polls (no barrier inside) until a word that only grows reaches a value is safe: every
+thread leaves it having seen that value. Anything else branches on `load_uniform`, one atomic read whose value every
+thread of the program shares.
 """
 
 from __future__ import annotations
