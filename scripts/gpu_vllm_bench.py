@@ -148,7 +148,11 @@ BARE_NODRAIN = "+bare-nodrain"
 """Name suffix: +bare without the forward's drain (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nodrain)."""
 CHAINED_ONLY = "+chained-only"
 """Name suffix: forwards that are not chained (prefill) propose and prefetch nothing, so no side stream is used
-outside the decode graph (BIGMOE_PREFETCH_CHAINED_ONLY=1); needs @rRECALL."""
+outside the decode graph (BIGMOE_PREFETCH_CHAINED_ONLY=1; with the chain on, also the default since run 27);
+needs @rRECALL."""
+EVERY_FORWARD = "+every-forward"
+"""Name suffix: every forward proposes and prefetches, prefill's too (BIGMOE_PREFETCH_CHAINED_ONLY=0: the default
+with the chain on until run 27)."""
 BARE_NOSYNC = "+bare-nosync"
 """Name suffix: +bare with chained steps that publish but do not settle (one-node-bare-nosync): the joinless steps'
 kernel out of the graph, all else as +bare."""
@@ -201,6 +205,7 @@ PREDICTION_SUFFIXES = {
     BARE: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare"},
     BARE_NODRAIN: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nodrain"},
     CHAINED_ONLY: {"BIGMOE_PREFETCH_CHAINED_ONLY": "1"},
+    EVERY_FORWARD: {"BIGMOE_PREFETCH_CHAINED_ONLY": "0"},
     BARE_NOSYNC: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nosync"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},

@@ -123,11 +123,13 @@ class PagerSettings:
     the others, which the forward before declares quiet: no round of them claims a table and their steps settle
     nothing (core.forward_rounds.declare_next_quiet, core.round_sync); 0 = it decides every forward. Off: inside vLLM
     neither sitting the decider out (run 24) nor quiet forwards (run 25) saved anything at recall 0."""
-    prefetch_chained_only: bool = False
+    prefetch_chained_only: bool | None = None
     """BIGMOE_PREFETCH_CHAINED_ONLY: 1 = forwards that are not chained (vLLM's eager and piecewise ones: prefill and
-    the sizes no full graph holds) propose and prefetch nothing; their steps page on demand. So no side stream is
-    used outside the decode graph, which run 25 left a candidate for the slower launches of that graph (bench
-    suffix +chained-only; not yet measured)."""
+    the sizes no full graph holds) propose and prefetch nothing; their steps page on demand; 0 = every forward
+    prefetches; unset = 1's rule where the chain is on (BIGMOE_PREFETCH_CHAIN or a setting that implies it), except
+    that forwards captured whole still prefetch when they cannot be chained; every forward otherwise. Run 27: with the
+    joinless path, side streams in prefill's forwards slowed every launch of the decode graph (0.10 -> 0.42 us a gap,
+    0.30 ms a token at recall 0); without them recall 0 sat level with no prefetch."""
     prefetch_host_copier: bool = False
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     whose rounds over full RAM tiers publish their decided lists to a host thread (core.host_copier) that copies them
@@ -284,7 +286,7 @@ def _parse(cls: type, name: str, raw: str) -> object:
     kind = f.type
     raw = raw.strip()
     try:
-        if kind == "bool":
+        if kind in ("bool", "bool | None"):  # None: unset, the pager's default
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True
             if raw.lower() in ("0", "false", "no", "off"):
@@ -326,6 +328,7 @@ def _expected(kind: str, name: str) -> str:
         return "0 (off) or an integer >= 3"
     return {
         "bool": "1 or 0",
+        "bool | None": "1 or 0",
         "tuple[int, ...]": "a non-negative integer or a comma list of them, one per MoE layer",
         "int": "a non-negative integer",
         "int | None": "a non-negative integer",

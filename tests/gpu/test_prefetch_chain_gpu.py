@@ -56,6 +56,7 @@ def paged_model(
         prefetch_joinless=joinless,
         prefetch_host_copier=host,
         prefetch_distance=distance,
+        prefetch_chained_only=False,  # the eager forward prefetches chained or not: compared models start alike
     )
     return layers, whole_forward_predictor(settings, layers), stats
 

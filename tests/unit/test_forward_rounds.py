@@ -473,6 +473,7 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
         ("one-node-bare", False),
         ("one-node-bare-nodrain", False),
         ("one-node-bare", True),
+        ("one-node-bare", None),
         ("one-node-bare-nosync", False),
     ],
 )
@@ -482,8 +483,8 @@ def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more
     """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare...), run 25's split of recall 0's cost inside vLLM:
     the one-node kernel is made but never launched, so the joinless steps cancel every round and nothing is
     prefetched in a captured forward; -nodrain also skips the forward's drain, -nosync the steps' settling (they
-    publish as chained steps do); with BIGMOE_PREFETCH_CHAINED_ONLY=1 the forwards that are not chained run no round
-    either."""
+    publish as chained steps do); with BIGMOE_PREFETCH_CHAINED_ONLY=1, or unset (the chain is on), the forwards that
+    are not chained run no round either."""
     from bigmoe_pager.adapters.vllm.predictor import Predictor
 
     layers_n, forwards = 3, 4
@@ -493,11 +494,13 @@ def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more
     # each drain: whether the forward's side stream was still open (it must be joined first: see ahead())
     monkeypatch.setattr(Predictor, "_drain_published", lambda self, hidden, flags: drains.append(self.live.chained))
     env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
-    env |= {"BIGMOE_SIDE_BRANCH_PROBE": probe, "BIGMOE_PREFETCH_CHAINED_ONLY": "1" if chained_only else "0"}
+    env |= {"BIGMOE_SIDE_BRANCH_PROBE": probe}
+    if chained_only is not None:
+        env["BIGMOE_PREFETCH_CHAINED_ONLY"] = "1" if chained_only else "0"
     layers, stats, routing, live = captured_model(env, layers_n, True)
     run_forwards(live, layers, routing, 1)  # eager: the flags and the kernel's tables are made
     eager = sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n))
-    assert (eager == 0) == chained_only
+    assert (eager == 0) == (chained_only is not False)
     capturing[0] = True
     signals = []
     run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))

@@ -246,6 +246,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     only = bench.config_for("bigmoe-102@r0+one-node+host+bare+chained-only", tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env(only).prefetch_chained_only
     assert PagerSettings.from_env(only).side_branch_probe == "one-node-bare"
+    every = bench.config_for("bigmoe-102@r0+one-node+host+every-forward", tmp_path / "f.npz", 32).env
+    assert PagerSettings.from_env(every).prefetch_chained_only is False
+    assert PagerSettings.from_env({}).prefetch_chained_only is None
 
 
 def test_a_prefetching_engine_names_the_gate_and_budget_it_ran_even_the_defaults(tmp_path):

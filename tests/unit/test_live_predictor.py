@@ -251,8 +251,9 @@ def test_the_proposal_is_made_where_the_caller_forks_or_at_the_end_of_the_call(f
         {"BIGMOE_PREDICT": "router", "BIGMOE_PAGER": "0"},
         {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": "with-predictions"},
         {"BIGMOE_PREDICT": "router", "BIGMOE_PREFETCH_CHAINED_ONLY": "1"},
+        {"BIGMOE_PREDICT": "router", "BIGMOE_PREFETCH_CHAIN": "1"},
     ],
-    ids=["default", "off", "pager off", "replayed predictions win", "chained forwards only"],
+    ids=["default", "off", "pager off", "replayed predictions win", "chained forwards only", "chain on, uncaptured"],
 )
 def test_nothing_is_proposed_when_off_or_when_a_replayed_trace_carries_predictions(env, tmp_path: Path):
     if env.get("BIGMOE_ROUTE_REPLAY"):
@@ -265,11 +266,16 @@ def test_nothing_is_proposed_when_off_or_when_a_replayed_trace_carries_predictio
     assert stats.snapshot(1)["vram"].prefetched == 0
 
 
-def test_a_replayed_trace_without_predictions_leaves_the_live_predictor_on(tmp_path: Path):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_CHAINED_ONLY": "0"}],
+    ids=["chain off", "chain on, every forward"],
+)
+def test_a_replayed_trace_without_predictions_leaves_the_live_predictor_on(tmp_path: Path, extra):
     traces.save_trace(tmp_path / "plain.npz", traces.named_trace("standard", 8, 2, EXPERTS, 2))
     x = hidden(1, 3)
     layers, _, _, stats = model(2, 6, warm=not_proposed(x, 1, 2))
-    env = {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": str(tmp_path / "plain.npz")}
+    env = {"BIGMOE_PREDICT": "router", "BIGMOE_ROUTE_REPLAY": str(tmp_path / "plain.npz"), **extra}
     predictor(layers, env).propose(layers[0], x)
     assert stats.snapshot(1)["vram"].prefetched == 2  # top-k (2) proposed, neither resident
 

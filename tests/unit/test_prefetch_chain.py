@@ -150,6 +150,7 @@ def test_a_chained_forward_orders_each_round_after_the_step_before_and_prefetche
     chain_wait = PrefetchChain.wait_stepped
     for chained in (False, True):
         env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_CHAIN": "1" if chained else "0"}
+        env["BIGMOE_PREFETCH_CHAINED_ONLY"] = "0"  # the eager forward prefetches in both: they start alike
         layers, stats, routing, live = captured_model(env, layers_n)
         signals, waits = [], []
 

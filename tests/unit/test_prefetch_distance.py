@@ -81,8 +81,8 @@ def test_rounds_d_layers_ahead_fill_every_later_layer_once_and_keep_every_slot_r
     }
     layers, stats, routing, live = captured_model(env, layers_n, admit_kernel=True)
     fed = rounds_fed(monkeypatch, layers)
-    run_forwards(live, layers, routing, 1)  # eager: the flags are made, one round a layer into the next
-    assert fed == [(None, i + 1) for i in range(layers_n - 1)]
+    run_forwards(live, layers, routing, 1)  # eager: the flags are made; no round (BIGMOE_PREFETCH_CHAINED_ONLY unset)
+    assert fed == []
     capturing[0] = True
     fed.clear()
     served.clear()

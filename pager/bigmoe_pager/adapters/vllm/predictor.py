@@ -21,7 +21,9 @@ compete with the copies layer l waits for and overlap layer l's kernel. Where it
   (see `whole_forward_capture`).
 With BIGMOE_PREFETCH_CHAIN=1 (off: measured slower, run 16) a forward captured whole forks the side stream once:
 its model's first layer opens a chain (core.prefetch_chain) when every layer of the model steps fused, each step
-publishes itself (the Turn's `chain`), and each later round waits on the device for the step before it.
+publishes itself (the Turn's `chain`), and each later round waits on the device for the step before it. While the
+chain is on, forwards not captured whole (prefill's eager and piecewise ones) propose nothing unless
+BIGMOE_PREFETCH_CHAINED_ONLY=0: their side streams slowed every launch of the decode graph (run 27).
 With BIGMOE_SSD_READ_AHEAD=1 and BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1, the same fork also posts the SSD
 reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden state, or a replayed
 trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
@@ -175,8 +177,8 @@ class Predictor:
         self.sync_steps = settings.side_branch_probe != "one-node-bare-nosync"
         """False, benchmark only (one-node-bare-nosync): a chained forward's steps publish but do not settle rounds
         (none runs), so its graph holds the chained steps of poll-once, not joinless ones."""
-        self.eager_rounds = not settings.prefetch_chained_only
-        """BIGMOE_PREFETCH_CHAINED_ONLY unset: forwards that are not chained propose and prefetch too."""
+        self.chained_only = settings.prefetch_chained_only
+        """BIGMOE_PREFETCH_CHAINED_ONLY: which forwards that are not chained propose and prefetch (`_rounds_here`)."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
         self.idle_every = settings.prefetch_idle_every
@@ -402,7 +404,10 @@ class Predictor:
                     self.live.fork_marker(hidden)
                 return None
             return self._replayed(layer, hidden)
-        if not (self.on and (self.eager_rounds or self.live.chained)) or self._target(layer, hidden) is None:
+        if not self.on or self._target(layer, hidden) is None:
+            return None
+        self._host_serves_targets(layer, hidden)
+        if not self._rounds_here(hidden):
             return None
         proposed = None
         for ahead in self._round_distances(layer):
@@ -413,12 +418,23 @@ class Predictor:
             prefetch = isinstance(pager, DeviceLayerPager) and pager.started  # started at vLLM's first forward
             if not (prefetch or self.routing.trace_path is not None):
                 continue
-            if prefetch:
-                self._served_by_host(pager, hidden)
             ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None, self._after(layer))
             proposed = ids if ahead == 1 else proposed
         self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
         return proposed
+
+    def _rounds_here(self, hidden: torch.Tensor) -> bool:
+        """Whether this forward proposes and prefetches: a chained one always; one that is not, unless
+        BIGMOE_PREFETCH_CHAINED_ONLY says no, or is unset while the chain is on and the forward is not captured whole
+        (eager and piecewise ones: their side streams slowed the decode graph's launches, run 27)."""
+        if self.live.chained:
+            return True
+        if self.chained_only is not None:
+            return not self.chained_only
+        if not self.chain_on:
+            return True
+        captured = hidden.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return captured and self.whole_forward_captured()
 
     def _replayed(self, layer, hidden: torch.Tensor) -> None:
         """Benchmark: a replayed trace's predictions for the rows this layer just replayed, prefetched into the
@@ -431,7 +447,8 @@ class Predictor:
             self._prepare_rounds(layer, hidden)
         if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
-        if not (self.eager_rounds or self.live.chained):
+        self._host_serves_targets(layer, hidden)
+        if not self._rounds_here(hidden):
             return None
         if self.live.chained and self._step_round(layer) is not None:
             return None  # this layer's step decided the round (BIGMOE_PREFETCH_IN_STEP)
@@ -442,7 +459,6 @@ class Predictor:
         for ahead in self._round_distances(layer):
             target = getattr(self.layer_after(index + ahead - 1), "pager", None)
             if isinstance(target, DeviceLayerPager) and target.started:
-                self._served_by_host(target, hidden)
                 self.live.feed_ids(lambda ahead=ahead: replayed(ahead), target, hidden, self._after(layer))
         self._read_further(layer, hidden, replayed)
         return None
@@ -527,6 +543,14 @@ class Predictor:
         if self.copier is not None:
             self.copier.close()
             self.copier = None
+
+    def _host_serves_targets(self, layer, hidden: torch.Tensor) -> None:
+        """`_served_by_host` for each started device-driven pager that `layer`'s rounds prefetch into; in every
+        uncaptured forward, whether or not it prefetches (BIGMOE_PREFETCH_CHAINED_ONLY), since a capture cannot."""
+        for ahead in self._round_distances(layer):
+            target = getattr(self.layer_after(layer._moe_index + ahead - 1), "pager", None)
+            if isinstance(target, DeviceLayerPager) and target.started:
+                self._served_by_host(target, hidden)
 
     def _served_by_host(self, layer_pager: DeviceLayerPager, hidden: torch.Tensor) -> None:
         """BIGMOE_PREFETCH_HOST_COPIER without the one-node kernel, in an uncaptured forward: from now on the joinless
