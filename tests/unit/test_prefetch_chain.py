@@ -202,6 +202,7 @@ def test_a_forward_that_cannot_chain_forks_a_round_a_layer(tmp_path: Path, monke
         with monkeypatch.context() as m:
             m.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
             run_forwards(live, layers, routing, 1)  # vLLM's profile run: makes the chain's flags (where on)
+    before = sum(stats.snapshot(i)["vram"].prefetched for i in range(3))
     signals = []
     tokens = 4 if case == "too many ids" else 1  # 8 ids, more than the 6 slots: no fused step
     with caplog.at_level(logging.WARNING, logger="vllm.bigmoe_pager"):
@@ -213,6 +214,9 @@ def test_a_forward_that_cannot_chain_forks_a_round_a_layer(tmp_path: Path, monke
             run_forwards(live, layers, routing, 2, on_step=lambda layer, turn: signals.append(turn.chain))
     assert all(s is None for s in signals) and not live.live.chained
     assert (live._chain is None) is (case in ("setting off", "no uncaptured forward first"))
+    # with the chain on, only forwards captured whole prefetch (BIGMOE_PREFETCH_CHAINED_ONLY unset); off, every one
+    prefetched = sum(stats.snapshot(i)["vram"].prefetched for i in range(3)) - before
+    assert (prefetched > 0) is (case not in ("piece", "eager")), prefetched
     told = [r.getMessage() for r in caplog.records if "forked" in r.getMessage()]
     if case in ("a layer not fused", "too many ids"):
         assert told == [

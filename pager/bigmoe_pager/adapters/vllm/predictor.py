@@ -407,7 +407,7 @@ class Predictor:
         if not self.on or self._target(layer, hidden) is None:
             return None
         self._host_serves_targets(layer, hidden)
-        if not self._rounds_here(hidden):
+        if not self._rounds_here():
             return None
         proposed = None
         for ahead in self._round_distances(layer):
@@ -423,7 +423,7 @@ class Predictor:
         self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
         return proposed
 
-    def _rounds_here(self, hidden: torch.Tensor) -> bool:
+    def _rounds_here(self) -> bool:
         """Whether this forward proposes and prefetches: a chained one always; one that is not, unless
         BIGMOE_PREFETCH_CHAINED_ONLY says no, or is unset while the chain is on and the forward is not captured whole
         (eager and piecewise ones: their side streams slowed the decode graph's launches, run 27)."""
@@ -433,8 +433,7 @@ class Predictor:
             return not self.chained_only
         if not self.chain_on:
             return True
-        captured = hidden.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        return captured and self.whole_forward_captured()
+        return capturing() and self.whole_forward_captured()
 
     def _replayed(self, layer, hidden: torch.Tensor) -> None:
         """Benchmark: a replayed trace's predictions for the rows this layer just replayed, prefetched into the
@@ -448,7 +447,7 @@ class Predictor:
         if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
         self._host_serves_targets(layer, hidden)
-        if not self._rounds_here(hidden):
+        if not self._rounds_here():
             return None
         if self.live.chained and self._step_round(layer) is not None:
             return None  # this layer's step decided the round (BIGMOE_PREFETCH_IN_STEP)
@@ -656,6 +655,15 @@ class Predictor:
                 found = None
             self._next[index] = found
         return self._next[index]
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph capture is under way on the current stream; False where torch has no CUDA (its
+    query raises there)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):
+        return False
 
 
 def whole_forward_capture(mode: str | None) -> bool:
