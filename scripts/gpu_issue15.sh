@@ -8,7 +8,8 @@
 #          a kernel timeline of $PROFILE_TOKENS decode tokens per measurement (0: none); results as bench-$TAG.json, the host's samples in the logs tarball;
 #          then one line a row on stdout (scripts/bench_table.py)
 #   harness  the fast harness (scripts/bench_pager.py, no vLLM) on $FAMILY, recalls 0, 0.8, 1.0
-#   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, $E2E_LAYERS layers, 2)
+#   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, $E2E_LAYERS layers, 2;
+#          $E2E_SETTINGS: space-separated BIGMOE_NAME=VALUE added to every paged configuration)
 #   probes (the image's torch is enough) run 21's side-kernel probes, the decision's time with the gate open and
 #          closed, and the overlap probe's idle paths at recall 0 (in-step rounds, a decision beside the chain, the
 #          one-node kernel with and without idle skipping, the joinless steps alone), interleaved three times since a
@@ -82,6 +83,7 @@ for step in "$@"; do
       vllm_env
       python3 scripts/gpu_vllm_e2e.py --layers "${E2E_LAYERS:-2}" --parallel "${PARALLEL:-4}" --budget-s "${BUDGET:-400}" \
         --configs "${E2E_CONFIGS:-unpaged,vram40-predict,vram12-ram50-ssd-predict-ahead,vram40-predict-piecewise}" \
+        ${E2E_SETTINGS:+$(printf -- '--setting %s ' $E2E_SETTINGS)} \
         --out "$out/e2e-${TAG:-predict}.json" --logs "/tmp/logs-e2e-${TAG:-predict}"
       pack "logs-e2e-${TAG:-predict}" "/tmp/logs-e2e-${TAG:-predict}" ;;
     probes)

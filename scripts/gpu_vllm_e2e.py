@@ -53,7 +53,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             if shape["maker"] == "qwen4exp"
             else configs(shape["experts"], paging_file)
         )
-        todo = [c for c in matrix if not args.configs or c.name.split(" ")[0] in args.configs]
+        todo = [
+            with_settings(c, args.setting) for c in matrix if not args.configs or c.name.split(" ")[0] in args.configs
+        ]
         run_all(
             todo,
             make_spec(model, has_tokenizer, shape, args),
@@ -455,6 +457,15 @@ def parse_args(argv):
         help="vLLM's defaults (shows that the engine alone then does not reproduce its greedy tokens)",
     )
     p.add_argument(
+        "--setting",
+        type=setting,
+        action="append",
+        default=[],
+        metavar="BIGMOE_NAME=VALUE",
+        help="a pager setting added to every paged configuration (repeatable); the engines otherwise get no BIGMOE_* "
+        "variable of this environment",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=540.0,
@@ -584,6 +595,28 @@ def run_config(config: Config, spec: dict, work: Path, logs: Path, deadline: flo
 
 def skipped(config: Config, why: str) -> dict:
     return {"name": config.name, "env": config.env, "error": "not run: " + why}
+
+
+def setting(text: str) -> tuple[str, str]:
+    """--setting's value: ('BIGMOE_PREFETCH_CHAINED_ONLY', '1') for 'BIGMOE_PREFETCH_CHAINED_ONLY=1', checked by the
+    plugin's own parser (argparse turns the error into one line and exit 2)."""
+    from bigmoe_pager.settings import PagerSettings, SettingsError, variable_names
+
+    name, eq, value = text.partition("=")
+    if not (eq and name in variable_names()[1:]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BIGMOE_NAME=VALUE, a variable of bigmoe_pager.settings")
+    try:
+        PagerSettings.from_env({name: value})
+    except SettingsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name, value
+
+
+def with_settings(config: Config, settings: list[tuple[str, str]]) -> Config:
+    """`config` with --setting's variables added where the pager is on (the row's env records them)."""
+    if not settings or config.env.get("BIGMOE_PAGER") != "1":
+        return config
+    return replace(config, env={**config.env, **dict(settings)})
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

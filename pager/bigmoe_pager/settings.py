@@ -251,6 +251,11 @@ def host_driven(cuda_graphs: bool, codec_records: bool) -> bool:
     return not cuda_graphs or codec_records
 
 
+def variable_names() -> tuple[str, ...]:
+    """Every variable `PagerSettings.from_env` reads, BIGMOE_SETTINGS (the file) first."""
+    return ("BIGMOE_SETTINGS", *(_var(f) for f in dataclasses.fields(PagerSettings)))
+
+
 _VARIABLES = {"enabled": "BIGMOE_PAGER"}
 
 

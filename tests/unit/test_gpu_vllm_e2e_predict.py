@@ -55,3 +55,18 @@ def test_prefetch_configurations_page_with_the_live_predictor_under_graphs(matri
     assert matrix[reference].engine == config.engine  # the reference runs in the same graph mode
     spec = {"engine": config.engine, "deterministic": True, "enforce_eager": False}
     assert child._engine_extras(spec).get("compilation_config", {}).get("cudagraph_mode") == mode
+
+
+def test_a_setting_reaches_every_paged_configuration_and_a_bad_one_stops_the_run(matrix, capsys):
+    """--setting BIGMOE_NAME=VALUE (the engines get no BIGMOE_* of the caller's environment): added to every paged
+    configuration's env, never to the unpaged reference; an unknown variable or a bad value exits 2 with one line."""
+    args = e2e.parse_args(["--out", "r.json", "--setting", "BIGMOE_PREFETCH_CHAINED_ONLY=0"])
+    changed = {name: e2e.with_settings(c, args.setting) for name, c in matrix.items()}
+    assert "BIGMOE_PREFETCH_CHAINED_ONLY" not in changed["unpaged"].env
+    assert changed["vram40-predict-joinless"].env["BIGMOE_PREFETCH_CHAINED_ONLY"] == "0"
+    assert changed["vram40-predict-joinless"].env["BIGMOE_PREFETCH_JOINLESS"] == "1"  # its own kept
+    for bad in ("BIGMOE_PREFETCH_CHAINED_ONLY=2", "BIGMOE_NO_SUCH=1", "PREFETCH=1"):
+        with pytest.raises(SystemExit) as exit:
+            e2e.parse_args(["--out", "r.json", "--setting", bad])
+        assert exit.value.code == 2
+        assert len([line for line in capsys.readouterr().err.splitlines() if "error:" in line]) == 1
