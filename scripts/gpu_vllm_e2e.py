@@ -603,7 +603,7 @@ def setting(text: str) -> tuple[str, str]:
     from bigmoe_pager.settings import PagerSettings, SettingsError, variable_names
 
     name, eq, value = text.partition("=")
-    if not (eq and name in variable_names()[1:]):
+    if not (eq and name in variable_names() and name != "BIGMOE_SETTINGS"):  # a file would hide what the row ran
         raise argparse.ArgumentTypeError(f"{text!r}: expected BIGMOE_NAME=VALUE, a variable of bigmoe_pager.settings")
     try:
         PagerSettings.from_env({name: value})

@@ -279,7 +279,7 @@ class Predictor:
             return self._chain.signal(index, first=False, joinless=joinless, round=self._step_round(layer))
         if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
             return None
-        if not torch.cuda.is_current_stream_capturing():
+        if not capturing():
             if self._chain is None:  # made outside captures: one made inside would be zeroed by every replay
                 self._chain = PrefetchChain(self._layer_count(), hidden.device)
             return None
@@ -339,7 +339,7 @@ class Predictor:
 
     def _join_later(self, hidden: torch.Tensor) -> bool:
         """Whether the side stream may stay unjoined until the next layer's call (see the module's docstring)."""
-        if hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if hidden.device.type != "cuda" or not capturing():
             return True
         later = self.whole_forward_captured()
         self._tell(
@@ -442,7 +442,7 @@ class Predictor:
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
         index, tokens = layer._moe_index, hidden.shape[0]
-        if (self.one_node or self.in_step) and not torch.cuda.is_current_stream_capturing():
+        if (self.one_node or self.in_step) and not capturing():
             self._prepare_rounds(layer, hidden)
         if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
@@ -555,7 +555,7 @@ class Predictor:
         """BIGMOE_PREFETCH_HOST_COPIER without the one-node kernel, in an uncaptured forward: from now on the joinless
         rounds into `layer_pager` publish their lists to a mailbox the host copier serves (ExpertPager.mailbox). Over a
         partial RAM tier they keep copying with a kernel: an SSD read may rewrite a RAM row while a DMA reads it."""
-        if not self.host or self.one_node or self.in_step or torch.cuda.is_current_stream_capturing():
+        if not self.host or self.one_node or self.in_step or capturing():
             return
         pager = layer_pager.pager_started()
         if pager.mailbox is not None or not pager.ram.full:
