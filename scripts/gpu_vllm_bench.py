@@ -64,9 +64,12 @@ request also waits until no engine of the call is starting (weight loading and g
 capture share the GPU, PCIe and CPUs); rows record turn_wait_s and quiet_wait_s. With
 N > 1 each engine gets a fixed 2 GiB KV cache (vLLM's memory profile would count the
 other engines' memory). Host RAM: bigmoe-102/-32 pin every expert (about 30 GiB each),
-offload17 17 GiB, bigmoe-32-ram128-ssd about 16 GiB; the H200 machine has 128 GiB, so
-group the configurations of one call to pin at most about 80 GiB at once. Example
-(issue 15, about 63 and 60 GiB pinned):
+offload17 17 GiB, bigmoe-32-ram128-ssd about 16 GiB; the H200 machine has 128 GiB. An
+engine starts only when its estimate (engine_host_bytes) fits beside the running engines'
+in the host's available memory less 8 GB, and says so when it waits (run 28: five engines
+at once ran the host out of memory, one was killed and none measured); a call whose
+engines wait in turn still spends their waits from --budget-s. Example (issue 15, about
+63 and 60 GiB pinned):
 
     --configs resident,offload17,bigmoe-102,bigmoe-32-ram128-ssd@r0.8+ahead --families standard,topic-shift \\
         --parallel 4
@@ -96,7 +99,9 @@ from typing import NamedTuple
 
 import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
 import numpy as np
+import psutil
 import traces  # noqa: E402
+from bigmoe_bench.host_budget import HostMemoryBudget
 from bigmoe_bench.host_monitor import HostMonitor
 from bigmoe_pager.core.slots import MIN_USED_PERCENT, PREFETCH_BUDGET
 from bigmoe_pager.settings import EVICTION_CHOICES, PagerSettings
@@ -226,6 +231,26 @@ PARALLEL_KV_BYTES = 2 << 30
 """--parallel > 1: each engine's fixed KV cache (vLLM's memory profile would count the other engines' memory)."""
 PARALLEL_GPU_MEMORY_UTILIZATION = 0.1
 """--parallel > 1: the share vLLM checks against the free memory at start (the KV cache is fixed above)."""
+ENGINE_HOST_BYTES = 4e9
+"""Host memory of one vLLM engine beside its pinned tiers, in bytes: run 28's three bigmoe engines took 102.5 GB of
+the host, 34.2 GB each, of which 32.2 GB was the RAM tier; doubled for the compile workers' peaks at start."""
+OFFLOAD_BYTES = 17 * 2**30
+"""The offload17 engine's pinned weights (--cpu-offload-gb 17)."""
+HOST_MARGIN_BYTES = 8e9
+"""Host memory the admission leaves unreserved: the page cache that engines' checkpoint reads and traces go through."""
+
+
+def engine_host_bytes(config: e2e.Config) -> float:
+    """Host memory an engine of `config` holds while it runs, in bytes: a vLLM process, plus the pager's pinned RAM
+    tier (BIGMOE_RAM_SLOTS experts a layer; unset: every expert) or offload17's pinned weights."""
+    env, extra = config.env, 0.0
+    if env.get("BIGMOE_PAGER") == "1":
+        width = 1 if SHAPE["dtype"] == "fp8" else 2  # bytes a weight
+        expert = 3 * SHAPE["hidden"] * SHAPE["moe_intermediate"] * width  # gate, up and down projections
+        extra = int(env.get("BIGMOE_RAM_SLOTS", SHAPE["experts"])) * LAYERS * expert
+    elif config.name == "offload17":
+        extra = OFFLOAD_BYTES
+    return ENGINE_HOST_BYTES + extra
 
 
 def untagged(name: str) -> tuple[str, str]:
@@ -484,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel > 1 and SHAPE["device"] == "cuda":
         spec.update(kv_cache_memory_bytes=PARALLEL_KV_BYTES, gpu_memory_utilization=PARALLEL_GPU_MEMORY_UTILIZATION)
     rows: dict[str, list[dict]] = {}
+    host = HostMemoryBudget(psutil.virtual_memory().available - HOST_MARGIN_BYTES)
     written = threading.Lock()  # engines finish on several threads; the report is rewritten whole by one at a time
 
     def one(plan: tuple[str, list[dict]]) -> None:
@@ -492,10 +518,11 @@ def main(argv: list[str] | None = None) -> int:
         run_spec = {**spec, "measurements": todo}
         if name == "offload17":
             run_spec.update(cpu_offload_gb=17, cpu_offload_params=["w13_weight", "w2_weight"])
-        if time.monotonic() >= deadline:
-            row = e2e.skipped(config, "time budget spent")
-        else:
-            row = e2e.run_config(config, run_spec, work, logs, deadline)
+        with host.reserve(engine_host_bytes(config), name, say=lambda line: print(line, flush=True)):
+            if time.monotonic() >= deadline:
+                row = e2e.skipped(config, "time budget spent")
+            else:
+                row = e2e.run_config(config, run_spec, work, logs, deadline)
         with written:
             rows[name] = engine_rows(row, todo, report.get("disk"), args.wrong)
             report["configs"] = [r for n, _ in plans if n in rows for r in rows[n]]

@@ -425,3 +425,18 @@ def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into
         "prefetch_wasted_gb_per_token_vram": 0.003,
         "prefetched_per_token_vram": 4.0,
     }
+
+
+@pytest.mark.parametrize(
+    "name,pinned_gb",
+    [
+        ("resident", 0.0),
+        ("offload17", 17 * 2**30 / 1e9),
+        ("bigmoe-102-layerbuf@r0.8+one-node+host", 32.2),  # every expert in the RAM tier (run 28: 32.2 GB copied)
+        ("bigmoe-32", 32.2),
+        ("bigmoe-32-ram128-ssd@r0.8+ahead", 16.1),  # half of them
+    ],
+)
+def test_an_engines_host_memory_is_its_pinned_tier_and_a_process(name, pinned_gb, tmp_path):
+    need = bench.engine_host_bytes(bench.config_for(name, tmp_path / "t.npz", bench.SHAPE["experts"]))
+    assert need - bench.ENGINE_HOST_BYTES == pytest.approx(pinned_gb * 1e9, rel=0.01)
