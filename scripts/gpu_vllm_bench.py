@@ -791,8 +791,9 @@ def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> d
 
 def prefetch_summary(decode: dict, tokens: int | None) -> dict:
     """Issue 15's prefetch figures of the decode counters: per tier that was prefetched into, the share of the
-    step's non-resident needs a prefetch had brought in (used / (used + misses)), and prefetched GB never used
-    per token. Empty when nothing was prefetched."""
+    step's non-resident needs a prefetch had brought in (used / (used + misses)), prefetched GB never used per
+    token, and the needed prefetches a token whose copy the step still had to wait for (joinless forwards; None
+    from an engine older than the counter). Empty when nothing was prefetched."""
     out = {}
     for tier, c in decode.items():
         if not c.get("prefetched") or not tokens:
@@ -801,6 +802,8 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
         out[f"prefetch_accuracy_{tier}"] = round(used / (used + misses), 4) if used + misses else None
         out[f"prefetch_wasted_gb_per_token_{tier}"] = round(c.get("prefetch_wasted_bytes", 0) / tokens / 1e9, 5)
         out[f"prefetched_per_token_{tier}"] = round(c["prefetched"] / tokens, 3)
+        late = c.get("prefetch_late")
+        out[f"prefetch_late_per_token_{tier}"] = None if late is None else round(late / tokens, 3)
     return out
 
 

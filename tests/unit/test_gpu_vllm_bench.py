@@ -417,6 +417,7 @@ def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into
             "prefetched": 40,
             "prefetch_used": 30,
             "prefetch_wasted_bytes": 10 * 3_000_000,
+            "prefetch_late": 5,
         },
         "ram": {"lookups": 10, "hits": 10, "prefetched": 0},
     }
@@ -424,6 +425,7 @@ def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into
         "prefetch_accuracy_vram": 0.75,  # 30 needs met ahead of 40 that were not resident otherwise (30 + 10 misses)
         "prefetch_wasted_gb_per_token_vram": 0.003,
         "prefetched_per_token_vram": 4.0,
+        "prefetch_late_per_token_vram": 0.5,  # 5 of the 30 used were still being copied when their step came
     }
 
 

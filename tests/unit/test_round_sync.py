@@ -132,7 +132,7 @@ def test_a_step_that_comes_first_cancels_the_round_which_then_changes_nothing():
 
 
 def test_a_needed_copy_still_under_way_is_waited_for_then_copied_by_the_step_itself():
-    (joined, _), (joinless, _), chain = joined_and_joinless(40, 12, "lru", seed=7)
+    (joined, pstats), (joinless, jstats), chain = joined_and_joinless(40, 12, "lru", seed=7)
     predicted = torch.tensor([3, 9, 21, 30])
     joined.prefetch(predicted)
     joinless.prefetch(predicted, chain_flags=chain.flags)
@@ -146,6 +146,8 @@ def test_a_needed_copy_still_under_way_is_waited_for_then_copied_by_the_step_its
     got_b = step_giving_up(joinless, ids, chain, 4)
     assert_same(joined, joinless, got_a, got_b, "late copy")  # the step's own copy of expert 21
     assert int(chain.flags[TIMEOUTS]) == 1
+    assert jstats.snapshot()["vram"].prefetch_late == 1  # the one needed copy still under way; joined: never seen
+    assert pstats.snapshot()["vram"].prefetch_late == 0
 
 
 @pytest.mark.parametrize("copying", [True, False])

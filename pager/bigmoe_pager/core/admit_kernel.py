@@ -51,7 +51,7 @@ def launch_admit(
 
     table_state: SlotTable.admit_state() (maps, stamps, counts, prefetch marks, want scratch).
     available: bool [experts] that may be fetched; keep_slots: bool [slots] that must not be taken.
-    stats_row: int64 [10] counters (stats.COUNTERS) that get bytes, prefetched, prefetch_used and
+    stats_row: int64 [11] counters (stats.COUNTERS) that get bytes, prefetched, prefetch_used and
     prefetch_wasted_bytes added. source: slots.SourceRows of a partial tier below (only experts in its
     whole rows are fetched; rows = their record rows); None: rows = experts.
     lfu: rank candidate slots by (use count, last use, expert).

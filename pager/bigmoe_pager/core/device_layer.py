@@ -36,6 +36,7 @@ from bigmoe_pager.core.stats import (
     HITS,
     LOOKUPS,
     MISSES,
+    PREFETCH_LATE,
     PREFETCH_USED,
     PREFETCH_WASTED_BYTES,
     PREFETCHED,
@@ -331,6 +332,7 @@ class DeviceLayerPager:
                 "prefetched": int(row[PREFETCHED]),
                 "prefetch_used": int(row[PREFETCH_USED]),
                 "prefetch_wasted_bytes": int(row[PREFETCH_WASTED_BYTES]),
+                "prefetch_late": int(row[PREFETCH_LATE]),
             }
 
         return {

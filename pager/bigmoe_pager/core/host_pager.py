@@ -77,6 +77,9 @@ class TierCounters:
     """Of those, experts the step they were fetched for needed (counted when the next prefetch round settles)."""
     prefetch_wasted_bytes: int = 0
     """Bytes of the others (copied for nothing)."""
+    prefetch_late: int = 0
+    """Needed experts whose prefetch copy had not landed when their step reached them, so the step waited for it
+    (VRAM, joinless forwards only: elsewhere a join waits for the whole round and lateness is not seen)."""
 
     @property
     def misses(self) -> int:

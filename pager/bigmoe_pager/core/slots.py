@@ -321,7 +321,7 @@ class SlotTable:
     ) -> Acquired:
         """Make every needed expert resident; return slots for `ids` and what to load.
 
-        stats_row (int64 [10], see stats.COUNTERS) gets lookups, hits, misses,
+        stats_row (int64 [11], see stats.COUNTERS) gets lookups, hits, misses,
         loaded * record_bytes as bytes, and invalid ids as errors; aux_row (the
         tier below when it always hits) gets loaded as lookups and hits.
         """
@@ -532,7 +532,7 @@ class SlotTable:
         """Install predicted experts for the next step (see the module's prefetch rule); returns what to copy.
 
         available: bool [experts], experts that may be prefetched (a partial RAM tier: those in RAM).
-        stats_row (int64 [10], stats.COUNTERS) gets bytes and prefetched for this round and, for the
+        stats_row (int64 [11], stats.COUNTERS) gets bytes and prefetched for this round and, for the
         previous round, prefetch_used (experts the step since then needed) and prefetch_wasted_bytes.
         keep_slots: bool [slots] that must not be taken either (RAM rows whose posted reads are unconfirmed).
         source: a partial tier below; only experts whose rows it holds whole are prefetched, and

@@ -26,10 +26,12 @@ COUNTERS = (
     "prefetched",
     "prefetch_used",
     "prefetch_wasted_bytes",
+    "prefetch_late",
 )
 """lookups/hits/misses count distinct experts per step; bytes moved into the tier (prefetches included);
 read_ns of SSD reads; prefetched: experts copied in ahead of need; prefetch_used: of those, needed by the
-step they were fetched for; prefetch_wasted_bytes: bytes of the others."""
+step they were fetched for; prefetch_wasted_bytes: bytes of the others; prefetch_late: needed experts whose
+prefetch copy was still under way when their step reached them (joinless forwards only: the step waits for it)."""
 
 # Index of each tier and counter in the tables (the decision kernels and the torch paths add by index).
 VRAM, RAM, SSD = (TIERS.index(t) for t in ("vram", "ram", "ssd"))
@@ -43,6 +45,7 @@ ERRORS = COUNTERS.index("errors")
 PREFETCHED = COUNTERS.index("prefetched")
 PREFETCH_USED = COUNTERS.index("prefetch_used")
 PREFETCH_WASTED_BYTES = COUNTERS.index("prefetch_wasted_bytes")
+PREFETCH_LATE = COUNTERS.index("prefetch_late")
 
 
 class StatsError(KeyError):
@@ -100,6 +103,8 @@ class TierSnapshot:
     """Of those, needed by the step they were fetched for."""
     prefetch_wasted_bytes: int = 0
     """Bytes of prefetched experts that step did not need."""
+    prefetch_late: int = 0
+    """Needed experts whose prefetch copy was still under way when their step reached them (joinless forwards)."""
 
     @property
     def hit_rate(self) -> float | None:

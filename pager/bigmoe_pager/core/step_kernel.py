@@ -264,7 +264,13 @@ if triton is not None:
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.forward_rounds import round_of_layer
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
-    from bigmoe_pager.core.round_sync import round_filled, settle_round, step_settles, wait_copies
+    from bigmoe_pager.core.round_sync import (
+        copies_under_way,
+        round_filled,
+        settle_round,
+        step_settles,
+        wait_copies,
+    )
 
     _FORWARD, _TIMEOUTS, _CANCELS = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS))
 
@@ -274,6 +280,7 @@ if triton is not None:
     _MISSES = tl.constexpr(stats.MISSES)
     _BYTES = tl.constexpr(stats.BYTES)
     _ERRORS = tl.constexpr(stats.ERRORS)
+    _PREFETCH_LATE = tl.constexpr(stats.PREFETCH_LATE)
 
     @triton.jit
     def _step_kernel(
@@ -532,7 +539,12 @@ if triton is not None:
             # (the same expert's bytes into the same slot: the race with the round is harmless).
             if SYNC:
                 if (pid == 0) & settles:
-                    late = wait_copies(copied_ptr, target_ptr, where_now, first & hit, max_spins, ON_GPU)
+                    pending = copies_under_way(copied_ptr, target_ptr, where_now, first & hit, ON_GPU)
+                    n_pending = tl.sum(pending.to(tl.int64), 0)
+                    if HAS_STATS:  # the prefetches this step waits for: copies not hidden behind compute
+                        if n_pending > 0:
+                            tl.atomic_add(stats_ptr + _PREFETCH_LATE, n_pending)
+                    late = wait_copies(copied_ptr, target_ptr, where_now, pending, max_spins, ON_GPU)
                     n_late = tl.sum(late.to(tl.int32), 0)
                     if n_late > 0:
                         late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)

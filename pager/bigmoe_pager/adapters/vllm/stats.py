@@ -12,6 +12,7 @@ SERIES = {
     "prefetched": ("bigmoe_expert_prefetched", "Experts copied into a tier ahead of need"),
     "prefetch_used": ("bigmoe_expert_prefetch_used", "Prefetched experts the step they were fetched for needed"),
     "prefetch_wasted_bytes": ("bigmoe_expert_prefetch_wasted_bytes", "Bytes of prefetched experts no step needed"),
+    "prefetch_late": ("bigmoe_expert_prefetch_late", "Needed prefetched experts whose copy the step waited for"),
 }
 """The pager's Prometheus counters (labels: layer, tier): TierCounters field -> (series name, help)."""
 
