@@ -474,7 +474,7 @@ def use_smoke_shape() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.combine:
-        return combine(args.combine, args.out)
+        return combine(args.combine, args.out, args.path)
     if args.smoke:
         use_smoke_shape()
     deadline = time.monotonic() + args.budget_s
@@ -619,6 +619,12 @@ def parse_args(argv):
     )
     p.add_argument("--smoke", action="store_true", help="a 2-layer bf16 model on vLLM's CPU build (plumbing check)")
     p.add_argument("--combine", type=Path, nargs="+", help="merge these result files into --out, with the ratios")
+    p.add_argument(
+        "--path",
+        default="",
+        help="with --combine: the prefetching rows the ratios come from are those whose name ends in these "
+        "suffixes (e.g. +one-node+host+chained-only), where measured; named as the families' `path`",
+    )
     p.add_argument(
         "--families",
         default=None,
@@ -807,14 +813,19 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
     return out
 
 
-def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
+def family_ratios(rows: dict[tuple[str, str], dict], every: dict | None = None, path: str = "") -> dict[str, dict]:
     """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare);
-    `rows` ((family, name) -> row) is in recency order. Each family's output names under "rows" the configuration
-    each 102- and 32-slot ratio used, the first there is of:
+    `rows` ((family, name) -> row) is in recency order, `every` ((family, name) -> every row of that name, file by
+    file; default: the rows) pairs each row with the resident or offload17 row of its own call where there is one.
+    Each family's output names under "rows" the configuration each 102- and 32-slot ratio used, the first there
+    is of:
+    - with `path` (name suffixes), a prefetching row of that path (`bigmoe-N-layerbuf@r0.8` + path), the family's
+      output then naming it as "path";
     - a plain name whose env names the plugin's current defaults (ran_current_defaults), the most recent;
     - a prefetching row that names the default gate and budget in its suffix (default_prefetch_suffix);
     - a row that names the default eviction (~POLICY);
     - the plain name (the defaults of its day)."""
+    every = every if every is not None else {key: [r] for key, r in rows.items()}
     out = {}
     default = "~" + PagerSettings().eviction
     prefetch = default_prefetch_suffix()
@@ -830,20 +841,35 @@ def family_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, dict]:
                 current = [m for m in plain if ran_current_defaults(rows.get((family, m), {}), bool(suffix))]
                 current.sort(key=lambda m: order[family, m], reverse=True)  # the latest first
                 named = [f"bigmoe-{n}-layerbuf{suffix}{p}{prefetch}" for p in (default, "")] if suffix else []
-                names = current + named + plain
-                name = next((m for m in names if t.get(m)), None)
-                found[n] = t.get(name)
-                if name:
-                    used[f"{n}{key}"] = name
-            at102, at32 = found[102], found[32]
-            if at102 and t.get("offload17"):
-                ratios["speedup_vs_offload17_at_102" + key] = round(t["offload17"] / at102, 3)
-            if at102 and t.get("resident"):
-                ratios["tpot_vs_resident_at_102" + key] = round(at102 / t["resident"], 3)
-            if at32 and t.get("offload17"):
-                ratios["speedup_vs_offload17_at_32" + key] = round(t["offload17"] / at32, 3)
+                on_path = [f"bigmoe-{n}-layerbuf{suffix}{path}"] if path and suffix else []
+                names = on_path + current + named + plain
+                found[n] = next((m for m in names if t.get(m)), None)
+                if found[n]:
+                    used[f"{n}{key}"] = found[n]
+            for n, ref, label, upward in (
+                (102, "offload17", "speedup_vs_offload17_at_102", True),
+                (102, "resident", "tpot_vs_resident_at_102", False),
+                (32, "offload17", "speedup_vs_offload17_at_32", True),
+            ):
+                mine, theirs = side_by_side(every, family, found[n], ref) if found[n] else (None, None)
+                if mine and theirs:
+                    ratios[label + key] = round(theirs / mine if upward else mine / theirs, 3)
+        if path and any(m.endswith(path) for m in used.values()):
+            ratios["path"] = path
         out[family] = {**ratios, "rows": used}
     return out
+
+
+def side_by_side(every: dict, family: str, name: str, ref: str) -> tuple[float | None, float | None]:
+    """TPOTs of `name` and of the reference `ref` in `family`, from the latest call (result file) that measured
+    both: ratios are taken side by side in one call where one did; else the latest of each."""
+    mine = [r for r in every.get((family, name), []) if r.get("tpot_ms")]
+    theirs = {r.get("source"): r["tpot_ms"] for r in every.get((family, ref), []) if r.get("tpot_ms")}
+    for r in reversed(mine):
+        if r.get("source") in theirs:
+            return r["tpot_ms"], theirs[r["source"]]
+    latest_ref = next((r["tpot_ms"] for r in reversed(every.get((family, ref), [])) if r.get("tpot_ms")), None)
+    return (mine[-1]["tpot_ms"] if mine else None), latest_ref
 
 
 def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
@@ -862,10 +888,10 @@ def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
     }
 
 
-def combine(files: list[Path], out: Path) -> int:
-    """Merge result files (one per call) into one: their rows by (family, name), issue 15's ratios per family, the
-    SSD floors, and the targets those ratios meet."""
-    rows = {}
+def combine(files: list[Path], out: Path, path: str = "") -> int:
+    """Merge result files (one per call) into one: their rows by (family, name), issue 15's ratios per family (of
+    the prefetch `path` where one is named: family_ratios), the SSD floors, and the targets those ratios meet."""
+    rows, every = {}, {}
     meta = {}
     for f in files:
         part = json.loads(f.read_text())
@@ -877,6 +903,7 @@ def combine(files: list[Path], out: Path) -> int:
             key = (r.get("family", "standard"), r["name"])
             rows.pop(key, None)
             rows[key] = {**r, "source": f.name}
+            every.setdefault(key, []).append(rows[key])
     tpot = {name: r.get("tpot_ms") for (family, name), r in rows.items() if family == "standard"}
     for (family, _), r in rows.items():
         # Greedy tokens of the timed request: which other configurations of its family produced exactly the same.
@@ -890,7 +917,7 @@ def combine(files: list[Path], out: Path) -> int:
             # What the GPU spends per token beyond the resident engine: waits for copies and reads, and the pager's
             # own kernels (a replayed CUDA graph cannot tell the two apart).
             r["beyond_resident_ms_per_token"] = round(r["tpot_ms"] - resident, 3)
-    families = family_ratios(rows)
+    families = family_ratios(rows, every, path)
     report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
     report["issue15_targets"] = issue15_targets(families, report)
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
@@ -923,9 +950,16 @@ def issue15_targets(families: dict[str, dict], report: dict) -> dict:
             "32 slots >= 2x faster than offload17 at recall 0.8": ("speedup_vs_offload17_at_32", lambda v: v >= 2),
         }
         got = {label: ok(r[key]) for label, (key, ok) in checks.items() if key in r}
-        at0, plain = r.get("speedup_vs_offload17_at_102_recall_0"), r.get("speedup_vs_offload17_at_102_no_prefetch")
+        # Both over the resident engine where measured (the rows are then paired within their calls), else over
+        # offload17; a slower row is a larger TPOT over resident, a smaller speedup over offload17.
+        at0, plain = r.get("tpot_vs_resident_at_102_recall_0"), r.get("tpot_vs_resident_at_102_no_prefetch")
         if at0 and plain:
-            got["102 slots at recall 0 no slower than without prefetch"] = at0 >= plain
+            got["102 slots at recall 0 no slower than without prefetch"] = at0 <= plain
+        else:
+            at0 = r.get("speedup_vs_offload17_at_102_recall_0")
+            plain = r.get("speedup_vs_offload17_at_102_no_prefetch")
+            if at0 and plain:
+                got["102 slots at recall 0 no slower than without prefetch"] = at0 >= plain
         out[family] = got
     for key, label in (("ssd_tpot_vs_disk_floor", "TPOT"), ("ssd_ttft_vs_disk_floor", "TTFT")):
         if report.get(key):

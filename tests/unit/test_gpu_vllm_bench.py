@@ -442,3 +442,35 @@ def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into
 def test_an_engines_host_memory_is_its_pinned_tier_and_a_process(name, pinned_gb, tmp_path):
     need = bench.engine_host_bytes(bench.config_for(name, tmp_path / "t.npz", bench.SHAPE["experts"]))
     assert need - bench.ENGINE_HOST_BYTES == pytest.approx(pinned_gb * 1e9, rel=0.01)
+
+
+def test_combine_takes_each_ratio_side_by_side_in_one_call_and_from_the_named_path(tmp_path):
+    """Run 27's layout: call r measured resident and the 102-slot rows, call t offload17 and the same rows again,
+    call s offload17 and the 32-slot rows; each ratio pairs a row with the reference of its own call."""
+    path = "+one-node+host+chained-only"
+
+    def call(name, rows):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"command": name, "configs": [{"name": n, "tpot_ms": t} for n, t in rows]}))
+        return f
+
+    files = [
+        call("r", [("resident", 3.5), ("bigmoe-102-layerbuf", 5.2), (f"bigmoe-102-layerbuf@r0.8{path}", 4.9)]),
+        call("t", [("offload17", 14.0), ("bigmoe-102-layerbuf", 5.0), (f"bigmoe-102-layerbuf@r0.8{path}", 4.8)]),
+        call(
+            "s",
+            [("offload17", 15.0), ("bigmoe-32-layerbuf@r0.8", 7.0), (f"bigmoe-32-layerbuf@r0.8{path}", 6.0)],
+        ),
+    ]
+    out = tmp_path / "prefetch.json"
+    assert bench.combine(files, out, path) == 0
+    std = json.loads(out.read_text())["families"]["standard"]
+    assert std["tpot_vs_resident_at_102"] == 1.4  # call r's 4.9 over call r's resident, not call t's 4.8
+    assert std["speedup_vs_offload17_at_102"] == 2.917  # call t's offload17 over call t's 4.8, not call s's 15.0
+    assert std["speedup_vs_offload17_at_32"] == 2.5  # the path's row, not the default path's 7.0
+    assert std["tpot_vs_resident_at_102_no_prefetch"] == round(5.2 / 3.5, 3)
+    assert std["path"] == path and std["rows"]["32"] == f"bigmoe-32-layerbuf@r0.8{path}"
+
+    assert bench.combine(files, out) == 0  # no path: the default path's rows, and no "path" named
+    std = json.loads(out.read_text())["families"]["standard"]
+    assert std["speedup_vs_offload17_at_32"] == round(15.0 / 7.0, 3) and "path" not in std
