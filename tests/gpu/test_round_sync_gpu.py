@@ -2,7 +2,8 @@
 rounds on one side-stream branch joined once, at the forward's end; each step settles the round into its table on
 the device (core.round_sync). Replayed with new hidden states and ids, with a stand-in for each layer's compute
 between the steps (so rounds land in time, or late, as inside vLLM): every replay leaves each id's slot holding its
-expert's bytes, every round is decided or cancelled exactly once, no wait gives up, and rounds that landed were used.
+expert's bytes, every round is decided or cancelled exactly once, no wait gives up, rounds that landed were used, and
+the steps count as late (stats' prefetch_late) at most the experts the rounds prefetched.
 The joinless graph may decide otherwise than a joined one (a late round is cancelled, a slot under copy is not
 taken), so what is compared is what tokens depend on: the bytes each id's slot holds. With copies="host"
 (BIGMOE_PREFETCH_HOST_COPIER) each round publishes its list after its admit and the host copier's thread copies it
@@ -86,6 +87,9 @@ def test_a_joinless_whole_forward_capture_keeps_every_slot_right_and_settles_eve
     if compute:
         assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
     assert predictor.chain_cancels <= replays * (layers_n - 1)
+    # Only a needed expert a round was still copying counts as late: never more than the rounds prefetched, and
+    # (every id's slot counted alike would be) far fewer than the steps' hits.
+    assert 0 <= sum(c.prefetch_late for c in counts) <= sum(c.prefetched for c in counts)
     if copies == "host":
         served = predictor.copier.stats()
         assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
