@@ -147,6 +147,11 @@ if triton is not None:
         """Wait until no slot of `slots` (where mask) is being copied into; returns those still under way when
         it gave up (after max_spins polls)."""
         busy = copies_under_way(copied_ptr, target_ptr, slots, mask, ON_GPU)
+        return wait_busy(copied_ptr, target_ptr, slots, busy, max_spins, ON_GPU)
+
+    @triton.jit
+    def wait_busy(copied_ptr, target_ptr, slots, busy, max_spins, ON_GPU: tl.constexpr):
+        """wait_copies from a `busy` mask the caller has just read with copies_under_way (it counts them first)."""
         spins = 0
         while (tl.sum(busy.to(tl.int32), 0) > 0) & (spins < max_spins):
             pause(ON_GPU)

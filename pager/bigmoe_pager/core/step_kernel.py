@@ -269,6 +269,7 @@ if triton is not None:
         round_filled,
         settle_round,
         step_settles,
+        wait_busy,
         wait_copies,
     )
 
@@ -544,7 +545,7 @@ if triton is not None:
                     if HAS_STATS:  # the prefetches this step waits for: copies not hidden behind compute
                         if n_pending > 0:
                             tl.atomic_add(stats_ptr + _PREFETCH_LATE, n_pending)
-                    late = wait_copies(copied_ptr, target_ptr, where_now, pending, max_spins, ON_GPU)
+                    late = wait_busy(copied_ptr, target_ptr, where_now, pending, max_spins, ON_GPU)
                     n_late = tl.sum(late.to(tl.int32), 0)
                     if n_late > 0:
                         late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)
