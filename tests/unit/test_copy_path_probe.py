@@ -1,0 +1,49 @@
+"""scripts/gpu_copy_path_probe.py's wiring on CPU (eager, Triton's interpreter): every copy path moves the records'
+bytes into the slots, and the host path's rounds are the copier thread's. The GPU run times them."""
+
+from __future__ import annotations
+
+import json
+
+import gpu_copy_path_probe as probe  # scripts/ is on pytest's pythonpath (pyproject)
+import pytest
+
+EXPERTS = (1, 3)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("copy-path") / "copy-path.json"
+    argv = ["--device", "cpu", "--smoke", "--experts", ",".join(map(str, EXPERTS)), "--out", str(out)]
+    assert probe.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("path", probe.BASES)
+@pytest.mark.parametrize("n", EXPERTS)
+def test_each_path_lands_every_byte(report, path, n):
+    row = next(r for r in report["rows"] if r["path"] == f"{path}-{n}")
+    assert row["bytes_ok"] is True and "error" not in row
+
+
+def test_the_host_path_is_served_by_the_copier_thread(report):
+    served = report["host_copier"]
+    assert served["error"] == 0
+    assert served["rounds"] == len(EXPERTS)  # one published round per host row, none skipped
+    assert served["experts"] == sum(EXPERTS)
+    assert report["host_late"] == 0
+
+
+def test_the_dense_chain_is_timed_beside_the_copies(report):
+    assert any(r["path"] == "dense" and r["us"] > 0 for r in report["rows"])
+
+
+@pytest.mark.parametrize(
+    "argv", [["--paths", "sm,teleport"], ["--experts", "0"], ["--experts", "one"]], ids=["path", "zero", "word"]
+)
+def test_bad_arguments_exit_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["--device", "cpu", "--smoke", *argv])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines: the one message
+    assert "error: --" in last
