@@ -18,6 +18,8 @@
 #          thread's stack printed after 30 s
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
+#   copy-probe  (the image's torch is enough) scripts/gpu_copy_path_probe.py: an expert's copy on the SMs, through the
+#          host copier's round trip and as raw DMA, and the kernels beside a busy copy engine (run 28's question)
 #   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
@@ -105,6 +107,8 @@ for step in "$@"; do
           --variants none --tokens 64 --profile-tokens 8 --out "$out/step-${run/:/-}.json" 2>&1 | grep -o '"_step_kernel"[^}]*'
       done
       python3 -m pytest tests/gpu/test_step_kernel_gpu.py -m gpu -q -s -p no:cacheprovider -k costs_less | grep "per layer" ;;
+    copy-probe)
+      timeout 240 python3 scripts/gpu_copy_path_probe.py --out "$out/copy-path.json" 2>&1 | tail -n 40 ;;
     sync-tests)
       mkdir -p /tmp/sync-tests
       for i in $(seq 1 "${RUNS:-4}"); do
