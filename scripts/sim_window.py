@@ -3,14 +3,16 @@
 A forecast to check against the H200, not an H200 figure. The decisions are the pager's (`SlotTable.acquire` for each
 layer's ids, `SlotTable.admit` of the trace's proposals for the next layer, as scripts/sim_prefetch.py plays them);
 a distance changes when a round runs, never what it decides (tests/unit/test_prefetch_distance.py), so one play of
-the decisions serves every distance. The time is a model with five stated constants:
+the decisions serves every distance. The time is a model with five stated constants and two knobs:
 
 - each layer computes for compute_us after its step (vLLM's own kernels; resident TPOT / layers);
 - a step decides for step_us, then copies its misses over the link, demand_us each (SM copies);
 - prefetch copies take copy_us each (copy engines), issued when the round's source step ends: layer l's round is
   made after layer l-D's step (the first layer's step makes rounds 1 .. D);
 - one link, first come first served: a step's misses queue behind the prefetch copies issued before them;
-- with prefetch on, each layer pays side_us more (the side branch's nodes, run 13's idle cost / layers).
+- with prefetch on, each layer pays side_us more (the side branch's nodes, run 13's idle cost / layers);
+- two knobs off by default, to test readings of run 28 against: a token's end that waits for the link (drain) and
+  compute slowed while a prefetch copy runs beside it (busy_slow).
 
 A step waits for the prefetched experts it uses (the joinless protocol: only those). TPOT = elapsed / tokens.
 The constants are `Timing`'s (rows named "measured"); `--timing NAME:KEY=US,...` adds rows on changed ones over the
@@ -48,6 +50,12 @@ class Timing:
     """One prefetch copy by the copy engines: 3.15 MB at 55 GB/s pinned H2D."""
     side_us: float = 9.4
     """A layer's share of the idle prefetch path (run 13: +0.37-0.38 ms a token at recall 0, 40 layers)."""
+    drain: float = 0.0
+    """1: a token's end waits until the link is idle (the host copier's drain, host_rounds.drain_published), so no
+    copy of one token overlaps the next token's compute; 0: the link's queue carries over."""
+    busy_slow: float = 0.0
+    """A hypothesis, not a measurement (run 28): the share by which a layer's compute slows while prefetch copies
+    hold the link beside it (0: not at all; 1: twice as long while it overlaps a copy)."""
 
 
 MEASURED = "measured"
@@ -117,7 +125,10 @@ def timeline(decisions: Decisions, distance: int, timing: Timing, prefetch: bool
                     for e in decisions.prefetched[t][target]:
                         link_free = max(end, link_free) + timing.copy_us
                         ready[(target, e)] = link_free
-            now = end + timing.compute_us + (timing.side_us if prefetch else 0.0)
+            overlap = min(timing.compute_us, max(0.0, link_free - end)) if prefetch else 0.0
+            now = end + timing.compute_us + timing.busy_slow * overlap + (timing.side_us if prefetch else 0.0)
+        if prefetch and timing.drain:
+            now = max(now, link_free)
     timed = tokens - warmup
     return {"tpot_ms": round((now - began) / timed / 1000, 3), "prefetch_wait_us_per_token": round(waited / timed, 1)}
 

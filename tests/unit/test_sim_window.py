@@ -98,3 +98,22 @@ def test_a_bad_timing_is_one_line_and_exit_2(capsys, text):
 def test_a_timing_changes_only_the_keys_it_names():
     name, timing = sim_window.parse_timing("fast:step_us=4,demand_us=57.3")
     assert name == "fast" and timing == Timing(step_us=4.0, demand_us=57.3)
+
+
+EIGHT_UNUSED = [[[], [1, 2, 3, 4, 5, 6, 7, 8]]]  # layer 0's round: 8 copies (320 us) no step uses
+
+
+@pytest.mark.parametrize("drain,tpot_us", [(0.0, 230.0), (1.0, 330.0)])
+def test_a_draining_token_end_waits_for_the_link(drain, tpot_us):
+    """The round starts at step 0's end (10 us) and holds the link to 330 us; the two layers are done at 230 us."""
+    timing = sim_window.replace(TIMING, drain=drain)
+    got = timeline(made([[0, 0]], EIGHT_UNUSED), 1, timing, prefetch=True)
+    assert got["tpot_ms"] == pytest.approx(tpot_us / 1000, abs=1e-3)
+
+
+@pytest.mark.parametrize("slow,tpot_us", [(0.0, 230.0), (0.5, 330.0), (1.0, 430.0)])
+def test_compute_beside_a_copy_stretches_by_the_busy_slow_share(slow, tpot_us):
+    """Both layers' 100 us of compute run while the round's copies hold the link (to 330 us)."""
+    timing = sim_window.replace(TIMING, busy_slow=slow)
+    got = timeline(made([[0, 0]], EIGHT_UNUSED), 1, timing, prefetch=True)
+    assert got["tpot_ms"] == pytest.approx(tpot_us / 1000, abs=1e-3)

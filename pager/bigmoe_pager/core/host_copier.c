@@ -13,6 +13,10 @@
  * on the same stream, so stream order lands it after the data. The driver API is dlopen()ed at start, so this
  * file builds and runs without CUDA headers or libraries.
  *
+ * Urgent mailboxes (a decode step's own misses, which the step waits for; BIGMOE_DEMAND_HOST_COPIER) are served
+ * first in every pass and again between the entries of any other round, on a second stream, so a step's copy never
+ * queues behind prefetch copies the thread issued before it (the two streams share the link).
+ *
  * Errors (a failed driver call, a mailbox entry out of range) are recorded once; the thread then issues
  * nothing more and idles, so the GPU's bounded waits time out instead of reading wrong bytes.
  */
@@ -64,6 +68,7 @@ typedef struct {
     int64_t slots, ncomp;
     component comp[MAX_COMPONENTS];
     int64_t last_seen; /* seq of the last round served; only the thread touches it */
+    int64_t urgent;    /* 1: a step waits for this mailbox's copies (served first, on the urgent stream) */
 } layer;
 
 typedef struct {
@@ -75,8 +80,8 @@ typedef struct {
     int64_t hot_ns; /* busy-poll this long after the last work, then nap (host_copier.py: HOT_MS) */
     cuda_api api;
     CUcontext ctx;
-    CUstream stream;
-    int64_t rounds, experts, bytes, passes; /* written by the thread only, read by stats */
+    CUstream stream, urgent_stream;
+    int64_t rounds, experts, bytes, passes, urgent_experts; /* written by the thread only, read by stats */
     int error;                             /* first error; error_call is written before it (release) */
     char error_call[128];
 } copier;
@@ -118,6 +123,7 @@ static void add(int64_t *counter, int64_t n) { __atomic_fetch_add(counter, n, __
 /* Copy one entry's components into `slot`, then publish `goal` in copied[slot]. Nonzero on a driver error. */
 static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int64_t goal) {
     const uint8_t *record = l->records + row * l->pitch;
+    CUstream stream = l->urgent ? h->urgent_stream : h->stream;
     int64_t done = 0;
     for (int64_t c = 0; c < l->ncomp; c++) {
         const component *p = &l->comp[c];
@@ -125,7 +131,7 @@ static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int
         if (!h->cuda)
             memcpy(dst, record + p->offset, (size_t)p->nbytes);
         else if (CU(h, memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, record + p->offset, (size_t)p->nbytes,
-                                         h->stream), "cuMemcpyHtoDAsync_v2"))
+                                         stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
         done += p->nbytes;
     }
@@ -135,13 +141,16 @@ static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int
     } else {
         int64_t *src = &h->ring[h->ring_next++ % h->ring_words]; /* a DMA reads it later: never a stack word */
         *src = goal;
-        if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), h->stream), "cuMemcpyHtoDAsync_v2"))
+        if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
     }
     add(&h->experts, 1);
+    if (l->urgent) add(&h->urgent_experts, 1);
     add(&h->bytes, done);
     return 0;
 }
+
+static int serve_urgent(copier *h);
 
 /* Serve the layer's round if its seq moved. Returns 1 if there was a round (served or failed), else 0. */
 static int serve_layer(copier *h, layer *l, int64_t index) {
@@ -165,6 +174,7 @@ static int serve_layer(copier *h, layer *l, int64_t index) {
             fail(h, ERR_MAILBOX, where);
             return 1;
         }
+        if (!l->urgent) serve_urgent(h); /* a step waiting for its misses goes before this round's next entry */
         if (serve_entry(h, l, row, slot, goals[i])) return 1;
     }
     l->last_seen = seq;
@@ -172,17 +182,29 @@ static int serve_layer(copier *h, layer *l, int64_t index) {
     return 1;
 }
 
+/* Serve every urgent mailbox with a new round. Returns 1 if any had one. */
+static int serve_urgent(copier *h) {
+    int busy = 0;
+    int64_t n = __atomic_load_n(&h->nlayers, __ATOMIC_ACQUIRE);
+    for (int64_t i = 0; i < n && !failed(h); i++)
+        if (h->layers[i].urgent) busy |= serve_layer(h, &h->layers[i], i);
+    return busy;
+}
+
 static void *run(void *arg) {
     copier *h = arg;
     if (h->cuda && !failed(h) && !CU(h, ctx_set_current(h->ctx), "cuCtxSetCurrent"))
-        CU(h, stream_create(&h->stream, STREAM_NON_BLOCKING), "cuStreamCreate");
+        if (!CU(h, stream_create(&h->stream, STREAM_NON_BLOCKING), "cuStreamCreate"))
+            CU(h, stream_create(&h->urgent_stream, STREAM_NON_BLOCKING), "cuStreamCreate");
     __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
 
     int64_t idle_since = -1; /* -1: hot, the last pass had work */
     while (!__atomic_load_n(&h->stop, __ATOMIC_ACQUIRE)) {
         int busy = 0;
         int64_t n = __atomic_load_n(&h->nlayers, __ATOMIC_ACQUIRE);
-        for (int64_t i = 0; i < n && !failed(h); i++) busy |= serve_layer(h, &h->layers[i], i);
+        busy |= serve_urgent(h);
+        for (int64_t i = 0; i < n && !failed(h); i++)
+            if (!h->layers[i].urgent) busy |= serve_layer(h, &h->layers[i], i);
         add(&h->passes, 1);
         if (busy) {
             idle_since = -1;
@@ -195,9 +217,11 @@ static void *run(void *arg) {
         else
             nap(t - idle_since < COLD_NS ? NAP_NS : COLD_NAP_NS);
     }
-    if (h->stream) { /* copies still in flight read the records and the ring: let them land first */
-        CU(h, stream_synchronize(h->stream), "cuStreamSynchronize");
-        CU(h, stream_destroy(h->stream), "cuStreamDestroy");
+    CUstream streams[2] = {h->stream, h->urgent_stream};
+    for (int i = 0; i < 2; i++) { /* copies still in flight read the records and the ring: let them land first */
+        if (!streams[i]) continue;
+        CU(h, stream_synchronize(streams[i]), "cuStreamSynchronize");
+        CU(h, stream_destroy(streams[i]), "cuStreamDestroy");
     }
     return NULL;
 }
@@ -251,12 +275,12 @@ void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns) 
     return h;
 }
 
-/* desc: mailbox, records, pitch, nrecords, copied, slots, ncomp, then ncomp x (offset, nbytes, dst, stride).
+/* desc: mailbox, records, pitch, nrecords, copied, slots, urgent, ncomp, then ncomp x (offset, nbytes, dst, stride).
  * Returns the layer's index, or -1 if the descriptor is malformed or the table is full. Callers serialize. */
 int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     copier *h = handle;
     int64_t count = h->nlayers; /* only add_layer writes it */
-    if (count >= MAX_LAYERS || n < 7 || desc[6] < 1 || desc[6] > MAX_COMPONENTS || n != 7 + 4 * desc[6]) return -1;
+    if (count >= MAX_LAYERS || n < 8 || desc[7] < 1 || desc[7] > MAX_COMPONENTS || n != 8 + 4 * desc[7]) return -1;
     layer *l = &h->layers[count];
     l->mailbox = (const int64_t *)(uintptr_t)desc[0];
     l->records = (const uint8_t *)(uintptr_t)desc[1];
@@ -264,9 +288,10 @@ int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     l->nrecords = desc[3];
     l->copied = desc[4];
     l->slots = desc[5];
-    l->ncomp = desc[6];
+    l->urgent = desc[6] != 0;
+    l->ncomp = desc[7];
     for (int64_t c = 0; c < l->ncomp; c++) {
-        const int64_t *d = desc + 7 + 4 * c;
+        const int64_t *d = desc + 8 + 4 * c;
         l->comp[c] = (component){d[0], d[1], d[2], d[3]};
     }
     l->last_seen = 0; /* a fresh mailbox's seq: its first round is any other value */
@@ -274,7 +299,7 @@ int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     return (int)count;
 }
 
-/* out: rounds, experts, bytes, error, layers, passes (full polls of all layers). */
+/* out: rounds, experts, bytes, error, layers, passes (full polls of all layers), urgent_experts. */
 void copier_stats(void *handle, int64_t *out) {
     copier *h = handle;
     out[0] = __atomic_load_n(&h->rounds, __ATOMIC_RELAXED);
@@ -283,6 +308,7 @@ void copier_stats(void *handle, int64_t *out) {
     out[3] = __atomic_load_n(&h->error, __ATOMIC_ACQUIRE);
     out[4] = __atomic_load_n(&h->nlayers, __ATOMIC_ACQUIRE);
     out[5] = __atomic_load_n(&h->passes, __ATOMIC_RELAXED);
+    out[6] = __atomic_load_n(&h->urgent_experts, __ATOMIC_RELAXED);
 }
 
 /* The failing call's name; valid once copier_stats reported an error, until copier_stop. */

@@ -45,9 +45,10 @@ def mailbox_words(slots: int) -> int:
     return HEADER_WORDS + 3 * slots
 
 
-STATS = ("rounds", "experts", "bytes", "error", "layers", "passes")
+STATS = ("rounds", "experts", "bytes", "error", "layers", "passes", "urgent_experts")
 """copier_stats' words: layer rounds served, entries copied, bytes copied (issued, on CUDA), first error code
-(0: none; > 0: a CUresult; < 0: the copier's own, see host_copier.c), layers added, full polls of all layers."""
+(0: none; > 0: a CUresult; < 0: the copier's own, see host_copier.c), layers added, full polls of all layers, and
+the entries of urgent mailboxes among those copied (a step's own misses)."""
 
 
 class HostCopierError(RuntimeError):
@@ -213,11 +214,14 @@ class HostCopier:
         components: list[tuple[int, int, torch.Tensor]],
         copied: torch.Tensor,
         slots: int,
+        urgent: bool = False,
     ) -> None:
         """Serve `mailbox` from now on (the thread may be running).
 
         records: uint8, record r at byte r * pitch. components: (offset within the record in bytes, nbytes, dst),
-        dst contiguous with slots along dim 0. copied: int64 [>= slots], the completion words.
+        dst contiguous with slots along dim 0. copied: int64 [>= slots], the completion words. urgent: a step waits
+        for this mailbox's copies (its own misses): the thread serves it before any other and between the entries of
+        other rounds, on a second stream (host_copier.c).
         """
         where = "HostCopier.add_layer"
         if slots < 1:
@@ -236,7 +240,7 @@ class HostCopier:
         if not 1 <= len(components) <= MAX_COMPONENTS:
             raise ValueError(f"{where}: 1 to {MAX_COMPONENTS} components, got {len(components)}")
         desc = [mailbox.data_ptr(), records.data_ptr(), pitch, records.numel() // pitch, copied.data_ptr()]
-        desc += [slots, len(components)]
+        desc += [slots, int(urgent), len(components)]
         for k, (offset, nbytes, dst) in enumerate(components):
             name = f"component {k}"
             if offset < 0 or nbytes < 1 or offset + nbytes > pitch:
