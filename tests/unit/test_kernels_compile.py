@@ -65,18 +65,20 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
         "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64",
-        "filled_ptr": "*i64", "max_spins": "i32", "round_row_ptr": "*i64", "round_box_ptr": "*i64",
+        "filled_ptr": "*i64", "max_spins": "i32", "miss_box_ptr": "*i64", "miss_words_ptr": "*i64", "round_row_ptr": "*i64", "round_box_ptr": "*i64",
         "round_pred_ptr": "*i32", "round_cursor_ptr": "*i64"}
 step |= {n: "i32" for n in sk._step_kernel.arg_names if n.startswith("round_") and n not in step}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
 ROUNDED = {"ROUND": True, "ROUND_COUNTS": False, "RP": 8, "RS": 205, "NEEDED": ak.NEEDED_KEY, "RBLOCK_S": 256,
            "BLOCK_N": 256, "RBLOCK_P": 8, "RLFU": True, "RBUDGET": 1}
-for name in [*POLICIES, "round"]:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
+for name in [*POLICIES, "round", "hostmiss"]:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     rounds_ = ROUNDED if name == "round" else {"ROUND": False, "ROUND_COUNTS": False, **sk.NO_ROUND}
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
-              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy("lfu-duel" if name == "round" else name),
-              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1, "round": 0}[name], "SYNC": name in ("lfu-duel", "round"),
-              "ON_GPU": True, **rounds_,
+              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True,
+              **policy("lfu-duel" if name in ("round", "hostmiss") else name),
+              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1, "round": 0, "hostmiss": 0}[name],
+              "SYNC": name in ("lfu-duel", "round", "hostmiss"), "ON_GPU": True, "HOST_MISS": name == "hostmiss",
+              **rounds_,
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
@@ -211,6 +213,14 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         "st.release.sys.global.b64"
     ]
     assert rounded["bar"] and any("evict_first" in a for a in rounded["copy"])
+    # a step whose misses the host copier copies (BIGMOE_DEMAND_HOST_COPIER; a joinless one here): the list handed over
+    # with a system-scope release, the slots' progress read with acquire loads, sleeping between polls; its own copy
+    # (after a wait that gave up) is still the 16-byte one
+    hostmiss = got["step_hostmiss"]
+    assert hostmiss["release_sys"] == ["st.release.sys.global.b64"] and hostmiss["release"] == []
+    assert "atom.global.acq_rel.gpu.cas.b64" in hostmiss["atom"]  # it settles its round as any joinless step
+    assert hostmiss["acquire"] == ["ld.acquire.gpu.global.b64"] and hostmiss["sleep"]
+    assert "st.global.v2.b64" in hostmiss["copy"]
     assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
     assert got["chain_wait_all"] == got["chain_wait"]  # the poll-once probe polls as a chained round does
     # the one-node rounds: poll the steps' and the claims' words (acquire, sleeping), claim with an acq_rel max,

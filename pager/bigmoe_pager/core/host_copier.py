@@ -45,6 +45,12 @@ def mailbox_words(slots: int) -> int:
     return HEADER_WORDS + 3 * slots
 
 
+MISS_SEQ, MISS_SELF = 0, 1
+MISS_WORDS = 2
+"""A step's miss mailbox's device words (BIGMOE_DEMAND_HOST_COPIER; core.step_kernel): the last seq the step
+published, and the copies steps made themselves because the host had not made them within their polls (a stalled or
+stopped copier)."""
+
 STATS = ("rounds", "experts", "bytes", "error", "layers", "passes", "urgent_experts")
 """copier_stats' words: layer rounds served, entries copied, bytes copied (issued, on CUDA), first error code
 (0: none; > 0: a CUresult; < 0: the copier's own, see host_copier.c), layers added, full polls of all layers, and

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from bigmoe_pager.core.acquire_kernel import next_pow2
-from bigmoe_pager.core.host_copier import HEADER_WORDS
+from bigmoe_pager.core.host_copier import HEADER_WORDS, MISS_WORDS
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
 from bigmoe_pager.core.triton_launch import kernel_for
 
@@ -52,6 +52,18 @@ def serve_pager(copier, pager, mailbox: torch.Tensor) -> None:
     components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
     copied = pager.vram.kernel_state()["copied"]
     copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
+
+
+def serve_misses(copier, pager) -> None:
+    """BIGMOE_DEMAND_HOST_COPIER: from now on `pager`'s fused steps hand their misses to `copier` (an urgent mailbox
+    over the same records, slots and `copied` words as its rounds') instead of copying them with their programs.
+    Only where the RAM tier is full (record row = expert id) and the step is fused; made outside any capture."""
+    mailbox = copier.mailbox(pager.num_slots, pager.device)
+    words = torch.zeros(MISS_WORDS, dtype=torch.int64, device=pager.device)
+    components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
+    copied = pager.vram.kernel_state()["copied"]
+    copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots, urgent=True)
+    pager.miss_mailbox, pager.miss_words = mailbox, words
 
 
 def progress_words(pagers: list, device: torch.device) -> torch.Tensor:
@@ -94,24 +106,30 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         ON_GPU: tl.constexpr,
     ):
-        """A decided round's list for the host copier: record rows, slots and each slot's goal after the mailbox's
-        header, the count at word 1, then `seq` at word 0 with a system-scope release (the caller has fenced the
-        decision's stores with a barrier): the host reads the list only after it sees a new seq. The count reaches
-        the last listed entry, so a list with -1 holes loses nothing (the host skips the holes). A list with entries
-        sets the chain's PUBLISHED word (flags_ptr: core.prefetch_chain's words), which the forward's drain reads
-        after this kernel in stream order."""
+        """A decided round's list for the host copier (`publish_list`: record rows, slots and each slot's goal, read
+        from the round's lists and the table's targets; the host reads the list only after it sees a new seq). A list
+        with entries sets the chain's PUBLISHED word (flags_ptr: core.prefetch_chain's words), which the forward's
+        drain reads after this kernel in stream order."""
         j = tl.arange(0, BLOCK_S)
         rows = tl.load(rows_ptr + j, mask=j < m, other=-1, volatile=True)
         slots = tl.load(slot_ptr + j, mask=j < m, other=-1, volatile=True)
         listed = (rows >= 0) & (slots >= 0)
         goals = tl.load(target_ptr + tl.where(listed, slots, 0), mask=listed, other=-1, volatile=True)
+        if tl.sum(listed.to(tl.int32), 0) > 0:
+            tl.store(flags_ptr + _PUBLISHED, 1)
+        publish_list(box_ptr, seq, rows, slots, goals, listed, j, S, ON_GPU)
+
+    @triton.jit
+    def publish_list(box_ptr, seq, rows, slots, goals, listed, j, S: tl.constexpr, ON_GPU: tl.constexpr):
+        """Hand a list held in registers (rows, slots, goals at positions j, where `listed`; the rest are holes) to
+        the host copier through the mailbox at box_ptr of S slots: the lists, the count at word 1, then `seq` at word
+        0 with a system-scope release (the caller has fenced what the entries name with a barrier). The count reaches
+        the last listed entry, so a list with holes loses nothing (the host skips them)."""
         tl.store(box_ptr + _HEADER + j, tl.where(listed, rows, -1), mask=j < S)
         tl.store(box_ptr + _HEADER + S + j, tl.where(listed, slots, -1), mask=j < S)
-        tl.store(box_ptr + _HEADER + 2 * S + j, goals, mask=j < S)
-        count = tl.max(tl.where(listed, j + 1, 0), 0).to(tl.int64)
+        tl.store(box_ptr + _HEADER + 2 * S + j, tl.where(listed, goals, -1), mask=j < S)
+        count = tl.max(tl.where(listed & (j < S), j + 1, 0), 0).to(tl.int64)
         tl.store(box_ptr + 1, count)
-        if count > 0:
-            tl.store(flags_ptr + _PUBLISHED, 1)
         tl.debug_barrier()  # every list word is written before the seq that hands them over
         store_release(box_ptr, seq, SYS_SCOPE, ON_GPU)
 
