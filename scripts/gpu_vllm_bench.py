@@ -180,6 +180,11 @@ IN_STEP = "+instep"
 """Name suffix: a joinless forward's replayed rounds decided inside the steps, one more program of layer l's step
 deciding layer l+1's round, copied by the host thread (BIGMOE_PREFETCH_IN_STEP=1, core.forward_rounds.StepRound);
 needs @rRECALL."""
+HOST_MISS = "+hostmiss"
+"""Name suffix, with or without @rRECALL: decode steps hand their own misses to the host copier's thread, which copies
+them through the copy engines while the step waits (BIGMOE_DEMAND_HOST_COPIER=1)."""
+ENGINE_SUFFIXES = {HOST_MISS: {"BIGMOE_DEMAND_HOST_COPIER": "1"}}
+"""Suffixes that change how the pager pages, not how it prefetches: a name may carry them without @rRECALL."""
 NOWAIT = "+nowait"
 """Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {
@@ -218,6 +223,7 @@ PREDICTION_SUFFIXES = {
     ONE_NODE: {"BIGMOE_PREFETCH_ONE_NODE": "1"},
     HOST_COPIER: {"BIGMOE_PREFETCH_HOST_COPIER": "1"},
     IN_STEP: {"BIGMOE_PREFETCH_IN_STEP": "1"},
+    **ENGINE_SUFFIXES,
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
 EVERY = "every"
@@ -270,7 +276,8 @@ def parse_name(name: str) -> tuple[str, float | str | None, str | None]:
     if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
         raise KeyError(name)
     value = (float(recall) if recall else EVERY) if at else None
-    if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (suffixes and value is None):
+    prefetching = [s for s in suffixes if s not in ENGINE_SUFFIXES]
+    if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (prefetching and value is None):
         raise ValueError(name)
     if any(int(s.removeprefix("+gate")) > 100 for s in suffixes if s.startswith("+gate")):
         raise ValueError(name)

@@ -429,7 +429,8 @@ play(1, [2, 0], [0, 1], [11, 12], 1)
 first = dict(stats=stats(), dst=list(dst), copied=list(copied), ring=list(ring))
 fake_get = lambda name: ctypes.c_longlong.in_dll(fake, name).value
 play(1, [1], [1], [5], 2, box=urgent_box)
-urgent = dict(stats=stats(), dst=list(urgent_dst), copied=list(urgent_copied), on_second=fake_get("second_stream_copies"))
+urgent = dict(stats=stats(), dst=list(urgent_dst), copied=list(urgent_copied),
+              on_second=fake_get("second_stream_copies"))
 ctypes.c_longlong.in_dll(fake, "fail_at").value = fake_get("copies") + 1  # the next entry's second copy fails
 play(2, [1, 1], [1, 0], [21, 22], 3)  # fails: the wait ends on the error
 time.sleep(0.01)

@@ -65,8 +65,9 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
         "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64",
-        "filled_ptr": "*i64", "max_spins": "i32", "miss_box_ptr": "*i64", "miss_words_ptr": "*i64", "round_row_ptr": "*i64", "round_box_ptr": "*i64",
+        "filled_ptr": "*i64", "max_spins": "i32", "round_row_ptr": "*i64", "round_box_ptr": "*i64",
         "round_pred_ptr": "*i32", "round_cursor_ptr": "*i64"}
+step |= {"miss_box_ptr": "*i64", "miss_words_ptr": "*i64"}
 step |= {n: "i32" for n in sk._step_kernel.arg_names if n.startswith("round_") and n not in step}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
 ROUNDED = {"ROUND": True, "ROUND_COUNTS": False, "RP": 8, "RS": 205, "NEEDED": ak.NEEDED_KEY, "RBLOCK_S": 256,

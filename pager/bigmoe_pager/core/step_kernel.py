@@ -169,8 +169,8 @@ def launch_step(
     joinless one first settles the round into its table and waits for the copies it needs (core.round_sync),
     giving up after max_spins polls (default GPU_MAX_SPINS on a GPU: about a second). miss_box, miss_words: the
     host copier copies the misses instead (the layer's urgent mailbox, host_copier.mailbox_words(num_slots) pinned
-    words; int64 [host_copier.MISS_WORDS] on the device: the mailbox's last seq, then the copies the step made itself after
-    waiting max_spins polls).
+    words; int64 [host_copier.MISS_WORDS] on the device: the mailbox's last seq, then the copies the step made
+    itself after waiting max_spins polls).
     """
     if (miss_box is None) != (miss_words is None):
         raise StepKernelError(

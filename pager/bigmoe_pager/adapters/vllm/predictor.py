@@ -193,7 +193,10 @@ class Predictor:
         layer's round publishes its list, or the one-node kernel's one program does with BIGMOE_PREFETCH_ONE_NODE); a
         failed copier is the export thread's to report (adapters.vllm.device.failed_part)."""
         self.copier: HostCopier | None = None
-        """The host thread that copies published rounds (made with the first of them)."""
+        """The host thread that copies published rounds (made with the first of them), and the steps' misses with
+        BIGMOE_DEMAND_HOST_COPIER (`host_copier`)."""
+        self.copier_serves_misses = False
+        """Whether steps hand their misses to `copier` (then a prefetch path that gives the copier up keeps it)."""
         self.copier_hot_ms = settings.host_copier_hot_ms
         """BIGMOE_HOST_COPIER_HOT_MS: how long the copier's thread busy-polls after its last round."""
         self.distance = max(1, settings.prefetch_distance)
@@ -539,7 +542,7 @@ class Predictor:
             pager = getattr(layer, "pager", None)
             if isinstance(pager, DeviceLayerPager) and pager.started:
                 pager.pager_started().mailbox = None
-        if self.copier is not None:
+        if self.copier is not None and not self.copier_serves_misses:
             self.copier.close()
             self.copier = None
 
@@ -571,15 +574,22 @@ class Predictor:
     def _publish_to_host(self, pagers: list, mailboxes, hidden: torch.Tensor) -> None:
         """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `mailboxes` into their `pagers`' slots, and a forward's
         end drains their copies."""
-        if self.copier is None:
-            self.copier = HostCopier(hidden.device, hot_ms=self.copier_hot_ms)
+        copier = self.host_copier(hidden.device)
+        if not self._published:  # the first layers whose rounds the host copies
             log.warning("bigmoe: prefetch rounds are copied by a host thread through the GPU's copy engines")
         for pager, mailbox in zip(pagers, mailboxes):
-            serve_pager(self.copier, pager, mailbox)
+            serve_pager(copier, pager, mailbox)
         key = (str(hidden.device), pagers[0].num_slots)
         words = progress_words(pagers, hidden.device)
         before = self._published.get(key)
         self._published[key] = words if before is None else torch.cat([before, words])
+
+    def host_copier(self, device: torch.device) -> HostCopier:
+        """The process's host copier thread, started at the first call (outside any capture); HostCopierError if it
+        cannot be built or started."""
+        if self.copier is None:
+            self.copier = HostCopier(device, hot_ms=self.copier_hot_ms)
+        return self.copier
 
     def _drain_published(self, hidden: torch.Tensor, flags: torch.Tensor) -> None:
         """At a chained forward's end, once its side stream is joined: wait on the device until the host's copies of
