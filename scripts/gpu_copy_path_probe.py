@@ -14,6 +14,8 @@ host thread's round trip and which the kernels slowed beside a copy, this tells 
               its misses to the copy engines (the round trip included)
     dma-N     the N experts' components copied by cudaMemcpyAsync nodes, one per component (the copier's calls
               without its thread): the copy engines' floor for the same bytes
+    goal-N    dma-N with an 8-byte copy of each expert's completion word after its components, as the copier
+              writes `copied[slot]` (what one more small DMA an expert costs)
     flat-N    the same bytes as one contiguous copy: what the per-component copies cost over it
     dense     a chain of small bf16 kernels (40 layers x --dense, vLLM's decode stand-in), no copy
 Suffix -busy: the same while another stream keeps the copy engines busy with host-to-device copies of 64 MiB (a
@@ -52,7 +54,7 @@ from bigmoe_pager.core.triton_launch import kernel_for  # noqa: E402
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 BUSY_CHUNK = 64 << 20  # bytes per background copy (about 1.2 ms at 55 GB/s)
-BASES = ("sm", "step", "host", "dma", "flat")
+BASES = ("sm", "step", "host", "dma", "goal", "flat")
 FLAG_WORDS = 8  # core.prefetch_chain's words that publish_round may write (PUBLISHED)
 
 try:
@@ -115,6 +117,9 @@ class Bench:
         self.target = torch.zeros(self.n_max, dtype=torch.int64, device=device)
         self.flags = torch.zeros(FLAG_WORDS, dtype=torch.int64, device=device)
         self.seq = torch.zeros(1, dtype=torch.int64, device=device)
+        goals = torch.arange(1, self.n_max + 1, dtype=torch.int64)
+        self.goals = goals.pin_memory() if pin else goals  # the completion words goal-N copies, from pinned memory
+        self.goal_words = torch.zeros(self.n_max, dtype=torch.int64, device=device)
         self.late = torch.zeros(1, dtype=torch.int32, device=device)
         components = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components]
         self.copier.add_layer(self.mailbox, self.records, self.layout.pitch, components, self.copied, self.n_max)
@@ -143,11 +148,13 @@ class Bench:
                 BLOCK_S=next_pow2(max(2, self.n_max)),
                 ON_GPU=on_gpu,
             )
-        elif base == "dma":
+        elif base in ("dma", "goal"):
             for r in range(n):
                 for c in self.layout.components:
                     dst = self.buffers[c.name][r].view(-1).view(torch.uint8)
                     dst.copy_(self.records[r, c.offset : c.offset + c.nbytes], non_blocking=True)
+                if base == "goal":
+                    self.goal_words[r : r + 1].copy_(self.goals[r : r + 1], non_blocking=True)
         elif base == "flat":
             self.flat[: n * self.layout.pitch].copy_(self.records[:n].view(-1), non_blocking=True)
         else:
