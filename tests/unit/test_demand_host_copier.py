@@ -13,7 +13,8 @@ import pytest
 import torch
 from bigmoe_pager.core.host_copier import MISS_SELF, MISS_SEQ, HostCopier
 from bigmoe_pager.core.host_rounds import serve_misses
-from test_step_kernel import ACQUIRED, STATE, pager_pair, records, slot_bytes, step_ids
+from test_round_sync import assert_same
+from test_step_kernel import pager_pair, records, slot_bytes, step_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
 
@@ -44,13 +45,7 @@ def test_a_step_whose_misses_the_host_copies_equals_the_two_launch_path(
     for step in range(20):
         ids = step_ids(rng, experts, tokens, k, hot)
         a, b = plain.acquire(ids), fused.acquire(ids)
-        for field in ACQUIRED:
-            assert torch.equal(getattr(a, field), getattr(b, field)), (step, field)
-        for field in STATE:
-            assert torch.equal(getattr(plain.vram, field), getattr(fused.vram, field)), (step, field)
-        want, got = slot_bytes(plain), slot_bytes(fused)
-        for name in want:
-            assert torch.equal(want[name], got[name]), (step, name)
+        assert_same(plain, fused, a, b, step)  # outputs, table state, slot bytes
         loaded += int(b.loaded)
     state = fused.vram.kernel_state()
     assert torch.equal(pstats.device_counts, fstats.device_counts)
