@@ -12,6 +12,8 @@ host thread's round trip and which the kernels slowed beside a copy, this tells 
     host-N    one kernel publishes N entries to the host copier's mailbox (core.host_copier, the thread serving it
               hot) and waits on the device until their completion words land: what a step would wait if it handed
               its misses to the copy engines (the round trip included)
+    hostw-N   host-N with the thread writing each completion word by a stream memory operation instead of an 8-byte
+              copy (BIGMOE_HOST_COPIER_GOAL_WRITE)
     dma-N     the N experts' components copied by cudaMemcpyAsync nodes, one per component (the copier's calls
               without its thread): the copy engines' floor for the same bytes
     goal-N    dma-N with an 8-byte copy of each expert's completion word after its components, as the copier
@@ -54,7 +56,7 @@ from bigmoe_pager.core.triton_launch import kernel_for  # noqa: E402
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 BUSY_CHUNK = 64 << 20  # bytes per background copy (about 1.2 ms at 55 GB/s)
-BASES = ("sm", "step", "host", "dma", "goal", "flat")
+BASES = ("sm", "step", "host", "hostw", "dma", "goal", "flat")
 FLAG_WORDS = 8  # core.prefetch_chain's words that publish_round may write (PUBLISHED)
 
 try:
@@ -97,6 +99,28 @@ if triton is not None:
         tl.atomic_add(late_ptr, tl.sum(late.to(tl.int32), 0))
 
 
+class HostPath:
+    """One host copier thread serving one mailbox into the bench's slots, with the words a publishing kernel uses."""
+
+    def __init__(self, device, records, pitch: int, components, slots: int, goal_write: bool):
+        self.copier = HostCopier(device, goal_write=goal_write)
+        self.mailbox = HostCopier.mailbox(slots, device)
+        self.copied = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.target = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.flags = torch.zeros(FLAG_WORDS, dtype=torch.int64, device=device)
+        self.seq = torch.zeros(1, dtype=torch.int64, device=device)
+        self.late = torch.zeros(1, dtype=torch.int32, device=device)  # waits that gave up
+        self.copier.add_layer(self.mailbox, records, pitch, components, self.copied, slots)
+
+    def report(self) -> dict:
+        """The thread's counters and the kernel's given-up waits; stops the thread."""
+        self.copier.check()
+        got = {k: v for k, v in self.copier.stats().items() if k != "error_call"}
+        got["late"] = int(self.late.item())
+        self.copier.close()
+        return got
+
+
 class Bench:
     """N experts' worth of records in pinned host memory, their slots on the device, and each path's work."""
 
@@ -111,18 +135,14 @@ class Bench:
         self.buffers = self.layout.slot_buffers(self.n_max, device)
         self.flat = torch.empty(self.n_max * self.layout.pitch, dtype=torch.uint8, device=device)
         self.slots = torch.arange(self.n_max, dtype=torch.int64, device=device)
-        self.copier = HostCopier(device)
-        self.mailbox = HostCopier.mailbox(self.n_max, device)
-        self.copied = torch.zeros(self.n_max, dtype=torch.int64, device=device)
-        self.target = torch.zeros(self.n_max, dtype=torch.int64, device=device)
-        self.flags = torch.zeros(FLAG_WORDS, dtype=torch.int64, device=device)
-        self.seq = torch.zeros(1, dtype=torch.int64, device=device)
+        components = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components]
+        self.hosts = {
+            name: HostPath(device, self.records, self.layout.pitch, components, self.n_max, goal_write)
+            for name, goal_write in (("host", False), ("hostw", True))
+        }
         goals = torch.arange(1, self.n_max + 1, dtype=torch.int64)
         self.goals = goals.pin_memory() if pin else goals  # the completion words goal-N copies, from pinned memory
         self.goal_words = torch.zeros(self.n_max, dtype=torch.int64, device=device)
-        self.late = torch.zeros(1, dtype=torch.int32, device=device)
-        components = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components]
-        self.copier.add_layer(self.mailbox, self.records, self.layout.pitch, components, self.copied, self.n_max)
         self.programs = default_programs(device)
 
     def work(self, base: str, n: int) -> None:
@@ -131,17 +151,18 @@ class Bench:
         if base in ("sm", "step"):
             per_record = 0 if base == "sm" else max(1, self.programs // n)
             copy_records(self.records, idx, idx, self.layout, self.buffers, programs_per_record=per_record)
-        elif base == "host":
+        elif base in self.hosts:
             on_gpu = self.device.type == "cuda"
+            path = self.hosts[base]
             kernel_for(_publish_and_wait, self.device)[(1,)](
-                self.mailbox,
-                self.flags,
-                self.seq,
+                path.mailbox,
+                path.flags,
+                path.seq,
                 idx,
                 idx,
-                self.target,
-                self.copied,
-                self.late,
+                path.target,
+                path.copied,
+                path.late,
                 n,
                 GPU_MAX_SPINS if on_gpu else 1 << 20,
                 S=self.n_max,
@@ -304,10 +325,7 @@ def run(args) -> dict:
                 )
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
-    bench.copier.check()
-    report["host_copier"] = {k: v for k, v in bench.copier.stats().items() if k != "error_call"}
-    report["host_late"] = int(bench.late.item())
-    bench.copier.close()
+    report["host_copiers"] = {name: path.report() for name, path in bench.hosts.items()}
     return report
 
 
@@ -353,10 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [row["path"] for row in report["rows"] if row.get("bytes_ok") is False]
     if args.out:
         write_atomic(args.out, (json.dumps(report, indent=1) + "\n").encode())
-    if bad or report["host_late"]:
-        print(
-            f"gpu_copy_path_probe: wrong bytes in {bad or 'none'}; {report['host_late']} waits gave up", file=sys.stderr
-        )
+    late = sum(path["late"] for path in report["host_copiers"].values())
+    if bad or late:
+        print(f"gpu_copy_path_probe: wrong bytes in {bad or 'none'}; {late} waits gave up", file=sys.stderr)
         return 1
     return 0
 

@@ -183,7 +183,10 @@ needs @rRECALL."""
 HOST_MISS = "+hostmiss"
 """Name suffix, with or without @rRECALL: decode steps hand their own misses to the host copier's thread, which copies
 them through the copy engines while the step waits (BIGMOE_DEMAND_HOST_COPIER=1)."""
-ENGINE_SUFFIXES = {HOST_MISS: {"BIGMOE_DEMAND_HOST_COPIER": "1"}}
+GOAL_WRITE = "+gw"
+"""Name suffix, with or without @rRECALL: the host copier writes completion words with cuStreamWriteValue64 instead of
+an 8-byte copy an expert (BIGMOE_HOST_COPIER_GOAL_WRITE=1); meaningful with +host or +hostmiss."""
+ENGINE_SUFFIXES = {HOST_MISS: {"BIGMOE_DEMAND_HOST_COPIER": "1"}, GOAL_WRITE: {"BIGMOE_HOST_COPIER_GOAL_WRITE": "1"}}
 """Suffixes that change how the pager pages, not how it prefetches: a name may carry them without @rRECALL."""
 NOWAIT = "+nowait"
 """Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""

@@ -26,12 +26,13 @@ def test_each_path_lands_every_byte(report, path, n):
     assert row["bytes_ok"] is True and "error" not in row
 
 
-def test_the_host_path_is_served_by_the_copier_thread(report):
-    served = report["host_copier"]
-    assert served["error"] == 0
+@pytest.mark.parametrize("path", ["host", "hostw"])
+def test_the_host_paths_are_served_by_their_copier_threads(report, path):
+    served = report["host_copiers"][path]
+    assert served["error"] == 0 and served["late"] == 0
     assert served["rounds"] == len(EXPERTS)  # one published round per host row, none skipped
     assert served["experts"] == sum(EXPERTS)
-    assert report["host_late"] == 0
+    assert served["goal_writes"] == 0  # on the CPU every completion word is a release store
 
 
 def test_the_dense_chain_is_timed_beside_the_copies(report):

@@ -382,6 +382,14 @@ int cuCtxSetCurrent(void *c) { return c == ctx ? 0 : 201; }
 int cuStreamCreate(void **s, unsigned flags) { stream_flags = flags; *s = &streams[created++ % 2]; return 0; }
 int cuStreamSynchronize(void *s) { synced += ours(s); return 0; }
 int cuStreamDestroy_v2(void *s) { destroyed += ours(s); return 0; }
+long long writes, write_unsupported;
+int cuStreamWriteValue64_v2(void *s, unsigned long long addr, unsigned long long value, unsigned flags) {
+    if (!ours(s) || flags != 0) return 400;
+    if (write_unsupported) return 801;
+    writes++;
+    *(unsigned long long *)addr = value;
+    return 0;
+}
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
     if (!ours(s)) return 400;
     second_stream_copies += s == &streams[1];
@@ -414,7 +422,7 @@ assert lib.copier_add_layer(h, desc, 12) == 0
 desc = (I64 * 12)(addr(urgent_box), addr(records), PITCH, 3, addr(urgent_copied), S, 1, 1, 4, 8, addr(urgent_dst), 8)
 assert lib.copier_add_layer(h, desc, 12) == 1
 def stats():
-    out = (I64 * 7)()
+    out = (I64 * 8)()
     lib.copier_stats(h, out)
     return list(out)
 def play(seq, rows, slots, goals, rounds, box=mailbox):
@@ -441,19 +449,84 @@ print(json.dumps(dict(first=first, urgent=urgent, second=second, flags=fake_get(
 """
 
 
-def test_cuda_branch_against_a_fake_driver(tmp_path):
-    """Runs where a real driver is installed too: the child loads the fake by path first, and the copier's
-    dlopen("libcuda.so.1") takes the object already loaded under that soname before it searches the disk."""
+FAKE_GOAL_RUN = r"""
+import ctypes, json, sys, time
+fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+lib = ctypes.CDLL(sys.argv[2])
+lib.copier_start.restype = ctypes.c_void_p
+lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+for name in ("copier_add_layer", "copier_stats"):
+    getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p] + ([ctypes.c_int64] if "add" in name else [])
+lib.copier_set_goal_write.argtypes = [ctypes.c_void_p, ctypes.c_int]
+lib.copier_stop.argtypes = [ctypes.c_void_p]
+I64 = ctypes.c_int64
+S, PITCH = 2, 16
+ring, mailbox, copied = (I64 * 8)(), (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1)
+records, dst = (ctypes.c_uint8 * (3 * PITCH))(*range(3 * PITCH)), (ctypes.c_uint8 * (S * 8))()
+addr = ctypes.addressof
+h = lib.copier_start(1, addr(ring), 8, 0)
+lib.copier_set_goal_write(h, 1)
+desc = (I64 * 12)(addr(mailbox), addr(records), PITCH, 3, addr(copied), S, 0, 1, 4, 8, addr(dst), 8)
+assert lib.copier_add_layer(h, desc, 12) == 0
+def stats():
+    out = (I64 * 8)()
+    lib.copier_stats(h, out)
+    return list(out)
+def play(seq, rows, slots, goals):
+    for i in range(len(rows)):
+        mailbox[3 + i], mailbox[3 + S + i], mailbox[3 + 2 * S + i] = rows[i], slots[i], goals[i]
+    mailbox[1] = len(rows)
+    mailbox[0] = seq
+    end = time.monotonic() + 5
+    while stats()[0] < seq and stats()[3] == 0 and time.monotonic() < end:
+        time.sleep(0.0002)
+fake_get = lambda name: ctypes.c_longlong.in_dll(fake, name).value
+play(1, [2, 0], [0, 1], [11, 12])
+written = dict(stats=stats(), copied=list(copied), ring=list(ring), writes=fake_get("writes"))
+ctypes.c_longlong.in_dll(fake, "write_unsupported").value = 1
+play(2, [1], [0], [21])
+fallen_back = dict(stats=stats(), copied=list(copied), ring=list(ring), writes=fake_get("writes"))
+lib.copier_stop(h)
+print(json.dumps(dict(written=written, fallen_back=fallen_back)))
+"""
+
+
+def fake_driver(tmp_path):
     (tmp_path / "fake.c").write_text(FAKE_DRIVER)
     fake = tmp_path / "libcuda.so.1"
     build = ["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(fake), str(tmp_path / "fake.c")]
     subprocess.run(build, check=True)
+    return fake
+
+
+def test_completion_words_by_stream_writes_and_back_to_copies_where_unsupported(tmp_path):
+    """BIGMOE_HOST_COPIER_GOAL_WRITE against the fake driver: each completion word is written by
+    cuStreamWriteValue64 (fenced: flags 0) and none is copied from the ring; a driver that answers NOT_SUPPORTED
+    turns the writes off, and the ring's copies land the words from then on, with no error."""
+    fake = fake_driver(tmp_path)
+    lib = host_copier.library()._name
+    r = subprocess.run(
+        [sys.executable, "-c", FAKE_GOAL_RUN, str(fake), lib], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    written, fallen_back = got["written"], got["fallen_back"]
+    assert written["copied"] == [11, 12] and written["writes"] == 2 and written["stats"][7] == 2
+    assert written["ring"] == [0] * 8  # no goal went through the ring
+    assert fallen_back["copied"] == [21, 12] and fallen_back["ring"][0] == 21 and fallen_back["writes"] == 2
+    assert fallen_back["stats"][3] == 0 and fallen_back["stats"][7] == 2  # no error; no more writes counted
+
+
+def test_cuda_branch_against_a_fake_driver(tmp_path):
+    """Runs where a real driver is installed too: the child loads the fake by path first, and the copier's
+    dlopen("libcuda.so.1") takes the object already loaded under that soname before it searches the disk."""
+    fake = fake_driver(tmp_path)
     lib = host_copier.library()._name
     r = subprocess.run([sys.executable, "-c", FAKE_RUN, str(fake), lib], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)
     first, second = got["first"], got["second"]
-    rounds, experts, nbytes, error, layers, _, urgent_experts = first["stats"]
+    rounds, experts, nbytes, error, layers, _, urgent_experts, _ = first["stats"]
     assert (rounds, experts, nbytes, error, layers, urgent_experts) == (1, 2, 16, 0, 2, 0)
     assert first["dst"] == list(range(36, 44)) + list(range(4, 12))  # row 2 -> slot 0, row 0 -> slot 1
     assert first["copied"] == [11, 12]

@@ -17,6 +17,11 @@
  * first in every pass and again between the entries of any other round, on a second stream, so a step's copy never
  * queues behind prefetch copies the thread issued before it (the two streams share the link).
  *
+ * With goal writes on (copier_set_goal_write), a completion word is written by cuStreamWriteValue64 in stream order
+ * (a memory fence, then the store, by the GPU's front end) instead of an 8-byte copy from the ring: one copy-engine
+ * operation less an expert. A driver that does not support stream memory operations (CUDA_ERROR_NOT_SUPPORTED) turns
+ * them off at the first try; the ring's copies serve from then on.
+ *
  * Errors (a failed driver call, a mailbox entry out of range) are recorded once; the thread then issues
  * nothing more and idles, so the GPU's bounded waits time out instead of reading wrong bytes.
  */
@@ -33,7 +38,8 @@
 #define NAP_NS 20000L    /* 20 us naps for the first second idle: a round after a pause waits at most this */
 #define COLD_NS 1000000000L /* after 1 s idle (no decode under way) ... */
 #define COLD_NAP_NS 1000000L /* ... 1 ms naps: 20 us naps cost about a fifth of a core, 1 ms ones under 1% */
-#define STREAM_NON_BLOCKING 1u /* CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream */
+#define STREAM_NON_BLOCKING 1u
+#define CUDA_ERROR_NOT_SUPPORTED 801 /* CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream */
 
 /* Error codes of the copier's own (CUDA's are positive CUresult values). */
 #define ERR_DRIVER (-1)  /* libcuda.so.1 or one of its symbols is missing */
@@ -53,6 +59,7 @@ typedef struct {
     CUresult (*stream_destroy)(CUstream);
     CUresult (*stream_synchronize)(CUstream);
     CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*stream_write_value64)(CUstream, CUdeviceptr, uint64_t, unsigned int); /* optional: NULL if absent */
 } cuda_api;
 
 typedef struct {
@@ -81,7 +88,8 @@ typedef struct {
     cuda_api api;
     CUcontext ctx;
     CUstream stream, urgent_stream;
-    int64_t rounds, experts, bytes, passes, urgent_experts; /* written by the thread only, read by stats */
+    int64_t rounds, experts, bytes, passes, urgent_experts, goal_writes; /* written by the thread, read by stats */
+    int goal_write; /* completion words by cuStreamWriteValue64 (copier_set_goal_write; cleared if unsupported) */
     int error;                             /* first error; error_call is written before it (release) */
     char error_call[128];
 } copier;
@@ -120,6 +128,19 @@ static void nap(long ns) {
 
 static void add(int64_t *counter, int64_t n) { __atomic_fetch_add(counter, n, __ATOMIC_RELAXED); }
 
+/* With goal writes on: store `goal` at device address `word` in stream order; 1 if written (or failed: the error is
+ * recorded), 0 if the caller should copy it from the ring instead (goal writes off, or just found unsupported). */
+static int write_goal(copier *h, CUstream stream, int64_t word, int64_t goal) {
+    if (!__atomic_load_n(&h->goal_write, __ATOMIC_ACQUIRE) || !h->api.stream_write_value64) return 0;
+    CUresult r = h->api.stream_write_value64(stream, (CUdeviceptr)word, (uint64_t)goal, 0); /* 0: fenced */
+    if (r == CUDA_ERROR_NOT_SUPPORTED) {
+        __atomic_store_n(&h->goal_write, 0, __ATOMIC_RELEASE);
+        return 0;
+    }
+    if (!cu_check(h, r, "cuStreamWriteValue64")) add(&h->goal_writes, 1);
+    return 1;
+}
+
 /* Copy one entry's components into `slot`, then publish `goal` in copied[slot]. Nonzero on a driver error. */
 static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int64_t goal) {
     const uint8_t *record = l->records + row * l->pitch;
@@ -138,12 +159,13 @@ static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int
     int64_t word = l->copied + slot * (int64_t)sizeof(int64_t);
     if (!h->cuda) {
         __atomic_store_n((int64_t *)(uintptr_t)word, goal, __ATOMIC_RELEASE);
-    } else {
+    } else if (!write_goal(h, stream, word, goal)) {
         int64_t *src = &h->ring[h->ring_next++ % h->ring_words]; /* a DMA reads it later: never a stack word */
         *src = goal;
         if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
     }
+    if (failed(h)) return 1;
     add(&h->experts, 1);
     if (l->urgent) add(&h->urgent_experts, 1);
     add(&h->bytes, done);
@@ -241,6 +263,8 @@ static int load_driver(copier *h) {
         {(void **)&h->api.stream_synchronize, "cuStreamSynchronize", NULL},
         {(void **)&h->api.memcpy_htod_async, "cuMemcpyHtoDAsync_v2", NULL},
     };
+    h->api.stream_write_value64 = dlsym(lib, "cuStreamWriteValue64_v2"); /* optional (copier_set_goal_write) */
+    if (!h->api.stream_write_value64) h->api.stream_write_value64 = dlsym(lib, "cuStreamWriteValue64");
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
         *syms[i].fn = dlsym(lib, syms[i].name);
         if (!*syms[i].fn && syms[i].fallback) *syms[i].fn = dlsym(lib, syms[i].fallback);
@@ -299,7 +323,13 @@ int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     return (int)count;
 }
 
-/* out: rounds, experts, bytes, error, layers, passes (full polls of all layers), urgent_experts. */
+/* Completion words by cuStreamWriteValue64 from now on (on != 0) or by copies from the ring; CUDA mode only. */
+void copier_set_goal_write(void *handle, int on) {
+    copier *h = handle;
+    __atomic_store_n(&h->goal_write, on != 0, __ATOMIC_RELEASE);
+}
+
+/* out: rounds, experts, bytes, error, layers, passes (full polls of all layers), urgent_experts, goal_writes. */
 void copier_stats(void *handle, int64_t *out) {
     copier *h = handle;
     out[0] = __atomic_load_n(&h->rounds, __ATOMIC_RELAXED);
@@ -309,6 +339,7 @@ void copier_stats(void *handle, int64_t *out) {
     out[4] = __atomic_load_n(&h->nlayers, __ATOMIC_ACQUIRE);
     out[5] = __atomic_load_n(&h->passes, __ATOMIC_RELAXED);
     out[6] = __atomic_load_n(&h->urgent_experts, __ATOMIC_RELAXED);
+    out[7] = __atomic_load_n(&h->goal_writes, __ATOMIC_RELAXED);
 }
 
 /* The failing call's name; valid once copier_stats reported an error, until copier_stop. */

@@ -51,10 +51,11 @@ MISS_WORDS = 2
 published, and the copies steps made themselves because the host had not made them within their polls (a stalled or
 stopped copier)."""
 
-STATS = ("rounds", "experts", "bytes", "error", "layers", "passes", "urgent_experts")
+STATS = ("rounds", "experts", "bytes", "error", "layers", "passes", "urgent_experts", "goal_writes")
 """copier_stats' words: layer rounds served, entries copied, bytes copied (issued, on CUDA), first error code
 (0: none; > 0: a CUresult; < 0: the copier's own, see host_copier.c), layers added, full polls of all layers, and
-the entries of urgent mailboxes among those copied (a step's own misses)."""
+the entries of urgent mailboxes among those copied (a step's own misses), and the completion words written by
+cuStreamWriteValue64 rather than copied (goal_write)."""
 
 
 class HostCopierError(RuntimeError):
@@ -120,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.copier_stats.restype = None
     lib.copier_error_call.argtypes = [ctypes.c_void_p]
     lib.copier_error_call.restype = ctypes.c_char_p
+    lib.copier_set_goal_write.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.copier_set_goal_write.restype = None
     lib.copier_stop.argtypes = [ctypes.c_void_p]
     lib.copier_stop.restype = None
     return lib
@@ -164,9 +167,14 @@ class HostCopier:
     hot_ms: how long the thread busy-polls after its last round before it naps (20 us naps, 1 ms ones after a
     second); 0: it naps at once, and a round waits for the end of a nap (tens of microseconds) before it is copied;
     None: HOT_MS.
+    goal_write: on CUDA, write each completion word with cuStreamWriteValue64 (a stream memory operation) instead of
+    an 8-byte copy from the ring: one copy-engine operation less an expert (BIGMOE_HOST_COPIER_GOAL_WRITE); where the
+    driver does not support it, the thread falls back to the copies at the first try.
     """
 
-    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None):
+    def __init__(
+        self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None, goal_write: bool = False
+    ):
         hot_ms = HOT_MS if hot_ms is None else hot_ms
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
@@ -195,6 +203,8 @@ class HostCopier:
         if not handle:
             raise HostCopierError("host copier: could not allocate the copier or start its thread")
         self._handle: int | None = handle
+        if self.cuda and goal_write:  # before any layer: the thread has nothing to copy yet
+            self._lib.copier_set_goal_write(handle, 1)
         # Stops the thread before the tensors it reads go (the finalizer holds them), at garbage collection or,
         # failing that, at interpreter exit (weakref.finalize runs pending finalizers from atexit).
         self._finalizer = weakref.finalize(self, _stop, self._lib, handle, self._keep)

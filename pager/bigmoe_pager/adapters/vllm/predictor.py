@@ -199,6 +199,8 @@ class Predictor:
         """Whether steps hand their misses to `copier` (then a prefetch path that gives the copier up keeps it)."""
         self.copier_hot_ms = settings.host_copier_hot_ms
         """BIGMOE_HOST_COPIER_HOT_MS: how long the copier's thread busy-polls after its last round."""
+        self.copier_goal_write = settings.host_copier_goal_write
+        """BIGMOE_HOST_COPIER_GOAL_WRITE: the copier writes completion words with stream memory operations."""
         self.distance = max(1, settings.prefetch_distance)
         """BIGMOE_PREFETCH_DISTANCE: in a joinless forward, layer l's round prefetches into layer l + distance."""
         self._published: dict[tuple[str, int], torch.Tensor] = {}
@@ -588,7 +590,7 @@ class Predictor:
         """The process's host copier thread, started at the first call (outside any capture); HostCopierError if it
         cannot be built or started."""
         if self.copier is None:
-            self.copier = HostCopier(device, hot_ms=self.copier_hot_ms)
+            self.copier = HostCopier(device, hot_ms=self.copier_hot_ms, goal_write=self.copier_goal_write)
         return self.copier
 
     def _drain_published(self, hidden: torch.Tensor, flags: torch.Tensor) -> None:
