@@ -103,6 +103,7 @@ class HostPath:
     """One host copier thread serving one mailbox into the bench's slots, with the words a publishing kernel uses."""
 
     def __init__(self, device, records, pitch: int, components, slots: int, goal_write: bool):
+        self.device = device
         self.copier = HostCopier(device, goal_write=goal_write)
         self.mailbox = HostCopier.mailbox(slots, device)
         self.copied = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -112,10 +113,20 @@ class HostPath:
         self.late = torch.zeros(1, dtype=torch.int32, device=device)  # waits that gave up
         self.copier.add_layer(self.mailbox, records, pitch, components, self.copied, slots)
 
+    def check_serves(self, fn) -> None:
+        """Run fn once and raise RuntimeError (one line) if the thread failed or a wait gave up: each of the timed
+        calls would then wait about a second (GPU_MAX_SPINS) and the probe would outlast its bounds."""
+        fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats = self.copier.stats()
+        if stats["error"] or int(self.late.item()):
+            why = stats.get("error_call") or "a wait gave up"
+            raise RuntimeError(f"the host copier did not serve the round (error {stats['error']}: {why})")
+
     def report(self) -> dict:
         """The thread's counters and the kernel's given-up waits; stops the thread."""
-        self.copier.check()
-        got = {k: v for k, v in self.copier.stats().items() if k != "error_call"}
+        got = {k: v for k, v in self.copier.stats().items()}
         got["late"] = int(self.late.item())
         self.copier.close()
         return got
@@ -305,6 +316,8 @@ def run(args) -> dict:
             fn = dense.work if base == "dense" else (lambda b=base, k=n: bench.work(b, k))
             row = {"path": name + ("-busy" if busy_on else ""), "experts": n}
             try:
+                if base in bench.hosts:
+                    bench.hosts[base].check_serves(fn)
                 us = measure(fn, args, device, busy_on)
             except RuntimeError as err:  # e.g. a copy torch will not capture: the row says so, the others run
                 row["error"] = str(err).splitlines()[0][:300]
