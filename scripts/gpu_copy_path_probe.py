@@ -21,7 +21,8 @@ host thread's round trip and which the kernels slowed beside a copy, this tells 
     flat-N    the same bytes as one contiguous copy: what the per-component copies cost over it
     dense     a chain of small bf16 kernels (40 layers x --dense, vLLM's decode stand-in), no copy
 Suffix -busy: the same while another stream keeps the copy engines busy with host-to-device copies of 64 MiB (a
-prefetch backlog), started just before the timed replays and outlasting them.
+prefetch backlog); -smbusy: while another stream keeps SM programs copying records from pinned memory into scratch
+slots (the steps' own misses, as beside a prefetch). Either starts just before the timed replays and outlasts them.
 
 Each variant is one CUDA graph holding --repeat copies of its work (the N experts go into the same N slots each
 time; host-N publishes a new round each time and waits for it), replayed --replays times between two events; the
@@ -57,6 +58,7 @@ from bigmoe_pager.core.triton_launch import kernel_for  # noqa: E402
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 BUSY_CHUNK = 64 << 20  # bytes per background copy (about 1.2 ms at 55 GB/s)
 BASES = ("sm", "step", "host", "hostw", "dma", "goal", "flat")
+BUSY_KINDS = ("busy", "smbusy")  # Background's kinds: copy engines, SM copies
 FLAG_WORDS = 8  # core.prefetch_chain's words that publish_round may write (PUBLISHED)
 
 try:
@@ -259,19 +261,30 @@ def time_graph(fn, args, busy: "Background | None") -> float:
 
 
 class Background:
-    """Host-to-device copies on their own stream that keep the copy engines busy for `seconds`."""
+    """Copies on their own stream that keep the link busy for `seconds`: host-to-device copies of BUSY_CHUNK bytes
+    by the copy engines (kind "busy"), or the pager's SM copy kernel moving `bench`'s records into scratch slots
+    (kind "smbusy", at the 42-45 GB/s such copies reach)."""
 
-    def __init__(self, device: torch.device, seconds: float):
-        self.src = torch.empty(BUSY_CHUNK, dtype=torch.uint8).pin_memory()
-        self.dst = torch.empty(BUSY_CHUNK, dtype=torch.uint8, device=device)
+    def __init__(self, device: torch.device, seconds: float, kind: str, bench: "Bench"):
+        self.kind, self.bench = kind, bench
         self.stream = torch.cuda.Stream()
-        self.chunks = max(2, int(seconds * 55e9 / BUSY_CHUNK) + 1)
         self.done = torch.cuda.Event(enable_timing=True)
+        if kind == "busy":
+            self.src = torch.empty(BUSY_CHUNK, dtype=torch.uint8).pin_memory()
+            self.dst = torch.empty(BUSY_CHUNK, dtype=torch.uint8, device=device)
+            self.launches = max(2, int(seconds * 55e9 / BUSY_CHUNK) + 1)
+        else:
+            self.scratch = bench.layout.slot_buffers(bench.n_max, device)
+            self.launches = max(2, int(seconds * 42e9 / (bench.n_max * bench.layout.pitch)) + 1)
 
     def start(self) -> None:
         with torch.cuda.stream(self.stream):
-            for _ in range(self.chunks):
-                self.dst.copy_(self.src, non_blocking=True)
+            for _ in range(self.launches):
+                if self.kind == "busy":
+                    self.dst.copy_(self.src, non_blocking=True)
+                else:
+                    idx = self.bench.slots
+                    copy_records(self.bench.records, idx, idx, self.bench.layout, self.scratch)
             self.done.record()
 
     def check_outlasted(self, end: torch.cuda.Event) -> None:
@@ -279,18 +292,18 @@ class Background:
             raise RuntimeError("the background copies ended before the timed replays: raise their length")
 
 
-def measure(fn, args, device: torch.device, busy_on: bool) -> float:
-    """Microseconds per call of fn: graphs on a GPU (beside a background copy long enough to outlast twice the
-    replays alone when busy_on), one eager call on the CPU."""
+def measure(fn, args, device: torch.device, busy: str | None, bench: "Bench") -> float:
+    """Microseconds per call of fn: graphs on a GPU (beside a Background of kind `busy`, long enough to outlast twice
+    the replays alone), one eager call on the CPU."""
     if device.type != "cuda":
         began = time.perf_counter()
         fn()
         return (time.perf_counter() - began) * 1e6
-    if not busy_on:
+    if busy is None:
         return time_graph(fn, args, None)
     alone = time_graph(fn, args, None)
     seconds = 2 * alone * args.replays * args.repeat / 1e6 + 0.01
-    return time_graph(fn, args, Background(device, seconds))
+    return time_graph(fn, args, Background(device, seconds, busy, bench))
 
 
 def run(args) -> dict:
@@ -309,16 +322,16 @@ def run(args) -> dict:
     }
     dense = Dense(args, device)
     plan = [(base, n) for base in args.paths for n in args.experts] + [("dense", 0)]
-    for busy_on in (False, True) if args.busy else (False,):
+    for busy in (None, *args.busy):
         for base, n in plan:
             name = f"{base}-{n}" if n else base
             bench.clear()
             fn = dense.work if base == "dense" else (lambda b=base, k=n: bench.work(b, k))
-            row = {"path": name + ("-busy" if busy_on else ""), "experts": n}
+            row = {"path": name + (f"-{busy}" if busy else ""), "experts": n}
             try:
                 if base in bench.hosts:
                     bench.hosts[base].check_serves(fn)
-                us = measure(fn, args, device, busy_on)
+                us = measure(fn, args, device, busy, bench)
             except RuntimeError as err:  # e.g. a copy torch will not capture: the row says so, the others run
                 row["error"] = str(err).splitlines()[0][:300]
                 report["rows"].append(row)
@@ -353,7 +366,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=8, help="copies of the work in one graph")
     p.add_argument("--replays", type=int, default=50, help="graph replays timed per trial")
     p.add_argument("--trials", type=int, default=5, help="timed trials (the median is reported)")
-    p.add_argument("--no-busy", dest="busy", action="store_false", help="skip the -busy rows")
+    p.add_argument(
+        "--busy",
+        default=",".join(BUSY_KINDS),
+        help=f"backgrounds to time beside, among {', '.join(BUSY_KINDS)} ('': none)",
+    )
     p.add_argument("--device", default="cuda", help="cuda, or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, each path once (a wiring check)")
     p.add_argument("--out", type=Path, default=None, help="JSON report path")
@@ -364,11 +381,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     except ValueError:
         p.error("--experts takes integers, comma separated")
     args.paths = args.paths.split(",")
+    args.busy = [kind for kind in args.busy.split(",") if kind]
+    if not set(args.busy) <= set(BUSY_KINDS):
+        p.error(f"--busy takes {', '.join(BUSY_KINDS)}, comma separated")
     if any(n < 1 for n in args.experts) or not set(args.paths) <= set(BASES):
         p.error(f"--experts are >= 1; --paths are among {', '.join(BASES)}")
     if args.smoke:
         args.hidden, args.inter, args.layers, args.dense = 256, 128, 2, 2
-        args.busy = False
+        args.busy = []
     return args
 
 

@@ -40,7 +40,9 @@ def test_the_dense_chain_is_timed_beside_the_copies(report):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--paths", "sm,teleport"], ["--experts", "0"], ["--experts", "one"]], ids=["path", "zero", "word"]
+    "argv",
+    [["--paths", "sm,teleport"], ["--experts", "0"], ["--experts", "one"], ["--busy", "busy,loud"]],
+    ids=["path", "zero", "word", "busy"],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exc:
