@@ -89,7 +89,7 @@ def recorded_launches(monkeypatch, run: bool = True) -> list:
     return launches
 
 
-def unbuildable(self, device, ring_words=0, hot_ms=0):
+def unbuildable(self, device, ring_words=0, hot_ms=0, goal_write=False):
     raise HostCopierError("host copier: no C compiler")
 
 
