@@ -128,7 +128,7 @@ class HostPath:
 
     def report(self) -> dict:
         """The thread's counters and the kernel's given-up waits; stops the thread."""
-        got = {k: v for k, v in self.copier.stats().items()}
+        got = dict(self.copier.stats())
         got["late"] = int(self.late.item())
         self.copier.close()
         return got
