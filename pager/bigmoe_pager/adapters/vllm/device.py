@@ -283,9 +283,9 @@ def _misses_to_host(process, layers: list) -> None:
 
 def misses_copied_by_steps(process) -> int | None:
     """BIGMOE_DEMAND_HOST_COPIER: misses the steps copied themselves because the host had not within their polls
-    (None: no step hands its misses over). One device read a layer."""
+    (None: no step hands its misses over). One device read for every layer."""
     words = [p.miss_words for p in _started_pagers(process) if p.miss_words is not None]
-    return sum(int(w[MISS_SELF]) for w in words) if words else None
+    return int(torch.stack(words)[:, MISS_SELF].sum()) if words else None
 
 
 def _started_pagers(process) -> list:
