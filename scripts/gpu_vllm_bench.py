@@ -29,15 +29,10 @@ stream (docs/routing.md); a bare `@r` measures every recall of --recalls; `~POLI
 lfu-fast, lfu-duel); a last `+ahead` (with @r) lets the predictions post SSD reads ahead of need
 (BIGMOE_SSD_READ_AHEAD=1), `+ahead4` four layers ahead (BIGMOE_SSD_READ_AHEAD_LAYERS=4; a replayed trace's rows for
 further layers are as right as its next-layer rows, which a real predictor is not), and `+hi` (with @r) runs the
-prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one` decides and copies a prefetch round
-in one launch (BIGMOE_PREFETCH_ONE_LAUNCH=1), `+edges` / `+edges-late` replace each round by a one-element kernel on
-the side stream joined where a round is / once after the last layer, `+edges-early` forks each at its layer's entry,
-`+edges-once` forks one a forward (BIGMOE_SIDE_BRANCH_PROBE: what the branches themselves cost), `+poll-once` a
-chained forward's one polling branch (`+poll-wide` with 16 programs), `+one-node` runs a joinless forward's rounds
-as one kernel (BIGMOE_PREFETCH_ONE_NODE=1), `+host` has a host thread copy the rounds through the
-copy engines (BIGMOE_PREFETCH_HOST_COPIER=1), `+chain` forks the
-rounds once a forward and orders them by device flags (BIGMOE_PREFETCH_CHAIN=1; `+nowait` with it skips the rounds'
-device wait, to time it), `+joinless` chains them and joins the side stream once a forward, each step settling its
+prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1), `+one-node` runs a joinless forward's rounds
+as one kernel (BIGMOE_PREFETCH_ONE_NODE=1), `+host` has a host thread copy the rounds through the copy engines
+(BIGMOE_PREFETCH_HOST_COPIER=1), `+chain` forks the rounds once a forward and orders them by device flags
+(BIGMOE_PREFETCH_CHAIN=1), `+joinless` chains them and joins the side stream once a forward, each step settling its
 round on the device (BIGMOE_PREFETCH_JOINLESS=1), `+gateN` the VRAM prefetch gate at N%
 (BIGMOE_PREFETCH_MIN_USED_PERCENT; `+gate0` none), `+bN` a prefetch budget of N experts a layer's round
 (BIGMOE_PREFETCH_BUDGET; `+b0` none), `+distN` a joinless forward's rounds N layers ahead
@@ -128,29 +123,8 @@ AHEAD = "+ahead"
 """Name suffix: the predictions also post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1); needs @rRECALL."""
 AHEAD_DEEP = "+ahead4"
 """Name suffix: +ahead four layers deep (BIGMOE_SSD_READ_AHEAD_LAYERS=4); needs @rRECALL."""
-ONE = "+one"
-"""Name suffix: a prefetch round in one launch, decision and copy together (BIGMOE_PREFETCH_ONE_LAUNCH=1); needs
-@rRECALL."""
 HIGH = "+hi"
 """Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
-EDGES = "+edges"
-"""Name suffix, benchmark only: each prefetch round replaced by a one-element kernel on the side stream, joined where
-a round is (BIGMOE_SIDE_BRANCH_PROBE=edges): what a branch a layer costs with no work; needs @rRECALL."""
-EDGES_LATE = "+edges-late"
-"""Name suffix: +edges with the branches joined once, after the last MoE layer (BIGMOE_SIDE_BRANCH_PROBE=edges-late)."""
-EDGES_EARLY = "+edges-early"
-"""Name suffix: +edges with each branch forked at its layer's entry, before the paging (edges-early)."""
-POLL_ONCE = "+poll-once"
-"""Name suffix: a chained forward whose side branch is one program polling for every step in turn, joined once, and
-no round (BIGMOE_SIDE_BRANCH_PROBE=poll-once): what one polling node a forward costs."""
-POLL_WIDE = "+poll-wide"
-"""Name suffix: +poll-once with 16 polling programs, as many CTAs as a forward-long copier would hold
-(BIGMOE_SIDE_BRANCH_PROBE=poll-wide): what holding those SMs for the forward costs."""
-BARE = "+bare"
-"""Name suffix, benchmark only, with +one-node: the one-node kernel never launched, so the joinless steps cancel every
-round (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): what the steps, the join and the drain cost without it."""
-BARE_NODRAIN = "+bare-nodrain"
-"""Name suffix: +bare without the forward's drain (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare-nodrain)."""
 CHAINED_ONLY = "+chained-only"
 """Name suffix: forwards that are not chained (prefill) propose and prefetch nothing, so no side stream is used
 outside the decode graph (BIGMOE_PREFETCH_CHAINED_ONLY=1; with the chain on, also the default since run 27);
@@ -158,11 +132,6 @@ needs @rRECALL."""
 EVERY_FORWARD = "+every-forward"
 """Name suffix: every forward proposes and prefetches, prefill's too (BIGMOE_PREFETCH_CHAINED_ONLY=0: the default
 with the chain on until run 27)."""
-BARE_NOSYNC = "+bare-nosync"
-"""Name suffix: +bare with chained steps that publish but do not settle (one-node-bare-nosync): the joinless steps'
-kernel out of the graph, all else as +bare."""
-EDGES_ONCE = "+edges-once"
-"""Name suffix: one branch a forward, forked at the first MoE layer and joined after the last (edges-once)."""
 CHAIN = "+chain"
 """Name suffix: the rounds of a forward captured whole on one side-stream branch, forked once, each waiting for its
 layer's step on the device (BIGMOE_PREFETCH_CHAIN=1); needs @rRECALL."""
@@ -176,10 +145,6 @@ HOST_COPIER = "+host"
 """Name suffix: a joinless forward's rounds copied by a host thread through the copy engines, each publishing its list
 (BIGMOE_PREFETCH_HOST_COPIER=1, core.host_copier; with +one-node, the one-node kernel's one program decides and
 publishes); needs @rRECALL. Run 19's `+host` rows decided each round in line instead (removed since: slower)."""
-IN_STEP = "+instep"
-"""Name suffix: a joinless forward's replayed rounds decided inside the steps, one more program of layer l's step
-deciding layer l+1's round, copied by the host thread (BIGMOE_PREFETCH_IN_STEP=1, core.forward_rounds.StepRound);
-needs @rRECALL."""
 HOST_MISS = "+hostmiss"
 """Name suffix, with or without @rRECALL: decode steps hand their own misses to the host copier's thread, which copies
 them through the copy engines while the step waits (BIGMOE_DEMAND_HOST_COPIER=1)."""
@@ -188,44 +153,28 @@ GOAL_WRITE = "+gw"
 an 8-byte copy an expert (BIGMOE_HOST_COPIER_GOAL_WRITE=1); meaningful with +host or +hostmiss."""
 ENGINE_SUFFIXES = {HOST_MISS: {"BIGMOE_DEMAND_HOST_COPIER": "1"}, GOAL_WRITE: {"BIGMOE_HOST_COPIER_GOAL_WRITE": "1"}}
 """Suffixes that change how the pager pages, not how it prefetches: a name may carry them without @rRECALL."""
-NOWAIT = "+nowait"
-"""Name suffix, benchmark only, with +chain: the chained rounds skip their device wait (BIGMOE_CHAIN_SKIP_WAIT=1)."""
 SETTING_SUFFIXES = {
     "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
     "+b": "BIGMOE_PREFETCH_BUDGET",
     "+nodes": "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS",
     "+dist": "BIGMOE_PREFETCH_DISTANCE",
-    "+idle": "BIGMOE_PREFETCH_IDLE_EVERY",
     "+hot": "BIGMOE_HOST_COPIER_HOT_MS",
 }
 """Name suffixes that carry a number, and the setting it sets (need @rRECALL): `+gateN` the VRAM prefetch gate at N%
 (0: none), `+bN` a prefetch budget of N experts a layer's round (0: none), `+nodesN` the one-node kernel's
 programs (with +one-node), `+distN` a joinless forward's rounds N layers ahead (the replayed rows for layer l+N are
-as right as the next layer's, which a real predictor's are not), `+idleN` the one-node kernel (with +one-node+host)
-deciding two forwards in every N while every gate is closed, `+hotN` the host copier's thread busy-polling N ms
+as right as the next layer's, which a real predictor's are not), `+hotN` the host copier's thread busy-polling N ms
 after its last round (0: it naps at once)."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
     HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
-    ONE: {"BIGMOE_PREFETCH_ONE_LAUNCH": "1"},
-    EDGES: {"BIGMOE_SIDE_BRANCH_PROBE": "edges"},
-    EDGES_LATE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-late"},
-    EDGES_EARLY: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-early"},
-    EDGES_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "edges-once"},
-    POLL_ONCE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-once"},
-    POLL_WIDE: {"BIGMOE_SIDE_BRANCH_PROBE": "poll-wide"},
-    BARE: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare"},
-    BARE_NODRAIN: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nodrain"},
     CHAINED_ONLY: {"BIGMOE_PREFETCH_CHAINED_ONLY": "1"},
     EVERY_FORWARD: {"BIGMOE_PREFETCH_CHAINED_ONLY": "0"},
-    BARE_NOSYNC: {"BIGMOE_SIDE_BRANCH_PROBE": "one-node-bare-nosync"},
     CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
     JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
-    NOWAIT: {"BIGMOE_CHAIN_SKIP_WAIT": "1"},
     ONE_NODE: {"BIGMOE_PREFETCH_ONE_NODE": "1"},
     HOST_COPIER: {"BIGMOE_PREFETCH_HOST_COPIER": "1"},
-    IN_STEP: {"BIGMOE_PREFETCH_IN_STEP": "1"},
     **ENGINE_SUFFIXES,
 }
 """The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""

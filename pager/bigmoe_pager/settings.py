@@ -18,24 +18,11 @@ from typing import Mapping
 COMPRESS_CHOICES = ("on", "off", "auto")
 EVICTION_CHOICES = ("lfu", "lru", "lfu-fast", "lfu-duel")
 PREDICT_CHOICES = ("off", "router")
-SIDE_BRANCH_PROBE_CHOICES = (
-    "off",
-    "edges",
-    "edges-late",
-    "edges-early",
-    "edges-once",
-    "poll-once",
-    "poll-wide",
-    "one-node-bare",
-    "one-node-bare-nodrain",
-    "one-node-bare-nosync",
-)  # adapters.vllm.predictor
 # settings that take one of a few words
 _CHOICES = {
     "compress": COMPRESS_CHOICES,
     "eviction": EVICTION_CHOICES,
     "predict": PREDICT_CHOICES,
-    "side_branch_probe": SIDE_BRANCH_PROBE_CHOICES,
 }
 
 
@@ -180,23 +167,6 @@ class PagerSettings:
     """BIGMOE_TRACE_PATH: record routing (topk_ids int32 [tokens, layers, k]) to this .npz at shutdown."""
     route_replay: Path | None = None
     """BIGMOE_ROUTE_REPLAY: benchmark only: replace the router's top-k ids with this trace's, in order."""
-    chain_skip_wait: bool = False
-    """BIGMOE_CHAIN_SKIP_WAIT: benchmark only, with BIGMOE_PREFETCH_CHAIN=1: chained rounds skip their device wait for
-    the layer before's step, so they may read its hidden state or replay cursor too early (wrong proposals, never
-    wrong tokens); the engine's TPOT then shows what the waiting program costs."""
-    side_branch_probe: str = "off"
-    """BIGMOE_SIDE_BRANCH_PROBE: benchmark only, with a replayed trace's predictions, no round runs; instead one
-    one-element kernel on the side stream per layer that has a next one: forked where a round is and joined where a
-    round is (edges) or once after the model's last MoE layer (edges-late); forked at the layer's entry, before its
-    paging (edges-early); or one for the whole forward, forked at its first MoE layer and joined after its last
-    (edges-once). The engine's TPOT then shows what the fork and join cost. poll-once: a chained forward (as
-    BIGMOE_PREFETCH_CHAIN=1, its steps publishing) whose side branch is one program that polls for every step in
-    turn, joined once: what one polling node a forward costs. poll-wide: the same node with one polling program per
-    CTA a forward-long copier would hold (adapters.vllm.predictor.POLL_WIDE_PROGRAMS): what holding those SMs costs.
-    one-node-bare (with BIGMOE_PREFETCH_ONE_NODE=1): the one-node kernel is never launched, so the joinless steps
-    cancel every round and copy nothing: what the steps, the fork's join and the forward's drain cost without it;
-    one-node-bare-nodrain: the same without the drain; one-node-bare-nosync: the same with the chained forward's steps
-    publishing but not settling (poll-once's steps, not joinless ones)."""
     ngram: bool = False
     """BIGMOE_NGRAM: 1 serves the Qwen4Exp n-gram table from the checkpoint on SSD instead of loading it."""
     ngram_cache_rows: int = 0

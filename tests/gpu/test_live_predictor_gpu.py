@@ -122,36 +122,3 @@ def test_proposals_captured_with_a_layer_feed_the_next_layer(experts, vram, k, t
     assert after.prefetched > before.prefetched
     assert after.prefetch_used > before.prefetch_used
     assert after.misses - before.misses < (after.lookups - before.lookups) // 4  # the proposals were what it used
-
-
-@pytest.mark.parametrize("probe,branches", [("edges", 2), ("edges-late", 2), ("edges-early", 2), ("edges-once", 1)])
-def test_side_branch_probe_branches_are_joined_inside_one_whole_forward_capture(tmp_path, probe, branches):
-    """BIGMOE_SIDE_BRANCH_PROBE in a FULL graph: a marker branch per layer, joined per layer or once after the last
-    layer; either way the capture closes (no unjoined work) and every replay runs every branch."""
-    from bigmoe_bench import traces
-
-    layers_n, experts = 3, 16
-    trace = traces.named_trace("standard", 8, layers_n, experts, 2)
-    traces.save_trace(tmp_path / "r.npz", trace, traces.predictions(trace, 1.0, 1.0, experts))
-    settings = PagerSettings(enabled=True, route_replay=tmp_path / "r.npz", side_branch_probe=probe)
-    layers = [SimpleNamespace(layer_name=f"model.layers.{i}.mlp.experts", _moe_index=i) for i in range(layers_n)]
-    predictor = whole_forward_predictor(settings, layers)
-    x = torch.ones((1, HIDDEN), device="cuda")
-    y = torch.zeros_like(x)
-
-    def forward() -> None:
-        for layer in layers:
-            with predictor.ahead(layer, x) as fork:
-                y.add_(x)  # the layer's own work before and after the fork
-                fork()
-                y.mul_(1.0)
-
-    forward()  # eager: the marker exists before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert int(predictor.live._marker.item()) == branches * 6  # per forward: eager, then five replays

@@ -192,36 +192,3 @@ def test_a_chained_whole_forward_capture_decides_as_forks_do_and_keeps_every_slo
     assert all(torch.equal(a, b) for fa, fb in zip(plain_slots, chain_slots) for a, b in zip(fa, fb))
     assert plain_counts == chain_counts
     assert sum(c.prefetch_used for c in chain_counts) > 0  # the rounds ran and were used
-
-
-@pytest.mark.parametrize("probe", ["poll-once", "poll-wide"])
-def test_a_poll_once_probe_forward_polls_every_step_of_every_replay(tmp_path, probe):
-    """BIGMOE_SIDE_BRANCH_PROBE=poll-once (benchmark only): a whole-forward capture whose side branch is one program
-    polling for every later layer's step in turn; every replay's polls find their steps (no wait gives up)."""
-    layers_n, experts, vram, k = 5, 64, 16, 4
-    layout, records, layers, routing, predictor, stats = replayed_model(
-        tmp_path, layers_n, experts, vram, k, "standard", 1.0, "lru", side_branch_probe=probe
-    )
-    x = torch.zeros((1, HIDDEN), dtype=torch.bfloat16, device="cuda")
-    ids = [
-        torch.tensor([random.Random(i).sample(range(experts), k)], dtype=torch.int32, device="cuda")
-        for i in range(layers_n)
-    ]
-
-    def forward() -> None:
-        for i, layer in enumerate(layers):
-            with predictor.ahead(layer, x, ids[i].numel()) as turn:
-                layer.pager.step(ids[i], turn.chain)
-                turn()
-
-    forward()  # eager: the flags are made
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    for _ in range(30):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert predictor.fork_placements == ["once a forward (chained rounds)"]
-    assert predictor._chain.forwards == 30 and predictor.chain_timeouts == 0
-    assert sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n)) == 0

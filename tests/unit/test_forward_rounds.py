@@ -468,50 +468,6 @@ def test_a_one_node_forward_prefetches_what_a_joinless_one_does(
 
 
 @pytest.mark.parametrize(
-    "probe,chained_only",
-    [
-        ("one-node-bare", False),
-        ("one-node-bare-nodrain", False),
-        ("one-node-bare", True),
-        ("one-node-bare", None),
-        ("one-node-bare-nosync", False),
-    ],
-)
-def test_the_bare_probes_keep_the_one_node_path_but_its_kernel_and_one_part_more(
-    tmp_path: Path, monkeypatch, probe, chained_only
-):
-    """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare...), run 25's split of recall 0's cost inside vLLM:
-    the one-node kernel is made but never launched, so the joinless steps cancel every round and nothing is
-    prefetched in a captured forward; -nodrain also skips the forward's drain, -nosync the steps' settling (they
-    publish as chained steps do); with BIGMOE_PREFETCH_CHAINED_ONLY=1, or unset (the chain is on), the forwards that
-    are not chained run no round either."""
-    from bigmoe_pager.adapters.vllm.predictor import Predictor
-
-    layers_n, forwards = 3, 4
-    capturing = replay_and_capture(tmp_path, monkeypatch, layers_n)
-    launches = recorded_launches(monkeypatch)
-    drains = []
-    # each drain: whether the forward's side stream was still open (it must be joined first: see ahead())
-    monkeypatch.setattr(Predictor, "_drain_published", lambda self, hidden, flags: drains.append(self.live.chained))
-    env = {"BIGMOE_ROUTE_REPLAY": str(tmp_path / "r.npz"), "BIGMOE_PREFETCH_ONE_NODE": "1"}
-    env |= {"BIGMOE_SIDE_BRANCH_PROBE": probe}
-    if chained_only is not None:
-        env["BIGMOE_PREFETCH_CHAINED_ONLY"] = "1" if chained_only else "0"
-    layers, stats, routing, live = captured_model(env, layers_n, True)
-    run_forwards(live, layers, routing, 1)  # eager: the flags and the kernel's tables are made
-    eager = sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n))
-    assert (eager == 0) == (chained_only is not False)
-    capturing[0] = True
-    signals = []
-    run_forwards(live, layers, routing, forwards, on_step=lambda layer, turn: signals.append(turn.chain))
-    assert launches == [] and sum(stats.snapshot(i)["vram"].prefetched for i in range(layers_n)) == eager
-    settles = probe != "one-node-bare-nosync"
-    assert [s.joinless for s in signals] == [settles and i > 0 for i in range(layers_n)] * forwards
-    assert live.chain_cancels == (forwards * (layers_n - 1) if settles else 0) and live.chain_timeouts == 0
-    assert drains == ([] if probe == "one-node-bare-nodrain" else [False] * forwards)
-
-
-@pytest.mark.parametrize(
     "env,in_step",
     [
         ({"BIGMOE_PREFETCH_IN_STEP": "1"}, True),

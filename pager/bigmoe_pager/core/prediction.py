@@ -107,20 +107,17 @@ class LivePredictions:
         self.priority = priority
         self._stream = None
         self._forked = False  # the side stream has work the current stream has not joined yet
-        self._marker: torch.Tensor | None = None  # fork_marker's counter
         self._chain: PrefetchChain | None = None  # open_chain's flags, while a chained forward is under way
         self._branch = False  # that forward's side-stream branch was forked (its first round)
-        self._chain_waits = True  # its later rounds wait for the step before them (False: benchmark only)
         self._joinless = False  # that forward's rounds are settled by the steps on the device, not joined
 
-    def open_chain(self, chain: PrefetchChain, wait: bool = True, joinless: bool = False) -> None:
+    def open_chain(self, chain: PrefetchChain, joinless: bool = False) -> None:
         """A forward captured whole begins (its first layer's step publishes with `first`): until close_chain,
         the side stream is forked once, at the first round, and each later round given `after` = l waits on the
         device for layer l's step instead (core.prefetch_chain). Joins stay where the caller puts them, unless
         joinless: then every round given `after` claims its table for the forward and counts its copies, the next
-        step settles it on the device (core.round_sync), and the caller joins only at close_chain.
-        wait=False: benchmark only (BIGMOE_CHAIN_SKIP_WAIT): the rounds do not wait, to time the wait."""
-        self._chain, self._branch, self._chain_waits, self._joinless = chain, False, wait, joinless
+        step settles it on the device (core.round_sync), and the caller joins only at close_chain."""
+        self._chain, self._branch, self._joinless = chain, False, joinless
 
     def close_chain(self, device: torch.device) -> None:
         """The chained forward's last layer is done: join what is left, and fork again from the next round on."""
@@ -192,27 +189,11 @@ class LivePredictions:
 
         self._forked_work(source, post)
 
-    def fork_poller(self, source: torch.Tensor, first: int, last: int, programs: int = 1) -> None:
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once/-wide), in a chained forward: fork its side branch with
-        one node of `programs` programs, each waiting for the steps of layers first .. last in turn, nothing else."""
-        self._forked_work(source, lambda: self._chain.wait_all_stepped(first, last, programs=programs), after=first - 1)
-
     def fork_rounds(self, source: torch.Tensor, launch: Callable[[torch.Tensor], None], after: int) -> None:
         """In a joinless chained forward: launch(flags) on the side stream, ordered after layer `after`'s step as a
         round given `after` is (forked at the forward's first round; the launch waits for later steps itself).
         core.forward_rounds' one kernel for a forward's rounds."""
         self._forked_work(source, lambda: launch(self._chain.flags), after=after)
-
-    def fork_marker(self, source: torch.Tensor) -> None:
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE): fork a branch that adds one to a one-element counter, in
-        place of a round, so an engine's TPOT shows what a branch's fork and join cost with (almost) no work."""
-
-        def mark() -> None:
-            if self._marker is None or self._marker.device != source.device:
-                self._marker = torch.zeros(1, dtype=torch.int32, device=source.device)
-            self._marker.add_(1)
-
-        self._forked_work(source, mark)
 
     def _forked_work(self, source: torch.Tensor, work, after: int | None = None):
         """work() on the side stream once the current stream has `source` (in order off CUDA); in a chained
@@ -221,15 +202,14 @@ class LivePredictions:
         if not chained:  # a fork: in a chained forward, its first round's
             self._branch = self._chain is not None and after is not None
         stream = self._side_stream(source.device)
-        waits = chained and self._chain_waits
         if stream is None:
-            if waits:
+            if chained:
                 self._chain.wait_stepped(after)  # in order already: returns at once (it runs in the interpreter)
             return work()
         if not chained:
             stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
-            if waits:
+            if chained:
                 self._chain.wait_stepped(after)
             out = work()
         if not torch.cuda.is_current_stream_capturing():  # a graph keeps its own tensors alive

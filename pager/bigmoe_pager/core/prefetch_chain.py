@@ -105,16 +105,6 @@ class PrefetchChain:
         # four 0.10 (run 16 in docs/benchmarks.md, calls b and a; two machines)
         kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu)
 
-    def wait_all_stepped(self, first: int, last: int, max_spins: int | None = None, programs: int = 1) -> None:
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once/-wide): enqueue one node of `programs` programs that
-        each wait, in turn, for the steps of layers first .. last of the forward under way (each wait bounded and
-        counted as wait_stepped's): a side branch of one node a forward that polls as a chained round does, to time
-        the polling alone (and, with many programs, the SMs a forward-long copier would hold)."""
-        self._checked(first), self._checked(last)
-        on_gpu = self.flags.is_cuda
-        spins = (GPU_MAX_SPINS if on_gpu else 1) if max_spins is None else max_spins
-        kernel_for(_wait_all_kernel, self.flags.device)[(programs,)](self.flags, first, last, spins, ON_GPU=on_gpu)
-
     def _checked(self, layer: int) -> int:
         if not 0 <= layer < self.layers:
             raise IndexError(f"MoE layer {layer} is outside the chain's {self.layers} layers")
@@ -166,12 +156,6 @@ if triton is not None:
     def _wait_kernel(flags_ptr, layer, max_spins, ON_GPU: tl.constexpr):
         forward = tl.load(flags_ptr + _FORWARD)  # counted by the first step, which the side stream was forked after
         wait_for_step(flags_ptr, forward, layer, max_spins, ON_GPU)
-
-    @triton.jit
-    def _wait_all_kernel(flags_ptr, first, last, max_spins, ON_GPU: tl.constexpr):
-        forward = tl.load(flags_ptr + _FORWARD)
-        for layer in range(first, last + 1):
-            wait_for_step(flags_ptr, forward, layer, max_spins, ON_GPU)
 
     @triton.jit
     def wait_for_step(flags_ptr, forward, layer, max_spins, ON_GPU: tl.constexpr):

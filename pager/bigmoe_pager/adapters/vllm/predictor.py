@@ -57,26 +57,6 @@ from bigmoe_pager.settings import PagerSettings
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
 
-SIDE_BRANCH_PROBES = {
-    "off": (None, False),
-    "edges": ("round", False),
-    "edges-late": ("round", True),
-    "edges-early": ("entry", False),
-    "edges-once": ("first", True),
-    "poll-once": ("poll", False),
-    "poll-wide": ("poll", False),
-    "one-node-bare": (None, False),
-    "one-node-bare-nodrain": (None, False),
-    "one-node-bare-nosync": (None, False),
-}
-"""BIGMOE_SIDE_BRANCH_PROBE (benchmark only) -> (where a layer forks its marker branch instead of a round: where the
-round would be / at the layer's entry / at the first layer's entry only; whether the branches are joined only after
-the model's last layer). "poll": a chained forward's one polling branch, forked at its first round, joined at its
-end (LivePredictions.fork_poller)."""
-POLL_WIDE_PROGRAMS = 16
-"""Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-wide): the polling node's programs, one per SM, as many as a copier
-kernel spanning the forward would need for its PCIe reads in flight (16 x 4 warps x 8 KiB blocks: ~128 KiB)."""
-
 
 class Turn:
     """What `Predictor.ahead` hands a layer's call: the chain signal its step publishes (None: none), and the fork,
@@ -162,21 +142,8 @@ class Predictor:
         self.layer_after = layer_after
         priority = LivePredictions.HIGH_PRIORITY if settings.prefetch_high_priority else 0
         self.live = LivePredictions(priority)
-        self.probe_fork, self.probe_joins_once = SIDE_BRANCH_PROBES[settings.side_branch_probe]
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE, SIDE_BRANCH_PROBES): replayed rounds become marker branches."""
-        self.poll_probe = self.probe_fork == "poll"
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=poll-once/-wide): chained forwards whose side branch only polls."""
-        self.poll_programs = POLL_WIDE_PROGRAMS if settings.side_branch_probe == "poll-wide" else 1
-        """Benchmark only: the polling node's programs (1, or POLL_WIDE_PROGRAMS for poll-wide)."""
         self.one_node = settings.prefetch_one_node
         """BIGMOE_PREFETCH_ONE_NODE: a joinless forward's replayed rounds as one kernel (core.forward_rounds)."""
-        self.bare_probe = settings.side_branch_probe.startswith("one-node-bare")
-        """Benchmark only (BIGMOE_SIDE_BRANCH_PROBE=one-node-bare): the one-node kernel is made but never launched."""
-        self.drains = settings.side_branch_probe != "one-node-bare-nodrain"
-        """False, benchmark only (one-node-bare-nodrain): a chained forward's end drains no host copies (none run)."""
-        self.sync_steps = settings.side_branch_probe != "one-node-bare-nosync"
-        """False, benchmark only (one-node-bare-nosync): a chained forward's steps publish but do not settle rounds
-        (none runs), so its graph holds the chained steps of poll-once, not joinless ones."""
         self.chained_only = settings.prefetch_chained_only
         """BIGMOE_PREFETCH_CHAINED_ONLY: which forwards that are not chained propose and prefetch (`_rounds_here`)."""
         self.one_node_programs = settings.prefetch_one_node_programs
@@ -207,13 +174,10 @@ class Predictor:
         """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose rounds the host
         copies, which a forward's end drains."""
         joinless = settings.prefetch_joinless or self.one_node or self.host or self.distance > 1  # (in-step: host)
-        chained = settings.prefetch_chain or joinless or self.poll_probe
-        self.chain_on = chained and self.probe_fork in (None, "poll")
+        self.chain_on = settings.prefetch_chain or joinless
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
         self.joinless = joinless
         """BIGMOE_PREFETCH_JOINLESS: and joins it once, at its end; the steps settle the rounds (core.round_sync)."""
-        self.chain_skips_wait = settings.chain_skip_wait
-        """Benchmark only (BIGMOE_CHAIN_SKIP_WAIT): chained rounds do not wait for the step before them."""
         self._chain: PrefetchChain | None = None  # the flags, made by the first uncaptured forward
         self._told: set[tuple[str, str]] = set()  # (JOINED or FORKED, placement) already logged
         self._next: dict[int, NextRouter | None] = {}  # per MoE index, resolved at the layer's first forward
@@ -242,12 +206,8 @@ class Predictor:
         yields a Turn, which the caller calls once the layer's own paging is issued: the next layer's experts are
         then proposed and prefetched (on a side stream on CUDA). Uncalled, the fork happens after the whole call
         (host-driven pager, big steps). The Turn's `chain` is what the layer's step publishes (a chained forward)."""
-        if not (self.probe_joins_once or self.live.joinless or (self.poll_probe and self.live.chained)):
+        if not self.live.joinless:
             self.live.join(hidden.device)  # the layer before's proposal for this layer lands before this layer pages
-        if (self.probe_fork == "entry" and not self._last_of_its_model(layer)) or (
-            self.probe_fork == "first" and self._first_of_its_model(layer)
-        ):
-            self.live.fork_marker(hidden)  # before this layer's paging
         made: list = []
 
         def fork() -> None:
@@ -266,9 +226,8 @@ class Predictor:
         if self.live.chained and self._last_of_its_model(layer):
             flags = self.live.chain_flags
             self.live.close_chain(hidden.device)
-            if self.drains:  # after the join: every round's publication is in, so its PUBLISHED word is final
-                self._drain_published(hidden, flags)
-        if not self._join_later(hidden) or (self.probe_joins_once and self._last_of_its_model(layer)):
+            self._drain_published(hidden, flags)  # after the join: every publication is in, its PUBLISHED final
+        if not self._join_later(hidden):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
         if ids is not None and self.routing.trace_path is not None:
@@ -280,8 +239,7 @@ class Predictor:
         are made at the first forward outside a capture (vLLM's profile run and warm-up come before its captures)."""
         if self.live.chained:
             index = layer._moe_index
-            joinless = self.live.joinless and self.sync_steps
-            return self._chain.signal(index, first=False, joinless=joinless, round=self._step_round(layer))
+            return self._chain.signal(index, first=False, joinless=self.live.joinless, round=self._step_round(layer))
         if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
             return None
         if not capturing():
@@ -297,7 +255,7 @@ class Predictor:
             self._tell("once a layer (not every layer's step is fused, so the rounds cannot be chained)", what=FORKED)
             return None
         self._tell("once a forward (chained rounds" + (", joined once)" if self.joinless else ")"), what=FORKED)
-        self.live.open_chain(self._chain, wait=not self.chain_skips_wait, joinless=self.joinless)
+        self.live.open_chain(self._chain, joinless=self.joinless)
         return self._chain.signal(layer._moe_index, first=True, round=self._step_round(layer))
 
     def _step_round(self, layer) -> StepRound | None:
@@ -400,14 +358,6 @@ class Predictor:
     def propose(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The proposal for the next layer [tokens, P], handed to its device-driven pager; None: nothing proposed."""
         if self.routing.replays_predictions(hidden.device):
-            if self.probe_fork is not None:  # a branch, no round: nothing moves, the tokens cannot change
-                if self.poll_probe and self.live.chained and self._first_of_its_model(layer):
-                    last = self._layers_of_its_model(layer)[-1]._moe_index
-                    if last > layer._moe_index:
-                        self.live.fork_poller(hidden, layer._moe_index + 1, last, self.poll_programs)
-                if self.probe_fork == "round" and not self._last_of_its_model(layer):
-                    self.live.fork_marker(hidden)
-                return None
             return self._replayed(layer, hidden)
         if not self.on or self._target(layer, hidden) is None:
             return None
@@ -483,7 +433,7 @@ class Predictor:
                     what=FORKED,
                 )
             return False
-        if starts is layer and not self.bare_probe:
+        if starts is layer:
             self.live.fork_rounds(hidden, lambda flags: rounds.launch(flags, hidden.shape[0]), after=layer._moe_index)
         return True
 
