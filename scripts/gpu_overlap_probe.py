@@ -45,8 +45,6 @@ Suffixes on any variant that forks: -hi runs the side stream at high priority (B
 -late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
 the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
 (kN only), joined at the end of the token: a side chain that waits on no layer;
--split decides and copies in two launches (SlotTable.admit, then copy_records); without it the probe's rounds take
-prefetch_kernel's one launch (the engine's default is two: BIGMOE_PREFETCH_ONE_LAUNCH=0);
 -joinnow joins at the end of layer l's MoE call instead (where vLLM's PIECEWISE pieces must join), to see what
 the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-idleN][-hi][-joinnow][-split]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-idleN][-hi][-joinnow]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -174,7 +172,7 @@ HOST_ROUNDS = ("instep", "onenode")
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-idleN][-hi][-joinnow][-split]."""
+    """A --variants name taken apart: base[-pN][-idleN][-hi][-joinnow]."""
 
     base: str
     """One of BASES, or kN."""
@@ -188,8 +186,6 @@ class Variant:
     """kN: one fork per token, at the first layer, with every layer's kernels (timing only)."""
     late: bool = False
     """Joined once per token, after the last layer (timing only: nothing orders a step after its prefetch)."""
-    split: bool = False
-    """A prefetch round in two launches (admit, then copy) instead of prefetch_kernel's one."""
     idle: int = 0
     """onenode: BIGMOE_PREFETCH_IDLE_EVERY (0: the kernel decides every token)."""
     bare: bool = False
@@ -206,7 +202,7 @@ class Variant:
                 programs = int(part[1:])
             elif part.startswith("idle") and part[4:].isdigit() and int(part[4:]) >= 3 and base == "onenode":
                 idle = int(part[4:])
-            elif part in ("hi", "joinnow", "split") or (part in ("late", "once") and _trivial(base)):
+            elif part in ("hi", "joinnow") or (part in ("late", "once") and _trivial(base)):
                 flags.add(part)
             elif part == "bare" and base == "onenode":
                 flags.add(part)
@@ -219,7 +215,6 @@ class Variant:
             join_now="joinnow" in flags,
             once="once" in parts,
             late="late" in parts or "once" in parts,
-            split="split" in flags,
             idle=idle,
             bare="bare" in flags,
         )
@@ -272,7 +267,7 @@ class Model:
         ]
         _sync(device)
 
-    def restart(self, order: list[list[int]], prefetch_programs: int, split: bool = False) -> None:
+    def restart(self, order: list[list[int]], prefetch_programs: int) -> None:
         """Fresh slot tables (VRAM warmed with the warm-up's hottest experts) and zeroed counters, same records."""
         for layer, pager in enumerate(self.pagers):
             hottest = order[layer]
@@ -281,14 +276,13 @@ class Model:
             pager.start(self.buffers[layer])
             pager.pager.prefetch_programs = prefetch_programs
             pager.pager.step_programs = self.args.step_programs or pager.pager.step_programs
-            pager.pager.fused_prefetch = pager.pager.fused and not split
         self.stats.reset()
         _sync(self.device)
 
     def time(self, trace_dev, predicted, name: str, order, args) -> float:
         variant = Variant.parse(name)
         if variant.base != "resident":
-            self.restart(order, variant.programs, variant.split)
+            self.restart(order, variant.programs)
         rounds = HostRounds(self, predicted, variant) if variant.base in HOST_ROUNDS else None
         try:
             return self._time(trace_dev, predicted, variant, rounds, args)

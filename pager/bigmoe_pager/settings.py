@@ -81,10 +81,6 @@ class PagerSettings:
     prefetch_high_priority: bool = False
     """BIGMOE_PREFETCH_HIGH_PRIORITY: 1 = the prefetch side stream runs at the GPU's high stream priority, so its
     copies get SMs ahead of vLLM's kernels; 0 = normal priority (the default until measured inside vLLM)."""
-    prefetch_one_launch: bool = False
-    """BIGMOE_PREFETCH_ONE_LAUNCH: 1 = on CUDA over a full RAM tier, a VRAM prefetch round decides, copies and counts
-    in one kernel (core.prefetch_kernel: one graph node a layer); 0 = the decision, then the copy (two). Off: level
-    with two launches in run 14's CUDA-graph probe and inside vLLM 0.33 (run 15), where a round costs its fork."""
     prefetch_chain: bool = False
     """BIGMOE_PREFETCH_CHAIN: 1 = in a forward captured whole (vLLM's FULL graphs) over full RAM tiers, the side
     stream is forked once and each later round waits for its layer's step on the device (core.prefetch_chain)

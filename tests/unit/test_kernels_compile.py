@@ -20,7 +20,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bigmoe_bench import moe_decode as md
 from bigmoe_pager.core import acquire_kernel as ak, admit_kernel as adk, copy_kernel as ck, step_kernel as sk
-from bigmoe_pager.core import prefetch_kernel as pk
 from bigmoe_pager.core import replay_kernel as rk
 from bigmoe_pager.core import prefetch_chain as chain
 from bigmoe_pager.core import forward_rounds as fr
@@ -97,9 +96,6 @@ out["mailbox"] = {"acquire": accesses(k, "ld.acquire.sys"), "release": accesses(
                   "sleep": "nanosleep" in k.asm["ptx"]}
 k = build(chain._wait_kernel, {"flags_ptr": "*i64", "layer": "i32", "max_spins": "i32"}, {"ON_GPU": True})
 out["chain_wait"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
-k = build(chain._wait_all_kernel, {"flags_ptr": "*i64", "first": "i32", "last": "i32", "max_spins": "i32"},
-          {"ON_GPU": True})
-out["chain_wait_all"] = {"acquire": accesses(k, "ld.acquire.gpu"), "sleep": "nanosleep" in k.asm["ptx"]}
 ptrs = ["rec_ptr", "src_ptr", "dst_ptr", "out0", "out1", "out2", "out3"]
 def wide_copy(k):
     return sorted(set(re.findall(r"ld\.global[\.\w:]*\.v2\.b64", k.asm["ptx"]))) + accesses(k, "st")
@@ -110,16 +106,6 @@ for count in (False, True):  # a joinless round's copy counts each program's blo
                "N3": 8, "NB0": 256, "NB1": 128, "NB2": 1, "NB3": 1, "BLOCK": 1024, "COUNT": count},
               ptrs + ["pitch_words"])
     out[f"copy_count={count}"] = {"copy": wide_copy(k), "atom": accesses(k, "atom")}
-pre = {n: ("*i64" if n.endswith("_ptr") else "i32") for n in pk._prefetch_kernel.arg_names if n.islower()}
-pre |= {"done_ptr": "*i32", "rec_ptr": "*i64", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64"}
-for lfu in (False, True):  # Flash-Next at 40% VRAM, a top-10 proposal, the default budget
-    k = build(pk._prefetch_kernel, pre, {"E": 512, "S": 205, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX,
-              "BLOCK_E": 512, "BLOCK_S": 256, "BLOCK_I": 16, "HAS_STATS": True, "LFU": lfu, "BUDGET": 1,
-              "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
-              "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
-              "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
-              ["rec_ptr", "pitch_words", "out0", "out1", "out2", "out3"])
-    out[f"prefetch_lfu={lfu}"] = {"atom": accesses(k, "atom"), "copy": wide_copy(k)}
 rounds = {n: "i32" for n in fr._forward_rounds_kernel.arg_names if n.islower()}
 rounds |= {"table_ptr": "*i64", "flags_ptr": "*i64", "predicted_ptr": "*i32", "cursor_ptr": "*i64",
            "mailbox_ptr": "*i64"}
@@ -186,10 +172,6 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         copy = got[f"copy_count={count}"]
         assert any(".v2.b64" in a for a in copy["copy"] if a.startswith("ld")) and "st.global.v2.b64" in copy["copy"]
         assert copy["atom"] == (["atom.global.gpu.release.add.u64"] if count else [])
-    for lfu in (False, True):  # the fused prefetch round: an acq_rel done counter, 16-byte copies
-        round_ = got[f"prefetch_lfu={lfu}"]
-        assert "atom.global.gpu.acq_rel.add.u32" in round_["atom"]
-        assert any("evict_first" in a for a in round_["copy"]) and "st.global.v2.b64" in round_["copy"]
     assert "ld.global.v4.b32" in got["up"] and "ld.global.v4.b32" in got["down"]  # FP8 weights read 16 bytes at a time
     assert got["combine"]
     assert got["replay"] and any(a.startswith("st.global") for a in got["replay"])  # the replayed rows' gather
@@ -223,7 +205,6 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
     assert hostmiss["acquire"] == ["ld.acquire.gpu.global.b64"] and hostmiss["sleep"]
     assert "st.global.v2.b64" in hostmiss["copy"]
     assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
-    assert got["chain_wait_all"] == got["chain_wait"]  # the poll-once probe polls as a chained round does
     # the one-node rounds: poll the steps' and the claims' words (acquire, sleeping), claim with an acq_rel max,
     # release each decision, count each program's copied blocks with a release add; block barriers between phases
     rounds = got["forward_rounds"]

@@ -65,7 +65,6 @@ class DeviceLayerPager:
         read_ahead: bool = False,
         prefetch_gate: int | None = None,
         prefetch_budget: int | None = None,
-        prefetch_one_launch: bool = False,
     ):
         self.layout = layout
         self.sizes = sizes
@@ -77,8 +76,6 @@ class DeviceLayerPager:
         self.policy = policy
         self.prefetch_gate = prefetch_gate
         """The VRAM prefetch gate's threshold, percent (None: slots.MIN_USED_PERCENT)."""
-        self.prefetch_one_launch = prefetch_one_launch
-        """A VRAM prefetch round in one launch where the pager can (ExpertPager.prefetch_one_launch); False: two."""
         self.prefetch_budget = prefetch_budget
         """Experts one VRAM prefetch round copies at most, the most used first (0: no limit; None:
         slots.PREFETCH_BUDGET)."""
@@ -147,7 +144,6 @@ class DeviceLayerPager:
             policy=self.policy,
             prefetch_gate=self.prefetch_gate,
             prefetch_budget=self.prefetch_budget,
-            prefetch_one_launch=self.prefetch_one_launch,
         )
         self.pager.warm_vram(torch.tensor(self.order[: self.sizes.vram], dtype=torch.int64))
 

@@ -14,7 +14,7 @@ or streamed through `work_slots` slots per chunk by the benchmark's models
 from __future__ import annotations
 
 import torch
-from bigmoe_pager.core import prefetch_kernel, step_kernel
+from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.copy_kernel import copy_records, record_blocks
 from bigmoe_pager.core.host_rounds import publish_admitted
 from bigmoe_pager.core.layout import ExpertLayout
@@ -63,7 +63,6 @@ class ExpertPager:
         prefetch_programs: int = PREFETCH_PROGRAMS_PER_RECORD,
         prefetch_gate: int | None = None,
         prefetch_budget: int | None = None,
-        prefetch_one_launch: bool = False,
     ) -> None:
         if not 1 <= vram_slots <= num_experts:
             raise PagerError(f"layer {layer}: VRAM slots must be in [1, {num_experts}], got {vram_slots}")
@@ -106,9 +105,6 @@ class ExpertPager:
         """Serve decode-sized steps over a full RAM tier with step_kernel's single launch (GPU default)."""
         self.step_programs = step_programs or step_kernel.default_programs(self.device)
         """Programs of that launch (default: two per SM)."""
-        self.fused_prefetch = self.fused and prefetch_one_launch
-        """Serve prefetch rounds over a full RAM tier with prefetch_kernel's single launch (where the step kernel
-        runs, and asked for: BIGMOE_PREFETCH_ONE_LAUNCH)."""
         self.prefetch_programs = prefetch_programs
         """Copy programs per prefetched expert (copy_records' programs_per_record; 0: one per block): a prefetch
         runs beside the layer before's compute, which its programs would otherwise crowd off the SMs."""
@@ -213,8 +209,6 @@ class ExpertPager:
         claims the table first and counts its copy's progress per slot, which the next fused step waits on. With a
         `mailbox` the second launch publishes the list instead, and the host copier copies it and moves the progress.
         """
-        if chain_flags is None and self._fused_prefetch(predicted_ids):
-            return self._prefetch_fused(predicted_ids)
         source = self.ram.source_rows()  # a partial tier's rows: the decision also checks and maps them
         blocks = record_blocks(self.layout)
         got = self.vram.admit(
@@ -239,35 +233,6 @@ class ExpertPager:
             copied=None if chain_flags is None else self.vram.kernel_state()["copied"],
         )
         return got
-
-    def _fused_prefetch(self, predicted_ids: torch.Tensor) -> bool:
-        return (
-            self.fused_prefetch
-            and self.ram.full
-            and prefetch_kernel.fits(self.num_experts, self.num_slots, predicted_ids.numel(), self.layout)
-        )
-
-    def _prefetch_fused(self, predicted_ids: torch.Tensor) -> Admitted:
-        """Decide, copy and count in one launch of prefetch_programs programs (row = expert id): one graph node."""
-        self.ram.check_filled()
-        table = self.vram
-        out = prefetch_kernel.launch_prefetch(
-            table.admit_state(),
-            predicted_ids.to(self.device),
-            self.num_experts,
-            self.num_slots,
-            table.miss_capacity(predicted_ids.numel()),
-            self.ram.records,
-            self.layout,
-            self.buffers,
-            programs=self.prefetch_programs or step_kernel.default_programs(self.device),
-            stats_row=self._rows["vram"],
-            lfu=table.lfu,
-            min_used_percent=table.min_used_percent,
-            budget=table.prefetch_budget,
-            lift_percent=table.lift_percent,
-        )
-        return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
     def read_ahead(self, predicted_ids: torch.Tensor) -> None:
         """Post SSD reads of predicted experts that neither VRAM nor RAM holds (RamTier.read_ahead); no wait.

@@ -249,8 +249,6 @@ class SlotTable:
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
         """Programs of a fused decode step that loads experts that finished reading the table (step_kernel); 0
         between steps."""
-        self._prefetch_done = torch.zeros((1,), dtype=torch.int32, device=self.device)
-        """Programs of a fused prefetch round (prefetch_kernel) that finished reading the table; 0 between rounds."""
         self._claim = torch.zeros((1,), dtype=torch.int64, device=self.device)
         """Joinless chained forwards (core.round_sync): forward * 4 + the state of that forward's round."""
         self._copied = torch.zeros((s + 1,), dtype=torch.int64, device=self.device)
@@ -560,7 +558,6 @@ class SlotTable:
             "used_score": self.used_score,
             "wasted_score": self.wasted_score,
             "gate_closed": self.gate_closed,
-            "prefetch_done": self._prefetch_done,
         }
 
     def _admit_kernel(

@@ -150,7 +150,6 @@ def layer_pager(
         read_ahead=reads_ahead(settings, sizes),
         prefetch_gate=settings.prefetch_min_used_percent,
         prefetch_budget=settings.prefetch_budget,
-        prefetch_one_launch=settings.prefetch_one_launch,
     )
 
 
