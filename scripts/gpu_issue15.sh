@@ -11,8 +11,8 @@
 #   e2e    token and logprob identity with the live predictor prefetching (scripts/gpu_vllm_e2e.py, $E2E_LAYERS layers, 2;
 #          $E2E_SETTINGS: space-separated BIGMOE_NAME=VALUE added to every paged configuration)
 #   probes (the image's torch is enough) run 21's side-kernel probes, the decision's time with the gate open and
-#          closed, and the overlap probe's idle paths at recall 0 (in-step rounds, a decision beside the chain, the
-#          one-node kernel with and without idle skipping, the joinless steps alone), interleaved three times since a
+#          closed, and the overlap probe's idle paths at recall 0 (a decision beside the chain, the one-node kernel,
+#          the joinless steps alone), interleaved three times since a
 #          process's first graphs replay fast (run 23); each bounded
 #   stall  (the image's torch is enough) run 23's stalled probe again, near-uniform's one-node runs, with every
 #          thread's stack printed after 30 s
@@ -94,11 +94,11 @@ for step in "$@"; do
         --rounds 2 --out "$out/gap-add.json"
       timeout 60 python3 scripts/gpu_decide_timing.py --warps 4 --out "$out/decide-open.json"
       timeout 60 python3 scripts/gpu_decide_timing.py --warps 4 --recall 0 --gate 25 --out "$out/decide-closed.json"
-      v=none,admit,instep,onenode-bare,onenode-idle16,onenode
+      v=none,admit,onenode-bare,onenode
       timeout 240 python3 scripts/gpu_overlap_probe.py --families standard,topic-shift --variants "$v,$v,$v" \
         --recalls 0 --dump-after 45 --out "$out/overlap.json" ;;
     stall)
-      timeout -s INT 150 python3 scripts/gpu_overlap_probe.py --families near-uniform --variants none,onenode-idle16,onenode \
+      timeout -s INT 150 python3 scripts/gpu_overlap_probe.py --families near-uniform --variants none,onenode \
         --recalls 0 --warmup 48 --tokens 128 --dump-after 30 --out "$out/overlap-near-uniform.json" > "$out/stall.log" 2>&1
       grep -v CUDAEvent "$out/stall.log" | tail -n 40 ;;
     step-probe)

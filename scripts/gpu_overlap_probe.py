@@ -30,17 +30,11 @@ Side work (--variants), each adding one part of the prefetch path:
                hidden]: the proposals are near random, so this is the live path's fixed cost at low recall (the
                prefetch gate may close for most rounds), not what a trained router's proposals would save
   router-pN    the same, at most N copy programs per expert
-  instep       no side stream at all: layer l's fused step runs one more program that decides layer l+1's round
-               from the replayed proposal and publishes it to the host copier's thread, which copies it with the
-               copy engines (BIGMOE_PREFETCH_IN_STEP: core.forward_rounds.StepRound); the steps settle their rounds
-               and wait for the copies they need on the device (a joinless forward), the token's end drains the
-               copies. Unlike admit and inline, this one copies
   onenode      the one-node kernel with the host copier, as `+one-node+host` runs in vLLM: one program forked after the
                first layer's step decides every later layer's round once the step before it is done and publishes it
                to the host copier's thread (BIGMOE_PREFETCH_ONE_NODE + BIGMOE_PREFETCH_HOST_COPIER), joined at the
-               token's end; -idleN: while every gate is closed it decides two tokens in every N and leaves at once in
-               the others (BIGMOE_PREFETCH_IDLE_EVERY=N); -bare launches no kernel at all (the joinless steps, their
-               settling and the token's drain alone). Off CUDA the kernel is launched once a layer, after its step
+               token's end; -bare launches no kernel at all (the joinless steps, their settling and the token's
+               drain alone). Off CUDA the kernel is launched once a layer, after its step
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
 the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
@@ -99,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants.split(","):
             Variant.parse(name)
     except ValueError as e:
-        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-idleN][-hi][-joinnow]", file=sys.stderr)
+        print(f"gpu_overlap_probe: {e}; variants are base[-pN][-hi][-joinnow]", file=sys.stderr)
         return 2
     if args.smoke:
         args.layers, args.experts, args.top_k, args.hidden, args.inter = 3, 32, 4, 128, 64
@@ -165,14 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-BASES = ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router", "instep", "onenode")
-HOST_ROUNDS = ("instep", "onenode")
+BASES = ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router", "onenode")
+HOST_ROUNDS = ("onenode",)
 """Variants whose rounds the host copier's thread copies (HostRounds)."""
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A --variants name taken apart: base[-pN][-idleN][-hi][-joinnow]."""
+    """A --variants name taken apart: base[-pN][-hi][-joinnow]."""
 
     base: str
     """One of BASES, or kN."""
@@ -186,8 +180,6 @@ class Variant:
     """kN: one fork per token, at the first layer, with every layer's kernels (timing only)."""
     late: bool = False
     """Joined once per token, after the last layer (timing only: nothing orders a step after its prefetch)."""
-    idle: int = 0
-    """onenode: BIGMOE_PREFETCH_IDLE_EVERY (0: the kernel decides every token)."""
     bare: bool = False
     """onenode: no kernel launched, the joinless steps and the drain only (timing only: nothing is prefetched)."""
 
@@ -196,12 +188,10 @@ class Variant:
         base, *parts = name.split("-")
         if base not in BASES and not _trivial(base):
             raise ValueError(f"unknown variant {name!r}")
-        programs, idle, flags = 0, 0, set()
+        programs, flags = 0, set()
         for part in parts:
             if part.startswith("p") and part[1:].isdigit() and base in ("prefetch", "router"):
                 programs = int(part[1:])
-            elif part.startswith("idle") and part[4:].isdigit() and int(part[4:]) >= 3 and base == "onenode":
-                idle = int(part[4:])
             elif part in ("hi", "joinnow") or (part in ("late", "once") and _trivial(base)):
                 flags.add(part)
             elif part == "bare" and base == "onenode":
@@ -215,7 +205,6 @@ class Variant:
             join_now="joinnow" in flags,
             once="once" in parts,
             late="late" in parts or "once" in parts,
-            idle=idle,
             bare="bare" in flags,
         )
 
@@ -436,7 +425,7 @@ class Model:
 
 
 class HostRounds:
-    """The rounds the host copier's thread copies (instep, onenode): the chain's flags, the replay cursors the rounds
+    """The rounds the host copier's thread copies (onenode): the chain's flags, the replay cursors the rounds
     read, the rounds' address table and mailboxes (layers 1 .. L-1), and the host copier serving them."""
 
     def __init__(self, model: "Model", predicted: torch.Tensor, variant: Variant) -> None:
@@ -449,19 +438,17 @@ class HostRounds:
         self.cursor = torch.zeros(layers, dtype=torch.int64, device=device)
         self.slots = pagers[0].num_slots
         boxes = HostCopier.mailbox(self.slots, device, len(pagers))
-        self.in_step = variant.base == "instep"
         self.bare = variant.bare
         self._compiling = True
         """onenode on CUDA: the first token launches no kernel. Launched then, it would wait for each later step
         while the host compiles the kernels before them, giving up after a second each (up to a second a layer)."""
-        if self.in_step or device.type == "cuda":  # one kernel a forward; off CUDA one a layer (see the docstring)
-            self.rounds = [ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0, idle_every=variant.idle)]
+        if device.type == "cuda":  # one kernel a forward; off CUDA one a layer (see the docstring)
+            self.rounds = [ForwardRounds(pagers, 1, predicted, self.cursor, 1, boxes, 0)]
         else:
             self.rounds = [
-                ForwardRounds([p], i + 1, predicted, self.cursor, 1, boxes[i : i + 1], i, idle_every=variant.idle)
-                for i, p in enumerate(pagers)
+                ForwardRounds([p], i + 1, predicted, self.cursor, 1, boxes[i : i + 1], i) for i, p in enumerate(pagers)
             ]
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" and not (self.in_step or self.bare) else None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and not self.bare else None
         self.copier = HostCopier(device)
         for pager, box in zip(pagers, boxes):
             serve_pager(self.copier, pager, box)
@@ -473,13 +460,12 @@ class HostRounds:
         torch.add(pos.expand(self.layers), 1, out=self.cursor)
 
     def signal(self, layer: int):
-        step_round = self.rounds[0].in_step(layer + 1) if self.in_step and layer + 1 < self.layers else None
-        return self.chain.signal(layer, first=layer == 0, joinless=True, round=step_round)
+        return self.chain.signal(layer, first=layer == 0, joinless=True)
 
     def stepped(self, layer: int) -> None:
         """onenode, after layer `layer`'s step: on CUDA the forward's kernel forked after the first step; off CUDA
         the next layer's round."""
-        if self.in_step or self.bare:
+        if self.bare:
             return
         if self.side is None:
             if layer + 1 < self.layers:
@@ -497,7 +483,7 @@ class HostRounds:
         self._served = self.copier.stats()["rounds"]
 
     def summary(self, tokens: int) -> dict:
-        """Rounds the host copier served per timed token (empty ones too; the idle forwards' are none) and the
+        """Rounds the host copier served per timed token (empty ones too) and the
         layers whose prefetch gate is closed now."""
         time.sleep(0.05)
         served = self.copier.stats()["rounds"] - self._served

@@ -100,12 +100,6 @@ class PagerSettings:
     prefetch_one_node_programs: int = 0
     """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: programs (CTAs) of the one-node kernel, held for the whole forward; fewer
     hold fewer SMs and copy slower (0: the pagers' prefetch programs, 16)."""
-    prefetch_idle_every: int = 0
-    """BIGMOE_PREFETCH_IDLE_EVERY: N >= 3 = with the host copier, while every layer's prefetch gate is closed the
-    one-node kernel decides the rounds of two forwards in every N (to judge the proposals again) and leaves at once in
-    the others, which the forward before declares quiet: no round of them claims a table and their steps settle
-    nothing (core.forward_rounds.declare_next_quiet, core.round_sync); 0 = it decides every forward. Off: inside vLLM
-    neither sitting the decider out (run 24) nor quiet forwards (run 25) saved anything at recall 0."""
     prefetch_chained_only: bool | None = None
     """BIGMOE_PREFETCH_CHAINED_ONLY: 1 = forwards that are not chained (vLLM's eager and piecewise ones: prefill and
     the sizes no full graph holds) propose and prefetch nothing; their steps page on demand; 0 = every forward
@@ -136,13 +130,6 @@ class PagerSettings:
     round before it naps (20 us naps, 1 ms after a second idle); 0 = it naps at once, each round waiting up to a nap
     before it is copied; unset: core.host_copier.HOT_MS. A benchmark knob: what the spinning thread costs the engine
     beside it; run 25: 0 was 0.08 ms a token faster at recall 0 and 0.32-0.59 slower at 0.8, so the default stays."""
-    prefetch_in_step: bool = False
-    """BIGMOE_PREFETCH_IN_STEP: 1 = a joinless chained forward copied by the host thread (as
-    BIGMOE_PREFETCH_HOST_COPIER=1, which this implies) whose replayed rounds are decided inside the steps: layer l's
-    fused step runs one more program that decides layer l+1's round and publishes it (core.forward_rounds.StepRound),
-    so no prefetch kernel runs beside vLLM's; the next layer only. The live predictor's rounds stay per layer. Not yet
-    measured inside vLLM; off: in the probe without vLLM (run 22) its idle path cost 0.14-0.48 ms a token against
-    0.03-0.37 for a decision beside the chain, which ran among the probe's fast first graphs (run 23): not alike."""
     prefetch_distance: int = 1
     """BIGMOE_PREFETCH_DISTANCE: D > 1 = in a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this
     implies), layer l's round prefetches into layer l+D (its router on layer l's hidden state, or a replayed trace's
@@ -281,7 +268,7 @@ def _parse(cls: type, name: str, raw: str) -> object:
             return items
         if kind in ("int", "int | None"):  # None: unset, the pager's default
             value = int(raw)
-            if value < 0 or (name.endswith("_percent") and value > 100) or (name in _AT_LEAST_3 and 0 < value < 3):
+            if value < 0 or (name.endswith("_percent") and value > 100):
                 raise ValueError
             return value
         if kind == "float":
@@ -299,15 +286,9 @@ def _parse(cls: type, name: str, raw: str) -> object:
     return raw
 
 
-_AT_LEAST_3 = {"prefetch_idle_every"}
-"""int settings whose 0 means off and whose other values start at 3."""
-
-
 def _expected(kind: str, name: str) -> str:
     if name.endswith("_percent"):
         return "an integer from 0 to 100"
-    if name in _AT_LEAST_3:
-        return "0 (off) or an integer >= 3"
     return {
         "bool": "1 or 0",
         "bool | None": "1 or 0",

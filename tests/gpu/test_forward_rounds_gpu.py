@@ -6,8 +6,8 @@ launch a forward, every round is decided or cancelled, no wait gives up, copies 
 BIGMOE_PREFETCH_HOST_COPIER (mode "host"): the same forward with a round forked a layer, each publishing its list to
 the host thread (core.host_copier), which copies it with the copy engines; with BIGMOE_PREFETCH_ONE_NODE too
 ("one-node-host"), decided by the one-node kernel's one program and copied by the host thread; and so with each round
-decided two layers ahead of its step (BIGMOE_PREFETCH_DISTANCE=2, "one-node-host-dist2"); and with each round decided
-by one more program of the step before it (BIGMOE_PREFETCH_IN_STEP, "in-step"). All must keep every slot as right."""
+decided two layers ahead of its step (BIGMOE_PREFETCH_DISTANCE=2, "one-node-host-dist2"). All must keep every slot
+as right."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ MODES = {
     "host": {"prefetch_host_copier": True},
     "one-node-host": {"prefetch_one_node": True, "prefetch_host_copier": True},
     "one-node-host-dist2": {"prefetch_one_node": True, "prefetch_host_copier": True, "prefetch_distance": 2},
-    "in-step": {"prefetch_in_step": True},
 }
 
 
@@ -102,39 +101,3 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     if mode != "one-node":
         served = caught_up(predictor.copier, replays * (layers_n - 1))
         assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
-
-
-@pytest.mark.parametrize("policy,family", [("lru", "topic-shift"), ("lfu-duel", "near-uniform")])
-def test_an_idle_one_node_path_sits_out_forwards_and_keeps_every_slot_right(tmp_path, monkeypatch, policy, family):
-    """BIGMOE_PREFETCH_IDLE_EVERY=4 at recall 0: the gates close, then the kernel decides two forwards in four and
-    leaves at once in the others, each declared quiet by the forward before (no round claims, no step settles:
-    core.round_sync); every slot stays right and no wait gives up."""
-    layers_n, replays, experts, vram, k = 6, 40, 64, 16, 4
-    layout, records, layers, routing, predictor, stats = replayed_model(
-        tmp_path,
-        layers_n,
-        experts,
-        vram,
-        k,
-        family,
-        0.0,
-        policy,
-        topk=True,
-        prefetch_one_node=True,
-        prefetch_host_copier=True,
-        prefetch_idle_every=4,
-    )
-    graph, ids, out = whole_forward(layers, routing, predictor, 1, k, 4)
-    sat_out, quiet = 0, 0
-    for _ in range(replays):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
-        claims = [int(layer.pager.pager.vram.kernel_state()["claim"]) for layer in layers[1:]]
-        sat_out += all(c != predictor.chain_forwards * 4 + DECIDED for c in claims)
-        quiet += predictor.chain_last_quiet
-    assert predictor.chain_timeouts == 0
-    served = caught_up(predictor.copier, replays * (layers_n - 1))
-    assert served["error"] == 0 and 0 < served["rounds"] < replays * (layers_n - 1)
-    assert sat_out >= replays // 4  # whole forwards sat out (half of them, once the gates closed)
-    assert quiet >= replays // 4 - 2  # nearly all declared quiet before they began (the first by the kernel itself)

@@ -64,21 +64,15 @@ for lfu in (False, True):  # Flash-Next at 40% VRAM, every optional input presen
 step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", "programs": "i32", "rec_ptr": "*i64",
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
         "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64",
-        "filled_ptr": "*i64", "max_spins": "i32", "round_row_ptr": "*i64", "round_box_ptr": "*i64",
-        "round_pred_ptr": "*i32", "round_cursor_ptr": "*i64"}
+        "filled_ptr": "*i64", "max_spins": "i32"}
 step |= {"miss_box_ptr": "*i64", "miss_words_ptr": "*i64"}
-step |= {n: "i32" for n in sk._step_kernel.arg_names if n.startswith("round_") and n not in step}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
-ROUNDED = {"ROUND": True, "ROUND_COUNTS": False, "RP": 8, "RS": 205, "NEEDED": ak.NEEDED_KEY, "RBLOCK_S": 256,
-           "BLOCK_N": 256, "RBLOCK_P": 8, "RLFU": True, "RBUDGET": 1}
-for name in [*POLICIES, "round", "hostmiss"]:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
-    rounds_ = ROUNDED if name == "round" else {"ROUND": False, "ROUND_COUNTS": False, **sk.NO_ROUND}
+for name in [*POLICIES, "hostmiss"]:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
               "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True,
-              **policy("lfu-duel" if name in ("round", "hostmiss") else name),
-              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1, "round": 0, "hostmiss": 0}[name],
-              "SYNC": name in ("lfu-duel", "round", "hostmiss"), "ON_GPU": True, "HOST_MISS": name == "hostmiss",
-              **rounds_,
+              **policy("lfu-duel" if name == "hostmiss" else name),
+              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1, "hostmiss": 0}[name],
+              "SYNC": name in ("lfu-duel", "hostmiss"), "ON_GPU": True, "HOST_MISS": name == "hostmiss",
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
@@ -112,7 +106,7 @@ rounds |= {"table_ptr": "*i64", "flags_ptr": "*i64", "predicted_ptr": "*i32", "c
 for host in (False, True):  # copied by its programs / published to the host copier
     k = build(fr._forward_rounds_kernel, rounds, {"FIELDS": len(fr.FIELDS), "WORD": triton.language.int64, "P": 8,
               "E": 256, "S": 102, "NEEDED": ak.NEEDED_KEY, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 256,
-              "BLOCK_S": 128, "BLOCK_N": 256, "BLOCK_P": 8, "BLOCK_L": 64, "LFU": True, "BUDGET": 1, "ON_GPU": True,
+              "BLOCK_S": 128, "BLOCK_N": 256, "BLOCK_P": 8, "LFU": True, "BUDGET": 1, "ON_GPU": True,
               "OFF0": 0, "OFF1": 131072, "OFF2": 196608, "OFF3": 196672, "N0": 131072, "N1": 65536, "N2": 64,
               "N3": 32, "NB0": 128, "NB1": 64, "NB2": 1, "NB3": 1, "NBLK": 194, "BLOCK": 1024, "HOST": host,
               "BOX": 3 + 3 * 102})  # a 40-layer bench layer's shape
@@ -187,15 +181,6 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         assert step["acquire"] == (["ld.acquire.gpu.global.b64"] if name == "lfu-duel" else [])
         assert step["sleep"] == (name == "lfu-duel")
         assert step["release_sys"] == []  # no step publishes to the host
-    # a step with the next layer's round (BIGMOE_PREFETCH_IN_STEP): a joinless lfu-duel step whose extra program
-    # claims the next table (an acq_rel max), releases its decision at GPU scope and publishes the list to the host
-    # copier's mailbox with a system-scope release; the step's own path is as before
-    rounded = got["step_round"]
-    assert "atom.global.gpu.acq_rel.max.s64" in rounded["atom"] and "atom.global.acq_rel.gpu.cas.b64" in rounded["atom"]
-    assert rounded["release"] == ["st.release.gpu.global.b64"] and rounded["release_sys"] == [
-        "st.release.sys.global.b64"
-    ]
-    assert rounded["bar"] and any("evict_first" in a for a in rounded["copy"])
     # a step whose misses the host copier copies (BIGMOE_DEMAND_HOST_COPIER; a joinless one here): the list handed over
     # with a system-scope release, the slots' progress read with acquire loads, sleeping between polls; its own copy
     # (after a wait that gave up) is still the 16-byte one

@@ -16,7 +16,7 @@ import torch
 from bigmoe_bench import traces
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.core.pager import PagerError
-from bigmoe_pager.core.prefetch_chain import FORWARD, QUIET, STEPPED, TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.prefetch_chain import FORWARD, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.settings import PagerSettings
 from test_live_predictor import EXPERTS, hidden, model, predictor
 from test_step_kernel import ACQUIRED, STATE, pager_pair, records, slot_bytes, step_ids
@@ -73,20 +73,6 @@ def test_the_wait_returns_once_the_step_of_this_forward_is_published_and_gives_u
     assert int(chain.flags[TIMEOUTS]) == timeouts
     chain.wait_stepped(0, max_spins=3)  # layer 0 never stepped in this forward
     assert int(chain.flags[TIMEOUTS]) == timeouts + 1
-
-
-def test_a_forward_is_quiet_only_by_its_own_parity_word():
-    """QUIET + f % 2 holds f when forward f was declared quiet; the other parity's word (the next forward's) does not
-    make it quiet, and an older forward's number in its own word does not either."""
-    chain = PrefetchChain(3, "cpu")
-    chain.flags[FORWARD] = 7
-    assert not chain.quiet
-    chain.flags[QUIET + 0] = 8  # the next forward declared, while this one is under way
-    assert not chain.quiet
-    chain.flags[QUIET + 1] = 5
-    assert not chain.quiet
-    chain.flags[QUIET + 1] = 7
-    assert chain.quiet and chain.flags.numel() == STEPPED + 3 and STEPPED > QUIET + 1
 
 
 def test_a_chain_signal_or_wait_names_a_layer_of_the_chain():

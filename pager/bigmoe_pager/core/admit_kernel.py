@@ -263,7 +263,7 @@ if triton is not None:
         forward = 0
         if SYNC:  # a joinless forward: hold the table before reading it, or find the step came first
             forward = tl.load(flags_ptr + _FORWARD)
-            claimed = claim_round(claim_ptr, flags_ptr, forward, ON_GPU)
+            claimed = claim_round(claim_ptr, forward)
         if claimed:
             step = tl.load(step_ptr)
             e_ar = tl.arange(0, BLOCK_E)

@@ -27,18 +27,10 @@ rounds do, with the same tokens, but costs 0.59 ms a token at recall 0 where a f
 sixteen programs held beside vLLM's kernels for the whole forward (one polling program alone cost 0.05 ms,
 sixteen 0.20). So it is off (BIGMOE_PREFETCH_ONE_NODE), with its program count a setting to measure.
 
-With BIGMOE_PREFETCH_IDLE_EVERY (one program, the host copier) the kernel sits out forwards while every gate is
-closed (`idle_forward`), and at each forward's end declares the next one quiet when it will sit that one out
-(`declare_next_quiet`): a quiet forward's kernel leaves at once, none of its rounds claims a table, and its steps
-settle nothing (core.round_sync). Inside vLLM 0.33 (run 24) sitting out the decider alone saved nothing.
-
 With mailboxes (BIGMOE_PREFETCH_HOST_COPIER) the kernel has one program and copies nothing: after each decision it
 publishes the decided list to the layer's mailbox in pinned memory (`publish_round`), and core.host_copier's thread
 copies it with the copy engines and moves `copied` as the kernel's programs would (core.host_rounds). Inside vLLM
 0.33 (run 19) that was level with a fork a round at recall 0 and 0.07-0.21 ms a token faster at recall 0.8.
-
-The same per-layer round (`round_of_layer`) can instead ride on the step before it, as one more program of that
-launch (`StepRound`, BIGMOE_PREFETCH_IN_STEP): no side branch and no resident program at all.
 """
 
 from __future__ import annotations
@@ -50,6 +42,7 @@ from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, NEEDED_KEY, PACKED_MAX, 
 from bigmoe_pager.core.copy_kernel import BLOCK_BYTES, component_groups, copy_plan, record_blocks, record_words
 from bigmoe_pager.core.host_copier import mailbox_words
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
+from bigmoe_pager.core.step_kernel import MAX_IDS
 from bigmoe_pager.core.triton_launch import kernel_for
 
 try:
@@ -126,13 +119,12 @@ class ForwardRounds:
         mailboxes: torch.Tensor | None = None,
         after: int | None = None,
         distance: int = 1,
-        idle_every: int = 0,
     ) -> None:
         """mailboxes: BIGMOE_PREFETCH_HOST_COPIER, int64 [layers, host_copier.mailbox_words(slots)] in pinned memory
         (one program; see `publish_round`): each decided list is published there for core.host_copier instead of
         copied by the kernel. after: the MoE index of the step the launch follows (default first - 1); distance:
         BIGMOE_PREFETCH_DISTANCE, layer l's round waits for the step of layer max(l - distance, after) and proposes
-        from its rows. idle_every: BIGMOE_PREFETCH_IDLE_EVERY (one program only; 0: off), see `idle_forward`."""
+        from its rows."""
         if not pagers:
             raise ForwardRoundsError("a one-node forward needs at least one round")
         if programs < 1:
@@ -145,12 +137,6 @@ class ForwardRounds:
         self.shape = shared_shape(pagers)
         self.predicted, self.cursor, self.programs = predicted, cursor, programs
         self.mailboxes = mailboxes
-        if idle_every != 0 and (idle_every < 3 or programs != 1):
-            raise ForwardRoundsError(
-                f"an idle forward's rounds are skipped by one program, every N >= 3 forwards; got N = {idle_every} "
-                f"with {programs} programs"
-            )
-        self.idle_every = idle_every
         if mailboxes is not None and (
             programs != 1 or tuple(mailboxes.shape) != (len(pagers), mailbox_words(self.shape.slots))
         ):
@@ -163,8 +149,6 @@ class ForwardRounds:
         self.plan = copy_plan(lead.layout)
         self.block = max(1, BLOCK_BYTES // self.plan.word_bytes)
         self.record_blocks = record_blocks(lead.layout)
-        from bigmoe_pager.core.step_kernel import MAX_IDS  # (step_kernel's rounds import this module)
-
         self.max_pred = MAX_IDS * predicted.shape[2]  # a fused step's rows (<= MAX_IDS) times the proposal's width
         self.miss_capacity = lead.vram.miss_capacity
         device = predicted.device
@@ -243,7 +227,6 @@ class ForwardRounds:
             max_spins,
             self.programs,
             self.table if self.mailboxes is None else self.mailboxes,  # (a pointer never read without HOST)
-            self.idle_every,
             FIELDS=len(FIELDS),
             WORD=_tl_word(self.plan.word),
             P=width,
@@ -255,7 +238,6 @@ class ForwardRounds:
             BLOCK_S=next_pow2(s.slots),
             BLOCK_N=IDS_BLOCK,
             BLOCK_P=next_pow2(max(2, n_pred)),
-            BLOCK_L=next_pow2(max(2, self.last - self.first + 1)),
             LFU=s.lfu,
             BUDGET=s.budget,
             ON_GPU=on_gpu,
@@ -277,69 +259,6 @@ class ForwardRounds:
             BOX=mailbox_words(s.slots),
             num_warps=4,
         )
-
-    def in_step(self, layer: int) -> StepRound:
-        """The round into layer `layer` (first .. last) as the extra program of layer `layer` - 1's fused step
-        (BIGMOE_PREFETCH_IN_STEP): published to the host copier, which this kernel's tables must have mailboxes for."""
-        if self.mailboxes is None:
-            raise ForwardRoundsError("rounds decided in the steps are copied by the host copier: they need mailboxes")
-        if not self.first <= layer <= self.last:
-            raise ForwardRoundsError(f"layer {layer} has no round here (layers {self.first} .. {self.last})")
-        return StepRound(self, layer)
-
-
-@dataclass(frozen=True)
-class StepRound:
-    """Layer `target`'s round, decided by one more program of layer `target` - 1's fused step (step_kernel) instead
-    of a kernel beside vLLM's: no side branch, no program resident while vLLM's kernels run (run 21 in
-    docs/benchmarks.md: a resident side CTA slows the SM-filling kernels it sits beside). It proposes from the rows
-    that step replays (distance 1), claims and decides as a joinless round does, and publishes the list for the host
-    copier; layer `target`'s step settles it and waits for the copies it needs (core.round_sync). Measured in the
-    probe without vLLM (run 22): the idle path cost more than a decision beside the chain, which however ran among the
-    probe's fast first graphs (run 23), so the two were not compared alike; it is off (BIGMOE_PREFETCH_IN_STEP)."""
-
-    rounds: ForwardRounds
-    target: int
-    """The MoE index of the round's layer (the step's index + 1)."""
-
-    def step_args(self, tokens: int) -> tuple[list, dict]:
-        """The step kernel's runtime arguments and compile-time constants for a step of `tokens` rows."""
-        rounds, s = self.rounds, self.rounds.shape
-        n_pred = tokens * rounds.predicted.shape[2]
-        if not 1 <= n_pred <= rounds.max_pred:
-            raise ForwardRoundsError(
-                f"a step of {tokens} rows proposes {n_pred} ids, the kernel takes 1..{rounds.max_pred}"
-            )
-        length, layers, width = rounds.predicted.shape
-        index = self.target - rounds.first
-        args = [
-            rounds.table[index],
-            rounds.mailboxes[index],
-            rounds.predicted,
-            rounds.cursor,
-            tokens,
-            length,
-            layers,
-            rounds.predicted.stride(0),
-            rounds.predicted.stride(1),
-            n_pred,
-            rounds.miss_capacity(n_pred),
-            s.min_used_percent,
-            -1 if s.lift_percent is None else s.lift_percent,
-            rounds.layout.record_bytes,
-            rounds.record_blocks,
-        ]
-        consts = dict(
-            RP=width,
-            RS=s.slots,
-            NEEDED=NEEDED_KEY,
-            RBLOCK_S=next_pow2(s.slots),
-            BLOCK_N=IDS_BLOCK,
-            RBLOCK_P=next_pow2(max(2, n_pred)),
-            RLFU=s.lfu,
-            RBUDGET=s.budget,
-        )
-        return args, consts
 
 
 def shared_shape(pagers: list) -> Shape:
@@ -378,14 +297,14 @@ def _tl_word(word: torch.dtype):
 
 
 if triton is not None:
-    from bigmoe_pager.core.admit_kernel import decide_round, scores_at_least
+    from bigmoe_pager.core.admit_kernel import decide_round
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.host_rounds import publish_round
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause
-    from bigmoe_pager.core.prefetch_chain import FORWARD, QUIET, TIMEOUTS, wait_for_step
-    from bigmoe_pager.core.round_sync import DECIDED, cancel_round, count_copied, forward_is_quiet
+    from bigmoe_pager.core.prefetch_chain import FORWARD, TIMEOUTS, wait_for_step
+    from bigmoe_pager.core.round_sync import DECIDED, count_copied
 
-    _FORWARD, _TIMEOUTS, _DECIDED, _QUIET = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED, QUIET))
+    _FORWARD, _TIMEOUTS, _DECIDED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, DECIDED))
 
     # The address table's columns by name, as constexpr globals (all a kernel may read); FIELDS fixes their order.
     _SCRATCH = tl.constexpr(FIELDS.index("scratch"))
@@ -418,11 +337,6 @@ if triton is not None:
     @triton.jit
     def _field(row_ptr, index: tl.constexpr, DTYPE: tl.constexpr):
         return tl.load(row_ptr + index).to(tl.pointer_type(DTYPE))
-
-    @triton.jit
-    def _word_of_rows(rows, index: tl.constexpr, mask):
-        """The int64 word each of `rows` (address-table rows, where mask) points to in column `index`; 0 elsewhere."""
-        return tl.load(tl.load(rows + index, mask=mask, other=0).to(tl.pointer_type(tl.int64)), mask=mask, other=0)
 
     @triton.jit
     def round_of_layer(
@@ -536,59 +450,6 @@ if triton is not None:
             )
 
     @triton.jit
-    def gates_closed(table_ptr, layers, min_used_percent, FIELDS: tl.constexpr, BLOCK_L: tl.constexpr):
-        """Whether every layer's prefetch gate is closed, its decayed scores (as the last round left them) below the
-        threshold."""
-        k = tl.arange(0, BLOCK_L)
-        rows = table_ptr + k * FIELDS
-        used = _word_of_rows(rows, _USED_SCORE, k < layers)
-        wasted = _word_of_rows(rows, _WASTED_SCORE, k < layers)
-        open_now = (k < layers) & scores_at_least(used, wasted, min_used_percent)
-        return tl.sum(open_now.to(tl.int32), 0) == 0
-
-    @triton.jit
-    def declare_next_quiet(
-        table_ptr, flags_ptr, layers, forward, idle_every, min_used_percent, FIELDS: tl.constexpr, BLOCK_L: tl.constexpr
-    ):
-        """At a forward's end, once its rounds are all decided: declare the next forward quiet (the chain's QUIET word)
-        when `idle_forward` would sit it out, so that it does not even begin its rounds and its steps settle nothing
-        (core.round_sync). Read before it begins, in stream order: the kernel is joined at this forward's end. With two
-        chained models on one chain (an MTP drafter's forwards between the decoder's), the next forward may be the
-        other model's, which then sits out its rounds too: a prefetch lost, never a token."""
-        nxt = forward + 1
-        if gates_closed(table_ptr, layers, min_used_percent, FIELDS, BLOCK_L) & (nxt % idle_every >= 2):
-            tl.store(flags_ptr + _QUIET + nxt % 2, nxt)  # (this forward's steps may still read the other word)
-
-    @triton.jit
-    def idle_forward(
-        table_ptr,
-        layers,
-        forward,
-        idle_every,
-        min_used_percent,
-        FIELDS: tl.constexpr,
-        E: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-    ):
-        """BIGMOE_PREFETCH_IDLE_EVERY: whether this forward's rounds are skipped, by the one program that decides them.
-        While every layer's gate is closed (its decayed scores, as the last round left them, below the threshold), the
-        rounds run in two forwards of every `idle_every` and the kernel leaves at once in the others, cancelling their
-        rounds as a step that came first does (once each, where every program of a step would race to). The first
-        forward of the two drops the would-fetch marks the last pair left (judged now, they would count every use since,
-        many forwards ago, as a hit); the second judges the first's marks one step later, as every round does, so a
-        predictor that turns useful reopens the gate within a cycle or two. A forward that `declare_next_quiet` marked
-        never gets here: the kernel leaves before, and its steps do not settle (core.round_sync); this is for the
-        forwards nothing declared (the first after the gates closed, or one after an uncaptured forward)."""
-        closed = gates_closed(table_ptr, layers, min_used_percent, FIELDS, BLOCK_L)
-        phase = forward % idle_every
-        if closed & (phase == 0):
-            e = tl.arange(0, BLOCK_E)
-            for i in range(0, layers):
-                tl.store(_field(table_ptr + i * FIELDS, _WOULD_FETCH, tl.int32) + e, 0, mask=e < E)
-        return closed & (phase >= 2)
-
-    @triton.jit
     def _forward_rounds_kernel(
         table_ptr,
         flags_ptr,
@@ -613,7 +474,6 @@ if triton is not None:
         max_spins,
         programs,
         mailbox_ptr,
-        idle_every,
         FIELDS: tl.constexpr,
         WORD: tl.constexpr,
         P: tl.constexpr,
@@ -625,7 +485,6 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_P: tl.constexpr,
-        BLOCK_L: tl.constexpr,
         LFU: tl.constexpr,
         BUDGET: tl.constexpr,
         ON_GPU: tl.constexpr,
@@ -649,20 +508,7 @@ if triton is not None:
         pid = tl.program_id(0)
         forward = tl.load(flags_ptr + _FORWARD)  # counted by the first step, which this launch was forked after
         j = tl.arange(0, BLOCK_S)  # list positions (m <= S)
-        stop = last + 1
-        if idle_every > 0:
-            # Declared quiet by the last forward's kernel: no round claims and no step settles, so leave at once.
-            # Otherwise (the first forward, or gates that closed since) sit it out here, cancelling its rounds.
-            idle = forward_is_quiet(flags_ptr, forward)
-            if ~idle:
-                idle = idle_forward(
-                    table_ptr, last - first + 1, forward, idle_every, min_used_percent, FIELDS, E, BLOCK_E, BLOCK_L
-                )
-                if idle:  # the rounds cancelled here, once each: every program of a step then reads a settled claim
-                    for i in range(0, last - first + 1):
-                        cancel_round(_field(table_ptr + i * FIELDS, _CLAIM, tl.int64), forward, ON_GPU)
-            stop = tl.where(idle, first, stop)
-        for layer in range(first, stop):
+        for layer in range(first, last + 1):
             row = table_ptr + (layer - first) * FIELDS
             claim_ptr = _field(row, _CLAIM, tl.int64)
             if pid == 0:
@@ -755,8 +601,3 @@ if triton is not None:
                             count_copied(copied_ptr, slot, blocks)
                 elif seen < mine + _DECIDED:  # gave up on a decision that never came: counted (the step copies)
                     tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
-        if idle_every > 0:  # (one program)
-            tl.debug_barrier()  # the rounds' score stores are made before they are read
-            declare_next_quiet(
-                table_ptr, flags_ptr, last - first + 1, forward, idle_every, min_used_percent, FIELDS, BLOCK_L
-            )

@@ -13,9 +13,6 @@ device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured sl
     flags[CANCELS]      rounds a joinless forward's step cancelled because it came first (core.round_sync)
     flags[PUBLISHED]    1 once a round published a list with entries for the host copier, 0 again once a forward's
                         drain saw every copy done (core.host_rounds)
-    flags[QUIET + f % 2]  forward f if it was declared quiet before it began: no round of it claims a table, and its
-                        steps skip the settling (core.round_sync; declared by core.forward_rounds' idle skipping, by
-                        the forward before, while that one's steps may still read their own word: hence two)
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
 
 The fused step kernel (step_kernel, a `ChainSignal`) publishes `STEPPED + l` with a release store
@@ -39,13 +36,9 @@ In Triton's CPU interpreter the same kernels run with plain volatile loads and s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from bigmoe_pager.core.triton_launch import kernel_for
-
-if TYPE_CHECKING:
-    from bigmoe_pager.core.forward_rounds import StepRound
 
 try:
     import triton
@@ -53,7 +46,7 @@ try:
 except ImportError:
     triton = tl = None
 
-FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, STEPPED = 0, 1, 2, 3, 4, 6
+FORWARD, TIMEOUTS, CANCELS, PUBLISHED, STEPPED = 0, 1, 2, 3, 4
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
@@ -72,10 +65,6 @@ class ChainSignal:
     joinless: bool = False
     """Nothing joins the round into this layer before its step: the step settles it on the device
     (core.round_sync). Never for the first layer, which no round of the forward precedes."""
-    round: StepRound | None = None
-    """BIGMOE_PREFETCH_IN_STEP: the next layer's round, which one more program of this step decides and publishes
-    (core.forward_rounds.StepRound). The step then publishes no STEPPED word (nothing waits for one), and in the
-    forward's first layer that program counts the forward."""
 
     @property
     def mode(self) -> int:
@@ -92,8 +81,8 @@ class PrefetchChain:
     def layers(self) -> int:
         return self.flags.numel() - STEPPED
 
-    def signal(self, layer: int, first: bool, joinless: bool = False, round: StepRound | None = None) -> ChainSignal:
-        return ChainSignal(self.flags, self._checked(layer), first, joinless and not first, round)
+    def signal(self, layer: int, first: bool, joinless: bool = False) -> ChainSignal:
+        return ChainSignal(self.flags, self._checked(layer), first, joinless and not first)
 
     def wait_stepped(self, layer: int, max_spins: int | None = None) -> None:
         """Enqueue, on the current stream, one program that waits until layer `layer`'s step of the forward
@@ -124,12 +113,6 @@ class PrefetchChain:
     def cancels(self) -> int:
         """Rounds a joinless forward's steps cancelled so far (reads the device: one sync)."""
         return int(self.flags[CANCELS])
-
-    @property
-    def quiet(self) -> bool:
-        """Whether the last forward counted was declared quiet before it began (reads the device: one sync)."""
-        forward = int(self.flags[FORWARD])
-        return int(self.flags[QUIET + forward % 2]) == forward
 
     def stepped(self, layer: int) -> int:
         """The forward whose step of `layer` was last published (reads the device: one sync)."""

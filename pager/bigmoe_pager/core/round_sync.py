@@ -40,12 +40,6 @@ forward needs: decisions made in the steps, one copier kernel a forward.
 The forward's number is the chain's FORWARD word (core.prefetch_chain), which the forward's first
 step counts before any round or later step reads it.
 
-A quiet forward (its QUIET word holds its number, written before it began by the one-node kernel's idle
-skipping, core.forward_rounds) has no rounds: no round of it claims a table. Its steps then settle nothing and wait
-for no copy, provided no host copy of an earlier forward may still be under way (the chain's PUBLISHED word clear:
-core.host_rounds); otherwise they settle as in any joinless forward. Measured inside vLLM 0.33 (run 24), idle skipping
-that only left the decider out kept its whole cost (+0.41 ms a token at recall 0 against +0.44 without it), so a
-forward whose rounds are all skipped should not pay the steps' side of the meeting either.
 """
 
 from __future__ import annotations
@@ -62,48 +56,19 @@ CLAIMED, DECIDED, CANCELLED = 1, 2, 3
 
 if triton is not None:
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
-    from bigmoe_pager.core.prefetch_chain import PUBLISHED, QUIET
 
     _CLAIMED, _DECIDED, _CANCELLED = (tl.constexpr(v) for v in (CLAIMED, DECIDED, CANCELLED))
-    _PUBLISHED, _QUIET = tl.constexpr(PUBLISHED), tl.constexpr(QUIET)
 
     @triton.jit
-    def forward_is_quiet(flags_ptr, forward):
-        """Whether `forward` was declared quiet before it began (written by an earlier kernel in stream order)."""
-        return tl.load(flags_ptr + _QUIET + forward % 2) == forward
-
-    @triton.jit
-    def step_settles(flags_ptr, forward):
-        """Whether a joinless step of `forward` must settle its round and wait for its copies: not in a quiet forward
-        with no host copy of an earlier one left under way."""
-        settles = ~forward_is_quiet(flags_ptr, forward)
-        if not settles:  # PUBLISHED changes while the step runs (a round publishes): one value for the whole program
-            settles = load_uniform(flags_ptr + _PUBLISHED) != 0
-        return settles
-
-    @triton.jit
-    def claim_round(claim_ptr, flags_ptr, forward, ON_GPU: tl.constexpr):
-        """The round's side: True when it holds the table for `forward` (False: the step cancelled it first, or the
-        forward is quiet: its steps do not settle, so nothing may claim; the round cancels itself then, so that any
-        program waiting for its decision stops waiting)."""
-        quiet = forward_is_quiet(flags_ptr, forward)
-        if quiet:
-            cancel_round(claim_ptr, forward, ON_GPU)
-        before = tl.atomic_max(claim_ptr, forward * 4 + _CLAIMED, mask=~quiet, sem="acq_rel")
-        return ~quiet & (before < forward * 4)
+    def claim_round(claim_ptr, forward):
+        """The round's side: True when it holds the table for `forward` (False: the step cancelled it first)."""
+        before = tl.atomic_max(claim_ptr, forward * 4 + _CLAIMED, sem="acq_rel")
+        return before < forward * 4
 
     @triton.jit
     def release_round(claim_ptr, forward, ON_GPU: tl.constexpr):
         """The round's decision is written (the caller has fenced its stores with a barrier): the step may read."""
         store_release(claim_ptr, forward * 4 + _DECIDED, GPU_SCOPE, ON_GPU)
-
-    @triton.jit
-    def cancel_round(claim_ptr, forward, ON_GPU: tl.constexpr):
-        """Cancel the round into this table for `forward` unless it was claimed or settled already, as a step that
-        came first does (used by a decider that sits the forward out: core.forward_rounds.idle_forward)."""
-        seen = load_uniform(claim_ptr)
-        if seen < forward * 4:
-            tl.atomic_cas(claim_ptr, seen, forward * 4 + _CANCELLED, sem="acq_rel")
 
     @triton.jit
     def settle_round(claim_ptr, forward, max_spins, ON_GPU: tl.constexpr):

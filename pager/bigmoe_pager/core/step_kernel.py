@@ -30,10 +30,6 @@ the state installs with the counts.
 Given a ChainSignal (a forward captured whole, core.prefetch_chain), the
 program writing the state, last of all, publishes the step to the forward's
 chained prefetch rounds.
-Given a ChainSignal with a round (BIGMOE_PREFETCH_IN_STEP, core.forward_rounds.StepRound), one
-more program decides the next layer's round and publishes it to the host copier while the others
-do the step; it touches only the next layer's table, so nobody waits for it, and the launch lasts
-as long as the longer of the two (run 22 in docs/benchmarks.md: longer than a mostly-hit step).
 Given a miss mailbox (BIGMOE_DEMAND_HOST_COPIER), no program copies: program 0 raises each filled slot's goal
 (`target`), publishes the miss list to the host copier (core.host_copier, an urgent mailbox: its own stream, served
 before prefetch rounds) and waits on the device until the goals land; a copy still missing after max_spins polls it
@@ -74,8 +70,6 @@ MAX_IDS = 64  # ids per step the fused path takes (decode batches); larger steps
 MAX_CELLS = 16384  # elements of a program's (slots x ids) or (experts x ids) comparison: stays in registers
 PROGRAMS_PER_SM = 2  # 264 programs x 8 KiB on an H200: ~2 MB of PCIe reads in flight, ~10x the link's need
 INTERPRETER_PROGRAMS = 3  # CPU tensors (Triton's interpreter): a few programs exercise the sharing
-NO_ROUND = dict(RP=1, RS=1, NEEDED=0, RBLOCK_S=1, BLOCK_N=1, RBLOCK_P=1, RLFU=False, RBUDGET=0)
-"""The round constants of a step that decides no round (the kernel compiles the round program out)."""
 
 
 class StepKernelError(ValueError):
@@ -83,8 +77,8 @@ class StepKernelError(ValueError):
 
 
 COMPILED: dict[str, dict[str, int]] = {}
-"""What the GPU's loader reports for each step variant this process compiled first ('plain', 'chained', 'joinless',
-'in-step'): registers per thread and local memory bytes per thread (spills and stack). Benchmark rows carry it
+"""What the GPU's loader reports for each step variant this process compiled first ('plain', 'chained',
+'joinless'): registers per thread and local memory bytes per thread (spills and stack). Benchmark rows carry it
 (adapters.vllm.process.engine_facts): run 25 found every launch of a decode graph slower with joinless steps in it.
 Empty in Triton's interpreter."""
 
@@ -93,8 +87,6 @@ def step_variant(chain: ChainSignal | None) -> str:
     """The name COMPILED files a step launched with `chain` under."""
     if chain is None:
         return "plain"
-    if chain.round is not None:
-        return "in-step"
     return "joinless" if chain.joinless else "chained"
 
 
@@ -197,22 +189,7 @@ def launch_step(
     joinless = chain is not None and chain.joinless
     if max_spins is None:
         max_spins = GPU_MAX_SPINS if flat.is_cuda else 1
-    step_round = None if chain is None else chain.round
-    mode = NO_CHAIN if chain is None else chain.mode
-    if step_round is None:
-        round_args, round_consts = [dummy] * 4 + [0] * 11, NO_ROUND
-    else:
-        if step_round.target != chain.layer + 1:
-            raise StepKernelError(
-                f"layer {chain.layer}'s step decides layer {chain.layer + 1}'s round, not {step_round.target}'s"
-            )
-        if step_round.rounds.shape.experts != num_experts:  # the kernel's E serves both tables
-            raise StepKernelError(
-                f"layer {chain.layer} has {num_experts} experts, its next layer {step_round.rounds.shape.experts}"
-            )
-        round_args, round_consts = step_round.step_args(ids.shape[0] if ids.dim() > 1 else 1)
-        mode = NO_CHAIN  # nothing waits for the step's STEPPED word; the round program counts a first step's forward
-    compiled = kernel_for(_step_kernel, flat.device)[(programs + int(duel) + int(step_round is not None),)](
+    compiled = kernel_for(_step_kernel, flat.device)[(programs + int(duel),)](
         flat,
         flat.numel(),
         table_state["expert_slot"],
@@ -241,7 +218,6 @@ def launch_step(
         record_words(records, plan),
         plan.pitch_words,
         *group.outs,
-        *round_args,
         E=num_experts,
         S=num_slots,
         PACKED_MAX=PACKED_MAX,
@@ -255,7 +231,7 @@ def launch_step(
         DUEL=duel,
         SLOW_DECAY=slow_decay,
         PSEL_MAX=psel_max,
-        CHAIN=mode,
+        CHAIN=NO_CHAIN if chain is None else chain.mode,
         SYNC=joinless,
         ON_GPU=flat.is_cuda,
         OFF0=group.offsets[0],
@@ -273,9 +249,6 @@ def launch_step(
         NBLK=sum(group.nblocks),
         BLOCK=block,
         HOST_MISS=miss_box is not None,
-        ROUND=step_round is not None,
-        ROUND_COUNTS=step_round is not None and chain.first,
-        **round_consts,
         num_warps=4,
     )
     note_compiled(step_variant(chain), compiled)
@@ -285,14 +258,12 @@ def launch_step(
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, lfu_key, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
-    from bigmoe_pager.core.forward_rounds import round_of_layer
     from bigmoe_pager.core.host_rounds import publish_list
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
     from bigmoe_pager.core.round_sync import (
         copies_under_way,
         round_filled,
         settle_round,
-        step_settles,
         wait_busy,
         wait_copies,
     )
@@ -351,21 +322,6 @@ if triton is not None:
         out1,
         out2,
         out3,
-        round_row_ptr,
-        round_box_ptr,
-        round_pred_ptr,
-        round_cursor_ptr,
-        round_tokens,
-        round_length,
-        round_trace_layers,
-        round_row_stride,
-        round_layer_stride,
-        round_n_pred,
-        round_m,
-        round_min_used,
-        round_lift,
-        round_bytes,
-        round_blocks,
         E: tl.constexpr,
         S: tl.constexpr,
         PACKED_MAX: tl.constexpr,
@@ -397,331 +353,277 @@ if triton is not None:
         NBLK: tl.constexpr,
         BLOCK: tl.constexpr,
         HOST_MISS: tl.constexpr,
-        ROUND: tl.constexpr,
-        ROUND_COUNTS: tl.constexpr,
-        RP: tl.constexpr,
-        RS: tl.constexpr,
-        NEEDED: tl.constexpr,
-        RBLOCK_S: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        RBLOCK_P: tl.constexpr,
-        RLFU: tl.constexpr,
-        RBUDGET: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        if pid < programs + DUEL:  # the step's programs (P, and the shadow player)
-            if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync);
-                # a quiet one has no round, and no earlier copy under way: nothing to settle or wait for
-                forward = tl.load(chain_ptr + _FORWARD)
-                settles = step_settles(chain_ptr, forward)
-                if settles:
-                    cancelled, stuck = settle_round(claim_ptr, forward, max_spins, ON_GPU)
-                    if cancelled:
-                        tl.atomic_add(chain_ptr + _CANCELS, 1)
-                    if stuck & (pid == 0):
-                        tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
-            step = tl.load(step_ptr) + 1
+        if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync)
+            forward = tl.load(chain_ptr + _FORWARD)
+            cancelled, stuck = settle_round(claim_ptr, forward, max_spins, ON_GPU)
+            if cancelled:
+                tl.atomic_add(chain_ptr + _CANCELS, 1)
+            if stuck & (pid == 0):
+                tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+        step = tl.load(step_ptr) + 1
 
-            # 1. The decision, from the table as it stood before the step (written only at the end).
-            j = tl.arange(0, BLOCK_I)  # id position; also the miss-list position
-            ids = tl.load(ids_ptr + j, mask=j < n_ids, other=-1).to(tl.int64)
-            valid = (ids >= 0) & (ids < E)
-            invalid = tl.sum(((ids < -1) | (ids >= E)).to(tl.int64), 0)
-            same = (ids[:, None] == ids[None, :]) & valid[:, None]  # [j, k]
-            first = valid & (tl.sum((same & (j[None, :] < j[:, None])).to(tl.int32), 1) == 0)
-            where_now = tl.load(expert_slot_ptr + ids, mask=valid, other=-1)
-            hit = valid & (where_now >= 0)
-            miss = valid & (where_now < 0)
-            fresh = first & miss  # each missing expert once
-            lookups = tl.sum(first.to(tl.int64), 0)
-            hits = tl.sum((first & hit).to(tl.int64), 0)
-            misses = lookups - hits
-            # Misses are served in ascending expert id: rank = distinct missing experts below this one.
-            rank = tl.sum((fresh[None, :] & (ids[None, :] < ids[:, None])).to(tl.int32), 1)
+        # 1. The decision, from the table as it stood before the step (written only at the end).
+        j = tl.arange(0, BLOCK_I)  # id position; also the miss-list position
+        ids = tl.load(ids_ptr + j, mask=j < n_ids, other=-1).to(tl.int64)
+        valid = (ids >= 0) & (ids < E)
+        invalid = tl.sum(((ids < -1) | (ids >= E)).to(tl.int64), 0)
+        same = (ids[:, None] == ids[None, :]) & valid[:, None]  # [j, k]
+        first = valid & (tl.sum((same & (j[None, :] < j[:, None])).to(tl.int32), 1) == 0)
+        where_now = tl.load(expert_slot_ptr + ids, mask=valid, other=-1)
+        hit = valid & (where_now >= 0)
+        miss = valid & (where_now < 0)
+        fresh = first & miss  # each missing expert once
+        lookups = tl.sum(first.to(tl.int64), 0)
+        hits = tl.sum((first & hit).to(tl.int64), 0)
+        misses = lookups - hits
+        # Misses are served in ascending expert id: rank = distinct missing experts below this one.
+        rank = tl.sum((fresh[None, :] & (ids[None, :] < ids[:, None])).to(tl.int32), 1)
 
-            s_ar = tl.arange(0, BLOCK_S)
-            s_in = s_ar < S
-            held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
-            last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
-            e_ar = tl.arange(0, BLOCK_E)
-            e_in = e_ar < E
-            if LFU:  # the counts the state writer adds to, read with the rest (nobody writes them before it)
-                if DUEL:
-                    fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY)
-                    slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY)
-                else:
-                    uses = halved(tl.load(freq_ptr + e_ar, mask=e_in, other=0), step, DECAY)
-            occupied = held >= 0
-            held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
-            avail = s_in & ~held_needed
-            if SYNC:  # the slots this forward's round filled are not taken (a set every program reads alike, where
-                # the copies' progress is not), unless too few others are left: then once those copies are all done
-                if settles:
-                    busy = round_filled(filled_ptr, forward, s_ar, avail)
-                    short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
-                    if short > 0:
-                        late = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
-                        if tl.sum(late.to(tl.int32), 0) == 0:
-                            busy = late
-                        elif pid == 0:  # misses left unplaced: counted as errors, never hidden
-                            tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
-                            if HAS_STATS:
-                                tl.atomic_add(stats_ptr + _ERRORS, short)
-                    avail = avail & ~busy
-            n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
-            cand = tl.full([BLOCK_I], -1, tl.int64)
-            old = tl.full([BLOCK_I], -1, tl.int64)
-            if n_take > 0:  # rank the victims only when there are some: a hit waits for no gather of the counts
-                if DUEL:  # the counts the selector named before the step (program P moves it, the writer installs it)
-                    held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
-                    held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
-                    count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
-                    rank_s = lfu_key(count, last, held)
-                elif LFU:
-                    count = halved(tl.load(freq_ptr + held, mask=occupied, other=0), step, DECAY)
-                    rank_s = lfu_key(count, last, held)
-                else:
-                    rank_s = last * (E + 1) + held
-                key = tl.where(occupied, rank_s, -1)  # empty slots first, in slot order
-                packed = tl.where(avail, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
-                for i in range(0, n_take):
-                    best = tl.min(packed, 0)
-                    pick = packed == best
-                    cand = tl.where(j == i, best % BLOCK_S, cand)
-                    old = tl.where(j == i, tl.sum(tl.where(pick, held, 0), 0), old)
-                    packed = tl.where(pick, PACKED_MAX, packed)
-            take = j < n_take
-            mexp = tl.sum(tl.where(fresh[None, :] & (rank[None, :] == j[:, None]), ids[None, :], 0), 1)  # [i]
-            mexp = tl.where(take, mexp, -1)
-            my_cand = tl.sum(tl.where(j[None, :] == rank[:, None], cand[None, :], 0), 1)  # [j]: cand[rank_j]
-            slot_after = tl.where(hit, where_now, tl.where(miss & (rank < n_take), my_cand, -1))
-
-            # 2. Outputs and counters (nobody reads them in this launch).
-            if pid == 0:
-                tl.store(remapped_ptr + j, slot_after, mask=j < n_ids)
-                tl.store(miss_exp_ptr + j, mexp, mask=j < m)
-                tl.store(miss_slot_ptr + j, cand, mask=j < m)
-                tl.store(evicted_ptr + j, old, mask=j < m)
-                loaded = n_take.to(tl.int64)
-                tl.store(counts_ptr + 0, lookups)
-                tl.store(counts_ptr + 1, hits)
-                tl.store(counts_ptr + 2, misses)
-                tl.store(counts_ptr + 3, loaded)
-                tl.store(counts_ptr + 4, tl.maximum(lookups - S, 0))
-                tl.store(counts_ptr + 5, invalid)
-                if HAS_STATS:
-                    tl.atomic_add(stats_ptr + _LOOKUPS, lookups)
-                    tl.atomic_add(stats_ptr + _HITS, hits)
-                    tl.atomic_add(stats_ptr + _MISSES, misses)
-                    tl.atomic_add(stats_ptr + _BYTES, loaded * record_bytes)
-                    tl.atomic_add(stats_ptr + _ERRORS, invalid)
-                if HAS_AUX:
-                    tl.atomic_add(aux_ptr + _LOOKUPS, loaded)
-                    tl.atomic_add(aux_ptr + _HITS, loaded)
-
-            # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
-            # Under lfu-duel, program P plays the shadows instead: nobody else reads or writes them.
-            copies = 0 if HOST_MISS else n_take
+        s_ar = tl.arange(0, BLOCK_S)
+        s_in = s_ar < S
+        held = tl.load(slot_expert_ptr + s_ar, mask=s_in, other=-1)
+        last = tl.load(last_use_ptr + s_ar, mask=s_in, other=-1)
+        e_ar = tl.arange(0, BLOCK_E)
+        e_in = e_ar < E
+        if LFU:  # the counts the state writer adds to, read with the rest (nobody writes them before it)
             if DUEL:
-                copies = tl.where(pid < programs, copies, 0)
-                if pid == programs:
-                    needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
-                    fast_hits = shadow_step(
-                        fast_held_ptr, fast_stamps_ptr, fast + needed.to(tl.int64), needed, step, e_ar, E, S
-                    )
-                    slow_hits = shadow_step(
-                        slow_held_ptr, slow_stamps_ptr, slow + needed.to(tl.int64), needed, step, e_ar, E, S
-                    )
-                    psel = tl.load(psel_ptr) + slow_hits - fast_hits
-                    tl.store(psel_next_ptr, tl.minimum(tl.maximum(psel, -PSEL_MAX), PSEL_MAX))
-            copy_listed_share(
-                pid,
-                programs,
-                copies,
-                j,
-                mexp,  # record row = expert id (the RAM tier is full)
-                cand,
-                rec_ptr,
-                pitch_words,
-                out0,
-                out1,
-                out2,
-                out3,
-                OFF0,
-                OFF1,
-                OFF2,
-                OFF3,
-                N0,
-                N1,
-                N2,
-                N3,
-                NB0,
-                NB1,
-                NB2,
-                NB3,
-                NBLK,
-                BLOCK,
-            )
-
-            # 3a. The host copier copies the misses: program 0 hands them over and waits (the others are done).
-            if HOST_MISS:
-                if (pid == 0) & (n_take > 0):
-                    filled = tl.where(take, cand, 0)
-                    done_now = tl.load(copied_ptr + filled, mask=take, other=0, volatile=True)
-                    goal = tl.maximum(done_now, tl.load(target_ptr + filled, mask=take, other=0, volatile=True)) + 1
-                    tl.store(target_ptr + filled, goal, mask=take)
-                    seq = tl.atomic_add(miss_words_ptr + _MISS_SEQ, 1) + 1
-                    tl.debug_barrier()  # the goals are in place before the host may write them back
-                    publish_list(miss_box_ptr, seq, mexp, cand, goal, take, j, S, ON_GPU)
-                    missing = wait_copies(copied_ptr, target_ptr, cand, take, max_spins, ON_GPU)
-                    n_missing = tl.sum(missing.to(tl.int32), 0)
-                    if n_missing > 0:  # never copied by the host: copy every miss here, then count them as landed
-                        copy_listed_share(
-                            0,
-                            1,
-                            n_take,
-                            j,
-                            mexp,
-                            cand,
-                            rec_ptr,
-                            pitch_words,
-                            out0,
-                            out1,
-                            out2,
-                            out3,
-                            OFF0,
-                            OFF1,
-                            OFF2,
-                            OFF3,
-                            N0,
-                            N1,
-                            N2,
-                            N3,
-                            NB0,
-                            NB1,
-                            NB2,
-                            NB3,
-                            NBLK,
-                            BLOCK,
-                        )
-                        tl.debug_barrier()
-                        tl.store(copied_ptr + filled, goal, mask=missing)
-                        tl.atomic_add(miss_words_ptr + _MISS_SELF, n_missing.to(tl.int64))
-
-            # 3b. A joinless forward: vLLM's kernel reads the slots once this launch ends, so one program waits for the
-            # round's copies into the slots this step hits, and copies any still under way after max_spins itself
-            # (the same expert's bytes into the same slot: the race with the round is harmless).
-            if SYNC:
-                if (pid == 0) & settles:
-                    pending = copies_under_way(copied_ptr, target_ptr, where_now, first & hit, ON_GPU)
-                    n_pending = tl.sum(pending.to(tl.int64), 0)
-                    if HAS_STATS:  # the prefetches this step waits for: copies not hidden behind compute
-                        if n_pending > 0:
-                            tl.atomic_add(stats_ptr + _PREFETCH_LATE, n_pending)
-                    late = wait_busy(copied_ptr, target_ptr, where_now, pending, max_spins, ON_GPU)
-                    n_late = tl.sum(late.to(tl.int32), 0)
-                    if n_late > 0:
-                        late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)
-                        pick = late[None, :] & (late_rank[None, :] == j[:, None])  # [i, j]: list position i holds id j
-                        late_exp = tl.sum(tl.where(pick, ids[None, :], 0), 1)
-                        late_slot = tl.sum(tl.where(pick, where_now[None, :], 0), 1)
-                        copy_listed_share(
-                            0,
-                            1,
-                            n_late,
-                            j,
-                            late_exp,
-                            late_slot,
-                            rec_ptr,
-                            pitch_words,
-                            out0,
-                            out1,
-                            out2,
-                            out3,
-                            OFF0,
-                            OFF1,
-                            OFF2,
-                            OFF3,
-                            N0,
-                            N1,
-                            N2,
-                            N3,
-                            NB0,
-                            NB1,
-                            NB2,
-                            NB3,
-                            NBLK,
-                            BLOCK,
-                        )
-                        tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
-
-            # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it
-            # at once: the others use nothing it changes (the ranking was skipped and the slot map stays), so none need
-            # be waited for. Under lfu-duel that program is the shadow player, which holds the new selector. Otherwise
-            # the last program to get here writes it: by then every program has read the old state (the barrier orders
-            # this program's reads before its count).
-            tl.debug_barrier()
-            if n_take == 0:
-                writes = pid == (programs if DUEL else 0)
+                fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY)
+                slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY)
             else:
-                writes = tl.atomic_add(done_ptr, 1) == (programs if DUEL else programs - 1)  # the shadow player counts
-            if writes:
-                tl.store(done_ptr, 0)
-                tl.store(step_ptr, step)
-                tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
-                tl.store(expert_slot_ptr + mexp, cand, mask=take)
-                tl.store(slot_expert_ptr + cand, mexp, mask=take)
-                tl.store(last_use_ptr + where_now, step, mask=hit)
-                tl.store(last_use_ptr + cand, step, mask=take)
-                if LFU:
-                    needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
-                    if DUEL:  # both counts, the selector the shadow player left (an atomic read: it may have run on
-                        # another SM), and the leader it names
-                        tl.store(fast_ptr + e_ar, fast + needed.to(tl.int64), mask=e_in)
-                        tl.store(slow_ptr + e_ar, slow + needed.to(tl.int64), mask=e_in)
-                        psel = tl.atomic_add(psel_next_ptr, 0)
-                        tl.store(psel_ptr, psel)
-                        tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast) + needed.to(tl.int64), mask=e_in)
-                    else:
-                        tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
-                if CHAIN != 0:  # last: every program's copies are done (their counts were acquired above)
-                    publish_step(chain_ptr, chain_layer, CHAIN, ON_GPU)
+                uses = halved(tl.load(freq_ptr + e_ar, mask=e_in, other=0), step, DECAY)
+        occupied = held >= 0
+        held_needed = tl.sum(((held[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32), 1) > 0
+        avail = s_in & ~held_needed
+        if SYNC:  # the slots this forward's round filled are not taken (a set every program reads alike, where
+            # the copies' progress is not), unless too few others are left: then once those copies are all done
+            busy = round_filled(filled_ptr, forward, s_ar, avail)
+            short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
+            if short > 0:
+                late = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
+                if tl.sum(late.to(tl.int32), 0) == 0:
+                    busy = late
+                elif pid == 0:  # misses left unplaced: counted as errors, never hidden
+                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+                    if HAS_STATS:
+                        tl.atomic_add(stats_ptr + _ERRORS, short)
+            avail = avail & ~busy
+        n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
+        cand = tl.full([BLOCK_I], -1, tl.int64)
+        old = tl.full([BLOCK_I], -1, tl.int64)
+        if n_take > 0:  # rank the victims only when there are some: a hit waits for no gather of the counts
+            if DUEL:  # the counts the selector named before the step (program P moves it, the writer installs it)
+                held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
+                held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
+                count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
+                rank_s = lfu_key(count, last, held)
+            elif LFU:
+                count = halved(tl.load(freq_ptr + held, mask=occupied, other=0), step, DECAY)
+                rank_s = lfu_key(count, last, held)
+            else:
+                rank_s = last * (E + 1) + held
+            key = tl.where(occupied, rank_s, -1)  # empty slots first, in slot order
+            packed = tl.where(avail, (key + 1) * BLOCK_S + s_ar, PACKED_MAX)  # unique: ties broken by slot
+            for i in range(0, n_take):
+                best = tl.min(packed, 0)
+                pick = packed == best
+                cand = tl.where(j == i, best % BLOCK_S, cand)
+                old = tl.where(j == i, tl.sum(tl.where(pick, held, 0), 0), old)
+                packed = tl.where(pick, PACKED_MAX, packed)
+        take = j < n_take
+        mexp = tl.sum(tl.where(fresh[None, :] & (rank[None, :] == j[:, None]), ids[None, :], 0), 1)  # [i]
+        mexp = tl.where(take, mexp, -1)
+        my_cand = tl.sum(tl.where(j[None, :] == rank[:, None], cand[None, :], 0), 1)  # [j]: cand[rank_j]
+        slot_after = tl.where(hit, where_now, tl.where(miss & (rank < n_take), my_cand, -1))
 
-        if ROUND:  # the program after the step's: the next layer's round (core.forward_rounds.round_of_layer)
-            if pid == programs + DUEL:
-                if ROUND_COUNTS:  # the forward's first step: its round is the first to need the forward's number
-                    forward_now = tl.atomic_add(chain_ptr + _FORWARD, 1) + 1
-                else:
-                    forward_now = tl.load(chain_ptr + _FORWARD)
-                round_of_layer(
-                    round_row_ptr,
-                    round_box_ptr,
-                    chain_ptr,
-                    forward_now,
-                    round_pred_ptr,
-                    tl.load(round_cursor_ptr + chain_layer, volatile=True) - round_tokens,
-                    chain_layer,
-                    round_length,
-                    round_trace_layers,
-                    round_row_stride,
-                    round_layer_stride,
-                    round_n_pred,
-                    round_m,
-                    round_min_used,
-                    round_lift,
-                    round_bytes,
-                    round_blocks,
-                    RP,
-                    E,
-                    RS,
-                    NEEDED,
-                    PACKED_MAX,
-                    BLOCK_E,
-                    RBLOCK_S,
-                    BLOCK_N,
-                    RBLOCK_P,
-                    RLFU,
-                    RBUDGET,
-                    True,
-                    ON_GPU,
+        # 2. Outputs and counters (nobody reads them in this launch).
+        if pid == 0:
+            tl.store(remapped_ptr + j, slot_after, mask=j < n_ids)
+            tl.store(miss_exp_ptr + j, mexp, mask=j < m)
+            tl.store(miss_slot_ptr + j, cand, mask=j < m)
+            tl.store(evicted_ptr + j, old, mask=j < m)
+            loaded = n_take.to(tl.int64)
+            tl.store(counts_ptr + 0, lookups)
+            tl.store(counts_ptr + 1, hits)
+            tl.store(counts_ptr + 2, misses)
+            tl.store(counts_ptr + 3, loaded)
+            tl.store(counts_ptr + 4, tl.maximum(lookups - S, 0))
+            tl.store(counts_ptr + 5, invalid)
+            if HAS_STATS:
+                tl.atomic_add(stats_ptr + _LOOKUPS, lookups)
+                tl.atomic_add(stats_ptr + _HITS, hits)
+                tl.atomic_add(stats_ptr + _MISSES, misses)
+                tl.atomic_add(stats_ptr + _BYTES, loaded * record_bytes)
+                tl.atomic_add(stats_ptr + _ERRORS, invalid)
+            if HAS_AUX:
+                tl.atomic_add(aux_ptr + _LOOKUPS, loaded)
+                tl.atomic_add(aux_ptr + _HITS, loaded)
+
+        # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
+        # Under lfu-duel, program P plays the shadows instead: nobody else reads or writes them.
+        copies = 0 if HOST_MISS else n_take
+        if DUEL:
+            copies = tl.where(pid < programs, copies, 0)
+            if pid == programs:
+                needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
+                fast_hits = shadow_step(
+                    fast_held_ptr, fast_stamps_ptr, fast + needed.to(tl.int64), needed, step, e_ar, E, S
                 )
+                slow_hits = shadow_step(
+                    slow_held_ptr, slow_stamps_ptr, slow + needed.to(tl.int64), needed, step, e_ar, E, S
+                )
+                psel = tl.load(psel_ptr) + slow_hits - fast_hits
+                tl.store(psel_next_ptr, tl.minimum(tl.maximum(psel, -PSEL_MAX), PSEL_MAX))
+        copy_listed_share(
+            pid,
+            programs,
+            copies,
+            j,
+            mexp,  # record row = expert id (the RAM tier is full)
+            cand,
+            rec_ptr,
+            pitch_words,
+            out0,
+            out1,
+            out2,
+            out3,
+            OFF0,
+            OFF1,
+            OFF2,
+            OFF3,
+            N0,
+            N1,
+            N2,
+            N3,
+            NB0,
+            NB1,
+            NB2,
+            NB3,
+            NBLK,
+            BLOCK,
+        )
+
+        # 3a. The host copier copies the misses: program 0 hands them over and waits (the others are done).
+        if HOST_MISS:
+            if (pid == 0) & (n_take > 0):
+                filled = tl.where(take, cand, 0)
+                done_now = tl.load(copied_ptr + filled, mask=take, other=0, volatile=True)
+                goal = tl.maximum(done_now, tl.load(target_ptr + filled, mask=take, other=0, volatile=True)) + 1
+                tl.store(target_ptr + filled, goal, mask=take)
+                seq = tl.atomic_add(miss_words_ptr + _MISS_SEQ, 1) + 1
+                tl.debug_barrier()  # the goals are in place before the host may write them back
+                publish_list(miss_box_ptr, seq, mexp, cand, goal, take, j, S, ON_GPU)
+                missing = wait_copies(copied_ptr, target_ptr, cand, take, max_spins, ON_GPU)
+                n_missing = tl.sum(missing.to(tl.int32), 0)
+                if n_missing > 0:  # never copied by the host: copy every miss here, then count them as landed
+                    copy_listed_share(
+                        0,
+                        1,
+                        n_take,
+                        j,
+                        mexp,
+                        cand,
+                        rec_ptr,
+                        pitch_words,
+                        out0,
+                        out1,
+                        out2,
+                        out3,
+                        OFF0,
+                        OFF1,
+                        OFF2,
+                        OFF3,
+                        N0,
+                        N1,
+                        N2,
+                        N3,
+                        NB0,
+                        NB1,
+                        NB2,
+                        NB3,
+                        NBLK,
+                        BLOCK,
+                    )
+                    tl.debug_barrier()
+                    tl.store(copied_ptr + filled, goal, mask=missing)
+                    tl.atomic_add(miss_words_ptr + _MISS_SELF, n_missing.to(tl.int64))
+
+        # 3b. A joinless forward: vLLM's kernel reads the slots once this launch ends, so one program waits for the
+        # round's copies into the slots this step hits, and copies any still under way after max_spins itself
+        # (the same expert's bytes into the same slot: the race with the round is harmless).
+        if SYNC:
+            if pid == 0:
+                pending = copies_under_way(copied_ptr, target_ptr, where_now, first & hit, ON_GPU)
+                n_pending = tl.sum(pending.to(tl.int64), 0)
+                if HAS_STATS:  # the prefetches this step waits for: copies not hidden behind compute
+                    if n_pending > 0:
+                        tl.atomic_add(stats_ptr + _PREFETCH_LATE, n_pending)
+                late = wait_busy(copied_ptr, target_ptr, where_now, pending, max_spins, ON_GPU)
+                n_late = tl.sum(late.to(tl.int32), 0)
+                if n_late > 0:
+                    late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)
+                    pick = late[None, :] & (late_rank[None, :] == j[:, None])  # [i, j]: list position i holds id j
+                    late_exp = tl.sum(tl.where(pick, ids[None, :], 0), 1)
+                    late_slot = tl.sum(tl.where(pick, where_now[None, :], 0), 1)
+                    copy_listed_share(
+                        0,
+                        1,
+                        n_late,
+                        j,
+                        late_exp,
+                        late_slot,
+                        rec_ptr,
+                        pitch_words,
+                        out0,
+                        out1,
+                        out2,
+                        out3,
+                        OFF0,
+                        OFF1,
+                        OFF2,
+                        OFF3,
+                        N0,
+                        N1,
+                        N2,
+                        N3,
+                        NB0,
+                        NB1,
+                        NB2,
+                        NB3,
+                        NBLK,
+                        BLOCK,
+                    )
+                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+
+        # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it
+        # at once: the others use nothing it changes (the ranking was skipped and the slot map stays), so none need
+        # be waited for. Under lfu-duel that program is the shadow player, which holds the new selector. Otherwise
+        # the last program to get here writes it: by then every program has read the old state (the barrier orders
+        # this program's reads before its count).
+        tl.debug_barrier()
+        if n_take == 0:
+            writes = pid == (programs if DUEL else 0)
+        else:
+            writes = tl.atomic_add(done_ptr, 1) == (programs if DUEL else programs - 1)  # the shadow player counts
+        if writes:
+            tl.store(done_ptr, 0)
+            tl.store(step_ptr, step)
+            tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
+            tl.store(expert_slot_ptr + mexp, cand, mask=take)
+            tl.store(slot_expert_ptr + cand, mexp, mask=take)
+            tl.store(last_use_ptr + where_now, step, mask=hit)
+            tl.store(last_use_ptr + cand, step, mask=take)
+            if LFU:
+                needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
+                if DUEL:  # both counts, the selector the shadow player left (an atomic read: it may have run on
+                    # another SM), and the leader it names
+                    tl.store(fast_ptr + e_ar, fast + needed.to(tl.int64), mask=e_in)
+                    tl.store(slow_ptr + e_ar, slow + needed.to(tl.int64), mask=e_in)
+                    psel = tl.atomic_add(psel_next_ptr, 0)
+                    tl.store(psel_ptr, psel)
+                    tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast) + needed.to(tl.int64), mask=e_in)
+                else:
+                    tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
+            if CHAIN != 0:  # last: every program's copies are done (their counts were acquired above)
+                publish_step(chain_ptr, chain_layer, CHAIN, ON_GPU)

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
-from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError, StepRound
+from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
 from bigmoe_pager.core.host_rounds import drain_published, progress_words, serve_pager
 from bigmoe_pager.core.pager import PREFETCH_PROGRAMS_PER_RECORD
@@ -148,14 +148,7 @@ class Predictor:
         """BIGMOE_PREFETCH_CHAINED_ONLY: which forwards that are not chained propose and prefetch (`_rounds_here`)."""
         self.one_node_programs = settings.prefetch_one_node_programs
         """BIGMOE_PREFETCH_ONE_NODE_PROGRAMS: that kernel's programs (0: the pagers' prefetch programs)."""
-        self.idle_every = settings.prefetch_idle_every
-        """BIGMOE_PREFETCH_IDLE_EVERY: the one-node kernel, with the host copier, decides two forwards in every N while
-        every gate is closed (0: every forward)."""
-        self.in_step = settings.prefetch_in_step and not self.one_node and settings.prefetch_distance <= 1
-        """BIGMOE_PREFETCH_IN_STEP: a joinless forward's replayed rounds are decided by the steps before them, one more
-        program each (core.forward_rounds.StepRound), and copied by `copier` (not with the one-node kernel or a
-        distance, which place the rounds otherwise)."""
-        self.host = settings.prefetch_host_copier or settings.prefetch_in_step
+        self.host = settings.prefetch_host_copier
         """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's rounds over full RAM tiers are copied by `copier` (each
         layer's round publishes its list, or the one-node kernel's one program does with BIGMOE_PREFETCH_ONE_NODE); a
         failed copier is the export thread's to report (adapters.vllm.device.failed_part)."""
@@ -173,7 +166,7 @@ class Predictor:
         self._published: dict[tuple[str, int], torch.Tensor] = {}
         """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose rounds the host
         copies, which a forward's end drains."""
-        joinless = settings.prefetch_joinless or self.one_node or self.host or self.distance > 1  # (in-step: host)
+        joinless = settings.prefetch_joinless or self.one_node or self.host or self.distance > 1
         self.chain_on = settings.prefetch_chain or joinless
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
         self.joinless = joinless
@@ -192,12 +185,6 @@ class Predictor:
             log.warning(
                 "bigmoe: BIGMOE_PREDICT=router feeds the device-driven pager (CUDA) only; the host-driven pager "
                 "prefetches nothing, so proposals are only computed to be recorded (BIGMOE_TRACE_PATH)"
-            )
-        if self.idle_every and not (self.one_node and self.host):
-            log.warning(
-                "bigmoe: BIGMOE_PREFETCH_IDLE_EVERY=%d is ignored: it applies to the one-node kernel with the host "
-                "copier (BIGMOE_PREFETCH_ONE_NODE=1 and BIGMOE_PREFETCH_HOST_COPIER=1)",
-                self.idle_every,
             )
 
     @contextlib.contextmanager
@@ -239,7 +226,7 @@ class Predictor:
         are made at the first forward outside a capture (vLLM's profile run and warm-up come before its captures)."""
         if self.live.chained:
             index = layer._moe_index
-            return self._chain.signal(index, first=False, joinless=self.live.joinless, round=self._step_round(layer))
+            return self._chain.signal(index, first=False, joinless=self.live.joinless)
         if not (self.chain_on and num_ids is not None and self._first_of_its_model(layer)):
             return None
         if not capturing():
@@ -256,15 +243,7 @@ class Predictor:
             return None
         self._tell("once a forward (chained rounds" + (", joined once)" if self.joinless else ")"), what=FORKED)
         self.live.open_chain(self._chain, joinless=self.joinless)
-        return self._chain.signal(layer._moe_index, first=True, round=self._step_round(layer))
-
-    def _step_round(self, layer) -> StepRound | None:
-        """BIGMOE_PREFETCH_IN_STEP, in a joinless forward: the next layer's round, decided by `layer`'s step (None:
-        the model's last layer, or no rounds made by an uncaptured forward: then the rounds stay per layer)."""
-        if not (self.in_step and self.live.joinless) or self._last_of_its_model(layer):
-            return None
-        rounds = self._rounds.get((self._model_first(layer)._moe_index, True, str(self._chain.flags.device)))
-        return None if rounds is None else rounds.in_step(layer._moe_index + 1)
+        return self._chain.signal(layer._moe_index, first=True)
 
     @staticmethod
     def _publishes(layer, num_ids: int) -> bool:
@@ -333,12 +312,6 @@ class Predictor:
         return None if self._chain is None else self._chain.forwards
 
     @property
-    def chain_last_quiet(self) -> bool | None:
-        """Whether the last chained forward was declared quiet (BIGMOE_PREFETCH_IDLE_EVERY; None: no forward was
-        chained; one sync)."""
-        return None if self._chain is None else self._chain.quiet
-
-    @property
     def copier_stats(self) -> dict[str, int] | None:
         """The host copier's counters (rounds, experts, bytes it served, its error code); None: no copier runs."""
         return None if self.copier is None else self.copier.stats()
@@ -397,15 +370,13 @@ class Predictor:
         if not (isinstance(pager, DeviceLayerPager) and pager.started):
             return None
         index, tokens = layer._moe_index, hidden.shape[0]
-        if (self.one_node or self.in_step) and not capturing():
+        if self.one_node and not capturing():
             self._prepare_rounds(layer, hidden)
         if self.one_node and self.live.joinless and self._one_node_rounds(layer, hidden):
             return None
         self._host_serves_targets(layer, hidden)
         if not self._rounds_here():
             return None
-        if self.live.chained and self._step_round(layer) is not None:
-            return None  # this layer's step decided the round (BIGMOE_PREFETCH_IN_STEP)
 
         def replayed(ahead: int) -> torch.Tensor | None:
             return self.routing.replayed_proposal(index, tokens, hidden.device, ahead)
@@ -440,7 +411,7 @@ class Predictor:
     def _prepare_rounds(self, layer, hidden: torch.Tensor) -> None:
         """In an uncaptured forward (its table is copied from the host, which a capture forbids): make the one-node
         kernel that a captured forward launches at `layer`, once every layer it prefetches into is started."""
-        whole = self.in_step or self._one_kernel_a_forward(hidden)  # in-step rounds: one table a model
+        whole = self._one_kernel_a_forward(hidden)
         key = (layer._moe_index, whole, str(hidden.device))
         if key in self._rounds or (whole and not self._first_of_its_model(layer)):
             return
@@ -457,9 +428,9 @@ class Predictor:
             return  # tried again at the next uncaptured forward
         started = [p.pager_started() for p in pagers]
         programs = self.one_node_programs or started[0].prefetch_programs or PREFETCH_PROGRAMS_PER_RECORD
-        mailboxes, idle_every = None, 0
+        mailboxes = None
         if self.host:
-            programs, idle_every = 1, self.idle_every  # (idle skipping takes the one program)
+            programs = 1
             mailboxes = HostCopier.mailbox(started[0].num_slots, hidden.device, len(started))
         try:
             self._rounds[key] = rounds = ForwardRounds(
@@ -470,7 +441,6 @@ class Predictor:
                 mailboxes,
                 layer._moe_index,
                 self.distance,
-                idle_every=idle_every,
             )
         except ForwardRoundsError as exc:
             self._rounds[key] = None
@@ -487,7 +457,7 @@ class Predictor:
         round goes back to the GPU's own copies (a joinless forward's, or the one-node kernel's). Happens in an
         uncaptured forward, before any capture could have published a round."""
         log.warning("bigmoe: BIGMOE_PREFETCH_HOST_COPIER: %s; prefetch rounds are copied on the GPU instead", exc)
-        self.host = self.in_step = False
+        self.host = False
         self._rounds = {key: r for key, r in self._rounds.items() if r is None or r.mailboxes is None}
         self._published.clear()
         for layer in self._all_layers():
@@ -510,7 +480,7 @@ class Predictor:
         """BIGMOE_PREFETCH_HOST_COPIER without the one-node kernel, in an uncaptured forward: from now on the joinless
         rounds into `layer_pager` publish their lists to a mailbox the host copier serves (ExpertPager.mailbox). Over a
         partial RAM tier they keep copying with a kernel: an SSD read may rewrite a RAM row while a DMA reads it."""
-        if not self.host or self.one_node or self.in_step or capturing():
+        if not self.host or self.one_node or capturing():
             return
         pager = layer_pager.pager_started()
         if pager.mailbox is not None or not pager.ram.full:
