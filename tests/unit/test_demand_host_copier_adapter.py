@@ -33,7 +33,8 @@ def paged_layer(full: bool = True) -> SimpleNamespace:
 
 
 def process_with(predictor, layers) -> SimpleNamespace:
-    return SimpleNamespace(predictor=predictor, device=SimpleNamespace(started=True, layers=layers))
+    copies = None if predictor is None else predictor.host_copies
+    return SimpleNamespace(predictor=predictor, host_copies=copies, device=SimpleNamespace(started=True, layers=layers))
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_layers_over_full_ram_tiers_hand_their_misses_to_the_one_copier(predicto
     served = [layer.pager.pager_started() for layer in (full, other)]
     assert all(p.miss_mailbox is not None and p.miss_words is not None for p in served)
     assert partial.pager.pager_started().miss_mailbox is None  # an SSD read may rewrite a RAM row a DMA reads
-    assert predictor.copier_serves_misses and predictor.copier.stats()["layers"] == 2
+    assert predictor.host_copies.serves_misses and predictor.copier.stats()["layers"] == 2
     assert [r.getMessage() for r in caplog.records] == [
         "bigmoe: 2 of 3 MoE layers hand their decode misses to a host thread (the GPU's copy engines)"
     ]
@@ -65,12 +66,12 @@ def test_a_copier_that_cannot_be_had_leaves_the_steps_copying_with_one_line(capl
     def refuse(_device):
         raise HostCopierError("host copier: C compiler 'cc' not found; install one (gcc or clang) or set CC")
 
-    broken = SimpleNamespace(host_copier=refuse, copier_serves_misses=False)
+    broken = SimpleNamespace(copier_for=refuse, serves_misses=False)
     layer = paged_layer()
     with caplog.at_level(logging.WARNING, logger="vllm.bigmoe_pager"):
-        device._misses_to_host(process_with(broken, [layer]), [layer])
+        device._misses_to_host(process_with(SimpleNamespace(host_copies=broken), [layer]), [layer])
     pager = layer.pager.pager_started()
-    assert pager.miss_mailbox is None and pager.miss_words is None and not broken.copier_serves_misses
+    assert pager.miss_mailbox is None and pager.miss_words is None and not broken.serves_misses
     (line,) = [r.getMessage() for r in caplog.records]
     assert "BIGMOE_DEMAND_HOST_COPIER" in line and "not found" in line and line.endswith("copy their misses themselves")
 

@@ -264,7 +264,7 @@ def _misses_to_host(process, layers: list) -> None:
         log.warning("bigmoe: BIGMOE_DEMAND_HOST_COPIER: no layer has every expert in RAM; steps copy their misses")
         return
     try:
-        copier = process.predictor.host_copier(pagers[0].device)
+        copier = process.host_copies.copier_for(pagers[0].device)
         for pager in pagers:
             serve_misses(copier, pager)
     except (HostCopierError, ValueError) as exc:
@@ -272,7 +272,7 @@ def _misses_to_host(process, layers: list) -> None:
             pager.miss_mailbox = pager.miss_words = None
         log.warning("bigmoe: BIGMOE_DEMAND_HOST_COPIER: %s; decode steps copy their misses themselves", exc)
         return
-    process.predictor.copier_serves_misses = True
+    process.host_copies.serves_misses = True
     log.warning(
         "bigmoe: %d of %d MoE layers hand their decode misses to a host thread (the GPU's copy engines)",
         len(pagers),
@@ -348,7 +348,7 @@ def failed_part(process) -> str | None:
         except SsdError as e:
             return f"an expert could not be read from SSD ({e}); {stop}"
         return f"the SSD tier failed; {stop}"
-    copier = process.predictor.copier
+    copier = process.host_copies.copier
     if copier is not None:
         try:
             copier.check()

@@ -29,8 +29,8 @@ reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden
 trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
 the proposals are recorded as the trace's predicted_ids.
 With BIGMOE_PREFETCH_HOST_COPIER=1 a joinless forward's rounds over full RAM tiers publish their lists to a host
-thread that copies them with the copy engines (core.host_copier; the Predictor owns it): each layer's round, or the
-one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE=1. With BIGMOE_PREFETCH_DISTANCE=D > 1 a joinless
+thread that copies them with the copy engines (the process's one, adapters.vllm.host_copies): each layer's round, or
+the one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE=1. With BIGMOE_PREFETCH_DISTANCE=D > 1 a joinless
 forward's layer l prefetches into layer l+D (the router of l+D on l's hidden state), so the copies have D layers of
 compute to land in; its first layer also fills layers 1 .. D-1. The host-driven pager prefetches
 nothing: there the predictor runs only to record. The router keeps the final say: a proposal
@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from bigmoe_pager.adapters.vllm.host_copies import HostCopies
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.expert_names import is_mtp_layer
 from bigmoe_pager.core.forward_rounds import ForwardRounds, ForwardRoundsError
 from bigmoe_pager.core.host_copier import HostCopier, HostCopierError
-from bigmoe_pager.core.host_rounds import drain_published, progress_words, serve_pager
 from bigmoe_pager.core.pager import PREFETCH_PROGRAMS_PER_RECORD
 from bigmoe_pager.core.prediction import LivePredictions, Router, predict_next
 from bigmoe_pager.core.prefetch_chain import ChainSignal, PrefetchChain
@@ -129,10 +129,11 @@ class Predictor:
         layer_after: Callable[[int], object],
         on_device: bool,
         whole_forward_captured: Callable[[], bool] | None = None,
+        host_copies: HostCopies | None = None,
     ):
         """routing: the process's Routing (trace recording, replayed predictions); layer_after(i): paged layer i+1;
         whole_forward_captured(): whether a capture under way holds the whole forward (default: vLLM's forward
-        context, `vllm_whole_forward_capture`)."""
+        context, `vllm_whole_forward_capture`); host_copies: the process's host copier (default: one of its own)."""
         self.whole_forward_captured = whole_forward_captured or vllm_whole_forward_capture
         self.on = settings.enabled and settings.predict == "router"  # no pager, no layer to prefetch into
         self.top = settings.predict_top
@@ -152,20 +153,10 @@ class Predictor:
         """BIGMOE_PREFETCH_HOST_COPIER: a joinless forward's rounds over full RAM tiers are copied by `copier` (each
         layer's round publishes its list, or the one-node kernel's one program does with BIGMOE_PREFETCH_ONE_NODE); a
         failed copier is the export thread's to report (adapters.vllm.device.failed_part)."""
-        self.copier: HostCopier | None = None
-        """The host thread that copies published rounds (made with the first of them), and the steps' misses with
-        BIGMOE_DEMAND_HOST_COPIER (`host_copier`)."""
-        self.copier_serves_misses = False
-        """Whether steps hand their misses to `copier` (then a prefetch path that gives the copier up keeps it)."""
-        self.copier_hot_ms = settings.host_copier_hot_ms
-        """BIGMOE_HOST_COPIER_HOT_MS: how long the copier's thread busy-polls after its last round."""
-        self.copier_goal_write = settings.host_copier_goal_write
-        """BIGMOE_HOST_COPIER_GOAL_WRITE: the copier writes completion words with stream memory operations."""
+        self.host_copies = host_copies or HostCopies(settings)
+        """The process's host copier thread, which the rounds publish to when `host`."""
         self.distance = max(1, settings.prefetch_distance)
         """BIGMOE_PREFETCH_DISTANCE: in a joinless forward, layer l's round prefetches into layer l + distance."""
-        self._published: dict[tuple[str, int], torch.Tensor] = {}
-        """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose rounds the host
-        copies, which a forward's end drains."""
         joinless = settings.prefetch_joinless or self.one_node or self.host or self.distance > 1
         self.chain_on = settings.prefetch_chain or joinless
         """BIGMOE_PREFETCH_CHAIN: a forward captured whole forks its rounds' side stream once (core.prefetch_chain)."""
@@ -213,7 +204,7 @@ class Predictor:
         if self.live.chained and self._last_of_its_model(layer):
             flags = self.live.chain_flags
             self.live.close_chain(hidden.device)
-            self._drain_published(hidden, flags)  # after the join: every publication is in, its PUBLISHED final
+            self.host_copies.drain(hidden.device, flags)  # after the join: every publication is in, PUBLISHED final
         if not self._join_later(hidden):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
@@ -312,9 +303,9 @@ class Predictor:
         return None if self._chain is None else self._chain.forwards
 
     @property
-    def copier_stats(self) -> dict[str, int] | None:
-        """The host copier's counters (rounds, experts, bytes it served, its error code); None: no copier runs."""
-        return None if self.copier is None else self.copier.stats()
+    def copier(self) -> HostCopier | None:
+        """The process's host copier thread, once started."""
+        return self.host_copies.copier
 
     @property
     def chain_timeouts(self) -> int | None:
@@ -448,7 +439,7 @@ class Predictor:
             return
         if self.host:
             try:
-                self._publish_to_host(started, rounds.mailboxes, hidden)
+                self.host_copies.publish_rounds(started, rounds.mailboxes, hidden.device)
             except (HostCopierError, ValueError) as exc:
                 self._without_host_copier(exc)
 
@@ -459,14 +450,11 @@ class Predictor:
         log.warning("bigmoe: BIGMOE_PREFETCH_HOST_COPIER: %s; prefetch rounds are copied on the GPU instead", exc)
         self.host = False
         self._rounds = {key: r for key, r in self._rounds.items() if r is None or r.mailboxes is None}
-        self._published.clear()
         for layer in self._all_layers():
             pager = getattr(layer, "pager", None)
             if isinstance(pager, DeviceLayerPager) and pager.started:
                 pager.pager_started().mailbox = None
-        if self.copier is not None and not self.copier_serves_misses:
-            self.copier.close()
-            self.copier = None
+        self.host_copies.give_up_prefetch()
 
     def _host_serves_targets(self, layer, hidden: torch.Tensor) -> None:
         """`_served_by_host` for each started device-driven pager that `layer`'s rounds prefetch into; in every
@@ -487,38 +475,11 @@ class Predictor:
             return
         mailbox = HostCopier.mailbox(pager.num_slots, hidden.device)
         try:
-            self._publish_to_host([pager], [mailbox], hidden)
+            self.host_copies.publish_rounds([pager], [mailbox], hidden.device)
         except (HostCopierError, ValueError) as exc:
             self._without_host_copier(exc)
             return
         pager.mailbox = mailbox
-
-    def _publish_to_host(self, pagers: list, mailboxes, hidden: torch.Tensor) -> None:
-        """BIGMOE_PREFETCH_HOST_COPIER: the host copier serves `mailboxes` into their `pagers`' slots, and a forward's
-        end drains their copies."""
-        copier = self.host_copier(hidden.device)
-        if not self._published:  # the first layers whose rounds the host copies
-            log.warning("bigmoe: prefetch rounds are copied by a host thread through the GPU's copy engines")
-        for pager, mailbox in zip(pagers, mailboxes):
-            serve_pager(copier, pager, mailbox)
-        key = (str(hidden.device), pagers[0].num_slots)
-        words = progress_words(pagers, hidden.device)
-        before = self._published.get(key)
-        self._published[key] = words if before is None else torch.cat([before, words])
-
-    def host_copier(self, device: torch.device) -> HostCopier:
-        """The process's host copier thread, started at the first call (outside any capture); HostCopierError if it
-        cannot be built or started."""
-        if self.copier is None:
-            self.copier = HostCopier(device, hot_ms=self.copier_hot_ms, goal_write=self.copier_goal_write)
-        return self.copier
-
-    def _drain_published(self, hidden: torch.Tensor, flags: torch.Tensor) -> None:
-        """At a chained forward's end, once its side stream is joined: wait on the device until the host's copies of
-        its rounds are done (flags: the forward's chain words)."""
-        for (device, slots), words in self._published.items():
-            if device == str(hidden.device):
-                drain_published(words, slots, flags)
 
     @staticmethod
     def _one_kernel_a_forward(hidden: torch.Tensor) -> bool:

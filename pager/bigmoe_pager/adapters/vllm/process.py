@@ -10,7 +10,8 @@ from it. The custom op a layer's forward runs through finds the layer by MoE ind
 
 The process owns: the settings; the paged layers in build order (the n-th built is MoE
 layer n); the SSD stores the layers read, and the I/O workers of host-driven reads; the
-routing trace and replay; the live next-layer predictor; the counters' Prometheus
+routing trace and replay; the host copier thread (adapters.vllm.host_copies); the live
+next-layer predictor; the counters' Prometheus
 export; and, when paging is device-driven, the per-process device parts (counter table,
 its pinned mirror, the shared whole-layer buffer, the SSD service and the exporter
 thread), which start at the first forward (vLLM's profile run: after loading, before
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from bigmoe_pager.adapters.vllm import glue, stats
 from bigmoe_pager.adapters.vllm.device import DeviceParts, misses_copied_by_steps, wanted
+from bigmoe_pager.adapters.vllm.host_copies import HostCopies
 from bigmoe_pager.adapters.vllm.predictor import Predictor
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
@@ -65,7 +67,9 @@ class PagerProcess:
         """The SSD tier's open stores (checkpoint or paging file), shared by the layers."""
         self.routing = Routing(settings)
         """Routing trace (BIGMOE_TRACE_PATH) and replay (BIGMOE_ROUTE_REPLAY)."""
-        self.predictor = Predictor(settings, self.routing, self.layer_after, on_device)
+        self.host_copies = HostCopies(settings)
+        """The host copier thread that prefetch rounds and steps' misses may hand copies to (made at first use)."""
+        self.predictor = Predictor(settings, self.routing, self.layer_after, on_device, host_copies=self.host_copies)
         """The live next-layer predictor (BIGMOE_PREDICT)."""
         self.export = stats.CounterExport()
         """The counters' Prometheus series (multiprocess mode, so they reach vLLM's /metrics)."""
@@ -163,7 +167,7 @@ def engine_facts() -> dict:
         "prefetch_forks": _installed.predictor.fork_placements,
         "prefetch_chain_timeouts": _installed.predictor.chain_timeouts,
         "prefetch_chain_cancels": _installed.predictor.chain_cancels,
-        "prefetch_host_copier": _installed.predictor.copier_stats,
+        "prefetch_host_copier": _installed.host_copies.stats,
         "demand_misses_copied_by_steps": misses_copied_by_steps(_installed),
         "step_kernels": dict(step_kernel.COMPILED),
         "load_copy_bytes": copies.nbytes,
