@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bigmoe_pager.core.slots import SlotTable, SourceRows
+from bigmoe_pager.core.admit_kernel import SourceRows
+from bigmoe_pager.core.slots import SlotTable
 from duel_testkit import duel_state  # tests/unit (on pytest's pythonpath)
 from graph_timing import replay_us  # tests/gpu, beside this file
 

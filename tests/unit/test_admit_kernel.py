@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 from bigmoe_bench import traces
+from bigmoe_pager.core.admit_kernel import SourceRows
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pager import ExpertPager
 from bigmoe_pager.core.ram_tier import RamTier
-from bigmoe_pager.core.slots import SlotTable, SourceRows
+from bigmoe_pager.core.slots import SlotTable
 from bigmoe_pager.core.stats import PagerStats
 from duel_testkit import duel_state, psel_side
 

@@ -11,21 +11,29 @@ tensors as scratch for the two lists it builds (experts to fetch, slots to take)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from bigmoe_pager.core import stats
 from bigmoe_pager.core.acquire_kernel import IDS_BLOCK, MAX_SLOTS, NEEDED_KEY, PACKED_MAX, next_pow2
 from bigmoe_pager.core.triton_launch import kernel_for
 
-if TYPE_CHECKING:
-    from bigmoe_pager.core.slots import SourceRows
-
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = tl = None
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """Where a partial tier below keeps each expert's record, and which of its rows are whole: what a decision may
+    fetch from it (core.ram_tier makes it; SlotTable.admit and this kernel read it)."""
+
+    expert_row: torch.Tensor
+    """int64 [experts]: record row of each expert, -1 when the tier does not hold it."""
+    posted: torch.Tensor
+    """int64 [rows + 1]: nonzero where a row's posted read is unconfirmed (its bytes may not be whole)."""
 
 
 def launch_admit(
@@ -52,7 +60,7 @@ def launch_admit(
     table_state: SlotTable.admit_state() (maps, stamps, counts, prefetch marks, want scratch).
     available: bool [experts] that may be fetched; keep_slots: bool [slots] that must not be taken.
     stats_row: int64 [11] counters (stats.COUNTERS) that get bytes, prefetched, prefetch_used and
-    prefetch_wasted_bytes added. source: slots.SourceRows of a partial tier below (only experts in its
+    prefetch_wasted_bytes added. source: SourceRows of a partial tier below (only experts in its
     whole rows are fetched; rows = their record rows); None: rows = experts.
     lfu: rank candidate slots by (use count, last use, expert).
     min_used_percent: the prefetch gate's threshold (slots.MIN_USED_PERCENT); it reads and updates table_state's

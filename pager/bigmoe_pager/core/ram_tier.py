@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
+from bigmoe_pager.core.admit_kernel import SourceRows
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.pinned import pinned_empty
-from bigmoe_pager.core.slots import READ_AHEAD_MIN_USED_PERCENT, SlotTable, SourceRows
+from bigmoe_pager.core.slots import READ_AHEAD_MIN_USED_PERCENT, SlotTable
 
 
 class RamTierError(ValueError):

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 from bigmoe_pager.core import acquire_kernel, admit_kernel, triton_launch
+from bigmoe_pager.core.admit_kernel import SourceRows
 from bigmoe_pager.core.stats import (
     BYTES,
     ERRORS,
@@ -127,16 +128,6 @@ class Admitted:
     """int64 [M]: expert that slot held before (-1 if it was empty)."""
     rows: torch.Tensor
     """int64 [M]: record row each expert is copied from (SourceRows' row; the expert id without one), -1 padded."""
-
-
-@dataclass(frozen=True)
-class SourceRows:
-    """Where a partial tier below keeps each expert's record, and which of its rows are whole."""
-
-    expert_row: torch.Tensor
-    """int64 [experts]: record row of each expert, -1 when the tier does not hold it."""
-    posted: torch.Tensor
-    """int64 [rows + 1]: nonzero where a row's posted read is unconfirmed (its bytes may not be whole)."""
 
 
 @dataclass(frozen=True)
