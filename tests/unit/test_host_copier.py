@@ -287,7 +287,7 @@ def test_a_failed_copier_stops_the_server_with_one_line(copier):
 
     from bigmoe_pager.adapters.vllm.device import failed_part
 
-    process = SimpleNamespace(device=SimpleNamespace(ssd=None), predictor=SimpleNamespace(copier=copier))
+    process = SimpleNamespace(device=SimpleNamespace(ssd=None), host_copies=SimpleNamespace(copier=copier))
     layer = Layer("one", 4, seed=5)
     layer.add_to(copier)
     assert failed_part(process) is None
