@@ -159,8 +159,10 @@ SETTING_SUFFIXES = {
     "+nodes": "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS",
     "+dist": "BIGMOE_PREFETCH_DISTANCE",
     "+hot": "BIGMOE_HOST_COPIER_HOT_MS",
+    "+switch": "BIGMOE_GIL_SWITCH_US",
 }
-"""Name suffixes that carry a number, and the setting it sets (need @rRECALL): `+gateN` the VRAM prefetch gate at N%
+"""Name suffixes that carry a number, and the setting it sets (need @rRECALL but `+switchN`, the vLLM process's GIL
+switch interval in us, which any bigmoe engine may carry): `+gateN` the VRAM prefetch gate at N%
 (0: none), `+bN` a prefetch budget of N experts a layer's round (0: none), `+nodesN` the one-node kernel's
 programs (with +one-node), `+distN` a joinless forward's rounds N layers ahead (the replayed rows for layer l+N are
 as right as the next layer's, which a real predictor's are not), `+hotN` the host copier's thread busy-polling N ms
@@ -228,7 +230,7 @@ def parse_name(name: str) -> tuple[str, float | str | None, str | None]:
     if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
         raise KeyError(name)
     value = (float(recall) if recall else EVERY) if at else None
-    prefetching = [s for s in suffixes if s not in ENGINE_SUFFIXES]
+    prefetching = [s for s in suffixes if s not in ENGINE_SUFFIXES and not s.startswith("+switch")]
     if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (prefetching and value is None):
         raise ValueError(name)
     if any(int(s.removeprefix("+gate")) > 100 for s in suffixes if s.startswith("+gate")):

@@ -130,6 +130,12 @@ class PagerSettings:
     round before it naps (20 us naps, 1 ms after a second idle); 0 = it naps at once, each round waiting up to a nap
     before it is copied; unset: core.host_copier.HOT_MS. A benchmark knob: what the spinning thread costs the engine
     beside it; run 25: 0 was 0.08 ms a token faster at recall 0 and 0.32-0.59 slower at 0.8, so the default stays."""
+    gil_switch_us: int = 0
+    """BIGMOE_GIL_SWITCH_US: a benchmark knob: the GIL switch interval (us) of the vLLM process the pager runs in
+    (sys.setswitchinterval; 0 = Python's own, 5000). The SSD tier's reads are answered by Python threads that need
+    the GIL while vLLM's host thread runs on during decode; a thread that wants the GIL waits up to one interval.
+    Whether that wait is the 0.875 ms a layer the plan charges an SSD tier (app/bigmoe/plan/speed.SSD_LAYER_MS) is what
+    the knob measures (gpu_vllm_bench's `+switchN`)."""
     prefetch_distance: int = 1
     """BIGMOE_PREFETCH_DISTANCE: D > 1 = in a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this
     implies), layer l's round prefetches into layer l+D (its router on layer l's hidden state, or a replayed trace's

@@ -20,6 +20,8 @@ any CUDA graph capture).
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -32,6 +34,8 @@ from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core import step_kernel
 from bigmoe_pager.core.timed_reads import TimedReads
 from bigmoe_pager.settings import PagerSettings
+
+log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
 
 
 @dataclass
@@ -142,7 +146,15 @@ def install(settings: PagerSettings) -> PagerProcess:
     with _install_lock:
         if _installed is None:
             _installed = PagerProcess(settings, on_device=wanted(settings))
+            set_gil_switch(settings)
         return _installed
+
+
+def set_gil_switch(settings: PagerSettings) -> None:
+    """BIGMOE_GIL_SWITCH_US (a benchmark knob): this process's GIL switch interval, with one line saying so."""
+    if settings.gil_switch_us > 0:
+        sys.setswitchinterval(settings.gil_switch_us / 1e6)
+        log.warning("bigmoe: GIL switch interval %d us (BIGMOE_GIL_SWITCH_US)", settings.gil_switch_us)
 
 
 def current() -> PagerProcess | None:
