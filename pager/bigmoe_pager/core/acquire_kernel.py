@@ -134,6 +134,39 @@ if triton is not None:
         return (tl.minimum(counts, 1023) << 42) | (stamps << 10) | experts
 
     @triton.jit
+    def record_counts(
+        counts_ptr,
+        stats_ptr,
+        aux_ptr,
+        lookups,
+        hits,
+        misses,
+        loaded,
+        overflow,
+        invalid,
+        record_bytes,
+        HAS_STATS: tl.constexpr,
+        HAS_AUX: tl.constexpr,
+    ):
+        """A step's counts: its six outputs (Acquired's lookups .. invalid), added to the layer's VRAM counters
+        (stats.COUNTERS) and, for the experts it loaded, to the tier below's as lookups that hit."""
+        tl.store(counts_ptr + 0, lookups)
+        tl.store(counts_ptr + 1, hits)
+        tl.store(counts_ptr + 2, misses)
+        tl.store(counts_ptr + 3, loaded)
+        tl.store(counts_ptr + 4, overflow)
+        tl.store(counts_ptr + 5, invalid)
+        if HAS_STATS:
+            tl.atomic_add(stats_ptr + _LOOKUPS, lookups)
+            tl.atomic_add(stats_ptr + _HITS, hits)
+            tl.atomic_add(stats_ptr + _MISSES, misses)
+            tl.atomic_add(stats_ptr + _BYTES, loaded * record_bytes)
+            tl.atomic_add(stats_ptr + _ERRORS, invalid)
+        if HAS_AUX:
+            tl.atomic_add(aux_ptr + _LOOKUPS, loaded)
+            tl.atomic_add(aux_ptr + _HITS, loaded)
+
+    @triton.jit
     def halved(counts, step, period: tl.constexpr):
         """Use counts as a step leaves them before adding its needs: halved on every `period`-th step (0: never)."""
         if period > 0:
@@ -305,18 +338,17 @@ if triton is not None:
         loaded = tl.sum(take.to(tl.int64), 0)
         invalid = tl.sum(bad, 0)
         overflow = tl.maximum(lookups - S, 0)
-        tl.store(counts_ptr + 0, lookups)
-        tl.store(counts_ptr + 1, hits)
-        tl.store(counts_ptr + 2, misses)
-        tl.store(counts_ptr + 3, loaded)
-        tl.store(counts_ptr + 4, overflow)
-        tl.store(counts_ptr + 5, invalid)
-        if HAS_STATS:
-            tl.atomic_add(stats_ptr + _LOOKUPS, lookups)
-            tl.atomic_add(stats_ptr + _HITS, hits)
-            tl.atomic_add(stats_ptr + _MISSES, misses)
-            tl.atomic_add(stats_ptr + _BYTES, loaded * record_bytes)
-            tl.atomic_add(stats_ptr + _ERRORS, invalid)
-        if HAS_AUX:
-            tl.atomic_add(aux_ptr + _LOOKUPS, loaded)
-            tl.atomic_add(aux_ptr + _HITS, loaded)
+        record_counts(
+            counts_ptr,
+            stats_ptr,
+            aux_ptr,
+            lookups,
+            hits,
+            misses,
+            loaded,
+            overflow,
+            invalid,
+            record_bytes,
+            HAS_STATS,
+            HAS_AUX,
+        )

@@ -256,7 +256,7 @@ def launch_step(
 
 
 if triton is not None:
-    from bigmoe_pager.core.acquire_kernel import halved, lfu_key, shadow_step
+    from bigmoe_pager.core.acquire_kernel import halved, lfu_key, record_counts, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.host_rounds import publish_list
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
@@ -271,10 +271,6 @@ if triton is not None:
     _FORWARD, _TIMEOUTS, _CANCELS = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS))
 
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
-    _LOOKUPS = tl.constexpr(stats.LOOKUPS)
-    _HITS = tl.constexpr(stats.HITS)
-    _MISSES = tl.constexpr(stats.MISSES)
-    _BYTES = tl.constexpr(stats.BYTES)
     _ERRORS = tl.constexpr(stats.ERRORS)
     _PREFETCH_LATE = tl.constexpr(stats.PREFETCH_LATE)
     _MISS_SEQ, _MISS_SELF = tl.constexpr(MISS_SEQ), tl.constexpr(MISS_SELF)
@@ -443,22 +439,21 @@ if triton is not None:
             tl.store(miss_exp_ptr + j, mexp, mask=j < m)
             tl.store(miss_slot_ptr + j, cand, mask=j < m)
             tl.store(evicted_ptr + j, old, mask=j < m)
-            loaded = n_take.to(tl.int64)
-            tl.store(counts_ptr + 0, lookups)
-            tl.store(counts_ptr + 1, hits)
-            tl.store(counts_ptr + 2, misses)
-            tl.store(counts_ptr + 3, loaded)
-            tl.store(counts_ptr + 4, tl.maximum(lookups - S, 0))
-            tl.store(counts_ptr + 5, invalid)
-            if HAS_STATS:
-                tl.atomic_add(stats_ptr + _LOOKUPS, lookups)
-                tl.atomic_add(stats_ptr + _HITS, hits)
-                tl.atomic_add(stats_ptr + _MISSES, misses)
-                tl.atomic_add(stats_ptr + _BYTES, loaded * record_bytes)
-                tl.atomic_add(stats_ptr + _ERRORS, invalid)
-            if HAS_AUX:
-                tl.atomic_add(aux_ptr + _LOOKUPS, loaded)
-                tl.atomic_add(aux_ptr + _HITS, loaded)
+            overflow = tl.maximum(lookups - S, 0)
+            record_counts(
+                counts_ptr,
+                stats_ptr,
+                aux_ptr,
+                lookups,
+                hits,
+                misses,
+                n_take.to(tl.int64),
+                overflow,
+                invalid,
+                record_bytes,
+                HAS_STATS,
+                HAS_AUX,
+            )
 
         # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
         # Under lfu-duel, program P plays the shadows instead: nobody else reads or writes them.
