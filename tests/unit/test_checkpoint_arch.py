@@ -17,6 +17,7 @@ from bigmoe.model.checkpoint_arch import (
     facts_for,
     find_checkpoint,
     fp8_expert_bytes,
+    preset_for,
     read_facts,
 )
 from bigmoe.model.hubcache import RemoteFile, RepoCache, write_ready, write_ref
@@ -230,7 +231,7 @@ def test_a_qwen4exp_checkpoint_gives_its_own_numbers(qwen4exp):
 
 
 def test_a_checkpoint_directory_as_model_picks_the_preset_by_architecture(qwen4exp):
-    preset = presets.load(str(qwen4exp))
+    preset = preset_for(qwen4exp)
     assert preset.name == "qwen3.8-flash-next" and preset.arch.experts == 12 and preset.arch.moe_layers == 5
     presets.check_config(preset, qwen4exp)  # the numbers it carries are the directory's: nothing to disagree with
     opts = sequence.RunOptions(model=str(qwen4exp))
@@ -261,4 +262,6 @@ def test_bigmoe_plan_takes_a_checkpoint_directory(qwen4exp):
 def test_a_directory_of_an_unknown_model_is_one_clear_error(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(presets.PresetError, match=message):
+        preset_for(tmp_path)
+    with pytest.raises(presets.PresetError, match="unknown model"):  # a directory is no preset's name
         presets.load(str(tmp_path))

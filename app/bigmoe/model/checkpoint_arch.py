@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bigmoe_pager.core.safetensors_header import CheckpointError, read_header
 
+from bigmoe.model import presets
 from bigmoe.model.presets import CONFIG_KEYS, Arch, Preset, PresetError
 
 FROM_CONFIG = "from config.json"
@@ -115,6 +116,25 @@ def read_facts(preset: Preset, model_dir: Path) -> ArchFacts:
 def with_facts(preset: Preset, facts: ArchFacts) -> Preset:
     """The preset with the facts' numbers in place of its own."""
     return dataclasses.replace(preset, arch=facts.arch)
+
+
+def preset_for(directory: Path) -> Preset:
+    """The preset of the architecture the directory's config.json names (architectures[0]), with the
+    architecture numbers read from the directory (config.json and safetensors headers) in place of its own."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PresetError(f"cannot read {path}: {e}") from None
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(archs, list) or not archs:
+        raise PresetError(f"{path} names no architectures; bigmoe picks the preset by architectures[0]")
+    known = [presets.load(name) for name in presets.names()]
+    matches = sorted((p for p in known if p.architecture == archs[0]), key=lambda p: (p.synthetic, p.name))
+    if not matches:
+        served = ", ".join(sorted({p.architecture for p in known}))
+        raise PresetError(f"{path} is a {archs[0]}; bigmoe serves {served}")
+    return with_facts(matches[0], read_facts(matches[0], Path(directory)))
 
 
 def fp8_expert_bytes(hidden: int, intermediate: int, block: tuple[int, int] | None) -> int:

@@ -91,10 +91,8 @@ def names() -> list[str]:
 
 
 def load(name_or_path: str) -> Preset:
-    """A preset by name, from a TOML file path, or for a checkpoint directory (see for_checkpoint)."""
+    """A preset by name or from a TOML file path (a checkpoint directory's: checkpoint_arch.preset_for)."""
     path = Path(name_or_path)
-    if is_checkpoint_dir(name_or_path):
-        return for_checkpoint(path.expanduser())
     if name_or_path.endswith(".toml") and path.exists():
         return parse(path.read_text(), str(path))
     for item in _files():
@@ -107,29 +105,6 @@ def is_checkpoint_dir(name_or_path: str) -> bool:
     """True when MODEL names a directory with a config.json (a checkpoint to serve) rather than a preset."""
     path = Path(name_or_path).expanduser()
     return path.is_dir() and (path / "config.json").is_file()
-
-
-def for_checkpoint(directory: Path) -> Preset:
-    """The preset of the architecture the directory's config.json names (architectures[0]), with the
-    architecture numbers read from the directory (config.json and safetensors headers) in place of its own."""
-    import json
-
-    from bigmoe.model.checkpoint_arch import read_facts, with_facts
-
-    path = Path(directory) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PresetError(f"cannot read {path}: {e}") from None
-    archs = config.get("architectures") if isinstance(config, dict) else None
-    if not isinstance(archs, list) or not archs:
-        raise PresetError(f"{path} names no architectures; bigmoe picks the preset by architectures[0]")
-    known = [load(name) for name in names()]
-    matches = sorted((p for p in known if p.architecture == archs[0]), key=lambda p: (p.synthetic, p.name))
-    if not matches:
-        served = ", ".join(sorted({p.architecture for p in known}))
-        raise PresetError(f"{path} is a {archs[0]}; bigmoe serves {served}")
-    return with_facts(matches[0], read_facts(matches[0], Path(directory)))
 
 
 def parse(text: str, source: str) -> Preset:

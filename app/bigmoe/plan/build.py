@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bigmoe.machine.hardware import Hardware
 from bigmoe.model import presets
-from bigmoe.model.checkpoint_arch import facts_for, find_checkpoint
+from bigmoe.model.checkpoint_arch import facts_for, find_checkpoint, preset_for
 from bigmoe.plan.inputs import Overrides, PlanError, default_dirs
 from bigmoe.plan.planner import Plan, plan
 
@@ -19,8 +19,9 @@ from bigmoe.plan.planner import Plan, plan
 def load(model: str, model_dir: str | None) -> tuple[presets.Preset, str | None]:
     """The preset MODEL names and the checkpoint directory to serve: --model-dir, else MODEL itself when it is
     a checkpoint directory, else None (made or fetched later)."""
-    if not model_dir and presets.is_checkpoint_dir(model):
-        model_dir = model
+    if presets.is_checkpoint_dir(model):
+        model_dir = model_dir or model
+        return preset_for(Path(model).expanduser()), _expanded(model_dir)
     return presets.load(model), _expanded(model_dir)
 
 
