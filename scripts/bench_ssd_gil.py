@@ -1,0 +1,130 @@
+"""SSD tier reads one at a time beside a Python thread that keeps the GIL busy, at several GIL switch intervals.
+
+The question (docs/benchmarks.md, "after session 35"): during decode the SSD tier's reads are answered by
+Python threads (the service's I/O workers and poller) while vLLM's host thread runs Python; a thread that wants
+the GIL waits up to the switch interval (5 ms by default). This times what that costs a read on the host alone:
+`SsdService.load` of one expert at a time (a decode layer's miss), from the checkpoint with O_DIRECT, with and
+without a busy Python thread beside it, for each interval. Not the GPU's path (there the poller picks the request
+up from the mailbox, one GIL hand-off more); what it does show is whether a busy host thread adds whole
+milliseconds a read, and how much a shorter interval takes back.
+
+    PYTHONPATH=pager:app:bench:scripts python scripts/bench_ssd_gil.py --dir /tmp --out docs/bench/ssd-gil.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from bench_ssd import SHAPES, _open, _pick_dir, _prepare
+from bigmoe_bench import synth_experts
+from bigmoe_pager.core.ssd_service import SsdService
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="/tmp", help="where the test checkpoint goes (on the disk to measure)")
+    p.add_argument("--gb", type=float, default=0.4, help="size of the synthetic expert checkpoint, GB")
+    p.add_argument("--reads", type=int, default=120, help="single-expert reads per measurement")
+    p.add_argument("--switch-us", default="5000,1000,200", help="comma list of GIL switch intervals (us)")
+    p.add_argument("--workers", type=int, default=4, help="the service's I/O workers")
+    p.add_argument("--out", type=Path, help="write results as JSON here")
+    a = p.parse_args(argv)
+    try:
+        intervals = [int(x) for x in a.switch_us.split(",")]
+        if not intervals or min(intervals) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--switch-us {a.switch_us!r}: a comma list of positive integers (microseconds)")
+    where, why, refused = _pick_dir([a.dir])
+    if where is None:
+        print(f"bench_ssd_gil: O_DIRECT works in none of the directories: {'; '.join(refused)}", file=sys.stderr)
+        return 2
+    hidden, inter = SHAPES["qwen3.6-35b-a3b"]
+    layout = synth_experts.make_layout(hidden, inter, True)
+    experts = 256
+    layers = max(1, round(a.gb * 1e9 / (experts * layout.record_bytes)))
+    work = where / "bigmoe-bench-ssd-gil"  # the only thing this script creates and removes
+    before = sys.getswitchinterval()
+    try:
+        _prepare(work / "ckpt", work / "experts.bmpf", layout, hidden, inter, layers, experts)
+        rows = []
+        for interval in intervals:
+            for busy in (False, True):
+                sys.setswitchinterval(interval / 1e6)
+                with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
+                    rows.append(_measure(store, a.reads, a.workers, busy) | {"switch_us": interval})
+                r = rows[-1]
+                print(
+                    f"switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms  "
+                    f"p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a read"
+                )
+    finally:
+        sys.setswitchinterval(before)
+        shutil.rmtree(work, ignore_errors=True)
+    report = {
+        "script": "scripts/bench_ssd_gil.py",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "machine": platform.node(),
+        "cpus": len(__import__("os").sched_getaffinity(0)),
+        "odirect_probe": why,
+        "record_bytes": layout.record_bytes,
+        "layers": layers,
+        "experts_per_layer": experts,
+        "rows": rows,
+    }
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _measure(store, reads: int, workers: int, busy: bool) -> dict:
+    """Milliseconds for each of `reads` single-expert loads (random experts, each into slot 0 of its layer)."""
+    rng = random.Random(7)
+    keys = [(rng.randrange(store.num_layers), rng.randrange(store.num_experts)) for _ in range(reads)]
+    bufs = [torch.empty(1, store.layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
+    stop = threading.Event()
+    hog = threading.Thread(target=_keep_the_gil_busy, args=(stop,), daemon=True) if busy else None
+    times = []
+    with SsdService(store, bufs, io_workers=workers) as svc:
+        if hog is not None:
+            hog.start()
+        try:
+            for layer, expert in keys:
+                t0 = time.perf_counter()
+                svc.load(layer, [expert], [0])
+                times.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            stop.set()
+            if hog is not None:
+                hog.join()
+    times.sort()
+    return {
+        "busy_thread": busy,
+        "reads": reads,
+        "median_ms": round(statistics.median(times), 3),
+        "p90_ms": round(times[int(0.9 * (len(times) - 1))], 3),
+        "mean_ms": round(statistics.fmean(times), 3),
+    }
+
+
+def _keep_the_gil_busy(stop: threading.Event) -> None:
+    """Pure Python work, as vLLM's host thread does between launches: it lets the GIL go only when asked to."""
+    while not stop.is_set():
+        total = 0
+        for i in range(2000):
+            total += i * i
+
+
+if __name__ == "__main__":
+    sys.exit(main())
