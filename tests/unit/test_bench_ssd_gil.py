@@ -16,7 +16,12 @@ def test_each_interval_is_timed_idle_and_busy_and_python_s_own_comes_back(tmp_pa
     assert bench_ssd_gil.main(argv) == 0
     assert sys.getswitchinterval() == before
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["switch_us"], r["busy_thread"]) for r in rows] == [(2000, False), (2000, True), (100, False), (100, True)]
+    assert [(r["switch_us"], r["busy_thread"]) for r in rows] == [
+        (2000, False),
+        (2000, True),
+        (100, False),
+        (100, True),
+    ]
     assert all(0 < r["median_ms"] <= r["p90_ms"] and r["reads"] == 4 for r in rows)
     assert not (tmp_path / "bigmoe-bench-ssd-gil").exists()  # the script removes what it made
 
