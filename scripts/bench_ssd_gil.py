@@ -3,12 +3,16 @@
 The question (docs/benchmarks.md, "after session 35"): during decode the SSD tier's reads are answered by
 Python threads (the service's I/O workers and poller) while vLLM's host thread runs Python; a thread that wants
 the GIL waits up to the switch interval (5 ms by default). This times what that costs a read on the host alone:
-`SsdService.load` of one expert at a time (a decode layer's miss), from the checkpoint with O_DIRECT, with and
-without a busy Python thread beside it, for each interval. Not the GPU's path (there the poller picks the request
-up from the mailbox, one GIL hand-off more); what it does show is whether a busy host thread adds whole
-milliseconds a read, and how much a shorter interval takes back.
+one expert at a time (a decode layer's miss), from the checkpoint with O_DIRECT, with and without a busy Python
+thread beside it, for each interval, by either way in (--paths):
+- `load`: `SsdService.load` from the calling thread (the host-driven path, and the dev VM's only one);
+- `mailbox`: the GPU's path, `SsdService.request` on a CUDA stream, then a sync: the request kernel publishes the
+  read in the pinned mailbox and spins until the host's poller and workers answer (CUDA only; needs no vLLM).
+What it shows is whether a busy host thread adds whole milliseconds a read, and how much a shorter interval takes
+back; not how busy vLLM's own host thread keeps the GIL (gpu_vllm_bench.py's `+switchN` measures that).
 
     PYTHONPATH=pager:app:bench:scripts python scripts/bench_ssd_gil.py --dir /tmp --out docs/bench/ssd-gil.json
+    H200 (the image's torch): ... --paths load,mailbox --out $OUT/ssd-gil.json
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from bench_ssd import SHAPES, _open, _pick_dir, _prepare
 from bigmoe_bench import synth_experts
 from bigmoe_pager.core.ssd_service import SsdService
 
+PATHS = ("load", "mailbox")
+"""The ways a read comes in: SsdService.load (host), SsdService.request through the pinned mailbox (CUDA)."""
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reads", type=int, default=120, help="single-expert reads per measurement")
     p.add_argument("--switch-us", default="5000,1000,200", help="comma list of GIL switch intervals (us)")
     p.add_argument("--workers", type=int, default=4, help="the service's I/O workers")
+    p.add_argument("--paths", default="load", help="comma list of load, mailbox (mailbox: CUDA only)")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
     try:
@@ -45,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         p.error(f"--switch-us {a.switch_us!r}: a comma list of positive integers (microseconds)")
+    paths = a.paths.split(",")
+    if not paths or any(x not in PATHS for x in paths):
+        p.error(f"--paths {a.paths!r}: a comma list of {', '.join(PATHS)}")
+    if "mailbox" in paths and not torch.cuda.is_available():
+        p.error("--paths mailbox: the GPU's way in needs CUDA")
     where, why, refused = _pick_dir([a.dir])
     if where is None:
         print(f"bench_ssd_gil: O_DIRECT works in none of the directories: {'; '.join(refused)}", file=sys.stderr)
@@ -58,16 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _prepare(work / "ckpt", work / "experts.bmpf", layout, hidden, inter, layers, experts)
         rows = []
-        for interval in intervals:
-            for busy in (False, True):
-                sys.setswitchinterval(interval / 1e6)
-                with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
-                    rows.append(_measure(store, a.reads, a.workers, busy) | {"switch_us": interval})
-                r = rows[-1]
-                print(
-                    f"switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms  "
-                    f"p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a read"
-                )
+        for path in paths:
+            for interval in intervals:
+                for busy in (False, True):
+                    sys.setswitchinterval(interval / 1e6)
+                    with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
+                        rows.append(_measure(store, path, a.reads, a.workers, busy) | {"switch_us": interval})
+                    r = rows[-1]
+                    print(
+                        f"{path:7s}  switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms  "
+                        f"p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a read"
+                    )
     finally:
         sys.setswitchinterval(before)
         shutil.rmtree(work, ignore_errors=True)
@@ -88,21 +102,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(store, reads: int, workers: int, busy: bool) -> dict:
-    """Milliseconds for each of `reads` single-expert loads (random experts, each into slot 0 of its layer)."""
+def _measure(store, path: str, reads: int, workers: int, busy: bool, device: str = "cuda") -> dict:
+    """Milliseconds for each of `reads` single-expert reads by `path` (random experts, each into slot 0 of its
+    layer). device: where a mailbox read's request kernel runs (cpu: Triton's interpreter, for tests only)."""
     rng = random.Random(7)
     keys = [(rng.randrange(store.num_layers), rng.randrange(store.num_experts)) for _ in range(reads)]
-    bufs = [torch.empty(1, store.layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
+    gpu = path == "mailbox"
+    pin = gpu and device == "cuda"
+    bufs = [torch.empty(1, store.layout.pitch, dtype=torch.uint8, pin_memory=pin) for _ in range(store.num_layers)]
     stop = threading.Event()
     hog = threading.Thread(target=_keep_the_gil_busy, args=(stop,), daemon=True) if busy else None
     times = []
-    with SsdService(store, bufs, io_workers=workers) as svc:
+    with SsdService(store, bufs, io_workers=workers, mailbox=gpu, max_requests=1) as svc:
+        read = _mailbox_read(svc, device) if gpu else lambda layer, expert: svc.load(layer, [expert], [0])
+        read(*keys[0])  # (the request kernel compiles on its first launch)
         if hog is not None:
             hog.start()
         try:
             for layer, expert in keys:
                 t0 = time.perf_counter()
-                svc.load(layer, [expert], [0])
+                read(layer, expert)
                 times.append((time.perf_counter() - t0) * 1e3)
         finally:
             stop.set()
@@ -110,12 +129,29 @@ def _measure(store, reads: int, workers: int, busy: bool) -> dict:
                 hog.join()
     times.sort()
     return {
+        "path": path,
         "busy_thread": busy,
         "reads": reads,
         "median_ms": round(statistics.median(times), 3),
         "p90_ms": round(times[int(0.9 * (len(times) - 1))], 3),
         "mean_ms": round(statistics.fmean(times), 3),
     }
+
+
+def _mailbox_read(svc: SsdService, device: str):
+    """A read as a decode step asks it: the request kernel on the current CUDA stream, then a sync (the GIL released
+    while the kernel spins on the mailbox) and the service's error check."""
+    expert = torch.zeros(1, dtype=torch.int64, device=device)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def read(layer: int, e: int) -> None:
+        expert.fill_(e)
+        svc.request(layer, expert, slot)
+        if expert.is_cuda:
+            torch.cuda.synchronize()
+        svc.check()
+
+    return read
 
 
 def _keep_the_gil_busy(stop: threading.Event) -> None:

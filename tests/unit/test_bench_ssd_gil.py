@@ -7,6 +7,7 @@ import sys
 
 import bench_ssd_gil  # scripts/ is on pytest's pythonpath (pyproject)
 import pytest
+import torch
 
 
 def test_each_interval_is_timed_idle_and_busy_and_python_s_own_comes_back(tmp_path):
@@ -22,12 +23,40 @@ def test_each_interval_is_timed_idle_and_busy_and_python_s_own_comes_back(tmp_pa
         (100, False),
         (100, True),
     ]
-    assert all(0 < r["median_ms"] <= r["p90_ms"] and r["reads"] == 4 for r in rows)
+    assert all(0 < r["median_ms"] <= r["p90_ms"] and r["reads"] == 4 and r["path"] == "load" for r in rows)
     assert not (tmp_path / "bigmoe-bench-ssd-gil").exists()  # the script removes what it made
 
 
-def test_a_bad_interval_list_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--switch-us", "5000,0"], "--switch-us '5000,0': a comma list of positive integers"),
+        (["--paths", "load,disk"], "--paths 'load,disk': a comma list of load, mailbox"),
+    ],
+)
+def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
-        bench_ssd_gil.main(["--dir", str(tmp_path), "--switch-us", "5000,0"])
+        bench_ssd_gil.main(["--dir", str(tmp_path), *argv])
     assert exit_.value.code == 2
-    assert "--switch-us '5000,0': a comma list of positive integers" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_gpu_s_way_in_is_refused_without_cuda(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_ssd_gil.main(["--dir", str(tmp_path), "--paths", "mailbox"])
+    assert "--paths mailbox: the GPU's way in needs CUDA" in capsys.readouterr().err
+
+
+def test_mailbox_reads_are_answered_through_the_request_kernel(tmp_path):
+    """The GPU's way in, run by Triton's interpreter here: every request is answered (the service's check after each
+    raises on a failed or abandoned read) and timed."""
+    from bench_ssd import _open, _prepare
+    from bigmoe_bench import synth_experts
+
+    layout = synth_experts.make_layout(256, 128, True)
+    ckpt, pf = tmp_path / "ckpt", tmp_path / "experts.bmpf"
+    _prepare(ckpt, pf, layout, 256, 128, 2, 8)
+    with _open("checkpoint", ckpt, pf, layout, 2, 8) as store:
+        row = bench_ssd_gil._measure(store, "mailbox", 3, 2, busy=False, device="cpu")
+    assert row["path"] == "mailbox" and row["reads"] == 3 and row["median_ms"] > 0
