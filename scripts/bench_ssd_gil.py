@@ -8,16 +8,21 @@ thread beside it, for each interval, by either way in (--paths):
 - `load`: `SsdService.load` from the calling thread (the host-driven path, and the dev VM's only one);
 - `mailbox`: the GPU's path, `SsdService.request` on a CUDA stream, then a sync: the request kernel publishes the
   read in the pinned mailbox and spins until the host's poller and workers answer (CUDA only; needs no vLLM).
-What it shows is whether a busy host thread adds whole milliseconds a read, and how much a shorter interval takes
-back; not how busy vLLM's own host thread keeps the GIL (gpu_vllm_bench.py's `+switchN` measures that).
+and by either reader (--readers): `python`, the service's Python poller and workers, or `native`, its C threads
+(ssd_reader.c; `load` then goes through the mailbox's host entries).
+What it shows is whether a busy host thread adds whole milliseconds a read, how much a shorter interval takes
+back, and whether the C threads leave the GIL off the read's path; not how busy vLLM's own host thread keeps the
+GIL (gpu_vllm_bench.py's `+switchN` measures that).
 
-    PYTHONPATH=pager:app:bench:scripts python scripts/bench_ssd_gil.py --dir /tmp --out docs/bench/ssd-gil.json
+    PYTHONPATH=pager:app:bench:scripts python scripts/bench_ssd_gil.py --dir /tmp --readers python,native \
+        --out docs/bench/ssd-gil.json
     H200 (the image's torch): ... --paths load,mailbox --out $OUT/ssd-gil.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -33,6 +38,8 @@ from bench_ssd import SHAPES, _open, _pick_dir, _prepare
 from bigmoe_bench import synth_experts
 from bigmoe_pager.core.ssd_service import SsdService
 
+READERS = ("python", "native")
+"""Who answers: the service's Python threads, or its C threads (BIGMOE_SSD_READER)."""
 PATHS = ("load", "mailbox")
 """The ways a read comes in: SsdService.load (host), SsdService.request through the pinned mailbox (CUDA)."""
 
@@ -45,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-us", default="5000,1000,200", help="comma list of GIL switch intervals (us)")
     p.add_argument("--workers", type=int, default=4, help="the service's I/O workers")
     p.add_argument("--paths", default="load", help="comma list of load, mailbox (mailbox: CUDA only)")
+    p.add_argument("--readers", default="python", help="comma list of python, native")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
     try:
@@ -56,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = a.paths.split(",")
     if not paths or any(x not in PATHS for x in paths):
         p.error(f"--paths {a.paths!r}: a comma list of {', '.join(PATHS)}")
+    readers = a.readers.split(",")
+    if not readers or any(x not in READERS for x in readers):
+        p.error(f"--readers {a.readers!r}: a comma list of {', '.join(READERS)}")
     if "mailbox" in paths and not torch.cuda.is_available():
         p.error("--paths mailbox: the GPU's way in needs CUDA")
     where, why, refused = _pick_dir([a.dir])
@@ -71,17 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _prepare(work / "ckpt", work / "experts.bmpf", layout, hidden, inter, layers, experts)
         rows = []
-        for path in paths:
-            for interval in intervals:
-                for busy in (False, True):
-                    sys.setswitchinterval(interval / 1e6)
-                    with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
-                        rows.append(_measure(store, path, a.reads, a.workers, busy) | {"switch_us": interval})
-                    r = rows[-1]
-                    print(
-                        f"{path:7s}  switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms  "
-                        f"p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a read"
-                    )
+        for reader, path, interval, busy in itertools.product(readers, paths, intervals, (False, True)):
+            sys.setswitchinterval(interval / 1e6)
+            with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
+                rows.append(_measure(store, path, a.reads, a.workers, busy, reader=reader) | {"switch_us": interval})
+            r = rows[-1]
+            print(
+                f"{reader:6s}  {path:7s}  switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms"
+                f"  p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a read"
+            )
     finally:
         sys.setswitchinterval(before)
         shutil.rmtree(work, ignore_errors=True)
@@ -102,18 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(store, path: str, reads: int, workers: int, busy: bool, device: str = "cuda") -> dict:
+def _measure(
+    store, path: str, reads: int, workers: int, busy: bool, device: str = "cuda", reader: str = "python"
+) -> dict:
     """Milliseconds for each of `reads` single-expert reads by `path` (random experts, each into slot 0 of its
-    layer). device: where a mailbox read's request kernel runs (cpu: Triton's interpreter, for tests only)."""
+    layer), answered by `reader`. device: where a mailbox read's request kernel runs (cpu: Triton's interpreter, for
+    tests only)."""
     rng = random.Random(7)
     keys = [(rng.randrange(store.num_layers), rng.randrange(store.num_experts)) for _ in range(reads)]
     gpu = path == "mailbox"
     pin = gpu and device == "cuda"
+    box = gpu or reader == "native"  # the C threads serve loads through the mailbox too
     bufs = [torch.empty(1, store.layout.pitch, dtype=torch.uint8, pin_memory=pin) for _ in range(store.num_layers)]
     stop = threading.Event()
     hog = threading.Thread(target=_keep_the_gil_busy, args=(stop,), daemon=True) if busy else None
     times = []
-    with SsdService(store, bufs, io_workers=workers, mailbox=gpu, max_requests=1) as svc:
+    with SsdService(store, bufs, io_workers=workers, mailbox=box, max_requests=1, reader=reader) as svc:
+        if svc.native != (reader == "native"):
+            raise RuntimeError(f"the {reader} reader did not start: {svc.reader_note}")
         read = _mailbox_read(svc, device) if gpu else lambda layer, expert: svc.load(layer, [expert], [0])
         read(*keys[0])  # (the request kernel compiles on its first launch)
         if hog is not None:
@@ -129,6 +144,7 @@ def _measure(store, path: str, reads: int, workers: int, busy: bool, device: str
                 hog.join()
     times.sort()
     return {
+        "reader": reader,
         "path": path,
         "busy_thread": busy,
         "reads": reads,

@@ -21,8 +21,9 @@
 #   copy-probe  (the image's torch is enough) scripts/gpu_copy_path_probe.py: an expert's copy on the SMs, through the
 #          host copier's round trip and as raw DMA, and the kernels beside a busy copy engine (run 28's question)
 #   ssd-gil  (the image's torch is enough) scripts/bench_ssd_gil.py: one SSD read at a time through the service, by
-#          SsdService.load and through the GPU's mailbox, idle and beside a GIL-busy Python thread, at three switch
-#          intervals (the SSD tier's 0.875 ms a layer: is it the GIL?)
+#          SsdService.load and through the GPU's mailbox, answered by the Python threads and by the C ones (the native
+#          reader), idle and beside a GIL-busy Python thread, at three switch intervals (the SSD tier's 0.875 ms a
+#          layer: is it the GIL?)
 #   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
@@ -113,8 +114,8 @@ for step in "$@"; do
     copy-probe)
       timeout 240 python3 scripts/gpu_copy_path_probe.py --out "$out/copy-path.json" 2>&1 | tail -n 40 ;;
     ssd-gil)
-      timeout 240 python3 scripts/bench_ssd_gil.py --dir /tmp --paths load,mailbox --reads 150 \
-        --switch-us 5000,200,50 --out "$out/ssd-gil.json" 2>&1 | tail -n 20 ;;
+      timeout 300 python3 scripts/bench_ssd_gil.py --dir /tmp --paths load,mailbox --readers python,native \
+        --reads 150 --switch-us 5000,200,50 --out "$out/ssd-gil.json" 2>&1 | tail -n 30 ;;
     sync-tests)
       mkdir -p /tmp/sync-tests
       for i in $(seq 1 "${RUNS:-4}"); do

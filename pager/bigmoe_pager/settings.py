@@ -18,11 +18,13 @@ from typing import Mapping
 COMPRESS_CHOICES = ("on", "off", "auto")
 EVICTION_CHOICES = ("lfu", "lru", "lfu-fast", "lfu-duel")
 PREDICT_CHOICES = ("off", "router")
+SSD_READER_CHOICES = ("native", "python")
 # settings that take one of a few words
 _CHOICES = {
     "compress": COMPRESS_CHOICES,
     "eviction": EVICTION_CHOICES,
     "predict": PREDICT_CHOICES,
+    "ssd_reader": SSD_READER_CHOICES,
 }
 
 
@@ -51,6 +53,10 @@ class PagerSettings:
     """BIGMOE_READ_TIMEOUT_S: seconds one SSD read may take before it is retried."""
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
+    ssd_reader: str = "native"
+    """BIGMOE_SSD_READER: native / python: who answers the GPU's SSD requests: C threads (core/ssd_reader.c; the GIL
+    is never on the read path) or Python threads (each read crosses the GIL several times; also where the native
+    reader cannot start: no C compiler, or a store it cannot plan; the log says why)."""
     cuda_graphs: bool = True
     """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (with
     --max-cudagraph-capture-size <= VRAM slots / top-k); 0 = host-driven (--enforce-eager). Codec files: host-driven."""

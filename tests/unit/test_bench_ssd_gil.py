@@ -10,18 +10,15 @@ import pytest
 import torch
 
 
-def test_each_interval_is_timed_idle_and_busy_and_python_s_own_comes_back(tmp_path):
+def test_each_reader_and_interval_is_timed_idle_and_busy_and_python_s_own_comes_back(tmp_path):
     before = sys.getswitchinterval()
     out = tmp_path / "gil.json"
     argv = ["--dir", str(tmp_path), "--gb", "0.01", "--reads", "4", "--switch-us", "2000,100", "--out", str(out)]
-    assert bench_ssd_gil.main(argv) == 0
+    assert bench_ssd_gil.main([*argv, "--readers", "python,native"]) == 0
     assert sys.getswitchinterval() == before
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["switch_us"], r["busy_thread"]) for r in rows] == [
-        (2000, False),
-        (2000, True),
-        (100, False),
-        (100, True),
+    assert [(r["reader"], r["switch_us"], r["busy_thread"]) for r in rows] == [
+        (reader, interval, busy) for reader in ("python", "native") for interval in (2000, 100) for busy in (0, 1)
     ]
     assert all(0 < r["median_ms"] <= r["p90_ms"] and r["reads"] == 4 and r["path"] == "load" for r in rows)
     assert not (tmp_path / "bigmoe-bench-ssd-gil").exists()  # the script removes what it made
@@ -32,6 +29,7 @@ def test_each_interval_is_timed_idle_and_busy_and_python_s_own_comes_back(tmp_pa
     [
         (["--switch-us", "5000,0"], "--switch-us '5000,0': a comma list of positive integers"),
         (["--paths", "load,disk"], "--paths 'load,disk': a comma list of load, mailbox"),
+        (["--readers", "rust"], "--readers 'rust': a comma list of python, native"),
     ],
 )
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
@@ -57,6 +55,7 @@ def test_mailbox_reads_are_answered_through_the_request_kernel(tmp_path):
     layout = synth_experts.make_layout(256, 128, True)
     ckpt, pf = tmp_path / "ckpt", tmp_path / "experts.bmpf"
     _prepare(ckpt, pf, layout, 256, 128, 2, 8)
-    with _open("checkpoint", ckpt, pf, layout, 2, 8) as store:
-        row = bench_ssd_gil._measure(store, "mailbox", 3, 2, busy=False, device="cpu")
-    assert row["path"] == "mailbox" and row["reads"] == 3 and row["median_ms"] > 0
+    for reader in bench_ssd_gil.READERS:
+        with _open("checkpoint", ckpt, pf, layout, 2, 8) as store:
+            row = bench_ssd_gil._measure(store, "mailbox", 3, 2, busy=False, device="cpu", reader=reader)
+        assert row["path"] == "mailbox" and row["reader"] == reader and row["reads"] == 3 and row["median_ms"] > 0

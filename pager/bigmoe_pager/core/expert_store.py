@@ -18,6 +18,7 @@ from .expert_names import MAIN_SCHEMES, ExpertNameError, ExpertNames, describe_s
 from .layout import ExpertLayout
 from .odirect import DirectFile, SystemFileIO, as_byte_array
 from .read_stats import ReadCounters
+from .record_reads import ReadsBuilder, RecordReads
 from .safetensors_index import CheckpointError, TensorEntry, index_files, shard_paths
 
 DEFAULT_PREFIX = MAIN_SCHEMES[0]  # Qwen3-MoE's names; expert_names.py knows every scheme the store reads
@@ -116,6 +117,17 @@ class CheckpointStore:
         for start, end in self._gaps:
             out[start:end] = 0
         return self.layout.record_bytes
+
+    def record_reads(self) -> RecordReads:
+        """Every record as aligned reads and pieces, for the native SSD reader (its gaps zeroed after them)."""
+        plan = ReadsBuilder([self._files[p] for p in sorted(self._files)])
+        for runs in self._runs:
+            for run in runs:
+                staged = plan.read(run.file, run.offset, run.length)
+                for src, dst_off, n in run.pieces:
+                    plan.piece(staged + src, dst_off, n)
+            plan.end_key(self.layout.record_bytes)
+        return plan.build(self._gaps)
 
     def describe(self, layer: int, expert: int) -> str:
         runs = self._runs[self._key(layer, expert)]

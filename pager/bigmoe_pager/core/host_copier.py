@@ -19,19 +19,14 @@ Triton's interpreter use) it memcpy()s and publishes each completion word with a
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from . import native_build
 
 SOURCE = Path(__file__).with_name("host_copier.c")
 MAX_LAYERS = 256  # host_copier.c's MAX_LAYERS
@@ -62,53 +57,12 @@ class HostCopierError(RuntimeError):
     """The copier's library could not be built, or its thread recorded an error and stopped copying."""
 
 
-def cache_dir() -> Path:
-    """Where the compiled library goes: $BIGMOE_CACHE_DIR, else $XDG_CACHE_HOME/bigmoe, else ~/.cache/bigmoe."""
-    if os.environ.get("BIGMOE_CACHE_DIR"):
-        return Path(os.environ["BIGMOE_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bigmoe"
-
-
 def library() -> ctypes.CDLL:
-    """The copier's library for the current $CC and cache dir, built on first use (per process, loaded once)."""
-    return _load(os.environ.get("CC") or "cc", str(cache_dir()))
-
-
-@functools.lru_cache(maxsize=None)
-def _load(compiler: str, directory: str) -> ctypes.CDLL:
-    # Keyed by (compiler, directory) so a changed $CC or cache dir builds anew; a failure raises, and lru_cache
-    # does not keep exceptions, so the next call tries again.
-    argv = shlex.split(compiler)
-    exe = shutil.which(argv[0]) if argv else None
-    if exe is None:
-        raise HostCopierError(f"host copier: C compiler {compiler!r} not found; install one (gcc or clang) or set CC")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + b"\0" + exe.encode() + b"\0" + compiler.encode()).hexdigest()[:16]
-    out = Path(directory) / f"host_copier-{digest}.so"
-    if not out.exists():
-        _build(argv, exe, out)
-    return _declare(ctypes.CDLL(str(out)))
-
-
-def _build(argv: list[str], exe: str, out: Path) -> None:
-    """Compile into a temp name beside `out`, then rename: a half-written library is never loaded, and two
-    processes building at once each rename a whole one."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
+    """The copier's library for the current $CC and cache dir, built on first use (native_build; loaded once)."""
     try:
-        cmd = [exe, *argv[1:], "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE), "-ldl"]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            raise HostCopierError(f"host copier: cannot run C compiler {exe} ({e})") from None
-        if r.returncode != 0:
-            first = next((line.strip() for line in r.stderr.splitlines() if line.strip()), "no message")
-            raise HostCopierError(f"host copier: {exe} failed to build {SOURCE.name} (exit {r.returncode}): {first}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        return _declare(native_build.library(SOURCE))
+    except native_build.NativeBuildError as e:
+        raise HostCopierError(f"host copier: {e}") from None
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

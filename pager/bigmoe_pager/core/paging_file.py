@@ -38,6 +38,7 @@ from .expert_store import ExpertStore
 from .layout import ExpertLayout
 from .odirect import ALIGN, DirectFile, SystemFileIO, aligned_empty, as_byte_array
 from .read_stats import ReadCounters
+from .record_reads import ReadsBuilder, RecordReads
 
 MAGIC = b"BIGMOEPF"
 END_MAGIC = b"BIGMOEOK"
@@ -275,8 +276,25 @@ class PagingFileStore:
         if key not in self._failed:  # once may be a glitch on the way (callers retry); twice is the bytes on disk
             self._failed.add(key)
             raise ChecksumError(f"paging file {self.path}: {why}")
-        marked = mark_damaged(self.path, why + " twice")
-        raise ChecksumError(
+        raise ChecksumError(self.record_failed_checks(layer, expert, 2))
+
+    def record_reads(self) -> RecordReads:
+        """Every record as one aligned read and one checked piece, for the native SSD reader."""
+        plan = ReadsBuilder([self._file])
+        for offset, length, crc in self._index:
+            plan.piece(plan.read(self._file.path, int(offset), int(length)), 0, int(length))
+            plan.end_key(int(length), int(crc))
+        return plan.build([])
+
+    def record_failed_checks(self, layer: int, expert: int, attempts: int) -> str:
+        """What a record that failed its crc32 on every one of `attempts` reads means (the file is marked damaged
+        when the reads were two or more: the bytes on disk, not a glitch on the way)."""
+        offset, length, _ = self.entry(layer, expert)
+        why = f"record ({layer}, {expert}) at offset {offset} fails its crc32 check"
+        if attempts < 2:
+            return f"paging file {self.path}: {why}"
+        marked = mark_damaged(self.path, f"{why} {'twice' if attempts == 2 else f'{attempts} times'}")
+        return (
             f"paging file {self.path} "
             + (
                 "is marked damaged and the next start rebuilds it"

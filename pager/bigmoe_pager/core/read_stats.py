@@ -47,6 +47,15 @@ class ReadCounters(LockedCounters):
             self.bytes += nbytes
             self.read_ns += ns
 
+    def add_many(self, reads: int, bytes: int, read_ns: int, retries: int, errors: int) -> None:
+        """Add totals counted elsewhere (the native reader's, per layer)."""
+        with self._lock:
+            self.reads += reads
+            self.bytes += bytes
+            self.read_ns += read_ns
+            self.retries += retries
+            self.errors += errors
+
     def add_retry(self) -> None:
         with self._lock:
             self.retries += 1

@@ -38,10 +38,12 @@ they may be transient (checksum mismatch); ReadError (already retried at file
 level) and bad requests fail at once. The GPU's own deadline is longer than the
 host's, so normally the host reports first, with the file and expert named.
 
-The GIL is never on the GPU's wait path: the kernel waits only on mailbox
-words. The host threads do need the GIL to answer, so the thread that launches
-work must not block in a call that holds the GIL (Triton's launcher and torch's
-synchronize/graph replay release it).
+Who answers the mailbox: by default C threads (ssd_reader.c, `reader="native"`), which pick up,
+read, check, copy and answer without the GIL; Python keeps the failure's message, the counters
+(`collect()`) and the lifecycle. With `reader="python"`, or where the native reader cannot start
+(`reader_note` says why), Python threads do it: then each read crosses the GIL several times, and
+a thread holding it (vLLM's, between launches) delays every answer by up to the switch interval.
+Either way the GPU's kernel waits only on mailbox words, never on a Python call.
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ import torch
 
 from . import ssd_mailbox as mb
 from .expert_store import ExpertStore
-from .odirect import aligned_empty, as_byte_array
+from .odirect import SystemFileIO, aligned_empty, as_byte_array
 from .paging_file import ChecksumError
 from .ram_tier import ServiceFetch
 from .read_stats import ReadCounters
+from .ssd_reader import NativeReader, NativeReaderError
 
 IDLE_SLEEP_S = (20e-6, 1e-3)  # seconds between mailbox polls: right after work, and at most when idle
 ACTIVE_WINDOW_S = 0.02  # seconds after the last request during which the poller polls at the fast rate
+LOAD_POLL_S = 20e-6  # seconds between checks of a native load's done words
 
 
 class HostCounterSink(Protocol):
@@ -120,7 +124,9 @@ class SsdService:
         wait_timeout_s: float | None = None,
         sinks: Sequence[HostCounterSink] | None = None,
         read_ahead: bool = False,
+        reader: str = "native",
     ):
+        """reader: "native" (C threads answer the mailbox, where they can start: see reader_note) or "python"."""
         self.store = store
         self.io_workers = io_workers
         self.read_timeout_s = read_timeout_s
@@ -133,8 +139,11 @@ class SsdService:
         slots = [len(rows) for rows in self._rows]
         self.post_base = [max_requests + sum(slots[:layer]) for layer in range(len(slots))]
         """Mailbox entry of RAM slot 0 of each layer, for posted (read-ahead) reads."""
-        self.entries = max_requests + (sum(slots) if read_ahead else 0)
-        """Mailbox entries: max_requests for blocking requests, then one per RAM slot when reading ahead."""
+        self.host_base = max_requests + (sum(slots) if read_ahead else 0)
+        """First mailbox entry of host-driven loads (the native reader serves `load` through the mailbox too)."""
+        self.entries = self.host_base + (max_requests if reader == "native" else 0)
+        """Mailbox entries: max_requests for blocking requests, one per RAM slot when reading ahead, then
+        max_requests for host-driven loads when the native reader may serve them."""
         self.read_ahead = read_ahead
         self.counters = [ReadCounters() for _ in range(store.num_layers)]
         """Per MoE layer: expert reads into RAM slots (retries and errors at this level)."""
@@ -149,9 +158,15 @@ class SsdService:
         self._error: str | None = None
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
+        self._native: NativeReader | None = None
+        self.reader_note = "" if reader == "native" else "BIGMOE_SSD_READER=python"
+        """Why Python threads answer the mailbox ("" when the native reader does, or there is no mailbox)."""
+        self._collected = np.zeros((store.num_layers, 5), dtype=np.int64)
+        self._collect_lock = threading.Lock()
+        self._host_seq = 0
         self.box: torch.Tensor | None = None
         if mailbox if mailbox is not None else torch.cuda.is_available():
-            self._open_mailbox()
+            self._open_mailbox(native=reader == "native")
 
     @classmethod
     def from_settings(cls, store: ExpertStore, ram_slots: Sequence[torch.Tensor], settings, **kw) -> "SsdService":
@@ -162,6 +177,7 @@ class SsdService:
             io_workers=settings.io_workers,
             read_timeout_s=settings.read_timeout_s,
             read_retries=settings.read_retries,
+            reader=settings.ssd_reader,
             **kw,
         )
 
@@ -226,6 +242,11 @@ class SsdService:
 
     def check(self) -> None:
         """Raise SsdError if any read failed or the GPU gave up waiting (call after syncing the step)."""
+        self.collect()
+        if self._native is not None and self._error is None:
+            failure = self._native.failure()
+            if failure is not None:
+                self._fail_service(self._native_message(failure))
         if self.box is not None:
             gpu = int(self._box[mb.GPU_ERROR])
             if gpu == mb.GPU_TIMED_OUT and self._error is None:
@@ -243,7 +264,27 @@ class SsdService:
     @property
     def failed(self) -> bool:
         """Whether the service has failed for good (check() would raise)."""
-        return self._error is not None or (self.box is not None and int(self._box[mb.GPU_ERROR]) != 0)
+        if self._error is not None:
+            return True
+        return self.box is not None and (int(self._box[mb.GPU_ERROR]) != 0 or int(self._box[mb.HOST_ERROR]) != 0)
+
+    @property
+    def native(self) -> bool:
+        """Whether C threads answer the mailbox (the native reader)."""
+        return self._native is not None
+
+    def collect(self) -> None:
+        """Add what the native reader counted since the last call to `counters` and the sinks (a no-op when
+        Python threads read: they add as they go). check() and stats() call it; so does the server's exporter."""
+        if self._native is None:
+            return
+        with self._collect_lock:
+            now = self._native.counters()
+            delta, self._collected = now - self._collected, now
+        for layer in np.flatnonzero(delta.any(axis=1)):
+            reads, nbytes, ns, retries, errors = (int(v) for v in delta[layer])
+            self.counters[layer].add_many(reads=reads, bytes=nbytes, read_ns=ns, retries=retries, errors=errors)
+            self._sink(int(layer), read_ns=ns, retries=retries, errors=errors)
 
     # ---- the host-driven path (outside CUDA graphs) ------------------------------------
 
@@ -253,6 +294,9 @@ class SsdService:
         if len({s for _, s in pairs}) != len(pairs):
             raise SsdError(f"layer {layer}: one RAM slot requested twice in one load: {pairs}")
         self.check()
+        if self._native is not None:
+            self._load_native(layer, pairs)
+            return
         jobs = [_Job(layer, e, s) for e, s in pairs]
         for job in jobs:
             self._start(job)
@@ -268,6 +312,9 @@ class SsdService:
         self._stop.set()
         if self._poller is not None:
             self._poller.join()
+        if self._native is not None:
+            self.collect()
+            self._native.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "SsdService":
@@ -277,12 +324,14 @@ class SsdService:
         self.close()
 
     def stats(self) -> dict[str, object]:
-        """Counters: per layer (expert reads into slots) and for the store's files (file-level retries)."""
+        """Counters: per layer (expert reads into slots) and for the store's files (file-level retries; the native
+        reader's file-level retries are not counted there)."""
+        self.collect()
         return {"layers": [c.snapshot() for c in self.counters], "files": self.store.counters.snapshot()}
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _open_mailbox(self) -> None:
+    def _open_mailbox(self, native: bool) -> None:
         pin = torch.cuda.is_available()
         self.box = torch.zeros(mb.mailbox_words(self.entries), dtype=torch.int64, pin_memory=pin)
         self._box = self.box.numpy()
@@ -292,9 +341,78 @@ class SsdService:
         """Device copy of the GPU's error code (0 = fine), for on-device reactions; sticky."""
         self._post_seq = torch.zeros(len(self._rows), dtype=torch.int64, device=device)
         """Per layer: seq of its latest post (its posts are ordered on one stream, so no atomics)."""
+        if native:
+            self._native = self._start_native()
+            if self._native is not None:
+                return
         self._handled = np.zeros(self.entries, dtype=np.int64)
         self._poller = threading.Thread(target=self._poll, name="bigmoe-ssd-poller", daemon=True)
         self._poller.start()
+
+    def _start_native(self) -> NativeReader | None:
+        """The C threads over this mailbox, or None (reader_note says why) when they cannot start."""
+        planner = getattr(self.store, "record_reads", None)
+        if planner is None:
+            self.reader_note = f"the native SSD reader cannot plan reads of a {type(self.store).__name__}"
+            return None
+        plan = planner()
+        if any(type(f.io) is not SystemFileIO for f in plan.files):
+            self.reader_note = "the store reads through its own file I/O, which only Python threads call"
+            return None
+        try:
+            return NativeReader(
+                self.box,
+                self.entries,
+                (self.max_requests, self.host_base),
+                self._rows,
+                plan,
+                self.store.num_experts,
+                workers=self.io_workers,
+                timeout_s=self.read_timeout_s,
+                retries=self.read_retries,
+                file_retries=max(f.retries for f in plan.files),
+            )
+        except NativeReaderError as e:
+            self.reader_note = str(e)
+            return None
+
+    def _load_native(self, layer: int, pairs: list[tuple[int, int]]) -> None:
+        """`load` through the mailbox's host entries: publish like the GPU does, wait for the done words."""
+        done = mb.done_base(self.entries)
+        for start in range(0, len(pairs), self.max_requests):
+            batch = pairs[start : start + self.max_requests]
+            seqs = []
+            for i, (expert, slot) in enumerate(batch):
+                self._host_seq += 1
+                at = mb.REQ + mb.WORDS_PER_REQUEST * (self.host_base + i)
+                self._box[at + 1 : at + 4] = (layer, expert, slot)
+                self._box[at] = self._host_seq  # last: the payload is in place first (x86 keeps store order)
+                seqs.append(self._host_seq)
+            entries = np.arange(self.host_base, self.host_base + len(batch)) + done
+            deadline = time.monotonic() + self.wait_timeout_s
+            while not (self._box[entries] == seqs).all():
+                if self.failed:
+                    break
+                if time.monotonic() > deadline:
+                    self._fail_service(
+                        f"layer {layer}: SSD reads did not finish within {self.wait_timeout_s:g} s; "
+                        "the native reader's threads are stuck or gone"
+                    )
+                    break
+                time.sleep(LOAD_POLL_S)
+            self.check()
+
+    def _native_message(self, failure) -> str:
+        """The native reader's first failure, in the words the Python threads use."""
+        why = failure.why(self._native.plan.files)
+        if failure.kind == 4 and hasattr(self.store, "record_failed_checks"):
+            why = self.store.record_failed_checks(failure.layer, failure.expert, failure.attempts)
+            why += f" (after {failure.attempts} attempts)"
+        where = "the mailbox" if failure.kind == 6 else self.store.describe(failure.layer, failure.expert)
+        return (
+            f"SSD read of layer {failure.layer} expert {failure.expert} into RAM slot {failure.slot} failed: {why}; "
+            f"source: {where}"
+        )
 
     def _poll(self) -> None:
         """Pick up requests the GPU published; keep an eye on late reads."""

@@ -320,6 +320,11 @@ def _ssd_fetchers(parts: DeviceParts, layers: list, settings: PagerSettings) -> 
         read_ahead=settings.ssd_read_ahead,  # entries for posted reads; layers post only when partial
     )
     parts.ssd = service
+    if service.box is not None:
+        if service.native:
+            log.info("bigmoe: SSD reads are answered by C threads (native reader, %d workers)", settings.io_workers)
+        else:
+            log.warning("bigmoe: SSD reads are answered by Python threads: %s", service.reader_note)
     return {l._moe_index: ServiceFetch(service, l._ssd_source.layer) for l in partial}
 
 
@@ -370,6 +375,8 @@ def _export_loop(process) -> None:
             log.error("bigmoe: %s", failure)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if parts.ssd is not None:
+            parts.ssd.collect()  # the native reader's counters into the host counts
         with stats.lock:
             counts = mirror + stats.host_counts
         for paged in parts.layers:

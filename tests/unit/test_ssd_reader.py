@@ -1,0 +1,233 @@
+"""The native SSD reader (core/ssd_reader.c): C threads answer the mailbox, with the Python service's rules.
+
+Real files throughout: faults are a shard cut short and a paging-file record corrupted on disk after the service
+started (the faults a fake file layer injects go to the Python threads, which test_ssd_service covers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from bigmoe_pager.core import ssd_mailbox as mb
+from bigmoe_pager.core.paging_file import damaged_marker
+from bigmoe_pager.core.ssd_service import SsdError, SsdService
+from bigmoe_pager.settings import PagerSettings
+from ssd_testkit import NEEDS_INTERPRETER, FakeFaultyIO, make_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+RAM_SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "fp8", num_layers=2, num_experts=6)
+
+
+@pytest.fixture(params=["checkpoint", "paging-file"])
+def store_kind(request):
+    return request.param
+
+
+def _store(ckpt, kind, tmp_path, **kw):
+    if kind == "checkpoint":
+        return ckpt.store(**kw)
+    return ckpt.paging_file(tmp_path / "experts.bigmoe", **kw)
+
+
+def _service(store, ckpt, **kw):
+    bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
+    kw.setdefault("read_timeout_s", 5.0)
+    kw.setdefault("max_requests", 8)
+    return SsdService(store, bufs, mailbox=True, **kw), bufs
+
+
+def _assert_slot(ckpt, bufs, layer, expert, slot):
+    got = bufs[layer][slot, : ckpt.layout.record_bytes]
+    assert torch.equal(got, ckpt.reference(layer, expert)), (layer, expert, slot)
+
+
+def test_loads_fill_slots_with_each_store_and_are_counted(ckpt, store_kind, tmp_path):
+    """Every expert of both layers, read by the C threads through the mailbox's host entries, is byte for byte the
+    checkpoint's record; reads and bytes reach the service's counters and the sinks' read time."""
+    sinks = [_Sink() for _ in range(ckpt.num_layers)]
+    svc, bufs = _service(_store(ckpt, store_kind, tmp_path), ckpt, io_workers=3, sinks=sinks)
+    with svc:
+        assert svc.native and svc.reader_note == ""
+        for layer in range(ckpt.num_layers):
+            for first in range(0, ckpt.num_experts, RAM_SLOTS):
+                experts = list(range(first, min(first + RAM_SLOTS, ckpt.num_experts)))
+                svc.load(layer, experts, list(range(len(experts))))
+                for slot, expert in enumerate(experts):
+                    _assert_slot(ckpt, bufs, layer, expert, slot)
+        layers = svc.stats()["layers"]
+    assert [c["reads"] for c in layers] == [ckpt.num_experts] * ckpt.num_layers
+    assert all(c["bytes"] >= ckpt.num_experts * ckpt.layout.record_bytes * 0.5 for c in layers)
+    assert all(c["errors"] == 0 and c["retries"] == 0 for c in layers)
+    assert all(s.values.get("read_ns", 0) > 0 for s in sinks)
+
+
+@NEEDS_INTERPRETER
+def test_gpu_requests_are_answered_by_the_native_threads(ckpt, store_kind, tmp_path):
+    """The request kernel (Triton's interpreter) over the same mailbox, ids rewritten in place as graph replay
+    does: the C threads answer each round, and the slots hold the right records."""
+    svc, bufs = _service(_store(ckpt, store_kind, tmp_path), ckpt, io_workers=2)
+    experts = torch.full((4,), -1, dtype=torch.int32)
+    slots = torch.full((4,), -1, dtype=torch.int32)
+    with svc:
+        assert svc.native
+        for layer, ex, sl in ((0, [1, 4, -1, 0], [0, 1, -1, 3]), (1, [5, 2], [2, 0]), (0, [3, 2], [1, 2])):
+            experts.fill_(-1)
+            slots.fill_(-1)
+            experts[: len(ex)] = torch.tensor(ex)
+            slots[: len(sl)] = torch.tensor(sl)
+            svc.request(layer, experts, slots)
+            svc.check()
+            for e, s in zip(ex, sl):
+                if e >= 0:
+                    _assert_slot(ckpt, bufs, layer, e, s)
+        assert int(svc.box[mb.GPU_ERROR]) == 0
+
+
+def test_reads_finish_while_python_holds_the_gil(ckpt, tmp_path):
+    """The point of the native reader: requests published before this thread holds the GIL for a whole second
+    (a call through ctypes.PyDLL keeps it) are read and answered meanwhile; Python threads could not have run."""
+    svc, bufs = _service(ckpt.store(), ckpt, io_workers=2)
+    hold_gil = ctypes.PyDLL(None).usleep
+    with svc:
+        box = svc.box.numpy()
+        for i, (expert, slot) in enumerate(((2, 0), (5, 1), (0, 2))):
+            at = mb.REQ + mb.WORDS_PER_REQUEST * i
+            box[at + 1 : at + 4] = (1, expert, slot)
+            box[at] = 1
+        hold_gil(1_000_000)  # microseconds, with the GIL held
+        done = box[mb.done_base(svc.entries) : mb.done_base(svc.entries) + 3].copy()  # before anything lets go
+        assert done.tolist() == [1, 1, 1]
+        for expert, slot in ((2, 0), (5, 1), (0, 2)):
+            _assert_slot(ckpt, bufs, 1, expert, slot)
+
+
+def test_a_newer_request_for_a_slot_wins_over_a_posted_read(ckpt, tmp_path):
+    """A posted read and a blocking request for one RAM slot, published together: the request's record is what
+    the slot holds, and the request is answered."""
+    store = ckpt.store()
+    bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
+    svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=2)
+    with svc:
+        box = svc.box.numpy()
+        posted = mb.REQ + mb.WORDS_PER_REQUEST * (svc.post_base[0] + 3)
+        blocking = mb.REQ + mb.WORDS_PER_REQUEST * 0
+        box[posted + 1 : posted + 4] = (0, 1, 3)
+        box[blocking + 1 : blocking + 4] = (0, 4, 3)
+        box[posted] = 7
+        box[blocking] = 9
+        deadline = time.monotonic() + 30
+        while box[mb.done_base(svc.entries)] != 9 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a late posted read would land now if superseding failed
+        svc.check()
+        _assert_slot(ckpt, bufs, 0, 4, 3)
+
+
+def test_a_shard_cut_short_fails_the_tier_with_file_and_offset(ckpt, tmp_path):
+    """A shard truncated after the service started: the read comes back short (after the file-level retries),
+    the GPU is told (HOST_ERROR), and check() names the expert, the file and the offset; the slot keeps no
+    partial bytes, and the tier stays failed."""
+    root = tmp_path / "ckpt"
+    own = make_checkpoint(root, "fp8", num_layers=2, num_experts=6)
+    svc, bufs = _service(own.store(retries=1), own, read_retries=1)
+    shards = sorted(root.glob("*.safetensors"))
+    with svc:
+        svc.load(0, [0], [0])
+        for shard in shards:
+            os.truncate(shard, 4096)
+        with pytest.raises(SsdError, match=r"layer 1 expert 5 into RAM slot 2 failed: short read.*safetensors@\d+"):
+            svc.load(1, [5], [2])
+        assert int(svc.box[mb.HOST_ERROR]) != 0 and svc.failed
+        assert not bufs[1][2].any()
+        with pytest.raises(SsdError):
+            svc.load(0, [1], [1])
+        assert svc.stats()["layers"][1]["errors"] == 1
+
+
+def test_a_record_corrupt_on_disk_is_retried_then_marks_the_paging_file_damaged(ckpt, tmp_path):
+    store = ckpt.paging_file(tmp_path / "experts.bigmoe")
+    offset, length, _ = store.entry(0, 4)
+    svc, bufs = _service(store, ckpt, read_retries=2)
+    with svc:
+        with open(store.path, "r+b") as f:
+            f.seek(offset + length // 2)
+            byte = f.read(1)
+            f.seek(offset + length // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(
+            SsdError,
+            match=r"marked damaged and the next start rebuilds it: record \(0, 4\).* check \(after 3 attempts\)",
+        ):
+            svc.load(0, [4], [2])
+        assert svc.stats()["layers"][0]["retries"] == 2
+    assert not bufs[0][2].any()
+    assert damaged_marker(store.path).exists()
+
+
+def test_a_bad_request_fails_with_one_line(ckpt, tmp_path):
+    svc, _ = _service(ckpt.store(), ckpt)
+    with svc, pytest.raises(SsdError, match=r"expert 99 into RAM slot 0 failed: bad request.*source: the mailbox"):
+        svc.load(0, [99], [0])
+
+
+def test_python_threads_serve_where_the_native_reader_cannot(ckpt, tmp_path, monkeypatch):
+    """No C compiler, a store reading through its own file layer, or BIGMOE_SSD_READER=python: the Python
+    threads answer the same mailbox, and reader_note says why."""
+    cases = {
+        "C compiler": (dict(), {"CC": "/nonexistent/cc-for-test", "BIGMOE_CACHE_DIR": str(tmp_path / "c")}),
+        "its own file I/O": (dict(io=FakeFaultyIO()), {}),
+        "BIGMOE_SSD_READER=python": (dict(), {"BIGMOE_SSD_READER": "python"}),
+    }
+    for note, (store_kw, env) in cases.items():
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            settings = PagerSettings.from_env()
+            bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
+            svc = SsdService.from_settings(ckpt.store(**store_kw), bufs, settings, mailbox=True, max_requests=8)
+            with svc:
+                assert not svc.native and note in svc.reader_note, (note, svc.reader_note)
+                svc.load(1, [3], [1])
+                _assert_slot(ckpt, bufs, 1, 3, 1)
+
+
+def test_close_leaves_no_thread_behind(ckpt, tmp_path):
+    me = psutil.Process()
+    before = me.num_threads()
+    svc, _ = _service(ckpt.store(), ckpt, io_workers=4)
+    assert me.num_threads() >= before + 5  # the poller and four workers
+    svc.load(0, [1, 2], [0, 1])
+    svc.close()
+    assert me.num_threads() == before
+
+
+class _Sink:
+    def __init__(self):
+        self.values: dict[str, int] = {}
+
+    def add_host(self, **values: int) -> None:
+        for k, v in values.items():
+            self.values[k] = self.values.get(k, 0) + int(v)
+
+
+def test_counters_arrive_once(ckpt, tmp_path):
+    """collect() adds only what is new: called twice, the totals do not double."""
+    svc, _ = _service(ckpt.store(), ckpt)
+    with svc:
+        svc.load(0, [0, 1, 2], [0, 1, 2])
+        svc.collect()
+        svc.collect()
+        assert svc.stats()["layers"][0]["reads"] == 3
+        assert np.sum([c["reads"] for c in svc.stats()["layers"]]) == 3
