@@ -24,6 +24,8 @@
 #          SsdService.load and through the GPU's mailbox, answered by the Python threads and by the C ones (the native
 #          reader), idle and beside a GIL-busy Python thread, at three switch intervals (the SSD tier's 0.875 ms a
 #          layer: is it the GIL?)
+#   ssd-tests  (the image's torch is enough) the SSD tier's GPU tests (mailbox, read-ahead), which the native
+#          reader's C threads now answer
 #   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
@@ -116,6 +118,9 @@ for step in "$@"; do
     ssd-gil)
       timeout 300 python3 scripts/bench_ssd_gil.py --dir /tmp --paths load,mailbox --readers python,native \
         --reads 150 --switch-us 5000,200,50 --out "$out/ssd-gil.json" 2>&1 | tail -n 30 ;;
+    ssd-tests)
+      timeout 300 python3 -m pytest tests/gpu/test_ssd_gpu.py tests/gpu/test_ssd_read_ahead_gpu.py -m gpu -q -rfEs \
+        -p no:cacheprovider 2>&1 | tail -n 15 ;;
     sync-tests)
       mkdir -p /tmp/sync-tests
       for i in $(seq 1 "${RUNS:-4}"); do

@@ -164,6 +164,7 @@ class SsdService:
         self._collected = np.zeros((store.num_layers, 5), dtype=np.int64)
         self._collect_lock = threading.Lock()
         self._host_seq = 0
+        self._load_lock = threading.Lock()  # native loads share the mailbox's host entries: one load at a time
         self.box: torch.Tensor | None = None
         if mailbox if mailbox is not None else torch.cuda.is_available():
             self._open_mailbox(native=reader == "native")
@@ -295,7 +296,8 @@ class SsdService:
             raise SsdError(f"layer {layer}: one RAM slot requested twice in one load: {pairs}")
         self.check()
         if self._native is not None:
-            self._load_native(layer, pairs)
+            with self._load_lock:
+                self._load_native(layer, pairs)
             return
         jobs = [_Job(layer, e, s) for e, s in pairs]
         for job in jobs:
