@@ -18,7 +18,7 @@ from bigmoe_pager.core import ssd_mailbox as mb
 from bigmoe_pager.core.paging_file import damaged_marker
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.settings import PagerSettings
-from ssd_testkit import NEEDS_INTERPRETER, FakeFaultyIO, make_checkpoint
+from ssd_testkit import NEEDS_INTERPRETER, SHAPES, FakeFaultyIO, make_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -231,3 +231,110 @@ def test_counters_arrive_once(ckpt, tmp_path):
         svc.collect()
         assert svc.stats()["layers"][0]["reads"] == 3
         assert np.sum([c["reads"] for c in svc.stats()["layers"]]) == 3
+
+
+FAKE_PREAD = r"""
+/* A stand-in for a misbehaving disk, LD_PRELOADed into a child: pread() on O_DIRECT descriptors (the native
+ * reader's; Python's reads use preadv) follows a script set through fake_pread_set(script, then): a comma list
+ * used one entry a call (eio: fail with EIO; slowN: sleep N ms, then read), then `then` for every later call. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+static char script[256], then[32];
+static long calls;
+void fake_pread_set(const char *s, const char *t) {
+    snprintf(script, sizeof script, "%s", s);
+    snprintf(then, sizeof then, "%s", t);
+    __atomic_store_n(&calls, 0, __ATOMIC_SEQ_CST);
+}
+static void step(long i, char *out) {
+    const char *p = script;
+    for (long k = 0; k < i && p && *p; k++) { p = strchr(p, ','); if (p) p++; }
+    if (!p || !*p) { snprintf(out, 32, "%s", then); return; }
+    size_t n = strcspn(p, ",");
+    snprintf(out, 32, "%.*s", (int)n, p);
+}
+static ssize_t act(int fd, void *buf, size_t n, off_t off) {
+    static ssize_t (*real)(int, void *, size_t, off_t);
+    if (!real) real = (ssize_t (*)(int, void *, size_t, off_t))dlsym(RTLD_NEXT, "pread");
+    if (!(fcntl(fd, F_GETFL) & O_DIRECT)) return real(fd, buf, n, off);
+    char what[32];
+    step(__atomic_fetch_add(&calls, 1, __ATOMIC_SEQ_CST), what);
+    if (!strcmp(what, "eio")) { errno = EIO; return -1; }
+    if (!strncmp(what, "slow", 4)) { struct timespec t = {0, 0}; long ms = atol(what + 4);
+        t.tv_sec = ms / 1000; t.tv_nsec = (ms % 1000) * 1000000L; nanosleep(&t, NULL); }
+    return real(fd, buf, n, off);
+}
+ssize_t pread(int fd, void *buf, size_t n, off_t off) { return act(fd, buf, n, off); }
+ssize_t pread64(int fd, void *buf, size_t n, off_t off) { return act(fd, buf, n, off); }
+"""
+
+FAULT_RUN = r"""
+import ctypes, json, sys, torch
+from bigmoe_bench import synth_experts
+from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.ssd_service import SsdError, SsdService
+root, hidden, inter, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+layout = synth_experts.make_layout(hidden, inter, True)
+fake = ctypes.CDLL(None)
+fake.fake_pread_set.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+out = {}
+for name, script, then, kw in json.loads(sys.argv[5]):
+    store = CheckpointStore(root, layout, retries=1)
+    bufs = [torch.zeros(2, layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
+    svc = SsdService(store, bufs, mailbox=True, max_requests=4, io_workers=4, **kw)
+    fake.fake_pread_set(script.encode(), then.encode())
+    row = {"native": svc.native}
+    try:
+        svc.load(1, [3], [1])
+        ref = synth_experts.reference_record(root, layout, first + 1, 3)[: layout.record_bytes]
+        row["right_bytes"] = bool(torch.equal(bufs[1][1, : layout.record_bytes], ref))
+    except SsdError as e:
+        row["error"] = str(e)
+        row["slot_untouched"] = not bool(bufs[1][1].any())
+    fake.fake_pread_set(b"", b"ok")
+    row["stats"] = svc.stats()["layers"][1]
+    svc.close()
+    store.close()
+    out[name] = row
+print(json.dumps(out))
+"""
+
+
+def test_disk_faults_in_the_native_threads(ckpt, tmp_path):
+    """EIO and reads that never come back, injected under the C threads' pread (a fake disk LD_PRELOADed into a
+    child): one EIO is retried at file level; EIO every time fails the read with its errno, the slot untouched; a
+    read not answered within read_timeout_s is issued again on another worker and the late answer discarded; a
+    read never answered in time fails as such."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "fake.c").write_text(FAKE_PREAD)
+    shim = tmp_path / "fake_pread.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "fake.c"), "-ldl"], check=True)
+    cases = [
+        ("eio-once", "eio", "ok", {}),
+        ("eio-always", "", "eio", {}),
+        ("late-once", "slow1500", "ok", {"read_timeout_s": 0.2, "read_retries": 1}),
+        ("late-always", "", "slow1500", {"read_timeout_s": 0.2, "read_retries": 1}),
+    ]
+    shape = (SHAPES["fp8"]["hidden"], SHAPES["fp8"]["intermediate"])
+    env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    argv = [sys.executable, "-c", FAULT_RUN, str(ckpt.root), *map(str, shape), str(ckpt.first_layer), json.dumps(cases)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert all(row["native"] for row in got.values())
+    assert got["eio-once"]["right_bytes"] and got["eio-once"]["stats"]["errors"] == 0
+    assert "read error (EIO: Input/output error)" in got["eio-always"]["error"]
+    assert got["eio-always"]["slot_untouched"] and got["eio-always"]["stats"]["errors"] == 1
+    assert got["late-once"]["right_bytes"] and got["late-once"]["stats"]["retries"] == 1
+    assert "no answer in time (after 2 attempts)" in got["late-always"]["error"]
+    assert got["late-always"]["slot_untouched"]
