@@ -338,3 +338,17 @@ def test_disk_faults_in_the_native_threads(ckpt, tmp_path):
     assert got["late-once"]["right_bytes"] and got["late-once"]["stats"]["retries"] == 1
     assert "no answer in time (after 2 attempts)" in got["late-always"]["error"]
     assert got["late-always"]["slot_untouched"]
+
+
+def test_counters_and_failure_outlive_close(ckpt, tmp_path):
+    """stats() and check() after close still see what the threads did: nothing is lost or counted twice."""
+    svc, _ = _service(ckpt.store(), ckpt)
+    svc.load(1, [0, 1], [0, 1])
+    with pytest.raises(SsdError, match="bad request"):
+        svc.load(1, [42], [0])
+    svc.close()
+    layers = svc.stats()["layers"]
+    assert layers[1]["reads"] == 2 and layers[1]["errors"] == 1
+    assert svc.stats()["layers"][1]["reads"] == 2
+    with pytest.raises(SsdError, match="bad request"):
+        svc.check()

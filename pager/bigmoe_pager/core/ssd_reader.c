@@ -437,9 +437,12 @@ void reader_failure(void *handle, int64_t *out) {
     pthread_mutex_unlock(&r->mu);
 }
 
-/* Stop and join every thread (a read in progress finishes first), then free everything. */
-void reader_stop(void *handle) {
+/* Stop and join every thread (a read in progress finishes first), write the final counters and failure where asked
+ * (NULL: not wanted; the layouts of reader_counters and reader_failure), then free everything. */
+void reader_stop(void *handle, int64_t *counters, int64_t *failure) {
     reader *r = handle;
     join_all(r);
+    if (counters) reader_counters(r, counters);
+    if (failure) reader_failure(r, failure);
     release(r);
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,14 +95,15 @@ def library() -> ctypes.CDLL:
     lib.reader_counters.restype = None
     lib.reader_failure.argtypes = [ctypes.c_void_p, i64p]
     lib.reader_failure.restype = None
-    lib.reader_stop.argtypes = [ctypes.c_void_p]
+    lib.reader_stop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.reader_stop.restype = None
     return lib
 
 
-def _stop(lib: ctypes.CDLL, handle: int, keep: object) -> None:
-    """Stop and join the threads; `keep` (the buffers they write) is released only after this returns."""
-    lib.reader_stop(handle)
+def _stop(lib: ctypes.CDLL, handle: int, keep: object, last: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Stop and join the threads; `keep` (the buffers they write) is released only after this returns. last: arrays
+    for the final counters and failure (close), or None (a reader dropped without close)."""
+    lib.reader_stop(handle, *((a.ctypes.data for a in last) if last else (None, None)))
 
 
 def _ptr(a: np.ndarray) -> ctypes._Pointer:
@@ -143,6 +145,9 @@ class NativeReader:
         }
         why = ctypes.c_int(0)
         a = arrays
+        self._lock = threading.Lock()
+        self._counters = np.zeros((len(rows), len(COUNTERS)), dtype=np.int64)
+        self._failure = np.zeros(10, dtype=np.int64)
         self.layers = len(rows)
         self._handle = self._lib.reader_start(
             box.data_ptr(), entries, posted[0], posted[1], int(timeout_s * 1e9), retries, file_retries, workers,
@@ -156,25 +161,29 @@ class NativeReader:
             raise NativeReaderError(f"native SSD reader: could not start ({_START_ERRORS.get(why.value, why.value)})")
         # A reader dropped without close() (or alive at exit) still stops its threads before the buffers they
         # write are freed: the finalizer holds them until then.
+        self._stop_handle = self._handle
         self._finalizer = weakref.finalize(self, _stop, self._lib, self._handle, self._keep)
 
     def counters(self) -> np.ndarray:
-        """int64 [layers, len(COUNTERS)]: totals since the start."""
-        out = np.zeros((self.layers, len(COUNTERS)), dtype=np.int64)
-        if self._handle:
-            self._lib.reader_counters(self._handle, _ptr(out))
-        return out
+        """int64 [layers, len(COUNTERS)]: totals since the start (after close: the totals at close)."""
+        with self._lock:
+            if self._handle:
+                self._lib.reader_counters(self._handle, _ptr(self._counters))
+            return self._counters.copy()
 
     def failure(self) -> Failure | None:
-        """The first failure, or None."""
-        if not self._handle:
-            return None
-        out = np.zeros(10, dtype=np.int64)
-        self._lib.reader_failure(self._handle, _ptr(out))
-        return Failure(*(int(v) for v in out)) if out[0] else None
+        """The first failure, or None (after close: as it was at close)."""
+        with self._lock:
+            if self._handle:
+                self._lib.reader_failure(self._handle, _ptr(self._failure))
+            last = [int(v) for v in self._failure]
+        return Failure(*last) if last[0] else None
 
     def close(self) -> None:
-        """Stop and join the threads (a read in progress finishes first); idempotent."""
-        if self._handle:
-            self._handle = None
-            self._finalizer()
+        """Stop and join the threads (a read in progress finishes first), keeping the last counters and failure;
+        idempotent."""
+        with self._lock:  # no counters() or failure() call reads the handle while it is freed
+            if self._handle:
+                self._handle = None
+                self._finalizer.detach()
+                _stop(self._lib, self._stop_handle, self._keep, (self._counters, self._failure))
