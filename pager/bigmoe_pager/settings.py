@@ -138,10 +138,10 @@ class PagerSettings:
     beside it; run 25: 0 was 0.08 ms a token faster at recall 0 and 0.32-0.59 slower at 0.8, so the default stays."""
     gil_switch_us: int = 0
     """BIGMOE_GIL_SWITCH_US: a benchmark knob: the GIL switch interval (us) of the vLLM process the pager runs in
-    (sys.setswitchinterval; 0 = Python's own, 5000). The SSD tier's reads are answered by Python threads that need
-    the GIL while vLLM's host thread runs on during decode; a thread that wants the GIL waits up to one interval.
-    Whether that wait is the 0.875 ms a layer the plan charges an SSD tier (app/bigmoe/plan/speed.SSD_LAYER_MS) is what
-    the knob measures (gpu_vllm_bench's `+switchN`)."""
+    (sys.setswitchinterval; 0 = Python's own, 5000). With BIGMOE_SSD_READER=python the SSD tier's reads are answered
+    by Python threads that need the GIL while vLLM's host thread runs on during decode, each waiting up to one
+    interval; the native reader's C threads need no GIL. Whether that wait is the 0.875 ms a layer the plan charges an
+    SSD tier (app/bigmoe/plan/speed.SSD_LAYER_MS) is what gpu_vllm_bench's `+switchN` and `+pyreader` measure."""
     prefetch_distance: int = 1
     """BIGMOE_PREFETCH_DISTANCE: D > 1 = in a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this
     implies), layer l's round prefetches into layer l+D (its router on layer l's hidden state, or a replayed trace's
