@@ -1,6 +1,6 @@
-"""Host I/O workers that fill pinned RAM slots with experts read from SSD.
+"""The SSD tier's service: experts read from an ExpertStore into pinned RAM slots, on request.
 
-Two ways in, one machinery (a thread pool of `io_workers` readers):
+Three ways in, answered by one of two readers (below):
 
 - `request(layer, experts, slots)` with device tensors (CUDA, or the Triton
   interpreter): enqueues ssd_mailbox.request_kernel on the current stream, so it
@@ -24,34 +24,32 @@ Two ways in, one machinery (a thread pool of `io_workers` readers):
   on failure. On CUDA the caller must have synchronized so that no kernel reads
   those slots meanwhile. Without CUDA, `request` is this.
 
-Every read lands first in a worker-owned staging buffer and is checked (paging
-file: crc32) before it is copied into the slot, under a per-request lock: a late
-read that completes after its retry (or after the request was given up) is
-discarded, so it can never overwrite a slot that now holds another expert. A
-new request for a slot supersedes an unfinished earlier one for the same slot
-(a step that took the slot of a read-ahead nobody needed): the earlier read is
-discarded whenever it finishes, so the newer one's bytes are the slot's.
+Both readers keep the same rules. Every read lands first in a worker-owned
+staging buffer and is checked (paging file: crc32) before it is copied into the
+slot: a late read that completes after its retry (or after the request was
+given up) is discarded, so it can never overwrite a slot that now holds another
+expert. A new request for a slot supersedes an unfinished earlier one for the
+same slot (a step that took the slot of a read-ahead nobody needed): the earlier
+read is discarded whenever it finishes, so the newer one's bytes are the slot's.
+An attempt not answered within `read_timeout_s` is issued again on another
+worker (at most `read_retries` times), and so is one failing its checksum; a
+read error (already retried at file level) and a bad request fail at once. The
+GPU's own deadline is longer than the host's, so normally the host reports
+first, with the file and expert named.
 
-Late reads: an attempt not answered within `read_timeout_s` is issued again on
-another worker (at most `read_retries` times); failed attempts are retried when
-they may be transient (checksum mismatch); ReadError (already retried at file
-level) and bad requests fail at once. The GPU's own deadline is longer than the
-host's, so normally the host reports first, with the file and expert named.
-
-Who answers the mailbox: by default C threads (ssd_reader.c, `reader="native"`), which pick up,
-read, check, copy and answer without the GIL; Python keeps the failure's message, the counters
-(`collect()`) and the lifecycle. With `reader="python"`, or where the native reader cannot start
-(`reader_note` says why), Python threads do it: then each read crosses the GIL several times, and
-a thread holding it (vLLM's, between launches) delays every answer by up to the switch interval.
-Either way the GPU's kernel waits only on mailbox words, never on a Python call.
+The readers: by default C threads (ssd_reader.c through ssd_reader.py,
+`reader="native"`) answer the mailbox, its `load`s included, without the GIL;
+this module keeps the failure's message, the counters (`collect()`) and the
+lifecycle. With `reader="python"`, without a mailbox, or where the native
+reader cannot start (`reader_note` says why), Python threads do it
+(ssd_threads.py), each read then crossing the GIL several times. Either way the
+GPU's kernel waits only on mailbox words, never on a Python call.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -59,14 +57,12 @@ import torch
 
 from . import ssd_mailbox as mb
 from .expert_store import ExpertStore
-from .odirect import SystemFileIO, aligned_empty, as_byte_array
-from .paging_file import ChecksumError
+from .odirect import SystemFileIO, as_byte_array
 from .ram_tier import ServiceFetch
 from .read_stats import ReadCounters
 from .ssd_reader import NativeReader, NativeReaderError
+from .ssd_threads import PythonReader
 
-IDLE_SLEEP_S = (20e-6, 1e-3)  # seconds between mailbox polls: right after work, and at most when idle
-ACTIVE_WINDOW_S = 0.02  # seconds after the last request during which the poller polls at the fast rate
 LOAD_POLL_S = 20e-6  # seconds between checks of a native load's done words
 
 
@@ -78,34 +74,6 @@ class HostCounterSink(Protocol):
 
 class SsdError(RuntimeError):
     """An expert could not be brought from SSD into its RAM slot; the step that needed it is invalid."""
-
-
-@dataclass(eq=False)  # identity: jobs live in a set while in flight
-class _Job:
-    """One expert read into one RAM slot, with its attempts."""
-
-    layer: int
-    """MoE layer."""
-    expert: int
-    """Expert id."""
-    slot: int
-    """RAM slot row in the layer's buffer."""
-    entry: int = -1
-    """Mailbox entry it came from (-1: host-driven load)."""
-    seq: int = 0
-    """Mailbox sequence number to write back as done (0 for host-driven loads)."""
-    attempts: int = 0
-    """Attempts issued so far."""
-    issued_at: float = 0.0
-    """time.monotonic() of the latest attempt's issue, in seconds."""
-    state: str = "pending"
-    """pending, done, failed, or superseded (a newer job writes its slot)."""
-    error: str = ""
-    """Why it failed."""
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    """Serializes completing the job against late attempts."""
-    finished: threading.Event = field(default_factory=threading.Event, repr=False)
-    """Set when the job is done or failed."""
 
 
 class SsdService:
@@ -148,16 +116,20 @@ class SsdService:
         self.counters = [ReadCounters() for _ in range(store.num_layers)]
         """Per MoE layer: expert reads into RAM slots (retries and errors at this level)."""
         self._sinks = list(sinks) if sinks is not None else None
-        self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="bigmoe-ssd")
-        self._staging = threading.local()
-        self._inflight: set[_Job] = set()
-        self._inflight_lock = threading.Lock()
-        self._owner: dict[tuple[int, int], _Job] = {}
-        """(layer, RAM slot) -> the latest job that writes it; an older unfinished one is superseded."""
-        self._owner_lock = threading.Lock()
         self._error: str | None = None
-        self._stop = threading.Event()
-        self._poller: threading.Thread | None = None
+        self._threads = PythonReader(
+            store,
+            self._rows,
+            self.counters,
+            io_workers=io_workers,
+            read_timeout_s=read_timeout_s,
+            read_retries=read_retries,
+            sink=self._sink,
+            fail=self._fail_service,
+            failed=lambda: self._error,
+        )
+        """The Python threads: they serve `load` without a mailbox, and the mailbox where the native reader
+        cannot (their pool starts no thread until the first read)."""
         self._native: NativeReader | None = None
         self.reader_note = "" if reader == "native" else "BIGMOE_SSD_READER=python"
         """Why Python threads answer the mailbox ("" when the native reader does, or there is no mailbox)."""
@@ -299,25 +271,17 @@ class SsdService:
             with self._load_lock:
                 self._load_native(layer, pairs)
             return
-        jobs = [_Job(layer, e, s) for e, s in pairs]
-        for job in jobs:
-            self._start(job)
-        for job in jobs:
-            while not job.finished.wait(0.005):
-                self._watch_late()
+        self._threads.load(layer, pairs)
         self.check()
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the poller and the workers (reads in progress finish on their own)."""
-        self._stop.set()
-        if self._poller is not None:
-            self._poller.join()
+        self._threads.close()
         if self._native is not None:
             self.collect()
             self._native.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "SsdService":
         return self
@@ -347,9 +311,7 @@ class SsdService:
             self._native = self._start_native()
             if self._native is not None:
                 return
-        self._handled = np.zeros(self.entries, dtype=np.int64)
-        self._poller = threading.Thread(target=self._poll, name="bigmoe-ssd-poller", daemon=True)
-        self._poller.start()
+        self._threads.serve(self._box, self.entries, self.max_requests)
 
     def _start_native(self) -> NativeReader | None:
         """The C threads over this mailbox, or None (reader_note says why) when they cannot start."""
@@ -416,134 +378,6 @@ class SsdService:
             f"source: {where}"
         )
 
-    def _poll(self) -> None:
-        """Pick up requests the GPU published; keep an eye on late reads."""
-        req = self._box[mb.REQ : mb.done_base(self.entries)].reshape(self.entries, mb.WORDS_PER_REQUEST)
-        last_work = time.monotonic()
-        sleep = IDLE_SLEEP_S[0]
-        while not self._stop.is_set():
-            seqs = req[:, 0].copy()  # the seq words first: each was written after its payload
-            fresh = np.flatnonzero(seqs > self._handled)
-            # posted reads first: a step's request for a slot is always published after the posted read
-            # it supersedes, never before one, so within one scan this is the order the GPU issued them
-            fresh = np.concatenate([fresh[fresh >= self.max_requests], fresh[fresh < self.max_requests]])
-            for i in fresh:
-                layer, expert, slot = (int(x) for x in req[i, 1:4])
-                self._handled[i] = seqs[i]
-                self._start(_Job(layer, expert, slot, entry=int(i), seq=int(seqs[i])))
-            self._watch_late()
-            now = time.monotonic()
-            if fresh.size:
-                last_work, sleep = now, IDLE_SLEEP_S[0]
-            elif now - last_work > ACTIVE_WINDOW_S:
-                sleep = min(sleep * 2, IDLE_SLEEP_S[1])
-            time.sleep(sleep)
-
-    def _start(self, job: _Job) -> None:
-        why = self._invalid(job)
-        if why:
-            self._finish_failed(job, f"bad request: {why}")
-            return
-        if self._error is not None:
-            self._finish_failed(job, "the SSD tier already failed")
-            return
-        self._supersede(job)
-        with self._inflight_lock:
-            self._inflight.add(job)
-        self._issue(job)
-
-    def _supersede(self, job: _Job) -> None:
-        """Make `job` its slot's writer; an unfinished earlier job for the slot will never write it."""
-        with self._owner_lock:
-            earlier = self._owner.get((job.layer, job.slot))
-            self._owner[(job.layer, job.slot)] = job
-        if earlier is None or earlier is job:
-            return
-        with earlier.lock:  # waits out a copy into the slot in progress; later attempts see the state
-            if earlier.state != "pending":
-                return
-            earlier.state = "superseded"
-        with self._inflight_lock:
-            self._inflight.discard(earlier)
-        earlier.finished.set()
-
-    def _issue(self, job: _Job) -> None:
-        job.attempts += 1
-        job.issued_at = time.monotonic()
-        if job.attempts > 1:
-            self.counters[job.layer].add_retry()
-            self._sink(job.layer, retries=1)
-        self._pool.submit(self._attempt, job)
-
-    def _attempt(self, job: _Job) -> None:
-        """One read of job's expert into this worker's staging buffer, then into the slot if still wanted."""
-        staging = self._staging_buffer()
-        t0 = time.perf_counter_ns()
-        try:
-            length = self.store.read(job.layer, job.expert, staging)
-        except ChecksumError as e:
-            self._attempt_failed(job, str(e), retry=True)
-            return
-        except Exception as e:  # ReadError, ODirectError, a store bug: all end the job with their message
-            self._attempt_failed(job, f"{e.__class__.__name__}: {e}", retry=False)
-            return
-        with job.lock:
-            if job.state != "pending":
-                return  # a late duplicate: the job was answered or given up meanwhile
-            self._rows[job.layer][job.slot][:length] = staging[:length]
-            job.state = "done"
-        ns = time.perf_counter_ns() - t0
-        self.counters[job.layer].add_read(length, ns)
-        self._sink(job.layer, read_ns=ns)
-        self._finish(job)
-
-    def _attempt_failed(self, job: _Job, why: str, retry: bool) -> None:
-        with job.lock:
-            if job.state != "pending":
-                return
-            if retry and job.attempts <= self.read_retries:
-                self._issue(job)
-                return
-            job.state = "failed"
-        self._finish_failed(job, f"{why} (after {job.attempts} attempts)")
-
-    def _watch_late(self) -> None:
-        """Re-issue attempts older than read_timeout_s; give up on jobs out of attempts."""
-        now = time.monotonic()
-        with self._inflight_lock:
-            late = [j for j in self._inflight if now - j.issued_at > self.read_timeout_s]
-        for job in late:
-            with job.lock:
-                if job.state != "pending" or now - job.issued_at <= self.read_timeout_s:
-                    continue
-                if job.attempts <= self.read_retries:
-                    self._issue(job)
-                    continue
-                job.state = "failed"
-            self._finish_failed(job, f"no answer within {self.read_timeout_s} s, {job.attempts} attempts")
-
-    def _finish(self, job: _Job) -> None:
-        with self._inflight_lock:
-            self._inflight.discard(job)
-        if job.entry >= 0:
-            self._box[mb.done_base(self.entries) + job.entry] = job.seq  # after the slot bytes (x86 keeps order)
-        job.finished.set()
-
-    def _finish_failed(self, job: _Job, why: str) -> None:
-        job.state, job.error = "failed", why
-        if 0 <= job.layer < len(self.counters):
-            self.counters[job.layer].add_error()
-            self._sink(job.layer, errors=1)
-        where = self.store.describe(job.layer, job.expert) if not why.startswith("bad request") else "the mailbox"
-        self._fail_service(
-            f"SSD read of layer {job.layer} expert {job.expert} into RAM slot {job.slot} failed: {why}; source: {where}"
-        )
-        if job.entry >= 0:
-            self._box[mb.HOST_ERROR] = job.seq
-        with self._inflight_lock:
-            self._inflight.discard(job)
-        job.finished.set()
-
     def _sink(self, layer: int, **values: int) -> None:
         if self._sinks is not None:
             self._sinks[layer].add_host(**values)
@@ -551,21 +385,6 @@ class SsdService:
     def _fail_service(self, message: str) -> None:
         if self._error is None:
             self._error = message
-
-    def _invalid(self, job: _Job) -> str:
-        if not 0 <= job.layer < self.store.num_layers:
-            return f"layer {job.layer} outside 0..{self.store.num_layers - 1}"
-        if not 0 <= job.expert < self.store.num_experts:
-            return f"expert {job.expert} outside 0..{self.store.num_experts - 1}"
-        if not 0 <= job.slot < len(self._rows[job.layer]):
-            return f"RAM slot {job.slot} outside 0..{len(self._rows[job.layer]) - 1} of layer {job.layer}"
-        return ""
-
-    def _staging_buffer(self) -> np.ndarray:
-        buf = getattr(self._staging, "buf", None)
-        if buf is None:
-            buf = self._staging.buf = aligned_empty(self.store.layout.pitch).numpy()
-        return buf
 
 
 class LayerFetch(ServiceFetch):
