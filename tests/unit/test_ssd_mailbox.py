@@ -30,12 +30,15 @@ def _service(ckpt, **kw):
     return SsdService(store, bufs, mailbox=True, max_requests=8, **kw), bufs
 
 
-def test_requests_through_the_mailbox_fill_slots_over_changing_ids(ckpt):
-    svc, bufs = _service(ckpt, io_workers=2)
+@pytest.mark.parametrize("reader", ["native", "python"])
+def test_requests_through_the_mailbox_fill_slots_over_changing_ids(ckpt, reader):
+    """The request kernel's rounds, answered by either reader (the native one's C threads, or the Python ones)."""
+    svc, bufs = _service(ckpt, io_workers=2, reader=reader)
     experts = torch.full((6,), -1, dtype=torch.int32)  # fixed tensors, rewritten in place as in graph replay
     slots = torch.full((6,), -1, dtype=torch.int32)
     rounds = [(0, [1, 4, -1, 0], [0, 1, -1, 3]), (1, [5, 2], [2, 0]), (0, [3, -1, -1, 2, 1, 0], [1, -1, -1, 2, 0, 3])]
     with svc:
+        assert svc.native == (reader == "native")
         for layer, ex, sl in rounds:
             experts.fill_(-1)
             slots.fill_(-1)

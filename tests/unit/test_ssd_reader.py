@@ -18,7 +18,7 @@ from bigmoe_pager.core import ssd_mailbox as mb
 from bigmoe_pager.core.paging_file import damaged_marker
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.settings import PagerSettings
-from ssd_testkit import NEEDS_INTERPRETER, SHAPES, FakeFaultyIO, make_checkpoint
+from ssd_testkit import SHAPES, FakeFaultyIO, make_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,28 +71,6 @@ def test_loads_fill_slots_with_each_store_and_are_counted(ckpt, store_kind, tmp_
     assert all(c["bytes"] >= ckpt.num_experts * ckpt.layout.record_bytes * 0.5 for c in layers)
     assert all(c["errors"] == 0 and c["retries"] == 0 for c in layers)
     assert all(s.values.get("read_ns", 0) > 0 for s in sinks)
-
-
-@NEEDS_INTERPRETER
-def test_gpu_requests_are_answered_by_the_native_threads(ckpt, store_kind, tmp_path):
-    """The request kernel (Triton's interpreter) over the same mailbox, ids rewritten in place as graph replay
-    does: the C threads answer each round, and the slots hold the right records."""
-    svc, bufs = _service(_store(ckpt, store_kind, tmp_path), ckpt, io_workers=2)
-    experts = torch.full((4,), -1, dtype=torch.int32)
-    slots = torch.full((4,), -1, dtype=torch.int32)
-    with svc:
-        assert svc.native
-        for layer, ex, sl in ((0, [1, 4, -1, 0], [0, 1, -1, 3]), (1, [5, 2], [2, 0]), (0, [3, 2], [1, 2])):
-            experts.fill_(-1)
-            slots.fill_(-1)
-            experts[: len(ex)] = torch.tensor(ex)
-            slots[: len(sl)] = torch.tensor(sl)
-            svc.request(layer, experts, slots)
-            svc.check()
-            for e, s in zip(ex, sl):
-                if e >= 0:
-                    _assert_slot(ckpt, bufs, layer, e, s)
-        assert int(svc.box[mb.GPU_ERROR]) == 0
 
 
 def test_reads_finish_while_python_holds_the_gil(ckpt, tmp_path):
