@@ -75,8 +75,12 @@ def _run(svc, step, ckpt, bufs, vram):
         copy_records(bufs[layer], step.slots[layer], step.slots[layer], ckpt.layout, vram[layer])
 
 
-def test_graph_replay_with_changing_ids_fills_ram_and_vram_slots_exactly(ckpt, refs):
-    svc, bufs = _service(ckpt)
+@pytest.mark.parametrize("reader", ["native", "python"])
+def test_graph_replay_with_changing_ids_fills_ram_and_vram_slots_exactly(ckpt, refs, reader):
+    """Captured requests replayed 60 times with new ids, answered by the native reader's C threads or the Python
+    ones: every RAM and VRAM slot holds its expert's bytes."""
+    svc, bufs = _service(ckpt, reader=reader)
+    assert svc.native == (reader == "native")
     vram = [ckpt.layout.slot_buffers(RAM_SLOTS, "cuda") for _ in range(LAYERS)]
     step, gen = Step(), torch.Generator().manual_seed(0)
     with svc:
