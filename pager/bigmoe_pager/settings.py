@@ -53,10 +53,12 @@ class PagerSettings:
     """BIGMOE_READ_TIMEOUT_S: seconds one SSD read may take before it is retried."""
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
-    ssd_reader: str = "native"
-    """BIGMOE_SSD_READER: native / python: who answers the GPU's SSD requests: C threads (core/ssd_reader.c; the GIL
-    is never on the read path) or Python threads (each read crosses the GIL several times; also where the native
-    reader cannot start: no C compiler, or a store it cannot plan; the log says why)."""
+    ssd_reader: str = "python"
+    """BIGMOE_SSD_READER: python / native: who answers the GPU's SSD requests: Python threads (each read crosses the
+    GIL several times) or C threads (core/ssd_reader.c, no GIL on the read path; where they cannot start, no C
+    compiler or a store they cannot plan, the Python threads serve and the log says why). Python stays the default:
+    inside vLLM on the H200 (run 29) the C threads were level in TPOT (within the order two engines ran in) and
+    2.6 s slower in TTFT in both orders; beside a GIL-busy Python thread they answer a read 3x sooner."""
     cuda_graphs: bool = True
     """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (with
     --max-cudagraph-capture-size <= VRAM slots / top-k); 0 = host-driven (--enforce-eager). Codec files: host-driven."""

@@ -230,9 +230,9 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert PagerSettings.from_env(only).prefetch_chained_only
     switched = bench.config_for("bigmoe-32-ram128-ssd-layerbuf+switch200", tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env(switched).gil_switch_us == 200  # no @r needed: an engine setting
-    python = bench.config_for("bigmoe-32-ram128-ssd-layerbuf+pyreader", tmp_path / "f.npz", 32).env
-    assert PagerSettings.from_env(python).ssd_reader == "python"  # no @r needed either
-    assert PagerSettings.from_env(switched).ssd_reader == "native"
+    native = bench.config_for("bigmoe-32-ram128-ssd-layerbuf+creader", tmp_path / "f.npz", 32).env
+    assert PagerSettings.from_env(native).ssd_reader == "native"  # no @r needed either
+    assert PagerSettings.from_env(switched).ssd_reader == "python"
     alone = PagerSettings.from_env(bench.config_for("bigmoe-102-layerbuf+hostmiss", tmp_path / "f.npz", 32).env)
     assert alone.demand_host_copier is True and alone.prefetch_host_copier is False  # no @r needed: no prefetch
     both = bench.config_for("bigmoe-102@r0.8+one-node+host+hostmiss", tmp_path / "f.npz", 32).env

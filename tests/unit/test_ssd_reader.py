@@ -45,6 +45,7 @@ def _service(store, ckpt, **kw):
     bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
     kw.setdefault("read_timeout_s", 5.0)
     kw.setdefault("max_requests", 8)
+    kw.setdefault("reader", "native")
     return SsdService(store, bufs, mailbox=True, **kw), bufs
 
 
@@ -96,7 +97,7 @@ def test_a_newer_request_for_a_slot_wins_over_a_posted_read(ckpt, tmp_path):
     the slot holds, and the request is answered."""
     store = ckpt.store()
     bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
-    svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=2)
+    svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=2, reader="native")
     with svc:
         box = svc.box.numpy()
         posted = mb.REQ + mb.WORDS_PER_REQUEST * (svc.post_base[0] + 3)
@@ -161,12 +162,15 @@ def test_a_bad_request_fails_with_one_line(ckpt, tmp_path):
 
 
 def test_python_threads_serve_where_the_native_reader_cannot(ckpt, tmp_path, monkeypatch):
-    """No C compiler, a store reading through its own file layer, or BIGMOE_SSD_READER=python: the Python
-    threads answer the same mailbox, and reader_note says why."""
+    """BIGMOE_SSD_READER=native without a C compiler or with a store reading through its own file layer, or the
+    default (python): the Python threads answer the same mailbox, and reader_note says why."""
     cases = {
-        "C compiler": (dict(), {"CC": "/nonexistent/cc-for-test", "BIGMOE_CACHE_DIR": str(tmp_path / "c")}),
-        "its own file I/O": (dict(io=FakeFaultyIO()), {}),
-        "BIGMOE_SSD_READER=python": (dict(), {"BIGMOE_SSD_READER": "python"}),
+        "C compiler": (
+            dict(),
+            {"BIGMOE_SSD_READER": "native", "CC": "/nonexistent/cc-for-test", "BIGMOE_CACHE_DIR": str(tmp_path / "c")},
+        ),
+        "its own file I/O": (dict(io=FakeFaultyIO()), {"BIGMOE_SSD_READER": "native"}),
+        "BIGMOE_SSD_READER=python": (dict(), {}),
     }
     for note, (store_kw, env) in cases.items():
         with monkeypatch.context() as m:
@@ -266,7 +270,7 @@ out = {}
 for name, script, then, kw in json.loads(sys.argv[5]):
     store = CheckpointStore(root, layout, retries=1)
     bufs = [torch.zeros(2, layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
-    svc = SsdService(store, bufs, mailbox=True, max_requests=4, io_workers=4, **kw)
+    svc = SsdService(store, bufs, mailbox=True, max_requests=4, io_workers=4, reader="native", **kw)
     fake.fake_pread_set(script.encode(), then.encode())
     row = {"native": svc.native}
     try:

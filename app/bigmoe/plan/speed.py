@@ -69,7 +69,9 @@ moved 39-47 GB/s against 55.2 GB/s measured (docs/bench/vllm-gpu.json, docs/benc
 SSD_LAYER_MS = 0.875
 """Per MoE layer and token, ms a step over a partial RAM tier spends beyond its SSD bytes at the disk's rate
 (waiting on the host's read service): both 40-layer 32 VRAM / 128 RAM runs on the H200 spent about 35 ms per
-token more than their SSD bytes at 1.55 GB/s (standard 69.4 ms with 0.043 GB, topic-shift 112.6 ms with 0.102 GB)."""
+token more than their SSD bytes at 1.55 GB/s (standard 69.4 ms with 0.043 GB, topic-shift 112.6 ms with 0.102 GB).
+Run 29 (vLLM 0.33, standard) spent 22-39 ms beyond its bytes, with either SSD reader: the wait is one read at a time
+(2.5-3.5 ms each), not the GIL."""
 HIT_CURVES = {
     "standard": (
         (0.5, 0.2847),

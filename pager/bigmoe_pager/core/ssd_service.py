@@ -92,9 +92,10 @@ class SsdService:
         wait_timeout_s: float | None = None,
         sinks: Sequence[HostCounterSink] | None = None,
         read_ahead: bool = False,
-        reader: str = "native",
+        reader: str = "python",
     ):
-        """reader: "native" (C threads answer the mailbox, where they can start: see reader_note) or "python"."""
+        """reader: "python" (Python threads answer the mailbox) or "native" (C threads, where they can start: see
+        reader_note)."""
         self.store = store
         self.io_workers = io_workers
         self.read_timeout_s = read_timeout_s
@@ -131,7 +132,7 @@ class SsdService:
         """The Python threads: they serve `load` without a mailbox, and the mailbox where the native reader
         cannot (their pool starts no thread until the first read)."""
         self._native: NativeReader | None = None
-        self.reader_note = "" if reader == "native" else "BIGMOE_SSD_READER=python"
+        self.reader_note = "" if reader == "native" else "BIGMOE_SSD_READER=python (the default)"
         """Why Python threads answer the mailbox ("" when the native reader does, or there is no mailbox)."""
         self._collected = np.zeros((store.num_layers, 5), dtype=np.int64)
         self._collect_lock = threading.Lock()

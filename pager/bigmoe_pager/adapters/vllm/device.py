@@ -320,11 +320,10 @@ def _ssd_fetchers(parts: DeviceParts, layers: list, settings: PagerSettings) -> 
         read_ahead=settings.ssd_read_ahead,  # entries for posted reads; layers post only when partial
     )
     parts.ssd = service
-    if service.box is not None:
-        if service.native:
-            log.info("bigmoe: SSD reads are answered by C threads (native reader, %d workers)", settings.io_workers)
-        else:
-            log.warning("bigmoe: SSD reads are answered by Python threads: %s", service.reader_note)
+    if service.native:
+        log.info("bigmoe: SSD reads are answered by C threads (native reader, %d workers)", settings.io_workers)
+    elif service.box is not None and settings.ssd_reader == "native":
+        log.warning("bigmoe: BIGMOE_SSD_READER=native, but Python threads answer SSD reads: %s", service.reader_note)
     return {l._moe_index: ServiceFetch(service, l._ssd_source.layer) for l in partial}
 
 
