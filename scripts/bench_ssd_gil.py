@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4, help="the service's I/O workers")
     p.add_argument("--paths", default="load", help="comma list of load, mailbox (mailbox: CUDA only)")
     p.add_argument("--readers", default="python", help="comma list of python, native")
+    p.add_argument(
+        "--batch", type=int, default=1, help="experts a request asks for at once (1: a decode miss; ~100: prefill)"
+    )
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
     try:
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     readers = a.readers.split(",")
     if not readers or any(x not in READERS for x in readers):
         p.error(f"--readers {a.readers!r}: a comma list of {', '.join(READERS)}")
+    if not 1 <= a.batch <= 256:
+        p.error(f"--batch {a.batch}: between 1 and 256 experts")
     if "mailbox" in paths and not torch.cuda.is_available():
         p.error("--paths mailbox: the GPU's way in needs CUDA")
     where, why, refused = _pick_dir([a.dir])
@@ -85,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         for reader, path, interval, busy in itertools.product(readers, paths, intervals, (False, True)):
             sys.setswitchinterval(interval / 1e6)
             with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
-                rows.append(_measure(store, path, a.reads, a.workers, busy, reader=reader) | {"switch_us": interval})
+                row = _measure(store, path, a.reads, a.workers, busy, reader=reader, batch=a.batch)
+                rows.append(row | {"switch_us": interval})
             r = rows[-1]
             print(
                 f"{reader:6s}  {path:7s}  switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms"
-                f"  p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a read"
+                f"  p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a request of {a.batch}"
             )
     finally:
         sys.setswitchinterval(before)
@@ -112,31 +118,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(
-    store, path: str, reads: int, workers: int, busy: bool, device: str = "cuda", reader: str = "python"
+    store,
+    path: str,
+    reads: int,
+    workers: int,
+    busy: bool,
+    device: str = "cuda",
+    reader: str = "python",
+    batch: int = 1,
 ) -> dict:
-    """Milliseconds for each of `reads` single-expert reads by `path` (random experts, each into slot 0 of its
-    layer), answered by `reader`. device: where a mailbox read's request kernel runs (cpu: Triton's interpreter, for
-    tests only)."""
+    """Milliseconds for each of `reads` requests by `path` of `batch` distinct random experts of one layer (into
+    slots 0 .. batch-1 of its layer), answered by `reader`. device: where a mailbox read's request kernel runs (cpu:
+    Triton's interpreter, for tests only)."""
     rng = random.Random(7)
-    keys = [(rng.randrange(store.num_layers), rng.randrange(store.num_experts)) for _ in range(reads)]
+    keys = [(rng.randrange(store.num_layers), rng.sample(range(store.num_experts), batch)) for _ in range(reads)]
     gpu = path == "mailbox"
     pin = gpu and device == "cuda"
     box = gpu or reader == "native"  # the C threads serve loads through the mailbox too
-    bufs = [torch.empty(1, store.layout.pitch, dtype=torch.uint8, pin_memory=pin) for _ in range(store.num_layers)]
+    bufs = [torch.empty(batch, store.layout.pitch, dtype=torch.uint8, pin_memory=pin) for _ in range(store.num_layers)]
     stop = threading.Event()
     hog = threading.Thread(target=_keep_the_gil_busy, args=(stop,), daemon=True) if busy else None
     times = []
-    with SsdService(store, bufs, io_workers=workers, mailbox=box, max_requests=1, reader=reader) as svc:
+    with SsdService(store, bufs, io_workers=workers, mailbox=box, max_requests=batch, reader=reader) as svc:
         if svc.native != (reader == "native"):
             raise RuntimeError(f"the {reader} reader did not start: {svc.reader_note}")
-        read = _mailbox_read(svc, device) if gpu else lambda layer, expert: svc.load(layer, [expert], [0])
+        read = _mailbox_read(svc, device, batch) if gpu else lambda layer, ex: svc.load(layer, ex, range(len(ex)))
         read(*keys[0])  # (the request kernel compiles on its first launch)
         if hog is not None:
             hog.start()
         try:
-            for layer, expert in keys:
+            for layer, experts in keys:
                 t0 = time.perf_counter()
-                read(layer, expert)
+                read(layer, experts)
                 times.append((time.perf_counter() - t0) * 1e3)
         finally:
             stop.set()
@@ -145,6 +158,7 @@ def _measure(
     times.sort()
     return {
         "reader": reader,
+        "batch": batch,
         "path": path,
         "busy_thread": busy,
         "reads": reads,
@@ -154,14 +168,14 @@ def _measure(
     }
 
 
-def _mailbox_read(svc: SsdService, device: str):
+def _mailbox_read(svc: SsdService, device: str, batch: int = 1):
     """A read as a decode step asks it: the request kernel on the current CUDA stream, then a sync (the GIL released
     while the kernel spins on the mailbox) and the service's error check."""
-    expert = torch.zeros(1, dtype=torch.int64, device=device)
-    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    expert = torch.zeros(batch, dtype=torch.int64, device=device)
+    slot = torch.arange(batch, dtype=torch.int64, device=device)
 
-    def read(layer: int, e: int) -> None:
-        expert.fill_(e)
+    def read(layer: int, ex: list[int]) -> None:
+        expert.copy_(torch.as_tensor(ex, dtype=torch.int64))
         svc.request(layer, expert, slot)
         if expert.is_cuda:
             torch.cuda.synchronize()

@@ -24,12 +24,24 @@ def test_each_reader_and_interval_is_timed_idle_and_busy_and_python_s_own_comes_
     assert not (tmp_path / "bigmoe-bench-ssd-gil").exists()  # the script removes what it made
 
 
+def test_a_batch_is_one_request_of_distinct_experts(tmp_path):
+    """--batch N: each timed request reads N distinct experts of one layer at once (prefill's shape), by both
+    readers."""
+    out = tmp_path / "batch.json"
+    argv = ["--dir", str(tmp_path), "--gb", "0.01", "--reads", "3", "--switch-us", "5000", "--batch", "5"]
+    assert bench_ssd_gil.main([*argv, "--readers", "python,native", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["reader"], r["batch"]) for r in rows] == [("python", 5)] * 2 + [("native", 5)] * 2
+    assert all(r["median_ms"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
         (["--switch-us", "5000,0"], "--switch-us '5000,0': a comma list of positive integers"),
         (["--paths", "load,disk"], "--paths 'load,disk': a comma list of load, mailbox"),
         (["--readers", "rust"], "--readers 'rust': a comma list of python, native"),
+        (["--batch", "0"], "--batch 0: between 1 and 256 experts"),
     ],
 )
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
