@@ -23,7 +23,7 @@
 #   ssd-gil  (the image's torch is enough) scripts/bench_ssd_gil.py: one SSD read at a time through the service, by
 #          SsdService.load and through the GPU's mailbox, answered by the Python threads and by the C ones (the native
 #          reader), idle and beside a GIL-busy Python thread, at three switch intervals (the SSD tier's 0.875 ms a
-#          layer: is it the GIL?)
+#          layer: is it the GIL?); SSD_GIL_BATCH=N experts a request (prefill's shape), SSD_GIL_READS requests a row
 #   ssd-tests  (the image's torch is enough) the SSD tier's GPU tests (mailbox, read-ahead), which the native
 #          reader's C threads now answer
 #   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
@@ -117,7 +117,8 @@ for step in "$@"; do
       timeout 240 python3 scripts/gpu_copy_path_probe.py --out "$out/copy-path.json" 2>&1 | tail -n 40 ;;
     ssd-gil)
       timeout 300 python3 scripts/bench_ssd_gil.py --dir /tmp --paths load,mailbox --readers python,native \
-        --reads 150 --switch-us 5000,200,50 --out "$out/ssd-gil.json" 2>&1 | tail -n 30 ;;
+        --reads "${SSD_GIL_READS:-150}" --batch "${SSD_GIL_BATCH:-1}" --switch-us 5000,200,50 \
+        --out "$out/ssd-gil-b${SSD_GIL_BATCH:-1}.json" 2>&1 | tail -n 30 ;;
     ssd-tests)
       timeout 300 python3 -m pytest tests/gpu/test_ssd_gpu.py tests/gpu/test_ssd_read_ahead_gpu.py -m gpu -q -rfEs \
         -p no:cacheprovider 2>&1 | tail -n 15 ;;
