@@ -145,19 +145,11 @@ HOST_COPIER = "+host"
 """Name suffix: a joinless forward's rounds copied by a host thread through the copy engines, each publishing its list
 (BIGMOE_PREFETCH_HOST_COPIER=1, core.host_copier; with +one-node, the one-node kernel's one program decides and
 publishes); needs @rRECALL. Run 19's `+host` rows decided each round in line instead (removed since: slower)."""
-HOST_MISS = "+hostmiss"
-"""Name suffix, with or without @rRECALL: decode steps hand their own misses to the host copier's thread, which copies
-them through the copy engines while the step waits (BIGMOE_DEMAND_HOST_COPIER=1)."""
-GOAL_WRITE = "+gw"
-"""Name suffix, with or without @rRECALL: the host copier writes completion words with cuStreamWriteValue64 instead of
-an 8-byte copy an expert (BIGMOE_HOST_COPIER_GOAL_WRITE=1); meaningful with +host or +hostmiss."""
 C_READER = "+creader"
 """Name suffix, with or without @rRECALL: the SSD tier's requests are answered by the native reader's C threads
 instead of the service's Python threads (BIGMOE_SSD_READER=native); meaningful with an SSD tier. Run 29 measured it
 as `bigmoe-32-ram128-ssd-layerbuf` against `+pyreader`, when native was the default."""
 ENGINE_SUFFIXES = {
-    HOST_MISS: {"BIGMOE_DEMAND_HOST_COPIER": "1"},
-    GOAL_WRITE: {"BIGMOE_HOST_COPIER_GOAL_WRITE": "1"},
     C_READER: {"BIGMOE_SSD_READER": "native"},
 }
 """Suffixes that change how the pager pages, not how it prefetches: a name may carry them without @rRECALL."""

@@ -26,9 +26,6 @@ host-driven and eager, so it is compared with an eager unpaged run:
                                  copy engines (BIGMOE_PREFETCH_HOST_COPIER=1)
     vram40-predict-host-dist2    vram40-predict-host with each round two layers ahead (BIGMOE_PREFETCH_DISTANCE=2;
                                  needs --layers 3 or more to reach past the first layer's rounds)
-    vram40-hostmiss              vram40 whose decode steps hand their misses to the host copier's thread
-                                 (BIGMOE_DEMAND_HOST_COPIER=1)
-    vram40-predict-host-hostmiss vram40-predict-host with the steps' misses copied by the same thread
     unpaged-piecewise            the reference of PIECEWISE runs (the graph mode alone changes the engine's numerics)
     vram40-piecewise             vram40 under PIECEWISE CUDA graphs
     vram40-predict-piecewise     vram40-predict under PIECEWISE CUDA graphs
@@ -141,8 +138,6 @@ class Config:
 
 PREDICT = {"BIGMOE_PREDICT": "router"}
 """Issue 15's live next-layer predictor: layer l+1's router on layer l's hidden state proposes, the pager prefetches."""
-HOST_MISS = {"BIGMOE_DEMAND_HOST_COPIER": "1"}
-"""Decode steps hand their own misses to the host copier's thread (core.host_rounds.serve_misses)."""
 
 
 PIECEWISE = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
@@ -194,12 +189,6 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(
             f"vram40-predict-host-dist2 ({vram40} slots, live prefetch two layers ahead, copied by the host thread)",
             {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_HOST_COPIER": "1", "BIGMOE_PREFETCH_DISTANCE": "2"},
-        ),
-        # The steps' own misses copied by the host thread (core.host_rounds.serve_misses), without and with prefetch.
-        Config(f"vram40-hostmiss ({vram40} slots, misses copied by the host thread)", {**vram, **graphs, **HOST_MISS}),
-        Config(
-            f"vram40-predict-host-hostmiss ({vram40} slots, live prefetch and misses, all copied by the host thread)",
-            {**vram, **graphs, **PREDICT, "BIGMOE_PREFETCH_HOST_COPIER": "1", **HOST_MISS},
         ),
         Config(
             f"vram12-ram50-ssd-predict-ahead ({vram12}/{ram50}, checkpoint, live prefetch, SSD reads ahead)",

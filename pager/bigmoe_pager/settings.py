@@ -122,17 +122,6 @@ class PagerSettings:
     BIGMOE_PREFETCH_ONE_NODE=1 too, the one-node kernel (one program, forked once a forward) decides the replayed
     rounds and publishes them. Off: level with forks at recall 0 inside vLLM 0.33, 0.07-0.21 ms faster at 0.8 (run
     19, the one-node placement)."""
-    demand_host_copier: bool = False
-    """BIGMOE_DEMAND_HOST_COPIER: 1 = a decode step over a full RAM tier hands its own misses to the host thread
-    (core.host_copier, the same one that copies prefetch rounds; an urgent mailbox a layer, served first on its own
-    stream) and waits on the device for them, instead of copying them with the step's programs; 0 = the step copies.
-    Off until measured: the copy engines move an expert faster than the step's programs (55 against 42-45 GB/s, run
-    12), but the round trip through the host thread is added to every miss (scripts/gpu_copy_path_probe.py)."""
-    host_copier_goal_write: bool = False
-    """BIGMOE_HOST_COPIER_GOAL_WRITE: 1 = the host copier's thread writes each copied expert's completion word with
-    cuStreamWriteValue64 (a stream memory operation) instead of an 8-byte copy, one copy-engine operation less an
-    expert (falls back to the copy where the driver does not support it); 0 = the copy. Off until measured: run 28 read
-    against the timeline model puts a host-copied expert at about 90 us of link time where its bytes need 57."""
     host_copier_hot_ms: int | None = None
     """BIGMOE_HOST_COPIER_HOT_MS: how long (ms) the host copier's thread busy-polls its mailboxes after its last
     round before it naps (20 us naps, 1 ms after a second idle); 0 = it naps at once, each round waiting up to a nap

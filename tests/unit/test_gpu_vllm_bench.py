@@ -233,15 +233,8 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     native = bench.config_for("bigmoe-32-ram128-ssd-layerbuf+creader", tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env(native).ssd_reader == "native"  # no @r needed either
     assert PagerSettings.from_env(switched).ssd_reader == "python"
-    alone = PagerSettings.from_env(bench.config_for("bigmoe-102-layerbuf+hostmiss", tmp_path / "f.npz", 32).env)
-    assert alone.demand_host_copier is True and alone.prefetch_host_copier is False  # no @r needed: no prefetch
-    both = bench.config_for("bigmoe-102@r0.8+one-node+host+hostmiss", tmp_path / "f.npz", 32).env
-    assert PagerSettings.from_env(both).demand_host_copier and PagerSettings.from_env(both).prefetch_one_node
-    assert not PagerSettings.from_env(bench.config_for("bigmoe-102", tmp_path / "f.npz", 32).env).demand_host_copier
-    written = PagerSettings.from_env(bench.config_for("bigmoe-102@r0.8+one-node+host+gw", tmp_path / "f.npz", 32).env)
-    assert written.host_copier_goal_write and written.prefetch_host_copier
-    with pytest.raises(ValueError):  # a prefetch suffix still needs @r
-        bench.parse_name("bigmoe-102+hostmiss+host")
+    with pytest.raises(ValueError):  # a prefetch suffix still needs @r, beside an engine suffix too
+        bench.parse_name("bigmoe-102+creader+host")
     every = bench.config_for("bigmoe-102@r0+one-node+host+every-forward", tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env(every).prefetch_chained_only is False
     assert PagerSettings.from_env({}).prefetch_chained_only is None

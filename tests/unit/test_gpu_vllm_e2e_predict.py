@@ -42,13 +42,6 @@ def matrix() -> dict[str, e2e.Config]:
             None,
             "unpaged",
         ),
-        (
-            "vram40-predict-host-hostmiss",
-            ("102", None),
-            {"BIGMOE_PREFETCH_HOST_COPIER": "1", "BIGMOE_DEMAND_HOST_COPIER": "1"},
-            None,
-            "unpaged",
-        ),
         ("vram12-ram50-ssd-predict-ahead", ("32", "128"), {"BIGMOE_SSD_READ_AHEAD": "1"}, None, "unpaged"),
         ("vram40-predict-piecewise", ("102", None), {}, "PIECEWISE", "unpaged-piecewise"),
     ],
@@ -62,12 +55,6 @@ def test_prefetch_configurations_page_with_the_live_predictor_under_graphs(matri
     assert matrix[reference].engine == config.engine  # the reference runs in the same graph mode
     spec = {"engine": config.engine, "deterministic": True, "enforce_eager": False}
     assert child._engine_extras(spec).get("compilation_config", {}).get("cudagraph_mode") == mode
-
-
-def test_the_steps_misses_go_to_the_host_copier_without_prefetch_too(matrix):
-    config = matrix["vram40-hostmiss"]
-    assert config.env["BIGMOE_DEMAND_HOST_COPIER"] == "1" and "BIGMOE_PREDICT" not in config.env
-    assert config.env["BIGMOE_CUDA_GRAPHS"] == "1" and config.reference == "unpaged" and not config.eager
 
 
 def test_a_setting_reaches_every_paged_configuration_and_a_bad_one_stops_the_run(matrix, capsys):

@@ -71,8 +71,8 @@ class Layer:
     def components(self) -> list[tuple[int, int, torch.Tensor]]:
         return [(off, n, dst) for (off, n, _, _), dst in zip(self.layout, self.dsts)]
 
-    def add_to(self, copier: HostCopier, urgent: bool = False) -> None:
-        copier.add_layer(self.mailbox, self.records, self.pitch, self.components(), self.copied, self.slots, urgent)
+    def add_to(self, copier: HostCopier) -> None:
+        copier.add_layer(self.mailbox, self.records, self.pitch, self.components(), self.copied, self.slots)
 
     def publish(self, rows, slots, goals, count=None) -> tuple[int, int]:
         """Publish a round and apply it to the model; returns (experts, bytes) it should copy."""
@@ -104,22 +104,6 @@ def copier():
     c = HostCopier(CPU, ring_words=1 << 12)
     yield c
     c.close()
-
-
-def test_urgent_and_prefetch_mailboxes_are_both_served_and_counted_apart(copier):
-    """A step's miss mailbox (urgent) beside a layer's prefetch mailbox: each round lands in its own slots; the
-    urgent entries are counted apart from the others."""
-    prefetch, urgent = Layer("fp8", 4, seed=1), Layer("fp8", 4, seed=2)
-    prefetch.add_to(copier)
-    urgent.add_to(copier, urgent=True)
-    prefetch.publish([0, 1, 2], [0, 1, 2], [5, 6, 7])
-    urgent.publish([4], [3], [9])
-    wait_for(lambda: prefetch.landed() and urgent.landed(), "both rounds' completion words")
-    prefetch.assert_matches_model()
-    urgent.assert_matches_model()
-    wait_for(lambda: copier.stats()["rounds"] == 2, "both rounds to be counted")
-    s = copier.stats()
-    assert (s["experts"], s["urgent_experts"], s["layers"]) == (4, 1, 2)
 
 
 @pytest.mark.parametrize("slots", [1, 3, 8])
@@ -373,26 +357,15 @@ FAKE_DRIVER = r"""
 /* A stand-in libcuda.so.1: "device" memory is host memory, an async copy is a memcpy done at once. */
 #include <stddef.h>
 #include <string.h>
-static void *ctx = (void *)0x1c;
-static char streams[2]; /* the handles: the first stream created, then the urgent one */
-long long copies, fail_at = -1, synced, destroyed, stream_flags = -1, created, second_stream_copies;
-static int ours(void *s) { return s == &streams[0] || s == &streams[1]; }
+static void *ctx = (void *)0x1c, *stream = (void *)0x5e;
+long long copies, fail_at = -1, synced, destroyed, stream_flags = -1;
 int cuCtxGetCurrent(void **c) { *c = ctx; return 0; }
 int cuCtxSetCurrent(void *c) { return c == ctx ? 0 : 201; }
-int cuStreamCreate(void **s, unsigned flags) { stream_flags = flags; *s = &streams[created++ % 2]; return 0; }
-int cuStreamSynchronize(void *s) { synced += ours(s); return 0; }
-int cuStreamDestroy_v2(void *s) { destroyed += ours(s); return 0; }
-long long writes, write_unsupported;
-int cuStreamWriteValue64_v2(void *s, unsigned long long addr, unsigned long long value, unsigned flags) {
-    if (!ours(s) || flags != 0) return 400;
-    if (write_unsupported) return 801;
-    writes++;
-    *(unsigned long long *)addr = value;
-    return 0;
-}
+int cuStreamCreate(void **s, unsigned flags) { stream_flags = flags; *s = stream; return 0; }
+int cuStreamSynchronize(void *s) { synced += s == stream; return 0; }
+int cuStreamDestroy_v2(void *s) { destroyed += s == stream; return 0; }
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
-    if (!ours(s)) return 400;
-    second_stream_copies += s == &streams[1];
+    if (s != stream) return 400;
     if (copies++ == fail_at) return 700;
     memcpy((void *)dst, src, n);
     return 0;
@@ -414,129 +387,54 @@ I64 = ctypes.c_int64
 S, PITCH = 2, 16
 ring, mailbox, copied = (I64 * 8)(), (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1)
 records, dst = (ctypes.c_uint8 * (3 * PITCH))(*range(3 * PITCH)), (ctypes.c_uint8 * (S * 8))()
-urgent_box, urgent_copied, urgent_dst = (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1), (ctypes.c_uint8 * (S * 8))()
 addr = ctypes.addressof
 h = lib.copier_start(1, addr(ring), 8)
-desc = (I64 * 12)(addr(mailbox), addr(records), PITCH, 3, addr(copied), S, 0, 1, 4, 8, addr(dst), 8)
-assert lib.copier_add_layer(h, desc, 12) == 0
-desc = (I64 * 12)(addr(urgent_box), addr(records), PITCH, 3, addr(urgent_copied), S, 1, 1, 4, 8, addr(urgent_dst), 8)
-assert lib.copier_add_layer(h, desc, 12) == 1
+desc = (I64 * 11)(addr(mailbox), addr(records), PITCH, 3, addr(copied), S, 1, 4, 8, addr(dst), 8)
+assert lib.copier_add_layer(h, desc, 11) == 0
 def stats():
-    out = (I64 * 8)()
+    out = (I64 * 6)()
     lib.copier_stats(h, out)
     return list(out)
-def play(seq, rows, slots, goals, rounds, box=mailbox):
+def play(seq, rows, slots, goals, rounds):
     for i in range(len(rows)):
-        box[3 + i], box[3 + S + i], box[3 + 2 * S + i] = rows[i], slots[i], goals[i]
-    box[1] = len(rows)
-    box[0] = seq
+        mailbox[3 + i], mailbox[3 + S + i], mailbox[3 + 2 * S + i] = rows[i], slots[i], goals[i]
+    mailbox[1] = len(rows)
+    mailbox[0] = seq
     end = time.monotonic() + 5
     while stats()[0] < rounds and stats()[3] == 0 and time.monotonic() < end:
         time.sleep(0.0002)
 play(1, [2, 0], [0, 1], [11, 12], 1)
 first = dict(stats=stats(), dst=list(dst), copied=list(copied), ring=list(ring))
 fake_get = lambda name: ctypes.c_longlong.in_dll(fake, name).value
-play(1, [1], [1], [5], 2, box=urgent_box)
-urgent = dict(stats=stats(), dst=list(urgent_dst), copied=list(urgent_copied),
-              on_second=fake_get("second_stream_copies"))
 ctypes.c_longlong.in_dll(fake, "fail_at").value = fake_get("copies") + 1  # the next entry's second copy fails
-play(2, [1, 1], [1, 0], [21, 22], 3)  # fails: the wait ends on the error
+play(2, [1, 1], [1, 0], [21, 22], 2)
 time.sleep(0.01)
 second = dict(stats=stats(), call=lib.copier_error_call(h).decode(), copied=list(copied))
 lib.copier_stop(h)
-print(json.dumps(dict(first=first, urgent=urgent, second=second, flags=fake_get("stream_flags"),
-                      synced=fake_get("synced"), destroyed=fake_get("destroyed"))))
+print(json.dumps(dict(first=first, second=second, flags=fake_get("stream_flags"), synced=fake_get("synced"),
+                      destroyed=fake_get("destroyed"))))
 """
-
-
-FAKE_GOAL_RUN = r"""
-import ctypes, json, sys, time
-fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
-lib = ctypes.CDLL(sys.argv[2])
-lib.copier_start.restype = ctypes.c_void_p
-lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-for name in ("copier_add_layer", "copier_stats"):
-    getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p] + ([ctypes.c_int64] if "add" in name else [])
-lib.copier_set_goal_write.argtypes = [ctypes.c_void_p, ctypes.c_int]
-lib.copier_stop.argtypes = [ctypes.c_void_p]
-I64 = ctypes.c_int64
-S, PITCH = 2, 16
-ring, mailbox, copied = (I64 * 8)(), (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1)
-records, dst = (ctypes.c_uint8 * (3 * PITCH))(*range(3 * PITCH)), (ctypes.c_uint8 * (S * 8))()
-addr = ctypes.addressof
-h = lib.copier_start(1, addr(ring), 8, 0)
-lib.copier_set_goal_write(h, 1)
-desc = (I64 * 12)(addr(mailbox), addr(records), PITCH, 3, addr(copied), S, 0, 1, 4, 8, addr(dst), 8)
-assert lib.copier_add_layer(h, desc, 12) == 0
-def stats():
-    out = (I64 * 8)()
-    lib.copier_stats(h, out)
-    return list(out)
-def play(seq, rows, slots, goals):
-    for i in range(len(rows)):
-        mailbox[3 + i], mailbox[3 + S + i], mailbox[3 + 2 * S + i] = rows[i], slots[i], goals[i]
-    mailbox[1] = len(rows)
-    mailbox[0] = seq
-    end = time.monotonic() + 5
-    while stats()[0] < seq and stats()[3] == 0 and time.monotonic() < end:
-        time.sleep(0.0002)
-fake_get = lambda name: ctypes.c_longlong.in_dll(fake, name).value
-play(1, [2, 0], [0, 1], [11, 12])
-written = dict(stats=stats(), copied=list(copied), ring=list(ring), writes=fake_get("writes"))
-ctypes.c_longlong.in_dll(fake, "write_unsupported").value = 1
-play(2, [1], [0], [21])
-fallen_back = dict(stats=stats(), copied=list(copied), ring=list(ring), writes=fake_get("writes"))
-lib.copier_stop(h)
-print(json.dumps(dict(written=written, fallen_back=fallen_back)))
-"""
-
-
-def fake_driver(tmp_path):
-    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
-    fake = tmp_path / "libcuda.so.1"
-    build = ["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(fake), str(tmp_path / "fake.c")]
-    subprocess.run(build, check=True)
-    return fake
-
-
-def test_completion_words_by_stream_writes_and_back_to_copies_where_unsupported(tmp_path):
-    """BIGMOE_HOST_COPIER_GOAL_WRITE against the fake driver: each completion word is written by
-    cuStreamWriteValue64 (fenced: flags 0) and none is copied from the ring; a driver that answers NOT_SUPPORTED
-    turns the writes off, and the ring's copies land the words from then on, with no error."""
-    fake = fake_driver(tmp_path)
-    lib = host_copier.library()._name
-    r = subprocess.run(
-        [sys.executable, "-c", FAKE_GOAL_RUN, str(fake), lib], capture_output=True, text=True, timeout=60
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout)
-    written, fallen_back = got["written"], got["fallen_back"]
-    assert written["copied"] == [11, 12] and written["writes"] == 2 and written["stats"][7] == 2
-    assert written["ring"] == [0] * 8  # no goal went through the ring
-    assert fallen_back["copied"] == [21, 12] and fallen_back["ring"][0] == 21 and fallen_back["writes"] == 2
-    assert fallen_back["stats"][3] == 0 and fallen_back["stats"][7] == 2  # no error; no more writes counted
 
 
 def test_cuda_branch_against_a_fake_driver(tmp_path):
     """Runs where a real driver is installed too: the child loads the fake by path first, and the copier's
     dlopen("libcuda.so.1") takes the object already loaded under that soname before it searches the disk."""
-    fake = fake_driver(tmp_path)
+    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
+    fake = tmp_path / "libcuda.so.1"
+    build = ["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(fake), str(tmp_path / "fake.c")]
+    subprocess.run(build, check=True)
     lib = host_copier.library()._name
     r = subprocess.run([sys.executable, "-c", FAKE_RUN, str(fake), lib], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)
     first, second = got["first"], got["second"]
-    rounds, experts, nbytes, error, layers, _, urgent_experts, _ = first["stats"]
-    assert (rounds, experts, nbytes, error, layers, urgent_experts) == (1, 2, 16, 0, 2, 0)
+    rounds, experts, nbytes, error, layers, _ = first["stats"]
+    assert (rounds, experts, nbytes, error, layers) == (1, 2, 16, 0, 1)
     assert first["dst"] == list(range(36, 44)) + list(range(4, 12))  # row 2 -> slot 0, row 0 -> slot 1
     assert first["copied"] == [11, 12]
     assert first["ring"][:2] == [11, 12]  # goals go through the pinned ring, never a stack word
     assert got["flags"] == 1  # CU_STREAM_NON_BLOCKING
-    # The urgent mailbox's entry (row 1 -> slot 1) goes on the second stream: its data copy, then its goal.
-    urgent = got["urgent"]
-    assert urgent["stats"][6] == 1 and urgent["dst"][8:] == list(range(20, 28)) and urgent["copied"] == [-1, 5]
-    assert urgent["on_second"] == 2
     # Round 2: entry 0's data copy is done, its completion copy fails: error recorded, nothing more issued.
     assert second["stats"][3] == 700 and second["call"] == "cuMemcpyHtoDAsync_v2"
-    assert second["stats"][0] == 2 and second["copied"] == [11, 12]
-    assert (got["synced"], got["destroyed"]) == (2, 2)  # both streams drained, then destroyed
+    assert second["stats"][0] == 1 and second["copied"] == [11, 12]
+    assert (got["synced"], got["destroyed"]) == (1, 1)

@@ -65,14 +65,11 @@ step = {n: t for n, t in acq.items() if n != "need_ptr"} | {"done_ptr": "*i32", 
         "pitch_words": "i32", "out0": "*i64", "out1": "*i64", "out2": "*i64", "out3": "*i64", "chain_ptr": "*i64",
         "chain_layer": "i32", "claim_ptr": "*i64", "copied_ptr": "*i64", "target_ptr": "*i64",
         "filled_ptr": "*i64", "max_spins": "i32"}
-step |= {"miss_box_ptr": "*i64", "miss_words_ptr": "*i64"}
 step = {n: step[n] for n in sk._step_kernel.arg_names if n in step}
-for name in [*POLICIES, "hostmiss"]:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
+for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
     k = build(sk._step_kernel, step, {"E": 512, "S": 205, "PACKED_MAX": ak.PACKED_MAX, "BLOCK_E": 512, "BLOCK_S": 256,
-              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True,
-              **policy("lfu-duel" if name == "hostmiss" else name),
-              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1, "hostmiss": 0}[name],
-              "SYNC": name in ("lfu-duel", "hostmiss"), "ON_GPU": True, "HOST_MISS": name == "hostmiss",
+              "BLOCK_I": 16, "HAS_STATS": True, "HAS_AUX": True, **policy(name),
+              "CHAIN": {"lru": 2, "lfu": 0, "lfu-duel": 1}[name], "SYNC": name == "lfu-duel", "ON_GPU": True,
               "OFF0": 0, "OFF1": 409600, "OFF2": 614400, "OFF3": 614504,
               "N0": 409600, "N1": 204800, "N2": 100, "N3": 50,
               "NB0": 400, "NB1": 200, "NB2": 1, "NB3": 1, "NBLK": 602, "BLOCK": 1024},
@@ -181,14 +178,6 @@ def test_kernels_compile_for_sm90_with_wide_accesses():
         assert step["acquire"] == (["ld.acquire.gpu.global.b64"] if name == "lfu-duel" else [])
         assert step["sleep"] == (name == "lfu-duel")
         assert step["release_sys"] == []  # no step publishes to the host
-    # a step whose misses the host copier copies (BIGMOE_DEMAND_HOST_COPIER; a joinless one here): the list handed over
-    # with a system-scope release, the slots' progress read with acquire loads, sleeping between polls; its own copy
-    # (after a wait that gave up) is still the 16-byte one
-    hostmiss = got["step_hostmiss"]
-    assert hostmiss["release_sys"] == ["st.release.sys.global.b64"] and hostmiss["release"] == []
-    assert "atom.global.acq_rel.gpu.cas.b64" in hostmiss["atom"]  # it settles its round as any joinless step
-    assert hostmiss["acquire"] == ["ld.acquire.gpu.global.b64"] and hostmiss["sleep"]
-    assert "st.global.v2.b64" in hostmiss["copy"]
     assert got["chain_wait"] == {"acquire": ["ld.acquire.gpu.global.b64"], "sleep": True}  # polls, sleeping between
     # the one-node rounds: poll the steps' and the claims' words (acquire, sleeping), claim with an acq_rel max,
     # release each decision, count each program's copied blocks with a release add; block barriers between phases

@@ -13,15 +13,6 @@
  * on the same stream, so stream order lands it after the data. The driver API is dlopen()ed at start, so this
  * file builds and runs without CUDA headers or libraries.
  *
- * Urgent mailboxes (a decode step's own misses, which the step waits for; BIGMOE_DEMAND_HOST_COPIER) are served
- * first in every pass and again between the entries of any other round, on a second stream, so a step's copy never
- * queues behind prefetch copies the thread issued before it (the two streams share the link).
- *
- * With goal writes on (copier_set_goal_write), a completion word is written by cuStreamWriteValue64 in stream order
- * (a memory fence, then the store, by the GPU's front end) instead of an 8-byte copy from the ring: one copy-engine
- * operation less an expert. A driver that does not support stream memory operations (CUDA_ERROR_NOT_SUPPORTED) turns
- * them off at the first try; the ring's copies serve from then on.
- *
  * Errors (a failed driver call, a mailbox entry out of range) are recorded once; the thread then issues
  * nothing more and idles, so the GPU's bounded waits time out instead of reading wrong bytes.
  */
@@ -38,8 +29,7 @@
 #define NAP_NS 20000L    /* 20 us naps for the first second idle: a round after a pause waits at most this */
 #define COLD_NS 1000000000L /* after 1 s idle (no decode under way) ... */
 #define COLD_NAP_NS 1000000L /* ... 1 ms naps: 20 us naps cost about a fifth of a core, 1 ms ones under 1% */
-#define STREAM_NON_BLOCKING 1u
-#define CUDA_ERROR_NOT_SUPPORTED 801 /* CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream */
+#define STREAM_NON_BLOCKING 1u /* CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream */
 
 /* Error codes of the copier's own (CUDA's are positive CUresult values). */
 #define ERR_DRIVER (-1)  /* libcuda.so.1 or one of its symbols is missing */
@@ -59,7 +49,6 @@ typedef struct {
     CUresult (*stream_destroy)(CUstream);
     CUresult (*stream_synchronize)(CUstream);
     CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
-    CUresult (*stream_write_value64)(CUstream, CUdeviceptr, uint64_t, unsigned int); /* optional: NULL if absent */
 } cuda_api;
 
 typedef struct {
@@ -75,7 +64,6 @@ typedef struct {
     int64_t slots, ncomp;
     component comp[MAX_COMPONENTS];
     int64_t last_seen; /* seq of the last round served; only the thread touches it */
-    int64_t urgent;    /* 1: a step waits for this mailbox's copies (served first, on the urgent stream) */
 } layer;
 
 typedef struct {
@@ -87,9 +75,8 @@ typedef struct {
     int64_t hot_ns; /* busy-poll this long after the last work, then nap (host_copier.py: HOT_MS) */
     cuda_api api;
     CUcontext ctx;
-    CUstream stream, urgent_stream;
-    int64_t rounds, experts, bytes, passes, urgent_experts, goal_writes; /* written by the thread, read by stats */
-    int goal_write; /* completion words by cuStreamWriteValue64 (copier_set_goal_write; cleared if unsupported) */
+    CUstream stream;
+    int64_t rounds, experts, bytes, passes; /* written by the thread only, read by stats */
     int error;                             /* first error; error_call is written before it (release) */
     char error_call[128];
 } copier;
@@ -128,23 +115,9 @@ static void nap(long ns) {
 
 static void add(int64_t *counter, int64_t n) { __atomic_fetch_add(counter, n, __ATOMIC_RELAXED); }
 
-/* With goal writes on: store `goal` at device address `word` in stream order; 1 if written (or failed: the error is
- * recorded), 0 if the caller should copy it from the ring instead (goal writes off, or just found unsupported). */
-static int write_goal(copier *h, CUstream stream, int64_t word, int64_t goal) {
-    if (!__atomic_load_n(&h->goal_write, __ATOMIC_ACQUIRE) || !h->api.stream_write_value64) return 0;
-    CUresult r = h->api.stream_write_value64(stream, (CUdeviceptr)word, (uint64_t)goal, 0); /* 0: fenced */
-    if (r == CUDA_ERROR_NOT_SUPPORTED) {
-        __atomic_store_n(&h->goal_write, 0, __ATOMIC_RELEASE);
-        return 0;
-    }
-    if (!cu_check(h, r, "cuStreamWriteValue64")) add(&h->goal_writes, 1);
-    return 1;
-}
-
 /* Copy one entry's components into `slot`, then publish `goal` in copied[slot]. Nonzero on a driver error. */
 static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int64_t goal) {
     const uint8_t *record = l->records + row * l->pitch;
-    CUstream stream = l->urgent ? h->urgent_stream : h->stream;
     int64_t done = 0;
     for (int64_t c = 0; c < l->ncomp; c++) {
         const component *p = &l->comp[c];
@@ -152,27 +125,23 @@ static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int
         if (!h->cuda)
             memcpy(dst, record + p->offset, (size_t)p->nbytes);
         else if (CU(h, memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, record + p->offset, (size_t)p->nbytes,
-                                         stream), "cuMemcpyHtoDAsync_v2"))
+                                         h->stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
         done += p->nbytes;
     }
     int64_t word = l->copied + slot * (int64_t)sizeof(int64_t);
     if (!h->cuda) {
         __atomic_store_n((int64_t *)(uintptr_t)word, goal, __ATOMIC_RELEASE);
-    } else if (!write_goal(h, stream, word, goal)) {
+    } else {
         int64_t *src = &h->ring[h->ring_next++ % h->ring_words]; /* a DMA reads it later: never a stack word */
         *src = goal;
-        if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), stream), "cuMemcpyHtoDAsync_v2"))
+        if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), h->stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
     }
-    if (failed(h)) return 1;
     add(&h->experts, 1);
-    if (l->urgent) add(&h->urgent_experts, 1);
     add(&h->bytes, done);
     return 0;
 }
-
-static int serve_urgent(copier *h);
 
 /* Serve the layer's round if its seq moved. Returns 1 if there was a round (served or failed), else 0. */
 static int serve_layer(copier *h, layer *l, int64_t index) {
@@ -196,7 +165,6 @@ static int serve_layer(copier *h, layer *l, int64_t index) {
             fail(h, ERR_MAILBOX, where);
             return 1;
         }
-        if (!l->urgent) serve_urgent(h); /* a step waiting for its misses goes before this round's next entry */
         if (serve_entry(h, l, row, slot, goals[i])) return 1;
     }
     l->last_seen = seq;
@@ -204,29 +172,17 @@ static int serve_layer(copier *h, layer *l, int64_t index) {
     return 1;
 }
 
-/* Serve every urgent mailbox with a new round. Returns 1 if any had one. */
-static int serve_urgent(copier *h) {
-    int busy = 0;
-    int64_t n = __atomic_load_n(&h->nlayers, __ATOMIC_ACQUIRE);
-    for (int64_t i = 0; i < n && !failed(h); i++)
-        if (h->layers[i].urgent) busy |= serve_layer(h, &h->layers[i], i);
-    return busy;
-}
-
 static void *run(void *arg) {
     copier *h = arg;
     if (h->cuda && !failed(h) && !CU(h, ctx_set_current(h->ctx), "cuCtxSetCurrent"))
-        if (!CU(h, stream_create(&h->stream, STREAM_NON_BLOCKING), "cuStreamCreate"))
-            CU(h, stream_create(&h->urgent_stream, STREAM_NON_BLOCKING), "cuStreamCreate");
+        CU(h, stream_create(&h->stream, STREAM_NON_BLOCKING), "cuStreamCreate");
     __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
 
     int64_t idle_since = -1; /* -1: hot, the last pass had work */
     while (!__atomic_load_n(&h->stop, __ATOMIC_ACQUIRE)) {
         int busy = 0;
         int64_t n = __atomic_load_n(&h->nlayers, __ATOMIC_ACQUIRE);
-        busy |= serve_urgent(h);
-        for (int64_t i = 0; i < n && !failed(h); i++)
-            if (!h->layers[i].urgent) busy |= serve_layer(h, &h->layers[i], i);
+        for (int64_t i = 0; i < n && !failed(h); i++) busy |= serve_layer(h, &h->layers[i], i);
         add(&h->passes, 1);
         if (busy) {
             idle_since = -1;
@@ -239,11 +195,9 @@ static void *run(void *arg) {
         else
             nap(t - idle_since < COLD_NS ? NAP_NS : COLD_NAP_NS);
     }
-    CUstream streams[2] = {h->stream, h->urgent_stream};
-    for (int i = 0; i < 2; i++) { /* copies still in flight read the records and the ring: let them land first */
-        if (!streams[i]) continue;
-        CU(h, stream_synchronize(streams[i]), "cuStreamSynchronize");
-        CU(h, stream_destroy(streams[i]), "cuStreamDestroy");
+    if (h->stream) { /* copies still in flight read the records and the ring: let them land first */
+        CU(h, stream_synchronize(h->stream), "cuStreamSynchronize");
+        CU(h, stream_destroy(h->stream), "cuStreamDestroy");
     }
     return NULL;
 }
@@ -263,8 +217,6 @@ static int load_driver(copier *h) {
         {(void **)&h->api.stream_synchronize, "cuStreamSynchronize", NULL},
         {(void **)&h->api.memcpy_htod_async, "cuMemcpyHtoDAsync_v2", NULL},
     };
-    h->api.stream_write_value64 = dlsym(lib, "cuStreamWriteValue64_v2"); /* optional (copier_set_goal_write) */
-    if (!h->api.stream_write_value64) h->api.stream_write_value64 = dlsym(lib, "cuStreamWriteValue64");
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
         *syms[i].fn = dlsym(lib, syms[i].name);
         if (!*syms[i].fn && syms[i].fallback) *syms[i].fn = dlsym(lib, syms[i].fallback);
@@ -299,12 +251,12 @@ void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns) 
     return h;
 }
 
-/* desc: mailbox, records, pitch, nrecords, copied, slots, urgent, ncomp, then ncomp x (offset, nbytes, dst, stride).
+/* desc: mailbox, records, pitch, nrecords, copied, slots, ncomp, then ncomp x (offset, nbytes, dst, stride).
  * Returns the layer's index, or -1 if the descriptor is malformed or the table is full. Callers serialize. */
 int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     copier *h = handle;
     int64_t count = h->nlayers; /* only add_layer writes it */
-    if (count >= MAX_LAYERS || n < 8 || desc[7] < 1 || desc[7] > MAX_COMPONENTS || n != 8 + 4 * desc[7]) return -1;
+    if (count >= MAX_LAYERS || n < 7 || desc[6] < 1 || desc[6] > MAX_COMPONENTS || n != 7 + 4 * desc[6]) return -1;
     layer *l = &h->layers[count];
     l->mailbox = (const int64_t *)(uintptr_t)desc[0];
     l->records = (const uint8_t *)(uintptr_t)desc[1];
@@ -312,10 +264,9 @@ int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     l->nrecords = desc[3];
     l->copied = desc[4];
     l->slots = desc[5];
-    l->urgent = desc[6] != 0;
-    l->ncomp = desc[7];
+    l->ncomp = desc[6];
     for (int64_t c = 0; c < l->ncomp; c++) {
-        const int64_t *d = desc + 8 + 4 * c;
+        const int64_t *d = desc + 7 + 4 * c;
         l->comp[c] = (component){d[0], d[1], d[2], d[3]};
     }
     l->last_seen = 0; /* a fresh mailbox's seq: its first round is any other value */
@@ -323,13 +274,7 @@ int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     return (int)count;
 }
 
-/* Completion words by cuStreamWriteValue64 from now on (on != 0) or by copies from the ring; CUDA mode only. */
-void copier_set_goal_write(void *handle, int on) {
-    copier *h = handle;
-    __atomic_store_n(&h->goal_write, on != 0, __ATOMIC_RELEASE);
-}
-
-/* out: rounds, experts, bytes, error, layers, passes (full polls of all layers), urgent_experts, goal_writes. */
+/* out: rounds, experts, bytes, error, layers, passes (full polls of all layers). */
 void copier_stats(void *handle, int64_t *out) {
     copier *h = handle;
     out[0] = __atomic_load_n(&h->rounds, __ATOMIC_RELAXED);
@@ -338,8 +283,6 @@ void copier_stats(void *handle, int64_t *out) {
     out[3] = __atomic_load_n(&h->error, __ATOMIC_ACQUIRE);
     out[4] = __atomic_load_n(&h->nlayers, __ATOMIC_ACQUIRE);
     out[5] = __atomic_load_n(&h->passes, __ATOMIC_RELAXED);
-    out[6] = __atomic_load_n(&h->urgent_experts, __ATOMIC_RELAXED);
-    out[7] = __atomic_load_n(&h->goal_writes, __ATOMIC_RELAXED);
 }
 
 /* The failing call's name; valid once copier_stats reported an error, until copier_stop. */

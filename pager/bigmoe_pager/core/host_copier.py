@@ -40,17 +40,9 @@ def mailbox_words(slots: int) -> int:
     return HEADER_WORDS + 3 * slots
 
 
-MISS_SEQ, MISS_SELF = 0, 1
-MISS_WORDS = 2
-"""A step's miss mailbox's device words (BIGMOE_DEMAND_HOST_COPIER; core.step_kernel): the last seq the step
-published, and the copies steps made themselves because the host had not made them within their polls (a stalled or
-stopped copier)."""
-
-STATS = ("rounds", "experts", "bytes", "error", "layers", "passes", "urgent_experts", "goal_writes")
+STATS = ("rounds", "experts", "bytes", "error", "layers", "passes")
 """copier_stats' words: layer rounds served, entries copied, bytes copied (issued, on CUDA), first error code
-(0: none; > 0: a CUresult; < 0: the copier's own, see host_copier.c), layers added, full polls of all layers, and
-the entries of urgent mailboxes among those copied (a step's own misses), and the completion words written by
-cuStreamWriteValue64 rather than copied (goal_write)."""
+(0: none; > 0: a CUresult; < 0: the copier's own, see host_copier.c), layers added, full polls of all layers."""
 
 
 class HostCopierError(RuntimeError):
@@ -75,8 +67,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.copier_stats.restype = None
     lib.copier_error_call.argtypes = [ctypes.c_void_p]
     lib.copier_error_call.restype = ctypes.c_char_p
-    lib.copier_set_goal_write.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.copier_set_goal_write.restype = None
     lib.copier_stop.argtypes = [ctypes.c_void_p]
     lib.copier_stop.restype = None
     return lib
@@ -121,14 +111,9 @@ class HostCopier:
     hot_ms: how long the thread busy-polls after its last round before it naps (20 us naps, 1 ms ones after a
     second); 0: it naps at once, and a round waits for the end of a nap (tens of microseconds) before it is copied;
     None: HOT_MS.
-    goal_write: on CUDA, write each completion word with cuStreamWriteValue64 (a stream memory operation) instead of
-    an 8-byte copy from the ring: one copy-engine operation less an expert (BIGMOE_HOST_COPIER_GOAL_WRITE); where the
-    driver does not support it, the thread falls back to the copies at the first try.
     """
 
-    def __init__(
-        self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None, goal_write: bool = False
-    ):
+    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None):
         hot_ms = HOT_MS if hot_ms is None else hot_ms
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
@@ -157,8 +142,6 @@ class HostCopier:
         if not handle:
             raise HostCopierError("host copier: could not allocate the copier or start its thread")
         self._handle: int | None = handle
-        if self.cuda and goal_write:  # before any layer: the thread has nothing to copy yet
-            self._lib.copier_set_goal_write(handle, 1)
         # Stops the thread before the tensors it reads go (the finalizer holds them), at garbage collection or,
         # failing that, at interpreter exit (weakref.finalize runs pending finalizers from atexit).
         self._finalizer = weakref.finalize(self, _stop, self._lib, handle, self._keep)
@@ -184,14 +167,11 @@ class HostCopier:
         components: list[tuple[int, int, torch.Tensor]],
         copied: torch.Tensor,
         slots: int,
-        urgent: bool = False,
     ) -> None:
         """Serve `mailbox` from now on (the thread may be running).
 
         records: uint8, record r at byte r * pitch. components: (offset within the record in bytes, nbytes, dst),
-        dst contiguous with slots along dim 0. copied: int64 [>= slots], the completion words. urgent: a step waits
-        for this mailbox's copies (its own misses): the thread serves it before any other and between the entries of
-        other rounds, on a second stream (host_copier.c).
+        dst contiguous with slots along dim 0. copied: int64 [>= slots], the completion words.
         """
         where = "HostCopier.add_layer"
         if slots < 1:
@@ -210,7 +190,7 @@ class HostCopier:
         if not 1 <= len(components) <= MAX_COMPONENTS:
             raise ValueError(f"{where}: 1 to {MAX_COMPONENTS} components, got {len(components)}")
         desc = [mailbox.data_ptr(), records.data_ptr(), pitch, records.numel() // pitch, copied.data_ptr()]
-        desc += [slots, int(urgent), len(components)]
+        desc += [slots, len(components)]
         for k, (offset, nbytes, dst) in enumerate(components):
             name = f"component {k}"
             if offset < 0 or nbytes < 1 or offset + nbytes > pitch:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from bigmoe_pager.core.acquire_kernel import next_pow2
-from bigmoe_pager.core.host_copier import HEADER_WORDS, MISS_WORDS
+from bigmoe_pager.core.host_copier import HEADER_WORDS
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS
 from bigmoe_pager.core.triton_launch import kernel_for
 
@@ -52,18 +52,6 @@ def serve_pager(copier, pager, mailbox: torch.Tensor) -> None:
     components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
     copied = pager.vram.kernel_state()["copied"]
     copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
-
-
-def serve_misses(copier, pager) -> None:
-    """BIGMOE_DEMAND_HOST_COPIER: from now on `pager`'s fused steps hand their misses to `copier` (an urgent mailbox
-    over the same records, slots and `copied` words as its rounds') instead of copying them with their programs.
-    Only where the RAM tier is full (record row = expert id) and the step is fused; made outside any capture."""
-    mailbox = copier.mailbox(pager.num_slots, pager.device)
-    words = torch.zeros(MISS_WORDS, dtype=torch.int64, device=pager.device)
-    components = [(c.offset, c.nbytes, pager.buffers[c.name]) for c in pager.layout.components]
-    copied = pager.vram.kernel_state()["copied"]
-    copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots, urgent=True)
-    pager.miss_mailbox, pager.miss_words = mailbox, words
 
 
 def progress_words(pagers: list, device: torch.device) -> torch.Tensor:

@@ -112,11 +112,6 @@ class ExpertPager:
         """BIGMOE_PREFETCH_HOST_COPIER: where a joinless round's decided list goes for core.host_copier's thread, which
         then copies it (int64 [host_copier.mailbox_words(slots)], pinned; set by the adapter; None: the round copies
         with a kernel)."""
-        self.miss_mailbox: torch.Tensor | None = None
-        """BIGMOE_DEMAND_HOST_COPIER: where a fused step hands its misses to core.host_copier's thread (an urgent
-        mailbox, pinned; set by host_rounds.serve_misses; None: the step's programs copy them)."""
-        self.miss_words: torch.Tensor | None = None
-        """That mailbox's device words (host_copier.MISS_WORDS: the last seq, the copies steps made themselves)."""
         self.sync_max_spins: int | None = None
         """Polls a joinless step makes before it gives up on a round (core.round_sync; None: step_kernel's default,
         about a second on a GPU, one in the interpreter). Tests lower it."""
@@ -180,8 +175,6 @@ class ExpertPager:
             aux_row=ram_row,
             chain=chain,
             max_spins=self.sync_max_spins,
-            miss_box=self.miss_mailbox,
-            miss_words=self.miss_words,
             **table.kernel_policy(),
         )
         return acquired_from_kernel(out)

@@ -30,12 +30,6 @@ the state installs with the counts.
 Given a ChainSignal (a forward captured whole, core.prefetch_chain), the
 program writing the state, last of all, publishes the step to the forward's
 chained prefetch rounds.
-Given a miss mailbox (BIGMOE_DEMAND_HOST_COPIER), no program copies: program 0 raises each filled slot's goal
-(`target`), publishes the miss list to the host copier (core.host_copier, an urgent mailbox: its own stream, served
-before prefetch rounds) and waits on the device until the goals land; a copy still missing after max_spins polls it
-makes itself (the same bytes into the same slot) and counts in the mailbox's words. Why: the copy engines move an
-expert at 55 GB/s where the step's programs reached 42-45 (run 12); the round trip through the host thread is the
-price, which scripts/gpu_copy_path_probe.py measures.
 Outputs, table state, counters and slot bytes equal SlotTable.acquire followed
 by copy_records; the unit tests run both side by side.
 """
@@ -55,7 +49,6 @@ from bigmoe_pager.core.copy_kernel import (
     copy_plan,
     record_words,
 )
-from bigmoe_pager.core.host_copier import MISS_SELF, MISS_SEQ, mailbox_words
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS, NO_CHAIN, ChainSignal
 from bigmoe_pager.core.triton_launch import kernel_for
@@ -147,8 +140,6 @@ def launch_step(
     chain: ChainSignal | None = None,
     block_bytes: int = BLOCK_BYTES,
     max_spins: int | None = None,
-    miss_box: torch.Tensor | None = None,
-    miss_words: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decide, copy misses from records (row = expert id) into the slot buffers, count; one launch.
 
@@ -159,19 +150,8 @@ def launch_step(
     are SlotTable.kernel_policy() (acquire_kernel.launch_acquire says what they mean). chain: the step, once done
     (its copies too), publishes itself to the forward's chained prefetch rounds (core.prefetch_chain); a
     joinless one first settles the round into its table and waits for the copies it needs (core.round_sync),
-    giving up after max_spins polls (default GPU_MAX_SPINS on a GPU: about a second). miss_box, miss_words: the
-    host copier copies the misses instead (the layer's urgent mailbox, host_copier.mailbox_words(num_slots) pinned
-    words; int64 [host_copier.MISS_WORDS] on the device: the mailbox's last seq, then the copies the step made
-    itself after waiting max_spins polls).
+    giving up after max_spins polls (default GPU_MAX_SPINS on a GPU: about a second).
     """
-    if (miss_box is None) != (miss_words is None):
-        raise StepKernelError(
-            "a step hands its misses to the host copier with both a mailbox and its words, or neither"
-        )
-    if miss_box is not None and miss_box.numel() != mailbox_words(num_slots):
-        raise StepKernelError(
-            f"a miss mailbox of {num_slots} slots has {mailbox_words(num_slots)} words, not {miss_box.numel()}"
-        )
     if not fits(num_experts, num_slots, ids.numel(), layout, lfu):
         raise StepKernelError(
             f"a fused step takes 1..{MAX_IDS} ids, <= {MAX_SLOTS} slots, <= {MAX_COMPONENTS} "
@@ -206,8 +186,6 @@ def launch_step(
         aux_row if aux_row is not None else dummy,
         chain.flags if chain is not None else dummy,
         chain.layer if chain is not None else 0,
-        miss_box if miss_box is not None else dummy,
-        miss_words if miss_words is not None else dummy,
         table_state["claim"],
         table_state["copied"],
         table_state["target"],
@@ -248,7 +226,6 @@ def launch_step(
         NB3=group.nblocks[3],
         NBLK=sum(group.nblocks),
         BLOCK=block,
-        HOST_MISS=miss_box is not None,
         num_warps=4,
     )
     note_compiled(step_variant(chain), compiled)
@@ -258,7 +235,6 @@ def launch_step(
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, lfu_key, record_counts, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
-    from bigmoe_pager.core.host_rounds import publish_list
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
     from bigmoe_pager.core.round_sync import (
         copies_under_way,
@@ -273,7 +249,6 @@ if triton is not None:
     # Columns of stats.COUNTERS the kernel adds to, as compile-time constants (a kernel reads only constexpr globals).
     _ERRORS = tl.constexpr(stats.ERRORS)
     _PREFETCH_LATE = tl.constexpr(stats.PREFETCH_LATE)
-    _MISS_SEQ, _MISS_SELF = tl.constexpr(MISS_SEQ), tl.constexpr(MISS_SELF)
 
     @triton.jit
     def _step_kernel(
@@ -303,8 +278,6 @@ if triton is not None:
         aux_ptr,
         chain_ptr,
         chain_layer,
-        miss_box_ptr,
-        miss_words_ptr,
         claim_ptr,
         copied_ptr,
         target_ptr,
@@ -348,7 +321,6 @@ if triton is not None:
         NB3: tl.constexpr,
         NBLK: tl.constexpr,
         BLOCK: tl.constexpr,
-        HOST_MISS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync)
@@ -457,7 +429,7 @@ if triton is not None:
 
         # 3. This program's blocks of the copy: unit u = miss * NBLK + block, units pid, pid + P, ...
         # Under lfu-duel, program P plays the shadows instead: nobody else reads or writes them.
-        copies = 0 if HOST_MISS else n_take
+        copies = n_take
         if DUEL:
             copies = tl.where(pid < programs, copies, 0)
             if pid == programs:
@@ -498,51 +470,6 @@ if triton is not None:
             NBLK,
             BLOCK,
         )
-
-        # 3a. The host copier copies the misses: program 0 hands them over and waits (the others are done).
-        if HOST_MISS:
-            if (pid == 0) & (n_take > 0):
-                filled = tl.where(take, cand, 0)
-                done_now = tl.load(copied_ptr + filled, mask=take, other=0, volatile=True)
-                goal = tl.maximum(done_now, tl.load(target_ptr + filled, mask=take, other=0, volatile=True)) + 1
-                tl.store(target_ptr + filled, goal, mask=take)
-                seq = tl.atomic_add(miss_words_ptr + _MISS_SEQ, 1) + 1
-                tl.debug_barrier()  # the goals are in place before the host may write them back
-                publish_list(miss_box_ptr, seq, mexp, cand, goal, take, j, S, ON_GPU)
-                missing = wait_copies(copied_ptr, target_ptr, cand, take, max_spins, ON_GPU)
-                n_missing = tl.sum(missing.to(tl.int32), 0)
-                if n_missing > 0:  # never copied by the host: copy every miss here, then count them as landed
-                    copy_listed_share(
-                        0,
-                        1,
-                        n_take,
-                        j,
-                        mexp,
-                        cand,
-                        rec_ptr,
-                        pitch_words,
-                        out0,
-                        out1,
-                        out2,
-                        out3,
-                        OFF0,
-                        OFF1,
-                        OFF2,
-                        OFF3,
-                        N0,
-                        N1,
-                        N2,
-                        N3,
-                        NB0,
-                        NB1,
-                        NB2,
-                        NB3,
-                        NBLK,
-                        BLOCK,
-                    )
-                    tl.debug_barrier()
-                    tl.store(copied_ptr + filled, goal, mask=missing)
-                    tl.atomic_add(miss_words_ptr + _MISS_SELF, n_missing.to(tl.int64))
 
         # 3b. A joinless forward: vLLM's kernel reads the slots once this launch ends, so one program waits for the
         # round's copies into the slots this step hits, and copies any still under way after max_spins itself

@@ -33,9 +33,8 @@ import time
 import torch
 from bigmoe_pager.adapters.vllm import glue
 from bigmoe_pager.core.device_layer import DeviceLayerPager
-from bigmoe_pager.core.host_copier import MISS_SELF, HostCopierError
+from bigmoe_pager.core.host_copier import HostCopierError
 from bigmoe_pager.core.host_pager import TierSizes
-from bigmoe_pager.core.host_rounds import serve_misses
 from bigmoe_pager.core.pinned import pinned_empty
 from bigmoe_pager.core.ram_tier import ServiceFetch
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
@@ -242,8 +241,6 @@ def start_all(process) -> None:
         for paged in layers:
             buffers = {name: getattr(paged, name).data for name in paged._layout._by_name}
             paged.pager.start(buffers, fetchers.get(paged._moe_index))
-        if process.settings.demand_host_copier:
-            _misses_to_host(process, layers)
         torch.cuda.synchronize()
         parts.started = True
         parts.layers = layers
@@ -254,44 +251,6 @@ def start_all(process) -> None:
         " with an SSD tier" if fetchers else "",
         process.load_copies.describe(),
     )
-
-
-def _misses_to_host(process, layers: list) -> None:
-    """BIGMOE_DEMAND_HOST_COPIER: the decode steps of layers over full RAM tiers hand their misses to the process's host
-    copier (core.host_rounds.serve_misses). If the copier cannot be had: one line, and every step copies its own."""
-    pagers = [p for p in (paged.pager.pager_started() for paged in layers) if p.ram.full and p.fused]
-    if not pagers:
-        log.warning("bigmoe: BIGMOE_DEMAND_HOST_COPIER: no layer has every expert in RAM; steps copy their misses")
-        return
-    try:
-        copier = process.host_copies.copier_for(pagers[0].device)
-        for pager in pagers:
-            serve_misses(copier, pager)
-    except (HostCopierError, ValueError) as exc:
-        for pager in pagers:
-            pager.miss_mailbox = pager.miss_words = None
-        log.warning("bigmoe: BIGMOE_DEMAND_HOST_COPIER: %s; decode steps copy their misses themselves", exc)
-        return
-    process.host_copies.serves_misses = True
-    log.warning(
-        "bigmoe: %d of %d MoE layers hand their decode misses to a host thread (the GPU's copy engines)",
-        len(pagers),
-        len(layers),
-    )
-
-
-def misses_copied_by_steps(process) -> int | None:
-    """BIGMOE_DEMAND_HOST_COPIER: misses the steps copied themselves because the host had not within their polls
-    (None: no step hands its misses over). One device read for every layer."""
-    words = [p.miss_words for p in _started_pagers(process) if p.miss_words is not None]
-    return int(torch.stack(words)[:, MISS_SELF].sum()) if words else None
-
-
-def _started_pagers(process) -> list:
-    parts = process.device
-    if parts is None or not parts.started:
-        return []
-    return [paged.pager.pager_started() for paged in parts.layers]
 
 
 def _ssd_fetchers(parts: DeviceParts, layers: list, settings: PagerSettings) -> dict[int, ServiceFetch]:

@@ -1,13 +1,12 @@
 """The process's one host copier thread (core.host_copier) and the mailboxes it serves.
 
-Two parts of the adapter hand copies to it, and neither owns it:
-- the predictor's prefetch rounds (BIGMOE_PREFETCH_HOST_COPIER): each layer's round, or the one-node kernel's program,
-  publishes its decided list to a mailbox; a chained forward's end drains those copies on the device;
-- the decode steps' own misses (BIGMOE_DEMAND_HOST_COPIER, adapters.vllm.device): an urgent mailbox a layer.
+The predictor's prefetch rounds (BIGMOE_PREFETCH_HOST_COPIER) hand their copies to it: each layer's round, or the
+one-node kernel's program, publishes its decided list to a mailbox; a chained forward's end drains those copies on the
+device.
 
 The thread starts with its first user, in an uncaptured forward (vLLM's profile run or an eager step). A prefetch path
-that cannot use it (a layer it cannot serve) gives it up, and then the thread stops unless the steps use it too. A
-failed thread is the export loop's to report (adapters.vllm.device.failed_part), which stops the server.
+that cannot use it (a layer it cannot serve) gives it up, and then the thread stops. A failed thread is the export
+loop's to report (adapters.vllm.device.failed_part), which stops the server.
 """
 
 from __future__ import annotations
@@ -28,12 +27,8 @@ class HostCopies:
     def __init__(self, settings: PagerSettings):
         self.hot_ms = settings.host_copier_hot_ms
         """BIGMOE_HOST_COPIER_HOT_MS: how long the thread busy-polls after its last round (None: its default)."""
-        self.goal_write = settings.host_copier_goal_write
-        """BIGMOE_HOST_COPIER_GOAL_WRITE: completion words by stream memory operations instead of copies."""
         self.copier: HostCopier | None = None
         """The thread, once a user asked for it (`copier_for`)."""
-        self.serves_misses = False
-        """Whether decode steps hand their misses to `copier` (then giving up prefetch keeps it running)."""
         self._published: dict[tuple[str, int], torch.Tensor] = {}
         """Per (device, slots): the progress words (host_rounds.progress_words) of the layers whose prefetch rounds
         the thread copies, which a chained forward's end drains."""
@@ -42,7 +37,7 @@ class HostCopies:
         """The thread, started at the first call (outside any capture); HostCopierError if it cannot be built or
         started."""
         if self.copier is None:
-            self.copier = HostCopier(device, hot_ms=self.hot_ms, goal_write=self.goal_write)
+            self.copier = HostCopier(device, hot_ms=self.hot_ms)
         return self.copier
 
     def publish_rounds(self, pagers: list, mailboxes, device: torch.device) -> None:
@@ -66,9 +61,9 @@ class HostCopies:
                 drain_published(words, slots, flags)
 
     def give_up_prefetch(self) -> None:
-        """Prefetch rounds no longer go to the thread: nothing to drain, and the thread stops unless steps use it."""
+        """Prefetch rounds no longer go to the thread: nothing to drain, and the thread stops."""
         self._published.clear()
-        if self.copier is not None and not self.serves_misses:
+        if self.copier is not None:
             self.copier.close()
             self.copier = None
 

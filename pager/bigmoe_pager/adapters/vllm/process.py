@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 
 from bigmoe_pager.adapters.vllm import glue, stats
-from bigmoe_pager.adapters.vllm.device import DeviceParts, misses_copied_by_steps, wanted
+from bigmoe_pager.adapters.vllm.device import DeviceParts, wanted
 from bigmoe_pager.adapters.vllm.host_copies import HostCopies
 from bigmoe_pager.adapters.vllm.predictor import Predictor
 from bigmoe_pager.adapters.vllm.routing import Routing
@@ -180,7 +180,6 @@ def engine_facts() -> dict:
         "prefetch_chain_timeouts": _installed.predictor.chain_timeouts,
         "prefetch_chain_cancels": _installed.predictor.chain_cancels,
         "prefetch_host_copier": _installed.host_copies.stats,
-        "demand_misses_copied_by_steps": misses_copied_by_steps(_installed),
         "step_kernels": dict(step_kernel.COMPILED),
         "load_copy_bytes": copies.nbytes,
         "load_copy_s": round(copies.seconds, 2),
