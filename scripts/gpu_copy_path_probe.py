@@ -284,21 +284,34 @@ class Background:
 
     def check_outlasted(self, end: torch.cuda.Event) -> None:
         if end.elapsed_time(self.done) < 0:
-            raise RuntimeError("the background copies ended before the timed replays: raise their length")
+            raise BackgroundTooShort("the background copies ended before the timed replays: raise their length")
+
+
+class BackgroundTooShort(RuntimeError):
+    """The timed replays outlasted their background, so part of them ran alone."""
+
+
+OUTLAST = (2, 8, 32)
+"""Backgrounds tried in turn, as multiples of the replays' time alone: a copy beside busy copy engines can take
+several times as long (run 29: most rows outlasted twice their time alone)."""
 
 
 def measure(fn, args, device: torch.device, busy: str | None, bench: "Bench") -> float:
-    """Microseconds per call of fn: graphs on a GPU (beside a Background of kind `busy`, long enough to outlast twice
-    the replays alone), one eager call on the CPU."""
+    """Microseconds per call of fn: graphs on a GPU (beside a Background of kind `busy`, OUTLAST times the replays'
+    time alone, longer until it outlasts them), one eager call on the CPU."""
     if device.type != "cuda":
         began = time.perf_counter()
         fn()
         return (time.perf_counter() - began) * 1e6
     if busy is None:
         return time_graph(fn, args, None)
-    alone = time_graph(fn, args, None)
-    seconds = 2 * alone * args.replays * args.repeat / 1e6 + 0.01
-    return time_graph(fn, args, Background(device, seconds, busy, bench))
+    alone_s = time_graph(fn, args, None) * args.replays * args.repeat / 1e6
+    for times in OUTLAST[:-1]:
+        try:
+            return time_graph(fn, args, Background(device, times * alone_s + 0.01, busy, bench))
+        except BackgroundTooShort:
+            continue  # a longer one
+    return time_graph(fn, args, Background(device, OUTLAST[-1] * alone_s + 0.01, busy, bench))
 
 
 def run(args) -> dict:
