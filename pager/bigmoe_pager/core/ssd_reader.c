@@ -196,7 +196,6 @@ static void attempt(reader *r, int64_t entry, uint8_t *staging) {
         if (kind == F_CHECKSUM && now->attempts <= r->retries) issue_locked(r, entry); /* maybe a glitch on the way */
         else fail_locked(r, entry, kind, err, file, at);
     }
-    if (mine && kind == OK && !owner) now->state = SUPERSEDED; /* cannot happen: superseding marks it first */
     int write = mine && kind == OK && owner && !failed(r);
     pthread_mutex_unlock(&r->mu);
     if (write) { /* under the slot's lock: a newer job's bytes cannot interleave with these */

@@ -28,17 +28,21 @@ from .record_reads import RecordReads
 SOURCE = Path(__file__).with_name("ssd_reader.c")
 COUNTERS = ("reads", "bytes", "read_ns", "retries", "errors")
 """Per layer, the C counters in order (read_stats.ReadCounters' fields)."""
+READ_ERROR, SHORT_READ, TRUNCATED, CHECKSUM, TIMEOUT, BAD_REQUEST, ODIRECT_REFUSED, NO_STAGING = range(1, 9)
+"""ssd_reader.c's failure kinds (its F_* codes)."""
 FAILURES = {
-    1: "read error",
-    2: "short read",
-    3: "the file is shorter than the record's place in it (truncated?)",
-    4: "checksum mismatch",
-    5: "no answer in time",
-    6: "bad request",
-    7: "O_DIRECT refused",
-    8: "no memory for a staging buffer",
+    READ_ERROR: "read error",
+    SHORT_READ: "short read",
+    TRUNCATED: "the file is shorter than the record's place in it (truncated?)",
+    CHECKSUM: "checksum mismatch",
+    TIMEOUT: "no answer in time",
+    BAD_REQUEST: "bad request",
+    ODIRECT_REFUSED: "O_DIRECT refused",
+    NO_STAGING: "no memory for a staging buffer",
 }
-"""ssd_reader.c's failure kinds."""
+"""What each failure kind means, in words."""
+FILE_FAILURES = (READ_ERROR, SHORT_READ, TRUNCATED, ODIRECT_REFUSED)
+"""Kinds that happened at a file and offset."""
 _START_ERRORS = {1: "bad arguments", 2: "out of memory", 3: "zlib (libz.so.1) not found for checksums", 4: "no threads"}
 
 
@@ -66,11 +70,11 @@ class Failure:
     def why(self, files: Sequence[object]) -> str:
         """One line: what failed and, for a read, at which file and offset."""
         what = FAILURES.get(self.kind, f"failure {self.kind}")
-        if self.kind == 1:
+        if self.kind == READ_ERROR:
             what += f" ({errno.errorcode.get(self.detail, self.detail)}: {os.strerror(self.detail)})"
-        elif self.kind == 2:
+        elif self.kind == SHORT_READ:
             what += f" ({self.detail} bytes arrived)"
-        if self.kind in (1, 2, 3, 7) and 0 <= self.file < len(files):
+        if self.kind in FILE_FAILURES and 0 <= self.file < len(files):
             what += f" at {getattr(files[self.file], 'path', files[self.file])}@{self.offset}"
         return f"{what} (after {self.attempts} attempts)"
 

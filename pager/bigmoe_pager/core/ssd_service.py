@@ -60,7 +60,7 @@ from .expert_store import ExpertStore
 from .odirect import SystemFileIO, as_byte_array
 from .ram_tier import ServiceFetch
 from .read_stats import ReadCounters
-from .ssd_reader import NativeReader, NativeReaderError
+from .ssd_reader import BAD_REQUEST, CHECKSUM, COUNTERS, NativeReader, NativeReaderError
 from .ssd_threads import PythonReader
 
 LOAD_POLL_S = 20e-6  # seconds between checks of a native load's done words
@@ -134,7 +134,7 @@ class SsdService:
         self._native: NativeReader | None = None
         self.reader_note = "" if reader == "native" else "BIGMOE_SSD_READER=python (the default)"
         """Why Python threads answer the mailbox ("" when the native reader does, or there is no mailbox)."""
-        self._collected = np.zeros((store.num_layers, 5), dtype=np.int64)
+        self._collected = np.zeros((store.num_layers, len(COUNTERS)), dtype=np.int64)
         self._collect_lock = threading.Lock()
         self._host_seq = 0
         self._load_lock = threading.Lock()  # native loads share the mailbox's host entries: one load at a time
@@ -370,10 +370,10 @@ class SsdService:
     def _native_message(self, failure) -> str:
         """The native reader's first failure, in the words the Python threads use."""
         why = failure.why(self._native.plan.files)
-        if failure.kind == 4 and hasattr(self.store, "record_failed_checks"):
+        if failure.kind == CHECKSUM and hasattr(self.store, "record_failed_checks"):
             why = self.store.record_failed_checks(failure.layer, failure.expert, failure.attempts)
             why += f" (after {failure.attempts} attempts)"
-        where = "the mailbox" if failure.kind == 6 else self.store.describe(failure.layer, failure.expert)
+        where = "the mailbox" if failure.kind == BAD_REQUEST else self.store.describe(failure.layer, failure.expert)
         return (
             f"SSD read of layer {failure.layer} expert {failure.expert} into RAM slot {failure.slot} failed: {why}; "
             f"source: {where}"
