@@ -37,12 +37,13 @@ read error (already retried at file level) and a bad request fail at once. The
 GPU's own deadline is longer than the host's, so normally the host reports
 first, with the file and expert named.
 
-The readers: by default C threads (ssd_reader.c through ssd_reader.py,
-`reader="native"`) answer the mailbox, its `load`s included, without the GIL;
-this module keeps the failure's message, the counters (`collect()`) and the
-lifecycle. With `reader="python"`, without a mailbox, or where the native
-reader cannot start (`reader_note` says why), Python threads do it
-(ssd_threads.py), each read then crossing the GIL several times. Either way the
+The readers: by default (`reader="python"`, chosen by run 29 in docs/benchmarks.md)
+Python threads (ssd_threads.py), each read crossing the GIL several times. With
+`reader="native"`, C threads (ssd_reader.c through ssd_reader.py) answer the
+mailbox, its `load`s included, without the GIL; this module then keeps the
+failure's message, the counters (`collect()`) and the lifecycle. Without a
+mailbox, or where the native reader cannot start (`reader_note` says why), the
+Python threads serve. Either way the
 GPU's kernel waits only on mailbox words, never on a Python call.
 """
 

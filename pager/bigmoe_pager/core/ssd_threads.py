@@ -10,8 +10,9 @@ checksum; a read error or a bad request fails at once. Failures go to the servic
 the server shows; HOST_ERROR tells the GPU.
 
 Every read crosses the GIL several times (hand-off, the worker's return, the copy, the answer): beside a thread
-that holds it, as vLLM's does between launches, each crossing waits up to the switch interval. That is why the
-native reader is the default (docs/benchmarks.md, "The native SSD reader").
+that holds it, as vLLM's does between launches, each crossing waits up to the switch interval. Inside vLLM
+that cost did not show (decode leaves the GIL free while a step waits: docs/benchmarks.md run 29), so these threads
+are the default and the native reader an option.
 """
 
 from __future__ import annotations
