@@ -9,8 +9,15 @@ and the time to copy+expand one expert from pinned RAM against copying it raw.
 GPU times are CUDA-graph replays (what the pager runs), with the eager call's
 time beside them to show the host launch overhead.
 
+`--geometries` adds rows for chunk geometries other than the pager's (lanes x
+steps per lane, e.g. 128x16; codec/format.py): the same records cut into more,
+shorter lanes cost chunk-header bytes and shorten one record's expansion on
+the GPU, which is what a compressed RAM tier would wait for on a miss. Their
+rows are named law@geometry (no parallel encode for them).
+
     PYTHONPATH=pager:app:bench python scripts/bench_codec.py --out docs/bench/codec.json
     PYTHONPATH=pager:app:bench python scripts/bench_codec.py --cpu-only --out docs/bench/codec.json
+    PYTHONPATH=pager:app:bench python scripts/bench_codec.py --geometries 16x128,64x32,128x16 --out ...
 """
 
 from __future__ import annotations
@@ -35,20 +42,28 @@ from bigmoe_pager.codec.reference import decode_record  # noqa: E402
 
 MODEL_BYTES = 112.5 * 2**30  # FP8 experts of qwen3.8-flash-next
 DISTS = ("student_t", "gaussian")
-# (chunks per program, warps, prefetch): 16 lanes per chunk, one lane per thread; prefetch = stream words and
-# nibbles loaded a step ahead. (2, 1) gives one record the most programs (one warp per 2 chunks).
-SWEEP = tuple((c, w, p) for c, w in ((2, 1), (4, 2), (8, 4), (16, 4)) for p in (True, False))
 
 
-def cpu_part(layout, dist: str, experts: int, workers: int, rng: np.random.Generator) -> tuple[dict, list, list]:
-    raws = [S.expert_record(layout, dist, rng) for _ in range(experts)]
-    encode_record(raws[0], layout)  # warm caches
+def sweep(geometry: F.Geometry) -> list[tuple[int, int, bool]]:
+    """Kernel shapes tried: (chunks per program, warps, prefetch). One lane per thread (or two), 32 to 256 lanes
+    a program; for STANDARD (16 lanes) that is (2, 1), (4, 1-2), (8, 2-4), (16, 4-8); fewer chunks per program give
+    one record more programs. prefetch = stream words and nibbles loaded a step ahead."""
+    shapes = []
+    for chunks in (1, 2, 4, 8, 16):
+        lanes = chunks * geometry.lanes
+        if 32 <= lanes <= 256:
+            shapes += [(chunks, w, pf) for w in sorted({max(1, lanes // 64), lanes // 32}) for pf in (True, False)]
+    return shapes
+
+
+def cpu_part(layout, raws: list, workers: int, geometry: F.Geometry) -> tuple[dict, list]:
+    encode_record(raws[0], layout, geometry)  # warm caches
     times, records = [], []
     for raw in raws:
         t0 = time.perf_counter()
-        records.append(encode_record(raw, layout))
+        records.append(encode_record(raw, layout, geometry))
         times.append(time.perf_counter() - t0)
-    if not np.array_equal(decode_record(records[0], layout), raws[0]):
+    if not np.array_equal(decode_record(records[0], layout, geometry), raws[0]):
         raise SystemExit("round trip failed: the reference decoder did not give the record back")
     ratio = float(np.mean([len(r) for r in records]) / layout.record_bytes)
     bound = float(np.mean([S.exponent_entropy_bound(r, layout) for r in raws]))
@@ -65,7 +80,7 @@ def cpu_part(layout, dist: str, experts: int, workers: int, rng: np.random.Gener
         out["encode_workers"] = workers
     best = max(out["encode_GBps"], out.get("encode_GBps_parallel", 0.0))
     out["prepare_112GiB_min"] = round(MODEL_BYTES / (best * 1e9) / 60, 2)
-    return out, raws, records
+    return out, records
 
 
 def _parallel_GBps(layout, raws: list, workers: int) -> float:
@@ -78,7 +93,9 @@ def _parallel_GBps(layout, raws: list, workers: int) -> float:
         return len(batch) * layout.record_bytes / (time.perf_counter() - t0) / 1e9
 
 
-def gpu_part(layout, raws: list, records: list, batch: int, reps: int, dev: torch.device) -> dict:
+def gpu_part(
+    layout, raws: list, records: list, batch: int, reps: int, dev: torch.device, geometry: F.Geometry, counts: list[int]
+) -> dict:
     from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
 
     picks = [records[i % len(records)] for i in range(batch)]
@@ -90,16 +107,24 @@ def gpu_part(layout, raws: list, records: list, batch: int, reps: int, dev: torc
     work = torch.tensor([[o, i] for i, o in enumerate(offsets)], dtype=torch.int64, device=dev)
     slots = layout.slot_buffers(batch, dev)
     errors = new_errors(work)
-    sweep = []
-    for cpp, warps, pf in SWEEP:
+    tried = []
+    for cpp, warps, pf in sweep(geometry):
 
         def run():
             return decode_into_slots(
-                staging, work, slots, layout, errors, chunks_per_program=cpp, num_warps=warps, prefetch=pf
+                staging,
+                work,
+                slots,
+                layout,
+                errors,
+                chunks_per_program=cpp,
+                num_warps=warps,
+                prefetch=pf,
+                geometry=geometry,  # noqa: B023
             )
 
         ms = _graph_ms(run, reps, dev)
-        sweep.append(
+        tried.append(
             {
                 "chunks_per_program": cpp,
                 "num_warps": warps,
@@ -116,28 +141,32 @@ def gpu_part(layout, raws: list, records: list, batch: int, reps: int, dev: torc
             got[c.offset : c.offset + c.nbytes] = slots[c.name][i].reshape(-1).view(torch.uint8).cpu().numpy()
         if not np.array_equal(got, raws[i]):
             raise SystemExit("GPU decode differs from the original record")
-    best = max(sweep, key=lambda s: s["decode_GBps"])
-    shape = _shape(best)
+    best = max(tried, key=lambda s: s["decode_GBps"])
+    shape = _shape(best, geometry)
     eager = _time_ms(lambda: decode_into_slots(staging, work, slots, layout, errors, **shape), reps, dev)
+    one = _one_expert(layout, raws[0], records[0], reps, dev, geometry)
+    alone = _shape(one["expand_best"], geometry)  # a miss round's few records fill the GPU as one record does
     return {
         "decode_GBps": best["decode_GBps"],
         "decode_GBps_eager": round(batch * layout.record_bytes / eager / 1e6, 1),
         "decode_batch": batch,
         "decode_best": best,
-        "decode_sweep": sweep,
-        **_one_expert(layout, raws[0], records[0], reps, dev),
+        "decode_sweep": tried,
+        **one,
+        "copy_batches": copy_batches(layout, raws, records, counts, alone, reps, dev),
     }
 
 
-def _shape(entry: dict) -> dict:
+def _shape(entry: dict, geometry: F.Geometry) -> dict:
     return {
         "chunks_per_program": entry["chunks_per_program"],
         "num_warps": entry["num_warps"],
         "prefetch": entry["prefetch"],
+        "geometry": geometry,
     }
 
 
-def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.device) -> dict:
+def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.device, geometry: F.Geometry) -> dict:
     """Copy one compressed record from pinned RAM and expand it, against copying the raw record.
 
     Timed as the pager runs it: captured once in a CUDA graph and replayed (no host work per call); the eager
@@ -157,13 +186,17 @@ def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.de
     errors = new_errors(work)
     n = host_c.numel()
     staging[:n].copy_(host_c)
-    sweep = []
-    for cpp, warps, pf in SWEEP:  # one record fills the GPU differently from a batch: its own best shape
+    tried = []
+    for cpp, warps, pf in sweep(geometry):  # one record fills the GPU differently from a batch: its own best shape
         shape = {"chunks_per_program": cpp, "num_warps": warps, "prefetch": pf}
-        ms = _graph_ms(lambda: decode_into_slots(staging, work, slots, layout, errors, **shape), reps, dev)  # noqa: B023
-        sweep.append({**shape, "us": round(ms * 1e3, 2)})
-    best = min(sweep, key=lambda s: s["us"])
-    shape = _shape(best)
+        ms = _graph_ms(
+            lambda: decode_into_slots(staging, work, slots, layout, errors, geometry=geometry, **shape),  # noqa: B023
+            reps,
+            dev,
+        )
+        tried.append({**shape, "us": round(ms * 1e3, 2)})
+    best = min(tried, key=lambda s: s["us"])
+    shape = _shape(best, geometry)
 
     def copy_expand():
         staging[:n].copy_(host_c, non_blocking=True)
@@ -182,12 +215,59 @@ def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.de
         "expand_us": best["us"],
         "expand_eager_us": round(eager * 1e3, 1),
         "expand_best": best,
-        "expand_sweep": sweep,
+        "expand_sweep": tried,
         "copy_compressed_us": round(cc * 1e3, 1),
         "copy_raw_us": round(raw_ms * 1e3, 1),
         "h2d_GBps": round(layout.record_bytes / raw_ms / 1e6, 1),
         "expand_GBps": round(layout.record_bytes / best["us"] / 1e3, 1),
     }
+
+
+def copy_batches(layout, raws: list, records: list, counts: list[int], shape: dict, reps: int, dev: torch.device):
+    """k experts a miss round: their compressed records copied from pinned RAM in one copy and expanded in one
+    launch (kernel `shape`), against one copy of their raw records; both captured in a CUDA graph."""
+    from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
+
+    pin = dev.type == "cuda"
+    rows = []
+    for k in counts:
+        picks = [i % len(records) for i in range(k)]
+        offsets, blob = [], bytearray()
+        for i in picks:
+            offsets.append(len(blob))
+            blob += records[i] + bytes(F.align(len(records[i]), F.STAGING_ALIGN) - len(records[i]))
+        host_c = torch.frombuffer(blob, dtype=torch.uint8)
+        host_r = torch.from_numpy(np.concatenate([raws[i] for i in picks]))
+        if pin:
+            host_c, host_r = host_c.pin_memory(), host_r.pin_memory()
+        staging = torch.empty(len(blob), dtype=torch.uint8, device=dev)
+        raw_dst = torch.empty(host_r.numel(), dtype=torch.uint8, device=dev)
+        work = torch.tensor([[o, j] for j, o in enumerate(offsets)], dtype=torch.int64, device=dev)
+        slots = layout.slot_buffers(k, dev)
+        errors = new_errors(work)
+
+        def copy_expand():
+            staging.copy_(host_c, non_blocking=True)  # noqa: B023
+            decode_into_slots(staging, work, slots, layout, errors, **shape)  # noqa: B023
+
+        ce = _graph_ms(copy_expand, reps, dev)
+        raw_ms = _graph_ms(lambda: raw_dst.copy_(host_r, non_blocking=True), reps, dev)  # noqa: B023
+        for j, i in enumerate(picks):
+            got = np.concatenate(
+                [slots[c.name][j].reshape(-1).view(torch.uint8).cpu().numpy() for c in layout.components]
+            )
+            want = np.concatenate([raws[i][c.offset : c.offset + c.nbytes] for c in layout.components])
+            if errors.sum().item() or not np.array_equal(got, want):
+                raise SystemExit(f"copy+expand of {k} records differs from the original records")
+        rows.append(
+            {
+                "experts": k,
+                "copy_expand_us": round(ce * 1e3, 1),
+                "copy_raw_us": round(raw_ms * 1e3, 1),
+                "copy_expand_vs_raw": round(ce / raw_ms, 3),
+            }
+        )
+    return rows
 
 
 def _graph_ms(fn, reps: int, dev: torch.device) -> float:
@@ -244,7 +324,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="smoke test: run the decode part on CPU tensors (needs TRITON_INTERPRET=1; tiny shapes)",
     )
+    p.add_argument(
+        "--copy-batches",
+        default="1,2,4,8",
+        help="GPU: experts copied and expanded together (a miss round), against their raw copy (comma separated)",
+    )
+    p.add_argument(
+        "--geometries",
+        default=str(F.STANDARD),
+        help=f"chunk geometries (lanes x steps, comma separated); {F.STANDARD} is the pager's",
+    )
     a = p.parse_args(argv)
+    try:
+        geometries = [F.Geometry.parse(g) for g in a.geometries.split(",")]
+    except F.CodecError as e:
+        p.error(str(e))
+    try:
+        counts = [int(k) for k in a.copy_batches.split(",")]
+    except ValueError:
+        p.error("--copy-batches takes integers, comma separated")
+    if any(k < 1 for k in counts):
+        p.error("--copy-batches are >= 1")
     gpu = (torch.cuda.is_available() or a.interpret) and not a.cpu_only
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.interpret else "cpu")
     shapes = S.SHAPES if not a.shape else {s: tuple(int(x) for x in s.split("x")) for s in a.shape}
@@ -269,19 +369,23 @@ def main(argv: list[str] | None = None) -> int:
         layout = S.moe_layout(hidden, inter)
         entry = {"hidden": hidden, "moe_intermediate": inter, "record_bytes": layout.record_bytes, "laws": {}}
         for dist in DISTS:
-            cpu, raws, records = cpu_part(layout, dist, a.experts, a.workers, rng)
-            law = dict(cpu)
-            if gpu:
-                law.update(gpu_part(layout, raws, records, a.batch, a.reps, dev))
-            entry["laws"][dist] = law
-            print(
-                f"{name:20s} {dist:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
-                f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} "
-                f"{law['prepare_112GiB_min']:10.1f} "
-                f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('expand_us', float('nan')):8.1f} "
-                f"{law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}"
-            )
-        head = entry["laws"]["student_t"]  # the headline numbers: Student-t(5) weights
+            raws = [S.expert_record(layout, dist, rng) for _ in range(a.experts)]
+            for geometry in geometries:
+                standard = geometry == F.STANDARD
+                cpu, records = cpu_part(layout, raws, a.workers if standard else 1, geometry)
+                law = dict(cpu, geometry=str(geometry))
+                if gpu:
+                    law.update(gpu_part(layout, raws, records, a.batch, a.reps, dev, geometry, counts))
+                row = dist if standard else f"{dist}@{geometry}"
+                entry["laws"][row] = law
+                print(
+                    f"{name:20s} {row:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
+                    f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} "
+                    f"{law['prepare_112GiB_min']:10.1f} "
+                    f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('expand_us', float('nan')):8.1f} "
+                    f"{law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}"
+                )
+        head = entry["laws"].get("student_t", {})  # the headline numbers: Student-t(5) weights, the pager's geometry
         for key in ("ratio", "entropy_bound_ratio", "gap_pct", "encode_GBps", "decode_GBps"):
             if key in head:
                 entry[key] = head[key]

@@ -29,6 +29,9 @@
 #   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
+#   codec  (the image's torch is enough) scripts/bench_codec.py over chunk geometries 16x128 (the pager's), 64x32 and
+#          128x16: one expert's expansion alone, copy+expand of 1-8 experts against their raw copy, the ratio (would a
+#          compressed RAM tier's miss wait less than a raw one's?), then the codec's GPU tests (every geometry)
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +118,10 @@ for step in "$@"; do
       python3 -m pytest tests/gpu/test_step_kernel_gpu.py -m gpu -q -s -p no:cacheprovider -k costs_less | grep "per layer" ;;
     copy-probe)
       timeout 240 python3 scripts/gpu_copy_path_probe.py --out "$out/copy-path.json" 2>&1 | tail -n 40 ;;
+    codec)
+      timeout 420 python3 scripts/bench_codec.py --geometries 16x128,64x32,128x16 --experts 2 --copy-batches 1,2,4,8 \
+        --out "$out/codec-geometry.json" --note "H200 device machine, graph replay" 2>&1 | tail -n 20
+      timeout 240 python3 -m pytest tests/gpu/test_codec_gpu.py -m gpu -q -rfEs -p no:cacheprovider 2>&1 | tail -n 8 ;;
     ssd-gil)
       timeout 300 python3 scripts/bench_ssd_gil.py --dir /tmp --paths load,mailbox --readers python,native \
         --reads "${SSD_GIL_READS:-150}" --batch "${SSD_GIL_BATCH:-1}" --switch-us 5000,200,50 \

@@ -84,6 +84,33 @@ def test_real_size_records_decode_bit_exact(preset, shape):
     assert untouched(layout, slots, len(raws))
 
 
+@pytest.mark.parametrize("geometry,shape", [("64x32", (2, 4)), ("128x16", (1, 4)), ("128x16", (2, 8))])
+def test_shorter_laned_geometries_decode_bit_exact_in_a_graph(geometry, shape):
+    """bench_codec.py's other geometries at a real size, replayed from a CUDA graph; a STANDARD record is refused."""
+    g = F.Geometry.parse(geometry)
+    layout = S.moe_layout(*S.SHAPES["qwen3.8-flash-next"])
+    rng = np.random.default_rng(4)
+    raws = [S.expert_record(layout, law, rng) for law in ("student_t", "gaussian")]
+    staging, offs = stage([encode_record(r, layout, g) for r in raws] + [encode_record(raws[0], layout)])
+    work = torch.tensor([[offs[0], 1], [offs[1], 0], [offs[2], 2]], dtype=torch.int64, device="cuda")
+    slots = fresh_slots(layout, 3)
+    errors = new_errors(work)
+    kw = dict(chunks_per_program=shape[0], num_warps=shape[1], geometry=g)
+    decode_into_slots(staging, work, slots, layout, errors, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    slots = fresh_slots(layout, 3)
+    errors.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_into_slots(staging, work, slots, layout, errors, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert errors[:2].sum().item() == 0 and errors[2].item() > 0
+    assert np.array_equal(slot_record(layout, slots, 1), raws[0])
+    assert np.array_equal(slot_record(layout, slots, 0), raws[1])
+    assert untouched(layout, slots, 2)
+
+
 def test_odd_lengths_use_byte_stores_and_decode_bit_exact():
     rng = np.random.default_rng(1)
     raws = [S.pattern_record(ODD, p, rng) for p in PATTERNS]

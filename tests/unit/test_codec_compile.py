@@ -26,9 +26,10 @@ from bigmoe_pager.codec import format as F, triton_decode as td
 
 k = td._expand_kernel
 ptrs = {"staging": "*u8", "work": "*i64", "errors": "*i32", "dst0": "*u8", "dst1": "*u8", "dst2": "*u8", "dst3": "*u8"}
+g = F.Geometry.parse(sys.argv[4])
 consts = dict(CODED0=True, CODED1=True, CODED2=False, CODED3=False, ALIGNED0=True, ALIGNED1=True, ALIGNED2=True,
-              ALIGNED3=True, LANES=F.LANES, STEPS=F.LANE_STEPS, CHUNK=F.CHUNK_SYMBOLS, HDR=F.CHUNK_HEADER_BYTES,
-              MAX_TABLES=F.MAX_TABLES, PAD_WORDS=F.STREAM_PAD_WORDS, MAGIC=td._MAGIC_U32, GEOMETRY=td._GEOMETRY_U32,
+              ALIGNED3=True, LANES=g.lanes, STEPS=g.lane_steps, CHUNK=g.chunk_symbols, HDR=g.chunk_header_bytes,
+              MAX_TABLES=F.MAX_TABLES, PAD_WORDS=F.STREAM_PAD_WORDS, MAGIC=td._MAGIC_U32, GEOMETRY=g.word,
               ALIGN=F.STAGING_ALIGN, RAW_STEP=td.RAW_STEP)
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 block, warps, prefetch = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
@@ -48,11 +49,15 @@ print(json.dumps({"rc": r.returncode, "log": r.stderr[-2000:],
 """
 
 
-@pytest.mark.parametrize("block,warps,prefetch", [(8, 4, 1), (8, 4, 0), (4, 2, 1)])  # the default shape, both loops
-def test_decode_kernel_compiles_for_sm90_without_spills_at_full_occupancy(block, warps, prefetch):
+@pytest.mark.parametrize(
+    "block,warps,prefetch,geometry",
+    # the default shape, both loops; then one lane a thread for the shorter-laned geometries of bench_codec.py
+    [(8, 4, 1, "16x128"), (8, 4, 0, "16x128"), (4, 2, 1, "16x128"), (2, 4, 1, "64x32"), (1, 4, 1, "128x16")],
+)
+def test_decode_kernel_compiles_for_sm90_without_spills_at_full_occupancy(block, warps, prefetch, geometry):
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT / "pager")}
     r = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(block), str(warps), str(prefetch)],
+        [sys.executable, "-c", SCRIPT, str(block), str(warps), str(prefetch), geometry],
         env=env,
         capture_output=True,
         text=True,

@@ -30,7 +30,7 @@ def reseal(data: bytearray) -> bytes:
 
 
 def chunk_header_offset(data: bytes, component: int, chunk: int) -> int:
-    return F.unpack_dir(data, component).chunks_offset + chunk * F.CHUNK_HEADER_BYTES
+    return F.unpack_dir(data, component).chunks_offset + chunk * F.STANDARD.chunk_header_bytes
 
 
 @pytest.mark.parametrize("where", [0.05, 0.3, 0.6, 0.99])
@@ -81,7 +81,7 @@ def _set_table(data: bytearray, value: int) -> None:
 def _shift_lane(data: bytearray, value: int) -> None:
     """Move a bit from one lane's length to another's: the chunk total stays, the split is wrong."""
     at = chunk_header_offset(data, 0, 0) + F.CHUNK_HEADER.size
-    deltas = list(data[at : at + F.LANES])
+    deltas = list(data[at : at + F.STANDARD.lanes])
     give = next(i for i, d in enumerate(deltas) if d > 0)
     take = next(i for i, d in enumerate(deltas) if d < 255 and i != give)
     data[at + give] -= 1

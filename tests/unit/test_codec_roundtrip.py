@@ -30,26 +30,77 @@ LAYOUTS = {
 }
 
 
+# The pager's geometry, and the shorter-laned ones bench_codec.py measures (one step per 16 lanes of STANDARD's).
+GEOMETRIES = [F.STANDARD, F.Geometry(64, 32), F.Geometry(128, 16), F.Geometry(32, 4)]
+CHUNK = F.STANDARD.chunk_symbols
+
+
 @pytest.fixture(params=sorted(LAYOUTS))
 def layout(request) -> ExpertLayout:
     return LAYOUTS[request.param]
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
 @pytest.mark.parametrize("pattern", S.PATTERNS)
-def test_round_trip_is_bit_exact(layout, pattern):
+def test_round_trip_is_bit_exact(layout, pattern, geometry):
     raw = S.pattern_record(layout, pattern, np.random.default_rng(S.PATTERNS.index(pattern)))
-    data = encode_record(raw, layout)
+    data = encode_record(raw, layout, geometry)
     assert len(data) <= F.max_record_bytes(layout)
-    assert np.array_equal(decode_record(data, layout), raw)
+    assert F.unpack_header(data).geometry == geometry
+    assert np.array_equal(decode_record(data, layout, geometry), raw)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES[1:], ids=str)
+def test_more_lanes_cost_a_byte_each_per_chunk(geometry):
+    """Same exponents, same tables: a geometry's records differ from STANDARD's by about their chunk headers."""
+    layout = ExpertLayout.build([("w", (16 * CHUNK,), torch.float8_e4m3fn)])
+    raw = S.pattern_record(layout, "student_t", np.random.default_rng(8))
+    standard, other = len(encode_record(raw, layout)), len(encode_record(raw, layout, geometry))
+    headers = layout.record_bytes // geometry.chunk_symbols * geometry.chunk_header_bytes
+    standard_headers = layout.record_bytes // CHUNK * F.STANDARD.chunk_header_bytes
+    assert abs(other - standard - (headers - standard_headers)) <= 0.01 * standard
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [("12x128", "lanes per chunk"), ("16x3", "steps per lane"), ("256x128", "lanes"), ("128x128", "symbols a chunk")],
+)
+def test_geometries_the_kernel_cannot_run_are_refused(text, why):
+    with pytest.raises(F.CodecError, match=why):
+        F.Geometry.parse(text)
+
+
+def raw_of(layout: ExpertLayout) -> np.ndarray:
+    return S.pattern_record(layout, "gaussian", np.random.default_rng(0))
+
+
+LANES_AT, BITS_AT = 26, 27  # header bytes (HEADER: ... chunk symbols u16 at 24, lanes u8, max code bits u8)
+
+
+@pytest.mark.parametrize(
+    "at,value,why",
+    [(LANES_AT, 12, "not one this build reads"), (BITS_AT, 7, "not one this build reads"), (LANES_AT, 32, "expected")],
+)
+def test_a_header_naming_another_geometry_is_refused(at, value, why):
+    """One this build cannot read; or a readable one other than the decoder expects (the crc32 does not cover
+    the header, so a decoder never takes a record's word for its geometry)."""
+    layout = ExpertLayout.build([("w", (2 * CHUNK,), torch.float8_e4m3fn)])
+    data = bytearray(encode_record(raw_of(layout), layout))
+    assert F.unpack_dir(data, 0).kind == F.KIND_FP8
+    data[at] = value
+    with pytest.raises(F.CodecError, match=why):
+        decode_record(bytes(data), layout)
+    with pytest.raises(F.CodecError, match="geometry"):
+        decode_record(encode_record(raw_of(layout), layout, F.Geometry(64, 32)), layout)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_mixed_chunks_round_trip(seed):
     """Chunks of different kinds side by side in one component (tables chosen per chunk)."""
     rng = np.random.default_rng(seed)
-    layout = ExpertLayout.build([("w", (6 * F.CHUNK_SYMBOLS - 5,), torch.float8_e4m3fn)])
+    layout = ExpertLayout.build([("w", (6 * CHUNK - 5,), torch.float8_e4m3fn)])
     kinds = rng.choice(S.PATTERNS, 6)
-    data = np.concatenate([S.pattern_bytes(k, F.CHUNK_SYMBOLS, rng) for k in kinds])[: layout.record_bytes]
+    data = np.concatenate([S.pattern_bytes(k, CHUNK, rng) for k in kinds])[: layout.record_bytes]
     assert np.array_equal(decode_record(encode_record(data, layout), layout), data)
 
 
@@ -57,7 +108,7 @@ def test_random_mixed_chunks_round_trip(seed):
     "pattern,most", [("constant", 0.52), ("skewed", 0.66), ("student_t", 0.87), ("random", 1.02), ("uniform_exp", 1.02)]
 )
 def test_sizes_follow_the_exponent_entropy(pattern, most):
-    layout = ExpertLayout.build([("w", (4 * F.CHUNK_SYMBOLS,), torch.float8_e4m3fn)])
+    layout = ExpertLayout.build([("w", (4 * CHUNK,), torch.float8_e4m3fn)])
     raw = S.pattern_record(layout, pattern, np.random.default_rng(3))
     assert len(encode_record(raw, layout)) / layout.record_bytes <= most
 
@@ -71,14 +122,15 @@ def test_components_that_would_not_shrink_are_stored_raw(layout, pattern):
     assert len(data) <= F.max_record_bytes(layout) <= layout.record_bytes + 64 + 32 * len(layout.components)
 
 
+@pytest.mark.parametrize("geometry", [F.STANDARD, F.Geometry(128, 16)], ids=str)
 @pytest.mark.parametrize("pattern", ["random", "uniform_exp"])
-def test_chunks_that_would_not_shrink_are_flagged_verbatim(pattern):
-    data = S.pattern_bytes(pattern, 3 * F.CHUNK_SYMBOLS, np.random.default_rng(5))
-    coded = encode_component(data)
-    headers = np.frombuffer(coded.chunks, F.CHUNK_DTYPE)
+def test_chunks_that_would_not_shrink_are_flagged_verbatim(pattern, geometry):
+    data = S.pattern_bytes(pattern, 3 * geometry.chunk_symbols, np.random.default_rng(5))
+    coded = encode_component(data, geometry)
+    headers = np.frombuffer(coded.chunks, geometry.chunk_dtype)
     assert coded.verbatim_chunks == 3
     assert (headers["flags"] == F.FLAG_VERBATIM).all()
-    assert coded.stream.size == 3 * F.CHUNK_SYMBOLS * F.VERBATIM_BITS // 32
+    assert coded.stream.size == 3 * geometry.chunk_symbols * F.VERBATIM_BITS // 32
 
 
 def test_real_expert_reaches_the_ratio_target():
@@ -112,8 +164,8 @@ def test_encode_many_keeps_order_across_processes():
     layout = LAYOUTS["moe_small"]
     rng = np.random.default_rng(2)
     raws = [S.pattern_record(layout, p, rng) for p in ("gaussian", "random", "constant")]
-    out = list(encode_many(iter(raws), layout, workers=2))
-    assert out == [encode_record(r, layout) for r in raws]
+    out = list(encode_many(iter(raws), layout, workers=2, geometry=F.Geometry(64, 32)))
+    assert out == [encode_record(r, layout, F.Geometry(64, 32)) for r in raws]
 
 
 def test_pitch_covers_the_largest_record():

@@ -37,7 +37,7 @@ FILL = 0xA5  # slot bytes before decoding
 def mosaic_record(rng: np.random.Generator) -> np.ndarray:
     raw = S.pattern_record(LAYOUT, "gaussian", rng)
     a = LAYOUT["a"]
-    parts = np.concatenate([S.pattern_bytes(p, F.CHUNK_SYMBOLS, rng) for p in MOSAIC])
+    parts = np.concatenate([S.pattern_bytes(p, F.STANDARD.chunk_symbols, rng) for p in MOSAIC])
     raw[a.offset : a.offset + a.nbytes] = parts[: a.nbytes]
     c = LAYOUT["c"]
     raw[c.offset : c.offset + c.nbytes] = rng.integers(0, 256, c.nbytes, dtype=np.uint8)
@@ -49,7 +49,7 @@ def malformed(record: bytes) -> bytes:
     data = bytearray(record)
     struct.pack_into("<I", data, F.directory_offset(0) + 16, len(data))
     at = F.unpack_dir(data, 2).chunks_offset + F.CHUNK_HEADER.size
-    deltas = list(data[at : at + F.LANES])
+    deltas = list(data[at : at + F.STANDARD.lanes])
     give = next(i for i, d in enumerate(deltas) if d > 0)
     take = next(i for i, d in enumerate(deltas) if d < 255 and i != give)
     data[at + give] -= 1
@@ -116,7 +116,8 @@ def test_the_mosaic_covers_every_storage_kind():
     kinds = [F.unpack_dir(data, i).kind for i in range(len(LAYOUT.components))]
     assert kinds == [F.KIND_FP8, F.KIND_RAW, F.KIND_FP8, F.KIND_RAW]
     a = F.unpack_dir(data, 0)
-    headers = np.frombuffer(data[a.chunks_offset : a.chunks_offset + 5 * F.CHUNK_HEADER_BYTES], F.CHUNK_DTYPE)
+    g = F.STANDARD
+    headers = np.frombuffer(data[a.chunks_offset : a.chunks_offset + 5 * g.chunk_header_bytes], g.chunk_dtype)
     assert headers["flags"][0] == F.FLAG_VERBATIM and a.tables >= 2
 
 
@@ -158,3 +159,20 @@ def test_mismatched_tensors_are_refused(change, message):
     change(args)
     with pytest.raises(DecodeError, match=message):
         decode_into_slots(torch.zeros(64, dtype=torch.uint8), args["work"], args["slots"], LAYOUT, args["errors"])
+
+
+@pytest.mark.parametrize("geometry", [F.Geometry(64, 32), F.Geometry(128, 16)], ids=str)
+def test_a_kernel_built_for_another_geometry_decodes_its_records_and_refuses_others(geometry):
+    """bench_codec.py's shorter-laned geometries: same bytes out; a STANDARD record fails the header check."""
+    raw = mosaic_record(np.random.default_rng(9))
+    staging, offs = stage([encode_record(raw, LAYOUT, geometry), encode_record(raw, LAYOUT)])
+    work = torch.tensor([[offs[0], 0], [offs[1], 1]], dtype=torch.int64)
+    slots = LAYOUT.slot_buffers(2, "cpu")
+    for t in slots.values():
+        t.view(torch.uint8).fill_(FILL)
+    errors = new_errors(work)
+    decode_into_slots(staging, work, slots, LAYOUT, errors, geometry=geometry, chunks_per_program=1)
+    assert errors[0] == 0
+    assert np.array_equal(slot_record(slots, 0), raw)
+    assert errors[1] > 0
+    assert untouched(slots, 1)

@@ -21,15 +21,13 @@ from . import format as F
 from .huffman import SYMBOLS, CodeTable, verbatim_table
 from .tables import choose_tables
 
-_IDENTITY_WORDS = F.CHUNK_SYMBOLS * F.VERBATIM_BITS // 32  # stream words of a verbatim chunk
-
 
 @dataclass(frozen=True)
 class CodedComponent:
     """The sections of one coded component, ready to be placed in a record."""
 
     chunks: bytes
-    """Chunk headers, CHUNK_HEADER_BYTES each."""
+    """Chunk headers, geometry.chunk_header_bytes each."""
     luts: bytes
     """LUT_ENTRIES bytes per table."""
     nibbles: bytes
@@ -46,15 +44,16 @@ class CodedComponent:
         return F.align(len(self.chunks)) + len(self.luts) + F.align(len(self.nibbles)) + F.align(stream)
 
 
-def encode_record(raw: np.ndarray, layout: ExpertLayout) -> bytes:
-    """Compress one expert record (uint8, layout.record_bytes long, or a whole pitch with zero padding)."""
+def encode_record(raw: np.ndarray, layout: ExpertLayout, geometry: F.Geometry = F.STANDARD) -> bytes:
+    """Compress one expert record (uint8, layout.record_bytes long, or a whole pitch with zero padding); its
+    chunks cut into lanes by `geometry` (what the pager writes and reads: STANDARD)."""
     raw = _check_raw(raw, layout)
     sections: list[tuple[F.DirEntry, list[bytes]]] = []
     offset = F.directory_offset(len(layout.components))
     for comp in layout.components:
         data = raw[comp.offset : comp.offset + comp.nbytes]
         offset = F.align(offset)
-        coded = encode_component(data) if F.is_coded(comp) else None
+        coded = encode_component(data, geometry) if F.is_coded(comp) else None
         if coded is None or coded.nbytes >= F.align(comp.nbytes):  # not FP8, or coding would not shrink it
             sections.append((F.DirEntry(F.KIND_RAW, 0, offset, 0, 0, 0, 0), [data.tobytes()]))
             offset += F.align(comp.nbytes)
@@ -87,41 +86,43 @@ def encode_record(raw: np.ndarray, layout: ExpertLayout) -> bytes:
         layout.record_bytes,
         total,
         zlib.crc32(memoryview(out)[F.HEADER.size :]),
+        geometry,
     )
     out[: F.HEADER.size] = F.pack_header(header)
     return bytes(out)
 
 
-def encode_component(data: np.ndarray) -> CodedComponent:
+def encode_component(data: np.ndarray, geometry: F.Geometry = F.STANDARD) -> CodedComponent:
     """Code the exponents of one FP8 component's bytes (uint8 [n]), chunk by chunk."""
-    n = data.size
-    chunks = F.chunks_of(n)
-    exps = np.empty(chunks * F.CHUNK_SYMBOLS, np.uint8)
+    n, g = data.size, geometry
+    chunks = g.chunks_of(n)
+    identity_words = g.chunk_symbols * F.VERBATIM_BITS // 32  # stream words of a verbatim chunk
+    exps = np.empty(chunks * g.chunk_symbols, np.uint8)
     np.right_shift(data, 3, out=exps[:n])
     exps[:n] &= 0xF
     if n < exps.size:  # the last chunk's tail repeats its commonest exponent: cheapest to code, never stored
-        exps[n:] = np.argmax(np.bincount(exps[(chunks - 1) * F.CHUNK_SYMBOLS : n], minlength=SYMBOLS))
+        exps[n:] = np.argmax(np.bincount(exps[(chunks - 1) * g.chunk_symbols : n], minlength=SYMBOLS))
     pairs = _pairs(exps)
     hist = _histograms(pairs, chunks)
     tables, assign, _ = choose_tables(hist)
     # The 4 symbols of a lane step are adjacent: one big-endian u16 of two pairs, a "quad".
-    quads = np.ascontiguousarray(pairs.view(">u2").reshape(chunks, F.LANE_STEPS, F.LANES).transpose(0, 2, 1))
+    quads = np.ascontiguousarray(pairs.view(">u2").reshape(chunks, g.lane_steps, g.lanes).transpose(0, 2, 1))
     code, length = _quad_codes(quads, tables, assign)
     lane_bits = length.sum(axis=2, dtype=np.int32)
     words = (lane_bits.sum(axis=1) + 31) // 32
     spread = lane_bits.max(axis=1) - lane_bits.min(axis=1)
-    verbatim = (words >= _IDENTITY_WORDS) | (spread > F.MAX_LANE_DELTA)
+    verbatim = (words >= identity_words) | (spread > F.MAX_LANE_DELTA)
     if verbatim.any():
         tables = tables + [verbatim_table()]
         assign = np.where(verbatim, len(tables) - 1, assign)
         code[verbatim] = quads[verbatim]  # the identity code of a quad is the quad
         length[verbatim] = F.STEP_SYMBOLS * F.VERBATIM_BITS
-        lane_bits[verbatim] = F.LANE_SYMBOLS * F.VERBATIM_BITS
-        words[verbatim] = _IDENTITY_WORDS
+        lane_bits[verbatim] = g.lane_symbols * F.VERBATIM_BITS
+        words[verbatim] = identity_words
     tables, assign = _drop_unused(tables, assign)
     word_offset = np.concatenate([[0], np.cumsum(words)[:-1]])
     stream = _pack_bits(code, length, lane_bits, word_offset, int(words.sum()))
-    headers = np.zeros(chunks, F.CHUNK_DTYPE)
+    headers = np.zeros(chunks, g.chunk_dtype)
     headers["word_offset"] = word_offset
     headers["table"] = assign
     headers["flags"] = np.where(verbatim, F.FLAG_VERBATIM, 0)
@@ -137,7 +138,9 @@ def encode_component(data: np.ndarray) -> CodedComponent:
     )
 
 
-def encode_many(raws: Iterable[np.ndarray], layout: ExpertLayout, workers: int | None = None) -> Iterator[bytes]:
+def encode_many(
+    raws: Iterable[np.ndarray], layout: ExpertLayout, workers: int | None = None, geometry: F.Geometry = F.STANDARD
+) -> Iterator[bytes]:
     """encode_record over many records, in order, on `workers` processes (default: every CPU).
 
     Workers are spawned, not forked: the caller may hold threads or a CUDA context.
@@ -145,10 +148,10 @@ def encode_many(raws: Iterable[np.ndarray], layout: ExpertLayout, workers: int |
     workers = workers or os.cpu_count() or 1
     if workers == 1:
         for raw in raws:
-            yield encode_record(raw, layout)
+            yield encode_record(raw, layout, geometry)
         return
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield from pool.map(encode_record, raws, _repeat(layout), chunksize=1)
+        yield from pool.map(encode_record, raws, _repeat(layout), _repeat(geometry), chunksize=1)
 
 
 def _repeat(x):
@@ -193,7 +196,7 @@ def _histograms(pairs: np.ndarray, chunks: int) -> np.ndarray:
 
 
 def _quad_codes(quads: np.ndarray, tables: list[CodeTable], assign: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(code, bits) of each lane step's quad under its chunk's table: uint32 / uint8 [chunks, LANES, LANE_STEPS]."""
+    """(code, bits) of each lane step's quad under its chunk's table: uint32 / uint8 [chunks, lanes, lane_steps]."""
     codes, lengths = zip(*(_quad_table(t) for t in tables))
     idx = assign.astype(np.int64)[:, None, None] * 65536 + quads
     return np.concatenate(codes)[idx], np.concatenate(lengths)[idx]

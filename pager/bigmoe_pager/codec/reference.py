@@ -18,10 +18,15 @@ from .huffman import verbatim_table
 _VERBATIM_LUT = verbatim_table().lut
 
 
-def verify_record(data: bytes | memoryview | np.ndarray, layout: ExpertLayout) -> F.Header:
-    """The header of a record that belongs to `layout` and whose payload matches its crc32; else CodecError."""
+def verify_record(
+    data: bytes | memoryview | np.ndarray, layout: ExpertLayout, geometry: F.Geometry = F.STANDARD
+) -> F.Header:
+    """The header of a record that belongs to `layout`, is cut by `geometry` and whose payload matches its crc32;
+    else CodecError. (The crc32 does not cover the header: a geometry other than the expected one is refused.)"""
     buf = _bytes(data)
     h = F.unpack_header(buf)
+    if h.geometry != geometry:
+        raise F.CodecError(f"record geometry {h.geometry} differs from the expected {geometry} (lanes x steps)")
     if (
         h.layout_crc != F.layout_crc(layout)
         or h.components != len(layout.components)
@@ -38,10 +43,12 @@ def verify_record(data: bytes | memoryview | np.ndarray, layout: ExpertLayout) -
     return h
 
 
-def decode_record(data: bytes | memoryview | np.ndarray, layout: ExpertLayout) -> np.ndarray:
-    """The expert record (uint8 [layout.record_bytes], padding zero) a compressed record holds."""
+def decode_record(
+    data: bytes | memoryview | np.ndarray, layout: ExpertLayout, geometry: F.Geometry = F.STANDARD
+) -> np.ndarray:
+    """The expert record (uint8 [layout.record_bytes], padding zero) a compressed record of `geometry` holds."""
     buf = _bytes(data)
-    verify_record(buf, layout)
+    verify_record(buf, layout, geometry)
     out = np.zeros(layout.record_bytes, np.uint8)
     for i, comp in enumerate(layout.components):
         entry = F.unpack_dir(buf, i)
@@ -51,29 +58,35 @@ def decode_record(data: bytes | memoryview | np.ndarray, layout: ExpertLayout) -
         if entry.kind == F.KIND_RAW:
             out[comp.offset : comp.offset + comp.nbytes] = _section(buf, entry.chunks_offset, comp.nbytes, comp.name)
         else:
-            out[comp.offset : comp.offset + comp.nbytes] = decode_component(buf, entry, comp.nbytes, comp.name)
+            coded = decode_component(buf, entry, comp.nbytes, comp.name, geometry)
+            out[comp.offset : comp.offset + comp.nbytes] = coded
     return out
 
 
-def decode_component(buf: np.ndarray, entry: F.DirEntry, nbytes: int, name: str = "component") -> np.ndarray:
-    """The bytes of one coded component (uint8 [nbytes])."""
-    chunks = F.chunks_of(nbytes)
-    headers = np.frombuffer(_section(buf, entry.chunks_offset, chunks * F.CHUNK_HEADER_BYTES, name), F.CHUNK_DTYPE)
+def decode_component(
+    buf: np.ndarray, entry: F.DirEntry, nbytes: int, name: str = "component", geometry: F.Geometry = F.STANDARD
+) -> np.ndarray:
+    """The bytes of one coded component (uint8 [nbytes]) whose chunks are cut by `geometry` (the record header's)."""
+    g = geometry
+    chunks = g.chunks_of(nbytes)
+    headers = np.frombuffer(_section(buf, entry.chunks_offset, chunks * g.chunk_header_bytes, name), g.chunk_dtype)
     if not 1 <= entry.tables <= F.MAX_TABLES:
         raise F.CodecError(f"{name}: {entry.tables} code tables (1..{F.MAX_TABLES} allowed)")
     luts = _section(buf, entry.luts_offset, entry.tables * F.LUT_ENTRIES, name).reshape(entry.tables, F.LUT_ENTRIES)
     nibbles = _section(buf, entry.nibbles_offset, F.nibble_bytes(nbytes), name)
     stream_bytes = 4 * (entry.stream_words + F.STREAM_PAD_WORDS)
     words = _section(buf, entry.stream_offset, stream_bytes, name).view("<u4")
-    lane_bits, lane_start = _check_chunks(headers, luts, entry, name)
-    exps = _decode_lanes(words.byteswap().view(np.uint8), luts, headers, lane_start, lane_bits, name)
+    lane_bits, lane_start = _check_chunks(headers, luts, entry, name, g)
+    exps = _decode_lanes(words.byteswap().view(np.uint8), luts, headers, lane_start, lane_bits, name, g)
     nib = np.empty(2 * nibbles.size, np.uint8)
     nib[0::2], nib[1::2] = nibbles & 0xF, nibbles >> 4
     nib = nib[:nbytes]
     return ((nib & 0x8) << 4) | (exps[:nbytes] << 3) | (nib & 0x7)
 
 
-def _check_chunks(headers: np.ndarray, luts: np.ndarray, entry: F.DirEntry, name: str) -> tuple[np.ndarray, np.ndarray]:
+def _check_chunks(
+    headers: np.ndarray, luts: np.ndarray, entry: F.DirEntry, name: str, g: F.Geometry
+) -> tuple[np.ndarray, np.ndarray]:
     """(bits per lane, first bit of each lane) after checking tables, verbatim flags and the stream partition."""
     table = headers["table"].astype(np.int64)
     if (table >= entry.tables).any():
@@ -84,8 +97,8 @@ def _check_chunks(headers: np.ndarray, luts: np.ndarray, entry: F.DirEntry, name
     if verbatim.any() and not (luts[table[verbatim]] == _VERBATIM_LUT).all():
         raise F.CodecError(f"{name}: a verbatim chunk's table is not the 4-bit identity code")
     lane_bits = headers["base_bits"].astype(np.int64)[:, None] + headers["delta"]
-    if verbatim.any() and not (lane_bits[verbatim] == F.LANE_SYMBOLS * F.VERBATIM_BITS).all():
-        raise F.CodecError(f"{name}: a verbatim chunk's lanes are not {F.LANE_SYMBOLS * F.VERBATIM_BITS} bits each")
+    if verbatim.any() and not (lane_bits[verbatim] == g.lane_symbols * F.VERBATIM_BITS).all():
+        raise F.CodecError(f"{name}: a verbatim chunk's lanes are not {g.lane_symbols * F.VERBATIM_BITS} bits each")
     words = (lane_bits.sum(axis=1) + 31) // 32
     offsets = headers["word_offset"].astype(np.int64)
     expected = np.concatenate([[0], np.cumsum(words)[:-1]])
@@ -96,18 +109,24 @@ def _check_chunks(headers: np.ndarray, luts: np.ndarray, entry: F.DirEntry, name
 
 
 def _decode_lanes(
-    stream: np.ndarray, luts: np.ndarray, headers: np.ndarray, lane_start: np.ndarray, lane_bits: np.ndarray, name: str
+    stream: np.ndarray,
+    luts: np.ndarray,
+    headers: np.ndarray,
+    lane_start: np.ndarray,
+    lane_bits: np.ndarray,
+    name: str,
+    g: F.Geometry,
 ) -> np.ndarray:
     """Exponents of every chunk in component order, from the stream bytes (most significant bit first)."""
     chunks = headers.size
     lut = luts[headers["table"].astype(np.int64)][:, None, :]  # [chunks, 1, 256]
-    lut = np.broadcast_to(lut, (chunks, F.LANES, F.LUT_ENTRIES)).reshape(-1, F.LUT_ENTRIES)
+    lut = np.broadcast_to(lut, (chunks, g.lanes, F.LUT_ENTRIES)).reshape(-1, F.LUT_ENTRIES)
     rows = np.arange(lut.shape[0])
     pos = lane_start.reshape(-1).copy()
     wide = np.concatenate([stream, np.zeros(2, np.uint8)]).astype(np.uint32)
-    out = np.empty((chunks * F.LANES, F.LANE_SYMBOLS), np.uint8)
+    out = np.empty((chunks * g.lanes, g.lane_symbols), np.uint8)
     last = wide.size - 3  # a malformed lane may run off the stream: clamp, then fail the length check below
-    for i in range(F.LANE_SYMBOLS):
+    for i in range(g.lane_symbols):
         byte = np.minimum(pos >> 3, last)
         window = (wide[byte] << 16) | (wide[byte + 1] << 8) | wide[byte + 2]  # 24 bits from `byte`
         peek = (window >> (16 - (pos & 7))) & 0xFF
@@ -116,8 +135,8 @@ def _decode_lanes(
         pos += entry >> 4
     if not (pos == lane_start.reshape(-1) + lane_bits.reshape(-1)).all():
         raise F.CodecError(f"{name}: a lane's codes do not end where its length says: malformed stream")
-    # out[chunk*LANES + lane, step*4 + t] holds symbol (step*LANES + lane)*4 + t of the chunk.
-    lanes = out.reshape(chunks, F.LANES, F.LANE_STEPS, F.STEP_SYMBOLS)
+    # out[chunk*lanes + lane, step*4 + t] holds symbol (step*lanes + lane)*4 + t of the chunk.
+    lanes = out.reshape(chunks, g.lanes, g.lane_steps, F.STEP_SYMBOLS)
     return lanes.transpose(0, 2, 1, 3).reshape(-1)
 
 

@@ -49,7 +49,6 @@ RAW_STEP = 256  # bytes per iteration of a raw copy (wider costs registers the d
 MAX_COMPONENTS = 4  # components one launch covers; larger layouts launch in groups
 
 _MAGIC_U32 = int.from_bytes(F.MAGIC, "little")
-_GEOMETRY_U32 = F.CHUNK_SYMBOLS | F.LANES << 16 | F.MAX_CODE_BITS << 24
 
 
 class DecodeError(ValueError):
@@ -111,6 +110,7 @@ def decode_into_slots(
     chunks_per_program: int = CHUNKS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
     prefetch: bool = PREFETCH,
+    geometry: F.Geometry = F.STANDARD,
 ) -> None:
     """For each m with work[m, 1] >= 0: decode the record at staging[work[m, 0]:] into slot work[m, 1].
 
@@ -119,11 +119,12 @@ def decode_into_slots(
     incremented for every record that fails a check (its slot is then garbage).
     Asynchronous on CUDA; capturable in a CUDA graph. prefetch: load each lane's next stream word and
     nibbles a step ahead (same output; a kernel-shape choice like chunks_per_program and num_warps).
+    geometry: the records' chunk geometry (the kernel is built for one; a record of another fails its checks).
     """
     _check(staging, work, slot_buffers, layout, errors)
     plan = decode_plan(layout)
     launch = kernel_for(_expand_kernel, staging.device)
-    span = chunks_per_program * F.CHUNK_SYMBOLS  # bytes of a component one program covers
+    span = chunks_per_program * geometry.chunk_symbols  # bytes of a component one program covers
     comps = list(plan.components)
     for start in range(0, len(comps), MAX_COMPONENTS):
         group = comps[start : start + MAX_COMPONENTS]
@@ -153,14 +154,14 @@ def decode_into_slots(
             *coded,
             *aligned,
             BLOCK=chunks_per_program,
-            LANES=F.LANES,
-            STEPS=F.LANE_STEPS,
-            CHUNK=F.CHUNK_SYMBOLS,
-            HDR=F.CHUNK_HEADER_BYTES,
+            LANES=geometry.lanes,
+            STEPS=geometry.lane_steps,
+            CHUNK=geometry.chunk_symbols,
+            HDR=geometry.chunk_header_bytes,
             MAX_TABLES=F.MAX_TABLES,
             PAD_WORDS=F.STREAM_PAD_WORDS,
             MAGIC=_MAGIC_U32,
-            GEOMETRY=_GEOMETRY_U32,
+            GEOMETRY=geometry.word,
             ALIGN=F.STAGING_ALIGN,
             RAW_STEP=RAW_STEP,
             PREFETCH=prefetch,
