@@ -337,3 +337,42 @@ def test_counters_and_failure_outlive_close(ckpt, tmp_path):
     assert svc.stats()["layers"][1]["reads"] == 2
     with pytest.raises(SsdError, match="bad request"):
         svc.check()
+
+
+STOP_RUN = r"""
+import sys, torch
+from bigmoe_bench import synth_experts
+from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.ssd_service import SsdService
+root, hidden, inter, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
+layout = synth_experts.make_layout(hidden, inter, True)
+with CheckpointStore(root, layout, model_layers=[first]) as store:  # one layer: its slot count sits past the chunk's
+    # first 8 bytes, where a freed chunk keeps its free-list pointer
+    for cycle in range(int(sys.argv[4])):
+        bufs = [torch.zeros(4, layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
+        svc = SsdService(store, bufs, mailbox=True, max_requests=4, reader="native")
+        assert svc.native, svc.reader_note
+        svc.load(cycle % store.num_layers, [cycle % store.num_experts], [cycle % 4])
+        svc.close()
+print("stopped", sys.argv[4])
+"""
+
+
+def test_stopping_frees_nothing_it_still_reads(ckpt):
+    """Start, read and stop the C threads again and again in a child whose freed memory glibc fills with 0x5a bytes
+    (MALLOC_PERTURB_, the per-thread cache off so that every free is filled): session 36's reader destroyed its slot
+    locks by a count read from memory it had just freed, a crash at close one run in three."""
+    import subprocess
+    import sys
+
+    shape = (SHAPES["fp8"]["hidden"], SHAPES["fp8"]["intermediate"])
+    env = {
+        **os.environ,
+        "MALLOC_PERTURB_": "90",
+        "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
+    argv = [sys.executable, "-c", STOP_RUN, str(ckpt.root), *map(str, shape), "12", str(ckpt.first_layer)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.split() == ["stopped", "12"]

@@ -320,15 +320,15 @@ static void *copy_of(const int64_t *src, int64_t words) {
 }
 
 static void release(reader *r) {
+    if (r->slot_mu) { /* before slot_base, which counts them (slot_mu exists only once slot_base is filled) */
+        for (int64_t s = 0; s < r->slot_base[r->nlayers]; s++) pthread_mutex_destroy(&r->slot_mu[s]);
+        free(r->slot_mu);
+    }
     free(r->key_reads); free(r->reads); free(r->key_pieces); free(r->pieces); free(r->record_bytes); free(r->crc);
     free(r->zeros); free(r->files); free(r->layers); free(r->jobs); free(r->handled); free(r->owner);
     free(r->owner_seq); free(r->slot_base); free(r->queue); free(r->workers); free(r->counters);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->more);
-    if (r->slot_mu) {
-        for (int64_t s = 0; s < r->slot_base[r->nlayers]; s++) pthread_mutex_destroy(&r->slot_mu[s]);
-        free(r->slot_mu);
-    }
     free(r);
 }
 
