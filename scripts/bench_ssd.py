@@ -8,6 +8,9 @@ expert in random order, for each worker count:
 - `load`: SsdService.load() into RAM slots (staging buffer, checks, slot copy): the host-driven path;
 - `gpu`: (CUDA only) SsdService.request() from device tensors through the pinned mailbox, synced per batch.
 
+--piece-kib repeats every row with each expert's read cut into pieces of that many KiB read at once
+(odirect.ReadSplit, BIGMOE_READ_PIECE_KIB; 0 = whole reads): with one worker, a piece count is the disk's queue depth.
+
     PYTHONPATH=pager:app:bench python scripts/bench_ssd.py --dir /tmp --gb 1.5 --out $OUT/bench_ssd.json
 """
 
@@ -26,7 +29,7 @@ import torch
 from bigmoe_bench import synth_experts
 from bigmoe_bench.disk_reads import read_records
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
-from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
+from bigmoe_pager.core.odirect import ReadSplit, odirect_works  # noqa: E402
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 
@@ -45,9 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", type=float, default=1.5, help="size of the synthetic expert checkpoint, GB")
     p.add_argument("--workers", default="1,2,4,8,16", help="comma list of I/O worker counts")
     p.add_argument("--modes", default="store,load,gpu", help="comma list of store, load, gpu")
+    p.add_argument("--piece-kib", default="0", help="comma list of read piece sizes in KiB (0: whole reads)")
     p.add_argument("--keep", action="store_true", help="keep the test files (DIR/bigmoe-bench-ssd) for the next run")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
+    try:
+        pieces = [int(x) for x in a.piece_kib.split(",")]
+        if not pieces or min(pieces) < 0 or any(0 < x < 4 for x in pieces):
+            raise ValueError
+    except ValueError:
+        p.error(f"--piece-kib {a.piece_kib!r}: a comma list of 0 (whole reads) or sizes >= 4 (KiB)")
 
     a.dir, why, refused = _pick_dir(a.dir.split(","))
     if a.dir is None:
@@ -69,14 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     for source in ("checkpoint", "paging-file"):
         for workers in (int(w) for w in a.workers.split(",")):
             for mode in modes:
-                store = _open(source, ckpt_dir, pf_path, layout, layers, experts)
-                with store:
-                    results.append(_measure(mode, source, store, workers))
-                r = results[-1]
-                print(
-                    f"{source:12s} {mode:6s} workers={workers:3d}  {r['gbps']:6.2f} GB/s  "
-                    f"({r['experts']} experts, {r['seconds']:.2f} s)"
-                )
+                for piece in pieces:
+                    split = ReadSplit(piece * 1024, threads=3 * workers) if piece else None
+                    with _open(source, ckpt_dir, pf_path, layout, layers, experts, split) as store:
+                        results.append(_measure(mode, source, store, workers) | {"piece_kib": piece})
+                    if split is not None:
+                        split.close()
+                    r = results[-1]
+                    print(
+                        f"{source:12s} {mode:6s} workers={workers:3d} pieces={piece:5d} KiB  {r['gbps']:6.2f} GB/s  "
+                        f"({r['experts']} experts, {r['seconds']:.2f} s)"
+                    )
 
     report = {
         "script": "scripts/bench_ssd.py",
@@ -154,10 +167,11 @@ def _meta(layout, layers: int, experts: int) -> PagingFileMeta:
     return PagingFileMeta("bench/synthetic", "0", layout.signature(), layers, experts)
 
 
-def _open(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int):
+def _open(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int, split=None):
+    """The store of `source` (checkpoint or paging file); split: an odirect.ReadSplit its large reads go through."""
     if source == "checkpoint":
-        return CheckpointStore(ckpt_dir, layout)
-    return PagingFileStore(pf_path, layout, _meta(layout, layers, experts))
+        return CheckpointStore(ckpt_dir, layout, split=split)
+    return PagingFileStore(pf_path, layout, _meta(layout, layers, experts), split=split)
 
 
 def _keys(store, seed: int = 0) -> list[tuple[int, int]]:
@@ -206,12 +220,13 @@ def _service_reads(store, keys: list[tuple[int, int]], workers: int, gpu: bool) 
 
 def _table(results: list[dict]) -> None:
     workers = sorted({r["workers"] for r in results})
-    rows = sorted({(r["source"], r["mode"]) for r in results})
+    rows = sorted({(r["source"], r["mode"], r.get("piece_kib", 0)) for r in results})
     print("\nGB/s by I/O workers")
-    print(f"{'source':12s} {'mode':6s} " + " ".join(f"{w:>6d}" for w in workers))
-    for source, mode in rows:
-        cells = {r["workers"]: r["gbps"] for r in results if (r["source"], r["mode"]) == (source, mode)}
-        print(f"{source:12s} {mode:6s} " + " ".join(f"{cells.get(w, float('nan')):6.2f}" for w in workers))
+    print(f"{'source':12s} {'mode':6s} {'pieces':>6s} " + " ".join(f"{w:>6d}" for w in workers))
+    for source, mode, piece in rows:
+        key = (source, mode, piece)
+        cells = {r["workers"]: r["gbps"] for r in results if (r["source"], r["mode"], r.get("piece_kib", 0)) == key}
+        print(f"{source:12s} {mode:6s} {piece:6d} " + " ".join(f"{cells.get(w, float('nan')):6.2f}" for w in workers))
 
 
 if __name__ == "__main__":

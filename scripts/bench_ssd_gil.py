@@ -9,7 +9,8 @@ thread beside it, for each interval, by either way in (--paths):
 - `mailbox`: the GPU's path, `SsdService.request` on a CUDA stream, then a sync: the request kernel publishes the
   read in the pinned mailbox and spins until the host's poller and workers answer (CUDA only; needs no vLLM).
 and by either reader (--readers): `python`, the service's Python poller and workers, or `native`, its C threads
-(ssd_reader.c; `load` then goes through the mailbox's host entries).
+(ssd_reader.c; `load` then goes through the mailbox's host entries). --piece-kib: the Python reader's reads cut
+into pieces of that many KiB read at once (BIGMOE_READ_PIECE_KIB; 0 = whole reads; the C threads read whole).
 What it shows is whether a busy host thread adds whole milliseconds a read, how much a shorter interval takes
 back, and whether the C threads leave the GIL off the read's path; not how busy vLLM's own host thread keeps the
 GIL (gpu_vllm_bench.py's `+switchN` measures that).
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 from bench_ssd import SHAPES, _open, _pick_dir, _prepare
 from bigmoe_bench import synth_experts
+from bigmoe_pager.core.odirect import ReadSplit
 from bigmoe_pager.core.ssd_service import SsdService
 
 READERS = ("python", "native")
@@ -56,8 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--batch", type=int, default=1, help="experts a request asks for at once (1: a decode miss; ~100: prefill)"
     )
+    p.add_argument(
+        "--piece-kib", default="0", help="comma list: the Python reader's read pieces in KiB (0: whole reads)"
+    )
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
+    try:
+        pieces = [int(x) for x in a.piece_kib.split(",")]
+        if not pieces or min(pieces) < 0 or any(0 < x < 4 for x in pieces):
+            raise ValueError
+    except ValueError:
+        p.error(f"--piece-kib {a.piece_kib!r}: a comma list of 0 (whole reads) or sizes >= 4 (KiB)")
     try:
         intervals = [int(x) for x in a.switch_us.split(",")]
         if not intervals or min(intervals) < 1:
@@ -87,15 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _prepare(work / "ckpt", work / "experts.bmpf", layout, hidden, inter, layers, experts)
         rows = []
-        for reader, path, interval, busy in itertools.product(readers, paths, intervals, (False, True)):
+        for reader, piece, path, interval, busy in itertools.product(readers, pieces, paths, intervals, (False, True)):
+            if reader == "native" and piece:
+                continue  # the C threads read whole records
             sys.setswitchinterval(interval / 1e6)
-            with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
-                row = _measure(store, path, a.reads, a.workers, busy, reader=reader, batch=a.batch)
-                rows.append(row | {"switch_us": interval})
+            split = ReadSplit(piece * 1024, threads=3 * a.workers) if piece else None
+            try:
+                with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts, split) as store:
+                    row = _measure(store, path, a.reads, a.workers, busy, reader=reader, batch=a.batch)
+                    rows.append(row | {"switch_us": interval, "piece_kib": piece})
+            finally:
+                if split is not None:
+                    split.close()
             r = rows[-1]
             print(
-                f"{reader:6s}  {path:7s}  switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms"
-                f"  p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a request of {a.batch}"
+                f"{reader:6s}  pieces {piece:5d} KiB  {path:7s}  switch {interval:5d} us  busy={int(busy)}  "
+                f"median {r['median_ms']:6.2f} ms  p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms"
+                f" a request of {a.batch}"
             )
     finally:
         sys.setswitchinterval(before)
