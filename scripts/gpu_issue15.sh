@@ -32,6 +32,9 @@
 #   codec  (the image's torch is enough) scripts/bench_codec.py over chunk geometries 16x128 (the pager's), 64x32 and
 #          128x16: one expert's expansion alone, copy+expand of 1-8 experts against their raw copy, the ratio (would a
 #          compressed RAM tier's miss wait less than a raw one's?), then the codec's GPU tests (every geometry)
+#   ssd-pieces  (the image's torch is enough) scripts/bench_ssd.py with one and four I/O workers, each expert's read
+#          whole and cut into 1 MiB pieces read at once (BIGMOE_READ_PIECE_KIB), checkpoint and paging file: does
+#          this disk read one 3 MB expert faster as pieces?
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -122,6 +125,9 @@ for step in "$@"; do
       timeout 420 python3 scripts/bench_codec.py --geometries 16x128,64x32,128x16 --experts 2 --copy-batches 1,2,4,8 \
         --out "$out/codec-geometry.json" --note "H200 device machine, graph replay" 2>&1 | tail -n 20
       timeout 240 python3 -m pytest tests/gpu/test_codec_gpu.py -m gpu -q -rfEs -p no:cacheprovider 2>&1 | tail -n 8 ;;
+    ssd-pieces)
+      timeout 300 python3 scripts/bench_ssd.py --dir /tmp,/var/tmp --gb 1.5 --workers 1,4 --piece-kib 0,1024,0 \
+        --modes store,load,gpu --out "$out/ssd-pieces.json" 2>&1 | tail -n 30 ;;
     ssd-gil)
       timeout 300 python3 scripts/bench_ssd_gil.py --dir /tmp --paths load,mailbox --readers python,native \
         --reads "${SSD_GIL_READS:-150}" --batch "${SSD_GIL_BATCH:-1}" --switch-us 5000,200,50 \

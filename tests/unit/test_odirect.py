@@ -201,12 +201,19 @@ def test_a_failed_piece_raises_only_after_every_piece_is_done(data_file):
 
 
 @pytest.mark.parametrize(
-    "nbytes,piece,expected", [(3 * ALIGN, ALIGN, 3), (5 * ALIGN + 7, 2 * ALIGN, 2), (ALIGN, 4 * ALIGN, 1)]
+    "nbytes,piece,expected",
+    [(3 * ALIGN, ALIGN, 3), (5 * ALIGN + 7, 2 * ALIGN, 2), (ALIGN, 4 * ALIGN, 1), (0, ALIGN, 1), (ALIGN, ALIGN, 1)],
 )
 def test_cuts_are_aligned_cover_the_span_and_hold_a_piece_each(nbytes, piece, expected):
     cuts = ReadSplit(piece).cuts(nbytes)
     assert len(cuts) == expected
     assert cuts[0][0] == 0 and cuts[-1][1] == nbytes
-    assert all(a % ALIGN == 0 and b > a for a, b in cuts)
+    assert all(a % ALIGN == 0 and b >= a for a, b in cuts)
     assert all(prev[1] == nxt[0] for prev, nxt in zip(cuts, cuts[1:]))
     assert len(cuts) == 1 or min(b - a for a, b in cuts[:-1]) >= piece
+
+
+def test_an_empty_aligned_read_needs_no_piece(data_file, split):
+    path, _ = data_file
+    with DirectFile(path, split=split) as f:
+        f.read_into(ALIGN, aligned_empty(0))

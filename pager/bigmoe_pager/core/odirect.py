@@ -101,6 +101,8 @@ class ReadSplit:
         """[start, end) of each piece of an aligned span of nbytes: as many as hold piece_bytes each, equal to
         within ALIGN, every start aligned."""
         pieces = max(1, nbytes // self.piece_bytes)
+        if pieces == 1:
+            return [(0, nbytes)]
         step = _round_up(-(-nbytes // pieces), ALIGN)
         return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
 
