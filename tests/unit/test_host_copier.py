@@ -377,7 +377,7 @@ import ctypes, json, sys, time
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # the copier's dlopen("libcuda.so.1") finds it loaded
 lib = ctypes.CDLL(sys.argv[2])
 lib.copier_start.restype = ctypes.c_void_p
-lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 lib.copier_add_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 lib.copier_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 lib.copier_error_call.argtypes = [ctypes.c_void_p]
@@ -388,7 +388,7 @@ S, PITCH = 2, 16
 ring, mailbox, copied = (I64 * 8)(), (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1)
 records, dst = (ctypes.c_uint8 * (3 * PITCH))(*range(3 * PITCH)), (ctypes.c_uint8 * (S * 8))()
 addr = ctypes.addressof
-h = lib.copier_start(1, addr(ring), 8)
+h = lib.copier_start(1, addr(ring), 8, 0)  # hot_ns 0: nap between polls
 desc = (I64 * 11)(addr(mailbox), addr(records), PITCH, 3, addr(copied), S, 1, 4, 8, addr(dst), 8)
 assert lib.copier_add_layer(h, desc, 11) == 0
 def stats():

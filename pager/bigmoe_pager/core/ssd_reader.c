@@ -222,8 +222,9 @@ static void *work(void *arg) {
     if (posix_memalign((void **)&staging, ALIGN, (size_t)r->staging_bytes) != 0) staging = NULL;
     pthread_mutex_lock(&r->mu);
     for (;;) {
-        while (!r->stop && r->qlen == 0) pthread_cond_wait(&r->more, &r->mu);
-        if (r->stop) break;
+        /* stop is stored without mu (the poller reads it lock-free); the broadcast after it takes mu */
+        while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE) && r->qlen == 0) pthread_cond_wait(&r->more, &r->mu);
+        if (__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) break;
         int64_t entry = r->queue[r->qhead];
         r->qhead = (r->qhead + 1) % r->qcap;
         r->qlen--;
