@@ -217,3 +217,13 @@ def test_an_empty_aligned_read_needs_no_piece(data_file, split):
     path, _ = data_file
     with DirectFile(path, split=split) as f:
         f.read_into(ALIGN, aligned_empty(0))
+
+
+def test_many_retries_fail_a_dead_disk_in_seconds(data_file):
+    """BIGMOE_READ_RETRIES=14: the waits between file-level retries stop doubling at MAX_BACKOFF_S (0.256 s), so
+    the error comes after about 1.8 s of waits (uncapped: 16 s)."""
+    path, _ = data_file
+    began = time.monotonic()
+    with DirectFile(path, retries=14, io=FakeFaultyIO(then="eio")) as f, pytest.raises(ReadError, match="EIO"):
+        f.read_into(0, aligned_empty(ALIGN))
+    assert time.monotonic() - began < 6

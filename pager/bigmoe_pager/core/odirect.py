@@ -35,6 +35,7 @@ from .read_stats import ReadCounters
 
 ALIGN = 4096  # bytes; >= the logical block size of NVMe/SATA devices, and the page size
 _RETRYABLE = (errno.EIO, errno.EINTR, errno.EAGAIN)
+MAX_BACKOFF_S = 0.256  # the longest wait before a file-level retry (ssd_reader.c's MAX_BACKOFF_NS)
 _bounce = threading.local()  # one bounce buffer per thread, shared by all files (a model has many shards)
 
 
@@ -226,7 +227,7 @@ class DirectFile:
         for attempt in range(self.retries + 1):
             if attempt:
                 self.counters.add_retry()
-                time.sleep(0.001 * 2 ** (attempt - 1))  # seconds; give a flaky device a moment
+                time.sleep(_backoff_s(attempt))
             try:
                 got = self.io.preadv(self.fd, target, start)
             except OSError as e:
@@ -314,6 +315,12 @@ def _refused(path: str, where: str) -> str:
         f"{path}: the filesystem refuses O_DIRECT (EINVAL on {where}); put the model or paging file "
         "on a local disk filesystem (ext4, xfs, btrfs), not a network, overlay or FUSE mount"
     )
+
+
+def _backoff_s(attempt: int) -> float:
+    """Seconds before retry `attempt` (1, 2, ...): 1, 2, 4 ms ... to give a flaky device a moment, at most
+    MAX_BACKOFF_S, so that a high BIGMOE_READ_RETRIES fails a dead disk in seconds, not hours."""
+    return min(0.001 * 2 ** min(attempt - 1, 30), MAX_BACKOFF_S)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -38,6 +38,7 @@
 #define NAP_NS 20000L         /* 20 us naps while requests came in the last ACTIVE_NS (about a fifth of a core) */
 #define ACTIVE_NS 1000000000L /* 1 s: longer than any gap between two decode steps' reads */
 #define IDLE_NAP_NS 1000000L  /* then 1 ms naps: an idle poller costs under 1% of a core */
+#define MAX_BACKOFF_NS 256000000L /* the longest wait before a file-level retry: under nanosleep's 1 s limit */
 #define TIMER_SLACK_NS 1000L  /* the poller's own: the default 50 us would stretch each 20 us nap to about 70 */
 
 /* Failure kinds (ssd_reader.py's FAILURES). */
@@ -139,7 +140,8 @@ static int read_span(reader *r, const file_t *f, int64_t offset, int64_t length,
     int kind = OK;
     for (int attempt = 0; attempt <= r->file_retries; attempt++) {
         if (attempt) {
-            nap(1000000L << (attempt - 1)); /* 1, 2, 4 ms: give a flaky device a moment */
+            /* 1, 2, 4 ms ... to give a flaky device a moment, at most MAX_BACKOFF_NS (odirect.py's MAX_BACKOFF_S) */
+            nap(attempt > 9 ? MAX_BACKOFF_NS : 1000000L << (attempt - 1)); /* attempt 9: 256 ms */
         }
         int64_t got = 0;
         kind = OK;
