@@ -144,7 +144,7 @@ def _reads_settled(svc: SsdService, expected: int, within_s: float = 10.0) -> in
 
 
 def test_a_slow_posted_read_is_waited_for_by_the_step_and_never_read_again(ckpt):
-    io = FakeFaultyIO(then="slow", delay_s=0.6)
+    io = FakeFaultyIO(then="slow", delay_s=2.0)  # margins a loaded CI machine keeps
     pagers, svc, stats = build(ckpt, 2, 4, True, io=io)
     layer = pagers[1]
     cold = [e for e in range(EXPERTS) if layer.ram_slot_for_load(e) is None][:2]
@@ -152,10 +152,10 @@ def test_a_slow_posted_read_is_waited_for_by_the_step_and_never_read_again(ckpt)
         layer.step(torch.tensor([layer.order[:1]], dtype=torch.int32))  # after start every RAM row is "latest"
         t0 = time.monotonic()
         layer.read_ahead(torch.tensor(cold + [-1, -1]))
-        assert time.monotonic() - t0 < 0.5  # posted, not waited for
+        assert time.monotonic() - t0 < 1.5  # posted, not waited for
         assert bool((layer.ram.posted != 0).any())
         remapped = layer.step(torch.tensor([cold], dtype=torch.int32))
-        assert time.monotonic() - t0 >= 0.5  # the step waited for the rest of the reads
+        assert time.monotonic() - t0 >= 1.9  # the step waited for the rest of the reads
         svc.check()
         for expert, slot in zip(cold, remapped.reshape(-1).tolist()):
             assert torch.equal(slot_bytes(layer, slot), wanted(ckpt, 1, expert))

@@ -50,15 +50,15 @@ class Counting:
 
 
 def test_a_late_read_is_issued_again_and_the_late_answer_never_lands(ckpt):
-    store = ckpt.store(io=FakeFaultyIO(("slow",), delay_s=1.0))  # the first attempt's first read stalls 1 s
+    store = ckpt.store(io=FakeFaultyIO(("slow",), delay_s=2.5))  # the first attempt's first read stalls 2.5 s
     reads = TimedReads(io_workers=2, read_timeout_s=0.2, read_retries=2)
     dst = torch.zeros(ckpt.layout.pitch, dtype=torch.uint8)
     start = time.monotonic()
     reads.read(LayerSource(store, 0, ckpt.layout), 2, dst)
-    assert time.monotonic() - start < 0.9
+    assert time.monotonic() - start < 2.0  # answered by the retry (a margin a loaded CI machine keeps)
     assert torch.equal(dst[: ckpt.layout.record_bytes], ckpt.reference(0, 2))
     dst.fill_(7)
-    time.sleep(1.0)  # the late attempt has finished by now, into its own buffer
+    time.sleep(2.5)  # the late attempt has finished by now, into its own buffer
     assert bool((dst == 7).all())
     reads.close()
 
