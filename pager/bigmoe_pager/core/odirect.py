@@ -8,9 +8,10 @@ other range is read as the aligned span around it into a per-thread bounce
 buffer and the wanted bytes are copied out.
 
 With a ReadSplit, a span of several pieces is read as that many aligned reads at
-once (the caller's thread takes the first, helper threads the rest): a virtual
-disk answered one 3 MB read at about half the bandwidth it gave two or more in
-flight (docs/benchmarks.md, "Split reads"), and a decode layer's miss is one read.
+once (the caller's thread takes the first, helper threads the rest), for disks
+that read one expert (a decode layer's miss) slower than several in flight; the
+dev VM's did not gain from it (docs/benchmarks.md, "Session 37"), so it is off
+unless BIGMOE_READ_PIECE_KIB asks.
 
 Failures are one-line exceptions: `ODirectError` when the filesystem refuses
 O_DIRECT (EINVAL), `ReadError` (naming file, offset, length) when a read stays
