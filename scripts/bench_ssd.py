@@ -23,6 +23,7 @@ import platform
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -52,12 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the test files (DIR/bigmoe-bench-ssd) for the next run")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
-    try:
-        pieces = [int(x) for x in a.piece_kib.split(",")]
-        if not pieces or min(pieces) < 0 or any(0 < x < 4 for x in pieces):
-            raise ValueError
-    except ValueError:
-        p.error(f"--piece-kib {a.piece_kib!r}: a comma list of 0 (whole reads) or sizes >= 4 (KiB)")
+    pieces = piece_sizes(p, a.piece_kib)
 
     a.dir, why, refused = _pick_dir(a.dir.split(","))
     if a.dir is None:
@@ -80,11 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         for workers in (int(w) for w in a.workers.split(",")):
             for mode in modes:
                 for piece in pieces:
-                    split = ReadSplit(piece * 1024, threads=3 * workers) if piece else None
-                    with _open(source, ckpt_dir, pf_path, layout, layers, experts, split) as store:
+                    with opened(source, ckpt_dir, pf_path, layout, layers, experts, piece, workers) as store:
                         results.append(_measure(mode, source, store, workers) | {"piece_kib": piece})
-                    if split is not None:
-                        split.close()
                     r = results[-1]
                     print(
                         f"{source:12s} {mode:6s} workers={workers:3d} pieces={piece:5d} KiB  {r['gbps']:6.2f} GB/s  "
@@ -165,6 +158,30 @@ def _prepare(ckpt_dir: Path, pf_path: Path, layout, hidden: int, inter: int, lay
 
 def _meta(layout, layers: int, experts: int) -> PagingFileMeta:
     return PagingFileMeta("bench/synthetic", "0", layout.signature(), layers, experts)
+
+
+def piece_sizes(p: argparse.ArgumentParser, text: str) -> list[int]:
+    """--piece-kib's sizes in KiB (0: whole reads); anything else is one line and exit 2."""
+    try:
+        pieces = [int(x) for x in text.split(",")]
+        if not pieces or min(pieces) < 0 or any(0 < x < 4 for x in pieces):
+            raise ValueError
+    except ValueError:
+        p.error(f"--piece-kib {text!r}: a comma list of 0 (whole reads) or sizes >= 4 (KiB)")
+    return pieces
+
+
+@contextmanager
+def opened(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int, piece_kib: int, workers: int):
+    """The store of `source` with its reads cut into piece_kib pieces (0: whole), closed with the split's threads
+    (three helpers an I/O worker, as the plugin starts them)."""
+    split = ReadSplit(piece_kib * 1024, threads=3 * workers) if piece_kib else None
+    try:
+        with _open(source, ckpt_dir, pf_path, layout, layers, experts, split) as store:
+            yield store
+    finally:
+        if split is not None:
+            split.close()
 
 
 def _open(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int, split=None):

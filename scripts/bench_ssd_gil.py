@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_ssd import SHAPES, _open, _pick_dir, _prepare
+from bench_ssd import SHAPES, _pick_dir, _prepare, opened, piece_sizes
 from bigmoe_bench import synth_experts
-from bigmoe_pager.core.odirect import ReadSplit
 from bigmoe_pager.core.ssd_service import SsdService
 
 READERS = ("python", "native")
@@ -63,12 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
-    try:
-        pieces = [int(x) for x in a.piece_kib.split(",")]
-        if not pieces or min(pieces) < 0 or any(0 < x < 4 for x in pieces):
-            raise ValueError
-    except ValueError:
-        p.error(f"--piece-kib {a.piece_kib!r}: a comma list of 0 (whole reads) or sizes >= 4 (KiB)")
+    pieces = piece_sizes(p, a.piece_kib)
     try:
         intervals = [int(x) for x in a.switch_us.split(",")]
         if not intervals or min(intervals) < 1:
@@ -102,14 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             if reader == "native" and piece:
                 continue  # the C threads read whole records
             sys.setswitchinterval(interval / 1e6)
-            split = ReadSplit(piece * 1024, threads=3 * a.workers) if piece else None
-            try:
-                with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts, split) as store:
-                    row = _measure(store, path, a.reads, a.workers, busy, reader=reader, batch=a.batch)
-                    rows.append(row | {"switch_us": interval, "piece_kib": piece})
-            finally:
-                if split is not None:
-                    split.close()
+            source = ("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts)
+            with opened(*source, piece, a.workers) as store:
+                row = _measure(store, path, a.reads, a.workers, busy, reader=reader, batch=a.batch)
+                rows.append(row | {"switch_us": interval, "piece_kib": piece})
             r = rows[-1]
             print(
                 f"{reader:6s}  pieces {piece:5d} KiB  {path:7s}  switch {interval:5d} us  busy={int(busy)}  "
