@@ -655,6 +655,7 @@ ENGINE_FACTS = (
     "step_kernels",
     "load_copy_bytes",
     "load_copy_s",
+    "read_split",
 )
 """What an engine's run reports beside its counters (adapters.vllm.process.engine_facts), copied into its row."""
 

@@ -95,6 +95,8 @@ class ReadSplit:
         if piece_bytes < ALIGN:
             raise ValueError(f"a read piece is at least {ALIGN} bytes, got {piece_bytes}")
         self.piece_bytes = _round_up(piece_bytes, ALIGN)
+        self.spans = 0
+        """Reads it has cut into pieces so far."""
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -111,6 +113,8 @@ class ReadSplit:
     def run(self, calls: list[Callable[[], None]]) -> None:
         """Run every call, the first on this thread; returns when all have (none still writes a buffer), raising
         the first one's exception if any failed."""
+        with self._lock:
+            self.spans += 1
         later = [self._executor().submit(call) for call in calls[1:]]
         first: BaseException | None = None
         try:

@@ -183,7 +183,13 @@ def engine_facts() -> dict:
         "step_kernels": dict(step_kernel.COMPILED),
         "load_copy_bytes": copies.nbytes,
         "load_copy_s": round(copies.seconds, 2),
+        "read_split": _read_split_fact(_installed.stores.split),
     }
+
+
+def _read_split_fact(split) -> dict[str, int]:
+    """BIGMOE_READ_PIECE_KIB as it ran: the piece size (0: reads whole) and how many reads it cut."""
+    return {"piece_bytes": split.piece_bytes, "spans": split.spans} if split is not None else {"piece_bytes": 0}
 
 
 def experts_kernel_name() -> str | None:
