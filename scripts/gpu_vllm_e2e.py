@@ -18,6 +18,8 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram12-ram50-ssd             12.5% in VRAM, 50% in RAM, the SSD tier reads the checkpoint (CUDA graphs)
     vram40-layerbuf              vram40 with big steps run over one whole-layer buffer (BIGMOE_PREFILL_BUFFER=1)
     vram12-ram50-ssd-layerbuf    vram12-ram50-ssd with that buffer (its experts gathered through the slots)
+    vram12-ram50-ssd-pieces      vram12-ram50-ssd with every SSD read cut into 256 KiB pieces read at once
+                                 (BIGMOE_READ_PIECE_KIB=256)
     vram40-predict               vram40 with the live next-layer predictor prefetching (BIGMOE_PREDICT=router)
     vram12-ram50-ssd-predict-ahead  vram12-ram50-ssd with that prefetch and SSD reads ahead (BIGMOE_SSD_READ_AHEAD=1)
     vram40-predict-chain         vram40-predict with each forward's rounds chained (BIGMOE_PREFETCH_CHAIN=1)
@@ -165,6 +167,11 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
         Config(
             f"vram12-ram50-ssd-layerbuf ({vram12}/{ram50}, checkpoint, whole-layer prefill buffer)",
             {**ssd, **graphs, "BIGMOE_PREFILL_BUFFER": "1"},
+        ),
+        # Every SSD read cut into pieces read at once by helper threads (odirect.ReadSplit; the Python reader).
+        Config(
+            f"vram12-ram50-ssd-pieces ({vram12}/{ram50}, checkpoint, reads in 256 KiB pieces)",
+            {**ssd, **graphs, "BIGMOE_READ_PIECE_KIB": "256"},
         ),
         # Issue 15: the live next-layer predictor prefetching on its side stream under vLLM's default graphs (FULL
         # decode graphs), over the SSD mix with reads ahead too, and under PIECEWISE graphs (layer calls between
