@@ -41,6 +41,8 @@ from bigmoe_pager.codec.encode import encode_record  # noqa: E402
 from bigmoe_pager.codec.reference import decode_record  # noqa: E402
 
 MODEL_BYTES = 112.5 * 2**30  # FP8 experts of qwen3.8-flash-next
+FORWARD_LAYERS = 40  # layers of the 40-layer vLLM benchmark: one prefetch round a layer in copy_batches' forward
+DENSE_KERNELS = 16  # small bf16 products a layer in that forward
 DISTS = ("student_t", "gaussian")
 
 
@@ -225,11 +227,13 @@ def _one_expert(layout, raw: np.ndarray, record: bytes, reps: int, dev: torch.de
 
 def copy_batches(layout, raws: list, records: list, counts: list[int], shape: dict, reps: int, dev: torch.device):
     """k experts a miss round: their compressed records copied from pinned RAM in one copy and expanded in one
-    launch (kernel `shape`), against one copy of their raw records; both captured in a CUDA graph."""
+    launch (kernel `shape`), against one copy of their raw records; both captured in a CUDA graph, alone and as a
+    side round beside each layer of a dense forward (beside_compute)."""
     from bigmoe_pager.codec.triton_decode import decode_into_slots, new_errors
 
     pin = dev.type == "cuda"
     rows = []
+    dense = DenseLayer(layout["w13_weight"].shape[-1], dev)  # the hidden size (S.moe_layout)
     for k in counts:
         picks = [i % len(records) for i in range(k)]
         offsets, blob = [], bytearray()
@@ -250,8 +254,13 @@ def copy_batches(layout, raws: list, records: list, counts: list[int], shape: di
             staging.copy_(host_c, non_blocking=True)  # noqa: B023
             decode_into_slots(staging, work, slots, layout, errors, **shape)  # noqa: B023
 
+        def copy_raw():
+            raw_dst.copy_(host_r, non_blocking=True)  # noqa: B023
+
         ce = _graph_ms(copy_expand, reps, dev)
-        raw_ms = _graph_ms(lambda: raw_dst.copy_(host_r, non_blocking=True), reps, dev)  # noqa: B023
+        raw_ms = _graph_ms(copy_raw, reps, dev)
+        beside = {name: beside_compute(dense, side, reps, dev) for name, side in (("none", None), ("raw", copy_raw))}
+        beside["expand"] = beside_compute(dense, copy_expand, reps, dev)
         for j, i in enumerate(picks):
             got = np.concatenate(
                 [slots[c.name][j].reshape(-1).view(torch.uint8).cpu().numpy() for c in layout.components]
@@ -265,9 +274,61 @@ def copy_batches(layout, raws: list, records: list, counts: list[int], shape: di
                 "copy_expand_us": round(ce * 1e3, 1),
                 "copy_raw_us": round(raw_ms * 1e3, 1),
                 "copy_expand_vs_raw": round(ce / raw_ms, 3),
+                # a prefetch round a layer beside the layer's compute: the forward's ms, and what each side adds
+                "forward_ms": round(beside["none"], 3),
+                "forward_with_raw_rounds_ms": round(beside["raw"], 3),
+                "forward_with_expand_rounds_ms": round(beside["expand"], 3),
             }
         )
     return rows
+
+
+class DenseLayer:
+    """A decode layer's compute stand-in: DENSE_KERNELS bf16 [1, H] x [H, H] products and tanh (about vLLM's
+    per-layer kernel time on the 40-layer benchmark, roughly)."""
+
+    def __init__(self, hidden: int, dev: torch.device):
+        gen = torch.Generator().manual_seed(1)
+        self.weights = [
+            (torch.randn(hidden, hidden, generator=gen) / hidden**0.5).to(dev, torch.bfloat16)
+            for _ in range(DENSE_KERNELS)
+        ]
+        self.x = torch.randn(1, hidden, generator=gen).to(dev, torch.bfloat16)
+
+    def __call__(self) -> None:
+        x = self.x
+        for w in self.weights:
+            x = torch.tanh(x @ w)
+        self.x.copy_(x)
+
+
+def beside_compute(dense: DenseLayer, side, reps: int, dev: torch.device) -> float:
+    """ms of a forward of FORWARD_LAYERS layers, each forking `side` (None: nothing) onto a second stream beside its
+    dense compute and joining it at the layer's end, as a prefetch round for the next layer would; one CUDA graph
+    (on CPU: the same calls in turn, wall time)."""
+    if dev.type != "cuda":
+
+        def serial():
+            for _ in range(FORWARD_LAYERS):
+                if side is not None:
+                    side()
+                dense()
+
+        return _time_ms(serial, reps, dev)
+    stream = torch.cuda.Stream(dev)
+
+    def forward():
+        main = torch.cuda.current_stream(dev)
+        for _ in range(FORWARD_LAYERS):
+            if side is not None:
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    side()
+            dense()
+            if side is not None:
+                main.wait_stream(stream)
+
+    return _graph_ms(forward, reps, dev)
 
 
 def _graph_ms(fn, reps: int, dev: torch.device) -> float:

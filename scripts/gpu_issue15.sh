@@ -30,8 +30,9 @@
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
 #   codec  (the image's torch is enough) scripts/bench_codec.py over chunk geometries 16x128 (the pager's), 64x32 and
-#          128x16: one expert's expansion alone, copy+expand of 1-8 experts against their raw copy, the ratio (would a
-#          compressed RAM tier's miss wait less than a raw one's?), then the codec's GPU tests (every geometry)
+#          128x16: one expert's expansion alone, copy+expand of 1-8 experts against their raw copy, alone and as a
+#          side round beside each layer of a 40-layer dense forward, the ratio (would a compressed RAM tier's miss
+#          wait less than a raw one's, and its prefetch rounds cost the compute less?), then the codec's GPU tests
 #   ssd-pieces  (the image's torch is enough) scripts/bench_ssd.py with one and four I/O workers, each expert's read
 #          whole and cut into 1 MiB pieces read at once (BIGMOE_READ_PIECE_KIB), checkpoint and paging file: does
 #          this disk read one 3 MB expert faster as pieces?
