@@ -136,7 +136,7 @@ class PagerSettings:
     (sys.setswitchinterval; 0 = Python's own, 5000). With BIGMOE_SSD_READER=python the SSD tier's reads are answered
     by Python threads that need the GIL while vLLM's host thread runs on during decode, each waiting up to one
     interval; the native reader's C threads need no GIL. Whether that wait is the 0.875 ms a layer the plan charges an
-    SSD tier (app/bigmoe/plan/speed.SSD_LAYER_MS) is what gpu_vllm_bench's `+switchN` and `+pyreader` measure."""
+    SSD tier (app/bigmoe/plan/speed.SSD_LAYER_MS) is what gpu_vllm_bench's `+switchN` and `+creader` measure."""
     prefetch_distance: int = 1
     """BIGMOE_PREFETCH_DISTANCE: D > 1 = in a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this
     implies), layer l's round prefetches into layer l+D (its router on layer l's hidden state, or a replayed trace's

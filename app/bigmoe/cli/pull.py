@@ -32,7 +32,7 @@ EXIT_USAGE = exit_codes.USAGE
     default=None,
     help="huggingface_hub cache directory (default: HF_HUB_CACHE).",
 )
-@click.option("--dry-run", is_flag=True, help="List and measure only: exit 0 if it fits, 3 if not.")
+@click.option("--dry-run", is_flag=True, help="List and measure only: exit 0 if it fits, 8 if not.")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of text lines.")
 def pull(model: str, revision: str | None, cache_dir: str | None, dry_run: bool, as_json: bool) -> None:
     """Download MODEL (a preset name such as qwen3.8-flash-next, or Org/Name) from the Hub.

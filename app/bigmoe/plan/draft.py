@@ -588,7 +588,7 @@ class Draft:
         argv += speculative_argv(spec)
         if graphs:
             # Every batch vLLM captures must fit the slots: tokens x top-k <= VRAM slots (docs/pager.md); vLLM counts a
-            # verification step's speculative tokens among the batch's tokens (plan_spec.py).
+            # verification step's speculative tokens among the batch's tokens (plan/spec.py).
             capture = graph_tokens(self.vram_slots, arch.top_k)
             argv += ["--max-cudagraph-capture-size", str(capture)]
             self.reasons["argv"] += (

@@ -72,7 +72,7 @@ class PagerProcess:
         self.routing = Routing(settings)
         """Routing trace (BIGMOE_TRACE_PATH) and replay (BIGMOE_ROUTE_REPLAY)."""
         self.host_copies = HostCopies(settings)
-        """The host copier thread that prefetch rounds and steps' misses may hand copies to (made at first use)."""
+        """The host copier thread that prefetch rounds may hand copies to (made at first use)."""
         self.predictor = Predictor(settings, self.routing, self.layer_after, on_device, host_copies=self.host_copies)
         """The live next-layer predictor (BIGMOE_PREDICT)."""
         self.export = stats.CounterExport()
