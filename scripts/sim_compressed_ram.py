@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from bigmoe_bench import traces
-from sim_eviction import Shape, cases, simulate
+from sim_eviction import Shape, cases, shape_row, simulate
 
 RATIOS = (1.0, 0.862, 0.848)
 """Raw records, then the codec's Student-t ratio at 128 x 16 and at 16 x 128 lanes."""
@@ -39,20 +39,7 @@ def run(tokens: int, layers: int, seed: int, ratios: tuple[float, ...], families
     jobs = [(trace, s.experts, s.vram, s.ram, POLICY) for _, s, trace, _ in grid]
     with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         rates = pool.starmap(simulate, jobs, chunksize=1)
-    rows = []
-    for (family, shape, trace, ratio), rate in zip(grid, rates):
-        rows.append(
-            {
-                "family": family,
-                "shape": shape.name,
-                "experts": shape.experts,
-                "top_k": shape.top_k,
-                "vram_slots": shape.vram,
-                "ram_slots": shape.ram,
-                "ratio": ratio,
-                **rate,
-            }
-        )
+    rows = [shape_row(family, shape) | {"ratio": ratio, **rate} for (family, shape, _, ratio), rate in zip(grid, rates)]
     for row in rows:  # against the same family and shape with raw records
         raw = next(r for r in rows if (r["family"], r["shape"], r["ratio"]) == (row["family"], row["shape"], 1.0))
         reads = row["ssd_reads_per_token"] / raw["ssd_reads_per_token"] if raw["ssd_reads_per_token"] else 1.0

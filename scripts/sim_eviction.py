@@ -55,6 +55,18 @@ SHAPES = (
 )
 
 
+def shape_row(family: str, shape: Shape) -> dict:
+    """The columns that name a result row: routing family, shape and tier sizes."""
+    return {
+        "family": family,
+        "shape": shape.name,
+        "experts": shape.experts,
+        "top_k": shape.top_k,
+        "vram_slots": shape.vram,
+        "ram_slots": shape.ram,
+    }
+
+
 def parse_policy(spec: str) -> tuple[str, int | None]:
     """'lfu-fast' -> ('lfu-fast', None): the policy's own decay; 'lfu:64' -> ('lfu', 64)."""
     name, _, decay = spec.partition(":")
@@ -132,16 +144,7 @@ def run(
         rates = iter(pool.starmap(simulate, jobs, chunksize=1))
     results = []
     for family, shape, trace in cases_:
-        row = {
-            "family": family,
-            "shape": shape.name,
-            "experts": shape.experts,
-            "top_k": shape.top_k,
-            "vram_slots": shape.vram,
-            "ram_slots": shape.ram,
-            "tokens": trace.shape[0],
-            "layers": trace.shape[1],
-        }
+        row = shape_row(family, shape) | {"tokens": trace.shape[0], "layers": trace.shape[1]}
         row.update({policy: next(rates) for policy in policies})
         results.append(row)
         print(
