@@ -236,14 +236,17 @@ def _service_reads(store, keys: list[tuple[int, int]], workers: int, gpu: bool) 
 
 
 def _table(results: list[dict]) -> None:
+    """GB/s per source, mode and piece size by worker count; a size measured twice shows both runs (a / b)."""
     workers = sorted({r["workers"] for r in results})
     rows = sorted({(r["source"], r["mode"], r.get("piece_kib", 0)) for r in results})
     print("\nGB/s by I/O workers")
-    print(f"{'source':12s} {'mode':6s} {'pieces':>6s} " + " ".join(f"{w:>6d}" for w in workers))
+    print(f"{'source':12s} {'mode':6s} {'pieces':>6s} " + " ".join(f"{w:>11d}" for w in workers))
     for source, mode, piece in rows:
-        key = (source, mode, piece)
-        cells = {r["workers"]: r["gbps"] for r in results if (r["source"], r["mode"], r.get("piece_kib", 0)) == key}
-        print(f"{source:12s} {mode:6s} {piece:6d} " + " ".join(f"{cells.get(w, float('nan')):6.2f}" for w in workers))
+        runs: dict[int, list[str]] = {w: [] for w in workers}
+        for r in results:
+            if (r["source"], r["mode"], r.get("piece_kib", 0)) == (source, mode, piece):
+                runs[r["workers"]].append(f"{r['gbps']:.2f}")
+        print(f"{source:12s} {mode:6s} {piece:6d} " + " ".join(f"{' / '.join(runs[w]) or '-':>11s}" for w in workers))
 
 
 if __name__ == "__main__":
