@@ -30,7 +30,7 @@ import torch
 from bigmoe_bench import synth_experts
 from bigmoe_bench.disk_reads import read_records
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
-from bigmoe_pager.core.odirect import ReadSplit, odirect_works  # noqa: E402
+from bigmoe_pager.core.odirect import odirect_works, read_split  # noqa: E402
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 
@@ -174,8 +174,8 @@ def piece_sizes(p: argparse.ArgumentParser, text: str) -> list[int]:
 @contextmanager
 def opened(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int, piece_kib: int, workers: int):
     """The store of `source` with its reads cut into piece_kib pieces (0: whole), closed with the split's threads
-    (three helpers an I/O worker, as the plugin starts them)."""
-    split = ReadSplit(piece_kib * 1024, threads=3 * workers) if piece_kib else None
+    (odirect.read_split, as the plugin starts them)."""
+    split = read_split(piece_kib, workers)
     try:
         with _open(source, ckpt_dir, pf_path, layout, layers, experts, split) as store:
             yield store

@@ -68,13 +68,13 @@ def test_read_pieces_give_the_same_records_and_cut_each_read(model, tmp_path, pi
     """BIGMOE_READ_PIECE_KIB: every store of the process reads through one ReadSplit; a record arrives whole either
     way, in more reads when cut (FakeFaultyIO counts the preadv calls: the real calls, no fault scripted)."""
     import torch
-    from bigmoe_pager.adapters.vllm.ssd_source import read_split
+    from bigmoe_pager.core.odirect import read_split
     from bigmoe_pager.settings import PagerSettings
 
     layout = layout_for_checkpoint(model)
     paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=False)
     settings = PagerSettings.from_env({"BIGMOE_READ_PIECE_KIB": str(piece_kib)})
-    split = read_split(settings)
+    split = read_split(settings.read_piece_kib, settings.io_workers)
     stores = SsdStores(split=split)
     counted = {"checkpoint": FakeFaultyIO(), "paging": FakeFaultyIO()}
     sources = {

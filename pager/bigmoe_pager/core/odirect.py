@@ -140,6 +140,14 @@ class ReadSplit:
             return self._pool
 
 
+def read_split(piece_kib: int, io_workers: int) -> ReadSplit | None:
+    """BIGMOE_READ_PIECE_KIB's split (None at 0: whole reads), with helper threads enough for each of `io_workers`
+    readers to have three pieces in flight besides its own."""
+    if not piece_kib:
+        return None
+    return ReadSplit(max(piece_kib * 1024, ALIGN), threads=3 * io_workers)
+
+
 class DirectFile:
     """One file opened with O_DIRECT; `read_into` is safe to call from many threads at once.
 

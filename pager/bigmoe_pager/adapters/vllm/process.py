@@ -30,8 +30,9 @@ from bigmoe_pager.adapters.vllm.device import DeviceParts, wanted
 from bigmoe_pager.adapters.vllm.host_copies import HostCopies
 from bigmoe_pager.adapters.vllm.predictor import Predictor
 from bigmoe_pager.adapters.vllm.routing import Routing
-from bigmoe_pager.adapters.vllm.ssd_source import SsdStores, read_split
+from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core import step_kernel
+from bigmoe_pager.core.odirect import read_split
 from bigmoe_pager.core.timed_reads import TimedReads
 from bigmoe_pager.settings import PagerSettings
 
@@ -67,7 +68,9 @@ class PagerProcess:
         """Read once when the plugin loaded; every part of the pager takes them from here."""
         self.on_device = on_device
         """Device-driven paging (the GPU decides, decode in CUDA graphs); else host-driven."""
-        self.stores = SsdStores(read_retries=settings.read_retries, split=read_split(settings))
+        self.stores = SsdStores(
+            read_retries=settings.read_retries, split=read_split(settings.read_piece_kib, settings.io_workers)
+        )
         """The SSD tier's open stores (checkpoint or paging file), shared by the layers."""
         self.routing = Routing(settings)
         """Routing trace (BIGMOE_TRACE_PATH) and replay (BIGMOE_ROUTE_REPLAY)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.odirect import ALIGN, ODirectError, ReadSplit, odirect_works
+from bigmoe_pager.core.odirect import ODirectError, ReadSplit, odirect_works
 from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore
 from bigmoe_pager.core.safetensors_index import CheckpointError
@@ -117,14 +117,6 @@ def _open_paging_file(
     except (PagingFileError, ODirectError) as e:
         raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
     return store, decoder, model_layers
-
-
-def read_split(settings) -> ReadSplit | None:
-    """The process's read pieces from BIGMOE_READ_PIECE_KIB (None at 0: whole reads): helper threads enough for
-    each I/O worker's read to have three pieces in flight besides its own."""
-    if not settings.read_piece_kib:
-        return None
-    return ReadSplit(max(settings.read_piece_kib * 1024, ALIGN), threads=3 * settings.io_workers)
 
 
 def odirect_ok(file: Path, io=None) -> None:
