@@ -3,7 +3,8 @@
 Writes safetensors shards holding only expert tensors, named as Qwen3-MoE names
 them (model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.{weight,weight_scale_inv}),
 with random bytes: bf16 experts, or FP8 E4M3 experts with float32 128x128 block
-scales. `reference_record` rebuilds the record an SSD read must return, through
+scales; FP8 weights may instead follow a trained model's Student-t law (law=), which
+the codec compresses as it would real experts. `reference_record` rebuilds the record an SSD read must return, through
 the safetensors package's own loader (an independent path from the pager's).
 
     PYTHONPATH=pager:bench python scripts/synth_experts.py DIR --hidden 2048 --intermediate 512 --layers 2 --experts 64
@@ -15,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from bigmoe_pager.core.expert_store import DEFAULT_PREFIX
 from bigmoe_pager.core.layout import ExpertLayout
@@ -31,8 +33,16 @@ def make_layout(hidden: int, intermediate: int, fp8: bool) -> ExpertLayout:
     return ExpertLayout.for_moe(hidden, intermediate, torch.bfloat16)
 
 
-def expert_tensors(hidden: int, intermediate: int, fp8: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random tensors of one expert, keyed by checkpoint suffix (gate_proj.weight, ...)."""
+LAWS = ("bytes", "student_t", "mixed")
+"""FP8 weights: every bit pattern (NaNs included), Student-t weights quantized like a trained model's, or the
+two by turns (even experts Student-t, odd ones bytes)."""
+
+
+def expert_tensors(
+    hidden: int, intermediate: int, fp8: bool, gen: torch.Generator, trained: bool = False
+) -> dict[str, torch.Tensor]:
+    """Random tensors of one expert, keyed by checkpoint suffix (gate_proj.weight, ...); trained: FP8 weights
+    follow the Student-t law instead of being random bytes."""
     wdtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     shapes = {
         "gate_proj": (intermediate, hidden),
@@ -41,7 +51,7 @@ def expert_tensors(hidden: int, intermediate: int, fp8: bool, gen: torch.Generat
     }
     out = {}
     for proj, shape in shapes.items():
-        out[f"{proj}.weight"] = _random(shape, wdtype, gen)
+        out[f"{proj}.weight"] = _trained(shape, gen) if fp8 and trained else _random(shape, wdtype, gen)
         if fp8:
             blocks = (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
             out[f"{proj}.weight_scale_inv"] = torch.rand(blocks, generator=gen, dtype=torch.float32) + 0.5
@@ -60,8 +70,12 @@ def write_checkpoint(
     seed: int = 0,
     first_layer: int = 0,
     prefix: str = DEFAULT_PREFIX,
+    law: str = "bytes",
 ) -> list[Path]:
-    """Write experts of MoE layers first_layer.. into `shards` safetensors files under root; returns their paths."""
+    """Write experts of MoE layers first_layer.. into `shards` safetensors files under root; returns their paths.
+    law: one of LAWS (FP8 weights only)."""
+    if law not in LAWS:
+        raise ValueError(f"unknown weight law {law!r}; known: {', '.join(LAWS)}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
@@ -73,7 +87,8 @@ def write_checkpoint(
         tensors = {"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)} if s == 0 else {}
         for layer, expert in keys[s * per_shard : (s + 1) * per_shard]:
             head = prefix.format(layer=layer, expert=expert)
-            for suffix, t in expert_tensors(hidden, intermediate, fp8, gen).items():
+            trained = law == "student_t" or (law == "mixed" and expert % 2 == 0)
+            for suffix, t in expert_tensors(hidden, intermediate, fp8, gen, trained).items():
                 tensors[head + suffix] = t
         path = root / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file(tensors, str(path))
@@ -109,6 +124,15 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) ->
     nbytes = torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes), generator=gen, dtype=torch.uint8)
     return raw.view(dtype)
+
+
+def _trained(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """FP8 E4M3 weights of a trained model's law (codec_samples' Student-t, per-row scaled), seeded from gen."""
+    from .codec_samples import pattern_bytes
+
+    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    raw = pattern_bytes("student_t", int(np.prod(shape)), rng)
+    return torch.from_numpy(raw).view(torch.float8_e4m3fn).reshape(shape)
 
 
 def main(argv: list[str] | None = None) -> int:

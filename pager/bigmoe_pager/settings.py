@@ -212,14 +212,14 @@ class PagerSettings:
     @property
     def host_driven(self) -> bool:
         """On CUDA, whether the host-driven pager pages the experts (see `host_driven` below)."""
-        return host_driven(self.cuda_graphs, self.paging_file is not None and self.use_codec())
+        return host_driven(self.cuda_graphs)
 
 
-def host_driven(cuda_graphs: bool, codec_records: bool) -> bool:
-    """The one rule for which pager runs on CUDA: the host-driven one (eager) when CUDA graphs are not wanted
-    or the SSD tier holds codec records (only the host-driven pager expands them as they enter RAM); the
-    device-driven one (CUDA graphs) otherwise. The app's plan and the plugin both ask it."""
-    return not cuda_graphs or codec_records
+def host_driven(cuda_graphs: bool) -> bool:
+    """The one rule for which pager runs on CUDA: the host-driven one (eager) when CUDA graphs are not wanted,
+    the device-driven one (CUDA graphs) otherwise. Either reads a compressed paging file (the SSD tier's threads
+    expand each record as it enters RAM: codec/record_decoder.py). The app's plan and the plugin both ask it."""
+    return not cuda_graphs
 
 
 def variable_names() -> tuple[str, ...]:

@@ -37,6 +37,7 @@ SHAPES = {
     "fp8": dict(hidden=256, intermediate=128, fp8=True),
     "bf16": dict(hidden=128, intermediate=64, fp8=False),
 }
+"""Checkpoint kinds; FP8 weights by turns Student-t (the codec codes them) and random bytes (stored raw)."""
 
 
 @dataclass
@@ -77,6 +78,30 @@ class Checkpoint:
             write_paging_file(path, self.meta(), src)
         return PagingFileStore(path, self.layout, self.meta(), **kw)
 
+    def compressed_meta(self) -> PagingFileMeta:
+        from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION
+
+        return self.meta(codec=CODEC_NAME, codec_version=CODEC_VERSION)
+
+    def compressed_paging_file(self, path: Path) -> Path:
+        """A paging file of codec records (the pager's own encoder and pitch), written once at path."""
+        from bigmoe_pager.codec import encode_record
+        from bigmoe_pager.core.paging_build import compressed_pitch
+
+        if not path.exists():
+            with self.store() as src:
+                encode = lambda raw: encode_record(np.asarray(raw), self.layout)  # noqa: E731
+                write_paging_file(path, self.compressed_meta(), src, encode=encode, pitch=compressed_pitch(self.layout))
+        return path
+
+    def decoded_store(self, path: Path, **kw: object):
+        """The raw-record store the pager reads a compressed paging file through (codec's DecodedStore, C decoder)."""
+        from bigmoe_pager.codec.record_decoder import DecodedStore, record_decoder
+        from bigmoe_pager.core.paging_build import compressed_pitch
+
+        inner = PagingFileStore(path, self.layout, self.compressed_meta(), pitch=compressed_pitch(self.layout), **kw)
+        return DecodedStore(inner, record_decoder(self.layout))
+
 
 def make_checkpoint(
     root: Path, kind: str = "fp8", num_layers: int = 2, num_experts: int = 6, first_layer: int = 1, shards: int = 2
@@ -91,6 +116,7 @@ def make_checkpoint(
         fp8=shape["fp8"],
         shards=shards,
         first_layer=first_layer,
+        law="mixed",
     )
     layout = synth_experts.make_layout(shape["hidden"], shape["intermediate"], shape["fp8"])
     return Checkpoint(root, layout, num_layers, num_experts, first_layer)

@@ -42,12 +42,12 @@ def layout(request) -> ExpertLayout:
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
 @pytest.mark.parametrize("pattern", S.PATTERNS)
-def test_round_trip_is_bit_exact(layout, pattern, geometry):
+def test_round_trip_is_bit_exact(layout, pattern, geometry, decode):
     raw = S.pattern_record(layout, pattern, np.random.default_rng(S.PATTERNS.index(pattern)))
     data = encode_record(raw, layout, geometry)
     assert len(data) <= F.max_record_bytes(layout)
     assert F.unpack_header(data).geometry == geometry
-    assert np.array_equal(decode_record(data, layout, geometry), raw)
+    assert np.array_equal(decode(data, layout, geometry), raw)
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES[1:], ids=str)
@@ -81,7 +81,7 @@ LANES_AT, BITS_AT = 26, 27  # header bytes (HEADER: ... chunk symbols u16 at 24,
     "at,value,why",
     [(LANES_AT, 12, "not one this build reads"), (BITS_AT, 7, "not one this build reads"), (LANES_AT, 32, "expected")],
 )
-def test_a_header_naming_another_geometry_is_refused(at, value, why):
+def test_a_header_naming_another_geometry_is_refused(at, value, why, decode):
     """One this build cannot read; or a readable one other than the decoder expects (the crc32 does not cover
     the header, so a decoder never takes a record's word for its geometry)."""
     layout = ExpertLayout.build([("w", (2 * CHUNK,), torch.float8_e4m3fn)])
@@ -89,19 +89,19 @@ def test_a_header_naming_another_geometry_is_refused(at, value, why):
     assert F.unpack_dir(data, 0).kind == F.KIND_FP8
     data[at] = value
     with pytest.raises(F.CodecError, match=why):
-        decode_record(bytes(data), layout)
+        decode(bytes(data), layout)
     with pytest.raises(F.CodecError, match="geometry"):
-        decode_record(encode_record(raw_of(layout), layout, F.Geometry(64, 32)), layout)
+        decode(encode_record(raw_of(layout), layout, F.Geometry(64, 32)), layout)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_mixed_chunks_round_trip(seed):
+def test_random_mixed_chunks_round_trip(seed, decode):
     """Chunks of different kinds side by side in one component (tables chosen per chunk)."""
     rng = np.random.default_rng(seed)
     layout = ExpertLayout.build([("w", (6 * CHUNK - 5,), torch.float8_e4m3fn)])
     kinds = rng.choice(S.PATTERNS, 6)
     data = np.concatenate([S.pattern_bytes(k, CHUNK, rng) for k in kinds])[: layout.record_bytes]
-    assert np.array_equal(decode_record(encode_record(data, layout), layout), data)
+    assert np.array_equal(decode(encode_record(data, layout), layout), data)
 
 
 @pytest.mark.parametrize(

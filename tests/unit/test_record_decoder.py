@@ -1,6 +1,7 @@
-"""Both record decoders the SSD tier uses expand a compressed record to the exact raw bytes, and both
-refuse a damaged or foreign record. The device decoder runs its Triton kernel under Triton's interpreter
-on CPU tensors here (tests/unit/conftest.py); the same code runs on the GPU."""
+"""Every record decoder the SSD tier may use expands a compressed record to the exact raw bytes, and each
+refuses a damaged or foreign record. The device decoder runs its Triton kernel under Triton's interpreter
+on CPU tensors here (tests/unit/conftest.py); the same code runs on the GPU. The C one is what
+record_decoder() picks wherever a C compiler is found."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ import torch
 from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import CodecError, encode_record
 from bigmoe_pager.codec import format as F
-from bigmoe_pager.codec.record_decoder import DeviceDecoder, ReferenceDecoder
+from bigmoe_pager.codec.host_decoder import HostDecoder
+from bigmoe_pager.codec.record_decoder import DeviceDecoder, ReferenceDecoder, record_decoder
 from bigmoe_pager.core.layout import ExpertLayout
 
 LAYOUT = ExpertLayout.for_moe(128, 128, torch.float8_e4m3fn, 128)  # FP8 weights (coded) and float32 scales (raw)
 OTHER = ExpertLayout.for_moe(256, 128, torch.float8_e4m3fn, 128)
 
 
-@pytest.fixture(params=["reference", "device"])
+@pytest.fixture(params=["reference", "device", "host"])
 def decoder(request):
+    if request.param == "host":
+        return HostDecoder(LAYOUT)
     pytest.importorskip("triton")
     return ReferenceDecoder() if request.param == "reference" else DeviceDecoder(LAYOUT, "cpu")
 
@@ -55,3 +59,11 @@ def test_damaged_or_foreign_record_is_refused(decoder, sample, damage):
     bad = damaged(sample[1], damage)
     with pytest.raises(CodecError):
         decoder.decode_into(torch.from_numpy(bad), LAYOUT, torch.zeros(LAYOUT.pitch, dtype=torch.uint8))
+
+
+def test_record_decoder_picks_the_c_decoder_and_falls_back_without_a_compiler(monkeypatch, tmp_path):
+    assert isinstance(record_decoder(LAYOUT), HostDecoder)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BIGMOE_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there yet
+    fallback = record_decoder(LAYOUT)
+    assert isinstance(fallback, DeviceDecoder if torch.cuda.is_available() else ReferenceDecoder)

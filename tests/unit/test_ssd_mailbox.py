@@ -23,22 +23,29 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "fp8", num_layers=2, num_experts=6)
 
 
-def _service(ckpt, **kw):
-    store = ckpt.store(io=kw.pop("io", None), retries=kw.pop("retries", 1))
+def _service(ckpt, store=None, **kw):
+    store = store or ckpt.store(io=kw.pop("io", None), retries=kw.pop("retries", 1))
     bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
     kw.setdefault("read_timeout_s", 5.0)
     return SsdService(store, bufs, mailbox=True, max_requests=8, **kw), bufs
 
 
+@pytest.mark.parametrize("source", ["checkpoint", "compressed paging file"])
 @pytest.mark.parametrize("reader", ["native", "python"])
-def test_requests_through_the_mailbox_fill_slots_over_changing_ids(ckpt, reader):
-    """The request kernel's rounds, answered by either reader (the native one's C threads, or the Python ones)."""
-    svc, bufs = _service(ckpt, io_workers=2, reader=reader)
+def test_requests_through_the_mailbox_fill_slots_over_changing_ids(ckpt, reader, source, tmp_path):
+    """The request kernel's rounds, answered by either reader (the native one's C threads, or the Python ones),
+    from the checkpoint or from a compressed paging file (expanded by the Python threads, which then answer
+    whichever reader was asked)."""
+    store = None
+    if source != "checkpoint":
+        store = ckpt.decoded_store(ckpt.compressed_paging_file(tmp_path / "experts.bmpf"))
+    svc, bufs = _service(ckpt, store, io_workers=2, reader=reader)
     experts = torch.full((6,), -1, dtype=torch.int32)  # fixed tensors, rewritten in place as in graph replay
     slots = torch.full((6,), -1, dtype=torch.int32)
     rounds = [(0, [1, 4, -1, 0], [0, 1, -1, 3]), (1, [5, 2], [2, 0]), (0, [3, -1, -1, 2, 1, 0], [1, -1, -1, 2, 0, 3])]
     with svc:
-        assert svc.native == (reader == "native")
+        assert svc.native == (reader == "native" and source == "checkpoint")
+        assert ("cannot plan reads of a DecodedStore" in svc.reader_note) == (reader == "native" and bool(store))
         for layer, ex, sl in rounds:
             experts.fill_(-1)
             slots.fill_(-1)

@@ -27,11 +27,19 @@ def paging_path(ckpt, tmp_path_factory):
     return path
 
 
-@pytest.fixture(params=["checkpoint", "paging-file"])
-def open_store(request, ckpt, paging_path):
-    """A function opening the chosen store, optionally with fake I/O."""
+@pytest.fixture(scope="module")
+def compressed_path(ckpt, tmp_path_factory):
+    return ckpt.compressed_paging_file(tmp_path_factory.mktemp("pfc") / "experts.bmpf")
+
+
+@pytest.fixture(params=["checkpoint", "paging-file", "compressed-paging-file"])
+def open_store(request, ckpt, paging_path, compressed_path):
+    """A function opening the chosen store, optionally with fake I/O (a compressed paging file through the
+    raw-record store both pagers read it by, which expands each record in the reading thread)."""
     if request.param == "checkpoint":
         return lambda **kw: ckpt.store(**kw)
+    if request.param == "compressed-paging-file":
+        return lambda **kw: ckpt.decoded_store(compressed_path, **kw)
     from bigmoe_pager.core.paging_file import PagingFileStore
 
     return lambda **kw: PagingFileStore(paging_path, ckpt.layout, ckpt.meta(), **kw)

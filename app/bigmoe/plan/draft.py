@@ -206,15 +206,13 @@ class Draft:
     @property
     def host_driven(self) -> bool:
         """Which pager pages the experts on CUDA, decided here only: the host-driven one (eager, no CUDA graphs)
-        when --eager asks for it or the SSD tier is compressed (only the host-driven pager expands compressed
-        records as they enter RAM); the device-driven one in CUDA graphs otherwise. Read once compression is
-        chosen."""
-        return settings_rule_host_driven(self.ov.cuda_graphs, codec_records=self.compress)
+        when --eager asks for it; the device-driven one in CUDA graphs otherwise."""
+        return settings_rule_host_driven(self.ov.cuda_graphs)
 
     @property
     def host_driven_because(self) -> str:
         """Why the pager is host-driven, in a few words (only meaningful when host_driven)."""
-        return "--eager" if not self.ov.cuda_graphs else "the SSD tier is compressed"
+        return "--eager"
 
     def _choose_prefill_buffer(self, left: int, per_slot: int) -> tuple[bool, str]:
         """Whether the device-driven pager gets a whole-layer VRAM buffer for big steps (left: VRAM for experts)."""
@@ -441,9 +439,9 @@ class Draft:
             return False, "off: RAM holds every expert, so nothing is read from SSD"
         if self.device == "cuda" and self.ov.cuda_graphs:
             return False, (
-                "off: only the host-driven pager (eager) reads compressed records, and on the H200 it ran "
-                "2.3x slower per token than the device-driven one in CUDA graphs reading raw records from "
-                f"SSD (docs/benchmarks.md); compression would save {1 - CODEC_RATIO:.0%} of SSD bytes "
+                f"off: compressed records would save {1 - CODEC_RATIO:.0%} of SSD bytes, but the SSD tier's "
+                "reader threads expand each one on the CPU (about 0.9 GB/s a core on the dev VM: slower than a "
+                "fast NVMe drive with 4 threads), and no GPU run has weighed the two yet "
                 "(--compress on takes that trade)"
             )
         paging = self.paging_disk()

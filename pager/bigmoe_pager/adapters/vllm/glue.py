@@ -59,7 +59,7 @@ def require_host_driven_mode(vllm_config) -> None:
             f"bigmoe: the expert pager pages from the host each step and cannot run inside CUDA graphs "
             f"(cudagraph_mode={getattr(mode, 'name', mode)}); "
             "start vLLM with --enforce-eager (LLM(enforce_eager=True)), "
-            f"(with BIGMOE_CUDA_GRAPHS=1 and no compressed paging file the device-driven pager runs in graphs)"
+            "or BIGMOE_CUDA_GRAPHS=1 for the device-driven pager, which runs in graphs"
         )
 
 

@@ -17,26 +17,14 @@ from bigmoe_pager.settings import SettingsError
 
 
 class LayerSource:
-    """One MoE layer's view of a store: read_record(expert, dst) fills dst with the raw record.
+    """One MoE layer's view of a store of raw records (a compressed paging file's through codec's DecodedStore):
+    read_record(expert, dst) fills dst with the raw record."""
 
-    decoder: None for raw records, else a codec record decoder (record_decoder.py) that expands
-    the compressed record read into a scratch buffer (pinned where CUDA is, for the GPU decoder).
-    """
-
-    def __init__(self, store, layer: int, layout: ExpertLayout, decoder=None, decoder_lock=None):
-        self.store, self.layer, self.layout, self.decoder = store, layer, layout, decoder
-        pitch = getattr(store, "pitch", layout.pitch)
-        self._scratch = torch.empty(pitch, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) if decoder else None
-        # The decoder's buffers (and this scratch) serve one record at a time, whichever I/O worker reads it.
-        self._decoder_lock = decoder_lock if decoder_lock is not None else threading.Lock()
+    def __init__(self, store, layer: int, layout: ExpertLayout):
+        self.store, self.layer, self.layout = store, layer, layout
 
     def read_record(self, expert: int, dst: torch.Tensor) -> None:
-        if self.decoder is None:
-            self.store.read(self.layer, expert, dst)
-            return
-        with self._decoder_lock:
-            n = self.store.read(self.layer, expert, self._scratch)
-            self.decoder.decode_into(self._scratch[:n], self.layout, dst)
+        self.store.read(self.layer, expert, dst)
 
 
 class SsdStores:
@@ -83,9 +71,9 @@ class SsdStores:
                 opened = _open_paging_file(
                     path, model_dir, layout, num_experts, compressed, self.read_retries, io, self.split
                 )
-                self._stores[key] = (*opened, threading.Lock())  # one decoder per store: one lock for it
-        store, decoder, model_layers, lock = self._stores[key]
-        return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout, decoder, lock)
+                self._stores[key] = opened
+        store, model_layers = self._stores[key]
+        return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout)
 
 
 def _open_paging_file(
@@ -98,13 +86,13 @@ def _open_paging_file(
     io=None,
     split: ReadSplit | None = None,
 ):
-    """The file holds every expert layer the checkpoint names (main model, then MTP head), as prepare wrote it."""
-    codec, version, decoder = "raw", 0, None
+    """The store of raw records over the file, which holds every expert layer the checkpoint names (main model,
+    then MTP head) as prepare wrote it, and the checkpoint's MoE decoder layers."""
+    codec, version = "raw", 0
     if compressed:
         from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION
-        from bigmoe_pager.codec.record_decoder import record_decoder
 
-        codec, version, decoder = CODEC_NAME, CODEC_VERSION, record_decoder(layout)
+        codec, version = CODEC_NAME, CODEC_VERSION
     try:
         model_layers = CheckpointStore(model_dir, layout).model_layers
     except CheckpointError as e:
@@ -116,7 +104,11 @@ def _open_paging_file(
         odirect_ok(path, io)
     except (PagingFileError, ODirectError) as e:
         raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
-    return store, decoder, model_layers
+    if compressed:
+        from bigmoe_pager.codec.record_decoder import DecodedStore, record_decoder
+
+        return DecodedStore(store, record_decoder(layout)), model_layers
+    return store, model_layers
 
 
 def odirect_ok(file: Path, io=None) -> None:
