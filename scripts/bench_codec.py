@@ -9,6 +9,9 @@ and the time to copy+expand one expert from pinned RAM against copying it raw.
 GPU times are CUDA-graph replays (what the pager runs), with the eager call's
 time beside them to show the host launch overhead.
 
+On the CPU it also times the C decoder (codec/host_decode.c) that the SSD tier's
+reader threads expand compressed records with: one thread, and --workers threads.
+
 `--geometries` adds rows for chunk geometries other than the pager's (lanes x
 steps per lane, e.g. 128x16; codec/format.py): the same records cut into more,
 shorter lanes cost chunk-header bytes and shorten one record's expansion on
@@ -30,7 +33,7 @@ import platform
 import shlex
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,7 @@ import torch
 from bigmoe_bench import codec_samples as S
 from bigmoe_pager.codec import format as F  # noqa: E402
 from bigmoe_pager.codec.encode import encode_record  # noqa: E402
+from bigmoe_pager.codec.host_decoder import HostDecoder
 from bigmoe_pager.codec.reference import decode_record  # noqa: E402
 
 MODEL_BYTES = 112.5 * 2**30  # FP8 experts of qwen3.8-flash-next
@@ -82,7 +86,39 @@ def cpu_part(layout, raws: list, workers: int, geometry: F.Geometry) -> tuple[di
         out["encode_workers"] = workers
     best = max(out["encode_GBps"], out.get("encode_GBps_parallel", 0.0))
     out["prepare_112GiB_min"] = round(MODEL_BYTES / (best * 1e9) / 60, 2)
+    out.update(host_decode(layout, records, workers, geometry))
     return out, records
+
+
+def host_decode(layout, records: list, workers: int, geometry: F.Geometry) -> dict:
+    """The C decoder (what the SSD tier's threads expand records with): raw GB/s out of one thread, median of 5
+    passes over the records, and of `workers` threads each expanding its own records at once (ctypes drops the GIL)."""
+    decoder = HostDecoder(layout, geometry, check_crc=False)
+    data = [np.frombuffer(r, np.uint8) for r in records]
+    outs = [np.empty(layout.record_bytes, np.uint8) for _ in range(max(workers, 1))]
+    decoder.decode_into(data[0], layout, outs[0])
+    passes = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for d in data:
+            decoder.decode_into(d, layout, outs[0])
+        passes.append(time.perf_counter() - t0)
+    one = len(data) * layout.record_bytes / float(np.median(passes)) / 1e9
+    out = {"host_decode_GBps": round(one, 3)}
+    if workers > 1:
+        rounds = 4
+
+        def expand(i: int) -> None:
+            for _ in range(rounds):
+                for d in data:
+                    decoder.decode_into(d, layout, outs[i])
+
+        with ThreadPoolExecutor(workers) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(expand, range(workers)))
+            seconds = time.perf_counter() - t0
+        out["host_decode_GBps_threads"] = round(workers * rounds * len(data) * layout.record_bytes / seconds / 1e9, 3)
+    return out
 
 
 def _parallel_GBps(layout, raws: list, workers: int) -> float:
@@ -414,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         "codec_version": F.CODEC_VERSION,
         "command": "PYTHONPATH=pager:app:bench python scripts/bench_codec.py "
         + shlex.join(sys.argv[1:] if argv is None else argv),
-        "scope": "CPU and GPU" if gpu else "CPU only (ratio and encode speed; no decode numbers)",
+        "scope": "CPU and GPU" if gpu else "CPU only (ratio, encode and CPU decode speed; no GPU decode numbers)",
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs",
         "gpu": torch.cuda.get_device_name() if gpu and dev.type == "cuda" else None,
         "model_bytes_for_projection": MODEL_BYTES,
@@ -424,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     print(
         f"{'shape':20s} {'law':10s} {'ratio':>7s} {'bound':>7s} {'gap%':>6s} {'enc GB/s':>9s} {'par GB/s':>9s} "
-        f"{'112GiB min':>10s} {'dec GB/s':>9s} {'exp us':>8s} {'cp+exp us':>9s} {'raw cp us':>9s}"
+        f"{'112GiB min':>10s} {'cpu dec':>8s} {'dec GB/s':>9s} {'exp us':>8s} {'cp+exp us':>9s} {'raw cp us':>9s}"
     )
     for name, (hidden, inter) in shapes.items():
         layout = S.moe_layout(hidden, inter)
@@ -442,12 +478,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name:20s} {row:10s} {law['ratio']:7.4f} {law['entropy_bound_ratio']:7.4f} {law['gap_pct']:6.2f} "
                     f"{law['encode_GBps']:9.3f} {law.get('encode_GBps_parallel', float('nan')):9.3f} "
-                    f"{law['prepare_112GiB_min']:10.1f} "
+                    f"{law['prepare_112GiB_min']:10.1f} {law['host_decode_GBps']:8.2f} "
                     f"{law.get('decode_GBps', float('nan')):9.1f} {law.get('expand_us', float('nan')):8.1f} "
                     f"{law.get('copy_expand_us', float('nan')):9.1f} {law.get('copy_raw_us', float('nan')):9.1f}"
                 )
         head = entry["laws"].get("student_t", {})  # the headline numbers: Student-t(5) weights, the pager's geometry
-        for key in ("ratio", "entropy_bound_ratio", "gap_pct", "encode_GBps", "decode_GBps"):
+        for key in ("ratio", "entropy_bound_ratio", "gap_pct", "encode_GBps", "host_decode_GBps", "decode_GBps"):
             if key in head:
                 entry[key] = head[key]
         result["shapes"][name] = entry
@@ -471,6 +507,8 @@ def markdown(result: dict) -> str:
         ("encode_GBps", "encode GB/s (1 proc)", "{:.3f}"),
         ("encode_GBps_parallel", "encode GB/s (pool)", "{:.3f}"),
         ("prepare_112GiB_min", "112.5 GiB prepare min", "{:.1f}"),
+        ("host_decode_GBps", "CPU decode GB/s (1 thread)", "{:.2f}"),
+        ("host_decode_GBps_threads", "CPU decode GB/s (threads)", "{:.2f}"),
         ("decode_GBps", "decode GB/s", "{:.0f}"),
         ("expand_us", "expand 1 expert us", "{:.1f}"),
         ("expand_eager_us", "expand eager us", "{:.1f}"),
@@ -492,7 +530,9 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "ratio = compressed record / raw record (headers, tables and raw block scales included); per-row bound = "
-        "sign+mantissa raw plus each row's empirical exponent entropy; decode GB/s = decoded output bytes per second "
+        "sign+mantissa raw plus each row's empirical exponent entropy; CPU decode = the C decoder the SSD tier's "
+        "threads expand records with, raw bytes out per second, one thread and one thread per --workers at once; "
+        "decode GB/s = decoded output bytes per second "
         "for a batch of records, best kernel shape, CUDA-graph replay; expand = one record alone in a CUDA graph "
         "(eager: one Python call of decode_into_slots, launch overhead included); copy+expand = pinned RAM -> VRAM "
         "copy of one compressed record and its expansion in one graph, against the raw copy.",

@@ -1,13 +1,16 @@
 """SSD tier throughput: O_DIRECT expert reads with N I/O workers, from a checkpoint and from a paging file.
 
 Writes a synthetic expert checkpoint of a preset's real expert shape (FP8 with
-128x128 scales) under --dir, builds a raw paging file from it, then reads every
-expert in random order, for each worker count:
+128x128 scales, weights drawn from a trained model's law) under --dir, builds a raw
+paging file from it (and with `--sources ...,compressed` a compressed one, read
+through the DecodedStore both pagers use: each record expanded by the C decoder in
+the reading thread), then reads every expert in random order, for each worker count:
 
 - `store`: N threads calling store.read() into their own aligned buffers (the disk's ceiling);
 - `load`: SsdService.load() into RAM slots (staging buffer, checks, slot copy): the host-driven path;
 - `gpu`: (CUDA only) SsdService.request() from device tensors through the pinned mailbox, synced per batch.
 
+GB/s counts raw expert bytes delivered; `disk_gb` the bytes read from the file (fewer for compressed records).
 --piece-kib repeats every row with each expert's read cut into pieces of that many KiB read at once
 (odirect.ReadSplit, BIGMOE_READ_PIECE_KIB; 0 = whole reads): with one worker, a piece count is the disk's queue depth.
 
@@ -29,11 +32,15 @@ from pathlib import Path
 import torch
 from bigmoe_bench import synth_experts
 from bigmoe_bench.disk_reads import read_records
+from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, encode_many
+from bigmoe_pager.codec.record_decoder import DecodedStore, record_decoder
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
 from bigmoe_pager.core.odirect import odirect_works, read_split  # noqa: E402
+from bigmoe_pager.core.paging_build import compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 
+SOURCES = ("checkpoint", "paging-file", "compressed")
 SHAPES = {"qwen3.6-35b-a3b": (2048, 512), "qwen3.8-flash-next": (2560, 640)}  # (hidden, moe intermediate)
 BATCH = 64  # experts per load/request call: about one decode step's SSD misses over a few layers
 
@@ -47,13 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-35b-a3b")
     p.add_argument("--gb", type=float, default=1.5, help="size of the synthetic expert checkpoint, GB")
+    p.add_argument("--experts", type=int, default=256, help="experts a layer (layers make up --gb, at least one)")
     p.add_argument("--workers", default="1,2,4,8,16", help="comma list of I/O worker counts")
     p.add_argument("--modes", default="store,load,gpu", help="comma list of store, load, gpu")
+    p.add_argument(
+        "--sources", default="checkpoint,paging-file", help="comma list of " + ", ".join(SOURCES) + " (the files read)"
+    )
     p.add_argument("--piece-kib", default="0", help="comma list of read piece sizes in KiB (0: whole reads)")
     p.add_argument("--keep", action="store_true", help="keep the test files (DIR/bigmoe-bench-ssd) for the next run")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
     pieces = piece_sizes(p, a.piece_kib)
+    sources = a.sources.split(",")
+    if not sources or any(x not in SOURCES for x in sources):
+        p.error(f"--sources {a.sources!r}: a comma list of {', '.join(SOURCES)}")
 
     a.dir, why, refused = _pick_dir(a.dir.split(","))
     if a.dir is None:
@@ -62,17 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measuring in {a.dir} ({_fstype(a.dir)}); {why}")
     hidden, inter = SHAPES[a.shape]
     layout = synth_experts.make_layout(hidden, inter, True)
-    experts = 256
+    experts = a.experts
     layers = max(1, round(a.gb * 1e9 / (experts * layout.record_bytes)))
     work = a.dir / "bigmoe-bench-ssd"  # the only thing this script creates and removes
     ckpt_dir, pf_path = work / "ckpt", work / "experts.bmpf"
     t0 = time.perf_counter()
-    _prepare(ckpt_dir, pf_path, layout, hidden, inter, layers, experts)
+    _prepare(ckpt_dir, pf_path, layout, hidden, inter, layers, experts, "compressed" in sources)
     prep_s = time.perf_counter() - t0
 
     modes = [m for m in a.modes.split(",") if m != "gpu" or torch.cuda.is_available()]
     results = []
-    for source in ("checkpoint", "paging-file"):
+    for source in sources:
         for workers in (int(w) for w in a.workers.split(",")):
             for mode in modes:
                 for piece in pieces:
@@ -81,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = results[-1]
                     print(
                         f"{source:12s} {mode:6s} workers={workers:3d} pieces={piece:5d} KiB  {r['gbps']:6.2f} GB/s  "
+                        f"(disk {r['disk_gbps']:.2f}) "
                         f"({r['experts']} experts, {r['seconds']:.2f} s)"
                     )
 
@@ -142,22 +157,61 @@ def _fstype(path: Path) -> str:
     return kind
 
 
-def _prepare(ckpt_dir: Path, pf_path: Path, layout, hidden: int, inter: int, layers: int, experts: int) -> None:
-    """Synthetic checkpoint and paging file, reused when a previous run left them (--keep)."""
+def _prepare(
+    ckpt_dir: Path, pf_path: Path, layout, hidden: int, inter: int, layers: int, experts: int, compressed: bool = False
+) -> None:
+    """Synthetic checkpoint and paging files, reused when a previous run left them (--keep)."""
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     if not ckpt_dir.exists():
         tmp = ckpt_dir.with_name(ckpt_dir.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        synth_experts.write_checkpoint(tmp, hidden, inter, layers, experts, fp8=True, shards=max(1, layers))
+        shards = max(1, layers)
+        synth_experts.write_checkpoint(tmp, hidden, inter, layers, experts, fp8=True, shards=shards, law="student_t")
         tmp.rename(ckpt_dir)
     if not pf_path.exists():
         with CheckpointStore(ckpt_dir, layout) as src:
             write_paging_file(pf_path, _meta(layout, layers, experts), src)
+    if compressed and not _compressed_path(pf_path).exists():
+        with CheckpointStore(ckpt_dir, layout) as src:
+            write_paging_file(
+                _compressed_path(pf_path),
+                _meta(layout, layers, experts, True),
+                _Encoded(src),
+                pitch=compressed_pitch(layout),
+            )
     os.sync()  # O_DIRECT reads of dirty pages would wait for writeback inside the timed region
 
 
-def _meta(layout, layers: int, experts: int) -> PagingFileMeta:
-    return PagingFileMeta("bench/synthetic", "0", layout.signature(), layers, experts)
+class _Encoded:
+    """A store whose records come out compressed, encoded ahead on every CPU (codec.encode_many) in key order."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store, self.layout, self.num_layers, self.num_experts = (
+            store,
+            store.layout,
+            store.num_layers,
+            store.num_experts,
+        )
+        keys = ((layer, expert) for layer in range(self.num_layers) for expert in range(self.num_experts))
+        self._records = encode_many((self._raw(*k) for k in keys), self.layout)
+
+    def _raw(self, layer: int, expert: int):
+        buf = torch.empty(self.layout.pitch, dtype=torch.uint8).numpy()
+        return buf[: self.store.read(layer, expert, buf)].copy()
+
+    def read(self, layer: int, expert: int, dst) -> int:
+        record = next(self._records)  # write_paging_file reads in key order
+        dst[: len(record)] = memoryview(record)
+        return len(record)
+
+
+def _compressed_path(pf_path: Path) -> Path:
+    return pf_path.with_name(pf_path.stem + "-codec" + pf_path.suffix)
+
+
+def _meta(layout, layers: int, experts: int, compressed: bool = False) -> PagingFileMeta:
+    codec = dict(codec=CODEC_NAME, codec_version=CODEC_VERSION) if compressed else {}
+    return PagingFileMeta("bench/synthetic", "0", layout.signature(), layers, experts, **codec)
 
 
 def piece_sizes(p: argparse.ArgumentParser, text: str) -> list[int]:
@@ -185,9 +239,13 @@ def opened(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, expe
 
 
 def _open(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int, split=None):
-    """The store of `source` (checkpoint or paging file); split: an odirect.ReadSplit its large reads go through."""
+    """The store of `source` (one of SOURCES); split: an odirect.ReadSplit its large reads go through."""
     if source == "checkpoint":
         return CheckpointStore(ckpt_dir, layout, split=split)
+    if source == "compressed":
+        meta, pitch = _meta(layout, layers, experts, True), compressed_pitch(layout)
+        inner = PagingFileStore(_compressed_path(pf_path), layout, meta, pitch=pitch, split=split)
+        return DecodedStore(inner, record_decoder(layout))
     return PagingFileStore(pf_path, layout, _meta(layout, layers, experts), split=split)
 
 
@@ -198,6 +256,7 @@ def _keys(store, seed: int = 0) -> list[tuple[int, int]]:
 
 def _measure(mode: str, source: str, store, workers: int) -> dict:
     keys = _keys(store)
+    disk_before = store.counters.snapshot()["bytes"]
     t0 = time.perf_counter()
     if mode == "store":
         read_records(store, keys, workers)
@@ -205,6 +264,7 @@ def _measure(mode: str, source: str, store, workers: int) -> dict:
         _service_reads(store, keys, workers, gpu=mode == "gpu")
     seconds = time.perf_counter() - t0
     nbytes = len(keys) * store.layout.record_bytes
+    disk = store.counters.snapshot()["bytes"] - disk_before
     return {
         "source": source,
         "mode": mode,
@@ -213,6 +273,8 @@ def _measure(mode: str, source: str, store, workers: int) -> dict:
         "bytes": nbytes,
         "seconds": seconds,
         "gbps": nbytes / seconds / 1e9,
+        "disk_bytes": disk,
+        "disk_gbps": disk / seconds / 1e9,
     }
 
 

@@ -13,6 +13,7 @@ the safetensors package's own loader (an independent path from the pager's).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -127,12 +128,22 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) ->
 
 
 def _trained(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """FP8 E4M3 weights of a trained model's law (codec_samples' Student-t, per-row scaled), seeded from gen."""
+    """FP8 E4M3 weights drawn byte by byte from a trained model's law (codec_samples' Student-t), seeded from gen."""
+    picks = torch.randint(0, QUANTILES, shape, generator=gen)
+    return _trained_quantiles()[picks].view(torch.float8_e4m3fn)
+
+
+QUANTILES = 1 << 16
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_quantiles() -> torch.Tensor:
+    """The FP8 bytes at QUANTILES evenly spaced ranks of a sample of Student-t weights (uint8): an index drawn
+    uniformly draws a byte as often as the law makes it, a thousand times faster than drawing the weights."""
     from .codec_samples import pattern_bytes
 
-    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    raw = pattern_bytes("student_t", int(np.prod(shape)), rng)
-    return torch.from_numpy(raw).view(torch.float8_e4m3fn).reshape(shape)
+    sample = np.sort(pattern_bytes("student_t", 1 << 22, np.random.default_rng(0)))
+    return torch.from_numpy(sample[np.linspace(0, sample.size - 1, QUANTILES).astype(np.int64)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ def test_each_geometry_gets_its_row_from_the_same_records(tmp_path):
         assert laws[law]["entropy_bound_ratio"] == laws[f"{law}@128x16"]["entropy_bound_ratio"]
         assert laws[law]["ratio"] < laws[f"{law}@128x16"]["ratio"]
     assert shape["ratio"] == laws["student_t"]["ratio"]  # the headline stays the pager's geometry
+    assert all(law["host_decode_GBps"] > 0 for law in laws.values())  # the C decoder, every geometry
 
 
 @pytest.mark.parametrize("geometries", ["12x128", "16x3", "lanes"])

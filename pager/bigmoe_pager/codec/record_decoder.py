@@ -126,6 +126,12 @@ class DecodedStore:
     def close(self) -> None:
         self.inner.close()
 
+    def __enter__(self) -> "DecodedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _scratch(self) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
         if buf is None:
