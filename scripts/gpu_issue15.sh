@@ -36,6 +36,9 @@
 #   ssd-pieces  (the image's torch is enough) scripts/bench_ssd.py with one and four I/O workers, each expert's read
 #          whole and cut into 1 MiB pieces read at once (BIGMOE_READ_PIECE_KIB), checkpoint and paging file: does
 #          this disk read one 3 MB expert faster as pieces?
+#   ssd-codec  (the image's torch is enough) scripts/bench_ssd.py over a raw and a compressed paging file of Student-t
+#          experts with 1, 4, 8 and 16 I/O workers: do the reader threads, expanding each record on the CPU, deliver
+#          more raw GB/s from this disk than raw reads (the question before a compressed SSD tier in vLLM)?
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -129,6 +132,9 @@ for step in "$@"; do
     ssd-pieces)
       timeout 300 python3 scripts/bench_ssd.py --dir /tmp,/var/tmp --gb 1.5 --workers 1,4 --piece-kib 0,1024,0 \
         --modes store,load,gpu --out "$out/ssd-pieces.json" 2>&1 | tail -n 30 ;;
+    ssd-codec)
+      timeout 300 python3 scripts/bench_ssd.py --dir /tmp,/var/tmp --gb 1.5 --workers 1,4,8,16 --modes store,load \
+        --sources paging-file,compressed,paging-file --out "$out/ssd-codec.json" 2>&1 | tail -n 30 ;;
     ssd-gil)
       timeout 300 python3 scripts/bench_ssd_gil.py --dir /tmp --paths load,mailbox --readers python,native \
         --reads "${SSD_GIL_READS:-150}" --batch "${SSD_GIL_BATCH:-1}" --switch-us 5000,200,50 \

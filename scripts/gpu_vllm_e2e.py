@@ -35,6 +35,7 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram40-eager-device          the device-driven pager (BIGMOE_CUDA_GRAPHS=1) without graphs
     vram40-eager-host            the host-driven pager, eager
     vram12-ram50-ssd-codec       12.5% / 50%, the SSD tier reads a compressed paging file (eager)
+    vram12-ram50-ssd-codec-graphs  the same under CUDA graphs (the device-driven pager; records expanded on the CPU)
 
 Each greedily decodes 4 prompts x 128 tokens (one batch of 4, then each prompt alone) and
 one 1,024-token prompt x 32 tokens (chunked prefill through the slots), and times batch-1
@@ -225,6 +226,11 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
             needs_paging_file=True,
             eager=True,
             reference="unpaged-eager",
+        ),
+        Config(
+            f"vram12-ram50-ssd-codec-graphs ({vram12}/{ram50}, paging file, CUDA graphs)",
+            {**ssd, **graphs, "BIGMOE_PAGING_FILE": str(paging_file), "BIGMOE_COMPRESS": "on"},
+            needs_paging_file=True,
         ),
     ]
 
