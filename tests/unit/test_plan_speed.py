@@ -140,3 +140,33 @@ def test_hit_curves_are_the_simulators():
 def test_family_hit_grows_with_slots_and_ends_at_one(family):
     rates = [family_hit(family, s, 512, 10) for s in (0, 5, 10, 35, 100, 218, 400, 511, 512)]
     assert rates == sorted(rates) and rates[0] == 0.0 and rates[-1] == 1.0
+
+
+def test_compressed_records_trade_disk_time_for_cpu_expansion():
+    """Fewer SSD bytes, each read record expanded on the CPU: the estimate counts both, and nothing when RAM holds
+    every expert."""
+    from bigmoe.plan.speed import EXPAND_GBPS, EXPAND_THREADS
+
+    shape = bench_shape()
+    kw = dict(
+        layers=shape["layers"],
+        experts=shape["experts"],
+        top_k=shape["top_k"],
+        resident_bytes=shape["resident_bytes"],
+        record_bytes=shape["record_bytes"],
+        vram_slots=32,
+    )
+    small = int(0.85 * shape["record_bytes"])
+    raw = estimate(H200, "cuda", ssd_record_bytes=shape["record_bytes"], ram_slots=128, hits=((0.8, 0.9),) * 2, **kw)
+    packed = estimate(
+        H200, "cuda", ssd_record_bytes=small, compressed=True, ram_slots=128, hits=((0.8, 0.9),) * 2, **kw
+    )
+    misses = shape["layers"] * shape["top_k"] * (1 - 0.9)
+    disk_saved = misses * (shape["record_bytes"] - small) / (H200.disk_gbps * 1e9) * 1e3
+    expand = misses * shape["record_bytes"] / (EXPAND_GBPS * EXPAND_THREADS * 1e9) * 1e3
+    assert packed.ssd_mib_per_token[0] < raw.ssd_mib_per_token[0]
+    assert packed.tpot_ms[0] == pytest.approx(raw.tpot_ms[0] - disk_saved + expand, abs=0.02)
+    everything = shape["experts"]
+    assert estimate(H200, "cuda", ssd_record_bytes=small, compressed=True, ram_slots=everything, **kw) == estimate(
+        H200, "cuda", ssd_record_bytes=shape["record_bytes"], ram_slots=everything, **kw
+    )

@@ -542,7 +542,7 @@ class Draft:
             host_driven=self.pager and self.device == "cuda" and not graphs,
             prefill_buffer=self.prefill_buffer or not graphs,
         )  # read by the device-driven pager only
-        speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk())
+        speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk(), compressed=self.compress)
         expected = estimate(
             speeds,
             self.device,
@@ -553,6 +553,7 @@ class Draft:
             record_bytes=self.eb,
             ssd_record_bytes=self.ssd_record_bytes,
             eager=self.pager and not graphs,
+            compressed=self.compress,
             vram_slots=self.vram_slots,
             ram_slots=self.ram_slots if self.pager else arch.experts,
         )

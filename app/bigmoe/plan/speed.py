@@ -8,7 +8,8 @@ the assumption and is named as measured.
 The model (checked against every committed H200 measurement by tests/unit/test_plan_speed.py):
 TPOT = a step's fixed cost + a per-layer cost + resident bytes at memory bandwidth
      + VRAM misses x expert bytes at the paged-copy rate
-     + (with an SSD tier) RAM misses x SSD bytes at the disk's rate + a per-layer wait on the read service.
+     + (with an SSD tier) RAM misses x SSD bytes at the disk's rate + a per-layer wait on the read service
+     + (compressed SSD records) RAM misses x raw bytes at the CPU expansion rate of the reader threads.
 Nothing overlaps today (each layer waits for its own misses), so the terms add. Hit rates come
 from the pager's own eviction code replayed over routing families (HIT_CURVES): the optimistic
 end assumes the standard family, the pessimistic end the topic-shift family.
@@ -72,6 +73,11 @@ SSD_LAYER_MS = 0.875
 token more than their SSD bytes at 1.55 GB/s (standard 69.4 ms with 0.043 GB, topic-shift 112.6 ms with 0.102 GB).
 Run 29 (vLLM 0.33, standard) spent 22-39 ms beyond its bytes, with either SSD reader: the wait is one read at a time
 (2.5-3.5 ms each), not the GIL."""
+EXPAND_GBPS = 0.9
+"""Raw GB/s one CPU thread expands compressed records at (codec/host_decode.c on the dev VM's 2-core EPYC:
+docs/bench/codec-cpu-decode.md); assumed for every machine."""
+EXPAND_THREADS = 4
+"""Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default)."""
 HIT_CURVES = {
     "standard": (
         (0.5, 0.2847),
@@ -141,8 +147,9 @@ def gpu_spec(name: str) -> tuple[int, float] | None:
     return None
 
 
-def speeds_for(gpu: Gpu | None, disk: Disk | None) -> Speeds:
-    """The rates for an estimate: measured ones where the probe has them, assumed ones otherwise."""
+def speeds_for(gpu: Gpu | None, disk: Disk | None, compressed: bool = False) -> Speeds:
+    """The rates for an estimate: measured ones where the probe has them, assumed ones otherwise (compressed: the
+    SSD tier's records are expanded on the CPU, whose rate is named too)."""
     measured: list[str] = []
     notes: list[str] = []
     if gpu is None:
@@ -162,6 +169,11 @@ def speeds_for(gpu: Gpu | None, disk: Disk | None) -> Speeds:
             f"decode reaches {DECODE_EFFICIENCY:.0%} of {bandwidth:g} GB/s GPU memory bandwidth (assumed share)"
         )
     disk_gbps = _disk(disk, measured, notes)
+    if compressed:
+        notes.append(
+            f"compressed SSD records are expanded at {EXPAND_GBPS:g} GB/s a thread by {EXPAND_THREADS} reader threads "
+            "(assumed: the dev VM's rate)"
+        )
     notes.append(
         f"tier hit rates of lfu-duel eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
         "(pessimistic) routing families, replayed by scripts/sim_eviction.py (real routing may differ)"
@@ -218,6 +230,7 @@ def estimate(
     vram_slots: int,
     ram_slots: int,
     eager: bool = False,
+    compressed: bool = False,
     hits: tuple[tuple[float, float], tuple[float, float]] | None = None,
 ) -> Estimate:
     """Expected TPOT (module docstring's model), optimistic and pessimistic.
@@ -225,6 +238,8 @@ def estimate(
     `resident_bytes` are the weights one token reads when every expert is resident; `record_bytes`
     one expert as RAM holds it and PCIe moves it (raw); `ssd_record_bytes` as the SSD tier holds it.
     `eager`: a CUDA run without graphs (EAGER_LAYER_MS per layer instead of GRAPH_LAYER_MS).
+    `compressed`: the SSD tier's records are compressed; each read one is expanded on the CPU (EXPAND_GBPS a thread,
+    EXPAND_THREADS at once), after its read in the same thread.
     `hits`: ((vram, vram-or-ram) optimistic, (vram, vram-or-ram) pessimistic) to use instead of
     HIT_CURVES (a measured run's own hit rates).
     """
@@ -245,6 +260,8 @@ def estimate(
         ssd_ms = ssd_bytes / (speeds.disk_gbps * GB) * MS_PER_S + (
             SSD_LAYER_MS * layers if ram_slots < experts else 0.0
         )
+        if compressed:
+            ssd_ms += lookups * (1 - ram_hit) * record_bytes / (EXPAND_GBPS * EXPAND_THREADS * GB) * MS_PER_S
         results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, base_ms + pcie_ms + ssd_ms))
     (v0, r0, p0, s0, t0), (v1, r1, p1, s1, t1) = results
     mib = float(1 << 20)
