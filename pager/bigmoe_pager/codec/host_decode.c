@@ -2,9 +2,7 @@
  *
  * Same bytes as reference.py (numpy) and triton_decode.py (GPU); docs/codec.md has the record layout. Called
  * through ctypes, which lets go of the GIL for the call, so SSD reader threads expand records side by side.
- * A call may cover a share of each component (part of parts): the chunks [chunks*part/parts,
- * chunks*(part+1)/parts) of each coded one and the same share of each raw one's bytes, so one record can be
- * expanded by several threads at once. Every call checks the header, directory, sections and every chunk
+ * Every call checks the header, directory, sections and every chunk
  * header; a lane that does not end exactly at its declared length fails the call. The crc32 is the caller's
  * (the paging file checks its own per record, reference.verify_record checks the header's).
  *
@@ -156,7 +154,7 @@ static int section(ctx_t *c, int64_t off, int64_t size, const char *name) {
 }
 
 static int decode_coded(ctx_t *c, const uint8_t *dir, uint8_t *out, int64_t nbytes, int lanes, int lane_steps,
-                        const uint8_t *verbatim_lut, int part, int parts, const char *name) {
+                        const uint8_t *verbatim_lut, const char *name) {
     const int64_t lane_symbols = (int64_t)STEP_SYMBOLS * lane_steps;
     const int64_t chunk_symbols = lanes * lane_symbols;
     const int64_t chunks = (nbytes + chunk_symbols - 1) / chunk_symbols;
@@ -216,8 +214,7 @@ static int decode_coded(ctx_t *c, const uint8_t *dir, uint8_t *out, int64_t nbyt
     int64_t pos[MAX_LANES], end[MAX_LANES];
     uint8_t exps[MAX_LANES * 4 * 64 + 8]; /* one chunk's exponents, in component order (at most 32768) */
     if (chunk_symbols > (int64_t)sizeof exps - 8) return fail(c, "chunk geometry larger than this decoder's", name);
-    int64_t k0 = chunks * part / parts, k1 = chunks * (part + 1) / parts;
-    for (int64_t k = k0; k < k1; k++) {
+    for (int64_t k = 0; k < chunks; k++) {
         const uint8_t *h = heads + k * header_bytes;
         const uint8_t *lut = luts + (int64_t)h[4] * LUT_ENTRIES;
         int64_t base = u16(h + 6), at = (int64_t)u32(h) * 32, reach = 0;
@@ -234,7 +231,8 @@ static int decode_coded(ctx_t *c, const uint8_t *dir, uint8_t *out, int64_t nbyt
         else if (lanes_checked(words, stream_words, lut, pos, lanes, lane_steps, exps))
             return fail(c, "a lane's codes run past the stream: malformed stream", name);
         for (int j = 0; j < lanes; j++)
-            if (pos[j] != end[j]) return fail(c, "a lane's codes do not end where its length says: malformed stream", name);
+            if (pos[j] != end[j])
+                return fail(c, "a lane's codes do not end where its length says: malformed stream", name);
         int64_t first = k * chunk_symbols;
         int64_t n = nbytes - first < chunk_symbols ? nbytes - first : chunk_symbols;
         join_nibbles(exps, nibs + first / 2, out + first, n);
@@ -246,12 +244,12 @@ static int decode_coded(ctx_t *c, const uint8_t *dir, uint8_t *out, int64_t nbyt
  * raw record to zero (the layout's alignment gaps); names: ncomp NUL-terminated names, end to end. */
 int bxf8_decode(const uint8_t *rec, int64_t len, uint8_t *out, int64_t out_len, const int64_t *comps,
                 int32_t ncomp, const int64_t *gaps, int32_t ngaps, const char *names, uint32_t layout_crc,
-                int64_t raw_bytes, int32_t lanes, int32_t lane_steps, const uint8_t *verbatim_lut, int32_t part,
-                int32_t parts, char *err, int32_t errlen) {
+                int64_t raw_bytes, int32_t lanes, int32_t lane_steps, const uint8_t *verbatim_lut, char *err,
+                int32_t errlen) {
     ctx_t c = {rec, len, err, errlen};
     char msg[200];
-    if (parts < 1 || part < 0 || part >= parts) return fail(&c, "bad share of the record asked", NULL);
-    if (lanes < 1 || lanes > MAX_LANES) return fail(&c, "geometry lanes outside 1..128", NULL);
+    if (lanes < 4 || lanes > MAX_LANES || lanes % 4)
+        return fail(&c, "geometry lanes not a multiple of 4 in 4..128", NULL);
     if (len < HEADER_BYTES) {
         snprintf(msg, sizeof msg, "record is %lld bytes, shorter than its %d-byte header", (long long)len,
                  HEADER_BYTES);
@@ -284,7 +282,8 @@ int bxf8_decode(const uint8_t *rec, int64_t len, uint8_t *out, int64_t out_len, 
         const uint8_t *dir = rec + HEADER_BYTES + (int64_t)i * DIR_BYTES;
         int64_t offset = comps[3 * i], nbytes = comps[3 * i + 1];
         int coded = (int)comps[3 * i + 2], kind = dir[0];
-        if (offset < 0 || nbytes < 0 || offset + nbytes > raw_bytes) return fail(&c, "component outside the record", name);
+        if (offset < 0 || nbytes < 0 || offset + nbytes > raw_bytes)
+            return fail(&c, "component outside the record", name);
         if (!(kind == KIND_RAW || (coded && kind == KIND_FP8))) {
             snprintf(msg, sizeof msg, "directory kind %d, layout allows %s", kind, coded ? "(1, 0)" : "(0,)");
             return fail(&c, msg, name);
@@ -292,15 +291,13 @@ int bxf8_decode(const uint8_t *rec, int64_t len, uint8_t *out, int64_t out_len, 
         if (kind == KIND_RAW) {
             int64_t src = u32(dir + 4);
             if (section(&c, src, nbytes, name)) return -1;
-            int64_t a = nbytes * part / parts, b = nbytes * (part + 1) / parts;
-            memcpy(out + offset + a, rec + src + a, (size_t)(b - a));
-        } else if (decode_coded(&c, dir, out + offset, nbytes, lanes, lane_steps, verbatim_lut, part, parts, name)) {
+            memcpy(out + offset, rec + src, (size_t)nbytes);
+        } else if (decode_coded(&c, dir, out + offset, nbytes, lanes, lane_steps, verbatim_lut, name)) {
             return -1;
         }
     }
-    if (part == 0)
-        for (int g = 0; g < ngaps; g++)
-            if (gaps[2 * g] >= 0 && gaps[2 * g] <= gaps[2 * g + 1] && gaps[2 * g + 1] <= raw_bytes)
-                memset(out + gaps[2 * g], 0, (size_t)(gaps[2 * g + 1] - gaps[2 * g]));
+    for (int g = 0; g < ngaps; g++)
+        if (gaps[2 * g] >= 0 && gaps[2 * g] <= gaps[2 * g + 1] && gaps[2 * g + 1] <= raw_bytes)
+            memset(out + gaps[2 * g], 0, (size_t)(gaps[2 * g + 1] - gaps[2 * g]));
     return 0;
 }

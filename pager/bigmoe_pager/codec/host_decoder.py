@@ -7,7 +7,6 @@ pager's other C files at first use (core/native_build.py); NativeBuildError wher
     HostDecoder(layout).decode_into(data, layout, dst)          checks the header's crc32 too
     HostDecoder(layout, check_crc=False)                        for bytes the caller has just checked (a paging
                                                                 file's own per-record crc32)
-    decode_into(..., part=i, parts=n)                           share i of n of the record: n threads, one record
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ def _bind() -> ctypes.CDLL:
         _u8p, ctypes.c_int64, _u8p, ctypes.c_int64,  # record, its bytes, out, its bytes
         _i64p, ctypes.c_int32, _i64p, ctypes.c_int32, ctypes.c_char_p,  # components, gaps, names
         ctypes.c_uint32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,  # layout crc, raw bytes, geometry
-        _u8p, ctypes.c_int32, ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32,  # verbatim LUT, share, error line
+        _u8p, ctypes.c_char_p, ctypes.c_int32,  # verbatim LUT, error line
     ]  # fmt: skip
     return lib
 
@@ -59,14 +58,13 @@ class HostDecoder:
         self._crc = F.layout_crc(layout)
 
     def decode_into(
-        self, data: torch.Tensor | np.ndarray, layout: ExpertLayout, dst: torch.Tensor | np.ndarray,
-        part: int = 0, parts: int = 1,
-    ) -> None:  # fmt: skip
+        self, data: torch.Tensor | np.ndarray, layout: ExpertLayout, dst: torch.Tensor | np.ndarray
+    ) -> None:
         """data: the compressed record (uint8, exactly its length); dst: uint8 >= layout.record_bytes (CPU)."""
         if layout is not self.layout and layout.signature() != self.layout.signature():
             raise F.CodecError("HostDecoder was built for another layout")
         src, out = _bytes(data, "record"), _bytes(dst, "destination")
-        if self.check_crc and part == 0:
+        if self.check_crc:
             verify_record(src, layout, self.geometry)
         err = ctypes.create_string_buffer(_ERROR_BYTES)
         g = self.geometry
@@ -74,7 +72,7 @@ class HostDecoder:
             src.ctypes.data, src.nbytes, out.ctypes.data, out.nbytes,
             self._comps.ctypes.data_as(_i64p), len(self._comps), self._gaps.ctypes.data_as(_i64p), len(self._gaps),
             self._names, self._crc, layout.record_bytes, g.lanes, g.lane_steps,
-            self._verbatim.ctypes.data, part, parts, err, _ERROR_BYTES,
+            self._verbatim.ctypes.data, err, _ERROR_BYTES,
         )  # fmt: skip
         if rc != 0:
             raise F.CodecError(err.value.decode(errors="replace"))

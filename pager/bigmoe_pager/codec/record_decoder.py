@@ -114,9 +114,9 @@ class DecodedStore:
 
     def read(self, layer: int, expert: int, dst: object) -> int:
         out = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
-        with self._lock:
-            scratch = self._scratch()
-            n = self.inner.read(layer, expert, scratch)
+        scratch = self._scratch()
+        n = self.inner.read(layer, expert, scratch)
+        with self._lock:  # a decoder with one set of buffers expands one record at a time; reads go on meanwhile
             self.decoder.decode_into(scratch[:n], self.layout, out)
         return self.layout.record_bytes
 
