@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from bigmoe_bench import synth_experts
 from bigmoe_bench.disk_reads import read_records
-from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, encode_many
+from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION
 from bigmoe_pager.codec.record_decoder import DecodedStore, record_decoder
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
 from bigmoe_pager.core.odirect import odirect_works, read_split  # noqa: E402
-from bigmoe_pager.core.paging_build import compressed_pitch
+from bigmoe_pager.core.paging_build import EncodedStore, compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 
@@ -176,33 +176,10 @@ def _prepare(
             write_paging_file(
                 _compressed_path(pf_path),
                 _meta(layout, layers, experts, True),
-                _Encoded(src),
+                EncodedStore(src),
                 pitch=compressed_pitch(layout),
             )
     os.sync()  # O_DIRECT reads of dirty pages would wait for writeback inside the timed region
-
-
-class _Encoded:
-    """A store whose records come out compressed, encoded ahead on every CPU (codec.encode_many) in key order."""
-
-    def __init__(self, store: CheckpointStore):
-        self.store, self.layout, self.num_layers, self.num_experts = (
-            store,
-            store.layout,
-            store.num_layers,
-            store.num_experts,
-        )
-        keys = ((layer, expert) for layer in range(self.num_layers) for expert in range(self.num_experts))
-        self._records = encode_many((self._raw(*k) for k in keys), self.layout)
-
-    def _raw(self, layer: int, expert: int):
-        buf = torch.empty(self.layout.pitch, dtype=torch.uint8).numpy()
-        return buf[: self.store.read(layer, expert, buf)].copy()
-
-    def read(self, layer: int, expert: int, dst) -> int:
-        record = next(self._records)  # write_paging_file reads in key order
-        dst[: len(record)] = memoryview(record)
-        return len(record)
 
 
 def _compressed_path(pf_path: Path) -> Path:

@@ -85,13 +85,13 @@ class Checkpoint:
 
     def compressed_paging_file(self, path: Path) -> Path:
         """A paging file of codec records (the pager's own encoder and pitch), written once at path."""
-        from bigmoe_pager.codec import encode_record
-        from bigmoe_pager.core.paging_build import compressed_pitch
+        from bigmoe_pager.core.paging_build import EncodedStore, compressed_pitch
 
         if not path.exists():
             with self.store() as src:
-                encode = lambda raw: encode_record(np.asarray(raw), self.layout)  # noqa: E731
-                write_paging_file(path, self.compressed_meta(), src, encode=encode, pitch=compressed_pitch(self.layout))
+                write_paging_file(
+                    path, self.compressed_meta(), EncodedStore(src, 1), pitch=compressed_pitch(self.layout)
+                )
         return path
 
     def decoded_store(self, path: Path, **kw: object):

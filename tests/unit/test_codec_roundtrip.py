@@ -160,11 +160,24 @@ def test_encode_accepts_a_zero_padded_pitch_and_rejects_other_input():
         encode_record(raw.view(np.int8), layout)
 
 
-def test_encode_many_keeps_order_across_processes():
-    layout = LAYOUTS["moe_small"]
-    rng = np.random.default_rng(2)
-    raws = [S.pattern_record(layout, p, rng) for p in ("gaussian", "random", "constant")]
-    out = list(encode_many(iter(raws), layout, workers=2, geometry=F.Geometry(64, 32)))
+def test_encode_many_keeps_order_across_processes_taking_few_records_ahead():
+    """A whole model's records stream through, in order: never more than AHEAD_PER_WORKER a worker read ahead."""
+    from bigmoe_pager.codec.encode import AHEAD_PER_WORKER
+
+    layout = LAYOUTS["odd"]
+    rng = np.random.default_rng(4)
+    raws = [S.pattern_record(layout, "student_t", rng) for _ in range(12)]
+    taken = []
+
+    def source():
+        for i, raw in enumerate(raws):
+            taken.append(i)
+            yield raw
+
+    out = []
+    for record in encode_many(source(), layout, workers=2, geometry=F.Geometry(64, 32)):
+        assert len(taken) <= len(out) + 1 + AHEAD_PER_WORKER * 2
+        out.append(record)
     assert out == [encode_record(r, layout, F.Geometry(64, 32)) for r in raws]
 
 

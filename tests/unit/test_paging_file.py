@@ -82,6 +82,34 @@ def test_variable_length_codec_records_round_trip(ckpt, tmp_path):
             assert n == rec.size and np.array_equal(buf[:n].numpy(), rec)
 
 
+def test_a_compressed_paging_file_is_the_same_built_on_one_process_or_several(tiny_checkpoint, tmp_path):
+    """build_paging_file encodes on worker processes for a big model; the file is the same byte for byte, and the
+    progress counts every record once, in order."""
+    from bigmoe.model.tinymoe.shape import TinyShape
+    from bigmoe_pager.core.paging_build import build_paging_file
+
+    model = tiny_checkpoint(
+        TinyShape(layers=2, experts=6, top_k=2, hidden=128, moe_intermediate=128), "fp8", seed=5, with_tokenizer=False
+    )
+    seen = []
+    one = build_paging_file(model, tmp_path / "one.bmpf", compress=True, workers=1)
+    two = build_paging_file(model, tmp_path / "two.bmpf", True, lambda done, total: seen.append((done, total)), 2)
+    assert one.read_bytes() == two.read_bytes()
+    assert seen == [(i, 12) for i in range(1, 13)]
+
+
+def test_an_encoded_store_refuses_reads_out_of_key_order(ckpt):
+    from bigmoe_pager.core.paging_build import EncodedStore
+
+    with ckpt.store() as src:
+        store = EncodedStore(src, 1)
+        buf = aligned_empty(2 * ckpt.layout.pitch)
+        assert store.read(0, 0, buf) > 0
+        with pytest.raises(ValueError, match="out of turn"):
+            store.read(0, 2, buf)
+        store.close()
+
+
 @pytest.mark.parametrize("cut", ["header", "index", "records", "trailer", "last-byte"])
 def test_truncated_file_is_refused(ckpt, paging_path, tmp_path, cut):
     data = paging_path.read_bytes()

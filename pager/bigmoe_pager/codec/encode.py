@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import zlib
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -143,7 +144,9 @@ def encode_many(
 ) -> Iterator[bytes]:
     """encode_record over many records, in order, on `workers` processes (default: every CPU).
 
-    Workers are spawned, not forked: the caller may hold threads or a CUDA context.
+    At most AHEAD_PER_WORKER records a worker are taken from `raws` beyond the one yielded, so a whole model's
+    records stream through in bounded memory. Workers are spawned, not forked: the caller may hold threads or a
+    CUDA context.
     """
     workers = workers or os.cpu_count() or 1
     if workers == 1:
@@ -151,12 +154,17 @@ def encode_many(
             yield encode_record(raw, layout, geometry)
         return
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield from pool.map(encode_record, raws, _repeat(layout), _repeat(geometry), chunksize=1)
+        pending: deque = deque()
+        for raw in raws:
+            pending.append(pool.submit(encode_record, raw, layout, geometry))
+            if len(pending) >= AHEAD_PER_WORKER * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
-def _repeat(x):
-    while True:
-        yield x
+AHEAD_PER_WORKER = 2
+"""Records a worker process holds or has queued, at most, in encode_many (one encoding, one waiting)."""
 
 
 def _check_raw(raw: np.ndarray, layout: ExpertLayout) -> np.ndarray:

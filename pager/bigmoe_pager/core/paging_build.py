@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
+from bigmoe_pager.core.odirect import aligned_empty, as_byte_array
 from bigmoe_pager.core.paging_file import PagingFileMeta, write_paging_file
 from bigmoe_pager.core.safetensors_index import CheckpointError
 
@@ -66,31 +68,75 @@ def checkpoint_meta(
     )
 
 
+ENCODE_IN_PROCESS_BYTES = 256 << 20
+"""Raw expert bytes under which a paging file is encoded in this process: spawning workers costs seconds."""
+
+
 def build_paging_file(
-    model_dir: Path, out: Path, compress: bool, progress: Callable[[int, int], None] = lambda done, total: None
+    model_dir: Path,
+    out: Path,
+    compress: bool,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+    workers: int | None = None,
 ) -> Path:
-    """Write every expert of the checkpoint into a paging file at `out` (atomically)."""
+    """Write every expert of the checkpoint into a paging file at `out` (atomically). Compressed records are encoded
+    on `workers` processes (default: every CPU, or this process alone under ENCODE_IN_PROCESS_BYTES)."""
     layout = layout_for_checkpoint(model_dir)
     store = CheckpointStore(model_dir, layout)
-    encode, codec, version, pitch = None, "raw", 0, None
+    total = store.num_layers * store.num_experts
+    source, codec, version, pitch = store, "raw", 0, None
     if compress:
-        from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION, encode_record
+        from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION
 
         codec, version, pitch = CODEC_NAME, CODEC_VERSION, compressed_pitch(layout)
-        encode = lambda raw: encode_record(np.asarray(raw), layout)  # noqa: E731
+        if workers is None:
+            workers = 1 if total * layout.record_bytes < ENCODE_IN_PROCESS_BYTES else os.cpu_count() or 1
+        source = EncodedStore(store, workers)
     meta = checkpoint_meta(model_dir, layout, store.num_layers, store.num_experts, codec, version)
-    total = store.num_layers * store.num_experts
-    counted = _Counting(store, progress, total)
     try:
-        return write_paging_file(out, meta, counted, encode=encode, pitch=pitch)
+        return write_paging_file(out, meta, _Counting(source, progress, total), pitch=pitch)
     finally:
         store.close()
+
+
+class EncodedStore:
+    """`store`'s records, compressed: encoded on `workers` processes a few records ahead of the reads, which must come
+    in key order (layer by layer, expert by expert: write_paging_file's order; read checks it)."""
+
+    def __init__(self, store, workers: int | None = None):
+        from bigmoe_pager.codec import CODEC_NAME, encode_many
+
+        self.store, self.layout = store, store.layout
+        self.num_layers, self.num_experts, self.codec = store.num_layers, store.num_experts, CODEC_NAME
+        self._keys = [(layer, expert) for layer in range(self.num_layers) for expert in range(self.num_experts)]
+        self._next = 0
+        self._records = encode_many((self._raw(*key) for key in self._keys), self.layout, workers)
+
+    def read(self, layer: int, expert: int, dst: object) -> int:
+        """The next record, compressed, into dst (>= its length); ValueError when (layer, expert) is not next."""
+        if self._next >= len(self._keys) or self._keys[self._next] != (layer, expert):
+            raise ValueError(f"EncodedStore reads in key order; ({layer}, {expert}) asked out of turn")
+        self._next += 1
+        record = np.frombuffer(next(self._records), np.uint8)
+        as_byte_array(dst)[: record.size] = record
+        return record.size
+
+    def describe(self, layer: int, expert: int) -> str:
+        return self.store.describe(layer, expert)
+
+    def close(self) -> None:
+        self._records.close()  # stops the workers of an unfinished run
+        self.store.close()
+
+    def _raw(self, layer: int, expert: int) -> np.ndarray:
+        buf = aligned_empty(self.layout.pitch).numpy()
+        return buf[: self.store.read(layer, expert, buf)]
 
 
 class _Counting:
     """An ExpertStore that reports progress as records are read."""
 
-    def __init__(self, store: CheckpointStore, progress: Callable[[int, int], None], total: int):
+    def __init__(self, store, progress: Callable[[int, int], None], total: int):
         self.store, self.progress, self.total, self.done = store, progress, total, 0
         self.layout, self.num_layers, self.num_experts, self.codec = (
             store.layout,
@@ -112,4 +158,11 @@ class _Counting:
         self.store.close()
 
 
-__all__ = ["CheckpointError", "build_paging_file", "checkpoint_fingerprint", "checkpoint_meta", "layout_for_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "EncodedStore",
+    "build_paging_file",
+    "checkpoint_fingerprint",
+    "checkpoint_meta",
+    "layout_for_checkpoint",
+]

@@ -218,18 +218,17 @@ def write_paging_file(
     path: str | os.PathLike,
     meta: PagingFileMeta,
     source: ExpertStore,
-    encode: Callable[[np.ndarray], object] | None = None,
     opener: Callable[[Path], BinaryIO] | None = None,
     pitch: int | None = None,
 ) -> Path:
-    """Copy every record of `source` (optionally through `encode`) into a new paging file at path.
-    `pitch` bounds a record (default: the layout's; an encoder's worst case can be a little larger)."""
-    buf = aligned_empty(source.layout.pitch).numpy()
+    """Copy every record of `source` (in key order; paging_build.EncodedStore gives compressed ones) into a new
+    paging file at path. `pitch` bounds a record (default: the layout's; a compressed one can be a little larger)."""
+    buf = aligned_empty(max(pitch or 0, source.layout.pitch)).numpy()
     with PagingFileWriter(path, meta, pitch or source.layout.pitch, opener=opener) as writer:
         for layer in range(meta.num_layers):
             for expert in range(meta.num_experts):
                 n = source.read(layer, expert, buf)
-                writer.add(layer, expert, encode(buf[:n]) if encode else buf[:n])
+                writer.add(layer, expert, buf[:n])
         return writer.commit()
 
 
