@@ -51,7 +51,8 @@ EXPECTED = {
     ("rtx4090-wsl2", "qwen3.6-35b-a3b"): (None, "cuda", True, "none", False),
     ("rtx4090-wsl2", "qwen3.8-flash-next"): (None, "cuda", True, "checkpoint", False),
     ("rtx3060-32g", "tiny-moe"): (None, "cuda", False, "none", False),
-    ("rtx3060-32g", "qwen3.6-35b-a3b"): (None, "cuda", True, "checkpoint", False),
+    # the checkpoint on SATA (0.5 GB/s assumed), the paging directory on NVMe: compressed records from there are cheaper
+    ("rtx3060-32g", "qwen3.6-35b-a3b"): (None, "cuda", True, "paging file", True),
     ("rtx3060-32g", "qwen3.8-flash-next"): ("too little VRAM for the dense weights", "cuda", True, None, None),
     ("h200", "tiny-moe"): (None, "cuda", False, "none", False),
     ("h200", "qwen3.6-35b-a3b"): (None, "cuda", False, "none", False),
@@ -438,14 +439,24 @@ def test_the_ram_tier_is_planned_at_raw_record_bytes_whatever_the_ssd_tier_holds
     assert p.compress is (compress == "on") and (p.ssd_source == "paging file") is (compress == "on")
 
 
-def test_compression_is_off_by_default_for_the_device_driven_pager_and_on_for_the_host_driven_one():
+# disk read GB/s (measured) of the checkpoint's and the paging directory's disks -> compressed by default
+COMPRESS_BY_DISK = [((3.0, 3.0), False), ((1.5, 1.5), False), ((0.25, 0.25), True), ((0.5, 3.0), True)]
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("rates, compressed", COMPRESS_BY_DISK, ids=str)
+def test_compression_is_chosen_where_a_gb_of_experts_costs_less_compressed(rates, compressed, cuda_graphs):
+    """Either pager: compressed records are read from the paging directory's disk and expanded on the CPU; raw ones
+    from the checkpoint's. The plan compresses where that costs the SSD tier less per GB, by its estimate's model."""
+    hw = machine("rtx4090-wsl2")
+    hw = with_disk(with_disk(hw, "/home/me/models", read_gbps=rates[0]), "/home/me/paging", read_gbps=rates[1])
     preset = presets.load("qwen3.8-flash-next")
-    graphs = plan(machine("rtx4090-wsl2"), preset, dirs("rtx4090-wsl2"))
-    eager = plan(machine("rtx4090-wsl2"), preset, dirs("rtx4090-wsl2", cuda_graphs=False))
-    assert not graphs.compress and "expand" in graphs.reasons["compress"]
-    assert eager.compress and "expanded as it enters RAM" in eager.reasons["compress"]
-    assert eager.ram_slots == graphs.ram_slots  # compression buys no RAM slots
-    assert graphs.estimate.tpot_ms[0] < eager.estimate.tpot_ms[0]  # eager pays vLLM's per-layer overhead
+    p = plan(hw, preset, dirs("rtx4090-wsl2", cuda_graphs=cuda_graphs))
+    assert p.compress is compressed and p.refusals == ()
+    assert ("measured" in p.reasons["compress"]) and ("ms per GB" in p.reasons["compress"])
+    forced = plan(hw, preset, dirs("rtx4090-wsl2", cuda_graphs=cuda_graphs, compress="off" if compressed else "on"))
+    assert forced.ram_slots == p.ram_slots  # compression buys no RAM slots
+    assert p.estimate.tpot_ms[1] < forced.estimate.tpot_ms[1]  # the estimate agrees with the choice
 
 
 def _utilization(p) -> float:

@@ -37,7 +37,15 @@ from bigmoe.plan.memory import (
 )
 from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
 from bigmoe.plan.spec import refusal as spec_refusal
-from bigmoe.plan.speed import estimate, speeds_for
+from bigmoe.plan.speed import (
+    COMPRESS_MARGIN,
+    EXPAND_GBPS,
+    EXPAND_THREADS,
+    disk_read_gbps,
+    estimate,
+    speeds_for,
+    ssd_ms_per_gb,
+)
 from bigmoe.plan.vllm_command import launch_argv, launch_env, max_seqs_of, memory_utilization, pager_settings
 from bigmoe.units import MIB, size_text
 
@@ -437,13 +445,9 @@ class Draft:
             return False, "off: the codec compresses FP8 experts only"
         if raw_fit >= arch.experts:
             return False, "off: RAM holds every expert, so nothing is read from SSD"
-        if self.device == "cuda" and self.ov.cuda_graphs:
-            return False, (
-                f"off: compressed records would save {1 - CODEC_RATIO:.0%} of SSD bytes, but the SSD tier's "
-                "reader threads expand each one on the CPU (about 0.9 GB/s a core on the dev VM: slower than a "
-                "fast NVMe drive with 4 threads), and no GPU run has weighed the two yet "
-                "(--compress on takes that trade)"
-            )
+        packed_ms, raw_ms, cost = self._compressed_cost()
+        if packed_ms > raw_ms * (1 - COMPRESS_MARGIN):
+            return False, f"off: {cost} (--compress on takes that trade)"
         paging = self.paging_disk()
         need = self.paging_bytes + (
             0 if self.same_disk(paging, self.model_disk()) is False else self._checkpoint_new_bytes()
@@ -459,10 +463,24 @@ class Draft:
                 False,
                 f"off: the paging directory is on {'a Windows drive' if paging.windows_drive is True else 'an HDD'}",
             )
-        return True, (
-            f"on: RAM holds {raw_fit} of {arch.experts} experts per layer, the rest come from SSD, and "
-            f"compressed records (ratio {CODEC_RATIO}, assumed) shrink those reads by {1 - CODEC_RATIO:.0%}; "
-            "each is expanded as it enters RAM"
+        return True, f"on: RAM holds {raw_fit} of {arch.experts} experts per layer, the rest come from SSD; {cost}"
+
+    def _compressed_cost(self) -> tuple[float, float, str]:
+        """(ms per GB of experts the SSD tier spends compressed, raw, and the comparison in words): compressed
+        records are read from the paging file's disk and expanded on the CPU, raw ones from the checkpoint's."""
+        packed_gbps, packed_measured = disk_read_gbps(self.paging_disk())
+        raw_gbps, raw_measured = disk_read_gbps(self.model_disk())
+        packed, raw = ssd_ms_per_gb(packed_gbps, CODEC_RATIO), ssd_ms_per_gb(raw_gbps)
+        how = {True: "measured", False: "assumed"}
+        return (
+            packed,
+            raw,
+            (
+                f"compressed records (ratio {CODEC_RATIO}, assumed) read at {packed_gbps:g} GB/s "
+                f"({how[packed_measured]}) and expanded on the CPU at {EXPAND_GBPS:g} GB/s x {EXPAND_THREADS} threads "
+                f"(assumed) cost {packed:.0f} ms per GB of experts, raw ones from the checkpoint at {raw_gbps:g} GB/s "
+                f"({how[raw_measured]}) {raw:.0f} ms"
+            ),
         )
 
     @property

@@ -78,6 +78,10 @@ EXPAND_GBPS = 0.9
 docs/bench/codec-cpu-decode.md); assumed for every machine."""
 EXPAND_THREADS = 4
 """Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default)."""
+EXPAND_MS_PER_GB = MS_PER_S / (EXPAND_GBPS * EXPAND_THREADS)
+"""ms of the SSD tier's time per GB of raw records it expands (each after its read, in the thread that read it)."""
+COMPRESS_MARGIN = 0.05
+"""`--compress auto` compresses only when a GB of experts costs the SSD tier this share less compressed than raw."""
 HIT_CURVES = {
     "standard": (
         (0.5, 0.2847),
@@ -197,12 +201,29 @@ def _pcie(gpu: Gpu, measured: list[str], notes: list[str]) -> float:
     return pcie
 
 
-def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
+def disk_read_gbps(disk: Disk | None) -> tuple[float, bool]:
+    """The SSD tier's read rate from `disk` in GB/s, and whether the probe measured it (else: assumed by kind)."""
     if disk is not None and isinstance(disk.read_gbps, float) and disk.read_gbps > 0:
-        measured.append(f"SSD tier reads at {disk.read_gbps:.2f} GB/s (measured on {disk.path}: {disk.read_basis})")
-        return disk.read_gbps
+        return disk.read_gbps, True
+    kind = disk.kind if disk is not None else None
+    return (DISK_GBPS.get(kind, UNKNOWN_DISK_GBPS) if isinstance(kind, str) else UNKNOWN_DISK_GBPS), False
+
+
+def ssd_ms_per_gb(disk_gbps: float, ratio: float | None = None) -> float:
+    """ms the SSD tier spends per GB of raw expert records it delivers from a disk reading disk_gbps; with `ratio`
+    (compressed records) it reads that share of the bytes and expands every record (EXPAND_MS_PER_GB): the estimate's
+    model."""
+    if ratio is None:
+        return MS_PER_S / disk_gbps
+    return ratio * MS_PER_S / disk_gbps + EXPAND_MS_PER_GB
+
+
+def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
+    gbps, was_measured = disk_read_gbps(disk)
+    if was_measured:
+        measured.append(f"SSD tier reads at {gbps:.2f} GB/s (measured on {disk.path}: {disk.read_basis})")
+        return gbps
     kind = disk.kind if disk is not None else Unknown("the model's disk was not probed")
-    gbps = DISK_GBPS.get(kind, UNKNOWN_DISK_GBPS) if isinstance(kind, str) else UNKNOWN_DISK_GBPS
     why = (
         "the disk was not probed"
         if disk is None
@@ -261,7 +282,7 @@ def estimate(
             SSD_LAYER_MS * layers if ram_slots < experts else 0.0
         )
         if compressed:
-            ssd_ms += lookups * (1 - ram_hit) * record_bytes / (EXPAND_GBPS * EXPAND_THREADS * GB) * MS_PER_S
+            ssd_ms += lookups * (1 - ram_hit) * record_bytes / GB * EXPAND_MS_PER_GB
         results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, base_ms + pcie_ms + ssd_ms))
     (v0, r0, p0, s0, t0), (v1, r1, p1, s1, t1) = results
     mib = float(1 << 20)
