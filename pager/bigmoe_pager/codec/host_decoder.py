@@ -52,7 +52,7 @@ class HostDecoder:
         self.layout, self.geometry, self.check_crc = layout, geometry, check_crc
         comps = [(c.offset, c.nbytes, int(F.is_coded(c))) for c in layout.components]
         self._comps = np.ascontiguousarray(comps, dtype=np.int64)
-        self._gaps = np.ascontiguousarray(_gaps(layout) or [(0, 0)], dtype=np.int64)
+        self._gaps = np.ascontiguousarray(layout.gaps or [(0, 0)], dtype=np.int64)  # zeroed in the record
         self._names = b"".join(c.name.encode() + b"\0" for c in layout.components)
         self._verbatim = np.ascontiguousarray(verbatim_table().lut, dtype=np.uint8)
         self._crc = F.layout_crc(layout)
@@ -84,15 +84,3 @@ def _bytes(x: torch.Tensor | np.ndarray, what: str) -> np.ndarray:
     if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
         raise F.CodecError(f"{what}: 1-D contiguous uint8 host bytes expected, got {arr.dtype} {arr.shape}")
     return arr
-
-
-def _gaps(layout: ExpertLayout) -> list[tuple[int, int]]:
-    """Byte ranges of the raw record no component covers (alignment padding): they decode to zeros."""
-    gaps, at = [], 0
-    for c in sorted(layout.components, key=lambda c: c.offset):
-        if c.offset > at:
-            gaps.append((at, c.offset))
-        at = max(at, c.offset + c.nbytes)
-    if at < layout.record_bytes:
-        gaps.append((at, layout.record_bytes))
-    return gaps

@@ -104,7 +104,7 @@ class CheckpointStore:
                 f"{self.root}: no experts for decoder layers {unknown[:5]} (it has {self.names.layers})"
             )
         self._runs = self._plan(index, self.names)
-        self._gaps = _gaps(layout)
+        self._gaps = layout.gaps
         files = sorted({run.file for runs in self._runs for run in runs})
         self._files = {p: DirectFile(p, retries=retries, io=io, counters=self.counters, split=split) for p in files}
 
@@ -129,7 +129,7 @@ class CheckpointStore:
                 for src, dst_off, n in run.pieces:
                     plan.piece(staged + src, dst_off, n)
             plan.end_key(self.layout.record_bytes)
-        return plan.build(self._gaps)
+        return plan.build(list(self._gaps))
 
     def describe(self, layer: int, expert: int) -> str:
         runs = self._runs[self._key(layer, expert)]
@@ -176,16 +176,6 @@ class CheckpointStore:
         if missing:
             raise CheckpointError(f"{self.root}: {len(missing)} expert tensors missing, e.g. {', '.join(missing[:3])}")
         return plans
-
-
-def _gaps(layout: ExpertLayout) -> list[tuple[int, int]]:
-    """Byte ranges of a record between components (alignment padding), zeroed so records are deterministic."""
-    gaps, pos = [], 0
-    for comp in sorted(layout.components, key=lambda c: c.offset):
-        if comp.offset > pos:
-            gaps.append((pos, comp.offset))
-        pos = max(pos, comp.offset + comp.nbytes)
-    return gaps
 
 
 def _component_sources(comp) -> list[tuple[str, tuple[int, ...], object, int]]:

@@ -78,6 +78,16 @@ class ExpertLayout:
     def _by_name(self) -> dict[str, Component]:
         return {c.name: c for c in self.components}
 
+    @cached_property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """Byte ranges [start, end) of a record between components (alignment padding), which readers zero."""
+        gaps, pos = [], 0
+        for comp in sorted(self.components, key=lambda c: c.offset):
+            if comp.offset > pos:
+                gaps.append((pos, comp.offset))
+            pos = max(pos, comp.offset + comp.nbytes)
+        return tuple(gaps)
+
     def views(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of the components of one record (a uint8 tensor of >= record_bytes)."""
         return {c.name: record[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape) for c in self.components}
