@@ -43,13 +43,14 @@ def slot_bytes(pager: DeviceLayerPager, slot: int) -> torch.Tensor:
     return torch.cat([pager.buffers[c.name][slot].reshape(-1).view(torch.uint8) for c in pager.layout.components])
 
 
-def build(ckpt, vram: int, ram: int, read_ahead: bool, io=None, service_read_ahead=None, **service):
-    """Both layers' pagers, loaded as the engine loads them, over one SSD service (mailbox, interpreter)."""
+def build(ckpt, vram: int, ram: int, read_ahead: bool, io=None, service_read_ahead=None, store=None, **service):
+    """Both layers' pagers, loaded as the engine loads them, over one SSD service (mailbox, interpreter) reading
+    `store` (default: the checkpoint)."""
     stats = PagerStats(LAYERS)
     pagers = loaded_layers(ckpt, TierSizes(EXPERTS, vram, ram), "cpu", stats, read_ahead=read_ahead)
     service.setdefault("read_timeout_s", 5.0)
     svc = SsdService(
-        ckpt.store(io=io, retries=1),
+        store or ckpt.store(io=io, retries=1),
         [p.ram.records for p in pagers],
         mailbox=True,
         read_ahead=read_ahead if service_read_ahead is None else service_read_ahead,
@@ -131,6 +132,21 @@ def test_steps_read_the_same_bytes_with_read_ahead_on_and_off(ckpt, vram, ram, a
         assert ram_on.prefetch_used > 0
     if accuracy == 0.0:
         assert ram_on.prefetch_used == 0
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_the_device_driven_pager_reads_a_compressed_paging_file(ckpt, tmp_path, read_ahead):
+    """The steps the CUDA graphs replay, over an SSD tier of codec records: each read record is expanded by the
+    reader thread before it enters its RAM row, so the kernel reads the checkpoint's bytes."""
+    store = ckpt.decoded_store(ckpt.compressed_paging_file(tmp_path / "experts.bmpf"))
+    assert store.inner.codec != "raw"
+    ids, pred = routing(6, 0.6, seed=5)
+    pagers, svc, stats = build(ckpt, 2, 4, read_ahead, store=store)
+    with svc:
+        decode(ckpt, pagers, svc, ids, pred, read_ahead)  # asserts every slot's bytes
+        svc.check()
+        ssd = stats.snapshot()["ssd"]
+    assert ssd.lookups > 0 and ssd.errors == 0
 
 
 def _reads_settled(svc: SsdService, expected: int, within_s: float = 10.0) -> int:
