@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __SSE2__
 #include <emmintrin.h>
@@ -77,15 +78,44 @@ static inline uint32_t lane_step(const uint8_t *words, const uint8_t *lut, int64
     return (e0 & 15) | (e1 & 15) << 8 | (e2 & 15) << 16 | (e3 & 15) << 24;
 }
 
+#define PAIR_BITS 12
+#define PAIR_ENTRIES (1 << PAIR_BITS)
+#define PAIR_FITS (1u << 24)
+
+/* Two codes a lookup: for each value of the next 12 stream bits, the exponents of the first two codes (bytes 0 and
+ * 1), the bits both take (byte 2) and PAIR_FITS, or 0 where the two codes do not fit in 12 bits. A code is known by
+ * its first bits, so the second is right whenever it fits, whatever the bits past the twelve. */
+static void build_pairs(const uint8_t *lut, uint32_t *pairs) {
+    for (uint32_t v = 0; v < PAIR_ENTRIES; v++) {
+        uint32_t e0 = lut[v >> (PAIR_BITS - MAX_CODE_BITS)], l0 = e0 >> 4;
+        uint32_t rest = (v << l0) & (PAIR_ENTRIES - 1);
+        uint32_t e1 = lut[rest >> (PAIR_BITS - MAX_CODE_BITS)], l1 = e1 >> 4;
+        pairs[v] = l0 + l1 <= PAIR_BITS ? PAIR_FITS | (l0 + l1) << 16 | (e1 & 15) << 8 | (e0 & 15) : 0;
+    }
+}
+
+/* lane_step through the pair table: two lookups for the step's four codes when each pair fits, else lane_step. */
+static inline uint32_t lane_step_pairs(const uint8_t *words, const uint32_t *pairs, const uint8_t *lut, int64_t *p) {
+    uint64_t w = window_at(words, *p);
+    uint32_t a = pairs[w >> (64 - PAIR_BITS)];
+    uint32_t la = (a >> 16) & 0xFF;
+    uint32_t b = pairs[(w << la) >> (64 - PAIR_BITS)];
+    if (__builtin_expect((a & b & PAIR_FITS) != 0, 1)) {
+        *p += la + ((b >> 16) & 0xFF);
+        return (a & 0xFFFF) | (b & 0xFFFF) << 16;
+    }
+    return lane_step(words, lut, p);
+}
+
 /* Every step of a chunk's lanes, four lanes side by side (independent chains of dependent table loads, which is
  * what bounds a Huffman decoder); lane j's step s lands at exps[4 * (s * lanes + j)]. */
-static void lanes_unchecked(const uint8_t *words, const uint8_t *lut, int64_t *pos, int lanes, int lane_steps,
-                            uint8_t *exps) {
+static void lanes_unchecked(const uint8_t *words, const uint32_t *pairs, const uint8_t *lut, int64_t *pos, int lanes,
+                            int lane_steps, uint8_t *exps) {
     for (int j = 0; j < lanes; j += 4) {
         int64_t p0 = pos[j], p1 = pos[j + 1], p2 = pos[j + 2], p3 = pos[j + 3];
         for (int s = 0; s < lane_steps; s++) {
-            uint32_t a = lane_step(words, lut, &p0), b = lane_step(words, lut, &p1);
-            uint32_t c = lane_step(words, lut, &p2), d = lane_step(words, lut, &p3);
+            uint32_t a = lane_step_pairs(words, pairs, lut, &p0), b = lane_step_pairs(words, pairs, lut, &p1);
+            uint32_t c = lane_step_pairs(words, pairs, lut, &p2), d = lane_step_pairs(words, pairs, lut, &p3);
             uint8_t *dst = exps + 4 * ((int64_t)s * lanes + j);
             memcpy(dst, &a, 4);
             memcpy(dst + 4, &b, 4);
@@ -214,6 +244,10 @@ static int decode_coded(ctx_t *c, const uint8_t *dir, uint8_t *out, int64_t nbyt
     int64_t pos[MAX_LANES], end[MAX_LANES];
     uint8_t exps[MAX_LANES * 4 * 64 + 8]; /* one chunk's exponents, in component order (at most 32768) */
     if (chunk_symbols > (int64_t)sizeof exps - 8) return fail(c, "chunk geometry larger than this decoder's", name);
+    uint32_t *pairs = malloc((size_t)tables * PAIR_ENTRIES * sizeof *pairs); /* 16 KiB a table, built on use */
+    uint32_t built = 0;
+    if (!pairs) return fail(c, "out of memory for the decoder's tables", name);
+    int rc = 0;
     for (int64_t k = 0; k < chunks; k++) {
         const uint8_t *h = heads + k * header_bytes;
         const uint8_t *lut = luts + (int64_t)h[4] * LUT_ENTRIES;
@@ -226,18 +260,25 @@ static int decode_coded(ctx_t *c, const uint8_t *dir, uint8_t *out, int64_t nbyt
         }
         /* A lane moves at most 8 bits a symbol, so when no lane can reach past the coded words whatever its bits
          * say, the windows need no bound checks (every chunk but the last few of a component). */
-        if (reach <= 32 * stream_words)
-            lanes_unchecked(words, lut, pos, lanes, lane_steps, exps);
-        else if (lanes_checked(words, stream_words, lut, pos, lanes, lane_steps, exps))
-            return fail(c, "a lane's codes run past the stream: malformed stream", name);
-        for (int j = 0; j < lanes; j++)
-            if (pos[j] != end[j])
-                return fail(c, "a lane's codes do not end where its length says: malformed stream", name);
-        int64_t first = k * chunk_symbols;
-        int64_t n = nbytes - first < chunk_symbols ? nbytes - first : chunk_symbols;
+        const char *why = NULL;
+        if (reach <= 32 * stream_words) {
+            uint32_t *pair = pairs + (int64_t)h[4] * PAIR_ENTRIES;
+            if (!(built >> h[4] & 1)) build_pairs(lut, pair), built |= 1u << h[4];
+            lanes_unchecked(words, pair, lut, pos, lanes, lane_steps, exps);
+        } else if (lanes_checked(words, stream_words, lut, pos, lanes, lane_steps, exps)) {
+            why = "a lane's codes run past the stream: malformed stream";
+        }
+        for (int j = 0; j < lanes && !why; j++)
+            if (pos[j] != end[j]) why = "a lane's codes do not end where its length says: malformed stream";
+        if (why) {
+            rc = fail(c, why, name);
+            break;
+        }
+        int64_t first = k * chunk_symbols, n = nbytes - first < chunk_symbols ? nbytes - first : chunk_symbols;
         join_nibbles(exps, nibs + first / 2, out + first, n);
     }
-    return 0;
+    free(pairs);
+    return rc;
 }
 
 /* comps: ncomp rows of (offset in the raw record, bytes, coded 0/1); gaps: ngaps rows of (start, end) of the
