@@ -73,9 +73,9 @@ SSD_LAYER_MS = 0.875
 token more than their SSD bytes at 1.55 GB/s (standard 69.4 ms with 0.043 GB, topic-shift 112.6 ms with 0.102 GB).
 Run 29 (vLLM 0.33, standard) spent 22-39 ms beyond its bytes, with either SSD reader: the wait is one read at a time
 (2.5-3.5 ms each), not the GIL."""
-EXPAND_GBPS = 0.9
-"""Raw GB/s one CPU thread expands compressed records at (codec/host_decode.c on the dev VM's 2-core EPYC:
-docs/bench/codec-cpu-decode.md); assumed for every machine."""
+EXPAND_GBPS = 1.4
+"""Raw GB/s one CPU thread expands compressed records at (codec/host_decode.c on the dev VM's 2-core EPYC, 1.35-1.44
+over both laws and expert shapes: docs/bench/codec-cpu-decode.md); assumed for every machine."""
 EXPAND_THREADS = 4
 """Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default)."""
 EXPAND_MS_PER_GB = MS_PER_S / (EXPAND_GBPS * EXPAND_THREADS)

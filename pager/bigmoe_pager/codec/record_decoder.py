@@ -4,7 +4,7 @@ Both pagers keep raw records in their RAM tier, so a compressed record read from
 before it enters RAM: `DecodedStore` is an ExpertStore of raw records over the paging file's store, and the SSD
 tier reads it like any other. Three decoders, same bytes:
 
-    HostDecoder(layout)         C on the CPU (host_decoder.py): about 0.9 GB/s a core on the dev VM, no GIL held,
+    HostDecoder(layout)         C on the CPU (host_decoder.py): about 1.4 GB/s a core on the dev VM, no GIL held,
                                 one record per SSD reader thread at once
     DeviceDecoder(layout, dev)  the Triton kernel on the GPU, then one copy back (one record at a time)
     ReferenceDecoder()          numpy, on the CPU (seconds per 3 MiB expert)
