@@ -51,8 +51,8 @@ EXPECTED = {
     ("rtx4090-wsl2", "qwen3.6-35b-a3b"): (None, "cuda", True, "none", False),
     ("rtx4090-wsl2", "qwen3.8-flash-next"): (None, "cuda", True, "checkpoint", False),
     ("rtx3060-32g", "tiny-moe"): (None, "cuda", False, "none", False),
-    # the checkpoint on SATA (0.5 GB/s assumed), the paging directory on NVMe: compressed records from there are cheaper
-    ("rtx3060-32g", "qwen3.6-35b-a3b"): (None, "cuda", True, "paging file", True),
+    # the checkpoint on SATA (0.5 GB/s assumed), the paging directory on NVMe: a raw copy there is six times cheaper
+    ("rtx3060-32g", "qwen3.6-35b-a3b"): (None, "cuda", True, "paging file", False),
     ("rtx3060-32g", "qwen3.8-flash-next"): ("too little VRAM for the dense weights", "cuda", True, None, None),
     ("h200", "tiny-moe"): (None, "cuda", False, "none", False),
     ("h200", "qwen3.6-35b-a3b"): (None, "cuda", False, "none", False),
@@ -439,24 +439,42 @@ def test_the_ram_tier_is_planned_at_raw_record_bytes_whatever_the_ssd_tier_holds
     assert p.compress is (compress == "on") and (p.ssd_source == "paging file") is (compress == "on")
 
 
-# disk read GB/s (measured) of the checkpoint's and the paging directory's disks -> compressed by default
-COMPRESS_BY_DISK = [((3.0, 3.0), False), ((1.5, 1.5), False), ((0.25, 0.25), True), ((0.5, 3.0), True)]
+# read GB/s (measured) of the checkpoint's disk and the paging directory's -> the SSD tier's source, compressed
+SSD_BY_DISK = [
+    ((3.0, 3.0), "checkpoint", False),
+    ((0.25, 0.25), "checkpoint", False),  # a second copy on as slow a disk: compression saves under 20%
+    ((0.5, 3.0), "paging file", False),  # a raw copy on the fast disk: no CPU spent, cheaper than compressed
+    ((0.15, 0.4), "paging file", True),  # a slow paging disk too: 14% fewer bytes outweigh the expansion
+]
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("rates, compressed", COMPRESS_BY_DISK, ids=str)
-def test_compression_is_chosen_where_a_gb_of_experts_costs_less_compressed(rates, compressed, cuda_graphs):
-    """Either pager: compressed records are read from the paging directory's disk and expanded on the CPU; raw ones
-    from the checkpoint's. The plan compresses where that costs the SSD tier less per GB, by its estimate's model."""
+@pytest.mark.parametrize("rates, source, compressed", SSD_BY_DISK, ids=str)
+def test_the_ssd_tier_reads_where_a_gb_of_experts_costs_least(rates, source, compressed, cuda_graphs):
+    """Either pager: the checkpoint in place, or a paging file of raw or compressed records, priced per GB of experts
+    by the estimate's model; a paging file (a second copy) only where clearly cheaper."""
     hw = machine("rtx4090-wsl2")
     hw = with_disk(with_disk(hw, "/home/me/models", read_gbps=rates[0]), "/home/me/paging", read_gbps=rates[1])
     preset = presets.load("qwen3.8-flash-next")
     p = plan(hw, preset, dirs("rtx4090-wsl2", cuda_graphs=cuda_graphs))
-    assert p.compress is compressed and p.refusals == ()
-    assert ("measured" in p.reasons["compress"]) and ("ms per GB" in p.reasons["compress"])
-    forced = plan(hw, preset, dirs("rtx4090-wsl2", cuda_graphs=cuda_graphs, compress="off" if compressed else "on"))
-    assert forced.ram_slots == p.ram_slots  # compression buys no RAM slots
-    assert p.estimate.tpot_ms[1] < forced.estimate.tpot_ms[1]  # the estimate agrees with the choice
+    assert (p.ssd_source, p.compress, p.refusals) == (source, compressed, ())
+    assert (p.paging_file is not None) == (source == "paging file")
+    assert "measured" in p.reasons["compress"] and "ms per GB" in p.reasons["compress"]
+    other = plan(hw, preset, dirs("rtx4090-wsl2", cuda_graphs=cuda_graphs, compress="off" if compressed else "on"))
+    assert other.ram_slots == p.ram_slots  # the SSD tier's form buys no RAM slots
+    if source == "paging file":  # the estimate agrees (a checkpoint may be kept within PAGING_MARGIN of a copy)
+        assert p.estimate.tpot_ms[1] < other.estimate.tpot_ms[1]
+
+
+def test_a_raw_paging_file_is_planned_on_disk_and_built_raw():
+    hw = with_disk(machine("rtx4090-wsl2"), "/home/me/models", read_gbps=0.4)
+    p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))
+    assert (p.ssd_source, p.compress) == ("paging file", False)
+    assert "raw records" in p.reasons["ssd_source"]
+    row = next(r for t in p.memory if t.tier.startswith("disk ") for r in t.rows if r.item == "paging file")
+    assert row.bytes == p.experts * p.layers * p.expert_bytes and "raw records" in row.reason
+    settings = PagerSettings.from_env(p.env)
+    assert settings.paging_file is not None and not settings.use_codec()
 
 
 def _utilization(p) -> float:

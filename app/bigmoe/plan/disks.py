@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from bigmoe.machine.hardware import Disk, Unknown
 from bigmoe.plan.memory import DISK_HEADROOM_BYTES, MemoryRow, MemoryTable
+from bigmoe.plan.ssd_choice import paging_file_bytes
 from bigmoe.units import MIB, size_text
 
 if TYPE_CHECKING:
@@ -19,12 +20,13 @@ def disk_tables(d: "Draft") -> None:
     model_disk, paging_disk = d.model_disk(), d.paging_disk()
     checkpoint = MemoryRow("checkpoint", d.checkpoint_bytes, _checkpoint_reason(d))
     groups: list[tuple[Disk | None, str, list[MemoryRow]]] = [(model_disk, model_dir, [checkpoint])]
-    if d.compress:
+    if d.paging:
         arch = d.preset.arch
         paging = MemoryRow(
             "paging file",
-            d.paging_bytes,
-            f"{arch.experts} x {arch.moe_layers} experts x {d.eb / MIB:.2f} MiB x codec ratio (assumed)",
+            paging_file_bytes(d, d.compress),
+            f"{arch.experts} x {arch.moe_layers} experts x {d.eb / MIB:.2f} MiB"
+            + (" x codec ratio (assumed)" if d.compress else " (raw records)"),
         )
         if d.same_disk(model_disk, paging_disk) is True:
             groups[0][2].append(paging)
@@ -76,7 +78,7 @@ def _check_safety(d: "Draft", model_disk: Disk | None, paging_disk: Disk | None)
     model_dir, paging_dir = d.dirs()
     for disk, path, what in (
         (model_disk, model_dir, "model"),
-        (paging_disk if d.compress else None, paging_dir, "paging"),
+        (paging_disk if d.paging else None, paging_dir, "paging"),
     ):
         if disk is not None and disk.windows_drive is True:
             d.refusals.append(

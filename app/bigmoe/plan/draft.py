@@ -19,7 +19,6 @@ from bigmoe.plan.inputs import Overrides, default_dirs
 from bigmoe.plan.memory import (
     CODEC_RATIO,
     CUDA_CONTEXT_BYTES,
-    DISK_HEADROOM_BYTES,
     NGRAM_PAGE_CACHE_BYTES,
     RAM_HEADROOM,
     VLLM_HOST_BYTES,
@@ -37,15 +36,8 @@ from bigmoe.plan.memory import (
 )
 from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
 from bigmoe.plan.spec import refusal as spec_refusal
-from bigmoe.plan.speed import (
-    COMPRESS_MARGIN,
-    EXPAND_GBPS,
-    EXPAND_THREADS,
-    disk_read_gbps,
-    estimate,
-    speeds_for,
-    ssd_ms_per_gb,
-)
+from bigmoe.plan.speed import estimate, speeds_for
+from bigmoe.plan.ssd_choice import choose as choose_ssd
 from bigmoe.plan.vllm_command import launch_argv, launch_env, max_seqs_of, memory_utilization, pager_settings
 from bigmoe.units import MIB, size_text
 
@@ -78,6 +70,7 @@ class Draft:
     dtype: str = "bf16"
     vram_slots: int = 0
     ram_slots: int = 0
+    paging: bool = False
     compress: bool = False
     prefill_buffer: bool = False
 
@@ -167,7 +160,7 @@ class Draft:
         left = total - sum(r.bytes for r in rows)
         per_slot = self.paged_layers * self.eb
         # Compression first: it decides which pager runs, and so whether the prefill buffer is used.
-        self.compress, self.reasons["compress"] = self._choose_compress(self._ram_raw_fit())
+        self._choose_ssd(self._ram_raw_fit())
         self.prefill_buffer, self.reasons["prefill_buffer"] = self._choose_prefill_buffer(left, per_slot)
         if self.prefill_buffer:
             rows.append(
@@ -309,7 +302,8 @@ class Draft:
                 if self.device == "cuda"
                 else "every expert is resident in RAM, the CPU's device memory"
             )
-            self.compress, self.reasons["compress"] = False, "off: every expert is resident, nothing is paged"
+            self.paging, self.compress = False, False
+            self.reasons["compress"] = "off: every expert is resident, nothing is paged"
             if left < 0:
                 self.refusals.append(
                     f"out of memory: RAM needs {size_text(total - left)}, the machine has {size_text(total)}"
@@ -390,7 +384,7 @@ class Draft:
         # RAM holds raw records: both pagers expand a compressed record as it enters RAM.
         fit = max(0, min(arch.experts, left // (self.paged_layers * self.eb)))
         if self.device == "cpu":  # on CUDA size_vram has chosen it
-            self.compress, self.reasons["compress"] = self._choose_compress(fit)
+            self._choose_ssd(fit)
         stored = self.eb
         self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
         demo = (
@@ -431,62 +425,15 @@ class Draft:
                 "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails"
             )
 
+    def _choose_ssd(self, raw_fit: int) -> None:
+        """Where the SSD tier reads experts from (raw_fit: raw expert slots per layer in RAM): plan/ssd_choice."""
+        choice = choose_ssd(self, raw_fit)
+        self.paging, self.compress, self.reasons["compress"] = choice.paging, choice.compress, choice.reason
+
     @property
     def ssd_record_bytes(self) -> int:
         """Bytes of one expert as the SSD tier holds it (RAM always holds it raw)."""
         return math.ceil(self.eb * CODEC_RATIO) if self.compress else self.eb
-
-    def _choose_compress(self, raw_fit: int) -> tuple[bool, str]:
-        """Whether the SSD tier reads a compressed paging file (raw_fit: raw expert slots per layer in RAM)."""
-        arch = self.preset.arch
-        if self.ov.compress in ("on", "off"):
-            return self.ov.compress == "on", f"set by --compress {self.ov.compress}"
-        if self.dtype != "fp8":
-            return False, "off: the codec compresses FP8 experts only"
-        if raw_fit >= arch.experts:
-            return False, "off: RAM holds every expert, so nothing is read from SSD"
-        packed_ms, raw_ms, cost = self._compressed_cost()
-        if packed_ms > raw_ms * (1 - COMPRESS_MARGIN):
-            return False, f"off: {cost} (--compress on takes that trade)"
-        paging = self.paging_disk()
-        need = self.paging_bytes + (
-            0 if self.same_disk(paging, self.model_disk()) is False else self._checkpoint_new_bytes()
-        )
-        if paging is not None and isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
-            return (
-                False,
-                f"off: no room for a {size_text(self.paging_bytes)} paging file on {paging.path}; "
-                "the SSD tier reads the checkpoint",
-            )
-        if paging is not None and (paging.windows_drive is True or paging.kind == "hdd"):
-            return (
-                False,
-                f"off: the paging directory is on {'a Windows drive' if paging.windows_drive is True else 'an HDD'}",
-            )
-        return True, f"on: RAM holds {raw_fit} of {arch.experts} experts per layer, the rest come from SSD; {cost}"
-
-    def _compressed_cost(self) -> tuple[float, float, str]:
-        """(ms per GB of experts the SSD tier spends compressed, raw, and the comparison in words): compressed
-        records are read from the paging file's disk and expanded on the CPU, raw ones from the checkpoint's."""
-        packed_gbps, packed_measured = disk_read_gbps(self.paging_disk())
-        raw_gbps, raw_measured = disk_read_gbps(self.model_disk())
-        packed, raw = ssd_ms_per_gb(packed_gbps, CODEC_RATIO), ssd_ms_per_gb(raw_gbps)
-        how = {True: "measured", False: "assumed"}
-        return (
-            packed,
-            raw,
-            (
-                f"compressed records (ratio {CODEC_RATIO}, assumed) read at {packed_gbps:g} GB/s "
-                f"({how[packed_measured]}) and expanded on the CPU at {EXPAND_GBPS:g} GB/s x {EXPAND_THREADS} threads "
-                f"(assumed) cost {packed:.0f} ms per GB of experts, raw ones from the checkpoint at {raw_gbps:g} GB/s "
-                f"({how[raw_measured]}) {raw:.0f} ms"
-            ),
-        )
-
-    @property
-    def paging_bytes(self) -> int:
-        arch = self.preset.arch
-        return math.ceil(arch.experts * arch.moe_layers * self.eb * CODEC_RATIO)
 
     def dirs(self) -> tuple[str, str]:
         model_dir, paging_dir = (self.ov.model_dir, self.ov.paging_dir)
@@ -507,7 +454,8 @@ class Draft:
             return None
         return a is b or (known(a.mount_point) and a.mount_point == b.mount_point and a.device == b.device)
 
-    def _checkpoint_new_bytes(self) -> int:
+    def checkpoint_new_bytes(self) -> int:
+        """Bytes the checkpoint will add to its disk (0 when it is there already)."""
         return 0 if self.ov.model_on_disk else self.checkpoint_bytes
 
     @property
@@ -524,7 +472,7 @@ class Draft:
     def ssd_source(self) -> str:
         if not self.pager or self.ram_slots >= self.preset.arch.experts:
             return "none"
-        return "paging file" if self.compress else "checkpoint"
+        return "paging file" if self.paging else "checkpoint"
 
     def size_disks(self) -> None:
         disk_tables(self)
@@ -546,7 +494,7 @@ class Draft:
         """The fields of the finished Plan."""
         self.record_arch()
         arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
-        paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.compress else None
+        paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.paging else None
         model_path = self.ov.model_path or self._default_model_path()
         graphs = self.pager and self.device == "cuda" and not self.host_driven
         settings = pager_settings(
@@ -579,7 +527,8 @@ class Draft:
         self.reasons["ssd_source"] = {
             "none": "no SSD tier: the device and RAM hold every expert",
             "checkpoint": "the SSD tier reads the checkpoint's safetensors in place (uncompressed, no second copy)",
-            "paging file": f"the SSD tier reads compressed records from the paging file {paging_file}",
+            "paging file": f"the SSD tier reads {'compressed' if self.compress else 'raw'} records from the paging "
+            f"file {paging_file}",
         }[self.ssd_source]
         self.reasons["env"] = (
             "VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"

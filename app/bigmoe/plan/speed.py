@@ -80,8 +80,6 @@ EXPAND_THREADS = 4
 """Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default)."""
 EXPAND_MS_PER_GB = MS_PER_S / (EXPAND_GBPS * EXPAND_THREADS)
 """ms of the SSD tier's time per GB of raw records it expands (each after its read, in the thread that read it)."""
-COMPRESS_MARGIN = 0.05
-"""`--compress auto` compresses only when a GB of experts costs the SSD tier this share less compressed than raw."""
 HIT_CURVES = {
     "standard": (
         (0.5, 0.2847),
