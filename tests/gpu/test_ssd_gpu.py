@@ -41,8 +41,13 @@ def refs(ckpt):
     return {(l, e): ckpt.reference(l, e) for l in range(LAYERS) for e in range(EXPERTS)}
 
 
-def _service(ckpt, io=None, **kw):
-    store = ckpt.store(io=io, retries=1)
+@pytest.fixture(scope="module")
+def compressed_path(ckpt, tmp_path_factory):
+    return ckpt.compressed_paging_file(tmp_path_factory.mktemp("pfc") / "experts.bmpf")
+
+
+def _service(ckpt, io=None, store=None, **kw):
+    store = store or ckpt.store(io=io, retries=1)
     bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8, pin_memory=True) for _ in range(LAYERS)]
     kw.setdefault("read_timeout_s", 5.0)
     return SsdService(store, bufs, io_workers=4, max_requests=16, **kw), bufs
@@ -75,12 +80,14 @@ def _run(svc, step, ckpt, bufs, vram):
         copy_records(bufs[layer], step.slots[layer], step.slots[layer], ckpt.layout, vram[layer])
 
 
+@pytest.mark.parametrize("source", ["checkpoint", "compressed paging file"])
 @pytest.mark.parametrize("reader", ["native", "python"])
-def test_graph_replay_with_changing_ids_fills_ram_and_vram_slots_exactly(ckpt, refs, reader):
+def test_graph_replay_with_changing_ids_fills_ram_and_vram_slots_exactly(ckpt, refs, reader, source, compressed_path):
     """Captured requests replayed 60 times with new ids, answered by the native reader's C threads or the Python
-    ones: every RAM and VRAM slot holds its expert's bytes."""
-    svc, bufs = _service(ckpt, reader=reader)
-    assert svc.native == (reader == "native")
+    ones (which alone expand a compressed paging file's records): every RAM and VRAM slot holds its expert's bytes."""
+    store = ckpt.decoded_store(compressed_path) if source != "checkpoint" else None
+    svc, bufs = _service(ckpt, store=store, reader=reader)
+    assert svc.native == (reader == "native" and store is None)
     vram = [ckpt.layout.slot_buffers(RAM_SLOTS, "cuda") for _ in range(LAYERS)]
     step, gen = Step(), torch.Generator().manual_seed(0)
     with svc:
