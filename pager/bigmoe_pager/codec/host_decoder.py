@@ -1,6 +1,6 @@
 """The codec's C decoder (host_decode.c) for one expert layout: compressed record -> raw record in host memory.
 
-Same bytes and the same structural checks as the numpy reference, some hundred times faster, and it runs without
+Same bytes and the same structural checks as the numpy reference, about 40 times faster, and it runs without
 the GIL (ctypes lets go of it for the call), so SSD reader threads expand their records side by side. Built with the
 pager's other C files at first use (core/native_build.py); NativeBuildError where no C compiler is found.
 

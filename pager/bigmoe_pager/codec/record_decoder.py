@@ -7,7 +7,7 @@ tier reads it like any other. Three decoders, same bytes:
     HostDecoder(layout)         C on the CPU (host_decoder.py): about 1.4 GB/s a core on the dev VM, no GIL held,
                                 one record per SSD reader thread at once
     DeviceDecoder(layout, dev)  the Triton kernel on the GPU, then one copy back (one record at a time)
-    ReferenceDecoder()          numpy, on the CPU (seconds per 3 MiB expert)
+    ReferenceDecoder()          numpy, on the CPU (about 85 ms per 3 MB expert on the dev VM, with the GIL)
 
 `record_decoder(layout)` picks the C one, where no C compiler is found the GPU's, else numpy. All raise
 CodecError on a record that fails a check; dst then holds garbage and must not be used (a read that raised
