@@ -203,10 +203,11 @@ class PagerSettings:
             )
         return vram, ram
 
-    def use_codec(self) -> bool:
-        """Whether expert records are compressed (auto: only where a paging file exists)."""
+    def use_codec(self) -> bool | None:
+        """Whether expert records are compressed: as set; auto: not without a paging file, and None (as the paging
+        file's header says: the SSD tier reads it) with one."""
         if self.compress == "auto":
-            return self.paging_file is not None
+            return None if self.paging_file is not None else False
         return self.compress == "on"
 
     @property

@@ -85,9 +85,10 @@ def test_bad_settings_file(tmp_path: Path, text, message):
 
 
 def test_codec_auto_follows_the_paging_file(tmp_path):
-    assert not PagerSettings(compress="auto").use_codec()
-    assert PagerSettings(compress="auto", paging_file=tmp_path / "x").use_codec()
-    assert not PagerSettings(compress="off", paging_file=tmp_path / "x").use_codec()
+    assert PagerSettings(compress="auto").use_codec() is False
+    assert PagerSettings(compress="auto", paging_file=tmp_path / "x").use_codec() is None  # as its header says
+    assert PagerSettings(compress="off", paging_file=tmp_path / "x").use_codec() is False
+    assert PagerSettings(compress="on", paging_file=tmp_path / "x").use_codec() is True
 
 
 @pytest.mark.parametrize(

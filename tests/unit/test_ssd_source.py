@@ -48,6 +48,28 @@ def test_codec_mismatch_is_refused(stores, model, tmp_path, built_compressed, as
         stores.paging_file_source(paging, model, layout, 0, 4, compressed=asked_compressed)
 
 
+@pytest.mark.parametrize("built_compressed", [False, True])
+def test_codec_auto_reads_a_paging_file_as_it_was_written(stores, model, tmp_path, built_compressed):
+    import torch
+
+    layout = layout_for_checkpoint(model)
+    paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=built_compressed)
+    direct = stores.checkpoint_source(model, layout, 1)
+    auto = stores.paging_file_source(paging, model, layout, 1, 4, compressed=None)
+    for expert in range(4):
+        a, b = torch.zeros(layout.pitch, dtype=torch.uint8), torch.ones(layout.pitch, dtype=torch.uint8)
+        direct.read_record(expert, a)
+        auto.read_record(expert, b)
+        assert torch.equal(a[: layout.record_bytes], b[: layout.record_bytes])
+
+
+def test_codec_auto_refuses_a_file_that_is_not_a_paging_file_in_one_line(stores, model, tmp_path):
+    junk = tmp_path / "experts.bmpf"
+    junk.write_bytes(b"not a paging file" * 100)
+    with pytest.raises(SettingsError, match="BIGMOE_PAGING_FILE: .*not a bigmoe paging file"):
+        stores.paging_file_source(junk, model, layout_for_checkpoint(model), 1, 4, compressed=None)
+
+
 def test_layers_read_exact_records(stores, model, tmp_path):
     import torch
 

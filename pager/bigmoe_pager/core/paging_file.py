@@ -343,8 +343,24 @@ class PagingFileStore:
         return int(offset), int(length), int(crc)
 
 
+def read_meta(path: str | os.PathLike) -> PagingFileMeta:
+    """What a whole, undamaged paging file was made for (its codec included); PagingFileError otherwise."""
+    return _read_header(Path(path))[0]
+
+
 def _open_index(path: Path, expect: PagingFileMeta, pitch: int) -> tuple[PagingFileMeta, np.ndarray]:
-    """Validate header, trailer and index of a paging file; returns its metadata and index rows."""
+    """Validate header, trailer and index of a paging file made for `expect`; returns its metadata and index rows."""
+    meta, index_bytes, size = _read_header(path)
+    _check_meta(path, meta, expect)
+    index = np.frombuffer(index_bytes, dtype=np.dtype([("o", "<u8"), ("n", "<u8"), ("c", "<u4"), ("p", "V4")]))
+    table = np.stack([index["o"], index["n"], index["c"].astype(np.uint64)], axis=1)
+    if (table[:, 0] % ALIGN).any() or (table[:, 1] > pitch).any() or (table[:, 0] + table[:, 1] > size - ALIGN).any():
+        raise PagingFileError(f"{path}: paging file index points outside its records; delete it and run prepare again")
+    return meta, table
+
+
+def _read_header(path: Path) -> tuple[PagingFileMeta, bytes, int]:
+    """The metadata, the index bytes and the file size of a paging file whose header, trailer and crc32 check."""
     damaged = damage_reason(path)
     if damaged is not None:
         raise PagingFileError(f"{path}: paging file was marked damaged ({damaged}); run prepare again to rebuild it")
@@ -374,13 +390,7 @@ def _open_index(path: Path, expect: PagingFileMeta, pitch: int) -> tuple[PagingF
         raise PagingFileError(
             f"{path}: paging file header is corrupt (crc32 mismatch); delete it and run prepare again"
         )
-    meta = PagingFileMeta(**json.loads(meta_bytes))
-    _check_meta(path, meta, expect)
-    index = np.frombuffer(index_bytes, dtype=np.dtype([("o", "<u8"), ("n", "<u8"), ("c", "<u4"), ("p", "V4")]))
-    table = np.stack([index["o"], index["n"], index["c"].astype(np.uint64)], axis=1)
-    if (table[:, 0] % ALIGN).any() or (table[:, 1] > pitch).any() or (table[:, 0] + table[:, 1] > size - ALIGN).any():
-        raise PagingFileError(f"{path}: paging file index points outside its records; delete it and run prepare again")
-    return meta, table
+    return PagingFileMeta(**json.loads(meta_bytes)), index_bytes, size
 
 
 def sample_keys(records: int, count: int) -> list[int]:

@@ -40,7 +40,7 @@ def describe(settings: PagerSettings, on_device: bool) -> str:
     if not settings.ram_slots:
         return f"VRAM slots {vram}, every expert in RAM (no SSD tier); {mode}"
     source = str(settings.paging_file) if settings.paging_file else "the checkpoint in place"
-    codec = "on" if settings.use_codec() else "off"
+    codec = {True: "on", False: "off", None: "as the paging file was written"}[settings.use_codec()]
     return f"VRAM slots {vram}, RAM slots {ram}, SSD tier reads {source}, codec {codec}; {mode}"
 
 

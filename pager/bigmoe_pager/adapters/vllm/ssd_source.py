@@ -11,7 +11,7 @@ from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.odirect import ODirectError, ReadSplit, odirect_works
 from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch
-from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore
+from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore, read_meta
 from bigmoe_pager.core.safetensors_index import CheckpointError
 from bigmoe_pager.settings import SettingsError
 
@@ -62,9 +62,15 @@ class SsdStores:
         layout: ExpertLayout,
         decoder_layer: int,
         num_experts: int,
-        compressed: bool,
+        compressed: bool | None,
         io=None,
     ) -> LayerSource:
+        """compressed: whether its records must be codec records; None: as its header says."""
+        if compressed is None:
+            try:
+                compressed = read_meta(path).codec != "raw"
+            except PagingFileError as e:
+                raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
         key = ("paging", str(path), layout.signature(), compressed)
         with self._lock:
             if key not in self._stores:
