@@ -10,7 +10,7 @@ the reading thread), then reads every expert in random order, for each worker co
 - `load`: SsdService.load() into RAM slots (staging buffer, checks, slot copy): the host-driven path;
 - `gpu`: (CUDA only) SsdService.request() from device tensors through the pinned mailbox, synced per batch.
 
-GB/s counts raw expert bytes delivered; `disk_gb` the bytes read from the file (fewer for compressed records).
+`gbps` counts raw expert bytes delivered; `disk_gbps` the bytes read from the file (fewer for compressed records).
 --piece-kib repeats every row with each expert's read cut into pieces of that many KiB read at once
 (odirect.ReadSplit, BIGMOE_READ_PIECE_KIB; 0 = whole reads): with one worker, a piece count is the disk's queue depth.
 

@@ -4,8 +4,9 @@ Writes safetensors shards holding only expert tensors, named as Qwen3-MoE names
 them (model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.{weight,weight_scale_inv}),
 with random bytes: bf16 experts, or FP8 E4M3 experts with float32 128x128 block
 scales; FP8 weights may instead follow a trained model's Student-t law (law=), which
-the codec compresses as it would real experts. `reference_record` rebuilds the record an SSD read must return, through
-the safetensors package's own loader (an independent path from the pager's).
+the codec compresses as it would real experts. `reference_record` rebuilds the record
+an SSD read must return, through the safetensors package's own loader (an independent
+path from the pager's).
 
     PYTHONPATH=pager:bench python scripts/synth_experts.py DIR --hidden 2048 --intermediate 512 --layers 2 --experts 64
 """

@@ -159,8 +159,7 @@ class Draft:
         ]
         left = total - sum(r.bytes for r in rows)
         per_slot = self.paged_layers * self.eb
-        # Compression first: it decides which pager runs, and so whether the prefill buffer is used.
-        self._choose_ssd(self._ram_raw_fit())
+        self._choose_ssd(self._ram_raw_fit())  # from RAM and the disks alone, so before the VRAM slots
         self.prefill_buffer, self.reasons["prefill_buffer"] = self._choose_prefill_buffer(left, per_slot)
         if self.prefill_buffer:
             rows.append(

@@ -96,7 +96,7 @@ def build_paging_file(
     try:
         return write_paging_file(out, meta, _Counting(source, progress, total), pitch=pitch)
     finally:
-        store.close()
+        source.close()  # an EncodedStore stops its workers (a failed build's too), then closes the checkpoint
 
 
 class EncodedStore:
