@@ -83,14 +83,17 @@ static inline uint32_t lane_step(const uint8_t *words, const uint8_t *lut, int64
 #define PAIR_FITS (1u << 24)
 
 /* Two codes a lookup: for each value of the next 12 stream bits, the exponents of the first two codes (bytes 0 and
- * 1), the bits both take (byte 2) and PAIR_FITS, or 0 where the two codes do not fit in 12 bits. A code is known by
- * its first bits, so the second is right whenever it fits, whatever the bits past the twelve. */
+ * 1), the bits both take (byte 2) and PAIR_FITS; 0 where the two codes do not fit in 12 bits, or where the second
+ * code's 8-bit peek reaches past them and the table answers differently for the bits it cannot see (never, for the
+ * prefix codes the encoder writes; a damaged table may). So a pair is exactly what two single lookups would give. */
 static void build_pairs(const uint8_t *lut, uint32_t *pairs) {
     for (uint32_t v = 0; v < PAIR_ENTRIES; v++) {
         uint32_t e0 = lut[v >> (PAIR_BITS - MAX_CODE_BITS)], l0 = e0 >> 4;
-        uint32_t rest = (v << l0) & (PAIR_ENTRIES - 1);
-        uint32_t e1 = lut[rest >> (PAIR_BITS - MAX_CODE_BITS)], l1 = e1 >> 4;
-        pairs[v] = l0 + l1 <= PAIR_BITS ? PAIR_FITS | (l0 + l1) << 16 | (e1 & 15) << 8 | (e0 & 15) : 0;
+        uint32_t rest = (v << l0) & (PAIR_ENTRIES - 1), peek = rest >> (PAIR_BITS - MAX_CODE_BITS);
+        uint32_t e1 = lut[peek], l1 = e1 >> 4, unseen = l0 > 4 ? l0 - 4 : 0; /* peek bits past the twelve */
+        int same = l0 + l1 <= PAIR_BITS;
+        for (uint32_t tail = 1; same && tail < (1u << unseen); tail++) same = lut[peek | tail] == e1;
+        pairs[v] = same ? PAIR_FITS | (l0 + l1) << 16 | (e1 & 15) << 8 | (e0 & 15) : 0;
     }
 }
 
@@ -206,6 +209,8 @@ static int decode_coded(ctx_t *c, const uint8_t *dir, uint8_t *out, int64_t nbyt
         return -1;
     const uint8_t *heads = c->rec + chunks_off, *luts = c->rec + luts_off, *nibs = c->rec + nib_off;
     const uint8_t *words = c->rec + stream_off;
+    for (int64_t i = 0; i < (int64_t)tables * LUT_ENTRIES; i++)
+        if (luts[i] >> 4 > MAX_CODE_BITS) return fail(c, "a code table has a code longer than 8 bits", name);
 
     /* Every chunk header, whichever share this call expands: the chunks must partition the stream exactly. */
     int64_t expect_offset = 0;

@@ -73,6 +73,8 @@ def decode_component(
     if not 1 <= entry.tables <= F.MAX_TABLES:
         raise F.CodecError(f"{name}: {entry.tables} code tables (1..{F.MAX_TABLES} allowed)")
     luts = _section(buf, entry.luts_offset, entry.tables * F.LUT_ENTRIES, name).reshape(entry.tables, F.LUT_ENTRIES)
+    if ((luts >> 4) > F.MAX_CODE_BITS).any():
+        raise F.CodecError(f"{name}: a code table has a code longer than {F.MAX_CODE_BITS} bits")
     nibbles = _section(buf, entry.nibbles_offset, F.nibble_bytes(nbytes), name)
     stream_bytes = 4 * (entry.stream_words + F.STREAM_PAD_WORDS)
     words = _section(buf, entry.stream_offset, stream_bytes, name).view("<u4")
