@@ -15,6 +15,7 @@ from bigmoe.cli.plan import probe as probe_command
 from bigmoe.machine.hardware import Hardware, Unknown
 from bigmoe.machine.links import Link, read_cache, with_links, write_cache
 from bigmoe.machine.measure_disk import MAX_BYTES, MIN_BYTES, DiskRead, measure_read_rate
+from bigmoe.machine.measure_expand import ExpandRate, measure_expand_in_child, parse_fields
 from bigmoe.machine.measure_pcie import CopyRate, measure_h2d, measure_h2d_in_child, parse_child_output
 from bigmoe.machine.probe import probe
 from bigmoe.model import presets
@@ -146,8 +147,13 @@ class FakeMeters:
     """Fakes of the two measurements (this machine has no GPU, and a real disk rate cannot be
     predicted): fixed rates, and a count of how often each was asked."""
 
-    def __init__(self, gpu=CopyRate(21.5, 22.0, 256 * MIB, 5, "H200"), disk=DiskRead(2.75, 256 * MIB, 0.1, "f")):
-        self.gpu_result, self.disk_result, self.calls = gpu, disk, []
+    def __init__(
+        self,
+        gpu=CopyRate(21.5, 22.0, 256 * MIB, 5, "H200"),
+        disk=DiskRead(2.75, 256 * MIB, 0.1, "f"),
+        expand=ExpandRate(1.25, 100, 3146496, 0.25),
+    ):
+        self.gpu_result, self.disk_result, self.expand_result, self.calls = gpu, disk, expand, []
 
     def gpu(self, index):
         self.calls.append(("gpu", index))
@@ -157,10 +163,22 @@ class FakeMeters:
         self.calls.append(("disk", directory))
         return self.disk_result
 
+    def expand(self):
+        self.calls.append(("expand",))
+        return self.expand_result
+
 
 def measured(hw, tmp_path, meters, **kw):
     dirs = {d.path: tmp_path for d in hw.disks}
-    return with_links(hw, dirs, path=tmp_path / "links.json", measure_disk=meters.disk, measure_gpu=meters.gpu, **kw)
+    return with_links(
+        hw,
+        dirs,
+        path=tmp_path / "links.json",
+        measure_disk=meters.disk,
+        measure_gpu=meters.gpu,
+        measure_expand=meters.expand,
+        **kw,
+    )
 
 
 def test_links_are_measured_once_then_cached(tmp_path):
@@ -169,12 +187,14 @@ def test_links_are_measured_once_then_cached(tmp_path):
     assert first.gpus[0].h2d_gbps == 21.5 and "median of 5" in first.gpus[0].h2d_basis
     assert all(d.read_gbps == 2.75 for d in first.disks)
     assert meters.calls.count(("gpu", 0)) == 1 and sum(c[0] == "disk" for c in meters.calls) == 1  # both disks are dm-0
+    assert first.cpu_expand_gbps == 1.25 and "C decoder on one thread" in first.cpu_expand_basis
     cache, problem = read_cache(tmp_path / "links.json")
-    assert problem == "" and set(cache) == {"gpu:0:NVIDIA H200", "disk:dm-0"}
+    assert problem == "" and set(cache) == {"gpu:0:NVIDIA H200", "disk:dm-0", "cpu:expand"}
     again = measured(machine("h200"), tmp_path, meters)
-    assert len(meters.calls) == 2 and again.gpus[0].h2d_gbps == 21.5 and "cached in" in again.disks[0].read_basis
+    assert len(meters.calls) == 3 and again.gpus[0].h2d_gbps == 21.5 and "cached in" in again.disks[0].read_basis
+    assert again.cpu_expand_gbps == 1.25 and "cached in" in again.cpu_expand_basis
     measured(machine("h200"), tmp_path, meters, remeasure=True)
-    assert len(meters.calls) == 4
+    assert len(meters.calls) == 6
 
 
 @pytest.mark.parametrize(
@@ -184,14 +204,15 @@ def test_a_broken_cache_is_measured_over_and_replaced(tmp_path, content):
     (tmp_path / "links.json").write_text(content)
     meters = FakeMeters()
     hw = measured(machine("h200"), tmp_path, meters)
-    assert len(meters.calls) == 2 and "measured again" in hw.disks[0].read_basis
+    assert len(meters.calls) == 3 and "measured again" in hw.disks[0].read_basis
     assert read_cache(tmp_path / "links.json")[1] == ""
 
 
 def test_a_failed_measurement_is_unknown_and_not_cached(tmp_path):
-    meters = FakeMeters(gpu=Unknown("torch sees no CUDA GPU"), disk=Unknown("open failed"))
+    meters = FakeMeters(gpu=Unknown("torch sees no CUDA GPU"), disk=Unknown("open failed"), expand=Unknown("no cc"))
     hw = measured(machine("h200"), tmp_path, meters)
     assert hw.gpus[0].h2d_gbps == Unknown("torch sees no CUDA GPU") and hw.disks[0].read_gbps == Unknown("open failed")
+    assert hw.cpu_expand_gbps == Unknown("no cc")
     assert not (tmp_path / "links.json").exists()
 
 
@@ -204,6 +225,33 @@ def test_a_windows_drive_is_not_measured(tmp_path):
     out = measured(hw, tmp_path, meters)
     assert all(isinstance(d.read_gbps, Unknown) and "O_DIRECT does not work" in d.read_gbps.reason for d in out.disks)
     assert not any(c[0] == "disk" for c in meters.calls)
+
+
+# ---- the expansion test (the pager's C decoder, in a child process, on this machine) -----------------
+
+
+def test_the_expansion_rate_is_measured_here_in_a_child():
+    rate = measure_expand_in_child()
+    assert isinstance(rate, ExpandRate), rate
+    assert rate.gbps > 0 and rate.records >= 1 and "C decoder on one thread" in rate.basis
+    assert rate.gbps == pytest.approx(rate.records * rate.record_bytes / rate.seconds / 1e9, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"gbps": 1.3, "records": 9, "record_bytes": 3146496, "seconds": 0.5}, 1.3),
+        (Unknown("the codec's C decoder could not be built (no cc)"), "could not be built"),
+        ({"gbps": 0.0, "records": 0, "record_bytes": 1, "seconds": 0.5}, "reported 0.0"),
+        ({"rate": 3}, "not a result"),
+    ],
+)
+def test_the_expansion_child_gives_a_rate_or_a_reason(fields, expected):
+    result = parse_fields(fields)
+    if isinstance(expected, float):
+        assert isinstance(result, ExpandRate) and result.gbps == expected
+    else:
+        assert isinstance(result, Unknown) and expected in result.reason
 
 
 def test_cache_round_trips(tmp_path):

@@ -466,6 +466,19 @@ def test_the_ssd_tier_reads_where_a_gb_of_experts_costs_least(rates, source, com
         assert p.estimate.tpot_ms[1] < other.estimate.tpot_ms[1]
 
 
+@pytest.mark.parametrize("expand, compressed", [(10.0, True), (None, False)], ids=["fast-cpu-measured", "assumed"])
+def test_the_probed_expansion_rate_decides_between_raw_and_compressed_records(expand, compressed):
+    """A slow paging disk (0.6 GB/s) under a slower checkpoint: at the assumed 1.4 GB/s a thread compressed records
+    save under 5% over raw ones; a CPU the probe measured at 10 GB/s makes them pay."""
+    hw = machine("rtx4090-wsl2")
+    hw = with_disk(with_disk(hw, "/home/me/models", read_gbps=0.15), "/home/me/paging", read_gbps=0.6)
+    if expand is not None:
+        hw = dataclasses.replace(hw, cpu_expand_gbps=expand, cpu_expand_basis="the pager's C decoder on one thread")
+    p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))
+    assert (p.ssd_source, p.compress) == ("paging file", compressed)
+    assert f"{'measured' if expand else 'assumed'}) " in p.reasons["compress"].split("expanded at")[1]
+
+
 def test_a_raw_paging_file_is_planned_on_disk_and_built_raw():
     hw = with_disk(machine("rtx4090-wsl2"), "/home/me/models", read_gbps=0.4)
     p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))

@@ -22,6 +22,7 @@ def render_hardware(hw: Hardware) -> str:
     lines += [
         f"RAM        {_size(hw.ram_total_bytes)} total, {_size(hw.ram_available_bytes)} available",
         f"CPU        {hw.cpu_cores} logical CPUs, AMX {_yes(hw.cpu_amx)}",
+        f"    one thread expands compressed experts at {_rate(hw.cpu_expand_gbps, hw.cpu_expand_basis)}",
         f"WSL2       {_yes(hw.wsl2)} ({hw.wsl2_basis})",
         f"ulimit -l  {'unlimited' if hw.memlock_bytes is None else _size(hw.memlock_bytes)}",
     ]

@@ -120,6 +120,10 @@ class Hardware:
     """What the WSL2 answer rests on, one line."""
     memlock_bytes: int | None | Unknown
     """Soft RLIMIT_MEMLOCK (ulimit -l) in bytes; None = unlimited."""
+    cpu_expand_gbps: float | Unknown = NOT_MEASURED
+    """Raw GB/s one CPU thread expands compressed expert records at (links.py measures it)."""
+    cpu_expand_basis: str = ""
+    """How and when cpu_expand_gbps was measured, one line ("" when it was not)."""
     disks: tuple[Disk, ...] = field(default_factory=tuple)
     """One entry per probed path."""
 

@@ -1,10 +1,11 @@
-"""links: measured link speeds (pinned host-to-device copies per GPU, O_DIRECT reads per disk),
+"""links: measured link speeds (pinned host-to-device copies per GPU, O_DIRECT reads per disk, and the rate one
+CPU thread expands compressed experts at),
 cached per machine in `<cache root>/links.json` so a run does not measure again; `bigmoe probe
 --remeasure` measures anew.
 
 links.json: {"format": 1, "links": {key: {"gbps": float, "basis": str, "measured_at": unix s}}}
-with keys "gpu:<index>:<name>" and "disk:<device>" (or "mount:<mount point>" when the device is
-unknown). A file that cannot be read or parsed is measured over and replaced, never used.
+with keys "gpu:<index>:<name>", "disk:<device>" (or "mount:<mount point>" when the device is
+unknown) and "cpu:expand". A file that cannot be read or parsed is measured over and replaced, never used.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable
 
 from bigmoe.machine.hardware import Disk, Gpu, Hardware, Unknown
 from bigmoe.machine.measure_disk import measure_read_rate
+from bigmoe.machine.measure_expand import measure_expand_in_child
 from bigmoe.machine.measure_pcie import measure_h2d_in_child
 from bigmoe.paths import write_atomic
 
@@ -28,6 +30,10 @@ DiskMeasure = Callable[[Path], object]
 """directory -> measure_disk.DiskRead or Unknown."""
 GpuMeasure = Callable[[int], object]
 """GPU index -> measure_pcie.CopyRate or Unknown."""
+ExpandMeasure = Callable[[], object]
+"""() -> measure_expand.ExpandRate or Unknown."""
+EXPAND_KEY = "cpu:expand"
+"""links.json key of the CPU's expansion rate (a machine has one)."""
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,10 @@ def with_links(
     path: Path | None = None,
     measure_disk: DiskMeasure = measure_read_rate,
     measure_gpu: GpuMeasure = measure_h2d_in_child,
+    measure_expand: ExpandMeasure = measure_expand_in_child,
 ) -> Hardware:
-    """`hw` with each GPU's h2d_gbps and each disk's read_gbps from the cache, measured (and
-    cached) where the cache has none or `remeasure` is set. `local_dirs` maps a disk's path to
+    """`hw` with each GPU's h2d_gbps, each disk's read_gbps and the CPU's cpu_expand_gbps from the cache, measured
+    (and cached) where the cache has none or `remeasure` is set. `local_dirs` maps a disk's path to
     the directory to measure it in. Never raises for a failed measurement (Unknown(reason))."""
     path = path or cache_file()
     links, stale = ({}, "") if remeasure else read_cache(path)
@@ -122,13 +129,14 @@ def with_links(
     if not isinstance(gpus, Unknown):
         gpus = tuple(_gpu(g, lookup, measure_gpu) for g in gpus)
     disks = tuple(_disk(d, local_dirs.get(d.path), lookup, measure_disk) for d in hw.disks)
+    expand_gbps, expand_basis = lookup(EXPAND_KEY, measure_expand)
     if fresh:
         try:
             merged, _ = ({}, "") if stale else read_cache(path)
             write_cache(path, {**merged, **links})
         except OSError:
             pass  # a cache that cannot be written only means measuring again next time
-    return dataclasses.replace(hw, gpus=gpus, disks=disks)
+    return dataclasses.replace(hw, gpus=gpus, disks=disks, cpu_expand_gbps=expand_gbps, cpu_expand_basis=expand_basis)
 
 
 def _gpu(gpu: Gpu, lookup, measure_gpu: GpuMeasure) -> Gpu:

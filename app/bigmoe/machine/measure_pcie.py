@@ -10,13 +10,10 @@ level (the GPU machine runs it with PYTHONPATH=pager:app and no app dependencies
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
+from bigmoe.machine import child
 from bigmoe.machine.hardware import Unknown
 
 COPY_BYTES = 256 << 20
@@ -98,45 +95,31 @@ def measure_h2d_in_child(
     index: int = 0, timeout_s: float = CHILD_TIMEOUT_S, python: str | None = None
 ) -> CopyRate | Unknown:
     """measure_h2d in a child process (`python -m bigmoe.machine.measure_pcie`), so no CUDA context stays here."""
-    app_dir = str(Path(__file__).resolve().parents[2])  # app/, above bigmoe/
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (app_dir, os.environ.get("PYTHONPATH", "")) if p))
-    try:
-        done = subprocess.run(
-            [python or sys.executable, "-m", "bigmoe.machine.measure_pcie", str(index)],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=env,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return Unknown(f"the pinned copy test took over {timeout_s:g} s and was stopped")
-    except OSError as e:
-        return Unknown(f"the pinned copy test could not start ({e.strerror or e})")
-    return parse_child_output(done.returncode, done.stdout, done.stderr)
+    return _rate(child.run("bigmoe.machine.measure_pcie", [str(index)], WHAT, timeout_s, python))
 
 
 def parse_child_output(returncode: int, stdout: str, stderr: str) -> CopyRate | Unknown:
     """The child's last stdout line as a CopyRate or Unknown; anything else is an Unknown naming what went wrong."""
-    lines = stdout.strip().splitlines()
-    if returncode != 0 or not lines:
-        tail = (stderr.strip().splitlines() or ["no output"])[-1]
-        return Unknown(f"the pinned copy test exited with code {returncode} ({tail[:200]})")
+    return _rate(child.parse(returncode, stdout, stderr, WHAT))
+
+
+WHAT = "the pinned copy test"
+
+
+def _rate(fields: dict | Unknown) -> CopyRate | Unknown:
+    if isinstance(fields, Unknown):
+        return fields
     try:
-        data = json.loads(lines[-1])
-        if "unknown" in data:
-            return Unknown(str(data["unknown"]))
-        rate = CopyRate(**data)
-    except (ValueError, TypeError) as e:
-        return Unknown(f"the pinned copy test printed {lines[-1][:80]!r}, not a result ({e})")
+        rate = CopyRate(**fields)
+    except TypeError as e:
+        return Unknown(f"{WHAT} printed {str(fields)[:80]!r}, not a result ({e})")
     if not (isinstance(rate.gbps, float) and rate.gbps > 0):
-        return Unknown(f"the pinned copy test reported {rate.gbps!r} GB/s")
+        return Unknown(f"{WHAT} reported {rate.gbps!r} GB/s")
     return rate
 
 
 def main(argv: list[str]) -> int:
-    result = measure_h2d(int(argv[0]) if argv else 0)
-    print(json.dumps({"unknown": result.reason} if isinstance(result, Unknown) else asdict(result)), flush=True)
+    child.report(measure_h2d(int(argv[0]) if argv else 0))
     return 0
 
 

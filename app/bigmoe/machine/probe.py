@@ -68,7 +68,8 @@ def probe(
 def _not_measured(hw: Hardware, why: str) -> Hardware:
     unknown = Unknown(why)
     gpus = hw.gpus if isinstance(hw.gpus, Unknown) else tuple(dataclasses.replace(g, h2d_gbps=unknown) for g in hw.gpus)
-    return dataclasses.replace(hw, gpus=gpus, disks=tuple(dataclasses.replace(d, read_gbps=unknown) for d in hw.disks))
+    disks = tuple(dataclasses.replace(d, read_gbps=unknown) for d in hw.disks)
+    return dataclasses.replace(hw, gpus=gpus, disks=disks, cpu_expand_gbps=unknown)
 
 
 # ---- GPUs ---------------------------------------------------------------------------------

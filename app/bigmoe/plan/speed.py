@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bigmoe.machine.hardware import Disk, Gpu, Unknown
+from bigmoe.machine.hardware import NOT_MEASURED, Disk, Gpu, Unknown
 
 GB = 1e9
 MS_PER_S = 1000.0
@@ -74,12 +74,10 @@ token more than their SSD bytes at 1.55 GB/s (standard 69.4 ms with 0.043 GB, to
 Run 29 (vLLM 0.33, standard) spent 22-39 ms beyond its bytes, with either SSD reader: the wait is one read at a time
 (2.5-3.5 ms each), not the GIL."""
 EXPAND_GBPS = 1.4
-"""Raw GB/s one CPU thread expands compressed records at (codec/host_decode.c on the dev VM's 2-core EPYC, 1.35-1.44
-over both laws and expert shapes: docs/bench/codec-cpu-decode.md); assumed for every machine."""
+"""Raw GB/s one CPU thread expands compressed records at where the probe did not measure it (codec/host_decode.c on
+the dev VM's 2-core EPYC, 1.35-1.44 over both laws and expert shapes: docs/bench/codec-cpu-decode.md)."""
 EXPAND_THREADS = 4
 """Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default)."""
-EXPAND_MS_PER_GB = MS_PER_S / (EXPAND_GBPS * EXPAND_THREADS)
-"""ms of the SSD tier's time per GB of raw records it expands (each after its read, in the thread that read it)."""
 HIT_CURVES = {
     "standard": (
         (0.5, 0.2847),
@@ -123,6 +121,8 @@ class Speeds:
     """Which of the numbers were measured on this machine, one line each."""
     assumptions: tuple[str, ...]
     """Which of the numbers are assumptions, one line each."""
+    expand_gbps: float = EXPAND_GBPS
+    """Raw GB/s one CPU thread expands compressed SSD records at."""
 
 
 @dataclass(frozen=True)
@@ -149,9 +149,11 @@ def gpu_spec(name: str) -> tuple[int, float] | None:
     return None
 
 
-def speeds_for(gpu: Gpu | None, disk: Disk | None, compressed: bool = False) -> Speeds:
+def speeds_for(
+    gpu: Gpu | None, disk: Disk | None, compressed: bool = False, expand: float | Unknown = NOT_MEASURED
+) -> Speeds:
     """The rates for an estimate: measured ones where the probe has them, assumed ones otherwise (compressed: the
-    SSD tier's records are expanded on the CPU, whose rate is named too)."""
+    SSD tier's records are expanded on the CPU at `expand` GB/s a thread, the probe's, named too)."""
     measured: list[str] = []
     notes: list[str] = []
     if gpu is None:
@@ -171,16 +173,17 @@ def speeds_for(gpu: Gpu | None, disk: Disk | None, compressed: bool = False) -> 
             f"decode reaches {DECODE_EFFICIENCY:.0%} of {bandwidth:g} GB/s GPU memory bandwidth (assumed share)"
         )
     disk_gbps = _disk(disk, measured, notes)
+    expand_gbps, expand_measured = expand_rate(expand)
     if compressed:
-        notes.append(
-            f"compressed SSD records are expanded at {EXPAND_GBPS:g} GB/s a thread by {EXPAND_THREADS} reader threads "
-            "(assumed: the dev VM's rate)"
+        (measured if expand_measured else notes).append(
+            f"compressed SSD records are expanded at {expand_gbps:g} GB/s a thread by {EXPAND_THREADS} reader "
+            + ("threads (measured)" if expand_measured else "threads (assumed: the dev VM's rate)")
         )
     notes.append(
         f"tier hit rates of lfu-duel eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
         "(pessimistic) routing families, replayed by scripts/sim_eviction.py (real routing may differ)"
     )
-    return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes))
+    return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes), expand_gbps)
 
 
 def _pcie(gpu: Gpu, measured: list[str], notes: list[str]) -> float:
@@ -207,13 +210,20 @@ def disk_read_gbps(disk: Disk | None) -> tuple[float, bool]:
     return (DISK_GBPS.get(kind, UNKNOWN_DISK_GBPS) if isinstance(kind, str) else UNKNOWN_DISK_GBPS), False
 
 
-def ssd_ms_per_gb(disk_gbps: float, ratio: float | None = None) -> float:
+def expand_rate(measured: float | Unknown) -> tuple[float, bool]:
+    """The rate one CPU thread expands compressed records at, GB/s: the probe's, else EXPAND_GBPS; and which."""
+    if isinstance(measured, float) and measured > 0:
+        return measured, True
+    return EXPAND_GBPS, False
+
+
+def ssd_ms_per_gb(disk_gbps: float, ratio: float | None = None, expand_gbps: float = EXPAND_GBPS) -> float:
     """ms the SSD tier spends per GB of raw expert records it delivers from a disk reading disk_gbps; with `ratio`
-    (compressed records) it reads that share of the bytes and expands every record (EXPAND_MS_PER_GB): the estimate's
-    model."""
+    (compressed records) it reads that share of the bytes and expands every record, each after its read in the thread
+    that read it (expand_gbps a thread, EXPAND_THREADS at once): the estimate's model."""
     if ratio is None:
         return MS_PER_S / disk_gbps
-    return ratio * MS_PER_S / disk_gbps + EXPAND_MS_PER_GB
+    return ratio * MS_PER_S / disk_gbps + MS_PER_S / (expand_gbps * EXPAND_THREADS)
 
 
 def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
@@ -257,8 +267,8 @@ def estimate(
     `resident_bytes` are the weights one token reads when every expert is resident; `record_bytes`
     one expert as RAM holds it and PCIe moves it (raw); `ssd_record_bytes` as the SSD tier holds it.
     `eager`: a CUDA run without graphs (EAGER_LAYER_MS per layer instead of GRAPH_LAYER_MS).
-    `compressed`: the SSD tier's records are compressed; each read one is expanded on the CPU (EXPAND_GBPS a thread,
-    EXPAND_THREADS at once), after its read in the same thread.
+    `compressed`: the SSD tier's records are compressed; each read one is expanded on the CPU (speeds.expand_gbps a
+    thread, EXPAND_THREADS at once), after its read in the same thread.
     `hits`: ((vram, vram-or-ram) optimistic, (vram, vram-or-ram) pessimistic) to use instead of
     HIT_CURVES (a measured run's own hit rates).
     """
@@ -280,7 +290,7 @@ def estimate(
             SSD_LAYER_MS * layers if ram_slots < experts else 0.0
         )
         if compressed:
-            ssd_ms += lookups * (1 - ram_hit) * record_bytes / GB * EXPAND_MS_PER_GB
+            ssd_ms += lookups * (1 - ram_hit) * record_bytes / (speeds.expand_gbps * EXPAND_THREADS * GB) * MS_PER_S
         results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, base_ms + pcie_ms + ssd_ms))
     (v0, r0, p0, s0, t0), (v1, r1, p1, s1, t1) = results
     mib = float(1 << 20)

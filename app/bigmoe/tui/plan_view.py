@@ -139,7 +139,9 @@ def machine_table(hw: Hardware) -> Table:
         if known(hw.cpu_amx)
         else f"AMX {hw.cpu_amx}"
     )
-    table.add_row("CPU", f"{hw.cpu_cores} cores, {amx}")
+    table.add_row(
+        "CPU", f"{hw.cpu_cores} cores, {amx}; one thread expands compressed experts at {_rate(hw.cpu_expand_gbps)}"
+    )
     table.add_row("WSL2", f"{yes_no(hw.wsl2)} ({hw.wsl2_basis})")
     table.add_row("pinned limit", "unlimited" if hw.memlock_bytes is None else size_text(hw.memlock_bytes))
     for disk in hw.disks:
