@@ -51,6 +51,19 @@ def parse(returncode: int, stdout: str, stderr: str, what: str) -> dict | Unknow
     return data
 
 
+def rate(fields: dict | Unknown, cls: type, what: str):
+    """The child's fields as a `cls` (a dataclass with a `gbps`), or Unknown naming what is wrong with them."""
+    if isinstance(fields, Unknown):
+        return fields
+    try:
+        result = cls(**fields)
+    except TypeError as e:
+        return Unknown(f"{what} printed {str(fields)[:80]!r}, not a result ({e})")
+    if not (isinstance(result.gbps, float) and result.gbps > 0):
+        return Unknown(f"{what} reported {result.gbps!r} GB/s")
+    return result
+
+
 def report(result: object) -> None:
     """Print a child's result as its last stdout line (a dataclass's fields, or an Unknown's reason)."""
     from dataclasses import asdict

@@ -98,15 +98,7 @@ def measure_expand_in_child(timeout_s: float = CHILD_TIMEOUT_S, python: str | No
 
 def parse_fields(fields: dict | Unknown) -> ExpandRate | Unknown:
     """The child's fields as an ExpandRate, or Unknown naming what is wrong with them."""
-    if isinstance(fields, Unknown):
-        return fields
-    try:
-        rate = ExpandRate(**fields)
-    except TypeError as e:
-        return Unknown(f"{WHAT} printed {str(fields)[:80]!r}, not a result ({e})")
-    if not (isinstance(rate.gbps, float) and rate.gbps > 0):
-        return Unknown(f"{WHAT} reported {rate.gbps!r} GB/s")
-    return rate
+    return child.rate(fields, ExpandRate, WHAT)
 
 
 def main() -> int:

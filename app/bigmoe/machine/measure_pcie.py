@@ -95,27 +95,15 @@ def measure_h2d_in_child(
     index: int = 0, timeout_s: float = CHILD_TIMEOUT_S, python: str | None = None
 ) -> CopyRate | Unknown:
     """measure_h2d in a child process (`python -m bigmoe.machine.measure_pcie`), so no CUDA context stays here."""
-    return _rate(child.run("bigmoe.machine.measure_pcie", [str(index)], WHAT, timeout_s, python))
+    return child.rate(child.run("bigmoe.machine.measure_pcie", [str(index)], WHAT, timeout_s, python), CopyRate, WHAT)
 
 
 def parse_child_output(returncode: int, stdout: str, stderr: str) -> CopyRate | Unknown:
     """The child's last stdout line as a CopyRate or Unknown; anything else is an Unknown naming what went wrong."""
-    return _rate(child.parse(returncode, stdout, stderr, WHAT))
+    return child.rate(child.parse(returncode, stdout, stderr, WHAT), CopyRate, WHAT)
 
 
 WHAT = "the pinned copy test"
-
-
-def _rate(fields: dict | Unknown) -> CopyRate | Unknown:
-    if isinstance(fields, Unknown):
-        return fields
-    try:
-        rate = CopyRate(**fields)
-    except TypeError as e:
-        return Unknown(f"{WHAT} printed {str(fields)[:80]!r}, not a result ({e})")
-    if not (isinstance(rate.gbps, float) and rate.gbps > 0):
-        return Unknown(f"{WHAT} reported {rate.gbps!r} GB/s")
-    return rate
 
 
 def main(argv: list[str]) -> int:
