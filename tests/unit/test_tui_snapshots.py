@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,9 @@ UPDATE = os.environ.get("BIGMOE_UPDATE_SNAPSHOTS") == "1"
 def fixed_dirs(monkeypatch):
     monkeypatch.setenv("BIGMOE_HOME", HOME)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", "/home/user/.cache/huggingface/hub")
+    # The vLLM command line starts with this environment's Python: a checkout's own path, whose length moved the
+    # plan screen's wrapping (and its scroll bar) between a clone and another.
+    monkeypatch.setattr(sys, "executable", "/home/user/bigmoe/.venv/bin/python")
 
 
 def in_svg(text: str) -> str:
