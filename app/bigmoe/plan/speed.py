@@ -75,7 +75,7 @@ Run 29 (vLLM 0.33, standard) spent 22-39 ms beyond its bytes, with either SSD re
 (2.5-3.5 ms each), not the GIL."""
 EXPAND_GBPS = 1.4
 """Raw GB/s one CPU thread expands compressed records at where the probe did not measure it (codec/host_decode.c on
-the dev VM's 2-core EPYC, 1.35-1.44 over both laws and expert shapes: docs/bench/codec-cpu-decode.md)."""
+the dev VM's 2-core EPYC, 1.28-1.44 over laws, shapes and geometries: docs/bench/codec-cpu-decode.md)."""
 EXPAND_THREADS = 4
 """Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default)."""
 HIT_CURVES = {
