@@ -358,10 +358,12 @@ FAKE_DRIVER = r"""
 #include <stddef.h>
 #include <string.h>
 static void *ctx = (void *)0x1c, *stream = (void *)0x5e;
-long long copies, fail_at = -1, synced, destroyed, stream_flags = -1;
+long long copies, fail_at = -1, synced, destroyed, stream_flags = -1, mode_at_create = -1;
+static int mode; /* the thread's capture mode: 0 global, the driver's default */
+int cuThreadExchangeStreamCaptureMode(int *m) { int old = mode; mode = *m; *m = old; return 0; }
 int cuCtxGetCurrent(void **c) { *c = ctx; return 0; }
 int cuCtxSetCurrent(void *c) { return c == ctx ? 0 : 201; }
-int cuStreamCreate(void **s, unsigned flags) { stream_flags = flags; *s = stream; return 0; }
+int cuStreamCreate(void **s, unsigned flags) { stream_flags = flags; mode_at_create = mode; *s = stream; return 0; }
 int cuStreamSynchronize(void *s) { synced += s == stream; return 0; }
 int cuStreamDestroy_v2(void *s) { destroyed += s == stream; return 0; }
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
@@ -412,7 +414,7 @@ time.sleep(0.01)
 second = dict(stats=stats(), call=lib.copier_error_call(h).decode(), copied=list(copied))
 lib.copier_stop(h)
 print(json.dumps(dict(first=first, second=second, flags=fake_get("stream_flags"), synced=fake_get("synced"),
-                      destroyed=fake_get("destroyed"))))
+                      destroyed=fake_get("destroyed"), mode=fake_get("mode_at_create"))))
 """
 
 
@@ -434,6 +436,7 @@ def test_cuda_branch_against_a_fake_driver(tmp_path):
     assert first["copied"] == [11, 12]
     assert first["ring"][:2] == [11, 12]  # goals go through the pinned ring, never a stack word
     assert got["flags"] == 1  # CU_STREAM_NON_BLOCKING
+    assert got["mode"] == 2  # relaxed before its first stream call: its calls never void another thread's capture
     # Round 2: entry 0's data copy is done, its completion copy fails: error recorded, nothing more issued.
     assert second["stats"][3] == 700 and second["call"] == "cuMemcpyHtoDAsync_v2"
     assert second["stats"][0] == 1 and second["copied"] == [11, 12]

@@ -30,6 +30,7 @@
 #define COLD_NS 1000000000L /* after 1 s idle (no decode under way) ... */
 #define COLD_NAP_NS 1000000L /* ... 1 ms naps: 20 us naps cost about a fifth of a core, 1 ms ones under 1% */
 #define STREAM_NON_BLOCKING 1u /* CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream */
+#define CAPTURE_MODE_RELAXED 2 /* CU_STREAM_CAPTURE_MODE_RELAXED: this thread's calls never void another's capture */
 
 /* Error codes of the copier's own (CUDA's are positive CUresult values). */
 #define ERR_DRIVER (-1)  /* libcuda.so.1 or one of its symbols is missing */
@@ -49,6 +50,7 @@ typedef struct {
     CUresult (*stream_destroy)(CUstream);
     CUresult (*stream_synchronize)(CUstream);
     CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*exchange_capture_mode)(int *);
 } cuda_api;
 
 typedef struct {
@@ -174,7 +176,12 @@ static int serve_layer(copier *h, layer *l, int64_t index) {
 
 static void *run(void *arg) {
     copier *h = arg;
-    if (h->cuda && !failed(h) && !CU(h, ctx_set_current(h->ctx), "cuCtxSetCurrent"))
+    /* Relaxed: the thread never captures, and in the default (global) mode its stream's creation, sync and
+     * destruction would void a CUDA graph that another thread is capturing at that moment (a copier closed or
+     * collected while vLLM captures). */
+    int mode = CAPTURE_MODE_RELAXED;
+    if (h->cuda && !failed(h) && !CU(h, ctx_set_current(h->ctx), "cuCtxSetCurrent") &&
+        !CU(h, exchange_capture_mode(&mode), "cuThreadExchangeStreamCaptureMode"))
         CU(h, stream_create(&h->stream, STREAM_NON_BLOCKING), "cuStreamCreate");
     __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
 
@@ -216,6 +223,7 @@ static int load_driver(copier *h) {
         {(void **)&h->api.stream_destroy, "cuStreamDestroy_v2", "cuStreamDestroy"},
         {(void **)&h->api.stream_synchronize, "cuStreamSynchronize", NULL},
         {(void **)&h->api.memcpy_htod_async, "cuMemcpyHtoDAsync_v2", NULL},
+        {(void **)&h->api.exchange_capture_mode, "cuThreadExchangeStreamCaptureMode", NULL},
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
         *syms[i].fn = dlsym(lib, syms[i].name);
