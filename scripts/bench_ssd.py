@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "data_gb": layers * experts * layout.record_bytes / 1e9,
         "prepare_s": prep_s,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        # which expands the compressed records: HostDecoder (C) unless no compiler was found
+        "decoder": type(record_decoder(layout)).__name__ if "compressed" in sources else None,
         "results": results,
     }
     _table(results)
