@@ -11,8 +11,6 @@ the reading thread), then reads every expert in random order, for each worker co
 - `gpu`: (CUDA only) SsdService.request() from device tensors through the pinned mailbox, synced per batch.
 
 `gbps` counts raw expert bytes delivered; `disk_gbps` the bytes read from the file (fewer for compressed records).
---piece-kib repeats every row with each expert's read cut into pieces of that many KiB read at once
-(odirect.ReadSplit, BIGMOE_READ_PIECE_KIB; 0 = whole reads): with one worker, a piece count is the disk's queue depth.
 
     PYTHONPATH=pager:app:bench python scripts/bench_ssd.py --dir /tmp --gb 1.5 --out $OUT/bench_ssd.json
 """
@@ -26,7 +24,6 @@ import platform
 import shutil
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,7 +32,7 @@ from bigmoe_bench.disk_reads import read_records
 from bigmoe_pager.codec import CODEC_NAME, CODEC_VERSION
 from bigmoe_pager.codec.record_decoder import DecodedStore, record_decoder
 from bigmoe_pager.core.expert_store import CheckpointStore  # noqa: E402
-from bigmoe_pager.core.odirect import odirect_works, read_split  # noqa: E402
+from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
 from bigmoe_pager.core.paging_build import EncodedStore, compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
@@ -60,11 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sources", default="checkpoint,paging-file", help="comma list of " + ", ".join(SOURCES) + " (the files read)"
     )
-    p.add_argument("--piece-kib", default="0", help="comma list of read piece sizes in KiB (0: whole reads)")
     p.add_argument("--keep", action="store_true", help="keep the test files (DIR/bigmoe-bench-ssd) for the next run")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
-    pieces = piece_sizes(p, a.piece_kib)
     sources = a.sources.split(",")
     if not sources or any(x not in SOURCES for x in sources):
         p.error(f"--sources {a.sources!r}: a comma list of {', '.join(SOURCES)}")
@@ -89,15 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     for source in sources:
         for workers in (int(w) for w in a.workers.split(",")):
             for mode in modes:
-                for piece in pieces:
-                    with opened(source, ckpt_dir, pf_path, layout, layers, experts, piece, workers) as store:
-                        results.append(_measure(mode, source, store, workers) | {"piece_kib": piece})
-                    r = results[-1]
-                    print(
-                        f"{source:12s} {mode:6s} workers={workers:3d} pieces={piece:5d} KiB  {r['gbps']:6.2f} GB/s  "
-                        f"(disk {r['disk_gbps']:.2f}) "
-                        f"({r['experts']} experts, {r['seconds']:.2f} s)"
-                    )
+                with _open(source, ckpt_dir, pf_path, layout, layers, experts) as store:
+                    results.append(_measure(mode, source, store, workers))
+                r = results[-1]
+                print(
+                    f"{source:12s} {mode:6s} workers={workers:3d}  {r['gbps']:6.2f} GB/s  (disk {r['disk_gbps']:.2f}) "
+                    f"({r['experts']} experts, {r['seconds']:.2f} s)"
+                )
 
     report = {
         "script": "scripts/bench_ssd.py",
@@ -193,39 +186,15 @@ def _meta(layout, layers: int, experts: int, compressed: bool = False) -> Paging
     return PagingFileMeta("bench/synthetic", "0", layout.signature(), layers, experts, **codec)
 
 
-def piece_sizes(p: argparse.ArgumentParser, text: str) -> list[int]:
-    """--piece-kib's sizes in KiB (0: whole reads); anything else is one line and exit 2."""
-    try:
-        pieces = [int(x) for x in text.split(",")]
-        if not pieces or min(pieces) < 0 or any(0 < x < 4 for x in pieces):
-            raise ValueError
-    except ValueError:
-        p.error(f"--piece-kib {text!r}: a comma list of 0 (whole reads) or sizes >= 4 (KiB)")
-    return pieces
-
-
-@contextmanager
-def opened(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int, piece_kib: int, workers: int):
-    """The store of `source` with its reads cut into piece_kib pieces (0: whole), closed with the split's threads
-    (odirect.read_split, as the plugin starts them)."""
-    split = read_split(piece_kib, workers)
-    try:
-        with _open(source, ckpt_dir, pf_path, layout, layers, experts, split) as store:
-            yield store
-    finally:
-        if split is not None:
-            split.close()
-
-
-def _open(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int, split=None):
-    """The store of `source` (one of SOURCES); split: an odirect.ReadSplit its large reads go through."""
+def _open(source: str, ckpt_dir: Path, pf_path: Path, layout, layers: int, experts: int):
+    """The store of `source` (one of SOURCES), to use in a `with`."""
     if source == "checkpoint":
-        return CheckpointStore(ckpt_dir, layout, split=split)
+        return CheckpointStore(ckpt_dir, layout)
     if source == "compressed":
         meta, pitch = _meta(layout, layers, experts, True), compressed_pitch(layout)
-        inner = PagingFileStore(_compressed_path(pf_path), layout, meta, pitch=pitch, split=split)
+        inner = PagingFileStore(_compressed_path(pf_path), layout, meta, pitch=pitch)
         return DecodedStore(inner, record_decoder(layout))
-    return PagingFileStore(pf_path, layout, _meta(layout, layers, experts), split=split)
+    return PagingFileStore(pf_path, layout, _meta(layout, layers, experts))
 
 
 def _keys(store, seed: int = 0) -> list[tuple[int, int]]:
@@ -277,17 +246,17 @@ def _service_reads(store, keys: list[tuple[int, int]], workers: int, gpu: bool) 
 
 
 def _table(results: list[dict]) -> None:
-    """GB/s per source, mode and piece size by worker count; a size measured twice shows both runs (a / b)."""
+    """GB/s per source and mode by worker count; a worker count measured twice shows both runs (a / b)."""
     workers = sorted({r["workers"] for r in results})
-    rows = sorted({(r["source"], r["mode"], r.get("piece_kib", 0)) for r in results})
+    rows = sorted({(r["source"], r["mode"]) for r in results})
     print("\nGB/s by I/O workers")
-    print(f"{'source':12s} {'mode':6s} {'pieces':>6s} " + " ".join(f"{w:>11d}" for w in workers))
-    for source, mode, piece in rows:
+    print(f"{'source':12s} {'mode':6s} " + " ".join(f"{w:>11d}" for w in workers))
+    for source, mode in rows:
         runs: dict[int, list[str]] = {w: [] for w in workers}
         for r in results:
-            if (r["source"], r["mode"], r.get("piece_kib", 0)) == (source, mode, piece):
+            if (r["source"], r["mode"]) == (source, mode):
                 runs[r["workers"]].append(f"{r['gbps']:.2f}")
-        print(f"{source:12s} {mode:6s} {piece:6d} " + " ".join(f"{' / '.join(runs[w]) or '-':>11s}" for w in workers))
+        print(f"{source:12s} {mode:6s} " + " ".join(f"{' / '.join(runs[w]) or '-':>11s}" for w in workers))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,7 @@ thread beside it, for each interval, by either way in (--paths):
 - `mailbox`: the GPU's path, `SsdService.request` on a CUDA stream, then a sync: the request kernel publishes the
   read in the pinned mailbox and spins until the host's poller and workers answer (CUDA only; needs no vLLM).
 and by either reader (--readers): `python`, the service's Python poller and workers, or `native`, its C threads
-(ssd_reader.c; `load` then goes through the mailbox's host entries). --piece-kib: the Python reader's reads cut
-into pieces of that many KiB read at once (BIGMOE_READ_PIECE_KIB; 0 = whole reads; the C threads read whole).
+(ssd_reader.c; `load` then goes through the mailbox's host entries).
 What it shows is whether a busy host thread adds whole milliseconds a read, how much a shorter interval takes
 back, and whether the C threads leave the GIL off the read's path; not how busy vLLM's own host thread keeps the
 GIL (gpu_vllm_bench.py's `+switchN` measures that).
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_ssd import SHAPES, _pick_dir, _prepare, opened, piece_sizes
+from bench_ssd import SHAPES, _open, _pick_dir, _prepare
 from bigmoe_bench import synth_experts
 from bigmoe_pager.core.ssd_service import SsdService
 
@@ -57,12 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--batch", type=int, default=1, help="experts a request asks for at once (1: a decode miss; ~100: prefill)"
     )
-    p.add_argument(
-        "--piece-kib", default="0", help="comma list: the Python reader's read pieces in KiB (0: whole reads)"
-    )
     p.add_argument("--out", type=Path, help="write results as JSON here")
     a = p.parse_args(argv)
-    pieces = piece_sizes(p, a.piece_kib)
     try:
         intervals = [int(x) for x in a.switch_us.split(",")]
         if not intervals or min(intervals) < 1:
@@ -92,19 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _prepare(work / "ckpt", work / "experts.bmpf", layout, hidden, inter, layers, experts)
         rows = []
-        for reader, piece, path, interval, busy in itertools.product(readers, pieces, paths, intervals, (False, True)):
-            if reader == "native" and piece:
-                continue  # the C threads read whole records
+        for reader, path, interval, busy in itertools.product(readers, paths, intervals, (False, True)):
             sys.setswitchinterval(interval / 1e6)
-            source = ("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts)
-            with opened(*source, piece, a.workers) as store:
+            with _open("checkpoint", work / "ckpt", work / "experts.bmpf", layout, layers, experts) as store:
                 row = _measure(store, path, a.reads, a.workers, busy, reader=reader, batch=a.batch)
-                rows.append(row | {"switch_us": interval, "piece_kib": piece})
+                rows.append(row | {"switch_us": interval})
             r = rows[-1]
             print(
-                f"{reader:6s}  pieces {piece:5d} KiB  {path:7s}  switch {interval:5d} us  busy={int(busy)}  "
-                f"median {r['median_ms']:6.2f} ms  p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms"
-                f" a request of {a.batch}"
+                f"{reader:6s}  {path:7s}  switch {interval:5d} us  busy={int(busy)}  median {r['median_ms']:6.2f} ms"
+                f"  p90 {r['p90_ms']:6.2f} ms  mean {r['mean_ms']:6.2f} ms a request of {a.batch}"
             )
     finally:
         sys.setswitchinterval(before)

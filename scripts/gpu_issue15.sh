@@ -33,9 +33,6 @@
 #          128x16: one expert's expansion alone, copy+expand of 1-8 experts against their raw copy, alone and as a
 #          side round beside each layer of a 40-layer dense forward, the ratio (would a compressed RAM tier's miss
 #          wait less than a raw one's, and its prefetch rounds cost the compute less?), then the codec's GPU tests
-#   ssd-pieces  (the image's torch is enough) scripts/bench_ssd.py with one and four I/O workers, each expert's read
-#          whole and cut into 1 MiB pieces read at once (BIGMOE_READ_PIECE_KIB), checkpoint and paging file: does
-#          this disk read one 3 MB expert faster as pieces?
 #   ssd-codec  (the image's torch is enough) scripts/bench_ssd.py over a raw and a compressed paging file of Student-t
 #          experts with 1, 4, 8 and 16 I/O workers: do the reader threads, expanding each record on the CPU, deliver
 #          more raw GB/s from this disk than raw reads (the question before a compressed SSD tier in vLLM)?
@@ -129,9 +126,6 @@ for step in "$@"; do
       timeout 420 python3 scripts/bench_codec.py --geometries 16x128,64x32,128x16 --experts 2 --copy-batches 1,2,4,8 \
         --out "$out/codec-geometry.json" --note "H200 device machine, graph replay" 2>&1 | tail -n 20
       timeout 240 python3 -m pytest tests/gpu/test_codec_gpu.py -m gpu -q -rfEs -p no:cacheprovider 2>&1 | tail -n 8 ;;
-    ssd-pieces)
-      timeout 300 python3 scripts/bench_ssd.py --dir /tmp,/var/tmp --gb 1.5 --workers 1,4 --piece-kib 0,1024,0 \
-        --modes store,load,gpu --out "$out/ssd-pieces.json" 2>&1 | tail -n 30 ;;
     ssd-codec)
       timeout 300 python3 scripts/bench_ssd.py --dir /tmp,/var/tmp --gb 1.5 --workers 1,4,8,16 --modes store,load \
         --sources paging-file,compressed,paging-file --out "$out/ssd-codec.json" 2>&1 | tail -n 30 ;;

@@ -9,8 +9,8 @@ Makes an FP8 synthetic Qwen3-MoE with Qwen3.6-35B-A3B's expert shapes (256 exper
 file from it in the background, then runs vLLM's offline LLM once per configuration,
 each in its own process (the plugin registers per process). Graph runs use vLLM's
 default CUDA-graph mode with --max-cudagraph-capture-size 4 (32 slots / top-8: what the
-device-driven pager needs so every captured batch fits the slots); the codec run is
-host-driven and eager, so it is compared with an eager unpaged run:
+device-driven pager needs so every captured batch fits the slots); the eager runs
+(named so) are compared with an eager unpaged run, the PIECEWISE ones with a PIECEWISE one:
 
     unpaged                      the reference (CUDA graphs)
     unpaged-repeat               the same again: does the engine reproduce itself?
@@ -18,8 +18,6 @@ host-driven and eager, so it is compared with an eager unpaged run:
     vram12-ram50-ssd             12.5% in VRAM, 50% in RAM, the SSD tier reads the checkpoint (CUDA graphs)
     vram40-layerbuf              vram40 with big steps run over one whole-layer buffer (BIGMOE_PREFILL_BUFFER=1)
     vram12-ram50-ssd-layerbuf    vram12-ram50-ssd with that buffer (its experts gathered through the slots)
-    vram12-ram50-ssd-pieces      vram12-ram50-ssd with every SSD read cut into 256 KiB pieces read at once
-                                 (BIGMOE_READ_PIECE_KIB=256)
     vram40-predict               vram40 with the live next-layer predictor prefetching (BIGMOE_PREDICT=router)
     vram12-ram50-ssd-predict-ahead  vram12-ram50-ssd with that prefetch and SSD reads ahead (BIGMOE_SSD_READ_AHEAD=1)
     vram40-predict-chain         vram40-predict with each forward's rounds chained (BIGMOE_PREFETCH_CHAIN=1)
@@ -169,11 +167,6 @@ def configs(experts: int, paging_file: Path) -> list[Config]:
             f"vram12-ram50-ssd-layerbuf ({vram12}/{ram50}, checkpoint, whole-layer prefill buffer)",
             {**ssd, **graphs, "BIGMOE_PREFILL_BUFFER": "1"},
         ),
-        # Every SSD read cut into pieces read at once by helper threads (odirect.ReadSplit; the Python reader).
-        Config(
-            f"vram12-ram50-ssd-pieces ({vram12}/{ram50}, checkpoint, reads in 256 KiB pieces)",
-            {**ssd, **graphs, "BIGMOE_READ_PIECE_KIB": "256"},
-        ),
         # Issue 15: the live next-layer predictor prefetching on its side stream under vLLM's default graphs (FULL
         # decode graphs), over the SSD mix with reads ahead too, and under PIECEWISE graphs (layer calls between
         # pieces); the router keeps the final say, so tokens must equal the unpaged reference's.
@@ -296,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {
-        "mode": f"CUDA graphs (vLLM default mode, --max-cudagraph-capture-size {GRAPH_CAPTURE}); "
-        "the codec run eager (host-driven); "
+        "mode": f"CUDA graphs (vLLM's default mode unless a configuration sets PIECEWISE: each row's cudagraph_mode; "
+        f"--max-cudagraph-capture-size {GRAPH_CAPTURE}), except the configurations named eager (enforce_eager); "
         + (
             "vLLM's default compile settings"
             if args.no_deterministic
@@ -668,7 +661,6 @@ ENGINE_FACTS = (
     "step_kernels",
     "load_copy_bytes",
     "load_copy_s",
-    "read_split",
 )
 """What an engine's run reports beside its counters (adapters.vllm.process.engine_facts), copied into its row."""
 

@@ -53,10 +53,6 @@ class PagerSettings:
     """BIGMOE_READ_TIMEOUT_S: seconds one SSD read may take before it is retried."""
     read_retries: int = 2
     """BIGMOE_READ_RETRIES: retries of a failed or late SSD read before the step fails with an error."""
-    read_piece_kib: int = 0
-    """BIGMOE_READ_PIECE_KIB: an expert's SSD read of two such pieces or more is cut into pieces read at once
-    (0: one read each); the Python reader's path. Off: the dev VM read one expert no faster in pieces, and the H200
-    has not measured it (docs/benchmarks.md, "Session 37")."""
     ssd_reader: str = "python"
     """BIGMOE_SSD_READER: python / native: who answers the GPU's SSD requests: Python threads (each read crosses the
     GIL several times) or C threads (core/ssd_reader.c, no GIL on the read path; where they cannot start, no C

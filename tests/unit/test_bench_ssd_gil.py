@@ -35,22 +35,9 @@ def test_a_batch_is_one_request_of_distinct_experts(tmp_path):
     assert all(r["median_ms"] > 0 for r in rows)
 
 
-def test_read_pieces_get_rows_of_their_own_for_the_python_threads(tmp_path):
-    """--piece-kib: a row per piece size for the Python threads; the C threads read whole records (one row)."""
-    out = tmp_path / "pieces.json"
-    argv = ["--dir", str(tmp_path), "--gb", "0.01", "--reads", "3", "--switch-us", "5000", "--piece-kib", "0,512"]
-    assert bench_ssd_gil.main([*argv, "--readers", "python,native", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["reader"], r["piece_kib"]) for r in rows] == [("python", 0)] * 2 + [("python", 512)] * 2 + [
-        ("native", 0)
-    ] * 2
-    assert all(r["median_ms"] > 0 for r in rows)
-
-
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--piece-kib", "2"], "--piece-kib '2': a comma list of 0 (whole reads) or sizes >= 4 (KiB)"),
         (["--switch-us", "5000,0"], "--switch-us '5000,0': a comma list of positive integers"),
         (["--paths", "load,disk"], "--paths 'load,disk': a comma list of load, mailbox"),
         (["--readers", "rust"], "--readers 'rust': a comma list of python, native"),

@@ -2,39 +2,17 @@
 
 from __future__ import annotations
 
-import errno
 import os
-import threading
 import time
 
 import numpy as np
 import pytest
-from bigmoe_pager.core.odirect import (
-    ALIGN,
-    DirectFile,
-    ODirectError,
-    ReadError,
-    ReadSplit,
-    SystemFileIO,
-    aligned_empty,
-    odirect_works,
-)
+from bigmoe_pager.core.odirect import ALIGN, DirectFile, ODirectError, ReadError, aligned_empty, odirect_works
 from ssd_testkit import FakeFaultyIO
 
 pytestmark = pytest.mark.timeout(30)
 
 FILE_BYTES = 5 * ALIGN + 1234  # not a multiple of the block size: the last block is partial
-
-
-@pytest.fixture(params=["whole", "split"])
-def split(request):
-    """Reads as one preadv a span, or cut into one-block pieces read at once (ReadSplit)."""
-    if request.param == "whole":
-        yield None
-        return
-    pieces = ReadSplit(ALIGN, threads=4)
-    yield pieces
-    pieces.close()
 
 
 @pytest.fixture
@@ -58,10 +36,10 @@ def data_file(tmp_path):
     ],
 )
 @pytest.mark.parametrize("aligned_dst", [True, False])
-def test_read_into_returns_exact_bytes(data_file, offset, length, aligned_dst, split):
+def test_read_into_returns_exact_bytes(data_file, offset, length, aligned_dst):
     path, data = data_file
     dst = aligned_empty(length + 1)[int(not aligned_dst) : int(not aligned_dst) + length]
-    with DirectFile(path, split=split) as f:
+    with DirectFile(path) as f:
         f.read_into(offset, dst)
         assert np.array_equal(dst.numpy(), data[offset : offset + length])
         assert f.counters.snapshot()["bytes"] == length
@@ -77,9 +55,9 @@ def test_read_view_matches_and_memoryview_destination(data_file):
 
 
 @pytest.mark.parametrize("script", [("eio",), ("short",), ("eio", "short")])
-def test_transient_faults_are_retried(data_file, script, split):
+def test_transient_faults_are_retried(data_file, script):
     path, data = data_file
-    with DirectFile(path, retries=2, io=FakeFaultyIO(script), split=split) as f:
+    with DirectFile(path, retries=2, io=FakeFaultyIO(script)) as f:
         out = f.read_view(10, 3 * ALIGN)
         assert np.array_equal(out, data[10 : 10 + 3 * ALIGN])
         assert f.counters.snapshot()["retries"] == len(script)
@@ -142,80 +120,9 @@ def test_shm_odirect_behaviour_is_reported_either_way():
     assert isinstance(ok, bool) and "/dev/shm" in why
 
 
-class MeetingIO(SystemFileIO):
-    """Fake file I/O (the real reads) whose preadv calls must all be in flight at once: each waits at a barrier of
-    `parties` before reading, so reads issued one after another break it."""
-
-    def __init__(self, parties: int):
-        self.barrier = threading.Barrier(parties, timeout=5)
-        self.threads: set[str] = set()
-
-    def preadv(self, fd: int, buf: np.ndarray, offset: int) -> int:
-        self.threads.add(threading.current_thread().name)
-        self.barrier.wait()
-        return super().preadv(fd, buf, offset)
-
-
-def test_a_split_span_is_read_as_pieces_in_flight_at_once(data_file):
-    path, data = data_file
-    pieces = ReadSplit(ALIGN, threads=5)
-    io = MeetingIO(parties=6)  # the span [0, 5 blocks + 1234) rounded up to 6 blocks: 6 one-block pieces
-    try:
-        with DirectFile(path, io=io, split=pieces) as f:
-            assert np.array_equal(f.read_view(0, FILE_BYTES), data)
-    finally:
-        pieces.close()
-    assert len(io.threads) == 6  # the caller's thread and five helpers
-
-
-class SlowTailIO(SystemFileIO):
-    """Fake file I/O: the read at `bad` fails with EIO; every other read sleeps `delay_s` first, then reads."""
-
-    def __init__(self, bad: int, delay_s: float):
-        self.bad, self.delay_s, self.finished = bad, delay_s, 0
-        self._lock = threading.Lock()
-
-    def preadv(self, fd: int, buf: np.ndarray, offset: int) -> int:
-        if offset == self.bad:
-            raise OSError(errno.EIO, "Input/output error")
-        time.sleep(self.delay_s)
-        got = super().preadv(fd, buf, offset)
-        with self._lock:
-            self.finished += 1
-        return got
-
-
-def test_a_failed_piece_raises_only_after_every_piece_is_done(data_file):
-    """No helper may still write into the caller's buffer once the read has returned or raised."""
+def test_an_empty_aligned_read_reads_nothing_and_succeeds(data_file):
     path, _ = data_file
-    pieces = ReadSplit(ALIGN, threads=4)
-    io = SlowTailIO(bad=0, delay_s=0.3)
-    try:
-        with DirectFile(path, io=io, retries=0, split=pieces) as f:
-            with pytest.raises(ReadError) as e:
-                f.read_into(0, aligned_empty(4 * ALIGN))
-    finally:
-        pieces.close()
-    assert io.finished == 3
-    assert str(path) in str(e.value) and "offset 0" in str(e.value) and "EIO" in str(e.value)
-
-
-@pytest.mark.parametrize(
-    "nbytes,piece,expected",
-    [(3 * ALIGN, ALIGN, 3), (5 * ALIGN + 7, 2 * ALIGN, 2), (ALIGN, 4 * ALIGN, 1), (0, ALIGN, 1), (ALIGN, ALIGN, 1)],
-)
-def test_cuts_are_aligned_cover_the_span_and_hold_a_piece_each(nbytes, piece, expected):
-    cuts = ReadSplit(piece).cuts(nbytes)
-    assert len(cuts) == expected
-    assert cuts[0][0] == 0 and cuts[-1][1] == nbytes
-    assert all(a % ALIGN == 0 and b >= a for a, b in cuts)
-    assert all(prev[1] == nxt[0] for prev, nxt in zip(cuts, cuts[1:]))
-    assert len(cuts) == 1 or min(b - a for a, b in cuts[:-1]) >= piece
-
-
-def test_an_empty_aligned_read_needs_no_piece(data_file, split):
-    path, _ = data_file
-    with DirectFile(path, split=split) as f:
+    with DirectFile(path) as f:
         f.read_into(ALIGN, aligned_empty(0))
 
 

@@ -83,35 +83,3 @@ def test_layers_read_exact_records(stores, model, tmp_path):
         direct.read_record(expert, a)
         paged.read_record(expert, b)
         assert torch.equal(a[: layout.record_bytes], b[: layout.record_bytes])
-
-
-@pytest.mark.parametrize("piece_kib", [0, 4])
-def test_read_pieces_give_the_same_records_and_cut_each_read(model, tmp_path, piece_kib):
-    """BIGMOE_READ_PIECE_KIB: every store of the process reads through one ReadSplit; a record arrives whole either
-    way, in more reads when cut (FakeFaultyIO counts the preadv calls: the real calls, no fault scripted)."""
-    import torch
-    from bigmoe_pager.core.odirect import read_split
-    from bigmoe_pager.settings import PagerSettings
-
-    layout = layout_for_checkpoint(model)
-    paging = build_paging_file(model, tmp_path / "experts.bmpf", compress=False)
-    settings = PagerSettings.from_env({"BIGMOE_READ_PIECE_KIB": str(piece_kib)})
-    split = read_split(settings.read_piece_kib, settings.io_workers)
-    stores = SsdStores(split=split)
-    counted = {"checkpoint": FakeFaultyIO(), "paging": FakeFaultyIO()}
-    sources = {
-        "checkpoint": stores.checkpoint_source(model, layout, 1, io=counted["checkpoint"]),
-        "paging": stores.paging_file_source(paging, model, layout, 1, 4, compressed=False, io=counted["paging"]),
-    }
-    whole = SsdStores().checkpoint_source(model, layout, 1)
-    for name, source in sources.items():
-        before = counted[name].calls
-        for expert in range(4):
-            want, got = torch.zeros(layout.pitch, dtype=torch.uint8), torch.ones(layout.pitch, dtype=torch.uint8)
-            whole.read_record(expert, want)
-            source.read_record(expert, got)
-            assert torch.equal(got[: layout.record_bytes], want[: layout.record_bytes]), (name, expert)
-        per_record = (counted[name].calls - before) / 4
-        assert (per_record > 1) == bool(piece_kib), (name, per_record)  # each record is one contiguous span here
-    if split is not None:
-        split.close()

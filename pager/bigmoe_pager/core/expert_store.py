@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from .expert_names import MAIN_SCHEMES, ExpertNameError, ExpertNames, describe_schemes, discover
 from .layout import ExpertLayout
-from .odirect import DirectFile, ReadSplit, SystemFileIO, as_byte_array
+from .odirect import DirectFile, SystemFileIO, as_byte_array
 from .read_stats import ReadCounters
 from .record_reads import ReadsBuilder, RecordReads
 from .safetensors_index import CheckpointError, TensorEntry, index_files, shard_paths
@@ -81,10 +81,8 @@ class CheckpointStore:
         retries: int = 2,
         io: SystemFileIO | None = None,
         counters: ReadCounters | None = None,
-        split: ReadSplit | None = None,
     ):
-        """model_layers: the decoder layers (vLLM numbering, expert_names.py) to serve; default every one named.
-        split: large reads cut into pieces read at once (BIGMOE_READ_PIECE_KIB; the caller keeps and closes it)."""
+        """model_layers: the decoder layers (vLLM numbering, expert_names.py) to serve; default every one named."""
         self.root = Path(root)
         self.layout = layout
         self.counters = counters if counters is not None else ReadCounters()
@@ -106,7 +104,7 @@ class CheckpointStore:
         self._runs = self._plan(index, self.names)
         self._gaps = layout.gaps
         files = sorted({run.file for runs in self._runs for run in runs})
-        self._files = {p: DirectFile(p, retries=retries, io=io, counters=self.counters, split=split) for p in files}
+        self._files = {p: DirectFile(p, retries=retries, io=io, counters=self.counters) for p in files}
 
     def read(self, layer: int, expert: int, dst: object) -> int:
         out = as_byte_array(dst)

@@ -7,12 +7,6 @@ A range that is aligned on all three lands straight in the caller's buffer; any
 other range is read as the aligned span around it into a per-thread bounce
 buffer and the wanted bytes are copied out.
 
-With a ReadSplit, a span of several pieces is read as that many aligned reads at
-once (the caller's thread takes the first, helper threads the rest), for disks
-that read one expert (a decode layer's miss) slower than several in flight; the
-dev VM's did not gain from it (docs/benchmarks.md, "Session 37"), so it is off
-unless BIGMOE_READ_PIECE_KIB asks.
-
 Failures are one-line exceptions: `ODirectError` when the filesystem refuses
 O_DIRECT (EINVAL), `ReadError` (naming file, offset, length) when a read stays
 short or keeps failing with EIO after `retries` more tries.
@@ -25,9 +19,7 @@ import os
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -87,72 +79,8 @@ def as_byte_array(dst: object) -> np.ndarray:
     return arr
 
 
-class ReadSplit:
-    """Cuts large aligned reads into pieces of at least `piece_bytes` read at once; the helper threads are its own
-    (`threads` of them, started on first use) and shared by every file given it."""
-
-    def __init__(self, piece_bytes: int, threads: int = 8):
-        if piece_bytes < ALIGN:
-            raise ValueError(f"a read piece is at least {ALIGN} bytes, got {piece_bytes}")
-        self.piece_bytes = _round_up(piece_bytes, ALIGN)
-        self.spans = 0
-        """Reads it has cut into pieces so far."""
-        self._threads = threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    def cuts(self, nbytes: int) -> list[tuple[int, int]]:
-        """[start, end) of each piece of an aligned span of nbytes: as many as hold piece_bytes each, equal to
-        within ALIGN, every start aligned."""
-        pieces = max(1, nbytes // self.piece_bytes)
-        if pieces == 1:
-            return [(0, nbytes)]
-        step = _round_up(-(-nbytes // pieces), ALIGN)
-        return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
-
-    def run(self, calls: list[Callable[[], None]]) -> None:
-        """Run every call, the first on this thread; returns when all have (none still writes a buffer), raising
-        the first one's exception if any failed."""
-        with self._lock:
-            self.spans += 1
-        later = [self._executor().submit(call) for call in calls[1:]]
-        first: BaseException | None = None
-        try:
-            calls[0]()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, once the other pieces are done
-            first = e
-        for f in later:
-            e = f.exception()
-            first = first or e
-        if first is not None:
-            raise first
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="bigmoe-read-piece")
-            return self._pool
-
-
-def read_split(piece_kib: int, io_workers: int) -> ReadSplit | None:
-    """BIGMOE_READ_PIECE_KIB's split (None at 0: whole reads), with helper threads enough for each of `io_workers`
-    readers to have three pieces in flight besides its own."""
-    if not piece_kib:
-        return None
-    return ReadSplit(max(piece_kib * 1024, ALIGN), threads=3 * io_workers)
-
-
 class DirectFile:
-    """One file opened with O_DIRECT; `read_into` is safe to call from many threads at once.
-
-    split: where given, spans of two pieces or more are read as pieces at once (see ReadSplit).
-    """
+    """One file opened with O_DIRECT; `read_into` is safe to call from many threads at once."""
 
     def __init__(
         self,
@@ -161,11 +89,9 @@ class DirectFile:
         retries: int = 2,
         io: SystemFileIO | None = None,
         counters: ReadCounters | None = None,
-        split: ReadSplit | None = None,
     ):
         self.path = str(path)
         self.retries = retries
-        self.split = split
         self.io = io or SystemFileIO()
         self.counters = counters if counters is not None else ReadCounters()
         try:
@@ -219,23 +145,8 @@ class DirectFile:
             raise ReadError(self.path, offset, length, f"the file is only {self.size} bytes (truncated?)")
 
     def _read_span(self, start: int, target: np.ndarray, need: int, length: int, offset: int) -> None:
-        """target's size from start, of which `need` bytes must arrive (past the file's end O_DIRECT returns less):
-        one aligned read, or with a split its pieces at once, each retried on its own."""
-        cuts = self.split.cuts(target.nbytes) if self.split is not None else [(0, target.nbytes)]
-        if len(cuts) == 1:
-            self._read_piece(start, target, need, length, offset)
-            return
-
-        def piece(a: int, b: int) -> Callable[[], None]:
-            return lambda: self._read_piece(start + a, target[a:b], min(b - a, need - a), length, offset, True)
-
-        self.split.run([piece(a, b) for a, b in cuts if a < need])  # a piece wholly past the file's end: none
-
-    def _read_piece(
-        self, start: int, target: np.ndarray, need: int, length: int, offset: int, piece: bool = False
-    ) -> None:
-        """One aligned preadv of target's size at start, retried while short (under `need` bytes) or failing with
-        EIO; errors name the caller's range (offset, length), and the piece of it when split."""
+        """One aligned preadv of target's size at start, retried while short (under `need` bytes: past the file's
+        end O_DIRECT returns less) or failing with EIO; errors name the caller's range (offset, length)."""
         why = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -254,10 +165,7 @@ class DirectFile:
                 continue
             if got >= need:
                 return
-            if piece:
-                why = f"short read: got {got} of the {need} bytes of its piece at offset {start}"
-            else:
-                why = f"short read: got {got - (offset - start)} of {length} bytes"
+            why = f"short read: got {got - (offset - start)} of {length} bytes"
         self.counters.add_error()
         raise ReadError(self.path, offset, length, f"{why} after {self.retries} retries")
 

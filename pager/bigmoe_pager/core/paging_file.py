@@ -36,7 +36,7 @@ import numpy as np
 from ..atomic_file import fsync_dir
 from .expert_store import ExpertStore
 from .layout import ExpertLayout
-from .odirect import ALIGN, DirectFile, ReadSplit, SystemFileIO, aligned_empty, as_byte_array
+from .odirect import ALIGN, DirectFile, SystemFileIO, aligned_empty, as_byte_array
 from .read_stats import ReadCounters
 from .record_reads import ReadsBuilder, RecordReads
 
@@ -245,9 +245,7 @@ class PagingFileStore:
         io: SystemFileIO | None = None,
         counters: ReadCounters | None = None,
         pitch: int | None = None,
-        split: ReadSplit | None = None,
     ):
-        """split: large reads cut into pieces read at once (BIGMOE_READ_PIECE_KIB; the caller keeps and closes it)."""
         self.path = Path(path)
         self.layout = layout
         self.counters = counters if counters is not None else ReadCounters()
@@ -256,7 +254,7 @@ class PagingFileStore:
         self.pitch = pitch or layout.pitch
         self.meta, self._index = _open_index(self.path, expect, self.pitch)
         self.num_layers, self.num_experts, self.codec = self.meta.num_layers, self.meta.num_experts, self.meta.codec
-        self._file = DirectFile(self.path, retries=retries, io=io, counters=self.counters, split=split)
+        self._file = DirectFile(self.path, retries=retries, io=io, counters=self.counters)
         self._failed: set[int] = set()  # records whose last read failed its crc32 (set ops are atomic under the GIL)
 
     def read(self, layer: int, expert: int, dst: object) -> int:

@@ -32,7 +32,6 @@ from bigmoe_pager.adapters.vllm.predictor import Predictor
 from bigmoe_pager.adapters.vllm.routing import Routing
 from bigmoe_pager.adapters.vllm.ssd_source import SsdStores
 from bigmoe_pager.core import step_kernel
-from bigmoe_pager.core.odirect import read_split
 from bigmoe_pager.core.timed_reads import TimedReads
 from bigmoe_pager.settings import PagerSettings
 
@@ -68,9 +67,7 @@ class PagerProcess:
         """Read once when the plugin loaded; every part of the pager takes them from here."""
         self.on_device = on_device
         """Device-driven paging (the GPU decides, decode in CUDA graphs); else host-driven."""
-        self.stores = SsdStores(
-            read_retries=settings.read_retries, split=read_split(settings.read_piece_kib, settings.io_workers)
-        )
+        self.stores = SsdStores(read_retries=settings.read_retries)
         """The SSD tier's open stores (checkpoint or paging file), shared by the layers."""
         self.routing = Routing(settings)
         """Routing trace (BIGMOE_TRACE_PATH) and replay (BIGMOE_ROUTE_REPLAY)."""
@@ -186,13 +183,7 @@ def engine_facts() -> dict:
         "step_kernels": dict(step_kernel.COMPILED),
         "load_copy_bytes": copies.nbytes,
         "load_copy_s": round(copies.seconds, 2),
-        "read_split": _read_split_fact(_installed.stores.split),
     }
-
-
-def _read_split_fact(split) -> dict[str, int]:
-    """BIGMOE_READ_PIECE_KIB as it ran: the piece size (0: reads whole) and how many reads it cut."""
-    return {"piece_bytes": split.piece_bytes, "spans": split.spans} if split is not None else {"piece_bytes": 0}
 
 
 def experts_kernel_name() -> str | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.odirect import ODirectError, ReadSplit, odirect_works
+from bigmoe_pager.core.odirect import ODirectError, odirect_works
 from bigmoe_pager.core.paging_build import checkpoint_meta, compressed_pitch
 from bigmoe_pager.core.paging_file import PagingFileError, PagingFileStore, read_meta
 from bigmoe_pager.core.safetensors_index import CheckpointError
@@ -31,12 +31,10 @@ class SsdStores:
     """The SSD tier's stores open in this process, one per source (the checkpoint, or a paging file and codec).
 
     read_retries: file-level retries of a failed or short read (BIGMOE_READ_RETRIES).
-    split: large reads cut into pieces read at once (BIGMOE_READ_PIECE_KIB), shared by every store; None: whole.
     """
 
-    def __init__(self, read_retries: int = 2, split: ReadSplit | None = None) -> None:
+    def __init__(self, read_retries: int = 2) -> None:
         self.read_retries = read_retries
-        self.split = split
         self._stores: dict[tuple, object] = {}
         self._lock = threading.Lock()
 
@@ -46,9 +44,7 @@ class SsdStores:
         with self._lock:
             if key not in self._stores:
                 try:
-                    self._stores[key] = CheckpointStore(
-                        model_dir, layout, retries=self.read_retries, io=io, split=self.split
-                    )
+                    self._stores[key] = CheckpointStore(model_dir, layout, retries=self.read_retries, io=io)
                     odirect_ok(sorted(model_dir.glob("*.safetensors"))[0], io)
                 except (CheckpointError, ODirectError) as e:
                     raise SettingsError(f"the SSD tier cannot read the checkpoint in place: {e}") from None
@@ -74,23 +70,14 @@ class SsdStores:
         key = ("paging", str(path), layout.signature(), compressed)
         with self._lock:
             if key not in self._stores:
-                opened = _open_paging_file(
-                    path, model_dir, layout, num_experts, compressed, self.read_retries, io, self.split
-                )
+                opened = _open_paging_file(path, model_dir, layout, num_experts, compressed, self.read_retries, io)
                 self._stores[key] = opened
         store, model_layers = self._stores[key]
         return LayerSource(store, _moe_layer(model_layers, decoder_layer), layout)
 
 
 def _open_paging_file(
-    path: Path,
-    model_dir: Path,
-    layout: ExpertLayout,
-    num_experts: int,
-    compressed: bool,
-    retries: int,
-    io=None,
-    split: ReadSplit | None = None,
+    path: Path, model_dir: Path, layout: ExpertLayout, num_experts: int, compressed: bool, retries: int, io=None
 ):
     """The store of raw records over the file, which holds every expert layer the checkpoint names (main model,
     then MTP head) as prepare wrote it, and the checkpoint's MoE decoder layers."""
@@ -106,7 +93,7 @@ def _open_paging_file(
     expect = checkpoint_meta(model_dir, layout, len(model_layers), num_experts, codec, version)
     try:
         pitch = compressed_pitch(layout) if compressed else None
-        store = PagingFileStore(path, layout, expect, pitch=pitch, retries=retries, io=io, split=split)
+        store = PagingFileStore(path, layout, expect, pitch=pitch, retries=retries, io=io)
         odirect_ok(path, io)
     except (PagingFileError, ODirectError) as e:
         raise SettingsError(f"BIGMOE_PAGING_FILE: {e}") from None
