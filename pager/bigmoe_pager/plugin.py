@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
-from bigmoe_pager.settings import PagerSettings
+from bigmoe_pager.settings import PagerSettings, unknown_variables
 
 log = logging.getLogger("vllm.bigmoe_pager")  # under vLLM's logger so its handler shows our lines
 
@@ -40,6 +41,8 @@ def _installed_vllm_version() -> str:
 @functools.cache
 def process_settings() -> PagerSettings:
     """This process's settings: read from the environment once, at the first entry point vLLM calls."""
+    for line in unknown_variables(os.environ):
+        log.warning("bigmoe: %s", line)
     return PagerSettings.from_env()
 
 

@@ -9,6 +9,7 @@ one line that names the variable and what it accepts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 from dataclasses import dataclass
@@ -222,6 +223,22 @@ def host_driven(cuda_graphs: bool) -> bool:
 def variable_names() -> tuple[str, ...]:
     """Every variable `PagerSettings.from_env` reads, BIGMOE_SETTINGS (the file) first."""
     return ("BIGMOE_SETTINGS", *(_var(f) for f in dataclasses.fields(PagerSettings)))
+
+
+OTHER_VARIABLES = frozenset({"BIGMOE_HOME", "BIGMOE_API_KEY", "BIGMOE_CACHE_DIR", "BIGMOE_VENV", "BIGMOE_HEARTBEAT_S"})
+"""BIGMOE_* variables that other parts read (the app, the C build cache, the installer): not pager settings."""
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """One line for each BIGMOE_* variable in `env` that nothing in bigmoe reads (a typo, or a removed setting),
+    with the closest setting's name where one is close."""
+    known = set(variable_names()) | OTHER_VARIABLES
+    lines = []
+    for name in sorted(k for k in env if k.startswith("BIGMOE_") and k not in known):
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        hint = f"; did you mean {near[0]}?" if near else " (a typo, or a setting since removed?)"
+        lines.append(f"{name} is not a bigmoe setting and is ignored{hint}")
+    return lines
 
 
 _VARIABLES = {"enabled": "BIGMOE_PAGER"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from bigmoe_pager.plugin import UnsupportedVllm, check_vllm_version
-from bigmoe_pager.settings import PagerSettings, SettingsError
+from bigmoe_pager.settings import PagerSettings, SettingsError, unknown_variables
 
 
 def test_defaults_leave_vllm_alone():
@@ -116,3 +116,36 @@ def test_a_prefetch_gate_threshold_outside_0_to_100_is_one_line(raw):
         PagerSettings.from_env({"BIGMOE_PREFETCH_MIN_USED_PERCENT": raw})
     assert "BIGMOE_PREFETCH_MIN_USED_PERCENT" in str(e.value) and "from 0 to 100" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "env,lines",
+    [
+        ({"BIGMOE_VRAM_SLOTS": "50", "BIGMOE_HOME": "/h", "VLLM_X": "1"}, []),
+        (
+            {"BIGMOE_VRAM_SLOT": "50"},
+            ["BIGMOE_VRAM_SLOT is not a bigmoe setting and is ignored; did you mean BIGMOE_VRAM_SLOTS?"],
+        ),
+        (
+            {"BIGMOE_READ_PIECE_KIB": "1024"},
+            ["BIGMOE_READ_PIECE_KIB is not a bigmoe setting and is ignored (a typo, or a setting since removed?)"],
+        ),
+    ],
+)
+def test_variables_nothing_reads_are_named_with_the_closest_setting(env, lines):
+    assert unknown_variables(env) == lines
+
+
+def test_the_plugin_says_once_per_process_which_variables_it_ignores(monkeypatch, caplog):
+    from bigmoe_pager import plugin
+
+    monkeypatch.setenv("BIGMOE_EVICTON", "lru")
+    plugin.process_settings.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="vllm.bigmoe_pager"):
+            plugin.process_settings()
+            plugin.process_settings()
+    finally:
+        plugin.process_settings.cache_clear()
+    said = [r.getMessage() for r in caplog.records if "BIGMOE_EVICTON" in r.getMessage()]
+    assert said == ["bigmoe: BIGMOE_EVICTON is not a bigmoe setting and is ignored; did you mean BIGMOE_EVICTION?"]
