@@ -479,6 +479,17 @@ def test_the_probed_expansion_rate_decides_between_raw_and_compressed_records(ex
     assert f"{'measured' if expand else 'assumed'}) " in p.reasons["compress"].split("expanded at")[1]
 
 
+@pytest.mark.parametrize("cores, compressed", [(32, True), (2, False)])
+def test_compressed_records_pay_only_with_cores_to_expand_them(cores, compressed):
+    """Slow disks both (0.15 and 0.4 GB/s): four reader threads expand fast enough for 14% fewer bytes to pay; on
+    two cores only two expand at once, and raw records cost less."""
+    hw = machine("rtx4090-wsl2")
+    hw = with_disk(with_disk(hw, "/home/me/models", read_gbps=0.15), "/home/me/paging", read_gbps=0.4)
+    p = plan(dataclasses.replace(hw, cpu_cores=cores), presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))
+    assert (p.ssd_source, p.compress) == ("paging file", compressed)
+    assert f"x {min(cores, 4)} CPU threads" in p.reasons["compress"]
+
+
 def test_a_raw_paging_file_is_planned_on_disk_and_built_raw():
     hw = with_disk(machine("rtx4090-wsl2"), "/home/me/models", read_gbps=0.4)
     p = plan(hw, presets.load("qwen3.8-flash-next"), dirs("rtx4090-wsl2"))

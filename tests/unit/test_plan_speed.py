@@ -170,3 +170,17 @@ def test_compressed_records_trade_disk_time_for_cpu_expansion():
     assert estimate(H200, "cuda", ssd_record_bytes=small, compressed=True, ram_slots=everything, **kw) == estimate(
         H200, "cuda", ssd_record_bytes=shape["record_bytes"], ram_slots=everything, **kw
     )
+
+
+@pytest.mark.parametrize("cores,threads", [(1, 1), (2, 2), (16, 4), (None, 4)])
+def test_records_are_expanded_by_at_most_one_thread_a_core(cores, threads):
+    """The SSD tier's four reader threads expand records at once only on a machine of four cores or more: fewer
+    cores make compressed records dearer, in the estimate and in the SSD source's price alike."""
+    from bigmoe.plan.speed import EXPAND_GBPS, expand_threads, speeds_for, ssd_ms_per_gb
+
+    assert expand_threads(cores) == threads
+    speeds = speeds_for(None, None, compressed=True, cores=cores)
+    assert speeds.expand_threads == threads
+    assert any(f"by {threads} reader threads" in line for line in speeds.assumptions)
+    per_gb = ssd_ms_per_gb(1.0, 0.85, EXPAND_GBPS, threads)
+    assert per_gb == pytest.approx(850 + 1000 / (EXPAND_GBPS * threads))

@@ -507,7 +507,9 @@ class Draft:
             host_driven=self.pager and self.device == "cuda" and not graphs,
             prefill_buffer=self.prefill_buffer or not graphs,
         )  # read by the device-driven pager only
-        speeds = speeds_for(gpu, ssd_disk(self) or self.model_disk(), self.compress, self.hw.cpu_expand_gbps)
+        speeds = speeds_for(
+            gpu, ssd_disk(self) or self.model_disk(), self.compress, self.hw.cpu_expand_gbps, self.hw.cpu_cores
+        )
         expected = estimate(
             speeds,
             self.device,

@@ -77,7 +77,8 @@ EXPAND_GBPS = 1.4
 """Raw GB/s one CPU thread expands compressed records at where the probe did not measure it (codec/host_decode.c on
 the dev VM's 2-core EPYC, 1.28-1.44 over laws, shapes and geometries: docs/bench/codec-cpu-decode.md)."""
 EXPAND_THREADS = 4
-"""Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default)."""
+"""Reader threads expanding records at once: the SSD tier's I/O workers (BIGMOE_IO_WORKERS' default), on a machine
+of at least that many cores (`expand_threads`)."""
 HIT_CURVES = {
     "standard": (
         (0.5, 0.2847),
@@ -123,6 +124,8 @@ class Speeds:
     """Which of the numbers are assumptions, one line each."""
     expand_gbps: float = EXPAND_GBPS
     """Raw GB/s one CPU thread expands compressed SSD records at."""
+    expand_threads: int = EXPAND_THREADS
+    """Reader threads expanding at once (`expand_threads`)."""
 
 
 @dataclass(frozen=True)
@@ -150,10 +153,15 @@ def gpu_spec(name: str) -> tuple[int, float] | None:
 
 
 def speeds_for(
-    gpu: Gpu | None, disk: Disk | None, compressed: bool = False, expand: float | Unknown = NOT_MEASURED
+    gpu: Gpu | None,
+    disk: Disk | None,
+    compressed: bool = False,
+    expand: float | Unknown = NOT_MEASURED,
+    cores: int | Unknown | None = None,
 ) -> Speeds:
     """The rates for an estimate: measured ones where the probe has them, assumed ones otherwise (compressed: the
-    SSD tier's records are expanded on the CPU at `expand` GB/s a thread, the probe's, named too)."""
+    SSD tier's records are expanded on the CPU at `expand` GB/s a thread, the probe's, named too, by
+    `expand_threads(cores)` threads at once)."""
     measured: list[str] = []
     notes: list[str] = []
     if gpu is None:
@@ -174,16 +182,17 @@ def speeds_for(
         )
     disk_gbps = _disk(disk, measured, notes)
     expand_gbps, expand_measured = expand_rate(expand)
+    threads = expand_threads(cores)
     if compressed:
         (measured if expand_measured else notes).append(
-            f"compressed SSD records are expanded at {expand_gbps:g} GB/s a thread by {EXPAND_THREADS} reader "
+            f"compressed SSD records are expanded at {expand_gbps:g} GB/s a thread by {threads} reader "
             + ("threads (measured)" if expand_measured else "threads (assumed: the dev VM's rate)")
         )
     notes.append(
         f"tier hit rates of lfu-duel eviction on the {HIT_FAMILIES[0]} (optimistic) and {HIT_FAMILIES[1]} "
         "(pessimistic) routing families, replayed by scripts/sim_eviction.py (real routing may differ)"
     )
-    return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes), expand_gbps)
+    return Speeds(pcie, disk_gbps, memory, tuple(measured), tuple(notes), expand_gbps, threads)
 
 
 def _pcie(gpu: Gpu, measured: list[str], notes: list[str]) -> float:
@@ -217,13 +226,21 @@ def expand_rate(measured: float | Unknown) -> tuple[float, bool]:
     return EXPAND_GBPS, False
 
 
-def ssd_ms_per_gb(disk_gbps: float, ratio: float | None = None, expand_gbps: float = EXPAND_GBPS) -> float:
+def expand_threads(cores: int | Unknown | None) -> int:
+    """Reader threads that expand records at once: EXPAND_THREADS, at most one a core where the core count is known
+    (on the dev VM's 2 cores the model's 4 threads overrated compressed reads: docs/benchmarks.md, session 38)."""
+    return min(EXPAND_THREADS, cores) if isinstance(cores, int) and cores > 0 else EXPAND_THREADS
+
+
+def ssd_ms_per_gb(
+    disk_gbps: float, ratio: float | None = None, expand_gbps: float = EXPAND_GBPS, threads: int = EXPAND_THREADS
+) -> float:
     """ms the SSD tier spends per GB of raw expert records it delivers from a disk reading disk_gbps; with `ratio`
     (compressed records) it reads that share of the bytes and expands every record, each after its read in the thread
-    that read it (expand_gbps a thread, EXPAND_THREADS at once): the estimate's model."""
+    that read it (expand_gbps a thread, `threads` at once): the estimate's model."""
     if ratio is None:
         return MS_PER_S / disk_gbps
-    return ratio * MS_PER_S / disk_gbps + MS_PER_S / (expand_gbps * EXPAND_THREADS)
+    return ratio * MS_PER_S / disk_gbps + MS_PER_S / (expand_gbps * threads)
 
 
 def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
@@ -268,7 +285,7 @@ def estimate(
     one expert as RAM holds it and PCIe moves it (raw); `ssd_record_bytes` as the SSD tier holds it.
     `eager`: a CUDA run without graphs (EAGER_LAYER_MS per layer instead of GRAPH_LAYER_MS).
     `compressed`: the SSD tier's records are compressed; each read one is expanded on the CPU (speeds.expand_gbps a
-    thread, EXPAND_THREADS at once), after its read in the same thread.
+    thread, speeds.expand_threads at once), after its read in the same thread.
     `hits`: ((vram, vram-or-ram) optimistic, (vram, vram-or-ram) pessimistic) to use instead of
     HIT_CURVES (a measured run's own hit rates).
     """
@@ -290,7 +307,8 @@ def estimate(
             SSD_LAYER_MS * layers if ram_slots < experts else 0.0
         )
         if compressed:
-            ssd_ms += lookups * (1 - ram_hit) * record_bytes / (speeds.expand_gbps * EXPAND_THREADS * GB) * MS_PER_S
+            expanding = speeds.expand_gbps * speeds.expand_threads * GB
+            ssd_ms += lookups * (1 - ram_hit) * record_bytes / expanding * MS_PER_S
         results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, base_ms + pcie_ms + ssd_ms))
     (v0, r0, p0, s0, t0), (v1, r1, p1, s1, t1) = results
     mib = float(1 << 20)

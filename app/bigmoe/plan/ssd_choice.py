@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bigmoe.plan.memory import CODEC_RATIO, DISK_HEADROOM_BYTES
-from bigmoe.plan.speed import EXPAND_THREADS, disk_read_gbps, expand_rate, ssd_ms_per_gb
+from bigmoe.plan.speed import disk_read_gbps, expand_rate, expand_threads, ssd_ms_per_gb
 from bigmoe.units import size_text
 
 if TYPE_CHECKING:
@@ -82,15 +82,16 @@ def _prices(d: "Draft") -> tuple[_Price, _Price, _Price]:
     model_gbps, model_measured = disk_read_gbps(d.model_disk())
     paging_gbps, paging_measured = disk_read_gbps(d.paging_disk())
     expand_gbps, expand_measured = expand_rate(d.hw.cpu_expand_gbps)
+    threads = expand_threads(d.hw.cpu_cores)
     how = {True: "measured", False: "assumed"}
     checkpoint, raw = ssd_ms_per_gb(model_gbps), ssd_ms_per_gb(paging_gbps)
-    packed = ssd_ms_per_gb(paging_gbps, CODEC_RATIO, expand_gbps)
+    packed = ssd_ms_per_gb(paging_gbps, CODEC_RATIO, expand_gbps, threads)
     return (
         _Price(checkpoint, f"the checkpoint at {model_gbps:g} GB/s ({how[model_measured]}) costs {checkpoint:.0f} ms "
                "per GB of experts"),
         _Price(raw, f"a raw paging file at {paging_gbps:g} GB/s ({how[paging_measured]}) {raw:.0f} ms"),
         _Price(packed, f"a compressed one (ratio {CODEC_RATIO}, assumed; expanded at {expand_gbps:g} GB/s x "
-               f"{EXPAND_THREADS} CPU threads, {how[expand_measured]}) {packed:.0f} ms"),
+               f"{threads} CPU threads, {how[expand_measured]}) {packed:.0f} ms"),
     )  # fmt: skip
 
 
