@@ -228,7 +228,7 @@ def expand_rate(measured: float | Unknown) -> tuple[float, bool]:
 
 def expand_threads(cores: int | Unknown | None) -> int:
     """Reader threads that expand records at once: EXPAND_THREADS, at most one a core where the core count is known
-    (on the dev VM's 2 cores the model's 4 threads overrated compressed reads: docs/benchmarks.md, session 38)."""
+    (threads beyond the cores take turns; docs/benchmarks.md, run 30)."""
     return min(EXPAND_THREADS, cores) if isinstance(cores, int) and cores > 0 else EXPAND_THREADS
 
 
