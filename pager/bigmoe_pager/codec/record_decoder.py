@@ -2,16 +2,16 @@
 
 Both pagers keep raw records in their RAM tier, so a compressed record read from the paging file is expanded
 before it enters RAM: `DecodedStore` is an ExpertStore of raw records over the paging file's store, and the SSD
-tier reads it like any other. Three decoders, same bytes:
+tier reads it like any other. Two decoders, same bytes:
 
-    HostDecoder(layout)         C on the CPU (host_decoder.py): about 1.4 GB/s a core on the dev VM, no GIL held,
-                                one record per SSD reader thread at once
-    DeviceDecoder(layout, dev)  the Triton kernel on the GPU, then one copy back (one record at a time)
+    HostDecoder(layout)         C on the CPU (host_decoder.py): about 1.4 GB/s a core on the dev VM, 0.8 on the
+                                H200 machine's, no GIL held, one record per SSD reader thread at once
     ReferenceDecoder()          numpy, on the CPU (about 85 ms per 3 MB expert on the dev VM, with the GIL)
 
-`record_decoder(layout)` picks the C one, where no C compiler is found the GPU's, else numpy. All raise
-CodecError on a record that fails a check; dst then holds garbage and must not be used (a read that raised
-never fills a slot).
+`record_decoder(layout)` picks the C one, else (no C compiler) numpy. Not the GPU's: the SSD tier's threads would
+then issue CUDA work and syncs beside vLLM's graphs (and a capture), and wherever CUDA runs the pager's Triton
+kernels a C compiler is there anyway (Triton builds its launchers with one). Both raise CodecError on a record that
+fails a check; dst then holds garbage and must not be used (a read that raised never fills a slot).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.native_build import NativeBuildError
 from bigmoe_pager.core.odirect import aligned_empty
 
-from .format import STAGING_ALIGN, CodecError, max_record_bytes
 from .reference import decode_record
 
 
@@ -40,59 +39,14 @@ class ReferenceDecoder:
         dst[: layout.record_bytes].copy_(torch.from_numpy(np.asarray(raw, dtype=np.uint8)))
 
 
-class DeviceDecoder:
-    """The GPU decoder for one layout: host bytes -> device staging -> kernel -> device record -> host.
-
-    Checks on the device cover the header and every section bound; the crc32 of
-    the record is the caller's (the paging file checks each read against its index).
-    Synchronous: dst holds the record (and data is free again) when decode_into returns.
-    """
-
-    parallel = False  # one staging buffer: one record at a time
-
-    def __init__(self, layout: ExpertLayout, device: torch.device | str):
-        from .triton_decode import new_errors
-
-        self.layout = layout
-        self.device = torch.device(device)
-        capacity = -(-max_record_bytes(layout) // STAGING_ALIGN) * STAGING_ALIGN
-        self._staging = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
-        # One record on the device; the kernel writes its components through [1, *shape] views of it.
-        self._record = torch.zeros(layout.pitch, dtype=torch.uint8, device=self.device)
-        self._slots = {name: view.unsqueeze(0) for name, view in layout.views(self._record).items()}
-        self._work = torch.zeros((1, 2), dtype=torch.int64, device=self.device)  # record at offset 0 -> slot 0
-        self._errors = new_errors(self._work)
-
-    def decode_into(self, data: torch.Tensor, layout: ExpertLayout, dst: torch.Tensor) -> None:
-        from .triton_decode import decode_into_slots
-
-        if layout is not self.layout and layout.signature() != self.layout.signature():
-            raise CodecError("DeviceDecoder was built for another layout")
-        n = data.numel()
-        if n > self._staging.numel():
-            raise CodecError(f"record of {n} bytes exceeds the codec's largest record ({self._staging.numel()} bytes)")
-        # Asynchronous from pinned memory; data may be reused once this returns, and it returns after a sync.
-        self._staging[:n].copy_(data, non_blocking=True)
-        self._staging[n:].zero_()  # bytes past the record read as zero, never as the last record's tail
-        self._errors.zero_()
-        decode_into_slots(self._staging, self._work, self._slots, layout, self._errors)
-        dst[: layout.record_bytes].copy_(self._record[: layout.record_bytes])
-        failed = int(self._errors.item())
-        if failed:
-            raise CodecError(f"the GPU decoder rejected a record ({failed} failed check(s)): corrupt or foreign bytes")
-
-
 def record_decoder(layout: ExpertLayout):
-    """The C decoder; where it cannot be built (no C compiler), the GPU's when CUDA is available, else numpy's."""
+    """The C decoder; where it cannot be built (no C compiler), numpy's."""
     from .host_decoder import HostDecoder
 
     try:
         return HostDecoder(layout, check_crc=False)  # its callers' stores check their own crc32 per record
     except NativeBuildError:
-        pass
-    if torch.cuda.is_available():
-        return DeviceDecoder(layout, "cuda")
-    return ReferenceDecoder()
+        return ReferenceDecoder()
 
 
 class DecodedStore:
