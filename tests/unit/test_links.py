@@ -237,11 +237,22 @@ def test_the_expansion_rate_is_measured_here_in_a_child():
     assert rate.gbps == pytest.approx(rate.records * rate.record_bytes / rate.seconds / 1e9, rel=0.01)
 
 
+def test_without_a_c_compiler_the_rate_is_numpys_and_says_so(monkeypatch, tmp_path):
+    """The SSD tier expands with numpy's reference where no C compiler is found: the plan must see that rate."""
+    from bigmoe.machine.measure_expand import measure_expand
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BIGMOE_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there yet
+    rate = measure_expand(seconds=0.01)
+    assert isinstance(rate, ExpandRate) and rate.decoder == "numpy (no C compiler)" and rate.records >= 1
+    assert "numpy (no C compiler) decoder on one thread" in rate.basis
+
+
 @pytest.mark.parametrize(
     "fields, expected",
     [
         ({"gbps": 1.3, "records": 9, "record_bytes": 3146496, "seconds": 0.5}, 1.3),
-        (Unknown("the codec's C decoder could not be built (no cc)"), "could not be built"),
+        (Unknown("the expansion test failed (CodecError: bad magic)"), "failed"),
         ({"gbps": 0.0, "records": 0, "record_bytes": 1, "seconds": 0.5}, "reported 0.0"),
         ({"rate": 3}, "not a result"),
     ],
