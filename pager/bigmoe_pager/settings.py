@@ -59,10 +59,13 @@ class PagerSettings:
     GIL several times) or C threads (core/ssd_reader.c, no GIL on the read path; where they cannot start, no C
     compiler or a store they cannot plan, the Python threads serve and the log says why). Python stays the default:
     inside vLLM on the H200 (run 29) the C threads were level in TPOT (within the order two engines ran in) and
-    2.6 s slower in TTFT in both orders; beside a GIL-busy Python thread they answer a read 3x sooner."""
+    2.6 s slower in TTFT in both orders; beside a GIL-busy Python thread they answer a read 3x sooner. Outside vLLM,
+    at prefill's size (100 experts a request, run 30), they were level or faster, so that TTFT gap is not their own
+    speed; the default waits for both orders inside vLLM again."""
     cuda_graphs: bool = True
     """BIGMOE_CUDA_GRAPHS: 1 = on CUDA the GPU decides and copies, so vLLM may replay decode in CUDA graphs (with
-    --max-cudagraph-capture-size <= VRAM slots / top-k); 0 = host-driven (--enforce-eager). Codec files: host-driven."""
+    --max-cudagraph-capture-size <= VRAM slots / top-k); 0 = host-driven (--enforce-eager). Either reads a
+    compressed paging file."""
     eviction: str = "lfu-duel"
     """BIGMOE_EVICTION: lfu-duel / lfu-fast / lfu / lru: which unneeded expert a full tier of the device-driven pager
     evicts: lfu-duel keeps counts halved every 16 and every 256 steps and ranks by the one whose shadow table hits
