@@ -71,3 +71,12 @@ def test_a_host_copier_closed_inside_a_capture_leaves_the_capture_whole():
     copier = HostCopier(torch.device("cuda"))
     g, y = captured(copier.close)  # its thread syncs and destroys its stream while the graph is captured
     assert replays_right(g, y)
+
+
+def test_a_torch_pinned_tensor_collected_inside_a_capture_leaves_the_capture_whole():
+    """torch's own pinned allocator (the host copier's mailboxes and ring use it) freeing a block mid-capture."""
+    doomed: dict = {"t": torch.zeros(BLOCK, dtype=torch.uint8, pin_memory=True)}
+    doomed["self"] = doomed
+    del doomed
+    g, y = captured(gc.collect)
+    assert replays_right(g, y)
