@@ -240,7 +240,12 @@ def ssd_ms_per_gb(
     that read it (expand_gbps a thread, `threads` at once): the estimate's model."""
     if ratio is None:
         return MS_PER_S / disk_gbps
-    return ratio * MS_PER_S / disk_gbps + MS_PER_S / (expand_gbps * threads)
+    return ratio * MS_PER_S / disk_gbps + expand_ms_per_gb(expand_gbps, threads)
+
+
+def expand_ms_per_gb(expand_gbps: float, threads: int) -> float:
+    """ms the reader threads spend expanding a GB of raw records, `threads` at once at expand_gbps each."""
+    return MS_PER_S / (expand_gbps * threads)
 
 
 def _disk(disk: Disk | None, measured: list[str], notes: list[str]) -> float:
@@ -307,8 +312,8 @@ def estimate(
             SSD_LAYER_MS * layers if ram_slots < experts else 0.0
         )
         if compressed:
-            expanding = speeds.expand_gbps * speeds.expand_threads * GB
-            ssd_ms += lookups * (1 - ram_hit) * record_bytes / expanding * MS_PER_S
+            expanded_gb = lookups * (1 - ram_hit) * record_bytes / GB
+            ssd_ms += expanded_gb * expand_ms_per_gb(speeds.expand_gbps, speeds.expand_threads)
         results.append((vram_hit, ram_hit, pcie_bytes, ssd_bytes, base_ms + pcie_ms + ssd_ms))
     (v0, r0, p0, s0, t0), (v1, r1, p1, s1, t1) = results
     mib = float(1 << 20)
