@@ -303,6 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     shape = SHAPES[args.shape]
     name = f"{args.shape}-{shape['dtype']}-{args.layers}l"
+    paging_file = work / f"{name}.bmpf"
+    matrix = (
+        qwen4exp_configs(shape["experts"], shape["top_k"], args.spec_tokens)
+        if shape["maker"] == "qwen4exp"
+        else configs(shape["experts"], paging_file)
+    )
+    unknown = sorted(set(args.configs or []) - {c.name.split(" ")[0] for c in matrix})
+    if unknown:
+        print(
+            f"gpu_vllm_e2e: no configuration named {', '.join(unknown)} for the {args.shape} shape; "
+            f"choose from {', '.join(c.name.split(' ')[0] for c in matrix)}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         model, has_tokenizer, made_s = make_checkpoint(work / name, shape, args.layers, logs)
     except CheckpointFailed as e:
@@ -318,18 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer": has_tokenizer,
         "seconds": made_s,
     }
-    paging_file = work / f"{name}.bmpf"
     # The codec configurations read a compressed paging file; Qwen4Exp's matrix has none.
     builder = start_paging_build(model, paging_file, logs) if shape["maker"] == "qwen3moe" else None
     try:
-        matrix = (
-            qwen4exp_configs(shape["experts"], shape["top_k"], args.spec_tokens)
-            if shape["maker"] == "qwen4exp"
-            else configs(shape["experts"], paging_file)
-        )
-        todo = [
-            with_settings(c, args.setting) for c in matrix if not args.configs or c.name.split(" ")[0] in args.configs
-        ]
+        todo = [with_settings(c, args.setting) for c in chosen(matrix, args.configs)]
         run_all(
             todo,
             make_spec(model, has_tokenizer, shape, args),
@@ -616,6 +622,16 @@ def setting(text: str) -> tuple[str, str]:
     except SettingsError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return name, value
+
+
+def chosen(matrix: list[Config], names: list[str] | None) -> list[Config]:
+    """The configurations named (by the first word of their names; None: all) and the references they are compared
+    with, in the matrix's order: a paged run is never left without its reference because the list forgot it."""
+    if not names:
+        return list(matrix)
+    picked = {c.name for c in matrix if c.name.split(" ")[0] in names}
+    picked |= {c.reference for c in matrix if c.name in picked}
+    return [c for c in matrix if c.name in picked]
 
 
 def with_settings(config: Config, settings: list[tuple[str, str]]) -> Config:

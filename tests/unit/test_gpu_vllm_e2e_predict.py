@@ -70,3 +70,35 @@ def test_a_setting_reaches_every_paged_configuration_and_a_bad_one_stops_the_run
             e2e.parse_args(["--out", "r.json", "--setting", bad])
         assert exit.value.code == 2
         assert len([line for line in capsys.readouterr().err.splitlines() if "error:" in line]) == 1
+
+
+@pytest.mark.parametrize(
+    "names,want",
+    [
+        (["vram40-predict-piecewise"], {"unpaged-piecewise", "vram40-predict-piecewise"}),
+        (
+            ["vram40-predict", "vram40-predict-piecewise"],
+            {"unpaged", "vram40-predict", "unpaged-piecewise", "vram40-predict-piecewise"},
+        ),
+        (["unpaged"], {"unpaged"}),
+        (["vram40-eager-device"], {"unpaged-eager", "vram40-eager-device"}),
+    ],
+)
+def test_a_named_configuration_brings_its_reference(names, want):
+    """Run 31 lost a PIECEWISE row to a list that named the paged run and not its reference: the reference now comes
+    with it, in the matrix's order (references first)."""
+    matrix = e2e.configs(256, Path("p.bmpf"))
+    picked = e2e.chosen(matrix, names)
+    assert {c.name.split(" ")[0] for c in picked} == want
+    firsts = [c.name for c in picked]
+    assert all(firsts.index(c.reference) <= firsts.index(c.name) for c in picked)
+
+
+def test_an_unknown_configuration_name_stops_before_any_work(tmp_path, capsys):
+    code = e2e.main(
+        ["--out", str(tmp_path / "r.json"), "--workdir", str(tmp_path / "w"), "--configs", "unpaged,vram99"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vram99" in err[0] and "vram40-predict" in err[0]
+    assert not any((tmp_path / "w").iterdir())  # no checkpoint was started
