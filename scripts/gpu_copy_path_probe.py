@@ -17,6 +17,10 @@ host thread's round trip and which the kernels slowed beside a copy, this tells 
     goal-N    dma-N with an 8-byte copy of each expert's completion word after its components, as the copier
               writes `copied[slot]` (what one more small DMA an expert costs)
     flat-N    the same bytes as one contiguous copy: what the per-component copies cost over it
+    pair-N    flat-N split in two, the halves copied at once on two streams: do two copy engines together move more
+              than one (run 29: one moves an expert at 37-40 GB/s, the link is rated 55)?
+    mixed-N   half the experts by the copy kernel on the SMs, the other half at once by a copy engine on a second
+              stream, as a step's misses beside a prefetch round: the link's rate when both kinds share it
     dense     a chain of small bf16 kernels (40 layers x --dense, vLLM's decode stand-in), no copy
 Suffix -busy: the same while another stream keeps the copy engines busy with host-to-device copies of 64 MiB (a
 prefetch backlog); -smbusy: while another stream keeps SM programs copying records from pinned memory into scratch
@@ -55,7 +59,7 @@ from bigmoe_pager.core.triton_launch import kernel_for  # noqa: E402
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 BUSY_CHUNK = 64 << 20  # bytes per background copy (about 1.2 ms at 55 GB/s)
-BASES = ("sm", "step", "host", "dma", "goal", "flat")
+BASES = ("sm", "step", "host", "dma", "goal", "flat", "pair", "mixed")
 BUSY_KINDS = ("busy", "smbusy")  # Background's kinds: copy engines, SM copies
 FLAG_WORDS = 8  # core.prefetch_chain's words that publish_round may write (PUBLISHED)
 
@@ -152,6 +156,7 @@ class Bench:
         self.goals = goals.pin_memory() if pin else goals  # the completion words goal-N copies, from pinned memory
         self.goal_words = torch.zeros(self.n_max, dtype=torch.int64, device=device)
         self.programs = default_programs(device)
+        self.side = torch.cuda.Stream(device) if pin else None  # pair-N's and mixed-N's second stream
 
     def work(self, base: str, n: int) -> None:
         """Enqueue one copy of n experts (records 0..n-1 into slots 0..n-1) by path `base`."""
@@ -185,18 +190,42 @@ class Bench:
                 if base == "goal":
                     self.goal_words[r : r + 1].copy_(self.goals[r : r + 1], non_blocking=True)
         elif base == "flat":
-            self.flat[: n * self.layout.pitch].copy_(self.records[:n].view(-1), non_blocking=True)
+            self._flat(0, n)
+        elif base in ("pair", "mixed"):
+            half = (n + 1) // 2  # the first stream's share; the second takes the rest at the same time
+            main = torch.cuda.current_stream(self.device) if self.side is not None else None
+            if base == "pair":
+                self._flat(0, half)
+            else:
+                copy_records(self.records, idx[:half], idx[:half], self.layout, self.buffers, programs_per_record=0)
+            if half < n:
+                if main is None:
+                    self._flat(half, n)  # CPU: one stream, one after the other
+                else:
+                    self.side.wait_stream(main)
+                    with torch.cuda.stream(self.side):
+                        self._flat(half, n)
+                    main.wait_stream(self.side)
         else:
             raise ValueError(f"unknown path {base!r}")
 
-    def bytes_ok(self, n: int) -> bool:
-        """Every slot below n holds its record's bytes (the path's copies landed whole)."""
+    def _flat(self, first: int, end: int) -> None:
+        """Records first..end-1 into the contiguous scratch at their own offsets, as one copy."""
+        pitch = self.layout.pitch
+        self.flat[first * pitch : end * pitch].copy_(self.records[first:end].view(-1), non_blocking=True)
+
+    def bytes_ok(self, base: str, n: int) -> bool:
+        """The path's copies of n experts landed whole: in the slots below n, or in the contiguous scratch for the
+        flat copies (pair-N: all of it; mixed-N: the second half, the first in the slots)."""
+        in_slots = {"flat": 0, "pair": 0, "mixed": (n + 1) // 2}.get(base, n)
+        pitch = self.layout.pitch
         for c in self.layout.components:
-            want = self.records[:n, c.offset : c.offset + c.nbytes].cpu()
-            have = self.buffers[c.name][:n].reshape(n, -1).view(torch.uint8).cpu()
+            want = self.records[:in_slots, c.offset : c.offset + c.nbytes].cpu()
+            have = self.buffers[c.name][:in_slots].reshape(in_slots, c.nbytes // self.buffers[c.name].element_size())
+            have = have.view(torch.uint8).cpu()
             if not torch.equal(want, have):
                 return False
-        return True
+        return torch.equal(self.flat[in_slots * pitch : n * pitch].cpu(), self.records[in_slots:n].reshape(-1).cpu())
 
     def clear(self) -> None:
         for buf in self.buffers.values():
@@ -350,13 +379,7 @@ def run(args) -> dict:
                 torch.cuda.synchronize() if device.type == "cuda" else None
                 row["us_per_expert"] = round(us / n, 2)
                 row["gb_per_s"] = round(n * bench.layout.pitch / us / 1e3, 2)
-                row["bytes_ok"] = (
-                    bench.bytes_ok(n)
-                    if base != "flat"
-                    else bool(
-                        torch.equal(bench.flat[: n * bench.layout.pitch].cpu(), bench.records[:n].reshape(-1).cpu())
-                    )
-                )
+                row["bytes_ok"] = bench.bytes_ok(base, n)
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
     report["host_copiers"] = {name: path.report() for name, path in bench.hosts.items()}

@@ -11,8 +11,9 @@ the decisions serves every distance. The time is a model with five stated consta
   made after layer l-D's step (the first layer's step makes rounds 1 .. D);
 - one link, first come first served: a step's misses queue behind the prefetch copies issued before them;
 - with prefetch on, each layer pays side_us more (the side branch's nodes, run 13's idle cost / layers);
-- two knobs off by default, to test readings of run 28 against: a token's end that waits for the link (drain) and
-  compute slowed while a prefetch copy runs beside it (busy_slow).
+- three knobs off by default, to test readings of run 28 against: a token's end that waits for the link (drain),
+  compute slowed while a prefetch copy runs beside it (busy_slow), and a copier that drops the copies of a round
+  not begun when its layer's step starts (pace: the step then copies the used ones itself, as misses).
 
 A step waits for the prefetched experts it uses (the joinless protocol: only those). TPOT = elapsed / tokens.
 The constants are `Timing`'s (rows named "measured"); `--timing NAME:KEY=US,...` adds rows on changed ones over the
@@ -56,6 +57,10 @@ class Timing:
     busy_slow: float = 0.0
     """A hypothesis, not a measurement (run 28): the share by which a layer's compute slows while prefetch copies
     hold the link beside it (0: not at all; 1: twice as long while it overlaps a copy)."""
+    pace: float = 0.0
+    """1: the copier issues a round one expert at a time and drops those not begun when their layer's step starts (the
+    step copies the dropped ones it uses as misses; later copies move up the link's queue); 0: every copy is made.
+    Not built: a question for the model (session 40)."""
 
 
 MEASURED = "measured"
@@ -108,13 +113,18 @@ def timeline(decisions: Decisions, distance: int, timing: Timing, prefetch: bool
     for t in range(tokens):
         if t == warmup:
             began, waited = now, 0.0
-        ready: dict[int, float] = {}  # expert -> when its prefetch copy lands, for this token's layers
+        ready: dict[tuple[int, int], float] = {}  # (layer, expert) -> when its prefetch copy lands, this token
+        queue: list[list] = []  # [layer, expert, lands] of the copies on the link, in issue order
         for layer in range(layers):
-            lands = [ready[(layer, e)] for e in decisions.used[t][layer]] if layer else []
+            dropped = 0
+            if timing.pace:
+                dropped, link_free = _drop_unbegun(queue, ready, layer, now, link_free, timing.copy_us)
+                dropped = len(set(dropped) & set(decisions.used[t][layer]))
+            lands = [ready[(layer, e)] for e in decisions.used[t][layer] if (layer, e) in ready] if layer else []
             start = max([now, *lands])
             waited += start - now
             decided = start + timing.step_us
-            n = decisions.demand[t][layer]
+            n = decisions.demand[t][layer] + dropped
             end = decided
             if n:
                 end = max(decided, link_free) + n * timing.demand_us
@@ -125,12 +135,36 @@ def timeline(decisions: Decisions, distance: int, timing: Timing, prefetch: bool
                     for e in decisions.prefetched[t][target]:
                         link_free = max(end, link_free) + timing.copy_us
                         ready[(target, e)] = link_free
+                        queue.append([target, e, link_free])
             overlap = min(timing.compute_us, max(0.0, link_free - end)) if prefetch else 0.0
             now = end + timing.compute_us + timing.busy_slow * overlap + (timing.side_us if prefetch else 0.0)
         if prefetch and timing.drain:
             now = max(now, link_free)
     timed = tokens - warmup
     return {"tpot_ms": round((now - began) / timed / 1000, 3), "prefetch_wait_us_per_token": round(waited / timed, 1)}
+
+
+def _drop_unbegun(queue: list, ready: dict, layer: int, now: float, link_free: float, copy_us: float):
+    """Pacing at `layer`'s step start (`now`): its copies not begun are dropped and the copies behind them move up.
+    Returns (the dropped experts, when the link is free after the kept copies)."""
+    queue[:] = [entry for entry in queue if entry[2] > now]  # landed: off the link
+    begun = [entry for entry in queue if entry[2] - copy_us < now]
+    dropped = [e for target, e, lands in queue if target == layer and lands - copy_us >= now]
+    if not dropped:
+        return [], link_free
+    free = max([now, *(entry[2] for entry in begun)])
+    kept = begun
+    for entry in queue:
+        if entry in begun or entry[0] == layer:
+            continue
+        free += copy_us
+        entry[2] = free
+        ready[(entry[0], entry[1])] = free
+        kept.append(entry)
+    for e in dropped:
+        ready.pop((layer, e), None)
+    queue[:] = kept
+    return dropped, free
 
 
 def family_trace(family: str, tokens: int, layers: int, vram: int) -> tuple[np.ndarray, int, int]:

@@ -48,3 +48,18 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines: the one message
     assert "error: --" in last
+
+
+@pytest.mark.parametrize("path", probe.BASES)
+def test_the_byte_check_fails_where_a_path_left_its_bytes_out(path):
+    """bytes_ok is what makes each row's figure trustworthy: before the copy it must say no, after it yes."""
+    args = probe.parse(["--device", "cpu", "--smoke", "--experts", "3", "--paths", path])
+    bench = probe.Bench(args, probe.torch.device("cpu"))
+    try:
+        bench.clear()
+        assert not bench.bytes_ok(path, 3)
+        bench.work(path, 3)
+        assert bench.bytes_ok(path, 3)
+    finally:
+        for host in bench.hosts.values():
+            host.report()

@@ -117,3 +117,40 @@ def test_compute_beside_a_copy_stretches_by_the_busy_slow_share(slow, tpot_us):
     timing = sim_window.replace(TIMING, busy_slow=slow)
     got = timeline(made([[0, 0]], EIGHT_UNUSED), 1, timing, prefetch=True)
     assert got["tpot_ms"] == pytest.approx(tpot_us / 1000, abs=1e-3)
+
+
+def test_pacing_drops_the_copies_not_begun_when_their_step_starts():
+    """Layer 1's round of 4 unused copies (issued at 10 us, landing at 50, 90, 130, 170) holds the link past step 1's
+    start (115 us); paced, the fourth (not begun by then) is dropped, so the step's miss waits for the third only
+    (130 us, not 170 us): 5 us behind no round at all instead of 45."""
+    prefetched = [[[], [7, 8, 9, 10], []]]
+    paced = sim_window.replace(TIMING, pace=1.0)
+    plain = timeline(made([[0, 1, 0]]), 1, paced, prefetch=True)
+    queued = timeline(made([[0, 1, 0]], prefetched), 1, TIMING, prefetch=True)
+    dropped = timeline(made([[0, 1, 0]], prefetched), 1, paced, prefetch=True)
+    assert queued["tpot_ms"] - plain["tpot_ms"] == pytest.approx(45 / 1000, abs=1e-3)
+    assert dropped["tpot_ms"] - plain["tpot_ms"] == pytest.approx(5 / 1000, abs=1e-3)
+
+
+def test_pacing_moves_a_later_round_up_the_queue_and_a_dropped_used_copy_becomes_a_miss():
+    """Distance 2, compute 50 us: step 0 (ends 10 us) makes layer 1's round (4 unused copies) and layer 2's (expert
+    11, used), landing at 210 us; layer 2 would start at 130 us. Paced, layer 1's two copies not begun at its start
+    (65 us) are dropped and 11 lands at 130 us: no wait, against 80 us unpaced. A dropped copy the step uses is
+    copied by the step, as a miss."""
+    timing = sim_window.replace(TIMING, compute_us=50.0)
+    prefetched = [[[], [7, 8, 9, 10], [11]]]
+    used = [[[], [], [11]]]
+    unpaced = timeline(made([[0, 0, 0]], prefetched, used), 2, timing, prefetch=True)
+    paced = timeline(made([[0, 0, 0]], prefetched, used), 2, sim_window.replace(timing, pace=1.0), prefetch=True)
+    assert unpaced["prefetch_wait_us_per_token"] == pytest.approx(80.0)
+    assert paced["prefetch_wait_us_per_token"] == pytest.approx(0.0)
+    begun = [[[], [9], []]]  # one copy for layer 1, begun at 10 us and landed at 50: kept, nothing waits
+    kept = timeline(made([[0, 0, 0]], begun, begun), 1, sim_window.replace(timing, pace=1.0), prefetch=True)
+    assert kept == timeline(made([[0, 0, 0]], begun, begun), 1, timing, prefetch=True)
+    behind = [[[], [7, 8, 9], []]]  # layer 1 uses 9, the third copy: begins at 90 us, after step 1's start (65 us)
+    used9 = [[[], [9], []]]
+    miss = timeline(made([[0, 0, 0]], behind, used9), 1, sim_window.replace(timing, pace=1.0), prefetch=True)
+    assert miss["prefetch_wait_us_per_token"] == pytest.approx(0.0)  # not waited for: dropped, copied as a miss
+    # step 1 decides at 75 us; its miss waits for copy 8 (lands at 90 us) and takes 50 us: layer 1 ends at 140 + 55,
+    # layer 2 at 195 + 10 + 55
+    assert miss["tpot_ms"] == pytest.approx(0.260, abs=1e-6)
