@@ -3,7 +3,7 @@
 A forecast to check against the H200, not an H200 figure. The decisions are the pager's (`SlotTable.acquire` for each
 layer's ids, `SlotTable.admit` of the trace's proposals for the next layer, as scripts/sim_prefetch.py plays them);
 a distance changes when a round runs, never what it decides (tests/unit/test_prefetch_distance.py), so one play of
-the decisions serves every distance. The time is a model with five stated constants and two knobs:
+the decisions serves every distance. The time is a model with five stated constants and three knobs:
 
 - each layer computes for compute_us after its step (vLLM's own kernels; resident TPOT / layers);
 - a step decides for step_us, then copies its misses over the link, demand_us each (SM copies);
