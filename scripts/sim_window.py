@@ -116,15 +116,15 @@ def timeline(decisions: Decisions, distance: int, timing: Timing, prefetch: bool
         ready: dict[tuple[int, int], float] = {}  # (layer, expert) -> when its prefetch copy lands, this token
         queue: list[list] = []  # [layer, expert, lands] of the copies on the link, in issue order
         for layer in range(layers):
-            dropped = 0
+            dropped_used = 0
             if timing.pace:
                 dropped, link_free = _drop_unbegun(queue, ready, layer, now, link_free, timing.copy_us)
-                dropped = len(set(dropped) & set(decisions.used[t][layer]))
+                dropped_used = len(set(dropped) & set(decisions.used[t][layer]))
             lands = [ready[(layer, e)] for e in decisions.used[t][layer] if (layer, e) in ready] if layer else []
             start = max([now, *lands])
             waited += start - now
             decided = start + timing.step_us
-            n = decisions.demand[t][layer] + dropped
+            n = decisions.demand[t][layer] + dropped_used
             end = decided
             if n:
                 end = max(decided, link_free) + n * timing.demand_us
@@ -148,22 +148,20 @@ def _drop_unbegun(queue: list, ready: dict, layer: int, now: float, link_free: f
     """Pacing at `layer`'s step start (`now`): its copies not begun are dropped and the copies behind them move up.
     Returns (the dropped experts, when the link is free after the kept copies)."""
     queue[:] = [entry for entry in queue if entry[2] > now]  # landed: off the link
-    begun = [entry for entry in queue if entry[2] - copy_us < now]
-    dropped = [e for target, e, lands in queue if target == layer and lands - copy_us >= now]
+    # first come first served: the copies not begun yet are the queue's tail
+    first = next((i for i, entry in enumerate(queue) if entry[2] - copy_us >= now), len(queue))
+    begun, waiting = queue[:first], queue[first:]
+    dropped = [e for target, e, _ in waiting if target == layer]
     if not dropped:
         return [], link_free
-    free = max([now, *(entry[2] for entry in begun)])
-    kept = begun
-    for entry in queue:
-        if entry in begun or entry[0] == layer:
-            continue
-        free += copy_us
-        entry[2] = free
-        ready[(entry[0], entry[1])] = free
-        kept.append(entry)
     for e in dropped:
         ready.pop((layer, e), None)
-    queue[:] = kept
+    free = max([now, *(entry[2] for entry in begun)])
+    for entry in (entry for entry in waiting if entry[0] != layer):
+        free += copy_us
+        entry[2] = ready[(entry[0], entry[1])] = free
+        begun.append(entry)
+    queue[:] = begun
     return dropped, free
 
 

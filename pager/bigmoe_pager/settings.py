@@ -30,7 +30,12 @@ _CHOICES = {
 
 
 _INT_RANGES = {"host_copier_streams": (1, 4)}  # 4: core.host_copier.MAX_STREAMS
-"""Integer settings with bounds other than 0 and up (percent settings: 0 to 100), inclusive."""
+"""Integer settings with bounds of their own, inclusive (others: `_int_range`)."""
+
+
+def _int_range(name: str) -> tuple[int, int | None]:
+    """(lowest, highest or None) an integer setting accepts: its own bounds, 0 to 100 for a percent, else 0 and up."""
+    return _INT_RANGES.get(name) or ((0, 100) if name.endswith("_percent") else (0, None))
 
 
 class SettingsError(ValueError):
@@ -301,7 +306,7 @@ def _parse(cls: type, name: str, raw: str) -> object:
             return items
         if kind in ("int", "int | None"):  # None: unset, the pager's default
             value = int(raw)
-            low, high = _INT_RANGES.get(name, (0, 100 if name.endswith("_percent") else None))
+            low, high = _int_range(name)
             if value < low or (high is not None and value > high):
                 raise ValueError
             return value
@@ -321,10 +326,9 @@ def _parse(cls: type, name: str, raw: str) -> object:
 
 
 def _expected(kind: str, name: str) -> str:
-    if name.endswith("_percent"):
-        return "an integer from 0 to 100"
-    if name in _INT_RANGES:
-        return "an integer from {} to {}".format(*_INT_RANGES[name])
+    low, high = _int_range(name)
+    if kind in ("int", "int | None") and high is not None:
+        return f"an integer from {low} to {high}"
     return {
         "bool": "1 or 0",
         "bool | None": "1 or 0",
