@@ -12,7 +12,6 @@ host thread's round trip and which the kernels slowed beside a copy, this tells 
     host-N    one kernel publishes N entries to the host copier's mailbox (core.host_copier, the thread serving it
               hot) and waits on the device until their completion words land: what a step would wait if it handed
               its misses to the copy engines (the round trip included)
-    host2-N   host-N with the copier on two streams (BIGMOE_HOST_COPIER_STREAMS=2): the entries take them in turn
     dma-N     the N experts' components copied by cudaMemcpyAsync nodes, one per component (the copier's calls
               without its thread): the copy engines' floor for the same bytes
     goal-N    dma-N with an 8-byte copy of each expert's completion word after its components, as the copier
@@ -60,7 +59,7 @@ from bigmoe_pager.core.triton_launch import kernel_for  # noqa: E402
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 BUSY_CHUNK = 64 << 20  # bytes per background copy (about 1.2 ms at 55 GB/s)
-BASES = ("sm", "step", "host", "host2", "dma", "goal", "flat", "pair", "mixed")
+BASES = ("sm", "step", "host", "dma", "goal", "flat", "pair", "mixed")
 BUSY_KINDS = ("busy", "smbusy")  # Background's kinds: copy engines, SM copies
 FLAG_WORDS = 8  # core.prefetch_chain's words that publish_round may write (PUBLISHED)
 
@@ -107,9 +106,9 @@ if triton is not None:
 class HostPath:
     """One host copier thread serving one mailbox into the bench's slots, with the words a publishing kernel uses."""
 
-    def __init__(self, device, records, pitch: int, components, slots: int, streams: int = 1):
+    def __init__(self, device, records, pitch: int, components, slots: int):
         self.device = device
-        self.copier = HostCopier(device, streams=streams)
+        self.copier = HostCopier(device)
         self.mailbox = HostCopier.mailbox(slots, device)
         self.copied = torch.zeros(slots, dtype=torch.int64, device=device)
         self.target = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -152,10 +151,7 @@ class Bench:
         self.flat = torch.empty(self.n_max * self.layout.pitch, dtype=torch.uint8, device=device)
         self.slots = torch.arange(self.n_max, dtype=torch.int64, device=device)
         components = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components]
-        self.hosts = {
-            name: HostPath(device, self.records, self.layout.pitch, components, self.n_max, streams)
-            for name, streams in (("host", 1), ("host2", 2))
-        }
+        self.hosts = {"host": HostPath(device, self.records, self.layout.pitch, components, self.n_max)}
         goals = torch.arange(1, self.n_max + 1, dtype=torch.int64)
         self.goals = goals.pin_memory() if pin else goals  # the completion words goal-N copies, from pinned memory
         self.goal_words = torch.zeros(self.n_max, dtype=torch.int64, device=device)

@@ -30,7 +30,7 @@
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
 #   copy-pair  (the image's torch is enough) the copy probe's link question alone, no busy backgrounds (about a
-#          minute): one copy engine (flat, host) against two at once (pair, host2) and SM copies beside one (mixed)
+#          minute): one copy engine (flat) against two at once (pair), SM copies beside one (mixed), the host copier (host)
 #   codec  (the image's torch is enough) scripts/bench_codec.py over chunk geometries 16x128 (the pager's), 64x32 and
 #          128x16: one expert's expansion alone, copy+expand of 1-8 experts against their raw copy, alone and as a
 #          side round beside each layer of a 40-layer dense forward, the ratio (would a compressed RAM tier's miss
@@ -125,7 +125,7 @@ for step in "$@"; do
     copy-probe)
       timeout 240 python3 scripts/gpu_copy_path_probe.py --out "$out/copy-path.json" 2>&1 | tail -n 40 ;;
     copy-pair)
-      timeout 300 python3 scripts/gpu_copy_path_probe.py --paths flat,pair,mixed,host,host2 --experts 1,2,4,8 --busy '' \
+      timeout 300 python3 scripts/gpu_copy_path_probe.py --paths flat,pair,mixed,host --experts 1,2,4,8 --busy '' \
         --out "$out/copy-pair.json" 2>&1 | tail -n 25 ;;
     codec)
       timeout 420 python3 scripts/bench_codec.py --geometries 16x128,64x32,128x16 --experts 2 --copy-batches 1,2,4,8 \

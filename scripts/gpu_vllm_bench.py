@@ -159,7 +159,6 @@ SETTING_SUFFIXES = {
     "+nodes": "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS",
     "+dist": "BIGMOE_PREFETCH_DISTANCE",
     "+hot": "BIGMOE_HOST_COPIER_HOT_MS",
-    "+streams": "BIGMOE_HOST_COPIER_STREAMS",
     "+switch": "BIGMOE_GIL_SWITCH_US",
 }
 """Name suffixes that carry a number, and the setting it sets (need @rRECALL but `+switchN`, the vLLM process's GIL
@@ -167,7 +166,7 @@ switch interval in us, which any bigmoe engine may carry): `+gateN` the VRAM pre
 (0: none), `+bN` a prefetch budget of N experts a layer's round (0: none), `+nodesN` the one-node kernel's
 programs (with +one-node), `+distN` a joinless forward's rounds N layers ahead (the replayed rows for layer l+N are
 as right as the next layer's, which a real predictor's are not), `+hotN` the host copier's thread busy-polling N ms
-after its last round (0: it naps at once), `+streamsN` the host copier copying on N streams (with +host)."""
+after its last round (0: it naps at once)."""
 PREDICTION_SUFFIXES = {
     AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
     AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},

@@ -6,8 +6,8 @@ launch a forward, every round is decided or cancelled, no wait gives up, copies 
 BIGMOE_PREFETCH_HOST_COPIER (mode "host"): the same forward with a round forked a layer, each publishing its list to
 the host thread (core.host_copier), which copies it with the copy engines; with BIGMOE_PREFETCH_ONE_NODE too
 ("one-node-host"), decided by the one-node kernel's one program and copied by the host thread; and so with each round
-decided two layers ahead of its step (BIGMOE_PREFETCH_DISTANCE=2, "one-node-host-dist2"), and with the thread copying
-on two streams (BIGMOE_HOST_COPIER_STREAMS=2, "one-node-host-streams2"). All must keep every slot as right."""
+decided two layers ahead of its step (BIGMOE_PREFETCH_DISTANCE=2, "one-node-host-dist2"). All must keep every slot
+as right."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ MODES = {
     "host": {"prefetch_host_copier": True},
     "one-node-host": {"prefetch_one_node": True, "prefetch_host_copier": True},
     "one-node-host-dist2": {"prefetch_one_node": True, "prefetch_host_copier": True, "prefetch_distance": 2},
-    "one-node-host-streams2": {"prefetch_one_node": True, "prefetch_host_copier": True, "host_copier_streams": 2},
 }
 
 

@@ -88,7 +88,7 @@ def recorded_launches(monkeypatch, run: bool = True) -> list:
     return launches
 
 
-def unbuildable(self, device, ring_words=0, hot_ms=0, streams=1):
+def unbuildable(self, device, ring_words=0, hot_ms=0):
     raise HostCopierError("host copier: no C compiler")
 
 

@@ -226,8 +226,6 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert far.prefetch_distance == 2 and far.prefetch_host_copier is True
     cold = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+host+hot0", tmp_path / "f.npz", 32).env)
     assert cold.host_copier_hot_ms == 0 and PagerSettings.from_env({}).host_copier_hot_ms is None
-    two = PagerSettings.from_env(bench.config_for("bigmoe-102@r0.8+one-node+host+streams2", tmp_path / "f.npz", 32).env)
-    assert two.host_copier_streams == 2 and PagerSettings.from_env({}).host_copier_streams == 1
     only = bench.config_for("bigmoe-102@r0+one-node+host+chained-only#2", tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env(only).prefetch_chained_only
     switched = bench.config_for("bigmoe-32-ram128-ssd-layerbuf+switch200", tmp_path / "f.npz", 32).env

@@ -8,7 +8,6 @@ libcuda.so.1 in a subprocess, so its stream, ring and error handling are exercis
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import subprocess
@@ -223,22 +222,6 @@ def test_ring_must_hold_twice_the_slots():
         copier.close()
 
 
-@pytest.mark.parametrize("streams", [0, 5])
-def test_a_stream_count_out_of_range_is_refused(streams):
-    """In Python before the thread starts, and in C for a caller that skips the check: the copier then records an
-    argument error and serves nothing."""
-    with pytest.raises(ValueError, match="streams must be 1 to 4"):
-        HostCopier(CPU, streams=streams)
-    lib, ring = host_copier.library(), torch.zeros(8, dtype=torch.int64)
-    handle = lib.copier_start(0, ring.data_ptr(), 8, 0, streams)
-    try:
-        out = (ctypes.c_int64 * 6)()
-        lib.copier_stats(handle, out)
-        assert out[3] == -4 and b"streams" in lib.copier_error_call(handle)
-    finally:
-        lib.copier_stop(handle)
-
-
 def _bad_inputs():
     """(name, change to add_layer's keyword arguments) that must each raise ValueError."""
     other = torch.zeros(5, 256, dtype=torch.uint8)
@@ -374,26 +357,17 @@ FAKE_DRIVER = r"""
 /* A stand-in libcuda.so.1: "device" memory is host memory, an async copy is a memcpy done at once. */
 #include <stddef.h>
 #include <string.h>
-#define STREAM0 0x5e /* the handle of the first stream made; the next ones count up */
-static void *ctx = (void *)0x1c;
-long long copies, fail_at = -1, synced, destroyed, stream_flags = -1, mode_at_create = -1, streams;
-long long copy_stream[64]; /* the stream (0, 1, ...) of each copy, in the order issued */
+static void *ctx = (void *)0x1c, *stream = (void *)0x5e;
+long long copies, fail_at = -1, synced, destroyed, stream_flags = -1, mode_at_create = -1;
 static int mode; /* the thread's capture mode: 0 global, the driver's default */
-static int ours(void *s) { return (long long)s >= STREAM0 && (long long)s < STREAM0 + streams; }
 int cuThreadExchangeStreamCaptureMode(int *m) { int old = mode; mode = *m; *m = old; return 0; }
 int cuCtxGetCurrent(void **c) { *c = ctx; return 0; }
 int cuCtxSetCurrent(void *c) { return c == ctx ? 0 : 201; }
-int cuStreamCreate(void **s, unsigned flags) {
-    stream_flags = flags;
-    mode_at_create = mode;
-    *s = (void *)(STREAM0 + streams++);
-    return 0;
-}
-int cuStreamSynchronize(void *s) { synced += ours(s); return 0; }
-int cuStreamDestroy_v2(void *s) { destroyed += ours(s); return 0; }
+int cuStreamCreate(void **s, unsigned flags) { stream_flags = flags; mode_at_create = mode; *s = stream; return 0; }
+int cuStreamSynchronize(void *s) { synced += s == stream; return 0; }
+int cuStreamDestroy_v2(void *s) { destroyed += s == stream; return 0; }
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
-    if (!ours(s)) return 400;
-    if (copies < 64) copy_stream[copies] = (long long)s - STREAM0;
+    if (s != stream) return 400;
     if (copies++ == fail_at) return 700;
     memcpy((void *)dst, src, n);
     return 0;
@@ -405,7 +379,7 @@ import ctypes, json, sys, time
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # the copier's dlopen("libcuda.so.1") finds it loaded
 lib = ctypes.CDLL(sys.argv[2])
 lib.copier_start.restype = ctypes.c_void_p
-lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 lib.copier_add_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 lib.copier_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 lib.copier_error_call.argtypes = [ctypes.c_void_p]
@@ -416,7 +390,7 @@ S, PITCH = 2, 16
 ring, mailbox, copied = (I64 * 8)(), (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1)
 records, dst = (ctypes.c_uint8 * (3 * PITCH))(*range(3 * PITCH)), (ctypes.c_uint8 * (S * 8))()
 addr = ctypes.addressof
-h = lib.copier_start(1, addr(ring), 8, 0, int(sys.argv[3]))  # hot_ns 0: nap between polls
+h = lib.copier_start(1, addr(ring), 8, 0)  # hot_ns 0: nap between polls
 desc = (I64 * 11)(addr(mailbox), addr(records), PITCH, 3, addr(copied), S, 1, 4, 8, addr(dst), 8)
 assert lib.copier_add_layer(h, desc, 11) == 0
 def stats():
@@ -432,33 +406,27 @@ def play(seq, rows, slots, goals, rounds):
     while stats()[0] < rounds and stats()[3] == 0 and time.monotonic() < end:
         time.sleep(0.0002)
 play(1, [2, 0], [0, 1], [11, 12], 1)
+first = dict(stats=stats(), dst=list(dst), copied=list(copied), ring=list(ring))
 fake_get = lambda name: ctypes.c_longlong.in_dll(fake, name).value
-on = list((ctypes.c_longlong * 64).in_dll(fake, "copy_stream"))[: fake_get("copies")]
-first = dict(stats=stats(), dst=list(dst), copied=list(copied), ring=list(ring), streams=on)
 ctypes.c_longlong.in_dll(fake, "fail_at").value = fake_get("copies") + 1  # the next entry's second copy fails
 play(2, [1, 1], [1, 0], [21, 22], 2)
 time.sleep(0.01)
 second = dict(stats=stats(), call=lib.copier_error_call(h).decode(), copied=list(copied))
 lib.copier_stop(h)
 print(json.dumps(dict(first=first, second=second, flags=fake_get("stream_flags"), synced=fake_get("synced"),
-                      destroyed=fake_get("destroyed"), mode=fake_get("mode_at_create"), made=fake_get("streams"))))
+                      destroyed=fake_get("destroyed"), mode=fake_get("mode_at_create"))))
 """
 
 
-@pytest.mark.parametrize("streams,first_streams", [(1, [0, 0, 0, 0]), (2, [0, 0, 1, 1]), (4, [0, 0, 1, 1])])
-def test_cuda_branch_against_a_fake_driver(tmp_path, streams, first_streams):
+def test_cuda_branch_against_a_fake_driver(tmp_path):
     """Runs where a real driver is installed too: the child loads the fake by path first, and the copier's
-    dlopen("libcuda.so.1") takes the object already loaded under that soname before it searches the disk.
-    With several streams a round's entries take them in turn, each entry's completion copy on its data's stream
-    (first_streams: the first round's four copies, data then goal of each of its two entries)."""
+    dlopen("libcuda.so.1") takes the object already loaded under that soname before it searches the disk."""
     (tmp_path / "fake.c").write_text(FAKE_DRIVER)
     fake = tmp_path / "libcuda.so.1"
     build = ["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(fake), str(tmp_path / "fake.c")]
     subprocess.run(build, check=True)
     lib = host_copier.library()._name
-    r = subprocess.run(
-        [sys.executable, "-c", FAKE_RUN, str(fake), lib, str(streams)], capture_output=True, text=True, timeout=60
-    )
+    r = subprocess.run([sys.executable, "-c", FAKE_RUN, str(fake), lib], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)
     first, second = got["first"], got["second"]
@@ -467,23 +435,9 @@ def test_cuda_branch_against_a_fake_driver(tmp_path, streams, first_streams):
     assert first["dst"] == list(range(36, 44)) + list(range(4, 12))  # row 2 -> slot 0, row 0 -> slot 1
     assert first["copied"] == [11, 12]
     assert first["ring"][:2] == [11, 12]  # goals go through the pinned ring, never a stack word
-    assert first["streams"] == first_streams and got["made"] == streams
     assert got["flags"] == 1  # CU_STREAM_NON_BLOCKING
     assert got["mode"] == 2  # relaxed before its first stream call: its calls never void another thread's capture
     # Round 2: entry 0's data copy is done, its completion copy fails: error recorded, nothing more issued.
     assert second["stats"][3] == 700 and second["call"] == "cuMemcpyHtoDAsync_v2"
     assert second["stats"][0] == 1 and second["copied"] == [11, 12]
-    assert (got["synced"], got["destroyed"]) == (streams, streams)  # every stream drained and destroyed at stop
-
-
-@pytest.mark.parametrize("raw,streams", [(None, 1), ("2", 2)])
-def test_the_engine_s_copier_takes_its_stream_count_from_the_settings(raw, streams):
-    from bigmoe_pager.adapters.vllm.host_copies import HostCopies
-    from bigmoe_pager.settings import PagerSettings
-
-    env = {} if raw is None else {"BIGMOE_HOST_COPIER_STREAMS": raw}
-    copies = HostCopies(PagerSettings.from_env(env))
-    try:
-        assert copies.copier_for(CPU).streams == streams
-    finally:
-        copies.give_up_prefetch()
+    assert (got["synced"], got["destroyed"]) == (1, 1)

@@ -118,26 +118,6 @@ def test_a_prefetch_gate_threshold_outside_0_to_100_is_one_line(raw):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("raw,value", [(None, 1), ("1", 1), ("2", 2), ("4", 4)])
-def test_the_host_copier_streams_are_1_to_4(raw, value):
-    env = {} if raw is None else {"BIGMOE_HOST_COPIER_STREAMS": raw}
-    s = PagerSettings.from_env(env)
-    assert s.host_copier_streams == value and PagerSettings.from_env(s.to_env()) == s
-
-
-@pytest.mark.parametrize("raw", ["0", "5", "-1", "two"])
-def test_a_host_copier_stream_count_out_of_range_is_one_line(raw):
-    """The copier's own bound (core.host_copier.MAX_STREAMS), checked when the settings are read, not at the copier's
-    first use mid-serve."""
-    from bigmoe_pager.core.host_copier import MAX_STREAMS
-
-    with pytest.raises(SettingsError) as e:
-        PagerSettings.from_env({"BIGMOE_HOST_COPIER_STREAMS": raw})
-    assert f"BIGMOE_HOST_COPIER_STREAMS='{raw}' is not valid; expected an integer from 1 to {MAX_STREAMS}" == str(
-        e.value
-    )
-
-
 @pytest.mark.parametrize(
     "env,lines",
     [

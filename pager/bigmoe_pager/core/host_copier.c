@@ -8,10 +8,9 @@
  * Mailbox of a layer of S slots, int64 words: [0] seq, [1] count, [2] reserved, [3, 3+S) rows,
  * [3+S, 3+2S) slots, [3+2S, 3+3S) goals. Row or slot -1 = skip the entry.
  *
- * CPU mode: memcpy, then a release store of the goal. CUDA mode: cuMemcpyHtoDAsync on one of the thread's own
- * non-blocking streams (copy engines move the bytes), then an 8-byte copy of the goal from a pinned ring entry
- * on the same stream, so stream order lands it after the data. With several streams the entries take them in
- * turn, so two copy engines can move two experts at once. The driver API is dlopen()ed at start, so this
+ * CPU mode: memcpy, then a release store of the goal. CUDA mode: cuMemcpyHtoDAsync on the thread's own
+ * non-blocking stream (copy engines move the bytes), then an 8-byte copy of the goal from a pinned ring entry
+ * on the same stream, so stream order lands it after the data. The driver API is dlopen()ed at start, so this
  * file builds and runs without CUDA headers or libraries.
  *
  * Errors (a failed driver call, a mailbox entry out of range) are recorded once; the thread then issues
@@ -27,7 +26,6 @@
 
 #define MAX_LAYERS 256
 #define MAX_COMPONENTS 4
-#define MAX_STREAMS 4
 #define NAP_NS 20000L    /* 20 us naps for the first second idle: a round after a pause waits at most this */
 #define COLD_NS 1000000000L /* after 1 s idle (no decode under way) ... */
 #define COLD_NAP_NS 1000000L /* ... 1 ms naps: 20 us naps cost about a fifth of a core, 1 ms ones under 1% */
@@ -38,7 +36,7 @@
 #define ERR_DRIVER (-1)  /* libcuda.so.1 or one of its symbols is missing */
 #define ERR_CONTEXT (-2) /* no CUDA context was current on the thread that started the copier */
 #define ERR_MAILBOX (-3) /* a published entry or count is out of the layer's range */
-#define ERR_ARGUMENT (-4) /* copier_start in CUDA mode without a ring, or a stream count out of range */
+#define ERR_ARGUMENT (-4) /* copier_start in CUDA mode without a ring */
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -79,8 +77,7 @@ typedef struct {
     int64_t hot_ns; /* busy-poll this long after the last work, then nap (host_copier.py: HOT_MS) */
     cuda_api api;
     CUcontext ctx;
-    CUstream streams[MAX_STREAMS];
-    int64_t nstreams, next_stream; /* the entries take the streams in turn; only the thread touches next_stream */
+    CUstream stream;
     int64_t rounds, experts, bytes, passes; /* written by the thread only, read by stats */
     int error;                             /* first error; error_call is written before it (release) */
     char error_call[128];
@@ -123,7 +120,6 @@ static void add(int64_t *counter, int64_t n) { __atomic_fetch_add(counter, n, __
 /* Copy one entry's components into `slot`, then publish `goal` in copied[slot]. Nonzero on a driver error. */
 static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int64_t goal) {
     const uint8_t *record = l->records + row * l->pitch;
-    CUstream stream = h->cuda ? h->streams[h->next_stream++ % h->nstreams] : NULL;
     int64_t done = 0;
     for (int64_t c = 0; c < l->ncomp; c++) {
         const component *p = &l->comp[c];
@@ -131,7 +127,7 @@ static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int
         if (!h->cuda)
             memcpy(dst, record + p->offset, (size_t)p->nbytes);
         else if (CU(h, memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, record + p->offset, (size_t)p->nbytes,
-                                         stream), "cuMemcpyHtoDAsync_v2"))
+                                         h->stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
         done += p->nbytes;
     }
@@ -141,7 +137,7 @@ static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int
     } else {
         int64_t *src = &h->ring[h->ring_next++ % h->ring_words]; /* a DMA reads it later: never a stack word */
         *src = goal;
-        if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), stream), "cuMemcpyHtoDAsync_v2"))
+        if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), h->stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
     }
     add(&h->experts, 1);
@@ -180,14 +176,13 @@ static int serve_layer(copier *h, layer *l, int64_t index) {
 
 static void *run(void *arg) {
     copier *h = arg;
-    /* Relaxed: the thread never captures, and in the default (global) mode its streams' creation, sync and
+    /* Relaxed: the thread never captures, and in the default (global) mode its stream's creation, sync and
      * destruction would void a CUDA graph that another thread is capturing at that moment (a copier closed or
      * collected while vLLM captures). */
     int mode = CAPTURE_MODE_RELAXED;
     if (h->cuda && !failed(h) && !CU(h, ctx_set_current(h->ctx), "cuCtxSetCurrent") &&
         !CU(h, exchange_capture_mode(&mode), "cuThreadExchangeStreamCaptureMode"))
-        for (int64_t i = 0; i < h->nstreams; i++)
-            if (CU(h, stream_create(&h->streams[i], STREAM_NON_BLOCKING), "cuStreamCreate")) break;
+        CU(h, stream_create(&h->stream, STREAM_NON_BLOCKING), "cuStreamCreate");
     __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
 
     int64_t idle_since = -1; /* -1: hot, the last pass had work */
@@ -207,10 +202,9 @@ static void *run(void *arg) {
         else
             nap(t - idle_since < COLD_NS ? NAP_NS : COLD_NAP_NS);
     }
-    for (int64_t i = 0; i < h->nstreams; i++) { /* copies in flight read the records and the ring: land them first */
-        if (!h->streams[i]) continue;
-        CU(h, stream_synchronize(h->streams[i]), "cuStreamSynchronize");
-        CU(h, stream_destroy(h->streams[i]), "cuStreamDestroy");
+    if (h->stream) { /* copies still in flight read the records and the ring: let them land first */
+        CU(h, stream_synchronize(h->stream), "cuStreamSynchronize");
+        CU(h, stream_destroy(h->stream), "cuStreamDestroy");
     }
     return NULL;
 }
@@ -244,21 +238,16 @@ static int load_driver(copier *h) {
     return 0;
 }
 
-/* Start the thread. CUDA mode captures the calling thread's current context and copies on `nstreams` streams
- * (1..MAX_STREAMS). NULL only if out of memory or threads; any other failure is recorded in the handle
- * (copier_stats) and leaves the thread idle. */
-void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns, int64_t nstreams) {
+/* Start the thread. CUDA mode captures the calling thread's current context. NULL only if out of memory or
+ * threads; any other failure is recorded in the handle (copier_stats) and leaves the thread idle. */
+void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns) {
     copier *h = calloc(1, sizeof *h);
     if (!h) return NULL;
     h->hot_ns = hot_ns;
     h->cuda = cuda != 0;
     h->ring = ring;
     h->ring_words = ring_words;
-    h->nstreams = nstreams;
-    if (nstreams < 1 || nstreams > MAX_STREAMS) {
-        h->nstreams = 0;
-        fail(h, ERR_ARGUMENT, "copier_start (streams out of range)");
-    } else if (h->cuda && (!ring || ring_words < 1))
+    if (h->cuda && (!ring || ring_words < 1))
         fail(h, ERR_ARGUMENT, "copier_start (no ring for the completion words)");
     else if (h->cuda && !load_driver(h) && !CU(h, ctx_get_current(&h->ctx), "cuCtxGetCurrent") && !h->ctx)
         fail(h, ERR_CONTEXT, "cuCtxGetCurrent (no current context)");
@@ -310,7 +299,7 @@ const char *copier_error_call(void *handle) {
     return failed(h) ? h->error_call : "";
 }
 
-/* Stop and join the thread (it drains and destroys its streams first), then free the handle. */
+/* Stop and join the thread (it drains and destroys its stream first), then free the handle. */
 void copier_stop(void *handle) {
     copier *h = handle;
     __atomic_store_n(&h->stop, 1, __ATOMIC_RELEASE);

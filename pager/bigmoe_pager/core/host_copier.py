@@ -31,7 +31,6 @@ from . import native_build
 SOURCE = Path(__file__).with_name("host_copier.c")
 MAX_LAYERS = 256  # host_copier.c's MAX_LAYERS
 MAX_COMPONENTS = 4  # host_copier.c's MAX_COMPONENTS
-MAX_STREAMS = 4  # host_copier.c's MAX_STREAMS
 HEADER_WORDS = 3  # seq, count, reserved
 HOT_MS = 50  # busy polling after the last round (ms): longer than any gap between two decode steps
 
@@ -60,7 +59,7 @@ def library() -> ctypes.CDLL:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64p = ctypes.POINTER(ctypes.c_int64)
-    lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.copier_start.restype = ctypes.c_void_p
     lib.copier_add_layer.argtypes = [ctypes.c_void_p, i64p, ctypes.c_int64]
     lib.copier_add_layer.restype = ctypes.c_int
@@ -112,11 +111,9 @@ class HostCopier:
     hot_ms: how long the thread busy-polls after its last round before it naps (20 us naps, 1 ms ones after a
     second); 0: it naps at once, and a round waits for the end of a nap (tens of microseconds) before it is copied;
     None: HOT_MS.
-    streams: CUDA streams the thread copies on, 1 to MAX_STREAMS; a round's entries take them in turn, so several
-    copy engines can move experts at once (each entry's completion word follows its data on its stream).
     """
 
-    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None, streams: int = 1):
+    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None):
         hot_ms = HOT_MS if hot_ms is None else hot_ms
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
@@ -125,11 +122,7 @@ class HostCopier:
             raise ValueError(f"HostCopier: ring_words must be >= 2, got {ring_words}")
         if hot_ms < 0:
             raise ValueError(f"HostCopier: hot_ms must be >= 0, got {hot_ms}")
-        if not 1 <= streams <= MAX_STREAMS:
-            raise ValueError(f"HostCopier: streams must be 1 to {MAX_STREAMS}, got {streams}")
         self.cuda = device.type == "cuda"
-        self.streams = streams
-        """CUDA streams the thread copies on (a CPU copier copies in place: the count is kept, not used)."""
         if self.cuda and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -143,9 +136,9 @@ class HostCopier:
             torch.cuda.init()
             with torch.cuda.device(device):
                 torch.zeros(1, device=device)
-                handle = self._lib.copier_start(1, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000, streams)
+                handle = self._lib.copier_start(1, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000)
         else:
-            handle = self._lib.copier_start(0, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000, streams)
+            handle = self._lib.copier_start(0, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000)
         if not handle:
             raise HostCopierError("host copier: could not allocate the copier or start its thread")
         self._handle: int | None = handle

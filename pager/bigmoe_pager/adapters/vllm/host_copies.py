@@ -27,8 +27,6 @@ class HostCopies:
     def __init__(self, settings: PagerSettings):
         self.hot_ms = settings.host_copier_hot_ms
         """BIGMOE_HOST_COPIER_HOT_MS: how long the thread busy-polls after its last round (None: its default)."""
-        self.streams = settings.host_copier_streams
-        """BIGMOE_HOST_COPIER_STREAMS: the CUDA streams the thread copies on."""
         self.copier: HostCopier | None = None
         """The thread, once a user asked for it (`copier_for`)."""
         self._published: dict[tuple[str, int], torch.Tensor] = {}
@@ -39,7 +37,7 @@ class HostCopies:
         """The thread, started at the first call (outside any capture); HostCopierError if it cannot be built or
         started."""
         if self.copier is None:
-            self.copier = HostCopier(device, hot_ms=self.hot_ms, streams=self.streams)
+            self.copier = HostCopier(device, hot_ms=self.hot_ms)
         return self.copier
 
     def publish_rounds(self, pagers: list, mailboxes, device: torch.device) -> None:
