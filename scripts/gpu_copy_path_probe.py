@@ -12,6 +12,8 @@ host thread's round trip and which the kernels slowed beside a copy, this tells 
     host-N    one kernel publishes N entries to the host copier's mailbox (core.host_copier, the thread serving it
               hot) and waits on the device until their completion words land: what a step would wait if it handed
               its misses to the copy engines (the round trip included)
+    hostwt-N  host-N with the copier serving the two weight components only, as it would if every scale block
+              stayed in VRAM (their two small copies an expert left out): what those copies cost the copier
     dma-N     the N experts' components copied by cudaMemcpyAsync nodes, one per component (the copier's calls
               without its thread): the copy engines' floor for the same bytes
     goal-N    dma-N with an 8-byte copy of each expert's completion word after its components, as the copier
@@ -59,7 +61,7 @@ from bigmoe_pager.core.triton_launch import kernel_for  # noqa: E402
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 BUSY_CHUNK = 64 << 20  # bytes per background copy (about 1.2 ms at 55 GB/s)
-BASES = ("sm", "step", "host", "dma", "goal", "flat", "pair", "mixed")
+BASES = ("sm", "step", "host", "hostwt", "dma", "goal", "flat", "pair", "mixed")
 BUSY_KINDS = ("busy", "smbusy")  # Background's kinds: copy engines, SM copies
 FLAG_WORDS = 8  # core.prefetch_chain's words that publish_round may write (PUBLISHED)
 
@@ -101,6 +103,11 @@ if triton is not None:
         publish_round(box_ptr, flags_ptr, seq, rows_ptr, slot_ptr, target_ptr, m, S, BLOCK_S, ON_GPU)
         late = wait_copies(copied_ptr, target_ptr, slots, listed, max_spins, ON_GPU)
         tl.atomic_add(late_ptr, tl.sum(late.to(tl.int32), 0))
+
+
+def _is_weight(component) -> bool:
+    """A weight matrix (w13_weight, w2_weight), not a scale block (*_scale_inv)."""
+    return component.name.endswith("_weight")
 
 
 class HostPath:
@@ -151,7 +158,11 @@ class Bench:
         self.flat = torch.empty(self.n_max * self.layout.pitch, dtype=torch.uint8, device=device)
         self.slots = torch.arange(self.n_max, dtype=torch.int64, device=device)
         components = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components]
-        self.hosts = {"host": HostPath(device, self.records, self.layout.pitch, components, self.n_max)}
+        weights = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components if _is_weight(c)]
+        self.hosts = {
+            name: HostPath(device, self.records, self.layout.pitch, served, self.n_max)
+            for name, served in (("host", components), ("hostwt", weights))
+        }
         goals = torch.arange(1, self.n_max + 1, dtype=torch.int64)
         self.goals = goals.pin_memory() if pin else goals  # the completion words goal-N copies, from pinned memory
         self.goal_words = torch.zeros(self.n_max, dtype=torch.int64, device=device)
@@ -220,6 +231,8 @@ class Bench:
         in_slots = {"flat": 0, "pair": 0, "mixed": (n + 1) // 2}.get(base, n)
         pitch = self.layout.pitch
         for c in self.layout.components:
+            if base == "hostwt" and not _is_weight(c):
+                continue  # its scale blocks are left out by design
             want = self.records[:in_slots, c.offset : c.offset + c.nbytes].cpu()
             have = self.buffers[c.name][:in_slots].reshape(in_slots, c.nbytes // self.buffers[c.name].element_size())
             have = have.view(torch.uint8).cpu()

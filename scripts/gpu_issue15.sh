@@ -31,6 +31,9 @@
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
 #   copy-pair  (the image's torch is enough) the copy probe's link question alone, no busy backgrounds (about a
 #          minute): one copy engine (flat) against two at once (pair), SM copies beside one (mixed), the host copier (host)
+#   copy-split  (the image's torch is enough) where the host copier's time an expert goes, no busy backgrounds
+#          (about a minute): one flat copy, one copy a component (dma), with the completion word (goal), the copier's
+#          round trip (host) and the copier serving the weights alone, as if the scale blocks stayed in VRAM (hostwt)
 #   codec  (the image's torch is enough) scripts/bench_codec.py over chunk geometries 16x128 (the pager's), 64x32 and
 #          128x16: one expert's expansion alone, copy+expand of 1-8 experts against their raw copy, alone and as a
 #          side round beside each layer of a 40-layer dense forward, the ratio (would a compressed RAM tier's miss
@@ -127,6 +130,9 @@ for step in "$@"; do
     copy-pair)
       timeout 300 python3 scripts/gpu_copy_path_probe.py --paths flat,pair,mixed,host --experts 1,2,4,8 --busy '' \
         --out "$out/copy-pair.json" 2>&1 | tail -n 25 ;;
+    copy-split)
+      timeout 300 python3 scripts/gpu_copy_path_probe.py --paths flat,dma,goal,host,hostwt --experts 1,2,4,8 --busy '' \
+        --out "$out/copy-split.json" 2>&1 | tail -n 25 ;;
     codec)
       timeout 420 python3 scripts/bench_codec.py --geometries 16x128,64x32,128x16 --experts 2 --copy-batches 1,2,4,8 \
         --out "$out/codec-geometry.json" --note "H200 device machine, graph replay" 2>&1 | tail -n 20

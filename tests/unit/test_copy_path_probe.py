@@ -26,8 +26,9 @@ def test_each_path_lands_every_byte(report, path, n):
     assert row["bytes_ok"] is True and "error" not in row
 
 
-def test_the_host_path_is_served_by_its_copier_thread(report):
-    served = report["host_copiers"]["host"]
+@pytest.mark.parametrize("path", ["host", "hostwt"])
+def test_the_host_paths_are_served_by_their_copier_threads(report, path):
+    served = report["host_copiers"][path]
     assert served["error"] == 0 and served["late"] == 0
     # two published rounds per host row (the check that the thread serves, then the measured call), none skipped
     assert served["rounds"] == 2 * len(EXPERTS) and served["experts"] == 2 * sum(EXPERTS)
@@ -60,6 +61,21 @@ def test_the_byte_check_fails_where_a_path_left_its_bytes_out(path):
         assert not bench.bytes_ok(path, 3)
         bench.work(path, 3)
         assert bench.bytes_ok(path, 3)
+    finally:
+        for host in bench.hosts.values():
+            host.report()
+
+
+def test_the_weights_only_host_path_leaves_the_scale_blocks_alone():
+    """hostwt-N times the copier as if the scale blocks stayed in VRAM: it must copy the weights and nothing else."""
+    args = probe.parse(["--device", "cpu", "--smoke", "--experts", "2", "--paths", "hostwt"])
+    bench = probe.Bench(args, probe.torch.device("cpu"))
+    try:
+        bench.clear()
+        bench.work("hostwt", 2)
+        assert bench.bytes_ok("hostwt", 2) and not bench.bytes_ok("host", 2)
+        scales = [name for name in bench.buffers if not name.endswith("_weight")]
+        assert scales and all(not bench.buffers[name].view(probe.torch.uint8).any() for name in scales)
     finally:
         for host in bench.hosts.values():
             host.report()
