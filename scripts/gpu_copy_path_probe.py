@@ -158,7 +158,7 @@ class Bench:
         self.flat = torch.empty(self.n_max * self.layout.pitch, dtype=torch.uint8, device=device)
         self.slots = torch.arange(self.n_max, dtype=torch.int64, device=device)
         components = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components]
-        weights = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components if _is_weight(c)]
+        weights = [served for c, served in zip(self.layout.components, components) if _is_weight(c)]
         self.hosts = {
             name: HostPath(device, self.records, self.layout.pitch, served, self.n_max)
             for name, served in (("host", components), ("hostwt", weights))

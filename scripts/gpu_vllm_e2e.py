@@ -136,6 +136,11 @@ class Config:
     engine: dict = field(default_factory=dict)
     """Extra vLLM engine arguments (speculative_config for MTP runs)."""
 
+    @property
+    def slug(self) -> str:
+        """The name's first word: what --configs names it by, and its files' stem."""
+        return self.name.split(" ")[0]
+
 
 PREDICT = {"BIGMOE_PREDICT": "router"}
 """Issue 15's live next-layer predictor: layer l+1's router on layer l's hidden state proposes, the pager prefetches."""
@@ -309,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         if shape["maker"] == "qwen4exp"
         else configs(shape["experts"], paging_file)
     )
-    unknown = sorted(set(args.configs or []) - {c.name.split(" ")[0] for c in matrix})
+    unknown = sorted(set(args.configs or []) - {c.slug for c in matrix})
     if unknown:
         print(
             f"gpu_vllm_e2e: no configuration named {', '.join(unknown)} for the {args.shape} shape; "
-            f"choose from {', '.join(c.name.split(' ')[0] for c in matrix)}",
+            f"choose from {', '.join(c.slug for c in matrix)}",
             file=sys.stderr,
         )
         return 2
@@ -579,7 +584,7 @@ def long_prompt_ids(model: Path, has_tokenizer: bool, n: int, vocab: int) -> lis
 
 
 def run_config(config: Config, spec: dict, work: Path, logs: Path, deadline: float) -> dict:
-    slug = config.name.split(" ")[0]
+    slug = config.slug
     spec_path, result_path = work / f"{slug}.spec.json", work / f"{slug}.result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
@@ -629,7 +634,7 @@ def chosen(matrix: list[Config], names: list[str] | None) -> list[Config]:
     with, in the matrix's order: a paged run is never left without its reference because the list forgot it."""
     if not names:
         return list(matrix)
-    picked = {c.name for c in matrix if c.name.split(" ")[0] in names}
+    picked = {c.name for c in matrix if c.slug in names}
     picked |= {c.reference for c in matrix if c.name in picked}
     return [c for c in matrix if c.name in picked]
 
