@@ -26,7 +26,7 @@ def test_each_path_lands_every_byte(report, path, n):
     assert row["bytes_ok"] is True and "error" not in row
 
 
-@pytest.mark.parametrize("path", ["host", "hostwt"])
+@pytest.mark.parametrize("path", sorted(probe.HOSTS))
 def test_the_host_paths_are_served_by_their_copier_threads(report, path):
     served = report["host_copiers"][path]
     assert served["error"] == 0 and served["late"] == 0
