@@ -14,9 +14,6 @@ host thread's round trip and which the kernels slowed beside a copy, this tells 
               its misses to the copy engines (the round trip included)
     hostwt-N  host-N with the copier serving the two weight components only, as it would if every scale block
               stayed in VRAM (their two small copies an expert left out): what those copies cost the copier
-    hostbatch-N  host-N with the copier handing each expert's four components to the driver as one
-              cuMemcpyBatchAsync (copies in a batch may overlap), then its completion word
-    hostround-N  host-N with one batch for the whole round's components, then one for its completion words
     stepflat-N  step-N into packed slots (below): one component an expert, the whole record's bytes
     hostflat-N  host-N into packed slots: each slot one run of bytes holding the four components at their record
               offsets, so the copier copies an expert as one piece (the component tensors would be strided views)
@@ -59,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pager"))
 from bigmoe_pager.atomic_file import write_atomic  # noqa: E402
 from bigmoe_pager.core.acquire_kernel import next_pow2  # noqa: E402
 from bigmoe_pager.core.copy_kernel import copy_records  # noqa: E402
-from bigmoe_pager.core.host_copier import HostCopier, HostCopierError  # noqa: E402
+from bigmoe_pager.core.host_copier import HostCopier  # noqa: E402
 from bigmoe_pager.core.layout import ExpertLayout  # noqa: E402
 from bigmoe_pager.core.prefetch_chain import GPU_MAX_SPINS  # noqa: E402
 from bigmoe_pager.core.step_kernel import default_programs  # noqa: E402
@@ -67,29 +64,9 @@ from bigmoe_pager.core.triton_launch import kernel_for  # noqa: E402
 
 BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 BUSY_CHUNK = 64 << 20  # bytes per background copy (about 1.2 ms at 55 GB/s)
-BASES = (
-    "sm",
-    "step",
-    "stepflat",
-    "host",
-    "hostwt",
-    "hostbatch",
-    "hostround",
-    "hostflat",
-    "dma",
-    "goal",
-    "flat",
-    "pair",
-    "mixed",
-)
-HOSTS = {
-    "host": "component",
-    "hostwt": "component",
-    "hostbatch": "expert",
-    "hostround": "round",
-    "hostflat": "component",
-}
-"""The host-copier paths and the copier's batch mode for each (core.host_copier.BATCHES)."""
+BASES = ("sm", "step", "stepflat", "host", "hostwt", "hostflat", "dma", "goal", "flat", "pair", "mixed")
+HOSTS = ("host", "hostwt", "hostflat")
+"""The paths a host copier thread serves, one thread each."""
 BUSY_KINDS = ("busy", "smbusy")  # Background's kinds: copy engines, SM copies
 FLAG_WORDS = 8  # core.prefetch_chain's words that publish_round may write (PUBLISHED)
 
@@ -141,9 +118,9 @@ def _is_weight(component) -> bool:
 class HostPath:
     """One host copier thread serving one mailbox into the bench's slots, with the words a publishing kernel uses."""
 
-    def __init__(self, device, records, pitch: int, components, slots: int, batch: str):
+    def __init__(self, device, records, pitch: int, components, slots: int):
         self.device = device
-        self.copier = HostCopier(device, batch=batch)
+        self.copier = HostCopier(device)
         self.mailbox = HostCopier.mailbox(slots, device)
         self.copied = torch.zeros(slots, dtype=torch.int64, device=device)
         self.target = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -185,18 +162,18 @@ class Bench:
         self.buffers = self.layout.slot_buffers(self.n_max, device)
         self.flat = torch.empty(self.n_max * self.layout.pitch, dtype=torch.uint8, device=device)
         self.slots = torch.arange(self.n_max, dtype=torch.int64, device=device)
+        # packed slots (hostflat, stepflat): each slot one run of a record's bytes, the components at their offsets
         self.packed = torch.empty(self.n_max, self.layout.record_bytes, dtype=torch.uint8, device=device)
         self.packed_layout = ExpertLayout.build([("record", (self.layout.record_bytes,), torch.uint8)])
         components = [(c.offset, c.nbytes, self.buffers[c.name]) for c in self.layout.components]
         weights = [served for c, served in zip(self.layout.components, components) if _is_weight(c)]
-        self.hosts: dict[str, HostPath] = {}
-        self.host_errors: dict[str, str] = {}  # paths whose copier would not start (say, no batch call)
-        for name in (path for path in args.paths if path in HOSTS):
-            served = {"hostwt": weights, "hostflat": [(0, self.layout.record_bytes, self.packed)]}.get(name, components)
-            try:
-                self.hosts[name] = HostPath(device, self.records, self.layout.pitch, served, self.n_max, HOSTS[name])
-            except HostCopierError as err:
-                self.host_errors[name] = str(err)
+        packed = [(0, self.layout.record_bytes, self.packed)]  # hostflat: the whole record as one component
+        served = {"host": components, "hostwt": weights, "hostflat": packed}
+        self.hosts = {
+            name: HostPath(device, self.records, self.layout.pitch, served[name], self.n_max)
+            for name in HOSTS
+            if name in args.paths
+        }
         goals = torch.arange(1, self.n_max + 1, dtype=torch.int64)
         self.goals = goals.pin_memory() if pin else goals  # the completion words goal-N copies, from pinned memory
         self.goal_words = torch.zeros(self.n_max, dtype=torch.int64, device=device)
@@ -420,11 +397,6 @@ def run(args) -> dict:
             bench.clear()
             fn = dense.work if base == "dense" else (lambda b=base, k=n: bench.work(b, k))
             row = {"path": name + (f"-{busy}" if busy else ""), "experts": n}
-            if base in bench.host_errors:
-                row["error"] = bench.host_errors[base][:300]
-                report["rows"].append(row)
-                print(json.dumps(row), flush=True)
-                continue
             try:
                 if base in bench.hosts:
                     bench.hosts[base].check_serves(fn)

@@ -34,9 +34,6 @@
 #   copy-split  (the image's torch is enough) where the host copier's time an expert goes, no busy backgrounds
 #          (about a minute): one flat copy, one copy a component (dma), with the completion word (goal), the copier's
 #          round trip (host) and the copier serving the weights alone, as if the scale blocks stayed in VRAM (hostwt)
-#   copy-batch  (the image's torch is enough) the host copier handing copies to the driver in batches, no busy
-#          backgrounds (about a minute): flat, dma and host against hostbatch (one cuMemcpyBatchAsync an expert)
-#          and hostround (one a round); do batched components close the copier's gap to one flat copy?
 #   copy-packed  (the image's torch is enough) packed slots, no busy backgrounds (about a minute a pass, PASSES of
 #          them, default 2): the host copier and the step's copy kernel copying each expert as one run of bytes
 #          (hostflat, stepflat) against today's four components (host, step) and one flat copy (flat)
@@ -139,9 +136,6 @@ for step in "$@"; do
     copy-split)
       timeout 300 python3 scripts/gpu_copy_path_probe.py --paths flat,dma,goal,host,hostwt --experts 1,2,4,8 --busy '' \
         --out "$out/copy-split.json" 2>&1 | tail -n 25 ;;
-    copy-batch)
-      timeout 300 python3 scripts/gpu_copy_path_probe.py --paths flat,dma,host,hostbatch,hostround --experts 1,2,4,8 \
-        --busy '' --out "$out/copy-batch.json" 2>&1 | tail -n 25 ;;
     copy-packed)
       for pass in $(seq 1 "${PASSES:-2}"); do
         timeout 240 python3 scripts/gpu_copy_path_probe.py --paths flat,host,hostflat,step,stepflat --experts 1,2,4,8 \

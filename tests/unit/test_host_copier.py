@@ -99,9 +99,9 @@ class Layer:
             assert torch.equal(got, model), f"component {k}: slots differ from the model"
 
 
-@pytest.fixture(params=host_copier.BATCHES)
-def copier(request):
-    c = HostCopier(CPU, ring_words=1 << 12, batch=request.param)  # the CPU memcpy()s in every mode
+@pytest.fixture
+def copier():
+    c = HostCopier(CPU, ring_words=1 << 12)
     yield c
     c.close()
 
@@ -356,7 +356,6 @@ def test_build_leaves_one_library_in_the_cache_dir(monkeypatch, tmp_path):
 FAKE_DRIVER = r"""
 /* A stand-in libcuda.so.1: "device" memory is host memory, an async copy is a memcpy done at once. */
 #include <stddef.h>
-#include <stdio.h>
 #include <string.h>
 static void *ctx = (void *)0x1c, *stream = (void *)0x5e;
 long long copies, fail_at = -1, synced, destroyed, stream_flags = -1, mode_at_create = -1;
@@ -367,32 +366,12 @@ int cuCtxSetCurrent(void *c) { return c == ctx ? 0 : 201; }
 int cuStreamCreate(void **s, unsigned flags) { stream_flags = flags; mode_at_create = mode; *s = stream; return 0; }
 int cuStreamSynchronize(void *s) { synced += s == stream; return 0; }
 int cuStreamDestroy_v2(void *s) { destroyed += s == stream; return 0; }
-char calls[512]; /* the copy calls in order: "p<bytes>" a plain copy, "b<bytes>,<bytes>..." a batch */
-static size_t used;
-static void note(const char *what, size_t n) {
-    size_t left = sizeof calls - used;
-    int w = snprintf(calls + used, left, "%s%zu", what, n);
-    if (w > 0 && (size_t)w < left) used += (size_t)w;
-}
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
     if (s != stream) return 400;
     if (copies++ == fail_at) return 700;
-    note(" p", n);
     memcpy((void *)dst, src, n);
     return 0;
 }
-#ifdef WITH_BATCH
-typedef struct { int order, hints[4]; unsigned flags; } attributes;
-/* Copies within a batch have no order: this one runs them last to first. */
-int cuMemcpyBatchAsync_v2(unsigned long long *dst, unsigned long long *src, size_t *size, size_t count,
-                          attributes *attrs, size_t *first, size_t nattrs, void *s) {
-    if (s != stream) return 400;
-    if (nattrs != 1 || first[0] != 0 || attrs[0].order != 1 || attrs[0].flags != 0) return 1;
-    for (size_t i = 0; i < count; i++) note(i ? "," : " b", size[i]);
-    for (size_t i = count; i-- > 0;) memcpy((void *)dst[i], (const void *)src[i], size[i]);
-    return 0;
-}
-#endif
 """
 
 FAKE_RUN = r"""
@@ -400,7 +379,7 @@ import ctypes, json, sys, time
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # the copier's dlopen("libcuda.so.1") finds it loaded
 lib = ctypes.CDLL(sys.argv[2])
 lib.copier_start.restype = ctypes.c_void_p
-lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 lib.copier_add_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 lib.copier_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 lib.copier_error_call.argtypes = [ctypes.c_void_p]
@@ -411,7 +390,7 @@ S, PITCH = 2, 16
 ring, mailbox, copied = (I64 * 8)(), (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1)
 records, dst = (ctypes.c_uint8 * (3 * PITCH))(*range(3 * PITCH)), (ctypes.c_uint8 * (S * 8))()
 addr = ctypes.addressof
-h = lib.copier_start(1, addr(ring), 8, 0, 0)  # hot_ns 0: nap between polls; one call a component
+h = lib.copier_start(1, addr(ring), 8, 0)  # hot_ns 0: nap between polls
 desc = (I64 * 11)(addr(mailbox), addr(records), PITCH, 3, addr(copied), S, 1, 4, 8, addr(dst), 8)
 assert lib.copier_add_layer(h, desc, 11) == 0
 def stats():
@@ -462,92 +441,3 @@ def test_cuda_branch_against_a_fake_driver(tmp_path):
     assert second["stats"][3] == 700 and second["call"] == "cuMemcpyHtoDAsync_v2"
     assert second["stats"][0] == 1 and second["copied"] == [11, 12]
     assert (got["synced"], got["destroyed"]) == (1, 1)
-
-
-BATCH_RUN = r"""
-import ctypes, json, sys, time
-fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
-lib = ctypes.CDLL(sys.argv[2])
-lib.copier_start.restype = ctypes.c_void_p
-lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-lib.copier_add_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-lib.copier_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-lib.copier_error_call.argtypes = [ctypes.c_void_p]
-lib.copier_error_call.restype = ctypes.c_char_p
-lib.copier_stop.argtypes = [ctypes.c_void_p]
-I64 = ctypes.c_int64
-S, PITCH = 3, 16
-ring, mailbox, copied = (I64 * 8)(), (I64 * (3 + 3 * S))(), (I64 * S)(-1, -1, -1)
-records = (ctypes.c_uint8 * (4 * PITCH))(*range(4 * PITCH))
-weights, scales = (ctypes.c_uint8 * (S * 8))(), (ctypes.c_uint8 * (S * 4))()
-addr = ctypes.addressof
-h = lib.copier_start(1, addr(ring), 8, 0, int(sys.argv[3]))
-# two components: record bytes [0, 8) into an 8-byte weight slot, [12, 16) into a 4-byte scale slot
-desc = (I64 * 15)(addr(mailbox), addr(records), PITCH, 4, addr(copied), S, 2, 0, 8, addr(weights), 8,
-                  12, 4, addr(scales), 4)
-added = lib.copier_add_layer(h, desc, 15)
-def stats():
-    out = (I64 * 6)()
-    lib.copier_stats(h, out)
-    return list(out)
-for i, (row, slot, goal) in enumerate([(3, 2, 31), (1, 0, 10)]):
-    mailbox[3 + i], mailbox[3 + S + i], mailbox[3 + 2 * S + i] = row, slot, goal
-mailbox[1] = 2
-mailbox[0] = 1
-end = time.monotonic() + 5
-while added == 0 and stats()[0] < 1 and stats()[3] == 0 and time.monotonic() < end:
-    time.sleep(0.0002)
-out = dict(added=added, stats=stats(), call=lib.copier_error_call(h).decode(), weights=list(weights),
-           scales=list(scales), copied=list(copied), calls=(ctypes.c_char * 512).in_dll(fake, "calls").value.decode())
-lib.copier_stop(h)
-print(json.dumps(out))
-"""
-
-# Per mode: the driver calls one round of two entries makes (8 weight bytes and 4 scale bytes an entry, then its
-# 8-byte completion word), in order.
-BATCH_CALLS = {
-    "component": "p8 p4 p8 p8 p4 p8",
-    "expert": "b8,4 p8 b8,4 p8",  # each entry's components in one batch, its word after them
-    "round": "b8,4,8,4 b8,8",  # all the data, then all the words: no word can land before the round's data
-}
-
-
-def _fake_driver(tmp_path, with_batch: bool):
-    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
-    fake = tmp_path / "libcuda.so.1"
-    flags = ["-DWITH_BATCH"] if with_batch else []
-    build = ["cc", *flags, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(fake), str(tmp_path / "fake.c")]
-    subprocess.run(build, check=True)
-    return fake
-
-
-def _batch_run(fake, mode: str) -> dict:
-    lib = host_copier.library()._name
-    argv = [sys.executable, "-c", BATCH_RUN, str(fake), lib, str(host_copier.BATCHES.index(mode))]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout)
-
-
-@pytest.mark.parametrize("mode", host_copier.BATCHES)
-def test_batch_modes_against_a_fake_driver(tmp_path, mode):
-    got = _batch_run(_fake_driver(tmp_path, with_batch=True), mode)
-    rounds, experts, nbytes, error, layers, _ = got["stats"]
-    assert (got["added"], rounds, experts, nbytes, error, layers) == (0, 1, 2, 24, 0, 1), got["call"]
-    assert got["calls"].split() == BATCH_CALLS[mode].split()
-    # row 3 -> slot 2 and row 1 -> slot 0, whatever order the driver ran a batch's copies in; slot 1 untouched
-    assert got["weights"] == list(range(16, 24)) + [0] * 8 + list(range(48, 56))
-    assert got["scales"] == list(range(28, 32)) + [0] * 4 + list(range(60, 64))
-    assert got["copied"] == [10, -1, 31]
-
-
-@pytest.mark.parametrize("mode", ["expert", "round"])
-def test_batch_mode_without_the_batch_call_is_an_error_not_a_fallback(tmp_path, mode):
-    got = _batch_run(_fake_driver(tmp_path, with_batch=False), mode)
-    assert got["stats"][3] == -1 and got["call"] == "dlsym(cuMemcpyBatchAsync_v2)"
-    assert got["calls"] == "" and got["copied"] == [-1, -1, -1]  # nothing issued
-
-
-def test_unknown_batch_mode_is_refused():
-    with pytest.raises(ValueError, match="batch must be one of component, expert, round"):
-        HostCopier(CPU, batch="layer")

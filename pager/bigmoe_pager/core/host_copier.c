@@ -13,12 +13,6 @@
  * on the same stream, so stream order lands it after the data. The driver API is dlopen()ed at start, so this
  * file builds and runs without CUDA headers or libraries.
  *
- * Batching (CUDA mode; the CPU ignores it): BATCH_COMPONENT issues one call a component, as above;
- * BATCH_EXPERT hands an entry's components to the driver as one cuMemcpyBatchAsync (copies within a batch may
- * overlap), then its goal; BATCH_ROUND hands all of a round's components over as one batch and then all its
- * goals as a second, so no goal lands before the whole round's data. Whether either moves an expert faster than
- * one call a component is a measurement (scripts/gpu_copy_path_probe.py, hostbatch and hostround).
- *
  * Errors (a failed driver call, a mailbox entry out of range) are recorded once; the thread then issues
  * nothing more and idles, so the GPU's bounded waits time out instead of reading wrong bytes.
  */
@@ -42,23 +36,12 @@
 #define ERR_DRIVER (-1)  /* libcuda.so.1 or one of its symbols is missing */
 #define ERR_CONTEXT (-2) /* no CUDA context was current on the thread that started the copier */
 #define ERR_MAILBOX (-3) /* a published entry or count is out of the layer's range */
-#define ERR_ARGUMENT (-4) /* copier_start in CUDA mode without a ring, or an unknown batch mode */
-
-#define BATCH_COMPONENT 0 /* one cuMemcpyHtoDAsync a component */
-#define BATCH_EXPERT 1    /* one cuMemcpyBatchAsync an entry, then its goal */
-#define BATCH_ROUND 2     /* one batch of all a round's components, then one of its goals */
-#define SRC_ORDER_STREAM 1 /* CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order */
+#define ERR_ARGUMENT (-4) /* copier_start in CUDA mode without a ring */
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 typedef void *CUstream;
 typedef void *CUcontext;
-typedef struct { int type, id; } cu_location; /* CUmemLocation; type 0 = no hint */
-typedef struct {                             /* CUmemcpyAttributes */
-    int src_access_order;
-    cu_location src_hint, dst_hint;
-    unsigned int flags;
-} cu_copy_attributes;
 
 typedef struct {
     CUresult (*ctx_get_current)(CUcontext *);
@@ -68,16 +51,7 @@ typedef struct {
     CUresult (*stream_synchronize)(CUstream);
     CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
     CUresult (*exchange_capture_mode)(int *);
-    /* cuMemcpyBatchAsync_v2 (CUDA 13's ABI; loaded only for the batch modes) */
-    CUresult (*memcpy_batch_async)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, cu_copy_attributes *, size_t *,
-                                   size_t, CUstream);
 } cuda_api;
-
-typedef struct { /* copies queued for one batch call; only the thread touches it */
-    CUdeviceptr *dst, *src;
-    size_t *size;
-    size_t n;
-} batch;
 
 typedef struct {
     int64_t offset, nbytes; /* bytes within a record */
@@ -92,12 +66,11 @@ typedef struct {
     int64_t slots, ncomp;
     component comp[MAX_COMPONENTS];
     int64_t last_seen; /* seq of the last round served; only the thread touches it */
-    batch data, goals; /* batch modes: room for slots x ncomp copies and slots goals */
 } layer;
 
 typedef struct {
     pthread_t thread;
-    int cuda, stop, ready, batch_mode;
+    int cuda, stop, ready;
     int64_t nlayers; /* descriptors below this are complete (release store by add_layer) */
     layer layers[MAX_LAYERS];
     int64_t *ring, ring_words, ring_next; /* pinned goal words the completion copies read from (CUDA) */
@@ -144,43 +117,17 @@ static void nap(long ns) {
 
 static void add(int64_t *counter, int64_t n) { __atomic_fetch_add(counter, n, __ATOMIC_RELAXED); }
 
-/* Issue the queued copies as one batch call (one plain copy if that is all), and empty the queue. */
-static int flush(copier *h, batch *b) {
-    int err = 0;
-    if (b->n == 1)
-        err = CU(h, memcpy_htod_async(b->dst[0], (const void *)(uintptr_t)b->src[0], b->size[0], h->stream),
-                 "cuMemcpyHtoDAsync_v2");
-    else if (b->n > 1) {
-        cu_copy_attributes attr = {SRC_ORDER_STREAM, {0, 0}, {0, 0}, 0};
-        size_t first = 0;
-        err = CU(h, memcpy_batch_async(b->dst, b->src, b->size, b->n, &attr, &first, 1, h->stream),
-                 "cuMemcpyBatchAsync_v2");
-    }
-    b->n = 0;
-    return err;
-}
-
-/* Copy nbytes from src to the device address dst now, or queue it in b (the batch modes). */
-static int copy(copier *h, batch *b, uint64_t dst, const void *src, size_t nbytes) {
-    if (h->batch_mode == BATCH_COMPONENT)
-        return CU(h, memcpy_htod_async((CUdeviceptr)dst, src, nbytes, h->stream), "cuMemcpyHtoDAsync_v2");
-    b->dst[b->n] = (CUdeviceptr)dst;
-    b->src[b->n] = (CUdeviceptr)(uintptr_t)src;
-    b->size[b->n++] = nbytes;
-    return 0;
-}
-
-/* Copy one entry's components into `slot` and publish `goal` in copied[slot] after them (BATCH_ROUND: queue
- * both for the round's end). Nonzero on a driver error. */
-static int serve_entry(copier *h, layer *l, int64_t row, int64_t slot, int64_t goal) {
+/* Copy one entry's components into `slot`, then publish `goal` in copied[slot]. Nonzero on a driver error. */
+static int serve_entry(copier *h, const layer *l, int64_t row, int64_t slot, int64_t goal) {
     const uint8_t *record = l->records + row * l->pitch;
     int64_t done = 0;
     for (int64_t c = 0; c < l->ncomp; c++) {
         const component *p = &l->comp[c];
-        uint64_t dst = (uint64_t)(p->dst + slot * p->stride);
+        void *dst = (void *)(uintptr_t)(p->dst + slot * p->stride);
         if (!h->cuda)
-            memcpy((void *)(uintptr_t)dst, record + p->offset, (size_t)p->nbytes);
-        else if (copy(h, &l->data, dst, record + p->offset, (size_t)p->nbytes))
+            memcpy(dst, record + p->offset, (size_t)p->nbytes);
+        else if (CU(h, memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, record + p->offset, (size_t)p->nbytes,
+                                         h->stream), "cuMemcpyHtoDAsync_v2"))
             return 1;
         done += p->nbytes;
     }
@@ -190,10 +137,8 @@ static int serve_entry(copier *h, layer *l, int64_t row, int64_t slot, int64_t g
     } else {
         int64_t *src = &h->ring[h->ring_next++ % h->ring_words]; /* a DMA reads it later: never a stack word */
         *src = goal;
-        if (h->batch_mode == BATCH_EXPERT && flush(h, &l->data)) return 1;
-        batch *goals = h->batch_mode == BATCH_ROUND ? &l->goals : &l->data; /* BATCH_EXPERT: a queue of one */
-        if (copy(h, goals, (uint64_t)word, src, sizeof(int64_t))) return 1;
-        if (h->batch_mode == BATCH_EXPERT && flush(h, &l->data)) return 1;
+        if (CU(h, memcpy_htod_async((CUdeviceptr)word, src, sizeof(int64_t), h->stream), "cuMemcpyHtoDAsync_v2"))
+            return 1;
     }
     add(&h->experts, 1);
     add(&h->bytes, done);
@@ -224,7 +169,6 @@ static int serve_layer(copier *h, layer *l, int64_t index) {
         }
         if (serve_entry(h, l, row, slot, goals[i])) return 1;
     }
-    if (h->cuda && h->batch_mode == BATCH_ROUND && (flush(h, &l->data) || flush(h, &l->goals))) return 1;
     l->last_seen = seq;
     add(&h->rounds, 1);
     return 1;
@@ -280,10 +224,8 @@ static int load_driver(copier *h) {
         {(void **)&h->api.stream_synchronize, "cuStreamSynchronize", NULL},
         {(void **)&h->api.memcpy_htod_async, "cuMemcpyHtoDAsync_v2", NULL},
         {(void **)&h->api.exchange_capture_mode, "cuThreadExchangeStreamCaptureMode", NULL},
-        {(void **)&h->api.memcpy_batch_async, "cuMemcpyBatchAsync_v2", NULL},
     };
-    size_t needed = sizeof syms / sizeof syms[0] - (h->batch_mode == BATCH_COMPONENT); /* the batch call last */
-    for (size_t i = 0; i < needed; i++) {
+    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
         *syms[i].fn = dlsym(lib, syms[i].name);
         if (!*syms[i].fn && syms[i].fallback) *syms[i].fn = dlsym(lib, syms[i].fallback);
         if (!*syms[i].fn) {
@@ -296,20 +238,16 @@ static int load_driver(copier *h) {
     return 0;
 }
 
-/* Start the thread. CUDA mode captures the calling thread's current context; batch_mode is one of BATCH_*.
- * NULL only if out of memory or threads; any other failure is recorded in the handle (copier_stats) and leaves
- * the thread idle. */
-void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns, int batch_mode) {
+/* Start the thread. CUDA mode captures the calling thread's current context. NULL only if out of memory or
+ * threads; any other failure is recorded in the handle (copier_stats) and leaves the thread idle. */
+void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns) {
     copier *h = calloc(1, sizeof *h);
     if (!h) return NULL;
     h->hot_ns = hot_ns;
     h->cuda = cuda != 0;
     h->ring = ring;
     h->ring_words = ring_words;
-    h->batch_mode = batch_mode;
-    if (batch_mode < BATCH_COMPONENT || batch_mode > BATCH_ROUND)
-        fail(h, ERR_ARGUMENT, "copier_start (unknown batch mode)");
-    else if (h->cuda && (!ring || ring_words < 1))
+    if (h->cuda && (!ring || ring_words < 1))
         fail(h, ERR_ARGUMENT, "copier_start (no ring for the completion words)");
     else if (h->cuda && !load_driver(h) && !CU(h, ctx_get_current(&h->ctx), "cuCtxGetCurrent") && !h->ctx)
         fail(h, ERR_CONTEXT, "cuCtxGetCurrent (no current context)");
@@ -321,23 +259,8 @@ void *copier_start(int cuda, int64_t *ring, int64_t ring_words, int64_t hot_ns, 
     return h;
 }
 
-static int batch_alloc(batch *b, int64_t copies) {
-    b->dst = calloc((size_t)copies, sizeof *b->dst);
-    b->src = calloc((size_t)copies, sizeof *b->src);
-    b->size = calloc((size_t)copies, sizeof *b->size);
-    b->n = 0;
-    return b->dst && b->src && b->size;
-}
-
-static void batch_free(batch *b) {
-    free(b->dst);
-    free(b->src);
-    free(b->size);
-}
-
 /* desc: mailbox, records, pitch, nrecords, copied, slots, ncomp, then ncomp x (offset, nbytes, dst, stride).
- * Returns the layer's index, or -1 if the descriptor is malformed, the table is full or memory ran out. Callers
- * serialize. */
+ * Returns the layer's index, or -1 if the descriptor is malformed or the table is full. Callers serialize. */
 int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
     copier *h = handle;
     int64_t count = h->nlayers; /* only add_layer writes it */
@@ -355,12 +278,6 @@ int copier_add_layer(void *handle, const int64_t *desc, int64_t n) {
         l->comp[c] = (component){d[0], d[1], d[2], d[3]};
     }
     l->last_seen = 0; /* a fresh mailbox's seq: its first round is any other value */
-    if (h->batch_mode != BATCH_COMPONENT &&
-        !(batch_alloc(&l->data, l->slots * (l->ncomp + 1)) && batch_alloc(&l->goals, l->slots))) {
-        batch_free(&l->data);
-        batch_free(&l->goals);
-        return -1;
-    }
     __atomic_store_n(&h->nlayers, count + 1, __ATOMIC_RELEASE);
     return (int)count;
 }
@@ -387,9 +304,5 @@ void copier_stop(void *handle) {
     copier *h = handle;
     __atomic_store_n(&h->stop, 1, __ATOMIC_RELEASE);
     pthread_join(h->thread, NULL);
-    for (int64_t i = 0; i < h->nlayers; i++) {
-        batch_free(&h->layers[i].data);
-        batch_free(&h->layers[i].goals);
-    }
     free(h);
 }

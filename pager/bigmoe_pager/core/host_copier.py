@@ -33,10 +33,6 @@ MAX_LAYERS = 256  # host_copier.c's MAX_LAYERS
 MAX_COMPONENTS = 4  # host_copier.c's MAX_COMPONENTS
 HEADER_WORDS = 3  # seq, count, reserved
 HOT_MS = 50  # busy polling after the last round (ms): longer than any gap between two decode steps
-BATCHES = ("component", "expert", "round")
-"""How the thread hands copies to the driver on CUDA (host_copier.c's BATCH_*, in this order): one
-cuMemcpyHtoDAsync a component; one cuMemcpyBatchAsync an expert, then its completion word; one batch of a whole
-round's components, then one of its completion words. The CPU memcpy()s whatever the mode."""
 
 
 def mailbox_words(slots: int) -> int:
@@ -63,7 +59,7 @@ def library() -> ctypes.CDLL:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64p = ctypes.POINTER(ctypes.c_int64)
-    lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.copier_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.copier_start.restype = ctypes.c_void_p
     lib.copier_add_layer.argtypes = [ctypes.c_void_p, i64p, ctypes.c_int64]
     lib.copier_add_layer.restype = ctypes.c_int
@@ -115,12 +111,9 @@ class HostCopier:
     hot_ms: how long the thread busy-polls after its last round before it naps (20 us naps, 1 ms ones after a
     second); 0: it naps at once, and a round waits for the end of a nap (tens of microseconds) before it is copied;
     None: HOT_MS.
-    batch: one of BATCHES; "expert" and "round" need a driver with cuMemcpyBatchAsync_v2 (CUDA 13).
     """
 
-    def __init__(
-        self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None, batch: str = "component"
-    ):
+    def __init__(self, device: torch.device, ring_words: int = 1 << 16, hot_ms: int | None = None):
         hot_ms = HOT_MS if hot_ms is None else hot_ms
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
@@ -129,9 +122,6 @@ class HostCopier:
             raise ValueError(f"HostCopier: ring_words must be >= 2, got {ring_words}")
         if hot_ms < 0:
             raise ValueError(f"HostCopier: hot_ms must be >= 0, got {hot_ms}")
-        if batch not in BATCHES:
-            raise ValueError(f"HostCopier: batch must be one of {', '.join(BATCHES)}, got {batch!r}")
-        mode = BATCHES.index(batch)
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -146,9 +136,9 @@ class HostCopier:
             torch.cuda.init()
             with torch.cuda.device(device):
                 torch.zeros(1, device=device)
-                handle = self._lib.copier_start(1, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000, mode)
+                handle = self._lib.copier_start(1, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000)
         else:
-            handle = self._lib.copier_start(0, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000, mode)
+            handle = self._lib.copier_start(0, self.ring.data_ptr(), ring_words, hot_ms * 1_000_000)
         if not handle:
             raise HostCopierError("host copier: could not allocate the copier or start its thread")
         self._handle: int | None = handle
@@ -223,7 +213,7 @@ class HostCopier:
                 )
             arr = (ctypes.c_int64 * len(desc))(*desc)
             if self._lib.copier_add_layer(handle, arr, len(desc)) < 0:
-                raise HostCopierError(f"{where}: the copier holds at most {MAX_LAYERS} layers (or ran out of memory)")
+                raise HostCopierError(f"{where}: the copier holds at most {MAX_LAYERS} layers")
             self._slots += slots
             self._keep += [mailbox, records, copied, *(dst for _, _, dst in components)]
 
