@@ -601,8 +601,11 @@ def run_config(config: Config, spec: dict, work: Path, logs: Path, deadline: flo
             )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
-            rc = "timeout"
+            rc = None
     row["seconds"] = round(time.monotonic() - started, 1)
+    if rc is None:  # its log's last line is whatever the engine printed last, often a harmless warning
+        row["error"] = f"stopped at the call's budget after {row['seconds']} s: raise --budget-s or run fewer engines"
+        return row
     if rc != 0 or not result_path.exists():
         row["error"] = f"exit {rc}: " + last_error_line(logs / f"{slug}.log")
         return row

@@ -102,3 +102,29 @@ def test_an_unknown_configuration_name_stops_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vram99" in err[0] and "vram40-predict" in err[0]
     assert not any((tmp_path / "w").iterdir())  # no checkpoint was started
+
+
+def test_an_engine_stopped_by_the_budget_says_so_not_its_last_warning(tmp_path, monkeypatch):
+    """Run 33: an engine still waiting for its turn at the call's end was reported by its log's last line (a chat
+    template warning), which read like a crash."""
+    child_script = tmp_path / "child.py"
+    child_script.write_text(
+        "import time\nprint('WARNING ValueError: a harmless warning', flush=True)\ntime.sleep(60)\n"
+    )
+    monkeypatch.setattr(e2e, "CHILD", child_script)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    config = e2e.Config("slow-engine", {})
+    row = e2e.run_config(config, {}, tmp_path, logs, deadline=e2e.time.monotonic() + 2)
+    assert row["error"].startswith("stopped at the call's budget after ") and "--budget-s" in row["error"]
+    assert "ValueError" not in row["error"] and "result" not in row
+
+
+def test_an_engine_that_fails_is_reported_by_its_error_line(tmp_path, monkeypatch):
+    child_script = tmp_path / "child.py"
+    child_script.write_text("import sys\nprint('RuntimeError: the slots do not fit', flush=True)\nsys.exit(3)\n")
+    monkeypatch.setattr(e2e, "CHILD", child_script)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    row = e2e.run_config(e2e.Config("broken-engine", {}), {}, tmp_path, logs, deadline=e2e.time.monotonic() + 30)
+    assert row["error"] == "exit 3: RuntimeError: the slots do not fit"
