@@ -183,14 +183,11 @@ class Bench:
     def work(self, base: str, n: int) -> None:
         """Enqueue one copy of n experts (records 0..n-1 into slots 0..n-1) by path `base`."""
         idx = self.slots[:n]
-        if base in ("sm", "step"):
+        if base in ("sm", "step", "stepflat"):
             per_record = 0 if base == "sm" else max(1, self.programs // n)
-            copy_records(self.records, idx, idx, self.layout, self.buffers, programs_per_record=per_record)
-        elif base == "stepflat":
-            per_record = max(1, self.programs // n)
-            copy_records(
-                self.records, idx, idx, self.packed_layout, {"record": self.packed}, programs_per_record=per_record
-            )
+            packed = base == "stepflat"
+            layout, buffers = (self.packed_layout, {"record": self.packed}) if packed else (self.layout, self.buffers)
+            copy_records(self.records, idx, idx, layout, buffers, programs_per_record=per_record)
         elif base in self.hosts:
             on_gpu = self.device.type == "cuda"
             path = self.hosts[base]
@@ -242,8 +239,9 @@ class Bench:
         self.flat[first * pitch : end * pitch].copy_(self.records[first:end].view(-1), non_blocking=True)
 
     def bytes_ok(self, base: str, n: int) -> bool:
-        """The path's copies of n experts landed whole: in the slots below n, or in the contiguous scratch for the
-        flat copies (pair-N: all of it; mixed-N: the second half, the first in the slots)."""
+        """The path's copies of n experts landed whole: in the slots below n (the packed ones for hostflat and
+        stepflat), or in the contiguous scratch for the flat copies (pair-N: all of it; mixed-N: the second half, the
+        first in the slots)."""
         if base in ("hostflat", "stepflat"):
             return torch.equal(self.packed[:n].cpu(), self.records[:n, : self.layout.record_bytes].cpu())
         in_slots = {"flat": 0, "pair": 0, "mixed": (n + 1) // 2}.get(base, n)

@@ -27,6 +27,8 @@ from vllm.config.compilation import CUDAGraphMode  # noqa: E402
         ("cuda", "TrtLlmFp8Experts", "FLASHINFER_TRTLLM", True, True),  # routes inside: never reaches the pager
         ("cuda", "TritonWNA16Experts", None, False, True),  # a Triton subclass with its own weight format
         ("cpu", "CPUUnquantizedExperts", None, False, False),
+        ("cpu", "X86CPUUnquantizedExperts", None, False, False),  # the AMX subclass: prepack isa "amx"
+        ("cpu", "ArmCPUUnquantizedExperts", None, False, True),  # never run here
         ("cpu", "CPUExpertsFp8", "CPU", False, False),
         ("cpu", "CPUExpertsFp8W8A8", "CPU_W8A8", False, True),  # re-quantizes scales at load
         ("cpu", None, None, False, True),
@@ -54,7 +56,9 @@ def test_the_hint_names_a_backend_vllm_accepts():
 def test_the_real_triton_class_is_the_proven_name():
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
-    assert "CPUUnquantizedExperts" in vllm_glue.PROVEN_EXPERTS["cpu"] and hasattr(cpu_moe, "CPUUnquantizedExperts")
+    for name in vllm_glue.PROVEN_EXPERTS["cpu"]:
+        assert hasattr(cpu_moe, name), name
+    assert issubclass(cpu_moe.X86CPUUnquantizedExperts, cpu_moe.CPUUnquantizedExperts)  # slot_installer's prepack
     assert hasattr(cpu_moe, "CPUExpertsFp8")
     try:
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts

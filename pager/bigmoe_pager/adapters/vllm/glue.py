@@ -98,11 +98,12 @@ def speculative_tokens(vllm_config) -> int:
 
 PROVEN_EXPERTS = {
     "cuda": ("TritonExperts",),
-    "cpu": ("CPUUnquantizedExperts", "CPUExpertsFp8"),
+    "cpu": ("CPUUnquantizedExperts", "X86CPUUnquantizedExperts", "CPUExpertsFp8"),
 }
 """MoE kernels (vLLM's experts class, exact name) the pager is proven token-identical with, per platform.
 CUDA: Triton keeps w13/w2 and their block scales as the checkpoint has them, so a raw record is a slot.
-CPU: the two kernels whose per-expert prepack slot_installer reproduces."""
+CPU: the kernels whose per-expert prepack slot_installer reproduces: the portable vector one, its AMX subclass
+(vLLM picks it on CPUs with AMX tiles; prepack isa "amx") and FP8's."""
 
 MOE_BACKEND_HINT = "start vLLM with --moe-backend triton"
 """vLLM 0.33's KernelConfig.moe_backend (CLI --moe-backend) that selects Triton's FP8/bf16 MoE kernel."""
