@@ -463,3 +463,65 @@ def test_combine_takes_each_ratio_side_by_side_in_one_call_and_from_the_named_pa
     assert bench.combine(files, out) == 0  # no path: the default path's rows, and no "path" named
     std = json.loads(out.read_text())["families"]["standard"]
     assert std["speedup_vs_offload17_at_32"] == round(15.0 / 7.0, 3) and "path" not in std
+
+
+@pytest.mark.parametrize(
+    "calls,ratio,met",
+    [
+        # run 27 then run 34: the later call ran both rows side by side, and recall 0 was slower there
+        ([[("resident", 3.5), ("A", 5.215), ("R0", 5.202)], [("A", 5.206), ("R0", 5.311)]], 1.02, False),
+        ([[("A", 5.206), ("R0", 5.311)], [("resident", 3.5), ("A", 5.215), ("R0", 5.202)]], 0.998, True),
+        # no call ran both: no straight ratio, the rows are compared over the resident engine of their own calls
+        ([[("resident", 3.5), ("A", 5.2)], [("resident", 3.4), ("R0", 5.1)]], None, False),
+    ],
+)
+def test_recall_0_is_judged_against_no_prefetch_in_the_latest_call_that_ran_both(calls, ratio, met, tmp_path):
+    names = {"A": "bigmoe-102-layerbuf", "R0": "bigmoe-102-layerbuf@r0+one-node+host+chained-only"}
+    files = []
+    for i, rows in enumerate(calls):
+        f = tmp_path / f"call{i}.json"
+        configs = [{"name": names.get(n, n), "tpot_ms": t} for n, t in rows]
+        f.write_text(json.dumps({"command": f"call {i}", "configs": configs}))
+        files.append(f)
+    out = tmp_path / "prefetch.json"
+    assert bench.combine(files, out, "+one-node+host+chained-only") == 0
+    report = json.loads(out.read_text())
+    assert report["families"]["standard"].get("recall_0_vs_no_prefetch_at_102") == ratio
+    assert report["issue15_targets"]["standard"]["102 slots at recall 0 no slower than without prefetch"] is met
+
+
+def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
+    """Run 34 (H100) measured the recall-0 row without a resident engine: the ratio over resident stays with the
+    H200's calls (files before run 35 name no card) instead of pairing an H100 row with an H200 reference."""
+    r0 = "bigmoe-102-layerbuf@r0+one-node+host+chained-only"
+    older = tmp_path / "h200.json"
+    older.write_text(
+        json.dumps({"command": "a", "configs": [{"name": "resident", "tpot_ms": 3.5}, {"name": r0, "tpot_ms": 5.25}]})
+    )
+    later = tmp_path / "h100.json"
+    later.write_text(
+        json.dumps({"command": "b", "gpu": "NVIDIA H100 80GB HBM3", "configs": [{"name": r0, "tpot_ms": 5.6}]})
+    )
+    out = tmp_path / "prefetch.json"
+    assert bench.combine([older, later], out, "+one-node+host+chained-only") == 0
+    report = json.loads(out.read_text())
+    assert report["families"]["standard"]["tpot_vs_resident_at_102_recall_0"] == 1.5  # 5.25 / 3.5, not 5.6 / 3.5
+    assert {r["name"]: r.get("gpu") for r in report["configs"]}[r0] == "NVIDIA H100 80GB HBM3"  # the latest row
+
+
+@pytest.mark.parametrize(
+    "script,name",
+    [
+        ("echo 'NVIDIA H100 80GB HBM3'; echo 'NVIDIA H100 80GB HBM3'", "NVIDIA H100 80GB HBM3"),
+        ("exit 9", None),
+        (None, None),
+    ],
+)
+def test_the_bench_names_the_card_it_ran_on(script, name, tmp_path, monkeypatch):
+    """nvidia-smi here is a stand-in script (this machine has no GPU); None where it fails or is missing."""
+    if script is not None:
+        smi = tmp_path / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\n{script}\n")
+        smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert bench.gpu_name() == name
