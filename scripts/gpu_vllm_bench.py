@@ -878,10 +878,15 @@ def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
     }
 
 
+TARGET_CARD = "H200"
+"""Issue 15's targets are the H200's: result files naming another card (`gpu`) keep their rows beside its rows
+(other_card_configs), not in their place; files before run 35 name no card (all the H200's but run 34's)."""
+
+
 def combine(files: list[Path], out: Path, path: str = "") -> int:
     """Merge result files (one per call) into one: their rows by (family, name), issue 15's ratios per family (of
     the prefetch `path` where one is named: family_ratios), the SSD floors, and the targets those ratios meet."""
-    rows, every = {}, {}
+    rows, every, other_cards = {}, {}, []
     meta = {}
     for f in files:
         part = json.loads(f.read_text())
@@ -889,15 +894,22 @@ def combine(files: list[Path], out: Path, path: str = "") -> int:
         meta.setdefault("commands", []).append(part.get("command"))
         if "gb_per_s" in (part.get("disk") or {}):
             meta.setdefault("disk", part["disk"])
+        card = part.get("gpu")
         for r in part["configs"]:  # a later file's row replaces an earlier one's and moves to the end (recency)
             key = (r.get("family", "standard"), r["name"])
-            rows.pop(key, None)
-            rows[key] = {**r, "source": f.name, **({"gpu": part["gpu"]} if part.get("gpu") else {})}
-            every.setdefault(key, []).append(rows[key])
+            row = {**r, "source": f.name, **({"gpu": card} if card else {})}
+            if card and TARGET_CARD not in card:
+                other_cards.append(row)
+            else:
+                rows.pop(key, None)
+                rows[key] = row
+            every.setdefault(key, []).append(row)
     tpot = {name: r.get("tpot_ms") for (family, name), r in rows.items() if family == "standard"}
-    for (family, _), r in rows.items():
-        # Greedy tokens of the timed request: which other configurations of its family produced exactly the same.
+    for r in [*rows.values(), *other_cards]:
+        # Greedy tokens of the timed request: which configurations of its family (on the target card) produced
+        # exactly the same.
         if r.get("tokens") is not None:
+            family = r.get("family", "standard")
             r["same_tokens_as"] = [
                 n for (f, n), o in rows.items() if f == family and o is not r and o.get("tokens") == r["tokens"]
             ]
@@ -909,6 +921,8 @@ def combine(files: list[Path], out: Path, path: str = "") -> int:
             r["beyond_resident_ms_per_token"] = round(r["tpot_ms"] - resident, 3)
     families = family_ratios(rows, every, path)
     report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
+    if other_cards:
+        report["other_card_configs"] = other_cards
     report["issue15_targets"] = issue15_targets(families, report)
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)

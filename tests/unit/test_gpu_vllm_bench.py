@@ -465,23 +465,40 @@ def test_combine_takes_each_ratio_side_by_side_in_one_call_and_from_the_named_pa
     assert std["speedup_vs_offload17_at_32"] == round(15.0 / 7.0, 3) and "path" not in std
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
 @pytest.mark.parametrize(
     "calls,ratio,met",
     [
         # run 27 then run 34: the later call ran both rows side by side, and recall 0 was slower there
-        ([[("resident", 3.5), ("A", 5.215), ("R0", 5.202)], [("A", 5.206), ("R0", 5.311)]], 1.02, False),
-        ([[("A", 5.206), ("R0", 5.311)], [("resident", 3.5), ("A", 5.215), ("R0", 5.202)]], 0.998, True),
+        (
+            [(None, [("resident", 3.5), ("A", 5.215), ("R0", 5.202)]), (None, [("A", 5.206), ("R0", 5.311)])],
+            1.02,
+            False,
+        ),
+        (
+            [(None, [("A", 5.206), ("R0", 5.311)]), (None, [("resident", 3.5), ("A", 5.215), ("R0", 5.202)])],
+            0.998,
+            True,
+        ),
+        # the same on another card: a straight comparison holds on any card (run 34's H100)
+        (
+            [(None, [("resident", 3.5), ("A", 5.215), ("R0", 5.202)]), (H100, [("A", 5.206), ("R0", 5.311)])],
+            1.02,
+            False,
+        ),
         # no call ran both: no straight ratio, the rows are compared over the resident engine of their own calls
-        ([[("resident", 3.5), ("A", 5.2)], [("resident", 3.4), ("R0", 5.1)]], None, False),
+        ([(None, [("resident", 3.5), ("A", 5.2)]), (None, [("resident", 3.4), ("R0", 5.1)])], None, False),
     ],
 )
 def test_recall_0_is_judged_against_no_prefetch_in_the_latest_call_that_ran_both(calls, ratio, met, tmp_path):
     names = {"A": "bigmoe-102-layerbuf", "R0": "bigmoe-102-layerbuf@r0+one-node+host+chained-only"}
     files = []
-    for i, rows in enumerate(calls):
+    for i, (card, rows) in enumerate(calls):
         f = tmp_path / f"call{i}.json"
         configs = [{"name": names.get(n, n), "tpot_ms": t} for n, t in rows]
-        f.write_text(json.dumps({"command": f"call {i}", "configs": configs}))
+        f.write_text(json.dumps({"command": f"call {i}", "configs": configs, **({"gpu": card} if card else {})}))
         files.append(f)
     out = tmp_path / "prefetch.json"
     assert bench.combine(files, out, "+one-node+host+chained-only") == 0
@@ -499,14 +516,14 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
         json.dumps({"command": "a", "configs": [{"name": "resident", "tpot_ms": 3.5}, {"name": r0, "tpot_ms": 5.25}]})
     )
     later = tmp_path / "h100.json"
-    later.write_text(
-        json.dumps({"command": "b", "gpu": "NVIDIA H100 80GB HBM3", "configs": [{"name": r0, "tpot_ms": 5.6}]})
-    )
+    later.write_text(json.dumps({"command": "b", "gpu": H100, "configs": [{"name": r0, "tpot_ms": 5.6}]}))
     out = tmp_path / "prefetch.json"
     assert bench.combine([older, later], out, "+one-node+host+chained-only") == 0
     report = json.loads(out.read_text())
     assert report["families"]["standard"]["tpot_vs_resident_at_102_recall_0"] == 1.5  # 5.25 / 3.5, not 5.6 / 3.5
-    assert {r["name"]: r.get("gpu") for r in report["configs"]}[r0] == "NVIDIA H100 80GB HBM3"  # the latest row
+    # The H100's row stands beside the H200's, not in its place (the targets are the H200's)
+    assert [(r["name"], r["tpot_ms"]) for r in report["configs"] if r["name"] == r0] == [(r0, 5.25)]
+    assert [(r["name"], r["gpu"]) for r in report["other_card_configs"]] == [(r0, H100)]
 
 
 @pytest.mark.parametrize(
