@@ -118,7 +118,8 @@ class PagerSettings:
     prefetches; unset = 1's rule where the chain is on (BIGMOE_PREFETCH_CHAIN or a setting that implies it), except
     that forwards captured whole still prefetch when they cannot be chained; every forward otherwise. Run 27: with the
     joinless path, side streams in prefill's forwards slowed every launch of the decode graph (0.10 -> 0.42 us a gap,
-    0.30 ms a token at recall 0); without them recall 0 sat level with no prefetch."""
+    0.30 ms a token at recall 0); without them recall 0 costs about 0.1 ms a token, the joinless steps' handoff (run
+    34)."""
     prefetch_host_copier: bool = False
     """BIGMOE_PREFETCH_HOST_COPIER: 1 = a joinless chained forward (as BIGMOE_PREFETCH_JOINLESS=1, which this implies)
     whose rounds over full RAM tiers publish their decided lists to a host thread (core.host_copier) that copies them
