@@ -22,6 +22,7 @@ ne = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ngram_embedding", reason=
 
 from bigmoe_bench.ngram_synthetic import write_table  # noqa: E402
 from bigmoe_pager.adapters.vllm import ngram as vllm_ngram  # noqa: E402
+from bigmoe_pager.adapters.vllm import ngram_layer, ngram_process  # noqa: E402
 from bigmoe_pager.ngram import NgramFileError, NgramLayoutError, TableSpec  # noqa: E402
 from bigmoe_pager.settings import PagerSettings  # noqa: E402
 from safetensors import safe_open  # noqa: E402
@@ -202,9 +203,9 @@ def test_vllm_prefix_matches_the_checkpoint_table(prefix, want):
         "mtp.layers.0.ple.ple_embedding.ngram_embedding",
         "model.language_model.layers.0.ple.ple_embedding.ngram_embedding",
     ]
-    assert vllm_ngram.match_table(prefix, tables) == want
+    assert ngram_process.match_table(prefix, tables) == want
     with pytest.raises(NgramLayoutError):
-        vllm_ngram.match_table("model.layers.7.ple.ple_embedding.ngram_embedding", tables)
+        ngram_process.match_table("model.layers.7.ple.ple_embedding.ngram_embedding", tables)
 
 
 def test_checkpoint_files_follow_the_index(tmp_path, checkpoint):
@@ -217,9 +218,9 @@ def test_checkpoint_files_follow_the_index(tmp_path, checkpoint):
         "model.embed_tokens.weight": "other.safetensors",
     }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    assert vllm_ngram.checkpoint_files(str(tmp_path)) == [tmp_path / p.name for p in checkpoint]
+    assert ngram_process.checkpoint_files(str(tmp_path)) == [tmp_path / p.name for p in checkpoint]
     with pytest.raises(NgramFileError, match="not on this machine"):
-        vllm_ngram.checkpoint_files("no-such-org/no-such-model", download_dir=str(tmp_path / "hub"))
+        ngram_process.checkpoint_files("no-such-org/no-such-model", download_dir=str(tmp_path / "hub"))
 
 
 def test_an_nvfp4_table_is_refused_with_one_line():
@@ -229,8 +230,8 @@ def test_an_nvfp4_table_is_refused_with_one_line():
     class Qwen4ExpPLENvFp4EmbeddingMethod:  # 0.33's class name; this vLLM build may not have it
         pass
 
-    with pytest.raises(vllm_ngram.NgramHookError) as e:
-        vllm_ngram.stored_dtype(
+    with pytest.raises(ngram_process.NgramHookError) as e:
+        ngram_layer.stored_dtype(
             Qwen4ExpPLENvFp4EmbeddingMethod(),
             torch.bfloat16,
             ne.Qwen4ExpPLEFp8EmbeddingMethod,

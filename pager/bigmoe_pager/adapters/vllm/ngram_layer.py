@@ -5,7 +5,7 @@ imports it, after checking that module exists. That import is the plugin's load:
 decides there, when `eager_break_during_capture` wraps the methods below, whether the eager
 breaks exist (it reads VLLM_USE_BREAKABLE_CUDAGRAPH once); 0.33 always wraps.
 
-The layer takes the process's NgramProcess (`ngram.current()`) when vLLM builds it and asks it
+The layer takes the process's NgramProcess (`ngram_process.current()`) when vLLM builds it and asks it
 for its rows on first use; the rows' prefetcher is the layer's own (one per PLE table).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from bigmoe_pager.adapters.vllm.ngram import NgramHookError, current, graph_mode, split_parts, stored_dtype
+from bigmoe_pager.adapters.vllm.ngram_process import NgramHookError, current
 from bigmoe_pager.ngram.dequant import STORED
 from bigmoe_pager.ngram.errors import NgramLayoutError
 from bigmoe_pager.ngram.prefetch import RowPrefetcher
@@ -145,3 +145,46 @@ class PagedPLEEmbedding(ngram_embedding.Qwen4ExpPLEEmbedding):
                 self._vllm_config, self.prefix, self._spec, self._max_ids, self._device
             )
         return self._pager
+
+
+# ---- what the layer reads of vLLM's configuration -------------------------------------
+
+
+def graph_mode(vllm_config) -> str:
+    """How the gathers run under this configuration; raises NgramHookError where they cannot."""
+    if not torch.cuda.is_available():
+        return "CPU: synchronous lookups"
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.enforce_eager:
+        return "eager mode (--enforce-eager): gathers overlap the layer before the PLE layer"
+    mode = vllm_config.compilation_config.cudagraph_mode
+    name = getattr(mode, "name", str(mode))
+    if mode is None or name == "NONE":
+        return "no CUDA graphs: gathers overlap the layer before the PLE layer"
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    breakable = is_breakable_cudagraph_enabled()
+    if breakable and name == "PIECEWISE":
+        return "breakable CUDA graphs (PIECEWISE): gathers run as eager segments"
+    raise NgramHookError(
+        f"bigmoe n-gram pager needs VLLM_USE_BREAKABLE_CUDAGRAPH=1 with cudagraph_mode PIECEWISE, or --enforce-eager; "
+        f"got cudagraph_mode {name} with breakable CUDA graphs {'on' if breakable else 'off'}"
+    )
+
+
+def stored_dtype(method, params_dtype: torch.dtype, fp8_method: type, plain_method: type) -> str:
+    if isinstance(method, fp8_method):
+        return "F8_E4M3"
+    if isinstance(method, plain_method):
+        names = {v: k for k, v in STORED.items()}
+        if params_dtype in names:
+            return names[params_dtype]
+    raise NgramHookError(
+        f"bigmoe n-gram pager reads FP8 or unquantized PLE tables, not {type(method).__name__}; set BIGMOE_NGRAM=0"
+    )
+
+
+def split_parts(vllm_config) -> int | None:
+    """split_ngram_parts of the served model (vLLM's default 512 when unset); None without a model config."""
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    return None if text is None else int(getattr(text, "split_ngram_parts", 512))
