@@ -11,10 +11,10 @@ from pathlib import Path
 
 from bigmoe_pager.settings import host_driven as settings_rule_host_driven
 
-from bigmoe.machine.hardware import Disk, Gpu, Hardware, Unknown, known
+from bigmoe.machine.hardware import Gpu, Hardware, Unknown
 from bigmoe.model.checkpoint_arch import ArchFacts
 from bigmoe.model.presets import Preset
-from bigmoe.plan.disks import disk_tables, ssd_disk
+from bigmoe.plan.disks import disk_tables
 from bigmoe.plan.inputs import Overrides, default_dirs
 from bigmoe.plan.memory import (
     CODEC_RATIO,
@@ -38,6 +38,7 @@ from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers, speculati
 from bigmoe.plan.spec import refusal as spec_refusal
 from bigmoe.plan.speed import estimate, speeds_for
 from bigmoe.plan.ssd_choice import choose as choose_ssd
+from bigmoe.plan.storage import Storage
 from bigmoe.plan.vllm_command import launch_argv, launch_env, max_seqs_of, memory_utilization, pager_settings
 from bigmoe.units import MIB, size_text
 
@@ -426,7 +427,7 @@ class Draft:
 
     def _choose_ssd(self, raw_fit: int) -> None:
         """Where the SSD tier reads experts from (raw_fit: raw expert slots per layer in RAM): plan/ssd_choice."""
-        choice = choose_ssd(self, raw_fit)
+        choice = choose_ssd(self.storage, self.hw, self.ov.compress, self.dtype == "fp8", raw_fit)
         self.paging, self.compress, self.reasons["compress"] = choice.paging, choice.compress, choice.reason
 
     @property
@@ -434,28 +435,33 @@ class Draft:
         """Bytes of one expert as the SSD tier holds it (RAM always holds it raw)."""
         return math.ceil(self.eb * CODEC_RATIO) if self.compress else self.eb
 
-    def dirs(self) -> tuple[str, str]:
+    @property
+    def storage(self) -> Storage:
+        """Where the checkpoint and the paging file go, for the planned expert dtype."""
         model_dir, paging_dir = (self.ov.model_dir, self.ov.paging_dir)
         if model_dir is None or paging_dir is None:
             default_model, default_paging = default_dirs(self.preset)
             model_dir, paging_dir = model_dir or default_model, paging_dir or default_paging
-        return model_dir, paging_dir
+        arch = self.preset.arch
+        return Storage(
+            model_dir=model_dir,
+            paging_dir=paging_dir,
+            model_disk=self.hw.disk_for(model_dir),
+            paging_disk=self.hw.disk_for(paging_dir),
+            checkpoint_bytes=self.checkpoint_bytes,
+            checkpoint_origin=self._checkpoint_origin(),
+            model_on_disk=self.ov.model_on_disk,
+            layer_experts=arch.experts,
+            moe_layers=arch.moe_layers,
+            expert_bytes=self.eb,
+        )
 
-    def model_disk(self) -> Disk | None:
-        return self.hw.disk_for(self.dirs()[0])
-
-    def paging_disk(self) -> Disk | None:
-        return self.hw.disk_for(self.dirs()[1])
-
-    @staticmethod
-    def same_disk(a: Disk | None, b: Disk | None) -> bool | None:
-        if a is None or b is None:
-            return None
-        return a is b or (known(a.mount_point) and a.mount_point == b.mount_point and a.device == b.device)
-
-    def checkpoint_new_bytes(self) -> int:
-        """Bytes the checkpoint will add to its disk (0 when it is there already)."""
-        return 0 if self.ov.model_on_disk else self.checkpoint_bytes
+    def _checkpoint_origin(self) -> str:
+        if self.ov.model_on_disk:
+            return "already on disk"
+        if self.preset.synthetic:
+            return f"made locally ({self.dtype} experts)"
+        return f"downloaded from {self.preset.hub_id}: dense weights, FP8 experts, n-gram table"
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -474,7 +480,10 @@ class Draft:
         return "paging file" if self.paging else "checkpoint"
 
     def size_disks(self) -> None:
-        disk_tables(self)
+        check = disk_tables(self.storage, self.paging, self.compress, self.ssd_source, self.ngram)
+        self.memory += check.tables
+        self.refusals += check.refusals
+        self.notes += check.notes
 
     def record_arch(self) -> None:
         """A reason per architecture number: where it came from, and what the preset says when that differs."""
@@ -493,7 +502,8 @@ class Draft:
         """The fields of the finished Plan."""
         self.record_arch()
         arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
-        paging_file = str(Path(self.dirs()[1]) / f"{self.preset.name}-{self.dtype}.pages") if self.paging else None
+        storage = self.storage
+        paging_file = str(Path(storage.paging_dir) / f"{self.preset.name}-{self.dtype}.pages") if self.paging else None
         model_path = self.ov.model_path or self._default_model_path()
         graphs = self.pager and self.device == "cuda" and not self.host_driven
         settings = pager_settings(
@@ -508,7 +518,11 @@ class Draft:
             prefill_buffer=self.prefill_buffer or not graphs,
         )  # read by the device-driven pager only
         speeds = speeds_for(
-            gpu, ssd_disk(self) or self.model_disk(), self.compress, self.hw.cpu_expand_gbps, self.hw.cpu_cores
+            gpu,
+            storage.ssd_disk(self.ssd_source) or storage.model_disk,
+            self.compress,
+            self.hw.cpu_expand_gbps,
+            self.hw.cpu_cores,
         )
         expected = estimate(
             speeds,
@@ -609,5 +623,5 @@ class Draft:
         if self.facts.config_path:  # the checkpoint on disk whose numbers the plan read
             return str(Path(self.facts.config_path).parent)
         if self.preset.synthetic:
-            return str(Path(self.dirs()[0]) / f"{self.preset.name}-{self.dtype}")
+            return str(Path(self.storage.model_dir) / f"{self.preset.name}-{self.dtype}")
         return self.preset.hub_id

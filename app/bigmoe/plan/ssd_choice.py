@@ -11,16 +11,13 @@ off` for no compression (a raw paging file may still pay).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from bigmoe.machine.hardware import Hardware
 from bigmoe.plan.memory import CODEC_RATIO, DISK_HEADROOM_BYTES
 from bigmoe.plan.speed import disk_read_gbps, expand_rate, expand_threads, ssd_ms_per_gb
+from bigmoe.plan.storage import Storage
 from bigmoe.units import size_text
-
-if TYPE_CHECKING:
-    from bigmoe.plan.draft import Draft
 
 PAGING_MARGIN = 0.2
 """A paging file is made only when a GB of experts costs the SSD tier this share less from it than from the
@@ -41,28 +38,22 @@ class SsdChoice:
     """Why, one line: the plan's `compress` reason."""
 
 
-def paging_file_bytes(d: "Draft", compress: bool) -> int:
-    """Size of the paging file: every expert of every MoE layer, raw or at the codec's ratio (assumed)."""
-    arch = d.preset.arch
-    return math.ceil(arch.experts * arch.moe_layers * d.eb * (CODEC_RATIO if compress else 1.0))
-
-
-def choose(d: "Draft", raw_fit: int) -> SsdChoice:
-    """The SSD tier's source for a draft whose RAM holds raw_fit experts a layer (every one: no SSD tier)."""
-    if d.ov.compress == "on":
+def choose(storage: Storage, hw: Hardware, option: str, fp8: bool, raw_fit: int) -> SsdChoice:
+    """The SSD tier's source for a plan whose RAM holds raw_fit experts a layer (every one: no SSD tier).
+    option: --compress (on, off or auto); fp8: the planned experts are FP8 (the codec's only input)."""
+    if option == "on":
         return SsdChoice(True, True, "set by --compress on")
-    if raw_fit >= d.preset.arch.experts:
+    if raw_fit >= storage.layer_experts:
         return SsdChoice(False, False, "off: RAM holds every expert, so nothing is read from SSD")
-    fp8 = d.dtype == "fp8"
-    checkpoint, raw, packed = _prices(d)
-    compress = fp8 and d.ov.compress != "off" and packed.ms < raw.ms * (1 - COMPRESS_MARGIN)
+    checkpoint, raw, packed = _prices(storage, hw)
+    compress = fp8 and option != "off" and packed.ms < raw.ms * (1 - COMPRESS_MARGIN)
     paging = packed if compress else raw
     prices = "; ".join(p.words for p in (checkpoint, raw, packed) if p is not packed or fp8)
     prices += "" if fp8 else "; the codec compresses FP8 experts only"
-    prices += "; compression off (--compress off)" if d.ov.compress == "off" else ""
+    prices += "; compression off (--compress off)" if option == "off" else ""
     if paging.ms > checkpoint.ms * (1 - PAGING_MARGIN):
         return SsdChoice(False, False, f"off, the checkpoint in place: {prices}")
-    unfit = _paging_dir_unfit(d, compress)
+    unfit = _paging_dir_unfit(storage, compress)
     if unfit:
         return SsdChoice(False, False, f"off, the checkpoint in place: {unfit}; {prices}")
     form = "compressed" if compress else "raw"
@@ -77,12 +68,12 @@ class _Price:
     """The same, and what it rests on, for the reason."""
 
 
-def _prices(d: "Draft") -> tuple[_Price, _Price, _Price]:
+def _prices(storage: Storage, hw: Hardware) -> tuple[_Price, _Price, _Price]:
     """The checkpoint in place, a raw paging file and a compressed one."""
-    model_gbps, model_measured = disk_read_gbps(d.model_disk())
-    paging_gbps, paging_measured = disk_read_gbps(d.paging_disk())
-    expand_gbps, expand_measured = expand_rate(d.hw.cpu_expand_gbps)
-    threads = expand_threads(d.hw.cpu_cores)
+    model_gbps, model_measured = disk_read_gbps(storage.model_disk)
+    paging_gbps, paging_measured = disk_read_gbps(storage.paging_disk)
+    expand_gbps, expand_measured = expand_rate(hw.cpu_expand_gbps)
+    threads = expand_threads(hw.cpu_cores)
     how = {True: "measured", False: "assumed"}
     checkpoint, raw = ssd_ms_per_gb(model_gbps), ssd_ms_per_gb(paging_gbps)
     packed = ssd_ms_per_gb(paging_gbps, CODEC_RATIO, expand_gbps, threads)
@@ -95,13 +86,13 @@ def _prices(d: "Draft") -> tuple[_Price, _Price, _Price]:
     )  # fmt: skip
 
 
-def _paging_dir_unfit(d: "Draft", compress: bool) -> str:
+def _paging_dir_unfit(storage: Storage, compress: bool) -> str:
     """Why the paging directory cannot hold or serve the paging file, or ""."""
-    paging = d.paging_disk()
+    paging = storage.paging_disk
     if paging is None:
         return ""
-    size = paging_file_bytes(d, compress)
-    need = size + (0 if d.same_disk(paging, d.model_disk()) is False else d.checkpoint_new_bytes())
+    size = storage.paging_file_bytes(compress)
+    need = size + (0 if storage.same_disk is False else storage.checkpoint_new_bytes)
     if isinstance(paging.free_bytes, int) and need + DISK_HEADROOM_BYTES > paging.free_bytes:
         return f"no room for a {size_text(size)} paging file on {paging.path}"
     if paging.windows_drive is True or paging.kind == "hdd":
