@@ -34,7 +34,7 @@ from bigmoe.plan.memory import (
     kv_reason,
     os_reserve_bytes,
 )
-from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers, speculative_argv
+from bigmoe.plan.spec import capture_reason, graph_tokens, mtp_layers
 from bigmoe.plan.spec import refusal as spec_refusal
 from bigmoe.plan.speed import estimate, speeds_for
 from bigmoe.plan.ssd_choice import choose as choose_ssd
@@ -237,12 +237,12 @@ class Draft:
             "--no-prefill-buffer gives the slots back)"
         )
 
-    def _memory_utilization(self) -> list[str]:
+    def _memory_utilization(self) -> float | None:
         """--gpu-memory-utilization: the card's share this plan may use (the VRAM budget less other users)."""
         vram = next((t for t in self.memory if t.tier == "VRAM"), None)
         gpu = self.hw.gpu()
         if vram is None or gpu is None or not vram.capacity_bytes:
-            return []
+            return None
         others = sum(r.bytes for r in vram.rows if r.item in ("other processes", "Windows desktop"))
         card = gpu.card_bytes or vram.capacity_bytes
         util = memory_utilization(vram.capacity_bytes - others, card)
@@ -251,7 +251,7 @@ class Draft:
             f"may use of the card's {size_text(card)} (vLLM refuses to start when less than that share is free; "
             "its KV cache is sized by --kv-cache-memory-bytes)"
         )
-        return ["--gpu-memory-utilization", f"{util:.2f}"]
+        return util
 
     def _vram_others(self, gpu: Gpu, total: int) -> MemoryRow:
         if not gpu.stated and isinstance(gpu.vram_free_bytes, int):
@@ -549,41 +549,7 @@ class Draft:
             "VLLM_PLUGINS loads bigmoe's plugins only; BIGMOE_* carry the pager settings; the preset's variables"
             + ("; VLLM_WSL2_ENABLE_PIN_MEMORY=1 because WSL2 disables pinned memory otherwise" if wsl2 else "")
         )
-        self.reasons["argv"] = (
-            "vLLM's OpenAI server with the preset's flags, the planned context, KV-cache bytes and batch size"
-        )
-        argv = launch_argv(
-            self.preset,
-            model_path,
-            self.ov.host,
-            self.ov.port,
-            self.context,
-            self.kv,
-            batch_tokens(max_seqs_of(self.preset), self.context),
-        )
-        if self.device == "cuda":
-            argv += self._memory_utilization()
-        spec = self.ov.speculative_tokens
-        if why := spec_refusal(spec, self.preset.name, arch.mtp_layers, self.vram_slots, arch.top_k, graphs):
-            self.refusals.append(why)
-        argv += speculative_argv(spec)
-        if graphs:
-            # Every batch vLLM captures must fit the slots: tokens x top-k <= VRAM slots (docs/pager.md); vLLM counts a
-            # verification step's speculative tokens among the batch's tokens (plan/spec.py).
-            capture = graph_tokens(self.vram_slots, arch.top_k)
-            argv += ["--max-cudagraph-capture-size", str(capture)]
-            self.reasons["argv"] += (
-                f"; --max-cudagraph-capture-size {capture} so every batch vLLM captures in a CUDA "
-                f"graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
-                "device-driven pager" + capture_reason(spec, self.vram_slots, arch.top_k)
-            )
-        elif self.pager and self.device == "cuda":
-            # The host-driven pager reads each step's ids on the host; it refuses CUDA graphs (docs/pager.md).
-            argv.append("--enforce-eager")
-            self.reasons["argv"] += (
-                "; --enforce-eager because the host-driven expert pager reads each step's ids on the host, "
-                "which CUDA graphs cannot replay" + f" ({self.host_driven_because})"
-            )
+        argv = self._launch_argv(model_path, graphs)
         return dict(
             model=self.preset.name,
             model_path=model_path,
@@ -606,7 +572,7 @@ class Draft:
             paging_file=paging_file,
             ngram=self.ngram,
             settings=settings,
-            argv=tuple(argv),
+            argv=argv,
             env=launch_env(settings, self.preset, wsl2),
             memory=tuple(self.memory),
             estimate=expected,
@@ -618,6 +584,49 @@ class Draft:
             forced=self.ov.force,
             hardware=self.hw,
         )
+
+    def _launch_argv(self, model_path: str, graphs: bool) -> tuple[str, ...]:
+        """vLLM's command line (plan/vllm_command renders it) and its reason; graphs: the device-driven pager in CUDA
+        graphs pages the experts."""
+        arch, spec = self.preset.arch, self.ov.speculative_tokens
+        self.reasons["argv"] = (
+            "vLLM's OpenAI server with the preset's flags, the planned context, KV-cache bytes and batch size"
+        )
+        share = self._memory_utilization() if self.device == "cuda" else None
+        if why := spec_refusal(spec, self.preset.name, arch.mtp_layers, self.vram_slots, arch.top_k, graphs):
+            self.refusals.append(why)
+        capture = None
+        eager = False
+        if graphs:
+            # Every batch vLLM captures must fit the slots: tokens x top-k <= VRAM slots (docs/pager.md); vLLM counts a
+            # verification step's speculative tokens among the batch's tokens (plan/spec.py).
+            capture = graph_tokens(self.vram_slots, arch.top_k)
+            self.reasons["argv"] += (
+                f"; --max-cudagraph-capture-size {capture} so every batch vLLM captures in a CUDA "
+                f"graph ({self.vram_slots} slots / top-{arch.top_k}) fits the slots of the "
+                "device-driven pager" + capture_reason(spec, self.vram_slots, arch.top_k)
+            )
+        elif self.pager and self.device == "cuda":
+            # The host-driven pager reads each step's ids on the host; it refuses CUDA graphs (docs/pager.md).
+            eager = True
+            self.reasons["argv"] += (
+                "; --enforce-eager because the host-driven expert pager reads each step's ids on the host, "
+                "which CUDA graphs cannot replay" + f" ({self.host_driven_because})"
+            )
+        argv = launch_argv(
+            self.preset,
+            model_path,
+            self.ov.host,
+            self.ov.port,
+            self.context,
+            self.kv,
+            batch_tokens(max_seqs_of(self.preset), self.context),
+            gpu_share=share,
+            speculative_tokens=spec,
+            capture_size=capture,
+            enforce_eager=eager,
+        )
+        return tuple(argv)
 
     def _default_model_path(self) -> str:
         if self.facts.config_path:  # the checkpoint on disk whose numbers the plan read

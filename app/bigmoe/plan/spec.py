@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's MTP head: the vLLM argument it adds and what it asks of the expert slots.
+"""Speculative decoding with the model's MTP head: what it asks of the expert slots (its vLLM flag: vllm_command).
 
 vLLM counts a CUDA graph's batch in tokens, and a verification step of speculative decoding has
 (speculative tokens + 1) tokens per sequence (vLLM 0.33 config/vllm.py uniform_decode_query_len), so
@@ -10,17 +10,8 @@ The MTP drafter's own MoE layer(s) are paged like the model's, with the same slo
 
 from __future__ import annotations
 
-import json
-
 MAX_SPECULATIVE_TOKENS = 3
 """Largest --speculative-tokens: the MTP settings issue 14 asks the pager to be shown with (1 to 3)."""
-
-
-def speculative_argv(tokens: int) -> list[str]:
-    """vLLM's flag for MTP speculative decoding with `tokens` draft tokens per step (none for 0)."""
-    if tokens <= 0:
-        return []
-    return ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": tokens})]
 
 
 def mtp_layers(tokens: int, mtp_moe_layers: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -30,10 +31,25 @@ PLANNED_FLAGS = (
 
 
 def launch_argv(
-    preset: Preset, model_path: str, host: str, port: int, context: int, kv_bytes: int, batch: int
+    preset: Preset,
+    model_path: str,
+    host: str,
+    port: int,
+    context: int,
+    kv_bytes: int,
+    batch: int,
+    *,
+    gpu_share: float | None = None,
+    speculative_tokens: int = 0,
+    capture_size: int | None = None,
+    enforce_eager: bool = False,
 ) -> list[str]:
-    """The command `bigmoe run` executes as it stands, with this environment's Python."""
-    return [
+    """The command `bigmoe run` executes as it stands, with this environment's Python.
+
+    gpu_share: --gpu-memory-utilization (None: vLLM's default, as on a CPU); speculative_tokens: MTP draft tokens a
+    step (0: off); capture_size: the largest batch vLLM captures in a CUDA graph (None: vLLM's sizes);
+    enforce_eager: no CUDA graphs at all."""
+    argv = [
         sys.executable,
         "-m",
         SERVER_MODULE,
@@ -53,6 +69,15 @@ def launch_argv(
         "--max-num-batched-tokens",
         str(batch),
     ]
+    if gpu_share is not None:
+        argv += ["--gpu-memory-utilization", f"{gpu_share:.2f}"]
+    if speculative_tokens > 0:
+        argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": speculative_tokens})]
+    if capture_size is not None:
+        argv += ["--max-cudagraph-capture-size", str(capture_size)]
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
 
 
 def memory_utilization(budget_bytes: int, card_bytes: int) -> float:
