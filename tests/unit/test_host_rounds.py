@@ -17,7 +17,7 @@ from bigmoe_bench import traces
 from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.host_rounds import drain_published, publish_admitted
 from bigmoe_pager.core.prefetch_chain import PUBLISHED, TIMEOUTS
-from test_forward_rounds import chain_at, host_copies_waited_for
+from test_forward_rounds import chain_at, copier_rounds, host_copies_waited_for
 from test_live_predictor import EXPERTS
 from test_prefetch_chain import captured_model, run_forwards
 from test_step_kernel import slot_bytes
@@ -53,7 +53,8 @@ def test_the_live_predictor_s_rounds_copied_by_the_host_move_what_kernel_copies_
         )
         assert live._chain.timeouts == 0 and live.chain_cancels == 0
         if host:
-            assert live.copier.stats()["rounds"] == forwards * (layers_n - 1) == len(served)
+            want = forwards * (layers_n - 1)
+            assert copier_rounds(live.copier, want) == want == len(served)
             assert all(layer.pager.pager.mailbox is not None for layer in layers[1:])
             live.copier.close()
     (kernel_counts, kernel_layers), (host_counts, host_layers) = results[False], results[True]
