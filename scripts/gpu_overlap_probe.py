@@ -33,8 +33,9 @@ Side work (--variants), each adding one part of the prefetch path:
   onenode      the one-node kernel with the host copier, as `+one-node+host` runs in vLLM: one program forked after the
                first layer's step decides every later layer's round once the step before it is done and publishes it
                to the host copier's thread (BIGMOE_PREFETCH_ONE_NODE + BIGMOE_PREFETCH_HOST_COPIER), joined at the
-               token's end; -bare launches no kernel at all (the joinless steps, their settling and the token's
-               drain alone). Off CUDA the kernel is launched once a layer, after its step
+               token's end; -bare launches no kernel at all (the joinless steps and the token's drain alone: with no
+               round run, every token after the first is quiet, so its steps settle nothing; core.prefetch_chain).
+               Off CUDA the kernel is launched once a layer, after its step
 Suffixes on any variant that forks: -hi runs the side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY);
 -late joins once, at the end of the token (kN only: a step would read slots a copy may still write), to see what
 the per-layer join costs apart from the fork; -once forks once, at the first layer, with every layer's N kernels
@@ -496,9 +497,12 @@ class HostRounds:
         self.chain.flags[TIMEOUTS] = 0
 
     def drain(self) -> None:
+        """A forward's end, as the predictor ends one: the side stream joined, the host's copies drained, and the
+        next forward declared quiet or not (core.prefetch_chain; `bare`'s forwards, where no round runs, all are)."""
         if self.side is not None:
             torch.cuda.current_stream().wait_stream(self.side)
         drain_published(self.words, self.slots, self.chain.flags)
+        self.chain.end_forward()
 
     def check(self) -> None:
         """No wait gave up and the host copier reports no error."""

@@ -140,7 +140,7 @@ def _bytes_of(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import lfu_key
-    from bigmoe_pager.core.prefetch_chain import FORWARD
+    from bigmoe_pager.core.prefetch_chain import FORWARD, count_open_gate, quiet_forward
     from bigmoe_pager.core.round_sync import claim_round, release_round
 
     _FORWARD = tl.constexpr(FORWARD)
@@ -269,9 +269,13 @@ if triton is not None:
         one-node rounds (core.forward_rounds)."""
         claimed = True
         forward = 0
-        if SYNC:  # a joinless forward: hold the table before reading it, or find the step came first
+        if SYNC:  # a joinless forward: hold the table before reading it, or find the step came first; a quiet one
+            # (core.prefetch_chain) holds none and takes nothing, judges and marks as always, and no step settles it
             forward = tl.load(flags_ptr + _FORWARD)
-            claimed = claim_round(claim_ptr, forward)
+            quiet = quiet_forward(flags_ptr, forward)
+            claimed = quiet
+            if not quiet:
+                claimed = claim_round(claim_ptr, forward)
         if claimed:
             step = tl.load(step_ptr)
             e_ar = tl.arange(0, BLOCK_E)
@@ -320,8 +324,12 @@ if triton is not None:
                 row = tl.load(src_row_ptr + e_ar, mask=e_in, other=-1)
                 fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
             fetch = within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E, BUDGET)
-            tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & ~gate_open).to(tl.int32), mask=e_in)
-            fetch = fetch & gate_open
+            held_back = ~gate_open
+            if SYNC:
+                held_back = held_back | quiet
+                count_open_gate(flags_ptr, gate_open)
+            tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & held_back).to(tl.int32), mask=e_in)
+            fetch = fetch & ~held_back
             n_fetch = tl.sum(fetch.to(tl.int64), 0)
             pos = tl.cumsum(fetch.to(tl.int32), 0) - 1
             tl.store(out_exp_ptr + pos, e_ar.to(tl.int64), mask=fetch & (pos < m))
@@ -376,7 +384,7 @@ if triton is not None:
                 tl.store(target_ptr + cand, goal, mask=take)
                 tl.store(filled_ptr + cand, forward, mask=take)
                 tl.debug_barrier()  # every store of the decision is made before the release
-                release_round(claim_ptr, forward, ON_GPU)
+                release_round(claim_ptr, forward, ON_GPU)  # in a quiet forward too: one-node copiers wait for it
         else:  # cancelled: nothing to copy
             s_ar = tl.arange(0, BLOCK_S)
             m_in = s_ar < m

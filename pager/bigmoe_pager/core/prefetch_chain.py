@@ -13,7 +13,18 @@ device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured sl
     flags[CANCELS]      rounds a joinless forward's step cancelled because it came first (core.round_sync)
     flags[PUBLISHED]    1 once a round published a list with entries for the host copier, 0 again once a forward's
                         drain saw every copy done (core.host_rounds)
+    flags[QUIET]        the next joinless forward's number when it is quiet (written at each joinless forward's end)
+    flags[OPEN]         gates a joinless forward's rounds found open after judging (reset at the forward's end)
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
+
+A joinless forward is quiet when, at the end of the one before, no round's gate was open and no copy was under way
+(`end_forward`): its rounds then judge their marks and scores as always but claim, take and copy nothing, so none
+of its steps needs to settle a round, keep the slots a round filled, or wait for a copy. Those three cost 2.3 of
+the joinless step's 2.5 us (run 35 in docs/benchmarks.md: 0.09 ms a token at recall 0, where every gate is closed).
+A round that finds its gate open in a quiet forward marks what it would fetch and counts itself in OPEN, so the
+following forward is not quiet and fetches: a gate reopens one forward later than it would otherwise. Both words
+are read with plain loads: only `end_forward`, on the main stream after every step and round of a forward, writes
+QUIET, and a forward's steps and rounds all read it after that forward's first step.
 
 The fused step kernel (step_kernel, a `ChainSignal`) publishes `STEPPED + l` with a release store
 when its last program is done; `wait_stepped` enqueues, on the side stream before round l+1, one
@@ -46,7 +57,7 @@ try:
 except ImportError:
     triton = tl = None
 
-FORWARD, TIMEOUTS, CANCELS, PUBLISHED, STEPPED = 0, 1, 2, 3, 4
+FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, STEPPED = 0, 1, 2, 3, 4, 5, 6
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
@@ -94,6 +105,11 @@ class PrefetchChain:
         # four 0.10 (run 16 in docs/benchmarks.md, calls b and a; two machines)
         kernel_for(_wait_kernel, self.flags.device)[(1,)](self.flags, layer, spins, ON_GPU=on_gpu)
 
+    def end_forward(self) -> None:
+        """Enqueue, on the current stream at a joinless forward's end (its side streams joined, its drain enqueued),
+        the next forward's QUIET word: quiet when no gate was open and no published copy is still under way."""
+        kernel_for(_end_kernel, self.flags.device)[(1,)](self.flags)
+
     def _checked(self, layer: int) -> int:
         if not 0 <= layer < self.layers:
             raise IndexError(f"MoE layer {layer} is outside the chain's {self.layers} layers")
@@ -110,6 +126,11 @@ class PrefetchChain:
         return int(self.flags[TIMEOUTS])
 
     @property
+    def quiet(self) -> int:
+        """The forward the last end_forward declared quiet, 0 for none (reads the device: one sync)."""
+        return int(self.flags[QUIET])
+
+    @property
     def cancels(self) -> int:
         """Rounds a joinless forward's steps cancelled so far (reads the device: one sync)."""
         return int(self.flags[CANCELS])
@@ -122,7 +143,9 @@ class PrefetchChain:
 if triton is not None:
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
 
-    _FORWARD, _TIMEOUTS, _STEPPED = (tl.constexpr(v) for v in (FORWARD, TIMEOUTS, STEPPED))
+    _FORWARD, _TIMEOUTS, _PUBLISHED, _QUIET, _OPEN, _STEPPED = (
+        tl.constexpr(v) for v in (FORWARD, TIMEOUTS, PUBLISHED, QUIET, OPEN, STEPPED)
+    )
     _COUNT_AND_PUBLISH = tl.constexpr(COUNT_AND_PUBLISH)
 
     @triton.jit
@@ -134,6 +157,24 @@ if triton is not None:
             forward += 1
             tl.store(flags_ptr + _FORWARD, forward)
         store_release(flags_ptr + _STEPPED + layer, forward, GPU_SCOPE, ON_GPU)
+
+    @triton.jit
+    def quiet_forward(flags_ptr, forward):
+        """Whether `forward` is quiet (a plain load: QUIET does not change during a forward)."""
+        return tl.load(flags_ptr + _QUIET) == forward
+
+    @triton.jit
+    def count_open_gate(flags_ptr, gate_open):
+        """A round's gate is open after judging: the forward is not followed by a quiet one."""
+        if gate_open:
+            tl.atomic_add(flags_ptr + _OPEN, 1)
+
+    @triton.jit
+    def _end_kernel(flags_ptr):
+        forward = tl.load(flags_ptr + _FORWARD)
+        calm = (tl.load(flags_ptr + _OPEN, volatile=True) == 0) & (tl.load(flags_ptr + _PUBLISHED, volatile=True) == 0)
+        tl.store(flags_ptr + _QUIET, tl.where(calm, forward + 1, 0))
+        tl.store(flags_ptr + _OPEN, 0)
 
     @triton.jit
     def _wait_kernel(flags_ptr, layer, max_spins, ON_GPU: tl.constexpr):

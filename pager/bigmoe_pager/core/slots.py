@@ -42,6 +42,9 @@ but still scores its proposal: it marks the experts it would have fetched (would
 them as it judges copies (used when the step since needed them). So the gate reopens as soon as the predictor becomes
 useful, without copying anything to find out (session 13; before, a closed gate copied a whole proposal every 64th
 step to keep its evidence fresh). Shadow judgments move the gate's scores only, never the prefetch counters.
+A joinless forward that follows one where every gate stayed closed is quiet (core.prefetch_chain): its rounds take
+nothing even where a gate opens after judging, but mark what they would fetch, so a reopened gate fetches from the
+next forward on.
 
 Prefetch budget (`prefetch_budget`, 0 = none; PREFETCH_BUDGET = 1 by default since run 12): a round fetches at most
 this many of its candidates, those the policy's use counts rank highest (ties: lower id; lru keeps no counts, so the

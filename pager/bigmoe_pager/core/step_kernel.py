@@ -235,7 +235,7 @@ def launch_step(
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import halved, lfu_key, record_counts, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
-    from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step
+    from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step, quiet_forward
     from bigmoe_pager.core.round_sync import (
         copies_under_way,
         round_filled,
@@ -323,13 +323,16 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync)
+        if SYNC:  # a joinless forward: the round into this table has decided, or never will (core.round_sync); in a
+            # quiet one no round touches a table and no copy is under way (core.prefetch_chain): nothing to settle
             forward = tl.load(chain_ptr + _FORWARD)
-            cancelled, stuck = settle_round(claim_ptr, forward, max_spins, ON_GPU)
-            if cancelled:
-                tl.atomic_add(chain_ptr + _CANCELS, 1)
-            if stuck & (pid == 0):
-                tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+            settles = ~quiet_forward(chain_ptr, forward)  # a load beside FORWARD's, one value for every thread
+            if settles:
+                cancelled, stuck = settle_round(claim_ptr, forward, max_spins, ON_GPU)
+                if cancelled:
+                    tl.atomic_add(chain_ptr + _CANCELS, 1)
+                if stuck & (pid == 0):
+                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
         step = tl.load(step_ptr) + 1
 
         # 1. The decision, from the table as it stood before the step (written only at the end).
@@ -366,17 +369,18 @@ if triton is not None:
         avail = s_in & ~held_needed
         if SYNC:  # the slots this forward's round filled are not taken (a set every program reads alike, where
             # the copies' progress is not), unless too few others are left: then once those copies are all done
-            busy = round_filled(filled_ptr, forward, s_ar, avail)
-            short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
-            if short > 0:
-                late = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
-                if tl.sum(late.to(tl.int32), 0) == 0:
-                    busy = late
-                elif pid == 0:  # misses left unplaced: counted as errors, never hidden
-                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
-                    if HAS_STATS:
-                        tl.atomic_add(stats_ptr + _ERRORS, short)
-            avail = avail & ~busy
+            if settles:  # (a quiet forward's rounds filled none)
+                busy = round_filled(filled_ptr, forward, s_ar, avail)
+                short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
+                if short > 0:
+                    late = wait_copies(copied_ptr, target_ptr, s_ar, busy, max_spins, ON_GPU)
+                    if tl.sum(late.to(tl.int32), 0) == 0:
+                        busy = late
+                    elif pid == 0:  # misses left unplaced: counted as errors, never hidden
+                        tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+                        if HAS_STATS:
+                            tl.atomic_add(stats_ptr + _ERRORS, short)
+                avail = avail & ~busy
         n_take = tl.minimum(tl.minimum(misses, m), tl.sum(avail.to(tl.int64), 0)).to(tl.int32)
         cand = tl.full([BLOCK_I], -1, tl.int64)
         old = tl.full([BLOCK_I], -1, tl.int64)
@@ -473,9 +477,10 @@ if triton is not None:
 
         # 3b. A joinless forward: vLLM's kernel reads the slots once this launch ends, so one program waits for the
         # round's copies into the slots this step hits, and copies any still under way after max_spins itself
-        # (the same expert's bytes into the same slot: the race with the round is harmless).
+        # (the same expert's bytes into the same slot: the race with the round is harmless); in a quiet forward none
+        # is under way.
         if SYNC:
-            if pid == 0:
+            if (pid == 0) & settles:
                 pending = copies_under_way(copied_ptr, target_ptr, where_now, first & hit, ON_GPU)
                 n_pending = tl.sum(pending.to(tl.int64), 0)
                 if HAS_STATS:  # the prefetches this step waits for: copies not hidden behind compute

@@ -202,9 +202,11 @@ class Predictor:
                 self.live.join(hidden.device)
             raise
         if self.live.chained and self._last_of_its_model(layer):
-            flags = self.live.chain_flags
+            flags, joinless = self.live.chain_flags, self.live.joinless
             self.live.close_chain(hidden.device)
             self.host_copies.drain(hidden.device, flags)  # after the join: every publication is in, PUBLISHED final
+            if joinless:  # whether the next forward is quiet (core.prefetch_chain)
+                self._chain.end_forward()
         if not self._join_later(hidden):
             self.live.join(hidden.device)  # a no-op when nothing was forked
         ids = made[0]
