@@ -44,10 +44,6 @@
 #   ssd-codec  (the image's torch is enough) scripts/bench_ssd.py over a raw and a compressed paging file of Student-t
 #          experts with 1, 4, 8 and 16 I/O workers: do the reader threads, expanding each record on the CPU, deliver
 #          more raw GB/s from this disk than raw reads (the question before a compressed SSD tier in vLLM)?
-#   handoff-split  (the image's torch is enough) where the joinless step's 2 us go (run 34): scripts/step_probe.patch
-#          applied, the overlap probe (standard, recall 0, none and onenode-bare three times each, 8 profiled tokens)
-#          once a probe mode of $PROBES (default 1 0 6 2 4 5 3; the patch's header says what each skips), each
-#          bounded; one line a mode (second and third rounds' ms a token, the fused step's mean us); patch reversed
 # The device tool returns 8 files from $OUT: logs go into one tarball per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -169,15 +165,6 @@ for step in "$@"; do
       python3 scripts/gpu_slot_tear_probe.py --cases lfu-duel:joinless:0,lru:joinless:0,lfu:joinless:0 \
         --reps "${TEAR_REPS:-40}" --out "$out/tear.json" 2>&1 | grep '^{'
       pack sync-tests /tmp/sync-tests ;;
-    handoff-split)
-      patch -p1 -s < scripts/step_probe.patch || { echo "scripts/step_probe.patch does not apply"; continue; }
-      for p in ${PROBES:-1 0 6 2 4 5 3}; do
-        BIGMOE_STEP_PROBE=$p timeout -s INT 150 python3 scripts/gpu_overlap_probe.py --families standard \
-          --variants none,onenode-bare,none,onenode-bare,none,onenode-bare --recalls 0 --profile-tokens 8 \
-          --out "$out/handoff-$p.json" > "/tmp/handoff-$p.log" 2>&1 || echo "probe $p: exit $? ($(tail -n 1 "/tmp/handoff-$p.log"))"
-        python3 scripts/handoff_table.py "$p" "$out/handoff-$p.json"
-      done
-      patch -p1 -R -s < scripts/step_probe.patch ;;
     *) echo "unknown step $step" ;;
   esac
 done
