@@ -29,6 +29,10 @@
 #   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
+#   quiet  (the image's torch is enough) the quiet forwards' first GPU run in one call (starts are scarce): the
+#          overlap probe at recalls 0 and 0.8, `none` against `onenode` three times on $FAMILIES (bounded by $PROBE_S,
+#          default 200 s; one line a run: ms a token, hit rate, prefetches, closed gates, the step kernel's mean us),
+#          then the joinless GPU tests once (bounded by $TESTS_S, default 330 s: the first run compiles)
 #   copy-pair  (the image's torch is enough) the copy probe's link question alone, no busy backgrounds (about a
 #          minute): one copy engine (flat) against two at once (pair), SM copies beside one (mixed), the host copier (host)
 #   copy-split  (the image's torch is enough) where the host copier's time an expert goes, no busy backgrounds
@@ -165,6 +169,23 @@ for step in "$@"; do
       python3 scripts/gpu_slot_tear_probe.py --cases lfu-duel:joinless:0,lru:joinless:0,lfu:joinless:0 \
         --reps "${TEAR_REPS:-40}" --out "$out/tear.json" 2>&1 | grep '^{'
       pack sync-tests /tmp/sync-tests ;;
+    quiet)
+      variants=none,onenode,none,onenode,none,onenode
+      timeout -s INT "${PROBE_S:-200}" python3 scripts/gpu_overlap_probe.py --families "$families" --variants "$variants" \
+        --recalls 0,0.8 --profile-tokens 8 --out "$out/quiet-probe.json" > /tmp/quiet-probe.log 2>&1
+      echo "probe exit $?"; tail -n 2 /tmp/quiet-probe.log
+      [ -f "$out/quiet-probe.json" ] && python3 - "$out/quiet-probe.json" <<'PY'
+import json, sys
+for run in json.load(open(sys.argv[1]))["runs"]:
+    step = [k["mean_us"] for k in run.get("profile", {}).get("top_kernels", []) if k["name"] == "_step_kernel"]
+    keys = ("family", "variant", "recall", "ms_per_token", "vram_hit", "prefetched_per_token", "gates_closed")
+    print(*(run.get(k) for k in keys), "step_us", step)
+PY
+      mkdir -p /tmp/quiet-tests
+      timeout "${TESTS_S:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_round_sync_gpu.py \
+        tests/gpu/test_prefetch_chain_gpu.py tests/gpu/test_forward_rounds_gpu.py > /tmp/quiet-tests/run.txt 2>&1
+      echo "tests exit $?: $(tail -n 1 /tmp/quiet-tests/run.txt)"; grep -E "^FAILED|illegal memory" /tmp/quiet-tests/run.txt
+      cp /tmp/quiet-probe.log /tmp/quiet-tests/; pack quiet-tests /tmp/quiet-tests ;;
     *) echo "unknown step $step" ;;
   esac
 done
