@@ -57,6 +57,7 @@ early_out=/tmp/issue15-early; flag=/tmp/issue15-early.done
 work=/tmp/bigmoe-vllm-bench
 families="${FAMILIES:-standard,topic-shift}"
 recalls="${RECALLS:-0,0.6,0.8,0.95,1.0}"
+joinless_tests="tests/gpu/test_round_sync_gpu.py tests/gpu/test_prefetch_chain_gpu.py tests/gpu/test_forward_rounds_gpu.py"
 pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/null; }
 # env.sh puts /tmp/site first, where the extra kit's bigmoe wheel may be older than this tree: the tree goes first again
 vllm_env() {
@@ -162,8 +163,7 @@ for step in "$@"; do
     sync-tests)
       mkdir -p /tmp/sync-tests
       for i in $(seq 1 "${RUNS:-4}"); do
-        python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_round_sync_gpu.py tests/gpu/test_prefetch_chain_gpu.py \
-          tests/gpu/test_forward_rounds_gpu.py > "/tmp/sync-tests/run-$i.txt" 2>&1
+        python3 -m pytest -q -m gpu -p no:cacheprovider $joinless_tests > "/tmp/sync-tests/run-$i.txt" 2>&1
         echo "run $i: $(tail -n 1 "/tmp/sync-tests/run-$i.txt")"; grep -E "^FAILED|illegal memory" "/tmp/sync-tests/run-$i.txt"
       done
       python3 scripts/gpu_slot_tear_probe.py --cases lfu-duel:joinless:0,lru:joinless:0,lfu:joinless:0 \
@@ -182,8 +182,7 @@ for run in json.load(open(sys.argv[1]))["runs"]:
     print(*(run.get(k) for k in keys), "step_us", step)
 PY
       mkdir -p /tmp/quiet-tests
-      timeout "${TESTS_S:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_round_sync_gpu.py \
-        tests/gpu/test_prefetch_chain_gpu.py tests/gpu/test_forward_rounds_gpu.py > /tmp/quiet-tests/run.txt 2>&1
+      timeout "${TESTS_S:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider $joinless_tests > /tmp/quiet-tests/run.txt 2>&1
       echo "tests exit $?: $(tail -n 1 /tmp/quiet-tests/run.txt)"; grep -E "^FAILED|illegal memory" /tmp/quiet-tests/run.txt
       cp /tmp/quiet-probe.log /tmp/quiet-tests/; pack quiet-tests /tmp/quiet-tests ;;
     *) echo "unknown step $step" ;;
