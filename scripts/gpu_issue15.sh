@@ -14,8 +14,10 @@
 #          closed, and the overlap probe's idle paths at recall 0 (a decision beside the chain, the one-node kernel,
 #          the joinless steps alone), interleaved three times since a
 #          process's first graphs replay fast (run 23); each bounded
-#   stall  (the image's torch is enough) run 23's stalled probe again, near-uniform's one-node runs, with every
-#          thread's stack printed after 30 s
+#   stall  (the image's torch is enough) run 36's stalled probe again: standard's `onenode` at recall 0.8, few tokens,
+#          reported stalled after 20 s with the chain's words and the host copier's counters read beside the stuck
+#          work (exit 3); then the same on $BEFORE where set (a folder holding `git archive REV pager bench scripts`
+#          carried as an ignored path: 61b7bfa is the tree before the quiet forwards); each bounded by STALL_S (90 s)
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
 #   copy-probe  (the image's torch is enough) scripts/gpu_copy_path_probe.py: an expert's copy on the SMs, through the
@@ -124,9 +126,14 @@ for step in "$@"; do
       timeout 240 python3 scripts/gpu_overlap_probe.py --families standard,topic-shift --variants "$v,$v,$v" \
         --recalls 0 --dump-after 45 --out "$out/overlap.json" ;;
     stall)
-      timeout -s INT 150 python3 scripts/gpu_overlap_probe.py --families near-uniform --variants none,onenode \
-        --recalls 0 --warmup 48 --tokens 128 --dump-after 30 --out "$out/overlap-near-uniform.json" > "$out/stall.log" 2>&1
-      grep -v CUDAEvent "$out/stall.log" | tail -n 40 ;;
+      for tree in "$PWD" ${BEFORE:+"$PWD/$BEFORE"}; do
+        name=here; watch="--stall-after 20 --dump-after 0"
+        [ "$tree" = "$PWD" ] || { name=before; watch="--dump-after 30"; }  # (older probes have no --stall-after)
+        (cd "$tree" && PYTHONPATH="$tree/pager:$tree/bench" timeout -s INT "${STALL_S:-90}" python3 \
+          scripts/gpu_overlap_probe.py --families standard --variants none,onenode --recalls 0.8 --warmup 8 \
+          --tokens 32 $watch --out "$out/stall-$name.json" > "/tmp/stall-$name.log" 2>&1)
+        echo "$name: probe exit $?"; grep -E '^\{' "/tmp/stall-$name.log" | cut -c1-600; tail -n 3 "/tmp/stall-$name.log"
+      done ;;
     step-probe)
       for run in 256:lru 256:lfu-fast 256:lfu-duel 102:lfu-duel; do  # slots:eviction (256: every id hits)
         python3 scripts/gpu_overlap_probe.py --families standard --slots "${run%%:*}" --eviction "${run#*:}" \
@@ -172,14 +179,14 @@ for step in "$@"; do
     quiet)
       variants=none,onenode,none,onenode,none,onenode
       timeout -s INT "${PROBE_S:-200}" python3 scripts/gpu_overlap_probe.py --families "$families" --variants "$variants" \
-        --recalls 0,0.8 --profile-tokens 8 --out "$out/quiet-probe.json" > /tmp/quiet-probe.log 2>&1
+        --recalls 0,0.8 --profile-tokens 8 --stall-after 30 --out "$out/quiet-probe.json" > /tmp/quiet-probe.log 2>&1
       echo "probe exit $?"; tail -n 2 /tmp/quiet-probe.log
       [ -f "$out/quiet-probe.json" ] && python3 - "$out/quiet-probe.json" <<'PY'
 import json, sys
 for run in json.load(open(sys.argv[1]))["runs"]:
     step = [k["mean_us"] for k in run.get("profile", {}).get("top_kernels", []) if k["name"] == "_step_kernel"]
     keys = ("family", "variant", "recall", "ms_per_token", "vram_hit", "prefetched_per_token", "gates_closed")
-    print(*(run.get(k) for k in keys), "step_us", step)
+    print(*(run.get(k) for k in keys), "step_us", step, *(["stalled", run["stalled"]] if "stalled" in run else []))
 PY
       mkdir -p /tmp/quiet-tests
       timeout "${TESTS_S:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider $joinless_tests > /tmp/quiet-tests/run.txt 2>&1

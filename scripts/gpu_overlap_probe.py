@@ -46,6 +46,9 @@ plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA
 --tokens replays after a warm-up; the VRAM hit rate and PCIe bytes come from the pager's counters.
 --profile-tokens N adds each variant's kernel timeline per token (bigmoe_bench.kernel_timeline), the
 same summary gpu_vllm_bench.py --profile-tokens gives inside vLLM, to compare the two.
+A run whose queued tokens are not done --stall-after seconds after the host enqueued them (run 36: onenode at recall
+0.8 never finished its warm-up) ends the probe with exit 3 and a last row `stalled`: the prefetch chain's words and
+the host copier's counters, read twice 2 s apart beside the stuck work, so the next call knows which wait held.
 
     H200: PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --out $OUT/overlap.json
     CPU:  PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --device cpu --smoke (eager, no streams:
@@ -77,7 +80,7 @@ from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.host_rounds import drain_published, progress_words, serve_pager
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
-from bigmoe_pager.core.prefetch_chain import TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, OPEN, PUBLISHED, QUIET, STEPPED, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.slots import POLICIES
 from bigmoe_pager.core.stats import HITS, LOOKUPS, VRAM, PagerStats
 
@@ -144,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                     faulthandler.dump_traceback_later(args.dump_after, repeat=True)
                 try:
                     ms = model.time(trace_dev, predicted, variant, order, args)
+                except Stalled as stall:
+                    row = {"family": family, "variant": variant, "recall": recall, "stalled": stall.state}
+                    report["runs"].append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.out:
+                        _write(args.out, report)
+                    print(f"gpu_overlap_probe: {family} {variant} at recall {recall} stalled", file=sys.stderr)
+                    return 3
                 finally:
                     faulthandler.cancel_dump_traceback_later()
                 row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **model.counters()}
@@ -152,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["profile"] = model.profile(args.profile_tokens)
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
-        if args.out:
-            _write(args.out, report)
+                if args.out:  # after every row: a run that never ends (run 36) keeps the rows before it
+                    _write(args.out, report)
     report["total_s"] = round(time.perf_counter() - start, 1)
     if args.out:
         _write(args.out, report)
@@ -326,7 +337,7 @@ class Model:
             return self._time_eager(token, pos, args, rounds)
         for _ in range(2):  # Triton compiles outside the capture
             token()
-        torch.cuda.synchronize()
+        self._finish(rounds, "compiling tokens")
         if rounds is not None:
             rounds.compiled()
         graph = torch.cuda.CUDAGraph()
@@ -335,7 +346,7 @@ class Model:
         pos.zero_()
         for _ in range(args.warmup):
             graph.replay()
-        torch.cuda.synchronize()
+        self._finish(rounds, "warm-up")
         self.stats.reset()
         if rounds is not None:
             rounds.mark()
@@ -344,7 +355,7 @@ class Model:
         for mark in marks[1:]:
             graph.replay()
             mark.record()
-        marks[-1].synchronize()
+        self._finish(rounds, "timed tokens")
         self._replay = graph.replay
         per_token = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
         self.worst_ms = round(max(per_token), 4)
@@ -352,6 +363,24 @@ class Model:
             rounds.check()
             self.host = rounds.summary(args.tokens)
         return round(marks[0].elapsed_time(marks[-1]) / args.tokens, 4)
+
+    def _finish(self, rounds, phase: str) -> None:
+        """Wait for every queued token; past --stall-after seconds, raise Stalled with what the chain and the host
+        copier say."""
+        done = torch.cuda.Event()
+        done.record()
+        if self.args.stall_after > 0 and not finished_within(done.query, self.args.stall_after):
+            first = stall_words(rounds, self.device)
+            time.sleep(2.0)
+            raise Stalled(
+                {
+                    "phase": phase,
+                    "after_s": self.args.stall_after,
+                    "words": first,
+                    "words_2s_later": stall_words(rounds, self.device),
+                }
+            )
+        torch.cuda.synchronize()
 
     def profile(self, tokens: int) -> dict:
         """The timed variant's next `tokens` tokens under torch.profiler, per stream (kernel_timeline): the main
@@ -514,6 +543,53 @@ class HostRounds:
         self.copier.close()
 
 
+class Stalled(Exception):
+    """A run's queued GPU work did not finish in time; `state` is what the probe could read beside it."""
+
+    def __init__(self, state: dict) -> None:
+        super().__init__(state.get("phase", "stalled"))
+        self.state = state
+
+
+def finished_within(done, seconds: float, nap_s: float = 0.01) -> bool:
+    """Poll `done()` until it is true (True) or `seconds` have passed (False)."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(nap_s)
+    return True
+
+
+CHAIN_WORDS = {
+    "forward": FORWARD,
+    "timeouts": TIMEOUTS,
+    "cancels": CANCELS,
+    "published": PUBLISHED,
+    "quiet": QUIET,
+    "open": OPEN,
+}
+
+
+def chain_words(flags: list[int]) -> dict:
+    """The prefetch chain's words by name (core.prefetch_chain), STEPPED as one forward number a layer."""
+    return {**{name: flags[i] for name, i in CHAIN_WORDS.items()}, "stepped": flags[STEPPED:]}
+
+
+def stall_words(rounds, device: torch.device) -> dict:
+    """The chain's words, copied on a stream of their own (pool streams do not wait for the stuck default stream),
+    and the host copier's counters (host memory); {} for a run without host rounds."""
+    if rounds is None:
+        return {}
+    flags = rounds.chain.flags
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        host.copy_(flags, non_blocking=True)
+    chain = chain_words(host.tolist()) if finished_within(stream.query, 5.0) else "unread: the copy waited 5 s"
+    return {"chain": chain, "host_copier": rounds.copier.stats()}
+
+
 def _trivial(base: str) -> bool:
     """Whether a variant's base is kN (N trivial side kernels)."""
     return base[:1] == "k" and base[1:].isdigit() and int(base[1:]) > 0
@@ -598,6 +674,12 @@ def _parse(argv):
         default=60.0,
         help="seconds a variant may run before every thread's Python stack is printed to stderr (again each period; "
         "0: never)",
+    )
+    p.add_argument(
+        "--stall-after",
+        type=float,
+        default=60.0,
+        help="seconds queued tokens may take to finish before the run is reported stalled, exit 3 (0: wait)",
     )
     p.add_argument("--out", default=None, help="JSON report path")
     args = p.parse_args(argv)

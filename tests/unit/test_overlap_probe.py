@@ -129,3 +129,71 @@ def test_resident_is_reported_once_per_family(report):
 
 def test_every_row_has_its_worst_token(report):
     assert all(r["worst_token_ms"] >= r["ms_per_token"] > 0 for r in report["runs"] if r["variant"] != "resident")
+
+
+def test_a_run_cut_short_keeps_the_rows_it_finished(monkeypatch, tmp_path):
+    """Run 36's onenode run at recall 0.8 never ended and the probe was killed: the rows before it must be on disk."""
+    out = tmp_path / "overlap.json"
+    real = probe.Model.time
+
+    def stalls_on_prefetch(self, trace_dev, predicted, name, order, args):
+        if name == "gather":
+            raise KeyboardInterrupt  # what `timeout -s INT` delivers to a run stuck in a sync
+        return real(self, trace_dev, predicted, name, order, args)
+
+    monkeypatch.setattr(probe.Model, "time", stalls_on_prefetch)
+    argv = ["--device", "cpu", "--smoke", "--families", "standard", "--variants", "none,fork,gather", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        probe.main(argv)
+    kept = json.loads(out.read_text())["runs"]
+    assert [r["variant"] for r in kept] == ["resident", "none", "fork"]
+
+
+def test_a_stalled_run_is_its_last_row_and_exit_3(monkeypatch, tmp_path, capsys):
+    """A run whose GPU work does not finish is reported with what was read beside it, and the probe stops there."""
+    out = tmp_path / "overlap.json"
+    real = probe.Model.time
+    seen = {"phase": "warm-up", "words": {"chain": {"forward": 7, "timeouts": 3}}}
+
+    def stalls(self, trace_dev, predicted, name, order, args):
+        if name == "gather":
+            raise probe.Stalled(seen)
+        return real(self, trace_dev, predicted, name, order, args)
+
+    monkeypatch.setattr(probe.Model, "time", stalls)
+    argv = [
+        "--device",
+        "cpu",
+        "--smoke",
+        "--families",
+        "standard",
+        "--variants",
+        "none,gather,fork",
+        "--dump-after",
+        "0",
+    ]
+    assert probe.main(argv + ["--recalls", "0.8", "--out", str(out)]) == 3
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["resident", "none", "gather"]  # fork never ran
+    assert runs[-1] == {"family": "standard", "variant": "gather", "recall": 0.8, "stalled": seen}
+    assert capsys.readouterr().err.strip().endswith("gpu_overlap_probe: standard gather at recall 0.8 stalled")
+
+
+@pytest.mark.parametrize("ready_after,seconds,finished", [(0, 0.05, True), (3, 1.0, True), (10**9, 0.05, False)])
+def test_finished_within_polls_until_done_or_the_deadline(ready_after, seconds, finished):
+    polls = []
+
+    def done():
+        polls.append(1)
+        return len(polls) > ready_after
+
+    assert probe.finished_within(done, seconds, nap_s=0.001) is finished
+
+
+def test_chain_words_name_each_word_and_one_stepped_forward_a_layer():
+    from bigmoe_pager.core.prefetch_chain import STEPPED
+
+    flags = list(range(100, 100 + STEPPED)) + [5, 5, 4]
+    words = probe.chain_words(flags)
+    assert words["forward"] == flags[probe.FORWARD] and words["open"] == flags[probe.OPEN]
+    assert words["stepped"] == [5, 5, 4]
