@@ -17,7 +17,8 @@
 #   stall  (the image's torch is enough) run 36's stalled probe again: standard's `onenode` at recall 0.8, few tokens,
 #          reported stalled after 20 s with the chain's words and the host copier's counters read beside the stuck
 #          work (exit 3); then the same on $BEFORE where set (a folder holding `git archive REV pager bench scripts`
-#          carried as an ignored path: 61b7bfa is the tree before the quiet forwards); each bounded by STALL_S (90 s)
+#          carried as an ignored path: 61b7bfa is the tree before the quiet forwards); then the one-node GPU test that
+#          queues 48 forwards back to back (no sync between them, as the probe); each bounded by STALL_S (90 s)
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
 #   copy-probe  (the image's torch is enough) scripts/gpu_copy_path_probe.py: an expert's copy on the SMs, through the
@@ -133,7 +134,9 @@ for step in "$@"; do
           scripts/gpu_overlap_probe.py --families standard --variants none,onenode --recalls 0.8 --warmup 8 \
           --tokens 32 $watch --out "$out/stall-$name.json" > "/tmp/stall-$name.log" 2>&1)
         echo "$name: probe exit $?"; grep -E '^\{' "/tmp/stall-$name.log" | cut -c1-600; tail -n 3 "/tmp/stall-$name.log"
-      done ;;
+      done
+      timeout "${STALL_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_forward_rounds_gpu.py \
+        -k back_to_back 2>&1 | tail -n 5 ;;
     step-probe)
       for run in 256:lru 256:lfu-fast 256:lfu-duel 102:lfu-duel; do  # slots:eviction (256: every id hits)
         python3 scripts/gpu_overlap_probe.py --families standard --slots "${run%%:*}" --eviction "${run#*:}" \

@@ -101,3 +101,27 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     if mode != "one-node":
         served = caught_up(predictor.copier, replays * (layers_n - 1))
         assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
+
+
+@pytest.mark.parametrize("mode", ["one-node", "one-node-host"])
+def test_one_node_forwards_queued_back_to_back_give_up_no_wait(tmp_path, mode):
+    """Run 36: the overlap probe queued 64 one-node forwards at recall 0.8 without a sync between them and never
+    finished; the test above syncs after every replay. Here the forwards are queued at once, as a server's decode
+    steps are, and synced once: no wait may give up, every copy lands, and the slots hold the last forward's experts.
+    """
+    layers_n, replays = 12, 48
+    layout, records, layers, routing, predictor, stats = replayed_model(
+        tmp_path, layers_n, 128, 32, 8, "standard", 0.8, "lru", **MODES[mode]
+    )
+    graph, ids, out = whole_forward(layers, routing, predictor, 1, 8, 4)
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
+    assert predictor._chain.forwards == replays and predictor.chain_timeouts == 0
+    for layer in layers[1:]:
+        state = layer.pager.pager.vram.kernel_state()
+        assert torch.equal(state["copied"], state["target"])
+    if mode != "one-node":
+        served = caught_up(predictor.copier, replays * (layers_n - 1))
+        assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
