@@ -148,11 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     ms = model.time(trace_dev, predicted, variant, order, args)
                 except Stalled as stall:
-                    row = {"family": family, "variant": variant, "recall": recall, "stalled": stall.state}
-                    report["runs"].append(row)
-                    print(json.dumps(row), flush=True)
-                    if args.out:
-                        _write(args.out, report)
+                    _keep(
+                        report, {"family": family, "variant": variant, "recall": recall, "stalled": stall.state}, args
+                    )
                     print(f"gpu_overlap_probe: {family} {variant} at recall {recall} stalled", file=sys.stderr)
                     return 3
                 finally:
@@ -161,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["worst_token_ms"] = model.worst_ms
                 if args.profile_tokens:
                     row["profile"] = model.profile(args.profile_tokens)
-                report["runs"].append(row)
-                print(json.dumps(row), flush=True)
-                if args.out:  # after every row: a run that never ends (run 36) keeps the rows before it
-                    _write(args.out, report)
+                _keep(report, row, args)
     report["total_s"] = round(time.perf_counter() - start, 1)
     if args.out:
         _write(args.out, report)
@@ -607,6 +602,15 @@ def _hottest(trace: np.ndarray) -> list[list[int]]:
         counts = np.bincount(trace[:, layer].reshape(-1), minlength=1)
         out.append([int(e) for e in np.argsort(-counts, kind="stable") if counts[e] > 0])
     return out
+
+
+def _keep(report: dict, row: dict, args) -> None:
+    """A finished row: into the report, on stdout, and on disk at once (a run that never ends, as in run 36, keeps
+    the rows before it)."""
+    report["runs"].append(row)
+    print(json.dumps(row), flush=True)
+    if args.out:
+        _write(args.out, report)
 
 
 def _write(path: str, report: dict) -> None:

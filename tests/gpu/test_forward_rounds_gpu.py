@@ -41,6 +41,17 @@ def caught_up(copier, rounds: int, seconds: float = 2.0) -> dict:
     return served
 
 
+def assert_copies_landed(layers, predictor, mode: str, replays: int) -> None:
+    """Every round's copy finished by the last forward's end, and the host copier (where it copies) served every
+    round of the `replays` forwards without an error."""
+    for layer in layers[1:]:
+        state = layer.pager.pager.vram.kernel_state()
+        assert torch.equal(state["copied"], state["target"])
+    if mode != "one-node":
+        served = caught_up(predictor.copier, replays * (len(layers) - 1))
+        assert served["error"] == 0 and served["rounds"] == replays * (len(layers) - 1)
+
+
 def whole_forward(layers, routing, predictor, tokens: int, k: int, compute: int):
     """Each layer's call as the adapter runs it (replay the rows, page, fork, `compute` GEMMs), once eagerly (Triton
     compiles; nothing chains outside a capture, and the flags are made), then captured whole. Returns (graph, the
@@ -93,14 +104,11 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     for layer in layers[1:]:
         state = layer.pager.pager.vram.kernel_state()
         assert int(state["claim"]) in (replays * 4 + DECIDED, replays * 4 + CANCELLED)
-        assert torch.equal(state["copied"], state["target"])  # every copy finished by the forward's end
+    assert_copies_landed(layers, predictor, mode, replays)
     counts = [stats.snapshot(i)["vram"] for i in range(layers_n)]
     if compute:
         assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
     assert predictor.chain_cancels <= replays * (layers_n - 1)
-    if mode != "one-node":
-        served = caught_up(predictor.copier, replays * (layers_n - 1))
-        assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
 
 
 @pytest.mark.parametrize("mode", ["one-node", "one-node-host"])
@@ -119,9 +127,4 @@ def test_one_node_forwards_queued_back_to_back_give_up_no_wait(tmp_path, mode):
     torch.cuda.synchronize()
     assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
     assert predictor._chain.forwards == replays and predictor.chain_timeouts == 0
-    for layer in layers[1:]:
-        state = layer.pager.pager.vram.kernel_state()
-        assert torch.equal(state["copied"], state["target"])
-    if mode != "one-node":
-        served = caught_up(predictor.copier, replays * (layers_n - 1))
-        assert served["error"] == 0 and served["rounds"] == replays * (layers_n - 1)
+    assert_copies_landed(layers, predictor, mode, replays)
