@@ -14,11 +14,11 @@
 #          closed, and the overlap probe's idle paths at recall 0 (a decision beside the chain, the one-node kernel,
 #          the joinless steps alone), interleaved three times since a
 #          process's first graphs replay fast (run 23); each bounded
-#   stall  (the image's torch is enough) run 36's stalled probe again: standard's `onenode` at recall 0.8, few tokens,
-#          reported stalled after 20 s with the chain's words and the host copier's counters read beside the stuck
-#          work (exit 3); then the same on $BEFORE where set (a folder holding `git archive REV pager bench scripts`
-#          carried as an ignored path: 61b7bfa is the tree before the quiet forwards); then the one-node GPU test that
-#          queues 48 forwards back to back (no sync between them, as the probe); each bounded by STALL_S (90 s)
+#   stall  (the image's torch is enough) standard's `onenode` at recall 0.8 in a process of its own, per
+#          $STALL_CASES (recalls:warm-up:profiled tokens[:trace rows], default `0.8:64:0:136 0.8:64:8:200`: run 37
+#          stalled after a profiled run with a trace of 136 rows, ran unprofiled with 128: which of the two?), reported stalled after 20 s with the
+#          chain's words, the host copier's counters and each layer's copies under way, claim, gate and mailbox
+#          (exit 3); each bounded by STALL_S (90 s)
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
 #   copy-probe  (the image's torch is enough) scripts/gpu_copy_path_probe.py: an expert's copy on the SMs, through the
@@ -32,9 +32,10 @@
 #   sync-tests  (the image's torch is enough) the joinless GPU tests (round sync, chain, one-node rounds) $RUNS times
 #          (default 4, no timeout: the first run compiles), then scripts/gpu_slot_tear_probe.py's joinless cases
 #          ($TEAR_REPS builds each, default 40): run 26's race, which left torn slots, must not come back
-#   quiet  (the image's torch is enough) the quiet forwards' first GPU run in one call (starts are scarce): the
-#          overlap probe at recalls 0 and 0.8, `none` against `onenode` three times on $FAMILIES (bounded by $PROBE_S,
-#          default 200 s; one line a run: ms a token, hit rate, prefetches, closed gates, the step kernel's mean us),
+#   quiet  (the image's torch is enough) the quiet forwards' GPU run in one call (starts are scarce): the overlap
+#          probe, `none` against `onenode` three times on $FAMILIES, at recall 0 with profiled tokens, then at 0.8 in a
+#          process of its own without (each bounded by $PROBE_S, default 200 s; one line a run: ms a token, hit rate,
+#          prefetches, closed gates, the step kernel's mean us),
 #          then the joinless GPU tests once (bounded by $TESTS_S, default 330 s: the first run compiles)
 #   copy-pair  (the image's torch is enough) the copy probe's link question alone, no busy backgrounds (about a
 #          minute): one copy engine (flat) against two at once (pair), SM copies beside one (mixed), the host copier (host)
@@ -127,16 +128,16 @@ for step in "$@"; do
       timeout 240 python3 scripts/gpu_overlap_probe.py --families standard,topic-shift --variants "$v,$v,$v" \
         --recalls 0 --dump-after 45 --out "$out/overlap.json" ;;
     stall)
-      for tree in "$PWD" ${BEFORE:+"$PWD/$BEFORE"}; do
-        name=here; watch="--stall-after 20 --dump-after 0"
-        [ "$tree" = "$PWD" ] || { name=before; watch="--dump-after 30"; }  # (older probes have no --stall-after)
-        (cd "$tree" && PYTHONPATH="$tree/pager:$tree/bench" timeout -s INT "${STALL_S:-90}" python3 \
-          scripts/gpu_overlap_probe.py --families standard --variants none,onenode --recalls 0.8 --warmup 8 \
-          --tokens 32 $watch --out "$out/stall-$name.json" > "/tmp/stall-$name.log" 2>&1)
-        echo "$name: probe exit $?"; grep -E '^\{' "/tmp/stall-$name.log" | cut -c1-600; tail -n 3 "/tmp/stall-$name.log"
-      done
-      timeout "${STALL_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_forward_rounds_gpu.py \
-        -k back_to_back 2>&1 | tail -n 5 ;;
+      # Run 37 (H100): the stall follows the routing trace, whose rows are warm-up + 64 + profiled tokens.
+      for case in ${STALL_CASES:-0.8:64:0:136 0.8:64:8:200}; do
+        IFS=: read -r recalls warmup profile rows <<< "$case"; name="r$recalls-w$warmup-p$profile-t${rows:-0}"
+        PYTHONPATH="$PWD/pager:$PWD/bench" timeout -k 5 -s INT "${STALL_S:-90}" python3 scripts/gpu_overlap_probe.py \
+          --families standard --variants onenode --recalls "$recalls" --warmup "$warmup" --tokens 64 \
+          --profile-tokens "$profile" --trace-rows "${rows:-0}" --stall-after 20 --dump-after 0 --out "$out/stall-$name.json" \
+          > "/tmp/stall-$name.log" 2>&1
+        echo "$name: probe exit $?"; grep -E '^\{' "/tmp/stall-$name.log" | cut -c1-300
+        grep -v Warn "/tmp/stall-$name.log" | tail -n 3 | cut -c1-6000
+      done ;;
     step-probe)
       for run in 256:lru 256:lfu-fast 256:lfu-duel 102:lfu-duel; do  # slots:eviction (256: every id hits)
         python3 scripts/gpu_overlap_probe.py --families standard --slots "${run%%:*}" --eviction "${run#*:}" \
@@ -180,21 +181,27 @@ for step in "$@"; do
         --reps "${TEAR_REPS:-40}" --out "$out/tear.json" 2>&1 | grep '^{'
       pack sync-tests /tmp/sync-tests ;;
     quiet)
+      # Two processes: profiled tokens at recall 0 (the step kernel's us), then recall 0.8 unprofiled (runs 36-37: after
+      # torch.profiler in a process, onenode's host-copied rounds crawl). Each bounded by $PROBE_S.
       variants=none,onenode,none,onenode,none,onenode
-      timeout -s INT "${PROBE_S:-200}" python3 scripts/gpu_overlap_probe.py --families "$families" --variants "$variants" \
-        --recalls 0,0.8 --profile-tokens 8 --stall-after 30 --out "$out/quiet-probe.json" > /tmp/quiet-probe.log 2>&1
-      echo "probe exit $?"; tail -n 2 /tmp/quiet-probe.log
-      [ -f "$out/quiet-probe.json" ] && python3 - "$out/quiet-probe.json" <<'PY'
+      for run in r0:0:8 r08:0.8:0; do
+        IFS=: read -r name recall profile <<< "$run"
+        timeout -k 5 -s INT "${PROBE_S:-200}" python3 scripts/gpu_overlap_probe.py --families "$families" \
+          --variants "$variants" --recalls "$recall" --profile-tokens "$profile" --stall-after 30 \
+          --out "$out/quiet-$name.json" > "/tmp/quiet-$name.log" 2>&1
+        echo "$name: probe exit $?"; tail -n 2 "/tmp/quiet-$name.log" | cut -c1-3000
+        [ -f "$out/quiet-$name.json" ] && python3 - "$out/quiet-$name.json" <<'PY'
 import json, sys
 for run in json.load(open(sys.argv[1]))["runs"]:
     step = [k["mean_us"] for k in run.get("profile", {}).get("top_kernels", []) if k["name"] == "_step_kernel"]
     keys = ("family", "variant", "recall", "ms_per_token", "vram_hit", "prefetched_per_token", "gates_closed")
     print(*(run.get(k) for k in keys), "step_us", step, *(["stalled", run["stalled"]] if "stalled" in run else []))
 PY
+      done
       mkdir -p /tmp/quiet-tests
       timeout "${TESTS_S:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider $joinless_tests > /tmp/quiet-tests/run.txt 2>&1
       echo "tests exit $?: $(tail -n 1 /tmp/quiet-tests/run.txt)"; grep -E "^FAILED|illegal memory" /tmp/quiet-tests/run.txt
-      cp /tmp/quiet-probe.log /tmp/quiet-tests/; pack quiet-tests /tmp/quiet-tests ;;
+      cp /tmp/quiet-r0.log /tmp/quiet-r08.log /tmp/quiet-tests/ 2>/dev/null; pack quiet-tests /tmp/quiet-tests ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -45,10 +45,12 @@ the deferred join buys.
 plus `resident` (every expert in VRAM, no paging) for the floor. Timed with CUDA events over
 --tokens replays after a warm-up; the VRAM hit rate and PCIe bytes come from the pager's counters.
 --profile-tokens N adds each variant's kernel timeline per token (bigmoe_bench.kernel_timeline), the
-same summary gpu_vllm_bench.py --profile-tokens gives inside vLLM, to compare the two.
+same summary gpu_vllm_bench.py --profile-tokens gives inside vLLM, to compare the two. On a GPU it is refused
+beside onenode at a recall above 0: once torch.profiler has run in a process, those runs crawl (runs 36-37).
 A run whose queued tokens are not done --stall-after seconds after the host enqueued them (run 36: onenode at recall
-0.8 never finished its warm-up) ends the probe with exit 3 and a last row `stalled`: the prefetch chain's words and
-the host copier's counters, read twice 2 s apart beside the stuck work, so the next call knows which wait held.
+0.8 never finished its warm-up) ends the probe with exit 3 and a last row `stalled`: the prefetch chain's words, the
+host copier's counters and each rounds layer's copies under way, claim, gate scores and mailbox, read twice 2 s apart
+beside the stuck work, so the next call knows which wait held.
 
     H200: PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --out $OUT/overlap.json
     CPU:  PYTHONPATH=pager:bench python scripts/gpu_overlap_probe.py --device cpu --smoke (eager, no streams:
@@ -90,6 +92,14 @@ BLOCK = 128  # FP8 block-scale edge of the Qwen checkpoints
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and args.profile_tokens and _prefetching_host_rounds(args):
+        print(
+            "gpu_overlap_probe: --profile-tokens with onenode at a recall above 0 stalls on a GPU (runs 36-37: after "
+            "torch.profiler in a process, the host-copied rounds' waits give up a second each); time those in a "
+            "process without --profile-tokens",
+            file=sys.stderr,
+        )
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_overlap_probe: no CUDA GPU is visible; use --device cpu --smoke to check wiring", file=sys.stderr)
         return 2
@@ -120,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     model = Model(args, layout, device)
     report["setup_s"] = round(time.perf_counter() - start, 1)
     for family in args.families.split(","):
-        rows = args.warmup + args.tokens + args.profile_tokens  # the replay position only advances
+        rows = max(args.trace_rows, args.warmup + args.tokens + args.profile_tokens)  # the position only advances
         trace = traces.named_trace(family, rows, args.layers, args.experts, args.top_k, args.seed)
         trace_dev = torch.from_numpy(trace).to(device=device, dtype=torch.int64)
         order = _hottest(trace[: args.warmup])
-        ms = model.time(trace_dev, None, "resident", order, args)
+        ms, _, profile = model.time(trace_dev, None, "resident", order, args)
         resident = {"family": family, "variant": "resident", "recall": None, "ms_per_token": ms}
-        if args.profile_tokens:
-            resident["profile"] = model.profile(args.profile_tokens)
+        if profile is not None:
+            resident["profile"] = profile
         report["runs"].append(resident)
         guesses: dict[float, torch.Tensor] = {}
         for variant in args.variants.split(","):
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.dump_after:  # where a variant that never ends waits (session 28 saw two such runs)
                     faulthandler.dump_traceback_later(args.dump_after, repeat=True)
                 try:
-                    ms = model.time(trace_dev, predicted, variant, order, args)
+                    ms, counted, profile = model.time(trace_dev, predicted, variant, order, args)
                 except Stalled as stall:
                     _keep(
                         report, {"family": family, "variant": variant, "recall": recall, "stalled": stall.state}, args
@@ -155,15 +165,21 @@ def main(argv: list[str] | None = None) -> int:
                     return 3
                 finally:
                     faulthandler.cancel_dump_traceback_later()
-                row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **model.counters()}
+                row = {"family": family, "variant": variant, "recall": recall, "ms_per_token": ms, **counted}
                 row["worst_token_ms"] = model.worst_ms
-                if args.profile_tokens:
-                    row["profile"] = model.profile(args.profile_tokens)
+                if profile is not None:
+                    row["profile"] = profile
                 _keep(report, row, args)
     report["total_s"] = round(time.perf_counter() - start, 1)
     if args.out:
         _write(args.out, report)
     return 0
+
+
+def _prefetching_host_rounds(args) -> bool:
+    """Whether a variant whose rounds the host copier copies runs at a recall that prefetches (above 0)."""
+    hosts = any(Variant.parse(v).base in HOST_ROUNDS for v in args.variants.split(","))
+    return hosts and any(float(r) > 0 for r in args.recalls.split(","))
 
 
 BASES = ("resident", "none", "fork", "gather", "admit", "inline", "prefetch", "router", "onenode")
@@ -275,13 +291,19 @@ class Model:
         self.stats.reset()
         _sync(self.device)
 
-    def time(self, trace_dev, predicted, name: str, order, args) -> float:
+    def time(self, trace_dev, predicted, name: str, order, args) -> tuple[float, dict, dict | None]:
+        """One variant: ms a timed token, its counters, and with --profile-tokens its profile, taken while its
+        host copier still serves (run 37: profiled after the copier closed, every copy a round published waited a
+        second, and the probe hung)."""
         variant = Variant.parse(name)
         if variant.base != "resident":
             self.restart(order, variant.programs)
         rounds = HostRounds(self, predicted, variant) if variant.base in HOST_ROUNDS else None
         try:
-            return self._time(trace_dev, predicted, variant, rounds, args)
+            ms = self._time(trace_dev, predicted, variant, rounds, args)
+            counted = self.counters()  # before the profiled tokens move them
+            profile = self.profile(args.profile_tokens, rounds) if args.profile_tokens else None
+            return ms, counted, profile
         finally:
             if rounds is not None:
                 rounds.close()
@@ -377,7 +399,7 @@ class Model:
             )
         torch.cuda.synchronize()
 
-    def profile(self, tokens: int) -> dict:
+    def profile(self, tokens: int, rounds) -> dict:
         """The timed variant's next `tokens` tokens under torch.profiler, per stream (kernel_timeline): the main
         stream's idle time while the side stream works is what the join waited; CPU runs have no kernels."""
         cuda = self.device.type == "cuda"
@@ -387,7 +409,8 @@ class Model:
             with torch.profiler.profile(activities=[activity]) as prof:
                 for _ in range(tokens):
                     self._replay()
-                _sync(self.device)
+                if cuda:
+                    self._finish(rounds, "profiled tokens")
             prof.export_chrome_trace(str(path))
             return summarize_file(path, tokens)
 
@@ -462,7 +485,7 @@ class HostRounds:
         self.chain = PrefetchChain(layers, device)
         self.cursor = torch.zeros(layers, dtype=torch.int64, device=device)
         self.slots = pagers[0].num_slots
-        boxes = HostCopier.mailbox(self.slots, device, len(pagers))
+        self.boxes = boxes = HostCopier.mailbox(self.slots, device, len(pagers))
         self.bare = variant.bare
         self._compiling = True
         """onenode on CUDA: the first token launches no kernel. Launched then, it would wait for each later step
@@ -582,7 +605,45 @@ def stall_words(rounds, device: torch.device) -> dict:
     with torch.cuda.stream(stream):
         host.copy_(flags, non_blocking=True)
     chain = chain_words(host.tolist()) if finished_within(stream.query, 5.0) else "unread: the copy waited 5 s"
-    return {"chain": chain, "host_copier": rounds.copier.stats()}
+    return {"chain": chain, "host_copier": rounds.copier.stats(), "layers": layer_words(rounds, device)}
+
+
+def states(rounds) -> list[dict]:
+    return [p.vram.kernel_state() for p in rounds.pagers]
+
+
+def layer_words(rounds, device: torch.device) -> list[dict] | str:
+    """Per rounds layer, what says which wait holds: its slots whose copy is under way (target above copied: the
+    first few as [slot, copied, target, filled]), its claim word (forward, state), its prefetch gate's scores, and
+    its mailbox's seq and count (pinned host memory: what the host copier was last handed)."""
+    names = ("copied", "target", "filled")
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):  # every kernel and copy here on this stream: the current one is stuck
+        parts = [torch.cat([torch.stack([s[n] for n in names]).flatten(), s["claim"]]) for s in states(rounds)]
+        parts += [torch.stack([p.vram.used_score, p.vram.wasted_score, p.vram.gate_closed]) for p in rounds.pagers]
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]  # (pageable: a copy that blocks)
+        for h, t in zip(host, parts):
+            h.copy_(t, non_blocking=True)
+    if not finished_within(stream.query, 5.0):
+        return "unread: the copy waited 5 s"
+    words, gates = host[: len(rounds.pagers)], host[len(rounds.pagers) :]
+    out = []
+    for i, (w, g) in enumerate(zip(words, gates)):
+        copied, target, filled = w[:-1].view(3, -1)
+        claim = w[-1:]
+        busy = (target > copied).nonzero().flatten().tolist()
+        box = rounds.boxes[i]
+        out.append(
+            {
+                "layer": i + 1,
+                "under_way": len(busy),
+                "first": [[s, int(copied[s]), int(target[s]), int(filled[s])] for s in busy[:4]],
+                "claim": [int(claim[0]) >> 2, int(claim[0]) & 3],
+                "used_wasted_closed": [int(v) for v in g],
+                "box_seq_count": [int(box[0]), int(box[1])],
+            }
+        )
+    return out
 
 
 def _trivial(base: str) -> bool:
@@ -664,6 +725,13 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=64, help="tokens replayed before timing (and the hot profile)")
     p.add_argument("--tokens", type=int, default=256, help="tokens timed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trace-rows",
+        type=int,
+        default=0,
+        help="rows of each routing trace (its content follows the count; default and at least: warm-up + tokens + "
+        "profiled tokens)",
+    )
     p.add_argument(
         "--profile-tokens",
         type=int,

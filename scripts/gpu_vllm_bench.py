@@ -650,7 +650,18 @@ def parse_args(argv):
                 )
             except ValueError:
                 p.error(f"configuration {name!r}: @r takes a recall in [0, 1], and {AHEAD} or {HIGH} needs one")
+        copying = [n for n in args.configs.split(",") if HOST_COPIER in n and host_copies(n, args)]
+        if args.profile_tokens and copying and not args.smoke:
+            p.error(
+                f"--profile-tokens with {copying[0]!r} at a recall above 0: after torch.profiler ran in a process, "
+                "host-copied rounds' waits give up a second each (runs 36-37); profile those in an engine of their own"
+            )
     return args
+
+
+def host_copies(name: str, args) -> bool:
+    """Whether an engine of this configuration measures a point that prefetches (a recall above 0)."""
+    return any(point is not None and point.recall > 0 for point in recalls_of(name, args.recalls, args.wrong))
 
 
 def checkpoint(work: Path, logs: Path) -> tuple[Path, float]:

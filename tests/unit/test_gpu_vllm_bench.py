@@ -75,6 +75,15 @@ def test_a_second_engine_of_one_configuration_runs_it_alike_under_its_own_rows(t
         ["--recalls", "0,high"],
         ["--recalls", "0,0.8:often"],
         ["--parallel", "0"],
+        [
+            "--configs",
+            "bigmoe-102-layerbuf@r+one-node+host+chained-only",
+            "--recalls",
+            "0,0.8",
+            "--profile-tokens",
+            "4",
+        ],
+        ["--configs", "bigmoe-102@r0.8+one-node+host", "--profile-tokens", "4"],
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, capsys, tmp_path):
@@ -82,6 +91,21 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, capsys, tmp_path):
         bench.parse_args(["--out", str(tmp_path / "o.json"), *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "configs,recalls",
+    [
+        ("bigmoe-102-layerbuf@r+one-node+host+chained-only", "0"),
+        ("bigmoe-102@r0.8+one-node", "0.8"),
+        ("resident", "0.8"),
+    ],
+)
+def test_profiling_is_taken_where_no_host_copied_round_prefetches(configs, recalls, tmp_path):
+    """Runs 36-37 stalled host-copied rounds after torch.profiler; at recall 0 they copy nothing, and a path without
+    the host copier profiles as before."""
+    argv = ["--out", str(tmp_path / "o.json"), "--configs", configs, "--recalls", recalls, "--profile-tokens", "4"]
+    assert bench.parse_args(argv).profile_tokens == 4
 
 
 @pytest.mark.parametrize(
