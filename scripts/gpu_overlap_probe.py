@@ -595,42 +595,56 @@ def chain_words(flags: list[int]) -> dict:
 
 
 def stall_words(rounds, device: torch.device) -> dict:
-    """The chain's words, copied on a stream of their own (pool streams do not wait for the stuck default stream),
-    and the host copier's counters (host memory); {} for a run without host rounds."""
+    """The chain's words, the host copier's counters (host memory) and each rounds layer's words (layer_words), read
+    beside the stuck work; {} for a run without host rounds."""
     if rounds is None:
         return {}
-    flags = rounds.chain.flags
-    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    flags, *layers = read_beside([rounds.chain.flags, *layer_tensors(rounds)], device)
+    chain = UNREAD if flags is None else chain_words(flags.tolist())
+    return {"chain": chain, "host_copier": rounds.copier.stats(), "layers": layer_words(rounds, layers)}
+
+
+UNREAD = "unread: the copy waited 5 s"
+
+
+def read_beside(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """Host copies of device tensors while the current stream may be stuck: made on a stream of their own (pool
+    streams do not wait for the default one) into pinned memory (a copy into pageable memory blocks the host), each
+    None if not done within 5 s. On the CPU, plain copies."""
+    if device.type != "cuda":
+        return [t.clone() for t in tensors]
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        host.copy_(flags, non_blocking=True)
-    chain = chain_words(host.tolist()) if finished_within(stream.query, 5.0) else "unread: the copy waited 5 s"
-    return {"chain": chain, "host_copier": rounds.copier.stats(), "layers": layer_words(rounds, device)}
-
-
-def states(rounds) -> list[dict]:
-    return [p.vram.kernel_state() for p in rounds.pagers]
-
-
-def layer_words(rounds, device: torch.device) -> list[dict] | str:
-    """Per rounds layer, what says which wait holds: its slots whose copy is under way (target above copied: the
-    first few as [slot, copied, target, filled]), its claim word (forward, state), its prefetch gate's scores, and
-    its mailbox's seq and count (pinned host memory: what the host copier was last handed)."""
-    names = ("copied", "target", "filled")
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):  # every kernel and copy here on this stream: the current one is stuck
-        parts = [torch.cat([torch.stack([s[n] for n in names]).flatten(), s["claim"]]) for s in states(rounds)]
-        parts += [torch.stack([p.vram.used_score, p.vram.wasted_score, p.vram.gate_closed]) for p in rounds.pagers]
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]  # (pageable: a copy that blocks)
-        for h, t in zip(host, parts):
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(host, tensors):
             h.copy_(t, non_blocking=True)
-    if not finished_within(stream.query, 5.0):
-        return "unread: the copy waited 5 s"
-    words, gates = host[: len(rounds.pagers)], host[len(rounds.pagers) :]
+    return host if finished_within(stream.query, 5.0) else [None] * len(tensors)
+
+
+LAYER_WORDS = ("copied", "target", "filled", "claim")
+"""Each rounds layer's table words the stall report reads (core.round_sync), then its gate's scores (core.slots)."""
+
+
+def layer_tensors(rounds) -> list[torch.Tensor]:
+    """Per rounds layer, its LAYER_WORDS, then its gate's used score, wasted score and closed-round count."""
     out = []
-    for i, (w, g) in enumerate(zip(words, gates)):
-        copied, target, filled = w[:-1].view(3, -1)
-        claim = w[-1:]
+    for pager in rounds.pagers:
+        state = pager.vram.kernel_state()
+        out += [state[w] for w in LAYER_WORDS]
+        out += [pager.vram.used_score, pager.vram.wasted_score, pager.vram.gate_closed]
+    return out
+
+
+def layer_words(rounds, read: list[torch.Tensor | None]) -> list[dict] | str:
+    """Per rounds layer, what says which wait holds, from its layer_tensors read: its slots whose copy is under way
+    (target above copied: the first few as [slot, copied, target, filled]), its claim word (forward, state), its
+    gate's scores, and its mailbox's seq and count (pinned host memory: what the host copier was last handed)."""
+    if any(t is None for t in read):
+        return UNREAD
+    per_layer = len(LAYER_WORDS) + 3
+    out = []
+    for i in range(len(rounds.pagers)):
+        copied, target, filled, claim, *gate = read[i * per_layer : (i + 1) * per_layer]
         busy = (target > copied).nonzero().flatten().tolist()
         box = rounds.boxes[i]
         out.append(
@@ -639,7 +653,7 @@ def layer_words(rounds, device: torch.device) -> list[dict] | str:
                 "under_way": len(busy),
                 "first": [[s, int(copied[s]), int(target[s]), int(filled[s])] for s in busy[:4]],
                 "claim": [int(claim[0]) >> 2, int(claim[0]) & 3],
-                "used_wasted_closed": [int(v) for v in g],
+                "used_wasted_closed": [int(g) for g in gate],
                 "box_seq_count": [int(box[0]), int(box[1])],
             }
         )

@@ -10,6 +10,7 @@ import json
 import gpu_overlap_probe as probe  # scripts/ is on pytest's pythonpath (pyproject)
 import pytest
 from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.host_copier import publish
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +211,44 @@ def test_chain_words_name_each_word_and_one_stepped_forward_a_layer():
     words = probe.chain_words(flags)
     assert words["forward"] == flags[probe.FORWARD] and words["open"] == flags[probe.OPEN]
     assert words["stepped"] == [5, 5, 4]
+
+
+@pytest.fixture
+def host_rounds():
+    """A smoke model's onenode rounds on the CPU (the interpreter), the host copier's thread serving their mailboxes."""
+    args = probe._parse(["--device", "cpu", "--smoke"])
+    args.layers, args.experts, args.top_k, args.hidden, args.inter, args.slots = 3, 32, 4, 128, 64, 12
+    layout = probe.ExpertLayout.for_moe(args.hidden, args.inter, probe.torch.float8_e4m3fn, block=probe.BLOCK)
+    model = probe.Model(args, layout, probe.torch.device("cpu"))
+    model.restart([list(range(args.experts))] * args.layers, 0)
+    predicted = probe.torch.zeros((4, args.layers, args.top_k), dtype=probe.torch.int64)
+    rounds = probe.HostRounds(model, predicted, probe.Variant.parse("onenode"))
+    yield rounds
+    rounds.close()
+
+
+def _served(rounds, experts: int) -> bool:
+    return probe.finished_within(lambda: rounds.copier.stats()["experts"] >= experts, 5.0)
+
+
+def test_the_stall_report_names_a_copy_the_host_was_never_handed(host_rounds):
+    """What run 37's report reads beside a stuck run: a slot whose target is past its copied word is under way, and
+    the mailbox shows whether the host copier was handed it."""
+    state = host_rounds.pagers[1].vram.kernel_state()
+    state["target"][5] = int(state["copied"][5]) + 3
+    report = probe.stall_words(host_rounds, probe.torch.device("cpu"))
+    layer = report["layers"][1]
+    assert layer["under_way"] == 1 and layer["first"] == [[5, 0, 3, 0]]
+    assert layer["box_seq_count"] == [0, 0] and report["host_copier"]["experts"] == 0
+    assert all(other["under_way"] == 0 for i, other in enumerate(report["layers"]) if i != 1)
+    assert set(report["chain"]) >= {"forward", "timeouts", "published", "stepped"}
+
+
+def test_the_stall_report_sees_a_handed_copy_land(host_rounds):
+    """Once the list is in the layer's mailbox, the real thread copies it and writes the goal: nothing is under way."""
+    state = host_rounds.pagers[1].vram.kernel_state()
+    state["target"][5] = 3
+    publish(host_rounds.boxes[1], 7, rows=[2], slots=[5], goals=[3])
+    assert _served(host_rounds, 1)
+    layer = probe.stall_words(host_rounds, probe.torch.device("cpu"))["layers"][1]
+    assert layer["under_way"] == 0 and layer["box_seq_count"] == [7, 1]
