@@ -9,6 +9,7 @@ import json
 
 import gpu_overlap_probe as probe  # scripts/ is on pytest's pythonpath (pyproject)
 import pytest
+from bigmoe_bench.stall_report import chain_words, finished_within, stall_words
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_copier import publish
 
@@ -201,15 +202,15 @@ def test_finished_within_polls_until_done_or_the_deadline(ready_after, seconds, 
         polls.append(1)
         return len(polls) > ready_after
 
-    assert probe.finished_within(done, seconds, nap_s=0.001) is finished
+    assert finished_within(done, seconds, nap_s=0.001) is finished
 
 
 def test_chain_words_name_each_word_and_one_stepped_forward_a_layer():
-    from bigmoe_pager.core.prefetch_chain import STEPPED
+    from bigmoe_pager.core.prefetch_chain import FORWARD, OPEN, STEPPED
 
     flags = list(range(100, 100 + STEPPED)) + [5, 5, 4]
-    words = probe.chain_words(flags)
-    assert words["forward"] == flags[probe.FORWARD] and words["open"] == flags[probe.OPEN]
+    words = chain_words(flags)
+    assert words["forward"] == flags[FORWARD] and words["open"] == flags[OPEN]
     assert words["stepped"] == [5, 5, 4]
 
 
@@ -228,7 +229,7 @@ def host_rounds():
 
 
 def _served(rounds, experts: int) -> bool:
-    return probe.finished_within(lambda: rounds.copier.stats()["experts"] >= experts, 5.0)
+    return finished_within(lambda: rounds.copier.stats()["experts"] >= experts, 5.0)
 
 
 def test_the_stall_report_names_a_copy_the_host_was_never_handed(host_rounds):
@@ -236,7 +237,7 @@ def test_the_stall_report_names_a_copy_the_host_was_never_handed(host_rounds):
     the mailbox shows whether the host copier was handed it."""
     state = host_rounds.pagers[1].vram.kernel_state()
     state["target"][5] = int(state["copied"][5]) + 3
-    report = probe.stall_words(host_rounds, probe.torch.device("cpu"))
+    report = stall_words(host_rounds, probe.torch.device("cpu"))
     layer = report["layers"][1]
     assert layer["under_way"] == 1 and layer["first"] == [[5, 0, 3, 0]]
     assert layer["box_seq_count"] == [0, 0] and report["host_copier"]["experts"] == 0
@@ -250,5 +251,5 @@ def test_the_stall_report_sees_a_handed_copy_land(host_rounds):
     state["target"][5] = 3
     publish(host_rounds.boxes[1], 7, rows=[2], slots=[5], goals=[3])
     assert _served(host_rounds, 1)
-    layer = probe.stall_words(host_rounds, probe.torch.device("cpu"))["layers"][1]
+    layer = stall_words(host_rounds, probe.torch.device("cpu"))["layers"][1]
     assert layer["under_way"] == 0 and layer["box_seq_count"] == [7, 1]
