@@ -133,7 +133,7 @@ for step in "$@"; do
         IFS=: read -r recalls warmup profile rows <<< "$case"; name="r$recalls-w$warmup-p$profile-t${rows:-0}"
         PYTHONPATH="$PWD/pager:$PWD/bench" timeout -k 5 -s INT "${STALL_S:-120}" python3 scripts/gpu_overlap_probe.py \
           --families standard --variants onenode --recalls "$recalls" --warmup "$warmup" --tokens 64 \
-          --profile-tokens "$profile" --trace-rows "${rows:-0}" --stall-after 20 --dump-after 0 --out "$out/stall-$name.json" \
+          --profile-tokens "$profile" --profile-anyway --trace-rows "${rows:-0}" --stall-after 20 --dump-after 0 --out "$out/stall-$name.json" \
           > "/tmp/stall-$name.log" 2>&1
         echo "$name: probe exit $?"; grep -E '^\{' "/tmp/stall-$name.log" | cut -c1-300
         grep -v Warn "/tmp/stall-$name.log" | tail -n 3 | cut -c1-6000

@@ -120,12 +120,15 @@ def test_an_unknown_variant_is_one_line_and_exit_2(bad, capsys):
     assert err.startswith("gpu_overlap_probe: unknown") and "\n" not in err
 
 
-@pytest.mark.parametrize("recalls,refused", [("0.8", True), ("0,1.0", True), ("0", False)])
-def test_a_gpu_run_refuses_to_profile_beside_prefetching_host_rounds(recalls, refused, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "recalls,extra,refused",
+    [("0.8", [], True), ("0,1.0", [], True), ("0", [], False), ("0.8", ["--profile-anyway"], False)],
+)
+def test_a_gpu_run_refuses_to_profile_beside_prefetching_host_rounds(recalls, extra, refused, capsys, monkeypatch):
     """Runs 36-37: after torch.profiler ran in a process, onenode at recall 0.8 crawled (every wait gave up after a
     second); the probe says so in one line instead of hanging. At recall 0 nothing is copied, and it goes on."""
     monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)  # (past the check: stop at the next one)
-    argv = ["--variants", "none,onenode", "--recalls", recalls, "--profile-tokens", "8"]
+    argv = ["--variants", "none,onenode", "--recalls", recalls, "--profile-tokens", "8", *extra]
     assert probe.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
