@@ -294,8 +294,8 @@ class Model:
 
     def time(self, trace_dev, predicted, name: str, order, args) -> tuple[float, dict, dict | None]:
         """One variant: ms a timed token, its counters, and with --profile-tokens its profile, taken while its
-        host copier still serves (run 37: profiled after the copier closed, every copy a round published waited a
-        second, and the probe hung)."""
+        host copier still serves (until session 47 it profiled after closing the copier, where every copy a round
+        published would have waited a second)."""
         variant = Variant.parse(name)
         if variant.base != "resident":
             self.restart(order, variant.programs)
