@@ -653,8 +653,9 @@ def parse_args(argv):
         copying = [n for n in args.configs.split(",") if HOST_COPIER in n and host_copies(n, args)]
         if args.profile_tokens and copying and not args.smoke:
             p.error(
-                f"--profile-tokens with {copying[0]!r} at a recall above 0: after torch.profiler ran in a process, "
-                "host-copied rounds' waits give up a second each (runs 36-37); profile those in an engine of their own"
+                f"--profile-tokens with {copying[0]!r} at a recall above 0: in the overlap probe, host-copied rounds "
+                "crawled once torch.profiler had run in the process (runs 36-37), and an engine's later measurements "
+                "follow each profile; profile a configuration without +host"
             )
     return args
 
