@@ -16,9 +16,10 @@
 #          process's first graphs replay fast (run 23); each bounded
 #   stall  (the image's torch is enough) standard's `onenode` at recall 0.8 in a process of its own, per
 #          $STALL_CASES (recalls:warm-up:profiled tokens[:trace rows], default `0.8:64:0:136 0.8:64:8:200`: run 37
-#          stalled after a profiled run with a trace of 136 rows, ran unprofiled with 128: which of the two?), reported stalled after 20 s with the
-#          chain's words, the host copier's counters and each layer's copies under way, claim, gate and mailbox
-#          (exit 3); each bounded by STALL_S (120 s: a fresh process compiles for about 45 s)
+#          found the stall follows a torch.profiler session earlier in the process, not the trace: the first case
+#          ran, the second stalled), reported stalled after 20 s with the chain's words, the host copier's counters
+#          and each layer's copies under way, claim, gate and mailbox (exit 3); each bounded by STALL_S (120 s: a
+#          fresh process compiles for about 45 s)
 #   step-probe  (the image's torch is enough) the fused step's cost when every id hits (256 slots) under each eviction,
 #          and with misses (102 slots, lfu-duel), among the probe's MoE kernels; and back to back (the GPU test)
 #   copy-probe  (the image's torch is enough) scripts/gpu_copy_path_probe.py: an expert's copy on the SMs, through the
@@ -128,13 +129,13 @@ for step in "$@"; do
       timeout 240 python3 scripts/gpu_overlap_probe.py --families standard,topic-shift --variants "$v,$v,$v" \
         --recalls 0 --dump-after 45 --out "$out/overlap.json" ;;
     stall)
-      # Run 37 (H100): the stall follows the routing trace, whose rows are warm-up + 64 + profiled tokens.
+      # Run 37 (H100): profiled tokens earlier in the process (the resident run's) stall the onenode run after them.
       for case in ${STALL_CASES:-0.8:64:0:136 0.8:64:8:200}; do
         IFS=: read -r recalls warmup profile rows <<< "$case"; name="r$recalls-w$warmup-p$profile-t${rows:-0}"
         PYTHONPATH="$PWD/pager:$PWD/bench" timeout -k 5 -s INT "${STALL_S:-120}" python3 scripts/gpu_overlap_probe.py \
           --families standard --variants onenode --recalls "$recalls" --warmup "$warmup" --tokens 64 \
-          --profile-tokens "$profile" --profile-anyway --trace-rows "${rows:-0}" --stall-after 20 --dump-after 0 --out "$out/stall-$name.json" \
-          > "/tmp/stall-$name.log" 2>&1
+          --profile-tokens "$profile" --profile-anyway --trace-rows "${rows:-0}" --stall-after 20 --dump-after 0 \
+          --out "$out/stall-$name.json" > "/tmp/stall-$name.log" 2>&1
         echo "$name: probe exit $?"; grep -E '^\{' "/tmp/stall-$name.log" | cut -c1-300
         grep -v Warn "/tmp/stall-$name.log" | tail -n 3 | cut -c1-6000
       done ;;
