@@ -650,7 +650,7 @@ def parse_args(argv):
                 )
             except ValueError:
                 p.error(f"configuration {name!r}: @r takes a recall in [0, 1], and {AHEAD} or {HIGH} needs one")
-        copying = [n for n in args.configs.split(",") if HOST_COPIER in n and host_copies(n, args)]
+        copying = [n for n in args.configs.split(",") if HOST_COPIER in n and prefetches(n, args)]
         if args.profile_tokens and copying and not args.smoke:
             p.error(
                 f"--profile-tokens with {copying[0]!r} at a recall above 0: in the overlap probe, host-copied rounds "
@@ -660,7 +660,7 @@ def parse_args(argv):
     return args
 
 
-def host_copies(name: str, args) -> bool:
+def prefetches(name: str, args) -> bool:
     """Whether an engine of this configuration measures a point that prefetches (a recall above 0)."""
     return any(point is not None and point.recall > 0 for point in recalls_of(name, args.recalls, args.wrong))
 
