@@ -503,6 +503,9 @@ class HostRounds:
             serve_pager(self.copier, pager, box)
         self.words = progress_words(pagers, device)
         self.layers = layers
+        self.tolerate_timeouts = model.args.profile_anyway
+        """--profile-anyway: waits that gave up are counted in the row (`timeouts`), not an error: a late copy's
+        cost is what such a run measures (runs 36-38)."""
 
     def replayed(self, pos: torch.Tensor) -> None:
         """Every layer's cursor past the token's row, as the routing replay leaves it before each step."""
@@ -532,12 +535,12 @@ class HostRounds:
         self._served = self.copier.stats()["rounds"]
 
     def summary(self, tokens: int) -> dict:
-        """Rounds the host copier served per timed token (empty ones too) and the
-        layers whose prefetch gate is closed now."""
+        """Rounds the host copier served per timed token (empty ones too), the layers whose prefetch gate is closed
+        now, and the waits that gave up since the compiling tokens (the warm-up's and the timed tokens')."""
         time.sleep(0.05)
         served = self.copier.stats()["rounds"] - self._served
         closed = sum(not p.vram.gate_is_open() for p in self.pagers)
-        return {"rounds_per_token": round(served / tokens, 2), "gates_closed": closed}
+        return {"rounds_per_token": round(served / tokens, 2), "gates_closed": closed, "timeouts": self.chain.timeouts}
 
     def compiled(self) -> None:
         """After the eager tokens that compile the kernels: any wait they gave up is forgotten (`check` judges the
@@ -553,9 +556,9 @@ class HostRounds:
         self.chain.end_forward()
 
     def check(self) -> None:
-        """No wait gave up and the host copier reports no error."""
+        """No wait gave up (unless tolerated) and the host copier reports no error."""
         served = self.copier.stats()
-        if self.chain.timeouts or served["error"]:
+        if (self.chain.timeouts and not self.tolerate_timeouts) or served["error"]:
             raise RuntimeError(f"host rounds: {self.chain.timeouts} waits gave up; host copier {served}")
 
     def close(self) -> None:

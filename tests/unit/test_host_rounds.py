@@ -17,6 +17,7 @@ from bigmoe_bench import traces
 from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.host_rounds import drain_published, publish_admitted
 from bigmoe_pager.core.prefetch_chain import PUBLISHED, TIMEOUTS
+from bigmoe_pager.core.round_sync import HELD
 from test_forward_rounds import chain_at, copier_rounds, host_copies_waited_for
 from test_live_predictor import EXPERTS
 from test_prefetch_chain import captured_model, run_forwards
@@ -64,15 +65,17 @@ def test_the_live_predictor_s_rounds_copied_by_the_host_move_what_kernel_copies_
 
 
 def drain_words(progress: list) -> tuple[list, torch.Tensor]:
-    """Per layer (copied, target) tensors from lists, and their progress_words."""
-    tensors = [(torch.tensor(c), torch.tensor(t)) for c, t in progress]
-    return tensors, torch.tensor([[c.data_ptr(), t.data_ptr()] for c, t in tensors])
+    """Per layer (copied, target, filled) tensors from (copied, target) lists, filled by forward 1, and their
+    progress_words."""
+    tensors = [(torch.tensor(c), torch.tensor(t), torch.ones(len(c), dtype=torch.int64)) for c, t in progress]
+    return tensors, torch.tensor([[w.data_ptr() for w in layer] for layer in tensors])
 
 
-def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
+def test_a_forward_s_drain_counts_each_layer_still_copying_and_holds_those_slots_until_their_copies_land():
     """drain_published at a forward's end, after a publication with entries: layers whose copies are done pass, each
-    one still under way is counted in TIMEOUTS once the drain's polls are spent (the interpreter polls once), and the
-    PUBLISHED word stays set, so the next drain looks again."""
+    one still under way is counted in TIMEOUTS once the drain's polls are spent (the interpreter polls once) and its
+    late slots are held (round_sync.HELD). The next drain waits for held slots no more (run 38: a late copy cost a
+    second in every later forward), keeps PUBLISHED set while they are late, and releases each once its copy lands."""
     slots = 4
     tensors, words = drain_words(
         [
@@ -86,9 +89,17 @@ def test_a_forward_s_drain_of_host_copies_counts_each_layer_still_copying():
     chain.flags[PUBLISHED] = 1
     drain_published(words, slots, chain.flags, max_spins=2)
     assert int(chain.flags[TIMEOUTS]) == 2 and int(chain.flags[PUBLISHED]) == 1
-    assert np.array_equal(tensors[1][0].numpy(), [5, 1, 0, 0, 0])  # a drain only waits: it writes no progress
+    assert np.array_equal(tensors[1][0].numpy(), [5, 1, 0, 0, 0])  # a drain writes no progress
+    held = [(layer, slot) for layer, (_, _, f) in enumerate(tensors) for slot in range(slots) if f[slot] == HELD]
+    assert held == [(1, 1), (3, 3)]
     drain_published(words, slots, chain.flags, max_spins=2)
-    assert int(chain.flags[TIMEOUTS]) == 4  # looked again: those copies are still not seen done
+    assert int(chain.flags[TIMEOUTS]) == 2 and int(chain.flags[PUBLISHED]) == 1  # held: looked at, not waited for
+    tensors[1][0][1] = 2  # layer 1's late copy lands; layer 3's is still late
+    drain_published(words, slots, chain.flags, max_spins=2)
+    assert int(tensors[1][2][1]) == 0 and int(tensors[3][2][3]) == HELD and int(chain.flags[PUBLISHED]) == 1
+    tensors[3][0][3] = 1
+    drain_published(words, slots, chain.flags, max_spins=2)
+    assert int(tensors[3][2][3]) == 0 and int(chain.flags[PUBLISHED]) == 0 and int(chain.flags[TIMEOUTS]) == 2
 
 
 def test_a_drain_looks_only_after_a_publication_with_entries_and_clears_it_once_all_are_done():

@@ -17,7 +17,7 @@ from bigmoe_bench import traces
 from bigmoe_pager.core.copy_kernel import record_blocks
 from bigmoe_pager.core.prediction import LivePredictions
 from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, PrefetchChain
-from bigmoe_pager.core.round_sync import CANCELLED, CLAIMED, DECIDED
+from bigmoe_pager.core.round_sync import CANCELLED, CLAIMED, DECIDED, HELD
 from bigmoe_pager.settings import PagerSettings
 from test_live_predictor import EXPERTS
 from test_prefetch_chain import captured_model, run_forwards
@@ -163,6 +163,52 @@ def test_a_slot_this_forward_s_round_filled_is_never_taken_for_a_miss(copying):
     assert int(got.loaded) == 1 and int(got.miss_slots[0]) != oldest
     assert int(joinless.vram.expert_slot[0]) == oldest  # expert 0 stays where its copy goes on
     assert int(chain.flags[TIMEOUTS]) == 0
+
+
+def hold_late(pager, slot: int, behind: int) -> None:
+    """As a drain leaves a slot whose host copy it gave up on: the copy `behind` blocks short of its goal (0: it has
+    landed since, and no drain has released the slot yet), the slot held."""
+    _, copied, target = sync_words(pager)
+    target[slot] = copied[slot] + behind
+    filled(pager)[slot] = HELD
+
+
+def test_a_needed_slot_held_for_a_late_host_copy_is_copied_by_the_step_at_once_not_waited_for_again():
+    """Run 38: a host copy that outlived its forward cost a second's wait in every later step that hit its slot.
+    Held by the drain, the slot is copied by the step without a wait (no timeout counted), with the right bytes."""
+    (joined, pstats), (joinless, jstats), chain = joined_and_joinless(40, 12, "lru", seed=7)
+    predicted = torch.tensor([3, 9, 21, 30])
+    joined.prefetch(predicted)
+    joinless.prefetch(predicted, chain_flags=chain.flags)
+    next_forward(chain)
+    slot = int(joinless.vram.expert_slot[21])
+    hold_late(joinless, slot, behind=7)
+    for buf in slot_bytes(joinless).values():
+        buf[slot].fill_(0)  # the late copy has written nothing yet
+    ids = torch.tensor([[21, 3, 1, 2]], dtype=torch.int32)
+    got_a = joined.acquire(ids)
+    got_b = step_giving_up(joinless, ids, chain, 4)
+    assert_same(joined, joinless, got_a, got_b, "held slot")  # the step's own copy of expert 21
+    assert int(chain.flags[TIMEOUTS]) == 0 and int(filled(joinless)[slot]) == HELD
+    assert jstats.snapshot()["vram"].prefetch_late == 1  # still counted: the step copied what the prefetch had not
+
+
+@pytest.mark.parametrize("behind", [3, 0])
+def test_a_slot_held_for_a_late_host_copy_is_never_taken_for_a_miss_or_a_prefetch(behind):
+    """Whether the late copy is still under way or has landed unseen: until a drain releases the slot it keeps its
+    expert, even as the policy's first victim (the late bytes would land over another expert's)."""
+    (_, _), (joinless, _), chain = joined_and_joinless(40, 6, "lru", seed=9)
+    joinless.acquire(torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=torch.int32))  # slots 0-5 hold experts 0-5
+    oldest = int(joinless.vram.expert_slot[0])  # LRU's victim: all six were used at the same step, lowest first
+    next_forward(chain)
+    hold_late(joinless, oldest, behind)
+    got = step_giving_up(joinless, torch.tensor([[1, 2, 10, -1, -1, -1]], dtype=torch.int32), chain, 4)
+    assert int(got.loaded) == 1 and int(got.miss_slots[0]) != oldest
+    next_forward(chain)
+    rounds = joinless.prefetch(torch.tensor([11, 12]), chain_flags=chain.flags)
+    taken = rounds.slots[rounds.slots >= 0]
+    assert taken.numel() > 0 and oldest not in taken.tolist()
+    assert int(joinless.vram.expert_slot[0]) == oldest and int(chain.flags[TIMEOUTS]) == 0
 
 
 def test_a_step_with_too_few_idle_slots_waits_for_the_copies_and_gives_up_counted():

@@ -141,7 +141,7 @@ def _bytes_of(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import lfu_key
     from bigmoe_pager.core.prefetch_chain import FORWARD, count_open_gate, quiet_forward
-    from bigmoe_pager.core.round_sync import claim_round, release_round
+    from bigmoe_pager.core.round_sync import claim_round, held_slots, release_round
 
     _FORWARD = tl.constexpr(FORWARD)
 
@@ -337,6 +337,8 @@ if triton is not None:
             protect = (tl.load(want_ptr + held, mask=occupied, other=0) != 0) | (last >= step)
             if HAS_KEEP:
                 protect = protect | (tl.load(keep_ptr + s_ar, mask=s_in, other=0) != 0)
+            if SYNC:  # a slot a late host copy still targets keeps its expert (round_sync: HELD)
+                protect = protect | held_slots(filled_ptr, s_ar, s_in)
             key = victim_keys(held, last, protect, s_ar, freq_ptr, E, S, NEEDED, LFU)
             free = key != NEEDED
             n_take = tl.minimum(tl.minimum(n_fetch, m), tl.sum(free.to(tl.int64), 0)).to(tl.int32)

@@ -10,10 +10,14 @@ kernel's copy.
 Nothing else orders the host's copies, so a forward whose rounds the host copies ends, once its side stream is
 joined (so that every publication of the forward is in), with `drain_published`: a device wait until no published
 copy is under way in any of those layers. Otherwise a copy could land in a slot that a later step (of the next
-forward, or an eager one) took for another expert. A publication with entries sets the
-chain's PUBLISHED word; a drain that finds it clear returns at once (every earlier copy was seen done by an earlier
-drain, and nothing published since), which is every forward of an idle prefetch path (its gates closed, its lists
-empty): one load instead of a pass over every layer's slots.
+forward, or an eager one) took for another expert. The wait is bounded (about a second); a copy still under way
+when it gives up is late, and the drain HOLDS its slot (core.round_sync: `filled` = HELD): no round or joinless step
+gives a held slot to another expert, a step that hits it copies the expert itself without waiting, and a later
+drain releases it once the copy has landed, waiting for it no more than the steps do. A publication with entries
+sets the chain's PUBLISHED word; a drain clears it once no copy is under way (none late either), and one that finds
+it clear returns at once (every earlier copy was seen done by an earlier drain, and nothing published since), which
+is every forward of an idle prefetch path (its gates closed, its lists empty): one load instead of a pass over
+every layer's slots.
 
 Two publishers: the one-node kernel (core.forward_rounds, its one program after each decision) and a per-layer round
 (ExpertPager.prefetch with a mailbox: the admit kernel, then `publish_admitted`'s one-program launch).
@@ -54,17 +58,22 @@ def serve_pager(copier, pager, mailbox: torch.Tensor) -> None:
     copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
 
 
+PROGRESS_WORDS = ("copied", "target", "filled")
+"""Each layer's table words a drain reads (core.round_sync), in the columns of `progress_words`."""
+
+
 def progress_words(pagers: list, device: torch.device) -> torch.Tensor:
-    """int64 [layers, 2]: the addresses of each pager's joinless `copied` and `target` words (what a drain reads).
-    Made outside any capture (a host copy)."""
-    rows = [[p.vram.kernel_state()[w].data_ptr() for w in ("copied", "target")] for p in pagers]
+    """int64 [layers, 3]: the addresses of each pager's joinless PROGRESS_WORDS (what a drain reads, and `filled`,
+    which it writes to hold a late copy's slot). Made outside any capture (a host copy)."""
+    rows = [[p.vram.kernel_state()[w].data_ptr() for w in PROGRESS_WORDS] for p in pagers]
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_spins: int | None = None) -> None:
     """Enqueue a wait until no slot of the layers in `words` (progress_words, all with `slots` slots) is still being
-    copied. Bounded: max_spins polls in all (about a second on a GPU); each layer whose copies were still under way
-    when the wait gave up is counted in the chain's TIMEOUTS word."""
+    copied, slots already held for a late copy aside. Bounded: max_spins polls in all (about a second on a GPU); each
+    layer with copies still under way when the wait gave up is counted in the chain's TIMEOUTS word, and their slots
+    are held (round_sync.HELD); held slots whose copies have landed are released."""
     on_gpu = words.is_cuda
     if max_spins is None:
         max_spins = GPU_MAX_SPINS if on_gpu else 1
@@ -76,10 +85,11 @@ def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_sp
 if triton is not None:
     from bigmoe_pager.core.memory_order import SYS_SCOPE, store_release
     from bigmoe_pager.core.prefetch_chain import FORWARD, PUBLISHED, TIMEOUTS
-    from bigmoe_pager.core.round_sync import wait_copies
+    from bigmoe_pager.core.round_sync import HELD, copies_under_way, held_slots, wait_busy
 
     _HEADER = tl.constexpr(HEADER_WORDS)  # a mailbox's words before its lists (seq, count, a spare)
     _FORWARD, _TIMEOUTS, _PUBLISHED = tl.constexpr(FORWARD), tl.constexpr(TIMEOUTS), tl.constexpr(PUBLISHED)
+    _HELD, _COLUMNS = tl.constexpr(HELD), tl.constexpr(len(PROGRESS_WORDS))
 
     @triton.jit
     def publish_round(
@@ -150,12 +160,21 @@ if triton is not None:
         slots = tl.arange(0, BLOCK_S)
         if tl.load(flags_ptr + _PUBLISHED, volatile=True) != 0:  # (clear: nothing published since the last full drain)
             budget = max_spins  # for the whole drain: once a wait gives up, the later layers are only looked at
+            outstanding = 0  # copies still under way once the drain is done: late or held
             for layer in range(0, layers):
-                copied_ptr = tl.load(words_ptr + layer * 2).to(tl.pointer_type(tl.int64))
-                target_ptr = tl.load(words_ptr + layer * 2 + 1).to(tl.pointer_type(tl.int64))
-                late = wait_copies(copied_ptr, target_ptr, slots, slots < S, budget, ON_GPU)
+                row = words_ptr + layer * _COLUMNS
+                copied_ptr = tl.load(row).to(tl.pointer_type(tl.int64))
+                target_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int64))
+                filled_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int64))
+                held = held_slots(filled_ptr, slots, slots < S)
+                busy = copies_under_way(copied_ptr, target_ptr, slots, slots < S, ON_GPU)
+                late = wait_busy(copied_ptr, target_ptr, slots, busy & ~held, budget, ON_GPU)
                 if tl.sum(late.to(tl.int32), 0) > 0:
                     tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
                     budget = 0
-            if budget > 0:  # every copy seen done: the next drain may skip until something is published again
+                still = held & copies_under_way(copied_ptr, target_ptr, slots, held, ON_GPU)
+                tl.store(filled_ptr + slots, 0, mask=held & ~still)  # landed: the slot is the tables' again
+                tl.store(filled_ptr + slots, _HELD, mask=late)
+                outstanding += tl.sum((late | still).to(tl.int32), 0)
+            if outstanding == 0:  # every copy seen done: the next drain may skip until something is published again
                 tl.store(flags_ptr + _PUBLISHED, 0)

@@ -10,7 +10,7 @@ forward's end, and the two meet through words in device memory instead:
     claim          one word per table: forward * 4 + CLAIMED | DECIDED | CANCELLED
     copied[slot]   copy blocks finished into the slot, ever (the copy adds each program's share)
     target[slot]   what copied[slot] will be once the latest round's copy into it is done
-    filled[slot]   the forward whose round last filled the slot
+    filled[slot]   the forward whose round last filled the slot, or HELD: a host copy into it outlived a drain
 
 - The round's admit claims the table for this forward (atomic max) before it reads it. If the step
   came first and cancelled the round, the round changes and copies nothing. Otherwise it decides as
@@ -30,6 +30,13 @@ forward's end, and the two meet through words in device memory instead:
   slot itself: the round writes the same bytes into the same slot, so the race is harmless. It is
   counted (the chain's TIMEOUTS word), as is a claimed round that never decided (then the step
   proceeds: that round's kernel would have to be stuck, which no test has seen).
+- A host copy can outlive its forward (core.host_rounds: the drain gives up after about a second; run 38
+  saw two copies that had not landed a minute later, in a process where torch.profiler had run). Its slot
+  is then HELD (the drain writes it into `filled`, between forwards, so every program of a step reads
+  one value): no round or step gives it to another expert, since the late bytes would land over that
+  expert's; a step that hits it copies the expert itself at once instead of waiting again (the same
+  bytes as the late copy); and the first drain that finds the copy landed releases it. Without this a
+  late copy cost a second in every later forward that hit the slot, for the engine's life.
 
 Measured inside vLLM 0.33 (run 17 in docs/benchmarks.md), a joinless forward decides, copies and produces tokens
 as a joined one, and is 0.09 ms a token slower: with no graph edge a layer the idle path still costs 0.43 ms, so
@@ -53,11 +60,14 @@ except ImportError:
 CLAIMED, DECIDED, CANCELLED = 1, 2, 3
 """A claim word's state in its low two bits (forward * 4 + state)."""
 
+HELD = -1
+"""A `filled` word's value while a host copy into the slot is late (forwards count from 1; 0 is no forward)."""
+
 
 if triton is not None:
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
 
-    _CLAIMED, _DECIDED, _CANCELLED = (tl.constexpr(v) for v in (CLAIMED, DECIDED, CANCELLED))
+    _CLAIMED, _DECIDED, _CANCELLED, _HELD = (tl.constexpr(v) for v in (CLAIMED, DECIDED, CANCELLED, HELD))
 
     @triton.jit
     def claim_round(claim_ptr, forward):
@@ -98,6 +108,13 @@ if triton is not None:
         """Which of `slots` (where mask) this forward's round filled (read afresh: the round's kernel wrote them)."""
         safe = tl.where(mask, slots, 0)
         return mask & (tl.load(filled_ptr + safe, volatile=True) == forward)
+
+    @triton.jit
+    def held_slots(filled_ptr, slots, mask):
+        """Which of `slots` (where mask) the drain holds for a late host copy (stable for a whole forward: only a
+        drain, between forwards, writes HELD or releases it)."""
+        safe = tl.where(mask, slots, 0)
+        return mask & (tl.load(filled_ptr + safe, mask=mask, other=0, volatile=True) == _HELD)
 
     @triton.jit
     def copies_under_way(copied_ptr, target_ptr, slots, mask, ON_GPU: tl.constexpr):

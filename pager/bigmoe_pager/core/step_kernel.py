@@ -238,6 +238,7 @@ if triton is not None:
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step, quiet_forward
     from bigmoe_pager.core.round_sync import (
         copies_under_way,
+        held_slots,
         round_filled,
         settle_round,
         wait_busy,
@@ -369,7 +370,8 @@ if triton is not None:
         avail = s_in & ~held_needed
         if SYNC:  # the slots this forward's round filled are not taken (a set every program reads alike, where
             # the copies' progress is not), unless too few others are left: then once those copies are all done
-            if settles:  # (a quiet forward's rounds filled none)
+            if settles:  # (a quiet forward's rounds filled none, and no host copy is late)
+                avail = avail & ~held_slots(filled_ptr, s_ar, avail)  # a late host copy's slot keeps its expert
                 busy = round_filled(filled_ptr, forward, s_ar, avail)
                 short = tl.minimum(misses, m) - tl.sum((avail & ~busy).to(tl.int64), 0)
                 if short > 0:
@@ -476,9 +478,9 @@ if triton is not None:
         )
 
         # 3b. A joinless forward: vLLM's kernel reads the slots once this launch ends, so one program waits for the
-        # round's copies into the slots this step hits, and copies any still under way after max_spins itself
-        # (the same expert's bytes into the same slot: the race with the round is harmless); in a quiet forward none
-        # is under way.
+        # round's copies into the slots this step hits, and copies any still under way after max_spins itself, at
+        # once where a drain holds the slot for a late host copy (the same expert's bytes into the same slot: the race
+        # with the round or the host is harmless); in a quiet forward none is under way.
         if SYNC:
             if (pid == 0) & settles:
                 pending = copies_under_way(copied_ptr, target_ptr, where_now, first & hit, ON_GPU)
@@ -486,7 +488,11 @@ if triton is not None:
                 if HAS_STATS:  # the prefetches this step waits for: copies not hidden behind compute
                     if n_pending > 0:
                         tl.atomic_add(stats_ptr + _PREFETCH_LATE, n_pending)
-                late = wait_busy(copied_ptr, target_ptr, where_now, pending, max_spins, ON_GPU)
+                held_hits = held_slots(filled_ptr, where_now, pending)  # a drain gave up on these: no second wait
+                gave_up = wait_busy(copied_ptr, target_ptr, where_now, pending & ~held_hits, max_spins, ON_GPU)
+                if tl.sum(gave_up.to(tl.int32), 0) > 0:
+                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
+                late = gave_up | held_hits
                 n_late = tl.sum(late.to(tl.int32), 0)
                 if n_late > 0:
                     late_rank = tl.sum((late[None, :] & (j[None, :] < j[:, None])).to(tl.int32), 1)
@@ -521,7 +527,6 @@ if triton is not None:
                         NBLK,
                         BLOCK,
                     )
-                    tl.atomic_add(chain_ptr + _TIMEOUTS, 1)
 
         # 4. The new table state. When nothing is loaded (every id hits, or no slot is free) one program writes it
         # at once: the others use nothing it changes (the ranking was skipped and the slot map stays), so none need
