@@ -681,6 +681,7 @@ ENGINE_FACTS = (
     "prefetch_forks",
     "prefetch_chain_timeouts",
     "prefetch_chain_cancels",
+    "prefetch_chain_late",
     "prefetch_host_copier",
     "step_kernels",
     "load_copy_bytes",

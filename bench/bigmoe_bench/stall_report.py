@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
-from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, OPEN, PUBLISHED, QUIET, STEPPED, TIMEOUTS
+from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, LATE, OPEN, PUBLISHED, QUIET, STEPPED, TIMEOUTS
 
 
 class Stalled(Exception):
@@ -38,6 +38,7 @@ CHAIN_WORDS = {
     "published": PUBLISHED,
     "quiet": QUIET,
     "open": OPEN,
+    "late": LATE,
 }
 
 

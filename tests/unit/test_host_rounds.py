@@ -16,7 +16,7 @@ import torch
 from bigmoe_bench import traces
 from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.host_rounds import drain_published, publish_admitted
-from bigmoe_pager.core.prefetch_chain import PUBLISHED, TIMEOUTS
+from bigmoe_pager.core.prefetch_chain import LATE, PUBLISHED, TIMEOUTS
 from bigmoe_pager.core.round_sync import HELD
 from test_forward_rounds import chain_at, copier_rounds, host_copies_waited_for
 from test_live_predictor import EXPERTS
@@ -89,6 +89,7 @@ def test_a_forward_s_drain_counts_each_layer_still_copying_and_holds_those_slots
     chain.flags[PUBLISHED] = 1
     drain_published(words, slots, chain.flags, max_spins=2)
     assert int(chain.flags[TIMEOUTS]) == 2 and int(chain.flags[PUBLISHED]) == 1
+    assert int(chain.flags[LATE]) == 1  # one drain with late copies, however many layers
     assert np.array_equal(tensors[1][0].numpy(), [5, 1, 0, 0, 0])  # a drain writes no progress
     held = [(layer, slot) for layer, (_, _, f) in enumerate(tensors) for slot in range(slots) if f[slot] == HELD]
     assert held == [(1, 1), (3, 3)]
@@ -100,6 +101,7 @@ def test_a_forward_s_drain_counts_each_layer_still_copying_and_holds_those_slots
     tensors[3][0][3] = 1
     drain_published(words, slots, chain.flags, max_spins=2)
     assert int(tensors[3][2][3]) == 0 and int(chain.flags[PUBLISHED]) == 0 and int(chain.flags[TIMEOUTS]) == 2
+    assert int(chain.flags[LATE]) == 1  # held slots looked at again are not late again
 
 
 def test_a_drain_looks_only_after_a_publication_with_entries_and_clears_it_once_all_are_done():

@@ -209,11 +209,11 @@ def test_finished_within_polls_until_done_or_the_deadline(ready_after, seconds, 
 
 
 def test_chain_words_name_each_word_and_one_stepped_forward_a_layer():
-    from bigmoe_pager.core.prefetch_chain import FORWARD, OPEN, STEPPED
+    from bigmoe_pager.core.prefetch_chain import FORWARD, LATE, OPEN, STEPPED
 
     flags = list(range(100, 100 + STEPPED)) + [5, 5, 4]
     words = chain_words(flags)
-    assert words["forward"] == flags[FORWARD] and words["open"] == flags[OPEN]
+    assert words["forward"] == flags[FORWARD] and words["open"] == flags[OPEN] and words["late"] == flags[LATE]
     assert words["stepped"] == [5, 5, 4]
 
 

@@ -16,7 +16,7 @@ import torch
 from bigmoe_bench import traces
 from bigmoe_pager.core.copy_kernel import record_blocks
 from bigmoe_pager.core.prediction import LivePredictions
-from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, LATE, LATE_LIMIT, OPEN, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, CLAIMED, DECIDED, HELD
 from bigmoe_pager.settings import PagerSettings
 from test_live_predictor import EXPERTS
@@ -209,6 +209,29 @@ def test_a_slot_held_for_a_late_host_copy_is_never_taken_for_a_miss_or_a_prefetc
     taken = rounds.slots[rounds.slots >= 0]
     assert taken.numel() > 0 and oldest not in taken.tolist()
     assert int(joinless.vram.expert_slot[0]) == oldest and int(chain.flags[TIMEOUTS]) == 0
+
+
+@pytest.mark.parametrize("late_drains", [LATE_LIMIT - 1, LATE_LIMIT])
+def test_rounds_fetch_nothing_once_enough_drains_found_host_copies_late(late_drains):
+    """Run 38: where the copy engines' work stopped landing beside the kernels, every forward's drain waited its
+    second. From LATE_LIMIT such drains on, a round judges and marks what it would fetch as always but takes nothing,
+    and counts no open gate (so the forwards can be quiet); below it, a round fetches as always."""
+    rng = random.Random(4)
+    (_, _), (joinless, _), chain = joined_and_joinless(40, 12, "lru", seed=4)
+    chain.flags[LATE] = late_drains
+    held_back = late_drains >= LATE_LIMIT
+    hot = rng.sample(range(40), 10)
+    taken = 0
+    for _ in range(4):
+        predicted = torch.tensor(rng.sample(range(40), 6), dtype=torch.int64)
+        taken += int((joinless.prefetch(predicted, chain_flags=chain.flags).slots >= 0).sum())
+        joinless.acquire(step_ids(rng, 40, 1, 4, hot), chain.signal(1, first=False, joinless=True))
+        next_forward(chain)
+    assert int(chain.flags[TIMEOUTS]) == 0 and (taken == 0) == held_back
+    if held_back:  # judged and marked: the gate's scores go on; no open gate counted
+        assert int(joinless.vram.admit_state()["would_fetch"].sum()) > 0 and int(chain.flags[OPEN]) == 0
+    else:
+        assert int(chain.flags[OPEN]) > 0
 
 
 def test_a_step_with_too_few_idle_slots_waits_for_the_copies_and_gives_up_counted():

@@ -140,7 +140,7 @@ def _bytes_of(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import lfu_key
-    from bigmoe_pager.core.prefetch_chain import FORWARD, count_open_gate, quiet_forward
+    from bigmoe_pager.core.prefetch_chain import FORWARD, copies_land_late, count_open_gate, quiet_forward
     from bigmoe_pager.core.round_sync import claim_round, held_slots, release_round
 
     _FORWARD = tl.constexpr(FORWARD)
@@ -325,9 +325,10 @@ if triton is not None:
                 fetch = fetch & (row >= 0) & (tl.load(src_posted_ptr + row, mask=row >= 0, other=1) == 0)
             fetch = within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E, BUDGET)
             held_back = ~gate_open
-            if SYNC:
-                held_back = held_back | quiet
-                count_open_gate(flags_ptr, gate_open)
+            if SYNC:  # (copies that keep landing late: the gate's judging goes on, its fetching does not)
+                late_path = copies_land_late(flags_ptr)
+                held_back = held_back | quiet | late_path
+                count_open_gate(flags_ptr, gate_open & ~late_path)
             tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & held_back).to(tl.int32), mask=e_in)
             fetch = fetch & ~held_back
             n_fetch = tl.sum(fetch.to(tl.int64), 0)

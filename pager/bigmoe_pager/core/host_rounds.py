@@ -13,7 +13,10 @@ copy is under way in any of those layers. Otherwise a copy could land in a slot 
 forward, or an eager one) took for another expert. The wait is bounded (about a second); a copy still under way
 when it gives up is late, and the drain HOLDS its slot (core.round_sync: `filled` = HELD): no round or joinless step
 gives a held slot to another expert, a step that hits it copies the expert itself without waiting, and a later
-drain releases it once the copy has landed, waiting for it no more than the steps do. A publication with entries
+drain releases it once the copy has landed, waiting for it no more than the steps do. A drain that holds a slot
+adds one to the chain's LATE word; from core.prefetch_chain's LATE_LIMIT on, rounds fetch nothing more (the copy
+engines' work is not landing beside the kernels, run 38: every forward's drain would wait its second). A publication
+with entries
 sets the chain's PUBLISHED word; a drain clears it once no copy is under way (none late either), and one that finds
 it clear returns at once (every earlier copy was seen done by an earlier drain, and nothing published since), which
 is every forward of an idle prefetch path (its gates closed, its lists empty): one load instead of a pass over
@@ -73,7 +76,7 @@ def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_sp
     """Enqueue a wait until no slot of the layers in `words` (progress_words, all with `slots` slots) is still being
     copied, slots already held for a late copy aside. Bounded: max_spins polls in all (about a second on a GPU); each
     layer with copies still under way when the wait gave up is counted in the chain's TIMEOUTS word, and their slots
-    are held (round_sync.HELD); held slots whose copies have landed are released."""
+    are held (round_sync.HELD), the drain counted once in LATE; held slots whose copies have landed are released."""
     on_gpu = words.is_cuda
     if max_spins is None:
         max_spins = GPU_MAX_SPINS if on_gpu else 1
@@ -84,12 +87,12 @@ def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_sp
 
 if triton is not None:
     from bigmoe_pager.core.memory_order import SYS_SCOPE, store_release
-    from bigmoe_pager.core.prefetch_chain import FORWARD, PUBLISHED, TIMEOUTS
+    from bigmoe_pager.core.prefetch_chain import FORWARD, LATE, PUBLISHED, TIMEOUTS
     from bigmoe_pager.core.round_sync import HELD, copies_under_way, held_slots, wait_busy
 
     _HEADER = tl.constexpr(HEADER_WORDS)  # a mailbox's words before its lists (seq, count, a spare)
     _FORWARD, _TIMEOUTS, _PUBLISHED = tl.constexpr(FORWARD), tl.constexpr(TIMEOUTS), tl.constexpr(PUBLISHED)
-    _HELD, _COLUMNS = tl.constexpr(HELD), tl.constexpr(len(PROGRESS_WORDS))
+    _HELD, _COLUMNS, _LATE = tl.constexpr(HELD), tl.constexpr(len(PROGRESS_WORDS)), tl.constexpr(LATE)
 
     @triton.jit
     def publish_round(
@@ -161,6 +164,7 @@ if triton is not None:
         if tl.load(flags_ptr + _PUBLISHED, volatile=True) != 0:  # (clear: nothing published since the last full drain)
             budget = max_spins  # for the whole drain: once a wait gives up, the later layers are only looked at
             outstanding = 0  # copies still under way once the drain is done: late or held
+            newly_late = 0
             for layer in range(0, layers):
                 row = words_ptr + layer * _COLUMNS
                 copied_ptr = tl.load(row).to(tl.pointer_type(tl.int64))
@@ -176,5 +180,8 @@ if triton is not None:
                 tl.store(filled_ptr + slots, 0, mask=held & ~still)  # landed: the slot is the tables' again
                 tl.store(filled_ptr + slots, _HELD, mask=late)
                 outstanding += tl.sum((late | still).to(tl.int32), 0)
+                newly_late += tl.sum(late.to(tl.int32), 0)
+            if newly_late > 0:  # one a drain, however many layers (core.prefetch_chain: LATE_LIMIT)
+                tl.atomic_add(flags_ptr + _LATE, 1)
             if outstanding == 0:  # every copy seen done: the next drain may skip until something is published again
                 tl.store(flags_ptr + _PUBLISHED, 0)

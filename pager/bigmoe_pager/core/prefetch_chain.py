@@ -15,6 +15,8 @@ device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured sl
                         drain saw every copy done (core.host_rounds)
     flags[QUIET]        the next joinless forward's number when it is quiet (written at each joinless forward's end)
     flags[OPEN]         gates a joinless forward's rounds found open after judging (reset at the forward's end)
+    flags[LATE]         drains that held a slot for a host copy still under way (core.host_rounds); from LATE_LIMIT
+                        on, rounds fetch nothing: the copy engines' work is not landing beside the kernels
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
 
 A joinless forward is quiet when, at the end of the one before, no round's gate was open and no copy was under way
@@ -57,7 +59,12 @@ try:
 except ImportError:
     triton = tl = None
 
-FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, STEPPED = 0, 1, 2, 3, 4, 5, 6
+FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, LATE, STEPPED = 0, 1, 2, 3, 4, 5, 6, 7
+LATE_LIMIT = 3
+"""Drains with a late host copy after which prefetch rounds hold back for the engine's life. Run 38: in a process
+where the copies stopped landing beside the kernels (after a torch.profiler session) every forward's drain waited its
+second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not switch prefetch
+off."""
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
@@ -131,6 +138,12 @@ class PrefetchChain:
         return int(self.flags[QUIET])
 
     @property
+    def late(self) -> int:
+        """Drains that held a slot for a late host copy (reads the device: one sync); LATE_LIMIT or more: rounds hold
+        back."""
+        return int(self.flags[LATE])
+
+    @property
     def cancels(self) -> int:
         """Rounds a joinless forward's steps cancelled so far (reads the device: one sync)."""
         return int(self.flags[CANCELS])
@@ -143,8 +156,8 @@ class PrefetchChain:
 if triton is not None:
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
 
-    _FORWARD, _TIMEOUTS, _PUBLISHED, _QUIET, _OPEN, _STEPPED = (
-        tl.constexpr(v) for v in (FORWARD, TIMEOUTS, PUBLISHED, QUIET, OPEN, STEPPED)
+    _FORWARD, _TIMEOUTS, _PUBLISHED, _QUIET, _OPEN, _LATE, _STEPPED, _LATE_LIMIT = (
+        tl.constexpr(v) for v in (FORWARD, TIMEOUTS, PUBLISHED, QUIET, OPEN, LATE, STEPPED, LATE_LIMIT)
     )
     _COUNT_AND_PUBLISH = tl.constexpr(COUNT_AND_PUBLISH)
 
@@ -162,6 +175,12 @@ if triton is not None:
     def quiet_forward(flags_ptr, forward):
         """Whether `forward` is quiet (a plain load: QUIET does not change during a forward)."""
         return tl.load(flags_ptr + _QUIET) == forward
+
+    @triton.jit
+    def copies_land_late(flags_ptr):
+        """Whether LATE_LIMIT drains found a host copy late: then rounds hold back (a plain load: only drains, between
+        forwards, add to LATE)."""
+        return tl.load(flags_ptr + _LATE) >= _LATE_LIMIT
 
     @triton.jit
     def count_open_gate(flags_ptr, gate_open):

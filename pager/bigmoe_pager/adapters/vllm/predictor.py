@@ -314,6 +314,12 @@ class Predictor:
         """Chained rounds whose wait for their layer's step gave up (None: no forward was chained; one sync)."""
         return None if self._chain is None else self._chain.timeouts
 
+    @property
+    def chain_late(self) -> int | None:
+        """Drains that held a slot for a late host copy (None: no forward was chained; one sync); from
+        prefetch_chain.LATE_LIMIT on, the rounds fetch nothing."""
+        return None if self._chain is None else self._chain.late
+
     def _tell(self, where: str, what: str = JOINED) -> None:
         """One log line per placement a capture used: where the prefetch is forked and waited for decides how much
         it overlaps and what it costs."""

@@ -179,6 +179,7 @@ def engine_facts() -> dict:
         "prefetch_forks": _installed.predictor.fork_placements,
         "prefetch_chain_timeouts": _installed.predictor.chain_timeouts,
         "prefetch_chain_cancels": _installed.predictor.chain_cancels,
+        "prefetch_chain_late": _installed.predictor.chain_late,
         "prefetch_host_copier": _installed.host_copies.stats,
         "step_kernels": dict(step_kernel.COMPILED),
         "load_copy_bytes": copies.nbytes,
