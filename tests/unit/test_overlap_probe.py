@@ -217,6 +217,21 @@ def test_chain_words_name_each_word_and_one_stepped_forward_a_layer():
     assert words["stepped"] == [5, 5, 4]
 
 
+def test_host_copies_that_never_land_hold_the_rounds_back_after_the_limit(monkeypatch, tmp_path):
+    """A host copier that serves no mailbox stands in for run 38's profiled process, where the copy engines' work
+    stopped landing beside the kernels (on the CPU it cannot be produced otherwise). The forwards go on: the steps
+    copy what they need themselves, each drain holds its late slots, and from LATE_LIMIT late drains on the rounds
+    publish nothing, so no drain is late again though no copy ever lands."""
+    from bigmoe_pager.core.prefetch_chain import LATE_LIMIT
+
+    monkeypatch.setattr(probe, "serve_pager", lambda copier, pager, box: None)
+    out = tmp_path / "late.json"
+    argv = ["--device", "cpu", "--smoke", "--families", "standard", "--variants", "onenode", "--recalls", "1.0"]
+    assert probe.main(argv + ["--out", str(out)]) == 0
+    row = _row(json.loads(out.read_text()), "onenode", 1.0)
+    assert row["late_drains"] == LATE_LIMIT  # (without the hold-back: 6 of the 12 forwards' drains, session 48)
+
+
 @pytest.fixture
 def host_rounds():
     """A smoke model's onenode rounds on the CPU (the interpreter), the host copier's thread serving their mailboxes."""

@@ -61,6 +61,11 @@ def serve_pager(copier, pager, mailbox: torch.Tensor) -> None:
     copier.add_layer(mailbox, pager.ram.records, pager.layout.pitch, components, copied, pager.num_slots)
 
 
+CPU_DRAIN_SPINS = 500
+"""A drain's polls off the GPU (Triton's interpreter: about 1.5 ms each): the host thread's copies land within a poll
+or two, and a thread held off a loaded CPU for a few milliseconds must not look late (a late drain holds its slots and
+counts towards prefetch_chain.LATE_LIMIT)."""
+
 PROGRESS_WORDS = ("copied", "target", "filled")
 """Each layer's table words a drain reads (core.round_sync), in the columns of `progress_words`."""
 
@@ -79,7 +84,7 @@ def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_sp
     are held (round_sync.HELD), the drain counted once in LATE; held slots whose copies have landed are released."""
     on_gpu = words.is_cuda
     if max_spins is None:
-        max_spins = GPU_MAX_SPINS if on_gpu else 1
+        max_spins = GPU_MAX_SPINS if on_gpu else CPU_DRAIN_SPINS
     kernel_for(_drain_kernel, words.device)[(1,)](
         words, words.shape[0], flags, max_spins, S=slots, BLOCK_S=next_pow2(slots), ON_GPU=on_gpu
     )
