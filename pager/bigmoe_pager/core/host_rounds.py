@@ -15,12 +15,11 @@ when it gives up is late, and the drain HOLDS its slot (core.round_sync: `filled
 gives a held slot to another expert, a step that hits it copies the expert itself without waiting, and a later
 drain releases it once the copy has landed, waiting for it no more than the steps do. A drain that holds a slot
 adds one to the chain's LATE word; from core.prefetch_chain's LATE_LIMIT on, rounds fetch nothing more (the copy
-engines' work is not landing beside the kernels, run 38: every forward's drain would wait its second). A publication
-with entries
-sets the chain's PUBLISHED word; a drain clears it once no copy is under way (none late either), and one that finds
-it clear returns at once (every earlier copy was seen done by an earlier drain, and nothing published since), which
-is every forward of an idle prefetch path (its gates closed, its lists empty): one load instead of a pass over
-every layer's slots.
+engines' work is not landing beside the kernels, run 38: every forward's drain would wait its second). A
+publication with entries sets the chain's PUBLISHED word; a drain clears it once no copy is under way (none late
+either), and one that finds it clear returns at once (every earlier copy was seen done by an earlier drain, and
+nothing published since), which is every forward of an idle prefetch path (its gates closed, its lists empty): one
+load instead of a pass over every layer's slots.
 
 Two publishers: the one-node kernel (core.forward_rounds, its one program after each decision) and a per-layer round
 (ExpertPager.prefetch with a mailbox: the admit kernel, then `publish_admitted`'s one-program launch).
