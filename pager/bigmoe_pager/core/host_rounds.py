@@ -180,7 +180,7 @@ if triton is not None:
                 if tl.sum(late.to(tl.int32), 0) > 0:
                     tl.atomic_add(flags_ptr + _TIMEOUTS, 1)
                     budget = 0
-                still = held & copies_under_way(copied_ptr, target_ptr, slots, held, ON_GPU)
+                still = held & busy  # (one that lands during this drain is released by the next)
                 tl.store(filled_ptr + slots, 0, mask=held & ~still)  # landed: the slot is the tables' again
                 tl.store(filled_ptr + slots, _HELD, mask=late)
                 outstanding += tl.sum((late | still).to(tl.int32), 0)
