@@ -128,3 +128,34 @@ def test_one_node_forwards_queued_back_to_back_give_up_no_wait(tmp_path, mode):
     assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
     assert predictor._chain.forwards == replays and predictor.chain_timeouts == 0
     assert_copies_landed(layers, predictor, mode, replays)
+
+
+def test_host_copies_that_never_land_keep_every_slot_right_and_hold_the_rounds_back(tmp_path, monkeypatch):
+    """Run 38: after a torch.profiler session the host copier's copies stopped landing beside the kernels, and every
+    forward waited a second a late copy. Here one layer's mailbox is never served, so its copies never land: every
+    replay still leaves each id's slot holding its expert's bytes (a step copies a held slot itself), the drains stop
+    counting late ones at LATE_LIMIT (the rounds then take nothing), and the forwards after that give up no wait.
+    Written in session 48; not yet run on a GPU."""
+    from bigmoe_pager.adapters.vllm import host_copies
+    from bigmoe_pager.core.prefetch_chain import LATE_LIMIT
+
+    served = host_copies.serve_pager
+    monkeypatch.setattr(
+        host_copies, "serve_pager", lambda copier, pager, box: None if pager.layer == 2 else served(copier, pager, box)
+    )
+    layers_n = 6
+    layout, records, layers, routing, predictor, stats = replayed_model(
+        tmp_path, layers_n, 128, 32, 8, "topic-shift", 0.8, "lru", **MODES["one-node-host"]
+    )
+    graph, ids, out = whole_forward(layers, routing, predictor, 1, 8, 4)
+    for _ in range(12):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
+    assert predictor.chain_late == LATE_LIMIT
+    gave_up, start = predictor.chain_timeouts, time.monotonic()
+    for _ in range(4):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert predictor.chain_timeouts == gave_up and time.monotonic() - start < 1.0
+    assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
