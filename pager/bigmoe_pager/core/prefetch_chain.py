@@ -64,7 +64,8 @@ LATE_LIMIT = 3
 """Drains with a late host copy after which prefetch rounds hold back for the engine's life. Run 38: in a process
 where the copies stopped landing beside the kernels (after a torch.profiler session) every forward's drain waited its
 second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not switch prefetch
-off."""
+off. The count is over the engine's life, not a rate: three such hiccups far apart switch it off too (none was
+counted in any vLLM bench row, runs 16-38)."""
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
