@@ -4,7 +4,8 @@ a GPU can produce is set up by hand: the round decides first (the step then deci
 join), the step comes first (the round is cancelled and changes nothing), a copy the step needs is still under way
 (the step waits, then copies it itself, counted), a slot under copy is never taken, and a claimed round that never
 decides is given up on, counted. A slot a drain holds for a late host copy is copied by a step without a wait and
-given to no other expert, and from LATE_LIMIT late drains on the rounds take nothing. The adapter's joinless forward prefetches what a joined one does and joins once.
+given to no other expert, and from LATE_LIMIT late drains on the rounds take nothing. The adapter's joinless
+forward prefetches what a joined one does and joins once.
 tests/gpu/test_round_sync_gpu.py runs it captured on the GPU."""
 
 from __future__ import annotations
