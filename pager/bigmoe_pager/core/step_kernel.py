@@ -329,7 +329,8 @@ if triton is not None:
             forward = tl.load(chain_ptr + _FORWARD)
             settles = ~quiet_forward(chain_ptr, forward)  # a load beside FORWARD's, one value for every thread
         # The ids are the router's, not the table's: their load is issued before the branch on `settles`, so the two
-        # latencies overlap instead of adding up (run 38: a quiet joinless step took 1.1-1.4 us more than a plain one).
+        # latencies may overlap (run 38: a quiet joinless step took 1.0-1.4 us more than a plain one; run 39 could not
+        # tell this order from the old one within the probe's 1 us spread).
         j = tl.arange(0, BLOCK_I)  # id position; also the miss-list position
         ids = tl.load(ids_ptr + j, mask=j < n_ids, other=-1).to(tl.int64)
         if SYNC:
