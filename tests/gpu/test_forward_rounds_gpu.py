@@ -135,7 +135,8 @@ def test_host_copies_that_never_land_keep_every_slot_right_and_hold_the_rounds_b
     forward waited a second a late copy. Here one layer's mailbox is never served, so its copies never land: every
     replay still leaves each id's slot holding its expert's bytes (a step copies a held slot itself), the drains stop
     counting late ones at LATE_LIMIT (the rounds then take nothing), and the forwards after that give up no wait.
-    Written in session 48; not yet run on a GPU."""
+    Written in session 48, passed on an H100 in run 39. Since session 49 the replayed end kernel also leaves the
+    chain's counts in pinned host memory, where the server's export thread reads them (not yet run on a GPU)."""
     from bigmoe_pager.adapters.vllm import host_copies
     from bigmoe_pager.core.prefetch_chain import LATE_LIMIT
 
@@ -153,6 +154,11 @@ def test_host_copies_that_never_land_keep_every_slot_right_and_hold_the_rounds_b
         torch.cuda.synchronize()
         assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
     assert predictor.chain_late == LATE_LIMIT
+    assert predictor.chain_seen == {
+        "timeouts": predictor.chain_timeouts,
+        "cancels": predictor.chain_cancels,
+        "late": LATE_LIMIT,
+    }
     gave_up, start = predictor.chain_timeouts, time.monotonic()
     for _ in range(4):
         graph.replay()

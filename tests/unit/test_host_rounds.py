@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 from bigmoe_bench import traces
+from bigmoe_pager.adapters.vllm.device import held_back_line
 from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.host_rounds import drain_published, publish_admitted
-from bigmoe_pager.core.prefetch_chain import LATE, PUBLISHED, TIMEOUTS
+from bigmoe_pager.core.prefetch_chain import LATE, LATE_LIMIT, PUBLISHED, TIMEOUTS
 from bigmoe_pager.core.round_sync import HELD
 from test_forward_rounds import chain_at, copier_rounds, host_copies_waited_for
 from test_live_predictor import EXPERTS
@@ -102,6 +103,29 @@ def test_a_forward_s_drain_counts_each_layer_still_copying_and_holds_those_slots
     drain_published(words, slots, chain.flags, max_spins=2)
     assert int(tensors[3][2][3]) == 0 and int(chain.flags[PUBLISHED]) == 0 and int(chain.flags[TIMEOUTS]) == 2
     assert int(chain.flags[LATE]) == 1  # held slots looked at again are not late again
+
+
+def test_each_forward_s_end_leaves_its_counts_in_host_memory_and_the_hold_back_is_told():
+    """end_forward also copies TIMEOUTS, CANCELS and LATE to the chain's `seen` (pinned host memory on a GPU), which the
+    server's export thread reads without a CUDA call (one beside a capture could break it): a copy as the forward's end
+    left them, not a live view. From LATE_LIMIT forwards whose drain found a new host copy late, the export thread has
+    one line to log (adapters.vllm.device.held_back_line)."""
+    slots = LATE_LIMIT + 1
+    tensors, words = drain_words([([0] * slots, [0] * slots) for _ in range(LATE_LIMIT)])
+    chain = chain_at(LATE_LIMIT, forward=3, stepped_upto=LATE_LIMIT - 1)
+    lines = []
+    for i in range(LATE_LIMIT):
+        tensors[i][1][i] = 1  # a copy into layer i's slot i, still under way at this forward's drain
+        chain.flags[PUBLISHED] = 1
+        drain_published(words, slots, chain.flags, max_spins=2)
+        assert chain.seen_counts()["late"] == i  # the drain's LATE is not seen before the forward's end
+        chain.end_forward()
+        seen = chain.seen_counts()
+        assert seen == {"timeouts": i + 1, "cancels": 0, "late": i + 1}
+        lines.append(held_back_line(seen))
+    assert lines[:-1] == [None] * (LATE_LIMIT - 1)
+    assert f"{LATE_LIMIT} forwards ended with a host copy still under way" in lines[-1] and "\n" not in lines[-1]
+    assert held_back_line(None) is None  # no forward was chained
 
 
 def test_a_drain_looks_only_after_a_publication_with_entries_and_clears_it_once_all_are_done():

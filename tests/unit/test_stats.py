@@ -6,7 +6,9 @@ import threading
 
 import pytest
 import torch
+from bigmoe_pager.adapters.vllm.stats import CounterExport
 from bigmoe_pager.core.stats import PagerStats, StatsError
+from prometheus_client import CollectorRegistry
 
 
 def test_device_and_host_adds_sum_in_snapshots():
@@ -43,3 +45,24 @@ def test_device_and_host_adds_sum_in_snapshots():
 def test_unknown_names_are_refused(call):
     with pytest.raises(StatsError):
         call(PagerStats(1))
+
+
+def test_the_chained_prefetch_s_counts_reach_their_series_as_deltas():
+    """What the export thread adds each period from Predictor.chain_seen: the counts' growth since its last call (the
+    chain's words only grow), nothing before a forward was chained."""
+    registry = CollectorRegistry()
+    export = CounterExport(registry)
+
+    def totals():
+        return [registry.get_sample_value(f"bigmoe_prefetch_{n}_total") for n in ("chain_timeouts", "late_drains")]
+
+    export.export_chain(None)
+    assert totals() == [0.0, 0.0]
+    for seen, want in [
+        ((1, 0, 0), [1.0, 0.0]),
+        ((3, 5, 2), [3.0, 2.0]),
+        ((3, 5, 2), [3.0, 2.0]),
+        ((4, 5, 3), [4.0, 3.0]),
+    ]:
+        export.export_chain(dict(zip(("timeouts", "cancels", "late"), seen)))
+        assert totals() == want

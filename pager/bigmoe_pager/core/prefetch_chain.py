@@ -66,6 +66,9 @@ where the copies stopped landing beside the kernels (after a torch.profiler sess
 second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not switch prefetch
 off. The count is over the engine's life, not a rate: three such hiccups far apart switch it off too (none was
 counted in any vLLM bench row, runs 16-38)."""
+SEEN = (TIMEOUTS, CANCELS, LATE)
+"""The words each joinless forward's end also copies to host memory (PrefetchChain.seen), for a thread that must read
+them without a CUDA call: one made beside vLLM's graph captures could break them."""
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
@@ -95,6 +98,9 @@ class PrefetchChain:
 
     def __init__(self, layers: int, device: torch.device | str) -> None:
         self.flags = torch.zeros(STEPPED + layers, dtype=torch.int64, device=device)
+        self.seen = torch.zeros(len(SEEN), dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+        """SEEN's words as the last joinless forward's end left them, in host memory (pinned on a GPU, where the end
+        kernel writes it as the rounds write their mailboxes)."""
 
     @property
     def layers(self) -> int:
@@ -115,8 +121,15 @@ class PrefetchChain:
 
     def end_forward(self) -> None:
         """Enqueue, on the current stream at a joinless forward's end (its side streams joined, its drain enqueued),
-        the next forward's QUIET word: quiet when no gate was open and no published copy is still under way."""
-        kernel_for(_end_kernel, self.flags.device)[(1,)](self.flags)
+        the next forward's QUIET word: quiet when no gate was open and no published copy is still under way; and SEEN's
+        words into `seen`."""
+        kernel_for(_end_kernel, self.flags.device)[(1,)](self.flags, self.seen)
+
+    def seen_counts(self) -> dict[str, int]:
+        """Timeouts, cancels and late drains as the last joinless forward's end left them (host memory: no CUDA call,
+        no sync; 0 each before the first)."""
+        timeouts, cancels, late = self.seen.tolist()
+        return {"timeouts": timeouts, "cancels": cancels, "late": late}
 
     def _checked(self, layer: int) -> int:
         if not 0 <= layer < self.layers:
@@ -157,8 +170,8 @@ class PrefetchChain:
 if triton is not None:
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
 
-    _FORWARD, _TIMEOUTS, _PUBLISHED, _QUIET, _OPEN, _LATE, _STEPPED, _LATE_LIMIT = (
-        tl.constexpr(v) for v in (FORWARD, TIMEOUTS, PUBLISHED, QUIET, OPEN, LATE, STEPPED, LATE_LIMIT)
+    _FORWARD, _TIMEOUTS, _CANCELS, _PUBLISHED, _QUIET, _OPEN, _LATE, _STEPPED, _LATE_LIMIT = (
+        tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, LATE, STEPPED, LATE_LIMIT)
     )
     _COUNT_AND_PUBLISH = tl.constexpr(COUNT_AND_PUBLISH)
 
@@ -190,11 +203,14 @@ if triton is not None:
             tl.atomic_add(flags_ptr + _OPEN, 1)
 
     @triton.jit
-    def _end_kernel(flags_ptr):
+    def _end_kernel(flags_ptr, seen_ptr):
         forward = tl.load(flags_ptr + _FORWARD)
         calm = (tl.load(flags_ptr + _OPEN, volatile=True) == 0) & (tl.load(flags_ptr + _PUBLISHED, volatile=True) == 0)
         tl.store(flags_ptr + _QUIET, tl.where(calm, forward + 1, 0))
         tl.store(flags_ptr + _OPEN, 0)
+        tl.store(seen_ptr, tl.load(flags_ptr + _TIMEOUTS, volatile=True))  # SEEN's order
+        tl.store(seen_ptr + 1, tl.load(flags_ptr + _CANCELS, volatile=True))
+        tl.store(seen_ptr + 2, tl.load(flags_ptr + _LATE, volatile=True))
 
     @triton.jit
     def _wait_kernel(flags_ptr, layer, max_spins, ON_GPU: tl.constexpr):

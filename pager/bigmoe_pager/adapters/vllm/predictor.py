@@ -320,6 +320,12 @@ class Predictor:
         prefetch_chain.LATE_LIMIT on, the rounds fetch nothing."""
         return None if self._chain is None else self._chain.late
 
+    @property
+    def chain_seen(self) -> dict[str, int] | None:
+        """Timeouts, cancels and late drains as the last joinless forward's end left them, read from host memory (no
+        CUDA call: the export thread's view; None: no forward was chained)."""
+        return None if self._chain is None else self._chain.seen_counts()
+
     def _tell(self, where: str, what: str = JOINED) -> None:
         """One log line per placement a capture used: where the prefetch is forked and waited for decides how much
         it overlaps and what it costs."""

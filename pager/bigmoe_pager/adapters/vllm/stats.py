@@ -16,13 +16,25 @@ SERIES = {
 }
 """The pager's Prometheus counters (labels: layer, tier): TierCounters field -> (series name, help)."""
 
+CHAIN_SERIES = {
+    "timeouts": ("bigmoe_prefetch_chain_timeouts", "Waits of the chained prefetch that gave up, about a second each"),
+    "late": (
+        "bigmoe_prefetch_late_drains",
+        "Forwards that ended with a host copy still under way; from 3 on, prefetch holds back for the engine's life",
+    ),
+}
+"""The chained prefetch's Prometheus counters (no labels): PrefetchChain.seen_counts key -> (series name, help)."""
+
 
 class CounterExport:
     """The process's Prometheus series, made at the first export (None when prometheus_client is missing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry=None) -> None:
+        self._registry = registry
+        """Where the series register; None: prometheus_client's default registry, the one vLLM's /metrics serves."""
         self._made = False
         self._series: dict | None = None
+        self._chain_before = dict.fromkeys(CHAIN_SERIES, 0)
 
     def export(self, layer, tiers: dict | None = None) -> None:
         """Add this layer's counter deltas to the pager's Prometheus series.
@@ -44,15 +56,31 @@ class CounterExport:
                     series[key].labels(layer=label, tier=tier).inc(new - old)
             last[tier] = now
 
+    def export_chain(self, seen: dict[str, int] | None) -> None:
+        """Add the chained prefetch's counts since the last call (Predictor.chain_seen; None: no forward was chained,
+        nothing to add) to their series."""
+        series = self._counters()
+        if series is None or seen is None:
+            return
+        for key in CHAIN_SERIES:
+            if seen[key] > self._chain_before[key]:
+                series["chain", key].inc(seen[key] - self._chain_before[key])
+                self._chain_before[key] = seen[key]
+
     def _counters(self) -> dict | None:
+        """Every series, keyed by SERIES' keys and ("chain", CHAIN_SERIES' key)."""
         if self._made:
             return self._series
         self._made = True
         try:
-            from prometheus_client import Counter
+            from prometheus_client import REGISTRY, Counter
         except ImportError:
             return None
-        self._series = {key: Counter(name, doc, ["layer", "tier"]) for key, (name, doc) in SERIES.items()}
+        registry = REGISTRY if self._registry is None else self._registry
+        series = {key: Counter(name, doc, ["layer", "tier"], registry=registry) for key, (name, doc) in SERIES.items()}
+        for key, (name, doc) in CHAIN_SERIES.items():
+            series["chain", key] = Counter(name, doc, registry=registry)
+        self._series = series
         return self._series
 
 
