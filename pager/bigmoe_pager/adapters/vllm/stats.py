@@ -3,6 +3,8 @@ exported as Prometheus series (multiprocess mode) so they reach vLLM's /metrics.
 
 from __future__ import annotations
 
+from bigmoe_pager.core.prefetch_chain import LATE_LIMIT
+
 SERIES = {
     "lookups": ("bigmoe_expert_lookups", "Experts looked up in a tier"),
     "hits": ("bigmoe_expert_hits", "Experts found in a tier"),
@@ -20,7 +22,7 @@ CHAIN_SERIES = {
     "timeouts": ("bigmoe_prefetch_chain_timeouts", "Waits of the chained prefetch that gave up, about a second each"),
     "late": (
         "bigmoe_prefetch_late_drains",
-        "Forwards that ended with a host copy still under way; from 3 on, prefetch holds back for the engine's life",
+        f"Forwards that ended with a host copy still under way; from {LATE_LIMIT} on, prefetch holds back for good",
     ),
 }
 """The chained prefetch's Prometheus counters (no labels): PrefetchChain.seen_counts key -> (series name, help)."""
