@@ -66,9 +66,9 @@ where the copies stopped landing beside the kernels (after a torch.profiler sess
 second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not switch prefetch
 off. The count is over the engine's life, not a rate: three such hiccups far apart switch it off too (none was
 counted in any vLLM bench row, runs 16-38)."""
-SEEN = (TIMEOUTS, CANCELS, LATE)
-"""The words each joinless forward's end also copies to host memory (PrefetchChain.seen), for a thread that must read
-them without a CUDA call: one made beside vLLM's graph captures could break them."""
+SEEN = ("timeouts", "cancels", "late")
+"""The words each joinless forward's end also copies to host memory (PrefetchChain.seen), in this order: TIMEOUTS,
+CANCELS and LATE, for a thread that must read them without a CUDA call (one beside vLLM's captures could break them)."""
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
@@ -128,8 +128,7 @@ class PrefetchChain:
     def seen_counts(self) -> dict[str, int]:
         """Timeouts, cancels and late drains as the last joinless forward's end left them (host memory: no CUDA call,
         no sync; 0 each before the first)."""
-        timeouts, cancels, late = self.seen.tolist()
-        return {"timeouts": timeouts, "cancels": cancels, "late": late}
+        return dict(zip(SEEN, self.seen.tolist()))
 
     def _checked(self, layer: int) -> int:
         if not 0 <= layer < self.layers:
