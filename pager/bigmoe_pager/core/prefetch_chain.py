@@ -65,7 +65,7 @@ LATE_LIMIT = 3
 where the copies stopped landing beside the kernels (after a torch.profiler session) every forward's drain waited its
 second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not switch prefetch
 off. The count is over the engine's life, not a rate: three such hiccups far apart switch it off too (none was
-counted in any vLLM bench row, runs 16-38)."""
+counted in any vLLM bench row, runs 16-39)."""
 SEEN = ("timeouts", "cancels", "late")
 """The words each joinless forward's end also copies to host memory (PrefetchChain.seen), in this order: TIMEOUTS,
 CANCELS and LATE, for a thread that must read them without a CUDA call (one beside vLLM's captures could break them)."""
