@@ -83,7 +83,7 @@ from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.host_rounds import drain_published, progress_words, serve_pager
 from bigmoe_pager.core.layout import ExpertLayout
 from bigmoe_pager.core.prediction import LivePredictions, replayed_rows
-from bigmoe_pager.core.prefetch_chain import LATE, TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.prefetch_chain import LATE, RESUME, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.slots import POLICIES
 from bigmoe_pager.core.stats import HITS, LOOKUPS, VRAM, PagerStats
 
@@ -537,7 +537,7 @@ class HostRounds:
     def summary(self, tokens: int) -> dict:
         """Rounds the host copier served per timed token (empty ones too), the layers whose prefetch gate is closed
         now, the waits that gave up since the compiling tokens (the warm-up's and the timed tokens') and the drains
-        that found a host copy late (from prefetch_chain.LATE_LIMIT on, the rounds fetch nothing)."""
+        that found a host copy late (each prefetch_chain.LATE_LIMIT-th holds the rounds back)."""
         time.sleep(0.05)
         served = self.copier.stats()["rounds"] - self._served
         closed = sum(not p.vram.gate_is_open() for p in self.pagers)
@@ -551,8 +551,8 @@ class HostRounds:
 
     def compiled(self) -> None:
         """After the eager tokens that compile the kernels: any wait they gave up, and any drain that found a copy late
-        there, is forgotten (`check` judges the warm-up's and timed tokens')."""
-        self.chain.flags[TIMEOUTS] = self.chain.flags[LATE] = 0
+        there (and the hold-back it started), is forgotten (`check` judges the warm-up's and timed tokens')."""
+        self.chain.flags[TIMEOUTS] = self.chain.flags[LATE] = self.chain.flags[RESUME] = 0
 
     def drain(self) -> None:
         """A forward's end, as the predictor ends one: the side stream joined, the host's copies drained, and the

@@ -513,8 +513,8 @@ ENGINE_FIELDS = (
 """What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file; prefetch_joins /
 prefetch_forks: where its captures joined the prefetch and how often they forked it; prefetch_chain_timeouts: chained
 rounds whose device wait gave up, None where none was chained; prefetch_chain_cancels: joinless rounds their step
-came before; prefetch_chain_late: drains that held a slot for a late host copy (from LATE_LIMIT on the rounds fetch
-nothing); prefetch_host_copier: the host copier's counters, None where none ran; step_kernels: registers and
+came before; prefetch_chain_late: drains that held a slot for a late host copy (each LATE_LIMIT-th holds the rounds
+back a while); prefetch_host_copier: the host copier's counters, None where none ran; step_kernels: registers and
 local memory bytes a thread of each fused step variant the engine compiled (core.step_kernel.COMPILED); load_copy_*:
 what vLLM's loader copied into the RAM tier, and how long)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
-from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, LATE, OPEN, PUBLISHED, QUIET, STEPPED, TIMEOUTS
+from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, LATE, OPEN, PUBLISHED, QUIET, RESUME, STEPPED, TIMEOUTS
 
 
 class Stalled(Exception):
@@ -39,6 +39,7 @@ CHAIN_WORDS = {
     "quiet": QUIET,
     "open": OPEN,
     "late": LATE,
+    "resume": RESUME,
 }
 
 

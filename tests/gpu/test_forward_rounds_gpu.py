@@ -134,9 +134,10 @@ def test_host_copies_that_never_land_keep_every_slot_right_and_hold_the_rounds_b
     """Run 38: after a torch.profiler session the host copier's copies stopped landing beside the kernels, and every
     forward waited a second a late copy. Here one layer's mailbox is never served, so its copies never land: every
     replay still leaves each id's slot holding its expert's bytes (a step copies a held slot itself), the drains stop
-    counting late ones at LATE_LIMIT (the rounds then take nothing), and the forwards after that give up no wait.
-    Written in session 48, passed on an H100 in run 39. Since session 49 the replayed end kernel also leaves the
-    chain's counts in pinned host memory, where the server's export thread reads them (not yet run on a GPU)."""
+    counting late ones at LATE_LIMIT (the rounds then hold back, and since no late copy lands the hold-back does not
+    end), and the forwards after that give up no wait. Written in session 48, passed on an H100 in run 39. The
+    replayed end kernel also leaves the chain's words in pinned host memory, where the server's export thread reads
+    them (session 49; passed on an H100 in run 40)."""
     from bigmoe_pager.adapters.vllm import host_copies
     from bigmoe_pager.core.prefetch_chain import LATE_LIMIT
 
@@ -154,14 +155,26 @@ def test_host_copies_that_never_land_keep_every_slot_right_and_hold_the_rounds_b
         torch.cuda.synchronize()
         assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
     assert predictor.chain_late == LATE_LIMIT
+    chain = predictor._chain
     assert predictor.chain_seen == {
         "timeouts": predictor.chain_timeouts,
         "cancels": predictor.chain_cancels,
         "late": LATE_LIMIT,
+        "forward": chain.forwards,
+        "resume": chain.resume,
     }
+    assert chain.forwards < chain.resume
     gave_up, start = predictor.chain_timeouts, time.monotonic()
     for _ in range(4):
         graph.replay()
     torch.cuda.synchronize()
     assert predictor.chain_timeouts == gave_up and time.monotonic() - start < 1.0
     assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
+
+
+def test_a_hold_back_ends_doubles_and_outlasts_a_late_copy_on_the_gpu_as_in_the_interpreter():
+    """tests/unit/test_host_rounds.py's hold-back story (three hold-backs, the last outlasting a late copy) with the
+    chain and its drains on the GPU: the same forwards hold back, and `seen` (pinned host memory) says the same."""
+    from test_host_rounds import hold_back_story
+
+    assert hold_back_story("cuda") == hold_back_story("cpu")

@@ -17,7 +17,16 @@ from bigmoe_bench import traces
 from bigmoe_pager.adapters.vllm.device import held_back_line
 from bigmoe_pager.core.host_copier import HostCopier
 from bigmoe_pager.core.host_rounds import drain_published, publish_admitted
-from bigmoe_pager.core.prefetch_chain import LATE, LATE_LIMIT, PUBLISHED, TIMEOUTS
+from bigmoe_pager.core.prefetch_chain import (
+    FORWARD,
+    HOLD_FORWARDS,
+    LATE,
+    LATE_LIMIT,
+    PUBLISHED,
+    TIMEOUTS,
+    PrefetchChain,
+    forwards_held,
+)
 from bigmoe_pager.core.round_sync import HELD
 from test_forward_rounds import chain_at, copier_rounds, host_copies_waited_for
 from test_live_predictor import EXPERTS
@@ -106,10 +115,10 @@ def test_a_forward_s_drain_counts_each_layer_still_copying_and_holds_those_slots
 
 
 def test_each_forward_s_end_leaves_its_counts_in_host_memory_and_the_hold_back_is_told():
-    """end_forward also copies TIMEOUTS, CANCELS and LATE to the chain's `seen` (pinned host memory on a GPU), which the
-    server's export thread reads without a CUDA call (one beside a capture could break it): a copy as the forward's end
-    left them, not a live view. From LATE_LIMIT forwards whose drain found a new host copy late, the export thread has
-    one line to log (adapters.vllm.device.held_back_line)."""
+    """end_forward also copies TIMEOUTS, CANCELS, LATE, FORWARD and RESUME to the chain's `seen` (pinned host memory
+    on a GPU), which the server's export thread reads without a CUDA call (one beside a capture could break it): a copy
+    as the forward's end left them, not a live view. At LATE_LIMIT forwards whose drain found a new host copy late, the
+    export thread has one line to log (adapters.vllm.device.held_back_line), once."""
     slots = LATE_LIMIT + 1
     tensors, words = drain_words([([0] * slots, [0] * slots) for _ in range(LATE_LIMIT)])
     chain = chain_at(LATE_LIMIT, forward=3, stepped_upto=LATE_LIMIT - 1)
@@ -121,11 +130,89 @@ def test_each_forward_s_end_leaves_its_counts_in_host_memory_and_the_hold_back_i
         assert chain.seen_counts()["late"] == i  # the drain's LATE is not seen before the forward's end
         chain.end_forward()
         seen = chain.seen_counts()
-        assert seen == {"timeouts": i + 1, "cancels": 0, "late": i + 1}
-        lines.append(held_back_line(seen))
+        resume = 3 + 1 + HOLD_FORWARDS if i + 1 == LATE_LIMIT else 0  # from the forward after this one's end
+        assert seen == {"timeouts": i + 1, "cancels": 0, "late": i + 1, "forward": 3, "resume": resume}
+        lines.append(held_back_line(seen, told=0))
     assert lines[:-1] == [None] * (LATE_LIMIT - 1)
-    assert f"{LATE_LIMIT} forwards ended with a host copy still under way" in lines[-1] and "\n" not in lines[-1]
-    assert held_back_line(None) is None  # no forward was chained
+    assert f"{LATE_LIMIT} forwards have ended with a host copy still under way" in lines[-1] and "\n" not in lines[-1]
+    assert f"for the next {HOLD_FORWARDS} forwards" in lines[-1]
+    assert held_back_line(seen, told=1) is None  # this hold-back was told already
+    assert held_back_line(None, told=0) is None  # no forward was chained
+
+
+class LateCopies:
+    """One layer's progress words outside any pager (core.host_rounds.drain_published reads no more), whose host
+    copies land late or on time as a test says, drained at each forward's end."""
+
+    def __init__(self, chain: PrefetchChain, slots: int = 64) -> None:
+        device = chain.flags.device
+        self.chain, self.slots, self.used = chain, slots, 0
+        self.copied, self.target = (torch.zeros(slots + 1, dtype=torch.int64, device=device) for _ in range(2))
+        self.filled = torch.ones(slots + 1, dtype=torch.int64, device=device)
+        self.words = torch.tensor([[w.data_ptr() for w in (self.copied, self.target, self.filled)]], device=device)
+
+    def end_forward(self, late: bool = False, land: bool = True) -> None:
+        """A forward's end: with `late`, a copy into a fresh slot is still under way at its drain; with `land`, every
+        copy lands after the drain (the next drain releases their slots)."""
+        if late:
+            self.target[self.used] = self.copied[self.used] + 1
+            self.used += 1
+            self.chain.flags[PUBLISHED] = 1
+        drain_published(self.words, self.slots, self.chain.flags, max_spins=2)
+        self.chain.end_forward()
+        if land:
+            self.copied.copy_(self.target)
+
+
+HOLD = 3  # forwards a story's first hold-back lasts
+
+
+def hold_back_story(device: str) -> list[tuple[bool, int]]:
+    """A chain's forwards through three hold-backs (HOLD forwards long at first): LATE_LIMIT late drains and calm
+    forwards past the first's end, again past the second's (twice as long), then LATE_LIMIT more whose last copy does
+    not land until the hold-back's forwards are over. Each forward's (whether its rounds held back, the forwards the
+    seen words said were left after its end)."""
+    chain = PrefetchChain(1, device, hold_forwards=HOLD)
+    copies = LateCopies(chain)
+    story = []
+
+    def forward(late: bool = False, land: bool = True) -> None:
+        chain.flags[FORWARD] += 1  # as the forward's first step counts it
+        held = chain.forwards < chain.resume
+        copies.end_forward(late, land)
+        if chain.flags.is_cuda:
+            torch.cuda.synchronize()  # (`seen` is host memory the end kernel writes: no read waits for it)
+        story.append((held, forwards_held(chain.seen_counts())))
+
+    for calm in (HOLD + 1, 2 * HOLD + 1):
+        for _ in range(LATE_LIMIT):
+            forward(late=True)
+        for _ in range(calm):
+            forward()
+    for i in range(LATE_LIMIT):
+        forward(late=True, land=i < LATE_LIMIT - 1)
+    for _ in range(4 * HOLD + 2):
+        forward(land=False)
+    copies.copied.copy_(copies.target)  # the last late copy lands
+    for _ in range(2):
+        forward()
+    return story
+
+
+def test_a_hold_back_ends_after_its_forwards_doubles_each_time_and_outlasts_a_late_copy():
+    """Since session 50 a hold-back ends (before, it lasted the engine's life): every LATE_LIMIT-th late drain holds
+    the rounds of the next HOLD forwards back, twice as many each time after, and a hold-back does not end while a late
+    copy is still under way: a drain that finds one keeps it in force for the next forward."""
+    story = hold_back_story("cpu")
+    late = [False] * LATE_LIMIT  # the late drains' own forwards fetch
+    first = late + [True] * HOLD + [False]
+    second = late + [True] * 2 * HOLD + [False]
+    third = late + [True] * (4 * HOLD + 2) + [True, False]  # the copy lands after 4 * HOLD + 2: one more forward
+    assert [held for held, _ in story] == first + second + third
+    left = [n for _, n in story]
+    assert left[: len(first)] == [0, 0, 3, 2, 1, 0, 0]  # told at the hold-back's start, then counted down
+    assert left[len(first) + len(second) + LATE_LIMIT - 1] == 4 * HOLD
+    assert left[-6:] == [1, 1, 1, 1, 0, 0]  # kept one forward ahead while the copy is late, then over
 
 
 def test_a_drain_looks_only_after_a_publication_with_entries_and_clears_it_once_all_are_done():

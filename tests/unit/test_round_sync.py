@@ -4,7 +4,7 @@ a GPU can produce is set up by hand: the round decides first (the step then deci
 join), the step comes first (the round is cancelled and changes nothing), a copy the step needs is still under way
 (the step waits, then copies it itself, counted), a slot under copy is never taken, and a claimed round that never
 decides is given up on, counted. A slot a drain holds for a late host copy is copied by a step without a wait and
-given to no other expert, and from LATE_LIMIT late drains on the rounds take nothing. The adapter's joinless
+given to no other expert, and every LATE_LIMIT-th late drain holds the rounds back a while. The adapter's joinless
 forward prefetches what a joined one does and joins once.
 tests/gpu/test_round_sync_gpu.py runs it captured on the GPU."""
 
@@ -18,9 +18,10 @@ import torch
 from bigmoe_bench import traces
 from bigmoe_pager.core.copy_kernel import record_blocks
 from bigmoe_pager.core.prediction import LivePredictions
-from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, LATE, LATE_LIMIT, OPEN, TIMEOUTS, PrefetchChain
+from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, LATE_LIMIT, OPEN, TIMEOUTS, PrefetchChain
 from bigmoe_pager.core.round_sync import CANCELLED, CLAIMED, DECIDED, HELD
 from bigmoe_pager.settings import PagerSettings
+from test_host_rounds import LateCopies
 from test_live_predictor import EXPERTS
 from test_prefetch_chain import captured_model, run_forwards
 from test_step_kernel import ACQUIRED, LAYOUT, STATE, pager_pair, records, slot_bytes, step_ids
@@ -216,11 +217,14 @@ def test_a_slot_held_for_a_late_host_copy_is_never_taken_for_a_miss_or_a_prefetc
 @pytest.mark.parametrize("late_drains", [LATE_LIMIT - 1, LATE_LIMIT])
 def test_rounds_fetch_nothing_once_enough_drains_found_host_copies_late(late_drains):
     """Run 38: where the copy engines' work stopped landing beside the kernels, every forward's drain waited its
-    second. From LATE_LIMIT such drains on, a round judges and marks what it would fetch as always but takes nothing,
+    second. After LATE_LIMIT such drains a round judges and marks what it would fetch as always but takes nothing,
     and counts no open gate (so the forwards can be quiet); below it, a round fetches as always."""
     rng = random.Random(4)
     (_, _), (joinless, _), chain = joined_and_joinless(40, 12, "lru", seed=4)
-    chain.flags[LATE] = late_drains
+    copies = LateCopies(chain)
+    for _ in range(late_drains):  # forwards whose drains found a host copy late, landed since
+        copies.end_forward(late=True)
+        next_forward(chain)
     held_back = late_drains >= LATE_LIMIT
     hot = rng.sample(range(40), 10)
     taken = 0
@@ -229,11 +233,39 @@ def test_rounds_fetch_nothing_once_enough_drains_found_host_copies_late(late_dra
         taken += int((joinless.prefetch(predicted, chain_flags=chain.flags).slots >= 0).sum())
         joinless.acquire(step_ids(rng, 40, 1, 4, hot), chain.signal(1, first=False, joinless=True))
         next_forward(chain)
-    assert int(chain.flags[TIMEOUTS]) == 0 and (taken == 0) == held_back
+    assert int(chain.flags[TIMEOUTS]) == late_drains and (taken == 0) == held_back  # (the drains' own)
     if held_back:  # judged and marked: the gate's scores go on; no open gate counted
         assert int(joinless.vram.admit_state()["would_fetch"].sum()) > 0 and int(chain.flags[OPEN]) == 0
     else:
         assert int(chain.flags[OPEN]) > 0
+
+
+def test_rounds_fetch_again_once_a_hold_back_is_over():
+    """Since session 50 a hold-back lasts the chain's hold_forwards forwards, twice as many the next time (before, the
+    engine's life): a server that met a passing stall prefetches again. Each forward's round proposes two experts no
+    slot holds and its step uses them (so the gate stays open): whether the round fetched, forward by forward. The
+    first forward after a hold-back is quiet (core.prefetch_chain: the held rounds counted no open gate), so fetching
+    resumes one forward later."""
+    rng = random.Random(6)
+    (_, _), (joinless, _), _ = joined_and_joinless(40, 12, "lru", seed=6)
+    hold = 2
+    chain = PrefetchChain(layers=2, device="cpu", hold_forwards=hold)
+    copies = LateCopies(chain)
+
+    def forward(late: bool = False) -> bool:
+        next_forward(chain)
+        absent = [e for e in range(40) if int(joinless.vram.expert_slot[e]) < 0]
+        wanted = rng.sample(absent, 2)
+        taken = joinless.prefetch(torch.tensor(wanted), chain_flags=chain.flags).slots
+        joinless.acquire(torch.tensor([wanted], dtype=torch.int32), chain.signal(1, first=False, joinless=True))
+        copies.end_forward(late)
+        return bool((taken >= 0).any())
+
+    fetched = [forward(late=True) for _ in range(LATE_LIMIT)] + [forward() for _ in range(hold + 2)]
+    fetched += [forward(late=True) for _ in range(LATE_LIMIT)] + [forward() for _ in range(2 * hold + 2)]
+    late = [True] * LATE_LIMIT
+    assert fetched == late + [False] * (hold + 1) + [True] + late + [False] * (2 * hold + 1) + [True]
+    assert int(chain.flags[TIMEOUTS]) == 2 * LATE_LIMIT  # the drains' own: no step or round gave up
 
 
 def test_a_step_with_too_few_idle_slots_waits_for_the_copies_and_gives_up_counted():

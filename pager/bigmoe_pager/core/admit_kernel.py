@@ -140,7 +140,7 @@ def _bytes_of(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     from bigmoe_pager.core.acquire_kernel import lfu_key
-    from bigmoe_pager.core.prefetch_chain import FORWARD, copies_land_late, count_open_gate, quiet_forward
+    from bigmoe_pager.core.prefetch_chain import FORWARD, count_open_gate, holding_back, quiet_forward
     from bigmoe_pager.core.round_sync import claim_round, held_slots, release_round
 
     _FORWARD = tl.constexpr(FORWARD)
@@ -326,7 +326,7 @@ if triton is not None:
             fetch = within_budget(fetch, lifted, freq_ptr, e_ar, e_in, E, BUDGET)
             held_back = ~gate_open
             if SYNC:  # (copies that keep landing late: the gate's judging goes on, its fetching does not)
-                late_path = copies_land_late(flags_ptr)
+                late_path = holding_back(flags_ptr, forward)
                 held_back = held_back | quiet | late_path
                 count_open_gate(flags_ptr, gate_open & ~late_path)
             tl.store(would_fetch_ptr + e_ar, would_fetch | (fetch & held_back).to(tl.int32), mask=e_in)

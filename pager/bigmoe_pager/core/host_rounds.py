@@ -14,8 +14,9 @@ forward, or an eager one) took for another expert. The wait is bounded (about a 
 when it gives up is late, and the drain HOLDS its slot (core.round_sync: `filled` = HELD): no round or joinless step
 gives a held slot to another expert, a step that hits it copies the expert itself without waiting, and a later
 drain releases it once the copy has landed, waiting for it no more than the steps do. A drain that holds a slot
-adds one to the chain's LATE word; from core.prefetch_chain's LATE_LIMIT on, rounds fetch nothing more (the copy
-engines' work is not landing beside the kernels, run 38: every forward's drain would wait its second). A
+adds one to the chain's LATE word; every core.prefetch_chain.LATE_LIMIT-th holds the rounds back for a while (the
+copy engines' work may not be landing beside the kernels, run 38: every forward's drain would wait its second), and
+no hold-back ends while a late copy is still under way. A
 publication with entries sets the chain's PUBLISHED word; a drain clears it once no copy is under way (none late
 either), and one that finds it clear returns at once (every earlier copy was seen done by an earlier drain, and
 nothing published since), which is every forward of an idle prefetch path (its gates closed, its lists empty): one
@@ -91,12 +92,12 @@ def drain_published(words: torch.Tensor, slots: int, flags: torch.Tensor, max_sp
 
 if triton is not None:
     from bigmoe_pager.core.memory_order import SYS_SCOPE, store_release
-    from bigmoe_pager.core.prefetch_chain import FORWARD, LATE, PUBLISHED, TIMEOUTS
+    from bigmoe_pager.core.prefetch_chain import FORWARD, PUBLISHED, TIMEOUTS, count_late_drain, hold_while_late
     from bigmoe_pager.core.round_sync import HELD, copies_under_way, held_slots, wait_busy
 
     _HEADER = tl.constexpr(HEADER_WORDS)  # a mailbox's words before its lists (seq, count, a spare)
     _FORWARD, _TIMEOUTS, _PUBLISHED = tl.constexpr(FORWARD), tl.constexpr(TIMEOUTS), tl.constexpr(PUBLISHED)
-    _HELD, _COLUMNS, _LATE = tl.constexpr(HELD), tl.constexpr(len(PROGRESS_WORDS)), tl.constexpr(LATE)
+    _HELD, _COLUMNS = tl.constexpr(HELD), tl.constexpr(len(PROGRESS_WORDS))
 
     @triton.jit
     def publish_round(
@@ -186,6 +187,8 @@ if triton is not None:
                 outstanding += tl.sum((late | still).to(tl.int32), 0)
                 newly_late += tl.sum(late.to(tl.int32), 0)
             if newly_late > 0:  # one a drain, however many layers (core.prefetch_chain: LATE_LIMIT)
-                tl.atomic_add(flags_ptr + _LATE, 1)
+                count_late_drain(flags_ptr)
             if outstanding == 0:  # every copy seen done: the next drain may skip until something is published again
                 tl.store(flags_ptr + _PUBLISHED, 0)
+            else:
+                hold_while_late(flags_ptr)

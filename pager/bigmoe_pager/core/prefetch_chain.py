@@ -15,8 +15,11 @@ device memory instead of graph edges (BIGMOE_PREFETCH_CHAIN; off: it measured sl
                         drain saw every copy done (core.host_rounds)
     flags[QUIET]        the next joinless forward's number when it is quiet (written at each joinless forward's end)
     flags[OPEN]         gates a joinless forward's rounds found open after judging (reset at the forward's end)
-    flags[LATE]         drains that held a slot for a host copy still under way (core.host_rounds); from LATE_LIMIT
-                        on, rounds fetch nothing: the copy engines' work is not landing beside the kernels
+    flags[LATE]         drains that held a slot for a host copy still under way (core.host_rounds); every
+                        LATE_LIMIT-th holds the rounds back: the copy engines' work may not be landing beside kernels
+    flags[RESUME]       the first forward whose rounds fetch again after a hold-back (0: none so far); a drain that
+                        still finds a late copy under way keeps a hold-back in force
+    flags[HOLD]         forwards the first hold-back lasts (HOLD_FORWARDS); each later one twice the one before
     flags[STEPPED + l]  the forward whose step of layer l is done (its copies included)
 
 A joinless forward is quiet when, at the end of the one before, no round's gate was open and no copy was under way
@@ -59,16 +62,25 @@ try:
 except ImportError:
     triton = tl = None
 
-FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, LATE, STEPPED = 0, 1, 2, 3, 4, 5, 6, 7
+FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, LATE, RESUME, HOLD, STEPPED = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9
 LATE_LIMIT = 3
-"""Drains with a late host copy after which prefetch rounds hold back for the engine's life. Run 38: in a process
-where the copies stopped landing beside the kernels (after a torch.profiler session) every forward's drain waited its
-second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not switch prefetch
-off. The count is over the engine's life, not a rate: three such hiccups far apart switch it off too (none was
-counted in any vLLM bench row, runs 16-39)."""
-SEEN = ("timeouts", "cancels", "late")
+"""Every LATE_LIMIT-th drain with a late host copy holds the prefetch rounds back (HOLD_FORWARDS). Run 38: in a
+process where the copies stopped landing beside the kernels (after a torch.profiler session) every forward's drain
+waited its second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not hold
+prefetch back. The count is over the engine's life, not a rate: three such hiccups far apart hold it back too (none
+was counted in any vLLM bench row, runs 16-39)."""
+HOLD_FORWARDS = 4096
+"""Forwards the first hold-back lasts; each later one lasts twice the one before (MAX_DOUBLINGS at most), and none
+ends while a late copy is still under way (so run 38's copies that never land hold prefetch back for good). 4096
+forwards are 20-30 s of one sequence's decode at 5-7 ms a token (runs 38-39): they outlast a passing stall (seconds),
+and where the stall persists each retry costs its LATE_LIMIT late drains, about a second each (run 39), against a
+hold that doubles: about 10% of the first half minute, 5% of the next minute, and so on."""
+MAX_DOUBLINGS = 20
+"""A hold-back's length stops doubling here (HOLD_FORWARDS << 20 forwards: months of decode, far inside int64)."""
+SEEN = ("timeouts", "cancels", "late", "forward", "resume")
 """The words each joinless forward's end also copies to host memory (PrefetchChain.seen), in this order: TIMEOUTS,
-CANCELS and LATE, for a thread that must read them without a CUDA call (one beside vLLM's captures could break them)."""
+CANCELS, LATE, FORWARD and RESUME, for a thread that must read them without a CUDA call (one beside vLLM's captures
+could break them)."""
 GPU_MAX_SPINS = 1 << 22  # polls ~0.25 us apart: about a second before a wait gives up
 NO_CHAIN, PUBLISH, COUNT_AND_PUBLISH = 0, 1, 2
 """What a fused step does with its ChainSignal (step_kernel's CHAIN): nothing, publish, or count a forward first."""
@@ -96,8 +108,11 @@ class ChainSignal:
 class PrefetchChain:
     """The device flags of one process's chained prefetch rounds (one per device; any number of layers)."""
 
-    def __init__(self, layers: int, device: torch.device | str) -> None:
+    def __init__(self, layers: int, device: torch.device | str, hold_forwards: int = HOLD_FORWARDS) -> None:
+        if hold_forwards < 1:
+            raise ValueError(f"a hold-back lasts at least one forward, not {hold_forwards}")
         self.flags = torch.zeros(STEPPED + layers, dtype=torch.int64, device=device)
+        self.flags[HOLD] = hold_forwards
         self.seen = torch.zeros(len(SEEN), dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
         """SEEN's words as the last joinless forward's end left them, in host memory (pinned on a GPU, where the end
         kernel writes it as the rounds write their mailboxes)."""
@@ -126,8 +141,8 @@ class PrefetchChain:
         kernel_for(_end_kernel, self.flags.device)[(1,)](self.flags, self.seen)
 
     def seen_counts(self) -> dict[str, int]:
-        """Timeouts, cancels and late drains as the last joinless forward's end left them (host memory: no CUDA call,
-        no sync; 0 each before the first)."""
+        """SEEN's words as the last joinless forward's end left them (host memory: no CUDA call, no sync; 0 each before
+        the first)."""
         return dict(zip(SEEN, self.seen.tolist()))
 
     def _checked(self, layer: int) -> int:
@@ -152,9 +167,15 @@ class PrefetchChain:
 
     @property
     def late(self) -> int:
-        """Drains that held a slot for a late host copy (reads the device: one sync); LATE_LIMIT or more: rounds hold
-        back."""
+        """Drains that held a slot for a late host copy (reads the device: one sync); each LATE_LIMIT-th held the
+        rounds back."""
         return int(self.flags[LATE])
+
+    @property
+    def resume(self) -> int:
+        """The first forward whose rounds fetch again after the last hold-back, 0 for none (reads the device: one
+        sync)."""
+        return int(self.flags[RESUME])
 
     @property
     def cancels(self) -> int:
@@ -166,12 +187,24 @@ class PrefetchChain:
         return int(self.flags[STEPPED + layer])
 
 
+def hold_backs(seen: dict[str, int]) -> int:
+    """The hold-backs so far, from `seen` (PrefetchChain.seen_counts): one each LATE_LIMIT late drains."""
+    return seen["late"] // LATE_LIMIT
+
+
+def forwards_held(seen: dict[str, int]) -> int:
+    """Forwards after the last seen one whose rounds hold back, 0 when the next one fetches (more if a late copy is
+    still under way when they end)."""
+    return max(0, seen["resume"] - seen["forward"] - 1)
+
+
 if triton is not None:
     from bigmoe_pager.core.memory_order import GPU_SCOPE, load_acquire, load_uniform, pause, store_release
 
-    _FORWARD, _TIMEOUTS, _CANCELS, _PUBLISHED, _QUIET, _OPEN, _LATE, _STEPPED, _LATE_LIMIT = (
-        tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, LATE, STEPPED, LATE_LIMIT)
+    _FORWARD, _TIMEOUTS, _CANCELS, _PUBLISHED, _QUIET, _OPEN, _LATE, _RESUME, _HOLD, _STEPPED = (
+        tl.constexpr(v) for v in (FORWARD, TIMEOUTS, CANCELS, PUBLISHED, QUIET, OPEN, LATE, RESUME, HOLD, STEPPED)
     )
+    _LATE_LIMIT, _MAX_DOUBLINGS = tl.constexpr(LATE_LIMIT), tl.constexpr(MAX_DOUBLINGS)
     _COUNT_AND_PUBLISH = tl.constexpr(COUNT_AND_PUBLISH)
 
     @triton.jit
@@ -190,10 +223,30 @@ if triton is not None:
         return tl.load(flags_ptr + _QUIET) == forward
 
     @triton.jit
-    def copies_land_late(flags_ptr):
-        """Whether LATE_LIMIT drains found a host copy late: then rounds hold back (a plain load: only drains, between
-        forwards, add to LATE)."""
-        return tl.load(flags_ptr + _LATE) >= _LATE_LIMIT
+    def holding_back(flags_ptr, forward):
+        """Whether `forward`'s rounds hold back after late host copies (a plain load: only drains, between forwards,
+        write RESUME)."""
+        return forward < tl.load(flags_ptr + _RESUME)
+
+    @triton.jit
+    def count_late_drain(flags_ptr):
+        """A drain (one program) found a host copy late: count it in LATE; every LATE_LIMIT-th holds back the rounds
+        of the forwards after this one, HOLD's forwards doubled once for each hold-back before."""
+        late = tl.load(flags_ptr + _LATE) + 1
+        tl.store(flags_ptr + _LATE, late)
+        if late % _LATE_LIMIT == 0:
+            doublings = tl.minimum(late // _LATE_LIMIT - 1, _MAX_DOUBLINGS)
+            forwards = tl.load(flags_ptr + _HOLD) << doublings
+            tl.store(flags_ptr + _RESUME, tl.load(flags_ptr + _FORWARD) + 1 + forwards)
+
+    @triton.jit
+    def hold_while_late(flags_ptr):
+        """A drain (one program) left a late copy under way: a hold-back in force now stays in force for the next
+        forward too (copies that never land hold prefetch back for good)."""
+        forward = tl.load(flags_ptr + _FORWARD)
+        resume = tl.load(flags_ptr + _RESUME)
+        if forward < resume:
+            tl.store(flags_ptr + _RESUME, tl.maximum(resume, forward + 2))
 
     @triton.jit
     def count_open_gate(flags_ptr, gate_open):
@@ -210,6 +263,8 @@ if triton is not None:
         tl.store(seen_ptr, tl.load(flags_ptr + _TIMEOUTS, volatile=True))  # SEEN's order
         tl.store(seen_ptr + 1, tl.load(flags_ptr + _CANCELS, volatile=True))
         tl.store(seen_ptr + 2, tl.load(flags_ptr + _LATE, volatile=True))
+        tl.store(seen_ptr + 3, forward)
+        tl.store(seen_ptr + 4, tl.load(flags_ptr + _RESUME, volatile=True))
 
     @triton.jit
     def _wait_kernel(flags_ptr, layer, max_spins, ON_GPU: tl.constexpr):

@@ -36,7 +36,7 @@ from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_copier import HostCopierError
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.pinned import pinned_empty
-from bigmoe_pager.core.prefetch_chain import LATE_LIMIT
+from bigmoe_pager.core.prefetch_chain import forwards_held, hold_backs
 from bigmoe_pager.core.ram_tier import ServiceFetch
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.core.stats import PagerStats
@@ -68,8 +68,8 @@ class DeviceParts:
         self.layers: list = []
         """The device-driven layers, once started."""
         self.exporter: threading.Thread | None = None
-        self.told_held_back = False
-        """Whether the exporter has logged that the prefetch rounds hold back (held_back_line)."""
+        self.told_hold_backs = 0
+        """The prefetch rounds' hold-backs the exporter has logged (held_back_line)."""
         self.lock = threading.Lock()
 
 
@@ -323,21 +323,22 @@ def failed_part(process) -> str | None:
     return None
 
 
-def held_back_line(seen: dict[str, int] | None) -> str | None:
-    """The line a server logs once its prefetch rounds hold back (core.prefetch_chain.LATE_LIMIT late drains), None
-    before (or with no chained forward)."""
-    if seen is None or seen["late"] < LATE_LIMIT:
+def held_back_line(seen: dict[str, int] | None, told: int) -> str | None:
+    """The line a server logs when its prefetch rounds hold back again (core.prefetch_chain: every LATE_LIMIT late
+    drains), None while `told` hold-backs are all there were (or no forward was chained)."""
+    if seen is None or hold_backs(seen) <= told:
         return None
     return (
-        f"bigmoe: prefetch holds back for this engine's life: {seen['late']} forwards ended with a host copy still "
-        "under way (the host copier's copies are not landing beside the kernels); experts are paged on demand from "
-        "now on, with the same tokens"
+        f"bigmoe: prefetch holds back (hold-back {hold_backs(seen)}): {seen['late']} forwards have ended with a host "
+        "copy still under way (the host copier's copies are not landing beside the kernels); experts are paged on "
+        f"demand, with the same tokens, for the next {forwards_held(seen)} forwards and until every late copy has "
+        "landed, then prefetch resumes"
     )
 
 
 def _export_loop(process) -> None:
     """Every EXPORT_PERIOD_S: stop the server if the SSD tier or the host copier failed; add counter deltas to the
-    Prometheus series; say once if the prefetch rounds hold back."""
+    Prometheus series; say when the prefetch rounds hold back."""
     parts: DeviceParts = process.device
     stats: PagerStats = parts.stats
     mirror = parts.mirror.numpy()
@@ -356,7 +357,7 @@ def _export_loop(process) -> None:
             process.export.export(paged, paged.pager.counters(counts))
         seen = process.predictor.chain_seen
         process.export.export_chain(seen)
-        held_back = held_back_line(seen)
-        if held_back is not None and not parts.told_held_back:
-            parts.told_held_back = True
+        held_back = held_back_line(seen, parts.told_hold_backs)
+        if held_back is not None:
+            parts.told_hold_backs = hold_backs(seen)
             log.warning(held_back)

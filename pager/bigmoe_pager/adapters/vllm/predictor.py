@@ -316,8 +316,8 @@ class Predictor:
 
     @property
     def chain_late(self) -> int | None:
-        """Drains that held a slot for a late host copy (None: no forward was chained; one sync); from
-        prefetch_chain.LATE_LIMIT on, the rounds fetch nothing."""
+        """Drains that held a slot for a late host copy (None: no forward was chained; one sync); each
+        prefetch_chain.LATE_LIMIT-th held the rounds back a while."""
         return None if self._chain is None else self._chain.late
 
     @property

@@ -22,7 +22,7 @@ CHAIN_SERIES = {
     "timeouts": ("bigmoe_prefetch_chain_timeouts", "Waits of the chained prefetch that gave up, about a second each"),
     "late": (
         "bigmoe_prefetch_late_drains",
-        f"Forwards that ended with a host copy still under way; from {LATE_LIMIT} on, prefetch holds back for good",
+        f"Forwards that ended with a host copy still under way; each {LATE_LIMIT}th holds prefetch back a while",
     ),
 }
 """The chained prefetch's Prometheus counters (no labels): PrefetchChain.seen_counts key -> (series name, help)."""
