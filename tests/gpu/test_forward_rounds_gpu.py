@@ -175,6 +175,6 @@ def test_host_copies_that_never_land_keep_every_slot_right_and_hold_the_rounds_b
 def test_a_hold_back_ends_doubles_and_outlasts_a_late_copy_on_the_gpu_as_in_the_interpreter():
     """tests/unit/test_host_rounds.py's hold-back story (three hold-backs, the last outlasting a late copy) with the
     chain and its drains on the GPU: the same forwards hold back, and `seen` (pinned host memory) says the same."""
-    from test_host_rounds import hold_back_story
+    from test_host_rounds import check_hold_back_story, hold_back_story
 
-    assert hold_back_story("cuda") == hold_back_story("cpu")
+    check_hold_back_story(hold_back_story("cuda"))

@@ -203,7 +203,11 @@ def test_a_hold_back_ends_after_its_forwards_doubles_each_time_and_outlasts_a_la
     """Since session 50 a hold-back ends (before, it lasted the engine's life): every LATE_LIMIT-th late drain holds
     the rounds of the next HOLD forwards back, twice as many each time after, and a hold-back does not end while a late
     copy is still under way: a drain that finds one keeps it in force for the next forward."""
-    story = hold_back_story("cpu")
+    check_hold_back_story(hold_back_story("cpu"))
+
+
+def check_hold_back_story(story: list[tuple[bool, int]]) -> None:
+    """What hold_back_story's forwards must show, on any device."""
     late = [False] * LATE_LIMIT  # the late drains' own forwards fetch
     first = late + [True] * HOLD + [False]
     second = late + [True] * 2 * HOLD + [False]
