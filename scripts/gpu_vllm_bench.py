@@ -435,7 +435,7 @@ def use_smoke_shape() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.combine:
-        return combine(args.combine, args.out, args.path)
+        return combine(args.combine, args.out, args.path, args.recall_0_calls)
     if args.smoke:
         use_smoke_shape()
     deadline = time.monotonic() + args.budget_s
@@ -589,6 +589,13 @@ def parse_args(argv):
         "suffixes (e.g. +one-node+host+chained-only), where measured; named as the families' `path`",
     )
     p.add_argument(
+        "--recall-0-calls",
+        type=int,
+        default=1,
+        help="with --combine: recall 0 against no prefetch is the mean of the ratios of the latest N calls that ran "
+        "both rows side by side (name the calls of one build: one call's engines differ by up to 0.2 ms, run 40)",
+    )
+    p.add_argument(
         "--families",
         default=None,
         help="comma list of routing families (scripts/traces.py) each engine measures in turn: "
@@ -640,6 +647,8 @@ def parse_args(argv):
         p.error("--precision takes a number in (0, 1]")
     if args.parallel < 1:
         p.error("--parallel takes a count of at least 1")
+    if args.recall_0_calls < 1:
+        p.error("--recall-0-calls takes a count of at least 1")
     if not args.combine:
         for name in args.configs.split(","):
             try:
@@ -788,7 +797,9 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
     return out
 
 
-def family_ratios(rows: dict[tuple[str, str], dict], every: dict | None = None, path: str = "") -> dict[str, dict]:
+def family_ratios(
+    rows: dict[tuple[str, str], dict], every: dict | None = None, path: str = "", recall_0_calls: int = 1
+) -> dict[str, dict]:
     """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare);
     `rows` ((family, name) -> row) is in recency order, `every` ((family, name) -> every row of that name, file by
     file; default: the rows) pairs each row with the resident or offload17 row of its own call where there is one.
@@ -799,7 +810,9 @@ def family_ratios(rows: dict[tuple[str, str], dict], every: dict | None = None, 
     - a plain name whose env names the plugin's current defaults (ran_current_defaults), the most recent;
     - a prefetching row that names the default gate and budget in its suffix (default_prefetch_suffix);
     - a row that names the default eviction (~POLICY);
-    - the plain name (the defaults of its day)."""
+    - the plain name (the defaults of its day).
+    Recall 0 against no prefetch: only side by side, the mean ratio of the latest `recall_0_calls` calls that ran
+    both (recall_0_ratios), each call's ratio also listed."""
     every = every if every is not None else {key: [r] for key, r in rows.items()}
     out = {}
     default = "~" + PagerSettings().eviction
@@ -831,13 +844,33 @@ def family_ratios(rows: dict[tuple[str, str], dict], every: dict | None = None, 
                     ratios[label + key] = round(theirs / mine if upward else mine / theirs, 3)
         if used.get("102_recall_0") and used.get("102_no_prefetch"):
             # Recall 0 against no prefetch straight, only where one call ran both (calls differ by 4-6%: run 33)
-            mine, theirs = side_by_side(every, family, used["102_recall_0"], used["102_no_prefetch"], fallback=False)
-            if mine and theirs:
-                ratios["recall_0_vs_no_prefetch_at_102"] = round(mine / theirs, 3)
+            calls = recall_0_ratios(every, family, used["102_recall_0"], used["102_no_prefetch"])[-recall_0_calls:]
+            if calls:
+                ratios["recall_0_vs_no_prefetch_at_102"] = round(sum(r for _, r in calls) / len(calls), 3)
+                ratios["recall_0_vs_no_prefetch_calls"] = {source: round(r, 3) for source, r in calls}
         if path and any(m.endswith(path) for m in used.values()):
             ratios["path"] = path
         out[family] = {**ratios, "rows": used}
     return out
+
+
+def recall_0_ratios(every: dict, family: str, name: str, ref: str) -> list[tuple[str, float]]:
+    """(call, TPOT of `name` over TPOT of `ref`) for each call (result file) that measured both in `family`, oldest
+    first; a call's replicas (`name#2`, ...) are averaged with the row they repeat."""
+
+    def by_call(base: str) -> dict[str, list[float]]:
+        tpots: dict[str, list[float]] = {}
+        for (f, n), found in every.items():
+            if f == family and (n == base or (n.startswith(base + "#") and n[len(base) + 1 :].isdigit())):
+                for r in found:
+                    if r.get("tpot_ms"):
+                        tpots.setdefault(r.get("source"), []).append(r["tpot_ms"])
+        return tpots
+
+    mine, theirs = by_call(name), by_call(ref)
+    order = [r.get("source") for r in every.get((family, name), [])]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return [(s, mean(mine[s]) / mean(theirs[s])) for s in dict.fromkeys(order) if s in mine and s in theirs]
 
 
 def gpu_name() -> str | None:
@@ -896,7 +929,7 @@ TARGET_CARD = "H200"
 (other_card_configs), not in their place; files before run 35 name no card (all the H200's but run 34's)."""
 
 
-def combine(files: list[Path], out: Path, path: str = "") -> int:
+def combine(files: list[Path], out: Path, path: str = "", recall_0_calls: int = 1) -> int:
     """Merge result files (one per call) into one: their rows by (family, name), issue 15's ratios per family (of
     the prefetch `path` where one is named: family_ratios), the SSD floors, and the targets those ratios meet."""
     rows, every, other_cards = {}, {}, []
@@ -932,7 +965,7 @@ def combine(files: list[Path], out: Path, path: str = "") -> int:
             # What the GPU spends per token beyond the resident engine: waits for copies and reads, and the pager's
             # own kernels (a replayed CUDA graph cannot tell the two apart).
             r["beyond_resident_ms_per_token"] = round(r["tpot_ms"] - resident, 3)
-    families = family_ratios(rows, every, path)
+    families = family_ratios(rows, every, path, recall_0_calls)
     report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
     if other_cards:
         report["other_card_configs"] = other_cards

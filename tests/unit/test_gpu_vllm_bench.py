@@ -531,6 +531,61 @@ def test_recall_0_is_judged_against_no_prefetch_in_the_latest_call_that_ran_both
     assert report["issue15_targets"]["standard"]["102 slots at recall 0 no slower than without prefetch"] is met
 
 
+@pytest.mark.parametrize(
+    "calls_pooled,ratio,listed",
+    [
+        (1, 0.99, ["call2.json"]),  # the latest call alone, its two recall-0 rows averaged
+        (2, 1.0, ["call1.json", "call2.json"]),  # (1.01 + 0.99) / 2
+        (5, 1.0, ["call1.json", "call2.json"]),  # as many as ran both: call 0 ran no recall-0 row
+    ],
+)
+def test_recall_0_pools_the_latest_calls_that_ran_both_and_averages_each_call_s_replicas(
+    calls_pooled, ratio, listed, tmp_path
+):
+    """Run 40: one call's engines of the same configuration differed by up to 0.2 ms, so the recall-0 ratio may be
+    the mean over the latest N calls of one build (--recall-0-calls), each call's replicas (#2) averaged."""
+    calls = [
+        [("A", 5.0)],
+        [("A", 5.0), ("A#2", 5.2), ("R0", 5.151)],  # 5.151 / 5.1 = 1.01
+        [("R0", 5.0), ("A", 5.1), ("R0#2", 5.098)],  # 5.049 / 5.1 = 0.99
+    ]
+    names = {"A": "bigmoe-102-layerbuf", "R0": "bigmoe-102-layerbuf@r0+one-node+host+chained-only"}
+    files = []
+    for i, rows in enumerate(calls):
+        f = tmp_path / f"call{i}.json"
+        configs = []
+        for n, t in rows:
+            base, _, replica = n.partition("#")
+            configs.append({"name": names[base] + (f"#{replica}" if replica else ""), "tpot_ms": t})
+        f.write_text(json.dumps({"command": f"call {i}", "configs": configs}))
+        files.append(f)
+    out = tmp_path / "prefetch.json"
+    assert (
+        bench.main(
+            [
+                "--combine",
+                *map(str, files),
+                "--out",
+                str(out),
+                "--path",
+                "+one-node+host+chained-only",
+                "--recall-0-calls",
+                str(calls_pooled),
+            ]
+        )
+        == 0
+    )
+    standard = json.loads(out.read_text())["families"]["standard"]
+    assert standard["recall_0_vs_no_prefetch_at_102"] == ratio
+    assert list(standard["recall_0_vs_no_prefetch_calls"]) == listed
+
+
+def test_a_recall_0_pool_of_no_calls_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "o.json"), "--recall-0-calls", "0"])
+    assert exit_.value.code == 2 and "--recall-0-calls takes a count of at least 1" in capsys.readouterr().err
+
+
 def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     """Run 34 (H100) measured the recall-0 row without a resident engine: the ratio over resident stays with the
     H200's calls (files before run 35 name no card) instead of pairing an H100 row with an H200 reference."""
