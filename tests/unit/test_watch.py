@@ -105,3 +105,45 @@ def test_idle_server_prints_its_state_once_then_only_changes():
     assert lines[0] == {"state": "idle"} and lines[2] == {"state": "idle"} and len(lines) == 3
     assert lines[1]["tok_per_s"] == pytest.approx(10.0) and lines[1]["tpot_ms"] == pytest.approx(5.0)
     assert all(None not in line.values() for line in lines)
+
+
+def with_prefetch(text: str, waits: float, late: float) -> str:
+    """A scrape with the pager's chained-prefetch counters (adapters.vllm.stats.CHAIN_SERIES) added."""
+    return text + (
+        "# HELP bigmoe_prefetch_chain_timeouts_total Waits of the chained prefetch that gave up\n"
+        "# TYPE bigmoe_prefetch_chain_timeouts_total counter\n"
+        f"bigmoe_prefetch_chain_timeouts_total {waits}\n"
+        "# HELP bigmoe_prefetch_late_drains_total Forwards that ended with a host copy still under way\n"
+        "# TYPE bigmoe_prefetch_late_drains_total counter\n"
+        f"bigmoe_prefetch_late_drains_total {late}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "before,after,told",
+    [
+        ((0, 0), (0, 0), {}),  # a healthy window says nothing of prefetch
+        ((1, 0), (4, 3), {"prefetch_waits_given_up": 3, "prefetch_late_drains": 3}),
+        ((4, 3), (5, 3), {"prefetch_waits_given_up": 1}),
+    ],
+)
+def test_a_window_tells_the_prefetch_trouble_it_saw_and_the_dashboard_keeps_count(before, after, told):
+    """Waits that gave up (about a second each) and late host copies (every third holds prefetch back a while) are
+    what a user of chained prefetch needs to see beside the TPOT they explain: in the headless stats line and the
+    dashboard's TPOT title, only when there were any."""
+    from bigmoe.tui.dashboard_view import History, speed_title
+
+    old = parse(with_prefetch(scrape(*IDLE), *before), now=10.0)
+    new = parse(with_prefetch(scrape(*BUSY), *after), now=15.0)
+    w = window(old, new)
+    assert w.prefetch_trouble == told
+    assert {k: v for k, v in w.summary().items() if k.startswith("prefetch")} == told
+    history = History()
+    history.add(w)
+    history.add(w)
+    title = speed_title(history)
+    if told:
+        waits, late = (2 * told.get(k, 0) for k in ("prefetch_waits_given_up", "prefetch_late_drains"))
+        assert title.endswith(f"prefetch: {waits} waits gave up, {late} late copies")
+    else:
+        assert "prefetch" not in title

@@ -2,7 +2,8 @@
 
 TPOT, TTFT and tok/s come from vLLM's own series; tier hit rates from the
 pager's `bigmoe_expert_*` series (exported through prometheus_client's
-multiprocess mode, so they appear in the same /metrics).
+multiprocess mode, so they appear in the same /metrics), and the chained
+prefetch's trouble from its `bigmoe_prefetch_*` counters.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ TPOT_SERIES = (
 )
 TTFT_SERIES = "vllm:time_to_first_token_seconds"
 TOKENS_SERIES = "vllm:generation_tokens_total"
+PREFETCH_SERIES = {
+    "bigmoe_prefetch_chain_timeouts_total": "prefetch_waits_given_up",
+    "bigmoe_prefetch_late_drains_total": "prefetch_late_drains",
+}
+"""The pager's chained-prefetch counters (no labels) -> their names in a Window: waits that gave up (about a second
+each) and forwards that ended with a host copy still under way (every third holds prefetch back a while)."""
 MIN_WINDOW_S = 1.0
 """Shortest window rates are reported over (s): a rate over milliseconds is noise (a first window of 1e-9 s
 once read 3.2e10 tok/s)."""
@@ -40,6 +47,8 @@ class Sample:
     """(layer, tier) -> expert lookups."""
     hits: dict[tuple[str, str], float] = field(default_factory=dict)
     """(layer, tier) -> expert hits."""
+    prefetch: dict[str, float] = field(default_factory=dict)
+    """PREFETCH_SERIES' window name -> its total."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,8 @@ class Window:
     """Tier -> hits / lookups in the window, over all layers."""
     layer_hit_rate: dict[str, dict[str, float]]
     """Tier -> layer -> hit rate in the window."""
+    prefetch_trouble: dict[str, int] = field(default_factory=dict)
+    """PREFETCH_SERIES' window names -> how many the window added, those that grew only."""
 
     @property
     def idle(self) -> bool:
@@ -72,7 +83,7 @@ class Window:
         if self.ttft_ms is not None:
             out["ttft_ms"] = round(self.ttft_ms, 1)
         out["tok_per_s"] = round(self.tokens_per_s, 2)
-        return out | {f"hit_{tier}": round(rate, 4) for tier, rate in self.hit_rate.items()}
+        return out | {f"hit_{tier}": round(rate, 4) for tier, rate in self.hit_rate.items()} | self.prefetch_trouble
 
 
 def parse(text: str, now: float) -> Sample:
@@ -96,6 +107,8 @@ def parse(text: str, now: float) -> Sample:
             elif name == "bigmoe_expert_hits_total":
                 key = (s.labels.get("layer", "?"), s.labels.get("tier", "?"))
                 sample.hits[key] = sample.hits.get(key, 0.0) + value
+            elif name in PREFETCH_SERIES:
+                sample.prefetch[PREFETCH_SERIES[name]] = value
     return sample
 
 
@@ -132,6 +145,9 @@ def window(old: Sample, new: Sample) -> Window:
         tokens_per_s=(new.tokens - old.tokens) / dt,
         hit_rate={tier: h / n for tier, (h, n) in tiers.items() if n > 0},
         layer_hit_rate=per_layer,
+        prefetch_trouble={
+            k: int(v - old.prefetch.get(k, 0.0)) for k, v in new.prefetch.items() if v > old.prefetch.get(k, 0.0)
+        },
     )
 
 

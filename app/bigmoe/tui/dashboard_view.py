@@ -41,6 +41,8 @@ class History:
     """Tier -> hit rate of the latest window that looked it up."""
     layer_hit: dict[str, dict[str, float]] = field(default_factory=dict)
     """Tier -> layer -> hit rate of the latest window that looked that layer up."""
+    prefetch_trouble: dict[str, int] = field(default_factory=dict)
+    """watch.PREFETCH_SERIES' names -> how many since the dashboard started."""
 
     def add(self, window) -> None:
         self.tokens_per_s = (self.tokens_per_s + [window.tokens_per_s])[-HISTORY:]
@@ -52,6 +54,8 @@ class History:
         self.tier_hit.update(window.hit_rate)
         for tier, layers in window.layer_hit_rate.items():
             self.layer_hit.setdefault(tier, {}).update(layers)
+        for name, added in window.prefetch_trouble.items():
+            self.prefetch_trouble[name] = self.prefetch_trouble.get(name, 0) + added
 
 
 def bar(rate: float | None, width: int = BAR_WIDTH) -> Text:
@@ -130,7 +134,10 @@ def endpoint_text(endpoint: str, model: str, pid: int, plan, api_key: str | None
 def speed_title(history: History) -> str:
     tpot = "–" if history.last_tpot_ms is None else f"{history.last_tpot_ms:.2f} ms"
     ttft = "–" if history.last_ttft_ms is None else f"{history.last_ttft_ms:.0f} ms"
-    return f"TPOT {tpot}  (TTFT {ttft})"
+    trouble = history.prefetch_trouble
+    waits, late = trouble.get("prefetch_waits_given_up", 0), trouble.get("prefetch_late_drains", 0)
+    told = f"  prefetch: {waits} waits gave up, {late} late copies" if waits or late else ""
+    return f"TPOT {tpot}  (TTFT {ttft}){told}"
 
 
 def rate_title(history: History) -> str:
