@@ -137,6 +137,8 @@ def test_each_forward_s_end_leaves_its_counts_in_host_memory_and_the_hold_back_i
     assert f"{LATE_LIMIT} forwards have ended with a host copy still under way" in lines[-1] and "\n" not in lines[-1]
     assert f"for the next {HOLD_FORWARDS} forwards" in lines[-1]
     assert held_back_line(seen, told=1) is None  # this hold-back was told already
+    over = held_back_line({**seen, "forward": seen["resume"]}, told=0)  # read after its forwards
+    assert "next" not in over and "until every late copy has landed" in over
     assert held_back_line(None, told=0) is None  # no forward was chained
 
 

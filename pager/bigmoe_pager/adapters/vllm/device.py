@@ -328,11 +328,12 @@ def held_back_line(seen: dict[str, int] | None, told: int) -> str | None:
     drains), None while `told` hold-backs are all there were (or no forward was chained)."""
     if seen is None or hold_backs(seen) <= told:
         return None
+    left = forwards_held(seen)  # (0 where the export thread read the words after the hold-back's forwards)
+    until = f"for the next {left} forwards and " if left else ""
     return (
         f"bigmoe: prefetch holds back (hold-back {hold_backs(seen)}): {seen['late']} forwards have ended with a host "
         "copy still under way (the host copier's copies are not landing beside the kernels); experts are paged on "
-        f"demand, with the same tokens, for the next {forwards_held(seen)} forwards and until every late copy has "
-        "landed, then prefetch resumes"
+        f"demand, with the same tokens, {until}until every late copy has landed, then prefetch resumes"
     )
 
 
