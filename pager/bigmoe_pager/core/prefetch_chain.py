@@ -68,7 +68,7 @@ LATE_LIMIT = 3
 process where the copies stopped landing beside the kernels (after a torch.profiler session) every forward's drain
 waited its second, 1.75 s a token; one late copy alone (the copier thread descheduled for a second) does not hold
 prefetch back. The count is over the engine's life, not a rate: three such hiccups far apart hold it back too (none
-was counted in any vLLM bench row, runs 16-39)."""
+was counted in any vLLM bench row, runs 16-40)."""
 HOLD_FORWARDS = 4096
 """Forwards the first hold-back lasts; each later one lasts twice the one before (MAX_DOUBLINGS at most), and none
 ends while a late copy is still under way (so run 38's copies that never land hold prefetch back for good). 4096
