@@ -968,7 +968,9 @@ def combine(files: list[Path], out: Path, path: str = "", recall_0_calls: int = 
     families = family_ratios(rows, every, path, recall_0_calls)
     report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
     if other_cards:
-        report["other_card_configs"] = other_cards
+        # Their tokens stay in their source files: same_tokens_as above is their verdict, and a combined file that
+        # kept every other card's tokens would grow by about 2.5 KB a row each call (the tree travels to the GPU).
+        report["other_card_configs"] = [{k: v for k, v in r.items() if k != "tokens"} for r in other_cards]
     report["issue15_targets"] = issue15_targets(families, report)
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)

@@ -595,7 +595,12 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
         json.dumps({"command": "a", "configs": [{"name": "resident", "tpot_ms": 3.5}, {"name": r0, "tpot_ms": 5.25}]})
     )
     later = tmp_path / "h100.json"
-    later.write_text(json.dumps({"command": "b", "gpu": H100, "configs": [{"name": r0, "tpot_ms": 5.6}]}))
+    older_rows = json.loads(older.read_text())["configs"]
+    older_rows[1]["tokens"] = [7, 8, 9]
+    older.write_text(json.dumps({"command": "a", "configs": older_rows}))
+    later.write_text(
+        json.dumps({"command": "b", "gpu": H100, "configs": [{"name": r0, "tpot_ms": 5.6, "tokens": [7, 8, 9]}]})
+    )
     out = tmp_path / "prefetch.json"
     assert bench.combine([older, later], out, "+one-node+host+chained-only") == 0
     report = json.loads(out.read_text())
@@ -603,6 +608,9 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     # The H100's row stands beside the H200's, not in its place (the targets are the H200's)
     assert [(r["name"], r["tpot_ms"]) for r in report["configs"] if r["name"] == r0] == [(r0, 5.25)]
     assert [(r["name"], r["gpu"]) for r in report["other_card_configs"]] == [(r0, H100)]
+    # Its tokens are judged against the H200's rows, then left in its source file
+    assert report["other_card_configs"][0]["same_tokens_as"] == [r0]
+    assert "tokens" not in report["other_card_configs"][0]
 
 
 @pytest.mark.parametrize(
