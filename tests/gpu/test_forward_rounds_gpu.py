@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from bigmoe_pager.core.prefetch_chain import STEPPED
 from bigmoe_pager.core.round_sync import CANCELLED, DECIDED
 from test_forward_rounds import recorded_launches
 from test_prefetch_chain_gpu import assert_slots_hold, replayed_model
@@ -30,26 +31,42 @@ MODES = {
 }
 
 
-def caught_up(copier, rounds: int, seconds: float = 2.0) -> dict:
-    """The host copier's stats once it has seen `rounds` rounds, or after `seconds`: no step waits for a round that
-    copies nothing, so the thread may still be reading the last forward's mailboxes when the replay is done."""
+def host_start(predictor, stats) -> tuple[int, int, int] | None:
+    """Before the replays: (rounds the host copier has served, experts it has copied, experts the rounds admitted);
+    None where no host thread copies."""
+    if predictor.copier is None:
+        return None
+    served = predictor.copier.stats()
+    return served["rounds"], served["experts"], stats.snapshot()["vram"].prefetched
+
+
+def caught_up(copier, experts: int, seconds: float = 2.0) -> dict:
+    """The host copier's stats once it has copied `experts` experts, or after `seconds`: no step waits for a round
+    that copies nothing, so the thread may still be reading the last forward's mailboxes when the replay is done."""
     deadline = time.monotonic() + seconds
     served = copier.stats()
-    while served["rounds"] < rounds and time.monotonic() < deadline:
+    while served["experts"] < experts and time.monotonic() < deadline:
         time.sleep(0.01)
         served = copier.stats()
     return served
 
 
-def assert_copies_landed(layers, predictor, mode: str, replays: int) -> None:
-    """Every round's copy finished by the last forward's end, and the host copier (where it copies) served every
-    round of the `replays` forwards without an error."""
+def assert_copies_landed(layers, predictor, stats, start: tuple[int, int, int] | None, replays: int) -> None:
+    """Every round's copy finished by the last forward's end, and the host copier (where it copies) copied every
+    expert the replays' rounds admitted, once, without an error. A round's list is the mailbox's until the next
+    forward's round of that layer replaces it; a list with entries is waited for by the forward's drain, an empty
+    one by nothing, so the thread may see two forwards' empty rounds as one (run 41: 145-147 of 150 rounds seen on
+    an H100, every expert copied): the rounds it counts are at most those published."""
     for layer in layers[1:]:
         state = layer.pager.pager.vram.kernel_state()
         assert torch.equal(state["copied"], state["target"])
-    if mode != "one-node":
-        served = caught_up(predictor.copier, replays * (len(layers) - 1))
-        assert served["error"] == 0 and served["rounds"] == replays * (len(layers) - 1)
+    if start is not None:
+        rounds0, copied0, admitted0 = start
+        admitted = stats.snapshot()["vram"].prefetched - admitted0
+        served = caught_up(predictor.copier, copied0 + admitted)
+        words = predictor._chain.flags[:STEPPED].tolist()  # the chain's words, for the message
+        assert served["error"] == 0 and served["experts"] - copied0 == admitted, (served, admitted, words)
+        assert 0 < served["rounds"] - rounds0 <= replays * (len(layers) - 1), (served, words)
 
 
 def whole_forward(layers, routing, predictor, tokens: int, k: int, compute: int):
@@ -93,6 +110,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     )
     launches = recorded_launches(monkeypatch)
     graph, ids, out = whole_forward(layers, routing, predictor, tokens, k, compute)
+    start = host_start(predictor, stats)
     once = [] if mode in ("host", "in-step") else [(1, layers_n - 1)]
     assert [(first, last) for first, last, _ in launches] == once  # captured once: one a forward (none: per layer)
     for _ in range(replays):
@@ -104,7 +122,7 @@ def test_a_one_node_forward_keeps_every_slot_right_and_settles_every_round(
     for layer in layers[1:]:
         state = layer.pager.pager.vram.kernel_state()
         assert int(state["claim"]) in (replays * 4 + DECIDED, replays * 4 + CANCELLED)
-    assert_copies_landed(layers, predictor, mode, replays)
+    assert_copies_landed(layers, predictor, stats, start, replays)
     counts = [stats.snapshot(i)["vram"] for i in range(layers_n)]
     if compute:
         assert sum(c.prefetch_used for c in counts) > 0  # rounds landed before their steps and were used
@@ -122,12 +140,13 @@ def test_one_node_forwards_queued_back_to_back_give_up_no_wait(tmp_path, mode):
         tmp_path, layers_n, 128, 32, 8, "standard", 0.8, "lru", **MODES[mode]
     )
     graph, ids, out = whole_forward(layers, routing, predictor, 1, 8, 4)
+    start = host_start(predictor, stats)
     for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
     assert_slots_hold(layers, layout, records, [i.cpu() for i in ids], out)
     assert predictor._chain.forwards == replays and predictor.chain_timeouts == 0
-    assert_copies_landed(layers, predictor, mode, replays)
+    assert_copies_landed(layers, predictor, stats, start, replays)
 
 
 def test_host_copies_that_never_land_keep_every_slot_right_and_hold_the_rounds_back(tmp_path, monkeypatch):
