@@ -30,6 +30,13 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bigmoe_bench.graph_timing import replay_us  # noqa: E402
+
+IF_NODE = "begin_capture_to_if_node"
+"""torch's CUDAGraph method that opens an IF node's body during a capture (vLLM 0.33's torch 2.14 has it; the
+image's 2.11 does not)."""
+
 VARIANTS = ("plain", "if-on", "if-off", "either")
 """The graph shapes timed, in the order each round replays them."""
 
@@ -59,19 +66,6 @@ def capture(variant: str, steps: int, buf: torch.Tensor, on: torch.Tensor, off: 
     return graph
 
 
-def time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Microseconds per replay."""
-    for _ in range(20):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / replays
-
-
 def summarize(times: dict[str, list[float]], steps: int) -> dict:
     """Median microseconds per replay of each variant and, beside plain, per step."""
     medians = {v: statistics.median(t) for v, t in times.items()}
@@ -93,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_conditional_probe: no CUDA device; this probe times graph nodes on a GPU", file=sys.stderr)
         return 2
+    if not hasattr(torch.cuda.CUDAGraph, IF_NODE):
+        print(
+            f"gpu_conditional_probe: torch {torch.__version__} has no CUDAGraph.{IF_NODE}; run it with vLLM 0.33's "
+            "torch (source /tmp/site/env.sh)",
+            file=sys.stderr,
+        )
+        return 2
     on = torch.ones((), dtype=torch.bool, device="cuda")
     off = torch.zeros((), dtype=torch.bool, device="cuda")
     bufs = {v: torch.zeros(args.bytes // 4, dtype=torch.int32, device="cuda") for v in VARIANTS}
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):
         for v in VARIANTS:
-            times[v].append(round(time_graph(graphs[v], args.replays), 3))
+            times[v].append(round(replay_us(graphs[v], args.replays, warmups=20), 3))
     torch.cuda.synchronize()
     replays = args.rounds * (args.replays + 20)
     wrong = {

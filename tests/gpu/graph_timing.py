@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from bigmoe_bench.graph_timing import replay_us as graph_replay_us
 
 
 def replay_us(work: Callable[[], None], replays: int) -> float:
@@ -15,12 +16,4 @@ def replay_us(work: Callable[[], None], replays: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         work()
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
+    return graph_replay_us(graph, replays)

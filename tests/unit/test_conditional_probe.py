@@ -15,6 +15,14 @@ def test_without_a_gpu_the_probe_says_so_in_one_line(tmp_path, capsys, monkeypat
     assert not (tmp_path / "c.json").exists()
 
 
+def test_a_torch_without_if_nodes_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "IF_NODE", "no_such_capture_method")
+    assert probe.main(["--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDAGraph.no_such_capture_method" in err[0] and "vLLM 0.33" in err[0]
+
+
 @pytest.mark.parametrize("steps", [1, 40])
 def test_each_variant_is_reported_per_step_over_plain_from_its_median_round(steps):
     times = {"plain": [50.0, 40.0, 40.0], "if-on": [40.0 + 8 * steps] * 3, "if-off": [40.0, 40.0 + 4 * steps, 999.0]}
