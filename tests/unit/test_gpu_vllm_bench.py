@@ -578,6 +578,11 @@ def test_recall_0_pools_the_latest_calls_that_ran_both_and_averages_each_call_s_
     standard = json.loads(out.read_text())["families"]["standard"]
     assert standard["recall_0_vs_no_prefetch_at_102"] == ratio
     assert list(standard["recall_0_vs_no_prefetch_calls"]) == listed
+    # Each call's difference stands beside the widest spread between its engines of one configuration
+    spreads = {"call1.json": (0.051, 0.2), "call2.json": (-0.051, 0.098)}
+    assert {c: (v["difference"], v["engine_spread"]) for c, v in standard["recall_0_calls_ms"].items()} == {
+        c: spreads[c] for c in listed
+    }
 
 
 def test_a_recall_0_pool_of_no_calls_is_refused_in_one_line(tmp_path, capsys):
