@@ -47,6 +47,8 @@ def bodies_per_step(variant: str) -> int:
 
 
 def capture(variant: str, steps: int, buf: torch.Tensor, on: torch.Tensor, off: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """The variant's graph: `steps` adds of one to `buf`, each behind the IF nodes the variant names (conditions:
+    scalar bool tensors on the GPU, `on` true and `off` false)."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -106,11 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             times[v].append(round(replay_us(graphs[v], args.replays, warmups=20), 3))
     torch.cuda.synchronize()
     replays = args.rounds * (args.replays + 20)
-    wrong = {
-        v: int(bufs[v][0].item())
-        for v in VARIANTS
-        if int(bufs[v][0].item()) != replays * args.steps * bodies_per_step(v)
-    }
+    ran = {v: int(bufs[v][0].item()) for v in VARIANTS}
+    wrong = {v: n for v, n in ran.items() if n != replays * args.steps * bodies_per_step(v)}
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

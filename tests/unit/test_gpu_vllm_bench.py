@@ -596,13 +596,9 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     H200's calls (files before run 35 name no card) instead of pairing an H100 row with an H200 reference."""
     r0 = "bigmoe-102-layerbuf@r0+one-node+host+chained-only"
     older = tmp_path / "h200.json"
-    older.write_text(
-        json.dumps({"command": "a", "configs": [{"name": "resident", "tpot_ms": 3.5}, {"name": r0, "tpot_ms": 5.25}]})
-    )
-    later = tmp_path / "h100.json"
-    older_rows = json.loads(older.read_text())["configs"]
-    older_rows[1]["tokens"] = [7, 8, 9]
+    older_rows = [{"name": "resident", "tpot_ms": 3.5}, {"name": r0, "tpot_ms": 5.25, "tokens": [7, 8, 9]}]
     older.write_text(json.dumps({"command": "a", "configs": older_rows}))
+    later = tmp_path / "h100.json"
     later.write_text(
         json.dumps({"command": "b", "gpu": H100, "configs": [{"name": r0, "tpot_ms": 5.6, "tokens": [7, 8, 9]}]})
     )
