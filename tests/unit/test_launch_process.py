@@ -176,17 +176,36 @@ def test_servers_are_named_by_model_port_or_pid_and_ambiguity_is_one_line():
     assert stopped.exit_code == 0 and gone(b.info.pid) and records.live() == []
 
 
-def test_logs_are_read_after_the_server_has_exited():
+@pytest.mark.parametrize("follow", [[], ["--follow"]])
+def test_logs_are_read_after_the_server_has_exited(follow):
     server = start(launch.free_port(), "--exit", "3")
     with pytest.raises(launch.LaunchError):
         launch.wait_ready(server, 30)
     launch.stop(server)
     for target in ("tiny-moe", str(server.info.port)):
-        shown = CliRunner().invoke(cli, ["logs", target, "-n", "0"])
+        shown = CliRunner().invoke(cli, ["logs", target, "-n", "0", *follow])  # a follow of a gone server: no wait
         assert shown.exit_code == 0 and "fake engine failure" in shown.output
     assert records.last_log(None) == Path(server.info.log)
     with pytest.raises(records.NoSuchServer, match="no bigmoe run has a log for other-model"):
         records.last_log("other-model")
+
+
+def test_logs_follow_prints_the_lines_a_running_server_writes_later_and_ends_when_it_stops():
+    server = start(launch.free_port(), "--listen-after", "2")  # "startup complete" comes 2 s after its first lines
+    while not Path(server.info.log).exists() or b"version" not in Path(server.info.log).read_bytes():
+        time.sleep(0.05)
+    shown = {}
+    reader = threading.Thread(target=lambda: shown.update(out=CliRunner().invoke(cli, ["logs", "--follow"])))
+    reader.start()
+    launch.wait_ready(server, 30)
+    time.sleep(0.5)  # a poll or two to print the ready line
+    assert reader.is_alive()  # following while the server runs
+    launch.stop(server)
+    reader.join(10)
+    assert not reader.is_alive()  # ended with the server
+    out = shown["out"]
+    assert out.exit_code == 0, out.output
+    assert out.output.count("vLLM API server version") == 1 and out.output.count("Application startup complete") == 1
 
 
 def test_the_api_key_reaches_the_server_by_environment_only_and_files_are_private():

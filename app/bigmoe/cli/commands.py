@@ -104,13 +104,23 @@ def stop(target: str | None, stop_all: bool) -> None:
 @click.option(
     "--lines", "-n", default=50, show_default=True, type=click.IntRange(0), help="Lines from the end (0 = all)."
 )
-def logs(target: str | None, lines: int) -> None:
+@click.option(
+    "--follow", "-f", is_flag=True, help="Then print each line as the server writes it, until it exits (Ctrl-C ends)."
+)
+def logs(target: str | None, lines: int, follow: bool) -> None:
     """Print the end of a server's log: the running one TARGET names (model name, port or pid), else the
     last run's log for that model or port, also after the server has exited."""
-    from bigmoe.serve import records
+    from bigmoe.serve import log_follow, records
 
-    text = records.last_log(target).read_text(errors="replace").splitlines()
-    click.echo("\n".join(text[-lines:] if lines else text))
+    path = records.last_log(target)
+    owner = records.log_owner(path) if follow else None
+    end = log_follow.read_log(path)
+    # A line still being written is shown now only where nothing will finish it; a follow prints it once whole.
+    shown = end.lines + ([end.partial] if end.partial and owner is None else [])
+    for line in shown[-lines:] if lines else shown:
+        click.echo(line)
+    if owner is not None:
+        log_follow.follow(path, end.offset, lambda: records.process_of(owner) is not None, click.echo)
 
 
 def _add_optional_commands() -> None:

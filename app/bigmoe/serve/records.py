@@ -166,6 +166,11 @@ def last_log(target: str | None) -> Path:
     return max(logs)[2]
 
 
+def log_owner(path: Path) -> RunInfo | None:
+    """The running server that writes the log at `path`, if one still does."""
+    return next((info for info in live() if Path(info.log) == path), None)
+
+
 def open_log(path: Path):
     """The log file for appending, created 0600 (never chmod-ed after: no moment where others may read it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
