@@ -25,6 +25,7 @@ class LogEnd:
 
 
 def read_log(path: Path) -> LogEnd:
+    """The log split on newlines only (as `follow` splits what comes after), its unterminated end kept apart."""
     data = path.read_bytes()
     whole, newline, partial = data.rpartition(b"\n")
     lines = [line.decode(errors="replace") for line in whole.split(b"\n")] if newline else []
