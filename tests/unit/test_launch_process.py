@@ -224,3 +224,18 @@ def test_the_api_key_reaches_the_server_by_environment_only_and_files_are_privat
     assert "VLLM_API_KEY is set" in Path(server.info.log).read_text()
     assert json.loads(server.runfile.read_text())["pid"] == server.info.pid
     launch.stop(server)
+
+
+def test_ps_says_which_servers_serve_and_which_are_still_starting():
+    ready, late = start(launch.free_port()), start(launch.free_port(), "--listen-after", "60")
+    launch.wait_ready(ready, 30)
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["ps", "--json"])
+    assert listed.exit_code == 0
+    state = {row["pid"]: row["state"] for row in json.loads(listed.output)}
+    assert state == {ready.info.pid: "serving", late.info.pid: "starting"}
+    lines = runner.invoke(cli, ["ps"]).output.splitlines()
+    assert any(f"pid {ready.info.pid}\t" in line and "\tserving\t" in line for line in lines)
+    assert any(f"pid {late.info.pid}\t" in line and "\tstarting\t" in line for line in lines)
+    runner.invoke(cli, ["stop", "--all"])
+    assert json.loads(runner.invoke(cli, ["ps", "--json"]).output) == []

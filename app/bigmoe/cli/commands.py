@@ -6,6 +6,7 @@ no traceback reaches the terminal.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -67,17 +68,34 @@ def run(model: str, yes: bool, as_json: bool, **options) -> None:
 
 
 @cli.command()
-def ps() -> None:
-    """List every running bigmoe server (records of servers that are gone are removed)."""
-    from bigmoe.serve import records
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per server.")
+def ps(as_json: bool) -> None:
+    """List every running bigmoe server: serving (it answers /health) or starting (records of servers that are
+    gone are removed)."""
+    from bigmoe.serve import client, records
 
-    infos = records.live()
-    if not infos:
-        click.echo("no bigmoe server is running")
+    now = time.time()
+    rows = [
+        {
+            "name": info.name,
+            "pid": info.pid,
+            "endpoint": info.endpoint,
+            "served_name": info.served_name,
+            "state": "serving" if client.answers_health(info.endpoint) else "starting",
+            "up_s": round(now - info.started, 1),
+            "model_path": info.model_path,
+            "log": info.log,
+        }
+        for info in records.live()
+    ]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
         return
-    for info in infos:
-        up = time.time() - info.started
-        click.echo(f"{info.name}\tpid {info.pid}\t{info.endpoint}\tup {up:.0f} s\tlog {info.log}")
+    if not rows:
+        click.echo("no bigmoe server is running")
+    for row in rows:
+        fields = (row["name"], f"pid {row['pid']}", row["endpoint"], row["state"], f"up {row['up_s']:.0f} s")
+        click.echo("\t".join((*fields, f"log {row['log']}")))
 
 
 @cli.command()

@@ -29,6 +29,15 @@ class ChatResult:
     """Mean time per output token after the first (ms); 0 when only one token came."""
 
 
+def answers_health(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Whether the server at `endpoint` answers /health with 200 within `timeout_s` (vLLM does once its model is
+    loaded and its graphs captured; before that the port is closed or the request waits)."""
+    try:
+        return httpx.get(endpoint + "/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def chat(
     endpoint: str,
     model: str,
