@@ -7,6 +7,12 @@ from pathlib import Path
 
 from bigmoe_pager.atomic_file import write_atomic  # noqa: F401  (the app's writes go through the pager's one helper)
 
+from bigmoe.errors import BigmoeError
+
+
+class StateDirError(BigmoeError):
+    """bigmoe's own directory (records, logs, models) cannot be made; the message names it and the fix."""
+
 
 def cache_root() -> Path:
     """BIGMOE_HOME, else $XDG_CACHE_HOME/bigmoe, else ~/.cache/bigmoe."""
@@ -18,7 +24,13 @@ def cache_root() -> Path:
 
 def _dir(*parts: str) -> Path:
     path = cache_root().joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StateDirError(
+            f"cannot create bigmoe's directory {path}: {e.strerror or e}; "
+            "make it writable or set BIGMOE_HOME to a writable directory"
+        ) from None
     return path
 
 

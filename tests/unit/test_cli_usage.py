@@ -83,3 +83,10 @@ def test_the_tui_shows_wsl2_as_yes_or_no(wsl2, shown):
 
     hw = dataclasses.replace(machine("cpu-laptop"), wsl2=wsl2)
     assert shown in machine_lines(hw).plain
+
+
+@pytest.mark.parametrize("command", [["plan"], ["run", "--yes"], ["pull"], ["verify"]])
+def test_an_unknown_model_is_one_line_and_the_tables_error_in_every_command(capsys, command, tmp_path, monkeypatch):
+    monkeypatch.setenv("BIGMOE_HOME", str(tmp_path))
+    code, _, err = bigmoe(capsys, command[0], "no-such-model", *command[1:])
+    assert code == 1 and "unknown model" in err and len(err.strip().splitlines()) == 1

@@ -351,7 +351,7 @@ def test_pull_dry_run_downloads_nothing(hub, cache):
     [
         (("acme/no-such-model",), fetch.EXIT_NOT_FOUND, "was not found"),
         ((REPO, "--revision", "v9"), fetch.EXIT_NOT_FOUND, "no revision"),
-        (("no-such-preset",), 2, "unknown model"),
+        (("no-such-preset",), 1, "unknown model"),
         ((REPO, "--small-disk"), fetch.EXIT_NO_SPACE, "short"),
     ],
 )

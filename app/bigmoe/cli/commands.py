@@ -7,13 +7,14 @@ no traceback reaches the terminal.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import click
 
 from bigmoe import exit_codes
-from bigmoe.cli.options import plan_options
+from bigmoe.cli.options import finite, header_text, plan_options, utf8
 from bigmoe.errors import BigmoeError
 
 
@@ -26,7 +27,12 @@ def cli() -> None:
 @cli.command()
 @click.argument("model")
 @click.option("--yes", "-y", is_flag=True, help="Headless: accept the plan and run without the TUI.")
-@click.option("--prompt", default=None, help="Send one chat request, print the answer with TTFT and TPOT, then stop.")
+@click.option(
+    "--prompt",
+    default=None,
+    callback=utf8,
+    help="Send one chat request, print the answer with TTFT and TPOT, then stop.",
+)
 @click.option(
     "--max-tokens",
     default=64,
@@ -39,6 +45,7 @@ def cli() -> None:
     default=None,
     envvar="BIGMOE_API_KEY",
     show_envvar=True,
+    callback=header_text,
     help="Require this API key (it reaches vLLM by environment, never on a command line; printed lines mask it).",
 )
 @plan_options
@@ -48,6 +55,7 @@ def cli() -> None:
     default=900.0,
     show_default=True,
     type=click.FloatRange(1),
+    callback=finite,
     help="Seconds to wait for the server to be ready.",
 )
 def run(model: str, yes: bool, as_json: bool, **options) -> None:
@@ -59,6 +67,8 @@ def run(model: str, yes: bool, as_json: bool, **options) -> None:
     opts = RunOptions(model=model, **options)
     if yes or not sys.stdin.isatty() or not sys.stdout.isatty():
         sys.exit(headless.run(opts, as_json=as_json))
+    if os.environ.get("TERM", "") in ("", "dumb"):
+        raise click.UsageError("this terminal (TERM=dumb or unset) cannot show the TUI; add --yes to run without it")
     from bigmoe.serve.preflight import exposure_warning
     from bigmoe.tui.app import run_tui
 

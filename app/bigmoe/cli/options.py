@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import click
@@ -11,6 +12,31 @@ from bigmoe.plan.inputs import MIN_CONTEXT
 
 GIB = click.FloatRange(min=0, min_open=True)
 """A size in GiB: positive."""
+
+
+def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """An option callback: a usage error for nan and inf, which every FloatRange lets through."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
+    return value
+
+
+def utf8(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An option callback: a usage error for text with bytes that are not UTF-8 (the shell passed them as they are)."""
+    if value is not None:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise click.BadParameter("it holds bytes that are not UTF-8 text", ctx, param) from None
+    return value
+
+
+def header_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An option callback for what travels in an HTTP header (the API key): printable ASCII only."""
+    if value is not None and not (value.isascii() and value.isprintable()):
+        raise click.BadParameter("use printable ASCII characters only (it is sent in an HTTP header)", ctx, param)
+    return value
+
 
 PLAN_OPTIONS: tuple[Callable, ...] = (
     click.option(

@@ -20,8 +20,6 @@ from bigmoe.errors import BigmoeError
 from bigmoe.model import fetch
 from bigmoe.units import size_text
 
-EXIT_USAGE = exit_codes.USAGE
-
 
 @click.command()
 @click.argument("model")
@@ -53,8 +51,8 @@ def pull(model: str, revision: str | None, cache_dir: str | None, dry_run: bool,
         out.ready(path)
     except BigmoeError as e:
         out.error(str(e), e.exit_code)
-    except ValueError as e:  # PresetError: unknown or malformed preset
-        out.error(str(e), EXIT_USAGE)
+    except ValueError as e:  # PresetError: unknown or malformed preset (the table's ERROR, as in plan and run)
+        out.error(str(e), exit_codes.ERROR)
     except KeyboardInterrupt:
         out.error("interrupted; run the same command again to resume", fetch.EXIT_CANCELLED)
 

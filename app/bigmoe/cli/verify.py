@@ -33,9 +33,9 @@ def verify_command(model: str, revision: str | None, cache_dir: str | None, keep
     except BigmoeError as e:
         click.echo(f"bigmoe: {e}", err=True)
         sys.exit(e.exit_code)
-    except ValueError as e:  # PresetError
+    except ValueError as e:  # PresetError (the table's ERROR, as in plan and run)
         click.echo(f"bigmoe: {e}", err=True)
-        sys.exit(exit_codes.USAGE)
+        sys.exit(exit_codes.ERROR)
     where = f"{verdict.repo_id}@{verdict.commit[:12]}"
     if not verdict.bad:
         click.echo(f"ok: {verdict.files} files of {where} match {verdict.source} and their safetensors headers")

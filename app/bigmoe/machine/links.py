@@ -34,6 +34,9 @@ ExpandMeasure = Callable[[], object]
 """() -> measure_expand.ExpandRate or Unknown."""
 EXPAND_KEY = "cpu:expand"
 """links.json key of the CPU's expansion rate (a machine has one)."""
+MIN_GBPS, MAX_GBPS = 1e-4, 1e4
+"""Rates (GB/s) a cached entry may state: 100 KB/s (below any working disk) to 10 TB/s (above any PCIe link, disk
+or CPU); one outside is damage."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,13 @@ def read_cache(path: Path) -> tuple[dict[str, Link], str]:
         }
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         return {}, f"{path} is malformed ({type(e).__name__}: {e}); measured again"
-    return {k: v for k, v in links.items() if v.gbps > 0}, ""
+    return {k: v for k, v in links.items() if plausible(v)}, ""
+
+
+def plausible(link: Link) -> bool:
+    """Whether a cached entry can be a real measurement (a rate from MIN_GBPS to MAX_GBPS, taken before now); one
+    that cannot (0, nan, inf, 1e300, a time past the clock's range) is measured again, never used."""
+    return MIN_GBPS <= link.gbps <= MAX_GBPS and 0 <= link.measured_at <= time.time() + 86400  # nan fails both
 
 
 def write_cache(path: Path, links: dict[str, Link]) -> None:

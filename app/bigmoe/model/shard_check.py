@@ -7,6 +7,7 @@ before vLLM starts; `bigmoe verify` adds the Hub's hashes on top.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -71,6 +72,30 @@ def shard_problem(path: Path) -> str | None:
     return None
 
 
+INDEX_NAME = "model.safetensors.index.json"
+"""The index that maps each tensor to its shard."""
+
+
 def checkpoint_problems(model_dir: Path) -> list[str]:
-    """One line per *.safetensors file of model_dir that is not whole by its header."""
-    return [why for shard in sorted(Path(model_dir).glob("*.safetensors")) if (why := shard_problem(shard))]
+    """One line per *.safetensors file of model_dir that is not whole by its header, and per shard its index
+    names that is missing (or one line when there is no *.safetensors file at all)."""
+    model_dir = Path(model_dir)
+    shards = sorted(model_dir.glob("*.safetensors"))
+    missing = [
+        f"{model_dir / name}: missing, though {INDEX_NAME} names it"
+        for name in _indexed(model_dir)
+        if not (model_dir / name).is_file()
+    ]
+    if not shards and not missing:
+        return [f"{model_dir / '*.safetensors'}: none there, so it is no checkpoint directory"]
+    return missing + [why for shard in shards if (why := shard_problem(shard))]
+
+
+def _indexed(model_dir: Path) -> list[str]:
+    """The shard file names the index maps tensors to (none when there is no readable index: the
+    planner reports a damaged one)."""
+    try:
+        weight_map = json.loads((model_dir / INDEX_NAME).read_text())["weight_map"]
+        return sorted({str(name) for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []

@@ -4,7 +4,6 @@ machine they describe (the probed one with the stated parts put in)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from bigmoe_pager.settings import COMPRESS_CHOICES
@@ -17,6 +16,9 @@ from bigmoe.units import GIB
 
 MIN_CONTEXT = 128
 """Shortest context (tokens) `plan` and `run` accept: below it a chat template alone does not fit."""
+MAX_GIB = float(1 << 20)
+"""Largest size in GiB (1 PiB) --vram-gib, --ram-gib and --disk-gib accept: beyond any machine, and far below
+where a size in bytes stops fitting a float."""
 
 
 class PlanError(BigmoeError):
@@ -73,8 +75,10 @@ def check_overrides(preset: Preset, ov: Overrides) -> None:
     arch = preset.arch
     for name in ("vram_gib", "ram_gib", "disk_gib"):
         value = getattr(ov, name)
-        if value is not None and not 0 < value < math.inf:  # nan fails both comparisons
-            raise PlanError(f"--{name.replace('_', '-')} {value} must be a positive, finite number of GiB")
+        if value is not None and not 0 < value <= MAX_GIB:  # nan fails both comparisons
+            raise PlanError(
+                f"--{name.replace('_', '-')} {value} must be a positive, finite number of GiB (at most {MAX_GIB:.0f})"
+            )
     if ov.disk is not None and ov.disk not in DISK_KINDS:
         raise PlanError(f"--disk {ov.disk!r} is not one of {', '.join(DISK_KINDS)}")
     if ov.compress is not None and ov.compress not in COMPRESS_CHOICES:

@@ -9,6 +9,7 @@ then SIGKILL to whatever is left: nothing it started outlives it.
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import shutil
@@ -80,13 +81,22 @@ class Server:
 
 
 def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    return bind_error(host, port) is None
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not bind (host, port) now (EADDRINUSE: the port is taken; a gaierror or
+    EADDRNOTAVAIL: the host is no address of this machine), or None when it could."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as e:
+            return e
+        except (TypeError, UnicodeError):  # a host name that is not text a resolver takes
+            return OSError(errno.EINVAL, "not a valid host name")
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

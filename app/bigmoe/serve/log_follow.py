@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from bigmoe.errors import BigmoeError
+
 POLL_S = 0.25
 """Seconds between looks at a followed log that had nothing new (a person reading lines never notices 0.25 s)."""
 
@@ -24,9 +26,19 @@ class LogEnd:
     """Bytes up to the end of the last whole line: where following goes on."""
 
 
+class LogUnreadable(BigmoeError):
+    """The log a record or a log name points at cannot be read (deleted, moved, not a file)."""
+
+
 def read_log(path: Path) -> LogEnd:
     """The log split on newlines only (as `follow` splits what comes after), its unterminated end kept apart."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise LogUnreadable(
+            f"cannot read the log {path}: {e.strerror or e}; it was deleted or moved "
+            "(bigmoe ps lists the running servers' logs)"
+        ) from None
     whole, newline, partial = data.rpartition(b"\n")
     lines = [line.decode(errors="replace") for line in whole.split(b"\n")] if newline else []
     return LogEnd(lines, partial.decode(errors="replace"), len(whole) + len(newline))

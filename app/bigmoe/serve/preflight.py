@@ -7,6 +7,7 @@ its cause and what fixes it.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import ipaddress
 import os
@@ -75,11 +76,19 @@ def shards_problem(model_path: Path, synthetic: bool = False, model: str = "") -
 
 
 def port_problem(host: str, port: int) -> str | None:
-    from bigmoe.serve.launch import port_free
+    from bigmoe.serve.launch import bind_error
 
-    if port_free(host, port):
+    error = bind_error(host, port)
+    if error is None:
         return None
-    return f"port {port} on {host} is in use (another server? see bigmoe ps); pick another with --port"
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use (another server? see bigmoe ps); pick another with --port"
+    if error.errno == errno.EACCES:
+        return f"port {port} on {host} needs privileges this user lacks; pick one from 1024 up with --port"
+    return (
+        f"--host {host!r} cannot be bound here ({error.strerror or error}); "
+        "give an address of this machine, such as 127.0.0.1 or 0.0.0.0"
+    )
 
 
 def paging_space_problem(the_plan) -> str | None:

@@ -10,9 +10,10 @@ Records and logs are created 0600: they hold paths and commands another user has
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import psutil
@@ -115,15 +116,30 @@ def live() -> list[RunInfo]:
     """Every server with a record whose process is alive, oldest first; stale records are removed."""
     out = []
     for path in sorted(run_dir().glob("*.json")):
-        try:
-            info = RunInfo(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue  # not a record of this version; left alone
+        info = read_record(path)
+        if info is None:
+            continue  # not a record of this version (or a damaged one); left alone, never acted on
         if process_of(info) is None:
             path.unlink(missing_ok=True)
         else:
             out.append(info)
     return sorted(out, key=lambda i: i.started)
+
+
+def read_record(path: Path) -> RunInfo | None:
+    """The record at `path`, or None when it cannot be read or a field has the wrong type (a damaged record is
+    never used: its pid could name an unrelated process)."""
+    try:
+        info = RunInfo(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    for field in fields(RunInfo):
+        value, kind = getattr(info, field.name), {"int": int, "float": (int, float), "str": str}[field.type]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return None
+    if info.pid <= 0 or not 0 < info.port < 65536 or not all(map(math.isfinite, (info.started, info.create_time))):
+        return None
+    return info
 
 
 def matching(infos: list[RunInfo], target: str | None) -> list[RunInfo]:
@@ -143,9 +159,14 @@ def one(target: str | None) -> RunInfo:
     if not found:
         raise NoSuchServer("no bigmoe server is running" + (f" for {target}" if target else ""))
     if len(found) > 1:
-        listed = ", ".join(f"{i.name} port {i.port} pid {i.pid}" for i in found)
-        raise NoSuchServer(f"{len(found)} servers match ({listed}); name one by port or pid, or use --all")
+        raise several(found, "name one by port or pid, or use --all")
     return found[0]
+
+
+def several(found: list[RunInfo], fix: str) -> NoSuchServer:
+    """The one-line error for a name that matches several live servers, listing them."""
+    listed = ", ".join(f"{i.name} port {i.port} pid {i.pid}" for i in found)
+    return NoSuchServer(f"{len(found)} servers match ({listed}); {fix}")
 
 
 def last_log(target: str | None) -> Path:
@@ -155,7 +176,7 @@ def last_log(target: str | None) -> Path:
     if len(live_ones) == 1:
         return Path(live_ones[0].log)
     if len(live_ones) > 1:
-        one(target)  # raises the one-line list
+        raise several(live_ones, "name one by port or pid")  # `logs` has no --all
     logs = []
     for path in log_dir().glob("*.log"):
         m = LOG_NAME.match(path.name)
