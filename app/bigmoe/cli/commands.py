@@ -154,9 +154,10 @@ def logs(target: str | None, lines: int, follow: bool) -> None:
 def _add_optional_commands() -> None:
     from bigmoe.cli.plan import list_presets, plan, probe
     from bigmoe.cli.pull import pull
+    from bigmoe.cli.store import list_command, rm_command
     from bigmoe.cli.verify import verify_command
 
-    for command in (probe, plan, pull, verify_command, list_presets):
+    for command in (probe, plan, pull, verify_command, list_presets, list_command, rm_command):
         cli.add_command(command)
 
 

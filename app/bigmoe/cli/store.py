@@ -1,0 +1,111 @@
+"""`bigmoe list` and `bigmoe rm MODEL`: what bigmoe keeps on disk for each model, and taking it away
+(model/store.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from bigmoe.model import store
+from bigmoe.units import size_text
+
+KINDS = {"download": "download", "made": "made", "paging": "paging file"}
+"""--only's choices, and the kind each names."""
+
+cache_dir_option = click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="huggingface_hub cache directory (default: HF_HUB_CACHE).",
+)
+paging_dir_option = click.option(
+    "--paging-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory of the paging files (default: bigmoe's, as `bigmoe run` uses without --paging-dir).",
+)
+
+
+def _held(cache_dir: Path | None, paging_dir: Path | None) -> list[store.Held]:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    from bigmoe.paths import models_dir
+    from bigmoe.plan.inputs import default_paging_dir
+
+    return store.held(Path(cache_dir or HF_HUB_CACHE), models_dir(), Path(paging_dir or default_paging_dir()))
+
+
+def _line(item: store.Held) -> str:
+    return f"{item.model:<22} {item.kind:<12} {size_text(item.bytes, smallest='MiB'):>10}  {item.state:<8} {item.path}"
+
+
+@click.command("list")
+@cache_dir_option
+@paging_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per item.")
+def list_command(cache_dir: Path | None, paging_dir: Path | None, as_json: bool) -> None:
+    """List what bigmoe keeps on disk for each model: downloads, made checkpoints and paging files, with their size."""
+    items = _held(cache_dir, paging_dir)
+    if as_json:
+        rows = [
+            {"model": i.model, "kind": i.kind, "path": str(i.path), "bytes": i.bytes, "state": i.state} for i in items
+        ]
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not items:
+        click.echo("bigmoe keeps no model on disk")
+        return
+    for item in items:
+        click.echo(_line(item))
+    click.echo(f"{'total':<35} {size_text(sum(i.bytes for i in items), smallest='MiB'):>10}")
+
+
+@click.command("rm")
+@click.argument("model")
+@click.option(
+    "--only",
+    type=click.Choice(sorted(KINDS)),
+    default=None,
+    help="Remove only the download, the made checkpoint or the paging files (default: all of them).",
+)
+@click.option("--yes", "-y", is_flag=True, help="Remove without asking.")
+@cache_dir_option
+@paging_dir_option
+def rm_command(model: str, only: str | None, yes: bool, cache_dir: Path | None, paging_dir: Path | None) -> None:
+    """Remove what bigmoe keeps on disk for MODEL (a preset name or Org/Name): `bigmoe list` shows it.
+
+    A download goes from the hub cache for every tool that shares it; `bigmoe pull` or `bigmoe run` fetches it
+    again. Refused while a server of MODEL runs."""
+    from bigmoe.serve import records
+
+    items = store.of_model(_held(cache_dir, paging_dir), model)
+    if only is not None:
+        items = [i for i in items if i.kind == KINDS[only]]
+        if not items:
+            raise store.StoreError(f"no {KINDS[only]} is kept for {model}")
+    serving = [s for s in records.live() if s.name == items[0].model or _inside(s.model_path, items)]
+    if serving:
+        server = serving[0]
+        raise store.StoreError(
+            f"a server of {items[0].model} runs (pid {server.pid}, port {server.port}); stop it first: "
+            f"bigmoe stop {server.port}"
+        )
+    for item in items:
+        click.echo(_line(item))
+    total = size_text(sum(i.bytes for i in items), smallest="MiB")
+    if not yes:
+        if not sys.stdin.isatty():
+            raise click.UsageError(f"removing {total} needs a terminal to confirm, or --yes")
+        if not click.confirm(f"remove these ({total})?"):
+            raise store.StoreError("nothing removed")
+    store.remove(items)
+    click.echo(f"removed {len(items)} item(s), {total}")
+
+
+def _inside(model_path: str, items: list[store.Held]) -> bool:
+    """Whether a server's checkpoint directory lies in one of the items (a download's snapshot, a made model)."""
+    path = Path(model_path).resolve()
+    return any(path == i.path.resolve() or i.path.resolve() in path.parents for i in items)

@@ -1,0 +1,113 @@
+"""What bigmoe keeps on disk for each model, and taking it away again.
+
+Three kinds of files belong to a model: its download (huggingface_hub's cache layout, shared with every HF
+tool), the checkpoint bigmoe made for a
+synthetic preset, and the SSD tier's paging files (a second copy of every expert, often the largest file on the
+machine). Logs, server records and measured link speeds are bigmoe's own and are not a model's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from bigmoe.errors import BigmoeError
+from bigmoe.model import presets
+from bigmoe.model.hubcache import READY_DIR
+from bigmoe.model.tinymoe.shape import DTYPES
+
+REPO_PREFIX = "models--"
+"""huggingface_hub's cache folder of a model repo: `models--Org--Name`."""
+PAGES = ".pages"
+"""Suffix of a paging file (`<preset>-<dtype>.pages`, as the plan names it)."""
+
+
+class StoreError(BigmoeError):
+    """A model's files could not be listed or removed."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """One thing on disk that belongs to a model."""
+
+    model: str
+    """Preset name, or the Hub repo id of a download that is no preset."""
+    kind: str
+    """"download", "made" (a synthetic checkpoint) or "paging file"."""
+    path: Path
+    """The directory or file."""
+    bytes: int
+    """Bytes on disk."""
+    state: str
+    """"ready", "partial" (a download without bigmoe's ready marker) or "damaged" (a paging file so marked)."""
+
+
+def held(hub_cache: Path, models_dir: Path, paging_dir: Path) -> list[Held]:
+    """Everything on disk that belongs to a model, presets first in their order, then other downloads."""
+    known = [presets.load(name) for name in presets.names()]
+    downloads = _downloads(hub_cache, {p.hub_id: p.name for p in known if p.hub_id})
+    found: list[Held] = []
+    for preset in known:
+        found += [d for d in downloads if d.model == preset.name]
+        for dtype in DTYPES:
+            made = models_dir / f"{preset.name}-{dtype}"
+            if preset.synthetic and made.is_dir():
+                found.append(Held(preset.name, "made", made, _tree_bytes(made), "ready"))
+            pages = paging_dir / f"{preset.name}-{dtype}{PAGES}"
+            if pages.is_file():
+                damaged = pages.with_name(pages.name + ".damaged").exists()
+                found.append(
+                    Held(preset.name, "paging file", pages, _file_bytes(pages), "damaged" if damaged else "ready")
+                )
+    names = {p.name for p in known}
+    return found + [d for d in downloads if d.model not in names]
+
+
+def of_model(items: list[Held], model: str) -> list[Held]:
+    """The items of `model` (a preset name or a Hub repo id); a StoreError names what exists when none match."""
+    hub_ids = {presets.load(n).hub_id: n for n in presets.names()}
+    mine = [i for i in items if i.model in (model, hub_ids.get(model))]
+    if not mine:
+        kept = sorted({i.model for i in items})
+        raise StoreError(f"nothing is kept for {model}" + (f" (kept: {', '.join(kept)})" if kept else ""))
+    return mine
+
+
+def remove(items: list[Held]) -> None:
+    """Delete the items: a download's whole repo folder (blobs, snapshots, refs and bigmoe's ready markers: for
+    every tool that shares the hub cache, as `hf cache delete` would), a made checkpoint, a paging file with its
+    damage marker. Each item is gone when this returns, or it raises StoreError naming the one that is not."""
+    for item in items:
+        try:
+            if item.kind == "paging file":
+                item.path.unlink(missing_ok=True)
+                item.path.with_name(item.path.name + ".damaged").unlink(missing_ok=True)
+            elif item.path.exists():
+                shutil.rmtree(item.path)
+        except OSError as e:
+            raise StoreError(f"could not remove {item.path}: {e.strerror or e}") from e
+
+
+def _downloads(hub_cache: Path, preset_of: dict[str, str]) -> list[Held]:
+    """Model repos in the hub cache that are a preset's or that bigmoe pulled (they hold its ready markers), whole
+    or partial (a partial one may have no snapshot yet, which huggingface_hub's cache scan reports as corrupted)."""
+    found = []
+    for folder in sorted(hub_cache.glob(f"{REPO_PREFIX}*")) if hub_cache.is_dir() else []:
+        repo_id = "/".join(folder.name[len(REPO_PREFIX) :].split("--", 1))
+        ready = folder / READY_DIR
+        if not folder.is_dir() or (repo_id not in preset_of and not ready.is_dir()):
+            continue
+        whole = any((folder / "snapshots" / m.stem).is_dir() for m in ready.glob("*.json"))
+        name = preset_of.get(repo_id, repo_id)
+        found.append(Held(name, "download", folder, _tree_bytes(folder), "ready" if whole else "partial"))
+    return found
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes on disk under `path`, each blob once (snapshot entries are links to blobs)."""
+    return sum(_file_bytes(f) for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _file_bytes(path: Path) -> int:
+    return path.stat().st_blocks * 512

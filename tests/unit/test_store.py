@@ -1,0 +1,153 @@
+"""`bigmoe list` shows what bigmoe keeps on disk for each model, and `bigmoe rm` takes exactly that away: never
+another tool's download, never a model a server still runs, never without a yes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from bigmoe.cli import main
+from bigmoe.serve import records
+
+FLASH = "Qwen/Qwen3.8-Flash-Next-FP8"
+COMMIT = "a" * 40
+BLOB = "e" * 64
+
+
+def hub_repo(cache: Path, repo_id: str, *, ready: bool, snapshot: bool = True, marked: bool = True) -> Path:
+    """A repo in huggingface_hub's cache layout: one 4 KiB blob, its snapshot link, refs/main, bigmoe's marker."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / BLOB).write_bytes(b"x" * 4096)
+    if snapshot:
+        (repo / "snapshots" / COMMIT).mkdir(parents=True)
+        (repo / "snapshots" / COMMIT / "config.json").symlink_to(repo / "blobs" / BLOB)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(COMMIT)
+    if marked:
+        (repo / "bigmoe-ready").mkdir()
+        if ready:
+            (repo / "bigmoe-ready" / f"{COMMIT}.json").write_text("{}")
+    return repo
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch):
+    """A hub cache with a whole Flash-Next download, a partial Qwen3.6 one, an Org/Name bigmoe pulled and a repo of
+    another tool; the tiny model made; Flash-Next's paging file, marked damaged."""
+    monkeypatch.setenv("BIGMOE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub = tmp_path / "hub"
+    repos = {
+        "flash": hub_repo(hub, FLASH, ready=True),
+        "qwen36": hub_repo(hub, "Qwen/Qwen3.6-35B-A3B-FP8", ready=False, snapshot=False, marked=False),
+        "pulled": hub_repo(hub, "Org/Name", ready=True),
+        "foreign": hub_repo(hub, "Other/Tool", ready=True, marked=False),
+    }
+    made = tmp_path / "home" / "models" / "tiny-moe-bf16"
+    made.mkdir(parents=True)
+    (made / "model.safetensors").write_bytes(b"y" * 8192)
+    paging = tmp_path / "home" / "paging"
+    paging.mkdir()
+    pages = paging / "qwen3.8-flash-next-fp8.pages"
+    pages.write_bytes(b"z" * 16384)
+    pages.with_name(pages.name + ".damaged").write_text("crc32 mismatch")
+    return {**repos, "made": made, "pages": pages}
+
+
+def bigmoe(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def listed(capsys) -> list[tuple[str, str, str, str]]:
+    code, out, _ = bigmoe(capsys, "list", "--json")
+    assert code == 0
+    return [(r["model"], r["kind"], Path(r["path"]).name, r["state"]) for r in json.loads(out)]
+
+
+def test_list_shows_each_models_files_and_their_state_and_no_other_tools(disk, capsys):
+    assert listed(capsys) == [
+        ("qwen3.6-35b-a3b", "download", "models--Qwen--Qwen3.6-35B-A3B-FP8", "partial"),
+        ("qwen3.8-flash-next", "download", "models--Qwen--Qwen3.8-Flash-Next-FP8", "ready"),
+        ("qwen3.8-flash-next", "paging file", "qwen3.8-flash-next-fp8.pages", "damaged"),
+        ("tiny-moe", "made", "tiny-moe-bf16", "ready"),
+        ("Org/Name", "download", "models--Org--Name", "ready"),
+    ]
+    code, out, _ = bigmoe(capsys, "list")
+    assert code == 0 and "Other" not in out and out.splitlines()[-1].startswith("total")
+
+
+@pytest.mark.parametrize(
+    "args, gone, kept",
+    [
+        (("qwen3.8-flash-next",), {"flash", "pages"}, {"qwen36", "pulled", "foreign", "made"}),
+        (("qwen3.8-flash-next", "--only", "paging"), {"pages"}, {"flash", "qwen36", "pulled", "foreign", "made"}),
+        ((FLASH, "--only", "download"), {"flash"}, {"pages", "qwen36", "pulled", "foreign", "made"}),
+        (("tiny-moe",), {"made"}, {"flash", "pages", "qwen36", "pulled", "foreign"}),
+        (("Org/Name",), {"pulled"}, {"flash", "pages", "qwen36", "foreign", "made"}),
+    ],
+)
+def test_rm_removes_exactly_what_it_names(disk, capsys, args, gone, kept):
+    code, out, err = bigmoe(capsys, "rm", *args, "--yes")
+    assert code == 0 and out.splitlines()[-1].startswith("removed"), err
+    assert {k for k in gone | kept if not disk[k].exists()} == gone
+    if "pages" in gone:
+        assert not disk["pages"].with_name(disk["pages"].name + ".damaged").exists()
+
+
+def test_rm_without_yes_and_without_a_terminal_removes_nothing(disk, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    code, _, err = bigmoe(capsys, "rm", "qwen3.8-flash-next")
+    assert code == 2 and "--yes" in err and len(err.strip().splitlines()) == 1
+    assert disk["flash"].exists() and disk["pages"].exists()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("answer, removed", [("n\n", False), ("\n", False), ("y\n", True)])
+def test_rm_asks_at_a_terminal_and_a_no_removes_nothing(disk, capsys, monkeypatch, answer, removed):
+    monkeypatch.setattr("sys.stdin", Terminal(answer))
+    code, out, err = bigmoe(capsys, "rm", "qwen3.8-flash-next")
+    assert "remove these" in out
+    assert (code, disk["flash"].exists(), disk["pages"].exists()) == ((0, False, False) if removed else (1, True, True))
+    assert removed or "nothing removed" in err
+
+
+def test_rm_is_refused_while_a_server_of_the_model_runs(disk, capsys):
+    me = psutil.Process(os.getpid())
+    records.save(
+        records.RunInfo(
+            "tiny-moe", me.pid, "127.0.0.1", 8123, "/x.log", "/m", "tiny-moe", time.time(), "", me.create_time()
+        )
+    )
+    code, _, err = bigmoe(capsys, "rm", "tiny-moe", "--yes")
+    assert code == 1 and "bigmoe stop 8123" in err and disk["made"].exists()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("no-such-model", "--yes"), "nothing is kept for no-such-model (kept: Org/Name, qwen3.6"),
+        (("tiny-moe", "--only", "paging", "--yes"), "no paging file is kept for tiny-moe"),
+    ],
+)
+def test_rm_of_nothing_says_what_there_is(disk, capsys, args, says):
+    code, _, err = bigmoe(capsys, "rm", *args)
+    assert code == 1 and says in err and len(err.strip().splitlines()) == 1
