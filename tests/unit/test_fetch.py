@@ -364,3 +364,31 @@ def test_pull_errors_are_one_line_with_an_exit_code(hub, cache, monkeypatch, arg
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("bigmoe: ") and words in result.stderr
     assert "Traceback" not in result.output
     assert files_under(cache) == []
+
+
+def listed_downloads(cache: Path, tmp_path: Path) -> list[tuple[str, str, int]]:
+    from bigmoe.cli.store import list_command
+
+    args = ["--cache-dir", str(cache), "--paging-dir", str(tmp_path / "no-paging"), "--json"]
+    result = CliRunner().invoke(list_command, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return [(r["model"], r["state"], r["bytes"]) for r in json.loads(result.output) if r["kind"] == "download"]
+
+
+def test_list_follows_a_pull_from_partial_to_ready_and_rm_takes_it_away(hub, served, cache, tmp_path, monkeypatch):
+    from bigmoe.cli.store import rm_command
+
+    monkeypatch.setenv("BIGMOE_HOME", str(tmp_path / "home"))
+    hub.drop_midway(BIG, after_bytes=CHUNK + (1 << 20), outage=True)
+    assert invoke(PRESET, "--cache-dir", str(cache)).exit_code == fetch.EXIT_NETWORK
+    assert [(m, s) for m, s, _ in listed_downloads(cache, tmp_path)] == [(PRESET, "partial")]
+    hub.heal()
+    assert invoke(PRESET, "--cache-dir", str(cache)).exit_code == 0
+    [(model, state, size)] = listed_downloads(cache, tmp_path)
+    served_bytes = sum(p.stat().st_size for p in files_under(served))
+    assert (model, state) == (PRESET, "ready") and served_bytes <= size < served_bytes + (1 << 20)
+
+    removed = CliRunner().invoke(rm_command, [PRESET, "--cache-dir", str(cache), "--yes"], catch_exceptions=False)
+    assert removed.exit_code == 0, removed.output
+    assert listed_downloads(cache, tmp_path) == [] and not hubcache.RepoCache(cache, REPO).storage.exists()
+    assert fetch.dry_run(REPO, cache_dir=cache).bytes_to_download == served_bytes
