@@ -392,3 +392,10 @@ def test_list_follows_a_pull_from_partial_to_ready_and_rm_takes_it_away(hub, ser
     assert removed.exit_code == 0, removed.output
     assert listed_downloads(cache, tmp_path) == [] and not hubcache.RepoCache(cache, REPO).storage.exists()
     assert fetch.dry_run(REPO, cache_dir=cache).bytes_to_download == served_bytes
+
+
+def test_a_hub_address_that_answers_nothing_names_hf_endpoint(cache, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    result = CliRunner().invoke(pull, [REPO, "--cache-dir", str(cache)])
+    assert result.exit_code == fetch.EXIT_NETWORK
+    assert "cannot reach http://127.0.0.1:9" in result.stderr and "HF_ENDPOINT" in result.stderr

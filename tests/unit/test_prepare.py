@@ -152,3 +152,11 @@ def test_a_directory_refusing_odirect_is_refused_before_anything_is_written(mode
     with pytest.raises(PrepareError, match=r"O_DIRECT reads do not work in .*--paging-dir"):
         prepare(plan_for(tmp_path / "pages" / "m.pages", True), model)
     assert list((tmp_path / "pages").iterdir()) == []
+
+
+def test_a_paging_directory_that_cannot_be_made_names_the_option_that_moves_it(model, tmp_path):
+    from bigmoe.serve.prepare import PrepareError
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(PrepareError, match=r"cannot create the paging directory .*a-file/pages.*--paging-dir"):
+        prepare(plan_for(tmp_path / "a-file" / "pages" / "m.pages", True), model)

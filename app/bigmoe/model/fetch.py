@@ -364,7 +364,10 @@ def _hub_errors(repo_id: str, revision: str, endpoint: str, during: str) -> Iter
         ) from e
     except httpx2.TransportError as e:
         if during == "listing":
-            raise HubUnreachable(f"cannot reach {endpoint}: {type(e).__name__}: {_one_line(e)}") from e
+            raise HubUnreachable(
+                f"cannot reach {endpoint}: {type(e).__name__}: {_one_line(e)}; check the network"
+                + (" and HF_ENDPOINT, which names this address" if os.environ.get("HF_ENDPOINT") else "")
+            ) from e
         raise DownloadFailed(
             f"connection to the Hub lost while downloading {repo_id} ({_one_line(e)}); run again to resume"
         ) from e

@@ -152,7 +152,10 @@ def _require_odirect(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise PrepareError(f"cannot create the paging directory {directory}: {e.strerror or e}") from None
+        raise PrepareError(
+            f"cannot create the paging directory {directory}: {e.strerror or e}; "
+            "name a writable directory on a local SSD with --paging-dir"
+        ) from None
     ok, why = odirect_works(directory)
     if not ok:
         raise PrepareError(
