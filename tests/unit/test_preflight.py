@@ -14,6 +14,7 @@ import pytest
 from bigmoe import run as sequence
 from bigmoe.model import presets
 from bigmoe.serve.preflight import (
+    TOKENIZER_FILES,
     PreflightError,
     paging_space_problem,
     port_problem,
@@ -132,3 +133,18 @@ def test_preflight_passes_a_sound_start(private_checkpoint):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     preflight(a_plan(), private_checkpoint, "127.0.0.1", port, True, "tiny-moe")
+
+
+@pytest.mark.parametrize("kept", [(), ("tokenizer_config.json",), ("tokenizer.json",)])
+def test_a_checkpoint_without_any_tokenizer_is_named_before_vllm_loads_it(private_checkpoint, kept):
+    for name in TOKENIZER_FILES:
+        if name not in kept and (private_checkpoint / name).exists():
+            (private_checkpoint / name).unlink()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if kept:
+        preflight(a_plan(), private_checkpoint, "127.0.0.1", port, True, "tiny-moe")
+    else:
+        with pytest.raises(PreflightError, match=f"{private_checkpoint} has no tokenizer"):
+            preflight(a_plan(), private_checkpoint, "127.0.0.1", port, True, "tiny-moe")

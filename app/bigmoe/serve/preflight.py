@@ -1,8 +1,8 @@
 """preflight: what would make vLLM fail 10-50 s into its start-up, checked in well under a second
 before it starts: the pager settings (the plugin's own parser, over the environment vLLM will get
 and the BIGMOE_SETTINGS file), the checkpoint's shards against their safetensors headers and sizes,
-the port, and disk space for a paging file still to be built. Each problem is one line that names
-its cause and what fixes it.
+that it has a tokenizer, the port, and disk space for a paging file still to be built. Each problem is one
+line that names its cause and what fixes it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def preflight(the_plan, model_path: Path, host: str, port: int, synthetic: bool 
     for check in (
         lambda: settings_problem(the_plan.env, the_plan),
         lambda: shards_problem(Path(model_path), synthetic, model),
+        lambda: tokenizer_problem(Path(model_path)),
         lambda: port_problem(host, port),
         lambda: paging_space_problem(the_plan),
     ):
@@ -73,6 +74,21 @@ def shards_problem(model_path: Path, synthetic: bool = False, model: str = "") -
     else:
         fix = "copy or download the checkpoint again"
     return f"checkpoint shard {problems[0]}{more}; {fix}"
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""Files one of which every tokenizer transformers loads has (a fast tokenizer, SentencePiece, BPE or WordPiece
+vocabulary; a tokenizer_config.json may name any other kind)."""
+
+
+def tokenizer_problem(model_path: Path) -> str | None:
+    """A checkpoint directory without any tokenizer file: vLLM would load every weight, then fail on it."""
+    if not model_path.is_dir() or any((model_path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (
+        f"{model_path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+        "copy the model's tokenizer files beside its config.json"
+    )
 
 
 def port_problem(host: str, port: int) -> str | None:
