@@ -31,3 +31,21 @@ def decode(request):
         return out
 
     return host
+
+
+@pytest.fixture
+def bigmoe(capsys):
+    """`bigmoe ARGS...` through its main, the one place errors become a line and an exit code: a function
+    returning (exit code, stdout, stderr)."""
+    from bigmoe.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

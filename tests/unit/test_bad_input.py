@@ -25,16 +25,6 @@ from bigmoe.serve.preflight import port_problem, shards_problem
 SHARD = "model-00001-of-00001.safetensors"
 
 
-def bigmoe(capsys, *args: str) -> tuple[int, str]:
-    """(exit code, stderr) of `bigmoe ARGS`."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    return code, capsys.readouterr().err
-
-
 def one_line(err: str) -> bool:
     return err.startswith("bigmoe: ") and err.count("\n") == 1 and "Traceback" not in err
 
@@ -62,28 +52,28 @@ def test_a_size_past_any_machine_is_a_plan_error_not_an_overflow(field, value):
         (("--api-key", "k\udce9y"), "printable ASCII"),
     ],
 )
-def test_run_refuses_values_that_would_hang_or_fail_after_the_start(capsys, home, args, words):
-    code, err = bigmoe(capsys, "run", "tiny-moe", "--yes", *args)
+def test_run_refuses_values_that_would_hang_or_fail_after_the_start(bigmoe, home, args, words):
+    code, _, err = bigmoe("run", "tiny-moe", "--yes", *args)
     assert code == exit_codes.USAGE and one_line(err) and words in err and "\udce9" not in err
 
 
 @pytest.mark.parametrize("term", ["dumb", ""])
-def test_a_terminal_that_cannot_show_the_tui_points_to_yes(capsys, home, monkeypatch, term):
+def test_a_terminal_that_cannot_show_the_tui_points_to_yes(bigmoe, home, monkeypatch, term):
     import sys
 
     monkeypatch.setenv("TERM", term)
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
-    code, err = bigmoe(capsys, "run", "tiny-moe")
+    code, _, err = bigmoe("run", "tiny-moe")
     assert code == exit_codes.USAGE and one_line(err) and "--yes" in err
 
 
 @pytest.mark.parametrize("command", [("ps",), ("logs",), ("stop",), ("stop", "--all")])
-def test_an_unwritable_state_directory_is_one_line(capsys, tmp_path, monkeypatch, command):
+def test_an_unwritable_state_directory_is_one_line(bigmoe, tmp_path, monkeypatch, command):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     monkeypatch.setenv("BIGMOE_HOME", str(not_a_dir))
-    code, err = bigmoe(capsys, *command)
+    code, _, err = bigmoe(*command)
     assert code == exit_codes.ERROR and one_line(err) and str(not_a_dir) in err and "BIGMOE_HOME" in err
 
 
@@ -111,10 +101,10 @@ def a_record(home: Path, **fields) -> Path:
     "damage",
     [{"pid": "abc"}, {"pid": -5}, {"pid": True}, {"port": "x"}, {"create_time": "x"}, {"started": "yesterday"}],
 )
-def test_a_damaged_record_is_never_used(capsys, home, damage):
+def test_a_damaged_record_is_never_used(bigmoe, home, damage):
     a_record(home, **damage)
     assert records.live() == []
-    code, err = bigmoe(capsys, "stop", "tiny-moe")
+    code, _, err = bigmoe("stop", "tiny-moe")
     assert code == exit_codes.ERROR and one_line(err) and "no bigmoe server is running" in err
 
 
@@ -124,18 +114,18 @@ def test_a_whole_record_still_counts(home):
 
 
 @pytest.mark.parametrize("log", ["missing.log", "a-directory"])
-def test_a_log_that_cannot_be_read_is_one_line(capsys, home, log):
+def test_a_log_that_cannot_be_read_is_one_line(bigmoe, home, log):
     (home / "a-directory").mkdir(parents=True)
     a_record(home, log=str(home / log))
-    code, err = bigmoe(capsys, "logs", "tiny-moe")
+    code, _, err = bigmoe("logs", "tiny-moe")
     assert code == exit_codes.ERROR and one_line(err) and "cannot read the log" in err
 
 
-def test_logs_with_several_matches_does_not_offer_an_option_it_lacks(capsys, home):
+def test_logs_with_several_matches_does_not_offer_an_option_it_lacks(bigmoe, home):
     a_record(home)
     second = json.loads((home / "run" / "tiny-moe-8000-1.json").read_text()) | {"port": 8001}
     (home / "run" / "tiny-moe-8001-1.json").write_text(json.dumps(second))
-    code, err = bigmoe(capsys, "logs", "tiny-moe")
+    code, _, err = bigmoe("logs", "tiny-moe")
     assert code == exit_codes.ERROR and one_line(err) and "2 servers match" in err and "--all" not in err
 
 

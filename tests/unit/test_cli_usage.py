@@ -9,18 +9,8 @@ from bigmoe.model import presets
 from bigmoe.plan.inputs import MIN_CONTEXT, Overrides, PlanError, check_overrides
 
 
-def bigmoe(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_plain_bigmoe_prints_the_help_and_succeeds(capsys):
-    code, out, err = bigmoe(capsys)
+def test_plain_bigmoe_prints_the_help_and_succeeds(bigmoe):
+    code, out, err = bigmoe()
     assert code == 0 and out.startswith("Usage: bigmoe") and "run" in out and err == ""
 
 
@@ -32,15 +22,15 @@ def test_plain_bigmoe_prints_the_help_and_succeeds(capsys):
         (("plan", "tiny-moe", "--bogus"), "'bigmoe plan --help'"),
     ],
 )
-def test_usage_errors_point_to_a_help_that_exists(capsys, args, hint):
-    code, _, err = bigmoe(capsys, *args)
+def test_usage_errors_point_to_a_help_that_exists(bigmoe, args, hint):
+    code, _, err = bigmoe(*args)
     assert code == 2 and err.count("\n") == 1 and hint in err and "bigmoe cli" not in err
     hinted = hint.strip("'").split()[1:]
-    assert bigmoe(capsys, *hinted)[0] == 0
+    assert bigmoe(*hinted)[0] == 0
 
 
-def test_presets_are_listed(capsys):
-    code, out, _ = bigmoe(capsys, "presets")
+def test_presets_are_listed(bigmoe):
+    code, out, _ = bigmoe("presets")
     assert code == 0 and [line.split()[0] for line in out.splitlines()] == presets.names()
     assert "made on this machine" in out and "Qwen/Qwen3.8-Flash-Next-FP8" in out
 
@@ -53,13 +43,13 @@ def test_gib_must_be_positive_and_finite(field, value):
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])
-def test_vram_gib_nonsense_is_one_line_on_the_command_line(capsys, value):
-    code, _, err = bigmoe(capsys, "plan", "tiny-moe", "--vram-gib", value)
+def test_vram_gib_nonsense_is_one_line_on_the_command_line(bigmoe, value):
+    code, _, err = bigmoe("plan", "tiny-moe", "--vram-gib", value)
     assert code != 0 and err.count("\n") == 1 and err.startswith("bigmoe: ") and "--vram-gib" in err
 
 
 @pytest.mark.parametrize("context, ok", [(1, False), (MIN_CONTEXT - 1, False), (MIN_CONTEXT, True)])
-def test_plan_accepts_the_contexts_run_accepts(capsys, context, ok):
+def test_plan_accepts_the_contexts_run_accepts(bigmoe, context, ok):
     from bigmoe.cli.commands import run
 
     run_min = next(p for p in run.params if p.name == "context").type.min
@@ -69,7 +59,7 @@ def test_plan_accepts_the_contexts_run_accepts(capsys, context, ok):
     else:
         with pytest.raises(PlanError, match=f"outside {MIN_CONTEXT}"):
             check_overrides(presets.load("tiny-moe"), Overrides(context=context))
-        code, _, err = bigmoe(capsys, "plan", "tiny-moe", "--context", str(context))
+        code, _, err = bigmoe("plan", "tiny-moe", "--context", str(context))
         assert code == 2 and "x>=128" in err
 
 
@@ -86,7 +76,7 @@ def test_the_tui_shows_wsl2_as_yes_or_no(wsl2, shown):
 
 
 @pytest.mark.parametrize("command", [["plan"], ["run", "--yes"], ["pull"], ["verify"]])
-def test_an_unknown_model_is_one_line_and_the_tables_error_in_every_command(capsys, command, tmp_path, monkeypatch):
+def test_an_unknown_model_is_one_line_and_the_tables_error_in_every_command(bigmoe, command, tmp_path, monkeypatch):
     monkeypatch.setenv("BIGMOE_HOME", str(tmp_path))
-    code, _, err = bigmoe(capsys, command[0], "no-such-model", *command[1:])
+    code, _, err = bigmoe(command[0], "no-such-model", *command[1:])
     assert code == 1 and "unknown model" in err and len(err.strip().splitlines()) == 1

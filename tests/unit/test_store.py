@@ -63,31 +63,21 @@ def disk(tmp_path, monkeypatch):
     return {**repos, "made": made, "pages": pages}
 
 
-def bigmoe(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def listed(capsys) -> list[tuple[str, str, str, str]]:
-    code, out, _ = bigmoe(capsys, "list", "--json")
+def listed(bigmoe) -> list[tuple[str, str, str, str]]:
+    code, out, _ = bigmoe("list", "--json")
     assert code == 0
     return [(r["model"], r["kind"], Path(r["path"]).name, r["state"]) for r in json.loads(out)]
 
 
-def test_list_shows_each_models_files_and_their_state_and_no_other_tools(disk, capsys):
-    assert listed(capsys) == [
+def test_list_shows_each_models_files_and_their_state_and_no_other_tools(disk, bigmoe):
+    assert listed(bigmoe) == [
         ("qwen3.6-35b-a3b", "download", "models--Qwen--Qwen3.6-35B-A3B-FP8", "partial"),
         ("qwen3.8-flash-next", "download", "models--Qwen--Qwen3.8-Flash-Next-FP8", "ready"),
         ("qwen3.8-flash-next", "paging file", "qwen3.8-flash-next-fp8.pages", "damaged"),
         ("tiny-moe", "made", "tiny-moe-bf16", "ready"),
         ("Org/Name", "download", "models--Org--Name", "ready"),
     ]
-    code, out, _ = bigmoe(capsys, "list")
+    code, out, _ = bigmoe("list")
     assert code == 0 and "Other" not in out and out.splitlines()[-1].startswith("total")
 
 
@@ -101,17 +91,17 @@ def test_list_shows_each_models_files_and_their_state_and_no_other_tools(disk, c
         (("Org/Name",), {"pulled"}, {"flash", "pages", "qwen36", "foreign", "made"}),
     ],
 )
-def test_rm_removes_exactly_what_it_names(disk, capsys, args, gone, kept):
-    code, out, err = bigmoe(capsys, "rm", *args, "--yes")
+def test_rm_removes_exactly_what_it_names(disk, bigmoe, args, gone, kept):
+    code, out, err = bigmoe("rm", *args, "--yes")
     assert code == 0 and out.splitlines()[-1].startswith("removed"), err
     assert {k for k in gone | kept if not disk[k].exists()} == gone
     if "pages" in gone:
         assert not disk["pages"].with_name(disk["pages"].name + ".damaged").exists()
 
 
-def test_rm_without_yes_and_without_a_terminal_removes_nothing(disk, capsys, monkeypatch):
+def test_rm_without_yes_and_without_a_terminal_removes_nothing(disk, bigmoe, monkeypatch):
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)
-    code, _, err = bigmoe(capsys, "rm", "qwen3.8-flash-next")
+    code, _, err = bigmoe("rm", "qwen3.8-flash-next")
     assert code == 2 and "--yes" in err and len(err.strip().splitlines()) == 1
     assert disk["flash"].exists() and disk["pages"].exists()
 
@@ -122,22 +112,22 @@ class Terminal(io.StringIO):
 
 
 @pytest.mark.parametrize("answer, removed", [("n\n", False), ("\n", False), ("y\n", True)])
-def test_rm_asks_at_a_terminal_and_a_no_removes_nothing(disk, capsys, monkeypatch, answer, removed):
+def test_rm_asks_at_a_terminal_and_a_no_removes_nothing(disk, bigmoe, monkeypatch, answer, removed):
     monkeypatch.setattr("sys.stdin", Terminal(answer))
-    code, out, err = bigmoe(capsys, "rm", "qwen3.8-flash-next")
+    code, out, err = bigmoe("rm", "qwen3.8-flash-next")
     assert "remove these" in out
     assert (code, disk["flash"].exists(), disk["pages"].exists()) == ((0, False, False) if removed else (1, True, True))
     assert removed or "nothing removed" in err
 
 
-def test_rm_is_refused_while_a_server_of_the_model_runs(disk, capsys):
+def test_rm_is_refused_while_a_server_of_the_model_runs(disk, bigmoe):
     me = psutil.Process(os.getpid())
     records.save(
         records.RunInfo(
             "tiny-moe", me.pid, "127.0.0.1", 8123, "/x.log", "/m", "tiny-moe", time.time(), "", me.create_time()
         )
     )
-    code, _, err = bigmoe(capsys, "rm", "tiny-moe", "--yes")
+    code, _, err = bigmoe("rm", "tiny-moe", "--yes")
     assert code == 1 and "bigmoe stop 8123" in err and disk["made"].exists()
 
 
@@ -148,6 +138,6 @@ def test_rm_is_refused_while_a_server_of_the_model_runs(disk, capsys):
         (("tiny-moe", "--only", "paging", "--yes"), "no paging file is kept for tiny-moe"),
     ],
 )
-def test_rm_of_nothing_says_what_there_is(disk, capsys, args, says):
-    code, _, err = bigmoe(capsys, "rm", *args)
+def test_rm_of_nothing_says_what_there_is(disk, bigmoe, args, says):
+    code, _, err = bigmoe("rm", *args)
     assert code == 1 and says in err and len(err.strip().splitlines()) == 1
