@@ -22,16 +22,18 @@ def cache_root() -> Path:
     return Path(base) / "bigmoe"
 
 
-def _dir(*parts: str) -> Path:
-    path = cache_root().joinpath(*parts)
+def make_dir(path: Path, error: type[BigmoeError], what: str, fix: str) -> Path:
+    """`path` made with its parents, or `error` raised with one line: what it is, why not, and `fix`."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise StateDirError(
-            f"cannot create bigmoe's directory {path}: {e.strerror or e}; "
-            "make it writable or set BIGMOE_HOME to a writable directory"
-        ) from None
+        raise error(f"cannot create {what} {path}: {e.strerror or e}; {fix}") from None
     return path
+
+
+def _dir(*parts: str) -> Path:
+    fix = "make it writable or set BIGMOE_HOME to a writable directory"
+    return make_dir(cache_root().joinpath(*parts), StateDirError, "bigmoe's directory", fix)
 
 
 def run_dir() -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigmoe.errors import BigmoeError
+from bigmoe.paths import make_dir
 
 Progress = Callable[[str, dict], None]
 
@@ -149,13 +150,8 @@ def build(path: Path, model_path: Path, compressed: bool, progress: Progress) ->
 def _require_odirect(directory: Path) -> None:
     from bigmoe_pager.core.odirect import odirect_works
 
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PrepareError(
-            f"cannot create the paging directory {directory}: {e.strerror or e}; "
-            "name a writable directory on a local SSD with --paging-dir"
-        ) from None
+    fix = "name a writable directory on a local SSD with --paging-dir"
+    make_dir(directory, PrepareError, "the paging directory", fix)
     ok, why = odirect_works(directory)
     if not ok:
         raise PrepareError(
