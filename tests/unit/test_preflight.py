@@ -4,8 +4,11 @@ port, no room for the paging file. The run pipeline calls it before prepare and 
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -148,3 +151,19 @@ def test_a_checkpoint_without_any_tokenizer_is_named_before_vllm_loads_it(privat
     else:
         with pytest.raises(PreflightError, match=f"{private_checkpoint} has no tokenizer"):
             preflight(a_plan(), private_checkpoint, "127.0.0.1", port, True, "tiny-moe")
+
+
+@pytest.mark.parametrize("left_by", ["a dead build", "a build under way"])
+def test_what_a_dead_build_left_counts_as_room_for_the_paging_file(tmp_path, monkeypatch, left_by):
+    from bigmoe.serve.preflight import paging_file_bytes
+    from bigmoe_pager.core.paging_file import partial_file
+
+    path = tmp_path / "m.pages"
+    plan = a_plan(ssd_source="paging file", paging_file=str(path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout) if left_by == "a dead build" else os.getpid()
+    with partial_file(path, pid).open("wb") as left:
+        left.truncate(paging_file_bytes(plan) + (2 << 30))  # sparse: its size is what a whole build would take
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=10 << 20, total=1 << 40, used=0))
+    problem = paging_space_problem(plan)
+    assert (problem is None) == (left_by == "a dead build"), problem

@@ -3,11 +3,16 @@ rebuilt when it does not, and a build that dies leaves nothing that looks valid.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 from bigmoe.model.tinymoe.shape import TinyShape
-from bigmoe.serve.prepare import paging_file_matches, prepare
+from bigmoe.serve.prepare import paging_file_matches, prepare, stale_partials
+from bigmoe_pager.core.paging_file import partial_file, partial_files
 
 
 @pytest.fixture
@@ -160,3 +165,38 @@ def test_a_paging_directory_that_cannot_be_made_names_the_option_that_moves_it(m
     (tmp_path / "a-file").write_text("")
     with pytest.raises(PrepareError, match=r"cannot create the paging directory .*a-file/pages.*--paging-dir"):
         prepare(plan_for(tmp_path / "a-file" / "pages" / "m.pages", True), model)
+
+
+KILLED_BUILD = """
+import os, signal, sys
+from pathlib import Path
+from types import SimpleNamespace
+from bigmoe.serve.prepare import prepare
+
+def die(event, fields):
+    if fields.get("records_done", 0) >= 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a power cut ends a build: no cleanup runs
+
+prepare(SimpleNamespace(ssd_source="paging file", paging_file=sys.argv[1], compress=True), Path(sys.argv[2]), die)
+"""
+
+
+def test_what_a_killed_build_left_is_removed_by_the_next_build(model, tmp_path):
+    path = tmp_path / "m.pages"
+    child = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(path), str(model)], capture_output=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    [left] = stale_partials(path)
+    assert left.stat().st_size > 0 and not path.exists()
+    events = []
+    assert prepare(plan_for(path, True), model, lambda event, fields: events.append(fields)) == path
+    assert not left.exists() and paging_file_matches(path, model, True)
+    assert {"state": "removed", "path": str(left), "reason": "left by a build that died"} in events
+    assert stale_partials(path) == []
+
+
+def test_a_build_under_way_is_not_stale(tmp_path):
+    path = tmp_path / "m.pages"
+    mine = partial_file(path, os.getpid())
+    mine.write_bytes(b"x")
+    assert [(p.path, p.writing) for p in partial_files(path)] == [(mine, True)]
+    assert stale_partials(path) == []

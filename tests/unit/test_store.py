@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,3 +143,21 @@ def test_rm_is_refused_while_a_server_of_the_model_runs(disk, bigmoe):
 def test_rm_of_nothing_says_what_there_is(disk, bigmoe, args, says):
     code, _, err = bigmoe("rm", *args)
     assert code == 1 and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_what_a_dead_build_left_is_listed_and_removed_and_a_build_under_way_is_left_alone(disk, bigmoe):
+    from bigmoe_pager.core.paging_file import partial_file
+
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = partial_file(disk["pages"], int(exited.stdout))
+    dead.write_bytes(b"p" * 4096)
+    assert ("qwen3.8-flash-next", "paging file", dead.name, "partial") in listed(bigmoe)
+    building = partial_file(disk["pages"], os.getpid())
+    building.write_bytes(b"b" * 4096)
+    assert ("qwen3.8-flash-next", "paging file", building.name, "building") in listed(bigmoe)
+
+    code, _, err = bigmoe("rm", "qwen3.8-flash-next", "--only", "paging", "--yes")
+    assert code == 1 and "being built" in err and dead.exists() and disk["pages"].exists()
+    building.unlink()
+    code, _, err = bigmoe("rm", "qwen3.8-flash-next", "--only", "paging", "--yes")
+    assert code == 0 and not dead.exists() and not disk["pages"].exists(), err

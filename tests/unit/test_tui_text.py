@@ -86,6 +86,13 @@ def test_error_index_points_at_launch_error_line(tmp_path, lines, expected):
             False,
         ),
         ("prepare", {"state": "reused", "path": "/p"}, "reused /p (its header matches this checkpoint)", None, True),
+        (
+            "prepare",
+            {"state": "removed", "path": "/.p.partial-7", "reason": "dead"},
+            "removed /.p.partial-7: dead",
+            None,
+            False,
+        ),
         ("other", {"x": 1}, "x=1", None, False),
     ],
 )

@@ -1,9 +1,9 @@
 """What bigmoe keeps on disk for each model, and taking it away again.
 
 Three kinds of files belong to a model: its download (huggingface_hub's cache layout, shared with every HF
-tool), the checkpoint bigmoe made for a
-synthetic preset, and the SSD tier's paging files (a second copy of every expert, often the largest file on the
-machine). Logs, server records and measured link speeds are bigmoe's own and are not a model's.
+tool), the checkpoint bigmoe made for a synthetic preset, and the SSD tier's paging files (a second copy of every
+expert, often the largest file on the machine), with what a build that died left of one. Logs, server records and
+measured link speeds are bigmoe's own and are not a model's.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from bigmoe_pager.core.paging_file import partial_files
 
 from bigmoe.errors import BigmoeError
 from bigmoe.model import presets
@@ -40,7 +42,8 @@ class Held:
     bytes: int
     """Bytes on disk."""
     state: str
-    """"ready", "partial" (a download without bigmoe's ready marker) or "damaged" (a paging file so marked)."""
+    """"ready"; "partial" (a download without bigmoe's ready marker, or what a paging-file build that died left);
+    "building" (a paging file a running build writes); "damaged" (a paging file a run marked so)."""
 
 
 def held(hub_cache: Path, models_dir: Path, paging_dir: Path) -> list[Held]:
@@ -60,6 +63,9 @@ def held(hub_cache: Path, models_dir: Path, paging_dir: Path) -> list[Held]:
                 found.append(
                     Held(preset.name, "paging file", pages, _file_bytes(pages), "damaged" if damaged else "ready")
                 )
+            for tmp in partial_files(pages):
+                state = "building" if tmp.writing else "partial"
+                found.append(Held(preset.name, "paging file", tmp.path, _file_bytes(tmp.path), state))
     names = {p.name for p in known}
     return found + [d for d in downloads if d.model not in names]
 
@@ -77,7 +83,11 @@ def of_model(items: list[Held], model: str) -> list[Held]:
 def remove(items: list[Held]) -> None:
     """Delete the items: a download's whole repo folder (blobs, snapshots, refs and bigmoe's ready markers: for
     every tool that shares the hub cache, as `hf cache delete` would), a made checkpoint, a paging file with its
-    damage marker. Each item is gone when this returns, or it raises StoreError naming the one that is not."""
+    damage marker. Each item is gone when this returns, or it raises StoreError naming the one that is not.
+    Refused, before anything is removed, while a build writes one of them."""
+    for item in items:
+        if item.state == "building":
+            raise StoreError(f"{item.path} is being built by a running bigmoe; stop that run first")
     for item in items:
         try:
             if item.kind == "paging file":

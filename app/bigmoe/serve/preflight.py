@@ -108,15 +108,18 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def paging_space_problem(the_plan) -> str | None:
-    """Whether the disk of a paging file still to be built has room for it (a file already there counts as free)."""
+    """Whether the disk of a paging file still to be built has room for it (a file already there, and what a dead
+    build left, count as free)."""
     if the_plan.ssd_source != "paging file" or not the_plan.paging_file:
         return None
     if getattr(the_plan, "forced", False):
         return None  # the plan's disk table judged this disk too, and --force accepted its refusal
     path = Path(the_plan.paging_file)
     need = paging_file_bytes(the_plan) + PAGING_HEADROOM_BYTES
-    existing = path.stat().st_size if path.is_file() else 0
-    free = shutil.disk_usage(nearest_dir(path.parent)).free + existing
+    from bigmoe.serve.prepare import stale_partials
+
+    reclaimed = [p for p in [path, *stale_partials(path)] if p.is_file()]  # the build replaces or removes them
+    free = shutil.disk_usage(nearest_dir(path.parent)).free + sum(p.stat().st_size for p in reclaimed)
     if free >= need:
         return None
     return (

@@ -118,6 +118,9 @@ def build(path: Path, model_path: Path, compressed: bool, progress: Progress) ->
     from bigmoe_pager.core.safetensors_index import CheckpointError
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in stale_partials(path):
+        stale.unlink(missing_ok=True)
+        progress("prepare", {"state": "removed", "path": str(stale), "reason": "left by a build that died"})
     start = time.monotonic()
     last = [0.0]
 
@@ -145,6 +148,14 @@ def build(path: Path, model_path: Path, compressed: bool, progress: Progress) ->
         },
     )
     return out
+
+
+def stale_partials(path: Path) -> list[Path]:
+    """Temporary files of the paging file at `path` whose build died before renaming them (each as large as the
+    file it was writing): removed before a build, counted as free space by preflight, listed by `bigmoe list`."""
+    from bigmoe_pager.core.paging_file import partial_files
+
+    return [p.path for p in partial_files(path) if not p.writing]
 
 
 def _require_odirect(directory: Path) -> None:

@@ -41,6 +41,8 @@ def describe(event: str, fields: dict) -> str:
             return f"reused {fields.get('path')} (its header matches this checkpoint)"
         if state == "not needed":
             return f"no paging file needed: {fields.get('why')}"
+        if state in ("removed", "rebuilding"):
+            return f"{state} {fields.get('path')}: {fields.get('reason')}"
     return " ".join(f"{k}={v}" for k, v in fields.items())
 
 

@@ -66,6 +66,49 @@ def damaged_marker(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".damaged")
 
 
+def partial_file(path: str | os.PathLike, pid: int) -> Path:
+    """The temporary file process `pid` writes the paging file at `path` into, renamed into place when whole."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.partial-{pid}")
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A temporary file of a paging file that was never renamed into place."""
+
+    path: Path
+    """The file."""
+    pid: int
+    """The process that writes (or wrote) it."""
+    writing: bool
+    """Whether that process still runs (a build under way); else the build died and the file is only waste."""
+
+
+def partial_files(path: str | os.PathLike) -> list[Partial]:
+    """Every temporary file of the paging file at `path`: a build killed before its rename (SIGKILL, power loss)
+    leaves one as large as the file it was writing, which nothing else would ever remove."""
+    path = Path(path)
+    prefix = partial_file(path, 0).name[:-1]
+    found = []
+    for tmp in sorted(path.parent.glob(f"{prefix}*")) if path.parent.is_dir() else []:
+        pid = tmp.name[len(prefix) :]
+        if pid.isdigit() and tmp.is_file():
+            found.append(Partial(tmp, int(pid), _running(int(pid))))
+    return found
+
+
+def _running(pid: int) -> bool:
+    if pid <= 0:
+        return False  # no process has it (and kill(0) would signal this process group)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process holds that pid
+    return True
+
+
 def damage_reason(path: str | os.PathLike) -> str | None:
     """Why the paging file at path was marked damaged, or None when it is not marked."""
     try:
@@ -122,7 +165,7 @@ class PagingFileWriter:
         self.path = Path(path)
         self.meta = meta
         self.pitch = pitch
-        self.tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        self.tmp = partial_file(self.path, os.getpid())
         self._json = json.dumps(dataclasses.asdict(meta), sort_keys=True).encode()
         self._entries = np.zeros((meta.num_layers * meta.num_experts, 3), dtype=np.uint64)
         self._written = np.zeros(meta.num_layers * meta.num_experts, dtype=bool)
