@@ -239,3 +239,19 @@ def test_ps_says_which_servers_serve_and_which_are_still_starting():
     assert any(f"pid {late.info.pid}\t" in line and "\tstarting\t" in line for line in lines)
     runner.invoke(cli, ["stop", "--all"])
     assert json.loads(runner.invoke(cli, ["ps", "--json"]).output) == []
+
+
+def test_old_logs_are_pruned_but_never_one_a_running_server_writes():
+    logs = [records.log_name("tiny-moe", 8000 + i % 2, f"20260101-0000{i:02d}") for i in range(8)]
+    for path in logs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("log\n")
+        path.with_suffix(".metrics").mkdir()
+    me = psutil.Process(os.getpid())
+    still_running = records.RunInfo("tiny-moe", me.pid, "127.0.0.1", 8000, str(logs[0]), "/m", "tiny-moe", 0.0)
+    still_running.create_time = me.create_time()
+    records.save(still_running)
+    assert records.prune_logs(keep=3) == logs[1:5]
+    assert [p for p in logs if p.exists()] == [logs[0], *logs[5:]]
+    assert not any(p.with_suffix(".metrics").exists() for p in logs[1:5]) and logs[0].with_suffix(".metrics").exists()
+    assert records.last_log("8001") == logs[7] and records.last_log(None) == logs[0]

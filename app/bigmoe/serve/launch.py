@@ -113,6 +113,7 @@ def start(argv: list[str], env: dict[str, str], info: RunInfo, secret_env: dict[
     mode gets a fresh directory, so the pager's series from the engine's processes reach /metrics."""
     if not port_free(info.host, info.port):
         raise LaunchError(f"port {info.port} on {info.host} is in use; pick another with --port")
+    records.prune_logs()
     metrics = Path(info.log).with_suffix(".metrics")
     shutil.rmtree(metrics, ignore_errors=True)
     metrics.mkdir(parents=True)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from bigmoe.paths import log_dir, run_dir, write_atomic
 
 CREATE_TIME_SLACK_S = 0.05
 """psutil create times of one process agree to the clock tick (10 ms); a reused pid differs by far more."""
+LOGS_KEPT = 50
+"""Run logs kept in the log directory, the newest (a start removes older ones; `bigmoe logs` reads the newest)."""
 LOG_NAME = re.compile(r"^(?P<name>.+)-(?P<port>\d+)-(?P<stamp>\d{8}-\d{6})\.log$")
 """A run's log file name: model, port, start time (log_name makes it)."""
 
@@ -177,14 +180,28 @@ def last_log(target: str | None) -> Path:
         return Path(live_ones[0].log)
     if len(live_ones) > 1:
         raise several(live_ones, "name one by port or pid")  # `logs` has no --all
-    logs = []
-    for path in log_dir().glob("*.log"):
-        m = LOG_NAME.match(path.name)
-        if m and (target is None or target in (m["name"], m["port"])):
-            logs.append((m["stamp"], path.stat().st_mtime, path))
+    logs = [path for path, m in run_logs() if target is None or target in (m["name"], m["port"])]
     if not logs:
         raise NoSuchServer("no bigmoe run has a log" + (f" for {target}" if target else ""))
-    return max(logs)[2]
+    return logs[0]
+
+
+def run_logs() -> list[tuple[Path, re.Match]]:
+    """Every run's log in the log directory with its name's parts (LOG_NAME), newest first (start time, then
+    modification time)."""
+    named = [(path, m) for path in log_dir().glob("*.log") if (m := LOG_NAME.match(path.name))]
+    return sorted(named, key=lambda pm: (pm[1]["stamp"], pm[0].stat().st_mtime), reverse=True)
+
+
+def prune_logs(keep: int = LOGS_KEPT) -> list[Path]:
+    """Remove the oldest run logs beyond the newest `keep` (with a dead run's .metrics directory beside one),
+    never a log a running server writes; the removed ones, oldest first."""
+    writing = {Path(info.log) for info in live()}
+    removed = [path for path, _ in run_logs()[keep:] if path not in writing]
+    for path in reversed(removed):
+        path.unlink(missing_ok=True)
+        shutil.rmtree(path.with_suffix(".metrics"), ignore_errors=True)
+    return removed[::-1]
 
 
 def log_owner(path: Path) -> RunInfo | None:
