@@ -525,3 +525,19 @@ def test_a_stated_vram_budget_on_a_bigger_card_is_its_share_of_that_card():
 def test_a_cpu_plan_sets_no_gpu_share():
     p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop"))
     assert p.device == "cpu" and "--gpu-memory-utilization" not in p.argv
+
+
+@pytest.mark.parametrize("ram_slots, source", [(None, "none"), (128, "paging file")])
+def test_the_ssd_tier_is_chosen_for_the_ram_slots_planned_not_for_what_ram_could_hold(ram_slots, source):
+    """RAM holds all 256 of Qwen3.6's experts here; --ram-slots 128 still leaves an SSD tier, which a slow checkpoint
+    disk (0.4 GB/s) makes worth a paging file on the fast one, priced as any SSD tier is."""
+    hw = with_disk(machine("rtx4090-wsl2"), "/home/me/models", read_gbps=0.4)
+    p = plan(hw, presets.load("qwen3.6-35b-a3b"), dirs("rtx4090-wsl2", ram_slots=ram_slots))
+    assert (p.ssd_source, p.refusals) == (source, ())
+    assert ("RAM holds every expert" in p.reasons["compress"]) is (ram_slots is None)
+
+
+def test_a_cpu_presets_demo_ram_slots_are_what_the_ssd_choice_prices():
+    p = plan(machine("cpu-laptop"), presets.load("tiny-moe"), dirs("cpu-laptop"))
+    assert (p.device, p.ssd_source) == ("cpu", "checkpoint") and p.ram_slots < p.experts
+    assert p.reasons["compress"].startswith("off, the checkpoint in place: the checkpoint at")

@@ -160,7 +160,7 @@ class Draft:
         ]
         left = total - sum(r.bytes for r in rows)
         per_slot = self.paged_layers * self.eb
-        self._choose_ssd(self._ram_raw_fit())  # from RAM and the disks alone, so before the VRAM slots
+        self._choose_ssd(self._planned_ram_slots(self._ram_raw_fit()))  # RAM and the disks alone: before VRAM slots
         self.prefill_buffer, self.reasons["prefill_buffer"] = self._choose_prefill_buffer(left, per_slot)
         if self.prefill_buffer:
             rows.append(
@@ -353,7 +353,7 @@ class Draft:
 
     def _cpu_device_rows(self, rows: list[MemoryRow]) -> None:
         arch = self.preset.arch
-        demo = None if self.ov.vram_slots else self.preset.cpu_paging
+        demo = self._cpu_demo()
         if demo:
             self.vram_slots = demo[0]
             self.reasons["vram_slots"] = (
@@ -384,14 +384,10 @@ class Draft:
         # RAM holds raw records: both pagers expand a compressed record as it enters RAM.
         fit = max(0, min(arch.experts, left // (self.paged_layers * self.eb)))
         if self.device == "cpu":  # on CUDA size_vram has chosen it
-            self._choose_ssd(fit)
+            self._choose_ssd(self._planned_ram_slots(fit))
         stored = self.eb
         self.ram_slots, why = self._pick(fit, self.ov.ram_slots, "--ram-slots", left, "RAM")
-        demo = (
-            self.preset.cpu_paging
-            if self.device == "cpu" and not self.ov.vram_slots and self.ov.ram_slots is None
-            else None
-        )
+        demo = self._cpu_demo() if self.ov.ram_slots is None else None
         if demo and demo[1] <= fit:
             self.ram_slots, why = (
                 demo[1],
@@ -425,9 +421,21 @@ class Draft:
                 "its driver without this limit, but raise it (ulimit -l unlimited) if pinning fails"
             )
 
-    def _choose_ssd(self, raw_fit: int) -> None:
-        """Where the SSD tier reads experts from (raw_fit: raw expert slots per layer in RAM): plan/ssd_choice."""
-        choice = choose_ssd(self.storage, self.hw, self.ov.compress, self.dtype == "fp8", raw_fit)
+    def _planned_ram_slots(self, fit: int) -> int:
+        """RAM slots per layer the plan will give (fit: raw experts RAM holds): --ram-slots, else a CPU preset's
+        demo where RAM holds it, else fit. Fewer than the experts means an SSD tier, whatever RAM could hold."""
+        if self.ov.ram_slots is not None:
+            return self.ov.ram_slots
+        demo = self._cpu_demo()
+        return demo[1] if demo and demo[1] <= fit else fit
+
+    def _cpu_demo(self) -> tuple[int, int] | None:
+        """(device slots, RAM slots) a preset pages at on a CPU to show the pager, unless --vram-slots is given."""
+        return self.preset.cpu_paging if self.device == "cpu" and not self.ov.vram_slots else None
+
+    def _choose_ssd(self, ram_slots: int) -> None:
+        """Where the SSD tier reads experts from (ram_slots: raw expert slots per layer in RAM): plan/ssd_choice."""
+        choice = choose_ssd(self.storage, self.hw, self.ov.compress, self.dtype == "fp8", ram_slots)
         self.paging, self.compress, self.reasons["compress"] = choice.paging, choice.compress, choice.reason
 
     @property
