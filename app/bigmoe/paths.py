@@ -48,6 +48,11 @@ def models_dir() -> Path:
     return _dir("models")
 
 
+def paging_file_name(model: str, dtype: str) -> str:
+    """A model's paging file in its paging directory (the plan names it so; `bigmoe list` and `rm` find it so)."""
+    return f"{model}-{dtype}.pages"
+
+
 def nearest_dir(path: Path, stop_at: Path | None = None) -> Path:
     """The directory `path` names, else its nearest ancestor that is one (for a directory still to be made, or a
     file's own directory), never climbing above `stop_at`: the place to ask which disk `path` is on."""

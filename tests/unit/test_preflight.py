@@ -156,7 +156,7 @@ def test_a_checkpoint_without_any_tokenizer_is_named_before_vllm_loads_it(privat
 @pytest.mark.parametrize("left_by", ["a dead build", "a build under way"])
 def test_what_a_dead_build_left_counts_as_room_for_the_paging_file(tmp_path, monkeypatch, left_by):
     from bigmoe.serve.preflight import paging_file_bytes
-    from bigmoe_pager.core.paging_file import partial_file
+    from bigmoe_pager.core.paging_names import partial_file
 
     path = tmp_path / "m.pages"
     plan = a_plan(ssd_source="paging file", paging_file=str(path))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from bigmoe.model.tinymoe.shape import TinyShape
 from bigmoe.serve.prepare import paging_file_matches, prepare, stale_partials
-from bigmoe_pager.core.paging_file import partial_file, partial_files
+from bigmoe_pager.core.paging_names import partial_file, partial_files
 
 
 @pytest.fixture

@@ -146,7 +146,7 @@ def test_rm_of_nothing_says_what_there_is(disk, bigmoe, args, says):
 
 
 def test_what_a_dead_build_left_is_listed_and_removed_and_a_build_under_way_is_left_alone(disk, bigmoe):
-    from bigmoe_pager.core.paging_file import partial_file
+    from bigmoe_pager.core.paging_names import partial_file
 
     exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = partial_file(disk["pages"], int(exited.stdout))

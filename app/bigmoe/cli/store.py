@@ -32,10 +32,9 @@ paging_dir_option = click.option(
 def _held(cache_dir: Path | None, paging_dir: Path | None) -> list[store.Held]:
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    from bigmoe.paths import models_dir
     from bigmoe.plan.inputs import default_paging_dir
 
-    return store.held(Path(cache_dir or HF_HUB_CACHE), models_dir(), Path(paging_dir or default_paging_dir()))
+    return store.held(Path(cache_dir or HF_HUB_CACHE), Path(paging_dir or default_paging_dir()))
 
 
 def _line(item: store.Held) -> str:

@@ -12,17 +12,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigmoe_pager.core.paging_file import partial_files
+from bigmoe_pager.core.paging_names import damaged_marker, partial_files
 
 from bigmoe.errors import BigmoeError
 from bigmoe.model import presets
 from bigmoe.model.hubcache import READY_DIR
-from bigmoe.model.tinymoe.shape import DTYPES
+from bigmoe.model.synthetic import tiny_model_path
+from bigmoe.paths import paging_file_name
 
 REPO_PREFIX = "models--"
 """huggingface_hub's cache folder of a model repo: `models--Org--Name`."""
-PAGES = ".pages"
-"""Suffix of a paging file (`<preset>-<dtype>.pages`, as the plan names it)."""
 
 
 class StoreError(BigmoeError):
@@ -46,20 +45,20 @@ class Held:
     "building" (a paging file a running build writes); "damaged" (a paging file a run marked so)."""
 
 
-def held(hub_cache: Path, models_dir: Path, paging_dir: Path) -> list[Held]:
+def held(hub_cache: Path, paging_dir: Path) -> list[Held]:
     """Everything on disk that belongs to a model, presets first in their order, then other downloads."""
     known = [presets.load(name) for name in presets.names()]
     downloads = _downloads(hub_cache, {p.hub_id: p.name for p in known if p.hub_id})
     found: list[Held] = []
     for preset in known:
         found += [d for d in downloads if d.model == preset.name]
-        for dtype in DTYPES:
-            made = models_dir / f"{preset.name}-{dtype}"
+        for dtype in sorted({preset.dtype_cpu, preset.dtype_gpu}):  # what a plan of it names, on either device
+            made = tiny_model_path(preset, dtype)
             if preset.synthetic and made.is_dir():
                 found.append(Held(preset.name, "made", made, _tree_bytes(made), "ready"))
-            pages = paging_dir / f"{preset.name}-{dtype}{PAGES}"
+            pages = paging_dir / paging_file_name(preset.name, dtype)
             if pages.is_file():
-                damaged = pages.with_name(pages.name + ".damaged").exists()
+                damaged = damaged_marker(pages).exists()
                 found.append(
                     Held(preset.name, "paging file", pages, _file_bytes(pages), "damaged" if damaged else "ready")
                 )
@@ -72,7 +71,7 @@ def held(hub_cache: Path, models_dir: Path, paging_dir: Path) -> list[Held]:
 
 def of_model(items: list[Held], model: str) -> list[Held]:
     """The items of `model` (a preset name or a Hub repo id); a StoreError names what exists when none match."""
-    hub_ids = {presets.load(n).hub_id: n for n in presets.names()}
+    hub_ids = {p.hub_id: p.name for p in map(presets.load, presets.names()) if p.hub_id}
     mine = [i for i in items if i.model in (model, hub_ids.get(model))]
     if not mine:
         kept = sorted({i.model for i in items})
@@ -92,7 +91,7 @@ def remove(items: list[Held]) -> None:
         try:
             if item.kind == "paging file":
                 item.path.unlink(missing_ok=True)
-                item.path.with_name(item.path.name + ".damaged").unlink(missing_ok=True)
+                damaged_marker(item.path).unlink(missing_ok=True)
             elif item.path.exists():
                 shutil.rmtree(item.path)
         except OSError as e:

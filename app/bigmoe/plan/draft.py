@@ -14,6 +14,7 @@ from bigmoe_pager.settings import host_driven as settings_rule_host_driven
 from bigmoe.machine.hardware import Gpu, Hardware, Unknown
 from bigmoe.model.checkpoint_arch import ArchFacts
 from bigmoe.model.presets import Preset
+from bigmoe.paths import paging_file_name
 from bigmoe.plan.disks import disk_tables
 from bigmoe.plan.inputs import Overrides, default_dirs
 from bigmoe.plan.memory import (
@@ -511,7 +512,9 @@ class Draft:
         self.record_arch()
         arch, gpu = self.preset.arch, self.hw.gpu() if self.device == "cuda" else None
         storage = self.storage
-        paging_file = str(Path(storage.paging_dir) / f"{self.preset.name}-{self.dtype}.pages") if self.paging else None
+        paging_file = (
+            str(Path(storage.paging_dir) / paging_file_name(self.preset.name, self.dtype)) if self.paging else None
+        )
         model_path = self.ov.model_path or self._default_model_path()
         graphs = self.pager and self.device == "cuda" and not self.host_driven
         settings = pager_settings(

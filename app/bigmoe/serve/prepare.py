@@ -153,7 +153,7 @@ def build(path: Path, model_path: Path, compressed: bool, progress: Progress) ->
 def stale_partials(path: Path) -> list[Path]:
     """Temporary files of the paging file at `path` whose build died before renaming them (each as large as the
     file it was writing): removed before a build, counted as free space by preflight, listed by `bigmoe list`."""
-    from bigmoe_pager.core.paging_file import partial_files
+    from bigmoe_pager.core.paging_names import partial_files
 
     return [p.path for p in partial_files(path) if not p.writing]
 
