@@ -122,15 +122,32 @@ def test_rm_asks_at_a_terminal_and_a_no_removes_nothing(disk, bigmoe, monkeypatc
     assert removed or "nothing removed" in err
 
 
-def test_rm_is_refused_while_a_server_of_the_model_runs(disk, bigmoe):
+def a_running_server(name: str, port: int, model_path: str) -> None:
+    """A record of a server that runs (this test's own process stands in for it)."""
     me = psutil.Process(os.getpid())
-    records.save(
-        records.RunInfo(
-            "tiny-moe", me.pid, "127.0.0.1", 8123, "/x.log", "/m", "tiny-moe", time.time(), "", me.create_time()
-        )
+    info = records.RunInfo(
+        name, me.pid, "127.0.0.1", port, "/x.log", model_path, name, time.time(), "", me.create_time()
     )
-    code, _, err = bigmoe("rm", "tiny-moe", "--yes")
-    assert code == 1 and "bigmoe stop 8123" in err and disk["made"].exists()
+    records.save(info)
+
+
+@pytest.mark.parametrize(
+    "server, model, reads",
+    [
+        (("tiny-moe", 8123, "/m"), "tiny-moe", "made"),
+        (("my-own-name", 8124, f"models--Qwen--Qwen3.8-Flash-Next-FP8/snapshots/{COMMIT}"), FLASH, "flash"),
+    ],
+    ids=["its-model", "its-checkpoint-inside-a-download"],
+)
+def test_list_names_the_server_that_reads_a_file_and_rm_refuses_it(disk, bigmoe, server, model, reads):
+    name, port, model_path = server
+    a_running_server(name, port, str(disk["flash"].parent / model_path) if "snapshots" in model_path else model_path)
+    code, out, _ = bigmoe("list", "--json")
+    used = {Path(r["path"]): r["ports"] for r in json.loads(out)}
+    assert used[disk[reads]] == [port] and sum(map(bool, used.values())) == 1
+    assert f"(read by the server on port {port})" in bigmoe("list")[1]
+    code, _, err = bigmoe("rm", model, "--yes")
+    assert code == 1 and f"bigmoe stop {port}" in err and disk[reads].exists()
 
 
 @pytest.mark.parametrize(

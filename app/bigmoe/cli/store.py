@@ -37,8 +37,10 @@ def _held(cache_dir: Path | None, paging_dir: Path | None) -> list[store.Held]:
     return store.held(Path(cache_dir or HF_HUB_CACHE), Path(paging_dir or default_paging_dir()))
 
 
-def _line(item: store.Held) -> str:
-    return f"{item.model:<22} {item.kind:<12} {size_text(item.bytes, smallest='MiB'):>10}  {item.state:<8} {item.path}"
+def _line(item: store.Held, ports: list[int]) -> str:
+    size = size_text(item.bytes, smallest="MiB")
+    used = f"  (read by the server on port {', '.join(map(str, ports))})" if ports else ""
+    return f"{item.model:<22} {item.kind:<12} {size:>10}  {item.state:<8} {item.path}{used}"
 
 
 @click.command("list")
@@ -47,10 +49,21 @@ def _line(item: store.Held) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per item.")
 def list_command(cache_dir: Path | None, paging_dir: Path | None, as_json: bool) -> None:
     """List what bigmoe keeps on disk for each model: downloads, made checkpoints and paging files, with their size."""
-    items = _held(cache_dir, paging_dir)
+    from bigmoe.serve import records
+
+    items, servers = _held(cache_dir, paging_dir), records.live()
+    ports = {i.path: [s.port for s in store.used_by(i, servers)] for i in items}
     if as_json:
         rows = [
-            {"model": i.model, "kind": i.kind, "path": str(i.path), "bytes": i.bytes, "state": i.state} for i in items
+            {
+                "model": i.model,
+                "kind": i.kind,
+                "path": str(i.path),
+                "bytes": i.bytes,
+                "state": i.state,
+                "ports": ports[i.path],
+            }
+            for i in items
         ]
         click.echo(json.dumps(rows, indent=2))
         return
@@ -58,7 +71,7 @@ def list_command(cache_dir: Path | None, paging_dir: Path | None, as_json: bool)
         click.echo("bigmoe keeps no model on disk")
         return
     for item in items:
-        click.echo(_line(item))
+        click.echo(_line(item, ports[item.path]))
     click.echo(f"{'total':<35} {size_text(sum(i.bytes for i in items), smallest='MiB'):>10}")
 
 
@@ -85,15 +98,14 @@ def rm_command(model: str, only: str | None, yes: bool, cache_dir: Path | None, 
         items = [i for i in items if i.kind == KINDS[only]]
         if not items:
             raise store.StoreError(f"no {KINDS[only]} is kept for {model}")
-    serving = [s for s in records.live() if s.name == items[0].model or _inside(s.model_path, items)]
-    if serving:
-        server = serving[0]
+    servers = records.live()
+    if serving := [s for item in items for s in store.used_by(item, servers)]:
         raise store.StoreError(
-            f"a server of {items[0].model} runs (pid {server.pid}, port {server.port}); stop it first: "
-            f"bigmoe stop {server.port}"
+            f"a server reads {items[0].model}'s files (pid {serving[0].pid}, port {serving[0].port}); stop it "
+            f"first: bigmoe stop {serving[0].port}"
         )
     for item in items:
-        click.echo(_line(item))
+        click.echo(_line(item, []))
     total = size_text(sum(i.bytes for i in items), smallest="MiB")
     if not yes:
         if not sys.stdin.isatty():
@@ -102,9 +114,3 @@ def rm_command(model: str, only: str | None, yes: bool, cache_dir: Path | None, 
             raise store.StoreError("nothing removed")
     store.remove(items)
     click.echo(f"removed {len(items)} item(s), {total}")
-
-
-def _inside(model_path: str, items: list[store.Held]) -> bool:
-    """Whether a server's checkpoint directory lies in one of the items (a download's snapshot, a made model)."""
-    path = Path(model_path).resolve()
-    return any(path == i.path.resolve() or i.path.resolve() in path.parents for i in items)

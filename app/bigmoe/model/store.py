@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from bigmoe_pager.core.paging_names import damaged_marker, partial_files
 
@@ -67,6 +68,21 @@ def held(hub_cache: Path, paging_dir: Path) -> list[Held]:
                 found.append(Held(preset.name, "paging file", tmp.path, _file_bytes(tmp.path), state))
     names = {p.name for p in known}
     return found + [d for d in downloads if d.model not in names]
+
+
+class Server(Protocol):
+    """What `used_by` reads of a running server (serve.records.RunInfo has it)."""
+
+    name: str
+    model_path: str
+    port: int
+
+
+def used_by(item: Held, servers: list[Server]) -> list[Server]:
+    """The running servers that read `item`: a server of its model, or one whose checkpoint lies inside it (a
+    `--model-dir` in a download's snapshot, a made model)."""
+    inside = item.path.resolve()
+    return [s for s in servers if s.name == item.model or inside in (p := Path(s.model_path).resolve(), *p.parents)]
 
 
 def of_model(items: list[Held], model: str) -> list[Held]:
