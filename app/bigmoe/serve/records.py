@@ -14,8 +14,9 @@ import math
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import get_type_hints
 
 import psutil
 
@@ -129,6 +130,10 @@ def live() -> list[RunInfo]:
     return sorted(out, key=lambda i: i.started)
 
 
+_FIELD_TYPES = {name: (int, float) if kind is float else kind for name, kind in get_type_hints(RunInfo).items()}
+"""The type each field of a record must have (JSON writes 1.0 as 1: an int is a float here)."""
+
+
 def read_record(path: Path) -> RunInfo | None:
     """The record at `path`, or None when it cannot be read or a field has the wrong type (a damaged record is
     never used: its pid could name an unrelated process)."""
@@ -136,8 +141,8 @@ def read_record(path: Path) -> RunInfo | None:
         info = RunInfo(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    for field in fields(RunInfo):
-        value, kind = getattr(info, field.name), {"int": int, "float": (int, float), "str": str}[field.type]
+    for name, kind in _FIELD_TYPES.items():
+        value = getattr(info, name)
         if isinstance(value, bool) or not isinstance(value, kind):
             return None
     if info.pid <= 0 or not 0 < info.port < 65536 or not all(map(math.isfinite, (info.started, info.create_time))):
@@ -197,11 +202,11 @@ def prune_logs(keep: int = LOGS_KEPT) -> list[Path]:
     """Remove the oldest run logs beyond the newest `keep` (with a dead run's .metrics directory beside one),
     never a log a running server writes; the removed ones, oldest first."""
     writing = {Path(info.log) for info in live()}
-    removed = [path for path, _ in run_logs()[keep:] if path not in writing]
-    for path in reversed(removed):
+    removed = [path for path, _ in reversed(run_logs()[keep:]) if path not in writing]
+    for path in removed:
         path.unlink(missing_ok=True)
         shutil.rmtree(path.with_suffix(".metrics"), ignore_errors=True)
-    return removed[::-1]
+    return removed
 
 
 def log_owner(path: Path) -> RunInfo | None:
