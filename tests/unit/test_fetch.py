@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,3 +401,48 @@ def test_a_hub_address_that_answers_nothing_names_hf_endpoint(cache, monkeypatch
     result = CliRunner().invoke(pull, [REPO, "--cache-dir", str(cache)])
     assert result.exit_code == fetch.EXIT_NETWORK
     assert "cannot reach http://127.0.0.1:9" in result.stderr and "HF_ENDPOINT" in result.stderr
+
+
+@pytest.mark.parametrize("ending", ["finishes", "is-killed"])
+def test_a_running_pull_locks_its_download_against_rm_verify_and_a_second_pull(
+    hub, served, cache, tmp_path, monkeypatch, bigmoe, ending
+):
+    """A real `bigmoe pull` in another process: while it downloads, list says so and rm, verify and another pull
+    are refused with one line naming it, removing nothing; once it ends (done, or SIGKILLed) the lock is gone."""
+    monkeypatch.setenv("BIGMOE_HOME", str(tmp_path / "home"))
+    hub.pace(2 << 20)  # the 12 MiB shard takes about 6 s
+    child = subprocess.Popen(
+        [sys.executable, "-m", "bigmoe", "pull", REPO, "--cache-dir", str(cache)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        repo = hubcache.RepoCache(cache, REPO)
+        deadline = time.monotonic() + 30
+        while not (
+            repo.lock.is_file() and repo.lock.read_text().strip() == str(child.pid) and hubcache.partial_files(repo)
+        ):
+            assert time.monotonic() < deadline and child.poll() is None, "the pull never started downloading"
+            time.sleep(0.05)
+        assert [(m, s) for m, s, _ in listed_downloads(cache, tmp_path)] == [(PRESET, "downloading")]
+        whole_before = [f for f in files_under(cache) if not f.name.endswith(".incomplete")]  # the rest get renamed
+        for command in ("rm", "verify", "pull"):
+            code, _, line = bigmoe(command, PRESET, "--cache-dir", str(cache), *(["--yes"] if command == "rm" else []))
+            assert code == 1 and line.count("\n") == 1 and f"pid {child.pid} (bigmoe pull {REPO})" in line, line
+        assert child.poll() is None, "the refusals ended the pull"
+        assert all(f.exists() for f in whole_before), "a refusal removed files"
+        if ending == "is-killed":
+            child.kill()
+        else:
+            hub.pace(None)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == (0 if ending == "finishes" else -9), child.stderr.read()
+    [(_, state, _)] = listed_downloads(cache, tmp_path)
+    assert state == ("ready" if ending == "finishes" else "partial")
+    code, _, err = bigmoe("rm", PRESET, "--cache-dir", str(cache), "--yes")
+    assert code == 0, err
+    assert not hubcache.RepoCache(cache, REPO).storage.exists()

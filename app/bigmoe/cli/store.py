@@ -40,7 +40,7 @@ def _held(cache_dir: Path | None, paging_dir: Path | None) -> list[store.Held]:
 def _line(item: store.Held, ports: list[int]) -> str:
     size = size_text(item.bytes, smallest="MiB")
     used = f"  (read by the server on port {', '.join(map(str, ports))})" if ports else ""
-    return f"{item.model:<22} {item.kind:<12} {size:>10}  {item.state:<8} {item.path}{used}"
+    return f"{item.model:<22} {item.kind:<12} {size:>10}  {item.state:<11} {item.path}{used}"
 
 
 @click.command("list")

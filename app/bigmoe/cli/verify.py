@@ -10,7 +10,7 @@ import click
 
 from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
-from bigmoe.model import fetch, hubcache
+from bigmoe.model import fetch
 from bigmoe.model.verify import verify
 
 
@@ -29,7 +29,7 @@ from bigmoe.model.verify import verify
 def verify_command(model: str, revision: str | None, cache_dir: str | None, keep: bool) -> None:
     """Check a downloaded MODEL against the Hub's hashes (sha256 / git blob id) and its safetensors headers."""
     try:
-        verdict = verify(model, revision, cache_dir)
+        verdict = verify(model, revision, cache_dir, remove_bad=not keep)
     except BigmoeError as e:
         click.echo(f"bigmoe: {e}", err=True)
         sys.exit(e.exit_code)
@@ -42,8 +42,6 @@ def verify_command(model: str, revision: str | None, cache_dir: str | None, keep
         return
     for f, why in verdict.bad:
         click.echo(f"bad: {verdict.snapshot / f.path}: {why}")
-        if not keep:
-            hubcache.remove_file(verdict.cache, verdict.commit, f)
     fix = (
         f"they were removed; run: bigmoe pull {model}"
         if not keep

@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 from bigmoe import exit_codes
 from bigmoe.errors import BigmoeError
-from bigmoe.model import hubcache
+from bigmoe.model import hubcache, repo_lock
 from bigmoe.model.hubcache import Cancelled, RemoteFile, RepoCache
 from bigmoe.paths import nearest_dir
 from bigmoe.units import size_text
@@ -85,6 +85,10 @@ class NotReady(FetchError):
     """A downloaded file differs from the Hub's listing; it was removed."""
 
     exit_code = EXIT_NOT_READY
+
+
+class RepoBusy(FetchError):
+    """Another bigmoe process is downloading or removing the repo."""
 
 
 class FetchCancelled(FetchError):
@@ -270,8 +274,17 @@ def fetch(
         return plan.snapshot_dir
     if plan.offline:
         raise HubUnreachable(f"cannot reach {plan.endpoint} and {plan.repo_id} is not complete on disk")
-    cancel = cancel or threading.Event()
-    _refuse_unless_fits(plan, cache, free_space or free_bytes)
+    _refuse_unless_fits(plan, cache, free_space or free_bytes)  # before the lock file: a refusal writes nothing
+    try:
+        with repo_lock.exclusive(cache):
+            return _fetch_alone(plan, cache, emit, cancel or threading.Event(), poll_s)
+    except repo_lock.RepoBusy as e:
+        raise RepoBusy(f"{e}; wait for it to finish, or stop it, then run this again") from None
+
+
+def _fetch_alone(plan: FetchPlan, cache: RepoCache, emit: ProgressFn, cancel: threading.Event, poll_s: float) -> Path:
+    """fetch's work, while this process holds the repo's lock."""
+    files = list(plan.files)
     _discard_broken(cache, plan.commit, files)
     tally = _Tally(whole_bytes=sum(f.size for f in files if hubcache.is_whole(cache, plan.commit, f)))
     _run_with_progress(

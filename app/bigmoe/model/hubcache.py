@@ -22,6 +22,7 @@ from bigmoe.paths import write_atomic
 
 HASH_BLOCK = 8 << 20  # bytes read per hash update; large enough that hashlib drops the GIL
 READY_DIR = "bigmoe-ready"
+LOCK_NAME = "bigmoe-fetch.lock"
 MARKER_FORMAT = 1
 
 
@@ -79,6 +80,12 @@ class RepoCache:
 
     def ref(self, revision: str) -> Path:
         return self.storage / "refs" / revision
+
+    @property
+    def lock(self) -> Path:
+        """The lock of bigmoe's writers of this repo (model/repo_lock.py): in huggingface_hub's lock folder for
+        the repo, outside the repo's own, so removing the repo leaves it in place for a waiting writer."""
+        return self.root / ".locks" / self.storage.name / LOCK_NAME
 
 
 def is_whole(cache: RepoCache, commit: str, f: RemoteFile) -> bool:

@@ -9,6 +9,7 @@ measured link speeds are bigmoe's own and are not a model's.
 from __future__ import annotations
 
 import shutil
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -16,8 +17,8 @@ from typing import Protocol
 from bigmoe_pager.core.paging_names import damaged_marker, partial_files
 
 from bigmoe.errors import BigmoeError
-from bigmoe.model import presets
-from bigmoe.model.hubcache import READY_DIR
+from bigmoe.model import presets, repo_lock
+from bigmoe.model.hubcache import READY_DIR, RepoCache
 from bigmoe.model.synthetic import tiny_model_path
 from bigmoe.paths import paging_file_name
 
@@ -43,7 +44,10 @@ class Held:
     """Bytes on disk."""
     state: str
     """"ready"; "partial" (a download without bigmoe's ready marker, or what a paging-file build that died left);
-    "building" (a paging file a running build writes); "damaged" (a paging file a run marked so)."""
+    "downloading" (a download another bigmoe writes now); "building" (a paging file a running build writes);
+    "damaged" (a paging file a run marked so)."""
+    repo_id: str | None = None
+    """A download's Hub repo id (None for the other kinds)."""
 
 
 def held(hub_cache: Path, paging_dir: Path) -> list[Held]:
@@ -99,10 +103,22 @@ def remove(items: list[Held]) -> None:
     """Delete the items: a download's whole repo folder (blobs, snapshots, refs and bigmoe's ready markers: for
     every tool that shares the hub cache, as `hf cache delete` would), a made checkpoint, a paging file with its
     damage marker. Each item is gone when this returns, or it raises StoreError naming the one that is not.
-    Refused, before anything is removed, while a build writes one of them."""
+    Refused, before anything is removed, while a build writes one of them or another process downloads one; a
+    download stays locked until it is gone, so a pull started meanwhile is refused rather than meeting the removal."""
     for item in items:
         if item.state == "building":
             raise StoreError(f"{item.path} is being built by a running bigmoe; stop that run first")
+    with ExitStack() as held_locks:
+        for item in items:
+            if item.repo_id is not None:
+                try:
+                    held_locks.enter_context(repo_lock.exclusive(RepoCache(item.path.parent, item.repo_id)))
+                except repo_lock.RepoBusy as e:
+                    raise StoreError(f"{e}; wait for it to finish, or stop it, then remove it") from None
+        _remove(items)
+
+
+def _remove(items: list[Held]) -> None:
     for item in items:
         try:
             if item.kind == "paging file":
@@ -125,7 +141,8 @@ def _downloads(hub_cache: Path, preset_of: dict[str, str]) -> list[Held]:
             continue
         whole = any((folder / "snapshots" / m.stem).is_dir() for m in ready.glob("*.json"))
         name = preset_of.get(repo_id, repo_id)
-        found.append(Held(name, "download", folder, _tree_bytes(folder), "ready" if whole else "partial"))
+        state = "downloading" if repo_lock.busy(RepoCache(hub_cache, repo_id)) else "ready" if whole else "partial"
+        found.append(Held(name, "download", folder, _tree_bytes(folder), state, repo_id))
     return found
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bigmoe.errors import BigmoeError
-from bigmoe.model import fetch, hubcache
+from bigmoe.model import fetch, hubcache, repo_lock
 from bigmoe.model.hubcache import RemoteFile, RepoCache
 from bigmoe.model.shard_check import shard_problem
 
@@ -44,12 +44,30 @@ class Verdict:
         return self.cache.snapshot(self.commit)
 
 
-def verify(model: str, revision: str | None = None, cache_dir: str | Path | None = None) -> Verdict:
-    """Check every file of the model's snapshot against the Hub's hashes and its safetensors header."""
+def verify(
+    model: str, revision: str | None = None, cache_dir: str | Path | None = None, *, remove_bad: bool = False
+) -> Verdict:
+    """Check every file of the model's snapshot against the Hub's hashes and its safetensors header; with
+    `remove_bad`, remove each bad file (so a pull fetches it again), holding the repo's lock meanwhile (refused
+    while another bigmoe downloads it)."""
     from huggingface_hub import constants
 
     repo_id, revision = fetch.resolve_model(model, revision)
     cache = RepoCache(Path(cache_dir or constants.HF_HUB_CACHE).expanduser().resolve(), repo_id)
+    if not remove_bad:
+        return _check(cache, model, revision)
+    try:
+        with repo_lock.exclusive(cache):
+            verdict = _check(cache, model, revision)
+            for f, _ in verdict.bad:
+                hubcache.remove_file(cache, verdict.commit, f)
+            return verdict
+    except repo_lock.RepoBusy as e:
+        raise fetch.RepoBusy(f"{e}; verify it once that is done") from None
+
+
+def _check(cache: RepoCache, model: str, revision: str) -> Verdict:
+    repo_id = cache.repo_id
     commit = revision if fetch._is_commit(revision) else hubcache.read_ref(cache, revision)
     try:
         listed_commit, files = fetch.list_repo(repo_id, commit or revision)
@@ -64,8 +82,11 @@ def verify(model: str, revision: str | None = None, cache_dir: str | Path | None
             f"{repo_id}@{revision} is not downloaded ({cache.snapshot(commit)} does not exist); "
             f"run: bigmoe pull {model}"
         )
-    bad = tuple((f, why) for f in files if (why := _problem(cache, commit, f)))
-    return Verdict(repo_id, commit, cache, len(files), source, bad)
+    return Verdict(repo_id, commit, cache, len(files), source, _bad(cache, commit, files))
+
+
+def _bad(cache: RepoCache, commit: str, files: list[RemoteFile]) -> tuple[tuple[RemoteFile, str], ...]:
+    return tuple((f, why) for f in files if (why := _problem(cache, commit, f)))
 
 
 def _problem(cache: RepoCache, commit: str, f: RemoteFile) -> str | None:

@@ -1,0 +1,72 @@
+"""One bigmoe process at a time writes a downloaded repo: a `bigmoe pull` (or `run`'s fetch) and a `bigmoe rm` in
+two shells never meet in the same files.
+
+The lock is a flock (filelock) on the repo's `bigmoe-fetch.lock`, taken without waiting: a second writer is refused
+at once with the holder's pid and command line, which the holder writes into the lock file when it takes it. The
+kernel drops a flock when its process dies, so a killed pull never leaves the repo locked.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import psutil
+from filelock import FileLock, Timeout
+
+from bigmoe.model.hubcache import RepoCache
+
+
+class RepoBusy(Exception):
+    """Another process holds the repo's lock; the message names it."""
+
+
+@contextmanager
+def exclusive(cache: RepoCache) -> Iterator[None]:
+    """Hold the repo's lock for the block; RepoBusy at once if another process holds it."""
+    cache.lock.parent.mkdir(parents=True, exist_ok=True)
+    # preserve_lock_file: a lock file unlinked on release could let two writers lock two inodes of one path
+    lock = FileLock(cache.lock, blocking=False, preserve_lock_file=True, on_acquired=_write_pid)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RepoBusy(f"{_holder(cache)} is writing {cache.repo_id} in {cache.root}") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def busy(cache: RepoCache) -> bool:
+    """Another process holds the repo's lock now: a download or removal is under way."""
+    if not cache.lock.is_file():
+        return False
+    try:
+        with exclusive(cache):
+            return False
+    except RepoBusy:
+        return True
+    except OSError:  # the lock cannot be opened from here (a read-only cache): no bigmoe of ours writes there
+        return False
+
+
+def _write_pid(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _holder(cache: RepoCache) -> str:
+    """'pid N (its command line)', or 'another process' when the lock file does not say (an older bigmoe)."""
+    try:
+        pid = int(cache.lock.read_text().split()[0])
+        return f"pid {pid} ({_command(psutil.Process(pid).cmdline())})"
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return "another process"
+
+
+def _command(argv: list[str]) -> str:
+    """The command as its user typed it: from the `bigmoe` script on (not the interpreter's path), three words."""
+    names = [os.path.basename(a) for a in argv]
+    start = names.index("bigmoe") if "bigmoe" in names else 0
+    return " ".join([names[start], *argv[start + 1 : start + 3]])
