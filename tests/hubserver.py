@@ -21,7 +21,7 @@ Test knobs: `token` (every Hub request must carry `Authorization: Bearer <token>
 else 401 GatedRepo), `drop_midway` (a GET of a file sends some bytes, then the
 connection is cut; optionally every later request for it answers 503 until
 `heal`), `pace` (file bodies are sent in 1 MiB pieces at a set rate, so a download
-takes long enough to watch), and `requests`, a log of what the client asked.
+takes long enough to watch; lifting it speeds up bodies under way), and `requests`, a log of what the client asked.
 """
 
 from __future__ import annotations
@@ -432,15 +432,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        rate = self.state.pace_bps if paced else None
-        if body and data and rate:
-            for start in range(0, len(data), PACE_PIECE):
-                piece = data[start : start + PACE_PIECE]
-                self.wfile.write(piece)
-                self.wfile.flush()
-                time.sleep(len(piece) / rate)
-        elif body and data:
-            self.wfile.write(data)
+        if not (body and data):
+            return
+        for start in range(0, len(data), PACE_PIECE):
+            rate = self.state.pace_bps if paced else None  # read a piece at a time: a test may lift the pace midway
+            if not rate:
+                self.wfile.write(data[start:])
+                return
+            piece = data[start : start + PACE_PIECE]
+            self.wfile.write(piece)
+            self.wfile.flush()
+            time.sleep(len(piece) / rate)
 
     def _reply_and_cut(self, status: int, headers: dict[str, str], data: bytes, after_bytes: int) -> None:
         """Promise the whole body, send part of it, then close the socket."""

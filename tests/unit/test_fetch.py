@@ -410,7 +410,7 @@ def test_a_running_pull_locks_its_download_against_rm_verify_and_a_second_pull(
     """A real `bigmoe pull` in another process: while it downloads, list says so and rm, verify and another pull
     are refused with one line naming it, removing nothing; once it ends (done, or SIGKILLed) the lock is gone."""
     monkeypatch.setenv("BIGMOE_HOME", str(tmp_path / "home"))
-    hub.pace(2 << 20)  # the 12 MiB shard takes about 6 s
+    hub.pace(1 << 20)  # the 12 MiB shard takes 12 s, unless the pace is lifted
     child = subprocess.Popen(
         [sys.executable, "-m", "bigmoe", "pull", REPO, "--cache-dir", str(cache)],
         stdout=subprocess.DEVNULL,
