@@ -822,7 +822,7 @@ def family_ratios(
     order = {key: i for i, key in enumerate(rows)}
     for family in sorted({f for f, _ in rows}):
         t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
-        ratios, used = {}, {}
+        ratios, used, sources = {}, {}, {}
         for suffix, key in (("@r0.8", ""), ("", "_no_prefetch"), ("@r0", "_recall_0")):
             # The plugin's default prefill (the whole-layer buffer) where it ran; decode is the same either way.
             found = {}
@@ -841,9 +841,10 @@ def family_ratios(
                 (102, "resident", "tpot_vs_resident_at_102", False),
                 (32, "offload17", "speedup_vs_offload17_at_32", True),
             ):
-                mine, theirs = side_by_side(every, family, found[n], ref) if found[n] else (None, None)
+                mine, theirs, where = side_by_side(every, family, found[n], ref) if found[n] else (None, None, {})
                 if mine and theirs:
                     ratios[label + key] = round(theirs / mine if upward else mine / theirs, 3)
+                    sources[label + key] = where
         if used.get("102_recall_0") and used.get("102_no_prefetch"):
             # Recall 0 against no prefetch straight, only where one call ran both (calls differ by 4-6%: run 33)
             calls = recall_0_ratios(every, family, used["102_recall_0"], used["102_no_prefetch"])[-recall_0_calls:]
@@ -853,7 +854,7 @@ def family_ratios(
                 ratios["recall_0_calls_ms"] = {c.source: c.report() for c in calls}
         if path and any(m.endswith(path) for m in used.values()):
             ratios["path"] = path
-        out[family] = {**ratios, "rows": used}
+        out[family] = {**ratios, "rows": used, "sources": sources}
     return out
 
 
@@ -912,25 +913,31 @@ def gpu_name() -> str | None:
 
 def side_by_side(
     every: dict, family: str, name: str, ref: str, fallback: bool = True
-) -> tuple[float | None, float | None]:
+) -> tuple[float | None, float | None, dict]:
     """TPOTs of `name` and of the reference `ref` in `family`, from the latest call (result file) that measured
     both: ratios are taken side by side in one call where one did; else (fallback) the latest row of `name` with a
     reference measured on the same card (result files before run 35 name none: all the H200's, but run 34's, whose
-    card was added from the device's reply) and that card's latest reference; else none."""
+    card was added from the device's reply) and that card's latest reference; else none. The third item says where
+    the pair came from: the call of each row, the card, and whether one call ran both (machines of one card differ
+    by 10-20% in paged rows: run 43)."""
     mine = [r for r in every.get((family, name), []) if r.get("tpot_ms")]
-    theirs = {r.get("source"): r["tpot_ms"] for r in every.get((family, ref), []) if r.get("tpot_ms")}
+    theirs = {r.get("source"): r for r in every.get((family, ref), []) if r.get("tpot_ms")}
     for r in reversed(mine):
         if r.get("source") in theirs:
-            return r["tpot_ms"], theirs[r["source"]]
+            return r["tpot_ms"], theirs[r["source"]]["tpot_ms"], _pair_source(r, theirs[r["source"]])
     if not fallback:
-        return None, None
+        return None, None, {}
     for r in reversed(mine):
-        same_card = [
-            o["tpot_ms"] for o in every.get((family, ref), []) if o.get("tpot_ms") and o.get("gpu") == r.get("gpu")
-        ]
+        same_card = [o for o in every.get((family, ref), []) if o.get("tpot_ms") and o.get("gpu") == r.get("gpu")]
         if same_card:
-            return r["tpot_ms"], same_card[-1]
-    return (mine[-1]["tpot_ms"] if mine else None), None
+            return r["tpot_ms"], same_card[-1]["tpot_ms"], _pair_source(r, same_card[-1])
+    return (mine[-1]["tpot_ms"] if mine else None), None, {}
+
+
+def _pair_source(row: dict, ref: dict) -> dict:
+    calls = dict.fromkeys([row.get("source"), ref.get("source")])
+    gpu = row.get("gpu") or "not named (files before run 35: the H200)"
+    return {"calls": list(calls), "gpu": gpu, "side_by_side": len(calls) == 1}
 
 
 def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:

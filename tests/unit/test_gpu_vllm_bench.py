@@ -391,6 +391,7 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
     assert std["tpot_vs_resident_at_102_recall_0"] == 1.3
     assert std["rows"]["102"] == "bigmoe-102-layerbuf@r0.8" and std["rows"]["32_no_prefetch"] == "bigmoe-32-layerbuf"
     assert std["speedup_vs_offload17_at_32_no_prefetch"] == 2.5
+    assert set(shift.pop("sources")) == {k for k, v in shift.items() if isinstance(v, float)}
     assert shift == {
         "speedup_vs_offload17_at_102": 3.0,
         "tpot_vs_resident_at_102": 1.25,
@@ -483,6 +484,9 @@ def test_combine_takes_each_ratio_side_by_side_in_one_call_and_from_the_named_pa
     assert std["speedup_vs_offload17_at_32"] == 2.5  # the path's row, not the default path's 7.0
     assert std["tpot_vs_resident_at_102_no_prefetch"] == round(5.2 / 3.5, 3)
     assert std["path"] == path and std["rows"]["32"] == f"bigmoe-32-layerbuf@r0.8{path}"
+    assert std["sources"]["tpot_vs_resident_at_102"]["calls"] == ["r.json"]  # each ratio names its call
+    assert std["sources"]["speedup_vs_offload17_at_102"]["calls"] == ["t.json"]
+    assert all(s["side_by_side"] for s in std["sources"].values())
 
     assert bench.combine(files, out) == 0  # no path: the default path's rows, and no "path" named
     std = json.loads(out.read_text())["families"]["standard"]
@@ -606,6 +610,8 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     assert bench.combine([older, later], out, "+one-node+host+chained-only") == 0
     report = json.loads(out.read_text())
     assert report["families"]["standard"]["tpot_vs_resident_at_102_recall_0"] == 1.5  # 5.25 / 3.5, not 5.6 / 3.5
+    source = report["families"]["standard"]["sources"]["tpot_vs_resident_at_102_recall_0"]
+    assert source["calls"] == ["h200.json"] and "H200" in source["gpu"]
     # The H100's row stands beside the H200's, not in its place (the targets are the H200's)
     assert [(r["name"], r["tpot_ms"]) for r in report["configs"] if r["name"] == r0] == [(r0, 5.25)]
     assert [(r["name"], r["gpu"]) for r in report["other_card_configs"]] == [(r0, H100)]
