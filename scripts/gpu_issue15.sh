@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 15's runs on the H200: bash scripts/gpu_issue15.sh STEP...
 #   early  (before vLLM is staged; the image's torch) in the background: the 40-layer checkpoint and traces, and the
-#          GPU kernel tests (EARLY_TESTS=0: none, the GPU left quiet for a probe); touches its flag file at the end
+#          GPU kernel tests (EARLY_TESTS=0: none, the GPU left quiet for a probe); touches its flag file at the end.
+#          Run 43: tests started in the first piece call failed to import scripts/ modules while the next calls'
+#          trees were copied in; start it with EARLY_TESTS=0 there, or in the last piece call
 #   wait   block until `early` is done (its results are then under $OUT)
 #   bench  (vLLM 0.33 staged) scripts/gpu_vllm_bench.py over $CONFIGS, $PARALLEL engines started at once, every
 #          family of $FAMILIES, recalls $RECALLS for `@r` names (their wrong ids drawn $WRONG: uniform, popular or none),

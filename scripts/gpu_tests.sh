@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/bigmoe-gpu}"
 mkdir -p "$out"
 export PYTHONPATH="pager:app${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv | tee "$out/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
 python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py "$@" 2>&1 | tee "$out/gpu_tests.txt"
