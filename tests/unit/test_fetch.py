@@ -427,8 +427,8 @@ def test_a_running_pull_locks_its_download_against_rm_verify_and_a_second_pull(
             time.sleep(0.05)
         assert [(m, s) for m, s, _ in listed_downloads(cache, tmp_path)] == [(PRESET, "downloading")]
         whole_before = [f for f in files_under(cache) if not f.name.endswith(".incomplete")]  # the rest get renamed
-        for command in ("rm", "verify", "pull"):
-            code, _, line = bigmoe(command, PRESET, "--cache-dir", str(cache), *(["--yes"] if command == "rm" else []))
+        for args in (["rm", "--yes"], ["verify"], ["verify", "--keep"], ["pull"]):  # verify --keep only reads
+            code, _, line = bigmoe(args[0], PRESET, "--cache-dir", str(cache), *args[1:])
             assert code == 1 and line.count("\n") == 1 and f"pid {child.pid} (bigmoe pull {REPO})" in line, line
         assert child.poll() is None, "the refusals ended the pull"
         assert all(f.exists() for f in whole_before), "a refusal removed files"

@@ -33,7 +33,7 @@ def exclusive(cache: RepoCache) -> Iterator[None]:
     try:
         lock.acquire(timeout=WAIT_S)
     except Timeout:
-        raise RepoBusy(f"{_holder(cache)} is writing {cache.repo_id} in {cache.root}") from None
+        raise RepoBusy(f"{holder(cache)} is writing {cache.repo_id} in {cache.root}") from None
     try:
         yield
     finally:
@@ -66,7 +66,7 @@ def _write_pid(fd: int) -> None:
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
 
-def _holder(cache: RepoCache) -> str:
+def holder(cache: RepoCache) -> str:
     """'pid N (its command line)', or 'another process' when the lock file does not say (an older bigmoe)."""
     try:
         pid = int(cache.lock.read_text().split()[0])

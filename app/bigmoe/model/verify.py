@@ -54,7 +54,11 @@ def verify(
 
     repo_id, revision = fetch.resolve_model(model, revision)
     cache = RepoCache(Path(cache_dir or constants.HF_HUB_CACHE).expanduser().resolve(), repo_id)
-    if not remove_bad:
+    if not remove_bad:  # reads only, so no lock; but a download under way would read as damaged files
+        if repo_lock.busy(cache):
+            raise fetch.RepoBusy(
+                f"{repo_lock.holder(cache)} is writing {repo_id} in {cache.root}; verify it once that is done"
+            )
         return _check(cache, model, revision)
     try:
         with repo_lock.exclusive(cache):
