@@ -173,8 +173,10 @@ def test_what_a_dead_build_left_is_listed_and_removed_and_a_build_under_way_is_l
     building.write_bytes(b"b" * 4096)
     assert ("qwen3.8-flash-next", "paging file", building.name, "building") in listed(bigmoe)
 
-    code, _, err = bigmoe("rm", "qwen3.8-flash-next", "--only", "paging", "--yes")
-    assert code == 1 and "being built" in err and dead.exists() and disk["pages"].exists()
+    for only in ("paging", "download"):  # the build reads the download: neither goes while it runs
+        code, _, err = bigmoe("rm", "qwen3.8-flash-next", "--only", only, "--yes")
+        assert code == 1 and "is building" in err and len(err.strip().splitlines()) == 1, err
+        assert dead.exists() and disk["pages"].exists() and disk["flash"].exists()
     building.unlink()
     code, _, err = bigmoe("rm", "qwen3.8-flash-next", "--only", "paging", "--yes")
     assert code == 0 and not dead.exists() and not disk["pages"].exists(), err

@@ -90,10 +90,16 @@ def rm_command(model: str, only: str | None, yes: bool, cache_dir: Path | None, 
     """Remove what bigmoe keeps on disk for MODEL (a preset name or Org/Name): `bigmoe list` shows it.
 
     A download goes from the hub cache for every tool that shares it; `bigmoe pull` or `bigmoe run` fetches it
-    again. Refused while a server of MODEL runs."""
+    again. Refused while a server of MODEL runs, while a run builds one of its paging files, or while another
+    bigmoe downloads it."""
     from bigmoe.serve import records
 
     items = store.of_model(_held(cache_dir, paging_dir), model)
+    if building := [i for i in items if i.state == "building"]:  # the build reads the model's checkpoint
+        raise store.StoreError(
+            f"a running bigmoe is building {building[0].path.name} from {items[0].model}'s checkpoint; "
+            "stop that run first"
+        )
     if only is not None:
         items = [i for i in items if i.kind == KINDS[only]]
         if not items:
