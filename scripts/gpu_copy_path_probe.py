@@ -33,7 +33,8 @@ slots (the steps' own misses, as beside a prefetch). Either starts just before t
 
 Each variant is one CUDA graph holding --repeat copies of its work (the N experts go into the same N slots each
 time; host-N publishes a new round each time and waits for it), replayed --replays times between two events; the
-figure is microseconds per repeat. After the timed replays every slot's bytes are checked against the records.
+figure is microseconds per repeat. --eager launches the same calls one by one instead (is a slow row the
+graph's?). After the timed replays every slot's bytes are checked against the records.
 
     H200: PYTHONPATH=pager python3 scripts/gpu_copy_path_probe.py --out $OUT/copy-path.json
     CPU:  TRITON_INTERPRET=1 PYTHONPATH=pager python scripts/gpu_copy_path_probe.py --device cpu --smoke
@@ -285,18 +286,27 @@ class Dense:
 
 def time_graph(fn, args, busy: "Background | None") -> float:
     """Microseconds per call of fn, captured --repeat times in one graph replayed --replays times (median of
-    --trials)."""
+    --trials); with --eager, the same calls launched one by one, no graph (run 43: on one H100 the graphs' copies
+    of two to eight experts ran at half the rate of a plain copy of the same bytes)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(2):
             fn()  # compile and warm before the capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(args.repeat):
-            fn()
+    if args.eager:
+
+        def replay() -> None:  # on the current stream, as a graph replays
+            for _ in range(args.repeat):
+                fn()
+
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(args.repeat):
+                fn()
+        replay = graph.replay
     for _ in range(3):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     results = []
     for _ in range(args.trials):
@@ -305,7 +315,7 @@ def time_graph(fn, args, busy: "Background | None") -> float:
             busy.start()
         start.record()
         for _ in range(args.replays):
-            graph.replay()
+            replay()
         end.record()
         torch.cuda.synchronize()
         if busy is not None:
@@ -385,6 +395,7 @@ def run(args) -> dict:
         "step_programs": bench.programs,
         "repeat": args.repeat,
         "replays": args.replays,
+        "timed_as": "eager calls" if args.eager else "graph replays",
         "rows": [],
     }
     dense = Dense(args, device)
@@ -427,6 +438,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=8, help="copies of the work in one graph")
     p.add_argument("--replays", type=int, default=50, help="graph replays timed per trial")
     p.add_argument("--trials", type=int, default=5, help="timed trials (the median is reported)")
+    p.add_argument("--eager", action="store_true", help="launch each path's calls one by one instead of as a graph")
     p.add_argument(
         "--busy",
         default=",".join(BUSY_KINDS),

@@ -45,6 +45,9 @@
 #   copy-split  (the image's torch is enough) where the host copier's time an expert goes, no busy backgrounds
 #          (about a minute): one flat copy, one copy a component (dma), with the completion word (goal), the copier's
 #          round trip (host) and the copier serving the weights alone, as if the scale blocks stayed in VRAM (hostwt)
+#   copy-eager  (the image's torch is enough) the flat, dma and host copies of 1-8 experts timed as graph replays,
+#          then launched one by one (--eager): run 43's H100 moved two to eight experts at half rate in the graphs
+#          while a plain torch copy of the same bytes did not (about a minute)
 #   copy-packed  (the image's torch is enough) packed slots, no busy backgrounds (about a minute a pass, PASSES of
 #          them, default 2): the host copier and the step's copy kernel copying each expert as one run of bytes
 #          (hostflat, stepflat) against today's four components (host, step) and one flat copy (flat)
@@ -155,6 +158,11 @@ for step in "$@"; do
     copy-split)
       timeout 300 python3 scripts/gpu_copy_path_probe.py --paths flat,dma,goal,host,hostwt --experts 1,2,4,8 --busy '' \
         --out "$out/copy-split.json" 2>&1 | tail -n 25 ;;
+    copy-eager)
+      for how in graph eager; do
+        timeout 200 python3 scripts/gpu_copy_path_probe.py --paths flat,dma,host --experts 1,2,4,8 --busy '' \
+          $([ "$how" = eager ] && echo --eager) --out "$out/copy-$how.json" 2>&1 | grep '^{' | cut -c1-120
+      done ;;
     copy-packed)
       for pass in $(seq 1 "${PASSES:-2}"); do
         timeout 240 python3 scripts/gpu_copy_path_probe.py --paths flat,host,hostflat,step,stepflat --experts 1,2,4,8 \

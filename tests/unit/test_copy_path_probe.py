@@ -38,6 +38,14 @@ def test_the_dense_chain_is_timed_beside_the_copies(report):
     assert any(r["path"] == "dense" and r["us"] > 0 for r in report["rows"])
 
 
+@pytest.mark.parametrize("eager, timed_as", [(False, "graph replays"), (True, "eager calls")])
+def test_the_report_says_how_the_calls_were_timed(eager, timed_as, tmp_path):
+    out = tmp_path / "copy-path.json"
+    argv = ["--device", "cpu", "--smoke", "--experts", "1", "--paths", "flat", "--out", str(out)]
+    assert probe.main(argv + (["--eager"] if eager else [])) == 0
+    assert json.loads(out.read_text())["timed_as"] == timed_as
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--paths", "sm,teleport"], ["--experts", "0"], ["--experts", "one"], ["--busy", "busy,loud"]],
