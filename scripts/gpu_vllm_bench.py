@@ -852,6 +852,13 @@ def family_ratios(
                 ratios["recall_0_vs_no_prefetch_at_102"] = round(sum(c.ratio for c in calls) / len(calls), 3)
                 ratios["recall_0_vs_no_prefetch_calls"] = {c.source: round(c.ratio, 3) for c in calls}
                 ratios["recall_0_calls_ms"] = {c.source: c.report() for c in calls}
+                cards = {r.get("source"): r for r in every.get((family, used["102_recall_0"]), [])}
+                gpus = sorted({_pair_source(cards[c.source], cards[c.source])["gpu"] for c in calls})
+                sources["recall_0_vs_no_prefetch_at_102"] = {
+                    "calls": [c.source for c in calls],
+                    "gpu": ", ".join(gpus),
+                    "side_by_side": True,
+                }
         if path and any(m.endswith(path) for m in used.values()):
             ratios["path"] = path
         out[family] = {**ratios, "rows": used, "sources": sources}

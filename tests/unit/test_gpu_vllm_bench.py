@@ -582,6 +582,7 @@ def test_recall_0_pools_the_latest_calls_that_ran_both_and_averages_each_call_s_
     standard = json.loads(out.read_text())["families"]["standard"]
     assert standard["recall_0_vs_no_prefetch_at_102"] == ratio
     assert list(standard["recall_0_vs_no_prefetch_calls"]) == listed
+    assert standard["sources"]["recall_0_vs_no_prefetch_at_102"]["calls"] == listed
     # Each call's difference stands beside the widest spread between its engines of one configuration
     spreads = {"call1.json": (0.051, 0.2), "call2.json": (-0.051, 0.098)}
     assert {c: (v["difference"], v["engine_spread"]) for c, v in standard["recall_0_calls_ms"].items()} == {
@@ -612,12 +613,36 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     assert report["families"]["standard"]["tpot_vs_resident_at_102_recall_0"] == 1.5  # 5.25 / 3.5, not 5.6 / 3.5
     source = report["families"]["standard"]["sources"]["tpot_vs_resident_at_102_recall_0"]
     assert source["calls"] == ["h200.json"] and "H200" in source["gpu"]
+
     # The H100's row stands beside the H200's, not in its place (the targets are the H200's)
     assert [(r["name"], r["tpot_ms"]) for r in report["configs"] if r["name"] == r0] == [(r0, 5.25)]
     assert [(r["name"], r["gpu"]) for r in report["other_card_configs"]] == [(r0, H100)]
     # Its tokens are judged against the H200's rows, then left in its source file
     assert report["other_card_configs"][0]["same_tokens_as"] == [r0]
     assert "tokens" not in report["other_card_configs"][0]
+
+
+def test_a_ratio_no_call_measured_whole_names_both_calls_and_says_so(tmp_path):
+    r0 = "bigmoe-102-layerbuf@r0+one-node+host+chained-only"
+    files = []
+    calls = (
+        ("h200.json", None, [(r0, 5.25)]),
+        ("h100-a.json", H100, [(r0, 5.6)]),
+        ("h100-b.json", H100, [("resident", 4.0)]),
+    )
+    for name, card, rows in calls:  # the H200's row names the configuration; no call ran it beside resident
+        files.append(tmp_path / name)
+        configs = [{"name": n, "tpot_ms": t} for n, t in rows]
+        files[-1].write_text(json.dumps({"command": name, "configs": configs, **({"gpu": card} if card else {})}))
+    out = tmp_path / "prefetch.json"
+    assert bench.combine(files, out, "+one-node+host+chained-only") == 0
+    standard = json.loads(out.read_text())["families"]["standard"]
+    assert standard["tpot_vs_resident_at_102_recall_0"] == 1.4  # 5.6 / 4.0, two calls of one card
+    assert standard["sources"]["tpot_vs_resident_at_102_recall_0"] == {
+        "calls": ["h100-a.json", "h100-b.json"],
+        "gpu": H100,
+        "side_by_side": False,
+    }
 
 
 @pytest.mark.parametrize(

@@ -180,3 +180,10 @@ def test_what_a_dead_build_left_is_listed_and_removed_and_a_build_under_way_is_l
     building.unlink()
     code, _, err = bigmoe("rm", "qwen3.8-flash-next", "--only", "paging", "--yes")
     assert code == 0 and not dead.exists() and not disk["pages"].exists(), err
+
+
+def test_rm_of_a_download_whose_lock_cannot_be_made_is_one_line_and_removes_nothing(disk, bigmoe):
+    (disk["flash"].parent / ".locks").write_text("not a folder")  # the hub cache's lock folder cannot be made
+    code, _, err = bigmoe("rm", "qwen3.8-flash-next", "--yes")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "cannot lock" in err, err
+    assert disk["flash"].exists() and disk["pages"].exists()

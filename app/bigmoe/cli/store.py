@@ -75,6 +75,31 @@ def list_command(cache_dir: Path | None, paging_dir: Path | None, as_json: bool)
     click.echo(f"{'total':<35} {size_text(sum(i.bytes for i in items), smallest='MiB'):>10}")
 
 
+def _removable(model: str, only: str | None, cache_dir: Path | None, paging_dir: Path | None) -> list[store.Held]:
+    """MODEL's items that `rm` would take (of kind `only`), or a StoreError: nothing kept, or some in use."""
+    from bigmoe.serve import records
+
+    items = store.of_model(_held(cache_dir, paging_dir), model)
+    if building := [i for i in items if i.state == "building"]:  # the build reads the model's checkpoint
+        raise store.StoreError(
+            f"a running bigmoe is building {building[0].path.name} from {items[0].model}'s checkpoint; "
+            "stop that run first"
+        )
+    if only is not None:
+        items = [i for i in items if i.kind == KINDS[only]]
+        if not items:
+            raise store.StoreError(f"no {KINDS[only]} is kept for {model}")
+    if writing := [i for i in items if i.state == "downloading"]:  # store.remove's lock would refuse it too
+        raise store.StoreError(f"{store.writer(writing[0])} is writing it; wait for it to finish, or stop it first")
+    servers = records.live()
+    if serving := [s for item in items for s in store.used_by(item, servers)]:
+        raise store.StoreError(
+            f"a server reads {items[0].model}'s files (pid {serving[0].pid}, port {serving[0].port}); stop it "
+            f"first: bigmoe stop {serving[0].port}"
+        )
+    return items
+
+
 @click.command("rm")
 @click.argument("model")
 @click.option(
@@ -92,24 +117,7 @@ def rm_command(model: str, only: str | None, yes: bool, cache_dir: Path | None, 
     A download goes from the hub cache for every tool that shares it; `bigmoe pull` or `bigmoe run` fetches it
     again. Refused while a server of MODEL runs, while a run builds one of its paging files, or while another
     bigmoe downloads it."""
-    from bigmoe.serve import records
-
-    items = store.of_model(_held(cache_dir, paging_dir), model)
-    if building := [i for i in items if i.state == "building"]:  # the build reads the model's checkpoint
-        raise store.StoreError(
-            f"a running bigmoe is building {building[0].path.name} from {items[0].model}'s checkpoint; "
-            "stop that run first"
-        )
-    if only is not None:
-        items = [i for i in items if i.kind == KINDS[only]]
-        if not items:
-            raise store.StoreError(f"no {KINDS[only]} is kept for {model}")
-    servers = records.live()
-    if serving := [s for item in items for s in store.used_by(item, servers)]:
-        raise store.StoreError(
-            f"a server reads {items[0].model}'s files (pid {serving[0].pid}, port {serving[0].port}); stop it "
-            f"first: bigmoe stop {serving[0].port}"
-        )
+    items = _removable(model, only, cache_dir, paging_dir)
     for item in items:
         click.echo(_line(item, []))
     total = size_text(sum(i.bytes for i in items), smallest="MiB")
@@ -118,5 +126,8 @@ def rm_command(model: str, only: str | None, yes: bool, cache_dir: Path | None, 
             raise click.UsageError(f"removing {total} needs a terminal to confirm, or --yes")
         if not click.confirm(f"remove these ({total})?"):
             raise store.StoreError("nothing removed")
+        # Asked again: a run may have started building or serving while the question stood; never more than shown
+        shown = {i.path for i in items}
+        items = [i for i in _removable(model, only, cache_dir, paging_dir) if i.path in shown]
     store.remove(items)
     click.echo(f"removed {len(items)} item(s), {total}")

@@ -87,10 +87,6 @@ class NotReady(FetchError):
     exit_code = EXIT_NOT_READY
 
 
-class RepoBusy(FetchError):
-    """Another bigmoe process is downloading or removing the repo."""
-
-
 class FetchCancelled(FetchError):
     """The caller stopped the fetch."""
 
@@ -279,7 +275,7 @@ def fetch(
         with repo_lock.exclusive(cache):
             return _fetch_alone(plan, cache, emit, cancel or threading.Event(), poll_s)
     except repo_lock.RepoBusy as e:
-        raise RepoBusy(f"{e}; wait for it to finish, or stop it, then run this again") from None
+        raise repo_lock.RepoBusy(f"{e}; wait for it to finish, or stop it, then run this again") from None
 
 
 def _fetch_alone(plan: FetchPlan, cache: RepoCache, emit: ProgressFn, cancel: threading.Event, poll_s: float) -> Path:

@@ -1,13 +1,15 @@
-"""One bigmoe process at a time writes a downloaded repo: a `bigmoe pull` (or `run`'s fetch) and a `bigmoe rm` in
-two shells never meet in the same files.
+"""One bigmoe process at a time writes a downloaded repo: a `bigmoe pull` (or `run`'s fetch), a `bigmoe rm` and a
+`bigmoe verify` that removes bad files, in two shells, never meet in the same files.
 
 The lock is a flock (filelock) on the repo's `bigmoe-fetch.lock`: a second writer is refused within a second with
-the holder's pid and command line, which the holder writes into the lock file when it takes it. The
-kernel drops a flock when its process dies, so a killed pull never leaves the repo locked.
+the holder's pid and command line, which the holder writes into the lock file when it takes it. The kernel drops a
+flock when its process dies, so a killed pull never leaves the repo locked. Readers (`bigmoe list`, `verify --keep`)
+only probe it with a shared flock, which two readers can hold at once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from contextlib import contextmanager
 from typing import Iterator
@@ -15,25 +17,41 @@ from typing import Iterator
 import psutil
 from filelock import FileLock, Timeout
 
+from bigmoe.errors import BigmoeError
 from bigmoe.model.hubcache import RepoCache
 
 WAIT_S = 1.0
-"""Seconds a writer waits for the lock before it is refused: far longer than `bigmoe list`'s probe holds it."""
+"""Seconds a writer waits for the lock before it is refused: far longer than a reader's probe holds it."""
+LOCK_MODE = 0o664
+"""The lock file's permissions: a hub cache shared by a group stays lockable by each of its users (as
+huggingface_hub's own lock files)."""
+PID_SLACK_S = 0.5
+"""Seconds a process may seem to start after it wrote its pid (its start time is kept in clock ticks)."""
 
 
-class RepoBusy(Exception):
+class RepoBusy(BigmoeError):
     """Another process holds the repo's lock; the message names it."""
+
+
+class LockFailed(BigmoeError):
+    """The repo's lock file cannot be made or opened here (a read-only cache, another user's file)."""
 
 
 @contextmanager
 def exclusive(cache: RepoCache) -> Iterator[None]:
     """Hold the repo's lock for the block; RepoBusy after WAIT_S if another process holds it."""
-    cache.lock.parent.mkdir(parents=True, exist_ok=True)
-    lock = _lock(cache, on_acquired=_write_pid)
+    lock = FileLock(cache.lock, mode=LOCK_MODE, preserve_lock_file=True, on_acquired=_write_pid)
+    # preserve_lock_file: a lock file unlinked on release could let two writers lock two inodes of one path
     try:
+        cache.lock.parent.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=WAIT_S)
     except Timeout:
         raise RepoBusy(f"{holder(cache)} is writing {cache.repo_id} in {cache.root}") from None
+    except OSError as e:
+        raise LockFailed(
+            f"cannot lock {cache.lock}: {e.strerror or e}; bigmoe needs to write there to change {cache.repo_id} "
+            "(pass a writable --cache-dir)"
+        ) from None
     try:
         yield
     finally:
@@ -41,42 +59,48 @@ def exclusive(cache: RepoCache) -> Iterator[None]:
 
 
 def busy(cache: RepoCache) -> bool:
-    """Another process holds the repo's lock now: a download or removal is under way. The probe takes the lock
-    for an instant without waiting (a writer meanwhile waits WAIT_S) and leaves the holder's pid in place."""
-    if not cache.lock.is_file():
-        return False
-    lock = _lock(cache)
+    """Another process writes the repo now (holds its lock). A shared flock for an instant: readers never see each
+    other, and a writer that starts meanwhile waits WAIT_S at most."""
     try:
-        lock.acquire(blocking=False)
-    except Timeout:
-        return True
-    except OSError:  # the lock cannot be opened from here (a read-only cache): no bigmoe of ours writes there
+        fd = os.open(cache.lock, os.O_RDONLY)
+    except OSError:  # no lock file: no bigmoe has written this repo
         return False
-    lock.release()
-    return False
-
-
-def _lock(cache: RepoCache, **options) -> FileLock:
-    # preserve_lock_file: a lock file unlinked on release could let two writers lock two inodes of one path
-    return FileLock(cache.lock, preserve_lock_file=True, **options)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and the shared lock with it
 
 
 def _write_pid(fd: int) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    data = f"{os.getpid()}\n".encode()
+    os.pwrite(fd, data, 0)  # before the truncation, so the file is never empty while held
+    os.ftruncate(fd, len(data))
 
 
 def holder(cache: RepoCache) -> str:
-    """'pid N (its command line)', or 'another process' when the lock file does not say (an older bigmoe)."""
+    """'pid N (its command line)' of the process that holds the lock, or 'another process' when the file does not
+    say (an older bigmoe) or names a pid that a later process took over."""
     try:
         pid = int(cache.lock.read_text().split()[0])
-        return f"pid {pid} ({_command(psutil.Process(pid).cmdline())})"
+        process = psutil.Process(pid)
+        if process.create_time() > cache.lock.stat().st_mtime + PID_SLACK_S:
+            return "another process"
+        return f"pid {pid} ({_command(process.cmdline())})"
     except (OSError, ValueError, IndexError, psutil.Error):
         return "another process"
 
 
+COMMAND_CHARS = 80
+"""The most of the holder's command line an error line quotes."""
+
+
 def _command(argv: list[str]) -> str:
-    """The command as its user typed it: from the `bigmoe` script on (not the interpreter's path), three words."""
+    """The command as its user typed it, on one line: from the `bigmoe` script on (not the interpreter's path),
+    three words, at most COMMAND_CHARS."""
     names = [os.path.basename(a) for a in argv]
     start = names.index("bigmoe") if "bigmoe" in names else 0
-    return " ".join([names[start], *argv[start + 1 : start + 3]])
+    words = " ".join(" ".join([names[start], *argv[start + 1 : start + 3]]).split())
+    return words if len(words) <= COMMAND_CHARS else words[: COMMAND_CHARS - 3] + "..."

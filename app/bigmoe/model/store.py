@@ -82,6 +82,11 @@ class Server(Protocol):
     port: int
 
 
+def writer(item: Held) -> str:
+    """Who writes a download that `held` found "downloading": 'pid N (its command)', else 'another process'."""
+    return repo_lock.holder(RepoCache(item.path.parent, item.repo_id or item.model))
+
+
 def used_by(item: Held, servers: list[Server]) -> list[Server]:
     """The running servers that read `item`: a server of its model, or one whose checkpoint lies inside it (a
     `--model-dir` in a download's snapshot, a made model)."""

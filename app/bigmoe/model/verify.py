@@ -9,13 +9,16 @@ against its own header.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bigmoe.errors import BigmoeError
 from bigmoe.model import fetch, hubcache, repo_lock
 from bigmoe.model.hubcache import RemoteFile, RepoCache
 from bigmoe.model.shard_check import shard_problem
+
+AFTER = "verify it once that is done"
+"""What a refused verify says to do."""
 
 
 class NotDownloaded(BigmoeError):
@@ -48,26 +51,26 @@ def verify(
     model: str, revision: str | None = None, cache_dir: str | Path | None = None, *, remove_bad: bool = False
 ) -> Verdict:
     """Check every file of the model's snapshot against the Hub's hashes and its safetensors header; with
-    `remove_bad`, remove each bad file (so a pull fetches it again), holding the repo's lock meanwhile (refused
-    while another bigmoe downloads it)."""
+    `remove_bad`, remove each bad file (so a pull fetches it again). Refused while another bigmoe writes the
+    download (its files under way would read as damaged); the removal holds the repo's lock, checking each bad
+    file again under it."""
     from huggingface_hub import constants
 
     repo_id, revision = fetch.resolve_model(model, revision)
     cache = RepoCache(Path(cache_dir or constants.HF_HUB_CACHE).expanduser().resolve(), repo_id)
-    if not remove_bad:  # reads only, so no lock; but a download under way would read as damaged files
-        if repo_lock.busy(cache):
-            raise fetch.RepoBusy(
-                f"{repo_lock.holder(cache)} is writing {repo_id} in {cache.root}; verify it once that is done"
-            )
-        return _check(cache, model, revision)
+    if repo_lock.busy(cache):
+        raise repo_lock.RepoBusy(f"{repo_lock.holder(cache)} is writing {repo_id} in {cache.root}; {AFTER}")
+    verdict = _check(cache, model, revision)
+    if not (remove_bad and verdict.bad):
+        return verdict
     try:
         with repo_lock.exclusive(cache):
-            verdict = _check(cache, model, revision)
-            for f, _ in verdict.bad:
+            bad = _bad(cache, verdict.commit, [f for f, _ in verdict.bad])  # a pull may have mended one meanwhile
+            for f, _ in bad:
                 hubcache.remove_file(cache, verdict.commit, f)
-            return verdict
     except repo_lock.RepoBusy as e:
-        raise fetch.RepoBusy(f"{e}; verify it once that is done") from None
+        raise repo_lock.RepoBusy(f"{e}; {AFTER}") from None
+    return replace(verdict, bad=bad)
 
 
 def _check(cache: RepoCache, model: str, revision: str) -> Verdict:
