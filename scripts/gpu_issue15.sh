@@ -2,8 +2,8 @@
 # Issue 15's runs on the H200: bash scripts/gpu_issue15.sh STEP...
 #   early  (before vLLM is staged; the image's torch) in the background: the 40-layer checkpoint and traces, and the
 #          GPU kernel tests (EARLY_TESTS=0: none, the GPU left quiet for a probe); touches its flag file at the end.
-#          Run 43: tests started in the first piece call failed to import scripts/ modules while the next calls'
-#          trees were copied in; start it with EARLY_TESTS=0 there, or in the last piece call
+#          It runs from a copy of the tree (/tmp/issue15-early-tree): in run 43 its tests, started in the first piece
+#          call, failed to import scripts/ modules while the next calls' trees were copied in
 #   wait   block until `early` is done (its results are then under $OUT)
 #   bench  (vLLM 0.33 staged) scripts/gpu_vllm_bench.py over $CONFIGS, $PARALLEL engines started at once, every
 #          family of $FAMILIES, recalls $RECALLS for `@r` names (their wrong ids drawn $WRONG: uniform, popular or none),
@@ -63,7 +63,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/pager:$PWD/app:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 VLLM_DEEP_GEMM_WARMUP=skip
 out="${OUT:-/tmp/bigmoe-gpu}"; mkdir -p "$out"
-early_out=/tmp/issue15-early; flag=/tmp/issue15-early.done
+early_out=/tmp/issue15-early; flag=/tmp/issue15-early.done; early_tree=/tmp/issue15-early-tree
 work=/tmp/bigmoe-vllm-bench
 families="${FAMILIES:-standard,topic-shift}"
 recalls="${RECALLS:-0,0.6,0.8,0.95,1.0}"
@@ -97,7 +97,10 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     early)
-      rm -f "$flag"; (setsid nohup bash -c "$(declare -f early); $(declare -p early_out flag work families recalls); export EARLY_TESTS=${EARLY_TESTS:-1}; early" \
+      # From a private copy of the tree: the next calls copy their working trees over this one while it runs (run 43)
+      rm -f "$flag"; rm -rf "$early_tree" && cp -a . "$early_tree"
+      (cd "$early_tree" && export PYTHONPATH="$early_tree/pager:$early_tree/app:$early_tree/bench" && setsid nohup bash -c \
+        "$(declare -f early); $(declare -p early_out flag work families recalls); export EARLY_TESTS=${EARLY_TESTS:-1}; early" \
         > /tmp/issue15-early.log 2>&1 < /dev/null &) ;;
     wait)
       for _ in $(seq 1 "${WAIT_S:-300}"); do [ -f "$flag" ] && break; sleep 1; done
