@@ -122,6 +122,27 @@ def test_rm_asks_at_a_terminal_and_a_no_removes_nothing(disk, bigmoe, monkeypatc
     assert removed or "nothing removed" in err
 
 
+class BuildStartsWhileAsked(Terminal):
+    """A terminal whose user takes so long to answer yes that a run starts building the model's paging file."""
+
+    def __init__(self, pages: Path):
+        super().__init__("y\n")
+        self.pages = pages
+
+    def readline(self, *args) -> str:
+        from bigmoe_pager.core.paging_names import partial_file
+
+        partial_file(self.pages, os.getpid()).write_bytes(b"b" * 4096)  # this live process stands in for the build
+        return super().readline(*args)
+
+
+def test_rm_asks_again_after_the_question_and_a_build_begun_meanwhile_keeps_everything(disk, bigmoe, monkeypatch):
+    monkeypatch.setattr("sys.stdin", BuildStartsWhileAsked(disk["pages"]))
+    code, out, err = bigmoe("rm", "qwen3.8-flash-next")
+    assert "remove these" in out and code == 1 and "is building" in err, err
+    assert disk["flash"].exists() and disk["pages"].exists()
+
+
 def a_running_server(name: str, port: int, model_path: str) -> None:
     """A record of a server that runs (this test's own process stands in for it)."""
     me = psutil.Process(os.getpid())
