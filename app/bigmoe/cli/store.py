@@ -90,7 +90,9 @@ def _removable(model: str, only: str | None, cache_dir: Path | None, paging_dir:
         if not items:
             raise store.StoreError(f"no {KINDS[only]} is kept for {model}")
     if writing := [i for i in items if i.state == "downloading"]:  # store.remove's lock would refuse it too
-        raise store.StoreError(f"{store.writer(writing[0])} is writing it; wait for it to finish, or stop it first")
+        raise store.StoreError(
+            f"{store.writer(writing[0])} is writing {writing[0].repo_id}; wait for it to finish, or stop it first"
+        )
     servers = records.live()
     if serving := [s for item in items for s in store.used_by(item, servers)]:
         raise store.StoreError(
