@@ -963,6 +963,8 @@ def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
     }
 
 
+IN_SOURCE_ONLY = ("tokens", "pager_totals", "timed_counters")
+"""Fields of another card's rows that the combined file leaves in their source files (see combine)."""
 TARGET_CARD = "H200"
 """Issue 15's targets are the H200's: result files naming another card (`gpu`) keep their rows beside its rows
 (other_card_configs), not in their place; files before run 35 name no card (all the H200's but run 34's)."""
@@ -1007,9 +1009,10 @@ def combine(files: list[Path], out: Path, path: str = "", recall_0_calls: int = 
     families = family_ratios(rows, every, path, recall_0_calls)
     report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
     if other_cards:
-        # Their tokens stay in their source files: same_tokens_as above is their verdict, and a combined file that
-        # kept every other card's tokens would grow by about 2.5 KB a row each call (the tree travels to the GPU).
-        report["other_card_configs"] = [{k: v for k, v in r.items() if k != "tokens"} for r in other_cards]
+        # Their tokens and raw counters stay in their source files: same_tokens_as above is the tokens' verdict and
+        # the per-token figures (hit rates, bytes, prefetch) the counters' digest; kept here they would grow the
+        # combined file by about 4 KB a row each call (the tree travels to the GPU, 12 MiB at most).
+        report["other_card_configs"] = [{k: v for k, v in r.items() if k not in IN_SOURCE_ONLY} for r in other_cards]
     report["issue15_targets"] = issue15_targets(families, report)
     if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
         report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)

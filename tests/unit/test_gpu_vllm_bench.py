@@ -605,7 +605,22 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     older.write_text(json.dumps({"command": "a", "configs": older_rows}))
     later = tmp_path / "h100.json"
     later.write_text(
-        json.dumps({"command": "b", "gpu": H100, "configs": [{"name": r0, "tpot_ms": 5.6, "tokens": [7, 8, 9]}]})
+        json.dumps(
+            {
+                "command": "b",
+                "gpu": H100,
+                "configs": [
+                    {
+                        "name": r0,
+                        "tpot_ms": 5.6,
+                        "tokens": [7, 8, 9],
+                        "pager_totals": {"vram": {"hits": 9}},
+                        "timed_counters": {"vram": {"hits": 3}},
+                        "decode_hit_rate": {"vram": 0.9},
+                    }
+                ],
+            }
+        )
     )
     out = tmp_path / "prefetch.json"
     assert bench.combine([older, later], out, "+one-node+host+chained-only") == 0
@@ -619,7 +634,9 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     assert [(r["name"], r["gpu"]) for r in report["other_card_configs"]] == [(r0, H100)]
     # Its tokens are judged against the H200's rows, then left in its source file
     assert report["other_card_configs"][0]["same_tokens_as"] == [r0]
-    assert "tokens" not in report["other_card_configs"][0]
+    # ...and its raw counters too; their digest (the hit rates) stays
+    assert not set(bench.IN_SOURCE_ONLY) & set(report["other_card_configs"][0])
+    assert report["other_card_configs"][0]["decode_hit_rate"] == {"vram": 0.9}
 
 
 def test_a_ratio_no_call_measured_whole_names_both_calls_and_says_so(tmp_path):
