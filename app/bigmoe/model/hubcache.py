@@ -22,6 +22,8 @@ from bigmoe.paths import write_atomic
 
 HASH_BLOCK = 8 << 20  # bytes read per hash update; large enough that hashlib drops the GIL
 READY_DIR = "bigmoe-ready"
+REPO_PREFIX = "models--"
+"""huggingface_hub's cache folder of a model repo: `models--Org--Name`."""
 LOCK_NAME = "bigmoe-fetch.lock"
 MARKER_FORMAT = 1
 
@@ -64,7 +66,7 @@ class RepoCache:
 
     @property
     def storage(self) -> Path:
-        return self.root / ("models--" + self.repo_id.replace("/", "--"))
+        return self.root / (REPO_PREFIX + self.repo_id.replace("/", "--"))
 
     def snapshot(self, commit: str) -> Path:
         return self.storage / "snapshots" / commit
@@ -86,6 +88,11 @@ class RepoCache:
         """The lock of bigmoe's writers of this repo (model/repo_lock.py): in huggingface_hub's lock folder for
         the repo, outside the repo's own, so removing the repo leaves it in place for a waiting writer."""
         return self.root / ".locks" / self.storage.name / LOCK_NAME
+
+
+def repo_id_of(folder: Path) -> str:
+    """The repo id a cache folder holds ('models--Org--Name' -> 'Org/Name'): RepoCache.storage read backwards."""
+    return "/".join(folder.name[len(REPO_PREFIX) :].split("--", 1))
 
 
 def is_whole(cache: RepoCache, commit: str, f: RemoteFile) -> bool:

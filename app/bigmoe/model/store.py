@@ -18,12 +18,9 @@ from bigmoe_pager.core.paging_names import damaged_marker, partial_files
 
 from bigmoe.errors import BigmoeError
 from bigmoe.model import presets, repo_lock
-from bigmoe.model.hubcache import READY_DIR, RepoCache
+from bigmoe.model.hubcache import READY_DIR, REPO_PREFIX, RepoCache, repo_id_of
 from bigmoe.model.synthetic import tiny_model_path
 from bigmoe.paths import paging_file_name
-
-REPO_PREFIX = "models--"
-"""huggingface_hub's cache folder of a model repo: `models--Org--Name`."""
 
 
 class StoreError(BigmoeError):
@@ -84,7 +81,7 @@ class Server(Protocol):
 
 def writer(item: Held) -> str:
     """Who writes a download that `held` found "downloading": 'pid N (its command)', else 'another process'."""
-    return repo_lock.holder(RepoCache(item.path.parent, item.repo_id or item.model))
+    return repo_lock.holder(RepoCache(item.path.parent, item.repo_id))
 
 
 def used_by(item: Held, servers: list[Server]) -> list[Server]:
@@ -140,7 +137,7 @@ def _downloads(hub_cache: Path, preset_of: dict[str, str]) -> list[Held]:
     or partial (a partial one may have no snapshot yet, which huggingface_hub's cache scan reports as corrupted)."""
     found = []
     for folder in sorted(hub_cache.glob(f"{REPO_PREFIX}*")) if hub_cache.is_dir() else []:
-        repo_id = "/".join(folder.name[len(REPO_PREFIX) :].split("--", 1))
+        repo_id = repo_id_of(folder)
         ready = folder / READY_DIR
         if not folder.is_dir() or (repo_id not in preset_of and not ready.is_dir()):
             continue
