@@ -853,7 +853,7 @@ def family_ratios(
                 ratios["recall_0_vs_no_prefetch_calls"] = {c.source: round(c.ratio, 3) for c in calls}
                 ratios["recall_0_calls_ms"] = {c.source: c.report() for c in calls}
                 cards = {r.get("source"): r for r in every.get((family, used["102_recall_0"]), [])}
-                gpus = sorted({_pair_source(cards[c.source], cards[c.source])["gpu"] for c in calls})
+                gpus = sorted({_card(cards[c.source]) for c in calls})
                 sources["recall_0_vs_no_prefetch_at_102"] = {
                     "calls": [c.source for c in calls],
                     "gpu": ", ".join(gpus),
@@ -943,8 +943,11 @@ def side_by_side(
 
 def _pair_source(row: dict, ref: dict) -> dict:
     calls = dict.fromkeys([row.get("source"), ref.get("source")])
-    gpu = row.get("gpu") or "not named (files before run 35: the H200)"
-    return {"calls": list(calls), "gpu": gpu, "side_by_side": len(calls) == 1}
+    return {"calls": list(calls), "gpu": _card(row), "side_by_side": len(calls) == 1}
+
+
+def _card(row: dict) -> str:
+    return row.get("gpu") or "not named (files before run 35: the H200)"
 
 
 def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
