@@ -69,11 +69,13 @@ class PagerSettings:
     eviction: str = "lfu-duel"
     """BIGMOE_EVICTION: lfu-duel / lfu-fast / lfu / lru: which unneeded expert a full tier of the device-driven pager
     evicts: lfu-duel keeps counts halved every 16 and every 256 steps and ranks by the one whose shadow table hits
-    more (set dueling); lfu-fast / lfu: fewest recent uses (counts halved every 16 / 256 steps); lru: least recently
-    used; host-driven: lru. lfu-duel follows the better of lfu and lfu-fast in simulation on four routing families
-    (docs/bench/eviction-duel.json) and in vLLM on the H200 (run 10: 7.17 against lfu-fast's 7.79 ms at 32 slots,
-    standard; where both hit the same, topic-shift, 0.18 ms slower in run 10 and 0.12 ms in run 11, once its shadow
-    play ran beside the step's copy)."""
+    more, or by recency alone while an lru shadow hits more than that one (set dueling); lfu-fast / lfu: fewest
+    recent uses (counts halved every 16 / 256 steps); lru: least recently used; host-driven: lru. lfu-duel follows
+    the best of lfu, lfu-fast and lru in simulation on four routing families (docs/bench/eviction-duel3.json) and on
+    80 drawn ones it was not chosen on (docs/bench/eviction-holdout*.json: never below lru by more than 0.002 of
+    VRAM hit); its two-shadow form (session 13 to 53) was measured in vLLM on the H200 (run 10: 7.17 against
+    lfu-fast's 7.79 ms at 32 slots, standard; where both hit the same, topic-shift, 0.18 ms slower in run 10 and
+    0.12 ms in run 11, once its shadow play ran beside the step's copy)."""
     prefill_buffer: bool = True
     """BIGMOE_PREFILL_BUFFER: 1 = on CUDA, a step too big for the VRAM slots (prefill) runs in one call over a VRAM
     buffer of one layer's experts (E x expert bytes, shared by all layers; 7x lower TTFT on the H200, same tokens);

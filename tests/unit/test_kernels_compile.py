@@ -41,8 +41,8 @@ acq = {"ids_ptr": "*i32", "n_ids": "i32", "expert_slot_ptr": "*i64", "slot_exper
        "step_ptr": "*i64", "need_ptr": "*i32", "freq_ptr": "*i64", "remapped_ptr": "*i32", "miss_exp_ptr": "*i64",
        "miss_slot_ptr": "*i64", "evicted_ptr": "*i64", "counts_ptr": "*i64", "m": "i32", "stats_ptr": "*i64",
        "aux_ptr": "*i64", "record_bytes": "i32", "fast_ptr": "*i64", "slow_ptr": "*i64", "fast_held_ptr": "*u8",
-       "fast_stamps_ptr": "*i64", "slow_held_ptr": "*u8", "slow_stamps_ptr": "*i64", "psel_ptr": "*i64",
-       "psel_next_ptr": "*i64"}
+       "fast_stamps_ptr": "*i64", "slow_held_ptr": "*u8", "slow_stamps_ptr": "*i64", "lru_held_ptr": "*u8",
+       "lru_stamps_ptr": "*i64", "psel_ptr": "*i64", "psel_lru_ptr": "*i64", "psel_next_ptr": "*i64"}
 POLICIES = {"lru": (False, False), "lfu": (True, False), "lfu-duel": (True, True)}  # name: (LFU, DUEL)
 def policy(name):
     lfu, duel = POLICIES[name]

@@ -6,9 +6,9 @@ same decision (same policy, same outputs, same table state: the unit tests run
 both side by side) in a single program of one CTA, with block barriers between
 phases and two small scratch areas in global memory for the scatters.
 
-lfu-duel (SlotTable's module doc) decides with the selector as it stood before
-the step; after the decision the kernel plays the step on the two shadow tables
-(`shadow_step`, which the fused step kernel calls too) and moves the selector.
+lfu-duel (SlotTable's module doc) decides with the selectors as they stood before
+the step; after the decision the kernel plays the step on the three shadow tables
+(`shadow_step`, which the fused step kernel calls too) and moves the selectors.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ NEEDED_KEY = 1 << 52  # key of a slot the step needs; real keys (step * (E+1) + 
 PACKED_MAX = 1 << 62  # above every (key + 1) * BLOCK_S + slot while BLOCK_S <= 1024
 MAX_SLOTS = 1024
 IDS_BLOCK = 256  # ids read per loop iteration
-DUEL_STATE = ("fast", "slow", "fast_held", "fast_stamps", "slow_held", "slow_stamps", "psel")
+DUEL_STATE = (
+    "fast", "slow", "fast_held", "fast_stamps", "slow_held", "slow_stamps", "lru_held", "lru_stamps",
+    "psel", "psel_lru",
+)  # fmt: skip
 """lfu-duel's tensors in SlotTable.kernel_state(), in the decision kernels' argument order."""
 
 
@@ -174,6 +177,21 @@ if triton is not None:
         return counts
 
     @triton.jit
+    def leader(psel, psel_lru, slow, fast):
+        """The counts the selectors name (SlotTable._follow_leader): 0 (recency alone) while psel_lru > 0, else the
+        slow counts while psel > 0, else the fast ones."""
+        return tl.where(psel_lru > 0, 0, tl.where(psel > 0, slow, fast))
+
+    @triton.jit
+    def moved_selectors(psel, psel_lru, fast_hits, slow_hits, lru_hits, PSEL_MAX: tl.constexpr):
+        """Both selectors after a step's shadow play (SlotTable._duel_play): psel by slow less fast hits, psel_lru by
+        lru hits less those of the counts psel named for the step; each saturating at +-PSEL_MAX."""
+        ranked = tl.where(psel > 0, slow_hits, fast_hits)
+        psel_lru = tl.minimum(tl.maximum(psel_lru + lru_hits - ranked, -PSEL_MAX), PSEL_MAX)
+        psel = tl.minimum(tl.maximum(psel + slow_hits - fast_hits, -PSEL_MAX), PSEL_MAX)
+        return psel, psel_lru
+
+    @triton.jit
     def shadow_step(held_ptr, stamps_ptr, counts, needed, step, e_ar, E: tl.constexpr, S: tl.constexpr):
         """One step of an lfu-duel shadow table (SlotTable._shadow_step): updates its held bytes and stamps in
         place; returns its hits. counts: the step's counts of the shadow's kind (int64 [BLOCK_E]), needed: the
@@ -214,7 +232,10 @@ if triton is not None:
         fast_stamps_ptr,
         slow_held_ptr,
         slow_stamps_ptr,
+        lru_held_ptr,
+        lru_stamps_ptr,
         psel_ptr,
+        psel_lru_ptr,
         remapped_ptr,
         miss_exp_ptr,
         miss_slot_ptr,
@@ -266,13 +287,14 @@ if triton is not None:
         lookups = tl.sum(need.to(tl.int64), 0)
         hits = tl.sum(hit.to(tl.int64), 0)
         misses = tl.sum(miss.to(tl.int64), 0)
-        if DUEL:  # both counts; the step ranks by those the selector named before it
+        if DUEL:  # both counts; the step ranks by those the selectors named before it
             psel = tl.load(psel_ptr)
+            psel_lru = tl.load(psel_lru_ptr)
             fast = halved(tl.load(fast_ptr + e_ar, mask=e_in, other=0), step, DECAY) + need.to(tl.int64)
             slow = halved(tl.load(slow_ptr + e_ar, mask=e_in, other=0), step, SLOW_DECAY) + need.to(tl.int64)
             tl.store(fast_ptr + e_ar, fast, mask=e_in)
             tl.store(slow_ptr + e_ar, slow, mask=e_in)
-            tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast), mask=e_in)
+            tl.store(freq_ptr + e_ar, leader(psel, psel_lru, slow, fast), mask=e_in)
             tl.debug_barrier()
         elif LFU:
             uses = halved(tl.load(freq_ptr + e_ar, mask=e_in, other=0), step, DECAY)
@@ -327,13 +349,15 @@ if triton is not None:
             slot = tl.load(expert_slot_ptr + ids, mask=ok, other=-1)
             tl.store(remapped_ptr + offs, slot, mask=offs < n_ids)
 
-        # Phase 5 (lfu-duel): play the step on both shadows, move the selector, follow the leader it names.
+        # Phase 5 (lfu-duel): play the step on the shadows, move the selectors, follow the leader they name.
         if DUEL:
             fast_hits = shadow_step(fast_held_ptr, fast_stamps_ptr, fast, need, step, e_ar, E, S)
             slow_hits = shadow_step(slow_held_ptr, slow_stamps_ptr, slow, need, step, e_ar, E, S)
-            psel = tl.minimum(tl.maximum(psel + slow_hits - fast_hits, -PSEL_MAX), PSEL_MAX)
+            lru_hits = shadow_step(lru_held_ptr, lru_stamps_ptr, fast * 0, need, step, e_ar, E, S)
+            psel, psel_lru = moved_selectors(psel, psel_lru, fast_hits, slow_hits, lru_hits, PSEL_MAX)
             tl.store(psel_ptr, psel)
-            tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast), mask=e_in)
+            tl.store(psel_lru_ptr, psel_lru)
+            tl.store(freq_ptr + e_ar, leader(psel, psel_lru, slow, fast), mask=e_in)
 
         loaded = tl.sum(take.to(tl.int64), 0)
         invalid = tl.sum(bad, 0)

@@ -18,9 +18,12 @@ Policy (deterministic so a plain-Python model can check it):
   and every DUEL_SLOW_DECAY steps) and two shadow tables that play each step as if ranking by one or the other
   (set dueling); a step ranks by the counts whose shadow hit more before it (the selector as it stood before the
   step: the shadows play and move it after the decision, so the fused step kernel's programs all decide from
-  the old state). Both decision kernels have it; simulated, its VRAM hit is within 0.0013 of the better of lfu
-  and lfu-fast on every family and shape (docs/benchmarks.md); the default since vLLM on the H200 measured it
-  (settings.PagerSettings.eviction);
+  the old state). A third shadow ranks by recency alone (lru), and a second selector weighs its hits against
+  the hits of the leader that ranked each step: while it favours lru, a step ranks by recency (every count
+  read as 0). Routing that shifts faster than the fast counts forget (every 8-70 tokens) is lru's: without
+  the third shadow the duel lost to lru by up to 0.019 of VRAM hit on 10 of 40 families it was not chosen on
+  (scripts/sim_holdout.py, session 54). Both decision kernels have it; the default since vLLM on the H200
+  measured the two-shadow duel (settings.PagerSettings.eviction);
 - misses are assigned slots in ascending expert id;
 - when a step needs more distinct experts than there are slots (overflow), the
   lowest-id misses get the free and unneeded slots, the rest stay out and their
@@ -228,18 +231,25 @@ class SlotTable:
         self._fast = self._slow = None
         """lfu-duel: use counts halved every `decay` steps, and every DUEL_SLOW_DECAY steps."""
         self._shadows = []
-        """lfu-duel: (held [E], last-use stamps [E], counts) of a table ranking by the fast counts, then the slow."""
-        # _freq is always the leader's counts: where(psel > 0, slow, fast) (admit ranks by it, as every step does)
+        """lfu-duel: (held [E], last-use stamps [E], counts) of a table ranking by the fast counts, by the slow ones,
+        and by recency alone (counts all 0)."""
+        # _freq is always the leader's counts: where(psel_lru > 0, 0, where(psel > 0, slow, fast)) (admit ranks by
+        # it, as every step does)
         if self.duel:
-            self._fast, self._slow = (torch.zeros((e + 1,), dtype=torch.int64, device=self.device) for _ in range(2))
-            held = [torch.zeros(e, dtype=torch.bool, device=self.device) for _ in range(2)]
-            stamps = [torch.full((e,), -1, dtype=torch.int64, device=self.device) for _ in range(2)]
-            self._shadows = list(zip(held, stamps, (self._fast, self._slow)))
+            self._fast, self._slow, none = (
+                torch.zeros((e + 1,), dtype=torch.int64, device=self.device) for _ in range(3)
+            )
+            held = [torch.zeros(e, dtype=torch.bool, device=self.device) for _ in range(3)]
+            stamps = [torch.full((e,), -1, dtype=torch.int64, device=self.device) for _ in range(3)]
+            self._shadows = list(zip(held, stamps, (self._fast, self._slow, none)))
         self.psel = torch.zeros((), dtype=torch.int64, device=self.device)
         """lfu-duel's selector: > 0 ranks by the slow counts, else by the fast ones (saturating, +-DUEL_PSEL_MAX)."""
-        self._psel_next = torch.zeros((), dtype=torch.int64, device=self.device)
-        """lfu-duel: the selector after a fused step's shadow play, until the program that writes the step's state
-        installs it."""
+        self.psel_lru = torch.zeros((), dtype=torch.int64, device=self.device)
+        """lfu-duel's second selector: > 0 ranks by recency alone, else by the counts `psel` names (moved by the lru
+        shadow's hits less those of the shadow of the counts psel named for the step; saturating, +-DUEL_PSEL_MAX)."""
+        self._psel_next = torch.zeros((2,), dtype=torch.int64, device=self.device)
+        """lfu-duel: the two selectors (psel, psel_lru) after a fused step's shadow play, until the program that
+        writes the step's state installs them."""
         self._done = torch.zeros((1,), dtype=torch.int32, device=self.device)
         """Programs of a fused decode step that loads experts that finished reading the table (step_kernel); 0
         between steps."""
@@ -343,7 +353,7 @@ class SlotTable:
             "filled": self._filled,
         }
         if self.duel:
-            (fast_held, fast_stamps, _), (slow_held, slow_stamps, _) = self._shadows
+            (fast_held, fast_stamps, _), (slow_held, slow_stamps, _), (lru_held, lru_stamps, _) = self._shadows
             state.update(
                 fast=self._fast,
                 slow=self._slow,
@@ -351,7 +361,10 @@ class SlotTable:
                 fast_stamps=fast_stamps,
                 slow_held=slow_held.view(torch.uint8),
                 slow_stamps=slow_stamps,
+                lru_held=lru_held.view(torch.uint8),
+                lru_stamps=lru_stamps,
                 psel=self.psel,
+                psel_lru=self.psel_lru,
                 psel_next=self._psel_next,
             )
         return state
@@ -446,17 +459,22 @@ class SlotTable:
         self._follow_leader()
 
     def _duel_play(self, need: torch.Tensor) -> None:
-        """lfu-duel, after the decision: play the step on two shadow tables (which experts a table ranking by the
-        fast counts, and one ranking by the slow counts, would hold: set dueling), move the selector by the
-        difference of their hits, and follow the leader it now names (for admits and the next step)."""
+        """lfu-duel, after the decision: play the step on three shadow tables (which experts a table ranking by the
+        fast counts, one ranking by the slow counts and one by recency alone would hold: set dueling), move `psel`
+        by the slow shadow's hits less the fast one's and `psel_lru` by the lru shadow's less those of the shadow
+        of the counts `psel` named for this step, and follow the leader they now name (for admits and the next step)."""
         needed = need[: self.num_experts]
-        hits = [self._shadow_step(held, stamps, counts, needed) for held, stamps, counts in self._shadows]
-        self.psel.copy_((self.psel + hits[1] - hits[0]).clamp(-DUEL_PSEL_MAX, DUEL_PSEL_MAX))
+        fast, slow, lru = (self._shadow_step(held, stamps, counts, needed) for held, stamps, counts in self._shadows)
+        ranked = torch.where(self.psel > 0, slow, fast)
+        self.psel_lru.copy_((self.psel_lru + lru - ranked).clamp(-DUEL_PSEL_MAX, DUEL_PSEL_MAX))
+        self.psel.copy_((self.psel + slow - fast).clamp(-DUEL_PSEL_MAX, DUEL_PSEL_MAX))
         self._follow_leader()
 
     def _follow_leader(self) -> None:
-        """lfu-duel: `_freq` = the counts the selector names (the slow ones while psel > 0)."""
-        self._freq.copy_(torch.where(self.psel > 0, self._slow, self._fast))
+        """lfu-duel: `_freq` = the counts the selectors name: none (all 0: recency alone) while psel_lru > 0, else
+        the slow ones while psel > 0, else the fast ones."""
+        lead = torch.where(self.psel > 0, self._slow, self._fast)
+        self._freq.copy_(torch.where(self.psel_lru > 0, 0, lead))
 
     def _shadow_step(self, held, stamps, counts, needed) -> torch.Tensor:
         """One acquire on a shadow table (experts only, no slots): its hits; its misses come in and push out as many

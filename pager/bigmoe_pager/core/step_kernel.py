@@ -20,13 +20,13 @@ ever waits for another (so no grid size can deadlock):
    use nothing the new state changes, so one of them writes it at once and
    nobody waits: a hit waits only for the ids and then their slots (the counts
    are read with the rest, the victims' counts only when victims are ranked).
-Under lfu-duel the decision ranks by the counts the selector named before the
-step, and one more program (P + 1 in all) plays the step on the two shadow
+Under lfu-duel the decision ranks by the counts the selectors named before the
+step, and one more program (P + 1 in all) plays the step on the three shadow
 tables (acquire_kernel.shadow_step) instead of copying: it runs beside the
 copy, not after it (played in the tail, lfu-duel cost 0.18 ms a token over
 lfu-fast where the two rank alike, 40 layers, run 10; beside it, 0.12 ms, run
-11). It leaves the moved selector in a scratch word that the program writing
-the state installs with the counts.
+11; both with two shadows). It leaves the moved selectors in two scratch words
+that the program writing the state installs with the counts.
 Given a ChainSignal (a forward captured whole, core.prefetch_chain), the
 program writing the state, last of all, publishes the step to the forward's
 chained prefetch rounds.
@@ -233,7 +233,7 @@ def launch_step(
 
 
 if triton is not None:
-    from bigmoe_pager.core.acquire_kernel import halved, lfu_key, record_counts, shadow_step
+    from bigmoe_pager.core.acquire_kernel import halved, leader, lfu_key, moved_selectors, record_counts, shadow_step
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step, quiet_forward
     from bigmoe_pager.core.round_sync import (
@@ -266,7 +266,10 @@ if triton is not None:
         fast_stamps_ptr,
         slow_held_ptr,
         slow_stamps_ptr,
+        lru_held_ptr,
+        lru_stamps_ptr,
         psel_ptr,
+        psel_lru_ptr,
         psel_next_ptr,
         done_ptr,
         remapped_ptr,
@@ -391,10 +394,11 @@ if triton is not None:
         cand = tl.full([BLOCK_I], -1, tl.int64)
         old = tl.full([BLOCK_I], -1, tl.int64)
         if n_take > 0:  # rank the victims only when there are some: a hit waits for no gather of the counts
-            if DUEL:  # the counts the selector named before the step (program P moves it, the writer installs it)
+            if DUEL:  # the counts the selectors named before the step (program P moves them, the writer installs
+                # them)
                 held_fast = halved(tl.load(fast_ptr + held, mask=occupied, other=0), step, DECAY)
                 held_slow = halved(tl.load(slow_ptr + held, mask=occupied, other=0), step, SLOW_DECAY)
-                count = tl.where(tl.load(psel_ptr) > 0, held_slow, held_fast)
+                count = leader(tl.load(psel_ptr), tl.load(psel_lru_ptr), held_slow, held_fast)
                 rank_s = lfu_key(count, last, held)
             elif LFU:
                 count = halved(tl.load(freq_ptr + held, mask=occupied, other=0), step, DECAY)
@@ -450,8 +454,12 @@ if triton is not None:
                 slow_hits = shadow_step(
                     slow_held_ptr, slow_stamps_ptr, slow + needed.to(tl.int64), needed, step, e_ar, E, S
                 )
-                psel = tl.load(psel_ptr) + slow_hits - fast_hits
-                tl.store(psel_next_ptr, tl.minimum(tl.maximum(psel, -PSEL_MAX), PSEL_MAX))
+                lru_hits = shadow_step(lru_held_ptr, lru_stamps_ptr, fast * 0, needed, step, e_ar, E, S)
+                psel, psel_lru = moved_selectors(
+                    tl.load(psel_ptr), tl.load(psel_lru_ptr), fast_hits, slow_hits, lru_hits, PSEL_MAX
+                )
+                tl.store(psel_next_ptr, psel)
+                tl.store(psel_next_ptr + 1, psel_lru)
         copy_listed_share(
             pid,
             programs,
@@ -552,13 +560,17 @@ if triton is not None:
             tl.store(last_use_ptr + cand, step, mask=take)
             if LFU:
                 needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
-                if DUEL:  # both counts, the selector the shadow player left (an atomic read: it may have run on
-                    # another SM), and the leader it names
-                    tl.store(fast_ptr + e_ar, fast + needed.to(tl.int64), mask=e_in)
-                    tl.store(slow_ptr + e_ar, slow + needed.to(tl.int64), mask=e_in)
+                if DUEL:  # both counts, the selectors the shadow player left (atomic reads: it may have run on
+                    # another SM), and the leader they name
+                    fast = fast + needed.to(tl.int64)
+                    slow = slow + needed.to(tl.int64)
+                    tl.store(fast_ptr + e_ar, fast, mask=e_in)
+                    tl.store(slow_ptr + e_ar, slow, mask=e_in)
                     psel = tl.atomic_add(psel_next_ptr, 0)
+                    psel_lru = tl.atomic_add(psel_next_ptr + 1, 0)
                     tl.store(psel_ptr, psel)
-                    tl.store(freq_ptr + e_ar, tl.where(psel > 0, slow, fast) + needed.to(tl.int64), mask=e_in)
+                    tl.store(psel_lru_ptr, psel_lru)
+                    tl.store(freq_ptr + e_ar, leader(psel, psel_lru, slow, fast), mask=e_in)
                 else:
                     tl.store(freq_ptr + e_ar, uses + needed.to(tl.int64), mask=e_in)
             if CHAIN != 0:  # last: every program's copies are done (their counts were acquired above)
