@@ -22,7 +22,7 @@ ever waits for another (so no grid size can deadlock):
    are read with the rest, the victims' counts only when victims are ranked).
 Under lfu-duel the decision ranks by the counts the selectors named before the
 step, and one more program (P + 1 in all) plays the step on the three shadow
-tables (acquire_kernel.shadow_step) instead of copying: it runs beside the
+tables (acquire_kernel.shadow_load, shadow_play) instead of copying: it runs beside the
 copy, not after it (played in the tail, lfu-duel cost 0.18 ms a token over
 lfu-fast where the two rank alike, 40 layers, run 10; beside it, 0.12 ms, run
 11; both with two shadows). It leaves the moved selectors in two scratch words
@@ -233,7 +233,15 @@ def launch_step(
 
 
 if triton is not None:
-    from bigmoe_pager.core.acquire_kernel import halved, leader, lfu_key, moved_selectors, record_counts, shadow_step
+    from bigmoe_pager.core.acquire_kernel import (
+        halved,
+        leader,
+        lfu_key,
+        moved_selectors,
+        record_counts,
+        shadow_load,
+        shadow_play,
+    )
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step, quiet_forward
     from bigmoe_pager.core.round_sync import (
@@ -448,13 +456,19 @@ if triton is not None:
             copies = tl.where(pid < programs, copies, 0)
             if pid == programs:
                 needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
-                fast_hits = shadow_step(
-                    fast_held_ptr, fast_stamps_ptr, fast + needed.to(tl.int64), needed, step, e_ar, E, S
+                fast_held, fast_stamps = shadow_load(fast_held_ptr, fast_stamps_ptr, e_ar, E)
+                slow_held, slow_stamps = shadow_load(slow_held_ptr, slow_stamps_ptr, e_ar, E)
+                lru_held, lru_stamps = shadow_load(lru_held_ptr, lru_stamps_ptr, e_ar, E)
+                uses = needed.to(tl.int64)
+                fast_hits = shadow_play(
+                    fast_held_ptr, fast_stamps_ptr, fast_held, fast_stamps, fast + uses, needed, step, e_ar, E, S
                 )
-                slow_hits = shadow_step(
-                    slow_held_ptr, slow_stamps_ptr, slow + needed.to(tl.int64), needed, step, e_ar, E, S
+                slow_hits = shadow_play(
+                    slow_held_ptr, slow_stamps_ptr, slow_held, slow_stamps, slow + uses, needed, step, e_ar, E, S
                 )
-                lru_hits = shadow_step(lru_held_ptr, lru_stamps_ptr, fast * 0, needed, step, e_ar, E, S)
+                lru_hits = shadow_play(
+                    lru_held_ptr, lru_stamps_ptr, lru_held, lru_stamps, fast * 0, needed, step, e_ar, E, S
+                )
                 psel, psel_lru = moved_selectors(
                     tl.load(psel_ptr), tl.load(psel_lru_ptr), fast_hits, slow_hits, lru_hits, PSEL_MAX
                 )
