@@ -20,7 +20,7 @@ Policy (deterministic so a plain-Python model can check it):
   step: the shadows play and move it after the decision, so the fused step kernel's programs all decide from
   the old state). A third shadow ranks by recency alone (lru), and a second selector weighs its hits against
   the hits of the leader that ranked each step: while it favours lru, a step ranks by recency (every count
-  read as 0). Routing that shifts faster than the fast counts forget (every 8-70 tokens) is lru's: without
+  read as 0). Routing that shifts faster than the fast counts forget (every 8-84 tokens) is lru's: without
   the third shadow the duel lost to lru by up to 0.019 of VRAM hit on 10 of 40 families it was not chosen on
   (scripts/sim_holdout.py, session 54). Both decision kernels have it; the default since vLLM on the H200
   measured the two-shadow duel (settings.PagerSettings.eviction);
