@@ -1,7 +1,7 @@
 """The eviction default checked on routing families it was not chosen on.
 
 lfu-duel became the default on four families (standard, topic-shift, near-uniform, recorded:
-sim_eviction.py). This draws --families more from a stated parameter box (HOLDOUT_BOX), each with
+sim_eviction.py). This draws --families more from a stated parameter box (ALPHA .. CORR), each with
 its own trace seed, none of them the four, and replays every policy over each with the pager's
 own decision code (sim_eviction.simulate). The question it answers: is the default no worse than
 lru on routing nobody tuned it to, and how far is it from the best policy of each family?
@@ -47,8 +47,8 @@ SHAPES = tuple(s for s in sim_eviction.SHAPES if s.name != "qwen3.6-40l/32+ram12
 POLICIES = ("lru", "lfu", "lfu-fast", "lfu-duel")
 """lru (the yardstick), the two decays lfu-duel plays against each other, and lfu-duel (the default)."""
 TIE = 0.002
-"""VRAM-hit differences this small are ties: two seeds of one family move a policy's rate about this much
-(sim_eviction's topic-shift row at 102 slots: +0.0001 and -0.0002 between seeds)."""
+"""VRAM-hit differences this small are ties: the same policies on the same seed's 512-expert traces moved by up to
+0.0022 between two machines (docs/benchmarks.md, sessions 12-13), so finer differences are not told apart here."""
 
 
 def draw_family(rng: np.random.Generator) -> traces.Family:
