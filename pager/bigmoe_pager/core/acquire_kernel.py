@@ -375,7 +375,9 @@ if triton is not None:
             slow_hits = shadow_play(
                 slow_held_ptr, slow_stamps_ptr, slow_held, slow_stamps, slow, need, step, e_ar, E, S
             )
-            lru_hits = shadow_play(lru_held_ptr, lru_stamps_ptr, lru_held, lru_stamps, fast * 0, need, step, e_ar, E, S)
+            lru_hits = shadow_play(
+                lru_held_ptr, lru_stamps_ptr, lru_held, lru_stamps, tl.zeros_like(fast), need, step, e_ar, E, S
+            )
             psel, psel_lru = moved_selectors(psel, psel_lru, fast_hits, slow_hits, lru_hits, PSEL_MAX)
             tl.store(psel_ptr, psel)
             tl.store(psel_lru_ptr, psel_lru)

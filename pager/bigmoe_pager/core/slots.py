@@ -236,12 +236,12 @@ class SlotTable:
         # _freq is always the leader's counts: where(psel_lru > 0, 0, where(psel > 0, slow, fast)) (admit ranks by
         # it, as every step does)
         if self.duel:
-            self._fast, self._slow, none = (
+            self._fast, self._slow, no_counts = (
                 torch.zeros((e + 1,), dtype=torch.int64, device=self.device) for _ in range(3)
             )
             held = [torch.zeros(e, dtype=torch.bool, device=self.device) for _ in range(3)]
             stamps = [torch.full((e,), -1, dtype=torch.int64, device=self.device) for _ in range(3)]
-            self._shadows = list(zip(held, stamps, (self._fast, self._slow, none)))
+            self._shadows = list(zip(held, stamps, (self._fast, self._slow, no_counts)))
         self.psel = torch.zeros((), dtype=torch.int64, device=self.device)
         """lfu-duel's selector: > 0 ranks by the slow counts, else by the fast ones (saturating, +-DUEL_PSEL_MAX)."""
         self.psel_lru = torch.zeros((), dtype=torch.int64, device=self.device)

@@ -467,7 +467,7 @@ if triton is not None:
                     slow_held_ptr, slow_stamps_ptr, slow_held, slow_stamps, slow + uses, needed, step, e_ar, E, S
                 )
                 lru_hits = shadow_play(
-                    lru_held_ptr, lru_stamps_ptr, lru_held, lru_stamps, fast * 0, needed, step, e_ar, E, S
+                    lru_held_ptr, lru_stamps_ptr, lru_held, lru_stamps, tl.zeros_like(fast), needed, step, e_ar, E, S
                 )
                 psel, psel_lru = moved_selectors(
                     tl.load(psel_ptr), tl.load(psel_lru_ptr), fast_hits, slow_hits, lru_hits, PSEL_MAX
