@@ -19,11 +19,11 @@ Policy (deterministic so a plain-Python model can check it):
   (set dueling); a step ranks by the counts whose shadow hit more before it (the selector as it stood before the
   step: the shadows play and move it after the decision, so the fused step kernel's programs all decide from
   the old state). A third shadow ranks by recency alone (lru), and a second selector weighs its hits against
-  the hits of the leader that ranked each step: while it favours lru, a step ranks by recency (every count
-  read as 0). Routing that shifts faster than the fast counts forget (every 8-84 tokens) is lru's: without
-  the third shadow the duel lost to lru by up to 0.019 of VRAM hit on 10 of 40 families it was not chosen on
-  (scripts/sim_holdout.py, session 54). Both decision kernels have it; the default since vLLM on the H200
-  measured the two-shadow duel (settings.PagerSettings.eviction);
+  those of the shadow of the counts the first selector named for each step: while it favours lru, a step ranks
+  by recency (every count read as 0). Routing that shifts faster than the fast counts forget (every 8-84
+  tokens) is lru's: without the third shadow the duel lost to lru by up to 0.019 of VRAM hit on 10 of 40
+  families it was not chosen on (scripts/sim_holdout.py, session 54). Both decision kernels have it; the
+  default since vLLM on the H200 measured the two-shadow duel (settings.PagerSettings.eviction);
 - misses are assigned slots in ascending expert id;
 - when a step needs more distinct experts than there are slots (overflow), the
   lowest-id misses get the free and unneeded slots, the rest stay out and their
