@@ -22,7 +22,7 @@ ever waits for another (so no grid size can deadlock):
    are read with the rest, the victims' counts only when victims are ranked).
 Under lfu-duel the decision ranks by the counts the selectors named before the
 step, and one more program (P + 1 in all) plays the step on the three shadow
-tables (acquire_kernel.shadow_load, shadow_play) instead of copying: it runs beside the
+tables (acquire_kernel.play_shadows) instead of copying: it runs beside the
 copy, not after it (played in the tail, lfu-duel cost 0.18 ms a token over
 lfu-fast where the two rank alike, 40 layers, run 10; beside it, 0.12 ms, run
 11; both with two shadows). It leaves the moved selectors in two scratch words
@@ -238,9 +238,8 @@ if triton is not None:
         leader,
         lfu_key,
         moved_selectors,
+        play_shadows,
         record_counts,
-        shadow_load,
-        shadow_play,
     )
     from bigmoe_pager.core.copy_kernel import copy_listed_share
     from bigmoe_pager.core.prefetch_chain import CANCELS, FORWARD, TIMEOUTS, publish_step, quiet_forward
@@ -456,18 +455,21 @@ if triton is not None:
             copies = tl.where(pid < programs, copies, 0)
             if pid == programs:
                 needed = tl.sum(((e_ar[:, None] == ids[None, :]) & valid[None, :]).to(tl.int64), 1) > 0
-                fast_held, fast_stamps = shadow_load(fast_held_ptr, fast_stamps_ptr, e_ar, E)
-                slow_held, slow_stamps = shadow_load(slow_held_ptr, slow_stamps_ptr, e_ar, E)
-                lru_held, lru_stamps = shadow_load(lru_held_ptr, lru_stamps_ptr, e_ar, E)
                 uses = needed.to(tl.int64)
-                fast_hits = shadow_play(
-                    fast_held_ptr, fast_stamps_ptr, fast_held, fast_stamps, fast + uses, needed, step, e_ar, E, S
-                )
-                slow_hits = shadow_play(
-                    slow_held_ptr, slow_stamps_ptr, slow_held, slow_stamps, slow + uses, needed, step, e_ar, E, S
-                )
-                lru_hits = shadow_play(
-                    lru_held_ptr, lru_stamps_ptr, lru_held, lru_stamps, tl.zeros_like(fast), needed, step, e_ar, E, S
+                fast_hits, slow_hits, lru_hits = play_shadows(
+                    fast_held_ptr,
+                    fast_stamps_ptr,
+                    slow_held_ptr,
+                    slow_stamps_ptr,
+                    lru_held_ptr,
+                    lru_stamps_ptr,
+                    fast + uses,
+                    slow + uses,
+                    needed,
+                    step,
+                    e_ar,
+                    E,
+                    S,
                 )
                 psel, psel_lru = moved_selectors(
                     tl.load(psel_ptr), tl.load(psel_lru_ptr), fast_hits, slow_hits, lru_hits, PSEL_MAX
