@@ -9,6 +9,7 @@ H200); about 3-5 minutes there.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -23,6 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_paged_qwen4exp_matches_unpaged_through_every_tier(tmp_path):
     pytest.importorskip("vllm.models.qwen4_exp", reason="this vLLM has no Qwen4Exp (needs 0.33)")
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() >= (9, 0) and importlib.util.find_spec("cutlass") is None:
+        # vLLM's own requirement (nvidia-cutlass-dsl), which a pip install of vLLM brings and the device kit does not:
+        # without it both engines, the unpaged one too, stop in vLLM's warm-up on `import cutlass` (run 46).
+        pytest.skip("on SM >= 9.0 vLLM 0.33's Qwen4Exp runs CuTe-DSL kernels: stage scripts/gpu_extra first")
     out = tmp_path / "e2e.json"
     cmd = [
         sys.executable,
