@@ -2,7 +2,11 @@
 # Issue 14's runs on the H200 after staging vLLM 0.33 (shared/gpu-vllm-0.33) and scripts/gpu_extra:
 #   bash scripts/gpu_issue14.sh STEP...    steps: model e2e-tiers e2e-rest e2e bench app tests
 # (e2e: the configurations in $CONFIGS, $PARALLEL at once, MTP counts in $SPEC, $LAYERS decoder layers (4),
-#  results as e2e-$TAG.json; bench: $BENCH_CONFIGS on the routing family $FAMILY; uva: scripts/gpu_uva_probe.py)
+#  results as e2e-$TAG.json; bench: $BENCH_CONFIGS on the routing family $FAMILY; uva: scripts/gpu_uva_probe.py;
+#  extra: install scripts/gpu_extra's wheels from the x folders earlier calls copied into $STAGEX (/tmp/stagex);
+#  q4x-start: tests/gpu/test_qwen4exp_vllm_gpu.py in the background from a private copy of the tree, since with its
+#  engine starts and SSD mix it can outlast one device call; q4x-wait: wait up to $WAIT_S (540) for it, its output
+#  as qwen4exp-test.txt; call q4x-wait again, back to back, while it says "still running")
 # Results and logs under $OUT (the device tool returns 8 files: logs go into one tarball per step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +15,7 @@ export PYTHONPATH="$PWD/pager:$PWD/app:$PWD/bench:$PYTHONPATH" PYTHONUNBUFFERED=
 out="${OUT:-/tmp/bigmoe-gpu}"; mkdir -p "$out"
 model=/tmp/bigmoe-vllm-e2e/flash-next-fp8-4l
 pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/null; }
+q4x=/tmp/bigmoe-q4x-test  # the background test's tree copy, pytest's temp dirs, its output and exit status
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
@@ -42,6 +47,22 @@ for step in "$@"; do
       python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
         --junitxml="$out/gpu-tests.xml" > /tmp/gpu-tests.txt 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" /tmp/gpu-tests.txt > "$out/gpu-tests.txt"; tail -n 5 "$out/gpu-tests.txt" ;;
+    extra)
+      bash scripts/gpu_extra/stage.sh "${STAGEX:-/tmp/stagex}" && source /tmp/site/env.sh
+      python3 -c "import cutlass.cute" && echo "extra: cutlass.cute imports" ;;
+    q4x-start)
+      # the next calls copy their trees over this one, so the test runs from its own copy (as gpu_issue15.sh's early)
+      rm -rf "$q4x" && mkdir -p "$q4x" && cp -a . "$q4x/tree"
+      (cd "$q4x/tree" && source /tmp/site/env.sh \
+        && export PYTHONPATH="$q4x/tree/pager:$q4x/tree/app:$q4x/tree/bench:$PYTHONPATH" \
+        && setsid nohup bash -c "python3 -m pytest -m gpu tests/gpu/test_qwen4exp_vllm_gpu.py -q -rfEs \
+          -p no:cacheprovider --basetemp=$q4x/tmp > $q4x/test.txt 2>&1; echo \$? > $q4x/rc" \
+          > /dev/null 2>&1 < /dev/null &)
+      echo "q4x-start: started; q4x-wait follows it" ;;
+    q4x-wait)
+      for _ in $(seq 1 "${WAIT_S:-540}"); do [ -f "$q4x/rc" ] && break; sleep 1; done
+      cp "$q4x/test.txt" "$out/qwen4exp-test.txt" 2>/dev/null; tail -n 20 "$q4x/test.txt" 2>/dev/null
+      if [ -f "$q4x/rc" ]; then echo "q4x-wait: pytest exit $(cat "$q4x/rc")"; else echo "q4x-wait: still running"; fi ;;
     *) echo "unknown step $step" ;;
   esac
 done
