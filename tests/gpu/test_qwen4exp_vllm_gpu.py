@@ -4,7 +4,7 @@ pager on, produces exactly the unpaged model's greedy tokens and logprobs.
 Runs scripts/gpu_vllm_e2e.py (the identity harness of issue 14) on a 2-layer, 320-expert FP8 checkpoint: the
 unpaged reference and 12.5% VRAM / 50% RAM / SSD with the n-gram table read from SSD, PIECEWISE breakable CUDA
 graphs, deterministic engine. Needs vLLM 0.33 with Qwen4Exp (shared/gpu-vllm-0.33 and scripts/gpu_extra on the
-H200); about 3-5 minutes there.
+H200); 372 s on an H100 (run 47 in docs/benchmarks.md, where it first passed).
 """
 
 from __future__ import annotations
