@@ -5,7 +5,7 @@
 #  results as e2e-$TAG.json; bench: $BENCH_CONFIGS on the routing family $FAMILY; uva: scripts/gpu_uva_probe.py;
 #  extra: install scripts/gpu_extra's wheels from the x folders earlier calls copied into $STAGEX (/tmp/stagex);
 #  q4x-start: tests/gpu/test_qwen4exp_vllm_gpu.py in the background from a private copy of the tree, since with its
-#  engine starts and SSD mix it can outlast one device call; q4x-wait: wait up to $WAIT_S (540) for it, its output
+#  engine starts and SSD mix it can outlast one device call, $Q4X_K its cases by pytest's -k; q4x-wait: wait up to $WAIT_S (540) for it, its output
 #  as qwen4exp-test.txt; call q4x-wait again, back to back, while it says "still running")
 # Results and logs under $OUT (the device tool returns 8 files: logs go into one tarball per step).
 set -uo pipefail
@@ -53,10 +53,11 @@ for step in "$@"; do
       python3 -c "import cutlass.cute" && echo "extra: cutlass.cute imports" ;;
     q4x-start)
       # the next calls copy their trees over this one, so the test runs from its own copy (as gpu_issue15.sh's early)
+      # Q4X_K picks cases by pytest's -k (for example mtp1: the case no GPU has run yet, half the test's time)
       rm -rf "$q4x" && mkdir -p "$q4x" && cp -a . "$q4x/tree"
       (cd "$q4x/tree" && source /tmp/site/env.sh \
         && export PYTHONPATH="$q4x/tree/pager:$q4x/tree/app:$q4x/tree/bench:$PYTHONPATH" \
-        && setsid nohup bash -c "python3 -m pytest -m gpu tests/gpu/test_qwen4exp_vllm_gpu.py -q -rfEs \
+        && setsid nohup bash -c "python3 -m pytest -m gpu tests/gpu/test_qwen4exp_vllm_gpu.py ${Q4X_K:+-k $Q4X_K} -q -rfEs \
           -p no:cacheprovider --basetemp=$q4x/tmp > $q4x/test.txt 2>&1; echo \$? > $q4x/rc" \
           > /dev/null 2>&1 < /dev/null &)
       echo "q4x-start: started; q4x-wait follows it" ;;
