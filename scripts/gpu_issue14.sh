@@ -44,7 +44,7 @@ for step in "$@"; do
     uva)
       python3 scripts/gpu_uva_probe.py --out "$out/uva-probe.json" ;;
     tests)
-      # the Qwen4Exp vLLM test has its own steps (q4x-start, q4x-wait): its two cases outlast one device call
+      # the Qwen4Exp vLLM test has its own steps (q4x-start, q4x-wait): its three cases (about 6 minutes each) outlast one device call
       python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
         --ignore=tests/gpu/test_qwen4exp_vllm_gpu.py --junitxml="$out/gpu-tests.xml" > /tmp/gpu-tests.txt 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" /tmp/gpu-tests.txt > "$out/gpu-tests.txt"; tail -n 5 "$out/gpu-tests.txt" ;;

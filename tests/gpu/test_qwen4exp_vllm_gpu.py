@@ -1,12 +1,13 @@
 """Qwen4Exp (Flash-Next's layer shapes) served by the vLLM users get, paged through every tier with the n-gram
 pager on, produces exactly the unpaged model's greedy tokens and logprobs, without MTP and with the MTP head drafting
-one token (the reference job's own mix: most experts read from SSD, each verification step reading more of them).
+one and three tokens (the reference job's own mix: most experts read from SSD, each verification step reading more
+of them).
 
 Runs scripts/gpu_vllm_e2e.py (the identity harness of issue 14) on a 2-layer, 320-expert FP8 checkpoint: the
 unpaged reference (with the same MTP setting) and 12.5% VRAM / 50% RAM / SSD with the n-gram table read from SSD,
 PIECEWISE breakable CUDA graphs, deterministic engine. Needs vLLM 0.33 with Qwen4Exp (shared/gpu-vllm-0.33 and
 scripts/gpu_extra on the device). Each case about 6 minutes on an H100 (docs/benchmarks.md: no-mtp 372 s in run 47,
-mtp1 361 s in run 48, both passed the first time they ran).
+mtp1 361 s in run 48, both passed the first time they ran; mtp3's arguments passed by the harness alone in run 48).
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("reference", "paged", "spec_tokens"),
-    [("unpaged", "vram12-ram50-ssd-ngram", ""), ("unpaged-mtp1", "vram12-ram50-ssd-ngram-mtp1", "1")],
-    ids=["no-mtp", "mtp1"],
+    [
+        ("unpaged", "vram12-ram50-ssd-ngram", ""),
+        ("unpaged-mtp1", "vram12-ram50-ssd-ngram-mtp1", "1"),
+        ("unpaged-mtp3", "vram12-ram50-ssd-ngram-mtp3", "3"),  # the most plan/spec.py allows
+    ],
+    ids=["no-mtp", "mtp1", "mtp3"],
 )
 def test_paged_qwen4exp_matches_unpaged_through_every_tier(tmp_path, reference, paged, spec_tokens):
     pytest.importorskip("vllm.models.qwen4_exp", reason="this vLLM has no Qwen4Exp (needs 0.33)")
