@@ -53,7 +53,7 @@ for step in "$@"; do
       python3 -c "import cutlass.cute" && echo "extra: cutlass.cute imports" ;;
     q4x-start)
       # the next calls copy their trees over this one, so the test runs from its own copy (as gpu_issue15.sh's early)
-      # Q4X_K picks cases by pytest's -k (for example mtp1: the case no GPU has run yet, half the test's time)
+      # Q4X_K picks cases by pytest's -k (for example mtp3: one case, a third of the three cases' time)
       rm -rf "$q4x" && mkdir -p "$q4x" && cp -a . "$q4x/tree"
       (cd "$q4x/tree" && source /tmp/site/env.sh \
         && export PYTHONPATH="$q4x/tree/pager:$q4x/tree/app:$q4x/tree/bench:$PYTHONPATH" \
