@@ -5,8 +5,9 @@
 #  results as e2e-$TAG.json; bench: $BENCH_CONFIGS on the routing family $FAMILY; uva: scripts/gpu_uva_probe.py;
 #  extra: install scripts/gpu_extra's wheels from the x folders earlier calls copied into $STAGEX (/tmp/stagex);
 #  q4x-start: tests/gpu/test_qwen4exp_vllm_gpu.py in the background from a private copy of the tree, since with its
-#  engine starts and SSD mix it can outlast one device call, $Q4X_K its cases by pytest's -k; q4x-wait: wait up to $WAIT_S (540) for it, its output
-#  as qwen4exp-test.txt; call q4x-wait again, back to back, while it says "still running")
+#  engine starts and SSD mix it can outlast one device call, $Q4X_K its cases by pytest's -k; q4x-wait: wait up to
+#  $WAIT_S (540) for it, its output as qwen4exp-test.txt; call q4x-wait again, back to back, while it says "still
+#  running")
 # Results and logs under $OUT (the device tool returns 8 files: logs go into one tarball per step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,8 @@ for step in "$@"; do
     uva)
       python3 scripts/gpu_uva_probe.py --out "$out/uva-probe.json" ;;
     tests)
-      # the Qwen4Exp vLLM test has its own steps (q4x-start, q4x-wait): its three cases (about 6 minutes each) outlast one device call
+      # the Qwen4Exp vLLM test has its own steps (q4x-start, q4x-wait): its three cases (about 6 minutes each)
+      # outlast one device call
       python3 -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider --ignore=tests/gpu/test_tiny_fp8_vllm_gpu.py \
         --ignore=tests/gpu/test_qwen4exp_vllm_gpu.py --junitxml="$out/gpu-tests.xml" > /tmp/gpu-tests.txt 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" /tmp/gpu-tests.txt > "$out/gpu-tests.txt"; tail -n 5 "$out/gpu-tests.txt" ;;
