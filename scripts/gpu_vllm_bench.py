@@ -926,8 +926,10 @@ def side_by_side(
     reference measured on the same card (result files before run 35 name none: all the H200's, but run 34's, whose
     card was added from the device's reply) and that card's latest reference; else none. The third item says where
     the pair came from: the call of each row, the card, and whether one call ran both (machines of one card differ
-    by 10-20% in paged rows: run 43)."""
-    mine = [r for r in every.get((family, name), []) if r.get("tpot_ms")]
+    by 10-20% in paged rows: run 43). Within each of those two steps the target card's rows come first, however
+    recent another card's are (run 49: a later H100 row would otherwise pair with an older H100 machine's reference
+    while the H200 had a pair of its own)."""
+    mine = sorted((r for r in every.get((family, name), []) if r.get("tpot_ms")), key=_on_target_card)
     theirs = {r.get("source"): r for r in every.get((family, ref), []) if r.get("tpot_ms")}
     for r in reversed(mine):
         if r.get("source") in theirs:
@@ -944,6 +946,10 @@ def side_by_side(
 def _pair_source(row: dict, ref: dict) -> dict:
     calls = dict.fromkeys([row.get("source"), ref.get("source")])
     return {"calls": list(calls), "gpu": _card(row), "side_by_side": len(calls) == 1}
+
+
+def _on_target_card(row: dict) -> bool:
+    return TARGET_CARD in (row.get("gpu") or TARGET_CARD)  # files before run 35 name no card: the H200's
 
 
 def _card(row: dict) -> str:

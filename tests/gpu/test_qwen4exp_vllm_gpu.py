@@ -7,7 +7,7 @@ Runs scripts/gpu_vllm_e2e.py (the identity harness of issue 14) on a 2-layer, 32
 unpaged reference (with the same MTP setting) and 12.5% VRAM / 50% RAM / SSD with the n-gram table read from SSD,
 PIECEWISE breakable CUDA graphs, deterministic engine. Needs vLLM 0.33 with Qwen4Exp (shared/gpu-vllm-0.33 and
 scripts/gpu_extra on the device). Each case about 6 minutes on an H100 (docs/benchmarks.md: no-mtp 372 s in run 47,
-mtp1 361 s in run 48, both passed the first time they ran; mtp3's arguments passed by the harness alone in run 48).
+mtp1 361 s in run 48, mtp3 366 s in run 49, each passed the first time it ran).
 """
 
 from __future__ import annotations

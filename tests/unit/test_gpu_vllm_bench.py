@@ -536,6 +536,53 @@ def test_recall_0_is_judged_against_no_prefetch_in_the_latest_call_that_ran_both
 
 
 @pytest.mark.parametrize(
+    "calls,ratio,pair",
+    [
+        # run 49: the H200's pair spans two calls, a later H100 row pairs with an older H100 machine's offload17
+        (
+            [
+                ("h200-v.json", None, [("R0", 5.0)]),
+                ("h200-y.json", None, [("offload17", 15.0)]),
+                ("h100-y.json", H100, [("offload17", 20.0)]),
+                ("h100-v.json", H100, [("R0", 5.2)]),
+            ],
+            3.0,
+            (["h200-v.json", "h200-y.json"], False),
+        ),
+        # one call ran both on each card: the H200's call, though the H100's came later
+        (
+            [
+                ("h200.json", None, [("R0", 5.0), ("offload17", 15.0)]),
+                ("h100.json", H100, [("R0", 5.2), ("offload17", 20.0)]),
+            ],
+            3.0,
+            (["h200.json"], True),
+        ),
+        # the H200 has no offload17 row: the H100's pair stands, named as the H100's
+        (
+            [("h200.json", None, [("R0", 5.0)]), ("h100.json", H100, [("R0", 5.0), ("offload17", 20.0)])],
+            4.0,
+            (["h100.json"], True),
+        ),
+    ],
+    ids=["pairs-across-calls", "side-by-side", "other-card-only"],
+)
+def test_a_ratio_takes_the_target_cards_pair_before_a_later_one_of_another_card(calls, ratio, pair, tmp_path):
+    r0 = "bigmoe-102-layerbuf@r0+one-node+host+chained-only"
+    files = []
+    for name, card, rows in calls:
+        files.append(tmp_path / name)
+        configs = [{"name": r0 if n == "R0" else n, "tpot_ms": t} for n, t in rows]
+        files[-1].write_text(json.dumps({"command": name, "configs": configs, **({"gpu": card} if card else {})}))
+    out = tmp_path / "prefetch.json"
+    assert bench.combine(files, out, "+one-node+host+chained-only") == 0
+    standard = json.loads(out.read_text())["families"]["standard"]
+    assert standard["speedup_vs_offload17_at_102_recall_0"] == ratio
+    source = standard["sources"]["speedup_vs_offload17_at_102_recall_0"]
+    assert (source["calls"], source["side_by_side"]) == pair
+
+
+@pytest.mark.parametrize(
     "calls_pooled,ratio,listed",
     [
         (1, 0.99, ["call2.json"]),  # the latest call alone, its two recall-0 rows averaged
