@@ -948,6 +948,11 @@ def _pair_source(row: dict, ref: dict) -> dict:
     return {"calls": list(calls), "gpu": _card(row), "side_by_side": len(calls) == 1}
 
 
+TARGET_CARD = "H200"
+"""Issue 15's targets are the H200's: result files naming another card (`gpu`) keep their rows beside its rows
+(other_card_configs), not in their place; files before run 35 name no card (all the H200's but run 34's)."""
+
+
 def _on_target_card(row: dict) -> bool:
     return TARGET_CARD in (row.get("gpu") or TARGET_CARD)  # files before run 35 name no card: the H200's
 
@@ -974,9 +979,6 @@ def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
 
 IN_SOURCE_ONLY = ("tokens", "pager_totals", "timed_counters")
 """Fields of another card's rows that the combined file leaves in their source files (see combine)."""
-TARGET_CARD = "H200"
-"""Issue 15's targets are the H200's: result files naming another card (`gpu`) keep their rows beside its rows
-(other_card_configs), not in their place; files before run 35 name no card (all the H200's but run 34's)."""
 
 
 def combine(files: list[Path], out: Path, path: str = "", recall_0_calls: int = 1) -> int:
@@ -994,7 +996,7 @@ def combine(files: list[Path], out: Path, path: str = "", recall_0_calls: int = 
         for r in part["configs"]:  # a later file's row replaces an earlier one's and moves to the end (recency)
             key = (r.get("family", "standard"), r["name"])
             row = {**r, "source": f.name, **({"gpu": card} if card else {})}
-            if card and TARGET_CARD not in card:
+            if not _on_target_card(row):
                 other_cards.append(row)
             else:
                 rows.pop(key, None)
