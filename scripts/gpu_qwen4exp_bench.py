@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-import gpu_vllm_bench as bench  # noqa: E402  (scripts/ is not a package)
+import bench_names  # noqa: E402  (scripts/ is not a package)
+import gpu_vllm_bench as bench  # noqa: E402
 import gpu_vllm_e2e as e2e  # noqa: E402
 import numpy as np
 import traces  # noqa: E402
@@ -95,7 +96,7 @@ CONFIG_NAMES = ("resident", "offload", "bigmoe-4090", "bigmoe-4090-nongram", "bi
 
 def split_name(name: str) -> tuple[str, float | None]:
     """'bigmoe-4090@r0.8+ahead' -> ('bigmoe-4090', 0.8); a name without @r has recall None."""
-    base, at, recall = name.removesuffix(bench.AHEAD).partition("@r")
+    base, at, recall = name.removesuffix(bench_names.AHEAD).partition("@r")
     try:
         value = float(recall) if at else None
     except ValueError:
@@ -112,7 +113,7 @@ def with_suffixes(name: str, named: dict, work: Path, trace: Path, args, experts
         env["BIGMOE_ROUTE_REPLAY"] = str(
             bench.predicted_trace(work, trace, args.family, recall, args.precision, experts)
         )
-    if name.endswith(bench.AHEAD):
+    if name.endswith(bench_names.AHEAD):
         env["BIGMOE_SSD_READ_AHEAD"] = "1"
     return e2e.Config(name, env), extra
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for name in args.configs.split(","):
         base, recall = split_name(name)
-        suffixed = recall is not None or name.endswith(bench.AHEAD)
+        suffixed = recall is not None or name.endswith(bench_names.AHEAD)
         if base not in CONFIG_NAMES or (suffixed and (recall is None or not base.startswith("bigmoe"))):
             p.error(
                 f"configuration {name!r} is unknown: one of {', '.join(CONFIG_NAMES)}, a bigmoe one may end @rX[+ahead]"

@@ -41,7 +41,7 @@ the gate and budget it ran even where they are the plugin's defaults. A last `#N
 another engine of the same configuration whose rows keep the tag: how far two engines of one build land apart (run
 12: 0.04 ms); a point --recalls names twice is measured twice in turn (its second row ends in /2): the drift within
 one engine. Predictions are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
-unless --precision is given.
+unless --precision is given. The names' parser and suffix table: scripts/bench_names.py.
 
 One engine per configuration measures every family of --families (scripts/traces.py:
 standard, topic-shift, near-uniform) and, for @r, every recall, in turn: before each it
@@ -73,7 +73,7 @@ engines wait in turn still spends their waits from --budget-s. Example (issue 15
 Where a configuration reads from SSD, the parent first measures the disk's O_DIRECT read
 bandwidth for expert-record reads of the checkpoint (no engine running) and each SSD row
 gets its TPOT and TTFT disk floors. Result rows: one per (configuration@rX, family).
---combine merges result files of several calls and computes issue 15's ratios per family
+--combine (scripts/bench_combine.py) merges result files of several calls and computes issue 15's ratios per family
 (families.<name>: speedup_vs_offload17_at_102, tpot_vs_resident_at_102,
 speedup_vs_offload17_at_32 at recall 0.8; _no_prefetch and _recall_0 variants), the
 top-level ssd_tpot_vs_disk_floor / ssd_ttft_vs_disk_floor, and issue15_targets.
@@ -84,24 +84,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
-import gpu_vllm_e2e as e2e  # noqa: E402  (scripts/ is not a package)
+import bench_combine  # noqa: E402  (scripts/ is not a package)
+import gpu_vllm_e2e as e2e  # noqa: E402
 import numpy as np
 import psutil
 import traces  # noqa: E402
+from bench_names import (  # noqa: E402
+    AHEAD,
+    EVICTIONS,
+    HIGH,
+    HOST_COPIER,
+    RECALLS,
+    Point,
+    parse_name,
+    parse_points,
+    prefetch_defaults,
+    recalls_of,
+    row_name,
+    split_suffixes,
+    suffix_env,
+    untagged,
+)
 from bigmoe_bench.host_budget import HostMemoryBudget
 from bigmoe_bench.host_monitor import HostMonitor
-from bigmoe_pager.core.slots import MIN_USED_PERCENT, PREFETCH_BUDGET
-from bigmoe_pager.settings import EVICTION_CHOICES, PagerSettings
+from bigmoe_pager.settings import PagerSettings
 
 SHAPE = dict(
     experts=256,
@@ -119,73 +132,6 @@ LAYERS = 40
 PROMPT_TOKENS = 1024
 GEN_TOKENS = 256
 GPU_MEMORY_UTILIZATION = 0.45  # the shared baseline's setting (resident needs ~31 GiB of weights)
-
-
-AHEAD = "+ahead"
-"""Name suffix: the predictions also post SSD reads ahead of need (BIGMOE_SSD_READ_AHEAD=1); needs @rRECALL."""
-AHEAD_DEEP = "+ahead4"
-"""Name suffix: +ahead four layers deep (BIGMOE_SSD_READ_AHEAD_LAYERS=4); needs @rRECALL."""
-HIGH = "+hi"
-"""Name suffix: the prefetch side stream at high priority (BIGMOE_PREFETCH_HIGH_PRIORITY=1); needs @rRECALL."""
-CHAINED_ONLY = "+chained-only"
-"""Name suffix: forwards that are not chained (prefill) propose and prefetch nothing, so no side stream is used
-outside the decode graph (BIGMOE_PREFETCH_CHAINED_ONLY=1; with the chain on, also the default since run 27);
-needs @rRECALL."""
-EVERY_FORWARD = "+every-forward"
-"""Name suffix: every forward proposes and prefetches, prefill's too (BIGMOE_PREFETCH_CHAINED_ONLY=0: the default
-with the chain on until run 27)."""
-CHAIN = "+chain"
-"""Name suffix: the rounds of a forward captured whole on one side-stream branch, forked once, each waiting for its
-layer's step on the device (BIGMOE_PREFETCH_CHAIN=1); needs @rRECALL."""
-JOINLESS = "+joinless"
-"""Name suffix: chained rounds with no join before each step, which settles its round and waits only for the copies
-it needs on the device (BIGMOE_PREFETCH_JOINLESS=1, core.round_sync); needs @rRECALL."""
-ONE_NODE = "+one-node"
-"""Name suffix: a joinless forward's replayed rounds as one kernel a forward, forked once (BIGMOE_PREFETCH_ONE_NODE=1,
-core.forward_rounds); needs @rRECALL."""
-HOST_COPIER = "+host"
-"""Name suffix: a joinless forward's rounds copied by a host thread through the copy engines, each publishing its list
-(BIGMOE_PREFETCH_HOST_COPIER=1, core.host_copier; with +one-node, the one-node kernel's one program decides and
-publishes); needs @rRECALL. Run 19's `+host` rows decided each round in line instead (removed since: slower)."""
-C_READER = "+creader"
-"""Name suffix, with or without @rRECALL: the SSD tier's requests are answered by the native reader's C threads
-instead of the service's Python threads (BIGMOE_SSD_READER=native); meaningful with an SSD tier. Run 29 measured it
-as `bigmoe-32-ram128-ssd-layerbuf` against `+pyreader`, when native was the default."""
-ENGINE_SUFFIXES = {
-    C_READER: {"BIGMOE_SSD_READER": "native"},
-}
-"""Suffixes that change how the pager pages, not how it prefetches: a name may carry them without @rRECALL."""
-SETTING_SUFFIXES = {
-    "+gate": "BIGMOE_PREFETCH_MIN_USED_PERCENT",
-    "+b": "BIGMOE_PREFETCH_BUDGET",
-    "+nodes": "BIGMOE_PREFETCH_ONE_NODE_PROGRAMS",
-    "+dist": "BIGMOE_PREFETCH_DISTANCE",
-    "+hot": "BIGMOE_HOST_COPIER_HOT_MS",
-    "+switch": "BIGMOE_GIL_SWITCH_US",
-}
-"""Name suffixes that carry a number, and the setting it sets (need @rRECALL but `+switchN`, the vLLM process's GIL
-switch interval in us, which any bigmoe engine may carry): `+gateN` the VRAM prefetch gate at N%
-(0: none), `+bN` a prefetch budget of N experts a layer's round (0: none), `+nodesN` the one-node kernel's
-programs (with +one-node), `+distN` a joinless forward's rounds N layers ahead (the replayed rows for layer l+N are
-as right as the next layer's, which a real predictor's are not), `+hotN` the host copier's thread busy-polling N ms
-after its last round (0: it naps at once)."""
-PREDICTION_SUFFIXES = {
-    AHEAD: {"BIGMOE_SSD_READ_AHEAD": "1"},
-    AHEAD_DEEP: {"BIGMOE_SSD_READ_AHEAD": "1", "BIGMOE_SSD_READ_AHEAD_LAYERS": "4"},
-    HIGH: {"BIGMOE_PREFETCH_HIGH_PRIORITY": "1"},
-    CHAINED_ONLY: {"BIGMOE_PREFETCH_CHAINED_ONLY": "1"},
-    EVERY_FORWARD: {"BIGMOE_PREFETCH_CHAINED_ONLY": "0"},
-    CHAIN: {"BIGMOE_PREFETCH_CHAIN": "1"},
-    JOINLESS: {"BIGMOE_PREFETCH_CHAIN": "1", "BIGMOE_PREFETCH_JOINLESS": "1"},
-    ONE_NODE: {"BIGMOE_PREFETCH_ONE_NODE": "1"},
-    HOST_COPIER: {"BIGMOE_PREFETCH_HOST_COPIER": "1"},
-    **ENGINE_SUFFIXES,
-}
-"""The last suffixes a name with @r may carry, in any order, and what each sets (besides SETTING_SUFFIXES)."""
-EVERY = "every"
-"""parse_name's recall of a bare `@r`: the configuration is measured at every recall of --recalls."""
-RECALLS = (0.0, 0.6, 0.8, 0.95, 1.0)
-"""--recalls' default: issue 15's TPOT-against-recall points."""
 REPLAY_TOKENS = 4096
 """Rows of every replayed trace (the first rows of the family's 16,384-token trace): each measurement replays from
 row 0 and uses about 2.8k (warm-up 1,280, counters 256, timed 1,280); all must have one shape to be swapped in."""
@@ -215,99 +161,6 @@ def engine_host_bytes(config: e2e.Config) -> float:
     return ENGINE_HOST_BYTES + extra
 
 
-def untagged(name: str) -> tuple[str, str]:
-    """('bigmoe-102@r', '#2') for 'bigmoe-102@r#2': a name and its last `#N` (another engine of the same
-    configuration), or '' without one."""
-    stem, mark, number = name.rpartition("#")
-    return (stem, mark + number) if mark and number.isdigit() else (name, "")
-
-
-def parse_name(name: str) -> tuple[str, float | str | None, str | None]:
-    """'bigmoe-102@r0.8~lru' -> ('bigmoe-102', 0.8, 'lru'); a bare '@r' gives EVERY (trailing +ahead / +hi and a
-    last #N are checked, not returned); KeyError for an unknown base or policy, ValueError for a recall outside
-    [0, 1] or a +ahead / +hi without @r."""
-    stem, suffixes = split_suffixes(untagged(name)[0])
-    base, _, policy = stem.partition("~")
-    base, at, recall = base.partition("@r")
-    if base not in configs(Path("trace"), 256) or (policy and policy not in EVICTIONS):
-        raise KeyError(name)
-    value = (float(recall) if recall else EVERY) if at else None
-    prefetching = [s for s in suffixes if s not in ENGINE_SUFFIXES and not s.startswith("+switch")]
-    if (isinstance(value, float) and not 0.0 <= value <= 1.0) or (prefetching and value is None):
-        raise ValueError(name)
-    if any(int(s.removeprefix("+gate")) > 100 for s in suffixes if s.startswith("+gate")):
-        raise ValueError(name)
-    return base, value, policy or None
-
-
-def split_suffixes(name: str) -> tuple[str, list[str]]:
-    """('bigmoe-102@r0.8', ['+hi', '+b1']) for 'bigmoe-102@r0.8+b1+hi': the trailing PREDICTION_SUFFIXES and
-    SETTING_SUFFIXES (each with its number)."""
-    found: list[str] = []
-    while suffix := _last_suffix(name):
-        name = name.removesuffix(suffix)
-        found.append(suffix)
-    return name, found
-
-
-def _last_suffix(name: str) -> str | None:
-    fixed = next((s for s in PREDICTION_SUFFIXES if name.endswith(s)), None)
-    if fixed:
-        return fixed
-    stem = name.rstrip("0123456789")
-    number = name[len(stem) :]
-    prefix = next((p for p in SETTING_SUFFIXES if stem.endswith(p)), None)
-    return prefix + number if prefix and number else None
-
-
-def suffix_env(suffix: str) -> dict[str, str]:
-    """What one suffix of split_suffixes sets: '+gate25' -> {'BIGMOE_PREFETCH_MIN_USED_PERCENT': '25'}."""
-    if suffix in PREDICTION_SUFFIXES:
-        return PREDICTION_SUFFIXES[suffix]
-    prefix = next(p for p in SETTING_SUFFIXES if suffix.startswith(p) and suffix[len(p) :].isdigit())
-    return {SETTING_SUFFIXES[prefix]: str(int(suffix[len(prefix) :]))}
-
-
-class Point(NamedTuple):
-    """Where a prediction trace sits: its recall, and how its wrong ids are drawn (traces.WRONG_MODELS)."""
-
-    recall: float
-    wrong: str = "uniform"
-
-
-def parse_points(text: str, wrong: str) -> list[Point]:
-    """'0,0:none,0.8' -> the points a bare @r measures; an item without ':WRONG' takes `wrong`. ValueError if bad."""
-    points = []
-    for item in text.split(","):
-        value, _, model = item.partition(":")
-        point = Point(float(value), model or wrong)
-        if not 0.0 <= point.recall <= 1.0 or point.wrong not in traces.WRONG_MODELS:
-            raise ValueError(item)
-        points.append(point)
-    return points
-
-
-def recalls_of(name: str, points: list[Point], wrong: str = "uniform") -> list[Point | None]:
-    """The prediction points one engine of this configuration measures (None: no predictions, no prefetch): a bare
-    @r every one of --recalls, @rX the point (X, wrong)."""
-    recall = parse_name(name)[1]
-    if recall is None:
-        return [None]
-    return list(points) if recall == EVERY else [Point(recall, wrong)]
-
-
-def row_name(name: str, point: Point | None, wrong: str = "uniform") -> str:
-    """A result row's name: the configuration's with its recall written out ('bigmoe-102@r' at 0.8: '...@r0.8'), and
-    ':WRONG' after it where the point's wrong ids are not the run's --wrong ('...@r0.8:popular')."""
-    if point is None:
-        return name
-    name, copy = untagged(name)
-    base, _, rest = name.partition("@r")
-    suffix = rest[len(rest) - len(rest.lstrip("0123456789.")) :]  # ~POLICY and +ahead after the number
-    tag = "" if point.wrong == wrong else f":{point.wrong}"
-    return f"{base}@r{point.recall:g}{tag}{suffix}{copy}"
-
-
 def measurements(name: str, families: list[str], points: list[Point], traces_of: dict, wrong: str = "uniform"):
     """One engine's measurements, family by family, each point in turn: {"family", "recall", "wrong", "trace"}."""
     return [
@@ -331,34 +184,6 @@ def config_for(name: str, first_trace: Path, experts: int) -> e2e.Config:
     for suffix in split_suffixes(stem)[1]:
         env.update(suffix_env(suffix))
     return e2e.Config(name, env)
-
-
-def prefetch_defaults() -> dict[str, str]:
-    """The plugin's default prefetch gate and budget, as the settings an engine's env would name them."""
-    settings = PagerSettings()
-    gate, budget = settings.prefetch_min_used_percent, settings.prefetch_budget
-    return {
-        "BIGMOE_PREFETCH_MIN_USED_PERCENT": str(MIN_USED_PERCENT if gate is None else gate),
-        "BIGMOE_PREFETCH_BUDGET": str(PREFETCH_BUDGET if budget is None else budget),
-    }
-
-
-def ran_current_defaults(row: dict, prefetch: bool) -> bool:
-    """Whether a row's engine named the plugin's current default eviction (and, for a prefetching row, its default
-    gate and budget) in its env. Engines name them since runs 12 and 13; older rows ran the defaults of their day."""
-    env = row.get("env") or {}
-    wanted = {"BIGMOE_EVICTION": PagerSettings().eviction, **(prefetch_defaults() if prefetch else {})}
-    return all(env.get(key) == value for key, value in wanted.items())
-
-
-def default_prefetch_suffix() -> str:
-    """The name suffixes that spell the plugin's default gate and budget ('+b1+gate25')."""
-    env = prefetch_defaults()
-    return f"+b{env['BIGMOE_PREFETCH_BUDGET']}+gate{env['BIGMOE_PREFETCH_MIN_USED_PERCENT']}"
-
-
-EVICTIONS = EVICTION_CHOICES
-"""What `~POLICY` may name: the engine setting BIGMOE_EVICTION's words."""
 
 
 def family_trace(work: Path, family: str) -> Path:
@@ -404,7 +229,8 @@ def _shape(shape: dict, layers: int) -> None:
 
 
 def configs(trace: Path, experts: int) -> dict[str, e2e.Config]:
-    """Named for the 256-expert model (102 = 40%, 32 = 1/8, 128 = 1/2 of the experts); the same shares otherwise."""
+    """Named for the 256-expert model (102 = 40%, 32 = 1/8, 128 = 1/2 of the experts); the same shares otherwise.
+    One per bench_names.BASES, in its order (the names parse_name knows)."""
     replay = {"BIGMOE_ROUTE_REPLAY": str(trace)}
     paged = {**replay, "BIGMOE_PAGER": "1", "BIGMOE_CUDA_GRAPHS": "1"}
     ranges, layerbuf = {"BIGMOE_PREFILL_BUFFER": "0"}, {"BIGMOE_PREFILL_BUFFER": "1"}
@@ -437,7 +263,7 @@ def use_smoke_shape() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.combine:
-        return combine(args.combine, args.out, args.path, args.recall_0_calls)
+        return bench_combine.combine(args.combine, args.out, args.path, args.recall_0_calls)
     if args.smoke:
         use_smoke_shape()
     deadline = time.monotonic() + args.budget_s
@@ -799,113 +625,6 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
     return out
 
 
-def family_ratios(
-    rows: dict[tuple[str, str], dict], every: dict | None = None, path: str = "", recall_0_calls: int = 1
-) -> dict[str, dict]:
-    """Per family, issue 15's ratios at prediction recall 0.8 (and without prefetch, and at recall 0, to compare);
-    `rows` ((family, name) -> row) is in recency order, `every` ((family, name) -> every row of that name, file by
-    file; default: the rows) pairs each row with the resident or offload17 row of its own call where there is one.
-    Each family's output names under "rows" the configuration each 102- and 32-slot ratio used, the first there
-    is of:
-    - with `path` (name suffixes), a prefetching row of that path (`bigmoe-N-layerbuf@r0.8` + path), the family's
-      output then naming it as "path";
-    - a plain name whose env names the plugin's current defaults (ran_current_defaults), the most recent;
-    - a prefetching row that names the default gate and budget in its suffix (default_prefetch_suffix);
-    - a row that names the default eviction (~POLICY);
-    - the plain name (the defaults of its day).
-    Recall 0 against no prefetch: only side by side, the mean ratio of the latest `recall_0_calls` calls that ran
-    both (recall_0_ratios), each call's ratio also listed."""
-    every = every if every is not None else {key: [r] for key, r in rows.items()}
-    out = {}
-    default = "~" + PagerSettings().eviction
-    prefetch = default_prefetch_suffix()
-    order = {key: i for i, key in enumerate(rows)}
-    for family in sorted({f for f, _ in rows}):
-        t = {name: r.get("tpot_ms") for (f, name), r in rows.items() if f == family}
-        ratios, used, sources = {}, {}, {}
-        for suffix, key in (("@r0.8", ""), ("", "_no_prefetch"), ("@r0", "_recall_0")):
-            # The plugin's default prefill (the whole-layer buffer) where it ran; decode is the same either way.
-            found = {}
-            for n in (102, 32):
-                plain = [f"bigmoe-{n}-layerbuf{suffix}{p}" for p in (default, "")] + [f"bigmoe-{n}{suffix}"]
-                current = [m for m in plain if ran_current_defaults(rows.get((family, m), {}), bool(suffix))]
-                current.sort(key=lambda m: order[family, m], reverse=True)  # the latest first
-                named = [f"bigmoe-{n}-layerbuf{suffix}{p}{prefetch}" for p in (default, "")] if suffix else []
-                on_path = [f"bigmoe-{n}-layerbuf{suffix}{path}"] if path and suffix else []
-                names = on_path + current + named + plain
-                found[n] = next((m for m in names if t.get(m)), None)
-                if found[n]:
-                    used[f"{n}{key}"] = found[n]
-            for n, ref, label, upward in (
-                (102, "offload17", "speedup_vs_offload17_at_102", True),
-                (102, "resident", "tpot_vs_resident_at_102", False),
-                (32, "offload17", "speedup_vs_offload17_at_32", True),
-            ):
-                mine, theirs, where = side_by_side(every, family, found[n], ref) if found[n] else (None, None, {})
-                if mine and theirs:
-                    ratios[label + key] = round(theirs / mine if upward else mine / theirs, 3)
-                    sources[label + key] = where
-        if used.get("102_recall_0") and used.get("102_no_prefetch"):
-            # Recall 0 against no prefetch straight, only where one call ran both (calls differ by 4-6%: run 33)
-            calls = recall_0_ratios(every, family, used["102_recall_0"], used["102_no_prefetch"])[-recall_0_calls:]
-            if calls:
-                ratios["recall_0_vs_no_prefetch_at_102"] = round(sum(c.ratio for c in calls) / len(calls), 3)
-                ratios["recall_0_vs_no_prefetch_calls"] = {c.source: round(c.ratio, 3) for c in calls}
-                ratios["recall_0_calls_ms"] = {c.source: c.report() for c in calls}
-                cards = {r.get("source"): r for r in every.get((family, used["102_recall_0"]), [])}
-                gpus = sorted({_card(cards[c.source]) for c in calls})
-                sources["recall_0_vs_no_prefetch_at_102"] = {
-                    "calls": [c.source for c in calls],
-                    "gpu": ", ".join(gpus),
-                    "side_by_side": True,
-                }
-        if path and any(m.endswith(path) for m in used.values()):
-            ratios["path"] = path
-        out[family] = {**ratios, "rows": used, "sources": sources}
-    return out
-
-
-@dataclass(frozen=True)
-class Recall0Call:
-    """One call's recall-0 row beside its no-prefetch row: TPOTs in ms, each configuration's engines averaged."""
-
-    source: str
-    """The result file."""
-    recall_0: list[float]
-    """TPOT of each engine of the recall-0 configuration (the row and its `#k` replicas)."""
-    no_prefetch: list[float]
-    """TPOT of each engine of the no-prefetch configuration."""
-
-    @property
-    def ratio(self) -> float:
-        return statistics.fmean(self.recall_0) / statistics.fmean(self.no_prefetch)
-
-    def report(self) -> dict[str, float]:
-        """The difference in ms beside the widest spread between engines of one configuration in the call (0 where
-        each ran one engine): a difference inside that spread says nothing about the build (run 40: up to 0.29 ms)."""
-        spread = max(max(t) - min(t) for t in (self.recall_0, self.no_prefetch))
-        diff = statistics.fmean(self.recall_0) - statistics.fmean(self.no_prefetch)
-        return {"difference": round(diff, 3), "engine_spread": round(spread, 3)}
-
-
-def recall_0_ratios(every: dict, family: str, name: str, ref: str) -> list[Recall0Call]:
-    """Each call (result file) that measured both `name` and `ref` in `family`, oldest first, with its replicas
-    (`name#2`, ...) beside the row they repeat."""
-
-    def by_call(base: str) -> dict[str, list[float]]:
-        tpots: dict[str, list[float]] = {}
-        for (f, n), found in every.items():
-            if f == family and (n == base or (n.startswith(base + "#") and n[len(base) + 1 :].isdigit())):
-                for r in found:
-                    if r.get("tpot_ms"):
-                        tpots.setdefault(r.get("source"), []).append(r["tpot_ms"])
-        return tpots
-
-    mine, theirs = by_call(name), by_call(ref)
-    order = [r.get("source") for r in every.get((family, name), [])]
-    return [Recall0Call(s, mine[s], theirs[s]) for s in dict.fromkeys(order) if s in mine and s in theirs]
-
-
 def gpu_name() -> str | None:
     """The first GPU's name as nvidia-smi gives it (None where there is none): combine pairs rows of one card."""
     try:
@@ -916,163 +635,6 @@ def gpu_name() -> str | None:
         return None
     names = done.stdout.strip().splitlines()
     return names[0].strip() if done.returncode == 0 and names else None
-
-
-def side_by_side(
-    every: dict, family: str, name: str, ref: str, fallback: bool = True
-) -> tuple[float | None, float | None, dict]:
-    """TPOTs of `name` and of the reference `ref` in `family`, from the latest call (result file) that measured
-    both: ratios are taken side by side in one call where one did; else (fallback) the latest row of `name` with a
-    reference measured on the same card (result files before run 35 name none: all the H200's, but run 34's, whose
-    card was added from the device's reply) and that card's latest reference; else none. The third item says where
-    the pair came from: the call of each row, the card, and whether one call ran both (machines of one card differ
-    by 10-20% in paged rows: run 43). Within each of those two steps the target card's rows come first, however
-    recent another card's are (run 49: a later H100 row would otherwise pair with an older H100 machine's reference
-    while the H200 had a pair of its own)."""
-    mine = sorted((r for r in every.get((family, name), []) if r.get("tpot_ms")), key=_on_target_card)
-    theirs = {r.get("source"): r for r in every.get((family, ref), []) if r.get("tpot_ms")}
-    for r in reversed(mine):
-        if r.get("source") in theirs:
-            return r["tpot_ms"], theirs[r["source"]]["tpot_ms"], _pair_source(r, theirs[r["source"]])
-    if not fallback:
-        return None, None, {}
-    for r in reversed(mine):
-        same_card = [o for o in every.get((family, ref), []) if o.get("tpot_ms") and o.get("gpu") == r.get("gpu")]
-        if same_card:
-            return r["tpot_ms"], same_card[-1]["tpot_ms"], _pair_source(r, same_card[-1])
-    return (mine[-1]["tpot_ms"] if mine else None), None, {}
-
-
-def _pair_source(row: dict, ref: dict) -> dict:
-    calls = dict.fromkeys([row.get("source"), ref.get("source")])
-    return {"calls": list(calls), "gpu": _card(row), "side_by_side": len(calls) == 1}
-
-
-TARGET_CARD = "H200"
-"""Issue 15's targets are the H200's: result files naming another card (`gpu`) keep their rows beside its rows
-(other_card_configs), not in their place; files before run 35 name no card (all the H200's but run 34's)."""
-
-
-def _on_target_card(row: dict) -> bool:
-    return TARGET_CARD in (row.get("gpu") or TARGET_CARD)  # files before run 35 name no card: the H200's
-
-
-def _card(row: dict) -> str:
-    return row.get("gpu") or "not named (files before run 35: the H200)"
-
-
-def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
-    """Top-level SSD figures: the SSD configuration's TPOT and TTFT over their disk floors, from the standard family
-    (else the first) at recall 0.8 with reads ahead, else at 0.8, else any SSD row; which row is named."""
-    ssd = [(f, n) for (f, n), r in rows.items() if "tpot_vs_disk_floor" in r]
-    if not ssd:
-        return {}
-    rank = lambda key: (key[0] != "standard", "@r0.8" not in key[1], not key[1].endswith(AHEAD), key)  # noqa: E731
-    family, name = min(ssd, key=rank)
-    r = rows[family, name]
-    return {
-        "ssd_tpot_vs_disk_floor": r["tpot_vs_disk_floor"],
-        "ssd_ttft_vs_disk_floor": r.get("ttft_vs_disk_floor"),
-        "ssd_floor_row": {"family": family, "name": name},
-    }
-
-
-IN_SOURCE_ONLY = ("tokens", "pager_totals", "timed_counters")
-"""Fields of another card's rows that the combined file leaves in their source files (see combine)."""
-
-
-def combine(files: list[Path], out: Path, path: str = "", recall_0_calls: int = 1) -> int:
-    """Merge result files (one per call) into one: their rows by (family, name), issue 15's ratios per family (of
-    the prefetch `path` where one is named: family_ratios), the SSD floors, and the targets those ratios meet."""
-    rows, every, other_cards = {}, {}, []
-    meta = {}
-    for f in files:
-        part = json.loads(f.read_text())
-        meta.setdefault("checkpoint", part.get("checkpoint"))
-        meta.setdefault("commands", []).append(part.get("command"))
-        if "gb_per_s" in (part.get("disk") or {}):
-            meta.setdefault("disk", part["disk"])
-        card = part.get("gpu")
-        for r in part["configs"]:  # a later file's row replaces an earlier one's and moves to the end (recency)
-            key = (r.get("family", "standard"), r["name"])
-            row = {**r, "source": f.name, **({"gpu": card} if card else {})}
-            if not _on_target_card(row):
-                other_cards.append(row)
-            else:
-                rows.pop(key, None)
-                rows[key] = row
-            every.setdefault(key, []).append(row)
-    tpot = {name: r.get("tpot_ms") for (family, name), r in rows.items() if family == "standard"}
-    for r in [*rows.values(), *other_cards]:
-        # Greedy tokens of the timed request: which configurations of its family (on the target card) produced
-        # exactly the same.
-        if r.get("tokens") is not None:
-            family = r.get("family", "standard")
-            r["same_tokens_as"] = [
-                n for (f, n), o in rows.items() if f == family and o is not r and o.get("tokens") == r["tokens"]
-            ]
-    for (family, name), r in rows.items():
-        resident = rows.get((family, "resident"), {}).get("tpot_ms")
-        if r.get("tpot_ms") and resident and name != "resident":
-            # What the GPU spends per token beyond the resident engine: waits for copies and reads, and the pager's
-            # own kernels (a replayed CUDA graph cannot tell the two apart).
-            r["beyond_resident_ms_per_token"] = round(r["tpot_ms"] - resident, 3)
-    families = family_ratios(rows, every, path, recall_0_calls)
-    report = {**meta, "configs": list(rows.values()), "families": families, **ssd_ratios(rows)}
-    if other_cards:
-        # Their tokens and raw counters stay in their source files: same_tokens_as above is the tokens' verdict and
-        # the per-token figures (hit rates, bytes, prefetch) the counters' digest; kept here they would grow the
-        # combined file by about 4 KB a row each call (the tree travels to the GPU, 12 MiB at most).
-        report["other_card_configs"] = [{k: v for k, v in r.items() if k not in IN_SOURCE_ONLY} for r in other_cards]
-    report["issue15_targets"] = issue15_targets(families, report)
-    if tpot.get("bigmoe-102") and tpot.get("offload17") and tpot.get("resident"):
-        report["speedup_vs_offload17_at_102"] = round(tpot["offload17"] / tpot["bigmoe-102"], 3)
-        report["tpot_vs_resident_at_102"] = round(tpot["bigmoe-102"] / tpot["resident"], 3)
-        report["targets"] = {
-            "102 slots <= 1.6x resident": report["tpot_vs_resident_at_102"] <= 1.6,
-            "102 slots >= 2.5x faster than offload17": report["speedup_vs_offload17_at_102"] >= 2.5,
-            "32 slots faster than offload17": bool(tpot.get("bigmoe-32")) and tpot["bigmoe-32"] < tpot["offload17"],
-        }
-    e2e.write_json(out, report)
-    for r in report["configs"]:
-        print(
-            f"{r.get('family', 'standard'):12s} {r['name']:28s} TPOT {r.get('tpot_ms')} ms  TTFT {r.get('ttft_ms')} ms"
-            f"  hit {r.get('decode_hit_rate')}  PCIe GB/token {r.get('pcie_gb_per_token')}"
-            f"  SSD GB/token {r.get('ssd_gb_per_token')}  same tokens as: {r.get('same_tokens_as', '-')}"
-            f"  {r.get('error', '')}"
-        )
-    print({k: v for k, v in report.items() if k not in ("configs", "checkpoint", "commands")})
-    return 0
-
-
-def issue15_targets(families: dict[str, dict], report: dict) -> dict:
-    """Issue 15's targets, each met (True), missed (False) or not measured (absent)."""
-    out = {}
-    for family, r in families.items():
-        checks = {
-            "102 slots <= 1.3x resident at recall 0.8": ("tpot_vs_resident_at_102", lambda v: v <= 1.3),
-            "102 slots >= 3x faster than offload17 at recall 0.8": ("speedup_vs_offload17_at_102", lambda v: v >= 3),
-            "32 slots >= 2x faster than offload17 at recall 0.8": ("speedup_vs_offload17_at_32", lambda v: v >= 2),
-        }
-        got = {label: ok(r[key]) for label, (key, ok) in checks.items() if key in r}
-        # The two rows side by side where one call ran both; else both over the resident engine where measured
-        # (each paired within its own call), else over offload17; a slower row is a larger TPOT over resident, a
-        # smaller speedup over offload17.
-        at0, plain = r.get("tpot_vs_resident_at_102_recall_0"), r.get("tpot_vs_resident_at_102_no_prefetch")
-        if "recall_0_vs_no_prefetch_at_102" in r:
-            got["102 slots at recall 0 no slower than without prefetch"] = r["recall_0_vs_no_prefetch_at_102"] <= 1.0
-        elif at0 and plain:
-            got["102 slots at recall 0 no slower than without prefetch"] = at0 <= plain
-        else:
-            at0 = r.get("speedup_vs_offload17_at_102_recall_0")
-            plain = r.get("speedup_vs_offload17_at_102_no_prefetch")
-            if at0 and plain:
-                got["102 slots at recall 0 no slower than without prefetch"] = at0 >= plain
-        out[family] = got
-    for key, label in (("ssd_tpot_vs_disk_floor", "TPOT"), ("ssd_ttft_vs_disk_floor", "TTFT")):
-        if report.get(key):
-            out.setdefault("ssd", {})[f"32/128/SSD {label} within 1.3x of its disk floor"] = report[key] <= 1.3
-    return out
 
 
 if __name__ == "__main__":

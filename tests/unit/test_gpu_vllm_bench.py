@@ -1,13 +1,16 @@
-"""scripts/gpu_vllm_bench.py's configuration names (@r[RECALL], ~POLICY, +ahead), the measurements one engine makes
-(every family, every recall), its prediction traces, the rows of an engine's run, the SSD floors and the per-family
-ratios of --combine (the H200 run itself is the lead's)."""
+"""The bench's configuration names (@r[RECALL], ~POLICY, +ahead: scripts/bench_names.py), the measurements one engine
+makes (every family, every recall), its prediction traces, the rows of an engine's run, the SSD floors
+(scripts/gpu_vllm_bench.py) and the per-family ratios of --combine (scripts/bench_combine.py; the H200 run itself is
+the lead's)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import gpu_vllm_bench as bench  # scripts/ is on pytest's pythonpath (pyproject)
+import bench_combine  # scripts/ is on pytest's pythonpath (pyproject)
+import bench_names
+import gpu_vllm_bench as bench
 import numpy as np
 import pytest
 from bigmoe_bench import traces
@@ -22,24 +25,24 @@ DEFAULT_EVICTION = PagerSettings().eviction
     [
         ("bigmoe-102", ("bigmoe-102", None, None)),
         ("bigmoe-102@r0.8", ("bigmoe-102", 0.8, None)),
-        ("bigmoe-102@r", ("bigmoe-102", bench.EVERY, None)),
+        ("bigmoe-102@r", ("bigmoe-102", bench_names.EVERY, None)),
         ("bigmoe-32@r1~lru", ("bigmoe-32", 1.0, "lru")),
         ("offload17~lfu-fast", ("offload17", None, "lfu-fast")),
         ("bigmoe-32-ram128-ssd@r0.8~lfu-duel+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lfu-duel")),
         ("bigmoe-32-ram128-ssd@r0.8~lru+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
-        ("bigmoe-32-ram128-ssd@r+ahead", ("bigmoe-32-ram128-ssd", bench.EVERY, None)),
-        ("bigmoe-102-layerbuf@r+hi", ("bigmoe-102-layerbuf", bench.EVERY, None)),
+        ("bigmoe-32-ram128-ssd@r+ahead", ("bigmoe-32-ram128-ssd", bench_names.EVERY, None)),
+        ("bigmoe-102-layerbuf@r+hi", ("bigmoe-102-layerbuf", bench_names.EVERY, None)),
         ("bigmoe-32-ram128-ssd@r0.8~lru+hi+ahead", ("bigmoe-32-ram128-ssd", 0.8, "lru")),
         ("bigmoe-32-ram128-ssd-layerbuf@r0.8+ahead4", ("bigmoe-32-ram128-ssd-layerbuf", 0.8, None)),
         ("bigmoe-102-layerbuf#2", ("bigmoe-102-layerbuf", None, None)),
         ("bigmoe-102-layerbuf@r0.8+b1+gate0", ("bigmoe-102-layerbuf", 0.8, None)),
-        ("bigmoe-102-layerbuf@r~lru+gate50#12", ("bigmoe-102-layerbuf", bench.EVERY, "lru")),
+        ("bigmoe-102-layerbuf@r~lru+gate50#12", ("bigmoe-102-layerbuf", bench_names.EVERY, "lru")),
         ("bigmoe-102-layerbuf@r0.8+b1+gate25", ("bigmoe-102-layerbuf", 0.8, None)),
-        ("bigmoe-102-layerbuf@r+gate100+b12+hi", ("bigmoe-102-layerbuf", bench.EVERY, None)),
+        ("bigmoe-102-layerbuf@r+gate100+b12+hi", ("bigmoe-102-layerbuf", bench_names.EVERY, None)),
     ],
 )
 def test_names_parse(name, parsed):
-    assert bench.parse_name(name) == parsed
+    assert bench_names.parse_name(name) == parsed
 
 
 def test_a_second_engine_of_one_configuration_runs_it_alike_under_its_own_rows(tmp_path):
@@ -48,11 +51,12 @@ def test_a_second_engine_of_one_configuration_runs_it_alike_under_its_own_rows(t
     )
     assert one.env == two.env and one.name != two.name
     assert (
-        bench.row_name("bigmoe-32@r~lru+gate50#2", bench.Point(0.8, "popular")) == "bigmoe-32@r0.8:popular~lru+gate50#2"
+        bench_names.row_name("bigmoe-32@r~lru+gate50#2", bench_names.Point(0.8, "popular"))
+        == "bigmoe-32@r0.8:popular~lru+gate50#2"
     )
-    assert bench.recalls_of("bigmoe-32@r#2", [bench.Point(0.0), bench.Point(1.0)]) == [
-        bench.Point(0.0),
-        bench.Point(1.0),
+    assert bench_names.recalls_of("bigmoe-32@r#2", [bench_names.Point(0.0), bench_names.Point(1.0)]) == [
+        bench_names.Point(0.0),
+        bench_names.Point(1.0),
     ]
 
 
@@ -149,19 +153,21 @@ def test_family_and_recall_lists(argv, families, recalls, tmp_path):
     ],
 )
 def test_one_engine_measures_every_family_and_recall_in_turn(name, rows):
-    points = [bench.Point(0.0), bench.Point(0.8)]
+    points = [bench_names.Point(0.0), bench_names.Point(0.8)]
     traces_of = {(f, p): Path(f"{f}-{p}") for f in ("standard", "topic-shift") for p in (None, *points)}
     todo = bench.measurements(name, ["standard", "topic-shift"], points, traces_of)
     named = [
-        (bench.row_name(name, m["recall"] is not None and bench.Point(m["recall"], m["wrong"]) or None), m)
+        (bench_names.row_name(name, m["recall"] is not None and bench_names.Point(m["recall"], m["wrong"]) or None), m)
         for m in todo
     ]
     assert [(n, m["family"], m["recall"]) for n, m in named] == rows
-    assert [m["trace"] for m in todo] == [str(traces_of[f, r if r is None else bench.Point(r)]) for _, f, r in rows]
+    assert [m["trace"] for m in todo] == [
+        str(traces_of[f, r if r is None else bench_names.Point(r)]) for _, f, r in rows
+    ]
 
 
 def test_points_with_other_wrong_ids_are_measured_by_the_same_engine_and_named_apart():
-    points = bench.parse_points("0,0:none,0.8,0.8:popular", "uniform")
+    points = bench_names.parse_points("0,0:none,0.8,0.8:popular", "uniform")
     traces_of = {("standard", p): Path(f"standard-{p.recall}-{p.wrong}") for p in points}
     todo = bench.measurements("bigmoe-102@r", ["standard"], points, traces_of)
     assert [(m["recall"], m["wrong"]) for m in todo] == [
@@ -171,7 +177,7 @@ def test_points_with_other_wrong_ids_are_measured_by_the_same_engine_and_named_a
         (0.8, "popular"),
     ]
     assert len({m["trace"] for m in todo}) == 4
-    names = [bench.row_name("bigmoe-102@r~lru", bench.Point(m["recall"], m["wrong"])) for m in todo]
+    names = [bench_names.row_name("bigmoe-102@r~lru", bench_names.Point(m["recall"], m["wrong"])) for m in todo]
     assert names == [
         "bigmoe-102@r0~lru",
         "bigmoe-102@r0:none~lru",
@@ -216,15 +222,16 @@ def test_prediction_traces_have_one_shape_at_every_recall_and_the_family_trace_r
     )
 
 
-@pytest.mark.parametrize("policy", bench.EVICTIONS)
+@pytest.mark.parametrize("policy", bench_names.EVICTIONS)
 def test_every_policy_suffix_sets_an_eviction_the_engine_takes(policy, tmp_path):
     name = f"bigmoe-32@r0.8~{policy}"
-    assert bench.row_name(f"bigmoe-32@r~{policy}", bench.Point(0.8)) == name
+    assert bench_names.row_name(f"bigmoe-32@r~{policy}", bench_names.Point(0.8)) == name
     env = bench.config_for(name, tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env({"BIGMOE_EVICTION": env["BIGMOE_EVICTION"]}).eviction == policy
 
 
 def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
+    assert tuple(bench.configs(tmp_path / "first.npz", 32)) == bench_names.BASES  # every name parse_name knows runs
     env = bench.config_for("bigmoe-32-ram128-ssd@r~lru+ahead", tmp_path / "first.npz", 32).env
     assert env["BIGMOE_ROUTE_REPLAY"] == str(tmp_path / "first.npz") and env["BIGMOE_EVICTION"] == "lru"
     assert env["BIGMOE_SSD_READ_AHEAD"] == "1" and env["BIGMOE_RAM_SLOTS"] == "16"
@@ -234,7 +241,7 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert "BIGMOE_PREFETCH_HIGH_PRIORITY" not in env and "BIGMOE_SSD_READ_AHEAD_LAYERS" not in env
     for gone in ("+one", "+edges", "+poll-once", "+bare", "+nowait", "+instep", "+idle16"):  # removed (session 35)
         with pytest.raises(ValueError):
-            bench.parse_name(f"bigmoe-102@r0+one-node+host{gone}")
+            bench_names.parse_name(f"bigmoe-102@r0+one-node+host{gone}")
     node = PagerSettings.from_env(bench.config_for("bigmoe-102@r0.8+one-node", tmp_path / "f.npz", 32).env)
     assert node.prefetch_one_node is True and node.prefetch_one_node_programs == 0
     narrow = PagerSettings.from_env(bench.config_for("bigmoe-102@r0+one-node+nodes4", tmp_path / "f.npz", 32).env)
@@ -258,7 +265,7 @@ def test_a_configuration_starts_on_its_first_trace_with_its_suffixes(tmp_path):
     assert PagerSettings.from_env(native).ssd_reader == "native"  # no @r needed either
     assert PagerSettings.from_env(switched).ssd_reader == "python"
     with pytest.raises(ValueError):  # a prefetch suffix still needs @r, beside an engine suffix too
-        bench.parse_name("bigmoe-102+creader+host")
+        bench_names.parse_name("bigmoe-102+creader+host")
     every = bench.config_for("bigmoe-102@r0+one-node+host+every-forward", tmp_path / "f.npz", 32).env
     assert PagerSettings.from_env(every).prefetch_chained_only is False
     assert PagerSettings.from_env({}).prefetch_chained_only is None
@@ -269,7 +276,7 @@ def test_a_prefetching_engine_names_the_gate_and_budget_it_ran_even_the_defaults
     settings = PagerSettings.from_env(plain)
     assert (
         settings.prefetch_budget == PREFETCH_BUDGET
-        and bench.default_prefetch_suffix() == f"+b{PREFETCH_BUDGET}+gate{MIN_USED_PERCENT}"
+        and bench_names.default_prefetch_suffix() == f"+b{PREFETCH_BUDGET}+gate{MIN_USED_PERCENT}"
     )
     assert settings.prefetch_min_used_percent == int(plain["BIGMOE_PREFETCH_MIN_USED_PERCENT"])
     assert "BIGMOE_PREFETCH_BUDGET" not in bench.config_for("bigmoe-102", tmp_path / "f.npz", 32).env
@@ -350,14 +357,14 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
         }
 
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    current = {"BIGMOE_EVICTION": DEFAULT_EVICTION, **bench.prefetch_defaults()}
+    current = {"BIGMOE_EVICTION": DEFAULT_EVICTION, **bench_names.prefetch_defaults()}
     standard = [
         ("resident", 4.0, {}),
         ("offload17", 15.0, {}),
         ("bigmoe-102", 5.0, {}),
         ("bigmoe-102@r0", 5.2, {}),
         ("bigmoe-102@r0.8", 4.9, {}),
-        (f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}", 5.0, {}),
+        (f"bigmoe-102-layerbuf@r0.8{bench_names.default_prefetch_suffix()}", 5.0, {}),
         ("bigmoe-102-layerbuf@r0.8", 4.8, {"env": current}),  # a later engine's plain name wins
         ("bigmoe-32@r0.8", 6.0, {}),
         (f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}", 7.5, {"env": {"BIGMOE_EVICTION": DEFAULT_EVICTION}}),
@@ -374,7 +381,7 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
                     ("resident", 4.0, {}),
                     ("offload17", 15.0, {}),
                     ("bigmoe-102-layerbuf@r0.8", 5.6, {}),
-                    (f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}", 5.0, {}),  # ran the defaults
+                    (f"bigmoe-102-layerbuf@r0.8{bench_names.default_prefetch_suffix()}", 5.0, {}),  # ran the defaults
                     ("bigmoe-32-layerbuf", 7.5, {}),
                     (f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}", 6.0, {}),  # the default policy's row wins
                     ("bigmoe-102-layerbuf", 5.2, {"env": {"BIGMOE_EVICTION": "lru"}}),  # not today's default
@@ -383,7 +390,7 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
             )
         )
     )
-    assert bench.combine([a, b], out) == 0
+    assert bench_combine.combine([a, b], out) == 0
     report = json.loads(out.read_text())
     std, shift = report["families"]["standard"], report["families"]["topic-shift"]
     assert std["speedup_vs_offload17_at_102"] == 3.125 and std["tpot_vs_resident_at_102"] == 1.2
@@ -399,7 +406,7 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
         "speedup_vs_offload17_at_102_no_prefetch": 2.778,
         "tpot_vs_resident_at_102_no_prefetch": 1.35,
         "rows": {
-            "102": f"bigmoe-102-layerbuf@r0.8{bench.default_prefetch_suffix()}",
+            "102": f"bigmoe-102-layerbuf@r0.8{bench_names.default_prefetch_suffix()}",
             "32_no_prefetch": f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}",
             "102_no_prefetch": f"bigmoe-102-layerbuf~{DEFAULT_EVICTION}",
         },
@@ -477,7 +484,7 @@ def test_combine_takes_each_ratio_side_by_side_in_one_call_and_from_the_named_pa
         ),
     ]
     out = tmp_path / "prefetch.json"
-    assert bench.combine(files, out, path) == 0
+    assert bench_combine.combine(files, out, path) == 0
     std = json.loads(out.read_text())["families"]["standard"]
     assert std["tpot_vs_resident_at_102"] == 1.4  # call r's 4.9 over call r's resident, not call t's 4.8
     assert std["speedup_vs_offload17_at_102"] == 2.917  # call t's offload17 over call t's 4.8, not call s's 15.0
@@ -488,7 +495,7 @@ def test_combine_takes_each_ratio_side_by_side_in_one_call_and_from_the_named_pa
     assert std["sources"]["speedup_vs_offload17_at_102"]["calls"] == ["t.json"]
     assert all(s["side_by_side"] for s in std["sources"].values())
 
-    assert bench.combine(files, out) == 0  # no path: the default path's rows, and no "path" named
+    assert bench_combine.combine(files, out) == 0  # no path: the default path's rows, and no "path" named
     std = json.loads(out.read_text())["families"]["standard"]
     assert std["speedup_vs_offload17_at_32"] == round(15.0 / 7.0, 3) and "path" not in std
 
@@ -529,7 +536,7 @@ def test_recall_0_is_judged_against_no_prefetch_in_the_latest_call_that_ran_both
         f.write_text(json.dumps({"command": f"call {i}", "configs": configs, **({"gpu": card} if card else {})}))
         files.append(f)
     out = tmp_path / "prefetch.json"
-    assert bench.combine(files, out, "+one-node+host+chained-only") == 0
+    assert bench_combine.combine(files, out, "+one-node+host+chained-only") == 0
     report = json.loads(out.read_text())
     assert report["families"]["standard"].get("recall_0_vs_no_prefetch_at_102") == ratio
     assert report["issue15_targets"]["standard"]["102 slots at recall 0 no slower than without prefetch"] is met
@@ -575,7 +582,7 @@ def test_a_ratio_takes_the_target_cards_pair_before_a_later_one_of_another_card(
         configs = [{"name": r0 if n == "R0" else n, "tpot_ms": t} for n, t in rows]
         files[-1].write_text(json.dumps({"command": name, "configs": configs, **({"gpu": card} if card else {})}))
     out = tmp_path / "prefetch.json"
-    assert bench.combine(files, out, "+one-node+host+chained-only") == 0
+    assert bench_combine.combine(files, out, "+one-node+host+chained-only") == 0
     standard = json.loads(out.read_text())["families"]["standard"]
     assert standard["speedup_vs_offload17_at_102_recall_0"] == ratio
     source = standard["sources"]["speedup_vs_offload17_at_102_recall_0"]
@@ -670,7 +677,7 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
         )
     )
     out = tmp_path / "prefetch.json"
-    assert bench.combine([older, later], out, "+one-node+host+chained-only") == 0
+    assert bench_combine.combine([older, later], out, "+one-node+host+chained-only") == 0
     report = json.loads(out.read_text())
     assert report["families"]["standard"]["tpot_vs_resident_at_102_recall_0"] == 1.5  # 5.25 / 3.5, not 5.6 / 3.5
     source = report["families"]["standard"]["sources"]["tpot_vs_resident_at_102_recall_0"]
@@ -682,7 +689,7 @@ def test_a_ratio_from_two_calls_pairs_rows_of_one_card(tmp_path):
     # Its tokens are judged against the H200's rows, then left in its source file
     assert report["other_card_configs"][0]["same_tokens_as"] == [r0]
     # ...and its raw counters too; their digest (the hit rates) stays
-    assert not set(bench.IN_SOURCE_ONLY) & set(report["other_card_configs"][0])
+    assert not set(bench_combine.IN_SOURCE_ONLY) & set(report["other_card_configs"][0])
     assert report["other_card_configs"][0]["decode_hit_rate"] == {"vram": 0.9}
 
 
@@ -699,7 +706,7 @@ def test_a_ratio_no_call_measured_whole_names_both_calls_and_says_so(tmp_path):
         configs = [{"name": n, "tpot_ms": t} for n, t in rows]
         files[-1].write_text(json.dumps({"command": name, "configs": configs, **({"gpu": card} if card else {})}))
     out = tmp_path / "prefetch.json"
-    assert bench.combine(files, out, "+one-node+host+chained-only") == 0
+    assert bench_combine.combine(files, out, "+one-node+host+chained-only") == 0
     standard = json.loads(out.read_text())["families"]["standard"]
     assert standard["tpot_vs_resident_at_102_recall_0"] == 1.4  # 5.6 / 4.0, two calls of one card
     assert standard["sources"]["tpot_vs_resident_at_102_recall_0"] == {
