@@ -104,15 +104,23 @@ def split_name(name: str) -> tuple[str, float | None]:
     return (base, value) if value is None or 0.0 <= value <= 1.0 else (name, None)
 
 
-def with_suffixes(name: str, named: dict, work: Path, trace: Path, args, experts: int) -> tuple[e2e.Config, dict]:
+def predicted_trace(trace: Path, recall: float, precision: float, experts: int) -> Path:
+    """`trace` with next-layer predictions at (recall, precision) added, written beside it. Made afresh on every
+    call: the family trace itself is rewritten each run for the model at hand, so a kept file could carry another
+    checkpoint's layers or experts."""
+    path = trace.with_name(f"{trace.stem}-r{recall:g}-p{precision:g}.npz")
+    ids = traces.load_trace(trace, experts)
+    traces.save_trace(path, ids, traces.predictions(ids, recall, precision, experts))
+    return path
+
+
+def with_suffixes(name: str, named: dict, trace: Path, precision: float, experts: int) -> tuple[e2e.Config, dict]:
     """The named configuration with its @rX (replayed predictions) and +ahead (SSD read-ahead) applied."""
     base, recall = split_name(name)
     config, extra = named[base]
     env = dict(config.env)
     if recall is not None:
-        env["BIGMOE_ROUTE_REPLAY"] = str(
-            bench.predicted_trace(work, trace, args.family, recall, args.precision, experts)
-        )
+        env["BIGMOE_ROUTE_REPLAY"] = str(predicted_trace(trace, recall, precision, experts))
     if name.endswith(bench_names.AHEAD):
         env["BIGMOE_SSD_READ_AHEAD"] = "1"
     return e2e.Config(name, env), extra
@@ -130,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", default="standard", help="routing family of scripts/traces.py (docs/routing.md)")
     p.add_argument("--precision", type=float, default=0.5, help="precision of the predictions of @rX names")
     args = p.parse_args(argv)
+    if not 0.0 < args.precision <= 1.0:
+        p.error(f"--precision is the share of a proposal that is right, in (0, 1]; got {args.precision}")
     for name in args.configs.split(","):
         base, recall = split_name(name)
         suffixed = recall is not None or name.endswith(bench_names.AHEAD)
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for config, extra in configs(trace, numbers, args.vram_slots, args.ram_slots, offload_gib)
     }
     for name in args.configs.split(","):
-        config, extra = with_suffixes(name, named, work, trace, args, numbers["experts"])
+        config, extra = with_suffixes(name, named, trace, args.precision, numbers["experts"])
         if time.monotonic() >= deadline:
             row = e2e.skipped(config, "time budget spent")
         else:
