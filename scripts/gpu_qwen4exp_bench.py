@@ -18,7 +18,8 @@ random routers route almost uniformly). Configurations run one after another in 
     bigmoe-4090-nongram  the same with vLLM's own n-gram table (separates the n-gram pager's cost)
     bigmoe-allram   bigmoe-4090's VRAM slots with every expert in RAM (no SSD tier): the offload run's RAM
 
-A bigmoe name may end in @rX (the trace also carries next-layer predictions at recall X, precision --precision:
+A bigmoe name may end in @rX (the trace also carries next-layer predictions at recall X; a top-k proposal of k ids
+per row, so precision = recall, as scripts/gpu_vllm_bench.py makes them, unless --precision is given:
 the pager prefetches them, issue 15) and then +ahead (the same predictions post SSD reads ahead of need), as in
 scripts/gpu_vllm_bench.py: bigmoe-4090@r0.8+ahead. --family picks the routing family (docs/routing.md).
 """
@@ -104,17 +105,20 @@ def split_name(name: str) -> tuple[str, float | None]:
     return (base, value) if value is None or 0.0 <= value <= 1.0 else (name, None)
 
 
-def predicted_trace(trace: Path, recall: float, precision: float, experts: int) -> Path:
-    """`trace` with next-layer predictions at (recall, precision) added, written beside it. Made afresh on every
-    call: the family trace itself is rewritten each run for the model at hand, so a kept file could carry another
-    checkpoint's layers or experts."""
-    path = trace.with_name(f"{trace.stem}-r{recall:g}-p{precision:g}.npz")
+def predicted_trace(trace: Path, recall: float, precision: float | None, experts: int) -> Path:
+    """`trace` with next-layer predictions at (recall, precision; None: top-k) added, written beside it. Made afresh
+    on every call: the family trace itself is rewritten each run for the model at hand, so a kept file could carry
+    another checkpoint's layers or experts."""
+    tag = "topk" if precision is None else f"p{precision:g}"
+    path = trace.with_name(f"{trace.stem}-r{recall:g}-{tag}.npz")
     ids = traces.load_trace(trace, experts)
     traces.save_trace(path, ids, traces.predictions(ids, recall, precision, experts))
     return path
 
 
-def with_suffixes(name: str, named: dict, trace: Path, precision: float, experts: int) -> tuple[e2e.Config, dict]:
+def with_suffixes(
+    name: str, named: dict, trace: Path, precision: float | None, experts: int
+) -> tuple[e2e.Config, dict]:
     """The named configuration with its @rX (replayed predictions) and +ahead (SSD read-ahead) applied."""
     base, recall = split_name(name)
     config, extra = named[base]
@@ -136,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-qwen4exp-bench"))
     p.add_argument("--budget-s", type=float, default=560.0)
     p.add_argument("--family", default="standard", help="routing family of scripts/traces.py (docs/routing.md)")
-    p.add_argument("--precision", type=float, default=0.5, help="precision of the predictions of @rX names")
+    p.add_argument(
+        "--precision",
+        type=float,
+        default=None,
+        help="precision of the predictions of @rX names (default: a top-k proposal, so precision = recall)",
+    )
     args = p.parse_args(argv)
-    if not 0.0 < args.precision <= 1.0:
+    if args.precision is not None and not 0.0 < args.precision <= 1.0:
         p.error(f"--precision is the share of a proposal that is right, in (0, 1]; got {args.precision}")
     for name in args.configs.split(","):
         base, recall = split_name(name)
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "pager_vram_gib": round(on_gpu / GIB, 2),
         "offload_gib": round(offload_gib, 2),
         "family": args.family,
+        "precision": args.precision or "top-k",  # of the @rX rows' predictions
         "configs": [],
     }
     named = {

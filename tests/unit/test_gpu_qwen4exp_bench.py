@@ -37,11 +37,12 @@ def family_trace(tmp_path: Path, numbers: dict) -> Path:
         ("bigmoe-4090-nongram@r0+ahead", 0.0, True),
     ],
 )
+@pytest.mark.parametrize("precision", [None, 0.5], ids=["top-k", "precision-0.5"])
 def test_a_name_replays_predictions_at_its_recall_for_the_checkpoints_experts(
-    name, recall, ahead, numbers, family_trace
+    name, recall, ahead, precision, numbers, family_trace
 ):
     named = {c.name: (c, extra) for c, extra in q4x.configs(family_trace, numbers, 35, 218, 6.4)}
-    config, _ = q4x.with_suffixes(name, named, family_trace, 0.5, numbers["experts"])
+    config, _ = q4x.with_suffixes(name, named, family_trace, precision, numbers["experts"])
     assert config.name == name
     assert (config.env.get("BIGMOE_SSD_READ_AHEAD") == "1") is ahead
     replay = Path(config.env["BIGMOE_ROUTE_REPLAY"])
@@ -59,6 +60,12 @@ def test_a_name_replays_predictions_at_its_recall_for_the_checkpoints_experts(
             hits += len(nxt & set(predicted[t, layer].tolist()))
             needed += len(nxt)
     assert hits / needed == pytest.approx(recall, abs=0.02)
+    proposed = int((predicted[:, :-1] >= 0).sum())
+    wanted = recall if precision is None else precision  # top-k proposes k ids a row: precision = recall
+    if proposed:
+        assert hits / proposed == pytest.approx(wanted, abs=0.03)
+    if precision is None:
+        assert predicted.shape[2] == numbers["top_k"]
 
 
 def test_a_second_checkpoint_in_the_same_workdir_gets_its_own_predictions(tmp_path: Path):
