@@ -130,6 +130,19 @@ def with_suffixes(
     return e2e.Config(name, env), extra
 
 
+def report_row(row: dict) -> dict:
+    """One configuration's report row from e2e.run_config's: its name, env and seconds, the engine's facts
+    (gpu_vllm_bench.ENGINE_FIELDS) and the summary of its one measurement (gpu_vllm_bench.summarize), or its error."""
+    head = {k: row[k] for k in ("name", "env", "seconds") if k in row}
+    if "error" in row:
+        return {**head, "error": row["error"]}
+    result = row["result"]
+    measurements = result.get("measurements") or []
+    if not measurements:
+        return {**head, "error": "the engine returned no measurement"}
+    return {**head, **{k: result.get(k) for k in bench.ENGINE_FIELDS}, **bench.summarize(measurements[0])}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True, help="a Qwen4Exp checkpoint (scripts/make_qwen4exp.py)")
@@ -200,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             row = e2e.skipped(config, "time budget spent")
         else:
             row = e2e.run_config(config, {**spec, **extra}, work, logs, deadline)
-        report["configs"].append(bench.summarize(row))
+        report["configs"].append(report_row(row))
         e2e.write_json(out, report)
         print(json.dumps(report["configs"][-1]), flush=True)
     tpot = {r["name"]: r.get("tpot_ms") for r in report["configs"]}

@@ -3,6 +3,7 @@ recall X for the checkpoint's own experts, +ahead turns on SSD read-ahead (the G
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gpu_qwen4exp_bench as q4x  # scripts/ is on pytest's pythonpath (pyproject)
@@ -84,3 +85,106 @@ def test_a_precision_outside_its_range_is_one_clear_line(precision, tmp_path: Pa
         q4x.main(["--model", str(tmp_path), "--out", str(tmp_path / "o.json"), "--precision", precision])
     assert exit_.value.code == 2
     assert "--precision is the share of a proposal that is right" in capsys.readouterr().err
+
+
+TINY_QWEN4EXP = dict(  # a few MB of fp8: enough for the bench's own reading of a checkpoint
+    layers=3,
+    experts=12,
+    top_k=4,
+    hidden=128,
+    moe_intermediate=128,
+    shared_intermediate=128,
+    vocab=1024,
+    heads=2,
+    kv_heads=1,
+    head_dim=128,
+    linear_key_heads=1,
+    linear_value_heads=2,
+    linear_head_dim=128,
+    hc_count=2,
+    hc_lowrank=16,
+    indexer_heads=1,
+    indexer_head_dim=64,
+    indexer_budget=64,
+    ngram_vocab_base=1024,
+    ngram_parts=3,
+)
+
+
+def test_the_bench_reads_the_checkpoint_and_names_each_rows_trace_before_any_engine(tmp_path: Path, capsys):
+    """--budget-s 0: every row is reported as not run, after the bench has read the checkpoint's numbers and written
+    the family trace and each @rX row's predictions (what broke before any engine started, session 62)."""
+    from bigmoe.model.tinymoe.qwen4exp import make_qwen4exp
+    from bigmoe.model.tinymoe.qwen4exp_shape import Qwen4ExpShape
+
+    model = make_qwen4exp(tmp_path / "ckpt", Qwen4ExpShape(**TINY_QWEN4EXP), "fp8", seed=0, with_tokenizer=False)
+    out = tmp_path / "bench.json"
+    names = ["bigmoe-4090", "bigmoe-4090@r0.8+ahead"]
+    argv = ["--model", str(model), "--out", str(out), "--configs", ",".join(names), "--budget-s", "0"]
+    code = q4x.main([*argv, "--workdir", str(tmp_path / "work"), "--vram-slots", "4", "--ram-slots", "8"])
+    report = json.loads(out.read_text())
+    assert code == 1 and [row["name"] for row in report["configs"]] == names
+    assert all(row["error"] == "not run: time budget spent" for row in report["configs"])
+    assert (report["experts"], report["top_k"], report["precision"]) == (12, 4, "top-k")
+    plain, predicted = (Path(row["env"]["BIGMOE_ROUTE_REPLAY"]) for row in report["configs"])
+    assert traces.load_predictions(plain, 12) is None
+    assert traces.load_predictions(predicted, 12).shape[1:] == (3, 4)
+    assert predicted.parent == tmp_path / "work" and report["configs"][1]["env"]["BIGMOE_SSD_READ_AHEAD"] == "1"
+
+
+def child_result(tpot_ms: float) -> dict:
+    """What scripts/vllm_e2e_child.py's bench task writes for one engine (bench_all: one measurement, no trace list)."""
+    decode = {
+        "vram": {"lookups": 1000, "hits": 770, "bytes_moved": 0, "prefetched": 512, "prefetch_used": 200},
+        "ram": {"lookups": 230, "hits": 170, "bytes_moved": 11_500_000_000},
+        "ssd": {"lookups": 60, "hits": 60, "bytes_moved": 3_000_000_000},
+    }
+    measurement = {
+        "tokens": [5, 6, 7],
+        "ttft_ms": 190.5,
+        "tpot_ms": tpot_ms,
+        "decode_counters": decode,
+        "timed_counters": decode,
+        "decode_tokens": 256,
+        "pcie_gb_per_token": 0.04492,
+        "ssd_gb_per_token": 0.01172,
+    }
+    return {"measurements": [measurement], "startup_s": 151.0, "turn_wait_s": 0.0, "cudagraph_mode": "PIECEWISE"}
+
+
+@pytest.mark.parametrize(
+    "row,expected",
+    [
+        (
+            {"name": "bigmoe-4090@r0.8", "env": {}, "seconds": 170.2, "result": child_result(20.45)},
+            {
+                "tpot_ms": 20.45,
+                "ttft_ms": 190.5,
+                "startup_s": 151.0,
+                "cudagraph_mode": "PIECEWISE",
+                "tokens": [5, 6, 7],
+            },
+        ),
+        (
+            {"name": "offload", "env": {}, "seconds": 3.0, "error": "exit 1: CUDA out of memory"},
+            {"error": "exit 1: CUDA out of memory"},
+        ),
+        (
+            {"name": "resident", "env": {}, "error": "not run: time budget spent"},
+            {"error": "not run: time budget spent"},
+        ),
+        (
+            {"name": "resident", "env": {}, "seconds": 9.0, "result": {"measurements": []}},
+            {"error": "the engine returned no measurement"},
+        ),
+    ],
+    ids=["measured", "failed", "not-run", "no-measurement"],
+)
+def test_a_report_row_is_the_engines_summary_or_its_error(row, expected):
+    got = q4x.report_row(row)
+    assert got["name"] == row["name"] and got.get("seconds") == row.get("seconds")
+    assert {k: got.get(k) for k in expected} == expected
+    assert ("error" in got) is ("error" in expected)
+    if "error" not in got:
+        assert got["decode_hit_rate"] == {"vram": 0.77, "ram": 0.7391, "ssd": 1.0}
+        assert got["prefetch_accuracy_vram"] == round(200 / (200 + 230), 4)
