@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import bench_names  # noqa: E402  (scripts/ is not a package)
+import bench_rows  # noqa: E402
 import gpu_vllm_bench as bench  # noqa: E402
 import gpu_vllm_e2e as e2e  # noqa: E402
 import numpy as np
@@ -132,7 +133,7 @@ def with_suffixes(
 
 def report_row(row: dict) -> dict:
     """One configuration's report row from e2e.run_config's: its name, env and seconds, the engine's facts
-    (gpu_vllm_bench.ENGINE_FIELDS) and the summary of its one measurement (gpu_vllm_bench.summarize), or its error."""
+    (bench_rows.ENGINE_FIELDS) and the summary of its one measurement (bench_rows.summarize), or its error."""
     head = {k: row[k] for k in ("name", "env", "seconds") if k in row}
     if "error" in row:
         return {**head, "error": row["error"]}
@@ -140,7 +141,7 @@ def report_row(row: dict) -> dict:
     measurements = result.get("measurements") or []
     if not measurements:
         return {**head, "error": "the engine returned no measurement"}
-    return {**head, **{k: result.get(k) for k in bench.ENGINE_FIELDS}, **bench.summarize(measurements[0])}
+    return {**head, **{k: result.get(k) for k in bench_rows.ENGINE_FIELDS}, **bench_rows.summarize(measurements[0])}
 
 
 def main(argv: list[str] | None = None) -> int:

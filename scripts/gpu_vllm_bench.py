@@ -41,7 +41,8 @@ the gate and budget it ran even where they are the plugin's defaults. A last `#N
 another engine of the same configuration whose rows keep the tag: how far two engines of one build land apart (run
 12: 0.04 ms); a point --recalls names twice is measured twice in turn (its second row ends in /2): the drift within
 one engine. Predictions are a top-k predictor's proposal (k ids per row at every recall, so precision = recall)
-unless --precision is given. The names' parser and suffix table: scripts/bench_names.py.
+unless --precision is given. The names' parser and suffix table: scripts/bench_names.py; the rows an engine's
+result becomes: scripts/bench_rows.py.
 
 One engine per configuration measures every family of --families (scripts/traces.py:
 standard, topic-shift, near-uniform) and, for @r, every recall, in turn: before each it
@@ -92,6 +93,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import bench_combine  # noqa: E402  (scripts/ is not a package)
+import bench_rows  # noqa: E402
 import gpu_vllm_e2e as e2e  # noqa: E402
 import numpy as np
 import psutil
@@ -107,7 +109,6 @@ from bench_names import (  # noqa: E402
     parse_points,
     prefetch_defaults,
     recalls_of,
-    row_name,
     split_suffixes,
     suffix_env,
     untagged,
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 row = e2e.run_config(config, run_spec, work, logs, deadline)
         with written:
-            rows[name] = engine_rows(row, todo, report.get("disk"), args.wrong)
+            rows[name] = bench_rows.engine_rows(row, todo, report.get("disk"), args.wrong)
             report["configs"] = [r for n, _ in plans if n in rows for r in rows[n]]
             e2e.write_json(out, report)
             for r in rows[name]:
@@ -327,59 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     report["total_s"] = round(time.monotonic() - started, 1)
     e2e.write_json(out, report)
     return 0 if all("error" not in r for r in report["configs"]) else 1
-
-
-ENGINE_FIELDS = (
-    "startup_s",
-    "turn_wait_s",
-    "quiet_wait_s",
-    "cudagraph_mode",
-    "experts_kernel",
-    "inductor_deterministic",
-    *e2e.ENGINE_FACTS,
-)
-"""What every row of an engine repeats from its run (startup_s excludes the wait for the quiet file; prefetch_joins /
-prefetch_forks: where its captures joined the prefetch and how often they forked it; prefetch_chain_timeouts: chained
-rounds whose device wait gave up, None where none was chained; prefetch_chain_cancels: joinless rounds their step
-came before; prefetch_chain_late: drains that held a slot for a late host copy (each LATE_LIMIT-th holds the rounds
-back a while); prefetch_host_copier: the host copier's counters, None where none ran; step_kernels: registers and
-local memory bytes a thread of each fused step variant the engine compiled (core.step_kernel.COMPILED); load_copy_*:
-what vLLM's loader copied into the RAM tier, and how long)."""
-
-
-def engine_rows(row: dict, todo: list[dict], disk: dict | None, wrong: str = "uniform") -> list[dict]:
-    """One engine's run as result rows, one per (family, recall, wrong ids) it was to measure (a failed run: each
-    with its error), named as row_name says, with the engine's startup and turn-wait seconds and the disk floors.
-    A point --recalls names twice is measured twice, in turn; its second row's name ends in /2 (the third /3)."""
-    name, result = row["name"], row.pop("result", None)
-    base = {k: v for k, v in row.items() if k != "name"}
-    done: dict[tuple, list[dict]] = {}
-    for m in (result or {}).get("measurements", []):
-        done.setdefault((m["family"], m["recall"], m.get("wrong")), []).append(m)
-    seen: dict[tuple, int] = {}
-    engine = {"configuration": name, **{k: (result or {}).get(k) for k in ENGINE_FIELDS}}
-    engine["pager_totals"] = (result or {}).get("pager")  # the engine's counters over all its measurements
-    out = []
-    for m in todo:
-        key = (m["family"], m["recall"], m.get("wrong"))
-        point = None if m["recall"] is None else Point(m["recall"], m.get("wrong") or wrong)
-        seen[key] = seen.get(key, 0) + 1
-        repeat = f"/{seen[key]}" if seen[key] > 1 else ""
-        head = {
-            "name": row_name(name, point, wrong) + repeat,
-            "family": m["family"],
-            "recall": m["recall"],
-            **engine,
-            **base,
-        }
-        if point is not None:
-            head["wrong_ids"] = point.wrong
-        if len(done.get(key, [])) < seen[key]:
-            out.append({**head, "error": row.get("error") or "the engine returned no measurement of this trace"})
-            continue
-        got = done[key][seen[key] - 1]
-        out.append({**head, **summarize(got), **disk_floors(got, disk)})
-    return out
 
 
 def parse_args(argv):
@@ -538,43 +486,6 @@ def bench_spec(model: Path) -> dict:
     }
 
 
-def summarize(m: dict) -> dict:
-    """One measurement's record: times, hit rates, bytes per decoded token, prefetch figures, the timed tokens."""
-    decode = m.get("decode_counters") or {}
-    rate = lambda c: round(c["hits"] / c["lookups"], 4) if c.get("lookups") else None  # noqa: E731
-    return {
-        "tpot_ms": m["tpot_ms"],
-        "ttft_ms": m["ttft_ms"],
-        "decode_hit_rate": {tier: rate(c) for tier, c in decode.items()},
-        "pcie_gb_per_token": m.get("pcie_gb_per_token"),
-        "ssd_gb_per_token": m.get("ssd_gb_per_token"),
-        **prefetch_summary(decode, m.get("decode_tokens")),
-        "timed_counters": m.get("timed_counters"),
-        "tokens": m.get("tokens"),
-        **({"decode_profile": m["decode_profile"]} if m.get("decode_profile") else {}),
-    }
-
-
-def disk_floors(m: dict, disk: dict | None) -> dict:
-    """Issue 15's SSD floors of one measurement, where it read from SSD and the disk was measured: TPOT floor = SSD
-    GB per decoded token / the disk's O_DIRECT GB/s; TTFT floor = the timed request's SSD bytes less its decode
-    tokens' (at the counters request's per-token rate) / the same bandwidth (an estimate of its prefill's reads)."""
-    bw = (disk or {}).get("gb_per_s")
-    per_token = m.get("ssd_gb_per_token")
-    if not bw or not per_token:
-        return {}
-    out = {"disk_floor_tpot_ms": round(per_token / bw * 1e3, 3)}
-    if m.get("tpot_ms"):
-        out["tpot_vs_disk_floor"] = round(m["tpot_ms"] / out["disk_floor_tpot_ms"], 3)
-    timed = ((m.get("timed_counters") or {}).get("ssd") or {}).get("bytes_moved")
-    if timed is not None and m.get("decode_tokens"):
-        prefill_gb = max(timed / 1e9 - per_token * (m["decode_tokens"] - 1), 0.0)
-        out["disk_floor_ttft_ms"] = round(prefill_gb / bw * 1e3, 3)
-        if m.get("ttft_ms") and out["disk_floor_ttft_ms"]:
-            out["ttft_vs_disk_floor"] = round(m["ttft_ms"] / out["disk_floor_ttft_ms"], 3)
-    return out
-
-
 def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> dict:
     """The disk's O_DIRECT read bandwidth for reads of one expert record, read as the SSD tier reads the checkpoint
     (CheckpointStore, random (layer, expert), the pager's I/O worker count), for about `seconds`. Run by the parent
@@ -605,24 +516,6 @@ def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> d
         "workers": workers,
         "seconds": round(elapsed, 2),
     }
-
-
-def prefetch_summary(decode: dict, tokens: int | None) -> dict:
-    """Issue 15's prefetch figures of the decode counters: per tier that was prefetched into, the share of the
-    step's non-resident needs a prefetch had brought in (used / (used + misses)), prefetched GB never used per
-    token, and the needed prefetches a token whose copy the step still had to wait for (joinless forwards; None
-    from an engine older than the counter). Empty when nothing was prefetched."""
-    out = {}
-    for tier, c in decode.items():
-        if not c.get("prefetched") or not tokens:
-            continue
-        used, misses = c.get("prefetch_used", 0), c["lookups"] - c["hits"]
-        out[f"prefetch_accuracy_{tier}"] = round(used / (used + misses), 4) if used + misses else None
-        out[f"prefetch_wasted_gb_per_token_{tier}"] = round(c.get("prefetch_wasted_bytes", 0) / tokens / 1e9, 5)
-        out[f"prefetched_per_token_{tier}"] = round(c["prefetched"] / tokens, 3)
-        late = c.get("prefetch_late")
-        out[f"prefetch_late_per_token_{tier}"] = None if late is None else round(late / tokens, 3)
-    return out
 
 
 def gpu_name() -> str | None:

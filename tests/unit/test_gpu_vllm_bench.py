@@ -1,7 +1,7 @@
 """The bench's configuration names (@r[RECALL], ~POLICY, +ahead: scripts/bench_names.py), the measurements one engine
-makes (every family, every recall), its prediction traces, the rows of an engine's run, the SSD floors
-(scripts/gpu_vllm_bench.py) and the per-family ratios of --combine (scripts/bench_combine.py; the H200 run itself is
-the lead's)."""
+makes (every family, every recall), its prediction traces (scripts/gpu_vllm_bench.py), the rows of an engine's run and
+their SSD floors (scripts/bench_rows.py), and the per-family ratios of --combine (scripts/bench_combine.py; the H200
+run itself is the lead's)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import bench_combine  # scripts/ is on pytest's pythonpath (pyproject)
 import bench_names
+import bench_rows
 import gpu_vllm_bench as bench
 import numpy as np
 import pytest
@@ -184,7 +185,7 @@ def test_points_with_other_wrong_ids_are_measured_by_the_same_engine_and_named_a
         "bigmoe-102@r0.8~lru",
         "bigmoe-102@r0.8:popular~lru",
     ]
-    rows = bench.engine_rows({"name": "bigmoe-102@r", "result": {"measurements": []}}, todo, None)
+    rows = bench_rows.engine_rows({"name": "bigmoe-102@r", "result": {"measurements": []}}, todo, None)
     assert [r["name"] for r in rows] == [
         "bigmoe-102@r0",
         "bigmoe-102@r0:none",
@@ -305,7 +306,7 @@ def test_an_engines_run_is_one_row_per_family_and_recall_and_a_failed_one_says_w
     joins = ["the next layer's MoE call (a whole-forward capture)"]
     result = {"startup_s": 90.0, "turn_wait_s": 12.5, "measurements": done, "prefetch_joins": joins}
     result.update(load_copy_bytes=3 << 30, load_copy_s=1.5)
-    rows = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "seconds": 200.0, "result": result}, todo, None)
+    rows = bench_rows.engine_rows({"name": "bigmoe-102@r", "env": {}, "seconds": 200.0, "result": result}, todo, None)
     assert [(r["name"], r["family"]) for r in rows] == [
         ("bigmoe-102@r0", "standard"),
         ("bigmoe-102@r0.8", "standard"),
@@ -315,7 +316,7 @@ def test_an_engines_run_is_one_row_per_family_and_recall_and_a_failed_one_says_w
     assert all(r["tpot_ms"] == 5.0 and r["turn_wait_s"] == 12.5 and r["configuration"] == "bigmoe-102@r" for r in rows)
     assert all(r["prefetch_joins"] == joins for r in rows)
     assert all((r["load_copy_bytes"], r["load_copy_s"]) == (3 << 30, 1.5) for r in rows)
-    failed = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "error": "exit 1: CUDA OOM"}, todo, None)
+    failed = bench_rows.engine_rows({"name": "bigmoe-102@r", "env": {}, "error": "exit 1: CUDA OOM"}, todo, None)
     assert len(failed) == 4 and all(r["error"] == "exit 1: CUDA OOM" and "tpot_ms" not in r for r in failed)
 
 
@@ -323,19 +324,21 @@ def test_a_point_named_twice_is_measured_twice_under_its_own_rows():
     """RECALLS=0.8,1,0.8: the engine measures 0.8, 1, then 0.8 again (its drift within one engine)."""
     todo = [{"family": "standard", "recall": r, "trace": "t"} for r in (0.8, 1.0, 0.8)]
     done = [measurement("standard", r, tpot) for r, tpot in ((0.8, 5.0), (1.0, 4.0), (0.8, 5.5))]
-    rows = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "result": {"measurements": done}}, todo, None)
+    rows = bench_rows.engine_rows({"name": "bigmoe-102@r", "env": {}, "result": {"measurements": done}}, todo, None)
     assert [(r["name"], r["tpot_ms"]) for r in rows] == [
         ("bigmoe-102@r0.8", 5.0),
         ("bigmoe-102@r1", 4.0),
         ("bigmoe-102@r0.8/2", 5.5),
     ]
-    short = bench.engine_rows({"name": "bigmoe-102@r", "env": {}, "result": {"measurements": done[:2]}}, todo, None)
+    short = bench_rows.engine_rows(
+        {"name": "bigmoe-102@r", "env": {}, "result": {"measurements": done[:2]}}, todo, None
+    )
     assert "error" in short[2] and "tpot_ms" not in short[2]
 
 
 def test_ssd_floors_are_the_disk_time_of_the_bytes_read():
     m = {**measurement("standard", 0.8, 20.0, ssd=0.1), "ttft_ms": 1000.0}
-    floors = bench.disk_floors(m, {"gb_per_s": 5.0})
+    floors = bench_rows.disk_floors(m, {"gb_per_s": 5.0})
     # decode: 0.1 GB / 5 GB/s = 20 ms; prefill: 0.3 + 2 GB timed less 3 decode tokens' 0.3 GB = 2 GB -> 400 ms
     assert floors == {
         "disk_floor_tpot_ms": 20.0,
@@ -343,8 +346,8 @@ def test_ssd_floors_are_the_disk_time_of_the_bytes_read():
         "disk_floor_ttft_ms": 400.0,
         "ttft_vs_disk_floor": 2.5,
     }
-    assert bench.disk_floors(m, {"error": "no O_DIRECT"}) == {}
-    assert bench.disk_floors(measurement("standard", 0.8, 20.0), {"gb_per_s": 5.0}) == {}
+    assert bench_rows.disk_floors(m, {"error": "no O_DIRECT"}) == {}
+    assert bench_rows.disk_floors(measurement("standard", 0.8, 20.0), {"gb_per_s": 5.0}) == {}
 
 
 def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
@@ -430,7 +433,7 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
 
 def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into():
     plain = {"vram": {"lookups": 100, "hits": 80, "prefetched": 0}, "ram": {"lookups": 20, "hits": 20}}
-    assert bench.prefetch_summary(plain, 10) == {}
+    assert bench_rows.prefetch_summary(plain, 10) == {}
     decode = {
         "vram": {
             "lookups": 100,
@@ -442,7 +445,7 @@ def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into
         },
         "ram": {"lookups": 10, "hits": 10, "prefetched": 0},
     }
-    assert bench.prefetch_summary(decode, 10) == {
+    assert bench_rows.prefetch_summary(decode, 10) == {
         "prefetch_accuracy_vram": 0.75,  # 30 needs met ahead of 40 that were not resident otherwise (30 + 10 misses)
         "prefetch_wasted_gb_per_token_vram": 0.003,
         "prefetched_per_token_vram": 4.0,
