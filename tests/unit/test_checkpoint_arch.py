@@ -23,6 +23,7 @@ from bigmoe.model.checkpoint_arch import (
 from bigmoe.model.hubcache import RemoteFile, RepoCache, write_ready, write_ref
 from bigmoe.model.tinymoe.shape import TinyShape
 from bigmoe.plan.planner import Overrides, plan
+from qwen4exp_tiny import TINY_QWEN4EXP
 from test_links import machine
 
 ARCH_KEYS = ("moe_layers", "experts", "top_k", "expert_bytes", "dense_bytes", "ngram_table")
@@ -176,29 +177,7 @@ def test_the_pipeline_plans_with_a_given_checkpoint(model, tmp_path, monkeypatch
 
 # ---- Qwen4Exp (Qwen3.8-Flash-Next architecture) checkpoint directories ------------------------------------
 
-QWEN4EXP = dict(
-    layers=5,
-    experts=12,
-    top_k=4,
-    hidden=128,
-    moe_intermediate=128,
-    shared_intermediate=128,
-    vocab=1024,
-    heads=2,
-    kv_heads=1,
-    head_dim=128,
-    linear_key_heads=1,
-    linear_value_heads=2,
-    linear_head_dim=128,
-    hc_count=2,
-    hc_lowrank=16,
-    indexer_heads=1,
-    indexer_head_dim=64,
-    indexer_budget=64,
-    ngram_vocab_base=1024,
-    ngram_parts=3,
-    max_position=4096,
-)
+QWEN4EXP = dict(layers=5, **TINY_QWEN4EXP)
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])

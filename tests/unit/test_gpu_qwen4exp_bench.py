@@ -10,6 +10,7 @@ import gpu_qwen4exp_bench as q4x  # scripts/ is on pytest's pythonpath (pyprojec
 import numpy as np
 import pytest
 from bigmoe_bench import traces
+from qwen4exp_tiny import TINY_QWEN4EXP
 
 SHAPES = {"4-layer x 512, top-10": (4, 512, 10), "3-layer x 64, top-8": (3, 64, 8)}
 
@@ -87,37 +88,14 @@ def test_a_precision_outside_its_range_is_one_clear_line(precision, tmp_path: Pa
     assert "--precision is the share of a proposal that is right" in capsys.readouterr().err
 
 
-TINY_QWEN4EXP = dict(  # a few MB of fp8: enough for the bench's own reading of a checkpoint
-    layers=3,
-    experts=12,
-    top_k=4,
-    hidden=128,
-    moe_intermediate=128,
-    shared_intermediate=128,
-    vocab=1024,
-    heads=2,
-    kv_heads=1,
-    head_dim=128,
-    linear_key_heads=1,
-    linear_value_heads=2,
-    linear_head_dim=128,
-    hc_count=2,
-    hc_lowrank=16,
-    indexer_heads=1,
-    indexer_head_dim=64,
-    indexer_budget=64,
-    ngram_vocab_base=1024,
-    ngram_parts=3,
-)
-
-
 def test_the_bench_reads_the_checkpoint_and_names_each_rows_trace_before_any_engine(tmp_path: Path, capsys):
     """--budget-s 0: every row is reported as not run, after the bench has read the checkpoint's numbers and written
     the family trace and each @rX row's predictions (what broke before any engine started, session 62)."""
     from bigmoe.model.tinymoe.qwen4exp import make_qwen4exp
     from bigmoe.model.tinymoe.qwen4exp_shape import Qwen4ExpShape
 
-    model = make_qwen4exp(tmp_path / "ckpt", Qwen4ExpShape(**TINY_QWEN4EXP), "fp8", seed=0, with_tokenizer=False)
+    shape = Qwen4ExpShape(layers=3, **TINY_QWEN4EXP)
+    model = make_qwen4exp(tmp_path / "ckpt", shape, "fp8", seed=0, with_tokenizer=False)
     out = tmp_path / "bench.json"
     names = ["bigmoe-4090", "bigmoe-4090@r0.8+ahead"]
     argv = ["--model", str(model), "--out", str(out), "--configs", ",".join(names), "--budget-s", "0"]

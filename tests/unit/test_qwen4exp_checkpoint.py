@@ -27,31 +27,11 @@ from bigmoe.model.tinymoe.qwen4exp_tensors import table_rows
 from bigmoe_pager.core.safetensors_index import read_header
 from bigmoe_pager.ngram import NgramLayoutError, TableSpec
 from bigmoe_pager.ngram.shards import find_shards
+from qwen4exp_tiny import TINY_QWEN4EXP
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = json.loads((ROOT / "tests/fixtures/qwen4exp/vllm032_params.json").read_text())
-TINY = dict(
-    experts=12,
-    top_k=4,
-    hidden=128,
-    moe_intermediate=128,
-    shared_intermediate=128,
-    vocab=1024,
-    heads=2,
-    kv_heads=1,
-    head_dim=128,
-    linear_key_heads=1,
-    linear_value_heads=2,
-    linear_head_dim=128,
-    hc_count=2,
-    hc_lowrank=16,
-    indexer_heads=1,
-    indexer_head_dim=64,
-    indexer_budget=64,
-    ngram_vocab_base=1024,
-    ngram_parts=3,
-    max_position=4096,
-)
+TINY = TINY_QWEN4EXP
 
 
 def headers(checkpoint: Path) -> dict[str, tuple[list[int], str]]:
