@@ -117,15 +117,14 @@ def predicted_trace(trace: Path, recall: float, precision: float | None, experts
     return path
 
 
-def with_suffixes(
-    name: str, named: dict, trace: Path, precision: float | None, experts: int
-) -> tuple[e2e.Config, dict]:
-    """The named configuration with its @rX (replayed predictions) and +ahead (SSD read-ahead) applied."""
+def with_suffixes(name: str, named: dict, predicted: dict[float, Path]) -> tuple[e2e.Config, dict]:
+    """The named configuration with its @rX (the trace `predicted` holds for recall X) and +ahead (SSD read-ahead)
+    applied."""
     base, recall = split_name(name)
     config, extra = named[base]
     env = dict(config.env)
     if recall is not None:
-        env["BIGMOE_ROUTE_REPLAY"] = str(predicted_trace(trace, recall, precision, experts))
+        env["BIGMOE_ROUTE_REPLAY"] = str(predicted[recall])
     if name.endswith(bench_names.AHEAD):
         env["BIGMOE_SSD_READ_AHEAD"] = "1"
     return e2e.Config(name, env), extra
@@ -208,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         config.name: (config, extra)
         for config, extra in configs(trace, numbers, args.vram_slots, args.ram_slots, offload_gib)
     }
+    # One trace a recall, made before the first engine (names such as @r0.8 and @r0.8+ahead share it)
+    recalls = {split_name(name)[1] for name in args.configs.split(",")} - {None}
+    predicted = {r: predicted_trace(trace, r, args.precision, numbers["experts"]) for r in recalls}
     for name in args.configs.split(","):
-        config, extra = with_suffixes(name, named, trace, args.precision, numbers["experts"])
+        config, extra = with_suffixes(name, named, predicted)
         if time.monotonic() >= deadline:
             row = e2e.skipped(config, "time budget spent")
         else:

@@ -44,7 +44,10 @@ def test_a_name_replays_predictions_at_its_recall_for_the_checkpoints_experts(
     name, recall, ahead, precision, numbers, family_trace
 ):
     named = {c.name: (c, extra) for c, extra in q4x.configs(family_trace, numbers, 35, 218, 6.4)}
-    config, _ = q4x.with_suffixes(name, named, family_trace, precision, numbers["experts"])
+    predicted = (
+        {recall: q4x.predicted_trace(family_trace, recall, precision, numbers["experts"])} if recall is not None else {}
+    )
+    config, _ = q4x.with_suffixes(name, named, predicted)
     assert config.name == name
     assert (config.env.get("BIGMOE_SSD_READ_AHEAD") == "1") is ahead
     replay = Path(config.env["BIGMOE_ROUTE_REPLAY"])
