@@ -230,8 +230,10 @@ def case_sighup(c: Case) -> Row:
     )
 
 
-def case_damaged_paging_file(c: Case) -> Row:
-    first = c.run(
+def _answer_once_compressed(c: Case) -> subprocess.CompletedProcess:
+    """`bigmoe run tiny-moe` on a compressed paging file, answering one short prompt and exiting (20 min at most:
+    the first run on a fresh home also prepares the paging file)."""
+    return c.run(
         "run",
         "tiny-moe",
         "--yes",
@@ -245,6 +247,10 @@ def case_damaged_paging_file(c: Case) -> Row:
         "4",
         timeout=1200,
     )
+
+
+def case_damaged_paging_file(c: Case) -> Row:
+    first = _answer_once_compressed(c)
     pages = sorted((c.home / "paging").glob("*.pages"))
     if first.returncode != 0 or not pages:
         return Row(
@@ -253,20 +259,7 @@ def case_damaged_paging_file(c: Case) -> Row:
     middle = pages[0].stat().st_size // 2
     for at in range(middle, middle + (64 << 10), 4096):  # records are zero-padded: hit record bytes, not padding
         _flip(pages[0], at + 100)
-    second = c.run(
-        "run",
-        "tiny-moe",
-        "--yes",
-        "--compress",
-        "on",
-        "--port",
-        str(free_port()),
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "4",
-        timeout=1200,
-    )
+    second = _answer_once_compressed(c)
     rebuilt = "state=rebuilding" in second.stdout or '"rebuilding"' in second.stdout
     reason = next((line for line in second.stdout.splitlines() if "rebuilding" in line), "")
     return Row(
@@ -302,20 +295,7 @@ def case_paging_file_damaged_while_serving(c: Case) -> Row:
     err = runner.stderr.read() if runner.poll() is not None else ""
     marked = pages[0].with_name(pages[0].name + ".damaged").exists()
     c.cleanup()
-    again = c.run(
-        "run",
-        "tiny-moe",
-        "--yes",
-        "--compress",
-        "on",
-        "--port",
-        str(free_port()),
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "4",
-        timeout=1200,
-    )
+    again = _answer_once_compressed(c)
     rebuilt = "rebuilding" in again.stdout
     msg = next((line for line in err.splitlines() if "crc32" in line or "paging file" in line), last_line(err))
     return Row(
@@ -529,20 +509,7 @@ def case_paging_file_of_another_model(c: Case) -> Row:
     other = _tiny_copy(c, seed=7)
     path = c.home / "paging" / "tiny-moe-bf16.pages"
     prepare(SimpleNamespace(ssd_source="paging file", paging_file=str(path), compress=True), other)
-    res = c.run(
-        "run",
-        "tiny-moe",
-        "--yes",
-        "--compress",
-        "on",
-        "--port",
-        str(free_port()),
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "4",
-        timeout=1200,
-    )
+    res = _answer_once_compressed(c)
     reason = next((line for line in res.stdout.splitlines() if "rebuilding" in line), "")
     return Row(
         "paging file from another model",
