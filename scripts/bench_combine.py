@@ -169,17 +169,50 @@ def _card(row: dict) -> str:
 
 def ssd_ratios(rows: dict[tuple[str, str], dict]) -> dict:
     """Top-level SSD figures: the SSD configuration's TPOT and TTFT over their disk floors, from the standard family
-    (else the first) at recall 0.8 with reads ahead, else at 0.8, else any SSD row; which row is named."""
+    (else the first) at recall 0.8 with reads ahead, else at 0.8, else any SSD row; which row is named. Then the
+    same family's rows over its needed floors (needed_disk_floors), and the best of them: the figures the targets
+    judge."""
     ssd = [(f, n) for (f, n), r in rows.items() if "tpot_vs_disk_floor" in r]
     if not ssd:
         return {}
     rank = lambda key: (key[0] != "standard", "@r0.8" not in key[1], not key[1].endswith(AHEAD), key)  # noqa: E731
     family, name = min(ssd, key=rank)
     r = rows[family, name]
+    needed = needed_disk_floors({n: rows[f, n] for f, n in ssd if f == family})
+    best = lambda key: min(((v[key], n) for n, v in needed["rows"].items() if key in v), default=(None, None))  # noqa: E731
+    (tpot, tpot_row), (ttft, ttft_row) = best("tpot_vs_needed_disk_floor"), best("ttft_vs_needed_disk_floor")
     return {
         "ssd_tpot_vs_disk_floor": r["tpot_vs_disk_floor"],
         "ssd_ttft_vs_disk_floor": r.get("ttft_vs_disk_floor"),
         "ssd_floor_row": {"family": family, "name": name},
+        "ssd_needed_floor": {"family": family, **needed},
+        "ssd_tpot_vs_needed_disk_floor": {"ratio": tpot, "row": tpot_row},
+        "ssd_ttft_vs_needed_disk_floor": {"ratio": ttft, "row": ttft_row},
+    }
+
+
+def needed_disk_floors(rows: dict[str, dict]) -> dict:
+    """A row's own disk floor counts every byte it read, so reads ahead that are never used raise the floor they are
+    judged by (run 9: 3.2x the plain pager's bytes a token, 147 against 86 ms, 0.90x "its" floor). The needed floor
+    is the disk time of the fewest bytes any of these rows (one family's, the same trace) read: GB a decoded token
+    and GB of the timed request's prefill, each over the row's own call's disk GB/s (its floor's bytes over its
+    floor). Returns those GB and, per row, its TPOT and TTFT over them."""
+    gb_per_s = {n: r["ssd_gb_per_token"] / r["disk_floor_tpot_ms"] * 1e3 for n, r in rows.items()}
+    prefill_gb = {
+        n: r["disk_floor_ttft_ms"] / 1e3 * gb_per_s[n] for n, r in rows.items() if r.get("disk_floor_ttft_ms")
+    }
+    token_gb = min(r["ssd_gb_per_token"] for r in rows.values())
+    least_prefill = min(prefill_gb.values(), default=None)
+    out = {}
+    for n, r in rows.items():
+        got = {"tpot_vs_needed_disk_floor": round(r["tpot_ms"] / (token_gb / gb_per_s[n] * 1e3), 3)}
+        if least_prefill and r.get("ttft_ms"):
+            got["ttft_vs_needed_disk_floor"] = round(r["ttft_ms"] / (least_prefill / gb_per_s[n] * 1e3), 3)
+        out[n] = got
+    return {
+        "gb_per_token": token_gb,
+        "prefill_gb": None if least_prefill is None else round(least_prefill, 3),
+        "rows": out,
     }
 
 
@@ -275,7 +308,10 @@ def issue15_targets(families: dict[str, dict], report: dict) -> dict:
             if at0 and plain:
                 got["102 slots at recall 0 no slower than without prefetch"] = at0 >= plain
         out[family] = got
-    for key, label in (("ssd_tpot_vs_disk_floor", "TPOT"), ("ssd_ttft_vs_disk_floor", "TTFT")):
-        if report.get(key):
-            out.setdefault("ssd", {})[f"32/128/SSD {label} within 1.3x of its disk floor"] = report[key] <= 1.3
+    for key, label in (("ssd_tpot_vs_needed_disk_floor", "TPOT"), ("ssd_ttft_vs_needed_disk_floor", "TTFT")):
+        ratio = (report.get(key) or {}).get("ratio")
+        if ratio:
+            out.setdefault("ssd", {})[f"32/128/SSD {label} within 1.3x of the disk floor of the bytes needed"] = (
+                ratio <= 1.3
+            )
     return out

@@ -77,7 +77,9 @@ gets its TPOT and TTFT disk floors. Result rows: one per (configuration@rX, fami
 --combine (scripts/bench_combine.py) merges result files of several calls and computes issue 15's ratios per family
 (families.<name>: speedup_vs_offload17_at_102, tpot_vs_resident_at_102,
 speedup_vs_offload17_at_32 at recall 0.8; _no_prefetch and _recall_0 variants), the
-top-level ssd_tpot_vs_disk_floor / ssd_ttft_vs_disk_floor, and issue15_targets.
+top-level ssd_tpot_vs_disk_floor / ssd_ttft_vs_disk_floor (one row over its own bytes' floor), the family's rows over
+the floor of the fewest bytes any of them read (ssd_needed_floor, whose best the SSD targets judge), and
+issue15_targets.
 """
 
 from __future__ import annotations

@@ -359,6 +359,15 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
             "configs": [{"name": n, "tpot_ms": t, "family": family, **extra} for n, t, extra in rows],
         }
 
+    def ssd_row(ttft_ms, gb_per_token, floor_tpot_ms, floor_ttft_ms):
+        return {
+            "ttft_ms": ttft_ms,
+            "ssd_gb_per_token": gb_per_token,
+            "disk_floor_tpot_ms": floor_tpot_ms,
+            "disk_floor_ttft_ms": floor_ttft_ms,
+            "ttft_vs_disk_floor": round(ttft_ms / floor_ttft_ms, 3),
+        }
+
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     current = {"BIGMOE_EVICTION": DEFAULT_EVICTION, **bench_names.prefetch_defaults()}
     standard = [
@@ -372,9 +381,13 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
         ("bigmoe-32@r0.8", 6.0, {}),
         (f"bigmoe-32-layerbuf~{DEFAULT_EVICTION}", 7.5, {"env": {"BIGMOE_EVICTION": DEFAULT_EVICTION}}),
         ("bigmoe-32-layerbuf", 6.0, {"env": {"BIGMOE_EVICTION": DEFAULT_EVICTION}}),  # both named it: the later wins
-        ("bigmoe-32-ram128-ssd@r0.8+ahead", 30.0, {"tpot_vs_disk_floor": 1.2, "ttft_vs_disk_floor": 1.5}),
-        ("bigmoe-32-ram128-ssd", 60.0, {"tpot_vs_disk_floor": 2.4}),
+        # reads ahead: 3x the plain pager's SSD bytes a token at 6 GB/s, so 1.2x its own floor and 3.6x the needed
+        ("bigmoe-32-ram128-ssd@r0.8+ahead", 30.0, ssd_row(2000.0, 0.15, 25.0, 1500.0)),
+        ("bigmoe-32-ram128-ssd", 60.0, ssd_row(2000.0, 0.05, 10.0, 2000.0)),  # 5 GB/s; prefill 10 GB against 9
     ]
+    for _, tpot, extra in standard:  # each SSD row's TPOT over its own floor, as bench_rows.disk_floors gives it
+        if "disk_floor_tpot_ms" in extra:
+            extra["tpot_vs_disk_floor"] = round(tpot / extra["disk_floor_tpot_ms"], 3)
     a.write_text(json.dumps(part("standard", standard, {"gb_per_s": 6.0})))
     b.write_text(
         json.dumps(
@@ -414,16 +427,28 @@ def test_combine_reports_each_familys_ratios_and_the_ssd_floor(tmp_path):
             "102_no_prefetch": f"bigmoe-102-layerbuf~{DEFAULT_EVICTION}",
         },
     }
-    assert report["ssd_tpot_vs_disk_floor"] == 1.2 and report["ssd_ttft_vs_disk_floor"] == 1.5
+    assert report["ssd_tpot_vs_disk_floor"] == 1.2 and report["ssd_ttft_vs_disk_floor"] == 1.333
     assert report["ssd_floor_row"] == {"family": "standard", "name": "bigmoe-32-ram128-ssd@r0.8+ahead"}
+    # the needed floor: the fewest bytes either row read (0.05 GB a token, 9 GB of prefill), at each row's GB/s
+    assert report["ssd_needed_floor"] == {
+        "family": "standard",
+        "gb_per_token": 0.05,
+        "prefill_gb": 9.0,
+        "rows": {
+            "bigmoe-32-ram128-ssd@r0.8+ahead": {"tpot_vs_needed_disk_floor": 3.6, "ttft_vs_needed_disk_floor": 1.333},
+            "bigmoe-32-ram128-ssd": {"tpot_vs_needed_disk_floor": 6.0, "ttft_vs_needed_disk_floor": 1.111},
+        },
+    }
+    assert report["ssd_tpot_vs_needed_disk_floor"] == {"ratio": 3.6, "row": "bigmoe-32-ram128-ssd@r0.8+ahead"}
+    assert report["ssd_ttft_vs_needed_disk_floor"] == {"ratio": 1.111, "row": "bigmoe-32-ram128-ssd"}
     assert report["disk"] == {"gb_per_s": 6.0}
     targets = report["issue15_targets"]
     assert targets["standard"]["102 slots >= 3x faster than offload17 at recall 0.8"] is True
     assert targets["topic-shift"]["102 slots <= 1.3x resident at recall 0.8"] is True
     assert targets["standard"]["102 slots at recall 0 no slower than without prefetch"] is False
-    assert targets["ssd"] == {
-        "32/128/SSD TPOT within 1.3x of its disk floor": True,
-        "32/128/SSD TTFT within 1.3x of its disk floor": False,
+    assert targets["ssd"] == {  # 1.2x its own floor is not a met target: its wasted reads raised that floor
+        "32/128/SSD TPOT within 1.3x of the disk floor of the bytes needed": False,
+        "32/128/SSD TTFT within 1.3x of the disk floor of the bytes needed": True,
     }
     assert report["speedup_vs_offload17_at_102"] == 3.0  # the standard family's, as before
     beyond = {(r["family"], r["name"]): r.get("beyond_resident_ms_per_token") for r in report["configs"]}
