@@ -760,3 +760,16 @@ def test_the_bench_names_the_card_it_ran_on(script, name, tmp_path, monkeypatch)
         smi.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert bench.gpu_name() == name
+
+
+def test_combine_keeps_every_target_card_calls_tpot_of_a_configuration(tmp_path):
+    def call(tpot, gpu=None):
+        return {"command": "x", "checkpoint": {}, "configs": [{"name": "resident", "tpot_ms": tpot}], "gpu": gpu}
+
+    files = [tmp_path / f"run{i}-bench.json" for i in range(3)]
+    for f, body in zip(files, (call(4.0), call(5.0, "NVIDIA H100 80GB HBM3"), call(6.0)), strict=True):
+        f.write_text(json.dumps({k: v for k, v in body.items() if v is not None}))
+    assert bench_combine.combine(files, tmp_path / "out.json") == 0
+    (row,) = json.loads((tmp_path / "out.json").read_text())["configs"]
+    assert row["tpot_ms"] == 6.0  # the latest call's row
+    assert row["tpot_ms_calls"] == {"run0-bench.json": 4.0, "run2-bench.json": 6.0}  # the H100's call is not the H200's
