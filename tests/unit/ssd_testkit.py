@@ -179,13 +179,13 @@ class FakeFullDiskFile:
         return getattr(self._f, name)
 
 
-def loaded_layers(ckpt, sizes, device: str, stats, read_ahead: bool) -> list:
+def loaded_layers(ckpt, sizes, device: str, stats, read_ahead: bool, policy: str = "lru") -> list:
     """One DeviceLayerPager per checkpoint layer, its RAM records filled as the engine's loader fills them."""
     from bigmoe_pager.core.device_layer import DeviceLayerPager
 
     pagers = []
     for layer in range(ckpt.num_layers):
-        p = DeviceLayerPager(ckpt.layout, sizes, device, layer=layer, stats=stats, read_ahead=read_ahead)
+        p = DeviceLayerPager(ckpt.layout, sizes, device, layer=layer, stats=stats, read_ahead=read_ahead, policy=policy)
         for e in range(sizes.experts):
             row = p.ram_slot_for_load(e)
             if row is not None:

@@ -180,3 +180,41 @@ def test_prefetch_counters_say_what_was_brought_ahead_and_what_came_of_it():
     assert (vram.prefetched, vram.prefetch_used) == (2, 1)
     assert vram.prefetch_wasted_bytes == layout.record_bytes
     assert (vram.lookups, vram.hits) == (4, 4)  # the prefetched expert was a hit
+
+
+def _decisions(layer, steps, predictions) -> list[list[int]]:
+    """Each real step's slots, with the prefetch round after it (what the pager decides, given these inputs)."""
+    out = []
+    for ids, predicted in zip(steps, predictions):
+        out.append(layer.step(ids).flatten().tolist())
+        layer.prefetch(predicted)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-duel"])
+@pytest.mark.parametrize("vram,ram", [(4, 12), (3, 6)])
+def test_kernel_warm_up_runs_every_step_size_and_changes_nothing_the_pager_does(policy, vram, ram):
+    """Engine warm-up runs a step of every size that has kernel variants of its own, with every id -1: no expert
+    moves, no counter counts, and the steps after it decide exactly as a layer that was never warmed."""
+    layout = make_layout(True)
+    records = make_records(layout, 12, seed=vram + ram)
+    layers = []
+    for _ in range(2):
+        layer = loaded_layer(layout, records, vram, ram, warm=[3, 7, 1], policy=policy)
+        layer.start(layout.slot_buffers(vram, "cpu"), None if ram == 12 else FakeSsdService(records, layer.ram))
+        layers.append(layer)
+    warmed, cold = layers
+    held = warmed.pager.vram.slot_expert.clone()
+
+    steps = warmed.warm_kernels((torch.int32, torch.int64), predict_width=2)
+
+    assert steps == 2 * 65 + 16  # sizes 1..step_kernel.MAX_IDS + 1 in each dtype, then 16 prefetch rounds
+    assert torch.equal(warmed.pager.vram.slot_expert, held)
+    assert warmed.counters() == cold.counters()
+    rng = random.Random(vram * 3 + ram)
+    sizes = [1, 2, 1, 5, 1, 1, 3, 1]
+    steps = [torch.tensor([rng.sample(range(12), 2) for _ in range(n)], dtype=torch.int32) for n in sizes]
+    predictions = [torch.tensor(rng.sample(range(12), 2), dtype=torch.int64) for _ in sizes]
+    fit = [ids for ids in steps if warmed.fits(ids)]
+    assert _decisions(warmed, fit, predictions) == _decisions(cold, fit, predictions)
+    assert warmed.counters() == cold.counters()

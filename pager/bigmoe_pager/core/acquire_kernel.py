@@ -27,6 +27,9 @@ NEEDED_KEY = 1 << 52  # key of a slot the step needs; real keys (step * (E+1) + 
 PACKED_MAX = 1 << 62  # above every (key + 1) * BLOCK_S + slot while BLOCK_S <= 1024
 MAX_SLOTS = 1024
 IDS_BLOCK = 256  # ids read per loop iteration
+STEP_SIZES = ("n_ids", "m")
+"""Arguments that change with a step's size: Triton compiles them unspecialized (not per value class: ==1,
+%16==0), so the compile that engine warm-up makes serves every eager step (DeviceLayerPager.warm_kernels)."""
 DUEL_STATE = (
     "fast", "slow", "fast_held", "fast_stamps", "slow_held", "slow_stamps", "lru_held", "lru_stamps",
     "psel", "psel_lru",
@@ -276,7 +279,7 @@ if triton is not None:
         shadow_store(lru_held_ptr, lru_stamps_ptr, lru_held, lru_stamps, lru_drop, needed, step, e_ar, E)
         return fast_hits, slow_hits, lru_hits
 
-    @triton.jit
+    @triton.jit(do_not_specialize=STEP_SIZES)
     def _acquire_kernel(
         ids_ptr,
         n_ids,

@@ -213,7 +213,7 @@ if triton is not None:
         key = tl.where(occupied, rank, -1)
         return tl.where((occupied & protect) | (s_ar >= S), NEEDED, key)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("n_pred", "m"))
     def decide_round(
         pred_ptr,
         n_pred,

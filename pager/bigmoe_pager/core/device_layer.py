@@ -46,6 +46,7 @@ from bigmoe_pager.core.stats import (
     VRAM,
     PagerStats,
 )
+from bigmoe_pager.core.step_kernel import MAX_IDS
 
 
 class DeviceLayerPager:
@@ -150,6 +151,32 @@ class DeviceLayerPager:
     @property
     def started(self) -> bool:
         return self.pager is not None
+
+    def warm_kernels(self, id_dtypes: tuple[torch.dtype, ...], predict_width: int = 0) -> int:
+        """Before serving: compile every kernel variant an eager step of any size launches; returns the steps run.
+
+        Triton compiles a kernel once per variant: block sizes that follow a step's size (its id vector up to
+        step_kernel.MAX_IDS, the SSD requests of up to `sizes.vram` misses), the ids' dtype, its arguments'
+        alignment. CUDA graph captures compile the decode sizes; an eager step (a prefill, a batch past the
+        captured sizes) of a new variant would compile in the middle of a request, a pause that vLLM's JIT monitor
+        reports. So each step size up to the largest with variants of its own runs once here, in each of
+        `id_dtypes`, with every id -1: such a step selects no expert (nothing is copied, read or counted) and only
+        advances the tables' step counts. predict_width: ids per token of the predictor's proposals (0: none),
+        whose prefetch (and SSD read-ahead) rounds are warmed alike for 1..16 tokens.
+        """
+        sizes = range(1, max(MAX_IDS, self.sizes.vram) + 2)  # and one past the fused step's largest
+        steps = 0
+        for dtype in dict.fromkeys(id_dtypes):
+            for n in sizes:
+                self.step(torch.full((1, n), -1, dtype=dtype, device=self.device))
+                steps += 1
+        for tokens in range(1, 17) if predict_width else ():
+            nothing = torch.full((tokens, predict_width), -1, dtype=torch.int64, device=self.device)
+            self.prefetch(nothing)  # with read-ahead on, its SSD posts too
+            self.step(torch.full((tokens, 1), -1, dtype=torch.int64, device=self.device))  # settles the round
+            steps += 1
+        self._wait(self.device)
+        return steps
 
     # ---- stepping ------------------------------------------------------------------------
 

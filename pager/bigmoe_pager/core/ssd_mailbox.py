@@ -78,7 +78,7 @@ def _now(like, ON_GPU: tl.constexpr):
     return now
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("layer", "n", "nrows", "post_entry0"))
 def request_kernel(
     box,
     seq_ptr,
@@ -151,7 +151,7 @@ def request_kernel(
     store_release(tl.where(first & flag, box + _GPU_ERROR + zero, sink), zero + code, SYS_SCOPE, ON_GPU)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("layer", "entry0"))
 def post_kernel(
     box, post_seq_ptr, posted_ptr, experts_ptr, slots_ptr, layer, n, entry0, BLOCK: tl.constexpr, ON_GPU: tl.constexpr
 ):

@@ -40,7 +40,14 @@ from functools import lru_cache
 
 import torch
 from bigmoe_pager.core import stats
-from bigmoe_pager.core.acquire_kernel import MAX_SLOTS, PACKED_MAX, decision_outputs, duel_tensors, next_pow2
+from bigmoe_pager.core.acquire_kernel import (
+    MAX_SLOTS,
+    PACKED_MAX,
+    STEP_SIZES,
+    decision_outputs,
+    duel_tensors,
+    next_pow2,
+)
 from bigmoe_pager.core.copy_kernel import (
     BLOCK_BYTES,
     MAX_COMPONENTS,
@@ -258,7 +265,7 @@ if triton is not None:
     _ERRORS = tl.constexpr(stats.ERRORS)
     _PREFETCH_LATE = tl.constexpr(stats.PREFETCH_LATE)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=(*STEP_SIZES, "chain_layer"))
     def _step_kernel(
         ids_ptr,
         n_ids,

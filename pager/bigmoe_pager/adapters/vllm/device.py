@@ -171,7 +171,7 @@ def forward(layer, x, topk_weights, topk_ids, kernel, turn=None):
     parts: DeviceParts = process.device
     pager: DeviceLayerPager = layer.pager
     if not pager.started:
-        start_all(process)
+        start_all(process, topk_ids.dtype)
     if layer._moe_index == parts.last_layer:
         parts.mirror.copy_(pager.stats_table.device_counts, non_blocking=True)  # one step behind; fine for counters
     with glue.pinned_kernel_config(layer, x.shape[0], x.dtype):
@@ -232,9 +232,9 @@ def _layer_buffer(parts: DeviceParts, layer) -> dict[str, torch.Tensor]:
         return parts.layer_buffer
 
 
-def start_all(process) -> None:
-    """After loading, at the first forward (vLLM's profile run, outside graphs):
-    SSD tier, slots, warm VRAM, exporter."""
+def start_all(process, id_dtype: torch.dtype) -> None:
+    """After loading, at the first forward (vLLM's profile run, outside graphs): SSD tier, slots, warm VRAM, the
+    kernels of eager steps compiled (id_dtype: the router's ids, as this forward has them), exporter."""
     parts: DeviceParts = process.device
     with parts.lock:
         if parts.started:
@@ -245,15 +245,28 @@ def start_all(process) -> None:
             buffers = {name: getattr(paged, name).data for name in paged._layout._by_name}
             paged.pager.start(buffers, fetchers.get(paged._moe_index))
         torch.cuda.synchronize()
+        warm_s = _warm_kernels(process, layers, id_dtype)
         parts.started = True
         parts.layers = layers
     _start_exporter(process)
     log.warning(
-        "bigmoe: device-driven paging started for %d MoE layers%s%s",
+        "bigmoe: device-driven paging started for %d MoE layers%s%s; eager steps' kernels compiled in %.1f s",
         len(layers),
         " with an SSD tier" if fetchers else "",
         process.load_copies.describe(),
+        warm_s,
     )
+
+
+def _warm_kernels(process, layers: list, id_dtype: torch.dtype) -> float:
+    """Each layer's inert steps of every size (DeviceLayerPager.warm_kernels): in the router's id dtype and in int64
+    (the whole-layer buffer's groups), with the predictor's proposals where it runs. Returns the seconds taken."""
+    start = time.monotonic()
+    predictor = process.predictor
+    for paged in layers:
+        width = (predictor.top or paged.moe_config.experts_per_token) if predictor.on else 0
+        paged.pager.warm_kernels((id_dtype, torch.int64), predict_width=width)
+    return time.monotonic() - start
 
 
 def _ssd_fetchers(parts: DeviceParts, layers: list, settings: PagerSettings) -> dict[int, ServiceFetch]:
