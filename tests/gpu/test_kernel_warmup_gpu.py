@@ -36,6 +36,7 @@ CASES = [  # experts (distinct per case: new kernels), VRAM slots, RAM slots, SS
     pytest.param(40, 40, 40, False, "lru", id="full-ram-lru-wide"),
     pytest.param(28, 10, 20, False, "lfu-duel", id="ssd-lfu-duel"),
     pytest.param(36, 12, 20, True, "lfu-duel", id="ssd-read-ahead"),
+    pytest.param(160, 130, 150, False, "lfu-duel", id="ssd-past-128-slots"),  # SSD requests of a 256-id block
 ]
 
 
