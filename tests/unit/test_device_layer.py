@@ -8,10 +8,12 @@ import random
 
 import pytest
 import torch
-from bigmoe_pager.core.device_layer import DeviceLayerPager
+from bigmoe_pager.core.device_layer import DeviceLayerPager, warm_step_sizes
 from bigmoe_pager.core.host_pager import TierSizes
 from bigmoe_pager.core.pager import PagerError
+from bigmoe_pager.core.ssd_mailbox import _block as request_block
 from bigmoe_pager.core.stats import PagerStats
+from bigmoe_pager.core.step_kernel import MAX_IDS, ids_block
 from test_pager import FakeSsdService, make_layout, make_records
 
 
@@ -189,6 +191,23 @@ def _decisions(layer, steps, predictions) -> list[list[int]]:
         out.append(layer.step(ids).flatten().tolist())
         layer.prefetch(predicted)
     return out
+
+
+def _kernel_variant(num_ids: int, vram: int) -> tuple:
+    """What a Triton variant of an eager step of num_ids ids depends on (its size arguments are unspecialized): the
+    fused kernel's id block, or the unfused path's SSD request block; and whether it streams in token ranges."""
+    fused = num_ids <= MAX_IDS
+    return (fused, ids_block(num_ids) if fused else request_block(num_ids), num_ids > vram)
+
+
+@pytest.mark.parametrize("vram", [1, 10, 64, 65, 100, 128, 129, 130, 300, 1024, 4096])
+def test_warm_up_sizes_reach_every_kernel_variant_with_few_steps(vram):
+    warmed = warm_step_sizes(vram)
+    variants = {_kernel_variant(n, vram) for n in warmed}
+    missing = [n for n in range(1, vram + 2) if _kernel_variant(n, vram) not in variants]
+    assert missing == []
+    assert warmed == sorted(set(warmed)) and max(warmed) == max(MAX_IDS, vram) + 1
+    assert len(warmed) <= MAX_IDS + 1 + vram.bit_length()  # one size a block past the fused kernel's sizes
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-duel"])

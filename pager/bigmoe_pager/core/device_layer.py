@@ -159,12 +159,12 @@ class DeviceLayerPager:
         step_kernel.MAX_IDS, the SSD requests of up to `sizes.vram` misses), the ids' dtype, its arguments'
         alignment. CUDA graph captures compile the decode sizes; an eager step (a prefill, a batch past the
         captured sizes) of a new variant would compile in the middle of a request, a pause that vLLM's JIT monitor
-        reports. So each step size up to the largest with variants of its own runs once here, in each of
+        reports. So one step of each size with variants of its own (`warm_step_sizes`) runs here, in each of
         `id_dtypes`, with every id -1: such a step selects no expert (nothing is copied, read or counted) and only
         advances the tables' step counts. predict_width: ids per token of the predictor's proposals (0: none),
         whose prefetch (and SSD read-ahead) rounds are warmed alike for 1..16 tokens.
         """
-        sizes = range(1, max(MAX_IDS, self.sizes.vram) + 2)  # and one past the fused step's largest
+        sizes = warm_step_sizes(self.sizes.vram)
         steps = 0
         for dtype in dict.fromkeys(id_dtypes):
             for n in sizes:
@@ -371,3 +371,16 @@ class DeviceLayerPager:
                 errors=int(ssd[ERRORS]),
             ),
         }
+
+
+def warm_step_sizes(vram_slots: int) -> list[int]:
+    """Step sizes (ids) whose eager steps compile every kernel variant a step of up to vram_slots + 1 ids launches.
+
+    Up to step_kernel.MAX_IDS + 1 every size: the fused step's id block and the unfused path's start. Past it the
+    step-size arguments are compiled unspecialized and only the power-of-two block of an id or miss list
+    (ssd_mailbox's request BLOCK) makes a new variant, so one size a block (2**k + 1) up to the slots will do, and
+    one size past the slots (the token-range path). 67 sizes at 130 slots, 69 at 1,024, instead of every size.
+    """
+    every = range(1, MAX_IDS + 2)
+    blocks = [2**k + 1 for k in range(MAX_IDS.bit_length(), vram_slots.bit_length()) if 2**k + 1 <= vram_slots]
+    return sorted({*every, *blocks, vram_slots + 1})
