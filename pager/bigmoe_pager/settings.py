@@ -82,7 +82,8 @@ class PagerSettings:
     0 = in token ranges through the slots. The device-driven pager only."""
     ssd_read_ahead: bool = False
     """BIGMOE_SSD_READ_AHEAD: 1 = the device-driven pager's expert predictions also post SSD->RAM reads early (no
-    GPU wait until a step needs one); off: on the GPU its wrong guesses cost more disk time than it hid (runs 9, 52)."""
+    GPU wait until a step needs one); off: on the GPU it was slower each time: its wrong guesses cost more disk time
+    than it hid (runs 9, 52), and with 90% of its reads used it still cost 6% a token (run 55)."""
     ssd_read_ahead_layers: int = 1
     """BIGMOE_SSD_READ_AHEAD_LAYERS: with BIGMOE_SSD_READ_AHEAD=1, how many layers ahead each MoE layer posts the
     SSD reads of predicted experts (1: the next layer only; 0 counts as 1). Deeper gives the disk more time and

@@ -108,7 +108,9 @@ were used with uniform wrong ids and 44-67% with popular ones (calls d, f), at r
 to 95 splits those measured points alike; None never lifts it. Not yet timed inside vLLM as one engine (session 15):
 its rounds are the budgeted ones below the threshold, whole ones above."""
 READ_AHEAD_MIN_USED_PERCENT = 10
-"""Gate of the RAM tables' SSD reads ahead (sim_prefetch's session-9 choice; a read's break-even is not measured)."""
+"""Gate of the RAM tables' SSD reads ahead (sim_prefetch's session-9 choice). On the GPU no share of used reads was
+seen to pay: at recall 1.0, 90% of the reads used and the same disk bytes a token, TPOT still rose 6% (run 55, vLLM
+0.33, Flash-Next layers), so a gate below 90 lets costly reads through; read-ahead is off by default instead."""
 
 
 def lfu_key(counts: torch.Tensor, stamps: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -259,8 +259,9 @@ def start_all(process, id_dtype: torch.dtype) -> None:
 
 
 def _warm_kernels(process, layers: list, id_dtype: torch.dtype) -> float:
-    """Each layer's inert steps of every size (DeviceLayerPager.warm_kernels): in the router's id dtype and in int64
-    (the whole-layer buffer's groups), with the predictor's proposals where it runs. Returns the seconds taken."""
+    """Each layer's inert steps of each size with kernel variants of its own (DeviceLayerPager.warm_kernels): in the
+    router's id dtype and in int64 (the whole-layer buffer's groups), with the predictor's proposals where it runs.
+    Returns the seconds taken."""
     start = time.monotonic()
     predictor = process.predictor
     for paged in layers:
