@@ -14,14 +14,16 @@ cd "$(dirname "$0")/.."
 source /tmp/site/env.sh
 export PYTHONPATH="$PWD/pager:$PWD/app:$PWD/bench:$PYTHONPATH" PYTHONUNBUFFERED=1 VLLM_DEEP_GEMM_WARMUP=skip
 out="${OUT:-/tmp/bigmoe-gpu}"; mkdir -p "$out"
-model=/tmp/bigmoe-vllm-e2e/flash-next-fp8-4l
+# the model and bench steps' checkpoint: $MODEL_LAYERS decoder layers (4; more give reads ahead further to go)
+model_layers="${MODEL_LAYERS:-4}"
+model="/tmp/bigmoe-vllm-e2e/flash-next-fp8-${model_layers}l"
 pack() { tar czf "$out/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" 2>/dev/null; }
 q4x=/tmp/bigmoe-q4x-test  # the background test's tree copy, pytest's temp dirs, its output and exit status
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     model)  # made by gpu_vllm_e2e too; done first so the other steps can share it
-      [ -f "$model/config.json" ] || python3 scripts/make_qwen4exp.py "$model" --layers 4 --indexer-heads 8 --dtype fp8 --device cuda --seed 0 ;;
+      [ -f "$model/config.json" ] || python3 scripts/make_qwen4exp.py "$model" --layers "$model_layers" --indexer-heads 8 --dtype fp8 --device cuda --seed 0 ;;
     e2e-tiers)
       python3 scripts/gpu_vllm_e2e.py --shape flash-next --layers 4 --parallel 6 --budget-s "${BUDGET:-400}" \
         --configs unpaged,unpaged-repeat,vram40,vram40-ngram,vram12-ram50-ssd,vram12-ram50-ssd-ngram \

@@ -20,7 +20,8 @@ random routers route almost uniformly). Configurations run one after another in 
 
 A bigmoe name may end in @rX (the trace also carries next-layer predictions at recall X; a top-k proposal of k ids
 per row, so precision = recall, as scripts/gpu_vllm_bench.py makes them, unless --precision is given:
-the pager prefetches them, issue 15) and then +ahead (the same predictions post SSD reads ahead of need), as in
+the pager prefetches them, issue 15) and then +ahead (the same predictions post SSD reads ahead of need) or +ahead4
+(four layers ahead: the replayed rows for later layers are as right as the next layer's), as in
 scripts/gpu_vllm_bench.py: bigmoe-4090@r0.8+ahead. --family picks the routing family (docs/routing.md).
 """
 
@@ -96,9 +97,18 @@ def configs(trace: Path, numbers: dict, vram: int, ram: int, offload_gib: float)
 CONFIG_NAMES = ("resident", "offload", "bigmoe-4090", "bigmoe-4090-nongram", "bigmoe-allram")
 
 
+READ_AHEAD_SUFFIXES = (bench_names.AHEAD_DEEP, bench_names.AHEAD)
+"""The name suffixes of SSD reads ahead (their settings: bench_names.PREDICTION_SUFFIXES); the deeper one first."""
+
+
+def ahead_suffix(name: str) -> str | None:
+    """The read-ahead suffix a name ends in, or None."""
+    return next((s for s in READ_AHEAD_SUFFIXES if name.endswith(s)), None)
+
+
 def split_name(name: str) -> tuple[str, float | None]:
     """'bigmoe-4090@r0.8+ahead' -> ('bigmoe-4090', 0.8); a name without @r has recall None."""
-    base, at, recall = name.removesuffix(bench_names.AHEAD).partition("@r")
+    base, at, recall = name.removesuffix(ahead_suffix(name) or "").partition("@r")
     try:
         value = float(recall) if at else None
     except ValueError:
@@ -118,15 +128,16 @@ def predicted_trace(trace: Path, recall: float, precision: float | None, experts
 
 
 def with_suffixes(name: str, named: dict, predicted: dict[float, Path]) -> tuple[e2e.Config, dict]:
-    """The named configuration with its @rX (the trace `predicted` holds for recall X) and +ahead (SSD read-ahead)
-    applied."""
+    """The named configuration with its @rX (the trace `predicted` holds for recall X) and +ahead / +ahead4 (SSD
+    read-ahead, one or four layers deep) applied."""
     base, recall = split_name(name)
     config, extra = named[base]
     env = dict(config.env)
     if recall is not None:
         env["BIGMOE_ROUTE_REPLAY"] = str(predicted[recall])
-    if name.endswith(bench_names.AHEAD):
-        env["BIGMOE_SSD_READ_AHEAD"] = "1"
+    suffix = ahead_suffix(name)
+    if suffix:
+        env.update(bench_names.PREDICTION_SUFFIXES[suffix])
     return e2e.Config(name, env), extra
 
 
@@ -164,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--precision is the share of a proposal that is right, in (0, 1]; got {args.precision}")
     for name in args.configs.split(","):
         base, recall = split_name(name)
-        suffixed = recall is not None or name.endswith(bench_names.AHEAD)
+        suffixed = recall is not None or ahead_suffix(name) is not None
         if base not in CONFIG_NAMES or (suffixed and (recall is None or not base.startswith("bigmoe"))):
             p.error(
-                f"configuration {name!r} is unknown: one of {', '.join(CONFIG_NAMES)}, a bigmoe one may end @rX[+ahead]"
+                f"configuration {name!r} is unknown: one of {', '.join(CONFIG_NAMES)}, "
+                "a bigmoe one may end @rX[+ahead|+ahead4]"
             )
     deadline = time.monotonic() + args.budget_s
     out = args.out.resolve()

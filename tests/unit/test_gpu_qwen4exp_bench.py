@@ -1,5 +1,6 @@
 """scripts/gpu_qwen4exp_bench.py's configuration names: @rX replays the family trace with next-layer predictions at
-recall X for the checkpoint's own experts, +ahead turns on SSD read-ahead (the GPU run itself is the lead's)."""
+recall X for the checkpoint's own experts, +ahead turns on SSD read-ahead, +ahead4 four layers deep (the GPU run
+itself is the lead's)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import gpu_qwen4exp_bench as q4x  # scripts/ is on pytest's pythonpath (pyprojec
 import numpy as np
 import pytest
 from bigmoe_bench import traces
+from bigmoe_pager.settings import PagerSettings
 from qwen4exp_tiny import TINY_QWEN4EXP
 
 SHAPES = {"4-layer x 512, top-10": (4, 512, 10), "3-layer x 64, top-8": (3, 64, 8)}
@@ -32,11 +34,12 @@ def family_trace(tmp_path: Path, numbers: dict) -> Path:
 @pytest.mark.parametrize(
     "name,recall,ahead",
     [
-        ("bigmoe-4090", None, False),
-        ("bigmoe-4090@r0.8", 0.8, False),
-        ("bigmoe-4090@r0.8+ahead", 0.8, True),
-        ("bigmoe-allram@r1", 1.0, False),
-        ("bigmoe-4090-nongram@r0+ahead", 0.0, True),
+        ("bigmoe-4090", None, 0),
+        ("bigmoe-4090@r0.8", 0.8, 0),
+        ("bigmoe-4090@r0.8+ahead", 0.8, 1),
+        ("bigmoe-allram@r1", 1.0, 0),
+        ("bigmoe-4090-nongram@r0+ahead", 0.0, 1),
+        ("bigmoe-4090@r1.0+ahead4", 1.0, 4),
     ],
 )
 @pytest.mark.parametrize("precision", [None, 0.5], ids=["top-k", "precision-0.5"])
@@ -49,7 +52,8 @@ def test_a_name_replays_predictions_at_its_recall_for_the_checkpoints_experts(
     )
     config, _ = q4x.with_suffixes(name, named, predicted)
     assert config.name == name
-    assert (config.env.get("BIGMOE_SSD_READ_AHEAD") == "1") is ahead
+    assert (config.env.get("BIGMOE_SSD_READ_AHEAD") == "1") is (ahead > 0)  # ahead: layers deep (0: off)
+    assert PagerSettings.from_env(config.env).ssd_read_ahead_layers == max(ahead, 1)
     replay = Path(config.env["BIGMOE_ROUTE_REPLAY"])
     truth = traces.load_trace(family_trace, numbers["experts"])
     assert np.array_equal(traces.load_trace(replay, numbers["experts"]), truth)
