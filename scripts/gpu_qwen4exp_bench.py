@@ -97,18 +97,17 @@ def configs(trace: Path, numbers: dict, vram: int, ram: int, offload_gib: float)
 CONFIG_NAMES = ("resident", "offload", "bigmoe-4090", "bigmoe-4090-nongram", "bigmoe-allram")
 
 
-READ_AHEAD_SUFFIXES = (bench_names.AHEAD_DEEP, bench_names.AHEAD)
-"""The name suffixes of SSD reads ahead (their settings: bench_names.PREDICTION_SUFFIXES); the deeper one first."""
-
-
-def ahead_suffix(name: str) -> str | None:
-    """The read-ahead suffix a name ends in, or None."""
-    return next((s for s in READ_AHEAD_SUFFIXES if name.endswith(s)), None)
+READ_AHEAD_SUFFIXES = {bench_names.AHEAD, bench_names.AHEAD_DEEP}
+"""The name suffixes this bench takes (bench_names' language): SSD reads ahead, one or four layers deep."""
 
 
 def split_name(name: str) -> tuple[str, float | None]:
-    """'bigmoe-4090@r0.8+ahead' -> ('bigmoe-4090', 0.8); a name without @r has recall None."""
-    base, at, recall = name.removesuffix(ahead_suffix(name) or "").partition("@r")
+    """'bigmoe-4090@r0.8+ahead' -> ('bigmoe-4090', 0.8); a name without @r has recall None. A name with another
+    suffix, or more than one, is returned whole (no configuration has that name)."""
+    stem, suffixes = bench_names.split_suffixes(name)
+    if len(suffixes) > 1 or not set(suffixes) <= READ_AHEAD_SUFFIXES:
+        return name, None
+    base, at, recall = stem.partition("@r")
     try:
         value = float(recall) if at else None
     except ValueError:
@@ -135,9 +134,8 @@ def with_suffixes(name: str, named: dict, predicted: dict[float, Path]) -> tuple
     env = dict(config.env)
     if recall is not None:
         env["BIGMOE_ROUTE_REPLAY"] = str(predicted[recall])
-    suffix = ahead_suffix(name)
-    if suffix:
-        env.update(bench_names.PREDICTION_SUFFIXES[suffix])
+    for suffix in bench_names.split_suffixes(name)[1]:
+        env.update(bench_names.suffix_env(suffix))
     return e2e.Config(name, env), extra
 
 
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--precision is the share of a proposal that is right, in (0, 1]; got {args.precision}")
     for name in args.configs.split(","):
         base, recall = split_name(name)
-        suffixed = recall is not None or ahead_suffix(name) is not None
+        suffixed = recall is not None or bool(bench_names.split_suffixes(name)[1])
         if base not in CONFIG_NAMES or (suffixed and (recall is None or not base.startswith("bigmoe"))):
             p.error(
                 f"configuration {name!r} is unknown: one of {', '.join(CONFIG_NAMES)}, "
