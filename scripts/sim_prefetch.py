@@ -10,7 +10,9 @@ need, which is pessimistic: a real router's near misses are popular experts, oft
 predictor's k ids a token, precision = recall). Each prediction case runs with admit's usefulness gate
 at each of --gates (min_used_percent; 0 = no gate) and each of --budgets (prefetch_budget: experts a round
 copies at most, the most used first; 0 = none), a budget lifted while --lift percent of the gate's judged copies were
-used (slots.LIFT_PERCENT; none: never); gate_closed is the share of rounds it closed.
+used (slots.LIFT_PERCENT; none: never); gate_closed is the share of rounds it closed. --shape picks the tables
+(SHAPES): the 40-layer benchmark's VRAM tables, or the reference job's RAM tier, whose SSD reads ahead the same admit
+and gate decide (its copies are then disk reads).
 Time is not simulated: copies per token are what a GPU run pays for, and prefetch can only win back
 the compute time it hides them behind (docs/benchmarks.md, the H200 harness run).
 
@@ -126,17 +128,30 @@ def simulate(
     }
 
 
-RECORDED = (64, 8, (26, 16))
-"""The recorded trace's experts, top-k and VRAM slots: the benchmark's 40% and 12.5% shares, at least 2k slots."""
+SHAPES = {
+    "qwen3.6": ((256, 8, (102, 32)), (64, 8, (26, 16))),
+    "flash-next-ram": ((512, 10, (218,)), (64, 8, (27,))),
+}
+"""Tables simulated, as ((experts, top-k, slots...), the recorded trace's (experts, top-k, slots...)). qwen3.6: the
+40-layer benchmark's VRAM tables at 102 and 32 slots (40% and 12.5%). flash-next-ram: the reference job's RAM tier a
+layer (218 of 512 experts, 42.6%), whose SSD reads ahead the same admit and gate decide (ram_tier.RamTier). The
+recorded trace (the tiny model, 64 experts) keeps the same shares, at least 2k slots. A row's `vram` is its table's
+slots, whichever tier the table is."""
 
 
 def cases(
-    families: list[str], recalls: list[float], precisions: list[float | None], gates: list[int], budgets: list[int]
+    families: list[str],
+    recalls: list[float],
+    precisions: list[float | None],
+    gates: list[int],
+    budgets: list[int],
+    shape: str = "qwen3.6",
 ) -> list[Case]:
-    """The Qwen3.6-shaped 40-layer benchmark's tables (256 experts, top-8) at 102 and 32 VRAM slots."""
+    """The tables of one of SHAPES for each family, without prefetch and with each prediction and gate."""
     out = []
     for family in families:
-        experts, k, sizes = RECORDED if family == "recorded" else (256, 8, (102, 32))
+        own, recorded = SHAPES[shape]
+        experts, k, sizes = recorded if family == "recorded" else own
         for vram in sizes:
             out.append(Case(family, experts, k, vram, None, None, None))
             out += [
@@ -166,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help=f"prefetch budgets, experts a round copies at most (0: none; the pager's: {PREFETCH_BUDGET})",
     )
+    p.add_argument("--shape", default="qwen3.6", help=f"tables simulated: {', '.join(SHAPES)} (SHAPES)")
     p.add_argument("--wrong", default="uniform", help="how proposals' wrong ids are drawn: uniform, popular or none")
     p.add_argument("--policy", default="lfu-fast", help="eviction policy (the pager's default is lfu-duel)")
     p.add_argument("--seed", type=int, default=0)
@@ -177,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
     try:
+        if args.shape not in SHAPES:
+            raise ValueError(f"--shape takes one of {', '.join(SHAPES)}, got {args.shape!r}")
         if args.wrong not in traces.WRONG_MODELS:
             raise ValueError(f"--wrong takes one of {', '.join(traces.WRONG_MODELS)}, got {args.wrong!r}")
         budgets = _ints(args.budgets)
@@ -187,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--lift takes one percent from 0 to 100, or none; got {args.lift!r}")
         lift = None if lift is None else lift[0]
         grid = cases(
-            args.families.split(","), _floats(args.recalls), _precisions(args.precisions), _ints(args.gates), budgets
+            args.families.split(","),
+            _floats(args.recalls),
+            _precisions(args.precisions),
+            _ints(args.gates),
+            budgets,
+            args.shape,
         )
     except ValueError as err:
         print(f"sim_prefetch: {err}", file=sys.stderr)
@@ -213,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"command": " ".join(["sim_prefetch.py", *(argv if argv is not None else sys.argv[1:])])}
         head = {
             **report,
+            "shape": args.shape,
             "policy": args.policy,
             "wrong": args.wrong,
             "gate": "closed rounds judged from would-fetch marks (session 13)",

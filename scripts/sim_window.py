@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from bigmoe_bench import traces
 from bigmoe_pager.core.slots import PREFETCH_BUDGET
-from sim_prefetch import RECORDED, as_tensors, layer_tables  # scripts/ beside this one
+from sim_prefetch import SHAPES, as_tensors, layer_tables  # scripts/ beside this one
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def family_trace(family: str, tokens: int, layers: int, vram: int) -> tuple[np.n
     whole = traces.named_trace(family, tokens, layers, 256, 8)
     if whole.shape[0] < tokens:
         raise traces.TraceError(f"the recorded trace holds {whole.shape[0]} tokens; --warmup + --tokens is {tokens}")
-    experts = RECORDED[0]
+    experts = SHAPES["qwen3.6"][1][0]  # the recorded trace's experts
     return whole[:tokens, :layers], experts, max(whole.shape[2], round(vram * experts / 256))
 
 

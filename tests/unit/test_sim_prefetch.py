@@ -44,13 +44,23 @@ def test_the_gate_keeps_a_useless_predictor_near_no_prefetch_and_a_good_one_open
     assert runs[1.0, MIN_USED_PERCENT]["gate_closed"] == 0 and runs[1.0, MIN_USED_PERCENT] == runs[1.0, 0]
 
 
-def test_the_script_writes_one_row_per_case_with_a_no_prefetch_baseline(tmp_path):
+@pytest.mark.parametrize(
+    "shape,tables",
+    [("qwen3.6", [(256, 102), (256, 32)]), ("flash-next-ram", [(512, 218)])],
+)
+def test_the_script_writes_one_row_per_case_with_a_no_prefetch_baseline(tmp_path, shape, tables):
     out = tmp_path / "sim.json"
     argv = ["--tokens", "30", "--layers", "2", "--families", "standard", "--recalls", "0.8", "--precisions", "0.5"]
-    assert sim_prefetch.main([*argv, "--gates", "25,0", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    got = [(r["vram"], r["recall"], r["min_used_percent"]) for r in rows]
-    assert got == [(102, None, None), (102, 0.8, 25), (102, 0.8, 0), (32, None, None), (32, 0.8, 25), (32, 0.8, 0)]
+    assert sim_prefetch.main([*argv, "--shape", shape, "--gates", "25,0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    got = [(r["experts"], r["vram"], r["recall"], r["min_used_percent"]) for r in report["rows"]]
+    want = [(e, s, r, g) for e, s in tables for r, g in [(None, None), (0.8, 25), (0.8, 0)]]
+    assert report["shape"] == shape and got == want
+
+
+def test_an_unknown_shape_is_refused_in_one_line(capsys):
+    assert sim_prefetch.main(["--tokens", "10", "--shape", "flash"]) == 2
+    assert "--shape takes one of qwen3.6, flash-next-ram" in capsys.readouterr().err
 
 
 def test_topk_is_a_precision_and_bad_lists_are_refused(tmp_path, capsys):

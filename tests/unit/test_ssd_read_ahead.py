@@ -8,8 +8,10 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
+from bigmoe_bench import traces
 from bigmoe_pager.core import ssd_mailbox as mb
 from bigmoe_pager.core.device_layer import DeviceLayerPager
 from bigmoe_pager.core.host_pager import TierSizes
@@ -326,3 +328,40 @@ def test_admits_with_no_step_between_are_one_round_for_the_counters():
     names = ("prefetched", "prefetch_used", "prefetch_wasted_bytes")
     prefetched, used, wasted = (int(row[COUNTERS.index(n)]) for n in names)
     assert (prefetched, used, wasted) == (3, 2, 10)
+
+
+def disk_reads(family: str, recall: float | None, gate: int | None = None, tokens: int = 300) -> tuple[int, int]:
+    """(reads posted ahead, reads on demand) of one RAM tier (27 of 64 experts, the reference job's 42% share) over
+    `tokens` of a routing family, its reads posted ahead from a top-k predictor at `recall` whose wrong ids are cold
+    (None: no read-ahead); `gate`: the read-ahead gate's threshold, None: the pager's."""
+    trace = traces.named_trace(family, tokens, 2, 64, 8, 0)[:tokens, :2]
+    tier = RamTier(LAYOUT_SMALL, 64, 27, read_ahead=recall is not None)
+    if gate is not None:
+        tier.table.min_used_percent = gate
+    ssd = FakePostingSsd(tier)
+    tier.attach_ssd(ssd)
+    pred = None if recall is None else traces.predictions(trace, recall, None, 64, 0, "uniform")
+    for t in range(tokens):
+        if pred is not None:
+            tier.read_ahead(torch.from_numpy(pred[t, 0].astype(np.int64)))  # layer 0 proposes layer 1's experts
+        tier.locate(torch.from_numpy(trace[t, 1].astype(np.int64)))
+        ssd.finish_all()  # a token's reads land before the next token's
+    return sum(len(p) for p in ssd.posts), len(ssd.demand)
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift"])
+def test_reads_ahead_that_are_mostly_wasted_stop_costing_disk_reads(family):
+    """Where the disk sets the pace a wasted read costs what a used one saves at most (run 56): a predictor with half
+    its ids wrong soon stops posting, and the disk reads about what it reads with no read-ahead at all."""
+    posted, demand = disk_reads(family, 0.5)
+    ungated, _ = disk_reads(family, 0.5, gate=0)
+    _, alone = disk_reads(family, None)
+    assert posted < 0.1 * ungated
+    assert posted + demand <= 1.1 * alone
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift", "near-uniform", "recorded"])
+def test_reads_ahead_that_are_right_keep_every_need_off_the_demand_path(family):
+    posted, demand = disk_reads(family, 1.0)
+    _, alone = disk_reads(family, None)
+    assert demand == 0 and posted == alone  # each read posted ahead, none twice, none wasted
