@@ -183,6 +183,30 @@ def test_a_slow_posted_read_is_waited_for_by_the_step_and_never_read_again(ckpt)
     assert ram.misses == 0 and ram.hits == len(cold) and ram.prefetched == len(cold)
 
 
+def test_a_read_ahead_that_a_vram_prefetch_copied_on_counts_as_used(ckpt):
+    """Read several layers ahead, a read lands before the layer before its own prefetches; that prefetch copies the
+    expert into VRAM and the step hits there. The read served the step: the RAM tier's gate must count it used."""
+    pagers, svc, stats = build(ckpt, 2, 4, True)
+    layer = pagers[1]
+    cold = next(e for e in range(EXPERTS) if layer.ram_slot_for_load(e) is None)
+    with svc:
+        layer.step(torch.tensor([layer.order[:1]], dtype=torch.int32))
+        layer.read_ahead(torch.tensor([cold, -1]))  # as a layer four ahead posts it
+        deadline = time.monotonic() + 10
+        while not bool(layer.ram.complete()[cold]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            layer.read_ahead(torch.tensor([-1, -1]))  # settles landed reads; the same round (no step since)
+        layer.prefetch(torch.tensor([cold, -1]))  # the layer before's: copies the whole row into VRAM
+        assert int(layer.pager.vram.expert_slot[cold]) >= 0
+        remapped = layer.step(torch.tensor([[cold]], dtype=torch.int32))
+        svc.check()
+        assert torch.equal(slot_bytes(layer, int(remapped.reshape(-1)[0])), wanted(ckpt, 1, cold))
+        layer.read_ahead(torch.tensor([-1, -1]))  # the next round judges this one
+    ram, vram = stats.snapshot(1)["ram"], stats.snapshot(1)["vram"]
+    assert vram.hits >= 1 and ram.prefetched == 1
+    assert ram.prefetch_used == 1 and ram.prefetch_wasted_bytes == 0
+
+
 LAYOUT_SMALL = ExpertLayout.for_moe(64, 32, torch.float8_e4m3fn, block=32)
 
 

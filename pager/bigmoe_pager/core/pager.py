@@ -141,7 +141,7 @@ class ExpertPager:
         if chain is not None:
             raise PagerError(f"layer {self.layer}: only a fused step publishes to a prefetch chain (see `publishes`)")
         got = self.vram.acquire(topk_ids, rows["vram"], below, self.layout.record_bytes)
-        src = self.ram.locate(got.miss_experts, rows["ram"], rows["ssd"])
+        src = self.ram.locate(got.miss_experts, rows["ram"], rows["ssd"], needed=topk_ids)
         copy_records(self.ram.records, src, got.miss_slots, self.layout, self.buffers)
         return got
 

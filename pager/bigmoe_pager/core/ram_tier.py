@@ -204,19 +204,27 @@ class RamTier:
     # ---- the step path -----------------------------------------------------------------
 
     def locate(
-        self, experts: torch.Tensor, stats_row: torch.Tensor | None = None, ssd_row: torch.Tensor | None = None
+        self,
+        experts: torch.Tensor,
+        stats_row: torch.Tensor | None = None,
+        ssd_row: torch.Tensor | None = None,
+        needed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Record rows holding `experts` (int64 [M], -1 padded), reading misses from SSD first.
 
         No host sync: the RAM decision runs on the model's device, and the SSD
         service waits on the stream (bounded) for the rows it fills. A full tier
         is the identity (its counters are kept by the VRAM decision).
+        needed: every expert the step needs, VRAM hits too; with read-ahead, reads ahead of them count as used
+        even where a VRAM prefetch copied them on before the step (SlotTable.note_used_above).
         """
         self.check_filled()
         if self.full:
             return experts
         self.check_ready()
         got = self.table.acquire(experts, stats_row, ssd_row, self.layout.record_bytes)
+        if needed is not None and self.reading_ahead:
+            self.table.note_used_above(needed)
         if not self.reading_ahead:
             self.ssd.fetch(got.miss_experts, got.miss_slots)
             return got.remapped

@@ -111,7 +111,8 @@ READ_AHEAD_MIN_USED_PERCENT = 50
 """Gate of the RAM tables' SSD reads ahead: percent of the reads it judged that must have been used. Where the disk
 sets the pace a wasted read costs a read's time and a used one saves at most the wait of one, so reads ahead can pay
 only while more than half are used. On the GPU (vLLM 0.33, Flash-Next layers, 35 VRAM / 218 RAM slots) reads 30-32%
-used cost 25-86% TPOT (runs 52, 56) and reads 58-61% used saved 6-18% (run 56, 8 layers, reading 4 ahead). Simulated
+used cost 25-86% TPOT (runs 52, 56) and reads 58-61% used saved 6-18% (run 56, 8 layers, reading 4 ahead; that count
+missed reads a VRAM prefetch copied on, counted since: SlotTable.note_used_above). Simulated
 on four routing families (docs/bench/sim-read-ahead-gate-*.json) a gate of 50 shuts the recall-0.8 read-ahead where
 its reads are mostly wasted (standard, cold wrong ids: 97% of rounds, 2.13x -> 1.04x the reads of none), half of
 them at 50-51% used, and leaves it open at 66-83% (near-uniform, recorded, topic-shift with popular wrong ids); 10
@@ -675,6 +676,18 @@ class SlotTable:
         used = marked & (self._slot_expert[:s] == self._prefetched[:s]) & (self._last_use[:s] > self._prefetch_step)
         self._prefetched.copy_(torch.where(judged, -1, self._prefetched))
         return used.sum(), (marked & ~used).sum()
+
+    def note_used_above(self, ids: torch.Tensor) -> None:
+        """A step needed `ids`, some served by the tier above (VRAM hits this table's acquire never sees): rows of
+        the pending prefetch round holding one get this step as their last use, so the round's judgment counts them
+        used. A read ahead that a VRAM prefetch copied on served that step; without this it was judged wasted (run 56:
+        59-61% of reads four layers ahead counted used at recall 1.0). Call after the step's acquire; no host sync."""
+        e, s = self.num_experts, self.num_slots
+        flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        row = self._expert_slot[torch.where((flat >= 0) & (flat < e), flat, e)]
+        row = torch.where(row >= 0, row, s)
+        pending = (row < s) & (self._prefetched[row] == flat)
+        self._last_use.index_put_((torch.where(pending, row, s),), self.step)
 
     def _settle_would_fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(used, wasted) of the latest closed round's would-fetch marks, judged as copies are (used: a step since
