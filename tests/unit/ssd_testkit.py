@@ -207,3 +207,27 @@ def mount_small_tmpfs(where: Path, size: str = "1m") -> str:
 
 def unmount(where: Path) -> None:
     subprocess.run(["umount", str(where)], check=True)
+
+
+def reads_ahead_done_at_request(svc, layer: int, ahead: list[tuple[int, int]], request: tuple[int, int]) -> int:
+    """Publish reads ahead of (expert, RAM slot) pairs, then one blocking request, straight into svc's mailbox (the
+    words the GPU's post and request kernels write); wait up to 30 s for the request's answer and return how many of
+    the reads ahead were answered by then."""
+    box = svc.box.numpy()
+    words = ssd_mailbox.WORDS_PER_REQUEST
+
+    def publish(entry: int, expert: int, slot: int, seq: int) -> None:
+        at = ssd_mailbox.REQ + words * entry
+        box[at + 1 : at + 4] = (layer, expert, slot)
+        box[at] = seq  # after the payload: the host reads the seq word first
+
+    entries = [svc.post_base[layer] + slot for _, slot in ahead]
+    for seq, (entry, (expert, slot)) in enumerate(zip(entries, ahead), start=10):
+        publish(entry, expert, slot, seq)
+    publish(0, *request, seq=99)
+    done = ssd_mailbox.done_base(svc.entries)
+    deadline = time.monotonic() + 30
+    while box[done] != 99 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert box[done] == 99, "the request was not answered within 30 s"
+    return sum(int(box[done + entry] != 0) for entry in entries)

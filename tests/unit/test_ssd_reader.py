@@ -18,7 +18,7 @@ from bigmoe_pager.core import ssd_mailbox as mb
 from bigmoe_pager.core.paging_file import damaged_marker
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.settings import PagerSettings
-from ssd_testkit import SHAPES, FakeFaultyIO, make_checkpoint
+from ssd_testkit import SHAPES, FakeFaultyIO, make_checkpoint, reads_ahead_done_at_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -376,3 +376,54 @@ def test_stopping_frees_nothing_it_still_reads(ckpt):
     r = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
     assert r.stdout.split() == ["stopped", "12"]
+
+
+AHEAD_THEN_REQUEST = r"""
+import sys, torch
+from bigmoe_bench import synth_experts
+from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.ssd_service import SsdService
+from ssd_testkit import reads_ahead_done_at_request
+root, hidden, inter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+layout = synth_experts.make_layout(hidden, inter, True)
+store = CheckpointStore(root, layout)
+bufs = [torch.zeros(4, layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
+svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=1, reader="native")
+with svc:
+    print("native" if svc.native else svc.reader_note)
+    print(reads_ahead_done_at_request(svc, 1, [(0, 0), (1, 1), (2, 2)], (3, 3)))
+"""
+
+
+@pytest.mark.parametrize("reader", ["python", "native"])
+def test_a_steps_request_is_read_before_reads_ahead_not_yet_started(ckpt, tmp_path, reader):
+    """One worker, a disk taking 50 ms a read, three reads ahead published before a step's request: the request
+    waits for the read in flight at most, not for the reads ahead queued behind it (a wrong read ahead must not
+    delay a read the GPU waits on; run 56). The native reader's slow disk is a fake pread LD_PRELOADed into a
+    child, the Python threads' a fake file layer."""
+    import subprocess
+    import sys
+
+    if reader == "python":
+        io = FakeFaultyIO(then="slow", delay_s=0.05)
+        bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
+        svc = SsdService(ckpt.store(io=io), bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=1)
+        with svc:
+            done = reads_ahead_done_at_request(svc, 1, [(0, 0), (1, 1), (2, 2)], (3, 3))
+            svc.check()
+        _assert_slot(ckpt, bufs, 1, 3, 3)
+    else:
+        (tmp_path / "fake.c").write_text(
+            FAKE_PREAD.replace("static char script[256], then[32];", 'static char script[256], then[32] = "slow50";')
+        )
+        shim = tmp_path / "fake_pread.so"
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "fake.c"), "-ldl"], check=True)
+        shape = (SHAPES["fp8"]["hidden"], SHAPES["fp8"]["intermediate"])
+        env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        argv = [sys.executable, "-c", AHEAD_THEN_REQUEST, str(ckpt.root), *map(str, shape)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        note, done = r.stdout.split("\n")[-3:-1]
+        assert note == "native", note
+        done = int(done)
+    assert done <= 1

@@ -77,7 +77,10 @@ typedef struct {
     pthread_mutex_t *slot_mu; /* [sum slots]: held while a slot's bytes are written */
     pthread_mutex_t mu;
     pthread_cond_t more;
-    int64_t *queue, qcap, qhead, qlen; /* entries to attempt, under mu */
+    /* entries to attempt, under mu, in two rings of qcap: a step's requests (queue) are taken before reads ahead
+       (ahead), so a wrong read ahead not yet started never delays a read the GPU waits on */
+    int64_t *queue, qcap, qhead, qlen;
+    int64_t *ahead, ahead_head, ahead_len;
     int stop, started;
     pthread_t poller;
     pthread_t *workers;
@@ -115,9 +118,17 @@ static void fail_locked(reader *r, int64_t entry, int kind, int64_t err, int64_t
 
 static int failed(reader *r) { return __atomic_load_n(&r->box[HOST_ERROR], __ATOMIC_ACQUIRE) != 0; }
 
+/* Whether an entry is a posted read (a read ahead) rather than a request a step or a load waits on. */
+static int is_ahead(const reader *r, int64_t entry) { return entry >= r->first_posted && entry < r->end_posted; }
+
 static void push_locked(reader *r, int64_t entry) {
-    r->queue[(r->qhead + r->qlen) % r->qcap] = entry;
-    r->qlen++;
+    if (is_ahead(r, entry)) {
+        r->ahead[(r->ahead_head + r->ahead_len) % r->qcap] = entry;
+        r->ahead_len++;
+    } else {
+        r->queue[(r->qhead + r->qlen) % r->qcap] = entry;
+        r->qlen++;
+    }
     pthread_cond_signal(&r->more);
 }
 
@@ -127,7 +138,7 @@ static void issue_locked(reader *r, int64_t entry) {
     j->attempts++;
     j->issued_ns = now_ns();
     if (j->attempts > 1) count(r, j->layer, 3, 1);
-    if (r->qlen < r->qcap) push_locked(r, entry);
+    if ((is_ahead(r, entry) ? r->ahead_len : r->qlen) < r->qcap) push_locked(r, entry);
 }
 
 /* ---- the worker: one attempt -------------------------------------------------------------------------------- */
@@ -225,11 +236,19 @@ static void *work(void *arg) {
     pthread_mutex_lock(&r->mu);
     for (;;) {
         /* stop is stored without mu (the poller reads it lock-free); the broadcast after it takes mu */
-        while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE) && r->qlen == 0) pthread_cond_wait(&r->more, &r->mu);
+        while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE) && r->qlen == 0 && r->ahead_len == 0)
+            pthread_cond_wait(&r->more, &r->mu);
         if (__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) break;
-        int64_t entry = r->queue[r->qhead];
-        r->qhead = (r->qhead + 1) % r->qcap;
-        r->qlen--;
+        int64_t entry;
+        if (r->qlen > 0) {
+            entry = r->queue[r->qhead];
+            r->qhead = (r->qhead + 1) % r->qcap;
+            r->qlen--;
+        } else {
+            entry = r->ahead[r->ahead_head];
+            r->ahead_head = (r->ahead_head + 1) % r->qcap;
+            r->ahead_len--;
+        }
         if (staging == NULL) {
             fail_locked(r, entry, F_SETUP, ENOMEM, -1, 0);
             continue;
@@ -329,7 +348,7 @@ static void release(reader *r) {
     }
     free(r->key_reads); free(r->reads); free(r->key_pieces); free(r->pieces); free(r->record_bytes); free(r->crc);
     free(r->zeros); free(r->files); free(r->layers); free(r->jobs); free(r->handled); free(r->owner);
-    free(r->owner_seq); free(r->slot_base); free(r->queue); free(r->workers); free(r->counters);
+    free(r->owner_seq); free(r->slot_base); free(r->queue); free(r->ahead); free(r->workers); free(r->counters);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->more);
     free(r);
@@ -386,10 +405,11 @@ void *reader_start(int64_t *box, int64_t entries, int64_t first_posted, int64_t 
     r->handled = calloc((size_t)entries, sizeof *r->handled);
     r->qcap = entries * (retries + 2);
     r->queue = calloc((size_t)r->qcap, sizeof *r->queue);
+    r->ahead = calloc((size_t)r->qcap, sizeof *r->ahead);
     r->workers = calloc((size_t)workers, sizeof *r->workers);
     r->counters = calloc((size_t)(nlayers * COUNTERS), sizeof *r->counters);
     if (!r->key_reads || !r->reads || !r->key_pieces || !r->pieces || !r->record_bytes || !r->crc || !r->zeros ||
-        !r->files || !r->layers || !r->slot_base || !r->jobs || !r->handled || !r->queue || !r->workers ||
+        !r->files || !r->layers || !r->slot_base || !r->jobs || !r->handled || !r->queue || !r->ahead || !r->workers ||
         !r->counters) {
         *why = 2; release(r); return NULL;
     }

@@ -31,6 +31,9 @@ given up) is discarded, so it can never overwrite a slot that now holds another
 expert. A new request for a slot supersedes an unfinished earlier one for the
 same slot (a step that took the slot of a read-ahead nobody needed): the earlier
 read is discarded whenever it finishes, so the newer one's bytes are the slot's.
+A worker takes a step's requests and host-driven loads before posted reads that have not started (FIFO within
+each), so a wrong read ahead costs a request at most the read in flight, not a queue of them; a posted read
+superseded before it starts is never read.
 An attempt not answered within `read_timeout_s` is issued again on another
 worker (at most `read_retries` times), and so is one failing its checksum; a
 read error (already retried at file level) and a bad request fail at once. The
