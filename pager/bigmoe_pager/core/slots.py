@@ -108,16 +108,15 @@ were used with uniform wrong ids and 44-67% with popular ones (calls d, f), at r
 to 95 splits those measured points alike; None never lifts it. Not yet timed inside vLLM as one engine (session 15):
 its rounds are the budgeted ones below the threshold, whole ones above."""
 READ_AHEAD_MIN_USED_PERCENT = 50
-"""Gate of the RAM tables' SSD reads ahead: percent of the reads it judged that must have been used. Where the disk
-sets the pace a wasted read costs a read's time and a used one saves at most the wait of one, so reads ahead can pay
-only while more than half are used. On the GPU (vLLM 0.33, Flash-Next layers, 35 VRAM / 218 RAM slots) reads 30-32%
-used cost 25-86% TPOT (runs 52, 56) and reads 58-61% used saved 6-18% (run 56, 8 layers, reading 4 ahead; that count
-missed reads a VRAM prefetch copied on, counted since: SlotTable.note_used_above). Simulated
-on four routing families (docs/bench/sim-read-ahead-gate-*.json) a gate of 50 shuts the recall-0.8 read-ahead where
-its reads are mostly wasted (standard, cold wrong ids: 97% of rounds, 2.13x -> 1.04x the reads of none), half of
-them at 50-51% used, and leaves it open at 66-83% (near-uniform, recorded, topic-shift with popular wrong ids); 10
-(before run 56) closed nothing. Even above the gate a short lead can lose (run 55: 4 layers, 90% used, +6%), so
-read-ahead stays off by default."""
+"""Gate of the RAM tables' SSD reads ahead: percent of the reads it judged that must have been used. Where the disk sets
+the pace a wasted read costs a read's time and a used one saves at most the wait of one, so reads ahead can pay only
+while more than half are used. On the GPU (vLLM 0.33, Flash-Next layers, 35 VRAM / 218 RAM slots) reads 30-32% used cost
+25-86% TPOT (runs 52, 56) and reads 58-61% used saved 6-18% (run 56, 8 layers, reading 4 ahead; that count missed reads
+a VRAM prefetch copied on, counted since: SlotTable.note_used_above). Simulated on four routing families
+(docs/bench/sim-read-ahead-gate-*.json) a gate of 50 shuts the recall-0.8 read-ahead where its reads are mostly wasted
+(standard, cold wrong ids: 97% of rounds, 2.13x -> 1.04x the reads of none), half of them at 50-51% used, and leaves it
+open at 66-83% (near-uniform, recorded, topic-shift with popular wrong ids); 10 (before run 56) closed nothing. Even
+above the gate a short lead can lose (run 55: 4 layers, 90% used, +6%), so read-ahead stays off by default."""
 
 
 def lfu_key(counts: torch.Tensor, stamps: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
