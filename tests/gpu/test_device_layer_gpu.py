@@ -35,13 +35,9 @@ def one_layer_on_disk(tmp_path, experts: int):
     import sys
     from pathlib import Path
 
-    from bigmoe_pager.core.odirect import odirect_works
-    from ssd_testkit import make_checkpoint
+    from ssd_testkit import make_direct_checkpoint
 
-    ok, why = odirect_works(tmp_path)
-    if not ok:
-        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
-    ckpt = make_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=experts)
+    ckpt = make_direct_checkpoint(tmp_path, "fp8", num_layers=1, num_experts=experts)
     records = torch.zeros((experts, ckpt.layout.pitch), dtype=torch.uint8)
     for e in range(experts):
         records[e, : ckpt.layout.record_bytes] = ckpt.reference(0, e)

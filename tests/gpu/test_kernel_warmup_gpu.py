@@ -22,10 +22,9 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 from bigmoe_pager.core.host_pager import TierSizes  # noqa: E402
-from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 from bigmoe_pager.core.stats import PagerStats  # noqa: E402
-from ssd_testkit import loaded_layers, make_checkpoint  # noqa: E402
+from ssd_testkit import loaded_layers, make_direct_checkpoint  # noqa: E402
 from triton import knobs  # noqa: E402
 
 LAYERS, K, P = 2, 4, 4
@@ -49,10 +48,7 @@ def compiles(monkeypatch):
 
 
 def _layers(root, experts: int, vram: int, ram: int, read_ahead: bool, policy: str):
-    ok, why = odirect_works(root)
-    if not ok:
-        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
-    ckpt = make_checkpoint(root, "fp8", num_layers=LAYERS, num_experts=experts)
+    ckpt = make_direct_checkpoint(root, "fp8", num_layers=LAYERS, num_experts=experts)
     stats = PagerStats(LAYERS, "cuda")
     pagers = loaded_layers(ckpt, TierSizes(experts, vram, ram), "cuda", stats, read_ahead=read_ahead, policy=policy)
     svc = None

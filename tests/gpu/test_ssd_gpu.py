@@ -20,9 +20,8 @@ if not torch.cuda.is_available():
 
 from bigmoe_pager.core import ssd_mailbox as mb  # noqa: E402
 from bigmoe_pager.core.copy_kernel import copy_records  # noqa: E402
-from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdError, SsdService  # noqa: E402
-from ssd_testkit import FakeFaultyIO, make_checkpoint  # noqa: E402
+from ssd_testkit import FakeFaultyIO, make_direct_checkpoint  # noqa: E402
 
 LAYERS, EXPERTS, RAM_SLOTS, K = 2, 16, 8, 6
 
@@ -30,10 +29,7 @@ LAYERS, EXPERTS, RAM_SLOTS, K = 2, 16, 8, 6
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    ok, why = odirect_works(root)
-    if not ok:
-        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
-    return make_checkpoint(root, "fp8", num_layers=LAYERS, num_experts=EXPERTS)
+    return make_direct_checkpoint(root, "fp8", num_layers=LAYERS, num_experts=EXPERTS)
 
 
 @pytest.fixture(scope="module")

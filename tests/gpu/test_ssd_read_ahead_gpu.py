@@ -20,10 +20,9 @@ if not torch.cuda.is_available():
 from bigmoe_pager.core import ssd_mailbox as mb  # noqa: E402
 from bigmoe_pager.core.device_layer import DeviceLayerPager  # noqa: E402
 from bigmoe_pager.core.host_pager import TierSizes  # noqa: E402
-from bigmoe_pager.core.odirect import odirect_works  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 from bigmoe_pager.core.stats import PagerStats  # noqa: E402
-from ssd_testkit import loaded_layers, make_checkpoint  # noqa: E402
+from ssd_testkit import loaded_layers, make_direct_checkpoint  # noqa: E402
 
 LAYERS, EXPERTS, VRAM, RAM, K, P = 2, 16, 3, 6, 2, 4
 
@@ -31,10 +30,7 @@ LAYERS, EXPERTS, VRAM, RAM, K, P = 2, 16, 3, 6, 2, 4
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    ok, why = odirect_works(root)
-    if not ok:
-        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
-    return make_checkpoint(root, "fp8", num_layers=LAYERS, num_experts=EXPERTS)
+    return make_direct_checkpoint(root, "fp8", num_layers=LAYERS, num_experts=EXPERTS)
 
 
 def _wanted(ckpt, layer, expert):

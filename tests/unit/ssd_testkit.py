@@ -22,7 +22,7 @@ from bigmoe_bench import synth_experts
 from bigmoe_pager.core import ssd_mailbox
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.layout import ExpertLayout
-from bigmoe_pager.core.odirect import SystemFileIO
+from bigmoe_pager.core.odirect import SystemFileIO, odirect_works
 from bigmoe_pager.core.paging_file import PagingFileMeta, PagingFileStore, write_paging_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +120,15 @@ def make_checkpoint(
     )
     layout = synth_experts.make_layout(shape["hidden"], shape["intermediate"], shape["fp8"])
     return Checkpoint(root, layout, num_layers, num_experts, first_layer)
+
+
+def make_direct_checkpoint(root: Path, kind: str = "fp8", **kw) -> Checkpoint:
+    """make_checkpoint for a test whose SSD tier reads with O_DIRECT: skips it, saying why, where `root`'s file
+    system refuses O_DIRECT (tmpfs does), so a GPU machine's odd temp directory reads as that, not as a failure."""
+    ok, why = odirect_works(root)
+    if not ok:
+        pytest.skip(f"O_DIRECT does not work in the test temp directory: {why}")
+    return make_checkpoint(root, kind, **kw)
 
 
 class FakeFaultyIO(SystemFileIO):

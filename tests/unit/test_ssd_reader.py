@@ -292,30 +292,38 @@ print(json.dumps(out))
 """
 
 
-def test_disk_faults_in_the_native_threads(ckpt, tmp_path):
-    """EIO and reads that never come back, injected under the C threads' pread (a fake disk LD_PRELOADed into a
-    child): one EIO is retried at file level; EIO every time fails the read with its errno, the slot untouched; a
-    read not answered within read_timeout_s is issued again on another worker and the late answer discarded; a
-    read never answered in time fails as such."""
-    import json
+def run_over_fake_disk(tmp_path, ckpt, script: str, *args: str) -> str:
+    """Run `script` in a child with FAKE_PREAD LD_PRELOADed (argv: the checkpoint's root, its hidden and
+    intermediate sizes, then args); its stdout, after asserting it exited 0."""
     import subprocess
     import sys
 
     (tmp_path / "fake.c").write_text(FAKE_PREAD)
     shim = tmp_path / "fake_pread.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "fake.c"), "-ldl"], check=True)
+    shape = (SHAPES["fp8"]["hidden"], SHAPES["fp8"]["intermediate"])
+    env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    argv = [sys.executable, "-c", script, str(ckpt.root), *map(str, shape), *args]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_disk_faults_in_the_native_threads(ckpt, tmp_path):
+    """EIO and reads that never come back, injected under the C threads' pread (a fake disk LD_PRELOADed into a
+    child): one EIO is retried at file level; EIO every time fails the read with its errno, the slot untouched; a
+    read not answered within read_timeout_s is issued again on another worker and the late answer discarded; a
+    read never answered in time fails as such."""
+    import json
+
     cases = [
         ("eio-once", "eio", "ok", {}),
         ("eio-always", "", "eio", {}),
         ("late-once", "slow1500", "ok", {"read_timeout_s": 0.2, "read_retries": 1}),
         ("late-always", "", "slow1500", {"read_timeout_s": 0.2, "read_retries": 1}),
     ]
-    shape = (SHAPES["fp8"]["hidden"], SHAPES["fp8"]["intermediate"])
-    env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    argv = [sys.executable, "-c", FAULT_RUN, str(ckpt.root), *map(str, shape), str(ckpt.first_layer), json.dumps(cases)]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.splitlines()[-1])
+    out = run_over_fake_disk(tmp_path, ckpt, FAULT_RUN, str(ckpt.first_layer), json.dumps(cases))
+    got = json.loads(out.splitlines()[-1])
     assert all(row["native"] for row in got.values())
     assert got["eio-once"]["right_bytes"] and got["eio-once"]["stats"]["errors"] == 0
     assert "read error (EIO: Input/output error)" in got["eio-always"]["error"]
@@ -379,7 +387,7 @@ def test_stopping_frees_nothing_it_still_reads(ckpt):
 
 
 AHEAD_THEN_REQUEST = r"""
-import sys, torch
+import ctypes, sys, torch
 from bigmoe_bench import synth_experts
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.ssd_service import SsdService
@@ -389,6 +397,9 @@ layout = synth_experts.make_layout(hidden, inter, True)
 store = CheckpointStore(root, layout)
 bufs = [torch.zeros(4, layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
 svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=1, reader="native")
+fake = ctypes.CDLL(None)
+fake.fake_pread_set.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+fake.fake_pread_set(b"", b"slow50")  # every read of the C threads takes 50 ms
 with svc:
     print("native" if svc.native else svc.reader_note)
     print(reads_ahead_done_at_request(svc, 1, [(0, 0), (1, 1), (2, 2)], (3, 3)))
@@ -401,9 +412,6 @@ def test_a_steps_request_is_read_before_reads_ahead_not_yet_started(ckpt, tmp_pa
     waits for the read in flight at most, not for the reads ahead queued behind it (a wrong read ahead must not
     delay a read the GPU waits on; run 56). The native reader's slow disk is a fake pread LD_PRELOADed into a
     child, the Python threads' a fake file layer."""
-    import subprocess
-    import sys
-
     if reader == "python":
         io = FakeFaultyIO(then="slow", delay_s=0.05)
         bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
@@ -413,17 +421,7 @@ def test_a_steps_request_is_read_before_reads_ahead_not_yet_started(ckpt, tmp_pa
             svc.check()
         _assert_slot(ckpt, bufs, 1, 3, 3)
     else:
-        (tmp_path / "fake.c").write_text(
-            FAKE_PREAD.replace("static char script[256], then[32];", 'static char script[256], then[32] = "slow50";')
-        )
-        shim = tmp_path / "fake_pread.so"
-        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "fake.c"), "-ldl"], check=True)
-        shape = (SHAPES["fp8"]["hidden"], SHAPES["fp8"]["intermediate"])
-        env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        argv = [sys.executable, "-c", AHEAD_THEN_REQUEST, str(ckpt.root), *map(str, shape)]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
-        assert r.returncode == 0, r.stderr[-3000:]
-        note, done = r.stdout.split("\n")[-3:-1]
+        note, done = run_over_fake_disk(tmp_path, ckpt, AHEAD_THEN_REQUEST).split("\n")[-3:-1]
         assert note == "native", note
         done = int(done)
     assert done <= 1
