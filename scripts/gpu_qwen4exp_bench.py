@@ -23,6 +23,10 @@ per row, so precision = recall, as scripts/gpu_vllm_bench.py makes them, unless 
 the pager prefetches them, issue 15) and then +ahead (the same predictions post SSD reads ahead of need) or +ahead4
 (four layers ahead: the replayed rows for later layers are as right as the next layer's), as in
 scripts/gpu_vllm_bench.py: bigmoe-4090@r0.8+ahead. --family picks the routing family (docs/routing.md).
+
+Before any engine starts, --disk-s seconds of O_DIRECT expert reads of the checkpoint measure the disk (report "disk",
+as scripts/gpu_vllm_bench.py does); each row that read from SSD then carries its disk floors (bench_rows.disk_floors:
+TPOT floor = its SSD GB a token over that bandwidth), the line against which reads ahead are judged.
 """
 
 from __future__ import annotations
@@ -67,6 +71,17 @@ def expert_bytes(model: Path) -> int:
     if not one:
         raise SystemExit(f"gpu_qwen4exp_bench: {model} has no tensors of decoder layer 0's expert 0")
     return sum(t.nbytes for t in one)
+
+
+def expert_layout(model: Path):
+    """The vLLM-fused layout of the checkpoint's routed experts, as the SSD tier reads them (config.json's hidden and
+    expert sizes; FP8 with block scales where its quantization_config says fp8)."""
+    from bigmoe_bench import synth_experts
+
+    config = json.loads((model / "config.json").read_text())
+    text = config.get("text_config", config)
+    fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    return synth_experts.make_layout(int(text["hidden_size"]), int(text["moe_intermediate_size"]), fp8)
 
 
 def configs(trace: Path, numbers: dict, vram: int, ram: int, offload_gib: float) -> list[tuple[e2e.Config, dict]]:
@@ -139,9 +154,10 @@ def with_suffixes(name: str, named: dict, predicted: dict[float, Path]) -> tuple
     return e2e.Config(name, env), extra
 
 
-def report_row(row: dict) -> dict:
+def report_row(row: dict, disk: dict | None = None) -> dict:
     """One configuration's report row from e2e.run_config's: its name, env and seconds, the engine's facts
-    (bench_rows.ENGINE_FIELDS) and the summary of its one measurement (bench_rows.summarize), or its error."""
+    (bench_rows.ENGINE_FIELDS), the summary of its one measurement (bench_rows.summarize) and, where it read from SSD
+    and `disk` (disk_bandwidth's) has a bandwidth, its disk floors (bench_rows.disk_floors); or its error."""
     head = {k: row[k] for k in ("name", "env", "seconds") if k in row}
     if "error" in row:
         return {**head, "error": row["error"]}
@@ -149,7 +165,8 @@ def report_row(row: dict) -> dict:
     measurements = result.get("measurements") or []
     if not measurements:
         return {**head, "error": "the engine returned no measurement"}
-    return {**head, **{k: result.get(k) for k in bench_rows.ENGINE_FIELDS}, **bench_rows.summarize(measurements[0])}
+    engine = {k: result.get(k) for k in bench_rows.ENGINE_FIELDS}
+    return {**head, **engine, **bench_rows.summarize(measurements[0]), **bench_rows.disk_floors(measurements[0], disk)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-slots", type=int, default=218, help="per layer: the plan's for a 4090 with 64 GB")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bigmoe-qwen4exp-bench"))
     p.add_argument("--budget-s", type=float, default=560.0)
+    p.add_argument(
+        "--disk-s",
+        type=float,
+        default=4.0,
+        help="seconds of O_DIRECT reads of the checkpoint before any engine, for the rows' disk floors (0: none)",
+    )
     p.add_argument("--family", default="standard", help="routing family of scripts/traces.py (docs/routing.md)")
     p.add_argument(
         "--precision",
@@ -217,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         config.name: (config, extra)
         for config, extra in configs(trace, numbers, args.vram_slots, args.ram_slots, offload_gib)
     }
+    if args.disk_s > 0:  # before any engine starts, so nothing else reads the disk
+        report["disk"] = bench.disk_bandwidth(args.model, args.disk_s, layout=expert_layout(args.model))
+        print(json.dumps({"disk": report["disk"]}), flush=True)
     # One trace a recall, made before the first engine (names such as @r0.8 and @r0.8+ahead share it)
     recalls = {split_name(name)[1] for name in args.configs.split(",")} - {None}
     predicted = {r: predicted_trace(trace, r, args.precision, numbers["experts"]) for r in recalls}
@@ -226,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             row = e2e.skipped(config, "time budget spent")
         else:
             row = e2e.run_config(config, {**spec, **extra}, work, logs, deadline)
-        report["configs"].append(report_row(row))
+        report["configs"].append(report_row(row, report.get("disk")))
         e2e.write_json(out, report)
         print(json.dumps(report["configs"][-1]), flush=True)
     tpot = {r["name"]: r.get("tpot_ms") for r in report["configs"]}

@@ -488,17 +488,18 @@ def bench_spec(model: Path) -> dict:
     }
 
 
-def disk_bandwidth(model: Path, seconds: float, workers: int | None = None) -> dict:
+def disk_bandwidth(model: Path, seconds: float, workers: int | None = None, layout=None) -> dict:
     """The disk's O_DIRECT read bandwidth for reads of one expert record, read as the SSD tier reads the checkpoint
     (CheckpointStore, random (layer, expert), the pager's I/O worker count), for about `seconds`. Run by the parent
-    with no engine timing; {"error": ...} where the checkpoint cannot be read so."""
+    with no engine timing; {"error": ...} where the checkpoint cannot be read so. layout: the checkpoint's expert
+    layout (default: this benchmark's SHAPE)."""
     from bigmoe_bench import synth_experts
     from bigmoe_bench.disk_reads import read_records
     from bigmoe_pager.core.expert_store import CheckpointError, CheckpointStore
     from bigmoe_pager.core.odirect import ODirectError, ReadError
 
     workers = workers or PagerSettings().io_workers
-    layout = synth_experts.make_layout(SHAPE["hidden"], SHAPE["moe_intermediate"], SHAPE["dtype"] == "fp8")
+    layout = layout or synth_experts.make_layout(SHAPE["hidden"], SHAPE["moe_intermediate"], SHAPE["dtype"] == "fp8")
     try:
         store = CheckpointStore(model, layout)
     except (CheckpointError, ODirectError, OSError) as e:

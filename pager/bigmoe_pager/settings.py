@@ -82,13 +82,14 @@ class PagerSettings:
     0 = in token ranges through the slots. The device-driven pager only."""
     ssd_read_ahead: bool = False
     """BIGMOE_SSD_READ_AHEAD: 1 = the device-driven pager's expert predictions also post SSD->RAM reads early (no
-    GPU wait until a step needs one); off: its wrong guesses cost more disk time than it hid (runs 9, 52, 56), and
-    right ones paid only with several layers of lead (run 56: 8 layers, 3-18% less TPOT; run 55: 4 layers, +6%)."""
+    GPU wait until a step needs one). Off: right guesses four layers ahead paid (run 57: 20-24% less TPOT on 8 and 12
+    layers) and the gate of 50 held wrong ones level (+0-2% at recall 0.8), but only on one routing family with
+    replayed proposals; the live ones (BIGMOE_PREDICT) are not yet scored on real weights."""
     ssd_read_ahead_layers: int = 1
     """BIGMOE_SSD_READ_AHEAD_LAYERS: with BIGMOE_SSD_READ_AHEAD=1, how many layers ahead each MoE layer posts the
     SSD reads of predicted experts (1: the next layer only; 0 counts as 1). Deeper gives the disk more time and
     more reads in flight, from proposals that are less often right (a layer's router on an earlier hidden state);
-    with replayed proposals as right at every depth, 4 beat 1 (run 56)."""
+    with replayed proposals as right at every depth, 4 beat 1 (runs 56, 57); 1 stays until other families agree."""
     predict: str = "off"
     """BIGMOE_PREDICT: off / router: router = layer l+1's router applied to what layer l's experts receive proposes
     l+1's experts, which the device-driven pager prefetches on a side stream; off until measured on real weights."""

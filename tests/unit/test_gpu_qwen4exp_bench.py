@@ -11,6 +11,7 @@ import gpu_qwen4exp_bench as q4x  # scripts/ is on pytest's pythonpath (pyprojec
 import numpy as np
 import pytest
 from bigmoe_bench import traces
+from bigmoe_pager.core.odirect import odirect_works
 from bigmoe_pager.settings import PagerSettings
 from qwen4exp_tiny import TINY_QWEN4EXP
 
@@ -105,9 +106,26 @@ def test_the_bench_reads_the_checkpoint_and_names_each_rows_trace_before_any_eng
     model = make_qwen4exp(tmp_path / "ckpt", shape, "fp8", seed=0, with_tokenizer=False)
     out = tmp_path / "bench.json"
     names = ["bigmoe-4090", "bigmoe-4090@r0.8+ahead"]
-    argv = ["--model", str(model), "--out", str(out), "--configs", ",".join(names), "--budget-s", "0"]
+    argv = [
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--configs",
+        ",".join(names),
+        "--budget-s",
+        "0",
+        "--disk-s",
+        "0.3",
+    ]
     code = q4x.main([*argv, "--workdir", str(tmp_path / "work"), "--vram-slots", "4", "--ram-slots", "8"])
     report = json.loads(out.read_text())
+    direct, why = odirect_works(model)
+    if direct:  # the disk was read as the SSD tier reads it: whole expert records of this checkpoint
+        assert report["disk"]["gb_per_s"] > 0 and report["disk"]["reads"] > 0, why
+        assert report["disk"]["record_bytes"] == q4x.expert_layout(model).record_bytes >= q4x.expert_bytes(model)
+    else:
+        assert "O_DIRECT" in report["disk"]["error"], why
     assert code == 1 and [row["name"] for row in report["configs"]] == names
     assert all(row["error"] == "not run: time budget spent" for row in report["configs"])
     assert (report["experts"], report["top_k"], report["precision"]) == (12, 4, "top-k")
@@ -173,3 +191,18 @@ def test_a_report_row_is_the_engines_summary_or_its_error(row, expected):
     if "error" not in got:
         assert got["decode_hit_rate"] == {"vram": 0.77, "ram": 0.7391, "ssd": 1.0}
         assert got["prefetch_accuracy_vram"] == round(200 / (200 + 230), 4)
+
+
+@pytest.mark.parametrize(
+    "disk,floor_ms",
+    [(None, None), ({"error": "cannot open the checkpoint for O_DIRECT reads"}, None), ({"gb_per_s": 1.5}, 7.813)],
+    ids=["not-measured", "unreadable", "1.5-GB/s"],
+)
+def test_a_row_that_read_from_ssd_is_judged_against_the_disk_floor_of_its_bytes(disk, floor_ms):
+    """The floor is the row's SSD GB a decoded token (0.01172) over the disk's measured GB/s; no bandwidth, no floor."""
+    row = {"name": "bigmoe-4090@r1.0+ahead4", "env": {}, "seconds": 70.0, "result": child_result(9.5)}
+    got = q4x.report_row(row, disk)
+    assert got.get("disk_floor_tpot_ms") == floor_ms
+    assert got.get("tpot_vs_disk_floor") == (None if floor_ms is None else round(9.5 / floor_ms, 3))
+    failed = q4x.report_row({"name": "offload", "env": {}, "error": "exit 1"}, disk)
+    assert "disk_floor_tpot_ms" not in failed
