@@ -38,6 +38,7 @@ for step in "$@"; do
         --configs "$CONFIGS" --spec-tokens "${SPEC:-1,3}" \
         --out "$out/e2e-${TAG:-run}.json" --logs "/tmp/logs-e2e-${TAG:-run}"; pack "logs-e2e-${TAG:-run}" "/tmp/logs-e2e-${TAG:-run}" ;;
     bench)
+      sync  # a checkpoint just written may still be flushing: not while the disk is measured and engines time it
       python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json" \
         --configs "${BENCH_CONFIGS:-resident,offload,bigmoe-4090,bigmoe-4090-nongram}" --family "${FAMILY:-standard}";
       pack logs-bench "$out/bench_logs"; rm -rf "$out/bench_logs" ;;
