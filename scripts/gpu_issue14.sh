@@ -2,7 +2,8 @@
 # Issue 14's runs on the H200 after staging vLLM 0.33 (shared/gpu-vllm-0.33) and scripts/gpu_extra:
 #   bash scripts/gpu_issue14.sh STEP...    steps: model e2e-tiers e2e-rest e2e bench app tests
 # (e2e: the configurations in $CONFIGS, $PARALLEL at once, MTP counts in $SPEC, $LAYERS decoder layers (4),
-#  results as e2e-$TAG.json; bench: $BENCH_CONFIGS on the routing family $FAMILY; uva: scripts/gpu_uva_probe.py;
+#  results as e2e-$TAG.json; bench: $BENCH_CONFIGS on the routing family $FAMILY, reads further ahead at $AHEAD_DROP
+#  less recall a layer (0: as right as the next layer's); uva: scripts/gpu_uva_probe.py;
 #  extra: install scripts/gpu_extra's wheels from the x folders earlier calls copied into $STAGEX (/tmp/stagex);
 #  q4x-start: tests/gpu/test_qwen4exp_vllm_gpu.py in the background from a private copy of the tree, since with its
 #  engine starts and SSD mix it can outlast one device call, $Q4X_K its cases by pytest's -k; q4x-wait: wait up to
@@ -40,7 +41,8 @@ for step in "$@"; do
     bench)
       sync  # a checkpoint just written may still be flushing: not while the disk is measured and engines time it
       python3 scripts/gpu_qwen4exp_bench.py --model "$model" --budget-s "${BUDGET:-500}" --out "$out/bench.json" \
-        --configs "${BENCH_CONFIGS:-resident,offload,bigmoe-4090,bigmoe-4090-nongram}" --family "${FAMILY:-standard}";
+        --configs "${BENCH_CONFIGS:-resident,offload,bigmoe-4090,bigmoe-4090-nongram}" --family "${FAMILY:-standard}" \
+        --ahead-recall-drop "${AHEAD_DROP:-0}";
       pack logs-bench "$out/bench_logs"; rm -rf "$out/bench_logs" ;;
     app)
       python3 scripts/gpu_app_run.py --model "$model" --budgets "${BUDGETS:-8:14,6:12,8:12,5:10,6:16}" \

@@ -21,8 +21,9 @@ random routers route almost uniformly). Configurations run one after another in 
 A bigmoe name may end in @rX (the trace also carries next-layer predictions at recall X; a top-k proposal of k ids
 per row, so precision = recall, as scripts/gpu_vllm_bench.py makes them, unless --precision is given:
 the pager prefetches them, issue 15) and then +ahead (the same predictions post SSD reads ahead of need) or +ahead4
-(four layers ahead: the replayed rows for later layers are as right as the next layer's), as in
-scripts/gpu_vllm_bench.py: bigmoe-4090@r0.8+ahead. --family picks the routing family (docs/routing.md).
+(four layers ahead: the replayed rows for later layers are as right as the next layer's, unless
+--ahead-recall-drop X gives the traces proposals for layers 2-4 ahead at X less recall per layer past the next), as
+in scripts/gpu_vllm_bench.py: bigmoe-4090@r0.8+ahead. --family picks the routing family (docs/routing.md).
 
 Before any engine starts, --disk-s seconds of O_DIRECT expert reads of the checkpoint measure the disk (report "disk",
 as scripts/gpu_vllm_bench.py does); each row that read from SSD then carries its disk floors (bench_rows.disk_floors:
@@ -46,6 +47,8 @@ import numpy as np
 import traces  # noqa: E402
 
 GIB = 1 << 30
+AHEAD_DEPTH = int(bench_names.suffix_env(bench_names.AHEAD_DEEP)["BIGMOE_SSD_READ_AHEAD_LAYERS"])
+"""Layers ahead the deepest read-ahead name reads (+ahead4): the depths --ahead-recall-drop makes proposals for."""
 
 
 def model_numbers(model: Path) -> dict:
@@ -130,14 +133,20 @@ def split_name(name: str) -> tuple[str, float | None]:
     return (base, value) if value is None or 0.0 <= value <= 1.0 else (name, None)
 
 
-def predicted_trace(trace: Path, recall: float, precision: float | None, experts: int) -> Path:
+def predicted_trace(trace: Path, recall: float, precision: float | None, experts: int, drop: float = 0.0) -> Path:
     """`trace` with next-layer predictions at (recall, precision; None: top-k) added, written beside it. Made afresh
     on every call: the family trace itself is rewritten each run for the model at hand, so a kept file could carry
-    another checkpoint's layers or experts."""
+    another checkpoint's layers or experts. drop > 0: it also carries proposals for layers 2 .. AHEAD_DEPTH ahead,
+    at recall - drop per layer past the next (never below 0), which reads ahead that far replay instead of the
+    next-layer rows (as right as the next layer's: an upper bound)."""
     tag = "topk" if precision is None else f"p{precision:g}"
-    path = trace.with_name(f"{trace.stem}-r{recall:g}-{tag}.npz")
+    path = trace.with_name(f"{trace.stem}-r{recall:g}-{tag}" + (f"-drop{drop:g}" if drop else "") + ".npz")
     ids = traces.load_trace(trace, experts)
-    traces.save_trace(path, ids, traces.predictions(ids, recall, precision, experts))
+    deeper = None
+    if drop:
+        recalls = [max(0.0, recall - drop * (d - 1)) for d in range(2, AHEAD_DEPTH + 1)]
+        deeper = traces.deeper_predictions(ids, recalls, precision, experts)
+    traces.save_trace(path, ids, traces.predictions(ids, recall, precision, experts), deeper)
     return path
 
 
@@ -184,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         default=4.0,
         help="seconds of O_DIRECT reads of the checkpoint before any engine, for the rows' disk floors (0: none)",
     )
+    p.add_argument(
+        "--ahead-recall-drop",
+        type=float,
+        default=0.0,
+        help="@rX traces also carry proposals 2-4 layers ahead at X minus this per layer past the next "
+        "(0: reads that far ahead replay the next-layer rows, as right as the next layer's)",
+    )
     p.add_argument("--family", default="standard", help="routing family of scripts/traces.py (docs/routing.md)")
     p.add_argument(
         "--precision",
@@ -194,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.precision is not None and not 0.0 < args.precision <= 1.0:
         p.error(f"--precision is the share of a proposal that is right, in (0, 1]; got {args.precision}")
+    if not 0.0 <= args.ahead_recall_drop <= 1.0:
+        p.error(f"--ahead-recall-drop is recall lost per layer further ahead, in [0, 1]; got {args.ahead_recall_drop}")
     for name in args.configs.split(","):
         base, recall = split_name(name)
         suffixed = recall is not None or bool(bench_names.split_suffixes(name)[1])
@@ -234,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "offload_gib": round(offload_gib, 2),
         "family": args.family,
         "precision": args.precision or "top-k",  # of the @rX rows' predictions
+        "ahead_recall_drop": args.ahead_recall_drop,  # per layer past the next, for reads further ahead
         "configs": [],
     }
     named = {
@@ -245,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"disk": report["disk"]}), flush=True)
     # One trace a recall, made before the first engine (names such as @r0.8 and @r0.8+ahead share it)
     recalls = {split_name(name)[1] for name in args.configs.split(",")} - {None}
-    predicted = {r: predicted_trace(trace, r, args.precision, numbers["experts"]) for r in recalls}
+    drop = args.ahead_recall_drop
+    predicted = {r: predicted_trace(trace, r, args.precision, numbers["experts"], drop) for r in recalls}
     for name in args.configs.split(","):
         config, extra = with_suffixes(name, named, predicted)
         if time.monotonic() >= deadline:

@@ -162,13 +162,16 @@ def predictions(
     experts: int,
     seed: int = 0,
     wrong: str = "uniform",
+    ahead: int = 1,
 ) -> np.ndarray:
-    """int32 [tokens, layers, P], -1 padded: row [t, l] proposes layer l+1's experts of token t.
+    """int32 [tokens, layers, P], -1 padded: row [t, l] proposes layer l+1's experts of token t (layer l+ahead's
+    with `ahead` > 1, as a predictor looking that far ahead would; the last `ahead` layers' rows are all -1).
 
     Per row, with T = layer l+1's distinct true ids: recall * |T| of them (rounded up or down at
     random so the mean is exact), chosen at random, plus wrong ids (not in T) so that the right
     share of the proposal is `precision` (likewise rounded);
     P = k + ceil(k * recall * (1 / precision - 1)). The last layer has no next one: all -1.
+    The ids below are layer l+1's; with `ahead` > 1, layer l+ahead's.
     precision None: a top-k predictor's proposal, k ids per row whatever the recall (P = k): the
     right ones, then wrong ones up to k, so precision = recall (a router's top-k proposes so).
     wrong: "uniform" draws the wrong ids evenly from the experts not in T (the pessimistic model: most
@@ -185,14 +188,17 @@ def predictions(
         precision_ok, topk = 0.0 < precision <= 1.0, False
     if not 0.0 <= recall <= 1.0 or not precision_ok:
         raise TraceError(f"recall must be in [0, 1] and precision in (0, 1], got {recall}, {precision}")
+    if ahead < 1:
+        raise TraceError(f"a prediction looks at least one layer ahead, got {ahead}")
     tokens, layers, k = topk_ids.shape
     wrong_max = 0 if topk else int(np.ceil(k * recall * (1.0 / precision - 1.0)))
     out = np.full((tokens, layers, k + wrong_max), -1, dtype=np.int32)
     rng = np.random.default_rng(seed)
     recent = None if wrong == "uniform" else _cumulative_uses(topk_ids, experts)
     for t in range(tokens):
-        for layer in range(layers - 1):
-            true = np.unique(topk_ids[t, layer + 1][topk_ids[t, layer + 1] >= 0])
+        for layer in range(layers - ahead):
+            target = topk_ids[t, layer + ahead]
+            true = np.unique(target[target >= 0])
             right = rng.permutation(true)[: _stochastic_round(recall * true.size, rng)]
             if wrong == "none":
                 n_wrong = 0
@@ -204,10 +210,34 @@ def predictions(
             others = np.setdiff1d(np.arange(experts), true, assume_unique=True)
             weight = None
             if recent is not None:
-                uses = 1.0 + recent[layer + 1][t] - recent[layer + 1][max(0, t - POPULAR_WINDOW)]
+                uses = 1.0 + recent[layer + ahead][t] - recent[layer + ahead][max(0, t - POPULAR_WINDOW)]
                 weight = uses[others] / uses[others].sum()
             row = np.concatenate([right, rng.choice(others, size=n_wrong, replace=False, p=weight)])
             out[t, layer, : row.size] = row
+    return out
+
+
+def deeper_predictions(
+    topk_ids: np.ndarray,
+    recalls: list[float],
+    precision: float | None,
+    experts: int,
+    seed: int = 0,
+    wrong: str = "uniform",
+) -> np.ndarray:
+    """int32 [len(recalls), tokens, layers, P], -1 padded: entry [d - 2, t, l] proposes layer l+d's experts of token
+    t at recall recalls[d - 2] (d = 2, 3, ...), made as `predictions` makes the next layer's. A trace carries them as
+    `predicted_ids_ahead`, so reads ahead and prefetch rounds aimed d layers on replay proposals that are right as
+    often as a real predictor's that far ahead are said to be, where without them they replay the next-layer rows
+    of layer l+d-1 (as right as the next layer's: a benchmark's upper bound)."""
+    rows = [
+        predictions(topk_ids, r, precision, experts, seed=seed + d, wrong=wrong, ahead=d)
+        for d, r in enumerate(recalls, start=2)
+    ]
+    width = max((r.shape[2] for r in rows), default=topk_ids.shape[2])
+    out = np.full((len(rows), *topk_ids.shape[:2], width), -1, dtype=np.int32)
+    for i, r in enumerate(rows):
+        out[i, :, :, : r.shape[2]] = r
     return out
 
 
@@ -249,12 +279,22 @@ def lru_hit_rate(trace: np.ndarray, slots: int) -> float:
     return hits / max(1, lookups)
 
 
-def save_trace(path: str | Path, topk_ids: np.ndarray, predicted_ids: np.ndarray | None = None) -> None:
-    """Write atomically (temp file then rename); predicted_ids (optional) as int32."""
+def save_trace(
+    path: str | Path,
+    topk_ids: np.ndarray,
+    predicted_ids: np.ndarray | None = None,
+    predicted_ahead: np.ndarray | None = None,
+) -> None:
+    """Write atomically (temp file then rename); predicted_ids and predicted_ahead (deeper_predictions'; optional,
+    with predicted_ids only) as int32."""
     path = Path(path)
+    if predicted_ahead is not None and predicted_ids is None:
+        raise TraceError("predictions further ahead need the next layer's (predicted_ids) beside them")
     arrays = {"topk_ids": np.asarray(topk_ids, dtype=np.int32)}
     if predicted_ids is not None:
         arrays["predicted_ids"] = np.asarray(predicted_ids, dtype=np.int32)
+    if predicted_ahead is not None:
+        arrays["predicted_ids_ahead"] = np.asarray(predicted_ahead, dtype=np.int32)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -281,6 +321,25 @@ def load_predictions(path: str | Path, experts: int | None = None) -> np.ndarray
     except Exception as e:
         raise TraceError(f"trace {path} is not a readable .npz ({type(e).__name__})") from None
     return _load(path, "predicted_ids", experts)
+
+
+def load_predictions_ahead(path: str | Path, experts: int | None = None) -> np.ndarray | None:
+    """int32 [depths, tokens, layers, P] `predicted_ids_ahead` of a trace file (deeper_predictions'), or None."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if "predicted_ids_ahead" not in data.files:
+                return None
+            deeper = np.array(data["predicted_ids_ahead"])
+    except FileNotFoundError:
+        raise TraceError(f"trace {path} does not exist") from None
+    except Exception as e:
+        raise TraceError(f"trace {path} is not a readable .npz ({type(e).__name__})") from None
+    if deeper.ndim != 4 or deeper.dtype != np.int32:
+        shape = f"{deeper.dtype} {deeper.shape}"
+        raise TraceError(f"trace {path}: predicted_ids_ahead must be int32 [depths, tokens, layers, P], got {shape}")
+    if experts is not None and deeper.size and (deeper.max() >= experts or deeper.min() < -1):
+        raise TraceError(f"trace {path}: ids must lie in [-1, {experts}), got {deeper.min()}..{deeper.max()}")
+    return deeper
 
 
 def _load(path: str | Path, key: str, experts: int | None) -> np.ndarray:

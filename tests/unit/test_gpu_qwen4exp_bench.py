@@ -206,3 +206,29 @@ def test_a_row_that_read_from_ssd_is_judged_against_the_disk_floor_of_its_bytes(
     assert got.get("tpot_vs_disk_floor") == (None if floor_ms is None else round(9.5 / floor_ms, 3))
     failed = q4x.report_row({"name": "offload", "env": {}, "error": "exit 1"}, disk)
     assert "disk_floor_tpot_ms" not in failed
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.2, 0.5])
+def test_a_recall_drop_makes_reads_further_ahead_replay_proposals_right_less_often(drop, numbers, family_trace):
+    """--ahead-recall-drop X: the @r0.8 trace carries proposals 2 .. AHEAD_DEPTH layers ahead at 0.8 - X per layer
+    past the next (never below 0); with 0 it carries none, and reads that far replay the next-layer rows."""
+    replay = q4x.predicted_trace(family_trace, 0.8, None, numbers["experts"], drop)
+    deeper = traces.load_predictions_ahead(replay, numbers["experts"])
+    if not drop:
+        assert deeper is None
+        return
+    truth = traces.load_trace(family_trace, numbers["experts"])
+    layers, k = numbers["layers"], numbers["top_k"]
+    assert deeper.shape[0] == q4x.AHEAD_DEPTH - 1 == 3
+    for d in range(2, min(q4x.AHEAD_DEPTH, layers - 1) + 1):
+        rows = deeper[d - 2, :, : layers - d].reshape(-1, deeper.shape[3]).tolist()
+        hit = sum(len(set(p) & set(t)) for p, t in zip(rows, truth[:, d:].reshape(-1, k).tolist()))
+        assert hit / truth[:, d:].size == pytest.approx(max(0.0, 0.8 - drop * (d - 1)), abs=0.03), d
+
+
+@pytest.mark.parametrize("drop", ["-0.1", "1.5"])
+def test_a_recall_drop_outside_its_range_is_one_clear_line(drop, tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        q4x.main(["--model", str(tmp_path), "--out", str(tmp_path / "o.json"), "--ahead-recall-drop", drop])
+    assert exit_.value.code == 2
+    assert "--ahead-recall-drop is recall lost per layer further ahead" in capsys.readouterr().err

@@ -252,3 +252,23 @@ def test_replayed_predictions_are_the_next_layers_rows_just_replayed(tmp_path):
     assert sorted(e for e in rows.tolist() if e >= 0) == sorted(trace[3:5, 2].reshape(-1).tolist())
     traces.save_trace(tmp_path / "plain.npz", trace)
     assert ReplayedPredictions.for_trace(tmp_path / "plain.npz", torch.device("cpu")).rows(1, 2, cursor) is None
+
+
+@pytest.mark.parametrize("with_ahead", [True, False], ids=["its-own-rows", "next-layer-rows"])
+def test_a_proposal_further_ahead_is_its_own_row_where_the_trace_has_one(tmp_path, with_ahead):
+    """Layer 0 just replayed rows 2 and 3: a caller three layers ahead gets layer 0's proposals for layer 3 where
+    the trace carries them (depths 2 and 3 here), else layer 2's next-layer rows; four ahead (beyond what the trace
+    carries) always the latter."""
+    from bigmoe_pager.core.prediction import ReplayedPredictions
+
+    trace = traces.named_trace("topic-shift", 8, 5, 16, 2)
+    pred = traces.predictions(trace, 1.0, None, 16)
+    deeper = traces.deeper_predictions(trace, [0.5, 0.5], None, 16) if with_ahead else None
+    traces.save_trace(tmp_path / "p.npz", trace, pred, deeper)
+    replay = ReplayedPredictions.for_trace(tmp_path / "p.npz", torch.device("cpu"))
+    cursor = torch.zeros(8, dtype=torch.int64)
+    cursor[0] = 4
+    want = deeper[1, 2:4, 0] if with_ahead else pred[2:4, 2]
+    assert replay.rows(0, 2, cursor, ahead=3).tolist() == want.reshape(-1).tolist()
+    assert replay.rows(0, 2, cursor, ahead=4).tolist() == pred[2:4, 3].reshape(-1).tolist()
+    assert replay.rows(0, 2, cursor, ahead=1).tolist() == pred[2:4, 0].reshape(-1).tolist()

@@ -182,3 +182,42 @@ def test_proposals_without_wrong_ids_hold_only_right_ones(recall):
     assert all({e for e in r if e >= 0} <= set(t) for r, t in zip(rows, truth))  # precision 1
     right = np.mean([len({e for e in r if e >= 0}) / 4 for r in rows])
     assert abs(right - recall) < 0.04
+
+
+def _recall_against(rows: np.ndarray, truth: np.ndarray) -> float:
+    """Share of the true ids (truth [rows, k]) that the proposals (rows [rows, P], -1 padded) contain."""
+    hit = sum(len({e for e in p if e >= 0} & set(t)) for p, t in zip(rows.tolist(), truth.tolist()))
+    return hit / truth.size
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift", "near-uniform"])
+@pytest.mark.parametrize("precision", [None, 0.5], ids=["top-k", "precision-0.5"])
+def test_proposals_further_ahead_are_right_about_that_layer_at_their_own_recall(family, precision):
+    """Entry [d - 2, t, l] proposes layer l+d's ids at recalls[d - 2]; its last d layers have nothing to propose."""
+    layers, experts, k = 5, 48, 4
+    trace = traces.named_trace(family, 500, layers, experts, k, seed=2)
+    recalls = [0.8, 0.5, 0.2]
+    deeper = traces.deeper_predictions(trace, recalls, precision, experts, seed=3)
+    assert deeper.shape[:3] == (len(recalls), 500, layers) and deeper.dtype == np.int32
+    for d, recall in enumerate(recalls, start=2):
+        rows = deeper[d - 2, :, : layers - d].reshape(-1, deeper.shape[3])
+        truth = trace[:, d:].reshape(-1, k)
+        assert _recall_against(rows, truth) == pytest.approx(recall, abs=0.03), d
+        assert (deeper[d - 2, :, layers - d :] == -1).all()
+        if precision is None:  # a top-k proposal: k ids, whatever the recall
+            assert ((rows >= 0).sum(axis=1) == k).all()
+
+
+def test_proposals_further_ahead_round_trip_and_need_the_next_layers_beside_them(tmp_path):
+    trace = traces.named_trace("standard", 60, 4, 32, 4)
+    pred = traces.predictions(trace, 0.9, None, 32)
+    deeper = traces.deeper_predictions(trace, [0.7, 0.5], None, 32)
+    traces.save_trace(tmp_path / "p.npz", trace, pred, deeper)
+    assert np.array_equal(traces.load_predictions_ahead(tmp_path / "p.npz", 32), deeper)
+    traces.save_trace(tmp_path / "q.npz", trace, pred)
+    assert traces.load_predictions_ahead(tmp_path / "q.npz") is None
+    with pytest.raises(traces.TraceError, match="need the next layer's"):
+        traces.save_trace(tmp_path / "r.npz", trace, None, deeper)
+    assert not (tmp_path / "r.npz").exists()
+    with pytest.raises(traces.TraceError, match="at least one layer ahead"):
+        traces.predictions(trace, 0.5, None, 32, ahead=0)

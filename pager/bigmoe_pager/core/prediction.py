@@ -238,14 +238,19 @@ class ReplayedPredictions:
     predictions, layer l's replayed step hands layer l + 1's pager the predictions for the same
     rows (`rows`), which the adapter feeds through LivePredictions.feed_ids: where and how a live
     predictor's proposal goes.
-    A trace without predictions prefetches nothing.
+    A trace without predictions prefetches nothing. A trace may also carry `predicted_ids_ahead`, proposals made
+    at layer l for layers l+2, l+3, ... (bigmoe_bench.traces.deeper_predictions), which `rows` hands callers
+    looking that far ahead (SSD reads ahead, prefetch distance) in place of layer l+d-1's next-layer rows (the
+    one-node kernel, core.forward_rounds, reads `predicted` on the device and still takes the next-layer rows).
     """
 
     _cache: dict[tuple[str, str], "ReplayedPredictions"] = {}
 
-    def __init__(self, predicted: torch.Tensor | None) -> None:
+    def __init__(self, predicted: torch.Tensor | None, ahead: torch.Tensor | None = None) -> None:
         self.predicted = predicted
         """int32 [tokens, layers, P] on the step's device, or None."""
+        self.ahead = ahead
+        """int32 [depths, tokens, layers, P']: entry [d - 2, t, l] proposes layer l+d's experts; None: none."""
 
     @classmethod
     def for_trace(cls, path, device: torch.device) -> "ReplayedPredictions":
@@ -253,31 +258,41 @@ class ReplayedPredictions:
         key = (str(path), str(device))
         if key not in cls._cache:
             with np.load(path, allow_pickle=False) as data:
-                found = "predicted_ids" in data.files
-                ids = np.ascontiguousarray(data["predicted_ids"], dtype=np.int32) if found else None
-            cls._cache[key] = cls(None if ids is None else torch.from_numpy(ids).to(device))
+                ids, ahead = (_int32(data, name) for name in ("predicted_ids", "predicted_ids_ahead"))
+            on_device = [None if a is None else torch.from_numpy(a).to(device) for a in (ids, ahead)]
+            cls._cache[key] = cls(on_device[0], on_device[1] if ids is not None else None)
         return cls._cache[key]
 
     def rows(self, moe_index: int, tokens: int, cursor: torch.Tensor, ahead: int = 1) -> torch.Tensor | None:
         """After layer `moe_index` replayed `tokens` rows (its cursor already advanced past them), layer
         moe_index + ahead's predicted experts for those rows, int64 [tokens * P] (None: the trace has none).
-        Benchmark only: a trace's row for layer l + ahead is as right as its next-layer rows, where a real
-        predictor looking further ahead is right less often. On CUDA one kernel launch (replayed_rows)."""
+        Benchmark only: without `ahead` rows for that distance, layer l + ahead - 1's next-layer rows stand in,
+        as right as the next layer's, where a real predictor looking further ahead is right less often. On CUDA
+        one kernel launch (replayed_rows)."""
         if self.predicted is None:
             return None
+        if ahead >= 2 and self.ahead is not None and ahead - 2 < self.ahead.shape[0]:
+            return replayed_rows(self.ahead[ahead - 2], cursor, moe_index, -tokens, moe_index, tokens)
         return replayed_rows(self.predicted, cursor, moe_index, -tokens, moe_index + ahead - 1, tokens)
 
-    def replace(self, predicted: np.ndarray | None) -> None:
-        """Benchmark only: copy another trace's predictions (same shape, or None where these are None) into the
-        device tensor in place, so CUDA graphs that captured it read the new ones. ValueError on another shape."""
-        if (predicted is None) != (self.predicted is None):
-            mine, new = ("none", "some") if self.predicted is None else ("predictions", "none")
-            raise ValueError(f"the replayed trace carries {mine}, the new one {new}")
-        if predicted is None:
-            return
-        if tuple(predicted.shape) != tuple(self.predicted.shape):
-            raise ValueError(
-                f"the new predictions are {tuple(predicted.shape)}, the replayed ones {tuple(self.predicted.shape)}"
-            )
+    def replace(self, predicted: np.ndarray | None, ahead: np.ndarray | None = None) -> None:
+        """Benchmark only: copy another trace's predictions (and those further ahead) into the device tensors in
+        place, so CUDA graphs that captured them read the new ones: each of the same shape, or None where these
+        are None. ValueError otherwise, with nothing copied."""
+        pairs = [(predicted, self.predicted, "predictions"), (ahead, self.ahead, "predictions further ahead")]
+        for new, mine, what in pairs:
+            if mine is None and new is not None:
+                raise ValueError(f"the replayed trace carries no {what}, the new one does")
+            if mine is not None and new is None:
+                raise ValueError(f"the replayed trace carries {what}, the new one none")
+            if new is not None and tuple(new.shape) != tuple(mine.shape):
+                raise ValueError(f"the new {what} are {tuple(new.shape)}, the replayed ones {tuple(mine.shape)}")
         with torch.inference_mode():  # made in a forward under inference mode (vLLM's), so updated in it
-            self.predicted.copy_(torch.from_numpy(np.ascontiguousarray(predicted, dtype=np.int32)))
+            for new, mine, _ in pairs:
+                if new is not None:
+                    mine.copy_(torch.from_numpy(np.ascontiguousarray(new, dtype=np.int32)))
+
+
+def _int32(data, name: str) -> np.ndarray | None:
+    """The .npz member `name` as a contiguous int32 array (None where the file has no such member)."""
+    return np.ascontiguousarray(data[name], dtype=np.int32) if name in data.files else None

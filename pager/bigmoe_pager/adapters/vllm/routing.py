@@ -109,7 +109,7 @@ class Routing:
     def load_replay(self, path) -> None:
         """Benchmark only: replay the trace at `path` from its first row on, in place.
 
-        Its topk_ids (and predicted_ids) are copied into the device tensors the replay already holds, so
+        Its topk_ids (and predicted_ids, predicted_ids_ahead) are copied into the device tensors the replay holds, so
         CUDA graphs captured on them replay the new trace, and every layer's cursor goes back to 0. The
         new trace must have the shape of the replayed one (and predictions of the same shape, or neither):
         SettingsError otherwise, with nothing changed. Before the first replayed step it only names the file.
@@ -123,6 +123,7 @@ class Routing:
             with np.load(path, allow_pickle=False) as data:
                 ids = np.ascontiguousarray(data["topk_ids"], dtype=np.int32)
                 predicted = data["predicted_ids"] if "predicted_ids" in data.files else None
+                ahead = data["predicted_ids_ahead"] if "predicted_ids_ahead" in data.files else None
         except (OSError, KeyError, ValueError) as e:
             raise SettingsError(f"load_replay: cannot read {path}: {e}") from None
         trace, cursor = self._replay
@@ -131,7 +132,7 @@ class Routing:
         # vLLM made these tensors in its forward, under inference mode: in-place updates must run in it too.
         with torch.inference_mode():
             try:
-                ReplayedPredictions.for_trace(self.replay_path, trace.device).replace(predicted)
+                ReplayedPredictions.for_trace(self.replay_path, trace.device).replace(predicted, ahead)
             except ValueError as e:
                 raise SettingsError(f"load_replay: {path}: {e}") from None
             trace.copy_(torch.from_numpy(ids))
