@@ -62,3 +62,28 @@ def test_captured_rows_follow_the_cursor(length, width, tokens, ahead, side):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, reference(found, cursor, tokens, ahead))
+
+
+@pytest.mark.parametrize("ahead", [2, 3])
+def test_captured_rows_further_ahead_read_their_own_depths_slice(ahead):
+    """A trace with proposals further ahead (predicted_ids_ahead [depths, tokens, layers, P]): the kernel reads the
+    depth's slice (a view at an offset into one tensor) at the replayed layer's own column, under capture too."""
+    g = torch.Generator().manual_seed(ahead)
+    length, width, tokens = 23, 8, 2
+    nxt = torch.randint(-1, 256, (length, 6, width), generator=g, dtype=torch.int32).cuda()
+    deeper = torch.randint(-1, 256, (2, length, 6, width), generator=g, dtype=torch.int32).cuda()
+    found = ReplayedPredictions(nxt, deeper)
+    cursor = torch.zeros(16, dtype=torch.int64, device="cuda")
+    cursor[MOE_INDEX] = tokens
+    found.rows(MOE_INDEX, tokens, cursor, ahead)  # Triton compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = found.rows(MOE_INDEX, tokens, cursor, ahead)
+    for _ in range(length + 1):
+        cursor[MOE_INDEX : MOE_INDEX + 1].add_(tokens)
+        graph.replay()
+        torch.cuda.synchronize()
+        start = cursor[MOE_INDEX] - tokens
+        want = replayed_predictions(deeper[ahead - 2], start, MOE_INDEX, tokens).reshape(-1)
+        assert torch.equal(out, want)
