@@ -12,7 +12,11 @@ at each of --gates (min_used_percent; 0 = no gate) and each of --budgets (prefet
 copies at most, the most used first; 0 = none), a budget lifted while --lift percent of the gate's judged copies were
 used (slots.LIFT_PERCENT; none: never); gate_closed is the share of rounds it closed. --shape picks the tables
 (SHAPES): the 40-layer benchmark's VRAM tables, or the reference job's RAM tier, whose SSD reads ahead the same admit
-and gate decide (its copies are then disk reads).
+and gate decide (its copies are then disk reads). --ahead-depth D also admits, after layer l's step, proposals made
+there for layers l+2 .. l+D into those layers' tables, as BIGMOE_SSD_READ_AHEAD_LAYERS=D posts reads ahead: at recall
+minus --ahead-drop per layer past the next (traces.deeper_predictions), or with a drop of 0 layer l+d-1's next-layer
+proposals, as the pager replays a trace without its own rows that far ahead. One table's gate judges every depth's
+admits together.
 Time is not simulated: copies per token are what a GPU run pays for, and prefetch can only win back
 the compute time it hides them behind (docs/benchmarks.md, the H200 harness run).
 
@@ -93,12 +97,15 @@ def simulate(
     min_used_percent: int = MIN_USED_PERCENT,
     budget: int = PREFETCH_BUDGET,
     lift: int | None = LIFT_PERCENT,
+    deeper: np.ndarray | None = None,
 ) -> dict:
     """Per token: demand copies, prefetch copies, prefetched experts never used, and the VRAM hit rate;
     gate_closed: share of the prefetch rounds the gate closed; peak_prefetch_per_token: the most prefetch copies one
-    token made after the first (whose round every gate opens: no evidence yet)."""
+    token made after the first (whose round every gate opens: no evidence yet). deeper: [depths, tokens, layers, P]
+    proposals made at layer l for l+2, l+3, ..., admitted after the next layer's (needs `predicted`)."""
     tokens, layers, _ = trace.shape
     ids, pred = as_tensors(trace, predicted)
+    deep = None if deeper is None or pred is None else torch.from_numpy(np.ascontiguousarray(deeper, dtype=np.int64))
     tables = layer_tables(layers, experts, vram, policy, min_used_percent, budget, lift)
     rows = torch.zeros(layers, len(stats.COUNTERS), dtype=torch.int64)
     lookups = hits = demand = peak = 0
@@ -112,11 +119,15 @@ def simulate(
             demand += int(got.loaded)
             if pred is not None and layer + 1 < layers:
                 tables[layer + 1].admit(pred[t, layer], stats_row=rows[layer + 1], record_bytes=RECORD)
+            for d in range(2, 2 + (0 if deep is None else deep.shape[0])):
+                if layer + d < layers:
+                    tables[layer + d].admit(deep[d - 2, t, layer], stats_row=rows[layer + d], record_bytes=RECORD)
         peak = max(peak, int(prefetched_col.sum()) - before) if t else 0
     prefetched = int(rows[:, stats.COUNTERS.index("prefetched")].sum())
     wasted = int(rows[:, stats.COUNTERS.index("prefetch_wasted_bytes")].sum())
     closed = sum(int(t.gate_closed) for t in tables)
-    rounds = tokens * (layers - 1) if pred is not None else 0
+    depths = range(1, 2 + (0 if deep is None else deep.shape[0]))
+    rounds = sum(tokens * max(0, layers - d) for d in depths) if pred is not None else 0
     return {
         "vram_hit": round(hits / lookups, 4),
         "demand_copies_per_token": round(demand / tokens, 3),
@@ -190,6 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help=f"percent of judged copies used at which a round ignores its budget (none: never; pager: {LIFT_PERCENT})",
     )
+    p.add_argument(
+        "--ahead-depth", type=int, default=1, help="layers ahead each layer's proposals go (1: the next only)"
+    )
+    p.add_argument(
+        "--ahead-drop",
+        type=float,
+        default=0.0,
+        help="recall lost per layer past the next (0: layer l+d-1's next-layer proposals stand in)",
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
     try:
@@ -204,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         if lift is not None and (len(lift) != 1 or not 0 <= lift[0] <= 100):
             raise ValueError(f"--lift takes one percent from 0 to 100, or none; got {args.lift!r}")
         lift = None if lift is None else lift[0]
+        if args.ahead_depth < 1 or not 0.0 <= args.ahead_drop <= 1.0:
+            raise ValueError(
+                f"--ahead-depth is at least 1 and --ahead-drop in [0, 1], got {args.ahead_depth}, {args.ahead_drop}"
+            )
         grid = cases(
             args.families.split(","),
             _floats(args.recalls),
@@ -228,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             else traces.predictions(trace, case.recall, case.precision, case.experts, args.seed, args.wrong)
         )
         gate, budget = case.min_used_percent or 0, case.budget or 0
-        got = simulate(trace, predicted, case.experts, case.vram, args.policy, gate, budget, lift)
+        deeper = None if predicted is None else further_ahead(trace, predicted, case, args)
+        got = simulate(trace, predicted, case.experts, case.vram, args.policy, gate, budget, lift, deeper)
         row = {**case.__dict__, "lift": lift if case.budget else None, **got}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -239,11 +264,28 @@ def main(argv: list[str] | None = None) -> int:
             "shape": args.shape,
             "policy": args.policy,
             "wrong": args.wrong,
+            "ahead_depth": args.ahead_depth,
+            "ahead_drop": args.ahead_drop,
             "gate": "closed rounds judged from would-fetch marks (session 13)",
         }
         body = ",\n  ".join(json.dumps(r) for r in rows)  # a row a line: small, and diffs read per case
         args.out.write_text(json.dumps(head, indent=1)[:-2] + f',\n "rows": [\n  {body}\n ]\n}}\n')
     return 0
+
+
+def further_ahead(trace: np.ndarray, predicted: np.ndarray, case: Case, args) -> np.ndarray | None:
+    """The proposals for layers 2 .. --ahead-depth ahead of each layer ([depths, tokens, layers, P]; None at depth 1):
+    with a drop, made at recall - drop per layer past the next; without, layer l+d-1's next-layer rows (shifted so
+    entry [d - 2, t, l] proposes layer l+d), as the pager replays a trace that carries none of its own."""
+    if args.ahead_depth < 2:
+        return None
+    if args.ahead_drop:
+        recalls = [max(0.0, case.recall - args.ahead_drop * (d - 1)) for d in range(2, args.ahead_depth + 1)]
+        return traces.deeper_predictions(trace, recalls, case.precision, case.experts, args.seed, args.wrong)
+    out = np.full((args.ahead_depth - 1, *predicted.shape), -1, dtype=np.int32)
+    for d in range(2, args.ahead_depth + 1):
+        out[d - 2, :, : predicted.shape[1] - d + 1] = predicted[:, d - 1 :]
+    return out
 
 
 def _floats(text: str) -> list[float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -153,3 +154,42 @@ def test_budgets_are_cases_and_negative_ones_are_refused(tmp_path, capsys):
     assert "--budgets" in capsys.readouterr().err
     assert sim_prefetch.main([*argv, "--budgets", "1", "--lift", "120"]) == 2
     assert "--lift" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift", "near-uniform"])
+def test_proposals_further_ahead_that_repeat_the_next_layers_read_nothing_more(family):
+    """Without a recall drop, the rows for l+2 .. l+4 are the later layers' next-layer proposals (as the pager replays
+    them): they reach each table earlier but are the same ids, so the reads are depth 1's."""
+    trace = traces.named_trace(family, 120, 6, 64, 4, seed=3)
+    pred = traces.predictions(trace, 0.9, None, 64, seed=3)
+    case = sim_prefetch.Case(family, 64, 4, 24, 0.9, None, MIN_USED_PERCENT)
+    args = argparse.Namespace(ahead_depth=4, ahead_drop=0.0, seed=3, wrong="uniform")
+    deeper = sim_prefetch.further_ahead(trace, pred, case, args)
+    assert deeper.shape[0] == 3 and (deeper[0, :, :-2] == pred[:, 1:-1]).all()
+    # budget 0: the RAM tier's (ram_tier.RamTier), whose rounds of reads ahead are not bounded
+    one = sim_prefetch.simulate(trace, pred, 64, 24, "lfu-duel", budget=0)
+    four = sim_prefetch.simulate(trace, pred, 64, 24, "lfu-duel", budget=0, deeper=deeper)
+    assert four["copies_per_token"] == one["copies_per_token"]
+    assert four["demand_copies_per_token"] == one["demand_copies_per_token"]
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift"])
+def test_proposals_further_ahead_that_are_right_less_often_add_reads_never_used(family):
+    """Worse proposals two to four layers ahead (no gate): each depth's wrong ids are reads of their own."""
+    trace = traces.named_trace(family, 120, 6, 64, 4, seed=4)
+    pred = traces.predictions(trace, 0.9, None, 64, seed=4)
+    case = sim_prefetch.Case(family, 64, 4, 24, 0.9, None, 0)
+    worse = sim_prefetch.further_ahead(
+        trace, pred, case, argparse.Namespace(ahead_depth=4, ahead_drop=0.2, seed=4, wrong="uniform")
+    )
+    one = sim_prefetch.simulate(trace, pred, 64, 24, "lfu-duel", min_used_percent=0, budget=0)
+    four = sim_prefetch.simulate(trace, pred, 64, 24, "lfu-duel", min_used_percent=0, budget=0, deeper=worse)
+    assert four["prefetched_unused_per_token"] > one["prefetched_unused_per_token"] + 1.0
+    assert four["copies_per_token"] > one["copies_per_token"]
+
+
+@pytest.mark.parametrize("argv,message", [(["--ahead-depth", "0"], "--ahead-depth"), (["--ahead-drop", "2"], "drop")])
+def test_a_depth_below_one_or_a_drop_outside_0_1_is_one_line(argv, message, capsys):
+    assert sim_prefetch.main(["--tokens", "10", "--layers", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sim_prefetch: ") and message in err and err.count("\n") == 1
