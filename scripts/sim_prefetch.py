@@ -15,8 +15,8 @@ used (slots.LIFT_PERCENT; none: never); gate_closed is the share of rounds it cl
 and gate decide (its copies are then disk reads). --ahead-depth D also admits, after layer l's step, proposals made
 there for layers l+2 .. l+D into those layers' tables, as BIGMOE_SSD_READ_AHEAD_LAYERS=D posts reads ahead: at recall
 minus --ahead-drop per layer past the next (traces.deeper_predictions), or with a drop of 0 layer l+d-1's next-layer
-proposals, as the pager replays a trace without its own rows that far ahead. One table's gate judges every depth's
-admits together.
+proposals, as the pager replays a trace without its own rows that far ahead. Each depth's admits have their own gate
+(SlotTable gates, as the RAM tier keeps them since session 67); --one-gate judges them all together, as before.
 Time is not simulated: copies per token are what a GPU run pays for, and prefetch can only win back
 the compute time it hides them behind (docs/benchmarks.md, the H200 harness run).
 
@@ -72,8 +72,10 @@ def layer_tables(
     min_used_percent: int = MIN_USED_PERCENT,
     budget: int = PREFETCH_BUDGET,
     lift: int | None = LIFT_PERCENT,
+    gates: int = 1,
 ) -> list[SlotTable]:
-    """One VRAM slot table a layer, deciding with the torch reference the Triton kernels are tested to equal."""
+    """One slot table a layer, deciding with the torch reference the Triton kernels are tested to equal; gates: the
+    depths whose admits each table judges apart (SlotTable)."""
     return [
         SlotTable(
             experts,
@@ -83,6 +85,7 @@ def layer_tables(
             min_used_percent=min_used_percent,
             prefetch_budget=budget,
             lift_percent=lift,
+            gates=gates,
         )
         for _ in range(layers)
     ]
@@ -98,15 +101,18 @@ def simulate(
     budget: int = PREFETCH_BUDGET,
     lift: int | None = LIFT_PERCENT,
     deeper: np.ndarray | None = None,
+    one_gate: bool = False,
 ) -> dict:
     """Per token: demand copies, prefetch copies, prefetched experts never used, and the VRAM hit rate;
     gate_closed: share of the prefetch rounds the gate closed; peak_prefetch_per_token: the most prefetch copies one
     token made after the first (whose round every gate opens: no evidence yet). deeper: [depths, tokens, layers, P]
-    proposals made at layer l for l+2, l+3, ..., admitted after the next layer's (needs `predicted`)."""
+    proposals made at layer l for l+2, l+3, ..., admitted after the next layer's (needs `predicted`), each depth
+    gated apart unless one_gate."""
     tokens, layers, _ = trace.shape
     ids, pred = as_tensors(trace, predicted)
     deep = None if deeper is None or pred is None else torch.from_numpy(np.ascontiguousarray(deeper, dtype=np.int64))
-    tables = layer_tables(layers, experts, vram, policy, min_used_percent, budget, lift)
+    depths = 1 + (0 if deep is None else deep.shape[0])
+    tables = layer_tables(layers, experts, vram, policy, min_used_percent, budget, lift, 1 if one_gate else depths)
     rows = torch.zeros(layers, len(stats.COUNTERS), dtype=torch.int64)
     lookups = hits = demand = peak = 0
     prefetched_col = rows[:, stats.COUNTERS.index("prefetched")]  # a view: it follows the admits
@@ -121,13 +127,13 @@ def simulate(
                 tables[layer + 1].admit(pred[t, layer], stats_row=rows[layer + 1], record_bytes=RECORD)
             for d in range(2, 2 + (0 if deep is None else deep.shape[0])):
                 if layer + d < layers:
-                    tables[layer + d].admit(deep[d - 2, t, layer], stats_row=rows[layer + d], record_bytes=RECORD)
+                    row = rows[layer + d]
+                    tables[layer + d].admit(deep[d - 2, t, layer], stats_row=row, record_bytes=RECORD, depth=d)
         peak = max(peak, int(prefetched_col.sum()) - before) if t else 0
     prefetched = int(rows[:, stats.COUNTERS.index("prefetched")].sum())
     wasted = int(rows[:, stats.COUNTERS.index("prefetch_wasted_bytes")].sum())
-    closed = sum(int(t.gate_closed) for t in tables)
-    depths = range(1, 2 + (0 if deep is None else deep.shape[0]))
-    rounds = sum(tokens * max(0, layers - d) for d in depths) if pred is not None else 0
+    closed = sum(int(r.gate_closed) for t in tables for r in t.rounds)
+    rounds = sum(tokens * max(0, layers - d) for d in range(1, depths + 1)) if pred is not None else 0
     return {
         "vram_hit": round(hits / lookups, 4),
         "demand_copies_per_token": round(demand / tokens, 3),
@@ -210,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="recall lost per layer past the next (0: layer l+d-1's next-layer proposals stand in)",
     )
+    p.add_argument("--one-gate", action="store_true", help="one gate judges every depth's admits (before session 67)")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
     try:
@@ -253,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         gate, budget = case.min_used_percent or 0, case.budget or 0
         deeper = None if predicted is None else further_ahead(trace, predicted, case, args)
-        got = simulate(trace, predicted, case.experts, case.vram, args.policy, gate, budget, lift, deeper)
+        tables = (case.experts, case.vram, args.policy, gate, budget, lift)
+        got = simulate(trace, predicted, *tables, deeper=deeper, one_gate=args.one_gate)
         row = {**case.__dict__, "lift": lift if case.budget else None, **got}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -266,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             "wrong": args.wrong,
             "ahead_depth": args.ahead_depth,
             "ahead_drop": args.ahead_drop,
+            "gates": "one for every depth" if args.one_gate else "one a depth",
             "gate": "closed rounds judged from would-fetch marks (session 13)",
         }
         body = ",\n  ".join(json.dumps(r) for r in rows)  # a row a line: small, and diffs read per case

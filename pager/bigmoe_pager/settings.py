@@ -89,9 +89,9 @@ class PagerSettings:
     """BIGMOE_SSD_READ_AHEAD_LAYERS: with BIGMOE_SSD_READ_AHEAD=1, how many layers ahead each MoE layer posts the
     SSD reads of predicted experts (1: the next layer only; 0 counts as 1). Deeper gives the disk more time and
     more reads in flight, from proposals that are less often right (a layer's router on an earlier hidden state);
-    with replayed proposals as right at every depth, 4 beat 1 (runs 56, 57). 1 stays: simulated with proposals 0.1-0.15
-    less right a layer further ahead, one gate judging every depth's reads shut the next layer's too (benchmarks.md,
-    session 67), so deeper needs a gate per depth."""
+    with replayed proposals as right at every depth, 4 beat 1 (runs 56, 57). Each depth's reads have their own gate
+    (one for all shut the next layer's good reads with the deeper ones' bad, in simulation). 1 stays: with proposals
+    0.1-0.15 less right a layer further ahead, depth 4 read 4-62% more than depth 1 in simulation, untimed on a GPU."""
     predict: str = "off"
     """BIGMOE_PREDICT: off / router: router = layer l+1's router applied to what layer l's experts receive proposes
     l+1's experts, which the device-driven pager prefetches on a side stream; off until measured on real weights."""

@@ -188,13 +188,24 @@ class FakeFullDiskFile:
         return getattr(self._f, name)
 
 
-def loaded_layers(ckpt, sizes, device: str, stats, read_ahead: bool, policy: str = "lru") -> list:
+def loaded_layers(
+    ckpt, sizes, device: str, stats, read_ahead: bool, policy: str = "lru", read_ahead_layers: int = 1
+) -> list:
     """One DeviceLayerPager per checkpoint layer, its RAM records filled as the engine's loader fills them."""
     from bigmoe_pager.core.device_layer import DeviceLayerPager
 
     pagers = []
     for layer in range(ckpt.num_layers):
-        p = DeviceLayerPager(ckpt.layout, sizes, device, layer=layer, stats=stats, read_ahead=read_ahead, policy=policy)
+        p = DeviceLayerPager(
+            ckpt.layout,
+            sizes,
+            device,
+            layer=layer,
+            stats=stats,
+            read_ahead=read_ahead,
+            read_ahead_layers=read_ahead_layers,
+            policy=policy,
+        )
         for e in range(sizes.experts):
             row = p.ram_slot_for_load(e)
             if row is not None:

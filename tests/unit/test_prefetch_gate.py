@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from bigmoe_bench import traces
-from bigmoe_pager.core.slots import SlotTable, SlotTableError
+from bigmoe_pager.core.slots import READ_AHEAD_MIN_USED_PERCENT, SlotTable, SlotTableError
 from bigmoe_pager.core.stats import PREFETCH_WASTED_BYTES, PREFETCHED
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own int() of loop bounds
@@ -134,3 +134,40 @@ def test_the_budget_is_lifted_only_for_a_predictor_that_is_nearly_always_right(u
 def test_gate_settings_out_of_range_are_refused(gate, error):
     with pytest.raises(SlotTableError, match=error):
         table(False, "lru", **gate)
+
+
+def play_two_depths(table: SlotTable, ids: np.ndarray, near: np.ndarray, far: np.ndarray) -> list[int]:
+    """Per round: the far proposal admitted at depth 2, then the near one at depth 1, then the step they predicted;
+    returns the experts the near admit copied each round."""
+    out = []
+    for t in range(len(ids)):
+        table.admit(torch.from_numpy(far[t].astype(np.int64)), depth=2)
+        got = table.admit(torch.from_numpy(near[t].astype(np.int64)), depth=1)
+        out.append(int((got.experts >= 0).sum()))
+        table.acquire(torch.from_numpy(ids[t : t + 1].copy()))
+    return out
+
+
+@pytest.mark.parametrize("use_kernel,policy", CASES)
+def test_each_depths_rounds_are_shut_by_their_own_evidence(use_kernel, policy):
+    """Right proposals for the next layer (depth 1) and wrong ones made further ahead (depth 2) for the same step, at
+    the RAM tables' gate: with a gate per depth the far one closes and the near one keeps copying; with one gate for
+    both (gates=1, as before session 67), the wrong copies outnumber the right ones and shut the near proposals out."""
+    ids, near = routing(60, 1.0, seed=5)
+    rng = np.random.default_rng(6)  # 2K ids a round, none of them the step's
+    far = np.stack([rng.choice(np.setdiff1d(np.arange(EXPERTS), row), 2 * K, replace=False) for row in ids])
+    gate = {"min_used_percent": READ_AHEAD_MIN_USED_PERCENT}
+    apart = table(use_kernel, policy, gates=2, **gate)
+    copied = play_two_depths(apart, ids, near, far)
+    assert not apart.gate_is_open(depth=2) and apart.gate_is_open(depth=1)
+    assert int(apart.round_state(2).gate_closed) >= 55 and int(apart.round_state(1).gate_closed) == 0
+    assert sum(copied[5:]) > 40  # near-uniform routing: the next layer's proposals keep finding absent experts
+    shared = table(use_kernel, policy, **gate)
+    assert sum(play_two_depths(shared, ids, near, far)[5:]) < sum(copied[5:]) / 4
+    assert not shared.gate_is_open(depth=1)
+
+
+@pytest.mark.parametrize("gates", [0, -1])
+def test_a_table_keeps_at_least_one_round(gates):
+    with pytest.raises(SlotTableError, match="at least one prefetch round"):
+        SlotTable(EXPERTS, SLOTS, gates=gates)

@@ -30,10 +30,12 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "fp8", num_layers=LAYERS, num_experts=EXPERTS)
 
 
-def paged_layers(ckpt):
-    """What the predictor reads of vLLM's paged layers, over started pagers that share one SSD service."""
+def paged_layers(ckpt, depth: int = 1):
+    """What the predictor reads of vLLM's paged layers, over started pagers that share one SSD service (their RAM
+    tables judge `depth` depths of reads ahead apart, as the adapter builds them for BIGMOE_SSD_READ_AHEAD_LAYERS)."""
     stats = PagerStats(LAYERS)
-    pagers = loaded_layers(ckpt, TierSizes(EXPERTS, VRAM, RAM), "cpu", stats, read_ahead=True)
+    sizes = TierSizes(EXPERTS, VRAM, RAM)
+    pagers = loaded_layers(ckpt, sizes, "cpu", stats, read_ahead=True, read_ahead_layers=depth)
     service = SsdService(
         ckpt.store(retries=1),
         [p.ram.records for p in pagers],
@@ -68,10 +70,10 @@ def paged_layers(ckpt):
 def decode(ckpt, depth: int):
     """TOKENS tokens through every layer, the live predictor forking after each layer's paging; token t's ids
     at every layer are PAIRS[t], what every router proposes for its hidden state (so every proposal is right).
-    Returns the bytes each step's kernel read, and per layer the reads posted ahead while the second token's
+    Returns the bytes each step's kernel read, per layer the reads posted ahead while the second token's
     first layer ran (the first token only fills the tiers: before a layer's first step, its warm RAM rows
-    are all as recent as its latest step, which a proposal never evicts)."""
-    layers, service, stats = paged_layers(ckpt)
+    are all as recent as its latest step, which a proposal never evicts), and the layers."""
+    layers, service, stats = paged_layers(ckpt, depth)
     env = {"BIGMOE_PAGER": "1", "BIGMOE_PREDICT": "router", "BIGMOE_SSD_READ_AHEAD": "1"}
     settings = PagerSettings.from_env({**env, "BIGMOE_SSD_READ_AHEAD_LAYERS": str(depth)})
     predictor = Predictor(settings, Routing(settings), lambda i: layers[i + 1] if i + 1 < LAYERS else None, True)
@@ -97,18 +99,24 @@ def decode(ckpt, depth: int):
                     got = slot_bytes(layer.pager, slot)
                     assert torch.equal(got, wanted(ckpt, layer._moe_index, expert)), (t, layer._moe_index, expert)
                     seen.append(got)
-    return seen, early
+    return seen, early, layers
 
 
 @NEEDS_INTERPRETER
 @pytest.mark.parametrize("depth", [2, 3])
 def test_later_layers_reads_are_posted_as_early_as_the_depth_and_steps_read_the_same_bytes(ckpt, depth):
-    one, early_one = decode(ckpt, depth=1)
-    deep, early_deep = decode(ckpt, depth=depth)
+    one, early_one, _ = decode(ckpt, depth=1)
+    deep, early_deep, layers = decode(ckpt, depth=depth)
     assert len(one) == len(deep) == TOKENS * LAYERS * K and all(torch.equal(a, b) for a, b in zip(one, deep))
     # While layer 0 ran: K reads posted (nothing of the pair was in RAM) for layer 1 at depth 1, for 1 .. D at D.
     assert early_one == [0, K] + [0] * (LAYERS - 2)
     assert early_deep == [0] + [K] * depth + [0] * (LAYERS - depth - 1)
+    # Each depth's reads are judged in their own round of the RAM table (SlotTable gates): layer d's table judged
+    # the reads layer 0 posted d layers ahead as used, in round d.
+    for d in range(1, depth + 1):
+        table = layers[d].pager.ram.table
+        assert len(table.rounds) == depth and int(table.round_state(d).used_score) > 0, d
+        assert int(table.round_state(d).wasted_score) == 0, d
 
 
 def test_depth_is_a_setting_that_needs_read_ahead():

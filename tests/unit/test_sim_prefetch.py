@@ -159,7 +159,7 @@ def test_budgets_are_cases_and_negative_ones_are_refused(tmp_path, capsys):
 @pytest.mark.parametrize("family", ["standard", "topic-shift", "near-uniform"])
 def test_proposals_further_ahead_that_repeat_the_next_layers_read_nothing_more(family):
     """Without a recall drop, the rows for l+2 .. l+4 are the later layers' next-layer proposals (as the pager replays
-    them): they reach each table earlier but are the same ids, so the reads are depth 1's."""
+    them): they reach each table earlier but are the same ids, so where no gate closes the reads are depth 1's."""
     trace = traces.named_trace(family, 120, 6, 64, 4, seed=3)
     pred = traces.predictions(trace, 0.9, None, 64, seed=3)
     case = sim_prefetch.Case(family, 64, 4, 24, 0.9, None, MIN_USED_PERCENT)
@@ -193,3 +193,24 @@ def test_a_depth_below_one_or_a_drop_outside_0_1_is_one_line(argv, message, caps
     assert sim_prefetch.main(["--tokens", "10", "--layers", "2", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sim_prefetch: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("family", ["standard", "topic-shift"])
+def test_a_gate_per_depth_keeps_the_next_layers_reads_where_one_gate_shuts_them(family):
+    """Proposals 0.2 less right a layer further ahead, at the RAM tables' gate of 50: one gate for every depth closes
+    most rounds and the reads a step waits for go back toward none ahead; a gate per depth keeps them near depth 1's."""
+    trace = traces.named_trace(family, 150, 6, 64, 4, seed=5)
+    pred = traces.predictions(trace, 1.0, None, 64, seed=5)
+    case = sim_prefetch.Case(family, 64, 4, 24, 1.0, None, 50)
+    worse = sim_prefetch.further_ahead(
+        trace, pred, case, argparse.Namespace(ahead_depth=4, ahead_drop=0.2, seed=5, wrong="uniform")
+    )
+    run = {"min_used_percent": 50, "budget": 0}
+    none = sim_prefetch.simulate(trace, None, 64, 24, "lfu-duel", **run)
+    one = sim_prefetch.simulate(trace, pred, 64, 24, "lfu-duel", **run)
+    shared = sim_prefetch.simulate(trace, pred, 64, 24, "lfu-duel", **run, deeper=worse, one_gate=True)
+    apart = sim_prefetch.simulate(trace, pred, 64, 24, "lfu-duel", **run, deeper=worse)
+    assert shared["demand_copies_per_token"] > one["demand_copies_per_token"] + 0.5 * (
+        none["demand_copies_per_token"] - one["demand_copies_per_token"]
+    )
+    assert apart["demand_copies_per_token"] <= one["demand_copies_per_token"] * 1.1

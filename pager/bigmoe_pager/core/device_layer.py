@@ -64,6 +64,7 @@ class DeviceLayerPager:
         policy: str = "lru",
         pin: bool | None = None,
         read_ahead: bool = False,
+        read_ahead_layers: int = 1,
         prefetch_gate: int | None = None,
         prefetch_budget: int | None = None,
     ):
@@ -80,7 +81,16 @@ class DeviceLayerPager:
         self.prefetch_budget = prefetch_budget
         """Experts one VRAM prefetch round copies at most, the most used first (0: no limit; None:
         slots.PREFETCH_BUDGET)."""
-        self.ram = RamTier(layout, sizes.experts, sizes.ram, self.device, pin=pin, policy=policy, read_ahead=read_ahead)
+        self.ram = RamTier(
+            layout,
+            sizes.experts,
+            sizes.ram,
+            self.device,
+            pin=pin,
+            policy=policy,
+            read_ahead=read_ahead,
+            read_ahead_layers=read_ahead_layers,
+        )
         hottest = [e for e in dict.fromkeys(warm_order or []) if 0 <= e < sizes.experts]
         self.order = hottest + [e for e in range(sizes.experts) if e not in set(hottest)]
         """Every expert, hottest first: the first R get RAM records at load, the first S VRAM slots at start."""
@@ -224,14 +234,16 @@ class DeviceLayerPager:
             return
         self._on_side(predicted_ids, stream, self._prefetch_now)
 
-    def read_ahead(self, predicted_ids: torch.Tensor, stream=None) -> None:
+    def read_ahead(self, predicted_ids: torch.Tensor, stream=None, depth: int = 1) -> None:
         """Post SSD reads of predicted experts for this layer's next step (ExpertPager.read_ahead); no wait.
 
-        For callers that predict several layers ahead; the same stream rules as `prefetch`. Over a
-        full RAM tier it does nothing; over a partial one the layer must be built with read_ahead=True
-        and its SSD tier be SsdService(read_ahead=True).
+        For callers that predict several layers ahead (depth: how many; each depth's reads are judged and gated
+        on their own, up to read_ahead_layers); the same stream rules as `prefetch`. Over a full RAM tier it does
+        nothing; over a partial one the layer must be built with read_ahead=True and its SSD tier be
+        SsdService(read_ahead=True).
         """
-        self._on_side(predicted_ids, stream, self.pager_started().read_ahead)
+        pager = self.pager_started()
+        self._on_side(predicted_ids, stream, lambda ids: pager.read_ahead(ids, depth))
 
     def _prefetch_now(self, predicted_ids: torch.Tensor) -> None:
         pager = self.pager_started()

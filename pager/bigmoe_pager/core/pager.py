@@ -227,12 +227,13 @@ class ExpertPager:
         )
         return got
 
-    def read_ahead(self, predicted_ids: torch.Tensor) -> None:
+    def read_ahead(self, predicted_ids: torch.Tensor, depth: int = 1) -> None:
         """Post SSD reads of predicted experts that neither VRAM nor RAM holds (RamTier.read_ahead); no wait.
 
         A later step that needs one waits only for the rest of its read; a wrong one costs a read.
+        depth: layers ahead the proposal was made (its reads are judged and gated with that depth's).
         """
-        self.ram.read_ahead(predicted_ids, self.vram.expert_slot >= 0, self._rows["ram"])
+        self.ram.read_ahead(predicted_ids, self.vram.expert_slot >= 0, self._rows["ram"], depth)
 
     # ---- start-up ----------------------------------------------------------------------
 

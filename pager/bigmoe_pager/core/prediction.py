@@ -178,14 +178,16 @@ class LivePredictions:
 
         return self._forked_work(source, prefetch, after)
 
-    def feed_read_ahead(self, make_ids: Callable[[], torch.Tensor | None], pager, source: torch.Tensor) -> None:
-        """Like feed_ids for a layer further ahead: its predicted experts' SSD reads are posted
-        (DeviceLayerPager.read_ahead), nothing is copied into its slots."""
+    def feed_read_ahead(
+        self, make_ids: Callable[[], torch.Tensor | None], pager, source: torch.Tensor, depth: int = 2
+    ) -> None:
+        """Like feed_ids for a layer `depth` layers further ahead: its predicted experts' SSD reads are posted
+        (DeviceLayerPager.read_ahead, judged with that depth's), nothing is copied into its slots."""
 
         def post() -> None:
             ids = make_ids()
             if ids is not None:
-                pager.read_ahead(ids.reshape(-1))
+                pager.read_ahead(ids.reshape(-1), depth=depth)
 
         self._forked_work(source, post)
 

@@ -112,7 +112,9 @@ class RamTier:
         policy: str = "lru",
         decay: int | None = None,
         read_ahead: bool = False,
+        read_ahead_layers: int = 1,
     ) -> None:
+        """read_ahead_layers: depths of reads ahead the table judges and gates apart (SlotTable `gates`)."""
         if not 1 <= num_slots <= num_experts:
             raise RamTierError(f"RAM slots must be in [1, {num_experts}], got {num_slots}")
         self.layout = layout
@@ -135,6 +137,7 @@ class RamTier:
                 decay=decay,
                 min_used_percent=READ_AHEAD_MIN_USED_PERCENT,
                 prefetch_budget=0,  # a round of SSD reads ahead is not bounded: the disk queue wants depth
+                gates=max(1, read_ahead_layers) if read_ahead else 1,
             )
         )
         self._filled = not self.full
@@ -234,12 +237,17 @@ class RamTier:
         return got.remapped
 
     def read_ahead(
-        self, predicted: torch.Tensor, skip: torch.Tensor | None = None, stats_row: torch.Tensor | None = None
+        self,
+        predicted: torch.Tensor,
+        skip: torch.Tensor | None = None,
+        stats_row: torch.Tensor | None = None,
+        depth: int = 1,
     ) -> None:
         """Give predicted experts (int64, -1 padded) rows and post their SSD reads; no wait, no host sync.
 
         skip: bool [experts] not to read (those in VRAM). stats_row (this tier's counters) gets the
         reads as bytes and prefetched, and the previous round's prefetch_used / prefetch_wasted_bytes.
+        depth: layers ahead the proposal was made; each depth's rounds have their own gate (SlotTable.admit).
         A full tier reads nothing ahead.
         """
         if self.full:
@@ -251,7 +259,7 @@ class RamTier:
         self.ssd.settle(self.posted)
         available = None if skip is None else ~skip
         keep = self.posted[: self.num_slots] != 0  # a row with an unconfirmed read is never taken
-        got = self.table.admit(predicted, available, stats_row, self.layout.record_bytes, keep_slots=keep)
+        got = self.table.admit(predicted, available, stats_row, self.layout.record_bytes, keep_slots=keep, depth=depth)
         self.ssd.post(got.experts, got.slots, self.posted)
 
     def check_can_post(self) -> None:

@@ -36,6 +36,10 @@ are stamped with the latest step (as recent as that step's experts) and add no
 use count. The next `acquire` decides as always: a right prediction is a hit, a
 wrong one is an unneeded slot, usually its first victim. Admits with no step between
 them (a layer's reads posted ahead, then its prefetch) are one round for the counters.
+A table built with `gates` > 1 keeps that many rounds apart (RoundState: marks, judgments, gate), and `admit(depth=d)`
+uses round d: a RAM table receives SSD reads ahead from several layers back (BIGMOE_SSD_READ_AHEAD_LAYERS), and
+proposals made further ahead are right less often, so each depth's reads are judged, and shut, by their own evidence
+(one gate for all shut the next layer's good reads with the deeper ones' bad: benchmarks.md, session 67).
 
 Prefetch gate (issue 15: prefetch must never cost more than it saves): each round first settles
 the previous one (n_used of its experts the steps since needed, n_wasted not) and, when it judged
@@ -127,6 +131,39 @@ def lfu_key(counts: torch.Tensor, stamps: torch.Tensor, experts: torch.Tensor) -
     return (counts.clamp(max=LFU_MAX_COUNT) << 42) | (stamps << 10) | experts
 
 
+@dataclass(frozen=True, eq=False)  # compared by identity: its fields are tensors
+class RoundState:
+    """One source's prefetch rounds in a table: what its latest round copied, the experts its closed rounds would
+    have, and its gate. Device tensors, updated in place (captured graphs hold them)."""
+
+    prefetched: torch.Tensor
+    """int64 [slots + 1]: expert the latest round copied into each slot, -1 elsewhere (for the prefetch counters)."""
+    prefetch_step: torch.Tensor
+    """int64 []: the table's `step` when the latest round's admit ran."""
+    would_fetch: torch.Tensor
+    """int32 [experts + 1]: 1 for each expert the latest round would have fetched had its gate been open."""
+    used_score: torch.Tensor
+    """int64 []: decayed count of prefetched experts used (fixed point, x64 per expert): the gate's evidence for."""
+    wasted_score: torch.Tensor
+    """int64 []: decayed count of prefetched experts never used (same scale): the gate's evidence against."""
+    gate_closed: torch.Tensor
+    """int64 []: admit calls the gate kept from admitting, so far."""
+
+    @classmethod
+    def empty(cls, num_experts: int, num_slots: int, device: torch.device) -> "RoundState":
+        def zero():
+            return torch.zeros((), dtype=torch.int64, device=device)
+
+        return cls(
+            prefetched=torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device),
+            prefetch_step=zero(),
+            would_fetch=torch.zeros((num_experts + 1,), dtype=torch.int32, device=device),
+            used_score=zero(),
+            wasted_score=zero(),
+            gate_closed=zero(),
+        )
+
+
 class SlotTableError(ValueError):
     """A slot table was built or called with sizes it cannot work with."""
 
@@ -193,7 +230,11 @@ class SlotTable:
         min_used_percent: int = MIN_USED_PERCENT,
         prefetch_budget: int = PREFETCH_BUDGET,
         lift_percent: int | None = LIFT_PERCENT,
+        gates: int = 1,
     ) -> None:
+        """gates: rounds kept apart, each with its own gate (admit's `depth` picks one; deeper ones share the last)."""
+        if gates < 1:
+            raise SlotTableError(f"a slot table keeps at least one prefetch round, got gates={gates}")
         if not 0 <= min_used_percent <= 100:
             raise SlotTableError(f"prefetch gate needs 0 <= min_used_percent <= 100, got {min_used_percent}")
         if lift_percent is not None and not 0 <= lift_percent <= 100:
@@ -270,10 +311,11 @@ class SlotTable:
         """Joinless rounds: `copied` once the latest round's copy into each slot is done (round_sync)."""
         self._filled = torch.zeros((s + 1,), dtype=torch.int64, device=self.device)
         """Joinless rounds: the forward whose round last filled each slot (round_sync)."""
-        self._prefetched = torch.full((s + 1,), -1, dtype=torch.int64, device=self.device)
-        """Expert the latest `admit` copied into each slot, -1 elsewhere (for the prefetch counters)."""
-        self._prefetch_step = torch.zeros((), dtype=torch.int64, device=self.device)
-        """`step` when the latest `admit` ran."""
+        self.rounds = tuple(RoundState.empty(e, s, self.device) for _ in range(gates))
+        """Each depth's rounds (admit's `depth`); a table without reads from several layers back keeps one."""
+        first = self.rounds[0]  # the next layer's: the names below are its tensors (the VRAM tables have no other)
+        self._prefetched = first.prefetched
+        self._prefetch_step = first.prefetch_step
         self._want_scratch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
         """The admit kernel's set of predicted experts (its own: a side stream's admit never shares acquire's)."""
         self.min_used_percent = min_used_percent
@@ -283,14 +325,10 @@ class SlotTable:
         self.lift_percent = lift_percent
         """A round ignores the budget while at least this percent of the gate's judged experts were used (None:
         never)."""
-        self._would_fetch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
-        """1 for each expert the latest round would have fetched had its gate been open (its would-fetch marks)."""
-        self.used_score = torch.zeros((), dtype=torch.int64, device=self.device)
-        """Decayed count of prefetched experts used (fixed point, x64 per expert): the gate's evidence for."""
-        self.wasted_score = torch.zeros((), dtype=torch.int64, device=self.device)
-        """Decayed count of prefetched experts never used (same scale): the gate's evidence against."""
-        self.gate_closed = torch.zeros((), dtype=torch.int64, device=self.device)
-        """Admit calls the gate kept from admitting, so far."""
+        self._would_fetch = first.would_fetch
+        self.used_score = first.used_score
+        self.wasted_score = first.wasted_score
+        self.gate_closed = first.gate_closed
         self._prefetch_stat_index = torch.tensor(
             [BYTES, PREFETCHED, PREFETCH_USED, PREFETCH_WASTED_BYTES], dtype=torch.int64, device=self.device
         )
@@ -547,6 +585,7 @@ class SlotTable:
         source: SourceRows | None = None,
         chain_flags: torch.Tensor | None = None,
         record_blocks: int = 0,
+        depth: int = 1,
     ) -> Admitted:
         """Install predicted experts for the next step (see the module's prefetch rule); returns what to copy.
 
@@ -558,34 +597,51 @@ class SlotTable:
         Admitted.rows says which row each is copied from.
         chain_flags, record_blocks: a joinless chained forward's round (core.round_sync; the kernel only): it claims
         the table first and marks the slots it fills as record_blocks copy blocks short of done.
+        depth: layers ahead of the step the proposal was made (its RoundState: the table's `gates`, deeper ones
+        share the last); its round is settled, judged and gated apart from the other depths'.
         Fixed shapes, no host sync: capturable, also on a side stream.
         """
         if self.use_kernel:
             return self._admit_kernel(
-                predicted, available, stats_row, record_bytes, keep_slots, source, chain_flags, record_blocks
+                predicted, available, stats_row, record_bytes, keep_slots, source, chain_flags, record_blocks, depth
             )
         if chain_flags is not None:
             raise ValueError("a joinless round (chain_flags) is decided by the admit kernel only")
-        return self._admit_torch(predicted, available, stats_row, record_bytes, keep_slots, source)
+        r = self.round_state(depth)
+        return self._admit_torch(predicted, available, stats_row, record_bytes, keep_slots, source, r)
 
-    def admit_state(self) -> dict[str, torch.Tensor]:
-        """The device tensors the admit kernel reads and updates in place."""
+    def round_state(self, depth: int = 1) -> RoundState:
+        """The rounds of proposals made `depth` layers ahead (depth 1 and below: the next layer's)."""
+        return self.rounds[min(max(depth, 1), len(self.rounds)) - 1]
+
+    def admit_state(self, depth: int = 1) -> dict[str, torch.Tensor]:
+        """The device tensors the admit kernel reads and updates in place (a depth's round: round_state)."""
+        r = self.round_state(depth)
         return {
             **self.kernel_state(),
-            "prefetched": self._prefetched,
-            "would_fetch": self._would_fetch,
-            "prefetch_step": self._prefetch_step,
+            "prefetched": r.prefetched,
+            "would_fetch": r.would_fetch,
+            "prefetch_step": r.prefetch_step,
             "want": self._want_scratch,
-            "used_score": self.used_score,
-            "wasted_score": self.wasted_score,
-            "gate_closed": self.gate_closed,
+            "used_score": r.used_score,
+            "wasted_score": r.wasted_score,
+            "gate_closed": r.gate_closed,
         }
 
     def _admit_kernel(
-        self, predicted, available, stats_row, record_bytes, keep_slots, source, chain_flags=None, record_blocks=0
+        self,
+        predicted,
+        available,
+        stats_row,
+        record_bytes,
+        keep_slots,
+        source,
+        chain_flags=None,
+        record_blocks=0,
+        depth: int = 1,
     ) -> Admitted:
         out = admit_kernel.launch_admit(
-            self.admit_state(),
+            self.admit_state(depth),
             predicted.to(self.device),
             self.num_experts,
             self.num_slots,
@@ -604,12 +660,13 @@ class SlotTable:
         )
         return Admitted(out["experts"], out["slots"], out["evicted"], out["rows"])
 
-    def _admit_torch(self, predicted, available, stats_row, record_bytes, keep_slots, source) -> Admitted:
+    def _admit_torch(self, predicted, available, stats_row, record_bytes, keep_slots, source, r) -> Admitted:
+        """admit in torch ops, for the round `r` (a RoundState of this table)."""
         e, s = self.num_experts, self.num_slots
         flat = predicted.reshape(-1).to(device=self.device, dtype=torch.int64)
         m = self.miss_capacity(flat.numel())
-        used, wasted = self._settle_prefetch()
-        marked_used, marked_wasted = self._settle_would_fetch()
+        used, wasted = self._settle_prefetch(r)
+        marked_used, marked_wasted = self._settle_would_fetch(r)
         idx = torch.where((flat >= 0) & (flat < e), flat, e)
         want = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
         want.index_fill_(0, idx, True)
@@ -619,10 +676,10 @@ class SlotTable:
             fetch &= available.to(device=self.device, dtype=torch.bool)
         if source is not None:
             fetch &= self._whole_rows(source)
-        is_open = self._gate(used + marked_used, wasted + marked_wasted)
-        fetch = torch.where(self._budget_lifted(), fetch, self._within_budget(fetch))
+        is_open = self._gate(r, used + marked_used, wasted + marked_wasted)
+        fetch = torch.where(self._budget_lifted(r), fetch, self._within_budget(fetch))
         marks = (fetch & ~is_open).to(torch.int32)
-        self._would_fetch[:e].bitwise_or_(marks)  # a round's second admit adds to its marks
+        r.would_fetch[:e].bitwise_or_(marks)  # a round's second admit adds to its marks
         fetch &= is_open
         experts = self._compact(fetch, m)
         protect = want.clone()
@@ -636,9 +693,9 @@ class SlotTable:
         experts = torch.where(take, experts, -1)
         self._install(experts, slots, evicted, take)
         self._last_use.index_put_((torch.where(take, slots, s),), self.step)
-        self._prefetched.index_put_((torch.where(take, slots, s),), experts)
-        self._prefetched[s:].fill_(-1)
-        self._prefetch_step.copy_(self.step)
+        r.prefetched.index_put_((torch.where(take, slots, s),), experts)
+        r.prefetched[s:].fill_(-1)
+        r.prefetch_step.copy_(self.step)
         if stats_row is not None:
             n = take.sum()
             parts = [n * record_bytes, n, used, wasted * record_bytes]
@@ -665,16 +722,16 @@ class SlotTable:
         sink = source.posted.numel() - 1
         return (rows >= 0) & (source.posted[torch.where(rows >= 0, rows, sink)] == 0)
 
-    def _settle_prefetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _settle_prefetch(self, r: RoundState) -> tuple[torch.Tensor, torch.Tensor]:
         """(used, wasted) of the latest round's copied experts, judged by the steps since; clears their marks.
 
         With no step since the round's admit, nothing is judged yet and the marks stay (same round).
         """
         s = self.num_slots
-        judged = self.step > self._prefetch_step
-        marked = (self._prefetched[:s] >= 0) & judged
-        used = marked & (self._slot_expert[:s] == self._prefetched[:s]) & (self._last_use[:s] > self._prefetch_step)
-        self._prefetched.copy_(torch.where(judged, -1, self._prefetched))
+        judged = self.step > r.prefetch_step
+        marked = (r.prefetched[:s] >= 0) & judged
+        used = marked & (self._slot_expert[:s] == r.prefetched[:s]) & (self._last_use[:s] > r.prefetch_step)
+        r.prefetched.copy_(torch.where(judged, -1, r.prefetched))
         return used.sum(), (marked & ~used).sum()
 
     def note_used_above(self, ids: torch.Tensor) -> None:
@@ -686,46 +743,47 @@ class SlotTable:
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         row = self._expert_slot[torch.where((flat >= 0) & (flat < e), flat, e)]
         row = torch.where(row >= 0, row, s)
-        pending = (row < s) & (self._prefetched[row] == flat)
-        self._last_use.index_put_((torch.where(pending, row, s),), self.step)
+        for r in self.rounds:
+            pending = (row < s) & (r.prefetched[row] == flat)
+            self._last_use.index_put_((torch.where(pending, row, s),), self.step)
 
-    def _settle_would_fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _settle_would_fetch(self, r: RoundState) -> tuple[torch.Tensor, torch.Tensor]:
         """(used, wasted) of the latest closed round's would-fetch marks, judged as copies are (used: a step since
         needed the expert, so it is resident now with a later stamp); clears them once judged."""
         e = self.num_experts
-        judged = self.step > self._prefetch_step
-        marked = (self._would_fetch[:e] != 0) & judged
+        judged = self.step > r.prefetch_step
+        marked = (r.would_fetch[:e] != 0) & judged
         slot = self._expert_slot[:e]
         stamp = self._last_use[torch.where(slot >= 0, slot, self.num_slots)]
-        used = marked & (slot >= 0) & (stamp > self._prefetch_step)
-        self._would_fetch.copy_(torch.where(judged, 0, self._would_fetch))
+        used = marked & (slot >= 0) & (stamp > r.prefetch_step)
+        r.would_fetch.copy_(torch.where(judged, 0, r.would_fetch))
         return used.sum(), (marked & ~used).sum()
 
-    def _gate(self, used: torch.Tensor, wasted: torch.Tensor) -> torch.Tensor:
-        """Fold the settled round (copies and would-fetch marks) into the gate's scores; bool []: may it admit."""
+    def _gate(self, r: RoundState, used: torch.Tensor, wasted: torch.Tensor) -> torch.Tensor:
+        """Fold the settled round (copies and would-fetch marks) into its gate's scores; bool []: may it admit."""
         judged = used + wasted > 0
-        for score, count in ((self.used_score, used), (self.wasted_score, wasted)):
+        for score, count in ((r.used_score, used), (r.wasted_score, wasted)):
             score.copy_(torch.where(judged, score - (score >> 3) + (count << 6), score))
-        is_open = self._gate_open()
-        self.gate_closed.add_((~is_open).to(torch.int64))
+        is_open = self._gate_open(r)
+        r.gate_closed.add_((~is_open).to(torch.int64))
         return is_open
 
-    def gate_is_open(self) -> bool:
-        """Whether the prefetch gate's current scores let the next round copy (reads the device: one sync)."""
-        return bool(self._gate_open())
+    def gate_is_open(self, depth: int = 1) -> bool:
+        """Whether a depth's gate (round_state) lets its next round copy, on its current scores (one sync)."""
+        return bool(self._gate_open(self.round_state(depth)))
 
-    def _gate_open(self) -> torch.Tensor:
+    def _gate_open(self, r: RoundState) -> torch.Tensor:
         """bool []: the gate's rule on its current scores: at least min_used_percent of its judged experts used."""
-        return self._scores_at_least(self.min_used_percent)
+        return self._scores_at_least(r, self.min_used_percent)
 
-    def _budget_lifted(self) -> torch.Tensor:
+    def _budget_lifted(self, r: RoundState) -> torch.Tensor:
         """bool []: whether this round copies its whole proposal whatever the budget (lift_percent's rule)."""
         if self.lift_percent is None:
             return torch.zeros((), dtype=torch.bool, device=self.device)
-        return self._scores_at_least(self.lift_percent)
+        return self._scores_at_least(r, self.lift_percent)
 
-    def _scores_at_least(self, percent: int) -> torch.Tensor:
-        return self.used_score * (100 - percent) >= self.wasted_score * percent
+    def _scores_at_least(self, r: RoundState, percent: int) -> torch.Tensor:
+        return r.used_score * (100 - percent) >= r.wasted_score * percent
 
     # ---- direct placement (warm start, tests) ------------------------------------------
 

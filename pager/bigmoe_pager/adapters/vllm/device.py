@@ -150,6 +150,7 @@ def layer_pager(
         warm_order=warm_order,
         policy=settings.eviction,
         read_ahead=reads_ahead(settings, sizes),
+        read_ahead_layers=max(1, settings.ssd_read_ahead_layers),
         prefetch_gate=settings.prefetch_min_used_percent,
         prefetch_budget=settings.prefetch_budget,
     )

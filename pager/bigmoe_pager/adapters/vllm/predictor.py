@@ -534,7 +534,7 @@ class Predictor:
                 return
             pager = getattr(target, "pager", None)
             if isinstance(pager, DeviceLayerPager) and pager.started and pager.read_ahead_ssd and not pager.ram.full:
-                self.live.feed_read_ahead(lambda ahead=ahead: proposal(ahead), pager, hidden)
+                self.live.feed_read_ahead(lambda ahead=ahead: proposal(ahead), pager, hidden, depth=ahead)
 
     def _router_ids(self, layer, hidden: torch.Tensor, ahead: int) -> torch.Tensor | None:
         """The live proposal for layer l + ahead: that layer's router applied to this layer's hidden state."""
