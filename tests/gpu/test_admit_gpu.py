@@ -18,7 +18,7 @@ STATE = ("expert_slot", "slot_expert", "last_use", "step", "use_count", "used_sc
 def state(table: SlotTable) -> dict[str, torch.Tensor]:
     """The decision state both paths keep (write sinks and scratch areas are not state)."""
     got = {name: getattr(table, name) for name in STATE}
-    got |= {"prefetched": table._prefetched[: table.num_slots], "prefetch_step": table._prefetch_step}
+    got |= {"prefetched": table.rounds[0].prefetched[: table.num_slots], "prefetch_step": table.rounds[0].prefetch_step}
     return got | duel_state(table)
 
 

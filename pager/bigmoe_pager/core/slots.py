@@ -313,9 +313,6 @@ class SlotTable:
         """Joinless rounds: the forward whose round last filled each slot (round_sync)."""
         self.rounds = tuple(RoundState.empty(e, s, self.device) for _ in range(gates))
         """Each depth's rounds (admit's `depth`); a table without reads from several layers back keeps one."""
-        first = self.rounds[0]  # the next layer's: the names below are its tensors (the VRAM tables have no other)
-        self._prefetched = first.prefetched
-        self._prefetch_step = first.prefetch_step
         self._want_scratch = torch.zeros((e + 1,), dtype=torch.int32, device=self.device)
         """The admit kernel's set of predicted experts (its own: a side stream's admit never shares acquire's)."""
         self.min_used_percent = min_used_percent
@@ -325,15 +322,26 @@ class SlotTable:
         self.lift_percent = lift_percent
         """A round ignores the budget while at least this percent of the gate's judged experts were used (None:
         never)."""
-        self._would_fetch = first.would_fetch
-        self.used_score = first.used_score
-        self.wasted_score = first.wasted_score
-        self.gate_closed = first.gate_closed
         self._prefetch_stat_index = torch.tensor(
             [BYTES, PREFETCHED, PREFETCH_USED, PREFETCH_WASTED_BYTES], dtype=torch.int64, device=self.device
         )
 
     # ---- views -----------------------------------------------------------------------
+
+    @property
+    def used_score(self) -> torch.Tensor:
+        """The next layer's round's gate evidence for (RoundState; the VRAM tables keep no other round)."""
+        return self.rounds[0].used_score
+
+    @property
+    def wasted_score(self) -> torch.Tensor:
+        """The next layer's round's gate evidence against."""
+        return self.rounds[0].wasted_score
+
+    @property
+    def gate_closed(self) -> torch.Tensor:
+        """Admit calls the next layer's round's gate kept from admitting, so far."""
+        return self.rounds[0].gate_closed
 
     @property
     def expert_slot(self) -> torch.Tensor:
