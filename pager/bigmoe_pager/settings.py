@@ -91,7 +91,9 @@ class PagerSettings:
     more reads in flight, from proposals that are less often right (a layer's router on an earlier hidden state);
     with replayed proposals as right at every depth, 4 beat 1 (runs 56, 57). Each depth's reads have their own gate
     (one for all shut the next layer's good reads with the deeper ones' bad, in simulation). 1 stays: with proposals
-    0.1-0.15 less right a layer further ahead, depth 4 read 4-62% more than depth 1 in simulation, untimed on a GPU."""
+    0.1-0.15 less right a layer further ahead, depth 4 read 4-62% more than depth 1 in simulation, untimed on a GPU.
+    With BIGMOE_TRACE_PATH and BIGMOE_PREDICT=router it is also the depth a recorded trace's live proposals reach
+    (predicted_ids_ahead), reads ahead on or off."""
     predict: str = "off"
     """BIGMOE_PREDICT: off / router: router = layer l+1's router applied to what layer l's experts receive proposes
     l+1's experts, which the device-driven pager prefetches on a side stream; off until measured on real weights."""

@@ -1,6 +1,6 @@
 """BIGMOE_PREDICT=router inside real vLLM (CPU build): the predictor finds every next layer's router in vLLM's
 own MoERunner, serves the same greedy tokens as the unpaged model, and records its proposals as the trace's
-predicted_ids, which scripts/score_predictor.py scores.
+predicted_ids (and those for layers 2 and 3 ahead as predicted_ids_ahead), which scripts/score_predictor.py scores.
 
 vLLM's CPU build pages host-driven (device-driven paging needs CUDA), so here the proposals are computed and
 recorded, not prefetched; tests/unit/test_live_predictor.py feeds them to DeviceLayerPager."""
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("live-predictor")]  # the
 vllm = pytest.importorskip("vllm", reason="real vLLM (installer/install.sh) is needed for e2e tests")
 
 import score_predictor  # noqa: E402  (scripts/ is on pytest's pythonpath)
-from bigmoe_bench.traces import load_predictions, load_trace  # noqa: E402
+from bigmoe_bench.traces import load_predictions, load_predictions_ahead, load_trace  # noqa: E402
 from vllm_runs import greedy_run  # noqa: E402
 
 PROMPTS = ["The sea is calm and the boats are", "one two three four five six seven", "A green tree stands near"]
@@ -40,6 +40,7 @@ def runs(tiny_checkpoint, tmp_path_factory):
     trace = tmp_path_factory.mktemp("live-predictor") / "trace.npz"
     unpaged, _ = greedy(model, {})
     env = {"BIGMOE_PAGER": "1", "BIGMOE_VRAM_SLOTS": "6", "BIGMOE_PREDICT": "router", "BIGMOE_TRACE_PATH": str(trace)}
+    env["BIGMOE_SSD_READ_AHEAD_LAYERS"] = str(LAYERS - 1)  # and the proposals for layers 2 and 3 ahead
     predicted, log = greedy(model, env)
     return unpaged, predicted, log, trace
 
@@ -66,3 +67,10 @@ def test_recorded_proposals_are_predicted_ids_and_score(runs, capsys):
     # Random weights: the residual stream carries layer l's state into l+1, so l+1's router on it beats chance
     # (0.7 against 0.25 here); a trained model's figure is not shown by this.
     assert score["chance"]["recall"] < score["overall"]["recall"] <= 1.0
+    deeper = load_predictions_ahead(trace, EXPERTS)
+    assert deeper is not None and deeper.shape == (LAYERS - 2, topk.shape[0], LAYERS, TOP_K)
+    for ahead in range(2, LAYERS):  # layer l proposes l + ahead; the last `ahead` layers none
+        rows = deeper[ahead - 2]
+        assert (rows[:, : LAYERS - ahead] >= 0).all() and (rows[:, LAYERS - ahead :] == -1).all()
+    assert [d["ahead"] for d in score["further_ahead"]] == list(range(2, LAYERS))
+    assert all(score["chance"]["recall"] < d["overall"]["recall"] <= 1.0 for d in score["further_ahead"])

@@ -325,14 +325,18 @@ def test_a_pager_not_yet_started_or_host_driven_is_not_fed(next_pager):
 # ---- recorded proposals and their score -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layers_n,top,steps", [(3, 0, [1, 4, 1, 1]), (4, 5, [2, 1, 3])])
-def test_recorded_proposals_are_the_traces_predicted_ids_and_score(tmp_path: Path, layers_n, top, steps):
+@pytest.mark.parametrize(
+    "layers_n,top,steps,depth", [(3, 0, [1, 4, 1, 1], 1), (4, 5, [2, 1, 3], 1), (4, 0, [3, 1], 3), (5, 4, [2, 2], 5)]
+)
+def test_recorded_proposals_are_the_traces_predicted_ids_and_score(tmp_path: Path, layers_n, top, steps, depth):
+    """depth (BIGMOE_SSD_READ_AHEAD_LAYERS, reads ahead off): the proposals for layers 2..depth ahead are recorded as
+    predicted_ids_ahead, each that layer's router on this layer's hidden state, the last columns -1."""
     path = tmp_path / "trace.npz"
     layers, _, _, _ = model(layers_n, 6)
     settings = PagerSettings.from_env({"BIGMOE_PAGER": "1", "BIGMOE_TRACE_PATH": str(path)})
     routing = Routing(settings)
     env = {"BIGMOE_PREDICT": "router", "BIGMOE_PREDICT_TOP": str(top), "BIGMOE_TRACE_PATH": str(path)}
-    live = predictor(layers, env, routing)
+    live = predictor(layers, {**env, "BIGMOE_SSD_READ_AHEAD_LAYERS": str(depth)}, routing)
     states = []
     for n, tokens in enumerate(steps):
         x = hidden(tokens, seed=n)
@@ -349,9 +353,23 @@ def test_recorded_proposals_are_the_traces_predicted_ids_and_score(tmp_path: Pat
     x = torch.cat(states)
     for l in range(layers_n - 1):
         assert (predicted[:, l] == predict_next(x, router(101 + l), width).numpy()).all()
-    result = score_predictor.score(topk, predicted, EXPERTS)
+    deeper = traces.load_predictions_ahead(path, EXPERTS)
+    reached = min(depth, layers_n - 1)  # a depth past the model's last layer proposes nothing and is not written
+    if reached == 1:
+        assert deeper is None
+    else:
+        assert deeper.shape == (reached - 1, sum(steps), layers_n, width)
+        for ahead in range(2, reached + 1):
+            rows = deeper[ahead - 2]
+            assert (rows[:, layers_n - ahead :] == -1).all()  # no layer that far ahead in the model
+            for l in range(layers_n - ahead):
+                assert (rows[:, l] == predict_next(x, router(100 + l + ahead), width).numpy()).all()
+    result = score_predictor.score_depths(topk, predicted, deeper, EXPERTS)
     assert [row["layer"] for row in result["per_layer"]] == list(range(layers_n - 1))
     assert 0.0 <= result["overall"]["recall"] <= 1.0 and result["chance"]["recall"] == pytest.approx(width / EXPERTS)
+    assert [d["ahead"] for d in result["further_ahead"]] == list(range(2, reached + 1))
+    for d in result["further_ahead"]:
+        assert [row["layer"] for row in d["per_layer"]] == list(range(layers_n - d["ahead"]))
 
 
 @pytest.mark.parametrize("width,expect", [(HIDDEN, "router"), (HIDDEN + 8, "repacked as")])

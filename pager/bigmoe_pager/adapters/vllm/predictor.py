@@ -27,7 +27,8 @@ BIGMOE_PREFETCH_CHAINED_ONLY=0: their side streams slowed every launch of the de
 With BIGMOE_SSD_READ_AHEAD=1 and BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1, the same fork also posts the SSD
 reads of layers l+2 .. l+D's proposed experts (their routers on layer l's hidden state, or a replayed
 trace's rows for them). A replayed trace that carries predictions keeps priority. With BIGMOE_TRACE_PATH (eager only)
-the proposals are recorded as the trace's predicted_ids.
+the proposals are recorded as the trace's predicted_ids, and with BIGMOE_SSD_READ_AHEAD_LAYERS=D > 1 (reads ahead on or
+off) those for layers l+2 .. l+D as its predicted_ids_ahead (scripts/score_predictor.py scores each depth).
 With BIGMOE_PREFETCH_HOST_COPIER=1 a joinless forward's rounds over full RAM tiers publish their lists to a host
 thread that copies them with the copy engines (the process's one, adapters.vllm.host_copies): each layer's round, or
 the one-node kernel's one program with BIGMOE_PREFETCH_ONE_NODE=1. With BIGMOE_PREFETCH_DISTANCE=D > 1 a joinless
@@ -139,6 +140,9 @@ class Predictor:
         self.top = settings.predict_top
         self.read_ahead_layers = max(1, settings.ssd_read_ahead_layers) if settings.ssd_read_ahead else 1
         """Layers ahead whose predicted SSD reads each layer posts (BIGMOE_SSD_READ_AHEAD_LAYERS; 1: the next)."""
+        self.recorded_layers = max(1, settings.ssd_read_ahead_layers)
+        """Layers ahead whose live proposals a recorded trace holds (BIGMOE_TRACE_PATH; BIGMOE_SSD_READ_AHEAD_LAYERS
+        whether or not reads ahead are posted, so a trace of a run without an SSD tier scores each depth too)."""
         self.routing = routing
         self.layer_after = layer_after
         priority = LivePredictions.HIGH_PRIORITY if settings.prefetch_high_priority else 0
@@ -354,6 +358,8 @@ class Predictor:
             ids = self.live.feed(hidden, target.router, target.top, pager if prefetch else None, self._after(layer))
             proposed = ids if ahead == 1 else proposed
         self._read_further(layer, hidden, lambda ahead: self._router_ids(layer, hidden, ahead))
+        if self.routing.trace_path is not None:
+            self._record_further(layer, hidden)
         return proposed
 
     def _rounds_here(self) -> bool:
@@ -535,6 +541,16 @@ class Predictor:
             pager = getattr(target, "pager", None)
             if isinstance(pager, DeviceLayerPager) and pager.started and pager.read_ahead_ssd and not pager.ram.full:
                 self.live.feed_read_ahead(lambda ahead=ahead: proposal(ahead), pager, hidden, depth=ahead)
+
+    def _record_further(self, layer, hidden: torch.Tensor) -> None:
+        """BIGMOE_TRACE_PATH: the live proposals for layers l+2 .. l+recorded_layers of the same model, recorded as
+        the trace's predicted_ids_ahead (made again here, on the host's trace path only: eager runs)."""
+        for ahead in range(2, self.recorded_layers + 1):
+            if not self._in_its_model(layer, ahead):
+                return
+            ids = self._router_ids(layer, hidden, ahead)
+            if ids is not None:
+                self.routing.record_predictions(layer._moe_index, ids, ahead)
 
     def _router_ids(self, layer, hidden: torch.Tensor, ahead: int) -> torch.Tensor | None:
         """The live proposal for layer l + ahead: that layer's router applied to this layer's hidden state."""

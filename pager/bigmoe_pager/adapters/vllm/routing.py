@@ -2,7 +2,8 @@
 
 `BIGMOE_TRACE_PATH` records each MoE layer's top-k ids (read on the host, so eager
 only) and writes them at exit in the pager benchmark's trace format, with the live
-predictor's proposals (BIGMOE_PREDICT=router) as its predicted_ids.
+predictor's proposals (BIGMOE_PREDICT=router) as its predicted_ids, and those it made for layers further
+ahead (BIGMOE_SSD_READ_AHEAD_LAYERS > 1) as its predicted_ids_ahead.
 `BIGMOE_ROUTE_REPLAY` (benchmark only) replaces the router's ids with a trace's next
 rows; trace and cursors live on the ids' device, so a replayed CUDA graph takes the
 next rows too. `load_replay` (benchmark only) swaps in another trace of the same shape in place.
@@ -31,7 +32,7 @@ class Routing:
         self.replay_path = settings.route_replay
         self._lock = threading.Lock()
         self._trace: dict[int, list[np.ndarray]] = {}
-        self._predicted: dict[int, list[np.ndarray]] = {}  # per MoE layer l: the live proposals for layer l + 1
+        self._predicted: dict[int, dict[int, list[np.ndarray]]] = {}  # [d][l]: layer l's live proposals for l + d
         self._replay: tuple[torch.Tensor, torch.Tensor] | None = None  # trace [tokens, layers, k], cursors [1024]
         self._saved: tuple[int, int] | None = None  # (ids, proposals) recorded when save_trace last wrote
 
@@ -47,10 +48,12 @@ class Routing:
                 atexit.register(self.save_trace)
         return topk_ids
 
-    def record_predictions(self, moe_index: int, ids: torch.Tensor) -> None:
-        """Record the live proposal [tokens, P] layer moe_index made for layer moe_index + 1 (same rows as its ids)."""
+    def record_predictions(self, moe_index: int, ids: torch.Tensor, ahead: int = 1) -> None:
+        """Record the live proposal [tokens, P] layer moe_index made for layer moe_index + ahead (same rows as its
+        ids)."""
+        rows = ids.detach().to("cpu", torch.int32).numpy().copy()
         with self._lock:
-            self._predicted.setdefault(moe_index, []).append(ids.detach().to("cpu", torch.int32).numpy().copy())
+            self._predicted.setdefault(ahead, {}).setdefault(moe_index, []).append(rows)
 
     def replays_predictions(self, device: torch.device) -> bool:
         """Whether a replayed trace carries predictions (they keep priority over the live predictor's)."""
@@ -78,31 +81,43 @@ class Routing:
         return None if predicted is None else (predicted, self._replay[1])
 
     def save_trace(self) -> None:
-        """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path, and the
-        live proposals as predicted_ids int32 [tokens, layers, P] when there are any (docs/routing.md). Nothing is
-        rewritten when nothing was recorded since the last write (the exit hook after an explicit save)."""
+        """Write topk_ids int32 [tokens, layers, k] (the pager benchmark's trace format) to trace_path, the live
+        proposals for the next layer as predicted_ids int32 [tokens, layers, P] when there are any, and those for
+        layers 2, 3, ... ahead as predicted_ids_ahead int32 [depths, tokens, layers, P] (docs/routing.md). Nothing
+        is rewritten when nothing was recorded since the last write (the exit hook after an explicit save)."""
         with self._lock:
-            recorded = (sum(map(len, self._trace.values())), sum(map(len, self._predicted.values())))
+            made = sum(len(rows) for by_layer in self._predicted.values() for rows in by_layer.values())
+            recorded = (sum(map(len, self._trace.values())), made)
             if not self._trace or recorded == self._saved:
                 return
             self._saved = recorded
             layers = sorted(self._trace)
             per_layer = [np.concatenate(self._trace[l], axis=0) for l in layers]
-            proposed = {l: np.concatenate(self._predicted[l], axis=0) for l in layers if l in self._predicted}
+            proposed = {
+                d: [np.concatenate(by_layer[l], axis=0) if l in by_layer else None for l in layers]
+                for d, by_layer in self._predicted.items()
+            }
         tokens = min(a.shape[0] for a in per_layer)
         ids = np.stack([a[:tokens] for a in per_layer], axis=1).astype(np.int32)
         arrays = {"topk_ids": ids}
-        if proposed:
-            arrays["predicted_ids"] = predicted_ids(per_layer, [proposed.get(l) for l in layers], tokens)
+        if 1 in proposed:  # deeper proposals are kept only beside the next layer's (the trace format's rule)
+            arrays["predicted_ids"] = predicted_ids(per_layer, proposed[1], tokens)
+            deeper = [predicted_ids(per_layer, proposed.get(d, []), tokens) for d in range(2, max(proposed) + 1)]
+            if deeper:
+                width = max(a.shape[2] for a in deeper)
+                arrays["predicted_ids_ahead"] = np.stack(
+                    [np.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2])), constant_values=-1) for a in deeper]
+                )
         path = Path(self.trace_path)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, **arrays)
         tmp.replace(path)
+        depths = len(arrays.get("predicted_ids_ahead", ())) + ("predicted_ids" in arrays)
         log.warning(
             "bigmoe: wrote routing trace of %d tokens x %d layers%s to %s",
             ids.shape[0],
             ids.shape[1],
-            " with the live predictor's proposals" if proposed else "",
+            f" with the live predictor's proposals ({depths} layer(s) ahead)" if depths else "",
             path,
         )
 
@@ -168,12 +183,13 @@ class Routing:
 
 
 def predicted_ids(topk: list[np.ndarray], proposed: list[np.ndarray | None], tokens: int) -> np.ndarray:
-    """int32 [tokens, layers, P], -1 padded: layer l's proposals (for layer l + 1) beside its ids, row for row.
+    """int32 [tokens, layers, P], -1 padded: each layer's proposals (for a layer ahead of it) beside its ids, row for
+    row (P: the widest proposal; 1 where there is none).
 
-    A layer without proposals (the last one, one whose next router was not usable) is all -1; so is one
+    A layer without proposals (the last ones, one whose router ahead was not usable) is all -1; so is one
     whose proposals do not match its ids row for row (not expected: both are taken in the same call).
     """
-    width = max(p.shape[1] for p in proposed if p is not None)
+    width = max((p.shape[1] for p in proposed if p is not None), default=1)
     out = np.full((tokens, len(topk), width), -1, dtype=np.int32)
     for column, (ids, p) in enumerate(zip(topk, proposed)):
         if p is None:
