@@ -98,7 +98,9 @@ class PagerSettings:
     """BIGMOE_PREDICT: off / router: router = layer l+1's router applied to what layer l's experts receive proposes
     l+1's experts, which the device-driven pager prefetches on a side stream; off until measured on real weights."""
     predict_top: int = 0
-    """BIGMOE_PREDICT_TOP: experts the router predictor proposes per token; 0 = the model's top-k."""
+    """BIGMOE_PREDICT_TOP: experts the router predictor proposes per token; 0 = the model's top-k. A wider proposal is
+    right more often but less of it is used: twice the top-k on the tiny model (precision 0.47) shut the SSD reads'
+    gate of 50 at every depth (benchmarks.md, session 68)."""
     prefetch_high_priority: bool = False
     """BIGMOE_PREFETCH_HIGH_PRIORITY: 1 = the prefetch side stream runs at the GPU's high stream priority, so its
     copies get SMs ahead of vLLM's kernels; 0 = normal priority (the default until measured inside vLLM)."""
