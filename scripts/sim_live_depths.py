@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from bigmoe_bench.traces import TraceError, load_predictions, load_predictions_ahead, load_trace
+from bigmoe_bench.traces import TraceError
 from bigmoe_pager.core.slots import READ_AHEAD_MIN_USED_PERCENT
+from score_predictor import read
 from sim_prefetch import SHAPES, simulate
 
 POLICY = "lfu-duel"  # the pager's default eviction
@@ -29,18 +30,13 @@ RAM_SHARE = SHAPES["flash-next-ram"][0][2][0] / SHAPES["flash-next-ram"][0][0]  
 
 def rows(trace: Path, experts: int | None, slots: int | None, depths: list[int]) -> list[dict]:
     """No reads ahead, then each depth with a gate a depth and with one gate, over the trace's own proposals."""
-    topk = load_trace(trace, experts)
-    predicted = load_predictions(trace, experts)
-    deeper = load_predictions_ahead(trace, experts)
-    if predicted is None:
-        raise TraceError(f"trace {trace} carries no predicted_ids: record it with BIGMOE_PREDICT=router")
+    topk, predicted, deeper, experts = read(trace, experts)  # checked as score_predictor checks it
     held = 1 + (0 if deeper is None else deeper.shape[0])
     if max(depths) > held:
         raise TraceError(
             f"trace {trace} holds proposals up to {held} layer(s) ahead, --depths asks {max(depths)}: record it "
             f"with BIGMOE_SSD_READ_AHEAD_LAYERS={max(depths)}"
         )
-    experts = experts or int(max(topk.max(), predicted.max())) + 1
     slots = slots or max(1, round(experts * RAM_SHARE))
     table = (experts, slots, POLICY, READ_AHEAD_MIN_USED_PERCENT, 0, None)  # reads ahead: no budget, no lift
     out = [{"depth": 0, "gates": None, **simulate(topk, None, *table)}]

@@ -102,12 +102,10 @@ class Routing:
         arrays = {"topk_ids": ids}
         if 1 in proposed:  # deeper proposals are kept only beside the next layer's (the trace format's rule)
             arrays["predicted_ids"] = predicted_ids(per_layer, proposed[1], tokens)
-            deeper = [predicted_ids(per_layer, proposed.get(d, []), tokens) for d in range(2, max(proposed) + 1)]
+            deeper = [proposed.get(d, []) for d in range(2, max(proposed) + 1)]
             if deeper:
-                width = max(a.shape[2] for a in deeper)
-                arrays["predicted_ids_ahead"] = np.stack(
-                    [np.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2])), constant_values=-1) for a in deeper]
-                )
+                width = max((p.shape[1] for depth in deeper for p in depth if p is not None), default=1)
+                arrays["predicted_ids_ahead"] = np.stack([predicted_ids(per_layer, d, tokens, width) for d in deeper])
         path = Path(self.trace_path)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, **arrays)
@@ -182,14 +180,16 @@ class Routing:
             return self._replay
 
 
-def predicted_ids(topk: list[np.ndarray], proposed: list[np.ndarray | None], tokens: int) -> np.ndarray:
+def predicted_ids(
+    topk: list[np.ndarray], proposed: list[np.ndarray | None], tokens: int, width: int | None = None
+) -> np.ndarray:
     """int32 [tokens, layers, P], -1 padded: each layer's proposals (for a layer ahead of it) beside its ids, row for
-    row (P: the widest proposal; 1 where there is none).
+    row (P: `width`, default the widest proposal; 1 where there is none).
 
     A layer without proposals (the last ones, one whose router ahead was not usable) is all -1; so is one
     whose proposals do not match its ids row for row (not expected: both are taken in the same call).
     """
-    width = max((p.shape[1] for p in proposed if p is not None), default=1)
+    width = width or max((p.shape[1] for p in proposed if p is not None), default=1)
     out = np.full((tokens, len(topk), width), -1, dtype=np.int32)
     for column, (ids, p) in enumerate(zip(topk, proposed)):
         if p is None:
