@@ -114,4 +114,7 @@ def prefetch_summary(decode: dict, tokens: int | None) -> dict:
         out[f"prefetched_per_token_{tier}"] = round(c["prefetched"] / tokens, 3)
         late = c.get("prefetch_late")
         out[f"prefetch_late_per_token_{tier}"] = None if late is None else round(late / tokens, 3)
+    hurried = (decode.get("ssd") or {}).get("hurried")
+    if hurried is not None and tokens and out:  # reads ahead a step waited for before they started
+        out["ssd_reads_hurried_per_token"] = round(hurried / tokens, 3)
     return out

@@ -112,3 +112,5 @@ def test_graph_replays_read_exact_bytes_with_reads_posted_ahead(ckpt, accuracy):
         assert reads <= ram.misses + ram.prefetched and int(svc.box[mb.GPU_ERROR]) == 0
         if accuracy == 1.0:
             assert ram.prefetch_used > 0
+            hurry = mb.hurry_base(svc.entries) + svc.post_base[1]  # layer 1's steps told the host what they waited on
+            assert bool((svc.box[hurry : hurry + RAM] != 0).any())

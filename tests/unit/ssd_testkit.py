@@ -251,3 +251,23 @@ def reads_ahead_done_at_request(svc, layer: int, ahead: list[tuple[int, int]], r
         time.sleep(0.001)
     assert box[done] == 99, "the request was not answered within 30 s"
     return sum(int(box[done + entry] != 0) for entry in entries)
+
+
+def hurried_read_ahead(svc, ahead: list[tuple[int, int, int]]) -> int:
+    """Publish reads ahead of (layer, expert, RAM slot) triples straight into svc's mailbox, then write the last
+    one's hurry word (as the request kernel does for a read its step waits for); wait up to 30 s for that read and
+    return how many of the others were answered by then."""
+    box = svc.box.numpy()
+    entries = [svc.post_base[layer] + slot for layer, _, slot in ahead]
+    for seq, (entry, (layer, expert, slot)) in enumerate(zip(entries, ahead), start=10):
+        at = ssd_mailbox.REQ + ssd_mailbox.WORDS_PER_REQUEST * entry
+        box[at + 1 : at + 4] = (layer, expert, slot)
+        box[at] = seq  # after the payload: the host reads the seq word first
+    last = 10 + len(ahead) - 1
+    box[ssd_mailbox.hurry_base(svc.entries) + entries[-1]] = last
+    done = ssd_mailbox.done_base(svc.entries)
+    deadline = time.monotonic() + 30
+    while box[done + entries[-1]] != last and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert box[done + entries[-1]] == last, "the hurried read was not answered within 30 s"
+    return sum(int(box[done + entry] != 0) for entry in entries[:-1])

@@ -476,6 +476,9 @@ def test_prefetch_figures_come_from_the_decode_counters_of_tiers_prefetched_into
         "prefetched_per_token_vram": 4.0,
         "prefetch_late_per_token_vram": 0.5,  # 5 of the 30 used were still being copied when their step came
     }
+    ahead = {"ram": {"lookups": 40, "hits": 30, "prefetched": 20, "prefetch_used": 15}, "ssd": {"hurried": 6}}
+    got = bench_rows.prefetch_summary(ahead, 10)
+    assert got["prefetch_accuracy_ram"] == 0.6 and got["ssd_reads_hurried_per_token"] == 0.6
 
 
 @pytest.mark.parametrize(

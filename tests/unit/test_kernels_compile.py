@@ -82,7 +82,7 @@ for name in POLICIES:  # Flash-Next at 40% VRAM: 512 experts, 205 slots, top-10
                               "release_sys": accesses(k, "st.release.sys")}
 box = {n: "*i64" for n in ("box", "seq_ptr", "flag_ptr", "experts_ptr", "slots_ptr", "rows_ptr", "posted_ptr")}
 box |= {"layer": "i32", "n": "i32", "nrows": "i32", "post_entry0": "i32", "timeout_ns": "i64", "max_spins": "i32"}
-k = build(mb.request_kernel, box, {"DONE": 72, "BLOCK": 16, "ON_GPU": True})
+k = build(mb.request_kernel, box, {"DONE": 72, "HURRY": 80, "BLOCK": 16, "ON_GPU": True})
 out["mailbox"] = {"acquire": accesses(k, "ld.acquire.sys"), "release": accesses(k, "st.release.sys"),
                   "sleep": "nanosleep" in k.asm["ptx"]}
 k = build(chain._wait_kernel, {"flags_ptr": "*i64", "layer": "i32", "max_spins": "i32"}, {"ON_GPU": True})

@@ -162,6 +162,8 @@ def _reads_settled(svc: SsdService, expected: int, within_s: float = 10.0) -> in
 
 
 def test_a_slow_posted_read_is_waited_for_by_the_step_and_never_read_again(ckpt):
+    """A step needing experts whose posted reads are still under way waits for those reads (it never requests them
+    again) and writes their seqs into their hurry words, so the host takes them before other reads ahead."""
     io = FakeFaultyIO(then="slow", delay_s=2.0)  # margins a loaded CI machine keeps
     pagers, svc, stats = build(ckpt, 2, 4, True, io=io)
     layer = pagers[1]
@@ -171,10 +173,14 @@ def test_a_slow_posted_read_is_waited_for_by_the_step_and_never_read_again(ckpt)
         t0 = time.monotonic()
         layer.read_ahead(torch.tensor(cold + [-1, -1]))
         assert time.monotonic() - t0 < 1.5  # posted, not waited for
-        assert bool((layer.ram.posted != 0).any())
+        posted = layer.ram.posted.clone()
+        assert bool((posted != 0).any())
         remapped = layer.step(torch.tensor([cold], dtype=torch.int32))
         assert time.monotonic() - t0 >= 1.9  # the step waited for the rest of the reads
         svc.check()
+        rows = torch.nonzero(posted).reshape(-1).tolist()  # the step told the host which reads it waited for
+        hurry = mb.hurry_base(svc.entries) + svc.post_base[1]
+        assert [int(svc.box[hurry + r]) for r in rows] == [int(posted[r]) for r in rows]
         for expert, slot in zip(cold, remapped.reshape(-1).tolist()):
             assert torch.equal(slot_bytes(layer, slot), wanted(ckpt, 1, expert))
         assert svc.stats()["layers"][1]["reads"] == len(cold)  # one read each: the step requested none again

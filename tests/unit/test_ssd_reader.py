@@ -18,7 +18,7 @@ from bigmoe_pager.core import ssd_mailbox as mb
 from bigmoe_pager.core.paging_file import damaged_marker
 from bigmoe_pager.core.ssd_service import SsdError, SsdService
 from bigmoe_pager.settings import PagerSettings
-from ssd_testkit import SHAPES, FakeFaultyIO, make_checkpoint, reads_ahead_done_at_request
+from ssd_testkit import SHAPES, FakeFaultyIO, hurried_read_ahead, make_checkpoint, reads_ahead_done_at_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -425,3 +425,52 @@ def test_a_steps_request_is_read_before_reads_ahead_not_yet_started(ckpt, tmp_pa
         assert note == "native", note
         done = int(done)
     assert done <= 1
+
+
+HURRY_AHEAD = r"""
+import ctypes, sys, torch
+from bigmoe_bench import synth_experts
+from bigmoe_pager.core.expert_store import CheckpointStore
+from bigmoe_pager.core.ssd_service import SsdService
+from ssd_testkit import hurried_read_ahead
+root, hidden, inter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ahead = [tuple(map(int, t.split(","))) for t in sys.argv[4:]]
+layout = synth_experts.make_layout(hidden, inter, True)
+store = CheckpointStore(root, layout)
+bufs = [torch.zeros(4, layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
+svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=1, reader="native")
+fake = ctypes.CDLL(None)
+fake.fake_pread_set.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+fake.fake_pread_set(b"", b"slow50")  # every read of the C threads takes 50 ms
+with svc:
+    print("native" if svc.native else svc.reader_note)
+    print(hurried_read_ahead(svc, ahead))
+    svc.check()
+    print(sum(layer["hurried"] for layer in svc.stats()["layers"]))
+"""
+
+# reads ahead of both layers, published in this order; the last is the one a step waits for
+AHEAD = [(0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (1, 4, 0), (1, 5, 1)]
+
+
+@pytest.mark.parametrize("reader", ["python", "native"])
+def test_a_read_ahead_a_step_waits_for_goes_before_the_reads_ahead_queued_first(ckpt, tmp_path, reader):
+    """One worker, a disk taking 50 ms a read, six reads ahead queued: the one whose hurry word the step's request
+    kernel wrote is read after the read in flight at most, not after the four queued before it, lands byte for
+    byte, and is counted as hurried once."""
+    if reader == "python":
+        io = FakeFaultyIO(then="slow", delay_s=0.05)
+        bufs = [torch.zeros(RAM_SLOTS, ckpt.layout.pitch, dtype=torch.uint8) for _ in range(ckpt.num_layers)]
+        svc = SsdService(ckpt.store(io=io), bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=1)
+        with svc:
+            done = hurried_read_ahead(svc, AHEAD)
+            svc.check()
+            hurried = sum(layer["hurried"] for layer in svc.stats()["layers"])
+        _assert_slot(ckpt, bufs, *AHEAD[-1])
+    else:
+        args = [",".join(map(str, t)) for t in AHEAD]
+        note, done, hurried = run_over_fake_disk(tmp_path, ckpt, HURRY_AHEAD, *args).split("\n")[-4:-1]
+        assert note == "native", note
+        done, hurried = int(done), int(hurried)
+    assert done <= 1
+    assert hurried == 1

@@ -34,6 +34,7 @@ from bigmoe_pager.core.stats import (
     BYTES,
     ERRORS,
     HITS,
+    HURRIED,
     LOOKUPS,
     MISSES,
     PREFETCH_LATE,
@@ -381,6 +382,7 @@ class DeviceLayerPager:
                 bytes_moved=int(ram[BYTES]),
                 read_seconds=int(ssd[READ_NS]) / 1e9,
                 errors=int(ssd[ERRORS]),
+                hurried=int(ssd[HURRIED]),
             ),
         }
 

@@ -80,6 +80,9 @@ class TierCounters:
     prefetch_late: int = 0
     """Needed experts whose prefetch copy had not landed when their step reached them, so the step waited for it
     (VRAM, joinless forwards only: elsewhere a join waits for the whole round and lateness is not seen)."""
+    hurried: int = 0
+    """Reads ahead a step came to wait for before an I/O worker had started them, moved ahead of the other reads
+    ahead (SSD tier, device-driven layers)."""
 
     @property
     def misses(self) -> int:

@@ -40,6 +40,8 @@ class ReadCounters(LockedCounters):
     """Reads issued again after a short read, EIO, a checksum mismatch or a late answer."""
     errors: int = 0
     """Reads that failed for good (retries exhausted or not retryable)."""
+    hurried: int = 0
+    """Reads ahead a step came to wait for before a worker had taken them, moved ahead of the other reads ahead."""
 
     def add_read(self, nbytes: int, ns: int) -> None:
         with self._lock:
@@ -47,7 +49,7 @@ class ReadCounters(LockedCounters):
             self.bytes += nbytes
             self.read_ns += ns
 
-    def add_many(self, reads: int, bytes: int, read_ns: int, retries: int, errors: int) -> None:
+    def add_many(self, reads: int, bytes: int, read_ns: int, retries: int, errors: int, hurried: int = 0) -> None:
         """Add totals counted elsewhere (the native reader's, per layer)."""
         with self._lock:
             self.reads += reads
@@ -55,6 +57,7 @@ class ReadCounters(LockedCounters):
             self.read_ns += read_ns
             self.retries += retries
             self.errors += errors
+            self.hurried += hurried
 
     def add_retry(self) -> None:
         with self._lock:
@@ -63,6 +66,10 @@ class ReadCounters(LockedCounters):
     def add_error(self) -> None:
         with self._lock:
             self.errors += 1
+
+    def add_hurried(self) -> None:
+        with self._lock:
+            self.hurried += 1
 
     def read_gbps(self) -> float:
         """Bytes per second of read time, in GB/s (per thread, not aggregate)."""

@@ -8,13 +8,16 @@ The mailbox is one pinned int64 tensor both sides address directly:
     word SINK           scratch the kernel's unused lanes store to
     REQ + 4*i ...       request i: [seq, layer, expert, ram slot] (seq written last, with release)
     DONE + i            done i: the host writes the request's seq once the RAM slot holds its bytes
+    HURRY + i           hurry i (posted entries only): GPU -> host, the seq of entry i's posted read a step now
+                        waits for; the host takes that read before the reads ahead queued ahead of it
 
 Entries 0 .. capacity-1 belong to `request_kernel` (a blocking request uses entries 0..n-1). A mailbox
 built for read-ahead has one more entry per RAM slot of every layer after them (layer l's slot r at
 capacity + base[l] + r): `post_kernel` publishes there and returns at once; the device tensor
 `posted` [R] of the layer keeps, per RAM slot, the seq of its read still unconfirmed (0 = none).
 `request_kernel` given the RAM rows a step reads waits for their posted reads (never re-requests
-them) and clears their `posted`; `settle_kernel` clears the entries whose reads are done, without
+them; it writes their seqs into their hurry words, so reads posted for later layers never hold up the one a
+step waits for) and clears their `posted`; `settle_kernel` clears the entries whose reads are done, without
 waiting. One entry per slot: a slot has at most one posted read (admission never takes a slot with
 a posted read; the host supersedes an older read of a slot by a newer request for it).
 
@@ -58,8 +61,13 @@ def done_base(capacity: int) -> int:
     return REQ + WORDS_PER_REQUEST * capacity
 
 
-def mailbox_words(capacity: int) -> int:
+def hurry_base(capacity: int) -> int:
+    """Index of hurry word 0 in a mailbox of `capacity` requests."""
     return done_base(capacity) + capacity
+
+
+def mailbox_words(capacity: int) -> int:
+    return hurry_base(capacity) + capacity
 
 
 def interpreting() -> bool:
@@ -94,6 +102,7 @@ def request_kernel(
     timeout_ns,
     max_spins,
     DONE: tl.constexpr,
+    HURRY: tl.constexpr,
     BLOCK: tl.constexpr,
     ON_GPU: tl.constexpr,
 ):
@@ -123,6 +132,7 @@ def request_kernel(
     ahead = tl.load(posted_ptr + rows, mask=has_row, other=0)
     waits = has_row & (ahead != 0) & (host_err == 0) & (gpu_err == 0)
     ahead_ptrs = tl.where(waits, box + DONE + post_entry0 + rows, sink)
+    store_release(tl.where(waits, box + HURRY + post_entry0 + rows, sink), ahead, SYS_SCOPE, ON_GPU)
 
     done_ptrs = tl.where(valid, box + DONE + offs, sink)
     pending = valid
@@ -218,6 +228,7 @@ def launch_request(
     nrows = 0 if wait_rows is None else rows.numel()
     on_gpu = not interpreting()
     max_spins = 2**31 - 1 if on_gpu else max(1, int(timeout_s / INTERPRETER_SPIN_S))
+    words = capacity if entries is None else entries
     request_kernel[(1,)](
         box,
         seq,
@@ -232,7 +243,8 @@ def launch_request(
         post_entry0,
         int(timeout_s * 1e9),
         max_spins,
-        DONE=done_base(capacity if entries is None else entries),
+        DONE=done_base(words),
+        HURRY=hurry_base(words),
         BLOCK=_block(max(n, nrows)),
         ON_GPU=on_gpu,
         num_warps=1,

@@ -17,7 +17,11 @@
  * (after the file-level retries) or a bad request fails at once. The first failure is kept (what, where, errno),
  * HOST_ERROR gets the failing seq (the GPU then gives up), and the service serves nothing more.
  *
- * Mailbox words (ssd_mailbox.py): [0] HOST_ERROR, [8 + 4 i .. 8 + 4 i + 3] request i, [8 + 4 E + i] done i.
+ * Reads ahead (posted entries) wait behind a step's requests, first in, first out among themselves, except one a step
+ * now waits for: the GPU writes its seq into the entry's hurry word and the poller moves it to the requests' queue.
+ *
+ * Mailbox words (ssd_mailbox.py): [0] HOST_ERROR, [8 + 4 i .. 8 + 4 i + 3] request i, [8 + 4 E + i] done i,
+ * [8 + 5 E + i] hurry i.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -45,7 +49,7 @@
 enum { OK = 0, F_READ = 1, F_SHORT = 2, F_TRUNCATED = 3, F_CHECKSUM = 4, F_TIMEOUT = 5, F_BAD = 6, F_ODIRECT = 7,
        F_SETUP = 8 };
 enum { PENDING = 0, DONE = 1, FAILED = 2, SUPERSEDED = 3 };
-#define COUNTERS 5 /* per layer: reads, bytes, read_ns, retries, errors (read_stats.ReadCounters) */
+#define COUNTERS 6 /* per layer: reads, bytes, read_ns, retries, errors, hurried (read_stats.ReadCounters) */
 
 typedef struct { int fd; int64_t size; } file_t;
 typedef struct { uint8_t *rows; int64_t slots, row_bytes; } layer_t;
@@ -53,6 +57,8 @@ typedef struct { uint8_t *rows; int64_t slots, row_bytes; } layer_t;
 typedef struct {      /* the job of one mailbox entry; a new seq in the entry replaces it */
     int64_t seq, layer, expert, slot;
     int64_t attempts, issued_ns;
+    int64_t taken;    /* attempts a worker has taken: a ring may hold a second copy of an attempt (a hurried read
+                         ahead, a retry's old copy), and the copy popped later finds it taken */
     int state;
 } job_t;
 
@@ -71,6 +77,7 @@ typedef struct {
     /* state */
     job_t *jobs;            /* [entries], under mu */
     int64_t *handled;       /* [entries], the poller's own */
+    int64_t *hurried;       /* [entries], the poller's own: the latest hurry seq acted on */
     int64_t *owner;         /* [sum slots]: entry whose job writes the slot (-1 none), under mu */
     int64_t *owner_seq;     /* [sum slots]: that job's seq */
     int64_t *slot_base;     /* [nlayers]: index of the layer's slot 0 in owner */
@@ -104,6 +111,7 @@ static void count(reader *r, int64_t layer, int which, int64_t n) {
 }
 
 static int64_t *done_word(reader *r, int64_t entry) { return &r->box[REQ + 4 * r->entries + entry]; }
+static int64_t *hurry_word(reader *r, int64_t entry) { return &r->box[REQ + 5 * r->entries + entry]; }
 
 /* Record the service's first failure and tell the GPU (HOST_ERROR = seq). Caller holds mu. */
 static void fail_locked(reader *r, int64_t entry, int kind, int64_t err, int64_t file, int64_t offset) {
@@ -121,8 +129,8 @@ static int failed(reader *r) { return __atomic_load_n(&r->box[HOST_ERROR], __ATO
 /* Whether an entry is a posted read (a read ahead) rather than a request a step or a load waits on. */
 static int is_ahead(const reader *r, int64_t entry) { return entry >= r->first_posted && entry < r->end_posted; }
 
-static void push_locked(reader *r, int64_t entry) {
-    if (is_ahead(r, entry)) {
+static void push_locked(reader *r, int64_t entry, int ahead) {
+    if (ahead) {
         r->ahead[(r->ahead_head + r->ahead_len) % r->qcap] = entry;
         r->ahead_len++;
     } else {
@@ -138,7 +146,8 @@ static void issue_locked(reader *r, int64_t entry) {
     j->attempts++;
     j->issued_ns = now_ns();
     if (j->attempts > 1) count(r, j->layer, 3, 1);
-    if ((is_ahead(r, entry) ? r->ahead_len : r->qlen) < r->qcap) push_locked(r, entry);
+    int ahead = is_ahead(r, entry);
+    if ((ahead ? r->ahead_len : r->qlen) < r->qcap) push_locked(r, entry, ahead);
 }
 
 /* ---- the worker: one attempt -------------------------------------------------------------------------------- */
@@ -249,6 +258,9 @@ static void *work(void *arg) {
             r->ahead_head = (r->ahead_head + 1) % r->qcap;
             r->ahead_len--;
         }
+        job_t *j = &r->jobs[entry];
+        if (j->taken >= j->attempts) continue; /* this attempt's other copy came first */
+        j->taken = j->attempts;
         if (staging == NULL) {
             fail_locked(r, entry, F_SETUP, ENOMEM, -1, 0);
             continue;
@@ -270,7 +282,7 @@ static void take(reader *r, int64_t entry, int64_t seq) {
     int64_t layer = q[1], expert = q[2], slot = q[3];
     pthread_mutex_lock(&r->mu);
     job_t *j = &r->jobs[entry];
-    *j = (job_t){seq, layer, expert, slot, 0, now_ns(), PENDING};
+    *j = (job_t){seq, layer, expert, slot, 0, now_ns(), 0, PENDING};
     if (failed(r)) {
         j->state = FAILED;
     } else if (layer < 0 || layer >= r->nlayers || expert < 0 || expert >= r->nexperts || slot < 0 ||
@@ -311,6 +323,22 @@ static void scan(reader *r, int64_t from, int64_t to, int *fresh) {
     }
 }
 
+/* Reads ahead a step now waits for (their hurry words) go to the requests' queue, unless a worker has them already. */
+static void hurry(reader *r) {
+    for (int64_t e = r->first_posted; e < r->end_posted; e++) {
+        int64_t seq = __atomic_load_n(hurry_word(r, e), __ATOMIC_ACQUIRE);
+        if (seq <= r->hurried[e] || seq > r->handled[e]) continue; /* acted on, or its post not taken yet */
+        r->hurried[e] = seq;
+        pthread_mutex_lock(&r->mu);
+        job_t *j = &r->jobs[e];
+        if (j->seq == seq && j->state == PENDING && j->taken < j->attempts && r->qlen < r->qcap) {
+            push_locked(r, e, 0);
+            count(r, j->layer, 5, 1);
+        }
+        pthread_mutex_unlock(&r->mu);
+    }
+}
+
 static void *poll_box(void *arg) {
     reader *r = arg;
     int64_t last_work = now_ns(), last_watch = 0;
@@ -322,6 +350,7 @@ static void *poll_box(void *arg) {
         scan(r, r->first_posted, r->end_posted, &fresh);
         scan(r, 0, r->first_posted, &fresh);
         scan(r, r->end_posted, r->entries, &fresh);
+        hurry(r);
         int64_t now = now_ns();
         if (now - last_watch > 1000000L) { /* every millisecond is plenty for timeouts of seconds */
             watch_late(r, now);
@@ -347,8 +376,8 @@ static void release(reader *r) {
         free(r->slot_mu);
     }
     free(r->key_reads); free(r->reads); free(r->key_pieces); free(r->pieces); free(r->record_bytes); free(r->crc);
-    free(r->zeros); free(r->files); free(r->layers); free(r->jobs); free(r->handled); free(r->owner);
-    free(r->owner_seq); free(r->slot_base); free(r->queue); free(r->ahead); free(r->workers); free(r->counters);
+    free(r->zeros); free(r->files); free(r->layers); free(r->jobs); free(r->handled); free(r->hurried);
+    free(r->owner); free(r->owner_seq); free(r->slot_base); free(r->queue); free(r->ahead); free(r->workers); free(r->counters);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->more);
     free(r);
@@ -403,14 +432,15 @@ void *reader_start(int64_t *box, int64_t entries, int64_t first_posted, int64_t 
     r->slot_base = calloc((size_t)nlayers + 1, sizeof *r->slot_base);
     r->jobs = calloc((size_t)entries, sizeof *r->jobs);
     r->handled = calloc((size_t)entries, sizeof *r->handled);
+    r->hurried = calloc((size_t)entries, sizeof *r->hurried);
     r->qcap = entries * (retries + 2);
     r->queue = calloc((size_t)r->qcap, sizeof *r->queue);
     r->ahead = calloc((size_t)r->qcap, sizeof *r->ahead);
     r->workers = calloc((size_t)workers, sizeof *r->workers);
     r->counters = calloc((size_t)(nlayers * COUNTERS), sizeof *r->counters);
     if (!r->key_reads || !r->reads || !r->key_pieces || !r->pieces || !r->record_bytes || !r->crc || !r->zeros ||
-        !r->files || !r->layers || !r->slot_base || !r->jobs || !r->handled || !r->queue || !r->ahead || !r->workers ||
-        !r->counters) {
+        !r->files || !r->layers || !r->slot_base || !r->jobs || !r->handled || !r->hurried || !r->queue || !r->ahead ||
+        !r->workers || !r->counters) {
         *why = 2; release(r); return NULL;
     }
     for (int64_t f = 0; f < nfiles; f++) r->files[f] = (file_t){(int)fds[f], sizes[f]};
@@ -447,7 +477,7 @@ void *reader_start(int64_t *box, int64_t entries, int64_t first_posted, int64_t 
     return r;
 }
 
-/* Per layer: reads, bytes, read_ns, retries, errors, added since the start (out: [nlayers, 5]). */
+/* Per layer: reads, bytes, read_ns, retries, errors, hurried, added since the start (out: [nlayers, 6]). */
 void reader_counters(void *handle, int64_t *out) {
     reader *r = handle;
     for (int64_t i = 0; i < r->nlayers * COUNTERS; i++) out[i] = __atomic_load_n(&r->counters[i], __ATOMIC_RELAXED);

@@ -26,7 +26,7 @@ from . import native_build
 from .record_reads import RecordReads
 
 SOURCE = Path(__file__).with_name("ssd_reader.c")
-COUNTERS = ("reads", "bytes", "read_ns", "retries", "errors")
+COUNTERS = ("reads", "bytes", "read_ns", "retries", "errors", "hurried")
 """Per layer, the C counters in order (read_stats.ReadCounters' fields)."""
 READ_ERROR, SHORT_READ, TRUNCATED, CHECKSUM, TIMEOUT, BAD_REQUEST, ODIRECT_REFUSED, NO_STAGING = range(1, 9)
 """ssd_reader.c's failure kinds (its F_* codes)."""

@@ -260,9 +260,11 @@ class SsdService:
             now = self._native.counters()
             delta, self._collected = now - self._collected, now
         for layer in np.flatnonzero(delta.any(axis=1)):
-            reads, nbytes, ns, retries, errors = (int(v) for v in delta[layer])
-            self.counters[layer].add_many(reads=reads, bytes=nbytes, read_ns=ns, retries=retries, errors=errors)
-            self._sink(int(layer), read_ns=ns, retries=retries, errors=errors)
+            reads, nbytes, ns, retries, errors, hurried = (int(v) for v in delta[layer])
+            self.counters[layer].add_many(
+                reads=reads, bytes=nbytes, read_ns=ns, retries=retries, errors=errors, hurried=hurried
+            )
+            self._sink(int(layer), read_ns=ns, retries=retries, errors=errors, hurried=hurried)
 
     # ---- the host-driven path (outside CUDA graphs) ------------------------------------
 

@@ -2,13 +2,14 @@
 
 A poller thread picks up the requests the GPU publishes in the mailbox (`serve`); `load` starts reads from the
 calling thread (the host-driven path). Either way a pool of `io_workers` threads reads each expert, a step's requests
-and loads before reads ahead (posted reads) that have not started, into a
-worker-owned staging buffer, checks it (the store raises ChecksumError), and copies it into its RAM slot under the
-job's lock: a late attempt that completes after its retry, or after the job was given up or superseded by a newer
-request for the same slot, is discarded, so it never overwrites a slot that now holds another expert. An attempt
-not answered within `read_timeout_s` is issued again (at most `read_retries` times), and so is one failing its
-checksum; a read error or a bad request fails at once. Failures go to the service (`fail`), which owns the message
-the server shows; HOST_ERROR tells the GPU.
+and loads before reads ahead (posted reads) that have not started (except a read ahead a step now waits for: the
+GPU writes its seq into the entry's hurry word and the poller moves it up), into a worker-owned staging buffer,
+checks it (the store raises ChecksumError), and copies it into its RAM slot under the job's lock: a late attempt
+that completes after its retry, or after the job was given up or superseded by a newer request for the same slot,
+is discarded, so it never overwrites a slot that now holds another expert. An attempt not answered within
+`read_timeout_s` is issued again (at most `read_retries` times), and so is one failing its checksum; a read error
+or a bad request fails at once. Failures go to the service (`fail`), which owns the message the server shows;
+HOST_ERROR tells the GPU.
 
 Every read crosses the GIL several times (hand-off, the worker's return, the copy, the answer): beside a thread
 that holds it, as vLLM's does between launches, each crossing waits up to the switch interval. Inside vLLM
@@ -53,6 +54,8 @@ class _Job:
     """Mailbox sequence number to write back as done (0 for host-driven loads)."""
     attempts: int = 0
     """Attempts issued so far."""
+    taken: int = 0
+    """Attempts a worker has taken (a hurried read ahead waits in both queues; the copy found later is passed over)."""
     issued_at: float = 0.0
     """time.monotonic() of the latest attempt's issue, in seconds."""
     state: str = "pending"
@@ -112,6 +115,9 @@ class PythonReader:
         """Answer the mailbox `box` (int64 words of `entries` entries, posted reads from `max_requests` on)."""
         self._box, self.entries, self.max_requests = box, entries, max_requests
         self._handled = np.zeros(entries, dtype=np.int64)
+        self._hurried = np.zeros(entries, dtype=np.int64)
+        self._posted: dict[int, _Job] = {}
+        """Mailbox entry -> its latest posted read (the poller's own)."""
         self._poller = threading.Thread(target=self._poll, name="bigmoe-ssd-poller", daemon=True)
         self._poller.start()
 
@@ -145,7 +151,11 @@ class PythonReader:
             for i in fresh:
                 layer, expert, slot = (int(x) for x in req[i, 1:4])
                 self._handled[i] = seqs[i]
-                self._start(_Job(layer, expert, slot, entry=int(i), seq=int(seqs[i])))
+                job = _Job(layer, expert, slot, entry=int(i), seq=int(seqs[i]))
+                if i >= self.max_requests:
+                    self._posted[int(i)] = job
+                self._start(job)
+            self._hurry()
             self._watch_late()
             now = time.monotonic()
             if fresh.size:
@@ -153,6 +163,20 @@ class PythonReader:
             elif now - last_work > ACTIVE_WINDOW_S:
                 sleep = min(sleep * 2, IDLE_SLEEP_S[1])
             time.sleep(sleep)
+
+    def _hurry(self) -> None:
+        """Reads ahead a step now waits for (their hurry words) join the requests' queue unless a worker has them."""
+        hurry = self._box[mb.hurry_base(self.entries) : mb.hurry_base(self.entries) + self.entries]
+        for i in np.flatnonzero((hurry > self._hurried) & (hurry <= self._handled)):  # acted on; post not yet seen
+            self._hurried[i] = seq = hurry[i]
+            job = self._posted.get(int(i))
+            if job is None or job.seq != seq or job.state != "pending":
+                continue
+            with self._waiting_lock:
+                if job.taken < job.attempts:
+                    self._waiting[0].append(job)
+                    self.counters[job.layer].add_hurried()
+                    self._sink(job.layer, hurried=1)
 
     def _start(self, job: _Job) -> None:
         why = self._invalid(job)
@@ -197,10 +221,20 @@ class PythonReader:
         return self._box is not None and job.entry >= self.max_requests
 
     def _attempt_next(self) -> None:
+        """One task an issued attempt: the oldest waiting attempt no worker has taken, the requests' queue first."""
         with self._waiting_lock:
-            first, ahead = self._waiting
-            job = first.popleft() if first else ahead.popleft()
-        self._attempt(job)
+            job = self._take_waiting()
+        if job is not None:
+            self._attempt(job)
+
+    def _take_waiting(self) -> _Job | None:
+        for queue in self._waiting:
+            while queue:
+                job = queue.popleft()
+                if job.taken < job.attempts:  # else a copy of an attempt already taken (a hurried read ahead's)
+                    job.taken = job.attempts
+                    return job
+        return None
 
     def _attempt(self, job: _Job) -> None:
         """One read of job's expert into this worker's staging buffer, then into the slot if still wanted."""

@@ -27,11 +27,14 @@ COUNTERS = (
     "prefetch_used",
     "prefetch_wasted_bytes",
     "prefetch_late",
+    "hurried",
 )
 """lookups/hits/misses count distinct experts per step; bytes moved into the tier (prefetches included);
 read_ns of SSD reads; prefetched: experts copied in ahead of need; prefetch_used: of those, needed by the
 step they were fetched for; prefetch_wasted_bytes: bytes of the others; prefetch_late: needed experts whose
-prefetch copy was still under way when their step reached them (joinless forwards only: the step waits for it)."""
+prefetch copy was still under way when their step reached them (joinless forwards only: the step waits for it);
+hurried (SSD tier): reads ahead a step came to wait for before an I/O worker had started them, moved ahead of the
+other reads ahead."""
 
 # Index of each tier and counter in the tables (the decision kernels and the torch paths add by index).
 VRAM, RAM, SSD = (TIERS.index(t) for t in ("vram", "ram", "ssd"))
@@ -46,6 +49,7 @@ PREFETCHED = COUNTERS.index("prefetched")
 PREFETCH_USED = COUNTERS.index("prefetch_used")
 PREFETCH_WASTED_BYTES = COUNTERS.index("prefetch_wasted_bytes")
 PREFETCH_LATE = COUNTERS.index("prefetch_late")
+HURRIED = COUNTERS.index("hurried")
 
 
 class StatsError(KeyError):
@@ -73,7 +77,7 @@ class TierCounters:
         self._row.index_add_(0, index, torch.stack(parts))
 
     def add_host(self, **values: int) -> None:
-        """Add plain ints from a host thread (SSD workers: read time, retries, errors)."""
+        """Add plain ints from a host thread (SSD workers: read time, retries, errors, hurried reads ahead)."""
         with self._owner.lock:
             for name, v in values.items():
                 self._owner.host_counts[self._layer, self._tier, _counter(name)] += int(v)
@@ -105,6 +109,8 @@ class TierSnapshot:
     """Bytes of prefetched experts that step did not need."""
     prefetch_late: int = 0
     """Needed experts whose prefetch copy was still under way when their step reached them (joinless forwards)."""
+    hurried: int = 0
+    """Reads ahead a step came to wait for before an I/O worker had started them (SSD tier)."""
 
     @property
     def hit_rate(self) -> float | None:

@@ -15,6 +15,7 @@ SERIES = {
     "prefetch_used": ("bigmoe_expert_prefetch_used", "Prefetched experts the step they were fetched for needed"),
     "prefetch_wasted_bytes": ("bigmoe_expert_prefetch_wasted_bytes", "Bytes of prefetched experts no step needed"),
     "prefetch_late": ("bigmoe_expert_prefetch_late", "Needed prefetched experts whose copy the step waited for"),
+    "hurried": ("bigmoe_expert_reads_hurried", "Reads ahead a step waited for before they started, moved up the queue"),
 }
 """The pager's Prometheus counters (labels: layer, tier): TierCounters field -> (series name, help)."""
 
