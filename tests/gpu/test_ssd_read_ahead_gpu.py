@@ -22,7 +22,7 @@ from bigmoe_pager.core.device_layer import DeviceLayerPager  # noqa: E402
 from bigmoe_pager.core.host_pager import TierSizes  # noqa: E402
 from bigmoe_pager.core.ssd_service import SsdService  # noqa: E402
 from bigmoe_pager.core.stats import PagerStats  # noqa: E402
-from ssd_testkit import loaded_layers, make_direct_checkpoint  # noqa: E402
+from ssd_testkit import FakeFaultyIO, loaded_layers, make_direct_checkpoint  # noqa: E402
 
 LAYERS, EXPERTS, VRAM, RAM, K, P = 2, 16, 3, 6, 2, 4
 
@@ -112,5 +112,40 @@ def test_graph_replays_read_exact_bytes_with_reads_posted_ahead(ckpt, accuracy):
         assert reads <= ram.misses + ram.prefetched and int(svc.box[mb.GPU_ERROR]) == 0
         if accuracy == 1.0:
             assert ram.prefetch_used > 0
-            hurry = mb.hurry_base(svc.entries) + svc.post_base[1]  # layer 1's steps told the host what they waited on
-            assert bool((svc.box[hurry : hurry + RAM] != 0).any())
+
+
+def test_a_step_waiting_for_slow_posted_reads_writes_their_hurry_words(ckpt):
+    """On the GPU: a step needing experts whose posted reads a slow disk still brings waits for them and writes each
+    read's seq into its hurry word (system-scope release, seen by the host's reader), then reads exact bytes."""
+    io = FakeFaultyIO(then="slow", delay_s=0.5)
+    stats = PagerStats(LAYERS, "cuda")
+    pagers = loaded_layers(ckpt, TierSizes(EXPERTS, VRAM, RAM), "cuda", stats, read_ahead=True)
+    svc = SsdService(
+        ckpt.store(io=io, retries=1),
+        [p.ram.records for p in pagers],
+        read_ahead=True,
+        io_workers=1,
+        max_requests=16,
+        read_timeout_s=5.0,
+    )
+    for layer, p in enumerate(pagers):
+        p.start(ckpt.layout.slot_buffers(VRAM, "cuda"), svc.fetcher(layer))
+    layer = pagers[1]
+    cold = [e for e in range(EXPERTS) if layer.ram_slot_for_load(e) is None][:2]
+    with svc:
+        layer.step(torch.tensor([layer.order[:1]], dtype=torch.int32, device="cuda"))
+        torch.cuda.synchronize()
+        layer.read_ahead(torch.tensor(cold + [-1, -1], device="cuda"))
+        posted = layer.ram.posted.clone()
+        remapped = layer.step(torch.tensor([cold], dtype=torch.int32, device="cuda"))
+        torch.cuda.synchronize()
+        svc.check()
+        rows = torch.nonzero(posted).reshape(-1).tolist()
+        assert rows, "nothing was posted"
+        hurry = mb.hurry_base(svc.entries) + svc.post_base[1]
+        assert [int(svc.box[hurry + r]) for r in rows] == [int(posted[r]) for r in rows]
+        for expert, slot in zip(cold, remapped.reshape(-1).tolist()):
+            got = torch.cat(
+                [layer.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu() for c in ckpt.layout.components]
+            )
+            assert torch.equal(got, _wanted(ckpt, 1, expert))

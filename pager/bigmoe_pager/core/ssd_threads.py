@@ -166,7 +166,7 @@ class PythonReader:
 
     def _hurry(self) -> None:
         """Reads ahead a step now waits for (their hurry words) join the requests' queue unless a worker has them."""
-        hurry = self._box[mb.hurry_base(self.entries) : mb.hurry_base(self.entries) + self.entries]
+        hurry = self._box[mb.hurry_base(self.entries) : mb.hurry_base(self.entries) + self.entries].copy()
         for i in np.flatnonzero((hurry > self._hurried) & (hurry <= self._handled)):  # acted on; post not yet seen
             self._hurried[i] = seq = hurry[i]
             job = self._posted.get(int(i))
