@@ -386,12 +386,12 @@ def test_stopping_frees_nothing_it_still_reads(ckpt):
     assert r.stdout.split() == ["stopped", "12"]
 
 
-AHEAD_THEN_REQUEST = r"""
+SLOW_NATIVE_SERVICE = r"""
 import ctypes, sys, torch
 from bigmoe_bench import synth_experts
 from bigmoe_pager.core.expert_store import CheckpointStore
 from bigmoe_pager.core.ssd_service import SsdService
-from ssd_testkit import reads_ahead_done_at_request
+from ssd_testkit import hurried_read_ahead, reads_ahead_done_at_request
 root, hidden, inter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 layout = synth_experts.make_layout(hidden, inter, True)
 store = CheckpointStore(root, layout)
@@ -400,10 +400,17 @@ svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_
 fake = ctypes.CDLL(None)
 fake.fake_pread_set.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
 fake.fake_pread_set(b"", b"slow50")  # every read of the C threads takes 50 ms
+"""
+"""A child's start: the native reader, one worker, over the fake disk; `svc` is the service."""
+
+AHEAD_THEN_REQUEST = (
+    SLOW_NATIVE_SERVICE
+    + r"""
 with svc:
     print("native" if svc.native else svc.reader_note)
     print(reads_ahead_done_at_request(svc, 1, [(0, 0), (1, 1), (2, 2)], (3, 3)))
 """
+)
 
 
 @pytest.mark.parametrize("reader", ["python", "native"])
@@ -427,27 +434,17 @@ def test_a_steps_request_is_read_before_reads_ahead_not_yet_started(ckpt, tmp_pa
     assert done <= 1
 
 
-HURRY_AHEAD = r"""
-import ctypes, sys, torch
-from bigmoe_bench import synth_experts
-from bigmoe_pager.core.expert_store import CheckpointStore
-from bigmoe_pager.core.ssd_service import SsdService
-from ssd_testkit import hurried_read_ahead
-root, hidden, inter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+HURRY_AHEAD = (
+    SLOW_NATIVE_SERVICE
+    + r"""
 ahead = [tuple(map(int, t.split(","))) for t in sys.argv[4:]]
-layout = synth_experts.make_layout(hidden, inter, True)
-store = CheckpointStore(root, layout)
-bufs = [torch.zeros(4, layout.pitch, dtype=torch.uint8) for _ in range(store.num_layers)]
-svc = SsdService(store, bufs, mailbox=True, max_requests=8, read_ahead=True, io_workers=1, reader="native")
-fake = ctypes.CDLL(None)
-fake.fake_pread_set.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-fake.fake_pread_set(b"", b"slow50")  # every read of the C threads takes 50 ms
 with svc:
     print("native" if svc.native else svc.reader_note)
     print(hurried_read_ahead(svc, ahead))
     svc.check()
     print(sum(layer["hurried"] for layer in svc.stats()["layers"]))
 """
+)
 
 # reads ahead of both layers, published in this order; the last is the one a step waits for
 AHEAD = [(0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (1, 4, 0), (1, 5, 1)]
@@ -456,7 +453,7 @@ AHEAD = [(0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (1, 4, 0), (1, 5, 1)]
 @pytest.mark.parametrize("reader", ["python", "native"])
 def test_a_read_ahead_a_step_waits_for_goes_before_the_reads_ahead_queued_first(ckpt, tmp_path, reader):
     """One worker, a disk taking 50 ms a read, six reads ahead queued: the one whose hurry word the step's request
-    kernel wrote is read after the read in flight at most, not after the four queued before it, lands byte for
+    kernel wrote is read after the read in flight at most, not after the five queued before it, lands byte for
     byte, and is counted as hurried once."""
     if reader == "python":
         io = FakeFaultyIO(then="slow", delay_s=0.05)
