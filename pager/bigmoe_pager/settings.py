@@ -92,6 +92,7 @@ class PagerSettings:
     with replayed proposals as right at every depth, 4 beat 1 (runs 56, 57). Each depth's reads have their own gate
     (one for all shut the next layer's good reads with the deeper ones' bad, in simulation). 1 stays: with proposals
     0.1-0.15 less right a layer further ahead, depth 4 read 4-62% more than depth 1 in simulation, untimed on a GPU.
+    A read a step waits for goes before the deeper reads queued ahead of it (hurry words, since session 69).
     With BIGMOE_TRACE_PATH and BIGMOE_PREDICT=router it is also the depth a recorded trace's live proposals reach
     (predicted_ids_ahead), reads ahead on or off."""
     predict: str = "off"
