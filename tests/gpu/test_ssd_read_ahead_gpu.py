@@ -38,14 +38,18 @@ def _wanted(ckpt, layer, expert):
     return torch.cat([ref[c.offset : c.offset + c.nbytes] for c in ckpt.layout.components])
 
 
-def _build(ckpt):
+def _slot_bytes(ckpt, pager, slot):
+    return torch.cat([pager.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu() for c in ckpt.layout.components])
+
+
+def _build(ckpt, io=None, io_workers=4):
     stats = PagerStats(LAYERS, "cuda")
     pagers = loaded_layers(ckpt, TierSizes(EXPERTS, VRAM, RAM), "cuda", stats, read_ahead=True)
     svc = SsdService(
-        ckpt.store(retries=1),
+        ckpt.store(io=io, retries=1),
         [p.ram.records for p in pagers],
         read_ahead=True,
-        io_workers=4,
+        io_workers=io_workers,
         max_requests=16,
         read_timeout_s=5.0,
         sinks=[stats.tier(layer, "ssd") for layer in range(LAYERS)],
@@ -99,12 +103,7 @@ def test_graph_replays_read_exact_bytes_with_reads_posted_ahead(ckpt, accuracy):
             svc.check()
             for layer in range(LAYERS):
                 for expert, slot in zip(plans[t][layer], outs[layer].reshape(-1).tolist()):
-                    got = torch.cat(
-                        [
-                            pagers[layer].buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu()
-                            for c in ckpt.layout.components
-                        ]
-                    )
+                    got = _slot_bytes(ckpt, pagers[layer], slot)
                     assert torch.equal(got, _wanted(ckpt, layer, expert)), (t, layer, expert, slot)
         time.sleep(0.2)  # posted reads nobody waited for land
         ram = stats.snapshot()["ram"]
@@ -117,19 +116,7 @@ def test_graph_replays_read_exact_bytes_with_reads_posted_ahead(ckpt, accuracy):
 def test_a_step_waiting_for_slow_posted_reads_writes_their_hurry_words(ckpt):
     """On the GPU: a step needing experts whose posted reads a slow disk still brings waits for them and writes each
     read's seq into its hurry word (system-scope release, seen by the host's reader), then reads exact bytes."""
-    io = FakeFaultyIO(then="slow", delay_s=0.5)
-    stats = PagerStats(LAYERS, "cuda")
-    pagers = loaded_layers(ckpt, TierSizes(EXPERTS, VRAM, RAM), "cuda", stats, read_ahead=True)
-    svc = SsdService(
-        ckpt.store(io=io, retries=1),
-        [p.ram.records for p in pagers],
-        read_ahead=True,
-        io_workers=1,
-        max_requests=16,
-        read_timeout_s=5.0,
-    )
-    for layer, p in enumerate(pagers):
-        p.start(ckpt.layout.slot_buffers(VRAM, "cuda"), svc.fetcher(layer))
+    pagers, svc, _ = _build(ckpt, io=FakeFaultyIO(then="slow", delay_s=0.5), io_workers=1)
     layer = pagers[1]
     cold = [e for e in range(EXPERTS) if layer.ram_slot_for_load(e) is None][:2]
     with svc:
@@ -145,7 +132,4 @@ def test_a_step_waiting_for_slow_posted_reads_writes_their_hurry_words(ckpt):
         hurry = mb.hurry_base(svc.entries) + svc.post_base[1]
         assert [int(svc.box[hurry + r]) for r in rows] == [int(posted[r]) for r in rows]
         for expert, slot in zip(cold, remapped.reshape(-1).tolist()):
-            got = torch.cat(
-                [layer.buffers[c.name][slot].reshape(-1).view(torch.uint8).cpu() for c in ckpt.layout.components]
-            )
-            assert torch.equal(got, _wanted(ckpt, 1, expert))
+            assert torch.equal(_slot_bytes(ckpt, layer, slot), _wanted(ckpt, 1, expert))

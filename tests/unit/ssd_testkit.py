@@ -229,28 +229,39 @@ def unmount(where: Path) -> None:
     subprocess.run(["umount", str(where)], check=True)
 
 
+def _publish(box, entry: int, layer: int, expert: int, slot: int, seq: int) -> None:
+    """Write one mailbox entry as the GPU's kernels do: the payload, then its seq."""
+    at = ssd_mailbox.REQ + ssd_mailbox.WORDS_PER_REQUEST * entry
+    box[at + 1 : at + 4] = (layer, expert, slot)
+    box[at] = seq  # after the payload: the host reads the seq word first
+
+
+def _answered(svc, entry: int, seq: int, what: str) -> None:
+    """Wait up to 30 s for the entry's done word to hold seq."""
+    box, done = svc.box.numpy(), ssd_mailbox.done_base(svc.entries) + entry
+    deadline = time.monotonic() + 30
+    while box[done] != seq and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert box[done] == seq, f"{what} was not answered within 30 s"
+
+
+def _done(svc, entries: list[int]) -> int:
+    """How many of these entries' reads are answered."""
+    box, done = svc.box.numpy(), ssd_mailbox.done_base(svc.entries)
+    return sum(int(box[done + entry] != 0) for entry in entries)
+
+
 def reads_ahead_done_at_request(svc, layer: int, ahead: list[tuple[int, int]], request: tuple[int, int]) -> int:
     """Publish reads ahead of (expert, RAM slot) pairs, then one blocking request, straight into svc's mailbox (the
     words the GPU's post and request kernels write); wait up to 30 s for the request's answer and return how many of
     the reads ahead were answered by then."""
     box = svc.box.numpy()
-    words = ssd_mailbox.WORDS_PER_REQUEST
-
-    def publish(entry: int, expert: int, slot: int, seq: int) -> None:
-        at = ssd_mailbox.REQ + words * entry
-        box[at + 1 : at + 4] = (layer, expert, slot)
-        box[at] = seq  # after the payload: the host reads the seq word first
-
     entries = [svc.post_base[layer] + slot for _, slot in ahead]
     for seq, (entry, (expert, slot)) in enumerate(zip(entries, ahead), start=10):
-        publish(entry, expert, slot, seq)
-    publish(0, *request, seq=99)
-    done = ssd_mailbox.done_base(svc.entries)
-    deadline = time.monotonic() + 30
-    while box[done] != 99 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert box[done] == 99, "the request was not answered within 30 s"
-    return sum(int(box[done + entry] != 0) for entry in entries)
+        _publish(box, entry, layer, expert, slot, seq)
+    _publish(box, 0, layer, *request, seq=99)
+    _answered(svc, 0, 99, "the request")
+    return _done(svc, entries)
 
 
 def hurried_read_ahead(svc, ahead: list[tuple[int, int, int]]) -> int:
@@ -259,15 +270,9 @@ def hurried_read_ahead(svc, ahead: list[tuple[int, int, int]]) -> int:
     return how many of the others were answered by then."""
     box = svc.box.numpy()
     entries = [svc.post_base[layer] + slot for layer, _, slot in ahead]
-    for seq, (entry, (layer, expert, slot)) in enumerate(zip(entries, ahead), start=10):
-        at = ssd_mailbox.REQ + ssd_mailbox.WORDS_PER_REQUEST * entry
-        box[at + 1 : at + 4] = (layer, expert, slot)
-        box[at] = seq  # after the payload: the host reads the seq word first
+    for seq, (entry, triple) in enumerate(zip(entries, ahead), start=10):
+        _publish(box, entry, *triple, seq)
     last = 10 + len(ahead) - 1
     box[ssd_mailbox.hurry_base(svc.entries) + entries[-1]] = last
-    done = ssd_mailbox.done_base(svc.entries)
-    deadline = time.monotonic() + 30
-    while box[done + entries[-1]] != last and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert box[done + entries[-1]] == last, "the hurried read was not answered within 30 s"
-    return sum(int(box[done + entry] != 0) for entry in entries[:-1])
+    _answered(svc, entries[-1], last, "the hurried read")
+    return _done(svc, entries[:-1])

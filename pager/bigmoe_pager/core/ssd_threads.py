@@ -166,9 +166,11 @@ class PythonReader:
 
     def _hurry(self) -> None:
         """Reads ahead a step now waits for (their hurry words) join the requests' queue unless a worker has them."""
-        hurry = self._box[mb.hurry_base(self.entries) : mb.hurry_base(self.entries) + self.entries].copy()
-        for i in np.flatnonzero((hurry > self._hurried) & (hurry <= self._handled)):  # acted on; post not yet seen
-            self._hurried[i] = seq = hurry[i]
+        posted = slice(self.max_requests, self.entries)  # only posted entries have hurry words in use
+        hurry = self._box[mb.hurry_base(self.entries) :][posted].copy()
+        fresh = (hurry > self._hurried[posted]) & (hurry <= self._handled[posted])  # not acted on; its post seen
+        for i, seq in zip(np.flatnonzero(fresh) + self.max_requests, hurry[fresh]):
+            self._hurried[i] = seq
             job = self._posted.get(int(i))
             if job is None or job.seq != seq or job.state != "pending":
                 continue

@@ -535,10 +535,9 @@ class Predictor:
         """BIGMOE_SSD_READ_AHEAD_LAYERS > 1: layers l+2 .. l+depth of the same model post the SSD reads of their
         proposed experts (proposal(ahead), made on the side stream), so the disk starts that many layers early."""
         for ahead in range(2, self.read_ahead_layers + 1):
-            target = self.layer_after(layer._moe_index + ahead - 1)
-            if target is None or is_mtp_layer(target.layer_name) != is_mtp_layer(layer.layer_name):
+            if not self._in_its_model(layer, ahead):
                 return
-            pager = getattr(target, "pager", None)
+            pager = getattr(self.layer_after(layer._moe_index + ahead - 1), "pager", None)
             if isinstance(pager, DeviceLayerPager) and pager.started and pager.read_ahead_ssd and not pager.ram.full:
                 self.live.feed_read_ahead(lambda ahead=ahead: proposal(ahead), pager, hidden, depth=ahead)
 
